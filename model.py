@@ -1,0 +1,145 @@
+"""A small GPT: the decoder-only transformer every strategy in this project trains.
+
+Token and position embeddings, n_layer pre-norm blocks (causal self-attention, then an
+MLP, each added to the residual stream), a final norm and a linear head over the vocabulary
+(Radford et al. 2019, GPT-2, section 2.3). Attention's query, key, value and output
+projections are separate named nn.Linear modules so that LoRA can target query and value,
+and tensor parallelism can split them. Left out: KV caching, rotary embeddings, fused kernels.
+Run: python train.py --model tiny; test: python -m pytest tests/test_model.py
+
+Shapes: B batch, T sequence, C channels (n_embd), H heads, D = C / H per head, V vocabulary.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 128          # longest sequence the position embedding covers
+    vocab_size: int = 256          # bytes
+    dropout: float = 0.0
+    tie_embeddings: bool = False   # head shares the token embedding's weight (GPT-2 does)
+
+
+PRESETS = {
+    # trains a few hundred steps in about a minute on 2 CPU cores with 2 ranks
+    "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128),
+    # about 11M parameters: a laptop can still train it, a GPU shows the strategies' costs
+    "medium": GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=256),
+    # GPT-2 small's shape, vocabulary included (50257 padded to a multiple of 64), so that its
+    # memory and FLOPs are GPT-2's 124M: our byte-level data uses only the first 256 rows.
+    "gpt2-small": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024,
+                            vocab_size=50304, tie_embeddings=True),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
+        self.n_head = cfg.n_head
+        self.query = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.key = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.value = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.output = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x):                                        # x: (B, T, C)
+        B, T, C = x.shape
+        def split_heads(t):                                      # (B, T, H*D) -> (B, H, T, D)
+            return t.view(B, T, self.n_head, -1).transpose(1, 2)
+        q, k, v = split_heads(self.query(x)), split_heads(self.key(x)), split_heads(self.value(x))
+        # softmax(q k^T / sqrt(D) + causal mask) v, in PyTorch's fused form: (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, -1)                  # (B, T, H*D)
+        return F.dropout(self.output(y), self.dropout, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.down = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x):                                        # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+        return F.dropout(self.down(F.gelu(self.up(x))), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    """Pre-norm: each sublayer sees a normalised input and adds its result to the residual."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):                                        # (B, T, C)
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.token_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.token_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaling: each block adds two projections to the residual stream, so their
+        # init shrinks with depth to keep the stream's variance from growing.
+        for block in self.blocks:
+            for proj in (block.attn.output, block.mlp.down):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx, targets=None):                        # idx: (B, T) token ids
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}: "
+                             f"use a shorter --seq-len or a larger model preset")
+        positions = torch.arange(T, device=idx.device)
+        x = self.drop(self.token_emb(idx) + self.pos_emb(positions))   # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))                         # (B, T, V)
+        if targets is None:
+            return logits
+        # The loss is computed in fp32 whatever the model's dtype: log-softmax over V
+        # classes is where low precision hurts most.
+        loss = F.cross_entropy(logits.float().view(B * T, -1), targets.view(B * T))
+        return logits, loss
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())         # shared weights counted once
+
+
+def build_model(name: str = "tiny", **overrides) -> GPT:
+    """A GPT from a preset name, with any config field overridden (e.g. dropout=0.1)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)}")
+    cfg = GPTConfig(**{**PRESETS[name].__dict__, **overrides})
+    return GPT(cfg)

@@ -1,0 +1,126 @@
+"""Ring collectives equal the native ones, and send the bytes the ring formula says."""
+import pytest
+import torch
+
+from collectives import Comm, ring_bytes
+from multiprocess import run_ranks
+
+DTYPES = [torch.float32, torch.bfloat16]
+LENGTHS = [1, 7, 12, 1001]           # odd, smaller than N, divisible by 2, 3 and 4, large and odd
+
+
+def _inputs(rank, length, dtype, integers):
+    """Each rank's own data: small integers sum exactly in any order (an exact test of the
+    algorithm); random floats check rounding stays at the dtype's noise level."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    if integers:
+        return torch.randint(-8, 9, (length,), generator=g).to(dtype)
+    return torch.randn(length, generator=g).to(dtype)
+
+
+def _all_collectives(dtype_name, integers):
+    import torch.distributed as dist
+    dtype = getattr(torch, dtype_name)
+    native, ring = Comm(), Comm(ring=True)
+    n, r = native.world_size, native.rank
+    out = {}
+    for length in LENGTHS:
+        x = _inputs(r, length, dtype, integers)
+        for op in ("sum", "avg", "max"):
+            a, b = x.clone(), x.clone()
+            native.all_reduce(a, op)
+            ring.all_reduce(b, op)
+            out[f"all_reduce {op} L={length}"] = (b, a)
+        full = _inputs(r, length * n, dtype, integers)          # (N*L,) -> shard (L,)
+        a, b = torch.empty(length, dtype=dtype), torch.empty(length, dtype=dtype)
+        native.reduce_scatter(a, full)
+        ring.reduce_scatter(b, full)
+        out[f"reduce_scatter L={length}"] = (b, a)
+        a, b = torch.empty(length * n, dtype=dtype), torch.empty(length * n, dtype=dtype)
+        native.all_gather(a, x)
+        ring.all_gather(b, x)
+        out[f"all_gather L={length}"] = (b, a)
+        for root in {0, n - 1}:
+            a, b = x.clone(), x.clone()
+            native.broadcast(a, src=root)
+            ring.broadcast(b, src=root)
+            out[f"broadcast root={root} L={length}"] = (b, a)
+            a, b = x.clone(), x.clone()
+            native.reduce(a, dst=root)
+            ring.reduce(b, dst=root)
+            if r == root:
+                out[f"reduce root={root} L={length}"] = (b, a)
+    # async: issue several, compute meanwhile, then wait; results equal the blocking ones
+    xs = [_inputs(r, 1001, dtype, integers) for _ in range(3)]
+    handles = [ring.all_reduce(x, async_op=True) for x in xs]
+    busy = torch.randn(64, 64) @ torch.randn(64, 64)          # work overlapping the messages
+    for h in handles:
+        h.wait()
+    ref = _inputs(r, 1001, dtype, integers)
+    native.all_reduce(ref)
+    out["async all_reduce"] = (xs[0], ref)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_equals_native(world_size):
+    for dtype in DTYPES:
+        name = str(dtype).split(".")[1]
+        for integers in (True, False):
+            for rank, results in enumerate(run_ranks(_all_collectives, world_size, name, integers)):
+                for what, (ring, native) in results.items():
+                    # integers: exact (no rounding anywhere); random fp32: a sum over N <= 4 terms
+                    # reordered, a few ulps; bf16: the ring rounds each partial sum to bf16.
+                    tol = 0 if integers else (1e-6 if dtype == torch.float32 else 2e-2)
+                    torch.testing.assert_close(
+                        ring, native, rtol=tol, atol=tol,
+                        msg=lambda m: f"N={world_size} rank {rank} {dtype} {what}: {m}")
+
+
+def _bytes_per_collective(length):
+    ring = Comm(ring=True)
+    n = ring.world_size
+    x = torch.ones(length)
+    sent = {}
+    for name, call in [("all_reduce", lambda: ring.all_reduce(x)),
+                       ("reduce_scatter", lambda: ring.reduce_scatter(torch.empty(length // n), x)),
+                       ("all_gather", lambda: ring.all_gather(torch.empty(length * n), x[: length])),
+                       ("broadcast", lambda: ring.broadcast(x, src=0)),
+                       ("reduce", lambda: ring.reduce(x, dst=0))]:
+        ring.bytes_sent.clear()
+        call()
+        sent[name] = ring.bytes_sent[name]
+    return sent
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_bytes_match_formula(world_size):
+    length = 12 * 1024                                      # divides by 2, 3 and 4: no padding
+    nbytes = length * 4
+    for rank, sent in enumerate(run_ranks(_bytes_per_collective, world_size, length)):
+        n = world_size
+        # The lecture's claim, exactly: ring all-reduce sends 2(N-1)/N of the tensor per rank,
+        # which is what a reduce-scatter plus an all-gather send together.
+        assert sent["all_reduce"] == 2 * (n - 1) * nbytes // n
+        assert sent["reduce_scatter"] == (n - 1) * nbytes // n
+        assert sent["all_gather"] == (n - 1) * nbytes          # output is N x the input
+        assert sent["all_reduce"] == sent["reduce_scatter"] + sent["all_gather"] // n
+        assert sent["broadcast"] == (n - 1) * nbytes // n * (2 if rank == 0 else 1)
+        assert sent["reduce"] == (n - 1) * nbytes // n + (0 if rank == 0 else nbytes // n)
+        for name, measured in sent.items():
+            numel = length * n if name == "all_gather" else length
+            assert measured == ring_bytes(name, numel, 4, n, rank, root=0), name
+
+
+def _mismatched_shards():
+    comm = Comm()
+    try:
+        comm.reduce_scatter(torch.empty(3), torch.empty(7))
+    except ValueError as error:
+        return str(error)
+
+
+def test_wrong_shard_size_is_a_clear_error():
+    for message in run_ranks(_mismatched_shards, 2):
+        assert "pad the full tensor to a multiple of N" in message
