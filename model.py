@@ -47,7 +47,10 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
         self.n_head = cfg.n_head
         self.query = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.key = nn.Linear(cfg.n_embd, cfg.n_embd)
+        # No key bias: q . (k + b) = q . k + q . b adds the same number to every score in a
+        # row, which softmax ignores, so its gradient is exactly zero (Adam would turn the
+        # rounding noise in that zero into full-size steps).
+        self.key = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.value = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.output = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
@@ -130,7 +133,7 @@ class GPT(nn.Module):
             return logits
         # The loss is computed in fp32 whatever the model's dtype: log-softmax over V
         # classes is where low precision hurts most.
-        loss = F.cross_entropy(logits.float().view(B * T, -1), targets.view(B * T))
+        loss = F.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(B * T))
         return logits, loss
 
     def num_parameters(self) -> int:

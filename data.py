@@ -1,0 +1,57 @@
+"""Training text and batches: embedded, byte-level, and the same at any world size.
+
+The default corpus is the Python standard library's own source (the top-level .py files,
+found through sysconfig, sorted): real text on every machine with Python, no download.
+Tokens are bytes (vocabulary 256). A batch is a pure function of (seed, step): the global
+batch is drawn the same way whatever the world size, and rank r takes its contiguous slice,
+so a run on N ranks can be compared line by line with a run on one.
+Left out: tokenizers, streaming from disk, shuffling epochs (we sample windows at random).
+Test: python -m pytest tests/test_data.py
+
+Shapes: B global batch, T sequence length, N ranks, r rank; each rank gets B/N rows.
+"""
+import pathlib
+import sysconfig
+
+import torch
+
+
+def stdlib_text() -> bytes:
+    """The standard library's top-level .py files, concatenated in sorted order (~5 MB)."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    return b"\n".join(path.read_bytes() for path in sorted(root.glob("*.py")))
+
+
+class TextData:
+    """A byte stream split into a training part and a held-out tail for the eval loss."""
+
+    def __init__(self, text: bytes, eval_fraction: float = 0.05):
+        tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)   # (L,) one token per byte
+        split = int(len(tokens) * (1 - eval_fraction))
+        self.splits = {"train": tokens[:split], "eval": tokens[split:]}
+
+    @classmethod
+    def from_file(cls, path: str | None = None) -> "TextData":
+        """--data FILE, or the embedded standard-library corpus when no file is given."""
+        return cls(pathlib.Path(path).read_bytes() if path else stdlib_text())
+
+    def batch(self, step: int, batch_size: int, seq_len: int, seed: int = 0,
+              split: str = "train", rank: int = 0, world_size: int = 1):
+        """This rank's slice of the global batch for `step`: inputs and next-byte targets.
+
+        Returns x, y of shape (B/N, T), int64; y is x shifted one byte to the left.
+        """
+        tokens = self.splits[split]
+        if len(tokens) <= seq_len:
+            raise ValueError(f"the {split} text has {len(tokens)} bytes, fewer than --seq-len "
+                             f"{seq_len} + 1: use a larger --data file or a shorter --seq-len")
+        # One generator per (seed, split, step): the global batch depends on nothing else.
+        # (Not Python's hash(): it is salted per process, and every rank must agree.)
+        split_id = 0 if split == "train" else 1
+        generator = torch.Generator().manual_seed((2 * seed + split_id) * 1_000_000_007 + step)
+        starts = torch.randint(len(tokens) - seq_len, (batch_size,), generator=generator)  # (B,)
+        rows = batch_size // world_size
+        mine = starts[rank * rows:(rank + 1) * rows]                                   # (B/N,)
+        windows = torch.stack([tokens[s: s + seq_len + 1] for s in mine.tolist()])     # (B/N, T+1)
+        windows = windows.long()
+        return windows[:, :-1], windows[:, 1:]

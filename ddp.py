@@ -1,0 +1,228 @@
+"""Distributed data parallel: every rank holds the whole model and averages its gradients.
+
+Each rank runs forward and backward on its own slice of the global batch, then an all-reduce
+averages the gradients so that every rank takes the same optimizer step (Li et al. 2020,
+"PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB, section 3.2:
+the naive solution, gradient bucketing, overlapping communication with backward, no_sync).
+Left out: the autograd-graph walk that finds unused parameters early, rebuilding buckets in
+the observed order, communication hooks, re-broadcasting buffers at every forward.
+Run: torchrun --nproc_per_node 2 train.py --strategy ddp; test: python -m pytest tests/test_ddp.py
+
+Shapes: N ranks in the group, P trainable parameters, L_b elements in bucket b's flat buffer.
+"""
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from collectives import as_comm, ring_bytes
+
+
+# ---- naive: one blocking all-reduce per parameter, after backward -----------------------------
+
+def all_reduce_gradients(module: nn.Module, group=None):
+    """Average every parameter's gradient over the group, one blocking all-reduce each.
+
+    Correct, and the baseline the bucketed version must equal, but slow twice over: the network
+    idles during backward and backward's caller idles during the network, and a model of
+    hundreds of small tensors pays each message's latency hundreds of times. It assumes every
+    rank produced a gradient for the same parameters (collectives match by order).
+    """
+    comm = as_comm(group)
+    for p in module.parameters():
+        if p.grad is not None:
+            comm.all_reduce(p.grad, op="avg")
+
+
+# ---- bucketed and overlapped, as PyTorch's reducer does it -------------------------------------
+#
+#   registration order:  p0  p1  p2  p3  p4  p5     forward runs roughly left to right,
+#   gradients arrive:    p5  p4  p3  p2  p1  p0     so backward produces them right to left
+#
+#   buckets (at most bucket_mb MiB, one flat buffer each, filled in arrival order):
+#      bucket 0: [p5 | p4]   bucket 1: [p3 | p2 | p1]   bucket 2: [p0]
+#
+#   time ->  backward  | p5 p4 | p3 p2 p1 | p0 |
+#            network           |== all-reduce b0 ==|== b1 ==|== b2 ==|   finish_gradient_sync()
+#
+# A bucket's all-reduce starts the moment its last gradient lands, while backward goes on
+# computing the next layers: for a model whose backward takes longer than its communication,
+# only the last bucket's all-reduce is exposed. Few large messages instead of one per tensor
+# reach the link's bandwidth; too large a bucket would start its message too late to overlap.
+
+class Bucket:
+    """Parameters whose gradients travel as one message: a flat buffer and a view per parameter."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        first = params[0]
+        # Memory: the flat buffers are a second copy of every gradient. PyTorch's
+        # gradient_as_bucket_view=True makes param.grad a view into the bucket instead, which
+        # needs the reducer to own when .grad is created and zeroed; copying keeps this file
+        # free of that bookkeeping, at the price of one gradient's worth of memory.
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype,
+                                  device=first.device)           # (L_b,)
+        self.slots, offset = [], 0
+        for p in params:                                         # slot: p's shape, in the buffer
+            self.slots.append(self.buffer[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.pending = len(params)                               # gradients not yet copied in
+
+
+class DDP(nn.Module):
+    """Wrap `module` for data parallel training over `group` (a Comm, a ProcessGroup or None).
+
+    Per step: forward and backward as usual (gradient hooks launch the buckets' all-reduces as
+    backward runs), then finish_gradient_sync() before optimizer.step(). For gradient
+    accumulation, run the backwards of all but the last micro-batch inside `with ddp.no_sync():`.
+    """
+
+    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25):
+        super().__init__()
+        self.module = module
+        self.comm = as_comm(group)
+        # Trainable parameters only: a frozen one gets no gradient, so it needs no hook, no slot
+        # and no bytes. named_parameters() lists a tied (shared) weight once, and autograd
+        # accumulates all its uses into one .grad before the post-accumulate hook fires once.
+        trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in reversed(trainable)]   # (P,) in gradient-arrival order
+        self.params = [p for _, p in reversed(trainable)]
+        if not self.params:
+            raise ValueError("DDP: the module has no trainable parameters (requires_grad=True), "
+                             "so there are no gradients to average; train at least one parameter")
+        self._broadcast_from_rank0()
+        self.buckets = self._pack(int(bucket_mb * 2**20))
+        self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.params]
+        self._slot = [slot for bucket in self.buckets for slot in bucket.slots]
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
+        self._syncing = True                                     # False inside no_sync()
+        self._reset()
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _broadcast_from_rank0(self):
+        # Ranks may have been seeded differently: rank 0's initial weights (and buffers) become
+        # everyone's. One broadcast per dtype of a flat copy, not one per tensor; dict keys keep
+        # first-seen order, so every rank issues the broadcasts in the same order.
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        for kind in dict.fromkeys((t.dtype, t.device) for t in tensors):
+            group = [t for t in tensors if (t.dtype, t.device) == kind]
+            flat = torch.cat([t.detach().reshape(-1) for t in group])    # (sum of numel,)
+            self.comm.broadcast(flat, src=0)
+            with torch.no_grad():
+                for t, value in zip(group, flat.split([t.numel() for t in group])):
+                    t.copy_(value.view_as(t))
+
+    def _pack(self, cap_bytes: int) -> list[Bucket]:
+        """Consecutive parameters (in gradient-arrival order) into buckets of at most cap_bytes.
+
+        A bucket holds one dtype on one device (a flat buffer has one of each); a parameter
+        larger than the cap gets a bucket of its own.
+        """
+        buckets, current, size = [], [], 0
+        for p in self.params:
+            nbytes = p.numel() * p.element_size()
+            if current and (size + nbytes > cap_bytes
+                            or (p.dtype, p.device) != (current[-1].dtype, current[-1].device)):
+                buckets.append(Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            buckets.append(Bucket(current))
+        return buckets
+
+    def _reset(self):
+        self._ready = [False] * len(self.params)
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+        self._next_bucket = 0                                    # first bucket not yet launched
+        self._handles = []
+
+    # ---- during backward ------------------------------------------------------------------
+
+    def _grad_ready(self, i: int):
+        """Post-accumulate hook of self.params[i]: its .grad holds this backward's gradient."""
+        if not self._syncing:
+            return                                               # accumulate locally in .grad
+        if self._ready[i]:
+            raise RuntimeError(
+                f"DDP: parameter {self.names[i]!r} received a second gradient before its first was "
+                f"synchronised. For gradient accumulation run all but the last micro-batch's "
+                f"backward inside `with ddp.no_sync():`, and call ddp.finish_gradient_sync() after "
+                f"each synchronised backward (before optimizer.step()).")
+        self._slot[i].copy_(self.params[i].grad)
+        self._mark_ready(i)
+
+    def _mark_ready(self, i: int):
+        self._ready[i] = True
+        self.buckets[self._bucket_of[i]].pending -= 1
+        # Collectives are matched by order, not by name: every rank must launch bucket 0, then
+        # 1, then 2... even if its gradients arrive in another order (data-dependent control
+        # flow). So a full bucket waits for all earlier ones, then all consecutive full ones go.
+        while (self._next_bucket < len(self.buckets)
+               and self.buckets[self._next_bucket].pending == 0):
+            bucket = self.buckets[self._next_bucket]
+            self._handles.append(self.comm.all_reduce(bucket.buffer, op="avg", async_op=True))
+            self._next_bucket += 1
+
+    # ---- after backward -------------------------------------------------------------------
+
+    def finish_gradient_sync(self):
+        """Launch what backward did not, wait for every bucket, write averaged gradients to .grad.
+
+        Call after the (last) backward of a step and before optimizer.step().
+        """
+        # A parameter whose hook did not fire in this backward was not used by it, but may hold
+        # a gradient accumulated under no_sync(); one with no gradient at all contributes zeros.
+        for i, p in enumerate(self.params):
+            if not self._ready[i]:
+                if p.grad is None:
+                    self._slot[i].zero_()
+                else:
+                    self._slot[i].copy_(p.grad)
+                self._mark_ready(i)
+        # A parameter that no rank used must keep grad None, as a single process would leave
+        # it (AdamW would otherwise decay it): OR the local "used" flags over the ranks, a P-byte
+        # message launched after every bucket (the same position on every rank) so it overlaps.
+        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.uint8,
+                            device=self.params[0].device)                     # (P,)
+        self._handles.append(self.comm.all_reduce(used, op="max", async_op=True))
+        for handle in self._handles:
+            handle.wait()
+        for i, (p, used_anywhere) in enumerate(zip(self.params, used.tolist())):
+            if not used_anywhere:
+                continue
+            if p.grad is None:                                   # used on another rank only
+                p.grad = self._slot[i].clone()
+            else:
+                p.grad.copy_(self._slot[i])
+        self._reset()
+
+    @contextmanager
+    def no_sync(self):
+        """Backwards inside accumulate into .grad locally; the next one outside syncs the sum."""
+        outer, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = outer
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The buckets' flat buffers: gradient memory held beside every param.grad."""
+        return [bucket.buffer for bucket in self.buckets]
+
+    def bytes_per_step(self) -> int:
+        """Bytes this rank sends per synchronised step, as the ring schedule sends them.
+
+        2(N-1)/N x each bucket (padded to N equal chunks), plus the P-byte used-flag vector:
+        about twice the gradients' bytes, nearly independent of N.
+        """
+        n = self.comm.world_size
+        grads = sum(ring_bytes("all_reduce", b.buffer.numel(), b.buffer.element_size(), n)
+                    for b in self.buckets)
+        return grads + ring_bytes("all_reduce", len(self.params), 1, n)

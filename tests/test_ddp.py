@@ -1,0 +1,345 @@
+"""DDP equals single-process training on the same global batch, and PyTorch's own DDP.
+
+Two kinds of rank launches (each costs a second or two, so each does several things): a GPT
+trained five AdamW steps by every variant (bucketed DDP on native and ring collectives, the
+naive per-parameter all-reduce, torch's DistributedDataParallel), and one for the awkward
+cases (no_sync accumulation; frozen, unused and tied parameters; the double-backward error).
+"""
+import math
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddp import DDP, all_reduce_gradients
+from model import build_model
+from multiprocess import assert_tensors_close, run_ranks
+
+MODEL = dict(n_layer=2, n_embd=64, n_head=4, block_size=32)
+GLOBAL_BATCH, SEQ, STEPS, LR = 8, 16, 5, 1e-3   # 8 sequences split over N = 2 or 4 ranks
+BUCKET_MB = 0.1                                 # ~0.5 MB of fp32 gradients -> 7 buckets
+# Tolerances, fp32. Gradients: each rank's matmuls sum over B/N rows and the all-reduce adds N
+# such partial sums, where one process sums all B rows at once: the order of additions differs,
+# so a difference of a few ulps of the tensor's largest element (not of each element: a sum
+# that cancels to nearly zero has no relative precision). Parameters: Adam divides by
+# sqrt(v) + eps, so where |g| is near eps those ulps move the update by a sizeable fraction of
+# lr; 1% of one step's lr still sits 100x below what a missing or unaveraged bucket does.
+GRAD_TOL = 2e-6                                 # x the tensor's largest |element|
+PARAM_TOL = 0.01 * LR                           # absolute
+
+
+def _gpt(state=None):
+    model = build_model("tiny", **MODEL)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def _batches(steps, batch, seed=1234):
+    """The global batches, (steps, B, T+1) token ids; every process draws the same ones."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (steps, batch, SEQ + 1), generator=g)
+
+
+def _adamw(module):
+    return torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.1)
+
+
+def _params(module):
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def _grads(module):
+    return {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+
+
+def _assert_grads_close(actual, expected, what, tol=GRAD_TOL):
+    """Each gradient within tol x its largest |element|; a failure names it and its worst spot."""
+    assert actual.keys() == expected.keys(), f"{what}: names differ: {set(actual) ^ set(expected)}"
+    for name in expected:
+        assert_tensors_close({name: actual[name]}, {name: expected[name]}, rtol=0,
+                             atol=tol * expected[name].abs().max().item(), what=what)
+
+
+def _train(model, forward, sync, batches):
+    """AdamW over batches (STEPS, B, T+1); forward(x, y) -> loss, sync() after each backward."""
+    opt, losses, first_grads = _adamw(model), [], None
+    for batch in batches:                                        # (B, T+1)
+        loss = forward(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        sync()
+        if first_grads is None:
+            first_grads = _grads(model)
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": first_grads, "params": _params(model)}
+
+
+# ---- launch 1: the GPT, every variant ----------------------------------------------------------
+
+def _train_gpt():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from collectives import Comm
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)                # rank 0 starts as the single process does; others differ
+    model = _gpt()
+    out = {"before_broadcast": _params(model)}
+    ddp = DDP(model, bucket_mb=BUCKET_MB)
+    out["init"] = _params(model)
+
+    b = GLOBAL_BATCH // n
+    batches = _batches(STEPS, GLOBAL_BATCH)[:, rank * b:(rank + 1) * b]     # this rank's slice
+    out["launched_in_backward"] = []
+
+    def ddp_sync():                        # every gradient was used: backward launched every bucket
+        out["launched_in_backward"].append(ddp._next_bucket)
+        ddp.finish_gradient_sync()
+    out["ddp"] = _train(model, lambda x, y: ddp(x, y)[1], ddp_sync, batches)
+    out["n_buckets"] = len(ddp.buckets)
+    naive = _gpt(out["init"])
+    out["naive"] = _train(naive, lambda x, y: naive(x, y)[1],
+                          lambda: all_reduce_gradients(naive), batches)
+    torch_ddp = DistributedDataParallel(_gpt(out["init"]), bucket_cap_mb=BUCKET_MB)
+    out["torch"] = _train(torch_ddp.module, lambda x, y: torch_ddp(x, y)[1], lambda: None, batches)
+
+    ring = DDP(_gpt(out["init"]), Comm(ring=True), bucket_mb=BUCKET_MB)
+    ring.comm.bytes_sent.clear()                                 # drop the construction broadcast
+    out["bytes_sent"] = []
+
+    def ring_sync():
+        ring.finish_gradient_sync()
+        out["bytes_sent"].append(sum(ring.comm.bytes_sent.values()))
+        ring.comm.bytes_sent.clear()
+    out["ring"] = _train(ring.module, lambda x, y: ring(x, y)[1], ring_sync, batches)
+    out["bytes_per_step"] = ring.bytes_per_step()
+    out["bucket_numels"] = [buffer.numel() for buffer in ring.gradient_buffers()]
+    out["n_params"] = len(ring.params)
+    return out
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The baseline: one process, the whole global batch, rank 0's initial weights (seed 0)."""
+    torch.manual_seed(0)
+    model = _gpt()
+    out = {"init": _params(model)}
+    out.update(_train(model, lambda x, y: model(x, y)[1], lambda: None,
+                      _batches(STEPS, GLOBAL_BATCH)))
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"N={n}")
+def gpt(request):
+    return request.param, run_ranks(_train_gpt, request.param)
+
+
+def test_ranks_start_identical(gpt, single):
+    n, ranks = gpt
+    for rank, out in enumerate(ranks):
+        if rank > 0:                        # the seeds really differed before the broadcast ...
+            assert not torch.equal(out["before_broadcast"]["head.weight"],
+                                   ranks[0]["before_broadcast"]["head.weight"])
+        # ... and after it every rank holds rank 0's weights bit for bit: a broadcast copies bytes
+        assert_tensors_close(out["init"], single["init"], rtol=0, atol=0,
+                             what=f"N={n} rank {rank} initial")
+
+
+def test_matches_single_process(gpt, single):
+    n, ranks = gpt
+    # The loss of the global batch is the mean of the N slices' mean losses (equal slices).
+    losses = torch.tensor([out["ddp"]["losses"] for out in ranks]).mean(0)      # (STEPS,)
+    torch.testing.assert_close(losses, torch.tensor(single["losses"]), rtol=1e-6, atol=0,
+                               msg=lambda m: f"N={n} mean loss per step: {m}")
+    for rank, out in enumerate(ranks):
+        what = f"N={n} rank {rank}"
+        _assert_grads_close(out["ddp"]["grads"], single["grads"], f"{what} gradient of step 0")
+        assert_tensors_close(out["ddp"]["params"], single["params"], rtol=0, atol=PARAM_TOL,
+                             what=f"{what} parameters after {STEPS} steps")
+        # Overlap: all buckets were on the wire before backward returned, none waited for finish.
+        assert out["launched_in_backward"] == [out["n_buckets"]] * STEPS
+        # Every rank received the same averaged bytes and ran the same update: replicas identical.
+        assert_tensors_close(out["ddp"]["params"], ranks[0]["ddp"]["params"], rtol=0, atol=0,
+                             what=f"{what} vs rank 0")
+
+
+@pytest.mark.parametrize("variant", ["torch", "naive", "ring"])
+def test_variants_agree(gpt, variant):
+    """torch's DistributedDataParallel, the naive per-parameter all-reduce and ring collectives."""
+    n, ranks = gpt
+    # N = 2: bit for bit, since a + b = b + a and halving is exact, whoever adds and whenever
+    # the division happens (torch divides before summing). N = 4: gloo's and the ring's order
+    # of the four additions can depend on where an element sits in its message: an ulp or two.
+    grad_tol, param_tol = (0, 0) if n == 2 else (GRAD_TOL, PARAM_TOL)
+    for rank, out in enumerate(ranks):
+        what = f"N={n} rank {rank} {variant} vs bucketed DDP"
+        _assert_grads_close(out[variant]["grads"], out["ddp"]["grads"], f"{what} gradient",
+                            tol=grad_tol)
+        assert_tensors_close(out[variant]["params"], out["ddp"]["params"], rtol=0, atol=param_tol,
+                             what=f"{what} parameters")
+
+
+def test_bytes_per_step_match_formula(gpt):
+    n, ranks = gpt
+    numel = sum(p.numel() for p in _gpt().parameters() if p.requires_grad)
+    for rank, out in enumerate(ranks):
+        buckets = out["bucket_numels"]
+        assert len(buckets) > 1 and sum(buckets) == numel   # every gradient once, several buckets
+        # Ring all-reduce: each rank sends 2(N-1) chunks of ceil(L/N) elements per bucket, 4 bytes
+        # each (fp32), plus the same for the P one-byte "used" flags.
+        formula = (sum(2 * (n - 1) * math.ceil(L / n) * 4 for L in buckets)
+                   + 2 * (n - 1) * math.ceil(out["n_params"] / n))
+        assert out["bytes_per_step"] == formula
+        assert out["bytes_sent"] == [formula] * STEPS, f"N={n} rank {rank}"
+
+
+# ---- launch 2: accumulation, frozen / unused / tied parameters, misuse -------------------------
+
+V, C = 11, 7                                    # odd sizes: buckets need padding to N chunks
+MICRO, ACCUM = 2, 2                             # sequences per micro-batch, micro-batches per step
+
+
+class _Awkward(nn.Module):
+    """Every awkward case at once: frozen, used by rank 0 only, used by no rank, tied, a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, C)
+        self.frozen = nn.Linear(C, C).requires_grad_(False)
+        self.rank0_only = nn.Linear(C, C)
+        self.unused = nn.Linear(C, C)
+        self.head = nn.Linear(C, V, bias=False)
+        self.head.weight = self.embed.weight                    # tied: input and output embedding
+        self.register_buffer("scale", torch.rand(C) + 0.5)
+
+    def forward(self, idx, targets, extra: bool):               # idx: (B, T)
+        x = self.frozen(self.embed(idx) * self.scale)           # (B, T, C)
+        if extra:
+            x = x + torch.tanh(self.rank0_only(x))
+        return F.cross_entropy(self.head(x).view(-1, V), targets.reshape(-1))
+
+
+def _uses_extra(rank, step, micro):
+    # Step 0: rank 0 uses rank0_only in its first micro-batch (inside no_sync), so at sync time
+    # the gradient sits in .grad without a hook having fired; step 1: in the synced one.
+    return rank == 0 and micro == step
+
+
+def _awkward_cases():
+    import torch.distributed as dist
+    from collectives import Comm
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+
+    # no_sync on the GPT: ACCUM micro-batches per rank equal one big batch on one process
+    torch.manual_seed(rank)
+    ddp = DDP(_gpt(), bucket_mb=BUCKET_MB)
+    rows = _batches(1, n * ACCUM * MICRO, seed=99)[0].view(n, ACCUM, MICRO, SEQ + 1)[rank]
+    for micro, batch in enumerate(rows):                                   # (MICRO, T+1)
+        with ddp.no_sync() if micro < ACCUM - 1 else nullcontext():
+            (ddp(batch[:, :-1], batch[:, 1:])[1] / ACCUM).backward()
+    ddp.finish_gradient_sync()
+    out["accumulated_grads"] = _grads(ddp.module)
+
+    # frozen, unused, tied: DDP against one process that sees every rank's micro-batches
+    torch.manual_seed(rank)
+    awkward = DDP(_Awkward(), Comm(ring=True), bucket_mb=256 / 2**20)   # 256-byte buckets: 3
+    single = _Awkward()
+    single.load_state_dict(awkward.module.state_dict())
+    out["buffer"] = awkward.module.scale.clone()
+    out["init"] = _params(single)
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, V, (2, n, ACCUM, MICRO, SEQ + 1), generator=g)   # (steps, N, ...)
+    opt, single_opt = _adamw(awkward), _adamw(single)
+    out["grads"], out["single_grads"], out["bytes_sent"] = [], [], []
+    for step in range(2):
+        awkward.comm.bytes_sent.clear()
+        for r in range(n):
+            for micro, batch in enumerate(data[step, r]):
+                loss = single(batch[:, :-1], batch[:, 1:], _uses_extra(r, step, micro))
+                (loss / (ACCUM * n)).backward()
+        for micro, batch in enumerate(data[step, rank]):
+            with awkward.no_sync() if micro < ACCUM - 1 else nullcontext():
+                loss = awkward(batch[:, :-1], batch[:, 1:], _uses_extra(rank, step, micro))
+                (loss / ACCUM).backward()
+        awkward.finish_gradient_sync()
+        out["grads"].append(_grads(awkward.module))
+        out["single_grads"].append(_grads(single))
+        out["bytes_sent"].append(sum(awkward.comm.bytes_sent.values()))
+        for o in (opt, single_opt):
+            o.step()
+            o.zero_grad()
+    out["params"], out["single_params"] = _params(awkward.module), _params(single)
+    names = dict(zip(map(id, awkward.params), awkward.names))
+    out["bucket_names"] = [[names[id(p)] for p in bucket.params] for bucket in awkward.buckets]
+    out["bucket_numels"] = [buffer.numel() for buffer in awkward.gradient_buffers()]
+    out["bytes_per_step"] = awkward.bytes_per_step()
+
+    # misuse: a second backward without no_sync() or finish_gradient_sync() in between
+    x, y = data[0, rank, 0, :, :-1], data[0, rank, 0, :, 1:]
+    awkward(x, y, True).backward()
+    try:
+        awkward(x, y, True).backward()
+    except RuntimeError as error:
+        out["error"] = str(error)
+    awkward.finish_gradient_sync()                           # drains the launched buckets
+    try:
+        DDP(nn.Linear(2, 2).requires_grad_(False))
+    except ValueError as error:
+        out["no_params_error"] = str(error)
+    return out
+
+
+@pytest.fixture(scope="module")
+def awkward():
+    return run_ranks(_awkward_cases, 2)
+
+
+def test_no_sync_accumulation_equals_big_batch(awkward):
+    torch.manual_seed(0)
+    model = _gpt()
+    big = _batches(1, 2 * ACCUM * MICRO, seed=99)[0]                        # (N*ACCUM*MICRO, T+1)
+    model(big[:, :-1], big[:, 1:])[1].backward()
+    for rank, out in enumerate(awkward):
+        # As for one step above: only the order in which the partial gradients are summed differs.
+        _assert_grads_close(out["accumulated_grads"], _grads(model), f"rank {rank} accumulated")
+
+
+def test_frozen_unused_tied(awkward):
+    for rank, out in enumerate(awkward):
+        # In gradient-arrival order, 256-byte buckets: [unused.bias unused.weight rank0_only.bias]
+        # [rank0_only.weight] [embed.weight]. The frozen weight is in none; the tied weight is in
+        # one, once (and had its hook fired once per backward for each use, the second firing
+        # would have raised the double-backward error).
+        assert out["bucket_names"] == [["unused.bias", "unused.weight", "rank0_only.bias"],
+                                       ["rank0_only.weight"], ["embed.weight"]]
+        # The buffer, seeded per rank like the weights, is rank 0's everywhere.
+        torch.testing.assert_close(out["buffer"], awkward[0]["buffer"], rtol=0, atol=0)
+        for step, (grads, single) in enumerate(zip(out["grads"], out["single_grads"])):
+            # No rank used `unused`: its grad stays None, as in the single process (same names).
+            assert "unused.weight" not in grads and "frozen.weight" not in grads
+            # The same four micro-batch gradients, added in another order: as for the GPT.
+            _assert_grads_close(grads, single, f"rank {rank} step {step} gradient")
+        assert_tensors_close(out["params"], out["single_params"], rtol=0, atol=PARAM_TOL,
+                             what=f"rank {rank} parameters")
+        for name in ("unused.weight", "unused.bias", "frozen.weight"):     # no gradient: no decay
+            assert torch.equal(out["params"][name], out["init"][name]), name
+
+
+def test_padded_bytes_match_formula(awkward):
+    # Odd bucket sizes and 5 flags, each padded to N = 2 chunks before the ring sends them.
+    formula = sum(2 * (2 - 1) * math.ceil(L / 2) * 4 for L in [63, 49, 77]) + 2 * math.ceil(5 / 2)
+    for out in awkward:
+        assert out["bucket_numels"] == [63, 49, 77]
+        assert out["bytes_per_step"] == formula
+        assert out["bytes_sent"] == [formula, formula]
+
+
+def test_clear_errors(awkward):
+    for out in awkward:
+        assert "second gradient" in out["error"] and "no_sync()" in out["error"]
+        assert "finish_gradient_sync()" in out["error"]
+        assert "no trainable parameters" in out["no_params_error"]
