@@ -243,6 +243,26 @@ class Comm:
                                             self.rank, root)
 
 
+def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
+    """Consecutive tensors grouped into messages of at most bucket_mb MiB, one dtype and device each.
+
+    One message per tensor pays the network's latency hundreds of times; one message for
+    everything can only start when the last gradient exists. Buckets of a few MiB reach the
+    link's bandwidth and can still start early. A tensor larger than the cap gets its own.
+    """
+    cap = bucket_mb * 2**20
+    buckets, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not buckets or size + nbytes > cap or (t.dtype, t.device) != (buckets[-1][-1].dtype,
+                                                                        buckets[-1][-1].device):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    return buckets
+
+
 def as_comm(group) -> Comm:
     """Strategies accept a Comm, a process group or None (the world, native collectives)."""
     return group if isinstance(group, Comm) else Comm(group)

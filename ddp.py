@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, ring_bytes
+from collectives import as_comm, ring_bytes, split_into_buckets
 
 
 # ---- naive: one blocking all-reduce per parameter, after backward -----------------------------
@@ -56,10 +56,10 @@ class Bucket:
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         first = params[0]
-        # Memory: the flat buffers are a second copy of every gradient. PyTorch's
-        # gradient_as_bucket_view=True makes param.grad a view into the bucket instead, which
-        # needs the reducer to own when .grad is created and zeroed; copying keeps this file
-        # free of that bookkeeping, at the price of one gradient's worth of memory.
+        # Memory: once a gradient is copied into its slot, param.grad becomes that slot (a
+        # view, as PyTorch's gradient_as_bucket_view=True), so the buckets are the gradients,
+        # not a second copy. A fresh .grad (after zero_grad(set_to_none=True)) lives only
+        # until its hook copies it in.
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype,
                                   device=first.device)           # (L_b,)
         self.slots, offset = [], 0
@@ -91,7 +91,8 @@ class DDP(nn.Module):
             raise ValueError("DDP: the module has no trainable parameters (requires_grad=True), "
                              "so there are no gradients to average; train at least one parameter")
         self._broadcast_from_rank0()
-        self.buckets = self._pack(int(bucket_mb * 2**20))
+        # Consecutive parameters in gradient-arrival order, one dtype and device per bucket.
+        self.buckets = [Bucket(chunk) for chunk in split_into_buckets(self.params, bucket_mb)]
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.params]
         self._slot = [slot for bucket in self.buckets for slot in bucket.slots]
         for i, p in enumerate(self.params):
@@ -115,25 +116,6 @@ class DDP(nn.Module):
                 for t, value in zip(group, flat.split([t.numel() for t in group])):
                     t.copy_(value.view_as(t))
 
-    def _pack(self, cap_bytes: int) -> list[Bucket]:
-        """Consecutive parameters (in gradient-arrival order) into buckets of at most cap_bytes.
-
-        A bucket holds one dtype on one device (a flat buffer has one of each); a parameter
-        larger than the cap gets a bucket of its own.
-        """
-        buckets, current, size = [], [], 0
-        for p in self.params:
-            nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > cap_bytes
-                            or (p.dtype, p.device) != (current[-1].dtype, current[-1].device)):
-                buckets.append(Bucket(current))
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            buckets.append(Bucket(current))
-        return buckets
-
     def _reset(self):
         self._ready = [False] * len(self.params)
         for bucket in self.buckets:
@@ -153,7 +135,10 @@ class DDP(nn.Module):
                 f"synchronised. For gradient accumulation run all but the last micro-batch's "
                 f"backward inside `with ddp.no_sync():`, and call ddp.finish_gradient_sync() after "
                 f"each synchronised backward (before optimizer.step()).")
-        self._slot[i].copy_(self.params[i].grad)
+        p = self.params[i]
+        if p.grad.data_ptr() != self._slot[i].data_ptr():
+            self._slot[i].copy_(p.grad)
+            p.grad = self._slot[i]
         self._mark_ready(i)
 
     def _mark_ready(self, i: int):
@@ -192,13 +177,9 @@ class DDP(nn.Module):
         self._handles.append(self.comm.all_reduce(used, op="max", async_op=True))
         for handle in self._handles:
             handle.wait()
-        for i, (p, used_anywhere) in enumerate(zip(self.params, used.tolist())):
-            if not used_anywhere:
-                continue
-            if p.grad is None:                                   # used on another rank only
-                p.grad = self._slot[i].clone()
-            else:
-                p.grad.copy_(self._slot[i])
+        for p, slot, used_anywhere in zip(self.params, self._slot, used.tolist()):
+            if used_anywhere:
+                p.grad = slot                                    # averaged in place
         self._reset()
 
     @contextmanager

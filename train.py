@@ -20,10 +20,12 @@ import torch.distributed as dist
 from collectives import Comm, init_distributed
 from data import TextData
 from ddp import DDP
+from memory import held_bytes, state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import PRESETS, build_model
+from zero import ZeroOptimizer
 
-STRATEGIES = ("single", "ddp")
+STRATEGIES = ("single", "ddp", "zero1", "zero2")
 
 
 def parse_args(argv=None):
@@ -68,7 +70,7 @@ def check_args(parser, args, world_size):
         args.strategy = "single" if world_size == 1 else "ddp"
     if args.strategy == "single" and world_size > 1:
         parser.error(f"--strategy single runs one process, but {world_size} were launched: "
-                     f"use --strategy ddp, or run with plain `python train.py`")
+                     f"use --strategy ddp (or zero1, zero2), or run with plain `python train.py`")
     per_step = world_size * args.grad_accum
     if args.batch_size % per_step:
         fixed = (args.batch_size // per_step + 1) * per_step
@@ -91,32 +93,6 @@ def learning_rate(step, args):
         return args.lr * (step + 1) / args.warmup
     progress = (step - args.warmup) / max(1, args.steps - 1 - args.warmup)
     return min_lr + 0.5 * (args.lr - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def held_bytes(model, optimizer) -> dict:
-    """Bytes this rank holds in parameters, gradients and optimizer state (each tensor once).
-
-    The optimizer side counts its fp32 master weights (when they are copies) and its
-    state (Adam's two moments); a DDP wrapper's gradient buckets count as gradients.
-    """
-    seen = set()
-
-    def total(tensors):
-        count = 0
-        for t in tensors:
-            if t is not None and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                count += t.numel() * t.element_size()
-        return count
-
-    params = list(model.parameters())
-    masters = [p for group in optimizer.param_groups for p in group["params"]]
-    states = [v for s in optimizer.optimizer.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {"params": total(params),
-            "grads": total([p.grad for p in params + masters]
-                           + list(getattr(model, "gradient_buffers", lambda: [])())),
-            "optimizer": total(masters + states)}
 
 
 @torch.no_grad()
@@ -167,12 +143,17 @@ def main(argv=None):
     comm = Comm(ring=args.collectives == "ring")
     torch.manual_seed(args.seed)
     model = build_model(args.model, dropout=args.dropout).to(device=device, dtype=DTYPES[args.precision])
-    if args.strategy == "ddp":
-        model = DDP(model, comm, bucket_mb=args.bucket_mb)
-    # No comm for the overflow decision: after DDP's all-reduce every rank holds the same
-    # averaged gradients, so every rank already decides the same way.
-    optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
-                                        lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if args.strategy in ("zero1", "zero2"):
+        optimizer = ZeroOptimizer(model.parameters(), stage=int(args.strategy[-1]), optimizer_cls=torch.optim.AdamW,
+                                  group=comm, bucket_mb=args.bucket_mb, **adamw)
+    else:
+        if args.strategy == "ddp":
+            model = DDP(model, comm, bucket_mb=args.bucket_mb)
+        # No comm for the overflow decision: after DDP's all-reduce every rank holds the same
+        # averaged gradients, so every rank already decides the same way.
+        optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW,
+                                            precision=args.precision, **adamw)
     data = TextData.from_file(args.data)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"{args.strategy} on {world_size} x {device.type} ({dist.get_backend()}) | model {args.model} "
@@ -180,7 +161,18 @@ def main(argv=None):
         f"{args.seq_len} tokens, {args.grad_accum} micro-batch(es) per rank | {args.collectives} collectives")
     # What the strategy's collectives should send per step (ring volume), printed beside what
     # the counter measured.
-    predicted = model.bytes_per_step() if args.strategy == "ddp" else 0
+    if args.strategy == "single":
+        predicted = 0
+    elif args.strategy == "ddp":
+        predicted = model.bytes_per_step()
+    else:
+        predicted = optimizer.bytes_per_step(micro_batches=args.grad_accum)
+    # memory.py's napkin math for this run, to read beside the measured bytes in the log.
+    napkin = state_bytes(n_params, "ddp" if args.strategy == "single" else args.strategy,
+                         args.precision, world_size)
+    say(f"napkin math per rank (memory.py): params {napkin['params'] / 2**20:.1f} MiB, grads "
+        f"{napkin['grads'] / 2**20:.1f}, optim {napkin['optimizer'] / 2**20:.1f}, total "
+        f"{napkin['total'] / 2**20:.1f}")
 
     tokens_per_step = args.batch_size * args.seq_len
     timer, last_timed, skipped = time.perf_counter(), -1, 0

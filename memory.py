@@ -1,0 +1,341 @@
+"""Napkin math: the bytes each rank holds and sends, by strategy and precision.
+
+Per parameter a rank may hold three things (the parameter, its gradient, the optimizer's
+state); each strategy keeps each of them whole or as a 1/N shard, and the collectives that
+keep the shards in step move a predictable volume (Rajbhandari et al. 2020, "ZeRO", section 3,
+figure 1; activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4). held_bytes() measures the same three on a live rank.
+Left out: transient buffers (FSDP's gathered unit, the fp32 gradient inside a mixed-precision
+step), fragmentation, the CUDA context.
+Run: python memory.py --params 7.5e9 --world 64; test: python -m pytest tests/test_memory.py
+
+Shapes: P parameters, N world size, c = ceil(P / N) elements per shard; activations: s sequence,
+b micro-batch per rank, h hidden (n_embd), a heads, L layers, V vocabulary.
+"""
+import argparse
+
+import torch
+
+from collectives import ring_bytes
+from mixed_precision import DTYPES
+from model import PRESETS, GPTConfig
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+ALIASES = {"fsdp": "zero3"}            # FSDP is ZeRO stage 3, sharded unit by unit
+PRECISIONS = tuple(DTYPES)             # fp32, bf16, fp16
+OPTIMIZERS = ("adamw", "sgd")
+
+# Which of the three a rank holds as a 1/N shard (True) or whole (False): DESIGN.md's table,
+# and the four bars of the ZeRO paper's figure 1 (baseline, P_os, P_os+g, P_os+g+p).
+#                 params  grads  optimizer
+SHARDED = {"ddp": (False, False, False),
+           "zero1": (False, False, True),
+           "zero2": (False, True, True),
+           "zero3": (True, True, True)}
+# ... and the collectives that keep them in step (comm_bytes counts their bytes).
+COLLECTIVES = {"ddp": "all-reduce grads",
+               "zero1": "reduce-scatter grads + all-gather params",
+               "zero2": "reduce-scatter grads + all-gather params",
+               "zero3": "all-gather fwd + all-gather bwd + reduce-scatter grads"}
+
+
+def _strategy(strategy: str, world_size: int) -> str:
+    """The canonical name: fsdp -> zero3, single -> ddp on one rank (and checked to be one)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if strategy == "single":
+        if world_size != 1:
+            raise ValueError(f"strategy 'single' runs on one rank, got world_size={world_size}: "
+                             f"use 'ddp' (or a zero stage) for {world_size} ranks")
+        return "ddp"
+    strategy = ALIASES.get(strategy, strategy)
+    if strategy not in SHARDED:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of "
+                         f"{', '.join(STRATEGIES + tuple(ALIASES) + ('single',))}")
+    return strategy
+
+
+def _element_size(precision: str) -> int:
+    if precision not in DTYPES:
+        raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    return torch.finfo(DTYPES[precision]).bits // 8
+
+
+# ---- training state: parameters, gradients, optimizer ----------------------------------------
+
+def bytes_per_param(precision: str, optimizer: str = "adamw") -> dict:
+    """Bytes per parameter of each of the three, before any sharding.
+
+    The gradient has the parameter's dtype (backward produces it there). The optimizer works
+    in fp32: in fp32 training the parameter is its own master copy, so Adam adds only its two
+    moments (8 bytes); in 16-bit training it also needs an fp32 master copy, because a 16-bit
+    weight cannot absorb an update smaller than its rounding step (4 + 4 + 4 = 12, the ZeRO
+    paper's K). Plain SGD without momentum keeps no state: only the 16-bit case's master.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    size = _element_size(precision)
+    master = 0 if size == 4 else 4
+    moments = 8 if optimizer == "adamw" else 0
+    return {"params": size, "grads": size, "optimizer": master + moments}
+
+
+def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
+                optimizer: str = "adamw") -> dict:
+    """Bytes one rank holds in parameters, gradients and optimizer state, and their total.
+
+    A sharded quantity is one padded shard, c = ceil(P / N) elements: the implementation pads
+    the flat buffer to N equal shards so that every collective moves equal chunks. Under
+    zero1 and zero2 the full parameters (and zero1's full gradients) are that padded flat
+    buffer, N * c elements; ddp keeps unpadded per-parameter tensors, P elements.
+    """
+    strategy = _strategy(strategy, world_size)
+    per_param = bytes_per_param(precision, optimizer)
+    shard = -(-n_params // world_size)                              # c = ceil(P / N)
+    whole = n_params if strategy == "ddp" else shard * world_size   # P, or N * c (padded)
+    held = {name: per_param[name] * (shard if sharded else whole)
+            for name, sharded in zip(("params", "grads", "optimizer"), SHARDED[strategy])}
+    held["total"] = sum(held.values())
+    return held
+
+
+# ---- communication --------------------------------------------------------------------------
+
+def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int) -> dict:
+    """Bytes one rank sends per optimizer step, by collective, with the ring algorithm.
+
+    Keys are collectives.Comm's counter names, so a measured comm.bytes_sent compares
+    directly. Gradients and gathered parameters travel in the parameters' dtype; the whole
+    model is counted as one flat buffer padded to N equal chunks (real buckets and FSDP units
+    pad each message separately, a few elements more). single sends nothing.
+    """
+    if strategy == "single":
+        _strategy(strategy, world_size)
+        return {}
+    strategy = _strategy(strategy, world_size)
+    size = _element_size(precision)
+    padded = -(-n_params // world_size) * world_size                # N * c
+    if strategy == "ddp":
+        # Every rank needs the whole averaged gradient: one all-reduce, 2 (N-1)/N x its size.
+        return {"all_reduce": ring_bytes("all_reduce", n_params, size, world_size)}
+    reduce_scatter = ring_bytes("reduce_scatter", padded, size, world_size)
+    all_gather = ring_bytes("all_gather", padded, size, world_size)
+    if strategy in ("zero1", "zero2"):
+        # Rank r needs only the averaged gradient of the shard it updates (reduce-scatter),
+        # then everyone needs everyone's updated shard (all-gather). All-reduce is exactly
+        # reduce-scatter + all-gather, so the optimizer-state savings cost no extra bytes.
+        return {"reduce_scatter": reduce_scatter, "all_gather": all_gather}
+    # zero3 keeps no full parameters between uses: gather them for forward, gather them again
+    # for backward, reduce-scatter the gradients. The update needs no gather (each rank owns
+    # its shard), so the total is 3 (N-1)/N: 1.5 x an all-reduce.
+    return {"all_gather": 2 * all_gather, "reduce_scatter": reduce_scatter}
+
+
+# ---- activations ----------------------------------------------------------------------------
+
+def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: int = 1,
+                     checkpointing: bool = False, bytes_per_value: int = 2) -> int:
+    """Bytes of activations kept for backward by `layers` transformer layers on one rank.
+
+    Korthikanti et al., section 4.1, per layer, counting 16-bit values and 1-byte dropout masks:
+        attention   11 sbh + 5 a s^2 b   (Q, K, V, the s x s scores, softmax, its dropout mask)
+        MLP         19 sbh               (the 4h-wide GeLU input and output dominate)
+        2 norms      4 sbh
+        total       sbh (34 + 5 a s / h)
+    Other activation dtypes scale everything by bytes_per_value / 2: napkin-accurate, since
+    the masks (2 sbh + a s^2 b of it) stay 1 byte in reality. For this project's model it is
+    an upper bound: dropout defaults to 0 (no masks) and a fused attention kernel recomputes
+    the s x s scores in backward instead of keeping them.
+
+    With activation checkpointing each layer keeps only its input, 2 sbh, and backward
+    recomputes one layer's full activations at a time, so that one layer's worth is added
+    once (the paper's "full activation recomputation").
+    """
+    s, b, h, a = seq_len, batch, hidden, heads
+    per_layer = 34 * s * b * h + 5 * a * s * s * b        # sbh (34 + 5as/h), kept in integers
+    if checkpointing:
+        total = layers * 2 * s * b * h + per_layer
+    else:
+        total = layers * per_layer
+    return total * bytes_per_value // 2
+
+
+def logits_bytes(seq_len: int, batch: int, vocab: int) -> int:
+    """The loss keeps b x s x V fp32 log-probabilities for backward: 4 sbV bytes (section 4).
+
+    Outside the per-layer formula, and at GPT-2's vocabulary as large as a couple of layers.
+    """
+    return 4 * seq_len * batch * vocab
+
+
+# ---- parameter count ------------------------------------------------------------------------
+
+def model_params(name_or_config) -> int:
+    """Parameters of a preset name or a GPTConfig, in closed form (no model is built).
+
+    Per block (C = n_embd): query, value and output projections C*C + C each, key C*C (no
+    bias: see model.py), MLP up C*4C + 4C and down 4C*C + C, two layer norms 2C each:
+    12 C^2 + 12 C. Around the blocks: token and position embeddings, the final norm, and the
+    head, which is the token embedding itself when tied (counted once, as .parameters() does).
+    """
+    cfg = name_or_config
+    if isinstance(cfg, str):
+        if cfg not in PRESETS:
+            raise ValueError(f"unknown model {cfg!r}: choose one of {', '.join(PRESETS)}")
+        cfg = PRESETS[cfg]
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"model_params takes a preset name or a GPTConfig, got {type(cfg).__name__}")
+    C, V = cfg.n_embd, cfg.vocab_size
+    block = 12 * C * C + 12 * C
+    head = 0 if cfg.tie_embeddings else V * C
+    return V * C + cfg.block_size * C + cfg.n_layer * block + 2 * C + head
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+GB, MiB = 1e9, 2**20    # GB as in the ZeRO paper; MiB as train.py logs what it measures
+
+
+def held_bytes(model, optimizer) -> dict:
+    """Measured: bytes this rank holds in parameters, gradients and optimizer state.
+
+    Each storage counts once, whole: ZeRO's parameters are views of padded flat buffers and
+    its fp32 master shards (fp32 training) views of those. The optimizer side counts fp32
+    master copies and Adam's moments; DDP's and ZeRO's gradient buffers count as gradients.
+    """
+    seen = set()
+
+    def total(tensors):
+        count = 0
+        for t in tensors:
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                count += t.untyped_storage().nbytes()
+        return count
+
+    params = list(model.parameters())
+    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    states = [v for s in optimizer.optimizer.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor) and v.dim() > 0]
+    buffers = [*getattr(model, "gradient_buffers", list)(), *getattr(optimizer, "gradient_buffers", list)()]
+    return {"params": total(params),
+            "grads": total([p.grad for p in params + masters] + buffers),
+            "optimizer": total(masters + states)}
+
+
+def _parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--params", type=float, default=None, help="parameter count, e.g. 7.5e9")
+    p.add_argument("--model", choices=list(PRESETS), default=None,
+                   help="a model preset (gives the parameter count and the activation shapes)")
+    p.add_argument("--strategy", choices=STRATEGIES + tuple(ALIASES) + ("single",), default=None,
+                   help="one strategy in detail (default: a table of ddp and the zero stages)")
+    p.add_argument("--world", type=int, default=1, help="N, the number of ranks")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="parameter and gradient dtype (bf16 and fp16 cost the same bytes)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global batch in sequences, as train.py takes it (default: one per rank)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's block size")
+    args = p.parse_args(argv)
+
+    if (args.params is None) == (args.model is None):
+        p.error("give exactly one of --params (e.g. --params 7.5e9) or --model "
+                f"({', '.join(PRESETS)})")
+    if args.params is not None and (args.params < 1 or args.params != int(args.params)):
+        p.error(f"--params must be a whole number of parameters, at least 1, got {args.params:g}")
+    if args.world < 1:
+        p.error(f"--world must be at least 1 (the number of ranks), got {args.world}")
+    if args.strategy == "single" and args.world != 1:
+        p.error(f"--strategy single runs on one rank, but --world is {args.world}: "
+                f"use --strategy ddp, or drop --world")
+    if args.grad_accum < 1:
+        p.error("--grad-accum must be at least 1")
+    if args.model is not None:
+        cfg = PRESETS[args.model]
+        args.seq_len = cfg.block_size if args.seq_len is None else args.seq_len
+        if not 1 <= args.seq_len <= cfg.block_size:
+            p.error(f"--seq-len must be between 1 and model {args.model}'s block size "
+                    f"{cfg.block_size}, got {args.seq_len}")
+        per_step = args.world * args.grad_accum
+        args.batch_size = per_step if args.batch_size is None else args.batch_size
+        if args.batch_size < 1 or args.batch_size % per_step:
+            p.error(f"--batch-size {args.batch_size} does not divide into {args.world} ranks x "
+                    f"--grad-accum {args.grad_accum} = {per_step} equal micro-batches: "
+                    f"use a multiple of {per_step}")
+    return args
+
+
+def _table(n_params, args):
+    """One row per strategy: the ZeRO paper's figure 1, plus bytes sent per step."""
+    per_param = bytes_per_param(args.precision, args.optimizer)
+    # GB for models the paper talks about; a laptop-sized model reads better in MiB.
+    big = n_params * sum(per_param.values()) >= GB
+    unit, name = (GB, "GB (1 GB = 1e9 bytes, the ZeRO paper's unit)") if big else (
+        MiB, "MiB (1 MiB = 2**20 bytes, as train.py logs)")
+    print(f"{n_params:,} parameters on {args.world} ranks, {args.precision} with {args.optimizer}: "
+          f"{per_param['params']} + {per_param['grads']} + {per_param['optimizer']} = "
+          f"{sum(per_param.values())} bytes per parameter before sharding")
+    print(f"per rank, in {name}; sent: ring algorithm, per step")
+    print(f"{'strategy':<9}{'params':>9}{'grads':>9}{'optimizer':>11}{'total':>9} |{'sent':>8}  collectives")
+    for strategy in STRATEGIES:
+        held = state_bytes(n_params, strategy, args.precision, args.world, args.optimizer)
+        sent = comm_bytes(n_params, strategy, args.precision, args.world)
+        print(f"{strategy:<9}{held['params'] / unit:9.2f}{held['grads'] / unit:9.2f}"
+              f"{held['optimizer'] / unit:11.2f}{held['total'] / unit:9.2f} |"
+              f"{sum(sent.values()) / unit:8.2f}  {COLLECTIVES[strategy]}")
+
+
+def _breakdown(n_params, args):
+    """One strategy in detail: what a rank holds, activations included, and what it sends."""
+    strategy, n = args.strategy, args.world
+    held = state_bytes(n_params, strategy, args.precision, n, args.optimizer)
+    sent = comm_bytes(n_params, strategy, args.precision, n)
+    canonical = _strategy(strategy, n)
+    sharded = SHARDED[canonical]
+    how = [f"1/{n} shard" if s else "full" for s in sharded]
+    row = lambda label, value: print(f"  {label:<44}{value:>16,}{value / MiB:12.2f}{value / GB:10.3f}")
+    print(f"{args.model or 'model'}: {n_params:,} parameters | {strategy} on {n} rank(s) | "
+          f"{args.precision} parameters and gradients, {args.optimizer}")
+    print(f"per rank{'bytes':>54}{'MiB':>12}{'GB':>10}   (MiB = 2**20 bytes, as train.py logs; GB = 1e9)")
+    row(f"parameters ({how[0]})", held["params"])
+    row(f"gradients ({how[1]})", held["grads"])
+    row(f"optimizer state ({how[2]})", held["optimizer"])
+    totals = {"": held["total"]}
+    if args.model is not None:
+        cfg = PRESETS[args.model]
+        b, s = args.batch_size // (n * args.grad_accum), args.seq_len
+        value = _element_size(args.precision)
+        shape = dict(seq_len=s, batch=b, hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer,
+                     bytes_per_value=value)
+        full, ckpt = activation_bytes(**shape), activation_bytes(**shape, checkpointing=True)
+        logits = logits_bytes(s, b, cfg.vocab_size)
+        print(f"  activations: micro-batch b={b} per rank, s={s}, {cfg.n_layer} layers, "
+              f"{value}-byte values")
+        row("activations, L x sbh(34 + 5as/h)", full)
+        row("activations checkpointed, L x 2sbh + 1 layer", ckpt)
+        row("logits kept by the loss (4 sbV, fp32)", logits)
+        totals = {"": held["total"] + full + logits,
+                  " with checkpointing": held["total"] + ckpt + logits}
+    for suffix, value in totals.items():
+        row(f"total{suffix}", value)
+    print(f"sent per rank per step (ring algorithm): "
+          f"{'nothing, one rank' if strategy == 'single' else COLLECTIVES[canonical]}")
+    for name, value in sent.items():
+        row(name, value)
+    row("total sent", sum(sent.values()))
+
+
+def main(argv=None):
+    args = _parse_args(argv)
+    n_params = model_params(args.model) if args.model is not None else int(args.params)
+    if args.strategy is None:
+        _table(n_params, args)
+    else:
+        _breakdown(n_params, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""memory.py: the ZeRO paper's numbers, the lecture's claims about bytes, and the command line."""
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from collectives import ring_bytes
+from memory import (STRATEGIES, activation_bytes, bytes_per_param, comm_bytes, main,
+                    model_params, state_bytes)
+from model import PRESETS, build_model
+from multiprocess import run_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GB = 1e9
+
+
+PAPER = ("--params", "7.5e9", "--world", "64")
+BREAKDOWN = ("--model", "gpt2-small", "--strategy", "zero2", "--world", "8", "--batch-size", "8",
+             "--seq-len", "1024", "--precision", "bf16")
+
+
+@pytest.fixture(scope="module")
+def cli():
+    """The two documented commands, started together (each spends ~2 s importing torch)."""
+    procs = {args: subprocess.Popen([sys.executable, "memory.py", *args], cwd=REPO, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for args in (PAPER, BREAKDOWN)}
+    results = {}
+    for args, proc in procs.items():
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        results[args] = out
+    return results
+
+
+def test_the_lectures_bytes_per_parameter():
+    # Mixed precision with Adam: 2 (16-bit weight) + 2 (16-bit gradient) + 12 (fp32 master,
+    # momentum, variance) = 16 bytes per parameter on every DDP rank.
+    for precision in ("bf16", "fp16"):
+        assert bytes_per_param(precision) == {"params": 2, "grads": 2, "optimizer": 12}
+        assert state_bytes(1000, "ddp", precision, world_size=8)["total"] == 16 * 1000
+    assert bytes_per_param("fp32") == {"params": 4, "grads": 4, "optimizer": 8}  # own master
+    assert bytes_per_param("fp32", "sgd")["optimizer"] == 0
+    assert bytes_per_param("bf16", "sgd")["optimizer"] == 4                       # master only
+    assert state_bytes(1000, "single", "fp32", world_size=1) == state_bytes(1000, "ddp", "fp32", 1)
+
+
+@pytest.mark.parametrize("strategy, paper_gb", [("ddp", 120), ("zero1", 31.4), ("zero2", 16.6),
+                                                ("zero3", 1.9)])
+def test_zero_paper_figure_1(strategy, paper_gb):
+    # Rajbhandari et al. 2020, figure 1: 7.5B parameters, N_d = 64 GPUs, K = 12.
+    held = state_bytes(7_500_000_000, strategy, "fp16", world_size=64)
+    assert held["total"] / GB == pytest.approx(paper_gb, abs=0.05)
+    assert held["total"] == held["params"] + held["grads"] + held["optimizer"]
+
+
+def test_zero_shards_hold_one_nth_and_fsdp_is_zero3():
+    full = state_bytes(64_000, "ddp", "bf16", world_size=8)
+    for strategy, sharded in (("zero1", {"optimizer"}), ("zero2", {"grads", "optimizer"}),
+                              ("zero3", {"params", "grads", "optimizer"})):
+        held = state_bytes(64_000, strategy, "bf16", world_size=8)
+        for name in ("params", "grads", "optimizer"):
+            assert held[name] == (full[name] // 8 if name in sharded else full[name]), (strategy, name)
+    assert state_bytes(64_000, "fsdp", "bf16", 8) == state_bytes(64_000, "zero3", "bf16", 8)
+    assert comm_bytes(64_000, "fsdp", "bf16", 8) == comm_bytes(64_000, "zero3", "bf16", 8)
+
+
+def test_padding_is_counted():
+    # 10 parameters on 4 ranks: shards of ceil(10/4) = 3 elements, a flat buffer of 12.
+    n, world = 10, 4
+    assert state_bytes(n, "ddp", "bf16", world) == {"params": 20, "grads": 20, "optimizer": 120,
+                                                   "total": 160}     # unpadded tensors
+    assert state_bytes(n, "zero1", "bf16", world) == {"params": 24, "grads": 24, "optimizer": 36,
+                                                     "total": 84}
+    assert state_bytes(n, "zero2", "bf16", world) == {"params": 24, "grads": 6, "optimizer": 36,
+                                                     "total": 66}
+    assert state_bytes(n, "zero3", "fp32", world) == {"params": 12, "grads": 12, "optimizer": 24,
+                                                     "total": 48}
+    assert comm_bytes(n, "zero3", "bf16", world) == {"all_gather": 2 * 3 * 3 * 2,
+                                                     "reduce_scatter": 3 * 3 * 2}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("n_params, world", [(124_466_688, 8), (1_000_003, 7), (4096, 2)])
+def test_zero1_and_zero2_send_what_ddp_sends_and_zero3_half_again(n_params, world, precision):
+    ddp = comm_bytes(n_params, "ddp", precision, world)
+    size = 4 if precision == "fp32" else 2                       # gradients in the params' dtype
+    assert ddp == {"all_reduce": ring_bytes("all_reduce", n_params, size, world)}
+    for strategy in ("zero1", "zero2"):                          # the lecture's "free" claim
+        sent = comm_bytes(n_params, strategy, precision, world)
+        assert set(sent) == {"reduce_scatter", "all_gather"}
+        assert sum(sent.values()) == ddp["all_reduce"]
+    # 3 (N-1) chunks against 2 (N-1): exactly 1.5x, padded or not, as both pad to N chunks
+    zero3 = sum(comm_bytes(n_params, "zero3", precision, world).values())
+    assert zero3 == 1.5 * ddp["all_reduce"]
+    assert comm_bytes(n_params, "single", precision, 1) == {}
+    assert all(v == 0 for v in comm_bytes(n_params, "ddp", precision, 1).values())
+
+
+def test_model_params_matches_the_built_model():
+    for name in PRESETS:
+        with torch.device("meta"):                  # the real modules, no memory or init time
+            assert model_params(name) == build_model(name).num_parameters(), name
+    untied = dataclasses.replace(PRESETS["gpt2-small"], tie_embeddings=False)
+    assert model_params(untied) == model_params("gpt2-small") + 50304 * 768
+    with pytest.raises(ValueError, match="unknown model 'gpt5'"):
+        model_params("gpt5")
+
+
+def test_activation_formula_by_hand_and_checkpointing_saves():
+    # s=4, b=2, h=8, a=2: sbh = 64, so 34 sbh + 5 a s^2 b = 2176 + 320 = 2496 bytes per layer.
+    shape = dict(seq_len=4, batch=2, hidden=8, heads=2)
+    assert activation_bytes(**shape) == 2496
+    assert activation_bytes(**shape, layers=3) == 3 * 2496
+    assert activation_bytes(**shape, layers=3, bytes_per_value=4) == 2 * 3 * 2496
+    # checkpointed: each layer's 16-bit input (2 sbh = 128) plus one layer recomputed
+    assert activation_bytes(**shape, layers=3, checkpointing=True) == 3 * 128 + 2496
+    gpt2 = dict(seq_len=1024, batch=8, hidden=768, heads=12, layers=12)
+    full, ckpt = activation_bytes(**gpt2), activation_bytes(**gpt2, checkpointing=True)
+    assert ckpt < full / 5
+
+
+def test_cli_reproduces_the_zero_paper_table(cli):
+    out = cli[PAPER]
+    assert "GB (1 GB = 1e9 bytes" in out
+    totals = {m[0]: float(m[1]) for m in re.findall(r"^(\w+)(?:\s+[\d.]+){3}\s+([\d.]+) \|",
+                                                     out, re.M)}
+    assert list(totals) == list(STRATEGIES)
+    for strategy, paper_gb in zip(STRATEGIES, (120, 31.4, 16.6, 1.9)):
+        assert totals[strategy] == pytest.approx(paper_gb, abs=0.05), out
+
+
+def test_cli_breakdown_of_one_strategy(cli):
+    out = cli[BREAKDOWN]
+    shard = 124_466_688 // 8
+    shape = dict(seq_len=1024, batch=1, hidden=768, heads=12, layers=12)
+    for label, value in (("parameters (full)", 2 * 124_466_688),
+                         ("gradients (1/8 shard)", 2 * shard),
+                         ("optimizer state (1/8 shard)", 12 * shard),
+                         ("activations, L x sbh(34 + 5as/h)", activation_bytes(**shape)),
+                         ("activations checkpointed", activation_bytes(**shape, checkpointing=True)),
+                         ("reduce_scatter", 7 * shard * 2), ("all_gather", 7 * shard * 2)):
+        line = next((l for l in out.splitlines() if l.strip().startswith(label)), None)
+        assert line is not None and f"{value:,}" in line, f"{label}: {value:,} not in\n{out}"
+    assert re.search(r"^  total\s+[\d,]+", out, re.M) and "total with checkpointing" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--params", "1e9", "--strategy", "zero4"], "invalid choice: 'zero4'"),
+    (["--params", "1e9", "--world", "0"], "--world must be at least 1"),
+    ([], "give exactly one of --params"),
+    (["--model", "tiny", "--world", "3", "--batch-size", "8"], "use a multiple of 3"),
+    (["--params", "1e9", "--strategy", "single", "--world", "2"], "use --strategy ddp"),
+])
+def test_bad_input_stops_with_one_clear_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_arguments_to_the_functions():
+    with pytest.raises(ValueError, match="unknown strategy 'zero4'"):
+        state_bytes(100, "zero4", "bf16", 2)
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        comm_bytes(100, "ddp", "bf16", 0)
+    with pytest.raises(ValueError, match="'single' runs on one rank"):
+        state_bytes(100, "single", "bf16", 4)
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        bytes_per_param("fp8")
+
+
+# ---- prediction against measurement, on live ranks ------------------------------------------
+
+def _measured_after_one_step():
+    """held_bytes() of every (strategy, precision) after one step of the tiny GPT."""
+    from ddp import DDP
+    from memory import held_bytes
+    from mixed_precision import DTYPES, MixedPrecisionOptimizer
+    from zero import ZeroOptimizer
+    measured = {}
+    for strategy in ("ddp", "zero1", "zero2"):
+        for precision in ("fp32", "bf16"):
+            torch.manual_seed(0)
+            model = build_model("tiny").to(DTYPES[precision])
+            if strategy == "ddp":
+                model = DDP(model)
+                optimizer = MixedPrecisionOptimizer(model.parameters(), precision=precision)
+            else:
+                optimizer = ZeroOptimizer(model.parameters(), stage=int(strategy[-1]))
+            idx = torch.randint(0, 256, (2, 33))
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+            optimizer.scale_loss(loss).backward()
+            if strategy == "ddp":
+                model.finish_gradient_sync()
+            optimizer.step()               # state exists now; gradients are held until zero_grad
+            measured[strategy, precision] = held_bytes(model, optimizer)
+    return measured
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_prediction_matches_the_bytes_ranks_hold(world_size):
+    n_params = model_params("tiny")
+    for rank_measured in run_ranks(_measured_after_one_step, world_size):
+        for (strategy, precision), measured in rank_measured.items():
+            predicted = state_bytes(n_params, strategy, precision, world_size)
+            for part in ("params", "grads", "optimizer"):
+                # 1%: the issue's bar; the only gap allowed is what the napkin math leaves
+                # out, and with one bucket the padding is counted on both sides.
+                assert measured[part] == pytest.approx(predicted[part], rel=0.01), \
+                    (strategy, precision, world_size, part, measured, predicted)

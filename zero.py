@@ -1,0 +1,279 @@
+"""ZeRO stages 1 and 2: shard the optimizer state, then the gradients, over the data-parallel ranks.
+
+Under DDP every rank holds the whole Adam state: 12 of the 16 bytes per parameter in mixed
+precision. ZeRO (Rajbhandari et al. 2020, sections 5.1 and 5.2) lays the parameters in a flat
+buffer split into N equal shards; rank r keeps the optimizer state (stage 1) and the reduced
+gradient (stage 2) of shard r only, updates that shard, and all-gathers the parameters. A
+reduce-scatter plus an all-gather move exactly what DDP's all-reduce moves: the memory is free.
+Left out: stage 3 (fsdp.py reuses FlatParams below), CPU offload, ZeRO++'s quantised messages.
+Run: torchrun --nproc_per_node 2 train.py --strategy zero2; test: python -m pytest tests/test_zero.py
+
+Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements per shard.
+"""
+import torch
+import torch.nn as nn
+from torch.nn.utils import clip_grads_with_norm_
+
+from collectives import as_comm, ring_bytes, split_into_buckets
+from mixed_precision import DynamicLossScaler, found_overflow, unscale_grads
+
+
+class FlatParams:
+    """Parameters laid end to end in one flat buffer, zero-padded to N equal shards.
+
+        params   [ w0: 6 elements | w1: 3 | b1: 2 ]              P = 11, N = 3, S = 4
+        flat     [ w0 w0 w0 w0 | w0 w0 w1 w1 | w1 b1 b1 pad ]
+                      shard 0       shard 1       shard 2        rank r owns shard r
+
+    After construction every parameter is a view into `flat`: the model runs unchanged, and
+    whatever is written into `flat` (an all-gather) is written into the parameters. Any other
+    flat tensor of the same layout (a gradient buffer) is cut the same way by views() and shard().
+    """
+
+    def __init__(self, params: list[nn.Parameter], world_size: int):
+        self.params = list(params)
+        first = self.params[0]
+        self.numel = sum(p.numel() for p in self.params)                 # P
+        self.shard_numel = -(-self.numel // world_size)                  # S = ceil(P / N)
+        self.offsets = [0]
+        for p in self.params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.flat = torch.zeros(world_size * self.shard_numel, dtype=first.dtype,
+                                device=first.device)                     # (N*S,)
+        with torch.no_grad():
+            for p, view in zip(self.params, self.views(self.flat)):
+                view.copy_(p)
+                p.data = view
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """The slice of `flat` that belongs to params[i], shaped like it."""
+        return flat[self.offsets[i]: self.offsets[i + 1]].view_as(self.params[i])
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [self.view(flat, i) for i in range(len(self.params))]
+
+    def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s shard of `flat`: (N*S,) -> (S,)."""
+        return flat[rank * self.shard_numel: (rank + 1) * self.shard_numel]
+
+
+class Bucket(FlatParams):
+    """One flat buffer's worth of parameters, plus this rank's optimizer-side state for it."""
+
+    def __init__(self, params, world_size):
+        super().__init__(params, world_size)
+        self.master = None        # (S,) fp32: the shard the inner optimizer updates
+        self.grad_shard = None    # (S,) this rank's reduced gradient, in the parameters' dtype
+        self.grad_flat = None     # (N*S,) full gradient: stage 1 always, stage 2 only in flight
+        self.pending = len(self.params)   # stage 2: gradients not yet copied in this backward
+        self.reduction = None     # stage 2: (handle, output) of the in-flight reduce-scatter
+
+
+class ZeroOptimizer:
+    """Any element-wise torch optimizer (SGD, Adam, AdamW...) on this rank's shards only.
+
+    params: the model's parameters; frozen ones (requires_grad=False) are left alone. Their
+    dtype picks the precision: fp32 updates the parameters' own shard in place (it is its own
+    master), bf16 and fp16 keep an fp32 master shard, fp16 also scales the loss (scaler).
+    group: a collectives.Comm, a process group or None (the world). bucket_mb: the size of
+    each flat buffer; stage 2 reduces one bucket while backward computes the next.
+    Training loop: zero_grad(); scale_loss(loss).backward() per micro-batch; step().
+    """
+
+    def __init__(self, params, stage: int = 1, optimizer_cls=torch.optim.AdamW, group=None,
+                 bucket_mb: float = 25, scaler: DynamicLossScaler | None = None, **optimizer_kwargs):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}; stage 3 shards the "
+                             f"parameters too: that is FSDP (fsdp.py)")
+        trainable = [p for p in params if p.requires_grad]
+        if not trainable:
+            raise ValueError("ZeroOptimizer: no trainable parameters (requires_grad=True) to shard")
+        dtypes = {p.dtype for p in trainable}
+        if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
+            raise ValueError(f"ZeroOptimizer needs all trainable parameters in one of fp32, bf16, "
+                             f"fp16, got {sorted(map(str, dtypes))}: cast the model first, e.g. "
+                             f"model.to(torch.bfloat16)")
+        self.comm = as_comm(group)
+        self.stage = stage
+        n, r = self.comm.world_size, self.comm.rank
+        # Reverse registration order is roughly the order backward produces gradients (stage 2
+        # reduces buckets as they fill); each bucket is sharded N ways, so rank r's share of
+        # the optimizer state is shard r of every bucket: 1/N of the whole, plus padding.
+        self.buckets = [Bucket(chunk, n) for chunk in split_into_buckets(trainable[::-1], bucket_mb)]
+        for bucket in self.buckets:
+            self.comm.broadcast(bucket.flat, src=0)                  # ranks start identical
+            shard = bucket.shard(bucket.flat, r)                     # (S,) a view of the parameters
+            bucket.master = shard if shard.dtype == torch.float32 else shard.float()
+        self.optimizer = optimizer_cls([b.master for b in self.buckets], **optimizer_kwargs)
+        self.scaler = scaler or DynamicLossScaler(enabled=trainable[0].dtype == torch.float16)
+        self.last_grad_norm = None
+        if stage == 1:
+            # Gradients accumulate straight into each bucket's flat buffer: param.grad is a view.
+            for bucket in self.buckets:
+                bucket.grad_flat = torch.zeros_like(bucket.flat)
+                for p, view in zip(bucket.params, bucket.views(bucket.grad_flat)):
+                    p.grad = view
+        else:
+            self._next_bucket = 0                 # first bucket whose reduction is not launched
+            self._backward_hooked = False         # end-of-backward callback queued?
+            for bucket in self.buckets:
+                for i, p in enumerate(bucket.params):
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, bucket=bucket, i=i: self._gradient_ready(bucket, i, p))
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(loss)
+
+    # ---- stage 2: reduce-scatter buckets while backward runs ------------------------------
+    #
+    #   backward   | grads of bucket 0 | grads of bucket 1 | grads of bucket 2 |
+    #   network                        |= reduce-scatter 0 =|= reduce-scatter 1 =|= 2 =|
+    #   memory       full gradients exist only for the buckets in flight, then only shards
+
+    def _gradient_ready(self, bucket: Bucket, i: int, param: nn.Parameter):
+        if not self._backward_hooked:
+            # Runs once backward is over: launch what never filled (unused parameters), wait.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._backward_hooked = True
+        if bucket.grad_flat is None:
+            bucket.grad_flat = torch.zeros_like(bucket.flat)         # (N*S,) lives while in flight
+        bucket.view(bucket.grad_flat, i).copy_(param.grad)
+        param.grad = None                                            # the full gradient is gone
+        bucket.pending -= 1
+        # Collectives match by order: every rank launches bucket 0, then 1, ... whatever order
+        # its gradients arrived in.
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+            self._launch_reduction(self.buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _launch_reduction(self, bucket: Bucket):
+        output = torch.empty_like(bucket.flat[: bucket.shard_numel])      # (S,)
+        handle = self.comm.reduce_scatter(output, bucket.grad_flat, op="avg", async_op=True)
+        bucket.reduction = (handle, output)
+
+    def _finish_backward(self):
+        for bucket in self.buckets[self._next_bucket:]:                  # some gradient never came
+            if bucket.grad_flat is None:
+                bucket.grad_flat = torch.zeros_like(bucket.flat)
+            self._launch_reduction(bucket)
+        for bucket in self.buckets:
+            handle, output = bucket.reduction
+            handle.wait()
+            # Micro-batches of one step (gradient accumulation) add up in the shard.
+            bucket.grad_shard = output if bucket.grad_shard is None else bucket.grad_shard.add_(output)
+            bucket.grad_flat, bucket.reduction = None, None
+            bucket.pending = len(bucket.params)
+        self._next_bucket, self._backward_hooked = 0, False
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def step(self, clip_grad: float | None = None) -> bool:
+        """Reduce (stage 1), unscale, clip, update this rank's shards, all-gather; False if skipped."""
+        if self.stage == 1:
+            self._reduce_scatter_full_gradients()
+        buckets = [b for b in self.buckets if b.grad_shard is not None]
+        masters = [b.master for b in buckets]
+        grads = unscale_grads([b.grad_shard for b in buckets], masters, self.scaler.scale)
+        skip = False
+        if clip_grad is not None or self.scaler.enabled:
+            # The global norm: each rank's shards hold disjoint slices of the one gradient (padding
+            # is zero), so the squares add up across ranks. Every rank gets the same norm, so every
+            # rank takes the same skip decision without a second message.
+            squares = sum(g.float().pow(2).sum() for g in grads) if grads else torch.zeros(())
+            squares = squares.reshape(1).to(self.buckets[0].flat.device)
+            self.comm.all_reduce(squares, op="sum")
+            norm = squares.sqrt()[0]
+            self.last_grad_norm = norm.item()
+            skip = found_overflow(norm)
+            if not skip and clip_grad is not None:
+                clip_grads_with_norm_(masters, clip_grad, norm)
+        if not skip:
+            self.optimizer.step()
+            self._all_gather_parameters()
+        for bucket in buckets:
+            if bucket.master.dtype != bucket.flat.dtype:
+                bucket.master.grad = None                # the fp32 copy lives only inside step()
+            if self.stage == 1:                          # the full gradient stays until zero_grad()
+                bucket.grad_shard = bucket.master.grad = None
+        self.scaler.update(skip)
+        return not skip
+
+    def _reduce_scatter_full_gradients(self):
+        n_rank = self.comm.rank
+        for bucket in self.buckets:
+            # A parameter that the user's zero_grad(set_to_none=True) or autograd re-created is
+            # copied back into the flat buffer once, and becomes a view again.
+            for p, view in zip(bucket.params, bucket.views(bucket.grad_flat)):
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
+        reductions = []
+        for bucket in self.buckets:
+            output = torch.empty_like(bucket.shard(bucket.flat, n_rank))            # (S,)
+            reductions.append((bucket, output, self.comm.reduce_scatter(
+                output, bucket.grad_flat, op="avg", async_op=True)))
+        for bucket, output, handle in reductions:
+            handle.wait()
+            bucket.grad_shard = output
+
+    def _all_gather_parameters(self):
+        r = self.comm.rank
+        gathers = []
+        for bucket in self.buckets:
+            shard = bucket.shard(bucket.flat, r)
+            if bucket.master is not shard:
+                shard.copy_(bucket.master)               # round the fp32 master into the model
+            # The input is a copy: it must not alias the buffer being gathered into.
+            gathers.append(self.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
+        for handle in gathers:
+            handle.wait()
+
+    def zero_grad(self):
+        for bucket in self.buckets:
+            bucket.grad_shard = None
+            bucket.master.grad = None
+            if self.stage == 1:
+                bucket.grad_flat.zero_()
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The gradient memory this rank holds: full flat buffers (stage 1) or shards (stage 2)."""
+        return [t for b in self.buckets for t in (b.grad_flat, b.grad_shard) if t is not None]
+
+    def bytes_per_step(self, micro_batches: int = 1) -> int:
+        """Bytes this rank sends per step (ring): reduce-scatter + all-gather of every bucket.
+
+        Each is (N-1)/N of the bucket, together DDP's 2(N-1)/N: ZeRO-1 and ZeRO-2 cost no more
+        traffic than DDP. Stage 2 reduce-scatters once per micro-batch (it keeps no full
+        gradient to accumulate into), stage 1 once per step.
+        """
+        n = self.comm.world_size
+        reductions = micro_batches if self.stage == 2 else 1
+        return sum(reductions * ring_bytes("reduce_scatter", b.flat.numel(), b.flat.element_size(), n)
+                   + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), n)
+                   for b in self.buckets)
+
+    def state_dict(self) -> dict:
+        """This rank's shard: inner optimizer state, fp32 master shards, loss scale."""
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "masters": [b.master.detach().clone() for b in self.buckets],
+                "rank": self.comm.rank, "world_size": self.comm.world_size}
+
+    def load_state_dict(self, state: dict):
+        if (state["rank"], state["world_size"]) != (self.comm.rank, self.comm.world_size):
+            raise ValueError(f"this state is rank {state['rank']} of {state['world_size']}'s shard; "
+                             f"load it on rank {state['rank']} of a world of {state['world_size']}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        with torch.no_grad():
+            for bucket, master in zip(self.buckets, state["masters"]):
+                bucket.master.copy_(master)
+        self._all_gather_parameters()                    # the full parameters follow the shards
+
