@@ -10,12 +10,19 @@ Run: torchrun --nproc_per_node 2 train.py --strategy zero2; test: python -m pyte
 
 Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements per shard.
 """
+from collections import deque
+
 import torch
 import torch.nn as nn
 from torch.nn.utils import clip_grads_with_norm_
 
 from collectives import as_comm, ring_bytes, split_into_buckets
 from mixed_precision import DynamicLossScaler, found_overflow, unscale_grads
+
+# Stage 2 keeps at most this many full bucket gradients in flight: when a third bucket
+# fills, backward waits for the oldest reduce-scatter and frees its buffer. Memory stays
+# bounded whatever the network's speed; two in flight are enough to keep the link busy.
+MAX_BUCKETS_IN_FLIGHT = 2
 
 
 class FlatParams:
@@ -66,7 +73,7 @@ class Bucket(FlatParams):
         self.grad_shard = None    # (S,) this rank's reduced gradient, in the parameters' dtype
         self.grad_flat = None     # (N*S,) full gradient: stage 1 always, stage 2 only in flight
         self.pending = len(self.params)   # stage 2: gradients not yet copied in this backward
-        self.reduction = None     # stage 2: (handle, output) of the in-flight reduce-scatter
+        self.reduction = None     # stage 2: (handle, output) of its reduce-scatter in flight
 
 
 class ZeroOptimizer:
@@ -115,6 +122,7 @@ class ZeroOptimizer:
                     p.grad = view
         else:
             self._next_bucket = 0                 # first bucket whose reduction is not launched
+            self._in_flight = deque()             # buckets launched, not yet waited for
             self._backward_hooked = False         # end-of-backward callback queued?
             for bucket in self.buckets:
                 for i, p in enumerate(bucket.params):
@@ -132,7 +140,8 @@ class ZeroOptimizer:
     #
     #   backward   | grads of bucket 0 | grads of bucket 1 | grads of bucket 2 |
     #   network                        |= reduce-scatter 0 =|= reduce-scatter 1 =|= 2 =|
-    #   memory       full gradients exist only for the buckets in flight, then only shards
+    #   memory       a full gradient buffer exists only for the bucket being filled and the
+    #                (at most MAX_BUCKETS_IN_FLIGHT) buckets in flight; then only shards
 
     def _gradient_ready(self, bucket: Bucket, i: int, param: nn.Parameter):
         if not self._backward_hooked:
@@ -154,19 +163,26 @@ class ZeroOptimizer:
         output = torch.empty_like(bucket.flat[: bucket.shard_numel])      # (S,)
         handle = self.comm.reduce_scatter(output, bucket.grad_flat, op="avg", async_op=True)
         bucket.reduction = (handle, output)
+        self._in_flight.append(bucket)
+        while len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
+            self._retire(self._in_flight.popleft())
+
+    def _retire(self, bucket: Bucket):
+        """Wait for a bucket's reduce-scatter, keep the shard, free the full gradient."""
+        handle, output = bucket.reduction
+        handle.wait()
+        # Micro-batches of one step (gradient accumulation) add up in the shard.
+        bucket.grad_shard = output if bucket.grad_shard is None else bucket.grad_shard.add_(output)
+        bucket.grad_flat, bucket.reduction = None, None
+        bucket.pending = len(bucket.params)
 
     def _finish_backward(self):
         for bucket in self.buckets[self._next_bucket:]:                  # some gradient never came
             if bucket.grad_flat is None:
                 bucket.grad_flat = torch.zeros_like(bucket.flat)
             self._launch_reduction(bucket)
-        for bucket in self.buckets:
-            handle, output = bucket.reduction
-            handle.wait()
-            # Micro-batches of one step (gradient accumulation) add up in the shard.
-            bucket.grad_shard = output if bucket.grad_shard is None else bucket.grad_shard.add_(output)
-            bucket.grad_flat, bucket.reduction = None, None
-            bucket.pending = len(bucket.params)
+        while self._in_flight:
+            self._retire(self._in_flight.popleft())
         self._next_bucket, self._backward_hooked = 0, False
 
     # ---- the step ----------------------------------------------------------------------
@@ -178,19 +194,18 @@ class ZeroOptimizer:
         buckets = [b for b in self.buckets if b.grad_shard is not None]
         masters = [b.master for b in buckets]
         grads = unscale_grads([b.grad_shard for b in buckets], masters, self.scaler.scale)
-        skip = False
-        if clip_grad is not None or self.scaler.enabled:
-            # The global norm: each rank's shards hold disjoint slices of the one gradient (padding
-            # is zero), so the squares add up across ranks. Every rank gets the same norm, so every
-            # rank takes the same skip decision without a second message.
-            squares = sum(g.float().pow(2).sum() for g in grads) if grads else torch.zeros(())
-            squares = squares.reshape(1).to(self.buckets[0].flat.device)
-            self.comm.all_reduce(squares, op="sum")
-            norm = squares.sqrt()[0]
-            self.last_grad_norm = norm.item()
-            skip = found_overflow(norm)
-            if not skip and clip_grad is not None:
-                clip_grads_with_norm_(masters, clip_grad, norm)
+        # The global norm: each rank's shards hold disjoint slices of the one gradient (padding
+        # is zero), so the squares add up across ranks. Every rank gets the same norm, so every
+        # rank takes the same skip decision without a second message. It serves clipping and the
+        # inf/NaN check of every precision (as in mixed_precision.py): one 4-byte all-reduce.
+        squares = sum(g.float().pow(2).sum() for g in grads) if grads else torch.zeros(())
+        squares = squares.reshape(1).to(self.buckets[0].flat.device)
+        self.comm.all_reduce(squares, op="sum")
+        norm = squares.sqrt()[0]
+        self.last_grad_norm = norm.item()
+        skip = found_overflow(norm)
+        if not skip and clip_grad is not None:
+            clip_grads_with_norm_(masters, clip_grad, norm)
         if not skip:
             self.optimizer.step()
             self._all_gather_parameters()
@@ -203,7 +218,7 @@ class ZeroOptimizer:
         return not skip
 
     def _reduce_scatter_full_gradients(self):
-        n_rank = self.comm.rank
+        r = self.comm.rank
         for bucket in self.buckets:
             # A parameter that the user's zero_grad(set_to_none=True) or autograd re-created is
             # copied back into the flat buffer once, and becomes a view again.
@@ -215,7 +230,7 @@ class ZeroOptimizer:
                 p.grad = view
         reductions = []
         for bucket in self.buckets:
-            output = torch.empty_like(bucket.shard(bucket.flat, n_rank))            # (S,)
+            output = torch.empty_like(bucket.shard(bucket.flat, r))                 # (S,)
             reductions.append((bucket, output, self.comm.reduce_scatter(
                 output, bucket.grad_flat, op="avg", async_op=True)))
         for bucket, output, handle in reductions:
@@ -251,14 +266,15 @@ class ZeroOptimizer:
         """Bytes this rank sends per step (ring): reduce-scatter + all-gather of every bucket.
 
         Each is (N-1)/N of the bucket, together DDP's 2(N-1)/N: ZeRO-1 and ZeRO-2 cost no more
-        traffic than DDP. Stage 2 reduce-scatters once per micro-batch (it keeps no full
-        gradient to accumulate into), stage 1 once per step.
+        traffic than DDP (plus the gradient norm's one fp32 number). Stage 2 reduce-scatters
+        once per micro-batch (it keeps no full gradient to accumulate into), stage 1 once.
         """
         n = self.comm.world_size
         reductions = micro_batches if self.stage == 2 else 1
-        return sum(reductions * ring_bytes("reduce_scatter", b.flat.numel(), b.flat.element_size(), n)
-                   + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), n)
-                   for b in self.buckets)
+        return ring_bytes("all_reduce", 1, 4, n) + sum(
+            reductions * ring_bytes("reduce_scatter", b.flat.numel(), b.flat.element_size(), n)
+            + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), n)
+            for b in self.buckets)
 
     def state_dict(self) -> dict:
         """This rank's shard: inner optimizer state, fp32 master shards, loss scale."""

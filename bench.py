@@ -1,0 +1,395 @@
+"""bench.py: our strategies and collectives against PyTorch's own, timed in one job.
+
+Each strategy and its PyTorch counterpart train the same model on the same data, precision and
+world size, alternating run by run (fresh model, warm-up, timed steps), beside memory and bytes
+sent; our ring all-reduce is timed against the native one from 1 KB up (nccl-tests' busbw).
+Left out: strategies not written yet, gradient accumulation, data loading, CPU activation memory.
+Run: torchrun --nproc_per_node 2 bench.py --quick (CPU); torchrun --nproc_per_node 8 bench.py (GPUs)
+Test: python -m pytest tests/test_bench.py
+"""
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import clip_grad_norm_
+
+from collectives import Comm, init_distributed
+from data import TextData
+from ddp import DDP
+from memory import comm_bytes, held_bytes
+from mixed_precision import DTYPES, MixedPrecisionOptimizer
+from model import PRESETS, build_model
+from zero import ZeroOptimizer
+
+MiB = 2**20
+ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+# ---- the contenders: model, args -> Run, ours and PyTorch's -------------------------------------
+
+@dataclass
+class Run:
+    """A model wrapped by one strategy, and what the report reads from it."""
+    model: torch.nn.Module
+    optimizer: object           # zero_grad(), scale_loss(loss), step(clip_grad); held_bytes reads it
+    comm: Comm | None = None    # ours: the byte counter; PyTorch's collectives count nothing
+    label: str = "ours"         # what ran, for the report
+
+
+class TorchOptimizer:
+    """A torch optimizer behind our optimizers' interface: torch's clip, then its step.
+
+    held_bytes reads the moments from `.optimizer.state`: ZeroRedundancyOptimizer keeps them in
+    its local optimizer (state_owner), the one that updates this rank's shard.
+    """
+
+    def __init__(self, optimizer, params, state_owner=None):
+        self.torch_optimizer, self.params = optimizer, list(params)
+        self.optimizer = state_owner or optimizer
+        self.param_groups = optimizer.param_groups
+
+    def zero_grad(self):
+        self.torch_optimizer.zero_grad(set_to_none=True)
+
+    def scale_loss(self, loss):
+        return loss
+
+    def step(self, clip_grad=None):
+        if clip_grad:
+            clip_grad_norm_(self.params, clip_grad)     # every rank holds the full averaged grads
+        self.torch_optimizer.step()
+
+
+def ours_ddp(model, args):
+    comm = Comm()
+    ddp = DDP(model, comm, bucket_mb=args.bucket_mb)
+    return Run(ddp, MixedPrecisionOptimizer(ddp.parameters(), torch.optim.AdamW,
+                                            precision=args.precision, **ADAMW), comm)
+
+
+def ours_zero(stage, model, args):
+    comm = Comm()
+    return Run(model, ZeroOptimizer(model.parameters(), stage=stage, optimizer_cls=torch.optim.AdamW,
+                                    group=comm, bucket_mb=args.bucket_mb, **ADAMW), comm)
+
+
+def torch_ddp_model(model, args):
+    # gradient_as_bucket_view: .grad is a view of the bucket, as in ddp.py (no second copy of the
+    # gradients; held_bytes sees the buckets through .grad). Neither side re-syncs buffers per step.
+    return DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, forward_sync_buffers=False,
+                                   gradient_as_bucket_view=True)
+
+
+def torch_ddp(model, args):
+    ddp = torch_ddp_model(model, args)
+    label = f"DistributedDataParallel(bucket_cap_mb={args.bucket_mb:g}, gradient_as_bucket_view=True)"
+    if args.precision == "fp32":
+        adamw = torch.optim.AdamW(ddp.parameters(), **ADAMW)
+        return Run(ddp, TorchOptimizer(adamw, ddp.parameters()), label=label + " + AdamW")
+    # torch has no fp32-master wrapper for a bf16 model: the same MixedPrecisionOptimizer as ours.
+    return Run(ddp, MixedPrecisionOptimizer(ddp.parameters(), torch.optim.AdamW,
+                                            precision=args.precision, **ADAMW),
+               label=label + " + our MixedPrecisionOptimizer(AdamW), fp32 masters")
+
+
+def torch_zero(model, args):
+    # ZeroRedundancyOptimizer is ZeRO stage 1 only; it is zero2's counterpart too (the nearest
+    # other one, FSDP's SHARD_GRAD_OP, also changes how parameters are held). In bf16 it runs
+    # AdamW on the bf16 weights themselves: no fp32 master, less work and memory than ours.
+    ddp = torch_ddp_model(model, args)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                   parameters_as_bucket_view=True, **ADAMW)
+    label = ("DistributedDataParallel + ZeroRedundancyOptimizer(AdamW, parameters_as_bucket_view="
+             "True), stage 1" + ("" if args.precision == "fp32" else ", AdamW on the bf16 weights"))
+    return Run(ddp, TorchOptimizer(zero, ddp.parameters(), state_owner=zero.optim), label=label)
+
+
+# name -> (build ours, build PyTorch's). A new strategy is one more line here.
+STRATEGIES = {
+    "ddp": (ours_ddp, torch_ddp),
+    "zero1": (partial(ours_zero, 1), torch_zero),
+    "zero2": (partial(ours_zero, 2), torch_zero),
+}
+BENCHMARKS = (*STRATEGIES, "collectives")
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def across_ranks(value: float, device, op=dist.ReduceOp.MAX) -> float:
+    """A per-rank number combined over ranks (the slowest rank's time is the step's time)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def summary(samples: list) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
+            "samples": samples}
+
+
+def train_step(run: Run, x, y, clip_grad) -> torch.Tensor:
+    run.optimizer.zero_grad()
+    _, loss = run.model(x, y)
+    run.optimizer.scale_loss(loss).backward()
+    if isinstance(run.model, DDP):
+        run.model.finish_gradient_sync()
+    run.optimizer.step(clip_grad=clip_grad)
+    return loss.detach()
+
+
+def time_training(build, args, batches, device) -> dict:
+    """Build a fresh model and strategy, warm up, time args.steps steps: ms/step, memory, bytes."""
+    gc.collect()                                # the previous run's model and hooks are gone
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(args.seed)                # every run starts from the same weights
+    run = build(build_model(args.model).to(device=device, dtype=DTYPES[args.precision]), args)
+    for x, y in batches[:args.warmup]:          # first steps allocate, build buckets, tune
+        train_step(run, x, y, args.clip_grad)
+    if run.comm is not None:
+        run.comm.bytes_sent.clear()
+    sync(device)
+    dist.barrier()                              # every rank starts the clock together
+    start = time.perf_counter()
+    for x, y in batches[args.warmup:]:
+        loss = train_step(run, x, y, args.clip_grad)
+    sync(device)
+    seconds = across_ranks(time.perf_counter() - start, device)
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else sum(held_bytes(run.model, run.optimizer).values()))
+    sent = None if run.comm is None else sum(run.comm.bytes_sent.values()) / args.steps
+    return {"ms_per_step": 1e3 * seconds / args.steps, "label": run.label,
+            "peak_bytes": across_ranks(peak, device), "sent_per_step": sent,
+            # the same loss on both sides says both did the same work
+            "last_loss": across_ranks(loss.item(), device, dist.ReduceOp.SUM) / dist.get_world_size()}
+
+
+def bench_strategy(name, args, batches, device, n_params, peak_flops) -> dict:
+    """Ours, PyTorch's, ours, PyTorch's...: args.repeats runs each, so drift hits both alike."""
+    runs = {"ours": [], "torch": []}
+    for _ in range(args.repeats):
+        for side, build in zip(runs, STRATEGIES[name]):
+            runs[side].append(time_training(build, args, batches, device))
+    row = {"strategy": name, "torch_counterpart": runs["torch"][-1]["label"]}
+    tokens_per_step = args.batch_size * args.seq_len                  # the global batch
+    for side, results in runs.items():
+        ms = summary([r["ms_per_step"] for r in results])
+        row[side] = {"ms_per_step": ms, "tokens_per_s": tokens_per_step / ms["median"] * 1e3,
+                     "peak_bytes": max(r["peak_bytes"] for r in results),
+                     "sent_per_step": results[-1]["sent_per_step"],
+                     "last_loss": results[-1]["last_loss"]}
+    row["ratio"] = row["ours"]["ms_per_step"]["median"] / row["torch"]["ms_per_step"]["median"]
+    row["ours"]["napkin_sent_per_step"] = sum(
+        comm_bytes(n_params, name, args.precision, dist.get_world_size()).values())
+    if peak_flops:
+        # Model FLOPs per token (Kaplan et al. 2020; PaLM appendix B): 6 per parameter for forward
+        # and backward, plus attention's scores and weighted sum, 12 * layers * width * sequence.
+        cfg = PRESETS[args.model]
+        flops_per_token = 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * args.seq_len
+        row["mfu"] = flops_per_token * row["ours"]["tokens_per_s"] / (peak_flops * dist.get_world_size())
+    return row
+
+
+def matmul_peak_flops(device, n=8192, iters=20) -> float:
+    """What this card really does in bf16 (a large matmul): the MFU's denominator."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    sync(device)
+    return across_ranks(2 * n**3 * iters / (time.perf_counter() - start), device, dist.ReduceOp.MIN)
+
+
+def bench_collectives(args, device) -> list:
+    """Ring (ours, from send/recv) against native all-reduce, sizes x4 from 1 KB to --max-mb."""
+    comms = {"ring": Comm(ring=True), "native": Comm()}
+    n, rows, nbytes = dist.get_world_size(), [], 2**10
+    while nbytes <= args.max_mb * MiB:
+        tensor = torch.zeros(nbytes // 4, device=device)      # fp32; zeros stay finite under sum
+        iters = max(5, min(100, 2**26 // nbytes))              # small messages: more calls
+        for comm in comms.values():                            # warm-up: connections, buffers
+            comm.all_reduce(tensor)
+            comm.all_reduce(tensor)
+        times = {name: [] for name in comms}
+        for _ in range(args.repeats):
+            for name, comm in comms.items():
+                sync(device)
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    comm.all_reduce(tensor)
+                sync(device)
+                times[name].append(across_ranks(time.perf_counter() - start, device) / iters)
+        row = {"bytes": nbytes}
+        for name, seconds in times.items():
+            algbw = nbytes / statistics.median(seconds)        # nccl-tests: size / time
+            row[name] = {"us": summary([1e6 * s for s in seconds]), "algbw_GBps": algbw / 1e9,
+                         "busbw_GBps": algbw * 2 * (n - 1) / n / 1e9}   # what each link carries
+        row["ratio"] = row["ring"]["us"]["median"] / row["native"]["us"]["median"]
+        rows.append(row)
+        nbytes *= 4
+    return rows
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+def machine(device, args, n_params, peak_flops) -> dict:
+    cpu = platform.processor() or "unknown CPU"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "torch": torch.__version__, "backend": dist.get_backend(),
+            "world_size": dist.get_world_size(),
+            "model": args.model, "n_params": n_params, "precision": args.precision,
+            "global_batch": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup,
+            "steps": args.steps, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
+            "clip_grad": args.clip_grad, "matmul_peak_tflops": peak_flops and peak_flops / 1e12}
+
+
+def spread(s: dict) -> str:
+    return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
+
+
+def report(m: dict, rows: list, collective_rows: list) -> str:
+    lines = [f"{m['cpu']}, {m['cores']} cores ({m['threads_per_rank']} thread(s) per rank), GPU: "
+             f"{m['gpu'] or 'none'}, torch {m['torch']}, {m['backend']}, world size {m['world_size']}, "
+             f"model {m['model']} ({m['n_params'] / 1e6:.2f}M params), {m['precision']}, global batch "
+             f"{m['global_batch']} x seq len {m['seq_len']}, {m['warmup']} warm-up + {m['steps']} "
+             f"timed steps x {m['repeats']} repetitions", ""]
+    if rows:
+        lines += ["| strategy | ours ms/step | torch ms/step | ours/torch | ours tokens/s | "
+                  "ours peak MiB | torch peak MiB | ours sent MiB/step (measured / napkin) | "
+                  "torch sent MiB/step | ours MFU |", "|" + "---|" * 10]
+        for r in rows:
+            ours, theirs = r["ours"], r["torch"]
+            lines.append(f"| {r['strategy']} | {spread(ours['ms_per_step'])} | "
+                         f"{spread(theirs['ms_per_step'])} | {r['ratio']:.2f} | "
+                         f"{ours['tokens_per_s']:,.0f} | {ours['peak_bytes'] / MiB:.1f} | "
+                         f"{theirs['peak_bytes'] / MiB:.1f} | {ours['sent_per_step'] / MiB:.2f} / "
+                         f"{ours['napkin_sent_per_step'] / MiB:.2f} | n/a | "
+                         + (f"{100 * r['mfu']:.1f}% |" if "mfu" in r else "n/a |"))
+        peak = ("CUDA max_memory_allocated, activations included" if m["gpu"] else "memory.held_bytes: "
+                "parameters + gradients (torch DDP's buckets, as .grad views) + optimizer state")
+        mfu = (f"model FLOPs / a measured bf16 matmul peak of {m['matmul_peak_tflops']:.0f} TFLOP/s"
+               if m["gpu"] else "GPU only")
+        lines += ["", f"ms/step: median (min-max) over repetitions, slowest rank. Peak: max over ranks, "
+                  f"{peak}. Sent: our Comm's counter (ring volume, native calls included) beside "
+                  f"memory.comm_bytes; PyTorch counts nothing. MFU: {mfu}. Both sides: AdamW, "
+                  f"gradient-norm clip {m['clip_grad']}. PyTorch's side, and the loss after the last "
+                  f"step (ours / torch: the same work gives the same loss):"]
+        lines += [f"- {r['strategy']}: {r['torch_counterpart']}; loss {r['ours']['last_loss']:.5f} / "
+                  f"{r['torch']['last_loss']:.5f}" for r in rows]
+    if collective_rows:
+        lines += ["", "| all-reduce size | ring us | native us | ring/native | ring busbw GB/s | "
+                  "native busbw GB/s |", "|" + "---|" * 6]
+        for r in collective_rows:
+            size = f"{r['bytes'] // MiB} MB" if r["bytes"] >= MiB else f"{r['bytes'] // 2**10} KB"
+            lines.append(f"| {size} | {spread(r['ring']['us'])} | {spread(r['native']['us'])} | "
+                         f"{r['ratio']:.2f} | {r['ring']['busbw_GBps']:.3f} | "
+                         f"{r['native']['busbw_GBps']:.3f} |")
+        lines += ["", "Per call, median (min-max) over repetitions; algbw = bytes / time, "
+                  "busbw = algbw x 2(N-1)/N (nccl-tests); 1 GB = 1e9 bytes."]
+    elif "collectives" in m["benchmarks"]:
+        lines += ["", "all-reduce: skipped, a world of one sends nothing (run with 2+ ranks)"]
+    return "\n".join(lines)
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="the CPU preset, under a minute on 2 cores: the defaults in brackets")
+    p.add_argument("--strategies", default=",".join(BENCHMARKS),
+                   help=f"comma list, default all: {','.join(BENCHMARKS)}")
+    p.add_argument("--model", choices=list(PRESETS), help="default gpt2-small (tiny)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), help="default bf16 (fp32)")
+    p.add_argument("--batch-size", type=int, help="global, in sequences; default 8 per rank")
+    p.add_argument("--seq-len", type=int, help="default 1024 (64)")
+    p.add_argument("--warmup", type=int, help="untimed steps per run; default 5 (3)")
+    p.add_argument("--steps", type=int, help="timed steps per run; default 20 (10)")
+    p.add_argument("--repeats", type=int, help="runs of each side; default 5 (3)")
+    p.add_argument("--max-mb", type=float, help="largest all-reduce, MiB; default 64 (4)")
+    p.add_argument("--bucket-mb", type=float, default=25, help="bucket MiB, ours and torch's; default 25")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip, 0: off; default 1")
+    p.add_argument("--threads", type=int, help="torch threads per rank; default cores / local ranks")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="bench.json", help="the numbers as JSON; default bench.json")
+    args = p.parse_args(argv)
+    for name, full, quick in (("model", "gpt2-small", "tiny"), ("precision", "bf16", "fp32"),
+                              ("seq_len", 1024, 64), ("warmup", 5, 3), ("steps", 20, 10),
+                              ("repeats", 5, 3), ("max_mb", 64, 4)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    args.batch_size = 8 * world_size if args.batch_size is None else args.batch_size
+    # Every rank parses the same line, so a mistake stops every rank here, before any work.
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in args.strategies if s not in BENCHMARKS] or ([] if args.strategies else ["''"])
+    if unknown:
+        p.error(f"unknown --strategies {', '.join(unknown)}: choose from {', '.join(BENCHMARKS)}")
+    if args.batch_size < 1 or args.batch_size % world_size:
+        p.error(f"--batch-size {args.batch_size} does not split over {world_size} ranks: "
+                f"use a positive multiple of {world_size}")
+    if not 1 <= args.seq_len <= PRESETS[args.model].block_size:
+        p.error(f"--seq-len must be 1 to {PRESETS[args.model].block_size}, model {args.model}'s "
+                f"block size")
+    if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
+        p.error("--steps and --repeats must be at least 1, --warmup at least 0")
+    args.clip_grad = args.clip_grad or None
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # torchrun sets OMP_NUM_THREADS=1; on a CPU the ranks share the cores, a share each.
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_ranks))
+    device = init_distributed()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    started = time.perf_counter()
+
+    data = TextData.from_file()
+    batches = [tuple(t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.seed,
+                                                      rank=rank, world_size=world_size))
+               for step in range(args.warmup + args.steps)]              # (B/N, T) each
+    n_params = build_model(args.model).num_parameters()
+    peak_flops = matmul_peak_flops(device) if device.type == "cuda" else None
+    rows = [bench_strategy(name, args, batches, device, n_params, peak_flops)
+            for name in args.strategies if name in STRATEGIES]
+    collective_rows = (bench_collectives(args, device)
+                       if "collectives" in args.strategies and world_size > 1 else [])
+
+    m = {**machine(device, args, n_params, peak_flops), "benchmarks": args.strategies}
+    if rank == 0:
+        print(report(m, rows, collective_rows))
+        print(f"\nbench.py ran {time.perf_counter() - started:.0f} s")
+        with open(args.json, "w") as f:
+            json.dump({"machine": m, "strategies": rows, "collectives": collective_rows}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
