@@ -12,6 +12,8 @@ Test: python -m pytest tests/test_collectives.py
 Shapes: N ranks in the group, r this rank, L elements in the tensor, c = ceil(L / N)
 elements per chunk; rank r's neighbours on the ring are r - 1 (left) and r + 1 (right).
 """
+import datetime
+import math
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -22,12 +24,14 @@ import torch.distributed as dist
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
 
-def init_distributed() -> torch.device:
+def init_distributed(timeout: float | None = None) -> torch.device:
     """Join the job torchrun started, or become a world of one; return this rank's device.
 
     torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, on one node
     or many (--nnodes, --rdzv-endpoint). Plain `python train.py` gets a process group of
     size 1 held in memory, so every code path, collectives included, is the same.
+    timeout (seconds): how long a collective waits for a rank that died or hangs before it
+    raises, instead of blocking forever (None: torch's default, 10 minutes).
     """
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -37,10 +41,12 @@ def init_distributed() -> torch.device:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
+        wait = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
         if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
+                                    **wait)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
     return device
 
 
@@ -261,6 +267,29 @@ def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
         buckets[-1].append(t)
         size += nbytes
     return buckets
+
+
+def check_same_parameters(params: list[torch.Tensor], comm: "Comm"):
+    """Raise the same clear error on every rank if the ranks' parameter shapes differ.
+
+    Called by the strategies at construction, before their first broadcast: ranks started
+    with different model configurations would otherwise exchange mismatched buffers and
+    fail deep inside torch, or silently train rank 0's model everywhere.
+    """
+    shapes = [tuple(p.shape) for p in params]
+    every = [None] * comm.world_size
+    dist.all_gather_object(every, shapes, group=comm.group)
+    for rank, other in enumerate(every):
+        if other != every[0]:
+            def count(s):
+                return sum(math.prod(shape) for shape in s)
+            i = next((i for i, (a, b) in enumerate(zip(every[0], other)) if a != b),
+                     min(len(other), len(every[0])))
+            first = [s[i] if i < len(s) else "none" for s in (every[0], other)]
+            raise ValueError(f"ranks were started with different models: rank 0 has "
+                             f"{count(every[0]):,} parameters in {len(every[0])} tensors, rank "
+                             f"{rank} has {count(other):,} in {len(other)} (tensor {i}: {first[0]} "
+                             f"vs {first[1]}); start every rank with the same model configuration")
 
 
 def as_comm(group) -> Comm:

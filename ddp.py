@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, ring_bytes, split_into_buckets
+from collectives import as_comm, check_same_parameters, ring_bytes, split_into_buckets
 
 
 # ---- naive: one blocking all-reduce per parameter, after backward -----------------------------
@@ -90,6 +90,7 @@ class DDP(nn.Module):
         if not self.params:
             raise ValueError("DDP: the module has no trainable parameters (requires_grad=True), "
                              "so there are no gradients to average; train at least one parameter")
+        check_same_parameters(list(module.parameters()), self.comm)
         self._broadcast_from_rank0()
         # Consecutive parameters in gradient-arrival order, one dtype and device per bucket.
         self.buckets = [Bucket(chunk) for chunk in split_into_buckets(self.params, bucket_mb)]

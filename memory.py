@@ -13,6 +13,7 @@ Shapes: P parameters, N world size, c = ceil(P / N) elements per shard; activati
 b micro-batch per rank, h hidden (n_embd), a heads, L layers, V vocabulary.
 """
 import argparse
+import gc
 
 import torch
 
@@ -221,6 +222,21 @@ def held_bytes(model, optimizer) -> dict:
     return {"params": total(params),
             "grads": total([p.grad for p in params + masters] + buffers),
             "optimizer": total(masters + states)}
+
+
+def live_tensor_bytes() -> int:
+    """Measured: bytes of every CPU tensor storage alive in this process, each counted once.
+
+    The CPU's stand-in for torch.cuda.memory_allocated(): whatever a strategy forgot to free
+    (a gradient buffer, a handle holding its output, a graph kept by a logged loss) shows here.
+    """
+    storages = {}
+    for obj in gc.get_objects():
+        # type(), not isinstance(): the latter reads __class__, which some module proxies warn on
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _parse_args(argv=None):

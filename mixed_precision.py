@@ -173,6 +173,18 @@ class MixedPrecisionOptimizer:
             p.grad = None
         self._free_master_grads()
 
+    def master_ranges(self) -> list[tuple]:
+        """(param, start, stop, master, offset): where each parameter's fp32 master and its
+        optimizer state live; here always the whole of it, in a master of its own."""
+        return [(p, 0, p.numel(), m, 0) for p, m in zip(self.params, self.masters)]
+
+    @torch.no_grad()
+    def refresh_params(self):
+        """After the masters were written (a loaded checkpoint): round them into the model."""
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
+
     def _free_master_grads(self):
         # The fp32 gradients live only inside step(): between steps a rank holds the 2-byte
         # gradients of the memory table, not 4 more bytes per parameter.

@@ -136,6 +136,18 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(B * T))
         return logits, loss
 
+    @torch.no_grad()
+    def generate(self, idx, new_tokens: int, temperature: float = 0.8, top_k: int | None = 50):
+        """Append new_tokens sampled one at a time to idx (B, T); the window slides past block_size."""
+        for _ in range(new_tokens):
+            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :].float() / temperature  # (B, V)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]     # (B, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1)               # (B, 1)
+            idx = torch.cat([idx, next_token], dim=1)
+        return idx
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())         # shared weights counted once
 

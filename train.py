@@ -1,31 +1,41 @@
 """train.py: the command line that composes the concept files into one training run.
 
 A step: every rank takes its slice of the global batch (data.py), runs forward and backward
-over --grad-accum micro-batches, the strategy averages the gradients (ddp.py, over
+over --grad-accum micro-batches, the strategy averages the gradients (ddp.py, zero.py, over
 collectives.py), and the mixed-precision optimizer updates fp32 master weights
 (mixed_precision.py). The log shows loss, tokens/s, per-rank memory and bytes sent per step.
-Left out (for now): the sharded strategies, checkpoints and resume, which later files add.
-Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy ddp
-Test: python -m pytest tests/test_train.py
+With --out the run is a directory: log, config and checkpoints (snapshot.py) that --resume
+continues bit for bit, on the same or another world size and strategy.
+Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero2
+Test: python -m pytest tests/test_train.py tests/test_snapshot.py
 """
 import argparse
 import contextlib
+import dataclasses
+import json
 import math
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+import snapshot
 from collectives import Comm, init_distributed
 from data import TextData
 from ddp import DDP
-from memory import held_bytes, state_bytes
+from memory import held_bytes, live_tensor_bytes, state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
-from model import PRESETS, build_model
+from model import PRESETS, GPT, GPTConfig, build_model
 from zero import ZeroOptimizer
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2")
+EVAL_FRACTION = 0.05                      # data.py's held-out tail
+
+
+class RunError(Exception):
+    """A run that cannot go on, with the reason and the fix: printed without a traceback."""
 
 
 def parse_args(argv=None):
@@ -36,7 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=list(PRESETS), default="tiny")
     p.add_argument("--data", default=None, help="a text file to train on (default: the embedded "
                                                 "Python standard library source)")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps in all (a resumed run "
+                                                          "continues up to this many)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
@@ -55,6 +66,26 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100, help="eval loss every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=4)
+    run = p.add_argument_group("run directory, checkpoints and faults")
+    run.add_argument("--out", default=None, help="run directory: log.txt, config.json, checkpoints")
+    run.add_argument("--save-every", type=int, default=0,
+                     help="checkpoint every K steps into --out (0: only at the end)")
+    run.add_argument("--keep", type=int, default=3, help="checkpoints kept in --out, newest first")
+    run.add_argument("--resume", nargs="?", const="must", choices=("must", "auto"), default=None,
+                     help="continue from the newest complete checkpoint in --out; 'auto' starts "
+                          "fresh when there is none (for torchrun --max-restarts)")
+    run.add_argument("--init-from", default=None,
+                     help="weights only (fine-tuning): a run directory, a checkpoint or an --export file")
+    run.add_argument("--export", default=None,
+                     help="at the end, write one fp32 model file that loads without torch.distributed")
+    run.add_argument("--timeout", type=float, default=None,
+                     help="seconds a collective waits for a dead or stuck rank before the run stops "
+                          "(default: 120 on CPU, 600 on GPU)")
+    gen = p.add_argument_group("sampling (python train.py --sample --init-from RUN_DIR)")
+    gen.add_argument("--sample", action="store_true", help="generate text from --init-from and stop")
+    gen.add_argument("--prompt", default="def ")
+    gen.add_argument("--sample-tokens", type=int, default=300)
+    gen.add_argument("--temperature", type=float, default=0.8)
     args = p.parse_args(argv)
     check_args(p, args, world_size=int(os.environ.get("WORLD_SIZE", 1)))
     return args
@@ -66,11 +97,18 @@ def check_args(parser, args, world_size):
     Every rank parses the same command line with the same world size, so every rank
     stops with the same message: no rank is left waiting in a collective.
     """
+    if args.sample:
+        if not args.init_from:
+            parser.error("--sample needs a trained model: add --init-from RUN_DIR (or a checkpoint)")
+        return
     if args.strategy is None:
         args.strategy = "single" if world_size == 1 else "ddp"
     if args.strategy == "single" and world_size > 1:
         parser.error(f"--strategy single runs one process, but {world_size} were launched: "
                      f"use --strategy ddp (or zero1, zero2), or run with plain `python train.py`")
+    for name in ("steps", "grad_accum", "seq_len", "log_every", "batch_size", "keep"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     per_step = world_size * args.grad_accum
     if args.batch_size % per_step:
         fixed = (args.batch_size // per_step + 1) * per_step
@@ -81,9 +119,27 @@ def check_args(parser, args, world_size):
     if args.seq_len > block_size:
         parser.error(f"--seq-len {args.seq_len} is longer than model {args.model}'s block size "
                      f"{block_size}: use --seq-len {block_size} or less, or a larger --model")
-    for name in ("steps", "grad_accum", "seq_len", "log_every"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.data is not None:
+        if not os.path.isfile(args.data):
+            parser.error(f"--data {args.data}: no such file; give a text file's path, or leave "
+                         f"--data out to train on the embedded standard-library text")
+        # Both the training part and the held-out tail must fit one window of seq_len + 1 bytes.
+        need = math.ceil((args.seq_len + 1) / EVAL_FRACTION)
+        size = os.path.getsize(args.data)
+        if size < need:
+            parser.error(f"--data {args.data} has {size} bytes, but --seq-len {args.seq_len} needs "
+                         f"at least {need} (windows of {args.seq_len + 1} bytes in the training text "
+                         f"and in its last {EVAL_FRACTION:.0%}, held out): use a longer file or a "
+                         f"smaller --seq-len")
+    if args.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        parser.error("--precision bf16: this GPU has no bf16 arithmetic (it needs compute "
+                     "capability 8.0 or newer): use --precision fp16 (with loss scaling)")
+    if (args.resume or args.save_every) and not args.out:
+        parser.error("--resume and --save-every need a run directory: add --out DIR")
+    if args.resume and args.init_from:
+        parser.error("--resume continues a run, --init-from starts one from other weights: use one")
+    if args.timeout is not None and args.timeout <= 0:
+        parser.error(f"--timeout must be positive seconds, got {args.timeout}")
 
 
 def learning_rate(step, args):
@@ -116,8 +172,8 @@ def global_mean(value: torch.Tensor) -> float:
 def train_step(model, optimizer, x, y, args):
     """One optimizer step on this rank's rows x, y (B/N, T), in --grad-accum micro-batches.
 
-    Returns this rank's mean loss (a tensor) and whether the update was applied (fp16
-    skips a step whose gradients overflowed).
+    Returns this rank's mean loss (a tensor) and whether the update was applied (a step
+    whose gradients hold inf or NaN is skipped on every rank).
     """
     optimizer.zero_grad()
     ddp = isinstance(model, DDP)
@@ -134,39 +190,170 @@ def train_step(model, optimizer, x, y, args):
     return step_loss, optimizer.step(clip_grad=args.clip_grad or None)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    device = init_distributed()
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
+# ---- building the run ------------------------------------------------------------------------
 
-    comm = Comm(ring=args.collectives == "ring")
+def build(args, device, comm):
+    """The model, its strategy wrapper, the optimizer, and the bytes the strategy should send."""
     torch.manual_seed(args.seed)
-    model = build_model(args.model, dropout=args.dropout).to(device=device, dtype=DTYPES[args.precision])
+    gpt = build_model(args.model, dropout=args.dropout)                  # fp32
+    if args.init_from:
+        load_weights(args.init_from, gpt)
+    gpt.to(device=device, dtype=DTYPES[args.precision])
+    model = gpt
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     if args.strategy in ("zero1", "zero2"):
-        optimizer = ZeroOptimizer(model.parameters(), stage=int(args.strategy[-1]), optimizer_cls=torch.optim.AdamW,
-                                  group=comm, bucket_mb=args.bucket_mb, **adamw)
+        optimizer = ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]),
+                                  optimizer_cls=torch.optim.AdamW, group=comm,
+                                  bucket_mb=args.bucket_mb, **adamw)
+        predicted = optimizer.bytes_per_step(micro_batches=args.grad_accum)
     else:
         if args.strategy == "ddp":
-            model = DDP(model, comm, bucket_mb=args.bucket_mb)
+            model = DDP(gpt, comm, bucket_mb=args.bucket_mb)
         # No comm for the overflow decision: after DDP's all-reduce every rank holds the same
         # averaged gradients, so every rank already decides the same way.
-        optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW,
+        optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
                                             precision=args.precision, **adamw)
+        predicted = model.bytes_per_step() if args.strategy == "ddp" else 0
+    return gpt, model, optimizer, predicted
+
+
+def load_weights(path: str, gpt: GPT | None = None) -> GPT:
+    """fp32 weights from a run directory, a checkpoint or an --export file, on one process.
+
+    Into `gpt` (its configuration must match, dropout aside) or into a new GPT of the saved
+    configuration: `load_weights("model.pt")` is all a user of an exported model needs.
+    """
+    if os.path.isfile(path):
+        saved = torch.load(path, weights_only=True)
+        config, weights = saved["model"], lambda model: saved["state_dict"]
+    else:
+        path = snapshot.latest(path) or path
+        meta, parts = snapshot.load(path)
+        config = meta["model"]
+        weights = snapshot.Pieces([p for part in parts for p in part["pieces"]]).full_state_dict
+    if gpt is None:
+        gpt = GPT(GPTConfig(**config))
+    else:
+        snapshot.check_same_model(config, _model_config(gpt), path, ignore=("dropout",))
+    gpt.load_state_dict(weights(gpt))
+    return gpt
+
+
+def _model_config(gpt: GPT) -> dict:
+    return dataclasses.asdict(gpt.cfg)
+
+
+def _names(gpt: GPT) -> dict:
+    return {p: name for name, p in gpt.named_parameters()}
+
+
+def save_checkpoint(args, step, gpt, optimizer, world_size, rank):
+    """Every rank's shard (or rank 0's copy, for replicas), RNG, loss scale; None if not finite."""
+    sharded = isinstance(optimizer, ZeroOptimizer)
+    pieces = snapshot.optimizer_pieces(optimizer, _names(gpt)) if sharded or rank == 0 else []
+    if rank == 0:
+        pieces += snapshot.frozen_pieces(gpt)
+    if not snapshot.all_finite(pieces, gpt.head.weight.device):
+        raise RunError(f"step {step}: the weights hold inf or NaN; no checkpoint written (the "
+                       f"last good one is {snapshot.latest(args.out)})")
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    part = {"pieces": pieces, "rng": rng, "scaler": optimizer.scaler.state_dict()}
+    meta = {"model": _model_config(gpt), "args": vars(args), "data_position": step}
+    return snapshot.save(args.out, step, part, meta, keep=args.keep)
+
+
+def resume(args, gpt, optimizer, world_size, rank, say) -> int:
+    """Load the newest checkpoint in --out into this run; the step to continue from."""
+    path = snapshot.latest(args.out)
+    if path is None:
+        if args.resume == "auto":
+            say(f"--resume auto: no checkpoint in {args.out} yet, starting from step 0")
+            return 0
+        raise RunError(f"--resume: no complete checkpoint in {args.out}; start without --resume, "
+                       f"or use --resume auto to start fresh when there is none")
+    meta, parts = snapshot.load(path)
+    snapshot.check_same_model(meta["model"], _model_config(gpt), path)
+    bookkeeping = ("out", "save_every", "keep", "resume", "export", "timeout", "log_every")
+    changed = {k: (v, vars(args).get(k)) for k, v in meta["args"].items()
+               if k not in bookkeeping and vars(args).get(k) != v}
+    pieces = snapshot.Pieces([p for part in parts for p in part["pieces"]])
+    snapshot.load_pieces(optimizer, _names(gpt), gpt, pieces)
+    optimizer.scaler.load_state_dict(parts[0]["scaler"])     # the same on every rank
+    if meta["world_size"] == world_size:
+        torch.set_rng_state(parts[rank]["rng"]["cpu"])
+        if torch.cuda.is_available() and "cuda" in parts[rank]["rng"]:
+            torch.cuda.set_rng_state(parts[rank]["rng"]["cuda"])
+        resharded = ""
+    else:
+        # Another world size: no rank's RNG stream carries over (dropout masks differ from an
+        # uninterrupted run; without dropout nothing random is drawn after initialisation).
+        torch.manual_seed(args.seed + meta["step"] * 1000 + rank)
+        resharded = f", resharded from {meta['world_size']} to {world_size} ranks"
+    say(f"resumed from {path} at step {meta['step']} ({meta['args']['strategy']}{resharded})"
+        + (f"; changed since: {changed}" if changed else ""))
+    return meta["step"]
+
+
+def export(path, gpt, optimizer, rank):
+    """One consolidated fp32 file: {"model": config, "state_dict": weights}, written by rank 0."""
+    sharded = isinstance(optimizer, ZeroOptimizer)
+    pieces = snapshot.optimizer_pieces(optimizer, _names(gpt)) if sharded or rank == 0 else []
+    pieces = [{**p, "tensors": {"param": p["tensors"]["param"]}, "scalars": {}} for p in pieces]
+    if rank == 0:
+        pieces += snapshot.frozen_pieces(gpt)
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(pieces, gathered, dst=0)
+    if rank == 0:
+        weights = snapshot.Pieces([p for part in gathered for p in part]).full_state_dict(gpt)
+        torch.save({"model": _model_config(gpt), "state_dict": weights}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+
+def sample(args):
+    """Text from a trained model, on one process: no torch.distributed."""
+    gpt = load_weights(args.init_from).eval()
+    torch.manual_seed(args.seed)
+    prompt = torch.tensor([list(args.prompt.encode())], dtype=torch.long)        # (1, T) bytes
+    tokens = gpt.generate(prompt, args.sample_tokens, temperature=args.temperature)
+    print(bytes(tokens[0].tolist()).decode("utf-8", errors="replace"))
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def main(argv=None) -> dict:
+    """Train as the command line says; returns the logged history {losses, live_bytes, eval_loss}."""
+    args = parse_args(argv)
+    if args.sample:
+        return sample(args)
+    timeout = args.timeout or (600 if torch.cuda.is_available() else 120)
+    device = init_distributed(timeout=timeout)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    log_file = None
+    if args.out and rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        log_file = open(os.path.join(args.out, "log.txt"), "a")
+        with open(os.path.join(args.out, "config.json"), "w") as f:
+            json.dump({**vars(args), "world_size": world_size}, f, indent=1)
+
+    def say(line):
+        if rank == 0:
+            print(line, flush=True)
+            if log_file:
+                print(line, file=log_file, flush=True)
+
+    comm = Comm(ring=args.collectives == "ring")
+    try:
+        gpt, model, optimizer, predicted = build(args, device, comm)
+    except ValueError as e:                    # a strategy refused its input: same on every rank
+        raise RunError(str(e)) from None
+    start = resume(args, gpt, optimizer, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"{args.strategy} on {world_size} x {device.type} ({dist.get_backend()}) | model {args.model} "
         f"{n_params / 1e6:.2f}M params | {args.precision} | global batch {args.batch_size} x "
         f"{args.seq_len} tokens, {args.grad_accum} micro-batch(es) per rank | {args.collectives} collectives")
-    # What the strategy's collectives should send per step (ring volume), printed beside what
-    # the counter measured.
-    if args.strategy == "single":
-        predicted = 0
-    elif args.strategy == "ddp":
-        predicted = model.bytes_per_step()
-    else:
-        predicted = optimizer.bytes_per_step(micro_batches=args.grad_accum)
     # memory.py's napkin math for this run, to read beside the measured bytes in the log.
     napkin = state_bytes(n_params, "ddp" if args.strategy == "single" else args.strategy,
                          args.precision, world_size)
@@ -174,15 +361,22 @@ def main(argv=None):
         f"{napkin['grads'] / 2**20:.1f}, optim {napkin['optimizer'] / 2**20:.1f}, total "
         f"{napkin['total'] / 2**20:.1f}")
 
+    history = {"losses": {}, "live_bytes": {}}
     tokens_per_step = args.batch_size * args.seq_len
-    timer, last_timed, skipped = time.perf_counter(), -1, 0
-    for step in range(args.steps):
+    timer, last_timed, skipped = time.perf_counter(), start - 1, 0
+    for step in range(start, args.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
         comm.bytes_sent.clear()
         x, y = data.batch(step, args.batch_size, args.seq_len, args.seed,
                           rank=rank, world_size=world_size)          # (B/N, T)
         loss, applied = train_step(model, optimizer, x.to(device), y.to(device), args)
+        if not applied and args.precision != "fp16":
+            # fp16 overflow is the loss scaler's business; in fp32 and bf16 inf/NaN means the
+            # run diverged. The decision came from the global norm: every rank stops here.
+            raise RunError(f"step {step}: the loss ({global_mean(loss):.4g}) or the gradients are "
+                           f"inf/NaN in {args.precision}: lower --lr, keep --clip-grad on, check "
+                           f"--data; resume from the last checkpoint with --resume")
         skipped += not applied
 
         if step % args.log_every == 0 or step == args.steps - 1:
@@ -192,6 +386,9 @@ def main(argv=None):
             tokens_per_s = tokens_per_step * (step - last_timed) / (time.perf_counter() - timer)
             held = held_bytes(model, optimizer)
             peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else sum(held.values())
+            history["losses"][step] = loss
+            if device.type == "cpu":
+                history["live_bytes"][step] = live_tensor_bytes()
             say(f"step {step:5d} | loss {loss:.4f} | lr {learning_rate(step, args):.2e} | "
                 f"{tokens_per_s / 1e3:7.1f}k tok/s | mem {peak / 2**20:.1f} MiB (params "
                 f"{held['params'] / 2**20:.1f}, grads {held['grads'] / 2**20:.1f}, optim "
@@ -201,9 +398,36 @@ def main(argv=None):
         if args.eval_every and step and step % args.eval_every == 0:
             say(f"step {step:5d} | eval loss {eval_loss(model, data, args, rank, world_size, device):.4f}")
             timer, last_timed = time.perf_counter(), step            # time training steps only
-    say(f"done | eval loss {eval_loss(model, data, args, rank, world_size, device):.4f}")
-    dist.destroy_process_group()
+        done = step + 1
+        if args.out and (done == args.steps or args.save_every and done % args.save_every == 0):
+            say(f"step {step:5d} | saved {save_checkpoint(args, done, gpt, optimizer, world_size, rank)}")
+            timer, last_timed = time.perf_counter(), step
+    history["eval_loss"] = eval_loss(model, data, args, rank, world_size, device)
+    say(f"done | eval loss {history['eval_loss']:.4f}")
+    if args.export:
+        export(args.export, gpt, optimizer, rank)
+        say(f"exported {args.export}: fp32 weights; train.load_weights({args.export!r}) loads them")
+    if log_file:
+        log_file.close()
+    return history
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (RunError, snapshot.CheckpointError) as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (dist.DistError, RuntimeError) as e:
+        if not isinstance(e, dist.DistError) and "gloo" not in str(e):
+            raise                              # a bug, not a lost peer: keep the traceback
+        # A peer died (its connection closed) or stalled past --timeout: stop, never hang.
+        # NCCL raises DistBackendError; gloo a RuntimeError that names its own source file.
+        where = f"rank {dist.get_rank()}" if dist.is_initialized() else "this rank"
+        print(f"train.py: error: {where} lost contact with the other ranks ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:200]}); one of them died or stalled past --timeout. Its own "
+              f"log says why; rerun the same command with --resume to continue from the last "
+              f"checkpoint", file=sys.stderr)
+        sys.exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()

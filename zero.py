@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import clip_grads_with_norm_
 
-from collectives import as_comm, ring_bytes, split_into_buckets
+from collectives import as_comm, check_same_parameters, ring_bytes, split_into_buckets
 from mixed_precision import DynamicLossScaler, found_overflow, unscale_grads
 
 # Stage 2 keeps at most this many full bucket gradients in flight: when a third bucket
@@ -63,6 +63,19 @@ class FlatParams:
         """Rank `rank`'s shard of `flat`: (N*S,) -> (S,)."""
         return flat[rank * self.shard_numel: (rank + 1) * self.shard_numel]
 
+    def shard_ranges(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """What shard `rank` holds, parameter by parameter: (i, start, stop, offset) says that
+        elements start:stop of params[i] (flattened) sit at shard[offset : offset + stop - start].
+        In the picture above, shard 1 is (0, 4, 6, 0), (1, 0, 2, 2). Checkpoints save this map
+        beside each shard, so another world size can cut the same values differently."""
+        low, high = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        ranges = []
+        for i in range(len(self.params)):
+            first, last = max(self.offsets[i], low), min(self.offsets[i + 1], high)
+            if first < last:
+                ranges.append((i, first - self.offsets[i], last - self.offsets[i], first - low))
+        return ranges
+
 
 class Bucket(FlatParams):
     """One flat buffer's worth of parameters, plus this rank's optimizer-side state for it."""
@@ -101,6 +114,7 @@ class ZeroOptimizer:
                              f"fp16, got {sorted(map(str, dtypes))}: cast the model first, e.g. "
                              f"model.to(torch.bfloat16)")
         self.comm = as_comm(group)
+        check_same_parameters(trainable, self.comm)
         self.stage = stage
         n, r = self.comm.world_size, self.comm.rank
         # Reverse registration order is roughly the order backward produces gradients (stage 2
@@ -248,6 +262,18 @@ class ZeroOptimizer:
             gathers.append(self.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
         for handle in gathers:
             handle.wait()
+
+    def master_ranges(self) -> list[tuple]:
+        """(param, start, stop, master, offset): elements start:stop of param (flattened) have
+        their fp32 master, and their optimizer state, at master[offset : offset + stop - start].
+        Only this rank's shards: a checkpoint saves every rank's and joins them by name."""
+        r = self.comm.rank
+        return [(bucket.params[i], start, stop, bucket.master, offset) for bucket in self.buckets
+                for i, start, stop, offset in bucket.shard_ranges(r)]
+
+    def refresh_params(self):
+        """After the masters were written (a loaded checkpoint): the model's parameters follow."""
+        self._all_gather_parameters()
 
     def zero_grad(self):
         for bucket in self.buckets:
