@@ -43,8 +43,14 @@ def init_distributed(timeout: float | None = None) -> torch.device:
     if not dist.is_initialized():
         wait = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
         if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
-                                    **wait)
+            store, rank, world_size = next(dist.rendezvous("env://", **wait))
+            # torchrun --max-restarts keeps one store for every attempt: a restarted worker
+            # could read the address a dead worker left there and wait on it. Each attempt
+            # gets its own keys.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}/", store),
+                                    rank=rank, world_size=world_size,
+                                    device_id=device if device.type == "cuda" else None, **wait)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
     return device

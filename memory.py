@@ -230,6 +230,7 @@ def live_tensor_bytes() -> int:
     The CPU's stand-in for torch.cuda.memory_allocated(): whatever a strategy forgot to free
     (a gradient buffer, a handle holding its output, a graph kept by a logged loss) shows here.
     """
+    gc.collect()      # garbage in reference cycles is not alive, only not yet collected
     storages = {}
     for obj in gc.get_objects():
         # type(), not isinstance(): the latter reads __class__, which some module proxies warn on
