@@ -82,20 +82,26 @@ def bytes_per_param(precision: str, optimizer: str = "adamw") -> dict:
 
 
 def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
-                optimizer: str = "adamw") -> dict:
+                optimizer: str = "adamw", trainable: int | None = None) -> dict:
     """Bytes one rank holds in parameters, gradients and optimizer state, and their total.
 
     A sharded quantity is one padded shard, c = ceil(P / N) elements: the implementation pads
     the flat buffer to N equal shards so that every collective moves equal chunks. Under
     zero1 and zero2 the full parameters (and zero1's full gradients) are that padded flat
     buffer, N * c elements; ddp keeps unpadded per-parameter tensors, P elements.
+    trainable: how many of the P parameters train (LoRA: the adapters). The frozen rest is
+    held whole, in the parameters' dtype, with no gradient and no optimizer state: the talk's
+    "the model plus about 4x the trainable parameters".
     """
     strategy = _strategy(strategy, world_size)
     per_param = bytes_per_param(precision, optimizer)
-    shard = -(-n_params // world_size)                              # c = ceil(P / N)
-    whole = n_params if strategy == "ddp" else shard * world_size   # P, or N * c (padded)
+    trainable = n_params if trainable is None else trainable
+    shard = -(-trainable // world_size)                             # c = ceil(P / N)
+    whole = trainable if strategy == "ddp" else shard * world_size  # P, or N * c (padded)
     held = {name: per_param[name] * (shard if sharded else whole)
             for name, sharded in zip(("params", "grads", "optimizer"), SHARDED[strategy])}
+    frozen = n_params - trainable
+    held["params"] += per_param["params"] * (-(-frozen // world_size) if SHARDED[strategy][0] else frozen)
     held["total"] = sum(held.values())
     return held
 
@@ -256,6 +262,9 @@ def _parse_args(argv=None):
                    help="global batch in sequences, as train.py takes it (default: one per rank)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's block size")
+    p.add_argument("--trainable", type=float, default=None,
+                   help="parameters that train, e.g. 4.2e6 for LoRA adapters (default: all); the "
+                        "rest is frozen: no gradient, no optimizer state")
     args = p.parse_args(argv)
 
     if (args.params is None) == (args.model is None):
@@ -263,6 +272,8 @@ def _parse_args(argv=None):
                 f"({', '.join(PRESETS)})")
     if args.params is not None and (args.params < 1 or args.params != int(args.params)):
         p.error(f"--params must be a whole number of parameters, at least 1, got {args.params:g}")
+    if args.trainable is not None and not 0 <= args.trainable <= (args.params or model_params(args.model)):
+        p.error(f"--trainable {args.trainable:g} must be between 0 and the model's parameter count")
     if args.world < 1:
         p.error(f"--world must be at least 1 (the number of ranks), got {args.world}")
     if args.strategy == "single" and args.world != 1:
@@ -285,6 +296,19 @@ def _parse_args(argv=None):
     return args
 
 
+def _trainable(args):
+    return None if args.trainable is None else int(args.trainable)
+
+
+def _sent(n_params, strategy, args):
+    """Only trainable parameters have gradients to reduce (and, under zero1/2, updates to
+    gather); zero3 still all-gathers every parameter, frozen ones included."""
+    sent = comm_bytes(_trainable(args) or n_params, strategy, args.precision, args.world)
+    if "all_gather" in sent and _strategy(strategy, args.world) == "zero3":
+        sent["all_gather"] = comm_bytes(n_params, strategy, args.precision, args.world)["all_gather"]
+    return sent
+
+
 def _table(n_params, args):
     """One row per strategy: the ZeRO paper's figure 1, plus bytes sent per step."""
     per_param = bytes_per_param(args.precision, args.optimizer)
@@ -298,8 +322,9 @@ def _table(n_params, args):
     print(f"per rank, in {name}; sent: ring algorithm, per step")
     print(f"{'strategy':<9}{'params':>9}{'grads':>9}{'optimizer':>11}{'total':>9} |{'sent':>8}  collectives")
     for strategy in STRATEGIES:
-        held = state_bytes(n_params, strategy, args.precision, args.world, args.optimizer)
-        sent = comm_bytes(n_params, strategy, args.precision, args.world)
+        held = state_bytes(n_params, strategy, args.precision, args.world, args.optimizer,
+                           trainable=_trainable(args))
+        sent = _sent(n_params, strategy, args)
         print(f"{strategy:<9}{held['params'] / unit:9.2f}{held['grads'] / unit:9.2f}"
               f"{held['optimizer'] / unit:11.2f}{held['total'] / unit:9.2f} |"
               f"{sum(sent.values()) / unit:8.2f}  {COLLECTIVES[strategy]}")
@@ -308,8 +333,8 @@ def _table(n_params, args):
 def _breakdown(n_params, args):
     """One strategy in detail: what a rank holds, activations included, and what it sends."""
     strategy, n = args.strategy, args.world
-    held = state_bytes(n_params, strategy, args.precision, n, args.optimizer)
-    sent = comm_bytes(n_params, strategy, args.precision, n)
+    held = state_bytes(n_params, strategy, args.precision, n, args.optimizer, trainable=_trainable(args))
+    sent = _sent(n_params, strategy, args)
     canonical = _strategy(strategy, n)
     sharded = SHARDED[canonical]
     how = [f"1/{n} shard" if s else "full" for s in sharded]

@@ -93,15 +93,24 @@ class Pieces:
         return {key: value.clone() if torch.is_tensor(value) else value
                 for key, value in self.by_name[name][0]["scalars"].items()}
 
-    def full_state_dict(self, model: torch.nn.Module) -> dict:
-        """{name: fp32 tensor shaped like the model's}: the weights alone, on one process."""
+    def full_state_dict(self, model: torch.nn.Module, missing_from_model: bool = False) -> dict:
+        """{name: fp32 tensor shaped like the model's}: the weights alone, on one process.
+
+        missing_from_model: parameters the checkpoint does not hold (a LoRA run's frozen base,
+        saved elsewhere) are taken from model as it is.
+        """
         return {name: self.read(name, 0, p.numel())["param"].view(p.shape)
+                if name in self.by_name or not missing_from_model else p.detach().float()
                 for name, p in model.named_parameters()}
 
 
 @torch.no_grad()
-def load_pieces(optimizer, names: dict, model: torch.nn.Module, pieces: Pieces):
-    """Write the saved values and optimizer state into what this rank owns now, at any world size."""
+def load_pieces(optimizer, names: dict, model: torch.nn.Module, pieces: Pieces, frozen: bool = True):
+    """Write the saved values and optimizer state into what this rank owns now, at any world size.
+
+    frozen=False: the frozen parameters are not in the checkpoint (a LoRA run's base, loaded
+    from its own file) and stay as they are.
+    """
     for param, start, stop, master, offset in optimizer.master_ranges():
         values = pieces.read(names[param], start, stop)
         window = slice(offset, offset + stop - start)
@@ -114,7 +123,7 @@ def load_pieces(optimizer, names: dict, model: torch.nn.Module, pieces: Pieces):
                 state[key].view(-1)[window].copy_(value)
             state.update(pieces.scalars(names[param]))
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if frozen and not p.requires_grad:
             p.copy_(pieces.read(name, 0, p.numel())["param"].view(p.shape))
     optimizer.refresh_params()
 

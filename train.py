@@ -21,7 +21,9 @@ import time
 import torch
 import torch.distributed as dist
 
+import lora
 import snapshot
+from checkpointing import checkpoint_blocks
 from collectives import Comm, init_distributed
 from data import TextData
 from ddp import DDP
@@ -66,6 +68,17 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100, help="eval loss every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--checkpoint-activations", type=int, nargs="?", const=1, default=0, metavar="K",
+                   help="recompute every K-th block's activations in backward instead of keeping "
+                        "them (K=1, the default when given: every block)")
+    tune = p.add_argument_group("LoRA fine-tuning (train.py --init-from RUN_DIR --lora --data OTHER.txt)")
+    tune.add_argument("--lora", action="store_true",
+                      help="freeze the model, train low-rank adapters; checkpoints hold only the adapter")
+    tune.add_argument("--lora-rank", type=int, default=8)
+    tune.add_argument("--lora-alpha", type=float, default=16, help="the update is scaled by alpha / rank")
+    tune.add_argument("--lora-targets", default="query,value",
+                      help="comma-separated linear layers to adapt (query, key, value, output, up, down, head)")
+    tune.add_argument("--lora-dropout", type=float, default=0.0)
     run = p.add_argument_group("run directory, checkpoints and faults")
     run.add_argument("--out", default=None, help="run directory: log.txt, config.json, checkpoints")
     run.add_argument("--save-every", type=int, default=0,
@@ -136,8 +149,11 @@ def check_args(parser, args, world_size):
                      "capability 8.0 or newer): use --precision fp16 (with loss scaling)")
     if (args.resume or args.save_every) and not args.out:
         parser.error("--resume and --save-every need a run directory: add --out DIR")
-    if args.resume and args.init_from:
-        parser.error("--resume continues a run, --init-from starts one from other weights: use one")
+    if args.resume and args.init_from and not args.lora:
+        parser.error("--resume continues a run, --init-from starts one from other weights: use one "
+                     "(with --lora, --init-from names the frozen base and --resume the adapter)")
+    if args.checkpoint_activations < 0:
+        parser.error(f"--checkpoint-activations K must be 1 or more, got {args.checkpoint_activations}")
     if args.timeout is not None and args.timeout <= 0:
         parser.error(f"--timeout must be positive seconds, got {args.timeout}")
 
@@ -198,6 +214,11 @@ def build(args, device, comm):
     gpt = build_model(args.model, dropout=args.dropout)                  # fp32
     if args.init_from:
         load_weights(args.init_from, gpt)
+    if args.lora:
+        lora.apply_lora(gpt, targets=tuple(args.lora_targets.split(",")), rank=args.lora_rank,
+                        alpha=args.lora_alpha, dropout=args.lora_dropout)
+    if args.checkpoint_activations:
+        checkpoint_blocks(gpt, every=args.checkpoint_activations)
     gpt.to(device=device, dtype=DTYPES[args.precision])
     model = gpt
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -225,17 +246,25 @@ def load_weights(path: str, gpt: GPT | None = None) -> GPT:
     """
     if os.path.isfile(path):
         saved = torch.load(path, weights_only=True)
-        config, weights = saved["model"], lambda model: saved["state_dict"]
+        config, weights = saved["model"], saved["state_dict"]
     else:
         path = snapshot.latest(path) or path
         meta, parts = snapshot.load(path)
         config = meta["model"]
-        weights = snapshot.Pieces([p for part in parts for p in part["pieces"]]).full_state_dict
+        pieces = snapshot.Pieces([p for part in parts for p in part["pieces"]])
+        saved_from = GPT(GPTConfig(**config))
+        if meta.get("lora"):        # a LoRA run saved its adapter; the base is meta["base"]
+            if meta["base"]:
+                load_weights(meta["base"], saved_from)
+            lora.apply_lora(saved_from, **meta["lora"])
+        weights = pieces.full_state_dict(saved_from, missing_from_model=bool(meta.get("base")))
+        if meta.get("lora"):
+            weights = lora.fold_adapters(weights, saved_from)
     if gpt is None:
         gpt = GPT(GPTConfig(**config))
     else:
         snapshot.check_same_model(config, _model_config(gpt), path, ignore=("dropout",))
-    gpt.load_state_dict(weights(gpt))
+    gpt.load_state_dict(weights)
     return gpt
 
 
@@ -247,11 +276,20 @@ def _names(gpt: GPT) -> dict:
     return {p: name for name, p in gpt.named_parameters()}
 
 
+def _lora_config(args) -> dict | None:
+    return dict(targets=args.lora_targets.split(","), rank=args.lora_rank, alpha=args.lora_alpha,
+                dropout=args.lora_dropout) if args.lora else None
+
+
 def save_checkpoint(args, step, gpt, optimizer, world_size, rank):
-    """Every rank's shard (or rank 0's copy, for replicas), RNG, loss scale; None if not finite."""
+    """Every rank's shard (or rank 0's copy, for replicas), RNG, loss scale; None if not finite.
+
+    A LoRA run on an --init-from base saves only what trains, the adapter, and names the base.
+    """
     sharded = isinstance(optimizer, ZeroOptimizer)
     pieces = snapshot.optimizer_pieces(optimizer, _names(gpt)) if sharded or rank == 0 else []
-    if rank == 0:
+    base = os.path.abspath(args.init_from) if args.lora and args.init_from else None
+    if rank == 0 and not base:
         pieces += snapshot.frozen_pieces(gpt)
     if not snapshot.all_finite(pieces, gpt.head.weight.device):
         raise RunError(f"step {step}: the weights hold inf or NaN; no checkpoint written (the "
@@ -260,7 +298,8 @@ def save_checkpoint(args, step, gpt, optimizer, world_size, rank):
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     part = {"pieces": pieces, "rng": rng, "scaler": optimizer.scaler.state_dict()}
-    meta = {"model": _model_config(gpt), "args": vars(args), "data_position": step}
+    meta = {"model": _model_config(gpt), "args": vars(args), "data_position": step,
+            "lora": _lora_config(args), "base": base}
     return snapshot.save(args.out, step, part, meta, keep=args.keep)
 
 
@@ -275,11 +314,11 @@ def resume(args, gpt, optimizer, world_size, rank, say) -> int:
                        f"or use --resume auto to start fresh when there is none")
     meta, parts = snapshot.load(path)
     snapshot.check_same_model(meta["model"], _model_config(gpt), path)
-    bookkeeping = ("out", "save_every", "keep", "resume", "export", "timeout", "log_every")
+    bookkeeping = ("out", "save_every", "keep", "resume", "export", "timeout", "log_every", "init_from")
     changed = {k: (v, vars(args).get(k)) for k, v in meta["args"].items()
                if k not in bookkeeping and vars(args).get(k) != v}
     pieces = snapshot.Pieces([p for part in parts for p in part["pieces"]])
-    snapshot.load_pieces(optimizer, _names(gpt), gpt, pieces)
+    snapshot.load_pieces(optimizer, _names(gpt), gpt, pieces, frozen=not meta.get("base"))
     optimizer.scaler.load_state_dict(parts[0]["scaler"])     # the same on every rank
     if meta["world_size"] == world_size:
         torch.set_rng_state(parts[rank]["rng"]["cpu"])
@@ -307,6 +346,7 @@ def export(path, gpt, optimizer, rank):
     dist.gather_object(pieces, gathered, dst=0)
     if rank == 0:
         weights = snapshot.Pieces([p for part in gathered for p in part]).full_state_dict(gpt)
+        weights = lora.fold_adapters(weights, gpt)         # LoRA: merged into W0; else as is
         torch.save({"model": _model_config(gpt), "state_dict": weights}, path + ".tmp")
         os.replace(path + ".tmp", path)
 
@@ -355,13 +395,21 @@ def main(argv=None) -> dict:
         f"{n_params / 1e6:.2f}M params | {args.precision} | global batch {args.batch_size} x "
         f"{args.seq_len} tokens, {args.grad_accum} micro-batch(es) per rank | {args.collectives} collectives")
     # memory.py's napkin math for this run, to read beside the measured bytes in the log.
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if args.lora:
+        say(f"LoRA rank {args.lora_rank} on {args.lora_targets}: {trainable:,} trainable parameters "
+            f"({trainable / n_params:.2%} of the model); the adapter is "
+            f"{lora.adapter_bytes(gpt) / 2**10:.1f} KiB, the model {n_params * 4 / 2**20:.1f} MiB in fp32")
     napkin = state_bytes(n_params, "ddp" if args.strategy == "single" else args.strategy,
-                         args.precision, world_size)
+                         args.precision, world_size, trainable=trainable)
     say(f"napkin math per rank (memory.py): params {napkin['params'] / 2**20:.1f} MiB, grads "
         f"{napkin['grads'] / 2**20:.1f}, optim {napkin['optimizer'] / 2**20:.1f}, total "
         f"{napkin['total'] / 2**20:.1f}")
 
     history = {"losses": {}, "live_bytes": {}}
+    if args.init_from and start == 0:          # fine-tuning: where the new text starts from
+        history["eval_loss_before"] = eval_loss(model, data, args, rank, world_size, device)
+        say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
     tokens_per_step = args.batch_size * args.seq_len
     timer, last_timed, skipped = time.perf_counter(), start - 1, 0
     for step in range(start, args.steps):

@@ -149,7 +149,18 @@ def test_cli_breakdown_of_one_strategy(cli):
     assert re.search(r"^  total\s+[\d,]+", out, re.M) and "total with checkpointing" in out
 
 
+def test_lora_is_the_model_plus_4x_the_trainable_parameters(capsys):
+    """The talk's rule in fp32 with Adam: frozen weights once, then weights, gradients and two
+    moments of the trainable ones (4 x 4 bytes); only their gradients travel under ddp."""
+    held = state_bytes(1_000_000, "ddp", "fp32", 1, trainable=10_000)
+    assert held["total"] == 4 * 990_000 + 4 * (4 * 10_000)
+    main(["--params", "1e6", "--trainable", "1e4", "--world", "2", "--precision", "fp32"])
+    ddp = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("ddp"))
+    assert ddp.split()[1:7] == ["3.81", "0.04", "0.08", "3.93", "|", "0.04"], ddp   # MiB
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--params", "1e9", "--trainable", "2e9"], "--trainable 2e+09 must be between 0"),
     (["--params", "1e9", "--strategy", "zero4"], "invalid choice: 'zero4'"),
     (["--params", "1e9", "--world", "0"], "--world must be at least 1"),
     ([], "give exactly one of --params"),

@@ -1,0 +1,113 @@
+"""Activation checkpointing: keep a block's input, forget its insides, recompute them in backward.
+
+Backward needs the activations forward produced; for a transformer layer they are
+sbh(34 + 5as/h) bytes (memory.py), far more than its input's 2sbh. A checkpointed block runs
+forward without recording anything, keeps only its input, and in backward runs that forward
+again, this time recording, then backpropagates through the fresh copy: one extra forward
+pass per block buys activations of one block at a time instead of all of them (Chen et al.
+2016, "Training Deep Nets with Sublinear Memory Cost"; Korthikanti et al. 2022, section 5).
+Left out: selective recomputation of attention only, offloading activations to the CPU.
+Run: python train.py --checkpoint-activations; test: python -m pytest tests/test_checkpointing.py
+
+Shapes: B batch, T sequence, C channels.
+"""
+import torch
+import torch.nn as nn
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """forward: run_function under no_grad, keep the inputs; backward: recompute, backpropagate.
+
+    The block's trainable parameters are passed as inputs too, and their gradients returned
+    like the inputs' ones: the output then requires grad even when the block's input does not
+    (LoRA behind frozen embeddings), and autograd accumulates the parameters' gradients the
+    usual way, so DDP's and ZeRO's gradient hooks fire as without checkpointing.
+    """
+
+    @staticmethod
+    def forward(ctx, run_function, layout, n_inputs, *tensors):
+        inputs, params = tensors[:n_inputs], tensors[n_inputs:]
+        ctx.run_function, ctx.layout = run_function, layout
+        ctx.params = params                      # leaves: a reference, not a saved activation
+        # The RNG state as forward found it: the recomputation must draw the same dropout masks.
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_devices = sorted({t.device.index for t in inputs if t.is_cuda})
+        ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
+        ctx.save_for_backward(*inputs)           # (B, T, C) per block: all that stays alive
+        with torch.no_grad():
+            return run_function(*_rebuild(layout, inputs))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.random.fork_rng(devices=ctx.cuda_devices):   # leave the outer stream alone
+            torch.set_rng_state(ctx.cpu_rng)
+            for device, state in zip(ctx.cuda_devices, ctx.cuda_rng):
+                torch.cuda.set_rng_state(state, device)
+            with torch.enable_grad():
+                output = ctx.run_function(*_rebuild(ctx.layout, inputs))  # the activations, again
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = torch.autograd.grad(output, wanted + list(ctx.params), grad_output,
+                                    allow_unused=True)
+        input_grads = iter(grads[:len(wanted)])
+        return (None, None, None,
+                *[next(input_grads) if t.requires_grad else None for t in inputs],
+                *grads[len(wanted):])
+
+
+_TENSOR = object()          # a placeholder in a call's layout for "the next tensor argument"
+
+
+def _rebuild(layout, tensors):
+    """The call's arguments: tensors back in their places among the non-tensor ones."""
+    tensors = iter(tensors)
+    return [next(tensors) if arg is _TENSOR else arg for arg in layout]
+
+
+def checkpoint(function, *args, parameters=()):
+    """function(*args), with its activations recomputed in backward instead of kept.
+
+    args may mix tensors and other values; function returns one tensor. `parameters`: the
+    tensors function uses that need gradients (a module's .parameters(); frozen ones skipped).
+    """
+    layout = [_TENSOR if torch.is_tensor(a) else a for a in args]
+    inputs = [a for a in args if torch.is_tensor(a)]
+    params = [p for p in parameters if p.requires_grad]
+    return CheckpointFunction.apply(function, layout, len(inputs), *inputs, *params)
+
+
+def checkpoint_blocks(model: nn.Module, every: int = 1) -> int:
+    """Checkpoint every `every`-th block of model.blocks in place; how many were checkpointed.
+
+    The block's own forward is wrapped, so parameter names (and checkpoints) do not change,
+    and the parameters are looked up at each call: LoRA applied later is included.
+    """
+    if every < 1:
+        raise ValueError(f"checkpoint every {every}-th block: use 1 (every block) or more")
+    chosen = [block for i, block in enumerate(model.blocks) if i % every == 0]
+    for block in chosen:
+        def forward(x, _forward=block.forward, _block=block):
+            if not torch.is_grad_enabled():      # evaluation: nothing is kept anyway
+                return _forward(x)
+            return checkpoint(_forward, x, parameters=_block.parameters())
+        block.forward = forward
+    return len(chosen)
+
+
+def saved_activation_bytes(run, exclude=()):
+    """Bytes autograd keeps for backward while run() executes, each storage counted once.
+
+    Counted with saved-tensor hooks (every tensor an op or a Function saves passes through
+    pack); `exclude` (the parameters) are not activations.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = run()
+    return sum(storages.values()), result

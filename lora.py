@@ -1,0 +1,150 @@
+"""LoRA: fine-tune a frozen model through a low-rank update of chosen weight matrices.
+
+A pretrained W0 (d x k) stays frozen; the layer learns B (d x r) and A (r x k) with r much
+smaller than d and k, and computes h = W0 x + (alpha / r) B A x (Hu et al. 2021, "LoRA",
+section 4.1). B starts at zero, so the model starts exactly as the base one; only A and B get
+gradients and optimizer state, so training needs room for the frozen model plus about 4x
+the trainable parameters (weights, gradients, Adam's two moments), not 4x the whole model
+(the talk's rule of thumb; memory.py counts it). Merging adds (alpha / r) B A into W0: no extra latency at inference, and
+subtracting it back restores the base, so adapters for several tasks share one base model.
+Left out: quantized bases (QLoRA), LoRA on embeddings.
+Run: python train.py --init-from RUN --lora --data OTHER.txt; test: python -m pytest tests/test_lora.py
+
+Shapes: B batch, T sequence, k in features, d out features, r rank.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear's weight and bias (same tensors, same names) plus lora_A, lora_B."""
+
+    def __init__(self, base: nn.Linear, rank: int = 8, alpha: float | None = None,
+                 dropout: float = 0.0):
+        super().__init__()
+        if rank < 1 or rank > min(base.in_features, base.out_features):
+            raise ValueError(f"LoRA rank {rank} must be between 1 and min(in, out) = "
+                             f"{min(base.in_features, base.out_features)}: use a smaller --lora-rank")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias            # W0 (d, k), b (d,): frozen
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.rank = rank
+        self.scale = (alpha if alpha is not None else rank) / rank  # alpha / r
+        self.dropout = dropout
+        like = dict(device=base.weight.device, dtype=base.weight.dtype)
+        # A random (as nn.Linear initialises a k -> r layer), B zero: B A = 0 at the start.
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, **like))  # (r, k)
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **like))  # (d, r)
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.merged = False
+
+    def delta(self) -> torch.Tensor:
+        """The update the adapter adds to W0: (alpha / r) B A, (d, k)."""
+        return self.scale * self.lora_B @ self.lora_A
+
+    def forward(self, x):                                       # x: (..., k) -> (..., d)
+        h = F.linear(x, self.weight, self.bias)
+        if self.merged:                                         # W0 + BA already in weight
+            return h
+        x = F.dropout(x, self.dropout, self.training)
+        # Two thin products, (..., k) -> (..., r) -> (..., d): the d x k update is never built.
+        return h + self.scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
+
+    @torch.no_grad()
+    def merge(self):
+        if not self.merged:
+            self.weight += self.delta().to(self.weight.dtype)
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self):
+        if self.merged:
+            self.weight -= self.delta().to(self.weight.dtype)
+            self.merged = False
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scale={self.scale:g}"
+
+
+def apply_lora(model: nn.Module, targets=("query", "value"), rank: int = 8,
+               alpha: float | None = None, dropout: float = 0.0) -> nn.Module:
+    """Freeze every parameter of model and wrap each nn.Linear named in targets, in place.
+
+    targets are module names' last parts ("query" matches blocks.0.attn.query). Parameter
+    names of the base stay as they were, so base checkpoints still load.
+    """
+    for p in model.parameters():
+        p.requires_grad_(False)
+    found = [(name, module) for name, module in model.named_modules()
+             if name.rsplit(".", 1)[-1] in targets and isinstance(module, nn.Linear)]
+    if not found:
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"--lora-targets {','.join(targets)} names no linear layer; choose "
+                         f"among {','.join(linears)}")
+    for name, module in found:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child,
+                LoRALinear(module, rank=rank, alpha=alpha, dropout=dropout))
+    return model
+
+
+def lora_layers(model: nn.Module) -> list[LoRALinear]:
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    for layer in lora_layers(model):
+        layer.merge()
+    return model
+
+
+def unmerge_lora(model: nn.Module) -> nn.Module:
+    for layer in lora_layers(model):
+        layer.unmerge()
+    return model
+
+
+def lora_state_dict(model: nn.Module) -> dict:
+    """Only the adapter: every lora_A and lora_B, by name (the base is saved elsewhere, once)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters() if ".lora_" in name}
+
+
+def load_lora(model: nn.Module, adapter: dict):
+    """Put an adapter (lora_state_dict's output) into a model apply_lora has wrapped.
+
+    Swapping adapters on one base: call again with another task's adapter. A merged model is
+    unmerged first, so the base underneath stays the pretrained one.
+    """
+    unmerge_lora(model)
+    mine = {name for name, _ in model.named_parameters() if ".lora_" in name}
+    if set(adapter) != mine:
+        raise ValueError(f"the adapter's {len(adapter)} tensors do not match this model's "
+                         f"{len(mine)} LoRA tensors (e.g. {sorted(set(adapter) ^ mine)[:2]}): apply "
+                         f"LoRA with the same --lora-targets as the run that trained it")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in adapter.items():
+            params[name].copy_(value)
+
+
+def adapter_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in lora_state_dict(model).values())
+
+
+def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
+    """A plain model's state dict from a LoRA one: W0 + (alpha / r) B A, the lora_ keys dropped.
+
+    model is the LoRA-wrapped model the state dict came from (its layers give the scales);
+    the result loads into the base architecture with no LoRA code at all.
+    """
+    folded = {name: t for name, t in state_dict.items() if ".lora_" not in name}
+    for name, layer in model.named_modules():
+        if isinstance(layer, LoRALinear):
+            B, A = state_dict[name + ".lora_B"], state_dict[name + ".lora_A"]   # (d, r), (r, k)
+            folded[name + ".weight"] = state_dict[name + ".weight"] + layer.scale * B @ A
+    return folded

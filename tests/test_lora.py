@@ -1,0 +1,165 @@
+"""LoRA (lora.py): starts as the base, trains only A and B, merges, swaps, composes.
+
+fp32 on the CPU. Merging rounds W0 + (alpha/r) B A once per weight, so merged and unmerged
+outputs agree to ~1e-6 (MERGE_ATOL 1e-5); under ddp and zero2 the reordered gradient sums
+keep losses within fp32 noise of one process (test_snapshot's LOSS_RTOL, WEIGHT_ATOL).
+"""
+import argparse
+import os
+import pydoc
+
+import pytest
+import torch
+
+import train
+from lora import (LoRALinear, adapter_bytes, apply_lora, fold_adapters, load_lora, lora_state_dict,
+                  merge_lora, unmerge_lora)
+from memory import held_bytes, state_bytes
+from mixed_precision import MixedPrecisionOptimizer
+from model import GPT, PRESETS
+from multiprocess import run_ranks
+from test_snapshot import LOSS_RTOL, RUN, WEIGHT_ATOL, _same_weights, _weights
+
+CFG = PRESETS["tiny"]
+MERGE_ATOL = 1e-5
+
+
+def _base():
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+def _tuned(seed, targets=("query", "value"), steps=3):
+    """A LoRA model after a few Adam steps on random tokens of `seed`: B is no longer zero."""
+    model = apply_lora(_base(), targets=targets, rank=4, alpha=8)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 256, (2, 16), generator=g)
+        model(x, x)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+X = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
+
+
+def test_starts_exactly_as_the_base_and_trains_only_the_adapters():
+    base, model = _base(), apply_lora(_base())
+    assert torch.equal(model(X), base(X))                    # B = 0: B A x adds exact zeros
+    model(X, X)[1].backward()
+    for name, p in model.named_parameters():
+        assert p.requires_grad == (".lora_" in name), name
+        assert (p.grad is not None) == (".lora_" in name), name
+    assert all(layer.lora_B.grad.abs().sum() > 0 for layer in model.modules() if isinstance(layer, LoRALinear))
+    # Parameter names of the base are unchanged: a base checkpoint still loads.
+    assert set(base.state_dict()) <= set(model.state_dict())
+
+
+def test_trainable_parameters_match_the_formula():
+    model = apply_lora(_base(), targets=("query", "value", "up"), rank=8)
+    C = CFG.n_embd
+    per_block = 8 * (C + C) * 2 + 8 * (C + 4 * C)            # r (k + d) per adapted matrix
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable == CFG.n_layer * per_block
+    assert adapter_bytes(model) == 4 * trainable              # fp32
+
+
+def test_merged_unmerged_and_folded_outputs_agree():
+    model = _tuned(1)
+    base_weight = _base().blocks[0].attn.query.weight.detach().clone()
+    unmerged = model(X)
+    merge_lora(model)
+    merged = model(X)
+    torch.testing.assert_close(merged, unmerged, rtol=0, atol=MERGE_ATOL)
+    unmerge_lora(model)
+    torch.testing.assert_close(model.blocks[0].attn.query.weight, base_weight, rtol=0, atol=1e-6)
+    plain = GPT(CFG)                                         # no LoRA code: the folded weights
+    plain.load_state_dict(fold_adapters(model.state_dict(), model))
+    torch.testing.assert_close(plain(X), unmerged, rtol=0, atol=MERGE_ATOL)
+
+
+def test_adapters_round_trip_and_swap_on_one_base():
+    task_a, task_b = _tuned(1), _tuned(2)
+    adapter_a, adapter_b = lora_state_dict(task_a), lora_state_dict(task_b)
+    assert all(".lora_" in name for name in adapter_a)
+    shared = apply_lora(_base(), rank=4, alpha=8)
+    for adapter, tuned in ((adapter_a, task_a), (adapter_b, task_b), (adapter_a, task_a)):
+        load_lora(shared, adapter)
+        assert torch.equal(shared(X), tuned(X))
+    merge_lora(shared)                                       # loading unmerges first; W0 + d - d
+    load_lora(shared, adapter_b)                             # rounds W0 by ~1e-7, hence atol
+    torch.testing.assert_close(shared(X), task_b(X), rtol=0, atol=MERGE_ATOL)
+
+
+def test_bad_lora_settings_name_the_fix():
+    with pytest.raises(ValueError, match="choose among"):
+        apply_lora(_base(), targets=("qkv",))
+    with pytest.raises(ValueError, match="smaller --lora-rank"):
+        apply_lora(_base(), rank=1000)
+    with pytest.raises(ValueError, match="same --lora-targets"):
+        load_lora(apply_lora(_base()), lora_state_dict(_tuned(1, targets=("query",))))
+
+
+def test_memory_is_the_model_plus_the_trainable_parameters_state():
+    """Measured bytes equal memory.py's: the frozen model once, grads and Adam only for A and B."""
+    model = apply_lora(_base())
+    optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision="fp32")
+    model(X, X)[1].backward()
+    optimizer.step()
+    n_params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    predicted = state_bytes(n_params, "ddp", "fp32", 1, trainable=trainable)
+    held = held_bytes(model, optimizer)
+    assert {k: held[k] for k in ("params", "grads", "optimizer")} == \
+           {k: predicted[k] for k in ("params", "grads", "optimizer")}
+    assert predicted["grads"] == 4 * trainable and predicted["optimizer"] == 8 * trainable
+
+
+# ---- train.py: pretrain, then fine-tune another text with LoRA, at any world size ------------
+
+LORA = ["--lora", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "5e-3"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    other = root / "argparse_help.txt"                  # English prose, not Python source
+    other.write_text(pydoc.render_doc(argparse, renderer=pydoc.plaintext))
+    run_ranks(train.main, 1, [*RUN, "--steps", "20", "--export", str(root / "base.pt")])
+    return root, str(other)
+
+
+def _fine_tune(root, other, strategy, name, extra=()):
+    return train.main([*RUN, *LORA, "--strategy", strategy, "--init-from", os.path.join(root, "base.pt"),
+                       "--data", other, "--export", os.path.join(root, name + ".pt"), *extra])
+
+
+def test_lora_under_ddp_and_zero2_equals_one_process(pretrained):
+    root, other = pretrained
+    single = run_ranks(_fine_tune, 1, root, other, "single", "single")[0]
+    assert single["eval_loss"] < single["eval_loss_before"]          # it learns the new text
+    for strategy in ("ddp", "zero2"):
+        out = run_ranks(_fine_tune, 2, root, other, strategy, strategy)[0]
+        for step, loss in single["losses"].items():
+            assert out["losses"][step] == pytest.approx(loss, rel=LOSS_RTOL), (strategy, step)
+        _same_weights(_weights(root / f"{strategy}.pt"), _weights(root / "single.pt"), atol=WEIGHT_ATOL)
+
+
+def test_checkpoint_holds_only_the_adapter_and_resumes_exactly(pretrained):
+    root, other = pretrained
+    run_dir = str(root / "tuned")
+    straight = run_ranks(_fine_tune, 2, root, other, "zero2", "straight")[0]
+    run_ranks(_fine_tune, 2, root, other, "zero2", "saved", ["--out", run_dir, "--save-every", "3"])
+    meta, parts = train.snapshot.load(os.path.join(run_dir, "ckpt-0000003"))
+    names = {p["name"] for part in parts for p in part["pieces"]}
+    assert names and all(".lora_" in name for name in names)         # no base weights in it
+    assert meta["base"] == os.path.abspath(root / "base.pt")
+    os.rename(os.path.join(run_dir, "ckpt-0000006"), os.path.join(run_dir, "later"))
+    again = run_ranks(_fine_tune, 2, root, other, "zero2", "resumed", ["--out", run_dir, "--resume"])[0]
+    assert again["losses"] == {s: straight["losses"][s] for s in (3, 4, 5)}
+    _same_weights(_weights(root / "resumed.pt"), _weights(root / "straight.pt"))
+    # The run directory alone gives the merged model (base + adapter), on one process.
+    from_dir = train.load_weights(run_dir).state_dict()
+    _same_weights(from_dir, _weights(root / "straight.pt"), atol=MERGE_ATOL)
