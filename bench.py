@@ -3,7 +3,8 @@
 Each strategy and its PyTorch counterpart train the same model on the same data, precision and
 world size, alternating run by run (fresh model, warm-up, timed steps), beside memory and bytes
 sent; our ring all-reduce is timed against the native one from 1 KB up (nccl-tests' busbw).
-Left out: strategies not written yet, gradient accumulation, data loading, CPU activation memory.
+Activation checkpointing is timed the same way: ours against torch.utils.checkpoint, both on
+our DDP. Left out: strategies not written yet, gradient accumulation, data loading.
 Run: torchrun --nproc_per_node 2 bench.py --quick (CPU); torchrun --nproc_per_node 8 bench.py (GPUs)
 Test: python -m pytest tests/test_bench.py
 """
@@ -22,7 +23,9 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from checkpointing import checkpoint_blocks, saved_activation_bytes
 from collectives import Comm, init_distributed
 from data import TextData
 from ddp import DDP
@@ -114,12 +117,28 @@ def torch_zero(model, args):
     return Run(ddp, TorchOptimizer(zero, ddp.parameters(), state_owner=zero.optim), label=label)
 
 
+def ours_checkpointed(model, args):
+    checkpoint_blocks(model)
+    run = ours_ddp(model, args)
+    return Run(run.model, run.optimizer, run.comm, label="our DDP + checkpointing.checkpoint_blocks")
+
+
+def torch_checkpointed(model, args):
+    for block in model.blocks:               # non-reentrant: PyTorch's recommended variant
+        block.forward = partial(torch_checkpoint, block.forward, use_reentrant=False)
+    run = ours_ddp(model, args)
+    return Run(run.model, run.optimizer, run.comm,
+               label="our DDP + torch.utils.checkpoint.checkpoint(use_reentrant=False) per block")
+
+
 # name -> (build ours, build PyTorch's). A new strategy is one more line here.
 STRATEGIES = {
     "ddp": (ours_ddp, torch_ddp),
     "zero1": (partial(ours_zero, 1), torch_zero),
     "zero2": (partial(ours_zero, 2), torch_zero),
+    "checkpointing": (ours_checkpointed, torch_checkpointed),
 }
+NAPKIN_STRATEGY = {"checkpointing": "ddp"}   # what memory.comm_bytes knows a row as
 BENCHMARKS = (*STRATEGIES, "collectives")
 
 
@@ -173,9 +192,13 @@ def time_training(build, args, batches, device) -> dict:
     seconds = across_ranks(time.perf_counter() - start, device)
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
             else sum(held_bytes(run.model, run.optimizer).values()))
+    # What one forward keeps for backward (untimed; the graph is dropped unused).
+    inner = getattr(run.model, "module", run.model)
+    activations, _ = saved_activation_bytes(lambda: inner(x, y)[1], exclude=list(inner.parameters()))
     sent = None if run.comm is None else sum(run.comm.bytes_sent.values()) / args.steps
     return {"ms_per_step": 1e3 * seconds / args.steps, "label": run.label,
             "peak_bytes": across_ranks(peak, device), "sent_per_step": sent,
+            "activation_bytes": across_ranks(activations, device),
             # the same loss on both sides says both did the same work
             "last_loss": across_ranks(loss.item(), device, dist.ReduceOp.SUM) / dist.get_world_size()}
 
@@ -192,11 +215,12 @@ def bench_strategy(name, args, batches, device, n_params, peak_flops) -> dict:
         ms = summary([r["ms_per_step"] for r in results])
         row[side] = {"ms_per_step": ms, "tokens_per_s": tokens_per_step / ms["median"] * 1e3,
                      "peak_bytes": max(r["peak_bytes"] for r in results),
+                     "activation_bytes": results[-1]["activation_bytes"],
                      "sent_per_step": results[-1]["sent_per_step"],
                      "last_loss": results[-1]["last_loss"]}
     row["ratio"] = row["ours"]["ms_per_step"]["median"] / row["torch"]["ms_per_step"]["median"]
     row["ours"]["napkin_sent_per_step"] = sum(
-        comm_bytes(n_params, name, args.precision, dist.get_world_size()).values())
+        comm_bytes(n_params, NAPKIN_STRATEGY.get(name, name), args.precision, dist.get_world_size()).values())
     if peak_flops:
         # Model FLOPs per token (Kaplan et al. 2020; PaLM appendix B): 6 per parameter for forward
         # and backward, plus attention's scores and weighted sum, 12 * layers * width * sequence.
@@ -280,15 +304,19 @@ def report(m: dict, rows: list, collective_rows: list) -> str:
              f"timed steps x {m['repeats']} repetitions", ""]
     if rows:
         lines += ["| strategy | ours ms/step | torch ms/step | ours/torch | ours tokens/s | "
-                  "ours peak MiB | torch peak MiB | ours sent MiB/step (measured / napkin) | "
-                  "torch sent MiB/step | ours MFU |", "|" + "---|" * 10]
+                  "ours peak MiB | torch peak MiB | activations MiB (ours / torch) | "
+                  "ours sent MiB/step (measured / napkin) | torch sent MiB/step | ours MFU |",
+                  "|" + "---|" * 11]
         for r in rows:
             ours, theirs = r["ours"], r["torch"]
             lines.append(f"| {r['strategy']} | {spread(ours['ms_per_step'])} | "
                          f"{spread(theirs['ms_per_step'])} | {r['ratio']:.2f} | "
                          f"{ours['tokens_per_s']:,.0f} | {ours['peak_bytes'] / MiB:.1f} | "
-                         f"{theirs['peak_bytes'] / MiB:.1f} | {ours['sent_per_step'] / MiB:.2f} / "
-                         f"{ours['napkin_sent_per_step'] / MiB:.2f} | n/a | "
+                         f"{theirs['peak_bytes'] / MiB:.1f} | {ours['activation_bytes'] / MiB:.1f} / "
+                         f"{theirs['activation_bytes'] / MiB:.1f} | {ours['sent_per_step'] / MiB:.2f} / "
+                         f"{ours['napkin_sent_per_step'] / MiB:.2f} | "
+                         + (f"{theirs['sent_per_step'] / MiB:.2f} | " if theirs["sent_per_step"] is not None
+                            else "n/a | ")
                          + (f"{100 * r['mfu']:.1f}% |" if "mfu" in r else "n/a |"))
         peak = ("CUDA max_memory_allocated, activations included" if m["gpu"] else "memory.held_bytes: "
                 "parameters + gradients (torch DDP's buckets, as .grad views) + optimizer state")
@@ -296,7 +324,8 @@ def report(m: dict, rows: list, collective_rows: list) -> str:
                if m["gpu"] else "GPU only")
         lines += ["", f"ms/step: median (min-max) over repetitions, slowest rank. Peak: max over ranks, "
                   f"{peak}. Sent: our Comm's counter (ring volume, native calls included) beside "
-                  f"memory.comm_bytes; PyTorch counts nothing. MFU: {mfu}. Both sides: AdamW, "
+                  f"memory.comm_bytes; PyTorch's DDP counts nothing. Activations: bytes one forward keeps for "
+                  f"backward (saved-tensor hooks), max over ranks. MFU: {mfu}. Both sides: AdamW, "
                   f"gradient-norm clip {m['clip_grad']}. PyTorch's side, and the loss after the last "
                   f"step (ours / torch: the same work gives the same loss):"]
         lines += [f"- {r['strategy']}: {r['torch_counterpart']}; loss {r['ours']['last_loss']:.5f} / "

@@ -94,6 +94,13 @@ def parse_args(argv=None):
     run.add_argument("--timeout", type=float, default=None,
                      help="seconds a collective waits for a dead or stuck rank before the run stops "
                           "(default: 120 on CPU, 600 on GPU)")
+    prof = p.add_argument_group("profiling")
+    prof.add_argument("--profile", metavar="DIR", default=None,
+                      help="write a torch.profiler trace of steps 2-4 per rank into DIR, for "
+                           "https://ui.perfetto.dev: communication beside the compute it overlaps")
+    prof.add_argument("--memory-snapshot", metavar="FILE", default=None,
+                      help="CUDA: record every allocation of the first 5 steps into FILE (a pickle) "
+                           "for https://pytorch.org/memory_viz")
     gen = p.add_argument_group("sampling (python train.py --sample --init-from RUN_DIR)")
     gen.add_argument("--sample", action="store_true", help="generate text from --init-from and stop")
     gen.add_argument("--prompt", default="def ")
@@ -154,6 +161,9 @@ def check_args(parser, args, world_size):
                      "(with --lora, --init-from names the frozen base and --resume the adapter)")
     if args.checkpoint_activations < 0:
         parser.error(f"--checkpoint-activations K must be 1 or more, got {args.checkpoint_activations}")
+    if args.memory_snapshot and not torch.cuda.is_available():
+        parser.error("--memory-snapshot records CUDA's allocator and there is no GPU here: on the "
+                     "CPU use --profile DIR (its trace has the memory events too)")
     if args.timeout is not None and args.timeout <= 0:
         parser.error(f"--timeout must be positive seconds, got {args.timeout}")
 
@@ -362,6 +372,45 @@ def sample(args):
 
 # ---- the run ---------------------------------------------------------------------------------
 
+def start_profiling(args, rank, world_size):
+    """torch.profiler over steps 2-4 (after two warm-up steps), and CUDA's allocation history.
+
+    Returns a function to call after every step: it advances the profiler's schedule and
+    writes the memory snapshot once its steps are done.
+    """
+    profiler = None
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        trace = os.path.join(args.profile, f"trace-rank{rank}.json")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(
+            activities=activities, profile_memory=True,
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+            on_trace_ready=lambda p: p.export_chrome_trace(trace))
+        profiler.start()
+    snapshot_file, snapshot_steps = args.memory_snapshot, [0]
+    if snapshot_file:
+        if world_size > 1:                        # one file per rank: model.pickle -> model-rank1.pickle
+            root, ext = os.path.splitext(snapshot_file)
+            snapshot_file = f"{root}-rank{rank}{ext}"
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def step_done(last: bool):
+        if profiler:
+            profiler.step()
+            if last:
+                profiler.stop()
+        if snapshot_file and snapshot_steps[0] >= 0:
+            snapshot_steps[0] += 1
+            if snapshot_steps[0] == 5 or last:
+                torch.cuda.memory._dump_snapshot(snapshot_file)
+                torch.cuda.memory._record_memory_history(enabled=None)
+                snapshot_steps[0] = -1
+    return step_done
+
+
 def main(argv=None) -> dict:
     """Train as the command line says; returns the logged history {losses, live_bytes, eval_loss}."""
     args = parse_args(argv)
@@ -407,6 +456,7 @@ def main(argv=None) -> dict:
         f"{napkin['total'] / 2**20:.1f}")
 
     history = {"losses": {}, "live_bytes": {}}
+    step_done = start_profiling(args, rank, world_size)
     if args.init_from and start == 0:          # fine-tuning: where the new text starts from
         history["eval_loss_before"] = eval_loss(model, data, args, rank, world_size, device)
         say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
@@ -447,6 +497,7 @@ def main(argv=None) -> dict:
             say(f"step {step:5d} | eval loss {eval_loss(model, data, args, rank, world_size, device):.4f}")
             timer, last_timed = time.perf_counter(), step            # time training steps only
         done = step + 1
+        step_done(last=done == args.steps)
         if args.out and (done == args.steps or args.save_every and done % args.save_every == 0):
             say(f"step {step:5d} | saved {save_checkpoint(args, done, gpt, optimizer, world_size, rank)}")
             timer, last_timed = time.perf_counter(), step

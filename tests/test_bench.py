@@ -11,10 +11,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGY_COLUMNS = ["strategy", "ours ms/step", "torch ms/step", "ours/torch", "ours tokens/s",
-                    "ours peak MiB", "torch peak MiB", "ours sent MiB/step (measured / napkin)",
+                    "ours peak MiB", "torch peak MiB", "activations MiB (ours / torch)",
+                    "ours sent MiB/step (measured / napkin)",
                     "torch sent MiB/step", "ours MFU"]
 COLLECTIVE_COLUMNS = ["all-reduce size", "ring us", "native us", "ring/native", "ring busbw GB/s",
                       "native busbw GB/s"]
@@ -23,10 +25,11 @@ NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?%?")
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    """One quick run: zero2 (ours vs ZeroRedundancyOptimizer) and the 1 KB and 4 KB all-reduces."""
+    """One quick run: zero2 (ours vs ZeroRedundancyOptimizer), activation checkpointing (ours vs
+    torch.utils.checkpoint) and the 1 KB and 4 KB all-reduces."""
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "bench.py", "--quick", "--strategies", "zero2,collectives", "--warmup", "1",
+               "bench.py", "--quick", "--strategies", "zero2,checkpointing,collectives", "--warmup", "1",
                "--steps", "2", "--repeats", "2", "--max-mb", "0.004", "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=120)
@@ -72,12 +75,13 @@ def test_strategy_table_has_every_column_and_finite_numbers(bench):
     output, _ = bench
     columns, rows = table(output, "strategy")
     assert columns == STRATEGY_COLUMNS
-    assert [row[0] for row in rows] == ["zero2"]
-    row = rows[0]
-    assert len(row) == len(columns), row
-    assert row[STRATEGY_COLUMNS.index("torch sent MiB/step")] == "n/a"   # torch counts nothing
-    assert row[STRATEGY_COLUMNS.index("ours MFU")] == "n/a"              # CPU: no MFU
-    assert_finite_cells(row[1:])
+    assert [row[0] for row in rows] == ["zero2", "checkpointing"]
+    for row in rows:
+        assert len(row) == len(columns), row
+        assert row[STRATEGY_COLUMNS.index("ours MFU")] == "n/a"          # CPU: no MFU
+        assert_finite_cells(row[1:])
+    # torch's DDP counts nothing; the checkpointing row runs our DDP on both sides
+    assert rows[0][STRATEGY_COLUMNS.index("torch sent MiB/step")] == "n/a"
 
 
 def test_collectives_table_covers_the_sizes(bench):
@@ -92,8 +96,11 @@ def test_collectives_table_covers_the_sizes(bench):
 def test_json_holds_the_same_numbers(bench):
     output, data = bench
     assert data["machine"]["world_size"] == 2 and data["machine"]["backend"] == "gloo"
-    (row,) = data["strategies"]
-    assert row["strategy"] == "zero2"
+    row, checkpointed = data["strategies"]
+    assert row["strategy"] == "zero2" and checkpointed["strategy"] == "checkpointing"
+    # Ours and torch.utils.checkpoint keep the same: each block's input, nothing inside it.
+    assert checkpointed["ours"]["activation_bytes"] == checkpointed["torch"]["activation_bytes"]
+    assert checkpointed["ours"]["activation_bytes"] < row["ours"]["activation_bytes"] / 3
     for side in ("ours", "torch"):
         ms = row[side]["ms_per_step"]
         assert len(ms["samples"]) == 2                                  # --repeats 2
@@ -116,3 +123,30 @@ def test_json_holds_the_same_numbers(bench):
     for r in data["collectives"]:
         for name in ("ring", "native"):
             assert math.isfinite(r[name]["busbw_GBps"]) and r[name]["busbw_GBps"] > 0
+
+
+# ---- profiling aids: train.py --profile, --memory-snapshot ----------------------------------
+
+def test_profile_writes_a_trace_per_rank_with_the_all_reduces(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "train.py", "--strategy", "ddp", "--steps", "5", "--eval-every", "0", "--seq-len", "32",
+               "--batch-size", "8", "--profile", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(2):
+        with open(tmp_path / f"trace-rank{rank}.json") as f:
+            names = {event.get("name") for event in json.load(f)["traceEvents"]}
+        # the three profiled steps, and DDP's bucket all-reduces inside them
+        assert {"ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4", "gloo:all_reduce"} <= names
+
+
+def test_memory_snapshot_is_written_on_a_gpu_and_refused_without_one(tmp_path):
+    path = tmp_path / "m.pickle"
+    result = subprocess.run([sys.executable, "train.py", "--steps", "6", "--eval-every", "0",
+                             "--memory-snapshot", str(path)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    if torch.cuda.is_available():
+        assert result.returncode == 0 and path.stat().st_size > 0, result.stderr
+    else:
+        assert result.returncode == 2 and "use --profile DIR" in result.stderr, result.stderr
