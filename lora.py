@@ -5,9 +5,10 @@ smaller than d and k, and computes h = W0 x + (alpha / r) B A x (Hu et al. 2021,
 section 4.1). B starts at zero, so the model starts exactly as the base one; only A and B get
 gradients and optimizer state, so training needs room for the frozen model plus about 4x
 the trainable parameters (weights, gradients, Adam's two moments), not 4x the whole model
-(the talk's rule of thumb; memory.py counts it). Merging adds (alpha / r) B A into W0: no extra latency at inference, and
-subtracting it back restores the base, so adapters for several tasks share one base model.
-Left out: quantized bases (QLoRA), LoRA on embeddings.
+(the talk's rule of thumb; memory.py counts it). Merging adds (alpha / r) B A into W0: no
+extra latency at inference, and subtracting it back restores the base, so adapters for
+several tasks share one base model. QLoRA keeps W0 in 4 bits (quantization.py) under the
+same adapters (Dettmers et al. 2023). Left out: LoRA on embeddings.
 Run: python train.py --init-from RUN --lora --data OTHER.txt; test: python -m pytest tests/test_lora.py
 
 Shapes: B batch, T sequence, k in features, d out features, r rank.
@@ -17,6 +18,8 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from quantization import NF4Linear, NF4Weight
 
 
 class LoRALinear(nn.Module):
@@ -47,8 +50,11 @@ class LoRALinear(nn.Module):
         """The update the adapter adds to W0: (alpha / r) B A, (d, k)."""
         return self.scale * self.lora_B @ self.lora_A
 
+    def frozen_forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x):                                       # x: (..., k) -> (..., d)
-        h = F.linear(x, self.weight, self.bias)
+        h = self.frozen_forward(x)
         if self.merged:                                         # W0 + BA already in weight
             return h
         x = F.dropout(x, self.dropout, self.training)
@@ -71,13 +77,34 @@ class LoRALinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scale={self.scale:g}"
 
 
+class QLoRALinear(LoRALinear):
+    """LoRA over a 4-bit NormalFloat W0: the full-precision weight is replaced by its NF4 copy."""
+
+    def __init__(self, base: nn.Linear, rank: int = 8, alpha: float | None = None,
+                 dropout: float = 0.0, double_quant: bool = False):
+        super().__init__(base, rank, alpha, dropout)
+        self.base = NF4Weight(base.weight, double_quant)        # codes and scales: 4.5 bits/value
+        del self.weight                                         # only the 4-bit copy stays
+
+    def frozen_forward(self, x):
+        return NF4Linear.apply(x, self.base, self.bias)         # W0 dequantized, used, dropped
+
+    def merge(self):
+        raise ValueError("a 4-bit base cannot absorb the update without losing it to rounding: "
+                         "use fold_adapters (train.py --export) for a merged full-precision model")
+
+
 def apply_lora(model: nn.Module, targets=("query", "value"), rank: int = 8,
-               alpha: float | None = None, dropout: float = 0.0) -> nn.Module:
+               alpha: float | None = None, dropout: float = 0.0, quantize: str | None = None,
+               double_quant: bool = False) -> nn.Module:
     """Freeze every parameter of model and wrap each nn.Linear named in targets, in place.
 
     targets are module names' last parts ("query" matches blocks.0.attn.query). Parameter
-    names of the base stay as they were, so base checkpoints still load.
+    names of the base stay as they were, so base checkpoints still load. quantize="nf4" stores
+    the targeted weights in 4 bits (QLoRA); double_quant quantizes their scales too.
     """
+    if quantize not in (None, "nf4"):
+        raise ValueError(f"--quantize-base {quantize}: the one 4-bit format here is nf4")
     for p in model.parameters():
         p.requires_grad_(False)
     found = [(name, module) for name, module in model.named_modules()
@@ -88,8 +115,9 @@ def apply_lora(model: nn.Module, targets=("query", "value"), rank: int = 8,
                          f"among {','.join(linears)}")
     for name, module in found:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child,
-                LoRALinear(module, rank=rank, alpha=alpha, dropout=dropout))
+        wrapped = (QLoRALinear(module, rank, alpha, dropout, double_quant) if quantize
+                   else LoRALinear(module, rank=rank, alpha=alpha, dropout=dropout))
+        setattr(model.get_submodule(parent_name), child, wrapped)
     return model
 
 
@@ -142,9 +170,12 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
     model is the LoRA-wrapped model the state dict came from (its layers give the scales);
     the result loads into the base architecture with no LoRA code at all.
     """
-    folded = {name: t for name, t in state_dict.items() if ".lora_" not in name}
-    for name, layer in model.named_modules():
-        if isinstance(layer, LoRALinear):
-            B, A = state_dict[name + ".lora_B"], state_dict[name + ".lora_A"]   # (d, r), (r, k)
-            folded[name + ".weight"] = state_dict[name + ".weight"] + layer.scale * B @ A
+    layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, LoRALinear)}
+    folded = {key: t for key, t in state_dict.items()
+              if ".lora_" not in key and key.rsplit(".base.", 1)[0] not in layers}   # NF4 buffers out
+    for name, layer in layers.items():
+        B, A = state_dict[name + ".lora_B"], state_dict[name + ".lora_A"]       # (d, r), (r, k)
+        W0 = (layer.base.dequantize(B.dtype) if isinstance(layer, QLoRALinear)
+              else state_dict[name + ".weight"])                                # (d, k)
+        folded[name + ".weight"] = W0 + layer.scale * B @ A
     return folded

@@ -81,8 +81,17 @@ def bytes_per_param(precision: str, optimizer: str = "adamw") -> dict:
     return {"params": size, "grads": size, "optimizer": master + moments}
 
 
+def nf4_bytes(numel: int, double_quant: bool = False) -> int:
+    """A 4-bit NormalFloat weight (quantization.py): half a byte per value, plus one fp32 scale
+    per 64 values, or with double quantization one int8 scale per 64 and an fp32 per 256 of those."""
+    blocks = -(-numel // 64)
+    scales = blocks + 4 * -(-blocks // 256) if double_quant else 4 * blocks
+    return -(-numel // 2) + scales
+
+
 def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
-                optimizer: str = "adamw", trainable: int | None = None) -> dict:
+                optimizer: str = "adamw", trainable: int | None = None, quantized: int = 0,
+                double_quant: bool = False) -> dict:
     """Bytes one rank holds in parameters, gradients and optimizer state, and their total.
 
     A sharded quantity is one padded shard, c = ceil(P / N) elements: the implementation pads
@@ -91,7 +100,8 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     buffer, N * c elements; ddp keeps unpadded per-parameter tensors, P elements.
     trainable: how many of the P parameters train (LoRA: the adapters). The frozen rest is
     held whole, in the parameters' dtype, with no gradient and no optimizer state: the talk's
-    "the model plus about 4x the trainable parameters".
+    "the model plus about 4x the trainable parameters". quantized: how many of the frozen
+    ones are stored in NF4 (QLoRA), counted as one weight (each real matrix pads to 64 values).
     """
     strategy = _strategy(strategy, world_size)
     per_param = bytes_per_param(precision, optimizer)
@@ -100,8 +110,10 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     whole = trainable if strategy == "ddp" else shard * world_size  # P, or N * c (padded)
     held = {name: per_param[name] * (shard if sharded else whole)
             for name, sharded in zip(("params", "grads", "optimizer"), SHARDED[strategy])}
-    frozen = n_params - trainable
+    frozen = n_params - trainable - quantized
     held["params"] += per_param["params"] * (-(-frozen // world_size) if SHARDED[strategy][0] else frozen)
+    held["params"] += nf4_bytes(-(-quantized // world_size) if SHARDED[strategy][0] else quantized,
+                                double_quant)
     held["total"] = sum(held.values())
     return held
 
@@ -225,7 +237,7 @@ def held_bytes(model, optimizer) -> dict:
     states = [v for s in optimizer.optimizer.state.values() for v in s.values()
               if isinstance(v, torch.Tensor) and v.dim() > 0]
     buffers = [*getattr(model, "gradient_buffers", list)(), *getattr(optimizer, "gradient_buffers", list)()]
-    return {"params": total(params),
+    return {"params": total(params + list(model.buffers())),     # buffers: QLoRA's 4-bit weights
             "grads": total([p.grad for p in params + masters] + buffers),
             "optimizer": total(masters + states)}
 
@@ -265,8 +277,14 @@ def _parse_args(argv=None):
     p.add_argument("--trainable", type=float, default=None,
                    help="parameters that train, e.g. 4.2e6 for LoRA adapters (default: all); the "
                         "rest is frozen: no gradient, no optimizer state")
+    p.add_argument("--quantize-base", choices=("nf4",), default=None,
+                   help="QLoRA: the frozen parameters in 4-bit NormalFloat (with --trainable)")
+    p.add_argument("--double-quant", action="store_true", help="with --quantize-base: 8-bit scales")
     args = p.parse_args(argv)
 
+    if args.quantize_base and args.trainable is None:
+        p.error("--quantize-base stores the frozen parameters in 4 bits: give --trainable, the "
+                "parameters that train (the LoRA adapters)")
     if (args.params is None) == (args.model is None):
         p.error("give exactly one of --params (e.g. --params 7.5e9) or --model "
                 f"({', '.join(PRESETS)})")
@@ -300,6 +318,13 @@ def _trainable(args):
     return None if args.trainable is None else int(args.trainable)
 
 
+def _state(n_params, strategy, args):
+    trainable = _trainable(args)
+    quantized = n_params - trainable if args.quantize_base else 0
+    return state_bytes(n_params, strategy, args.precision, args.world, args.optimizer,
+                       trainable=trainable, quantized=quantized, double_quant=args.double_quant)
+
+
 def _sent(n_params, strategy, args):
     """Only trainable parameters have gradients to reduce (and, under zero1/2, updates to
     gather); zero3 still all-gathers every parameter, frozen ones included."""
@@ -322,8 +347,7 @@ def _table(n_params, args):
     print(f"per rank, in {name}; sent: ring algorithm, per step")
     print(f"{'strategy':<9}{'params':>9}{'grads':>9}{'optimizer':>11}{'total':>9} |{'sent':>8}  collectives")
     for strategy in STRATEGIES:
-        held = state_bytes(n_params, strategy, args.precision, args.world, args.optimizer,
-                           trainable=_trainable(args))
+        held = _state(n_params, strategy, args)
         sent = _sent(n_params, strategy, args)
         print(f"{strategy:<9}{held['params'] / unit:9.2f}{held['grads'] / unit:9.2f}"
               f"{held['optimizer'] / unit:11.2f}{held['total'] / unit:9.2f} |"
@@ -333,7 +357,7 @@ def _table(n_params, args):
 def _breakdown(n_params, args):
     """One strategy in detail: what a rank holds, activations included, and what it sends."""
     strategy, n = args.strategy, args.world
-    held = state_bytes(n_params, strategy, args.precision, n, args.optimizer, trainable=_trainable(args))
+    held = _state(n_params, strategy, args)
     sent = _sent(n_params, strategy, args)
     canonical = _strategy(strategy, n)
     sharded = SHARDED[canonical]

@@ -30,6 +30,7 @@ from ddp import DDP
 from memory import held_bytes, live_tensor_bytes, state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import PRESETS, GPT, GPTConfig, build_model
+from quantization import NF4Weight
 from zero import ZeroOptimizer
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2")
@@ -79,6 +80,10 @@ def parse_args(argv=None):
     tune.add_argument("--lora-targets", default="query,value",
                       help="comma-separated linear layers to adapt (query, key, value, output, up, down, head)")
     tune.add_argument("--lora-dropout", type=float, default=0.0)
+    tune.add_argument("--quantize-base", choices=("nf4",), default=None,
+                      help="QLoRA: store the adapted layers' frozen weights in 4-bit NormalFloat")
+    tune.add_argument("--double-quant", action="store_true",
+                      help="with --quantize-base: quantize the 4-bit weights' scales to 8 bits too")
     run = p.add_argument_group("run directory, checkpoints and faults")
     run.add_argument("--out", default=None, help="run directory: log.txt, config.json, checkpoints")
     run.add_argument("--save-every", type=int, default=0,
@@ -159,6 +164,11 @@ def check_args(parser, args, world_size):
     if args.resume and args.init_from and not args.lora:
         parser.error("--resume continues a run, --init-from starts one from other weights: use one "
                      "(with --lora, --init-from names the frozen base and --resume the adapter)")
+    if args.quantize_base and not (args.lora and args.init_from):
+        parser.error("--quantize-base stores a trained base in 4 bits under LoRA adapters: add "
+                     "--lora and --init-from RUN_DIR (the model to fine-tune)")
+    if args.double_quant and not args.quantize_base:
+        parser.error("--double-quant quantizes the scales of a 4-bit base: add --quantize-base nf4")
     if args.checkpoint_activations < 0:
         parser.error(f"--checkpoint-activations K must be 1 or more, got {args.checkpoint_activations}")
     if args.memory_snapshot and not torch.cuda.is_available():
@@ -224,12 +234,11 @@ def build(args, device, comm):
     gpt = build_model(args.model, dropout=args.dropout)                  # fp32
     if args.init_from:
         load_weights(args.init_from, gpt)
-    if args.lora:
-        lora.apply_lora(gpt, targets=tuple(args.lora_targets.split(",")), rank=args.lora_rank,
-                        alpha=args.lora_alpha, dropout=args.lora_dropout)
+    gpt.to(device=device, dtype=DTYPES[args.precision])
+    if args.lora:         # after the cast: a 4-bit base keeps its scales in fp32
+        lora.apply_lora(gpt, **_lora_config(args))
     if args.checkpoint_activations:
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
-    gpt.to(device=device, dtype=DTYPES[args.precision])
     model = gpt
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     if args.strategy in ("zero1", "zero2"):
@@ -288,7 +297,8 @@ def _names(gpt: GPT) -> dict:
 
 def _lora_config(args) -> dict | None:
     return dict(targets=args.lora_targets.split(","), rank=args.lora_rank, alpha=args.lora_alpha,
-                dropout=args.lora_dropout) if args.lora else None
+                dropout=args.lora_dropout, quantize=args.quantize_base,
+                double_quant=args.double_quant) if args.lora else None
 
 
 def save_checkpoint(args, step, gpt, optimizer, world_size, rank):
@@ -439,7 +449,9 @@ def main(argv=None) -> dict:
         raise RunError(str(e)) from None
     start = resume(args, gpt, optimizer, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
-    n_params = sum(p.numel() for p in model.parameters())
+    # QLoRA's 4-bit weights are buffers, not parameters: counted apart.
+    quantized = sum(torch.Size(m.shape).numel() for m in gpt.modules() if isinstance(m, NF4Weight))
+    n_params = sum(p.numel() for p in model.parameters()) + quantized
     say(f"{args.strategy} on {world_size} x {device.type} ({dist.get_backend()}) | model {args.model} "
         f"{n_params / 1e6:.2f}M params | {args.precision} | global batch {args.batch_size} x "
         f"{args.seq_len} tokens, {args.grad_accum} micro-batch(es) per rank | {args.collectives} collectives")
@@ -448,9 +460,11 @@ def main(argv=None) -> dict:
     if args.lora:
         say(f"LoRA rank {args.lora_rank} on {args.lora_targets}: {trainable:,} trainable parameters "
             f"({trainable / n_params:.2%} of the model); the adapter is "
-            f"{lora.adapter_bytes(gpt) / 2**10:.1f} KiB, the model {n_params * 4 / 2**20:.1f} MiB in fp32")
+            f"{lora.adapter_bytes(gpt) / 2**10:.1f} KiB, the model {n_params * 4 / 2**20:.1f} MiB in fp32"
+            + (f"; {quantized:,} frozen weights in 4-bit {args.quantize_base}" if quantized else ""))
     napkin = state_bytes(n_params, "ddp" if args.strategy == "single" else args.strategy,
-                         args.precision, world_size, trainable=trainable)
+                         args.precision, world_size, trainable=trainable, quantized=quantized,
+                         double_quant=args.double_quant)
     say(f"napkin math per rank (memory.py): params {napkin['params'] / 2**20:.1f} MiB, grads "
         f"{napkin['grads'] / 2**20:.1f}, optim {napkin['optimizer'] / 2**20:.1f}, total "
         f"{napkin['total'] / 2**20:.1f}")

@@ -10,7 +10,7 @@ import torch
 
 from collectives import ring_bytes
 from memory import (STRATEGIES, activation_bytes, bytes_per_param, comm_bytes, main,
-                    model_params, state_bytes)
+                    model_params, nf4_bytes, state_bytes)
 from model import PRESETS, build_model
 from multiprocess import run_ranks
 
@@ -159,7 +159,15 @@ def test_lora_is_the_model_plus_4x_the_trainable_parameters(capsys):
     assert ddp.split()[1:7] == ["3.81", "0.04", "0.08", "3.93", "|", "0.04"], ddp   # MiB
 
 
+def test_qlora_base_in_4_bits(capsys):
+    """A 7B model's frozen base in NF4 with double quantization: 4.127 bits a weight, 3.6 GB."""
+    main(["--params", "7e9", "--trainable", "4.2e6", "--quantize-base", "nf4", "--double-quant"])
+    ddp = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("ddp"))
+    assert ddp.split()[1] == f"{(nf4_bytes(7_000_000_000 - 4_200_000, True) + 2 * 4_200_000) / 1e9:.2f}" == "3.62"
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--params", "1e9", "--quantize-base", "nf4"], "give --trainable"),
     (["--params", "1e9", "--trainable", "2e9"], "--trainable 2e+09 must be between 0"),
     (["--params", "1e9", "--strategy", "zero4"], "invalid choice: 'zero4'"),
     (["--params", "1e9", "--world", "0"], "--world must be at least 1"),

@@ -1,0 +1,99 @@
+"""4-bit NormalFloat (NF4): a frozen weight in half a byte per value, for QLoRA.
+
+Trained weights are close to normally distributed, so the 16 levels of a 4-bit code are put at
+quantiles of N(0, 1), scaled to [-1, 1] with an exact 0 (Dettmers et al. 2023, "QLoRA",
+section 3). Each block of 64 weights is divided by its largest magnitude (its scale) and every
+value stored as the nearest level's index; double quantization stores those fp32 scales in 8
+bits too, blocks of 256, taking the overhead from 0.5 to about 0.13 bits per weight.
+Dequantization (level x scale) happens on the fly, in forward and again in backward, so the
+full-precision weight never stays alive. Left out: 8-bit float scales (ours are int8 linear),
+paged optimizers, fused dequantizing matmul kernels.
+Run: python train.py --init-from RUN --lora --quantize-base nf4; test: python -m pytest tests/test_quantization.py
+
+Shapes: P values in a weight, G = ceil(P / 64) blocks, S = ceil(G / 256) blocks of scales.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BLOCK = 64              # weights per scale
+SCALE_BLOCK = 256       # scales per second-level scale (double quantization)
+
+
+def normal_float_levels() -> torch.Tensor:
+    """The 16 NF4 levels: 8 quantiles of N(0, 1) above 0, 7 below, and 0 itself, over max |q|.
+
+    The outermost quantile is taken at 0.9677 = mean of 1 - 1/(2*15) and 1 - 1/(2*16) instead
+    of at 1 (which is infinite), the QLoRA paper's choice; asymmetric so that 0 is a level.
+    """
+    normal = torch.distributions.Normal(0.0, 1.0)
+    outer = ((1 - 1 / 30) + (1 - 1 / 32)) / 2
+    positive = normal.icdf(torch.linspace(outer, 0.5, 9, dtype=torch.float64)[:-1])       # (8,)
+    negative = -normal.icdf(torch.linspace(outer, 0.5, 8, dtype=torch.float64)[:-1])      # (7,)
+    levels = torch.cat([negative, torch.zeros(1, dtype=torch.float64), positive]).sort().values
+    return (levels / levels.max()).float()                                                # (16,)
+
+
+LEVELS = normal_float_levels()
+
+
+class NF4Weight(nn.Module):
+    """A weight stored as packed 4-bit codes and per-block scales (buffers: nothing trains)."""
+
+    def __init__(self, weight: torch.Tensor, double_quant: bool = False):
+        super().__init__()
+        self.shape, self.double_quant = tuple(weight.shape), double_quant
+        flat = weight.detach().float().reshape(-1)                               # (P,)
+        padded = F.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)        # (G, 64)
+        scales = padded.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)   # (G,)
+        normalized = padded / scales[:, None]                                     # in [-1, 1]
+        codes = (normalized[..., None] - LEVELS.to(flat.device)).abs().argmin(dim=-1)  # (G, 64) in 0..15
+        codes = codes.reshape(-1).to(torch.uint8)
+        # Two codes per byte: even positions in the high nibble, odd ones in the low one.
+        self.register_buffer("codes", codes[0::2] << 4 | codes[1::2])            # (G * 32,) uint8
+        if double_quant:
+            self.scale_mean = scales.mean().item()
+            centered = F.pad(scales - self.scale_mean, (0, -scales.numel() % SCALE_BLOCK))
+            centered = centered.view(-1, SCALE_BLOCK)                             # (S, 256)
+            absmax = centered.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)  # (S,)
+            self.register_buffer("scale_codes", torch.round(centered / absmax[:, None] * 127)
+                                 .to(torch.int8).view(-1)[:scales.numel()])        # (G,) int8
+            self.register_buffer("scale_absmax", absmax)
+        else:
+            self.register_buffer("scales", scales)
+
+    def block_scales(self) -> torch.Tensor:                                      # (G,) fp32
+        if not self.double_quant:
+            return self.scales
+        padded = F.pad(self.scale_codes.float(), (0, -self.scale_codes.numel() % SCALE_BLOCK))
+        return ((padded.view(-1, SCALE_BLOCK) / 127 * self.scale_absmax[:, None]).view(-1)
+                [:self.scale_codes.numel()] + self.scale_mean)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        codes = torch.stack([self.codes >> 4, self.codes & 0xF], dim=1).view(-1, BLOCK)  # (G, 64)
+        values = LEVELS.to(self.codes.device)[codes.long()] * self.block_scales()[:, None]
+        numel = torch.Size(self.shape).numel()
+        return values.view(-1)[:numel].view(self.shape).to(dtype)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self):
+        return f"shape={self.shape}, double_quant={self.double_quant}, {self.nbytes():,} bytes"
+
+
+class NF4Linear(torch.autograd.Function):
+    """y = x W^T + b with W dequantized in forward and again in backward, never kept.
+
+    Only x needs a gradient (W and b are frozen): grad_x = grad_y W, the one matrix product
+    F.linear's backward would do, so the result equals nn.Linear's on the dequantized W.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight: NF4Weight, bias):
+        ctx.weight = weight
+        return F.linear(x, weight.dequantize(x.dtype), bias)                    # (..., d)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return grad_y @ ctx.weight.dequantize(grad_y.dtype), None, None         # (..., k)

@@ -1,0 +1,105 @@
+"""NF4 (quantization.py) and QLoRA (lora.QLoRALinear): the format's levels, its error bound,
+its bytes, and a 4-bit layer that computes exactly what LoRA computes on the dequantized weight."""
+import pytest
+import torch
+import torch.nn as nn
+
+import train
+from lora import LoRALinear, QLoRALinear, apply_lora, fold_adapters
+from memory import nf4_bytes
+from model import GPT, PRESETS
+from multiprocess import run_ranks
+from quantization import BLOCK, LEVELS, NF4Weight
+from test_lora import LORA, RUN, pretrained  # noqa: F401  (the fixture: a base model, another text)
+
+# The QLoRA paper's NF4 table (appendix E; bitsandbytes' constants), printed to float32.
+PUBLISHED = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+             -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+             0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+             0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+
+
+def test_levels_are_the_standard_normal_float_ones():
+    assert LEVELS.shape == (16,) and LEVELS.dtype == torch.float32
+    torch.testing.assert_close(LEVELS, torch.tensor(PUBLISHED), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_round_trip_error_is_within_half_a_level_gap(double_quant):
+    torch.manual_seed(0)
+    weight = torch.randn(384, 200) * 0.02               # not a multiple of 64: the last block pads
+    nf4 = NF4Weight(weight, double_quant)
+    restored = nf4.dequantize()
+    assert restored.shape == weight.shape
+    # Nearest level: at most half the widest gap (between -1 and the next level) times the block's
+    # scale; double quantization adds its own rounding of the scale (1/254 of the largest
+    # deviation from the mean scale, times at most 1 for the level).
+    padded = torch.nn.functional.pad(weight.reshape(-1), (0, -weight.numel() % BLOCK)).view(-1, BLOCK)
+    scale = padded.abs().amax(dim=1)
+    bound = scale * (LEVELS[1] - LEVELS[0]) / 2
+    if double_quant:
+        bound = bound + (scale - scale.mean()).abs().max() / 254 + 1e-7
+    error = torch.nn.functional.pad((restored - weight).reshape(-1), (0, -weight.numel() % BLOCK)).view(-1, BLOCK)
+    assert (error.abs() <= bound[:, None] + 1e-7).all()
+    # The typical error is much smaller than the bound: normal weights sit where levels are dense.
+    assert (restored - weight).abs().mean() < 0.1 * scale.mean()
+
+
+@pytest.mark.parametrize("double_quant, bits", [(False, 4.5), (True, 4.127)])
+def test_bytes_are_about_an_eighth_of_fp32(double_quant, bits):
+    weight = torch.randn(1024, 1024)
+    nf4 = NF4Weight(weight, double_quant)
+    assert nf4.nbytes() == nf4_bytes(weight.numel(), double_quant)
+    assert 8 * nf4.nbytes() / weight.numel() == pytest.approx(bits, abs=1e-3)   # bits per weight
+
+
+def test_qlora_layer_equals_lora_on_the_dequantized_weight():
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 64)
+    qlora = QLoRALinear(linear, rank=4, alpha=8)
+    with torch.no_grad():
+        qlora.lora_B.normal_()                            # a nonzero update, so both paths count
+    reference = LoRALinear(nn.Linear(128, 64), rank=4, alpha=8)
+    with torch.no_grad():
+        reference.weight.copy_(qlora.base.dequantize())
+        reference.bias.copy_(qlora.bias)
+        reference.lora_A.copy_(qlora.lora_A)
+        reference.lora_B.copy_(qlora.lora_B)
+    x = torch.randn(3, 5, 128, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, out_ref = qlora(x), reference(x_ref)
+    assert torch.equal(out, out_ref)                      # exact: the same F.linear on the same W
+    out.square().sum().backward()
+    out_ref.square().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    for name in ("lora_A", "lora_B"):
+        assert torch.equal(getattr(qlora, name).grad, getattr(reference, name).grad), name
+    # Only the adapters train: the 4-bit base is buffers, the bias frozen.
+    assert [n for n, p in qlora.named_parameters() if p.requires_grad] == ["lora_A", "lora_B"]
+    assert "weight" not in dict(qlora.named_parameters())
+    with pytest.raises(ValueError, match="fold_adapters"):
+        qlora.merge()
+
+
+def test_folded_export_is_the_dequantized_base_plus_the_update():
+    torch.manual_seed(0)
+    model = apply_lora(GPT(PRESETS["tiny"]), rank=4, alpha=8, quantize="nf4", double_quant=True)
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, QLoRALinear):
+                layer.lora_B.normal_(std=0.01)
+    plain = GPT(PRESETS["tiny"])
+    plain.load_state_dict(fold_adapters(model.state_dict(), model))
+    x = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(plain(x), model(x), rtol=0, atol=1e-5)   # one fp32 rounding of W0 + BA
+
+
+def _qlora(root, other):
+    return train.main([*RUN, *LORA, "--quantize-base", "nf4", "--double-quant",
+                       "--init-from", str(root / "base.pt"), "--data", other, "--steps", "12"])
+
+
+def test_qlora_fine_tuning_lowers_the_loss(pretrained):    # noqa: F811
+    root, other = pretrained
+    history = run_ranks(_qlora, 1, root, other)[0]
+    assert history["eval_loss"] < history["eval_loss_before"], history
