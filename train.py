@@ -25,12 +25,13 @@ import snapshot
 from collectives import Comm, init_distributed
 from data import TextData
 from ddp import DDP
+from fsdp import FSDP, FSDPOptimizer
 from memory import held_bytes, live_tensor_bytes, state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import PRESETS, GPT, GPTConfig, build_model
 from zero import ZeroOptimizer
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3")
 EVAL_FRACTION = 0.05                      # data.py's held-out tail
 
 
@@ -42,7 +43,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
-                   help="how ranks share the work (default: single for one process, ddp under torchrun)")
+                   help="how ranks share the work (default: single for one process, ddp under "
+                        "torchrun); fsdp and zero3 are one engine (fsdp.py): ZeRO stage 3 is FSDP")
     p.add_argument("--model", choices=list(PRESETS), default="tiny")
     p.add_argument("--data", default=None, help="a text file to train on (default: the embedded "
                                                 "Python standard library source)")
@@ -62,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--collectives", choices=("native", "ring"), default="native",
                    help="torch.distributed's collectives, or ours from send/recv")
     p.add_argument("--bucket-mb", type=float, default=25, help="DDP gradient bucket size")
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="fsdp/zero3: units all-gathered ahead of the one computing (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100, help="eval loss every N steps (0: only at the end)")
@@ -105,7 +109,7 @@ def check_args(parser, args, world_size):
         args.strategy = "single" if world_size == 1 else "ddp"
     if args.strategy == "single" and world_size > 1:
         parser.error(f"--strategy single runs one process, but {world_size} were launched: "
-                     f"use --strategy ddp (or zero1, zero2), or run with plain `python train.py`")
+                     f"use --strategy ddp (or zero1, zero2, fsdp), or run with plain `python train.py`")
     for name in ("steps", "grad_accum", "seq_len", "log_every", "batch_size", "keep"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -138,6 +142,8 @@ def check_args(parser, args, world_size):
         parser.error("--resume and --save-every need a run directory: add --out DIR")
     if args.resume and args.init_from:
         parser.error("--resume continues a run, --init-from starts one from other weights: use one")
+    if args.prefetch < 0:
+        parser.error(f"--prefetch must be 0 (no prefetch) or more units, got {args.prefetch}")
     if args.timeout is not None and args.timeout <= 0:
         parser.error(f"--timeout must be positive seconds, got {args.timeout}")
 
@@ -176,7 +182,9 @@ def train_step(model, optimizer, x, y, args):
     whose gradients hold inf or NaN is skipped on every rank).
     """
     optimizer.zero_grad()
-    ddp = isinstance(model, DDP)
+    # DDP reduces once per step (no_sync); FSDP reduce-scatters every micro-batch's gradient
+    # into its shards, so that no rank ever holds a full gradient.
+    ddp, sync = isinstance(model, DDP), isinstance(model, (DDP, FSDP))
     step_loss = torch.zeros((), device=x.device)
     for micro, (mx, my) in enumerate(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum))):
         last = micro == args.grad_accum - 1
@@ -185,7 +193,7 @@ def train_step(model, optimizer, x, y, args):
             _, loss = model(mx, my)                                  # mean over (B/N/k, T)
             optimizer.scale_loss(loss / args.grad_accum).backward()
         step_loss += loss.detach() / args.grad_accum
-    if ddp:
+    if sync:
         model.finish_gradient_sync()
     return step_loss, optimizer.step(clip_grad=args.clip_grad or None)
 
@@ -198,9 +206,15 @@ def build(args, device, comm):
     gpt = build_model(args.model, dropout=args.dropout)                  # fp32
     if args.init_from:
         load_weights(args.init_from, gpt)
-    gpt.to(device=device, dtype=DTYPES[args.precision])
     model = gpt
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if args.strategy in ("fsdp", "zero3"):
+        # FSDP keeps the fp32 weights as master shards and computes in --precision.
+        model = FSDP(gpt.to(device), compute_dtype=DTYPES[args.precision], group=comm,
+                     prefetch=args.prefetch)
+        optimizer = FSDPOptimizer(model, torch.optim.AdamW, **adamw)
+        return gpt, model, optimizer, model.bytes_per_step(micro_batches=args.grad_accum)
+    gpt.to(device=device, dtype=DTYPES[args.precision])
     if args.strategy in ("zero1", "zero2"):
         optimizer = ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]),
                                   optimizer_cls=torch.optim.AdamW, group=comm,
@@ -249,7 +263,7 @@ def _names(gpt: GPT) -> dict:
 
 def save_checkpoint(args, step, gpt, optimizer, world_size, rank):
     """Every rank's shard (or rank 0's copy, for replicas), RNG, loss scale; None if not finite."""
-    sharded = isinstance(optimizer, ZeroOptimizer)
+    sharded = isinstance(optimizer, (ZeroOptimizer, FSDPOptimizer))
     pieces = snapshot.optimizer_pieces(optimizer, _names(gpt)) if sharded or rank == 0 else []
     if rank == 0:
         pieces += snapshot.frozen_pieces(gpt)
@@ -298,7 +312,7 @@ def resume(args, gpt, optimizer, world_size, rank, say) -> int:
 
 def export(path, gpt, optimizer, rank):
     """One consolidated fp32 file: {"model": config, "state_dict": weights}, written by rank 0."""
-    sharded = isinstance(optimizer, ZeroOptimizer)
+    sharded = isinstance(optimizer, (ZeroOptimizer, FSDPOptimizer))
     pieces = snapshot.optimizer_pieces(optimizer, _names(gpt)) if sharded or rank == 0 else []
     pieces = [{**p, "tensors": {"param": p["tensors"]["param"]}, "scalars": {}} for p in pieces]
     if rank == 0:
@@ -350,7 +364,7 @@ def main(argv=None) -> dict:
         raise RunError(str(e)) from None
     start = resume(args, gpt, optimizer, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in gpt.parameters())
     say(f"{args.strategy} on {world_size} x {device.type} ({dist.get_backend()}) | model {args.model} "
         f"{n_params / 1e6:.2f}M params | {args.precision} | global batch {args.batch_size} x "
         f"{args.seq_len} tokens, {args.grad_accum} micro-batch(es) per rank | {args.collectives} collectives")
