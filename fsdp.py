@@ -1,11 +1,11 @@
 """FSDP = ZeRO stage 3: shard the parameters too, and gather each unit only while it computes.
 
-ZeRO-2 (zero.py) still keeps every parameter on every rank. ZeRO stage 3 (Rajbhandari et al.
-2020, section 5.3), built as PyTorch's FSDP (Zhao et al. 2023, sections 3-4), splits the model
-into units, makes each unit one flat parameter sharded 1/N, all-gathers a unit just before its
-forward and again before its backward, frees it after each, and reduce-scatters its gradient:
-3 (N-1)/N of the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state.
-Left out: CPU offload, hybrid sharding, CUDA streams (collectives are async, the waits explicit).
+ZeRO stage 3 (Rajbhandari et al. 2020, 5.3), built as PyTorch's FSDP (Zhao et al. 2023, 3-4):
+each unit of the model is one flat parameter sharded 1/N, all-gathered just before its forward
+and again before its backward, freed after each, its gradient reduce-scattered: 3 (N-1)/N of
+the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state.
+Left out: CPU offload, hybrid sharding, a stream of our own (NCCL's async collectives already
+run on theirs; wait() orders the compute stream after them), FSDP1's module-wrapper state API.
 Run: torchrun --nproc_per_node 2 train.py --strategy fsdp; test: python -m pytest tests/test_fsdp.py
 
 Shapes: N ranks, r this rank, P elements in a unit, S = ceil(P / N) elements per shard.
@@ -95,7 +95,7 @@ class FSDP(nn.Module):
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
         self.compute_dtype, self.prefetch = compute_dtype, prefetch
         # Owner of each parameter: the nearest wrapped module above it, or the root (None).
-        owner, roots = {}, []
+        owner = {}
 
         def visit(m, unit):
             unit = m if m is not module and wrap(m) else unit
@@ -111,7 +111,8 @@ class FSDP(nn.Module):
             params = [p for p in trainable if owner[p] is m]
             if params:
                 self.units.append(Unit(len(self.units), m or module, params, self.comm, compute_dtype))
-                self.root = self.root or (self.units[-1] if m is None else None)
+                if m is None:
+                    self.root = self.units[-1]
         self.order = [u for u in self.units if u is not self.root]      # forward order, root aside
         self.shards = nn.ParameterList([u.master for u in self.units])
         with torch.no_grad():

@@ -222,6 +222,22 @@ def _errors():
     return errors
 
 
+def _state_round_trip(batches):
+    """Train 2 steps, save the full and sharded state, load them into a fresh FSDP (other
+    initial weights) and train step 3 in both: the same parameters, bit for bit."""
+    runs = []
+    for resume in (False, True):
+        wrapped, opt = _wrap(_gpt())
+        _train_fsdp(wrapped, opt, batches[:2])
+        if resume:
+            weights, state = wrapped.full_state_dict(all_ranks=True), opt.state_dict()
+            wrapped, opt = _wrap(_gpt(seed=1))
+            wrapped.load_full_state_dict(weights)
+            opt.load_state_dict(state)
+        runs.append(_train_fsdp(wrapped, opt, batches[2:3])["params"])
+    return runs
+
+
 def _launch(full):
     data = _batches(STEPS, GLOBAL_BATCH)
     out = {"fp32": _train_fsdp(*_wrap(_gpt()), data, clip=CLIP)}
@@ -240,6 +256,7 @@ def _launch(full):
     out["bytes"] = _bytes_and_memory(data)        # before fully_shard: its DTensors have no storage
     out["torch"] = _fully_shard(data)
     out["errors"] = _errors()
+    out["round_trip"] = _state_round_trip(data)
     return out
 
 
@@ -298,6 +315,11 @@ def test_mixed_precision(two, single, precision):
     assert two[0][precision]["dtypes"] == {getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[precision])}
 
 
+def test_full_and_sharded_state_round_trip(two):
+    straight, resumed = two[0]["round_trip"]
+    assert_tensors_close(resumed, straight, rtol=0, atol=0, what="loaded state")
+
+
 def test_matches_torch_fully_shard(two):
     # Both shard the same way and reduce-scatter over the same ranks: fp32 noise only.
     assert_tensors_close(two[0]["fp32"]["params"], two[0]["torch"], rtol=0, atol=PARAM_TOL,
@@ -327,7 +349,8 @@ def test_gathered_memory_bounded_by_prefetch(two):
 
 def test_nothing_grows_step_to_step(two):
     live = two[0]["bytes"]["live"]
-    assert live[-1] == live[1], live
+    # Within one fp32 scalar that gloo sometimes still holds (see the 200-step test below).
+    assert max(live[1:]) - min(live[1:]) <= 4, live
 
 
 def test_bytes_are_one_and_a_half_ddp(two):
