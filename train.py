@@ -1,8 +1,8 @@
 """train.py: the command line that composes the concept files into one training run.
 
 A step: every rank takes its slice of the global batch (data.py), runs forward and backward
-over --grad-accum micro-batches, the strategy averages the gradients (ddp.py, zero.py, over
-collectives.py), and the mixed-precision optimizer updates fp32 master weights
+over --grad-accum micro-batches, the strategy averages the gradients (ddp.py, zero.py, fsdp.py,
+over collectives.py), and the mixed-precision optimizer updates fp32 master weights
 (mixed_precision.py). The log shows loss, tokens/s, per-rank memory and bytes sent per step.
 With --out the run is a directory: log, config and checkpoints (snapshot.py) that --resume
 continues bit for bit, on the same or another world size and strategy.
