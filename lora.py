@@ -161,7 +161,8 @@ def load_lora(model: nn.Module, adapter: dict):
 
 
 def adapter_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in lora_state_dict(model).values())
+    # From shapes alone: under FSDP a parameter between uses has no storage to read.
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".lora_" in name)
 
 
 def fold_adapters(state_dict: dict, model: nn.Module) -> dict:

@@ -232,12 +232,13 @@ def held_bytes(model, optimizer) -> dict:
                 count += t.untyped_storage().nbytes()
         return count
 
-    params = list(model.parameters())
+    inner = getattr(model, "module", model)   # FSDP's module: its frozen weights stay whole
+    params = [*model.parameters(), *inner.parameters()]
     masters = [p for group in optimizer.param_groups for p in group["params"]]
     states = [v for s in optimizer.optimizer.state.values() for v in s.values()
               if isinstance(v, torch.Tensor) and v.dim() > 0]
     buffers = [*getattr(model, "gradient_buffers", list)(), *getattr(optimizer, "gradient_buffers", list)()]
-    return {"params": total(params + list(model.buffers())),     # buffers: QLoRA's 4-bit weights
+    return {"params": total(params + list(inner.buffers())),     # buffers: QLoRA's 4-bit weights
             "grads": total([p.grad for p in params + masters] + buffers),
             "optimizer": total(masters + states)}
 

@@ -1,8 +1,8 @@
 """train.py: the command line that composes the concept files into one training run.
 
 A step: every rank takes its slice of the global batch (data.py), runs forward and backward
-over --grad-accum micro-batches, the strategy averages the gradients (ddp.py, zero.py, over
-collectives.py), and the mixed-precision optimizer updates fp32 master weights
+over --grad-accum micro-batches, the strategy averages the gradients (ddp.py, zero.py, fsdp.py,
+over collectives.py), and the mixed-precision optimizer updates fp32 master weights
 (mixed_precision.py). The log shows loss, tokens/s, per-rank memory and bytes sent per step.
 With --out the run is a directory: log, config and checkpoints (snapshot.py) that --resume
 continues bit for bit, on the same or another world size and strategy.
@@ -27,13 +27,14 @@ from checkpointing import checkpoint_blocks
 from collectives import Comm, init_distributed
 from data import TextData
 from ddp import DDP
+from fsdp import FSDP, FSDPOptimizer
 from memory import held_bytes, live_tensor_bytes, state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import PRESETS, GPT, GPTConfig, build_model
 from quantization import NF4Weight
 from zero import ZeroOptimizer
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3")
 EVAL_FRACTION = 0.05                      # data.py's held-out tail
 
 
@@ -45,7 +46,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
-                   help="how ranks share the work (default: single for one process, ddp under torchrun)")
+                   help="how ranks share the work (default: single for one process, ddp under "
+                        "torchrun); fsdp and zero3 are one engine (fsdp.py): ZeRO stage 3 is FSDP")
     p.add_argument("--model", choices=list(PRESETS), default="tiny")
     p.add_argument("--data", default=None, help="a text file to train on (default: the embedded "
                                                 "Python standard library source)")
@@ -65,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--collectives", choices=("native", "ring"), default="native",
                    help="torch.distributed's collectives, or ours from send/recv")
     p.add_argument("--bucket-mb", type=float, default=25, help="DDP gradient bucket size")
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="fsdp/zero3: units all-gathered ahead of the one computing (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100, help="eval loss every N steps (0: only at the end)")
@@ -130,7 +134,7 @@ def check_args(parser, args, world_size):
         args.strategy = "single" if world_size == 1 else "ddp"
     if args.strategy == "single" and world_size > 1:
         parser.error(f"--strategy single runs one process, but {world_size} were launched: "
-                     f"use --strategy ddp (or zero1, zero2), or run with plain `python train.py`")
+                     f"use --strategy ddp (or zero1, zero2, fsdp), or run with plain `python train.py`")
     for name in ("steps", "grad_accum", "seq_len", "log_every", "batch_size", "keep"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -174,6 +178,8 @@ def check_args(parser, args, world_size):
     if args.memory_snapshot and not torch.cuda.is_available():
         parser.error("--memory-snapshot records CUDA's allocator and there is no GPU here: on the "
                      "CPU use --profile DIR (its trace has the memory events too)")
+    if args.prefetch < 0:
+        parser.error(f"--prefetch must be 0 (no prefetch) or more units, got {args.prefetch}")
     if args.timeout is not None and args.timeout <= 0:
         parser.error(f"--timeout must be positive seconds, got {args.timeout}")
 
@@ -212,7 +218,9 @@ def train_step(model, optimizer, x, y, args):
     whose gradients hold inf or NaN is skipped on every rank).
     """
     optimizer.zero_grad()
-    ddp = isinstance(model, DDP)
+    # DDP reduces once per step (no_sync); FSDP reduce-scatters every micro-batch's gradient
+    # into its shards, so that no rank ever holds a full gradient.
+    ddp, sync = isinstance(model, DDP), isinstance(model, (DDP, FSDP))
     step_loss = torch.zeros((), device=x.device)
     for micro, (mx, my) in enumerate(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum))):
         last = micro == args.grad_accum - 1
@@ -221,7 +229,7 @@ def train_step(model, optimizer, x, y, args):
             _, loss = model(mx, my)                                  # mean over (B/N/k, T)
             optimizer.scale_loss(loss / args.grad_accum).backward()
         step_loss += loss.detach() / args.grad_accum
-    if ddp:
+    if sync:
         model.finish_gradient_sync()
     return step_loss, optimizer.step(clip_grad=args.clip_grad or None)
 
@@ -234,13 +242,19 @@ def build(args, device, comm):
     gpt = build_model(args.model, dropout=args.dropout)                  # fp32
     if args.init_from:
         load_weights(args.init_from, gpt)
-    gpt.to(device=device, dtype=DTYPES[args.precision])
+    fsdp = args.strategy in ("fsdp", "zero3")
+    # FSDP keeps the fp32 weights as master shards and computes in --precision itself.
+    gpt.to(device=device, dtype=torch.float32 if fsdp else DTYPES[args.precision])
     if args.lora:         # after the cast: a 4-bit base keeps its scales in fp32
         lora.apply_lora(gpt, **_lora_config(args))
     if args.checkpoint_activations:
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
     model = gpt
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if fsdp:
+        model = FSDP(gpt, compute_dtype=DTYPES[args.precision], group=comm, prefetch=args.prefetch)
+        optimizer = FSDPOptimizer(model, torch.optim.AdamW, **adamw)
+        return gpt, model, optimizer, model.bytes_per_step(micro_batches=args.grad_accum)
     if args.strategy in ("zero1", "zero2"):
         optimizer = ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]),
                                   optimizer_cls=torch.optim.AdamW, group=comm,
@@ -306,7 +320,7 @@ def save_checkpoint(args, step, gpt, optimizer, world_size, rank):
 
     A LoRA run on an --init-from base saves only what trains, the adapter, and names the base.
     """
-    sharded = isinstance(optimizer, ZeroOptimizer)
+    sharded = isinstance(optimizer, (ZeroOptimizer, FSDPOptimizer))
     pieces = snapshot.optimizer_pieces(optimizer, _names(gpt)) if sharded or rank == 0 else []
     base = os.path.abspath(args.init_from) if args.lora and args.init_from else None
     if rank == 0 and not base:
@@ -357,7 +371,7 @@ def resume(args, gpt, optimizer, world_size, rank, say) -> int:
 
 def export(path, gpt, optimizer, rank):
     """One consolidated fp32 file: {"model": config, "state_dict": weights}, written by rank 0."""
-    sharded = isinstance(optimizer, ZeroOptimizer)
+    sharded = isinstance(optimizer, (ZeroOptimizer, FSDPOptimizer))
     pieces = snapshot.optimizer_pieces(optimizer, _names(gpt)) if sharded or rank == 0 else []
     pieces = [{**p, "tensors": {"param": p["tensors"]["param"]}, "scalars": {}} for p in pieces]
     if rank == 0:
@@ -451,12 +465,12 @@ def main(argv=None) -> dict:
     data = TextData.from_file(args.data)
     # QLoRA's 4-bit weights are buffers, not parameters: counted apart.
     quantized = sum(torch.Size(m.shape).numel() for m in gpt.modules() if isinstance(m, NF4Weight))
-    n_params = sum(p.numel() for p in model.parameters()) + quantized
+    n_params = sum(p.numel() for p in gpt.parameters()) + quantized
     say(f"{args.strategy} on {world_size} x {device.type} ({dist.get_backend()}) | model {args.model} "
         f"{n_params / 1e6:.2f}M params | {args.precision} | global batch {args.batch_size} x "
         f"{args.seq_len} tokens, {args.grad_accum} micro-batch(es) per rank | {args.collectives} collectives")
     # memory.py's napkin math for this run, to read beside the measured bytes in the log.
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
     if args.lora:
         say(f"LoRA rank {args.lora_rank} on {args.lora_targets}: {trainable:,} trainable parameters "
             f"({trainable / n_params:.2%} of the model); the adapter is "

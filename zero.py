@@ -206,20 +206,9 @@ class ZeroOptimizer:
         if self.stage == 1:
             self._reduce_scatter_full_gradients()
         buckets = [b for b in self.buckets if b.grad_shard is not None]
-        masters = [b.master for b in buckets]
-        grads = unscale_grads([b.grad_shard for b in buckets], masters, self.scaler.scale)
-        # The global norm: each rank's shards hold disjoint slices of the one gradient (padding
-        # is zero), so the squares add up across ranks. Every rank gets the same norm, so every
-        # rank takes the same skip decision without a second message. It serves clipping and the
-        # inf/NaN check of every precision (as in mixed_precision.py): one 4-byte all-reduce.
-        squares = sum(g.float().pow(2).sum() for g in grads) if grads else torch.zeros(())
-        squares = squares.reshape(1).to(self.buckets[0].flat.device)
-        self.comm.all_reduce(squares, op="sum")
-        norm = squares.sqrt()[0]
-        self.last_grad_norm = norm.item()
-        skip = found_overflow(norm)
-        if not skip and clip_grad is not None:
-            clip_grads_with_norm_(masters, clip_grad, norm)
+        skip, self.last_grad_norm = unscale_and_clip([b.grad_shard for b in buckets],
+                                                     [b.master for b in buckets], self.scaler,
+                                                     self.comm, clip_grad, self.buckets[0].flat.device)
         if not skip:
             self.optimizer.step()
             self._all_gather_parameters()
@@ -319,3 +308,24 @@ class ZeroOptimizer:
                 bucket.master.copy_(master)
         self._all_gather_parameters()                    # the full parameters follow the shards
 
+
+def unscale_and_clip(grads: list, masters: list, scaler: DynamicLossScaler, comm, clip_grad,
+                     device) -> tuple[bool, float]:
+    """Give sharded masters their fp32 gradients, unscaled and clipped; (skip?, global norm).
+
+    grads[i] is this rank's reduced gradient shard for masters[i]. Shared by ZeroOptimizer and
+    fsdp.py: once the gradients are shards, stage 2 and stage 3 update them the same way.
+    """
+    grads = unscale_grads(grads, masters, scaler.scale)
+    # The global norm: each rank's shards hold disjoint slices of the one gradient (padding
+    # is zero), so the squares add up across ranks. Every rank gets the same norm, so every
+    # rank takes the same skip decision without a second message. It serves clipping and the
+    # inf/NaN check of every precision (as in mixed_precision.py): one 4-byte all-reduce.
+    squares = sum(g.float().pow(2).sum() for g in grads) if grads else torch.zeros(())
+    squares = squares.reshape(1).to(device)
+    comm.all_reduce(squares, op="sum")
+    norm = squares.sqrt()[0]
+    skip = found_overflow(norm)
+    if not skip and clip_grad is not None:
+        clip_grads_with_norm_(masters, clip_grad, norm)
+    return skip, norm.item()

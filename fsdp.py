@@ -1,0 +1,379 @@
+"""FSDP = ZeRO stage 3: shard the parameters too, and gather each unit only while it computes.
+
+ZeRO stage 3 (Rajbhandari et al. 2020, 5.3), built as PyTorch's FSDP (Zhao et al. 2023, 3-4):
+each unit of the model is one flat parameter sharded 1/N, all-gathered just before its forward
+and again before its backward, freed after each, its gradient reduce-scattered: 3 (N-1)/N of
+the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state.
+Left out: CPU offload, hybrid sharding, a stream of our own (NCCL's async collectives already
+run on theirs; wait() orders the compute stream after them), FSDP1's module-wrapper state API.
+Run: torchrun --nproc_per_node 2 train.py --strategy fsdp; test: python -m pytest tests/test_fsdp.py
+
+Shapes: N ranks, r this rank, P elements in a unit, S = ceil(P / N) elements per shard.
+"""
+import contextlib
+from collections import deque
+
+import torch
+import torch.nn as nn
+
+from collectives import as_comm, check_same_parameters, ring_bytes
+from mixed_precision import DynamicLossScaler
+from model import Block
+from zero import MAX_BUCKETS_IN_FLIGHT, FlatParams, unscale_and_clip
+
+
+def gpt_blocks(module: nn.Module) -> bool:
+    """The default wrap policy: one unit per transformer block; the rest is the root unit."""
+    return isinstance(module, Block)
+
+
+class Unit(FlatParams):
+    """One FSDP unit: the parameters of a module (minus nested units') as one flat parameter.
+
+        master  (S,)    fp32, this rank's shard: the nn.Parameter the optimizer updates
+        full    (N*S,)  compute dtype, gathered; its storage is resized to 0 between uses, and
+                        the module's parameters stay views of it, so the module code never changes
+    """
+
+    def __init__(self, index, module, params, comm, compute_dtype):
+        super().__init__(params, comm.world_size)          # self.flat: (N*S,) fp32, params view it
+        self.index, self.module = index, module
+        comm.broadcast(self.flat, src=0)                     # ranks start identical
+        self.master = nn.Parameter(self.shard(self.flat, comm.rank).clone())   # (S,) fp32
+        self.full = torch.empty(self.flat.numel(), dtype=compute_dtype, device=self.flat.device)
+        for p, view in zip(self.params, self.views(self.full)):
+            p.data = view
+        self.flat = None                                     # the fp32 copy of the whole unit is gone
+        self.full.untyped_storage().resize_(0)
+        self.gathering = None        # (handle, input) of an all-gather in flight
+        self.gathered = False        # full holds the parameters (storage allocated)
+        self.pending = len(self.params)   # gradients not yet accumulated in this backward
+        self.reduced = False         # this backward's reduce-scatter has been launched
+
+    def free(self):
+        self.wait()
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def wait(self):
+        if self.gathering is not None:
+            self.gathering[0].wait()
+            self.gathering = None
+
+
+class FSDP(nn.Module):
+    """Wrap `module` in FSDP units; `.module` runs unchanged, `.parameters()` are the shards.
+
+    module: fp32 parameters (they become the fp32 master shards). wrap: a predicate over
+    submodules, True for each that becomes a unit (default: the GPT's blocks); everything else,
+    and any parameter two units share (tied weights), is the root unit, gathered from the
+    start of forward to the end of its backward, as in PyTorch. Frozen parameters
+    (requires_grad=False) are not sharded: each rank keeps them whole, in compute_dtype.
+    compute_dtype: what forward and backward run in and what is on the wire (default fp32).
+    prefetch: units all-gathered ahead of the one computing (0: none), at most 1 + prefetch
+    non-root units gathered at once. group: a collectives.Comm, a process group or None.
+    """
+
+    def __init__(self, module: nn.Module, wrap=gpt_blocks, compute_dtype=None, group=None,
+                 prefetch: int = 1):
+        super().__init__()
+        compute_dtype = compute_dtype or torch.float32
+        if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"FSDP compute_dtype must be torch.float32, bfloat16 or float16, "
+                             f"got {compute_dtype}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"FSDP prefetch must be a whole number of units >= 0, got {prefetch!r}")
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("FSDP: the module has no trainable parameters (requires_grad=True)")
+        if any(p.dtype != torch.float32 for p in trainable):
+            raise ValueError("FSDP keeps fp32 master shards: pass the fp32 model and pick the "
+                             "compute precision with compute_dtype (e.g. torch.bfloat16), do not "
+                             "cast the model first")
+        self.comm = as_comm(group)
+        check_same_parameters(list(module.parameters()), self.comm)
+        object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
+        self.compute_dtype, self.prefetch = compute_dtype, prefetch
+        # Owner of each parameter: the nearest wrapped module above it, or the root (None).
+        owner = {}
+
+        def visit(m, unit):
+            unit = m if m is not module and wrap(m) else unit
+            for p in m.parameters(recurse=False):
+                if p.requires_grad and owner.setdefault(p, unit) is not unit:
+                    owner[p] = None                          # shared by two units: the root's
+            for child in m.children():
+                visit(child, unit)
+        visit(module, None)
+        units = [None] + [m for m in module.modules() if m is not module and wrap(m)]
+        self.units, self.root = [], None
+        for m in units:
+            params = [p for p in trainable if owner[p] is m]
+            if params:
+                self.units.append(Unit(len(self.units), m or module, params, self.comm, compute_dtype))
+                if m is None:
+                    self.root = self.units[-1]
+        self.order = [u for u in self.units if u is not self.root]      # forward order, root aside
+        self.shards = nn.ParameterList([u.master for u in self.units])
+        with torch.no_grad():
+            for p in module.parameters():
+                if not p.requires_grad:
+                    self.comm.broadcast(p.data, src=0)
+                    p.data = p.data.to(compute_dtype)
+        for unit in self.units:
+            if unit is not self.root:
+                unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._before_forward(u))
+                unit.module.register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda p, u=unit: self._gradient_ready(u))
+        self._reductions = deque()       # (unit, handle, output, input) reduce-scatters in flight
+        self._backward_hooked = False
+        self._sync = True
+        self.events = []                 # this step's order of collectives and computation
+        self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return super().train(mode)
+
+    # ---- forward: gather, compute, free --------------------------------------------------
+    #
+    #   compute     | unit 0 fwd | unit 1 fwd | unit 2 fwd |      (prefetch = 1)
+    #   network  |ag 0|ag 1 ......|ag 2 .......|ag 3 .......|
+    #   memory      unit i and unit i+1 gathered; unit i freed as its forward returns
+
+    def forward(self, *args, **kwargs):
+        self.events = []
+        if self.root is not None:
+            self._gather(self.root)
+            self.root.wait()
+        self._prefetch(self.order[0] if self.order else None)
+        out = self.module(*args, **kwargs)
+        if self.root is not None and not torch.is_grad_enabled():
+            self.root.free()                         # no backward will come to free it
+        return out
+
+    def _next(self, unit, step):
+        """The unit after (step=+1) or before (-1) `unit` in forward order; None at the ends."""
+        i = self.order.index(unit) + step
+        return self.order[i] if 0 <= i < len(self.order) else None
+
+    def _gather(self, unit):
+        """Issue unit's all-gather (async) unless it is gathered or on its way."""
+        if unit.gathered:
+            return
+        unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+        shard = unit.master.detach().to(self.compute_dtype)                      # (S,) on the wire
+        unit.gathering = (self.comm.all_gather(unit.full, shard, async_op=True), shard)  # -> (N*S,)
+        unit.gathered = True
+        self.events.append(("all-gather", unit.index))
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(
+            u.full.untyped_storage().nbytes() for u in self.units))
+
+    def _prefetch(self, unit):
+        # The limit keeps memory at 1 + prefetch units whatever runs ahead; a unit past the
+        # limit is gathered on demand when its turn comes.
+        busy = sum(u.gathered for u in self.order)
+        if unit is not None and self.prefetch and busy <= self.prefetch:
+            self._gather(unit)
+
+    def _before_forward(self, unit):
+        self._gather(unit)
+        unit.wait()
+        self.events.append(("forward", unit.index))
+        self._prefetch(self._next(unit, +1))    # overlaps with this unit's compute
+
+    def _after_forward(self, unit, output):
+        self.events.append(("forward done", unit.index))
+        unit.free()
+        if torch.is_grad_enabled():
+            # The gradient of the unit's output arrives just before its backward starts.
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            for t in outputs:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, u=unit: self._before_backward(u))
+        return output
+
+    # ---- backward: gather again, reduce-scatter the gradient, free --------------------------
+    #
+    #   compute     | unit 2 bwd | unit 1 bwd | unit 0 bwd |
+    #   network  |ag 2|ag 1 ......|ag 0 ......|
+    #                        |rs 2 .....|rs 1 .......|rs 0|   (in flight: at most 2)
+
+    def _before_backward(self, unit):
+        self._hook_end_of_backward()
+        self._gather(unit)
+        unit.wait()
+        self.events.append(("backward", unit.index))
+        self._prefetch(self._next(unit, -1))
+
+    def _hook_end_of_backward(self):
+        if not self._backward_hooked:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._backward_hooked = True
+
+    def _gradient_ready(self, unit):
+        self._hook_end_of_backward()
+        unit.pending -= 1
+        if unit.pending == 0:
+            self._reduce(unit)
+
+    def _reduce(self, unit):
+        """The unit's backward is over: reduce-scatter its gradient (unless no_sync), free it all."""
+        unit.pending, unit.reduced = len(unit.params), True
+        if self._sync:
+            grad = torch.zeros_like(unit.full)                                   # (N*S,)
+            for p, view in zip(unit.params, unit.views(grad)):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = None
+            output = torch.empty_like(unit.master, dtype=grad.dtype)            # (S,)
+            handle = self.comm.reduce_scatter(output, grad, op="avg", async_op=True)
+            self.events.append(("reduce-scatter", unit.index))
+            self._reductions.append((unit, handle, output, grad))
+            while len(self._reductions) > MAX_BUCKETS_IN_FLIGHT:
+                self._retire()
+        unit.free()
+
+    def _retire(self):
+        unit, handle, output, _ = self._reductions.popleft()
+        handle.wait()
+        # Upcast after the wire: accumulation and the update are fp32, whatever was sent.
+        grad = output.float()
+        unit.master.grad = grad if unit.master.grad is None else unit.master.grad.add_(grad)
+
+    def _finish_backward(self):
+        # Units whose gradient never (fully) came still reduce-scatter: collectives match by
+        # order, so every rank must launch every unit's, whatever this rank's graph used.
+        for unit in self.units:
+            if not unit.reduced:
+                self._reduce(unit)
+            unit.reduced = False
+        self._backward_hooked = False
+
+    def finish_gradient_sync(self):
+        """Wait for the outstanding reduce-scatters: each shard's .grad is then its fp32 average."""
+        while self._reductions:
+            self._retire()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate full (unsharded) gradients locally; the next backward outside reduces them.
+        Saves the traffic of every micro-batch but one at the price of a full gradient per rank."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def bytes_per_step(self, micro_batches: int = 1) -> int:
+        """Bytes this rank sends per step (ring): per micro-batch one all-gather per unit for
+        forward, one more for backward except the root's (it stays gathered), one reduce-scatter
+        per unit; plus the gradient norm's fp32 number. 3 (N-1)/N of the model: 1.5x DDP."""
+        n, size = self.comm.world_size, torch.finfo(self.compute_dtype).bits // 8
+        per_unit = sum((2 if u is not self.root else 1) * ring_bytes("all_gather", u.full.numel(), size, n)
+                       + ring_bytes("reduce_scatter", u.full.numel(), size, n) for u in self.units)
+        return micro_batches * per_unit + ring_bytes("all_reduce", 1, 4, n)
+
+    def names(self) -> dict:
+        """{original parameter: its name in .module}."""
+        return {p: name for name, p in self.module.named_parameters()}
+
+    @torch.no_grad()
+    def full_state_dict(self, all_ranks: bool = False) -> dict:
+        """{name: fp32 tensor of its original shape}, on rank 0 (empty elsewhere) or all_ranks.
+        Collective: every rank calls it."""
+        names, out = self.names(), {}
+        for unit in self.units:
+            flat = torch.empty(unit.full.numel(), device=unit.master.device)  # (N*S,) fp32
+            self.comm.all_gather(flat, unit.master.detach().clone())
+            out.update({names[p]: view.clone() for p, view in zip(unit.params, unit.views(flat))})
+        out.update({name: p.detach().float().clone() for name, p in self.module.named_parameters()
+                    if not p.requires_grad})
+        return out if all_ranks or self.comm.rank == 0 else {}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict):
+        """Every rank passes the whole state dict; each keeps its own shard of it."""
+        names = self.names()
+        for unit in self.units:
+            flat = torch.zeros(unit.full.numel(), device=unit.master.device)   # (N*S,) fp32
+            for p, view in zip(unit.params, unit.views(flat)):
+                view.copy_(state[names[p]])
+            unit.master.copy_(unit.shard(flat, self.comm.rank))
+            unit.free()                              # a gathered copy would be stale
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                p.copy_(state[name])
+
+
+class FSDPOptimizer:
+    """Any element-wise torch optimizer on the FSDP shards, with ZeRO's sharded step.
+
+    The gradients arrive as fp32 shards (the reduce-scatter did ZeRO-2's work), so the update is
+    zero.py's: unscale (fp16 loss scale), one global norm across ranks for clipping and for the
+    inf/NaN skip that every rank agrees on, the inner step. No all-gather after it: the next
+    forward gathers. Loop: zero_grad(); scale_loss(loss).backward() per micro-batch; step().
+    """
+
+    def __init__(self, fsdp: FSDP, optimizer_cls=torch.optim.AdamW,
+                 scaler: DynamicLossScaler | None = None, **optimizer_kwargs):
+        self.fsdp = fsdp
+        self.optimizer = optimizer_cls(list(fsdp.parameters()), **optimizer_kwargs)
+        self.scaler = scaler or DynamicLossScaler(enabled=fsdp.compute_dtype == torch.float16)
+        self.last_grad_norm = None
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(loss)
+
+    def step(self, clip_grad: float | None = None) -> bool:
+        """Unscale, clip across shards, update this rank's shards; False if skipped (inf/NaN)."""
+        self.fsdp.finish_gradient_sync()
+        masters = [u.master for u in self.fsdp.units if u.master.grad is not None]
+        skip, self.last_grad_norm = unscale_and_clip(
+            [m.grad for m in masters], masters, self.scaler, self.fsdp.comm, clip_grad,
+            self.fsdp.units[0].master.device)
+        if not skip:
+            self.optimizer.step()
+        self.scaler.update(skip)
+        return not skip
+
+    def zero_grad(self):
+        for unit in self.fsdp.units:
+            unit.master.grad = None
+
+    def master_ranges(self) -> list[tuple]:
+        """(param, start, stop, master, offset), as ZeroOptimizer's: checkpoints and resharding
+        treat an FSDP shard exactly like a ZeRO shard."""
+        r = self.fsdp.comm.rank
+        return [(unit.params[i], start, stop, unit.master, offset) for unit in self.fsdp.units
+                for i, start, stop, offset in unit.shard_ranges(r)]
+
+    def refresh_params(self):
+        """After the masters were written: drop any gathered copy; the next forward gathers."""
+        for unit in self.fsdp.units:
+            unit.free()
+
+    def state_dict(self) -> dict:
+        """This rank's shard: the sharded state dict of a checkpoint."""
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "masters": [u.master.detach().clone() for u in self.fsdp.units],
+                "rank": self.fsdp.comm.rank, "world_size": self.fsdp.comm.world_size}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict):
+        comm = self.fsdp.comm
+        if (state["rank"], state["world_size"]) != (comm.rank, comm.world_size):
+            raise ValueError(f"this state is rank {state['rank']} of {state['world_size']}'s shard; "
+                             f"load it on rank {state['rank']} of a world of {state['world_size']}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        for unit, master in zip(self.fsdp.units, state["masters"]):
+            unit.master.copy_(master)
+        self.refresh_params()

@@ -1,0 +1,453 @@
+"""FSDP (ZeRO-3) equals single-process training and PyTorch's fully_shard, and keeps the
+lecture's promises: 1/N of every byte of training state, one gathered unit at a time (plus
+the prefetched one), 1.5x DDP's bytes on the wire, prefetch overlapped with compute.
+
+One launch at N = 2 trains every variant (fp32, bf16, fp16, a custom module with a wrap
+policy, tied weights, a frozen parameter and accumulation, fully_shard, bytes, memory, bad
+input); one at N = 4 checks fp32 and the 1/N shards; train.main runs resume, resharding and the
+200-step memory check. The single-process baselines run here, in the pytest process.
+"""
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import train
+from collectives import Comm
+from ddp import DDP
+from fsdp import FSDP, FSDPOptimizer
+from memory import held_bytes, live_tensor_bytes, state_bytes
+from mixed_precision import MixedPrecisionOptimizer
+from model import build_model
+from multiprocess import assert_tensors_close, run_ranks
+from test_snapshot import LOSS_RTOL, WEIGHT_ATOL, _resume_elsewhere, _resume_runs, _same_weights, _train, _weights
+from test_zero import (ADAMW, CLIP, GLOBAL_BATCH, MODEL, MIXED_ATOL, MIXED_LOSS_RTOL, MIXED_RTOL, PARAM_TOL,
+                       STEPS, _assert_grads_close, _batches, _fp16_scaler, _gpt, _grads, _params)
+
+ACCUM = 2
+
+
+class _Layer(nn.Module):
+    def __init__(self, c, v=None):
+        super().__init__()
+        self.linear = nn.Linear(c, c)
+        self.out = nn.Linear(c, v, bias=False) if v else None
+
+    def forward(self, x):                                             # (B, T, C) -> (B, T, C or V)
+        h = torch.tanh(self.linear(x))
+        return self.out(h) if self.out is not None else h
+
+
+class _Tied(nn.Module):
+    """A custom module: 3 wrapped layers, an embedding tied to the output (shared by two units:
+    FSDP moves it to the root), a frozen layer, and odd sizes that need padding."""
+
+    V, C = 11, 13
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(self.V, self.C)
+        self.layers = nn.Sequential(_Layer(self.C), _Layer(self.C), _Layer(self.C, self.V))
+        self.layers[2].out.weight = self.embed.weight                 # tied across two units
+        self.layers[1].linear.requires_grad_(False)                   # frozen
+
+    def forward(self, idx, targets):                                  # idx: (B, T)
+        logits = self.layers(self.embed(idx))                         # (B, T, V)
+        return logits, F.cross_entropy(logits.reshape(-1, self.V), targets.reshape(-1))
+
+
+def _tied(seed=0):
+    torch.manual_seed(seed)
+    return _Tied()
+
+
+def _tied_policy(m):
+    return isinstance(m, _Layer)
+
+
+# ---- single-process baselines -------------------------------------------------------------
+
+def _single(model, opt, batches, accum=1, clip=None, mixed=False):
+    losses, first = [], None
+    for batch in batches:                                             # (B, T+1)
+        loss = 0.0
+        for micro in batch.chunk(accum):
+            micro_loss = model(micro[:, :-1], micro[:, 1:])[1] / accum
+            (opt.scale_loss(micro_loss) if mixed else micro_loss).backward()
+            loss += micro_loss.detach()
+        first = first or _grads(model)
+        if mixed:
+            assert opt.step(clip_grad=clip)
+        else:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": first, "params": _params(model)}
+
+
+@pytest.fixture(scope="module")
+def single():
+    data = _batches(STEPS, GLOBAL_BATCH)
+    model = _gpt()
+    out = {"fp32": _single(model, torch.optim.AdamW(model.parameters(), **ADAMW), data, clip=CLIP)}
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        model = _gpt().to(dtype)
+        opt = MixedPrecisionOptimizer(model.parameters(), precision=precision, **ADAMW,
+                                      scaler=_fp16_scaler() if precision == "fp16" else None)
+        out[precision] = _single(model, opt, data, mixed=True)
+    model = _tied()
+    out["tied"] = _single(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                                   **ADAMW), _batches(STEPS, GLOBAL_BATCH, vocab=_Tied.V),
+                          accum=ACCUM)
+    return out
+
+
+# ---- rank side ----------------------------------------------------------------------------
+
+def _train_fsdp(wrapped, opt, batches, accum=1, clip=None, no_sync=False):
+    """zero_grad(); scale_loss(loss / k).backward() per micro-batch (no_sync: all but the last
+    keep full local gradients); step(). Losses, first step's full gradient, final parameters."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    losses, first = [], None
+    for batch in batches:
+        opt.zero_grad()
+        micros, loss = batch.chunk(n)[r].chunk(accum), 0.0             # (B/N/k, T+1) each
+        for i, micro in enumerate(micros):
+            sync = not no_sync or i == len(micros) - 1
+            with contextlib.nullcontext() if sync else wrapped.no_sync():
+                micro_loss = wrapped(micro[:, :-1], micro[:, 1:])[1] / accum
+                opt.scale_loss(micro_loss).backward()
+                loss += micro_loss.detach()
+        wrapped.finish_gradient_sync()
+        first = first or _full_gradients(wrapped, opt.scaler.scale)
+        assert opt.step(clip_grad=clip)
+        losses.append(loss.item())
+    return {"losses": losses, "grads": first, "params": wrapped.full_state_dict(all_ranks=True)}
+
+
+def _full_gradients(wrapped, scale):
+    """The averaged gradient by name, all-gathered from every rank's fp32 shards."""
+    names, grads = wrapped.names(), {}
+    for unit in wrapped.units:
+        flat = torch.empty(unit.full.numel())                         # (N*S,)
+        dist.all_gather_single(flat, unit.master.grad / scale)
+        grads.update({names[p]: g.clone() for p, g in zip(unit.params, unit.views(flat))})
+    return grads
+
+
+def _fully_shard(batches):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model, mesh = _gpt(), init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    r, n = dist.get_rank(), dist.get_world_size()
+    for batch in batches:
+        rows = batch.chunk(n)[r]
+        model(rows[:, :-1], rows[:, 1:])[1].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+
+def _bytes_and_memory(batches):
+    """Bytes per step (counter) for FSDP on the GPT, on a root-less custom model, and DDP;
+    held bytes between steps, the peak of gathered units, live bytes at steps 2 and 4."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    out = {}
+    comm = Comm()
+    gpt = _gpt4()
+    ddp = DDP(_gpt4(), comm)
+    comm.bytes_sent.clear()                               # not the initial broadcast
+    rows = batches[0].chunk(n)[r]
+    ddp(rows[:, :-1], rows[:, 1:])[1].backward()
+    ddp.finish_gradient_sync()
+    out["ddp_bytes"] = sum(comm.bytes_sent.values())
+    wrapped = FSDP(gpt, group=comm, prefetch=1)
+    opt = FSDPOptimizer(wrapped, **ADAMW)
+    sent, live = [], []
+    for step, batch in enumerate(batches):
+        comm.bytes_sent.clear()
+        rows = batch.chunk(n)[r]
+        opt.zero_grad()
+        wrapped(rows[:, :-1], rows[:, 1:])[1].backward()
+        opt.step()
+        sent.append(dict(comm.bytes_sent))
+        live.append(live_tensor_bytes())
+    out.update(sent=sent, live=live, predicted=wrapped.bytes_per_step(), events=wrapped.events,
+               held=held_bytes(wrapped, opt), peak=wrapped.peak_gathered_bytes,
+               unit_bytes=[u.full.numel() * 4 for u in wrapped.units],
+               root=wrapped.units.index(wrapped.root), n_params=sum(p.numel() for p in gpt.parameters()))
+    # Root-less: every parameter in a unit freed after forward, so every unit is gathered twice.
+    torch.manual_seed(0)
+    mlp = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    rootless = FSDP(mlp, wrap=lambda m: isinstance(m, nn.Linear), group=comm)
+    comm.bytes_sent.clear()
+    rootless(torch.randn(4, 64)).square().mean().backward()
+    rootless.finish_gradient_sync()
+    out["rootless_bytes"] = dict(comm.bytes_sent)
+    out["rootless_ddp"] = 2 * (n - 1) * -(-sum(p.numel() for p in mlp.parameters()) // n) * 4
+    return out
+
+
+def _gpt4():
+    """4 blocks: gathering one (plus the prefetched one) is then visibly less than the model."""
+    torch.manual_seed(0)
+    return build_model("tiny", **{**MODEL, "n_layer": 4})
+
+
+def _errors():
+    """Each bad input's ValueError message, on this rank."""
+    r, errors = dist.get_rank(), {}
+    cases = {"bf16_model": lambda: FSDP(_gpt().to(torch.bfloat16)),
+             "int_dtype": lambda: FSDP(_gpt(), compute_dtype=torch.int8),
+             "prefetch": lambda: FSDP(_gpt(), prefetch=-1),
+             "frozen_all": lambda: FSDP(_gpt().requires_grad_(False)),
+             "different_ranks": lambda: FSDP(_gpt() if r == 0 else _tied())}
+    for name, make in cases.items():
+        try:
+            make()
+            errors[name] = "no error"
+        except ValueError as e:
+            errors[name] = str(e)
+    return errors
+
+
+def _state_round_trip(batches):
+    """Train 2 steps, save the full and sharded state, load them into a fresh FSDP (other
+    initial weights) and train step 3 in both: the same parameters, bit for bit."""
+    runs = []
+    for resume in (False, True):
+        wrapped, opt = _wrap(_gpt())
+        _train_fsdp(wrapped, opt, batches[:2])
+        if resume:
+            weights, state = wrapped.full_state_dict(all_ranks=True), opt.state_dict()
+            wrapped, opt = _wrap(_gpt(seed=1))
+            wrapped.load_full_state_dict(weights)
+            opt.load_state_dict(state)
+        runs.append(_train_fsdp(wrapped, opt, batches[2:3])["params"])
+    return runs
+
+
+def _launch(full):
+    data = _batches(STEPS, GLOBAL_BATCH)
+    out = {"fp32": _train_fsdp(*_wrap(_gpt()), data, clip=CLIP)}
+    if not full:
+        wrapped = FSDP(_gpt())
+        out["shard_numel"] = sum(u.master.numel() for u in wrapped.units)
+        return out
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        out[precision] = _train_fsdp(*_wrap(_gpt(), dtype=dtype,
+                                            scaler=_fp16_scaler() if dtype == torch.float16 else None), data)
+        out[precision]["dtypes"] = {p.dtype for u in _wrap(_gpt(), dtype=dtype)[0].units for p in u.params}
+    tied_data = _batches(STEPS, GLOBAL_BATCH, vocab=_Tied.V)
+    for no_sync in (False, True):
+        out[f"tied_nosync{no_sync}"] = _train_fsdp(*_wrap(_tied(), wrap=_tied_policy), tied_data,
+                                                   accum=ACCUM, no_sync=no_sync)
+    out["bytes"] = _bytes_and_memory(data)        # before fully_shard: its DTensors have no storage
+    out["torch"] = _fully_shard(data)
+    out["errors"] = _errors()
+    out["round_trip"] = _state_round_trip(data)
+    return out
+
+
+def _wrap(model, dtype=None, scaler=None, wrap=None):
+    wrapped = FSDP(model, compute_dtype=dtype, **({"wrap": wrap} if wrap else {}))
+    return wrapped, FSDPOptimizer(wrapped, scaler=scaler, **ADAMW)
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_ranks(_launch, 2, True)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_ranks(_launch, 4, False)
+
+
+# ---- equivalence --------------------------------------------------------------------------
+
+def _check(out, expected, what, param_tol=PARAM_TOL):
+    # Loss: each rank's mean over its rows; their mean is the global batch's (fp32 noise).
+    losses = torch.tensor([o["losses"] for o in out]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(expected["losses"]), rtol=1e-6, atol=0,
+                               msg=lambda m: f"{what} losses: {m}")
+    _assert_grads_close(out[0]["grads"], expected["grads"], f"{what} first-step gradients")
+    # Parameters: test_zero's reasoning (Adam amplifies the reduction order's ulps near eps).
+    assert_tensors_close(out[0]["params"], expected["params"], rtol=0, atol=param_tol,
+                         what=f"{what} parameters")
+    for o in out[1:]:
+        assert_tensors_close(o["params"], out[0]["params"], rtol=0, atol=0, what=f"{what} ranks agree")
+
+
+def test_fp32_matches_single_process(two, four, single):
+    _check([o["fp32"] for o in two], single["fp32"], "N=2 fp32")
+    _check([o["fp32"] for o in four], single["fp32"], "N=4 fp32")
+
+
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_custom_module_with_tied_frozen_and_accumulation(two, single, no_sync):
+    out = [o[f"tied_nosync{no_sync}"] for o in two]
+    _check(out, single["tied"], f"tied no_sync={no_sync}")
+    torch.testing.assert_close(out[0]["params"]["layers.1.linear.weight"],
+                               single["tied"]["params"]["layers.1.linear.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision(two, single, precision):
+    # test_zero's tolerances: the baseline rounds its fp32 masters to 16 bits, as FSDP's gather does.
+    expected = single[precision]
+    losses = torch.tensor([o[precision]["losses"] for o in two]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(expected["losses"]), rtol=MIXED_LOSS_RTOL[precision], atol=0)
+    masters = {k: v.to(expected["params"][k].dtype) for k, v in two[0][precision]["params"].items()}
+    assert_tensors_close(masters, expected["params"], rtol=MIXED_RTOL[precision], atol=MIXED_ATOL,
+                         what=f"{precision} parameters")
+    assert two[0][precision]["dtypes"] == {getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[precision])}
+
+
+def test_full_and_sharded_state_round_trip(two):
+    straight, resumed = two[0]["round_trip"]
+    assert_tensors_close(resumed, straight, rtol=0, atol=0, what="loaded state")
+
+
+def test_matches_torch_fully_shard(two):
+    # Both shard the same way and reduce-scatter over the same ranks: fp32 noise only.
+    assert_tensors_close(two[0]["fp32"]["params"], two[0]["torch"], rtol=0, atol=PARAM_TOL,
+                         what="ours vs fully_shard")
+
+
+# ---- memory, bytes, prefetch ----------------------------------------------------------------
+
+def test_shards_are_one_nth(two, four):
+    n_params = sum(p.numel() for p in two[0]["fp32"]["params"].values())
+    assert four[0]["shard_numel"] == pytest.approx(n_params / 4, abs=4)   # 1/N + under 1 per unit
+    b = two[0]["bytes"]
+    napkin = state_bytes(b["n_params"], "fsdp", "fp32", 2)
+    held = sum(b["held"].values())
+    padding = 16 * len(b["unit_bytes"])                  # under one element per unit, 16 bytes each
+    assert napkin["total"] - padding <= held <= napkin["total"] + padding, (b["held"], napkin)
+
+
+def test_gathered_memory_bounded_by_prefetch(two):
+    b = two[0]["bytes"]
+    units = b["unit_bytes"]
+    blocks = [u for i, u in enumerate(units) if i != b["root"]]
+    # Root + the computing unit + one prefetched + one still gathered at a forward/backward seam.
+    assert b["peak"] <= units[b["root"]] + 3 * max(blocks), (b["peak"], units)
+    assert b["peak"] < sum(units), "the whole model was gathered at once"
+
+
+def test_nothing_grows_step_to_step(two):
+    live = two[0]["bytes"]["live"]
+    # Within one fp32 scalar that gloo sometimes still holds (see the 200-step test below).
+    assert max(live[1:]) - min(live[1:]) <= 4, live
+
+
+def test_bytes_are_one_and_a_half_ddp(two):
+    b = two[0]["bytes"]
+    for sent in b["sent"]:
+        assert sum(sent.values()) == b["predicted"]
+    # Lecture's claim, exact where every unit is freed after forward (within padding):
+    rootless = b["rootless_bytes"]
+    gathers = rootless["all_gather"] / 2
+    assert rootless["reduce_scatter"] == gathers
+    assert sum(rootless.values()) == pytest.approx(1.5 * b["rootless_ddp"], rel=0.01)
+    # The GPT keeps its root gathered through backward: one gather of it saved, below 1.5x.
+    ratio = sum(b["sent"][0].values()) / b["ddp_bytes"]
+    root = b["unit_bytes"][b["root"]] / sum(b["unit_bytes"])
+    assert ratio == pytest.approx(1.5 - root / 2, rel=0.01), ratio
+
+
+def test_prefetch_overlaps(two):
+    events = two[0]["bytes"]["events"]
+    forward = [e for e in events if e[0] == "forward"]
+    for (_, i), (_, j) in zip(forward, forward[1:]):
+        assert events.index(("all-gather", j)) < events.index(("forward done", i)), events
+    backward = [e for e in events if e[0] == "backward"]
+    for (_, i), (_, j) in zip(backward, backward[1:]):
+        gathers = [k for k, e in enumerate(events) if e == ("all-gather", j)]
+        assert gathers[-1] < events.index(("reduce-scatter", i)), events
+
+
+def test_bad_input_stops_every_rank(two):
+    fixes = {"bf16_model": "compute_dtype", "int_dtype": "float16", "prefetch": ">= 0",
+             "frozen_all": "no trainable", "different_ranks": "same model configuration"}
+    for name, fix in fixes.items():
+        assert all(fix in o["errors"][name] for o in two), (name, [o["errors"][name] for o in two])
+
+
+def test_command_line_prefetch_error(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--strategy", "fsdp", "--prefetch", "-1"])
+    assert "--prefetch must be 0" in capsys.readouterr().err
+
+
+# ---- train.py: fsdp = zero3, resume, resharding, no leak ------------------------------------
+
+def _runs(root):
+    out = _resume_runs(root, "fsdp", [])
+    out["root"] = root
+    out["zero3"] = _train(["--strategy", "zero3"])
+    out["ddp"] = _train(["--strategy", "ddp"])
+    out["live"] = train.main(["--strategy", "fsdp", "--steps", "200", "--log-every", "10",
+                              "--batch-size", "4", "--seq-len", "16", "--eval-every", "0"])["live_bytes"]
+    return out
+
+
+def _save_on_four(root):
+    return {s: _train(["--strategy", s, "--out", os.path.join(root, s), "--save-every", "3",
+                       "--export", os.path.join(root, s + ".pt")]) for s in ("fsdp", "zero2")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    two = run_ranks(_runs, 2, str(tmp_path_factory.mktemp("fsdp_runs")))[0]
+    root = str(tmp_path_factory.mktemp("fsdp_reshard"))
+    four = run_ranks(_save_on_four, 4, root)[0]
+    again = run_ranks(_resume_elsewhere, 2, root, [("fsdp", "fsdp"), ("fsdp", "zero2"),
+                                                    ("fsdp", "ddp"), ("zero2", "fsdp")])[0]
+    return root, two, four, again
+
+
+def test_train_fsdp_is_zero3_and_matches_ddp(runs):
+    _, two, _, _ = runs
+    assert two["zero3"]["losses"] == two["straight"]["losses"]
+    for step, loss in two["ddp"]["losses"].items():
+        assert two["straight"]["losses"][step] == pytest.approx(loss, rel=LOSS_RTOL), step
+
+
+def test_resume_is_bit_exact(runs):
+    _, two, _, _ = runs
+    root = two["root"]
+    assert list(two["resumed"]["losses"]) == [3, 4, 5]
+    assert two["resumed"]["losses"] == {s: two["straight"]["losses"][s] for s in (3, 4, 5)}
+    _same_weights(_weights(os.path.join(root, "resumed.pt")), _weights(os.path.join(root, "straight.pt")))
+
+
+@pytest.mark.parametrize("pair", [("fsdp", "fsdp"), ("fsdp", "zero2"), ("fsdp", "ddp"), ("zero2", "fsdp")],
+                         ids=lambda p: f"{p[0]}x4-to-{p[1]}x2")
+def test_resharded_resume(runs, pair):
+    root, _, four, again = runs
+    saved_by, strategy = pair
+    for step, loss in again[saved_by, strategy]["losses"].items():
+        assert loss == pytest.approx(four[saved_by]["losses"][step], rel=LOSS_RTOL), step
+    _same_weights(_weights(os.path.join(root, f"{saved_by}-to-{strategy}-2.pt")),
+                  _weights(os.path.join(root, saved_by + ".pt")), atol=WEIGHT_ATOL)
+
+
+def test_memory_is_flat_from_step_10_to_200(runs):
+    live = runs[1]["live"]
+    assert set(live) >= {10, 100, 199}
+    # Within one fp32 scalar: a 4-byte tensor is sometimes still held by gloo when the count
+    # runs, at random logged steps (measured: zero2 shows the same +4 bytes at steps 40, 60, 170).
+    assert max(v for s, v in live.items() if s >= 10) - live[10] <= 4, live
