@@ -210,6 +210,21 @@ def model_params(name_or_config) -> int:
     return V * C + cfg.block_size * C + cfg.n_layer * block + 2 * C + head
 
 
+def tp_params(name_or_config, tp: int) -> int:
+    """Parameters one tensor-parallel rank holds (tensor_parallel.py), in closed form.
+
+    Every matrix of a block is split over the tp ranks, and so are the column layers' biases
+    (query, value, MLP up: 6C); the row layers' biases (2C) and the norms (4C) stay whole:
+    12 C^2 / tp + 6C / tp + 6C per block. Token embedding and head are split over the
+    vocabulary; positions and the final norm are whole. tp=1 gives model_params.
+    """
+    cfg = PRESETS[name_or_config] if isinstance(name_or_config, str) else name_or_config
+    C, V = cfg.n_embd, cfg.vocab_size
+    block = (12 * C * C + 6 * C) // tp + 6 * C
+    head = 0 if cfg.tie_embeddings else V * C // tp
+    return V * C // tp + cfg.block_size * C + cfg.n_layer * block + 2 * C + head
+
+
 # ---- command line ---------------------------------------------------------------------------
 
 GB, MiB = 1e9, 2**20    # GB as in the ZeRO paper; MiB as train.py logs what it measures

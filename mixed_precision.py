@@ -109,6 +109,8 @@ class MixedPrecisionOptimizer:
     comm: a collectives.Comm or process group over ranks whose gradients may differ, to
     agree on skipping; None when there is one rank or the gradients are already averaged.
     scaler: default DynamicLossScaler, enabled only for fp16.
+    grad_norm: grad_norm(params, grads) -> the global norm, when the parameters are slices of
+    larger ones (tensor parallelism); default: the norm of these gradients alone.
 
     Per step:  loss -> scale_loss -> backward (16-bit grads) -> step():
         master.grad = grad.float() / scale -> inf/NaN? skip, back off -> clip -> inner step
@@ -118,7 +120,8 @@ class MixedPrecisionOptimizer:
     """
 
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, precision: str = "fp32",
-                 comm=None, scaler: DynamicLossScaler | None = None, **optimizer_kwargs):
+                 comm=None, scaler: DynamicLossScaler | None = None, grad_norm=None,
+                 **optimizer_kwargs):
         if precision not in DTYPES:
             raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[precision]
@@ -135,6 +138,7 @@ class MixedPrecisionOptimizer:
         self.comm = as_comm(comm) if comm is not None else None
         self.scaler = scaler if scaler is not None else DynamicLossScaler(enabled=precision == "fp16")
         self.optimizer = optimizer_cls(self.masters, **optimizer_kwargs)
+        self.grad_norm = grad_norm
         self.last_grad_norm: float | None = None
 
     @property
@@ -153,7 +157,8 @@ class MixedPrecisionOptimizer:
         grads = unscale_grads([p.grad for p, _ in pairs], masters, self.scaler.scale)
         # clip_grad_norm_ split in two: the same norm serves the overflow check and clipping.
         # (Finite gradients whose norm overflows fp32 are skipped too: no sane update there.)
-        norm = get_total_norm(grads)
+        norm = (self.grad_norm([p for p, _ in pairs], grads) if self.grad_norm
+                else get_total_norm(grads))
         skip = found_overflow(norm, self.comm)
         self.last_grad_norm = norm.item()
         if not skip:

@@ -5,7 +5,8 @@ over --grad-accum micro-batches, the strategy averages the gradients (ddp.py, ze
 over collectives.py), and the mixed-precision optimizer updates fp32 master weights
 (mixed_precision.py). The log shows loss, tokens/s, per-rank memory and bytes sent per step.
 With --out the run is a directory: log, config and checkpoints (snapshot.py) that --resume
-continues bit for bit, on the same or another world size and strategy.
+continues bit for bit, on the same or another world size and strategy. --strategy tp splits
+each layer's matrices over --tp ranks (tensor_parallel.py) and data-parallelizes over the rest.
 Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero2
 Test: python -m pytest tests/test_train.py tests/test_snapshot.py
 """
@@ -23,18 +24,19 @@ import torch.distributed as dist
 
 import lora
 import snapshot
+import tensor_parallel
 from checkpointing import checkpoint_blocks
-from collectives import Comm, init_distributed
+from collectives import Comm, exit_distributed, init_distributed
 from data import TextData
 from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer
-from memory import held_bytes, live_tensor_bytes, state_bytes
+from memory import held_bytes, live_tensor_bytes, state_bytes, tp_params
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import PRESETS, GPT, GPTConfig, build_model
 from quantization import NF4Weight
 from zero import ZeroOptimizer
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "tp")
 EVAL_FRACTION = 0.05                      # data.py's held-out tail
 
 
@@ -55,6 +57,10 @@ def parse_args(argv=None):
                                                           "continues up to this many)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--tp", type=int, default=1, help="--strategy tp: ranks per tensor-parallel "
+                   "group (the world is tp x data-parallel)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="--strategy tp: norms and dropout on 1/tp of the tokens each")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="end of the cosine decay (default: lr/10)")
@@ -116,7 +122,9 @@ def parse_args(argv=None):
     gen.add_argument("--sample-tokens", type=int, default=300)
     gen.add_argument("--temperature", type=float, default=0.8)
     args = p.parse_args(argv)
-    check_args(p, args, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    # torchrun sets WORLD_SIZE; a caller that joined a process group itself has it there.
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    check_args(p, args, world_size=world_size)
     return args
 
 
@@ -134,14 +142,17 @@ def check_args(parser, args, world_size):
         args.strategy = "single" if world_size == 1 else "ddp"
     if args.strategy == "single" and world_size > 1:
         parser.error(f"--strategy single runs one process, but {world_size} were launched: "
-                     f"use --strategy ddp (or zero1, zero2, fsdp), or run with plain `python train.py`")
-    for name in ("steps", "grad_accum", "seq_len", "log_every", "batch_size", "keep"):
+                     f"use --strategy ddp (or zero1, zero2, fsdp, tp), or run with plain `python train.py`")
+    for name in ("steps", "grad_accum", "seq_len", "log_every", "batch_size", "keep", "tp"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    per_step = world_size * args.grad_accum
+    check_tensor_parallel(parser, args, world_size)
+    data_parallel = world_size // args.tp                         # ranks reading different rows
+    per_step = data_parallel * args.grad_accum
     if args.batch_size % per_step:
         fixed = (args.batch_size // per_step + 1) * per_step
-        parser.error(f"--batch-size {args.batch_size} does not divide into {world_size} ranks x "
+        parser.error(f"--batch-size {args.batch_size} does not divide into {data_parallel} "
+                     f"data-parallel ranks x "
                      f"--grad-accum {args.grad_accum} = {per_step} equal micro-batches: "
                      f"use a multiple of {per_step}, e.g. --batch-size {fixed}")
     block_size = PRESETS[args.model].block_size
@@ -171,6 +182,9 @@ def check_args(parser, args, world_size):
     if args.quantize_base and not (args.lora and args.init_from):
         parser.error("--quantize-base stores a trained base in 4 bits under LoRA adapters: add "
                      "--lora and --init-from RUN_DIR (the model to fine-tune)")
+    if args.quantize_base and args.strategy == "tp":
+        parser.error("--quantize-base: a 4-bit base weight cannot be split over tensor-parallel "
+                     "ranks; fine-tune in 4 bits with --strategy ddp, zero1, zero2 or fsdp")
     if args.double_quant and not args.quantize_base:
         parser.error("--double-quant quantizes the scales of a 4-bit base: add --quantize-base nf4")
     if args.checkpoint_activations < 0:
@@ -182,6 +196,26 @@ def check_args(parser, args, world_size):
         parser.error(f"--prefetch must be 0 (no prefetch) or more units, got {args.prefetch}")
     if args.timeout is not None and args.timeout <= 0:
         parser.error(f"--timeout must be positive seconds, got {args.timeout}")
+
+
+def check_tensor_parallel(parser, args, world_size):
+    """--tp and --sequence-parallel: only with --strategy tp, and splitting the world and the model."""
+    if args.strategy != "tp":
+        if args.tp != 1 or args.sequence_parallel:
+            parser.error(f"--tp and --sequence-parallel split layers: add --strategy tp "
+                         f"(--strategy {args.strategy} replicates or shards whole parameters)")
+        return
+    if world_size % args.tp:
+        parser.error(f"world size {world_size} is not --tp {args.tp} x a data-parallel size: launch "
+                     f"a multiple of {args.tp} processes (--nproc_per_node), or use a --tp dividing "
+                     f"{world_size}")
+    try:
+        tensor_parallel.check_divisible(PRESETS[args.model], args.tp)
+    except ValueError as e:
+        parser.error(f"--model {args.model}: {e}")
+    if args.sequence_parallel and args.seq_len % args.tp:
+        parser.error(f"--sequence-parallel splits each sequence into --tp {args.tp} equal parts: "
+                     f"use a --seq-len divisible by {args.tp}, e.g. {args.seq_len // args.tp * args.tp or args.tp}")
 
 
 def learning_rate(step, args):
@@ -231,13 +265,19 @@ def train_step(model, optimizer, x, y, args):
         step_loss += loss.detach() / args.grad_accum
     if sync:
         model.finish_gradient_sync()
+    if (tp := _tensor_parallel(model)) is not None:
+        tp.finish_gradient_sync()                 # sequence parallelism's partial gradients
     return step_loss, optimizer.step(clip_grad=args.clip_grad or None)
 
 
 # ---- building the run ------------------------------------------------------------------------
 
-def build(args, device, comm):
-    """The model, its strategy wrapper, the optimizer, and the bytes the strategy should send."""
+def build(args, device, comm, tensor, data):
+    """The model, its strategy wrapper, the optimizer, and the bytes the strategy should send.
+
+    comm: the whole world; tensor and data: the two axes of the --tp mesh (tensor is None
+    unless --strategy tp, data is then the whole world).
+    """
     torch.manual_seed(args.seed)
     gpt = build_model(args.model, dropout=args.dropout)                  # fp32
     if args.init_from:
@@ -260,6 +300,14 @@ def build(args, device, comm):
                                   optimizer_cls=torch.optim.AdamW, group=comm,
                                   bucket_mb=args.bucket_mb, **adamw)
         predicted = optimizer.bytes_per_step(micro_batches=args.grad_accum)
+    elif args.strategy == "tp":
+        # gpt keeps its names (token_emb.weight, blocks.0.attn.query.weight...) for checkpoints.
+        tp = tensor_parallel.parallelize(gpt, tensor, args.sequence_parallel)
+        model = DDP(tp, data, bucket_mb=args.bucket_mb) if data.world_size > 1 else tp
+        optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
+                                            precision=args.precision, grad_norm=tp.grad_norm, **adamw)
+        predicted = tp.bytes_per_step(args.batch_size // data.world_size, args.seq_len, args.grad_accum)
+        predicted += model.bytes_per_step() if model is not tp else 0
     else:
         if args.strategy == "ddp":
             model = DDP(gpt, comm, bucket_mb=args.bucket_mb)
@@ -315,16 +363,35 @@ def _lora_config(args) -> dict | None:
                 double_quant=args.double_quant) if args.lora else None
 
 
-def save_checkpoint(args, step, gpt, optimizer, world_size, rank):
+def _tensor_parallel(model):
+    """The TensorParallelGPT inside model (under DDP or not), or None."""
+    inner = model.module if isinstance(model, DDP) else model
+    return inner if isinstance(inner, tensor_parallel.TensorParallelGPT) else None
+
+
+def _pieces(gpt, model, optimizer, rank, frozen=True) -> list[dict]:
+    """This rank's part of the weights and optimizer state: its shard (zero, fsdp), or whole
+    parameters on rank 0 (replicas; tp gathers each split parameter whole first).
+    frozen: with the frozen weights (a LoRA checkpoint leaves them to its base)."""
+    tp = _tensor_parallel(model)
+    pieces = []
+    if isinstance(optimizer, (ZeroOptimizer, FSDPOptimizer)) or rank == 0 or tp is not None:
+        pieces = snapshot.optimizer_pieces(optimizer, _names(gpt))
+    if frozen and (rank == 0 or tp is not None):
+        pieces += snapshot.frozen_pieces(gpt)
+    if tp is not None:                                               # collective: every rank
+        pieces = tensor_parallel.gather_pieces(pieces, dict(gpt.named_parameters()), tp.comm)
+        pieces = pieces if rank == 0 else []
+    return pieces
+
+
+def save_checkpoint(args, step, gpt, model, optimizer, rank):
     """Every rank's shard (or rank 0's copy, for replicas), RNG, loss scale; None if not finite.
 
     A LoRA run on an --init-from base saves only what trains, the adapter, and names the base.
     """
-    sharded = isinstance(optimizer, (ZeroOptimizer, FSDPOptimizer))
-    pieces = snapshot.optimizer_pieces(optimizer, _names(gpt)) if sharded or rank == 0 else []
     base = os.path.abspath(args.init_from) if args.lora and args.init_from else None
-    if rank == 0 and not base:
-        pieces += snapshot.frozen_pieces(gpt)
+    pieces = _pieces(gpt, model, optimizer, rank, frozen=not base)
     if not snapshot.all_finite(pieces, gpt.head.weight.device):
         raise RunError(f"step {step}: the weights hold inf or NaN; no checkpoint written (the "
                        f"last good one is {snapshot.latest(args.out)})")
@@ -337,7 +404,7 @@ def save_checkpoint(args, step, gpt, optimizer, world_size, rank):
     return snapshot.save(args.out, step, part, meta, keep=args.keep)
 
 
-def resume(args, gpt, optimizer, world_size, rank, say) -> int:
+def resume(args, gpt, model, optimizer, world_size, rank, say) -> int:
     """Load the newest checkpoint in --out into this run; the step to continue from."""
     path = snapshot.latest(args.out)
     if path is None:
@@ -352,6 +419,8 @@ def resume(args, gpt, optimizer, world_size, rank, say) -> int:
     changed = {k: (v, vars(args).get(k)) for k, v in meta["args"].items()
                if k not in bookkeeping and vars(args).get(k) != v}
     pieces = snapshot.Pieces([p for part in parts for p in part["pieces"]])
+    if (tp := _tensor_parallel(model)) is not None:       # whole pieces in, this rank's slices out
+        pieces = tensor_parallel.ShardReader(pieces, dict(gpt.named_parameters()), tp.comm)
     snapshot.load_pieces(optimizer, _names(gpt), gpt, pieces, frozen=not meta.get("base"))
     optimizer.scaler.load_state_dict(parts[0]["scaler"])     # the same on every rank
     if meta["world_size"] == world_size:
@@ -369,18 +438,21 @@ def resume(args, gpt, optimizer, world_size, rank, say) -> int:
     return meta["step"]
 
 
-def export(path, gpt, optimizer, rank):
+def export(path, gpt, model, optimizer, rank, lora_config=None):
     """One consolidated fp32 file: {"model": config, "state_dict": weights}, written by rank 0."""
-    sharded = isinstance(optimizer, (ZeroOptimizer, FSDPOptimizer))
-    pieces = snapshot.optimizer_pieces(optimizer, _names(gpt)) if sharded or rank == 0 else []
-    pieces = [{**p, "tensors": {"param": p["tensors"]["param"]}, "scalars": {}} for p in pieces]
-    if rank == 0:
-        pieces += snapshot.frozen_pieces(gpt)
+    pieces = [{**p, "tensors": {"param": p["tensors"]["param"]}, "scalars": {}}
+              for p in _pieces(gpt, model, optimizer, rank)]
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(pieces, gathered, dst=0)
     if rank == 0:
-        weights = snapshot.Pieces([p for part in gathered for p in part]).full_state_dict(gpt)
-        weights = lora.fold_adapters(weights, gpt)         # LoRA: merged into W0; else as is
+        shapes = gpt
+        if _tensor_parallel(model) is not None:
+            with torch.device("meta"):     # whole shapes (a tp rank holds slices), no memory
+                shapes = GPT(gpt.cfg)
+                if lora_config:
+                    lora.apply_lora(shapes, **lora_config)
+        weights = snapshot.Pieces([p for part in gathered for p in part]).full_state_dict(shapes)
+        weights = lora.fold_adapters(weights, shapes)         # LoRA: merged into W0; else as is
         torch.save({"model": _model_config(gpt), "state_dict": weights}, path + ".tmp")
         os.replace(path + ".tmp", path)
 
@@ -457,18 +529,23 @@ def main(argv=None) -> dict:
                 print(line, file=log_file, flush=True)
 
     comm = Comm(ring=args.collectives == "ring")
+    # The --tp mesh: ranks in one tensor group read the same rows of the batch.
+    tensor, data_comm = tensor_parallel.make_mesh(comm, args.tp) if args.strategy == "tp" else (None, comm)
+    data_rank, data_size = data_comm.rank, data_comm.world_size
     try:
-        gpt, model, optimizer, predicted = build(args, device, comm)
+        gpt, model, optimizer, predicted = build(args, device, comm, tensor, data_comm)
     except ValueError as e:                    # a strategy refused its input: same on every rank
         raise RunError(str(e)) from None
-    start = resume(args, gpt, optimizer, world_size, rank, say) if args.resume else 0
+    start = resume(args, gpt, model, optimizer, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
     # QLoRA's 4-bit weights are buffers, not parameters: counted apart.
     quantized = sum(torch.Size(m.shape).numel() for m in gpt.modules() if isinstance(m, NF4Weight))
-    n_params = sum(p.numel() for p in gpt.parameters()) + quantized
-    say(f"{args.strategy} on {world_size} x {device.type} ({dist.get_backend()}) | model {args.model} "
-        f"{n_params / 1e6:.2f}M params | {args.precision} | global batch {args.batch_size} x "
-        f"{args.seq_len} tokens, {args.grad_accum} micro-batch(es) per rank | {args.collectives} collectives")
+    n_params = sum(p.numel() for p in gpt.parameters()) + quantized     # tp: this rank's slices
+    mesh = f" = tp {args.tp} x dp {data_size}" if args.strategy == "tp" else ""
+    say(f"{args.strategy} on {world_size}{mesh} x {device.type} ({dist.get_backend()}) | model "
+        f"{args.model} {n_params / 1e6:.2f}M params{' per rank' if mesh else ''} | {args.precision} | "
+        f"global batch {args.batch_size} x {args.seq_len} tokens, {args.grad_accum} micro-batch(es) "
+        f"per rank | {args.collectives} collectives")
     # memory.py's napkin math for this run, to read beside the measured bytes in the log.
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
     if args.lora:
@@ -476,9 +553,13 @@ def main(argv=None) -> dict:
             f"({trainable / n_params:.2%} of the model); the adapter is "
             f"{lora.adapter_bytes(gpt) / 2**10:.1f} KiB, the model {n_params * 4 / 2**20:.1f} MiB in fp32"
             + (f"; {quantized:,} frozen weights in 4-bit {args.quantize_base}" if quantized else ""))
-    napkin = state_bytes(n_params, "ddp" if args.strategy == "single" else args.strategy,
-                         args.precision, world_size, trainable=trainable, quantized=quantized,
-                         double_quant=args.double_quant)
+    if args.strategy == "tp":
+        # A tp rank holds its slices whole, data parallelism replicates them: ddp over the slices.
+        napkin = state_bytes(tp_params(gpt.cfg, args.tp), "ddp", args.precision, data_size)
+    else:
+        napkin = state_bytes(n_params, "ddp" if args.strategy == "single" else args.strategy,
+                             args.precision, world_size, trainable=trainable, quantized=quantized,
+                             double_quant=args.double_quant)
     say(f"napkin math per rank (memory.py): params {napkin['params'] / 2**20:.1f} MiB, grads "
         f"{napkin['grads'] / 2**20:.1f}, optim {napkin['optimizer'] / 2**20:.1f}, total "
         f"{napkin['total'] / 2**20:.1f}")
@@ -495,7 +576,7 @@ def main(argv=None) -> dict:
             group["lr"] = learning_rate(step, args)
         comm.bytes_sent.clear()
         x, y = data.batch(step, args.batch_size, args.seq_len, args.seed,
-                          rank=rank, world_size=world_size)          # (B/N, T)
+                          rank=data_rank, world_size=data_size)      # (B/D, T)
         loss, applied = train_step(model, optimizer, x.to(device), y.to(device), args)
         if not applied and args.precision != "fp16":
             # fp16 overflow is the loss scaler's business; in fp32 and bf16 inf/NaN means the
@@ -522,17 +603,17 @@ def main(argv=None) -> dict:
                 f"MiB/step (ring formula {predicted / 2**20:.2f})" + (f" | skipped {skipped}" if skipped else ""))
             timer, last_timed = time.perf_counter(), step
         if args.eval_every and step and step % args.eval_every == 0:
-            say(f"step {step:5d} | eval loss {eval_loss(model, data, args, rank, world_size, device):.4f}")
+            say(f"step {step:5d} | eval loss {eval_loss(model, data, args, data_rank, data_size, device):.4f}")
             timer, last_timed = time.perf_counter(), step            # time training steps only
         done = step + 1
         step_done(last=done == args.steps)
         if args.out and (done == args.steps or args.save_every and done % args.save_every == 0):
-            say(f"step {step:5d} | saved {save_checkpoint(args, done, gpt, optimizer, world_size, rank)}")
+            say(f"step {step:5d} | saved {save_checkpoint(args, done, gpt, model, optimizer, rank)}")
             timer, last_timed = time.perf_counter(), step
-    history["eval_loss"] = eval_loss(model, data, args, rank, world_size, device)
+    history["eval_loss"] = eval_loss(model, data, args, data_rank, data_size, device)
     say(f"done | eval loss {history['eval_loss']:.4f}")
     if args.export:
-        export(args.export, gpt, optimizer, rank)
+        export(args.export, gpt, model, optimizer, rank, _lora_config(args))
         say(f"exported {args.export}: fp32 weights; train.load_weights({args.export!r}) loads them")
     if log_file:
         log_file.close()
@@ -556,5 +637,4 @@ if __name__ == "__main__":
               f"log says why; rerun the same command with --resume to continue from the last "
               f"checkpoint", file=sys.stderr)
         sys.exit(1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    exit_distributed()

@@ -1,8 +1,9 @@
 """LoRA (lora.py): starts as the base, trains only A and B, merges, swaps, composes.
 
 fp32 on the CPU. Merging rounds W0 + (alpha/r) B A once per weight, so merged and unmerged
-outputs agree to ~1e-6 (MERGE_ATOL 1e-5); under ddp and zero2 the reordered gradient sums
-keep losses within fp32 noise of one process (test_snapshot's LOSS_RTOL, WEIGHT_ATOL).
+outputs agree to ~1e-6 (MERGE_ATOL 1e-5); under ddp, zero2, fsdp and tp the reordered
+gradient sums keep losses within fp32 noise of one process (test_snapshot's LOSS_RTOL,
+WEIGHT_ATOL).
 """
 import argparse
 import os
@@ -136,12 +137,19 @@ def _fine_tune(root, other, strategy, name, extra=()):
                        "--data", other, "--export", os.path.join(root, name + ".pt"), *extra])
 
 
-def test_lora_under_ddp_and_zero2_equals_one_process(pretrained):
+# Every linear of a block adapted: tensor parallelism then splits A (row layers: output, down)
+# as well as B (column layers: query, key, value, up).
+ALL_LINEARS = ["--lora-targets", "query,key,value,output,up,down"]
+
+
+def test_lora_under_every_strategy_equals_one_process(pretrained):
+    """ddp and zero2 communicate only the adapters' gradients, fsdp shards only them (the base
+    stays whole), tp splits A or B with the layer they adapt: the same fine-tuned model."""
     root, other = pretrained
-    single = run_ranks(_fine_tune, 1, root, other, "single", "single")[0]
+    single = run_ranks(_fine_tune, 1, root, other, "single", "single", ALL_LINEARS)[0]
     assert single["eval_loss"] < single["eval_loss_before"]          # it learns the new text
-    for strategy in ("ddp", "zero2"):
-        out = run_ranks(_fine_tune, 2, root, other, strategy, strategy)[0]
+    for strategy, extra in [("ddp", []), ("zero2", []), ("fsdp", []), ("tp", ["--tp", "2"])]:
+        out = run_ranks(_fine_tune, 2, root, other, strategy, strategy, [*ALL_LINEARS, *extra])[0]
         for step, loss in single["losses"].items():
             assert out["losses"][step] == pytest.approx(loss, rel=LOSS_RTOL), (strategy, step)
         _same_weights(_weights(root / f"{strategy}.pt"), _weights(root / "single.pt"), atol=WEIGHT_ATOL)

@@ -1,0 +1,513 @@
+"""Tensor parallelism: split the matrices inside each layer, so one layer runs on N ranks.
+
+A pair of linears is split the Megatron way (Shoeybi et al. 2019, "Megatron-LM", section 3):
+the first by output columns, the second by input rows, so the nonlinearity between them is
+local and the pair costs one all-reduce forward (g) and one backward (f). Embedding, head and
+loss are split over the vocabulary (section 3, "input embedding"), and sequence parallelism
+(Korthikanti et al. 2022, section 4.2.2) turns each all-reduce into a reduce-scatter and an
+all-gather so norms and dropout work on 1/N of the tokens. Left out: fused QKV, an RNG tracker
+for dropout inside the split region, overlapping these collectives with the matmuls.
+Run: torchrun --nproc_per_node 2 train.py --strategy tp --tp 2; test: pytest tests/test_tensor_parallel.py
+
+Shapes: B batch, T sequence, C channels, H heads, V vocabulary, N tensor-parallel size, r rank
+in the tensor group; M = B x T tokens. "/N" marks this rank's part of a split dimension.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from collectives import Comm, as_comm, ring_bytes
+
+# ---- the conjugate pair f and g, and their sequence-parallel forms -------------------------
+#
+# Each function moves activations forward and its gradients backward with conjugate
+# collectives: what one does forward, the other does backward.
+#
+#              forward                     backward
+#   f          identity                    all-reduce      (enter a split region)
+#   g          all-reduce                  identity        (leave a split region)
+#   gather_s   all-gather along T          reduce-scatter  (f with sequence parallelism)
+#   scatter_s  reduce-scatter along T      all-gather      (g with sequence parallelism)
+
+
+class _F(torch.autograd.Function):
+    # Every rank feeds the same x into its own columns; x's gradient is the sum of the parts
+    # each rank's columns contributed, so backward adds them up over the group.
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad)
+        return grad, None
+
+
+class _G(torch.autograd.Function):
+    # Each rank holds a partial sum of the output (its rows of the second matrix): forward
+    # adds them. The sum's gradient flows unchanged to every addend, so backward is identity.
+    @staticmethod
+    def forward(ctx, x, comm):
+        out = x.contiguous().clone()
+        comm.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _all_gather_dim(x, comm, dim):
+    """(.., n, ..) on each rank -> (.., N*n, ..): the ranks' pieces in rank order along dim."""
+    local = x.movedim(dim, 0).contiguous()                       # (n, ...)
+    out = local.new_empty((comm.world_size * local.shape[0], *local.shape[1:]))  # (N*n, ...)
+    comm.all_gather(out.view(-1), local.view(-1))
+    # Contiguous in the caller's layout: the linears that read it keep one copy for backward,
+    # where a strided view would be copied (and kept) by each of them.
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter_dim(x, comm, dim):
+    """(.., N*n, ..) partial sums on each rank -> (.., n, ..): piece r of the sum, on rank r."""
+    full = x.movedim(dim, 0).contiguous()                        # (N*n, ...)
+    out = full.new_empty((full.shape[0] // comm.world_size, *full.shape[1:]))    # (n, ...)
+    comm.reduce_scatter(out.view(-1), full.view(-1))
+    return out.movedim(0, dim).contiguous()
+
+
+def _my_piece(x, comm, dim):
+    return x.chunk(comm.world_size, dim)[comm.rank].contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    # (B, T/N, C) -> (B, T, C). Every rank's full-sequence copy feeds its own columns, so the
+    # gradient of rank r's tokens is the sum over ranks of their rows r: a reduce-scatter.
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _all_gather_dim(x, comm, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_dim(grad, ctx.comm, 1), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    # (B, T, C) partial sums -> (B, T/N, C) of the full sum: g's all-reduce without its
+    # all-gather half. Rank r's tokens' gradient is needed by every rank's rows: all-gather.
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter_dim(x, comm, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim(grad, ctx.comm, 1), None
+
+
+class _GatherFeatures(torch.autograd.Function):
+    # (.., out/N) -> (.., out): rank r's output columns came from its own weights only, so
+    # backward keeps its own columns of the gradient.
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _all_gather_dim(x, comm, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _my_piece(grad, ctx.comm, -1), None
+
+
+class _SplitFeatures(torch.autograd.Function):
+    # (.., in) -> (.., in/N): the conjugate of _GatherFeatures.
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _my_piece(x, comm, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim(grad, ctx.comm, -1), None
+
+
+def enter_region(x, comm: Comm, sequence_parallel: bool = False):
+    """f, or with sequence parallelism the all-gather that replaces it: (B, T or T/N, C) -> (B, T, C)."""
+    return _GatherSequence.apply(x, comm) if sequence_parallel else _F.apply(x, comm)
+
+
+def leave_region(x, comm: Comm, sequence_parallel: bool = False):
+    """g, or with sequence parallelism the reduce-scatter: partial (B, T, C) -> (B, T or T/N, C)."""
+    return _ScatterSequence.apply(x, comm) if sequence_parallel else _G.apply(x, comm)
+
+
+# ---- the layers ---------------------------------------------------------------------------------
+#
+#   column-parallel  Y = X A,  A = [A_0 | A_1]            row-parallel  Z = Y B,  B = [B_0]
+#                    rank r: Y_r = X A_r  (B, T, out/N)                             [B_1]
+#                                                          rank r: Z_r = Y_r B_r, Z = sum_r Z_r
+#
+# nn.Linear stores weight as (out, in): column r is weight rows r*out/N..., row r is weight
+# columns r*in/N... Every rank draws the same full init and keeps its slice, so the ranks'
+# slices put together are exactly the matrix one rank would have had.
+
+def _shard(param: torch.Tensor, comm: Comm, dim: int) -> nn.Parameter:
+    """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms.
+    A frozen weight (LoRA's base) stays frozen."""
+    if param.shape[dim] % comm.world_size:
+        raise ValueError(f"a dimension of {param.shape[dim]} does not split into {comm.world_size} "
+                         f"equal tensor-parallel parts: choose --tp dividing it")
+    shard = nn.Parameter(_my_piece(param.detach(), comm, dim).clone(), param.requires_grad)
+    shard.tp_dim = dim
+    return shard
+
+
+def _whole(param: torch.Tensor) -> nn.Parameter:
+    """A weight every rank of the group keeps whole (a replicated copy)."""
+    return nn.Parameter(param.detach().clone(), param.requires_grad)
+
+
+# ---- LoRA inside a split layer ----------------------------------------------------------------
+#
+# A LoRA layer (lora.py) adds (alpha/r) B A x to W0 x. Split A and B the way W0 is split, so
+# the low-rank path needs no collective of its own:
+#   column (W0 rows split):  B's rows split with W0's, A whole:    y_r = W0_r x + s B_r (A x)
+#   row (W0 columns split):  A's columns split with W0's, B whole: z_r = W0_r y_r + s B (A_r y_r),
+#                            and the g that sums W0_r y_r sums B (A_r y_r) into B A y as well.
+# The whole factor (A of a column layer, B of a row layer) gets only this rank's part of its
+# gradient: TensorParallelGPT sums those over the group after backward (tp_partial).
+
+def _take_adapter(layer: nn.Module, linear: nn.Module, comm: Comm, split: str):
+    """Copy linear's LoRA factors, if any, onto layer; split: which factor is split ("A", "B")."""
+    layer.lora_A = layer.lora_B = None
+    if getattr(linear, "lora_A", None) is None:
+        return
+    if not hasattr(linear, "weight"):
+        raise ValueError("a 4-bit (QLoRA) base weight cannot be split over tensor-parallel ranks: "
+                         "fine-tune in 4 bits with --strategy ddp, zero1, zero2 or fsdp")
+    if split == "B":
+        layer.lora_A, layer.lora_B = _whole(linear.lora_A), _shard(linear.lora_B, comm, 0)
+        layer.lora_A.tp_partial = True                           # (r, in) whole, (out/N, r)
+    else:
+        layer.lora_A, layer.lora_B = _shard(linear.lora_A, comm, 1), _whole(linear.lora_B)
+        layer.lora_B.tp_partial = True                           # (r, in/N), (out, r) whole
+    layer.lora_scale, layer.lora_dropout = linear.scale, linear.dropout
+
+
+def _adapter(layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y plus the layer's local low-rank term (alpha/r) B A x, if it has an adapter."""
+    if layer.lora_A is None:
+        return y
+    x = F.dropout(x, layer.lora_dropout, layer.training)
+    return y + layer.lora_scale * F.linear(F.linear(x, layer.lora_A), layer.lora_B)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A's output features split: rank r computes y[..., r*out/N : (r+1)*out/N].
+
+    enter: apply f (or, with sequence_parallel, gather the sequence) to the input here; False
+    when the caller entered the region once for several layers sharing an input (query, key
+    and value). gather_output: all-gather the full (.., out) instead of keeping (.., out/N).
+    linear: an existing nn.Linear to split (default: a fresh one, initialised as on one rank).
+    """
+
+    def __init__(self, in_features, out_features, group=None, bias=True, gather_output=False,
+                 sequence_parallel=False, enter=True, linear: nn.Linear | None = None):
+        super().__init__()
+        self.comm = as_comm(group)
+        linear = linear if linear is not None else nn.Linear(in_features, out_features, bias=bias)
+        self.weight = _shard(linear.weight, self.comm, 0)                 # (out/N, in)
+        self.bias = _shard(linear.bias, self.comm, 0) if linear.bias is not None else None
+        _take_adapter(self, linear, self.comm, split="B")
+        self.gather_output, self.sequence_parallel, self.enter = gather_output, sequence_parallel, enter
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **options):
+        return cls(linear.in_features, linear.out_features, group,
+                   bias=linear.bias is not None, linear=linear, **options)
+
+    def forward(self, x):                                        # (B, T, in), or (B, T/N, in) with SP
+        if self.enter:
+            x = enter_region(x, self.comm, self.sequence_parallel)          # (B, T, in)
+        y = _adapter(self, x, F.linear(x, self.weight, self.bias))     # (B, T, out/N)
+        return _GatherFeatures.apply(y, self.comm) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """z = y B^T + b with B's input features split: rank r multiplies y[..., r*in/N : (r+1)*in/N].
+
+    input_is_parallel: y arrives already split (a column-parallel output); else each rank
+    takes its slice. The partial products are summed by g (sequence_parallel: reduce-scattered
+    along T); the bias, whole on every rank, is added once, after the sum.
+    """
+
+    def __init__(self, in_features, out_features, group=None, bias=True, input_is_parallel=True,
+                 sequence_parallel=False, linear: nn.Linear | None = None):
+        super().__init__()
+        self.comm = as_comm(group)
+        linear = linear if linear is not None else nn.Linear(in_features, out_features, bias=bias)
+        self.weight = _shard(linear.weight, self.comm, 1)                 # (out, in/N)
+        self.bias = _whole(linear.bias) if linear.bias is not None else None
+        _take_adapter(self, linear, self.comm, split="A")
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **options):
+        return cls(linear.in_features, linear.out_features, group,
+                   bias=linear.bias is not None, linear=linear, **options)
+
+    def forward(self, y):                                        # (B, T, in/N), or (B, T, in)
+        if not self.input_is_parallel:
+            y = _SplitFeatures.apply(y, self.comm)               # (B, T, in/N)
+        partial = _adapter(self, y, F.linear(y, self.weight))  # (B, T, out): this rank's share
+        z = leave_region(partial, self.comm, self.sequence_parallel)  # (B, T or T/N, out)
+        return z + self.bias if self.bias is not None else z
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows split over the vocabulary: rank r looks up only ids in [r*V/N, (r+1)*V/N).
+
+    Every other id gives a zero row here and its real row on the rank that holds it, so
+    summing over the ranks (g, or a reduce-scatter along T) gives every token its embedding.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, group=None, sequence_parallel=False,
+                 embedding: nn.Embedding | None = None):
+        super().__init__()
+        self.comm = as_comm(group)
+        embedding = embedding if embedding is not None else nn.Embedding(num_embeddings, embedding_dim)
+        self.weight = _shard(embedding.weight, self.comm, 0)              # (V/N, C)
+        self.sequence_parallel = sequence_parallel
+        self.start = self.comm.rank * self.weight.shape[0]
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group=None, **options):
+        return cls(embedding.num_embeddings, embedding.embedding_dim, group,
+                   embedding=embedding, **options)
+
+    def forward(self, idx):                                      # (B, T) token ids
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])  # (B, T): another rank's ids
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)      # (B, T, C)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        return leave_region(rows, self.comm, self.sequence_parallel)        # (B, T or T/N, C)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    # log-softmax needs two numbers per token over the whole vocabulary, the max and the sum
+    # of exponentials, plus the target's logit, held by one rank: three all-reduces of M
+    # numbers instead of gathering M x V logits. The gradient, softmax - one_hot, is local.
+    @staticmethod
+    def forward(ctx, logits, targets, comm):                     # logits (M, V/N), targets (M,)
+        shard = logits.shape[-1]
+        top = logits.max(dim=-1).values                          # (M,)
+        comm.all_reduce(top, op="max")
+        shifted = logits - top.unsqueeze(-1)                     # (M, V/N), at most 0: exp cannot overflow
+        local = targets - comm.rank * shard
+        mine = (local >= 0) & (local < shard)                    # (M,): this rank holds the target
+        local = local.clamp(0, shard - 1)
+        target_logit = shifted.gather(1, local.unsqueeze(1)).squeeze(1) * mine   # (M,)
+        comm.all_reduce(target_logit)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)                                  # (M,)
+        comm.all_reduce(total)
+        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), local, mine)
+        return total.log() - target_logit                        # (M,) per-token loss
+
+    @staticmethod
+    def backward(ctx, grad):                                     # grad (M,)
+        softmax, local, mine = ctx.saved_tensors
+        grad_logits = softmax.clone()                            # (M, V/N)
+        rows = torch.arange(grad_logits.shape[0], device=grad.device)
+        grad_logits[rows, local] -= mine.to(grad_logits.dtype)
+        return grad_logits * grad.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, group=None):
+    """Mean cross-entropy of (M, V/N) logit shards against (M,) targets; equals F.cross_entropy."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, as_comm(group)).mean()
+
+
+# ---- the GPT, parallelized ------------------------------------------------------------------
+#
+#   x (B, T/N, C) --norm1--> f/gather --> query, key, value (columns: H/N heads each) --> attention
+#     ^                                       --> output (rows) --> g/scatter --> + x --> norm2 ...
+#   with sequence parallelism the residual stream, the norms and dropout hold T/N tokens per
+#   rank; without it all T, the same on every rank of the tensor group.
+
+def check_divisible(cfg, n: int):
+    """Raise one message naming the fix if the model does not split into n equal parts."""
+    for what, size in (("heads (n_head)", cfg.n_head), ("hidden size (n_embd)", cfg.n_embd),
+                       ("vocabulary (vocab_size)", cfg.vocab_size)):
+        if size % n:
+            raise ValueError(f"tensor parallelism over {n} ranks splits the {what} = {size} into "
+                             f"{n} equal parts, but {size} % {n} = {size % n}: use a --tp that "
+                             f"divides n_head={cfg.n_head}, n_embd={cfg.n_embd} and "
+                             f"vocab_size={cfg.vocab_size}")
+
+
+class TensorParallelGPT(nn.Module):
+    """model.py's GPT with its matrices split over the tensor group; built by parallelize()."""
+
+    def __init__(self, gpt, group=None, sequence_parallel: bool = False):
+        super().__init__()
+        self.comm = comm = as_comm(group)
+        check_divisible(gpt.cfg, comm.world_size)
+        self.gpt, self.sequence_parallel = gpt, sequence_parallel
+        sp = dict(group=comm, sequence_parallel=sequence_parallel)
+        for block in gpt.blocks:
+            attn, mlp = block.attn, block.mlp
+            for name in ("query", "key", "value"):
+                setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), comm, enter=False))
+            attn.output = RowParallelLinear.from_linear(attn.output, **sp)
+            attn.n_head //= comm.world_size                       # H/N heads per rank, same code
+            mlp.up = ColumnParallelLinear.from_linear(mlp.up, comm, enter=False)
+            mlp.down = RowParallelLinear.from_linear(mlp.down, **sp)
+            # Query, key and value read one input: enter the region once for all three, so
+            # backward sums their input gradients in one all-reduce, not three.
+            for sublayer in (attn, mlp):
+                sublayer.register_forward_pre_hook(lambda _, args: (self._enter(args[0]),))
+        gpt.token_emb = VocabParallelEmbedding.from_embedding(gpt.token_emb, **sp)
+        gpt.head = ColumnParallelLinear.from_linear(gpt.head, **sp)  # logits (B, T, V/N)
+        if gpt.cfg.tie_embeddings:
+            gpt.head.weight = gpt.token_emb.weight               # the same (V/N, C) rows
+        # With sequence parallelism a replicated weight (norms, position embedding, the row
+        # layers' biases) sees only this rank's tokens: its gradient is a partial sum. So is
+        # the whole factor of a LoRA adapter inside a split layer, with or without it.
+        self.partial = [p for p in gpt.parameters() if p.requires_grad and (
+            getattr(p, "tp_partial", False) or sequence_parallel and not hasattr(p, "tp_dim"))]
+
+    def _enter(self, x):
+        return enter_region(x, self.comm, self.sequence_parallel)
+
+    def forward(self, idx, targets=None):                        # idx: (B, T)
+        gpt, n, r = self.gpt, self.comm.world_size, self.comm.rank
+        B, T = idx.shape
+        if T > gpt.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {gpt.cfg.block_size}")
+        positions = torch.arange(T, device=idx.device)
+        if self.sequence_parallel:
+            if T % n:
+                raise ValueError(f"sequence parallelism splits the sequence ({T} tokens) into "
+                                 f"{n} equal parts: use a --seq-len divisible by {n}")
+            positions = positions.chunk(n)[r]                    # this rank's T/N positions
+        x = gpt.drop(gpt.token_emb(idx) + gpt.pos_emb(positions))    # (B, T or T/N, C)
+        for block in gpt.blocks:
+            x = block(x)                                         # model.py's own Block.forward
+        logits = gpt.head(gpt.norm(x))                           # (B, T, V/N): never gathered
+        if targets is None:
+            return logits
+        loss = vocab_parallel_cross_entropy(logits.float().reshape(B * T, -1),
+                                            targets.reshape(B * T), self.comm)
+        return logits, loss
+
+    def finish_gradient_sync(self):
+        """After backward: sum the partial gradients of replicated weights (sequence parallelism,
+        LoRA factors)."""
+        grads = [p.grad for p in self.partial if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])     # one message, not one per tensor
+            self.comm.all_reduce(flat)
+            for g, total in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(total.view_as(g))
+
+    def grad_norm(self, params, grads) -> torch.Tensor:
+        """The global gradient norm: split weights' squares summed over the group, replicated once."""
+        split = torch.zeros(1, device=grads[0].device)
+        replicated = torch.zeros(1, device=grads[0].device)
+        for p, g in zip(params, grads):
+            (split if hasattr(p, "tp_dim") else replicated).add_(g.float().pow(2).sum())
+        self.comm.all_reduce(split)
+        return (split + replicated).sqrt()[0]
+
+    def bytes_per_step(self, batch: int, seq_len: int, micro_batches: int = 1) -> int:
+        """Bytes this rank sends per step for the activations (ring formula), batch rows per rank.
+
+        Each block sends 2 all-reduces forward and 2 backward of (B, T, C); embedding and head
+        one each; with sequence parallelism each all-reduce is a reduce-scatter + all-gather pair
+        of the same volume. The loss adds 3 x M fp32 numbers; the gradient norm one.
+        """
+        cfg, n = self.gpt.cfg, self.comm.world_size
+        size = self.gpt.head.weight.element_size()
+        m = batch // micro_batches * seq_len
+        per_micro = (4 * cfg.n_layer + 2) * ring_bytes("all_reduce", m * cfg.n_embd, size, n)
+        per_micro += 3 * ring_bytes("all_reduce", m, 4, n)
+        sync = ring_bytes("all_reduce", sum(p.numel() for p in self.partial), size, n) if self.partial else 0
+        return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, 4, n)
+
+
+def parallelize(gpt, group=None, sequence_parallel: bool = False) -> TensorParallelGPT:
+    """Split a GPT's matrices over `group` in place (each rank keeps its slices); returns the
+    module to train. Every rank must start from the same weights (the same seed)."""
+    return TensorParallelGPT(gpt, group, sequence_parallel)
+
+
+def make_mesh(comm: Comm, tp: int) -> tuple[Comm, Comm]:
+    """(tensor, data) Comms of a tp x dp mesh over comm's ranks, sharing its byte counter.
+
+    Ranks r*tp .. r*tp + tp-1 form a tensor group (neighbours: on a GPU node, the fast links);
+    ranks with the same position in their tensor group form a data group.
+        world 4, tp 2:   tensor groups {0,1} {2,3}     data groups {0,2} {1,3}
+    """
+    world = comm.world_size
+    if world % tp:
+        raise ValueError(f"world size {world} is not --tp {tp} x a data-parallel size: launch a "
+                         f"multiple of {tp} processes, or choose a --tp dividing {world}")
+    ranks = dist.get_process_group_ranks(comm.group)
+    mine = {}
+    # new_group is collective over the whole world: every rank creates every group, in order.
+    for start in range(0, world, tp):
+        group = dist.new_group(ranks[start: start + tp])
+        if comm.rank // tp == start // tp:
+            mine["tensor"] = group
+    for offset in range(tp):
+        group = dist.new_group(ranks[offset::tp])
+        if comm.rank % tp == offset:
+            mine["data"] = group
+    return comm.subgroup(mine["tensor"]), comm.subgroup(mine["data"])
+
+
+# ---- checkpoints: whole parameters in, whole parameters out ---------------------------------
+#
+# snapshot.py's pieces are flat element ranges; a rank's slice of a column- or row-split
+# matrix is not one range. So a save gathers each split parameter (and its optimizer state)
+# over the tensor group into one whole piece, and a load reads the whole piece and keeps this
+# rank's slice: tp checkpoints are plain full-model checkpoints, loadable at any --tp.
+
+def gather_pieces(pieces: list[dict], params: dict, comm: Comm) -> list[dict]:
+    """Whole-parameter pieces from this rank's shard pieces; params: {name: parameter}."""
+    whole = []
+    for piece in pieces:
+        p = params[piece["name"]]
+        if not hasattr(p, "tp_dim"):
+            whole.append(piece)
+            continue
+        tensors = {}
+        for key, t in piece["tensors"].items():
+            parts = [torch.empty_like(t) for _ in range(comm.world_size)]
+            dist.all_gather(parts, t, group=comm.group)          # a checkpoint, not a training step
+            tensors[key] = torch.cat([x.view(p.shape) for x in parts], p.tp_dim).reshape(-1)
+        whole.append({**piece, "start": 0, "stop": p.numel() * comm.world_size, "tensors": tensors})
+    return whole
+
+
+class ShardReader:
+    """snapshot.Pieces' read() and scalars(), answering with this rank's slice of whole pieces."""
+
+    def __init__(self, pieces, params: dict, comm: Comm):
+        self.pieces, self.params, self.comm = pieces, params, comm
+
+    def read(self, name: str, start: int, stop: int) -> dict:
+        p = self.params[name]
+        if not hasattr(p, "tp_dim"):
+            return self.pieces.read(name, start, stop)
+        full_shape = list(p.shape)
+        full_shape[p.tp_dim] *= self.comm.world_size
+        whole = self.pieces.read(name, 0, p.numel() * self.comm.world_size)
+        return {key: _my_piece(t.view(full_shape), self.comm, p.tp_dim).reshape(-1)[start:stop]
+                for key, t in whole.items()}
+
+    def scalars(self, name: str) -> dict:
+        return self.pieces.scalars(name)
