@@ -26,7 +26,7 @@ from torch.nn.utils import clip_grad_norm_
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from checkpointing import checkpoint_blocks, saved_activation_bytes
-from collectives import Comm, init_distributed
+from collectives import Comm, exit_distributed, init_distributed
 from data import TextData
 from ddp import DDP
 from memory import comm_bytes, held_bytes
@@ -417,8 +417,8 @@ def main(argv=None):
         print(f"\nbench.py ran {time.perf_counter() - started:.0f} s")
         with open(args.json, "w") as f:
             json.dump({"machine": m, "strategies": rows, "collectives": collective_rows}, f, indent=1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_distributed()
