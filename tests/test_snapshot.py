@@ -266,7 +266,9 @@ def test_torchrun_restart_resumes_and_finishes_like_an_uninterrupted_run(tmp_pat
             killed = True
     assert job.wait(timeout=120) == 0, "".join(lines)
     log = "".join(lines)
-    assert killed and "lost contact" in log and "resumed from" in log and "ckpt-0000010" in log, log
+    # Whether rank 0 logs "lost contact" first or torchrun's agent SIGTERMs it first is a race
+    # (seen both ways); the message itself is test_killed_rank_stops_the_other_with_a_clear_message's.
+    assert killed and "resumed from" in log and "ckpt-0000010" in log, log
     final = float(re.findall(r"done \| eval loss ([\d.]+)", log)[-1])
     straight = run_ranks(_straight_zero2, 2)[0]
     assert final == round(straight["eval_loss"], 4)
