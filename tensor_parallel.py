@@ -24,11 +24,13 @@ from collectives import Comm, as_comm, ring_bytes
 # Each function moves activations forward and its gradients backward with conjugate
 # collectives: what one does forward, the other does backward.
 #
-#              forward                     backward
-#   f          identity                    all-reduce      (enter a split region)
-#   g          all-reduce                  identity        (leave a split region)
-#   gather_s   all-gather along T          reduce-scatter  (f with sequence parallelism)
-#   scatter_s  reduce-scatter along T      all-gather      (g with sequence parallelism)
+#                      forward                 backward
+#   f                  identity                all-reduce      (enter a split region)
+#   g                  all-reduce              identity        (leave a split region)
+#   _gather_sequence   all-gather along T      reduce-scatter  (f with sequence parallelism)
+#   _scatter_sequence  reduce-scatter along T  all-gather      (g with sequence parallelism)
+#   _gather_features   all-gather along C      keep my slice   (gather_output=True)
+#   _split_features    keep my slice of C      all-gather      (input_is_parallel=False)
 
 
 class _F(torch.autograd.Function):
@@ -82,65 +84,54 @@ def _my_piece(x, comm, dim):
     return x.chunk(comm.world_size, dim)[comm.rank].contiguous()
 
 
-class _GatherSequence(torch.autograd.Function):
+class _Conjugate(torch.autograd.Function):
+    # A collective forward whose backward is its conjugate (the table above, last four rows):
+    # forward(x, comm) and backward(grad, comm) are plain functions, so one class serves all.
+    @staticmethod
+    def forward(ctx, x, comm, forward, backward):
+        ctx.comm, ctx.conjugate = comm, backward
+        return forward(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.conjugate(grad, ctx.comm), None, None, None
+
+
+def _gather_sequence(x, comm):
     # (B, T/N, C) -> (B, T, C). Every rank's full-sequence copy feeds its own columns, so the
     # gradient of rank r's tokens is the sum over ranks of their rows r: a reduce-scatter.
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _all_gather_dim(x, comm, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_dim(grad, ctx.comm, 1), None
+    return _Conjugate.apply(x, comm, lambda t, c: _all_gather_dim(t, c, 1),
+                            lambda t, c: _reduce_scatter_dim(t, c, 1))
 
 
-class _ScatterSequence(torch.autograd.Function):
+def _scatter_sequence(x, comm):
     # (B, T, C) partial sums -> (B, T/N, C) of the full sum: g's all-reduce without its
     # all-gather half. Rank r's tokens' gradient is needed by every rank's rows: all-gather.
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _reduce_scatter_dim(x, comm, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_dim(grad, ctx.comm, 1), None
+    return _Conjugate.apply(x, comm, lambda t, c: _reduce_scatter_dim(t, c, 1),
+                            lambda t, c: _all_gather_dim(t, c, 1))
 
 
-class _GatherFeatures(torch.autograd.Function):
+def _gather_features(x, comm):
     # (.., out/N) -> (.., out): rank r's output columns came from its own weights only, so
     # backward keeps its own columns of the gradient.
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _all_gather_dim(x, comm, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _my_piece(grad, ctx.comm, -1), None
+    return _Conjugate.apply(x, comm, lambda t, c: _all_gather_dim(t, c, -1),
+                            lambda t, c: _my_piece(t, c, -1))
 
 
-class _SplitFeatures(torch.autograd.Function):
-    # (.., in) -> (.., in/N): the conjugate of _GatherFeatures.
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _my_piece(x, comm, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_dim(grad, ctx.comm, -1), None
+def _split_features(x, comm):
+    # (.., in) -> (.., in/N): the conjugate of _gather_features.
+    return _Conjugate.apply(x, comm, lambda t, c: _my_piece(t, c, -1),
+                            lambda t, c: _all_gather_dim(t, c, -1))
 
 
 def enter_region(x, comm: Comm, sequence_parallel: bool = False):
     """f, or with sequence parallelism the all-gather that replaces it: (B, T or T/N, C) -> (B, T, C)."""
-    return _GatherSequence.apply(x, comm) if sequence_parallel else _F.apply(x, comm)
+    return _gather_sequence(x, comm) if sequence_parallel else _F.apply(x, comm)
 
 
 def leave_region(x, comm: Comm, sequence_parallel: bool = False):
     """g, or with sequence parallelism the reduce-scatter: partial (B, T, C) -> (B, T or T/N, C)."""
-    return _ScatterSequence.apply(x, comm) if sequence_parallel else _G.apply(x, comm)
+    return _scatter_sequence(x, comm) if sequence_parallel else _G.apply(x, comm)
 
 
 # ---- the layers ---------------------------------------------------------------------------------
@@ -232,7 +223,7 @@ class ColumnParallelLinear(nn.Module):
         if self.enter:
             x = enter_region(x, self.comm, self.sequence_parallel)          # (B, T, in)
         y = _adapter(self, x, F.linear(x, self.weight, self.bias))     # (B, T, out/N)
-        return _GatherFeatures.apply(y, self.comm) if self.gather_output else y
+        return _gather_features(y, self.comm) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -260,7 +251,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, y):                                        # (B, T, in/N), or (B, T, in)
         if not self.input_is_parallel:
-            y = _SplitFeatures.apply(y, self.comm)               # (B, T, in/N)
+            y = _split_features(y, self.comm)                   # (B, T, in/N)
         partial = _adapter(self, y, F.linear(y, self.weight))  # (B, T, out): this rank's share
         z = leave_region(partial, self.comm, self.sequence_parallel)  # (B, T or T/N, out)
         return z + self.bias if self.bias is not None else z
