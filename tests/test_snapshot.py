@@ -313,7 +313,6 @@ def test_nan_weights_on_one_rank_refuse_the_save_everywhere():
 # ---- no leak ---------------------------------------------------------------------------------
 
 def _live_bytes(strategies):
-    os.environ["WORLD_SIZE"] = str(torch.distributed.get_world_size())   # train.py checks --tp against it
     return {s: _train(["--strategy", s, *(["--tp", "2"] if s == "tp" else []), "--steps", "200",
                        "--log-every", "10", "--batch-size", "4", "--seq-len", "16"])["live_bytes"]
             for s in strategies}
