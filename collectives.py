@@ -176,6 +176,18 @@ class Comm:
                            async_op=async_op)
         return Handle(work.wait) if async_op else None
 
+    # ---- point to point: what a pipeline stage sends its neighbour ----------------------
+
+    def send(self, tensor: torch.Tensor, peer: int) -> Handle:
+        """Post a send of `tensor` to rank `peer` of this group; wait() before reusing it."""
+        self.bytes_sent["send"] += tensor.nbytes
+        return Handle(dist.isend(tensor, group=self.group, group_dst=peer).wait)
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> Handle:
+        """Post a receive into `tensor` from rank `peer`; shape and dtype must match the send.
+        Messages between two ranks arrive in the order they were sent."""
+        return Handle(dist.irecv(tensor, group=self.group, group_src=peer).wait)
+
     # ---- the ring versions, from send/recv --------------------------------------------
 
     def _ring_reduce_scatter(self, output, input, op, name="reduce_scatter"):
@@ -312,6 +324,28 @@ def check_same_parameters(params: list[torch.Tensor], comm: "Comm"):
                              f"{count(every[0]):,} parameters in {len(every[0])} tensors, rank "
                              f"{rank} has {count(other):,} in {len(other)} (tensor {i}: {first[0]} "
                              f"vs {first[1]}); start every rank with the same model configuration")
+
+
+def make_mesh(comm: Comm, inner: int) -> tuple[Comm, Comm]:
+    """(inner, outer) Comms of a 2-D grid over comm's ranks, sharing its byte counter.
+
+    Ranks r*inner .. r*inner + inner-1 form an inner group (neighbours: on a GPU node, the
+    fast links); ranks with the same position in their inner group form an outer group.
+        world 4, inner 2:   inner groups {0,1} {2,3}     outer groups {0,2} {1,3}
+    The caller checks that inner divides the world size, naming its own flag.
+    """
+    ranks = dist.get_process_group_ranks(comm.group)
+    mine = {}
+    # new_group is collective over the whole world: every rank creates every group, in order.
+    for start in range(0, comm.world_size, inner):
+        group = dist.new_group(ranks[start: start + inner])
+        if comm.rank // inner == start // inner:
+            mine["inner"] = group
+    for offset in range(inner):
+        group = dist.new_group(ranks[offset::inner])
+        if comm.rank % inner == offset:
+            mine["outer"] = group
+    return comm.subgroup(mine["inner"]), comm.subgroup(mine["outer"])
 
 
 def as_comm(group) -> Comm:

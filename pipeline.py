@@ -1,18 +1,31 @@
-"""Pipeline parallelism, part one: the schedules, written as data, and the bubble they leave.
+"""Pipeline parallelism: cut the model into stages, stream micro-batches through them.
 
 Cut the model into P stages, one per rank; a batch split into M micro-batches flows through
-them. GPipe (Huang et al. 2019) runs every forward, then every backward; 1F1B, PipeDream-flush
-(Narayanan et al. 2021, "Megatron-LM at scale", section 2.2.1), starts backwards as soon as the
-last stage can, so a stage holds at most P micro-batches of activations instead of M. Both
-idle (P-1)/(M+P-1) of the time when a forward and a backward take one slot each.
-This file so far: the schedules, their checks, and the timeline; the executor that runs them
-over send/recv, the GPT split and train.py --strategy pipeline come next.
-Run: python pipeline.py --stages 4 --microbatches 8 --schedule 1f1b; test: pytest tests/test_pipeline.py
+them, activations sent forward and their gradients back with point-to-point messages. GPipe
+(Huang et al. 2019) runs every forward, then every backward; 1F1B, PipeDream-flush (Narayanan
+et al. 2021, "Megatron-LM at scale", section 2.2.1), starts backwards as soon as the last stage
+can, so a stage holds at most P micro-batches of activations instead of M. Both idle
+(P-1)/(M+P-1) of the time when a forward and a backward take one slot each: the bubble.
+A schedule is data (each stage's list of actions) and one executor runs any list. Left out:
+interleaved stages (virtual pipelines), zero-bubble schedules, tied weights across stages.
+Run: python pipeline.py --stages 4 --microbatches 8 --schedule 1f1b;
+     torchrun --nproc_per_node 4 train.py --strategy pipeline --pp 4 --microbatches 8
+Test: python -m pytest tests/test_pipeline.py
 
-Shapes: P stages, M micro-batches, s stage, m micro-batch.
+Shapes: P stages, M micro-batches, s stage, m micro-batch, B batch rows per pipeline,
+b = B / M rows per micro-batch, T sequence, C channels.
 """
 import argparse
+import contextlib
+import time
 from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from collectives import Comm
 
 
 class Action(NamedTuple):
@@ -145,6 +158,184 @@ def timeline(rows: list[list[str]]) -> str:
     width = max(len(cell) for r in rows for cell in r)
     return "\n".join(f"stage {s} | " + " ".join((cell or ".").ljust(width) for cell in r)
                      for s, r in enumerate(rows))
+
+
+# ---- the model, cut into stages ----------------------------------------------------------
+
+def split_layers(n_layer: int, P: int, sizes: list[int] | None = None) -> list[range]:
+    """The blocks of each stage: `sizes` blocks each if given, else balanced by count (the
+    first n_layer % P stages take one more; the last stage also computes the head and loss)."""
+    if sizes is None:
+        if n_layer < P:
+            raise ValueError(f"the model has {n_layer} blocks, fewer than {P} pipeline stages: "
+                             f"every stage needs a block; use --pp {n_layer} or fewer, or a deeper --model")
+        sizes = [n_layer // P + (s < n_layer % P) for s in range(P)]
+    if len(sizes) != P or sum(sizes) != n_layer or min(sizes) < 1:
+        raise ValueError(f"--stage-layers {','.join(map(str, sizes))}: give {P} numbers, each 1 or "
+                         f"more, adding up to the model's {n_layer} blocks")
+    starts = [sum(sizes[:s]) for s in range(P)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+class GPTStage(nn.Module):
+    """One stage of a model.GPT: its blocks in `layers`, with the embeddings on the first stage
+    and the final norm, head and loss on the last. The other stages' parts are dropped from
+    this rank, and what stays keeps the whole model's names (blocks.5.attn.query.weight), so
+    the stages' checkpoints together read as one model's."""
+
+    def __init__(self, gpt: nn.Module, layers: range, first: bool, last: bool):
+        super().__init__()
+        if gpt.cfg.tie_embeddings and not (first and last):
+            raise ValueError("the model ties its head to its token embedding, which would live on "
+                             "the first and the last stage: train it with --pp 1 (or another "
+                             "strategy), or use an untied preset (tiny, medium)")
+        for i in range(len(gpt.blocks)):
+            if i not in layers:
+                gpt.blocks[i] = nn.Identity()           # freed; the indices keep their names
+        if not first:
+            gpt.token_emb = gpt.pos_emb = None
+        if not last:
+            gpt.norm = gpt.head = None
+        self.gpt, self.layers, self.first, self.last = gpt, layers, first, last
+
+    def forward(self, x, targets=None):
+        gpt = self.gpt
+        if self.first:                                   # x: (b, T) token ids -> (b, T, C)
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = gpt.drop(gpt.token_emb(x) + gpt.pos_emb(positions))
+        for i in self.layers:
+            x = gpt.blocks[i](x)                         # (b, T, C)
+        if not self.last:
+            return x
+        logits = gpt.head(gpt.norm(x))                   # (b, T, V), the loss in fp32 as GPT's
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+# ---- the executor: one stage's list, run over send/recv --------------------------------------
+
+class Pipeline:
+    """Runs this rank's action list each step: the rank is stage comm.rank of comm.world_size.
+
+    module: this rank's GPTStage, or DDP(stage) over the stage's data-parallel group; then the
+    backwards of all but the last micro-batch run under its no_sync(), and the gradients are
+    averaged once per step. hidden, dtype: the activation a stage sends is (b, T, hidden) of
+    dtype, known before it arrives, so a receive is posted into a buffer of the right size with
+    no message about sizes.
+    Deadlock-free: sends never wait, receives wait in list order, and the lists are checked
+    with simulate(), whose clock works the same way, before the first message.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
+                 hidden: int, dtype: torch.dtype):
+        self.module, self.comm, self.M = module, comm, microbatches
+        self.stage, self.P = comm.rank, comm.world_size
+        self.first, self.last = self.stage == 0, self.stage == self.P - 1
+        stages = SCHEDULES[schedule](self.P, self.M)
+        check_schedule(stages, self.M)
+        simulate(stages)
+        self.actions = stages[self.stage]
+        # Evaluation: the forwards (and their messages) of GPipe's lists, no backward.
+        self.forward_actions = [a for a in gpipe(self.P, self.M)[self.stage] if a.kind in
+                                ("F", "send_act", "recv_act")]
+        self.hidden, self.dtype = hidden, dtype
+        self.peak_activations = 0         # most micro-batches held at once (a graph kept for B)
+        self.busy = self.wall = 0.0       # seconds computing, seconds in all, in the last step
+
+    def train_step(self, x, y, scale_loss=lambda loss: loss, measure=False) -> torch.Tensor:
+        """Forwards and backwards of the M micro-batches of x, y (B, T); the gradients of the
+        mean loss over B accumulate in the stage's .grad. Returns that loss on every stage.
+        measure: synchronize CUDA around each compute, so busy and wall time are exact."""
+        return self._run(self.actions, x, y, scale_loss, measure)
+
+    @torch.no_grad()
+    def evaluate(self, x, y) -> torch.Tensor:
+        """The mean loss over x, y (B, T), forwards only; on every stage."""
+        return self._run(self.forward_actions, x, y)
+
+    def grad_norm(self, params, grads) -> torch.Tensor:
+        """The global gradient norm (mixed_precision's hook): each stage holds its own
+        parameters, so the squares add up over the pipeline (the data group holds copies)."""
+        squares = torch.zeros(1, device=grads[0].device)
+        for g in grads:
+            squares += g.float().pow(2).sum()
+        self.comm.all_reduce(squares)
+        return squares.sqrt()[0]
+
+    def bytes_per_step(self, batch: int, seq_len: int) -> int:
+        """Bytes this stage sends per step: M activations forward unless it is the last stage,
+        M of their gradients back unless it is the first, and the gradient norm's all-reduce."""
+        message = batch * seq_len * self.hidden * torch.finfo(self.dtype).bits // 8
+        norm = 2 * (self.P - 1) * 4 if self.P > 1 else 0          # ring all-reduce, 1 fp32
+        return message * ((not self.last) + (not self.first)) + norm
+
+    def _run(self, actions, x, y, scale_loss=None, measure=False):
+        B, T = x.shape
+        if B % self.M:
+            raise ValueError(f"a batch of {B} rows does not split into {self.M} equal micro-batches: "
+                             f"use a batch that is a multiple of {self.M}")
+        xs, ys = x.chunk(self.M), y.chunk(self.M)                 # M x (b, T)
+        shape = (B // self.M, T, self.hidden)
+        device = x.device
+        inputs, outputs, grads = {}, {}, {}      # by micro-batch: received, computed, received grad
+        sends, loss = [], torch.zeros((), device=device)
+        receives = iter([a for a in actions if a.kind.startswith("recv")])
+        posted = self._post(next(receives, None), shape, device)
+        backwards = [a.m for a in actions if a.kind == "B"]
+        no_sync = getattr(self.module, "no_sync", contextlib.nullcontext)
+        self.busy, start = 0.0, self._clock(measure)
+        for a in actions:
+            if a.kind.startswith("recv"):
+                buffer, handle = posted
+                handle.wait()
+                # Post the next receive now: its bytes arrive while this stage computes.
+                posted = self._post(next(receives, None), shape, device)
+                if a.kind == "recv_act":
+                    inputs[a.m] = buffer.requires_grad_(torch.is_grad_enabled())
+                else:
+                    grads[a.m] = buffer
+            elif a.kind == "send_act":
+                sends.append(self.comm.send(outputs[a.m].detach(), self.stage + 1))
+            elif a.kind == "send_grad":
+                sends.append(self.comm.send(inputs.pop(a.m).grad, self.stage - 1))
+            elif a.kind == "F":
+                began = self._clock(measure)
+                inp = xs[a.m] if self.first else inputs[a.m]
+                outputs[a.m] = self.module(inp, ys[a.m]) if self.last else self.module(inp)
+                if self.last:
+                    loss += outputs[a.m].detach().float() / self.M
+                    if not torch.is_grad_enabled():
+                        del outputs[a.m]
+                self.peak_activations = max(self.peak_activations, len(outputs))
+                self.busy += self._clock(measure) - began
+            else:                                                  # "B"
+                began = self._clock(measure)
+                # One gradient average per step: the last backward's, for the sum of all M.
+                with no_sync() if a.m != backwards[-1] else contextlib.nullcontext():
+                    if self.last:   # the step's loss is the mean over micro-batches: 1/M each
+                        scale_loss(outputs.pop(a.m) / self.M).backward()
+                    else:
+                        outputs.pop(a.m).backward(grads.pop(a.m))
+                self.busy += self._clock(measure) - began
+        for handle in sends:
+            handle.wait()
+        self.wall = self._clock(measure) - start
+        # The loss lives on the last stage; every stage returns it (a metric: not counted).
+        dist.broadcast(loss, group=self.comm.group, group_src=self.P - 1)
+        return loss
+
+    def _post(self, action, shape, device):
+        """Post the receive of `action` (None: nothing left to receive) into a fresh buffer."""
+        if action is None:
+            return None
+        buffer = torch.empty(shape, dtype=self.dtype, device=device)
+        peer = self.stage - 1 if action.kind == "recv_act" else self.stage + 1
+        return buffer, self.comm.recv(buffer, peer)
+
+    @staticmethod
+    def _clock(synchronize: bool) -> float:
+        if synchronize and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
 
 def main(argv=None):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import collectives
 from collectives import Comm, as_comm, ring_bytes
 
 # ---- the conjugate pair f and g, and their sequence-parallel forms -------------------------
@@ -436,28 +437,17 @@ def parallelize(gpt, group=None, sequence_parallel: bool = False) -> TensorParal
 
 
 def make_mesh(comm: Comm, tp: int) -> tuple[Comm, Comm]:
-    """(tensor, data) Comms of a tp x dp mesh over comm's ranks, sharing its byte counter.
+    """(tensor, data) Comms of a tp x dp mesh over comm's ranks (collectives.make_mesh).
 
     Ranks r*tp .. r*tp + tp-1 form a tensor group (neighbours: on a GPU node, the fast links);
     ranks with the same position in their tensor group form a data group.
         world 4, tp 2:   tensor groups {0,1} {2,3}     data groups {0,2} {1,3}
     """
-    world = comm.world_size
-    if world % tp:
-        raise ValueError(f"world size {world} is not --tp {tp} x a data-parallel size: launch a "
-                         f"multiple of {tp} processes, or choose a --tp dividing {world}")
-    ranks = dist.get_process_group_ranks(comm.group)
-    mine = {}
-    # new_group is collective over the whole world: every rank creates every group, in order.
-    for start in range(0, world, tp):
-        group = dist.new_group(ranks[start: start + tp])
-        if comm.rank // tp == start // tp:
-            mine["tensor"] = group
-    for offset in range(tp):
-        group = dist.new_group(ranks[offset::tp])
-        if comm.rank % tp == offset:
-            mine["data"] = group
-    return comm.subgroup(mine["tensor"]), comm.subgroup(mine["data"])
+    if comm.world_size % tp:
+        raise ValueError(f"world size {comm.world_size} is not --tp {tp} x a data-parallel size: "
+                         f"launch a multiple of {tp} processes, or choose a --tp dividing "
+                         f"{comm.world_size}")
+    return collectives.make_mesh(comm, tp)
 
 
 # ---- checkpoints: whole parameters in, whole parameters out ---------------------------------
