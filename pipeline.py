@@ -207,8 +207,10 @@ class GPTStage(nn.Module):
             x = gpt.blocks[i](x)                         # (b, T, C)
         if not self.last:
             return x
-        logits = gpt.head(gpt.norm(x))                   # (b, T, V), the loss in fp32 as GPT's
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        logits = gpt.head(gpt.norm(x))                   # (b, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())   # fp32, as GPT's
 
 
 # ---- the executor: one stage's list, run over send/recv --------------------------------------
@@ -261,6 +263,14 @@ class Pipeline:
         self.comm.all_reduce(squares)
         return squares.sqrt()[0]
 
+    def measured_bubbles(self) -> list[float]:
+        """Each stage's idle share of its last step, 1 - busy / wall (collective: every stage)."""
+        times = torch.tensor([self.busy, self.wall], dtype=torch.float64,
+                             device=next(self.module.parameters()).device)
+        every = [torch.zeros_like(times) for _ in range(self.P)]
+        dist.all_gather(every, times, group=self.comm.group)      # a metric: not counted
+        return [1 - (busy / wall).item() for busy, wall in every]
+
     def bytes_per_step(self, batch: int, seq_len: int) -> int:
         """Bytes this stage sends per step: M activations forward unless it is the last stage,
         M of their gradients back unless it is the first, and the gradient norm's all-reduce."""
@@ -293,8 +303,9 @@ class Pipeline:
                     inputs[a.m] = buffer.requires_grad_(torch.is_grad_enabled())
                 else:
                     grads[a.m] = buffer
-            elif a.kind == "send_act":
-                sends.append(self.comm.send(outputs[a.m].detach(), self.stage + 1))
+            elif a.kind == "send_act":     # (evaluation keeps no graph: nothing to hold for B)
+                out = outputs[a.m] if torch.is_grad_enabled() else outputs.pop(a.m)
+                sends.append(self.comm.send(out.detach(), self.stage + 1))
             elif a.kind == "send_grad":
                 sends.append(self.comm.send(inputs.pop(a.m).grad, self.stage - 1))
             elif a.kind == "F":

@@ -6,7 +6,8 @@ over collectives.py), and the mixed-precision optimizer updates fp32 master weig
 (mixed_precision.py). The log shows loss, tokens/s, per-rank memory and bytes sent per step.
 With --out the run is a directory: log, config and checkpoints (snapshot.py) that --resume
 continues bit for bit, on the same or another world size and strategy. --strategy tp splits
-each layer's matrices over --tp ranks (tensor_parallel.py) and data-parallelizes over the rest.
+each layer's matrices over --tp ranks (tensor_parallel.py); --strategy pipeline cuts the model
+into --pp stages fed --microbatches at a time (pipeline.py); both data-parallelize the rest.
 Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero2
 Test: python -m pytest tests/test_train.py tests/test_snapshot.py
 """
@@ -23,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 import lora
+import pipeline
 import snapshot
 import tensor_parallel
 from checkpointing import checkpoint_blocks
-from collectives import Comm, exit_distributed, init_distributed
+from collectives import Comm, exit_distributed, init_distributed, make_mesh
 from data import TextData
 from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer
@@ -36,7 +38,7 @@ from model import PRESETS, GPT, GPTConfig, build_model
 from quantization import NF4Weight
 from zero import ZeroOptimizer
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "tp")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "tp", "pipeline")
 EVAL_FRACTION = 0.05                      # data.py's held-out tail
 
 
@@ -61,6 +63,14 @@ def parse_args(argv=None):
                    "group (the world is tp x data-parallel)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="--strategy tp: norms and dropout on 1/tp of the tokens each")
+    p.add_argument("--pp", type=int, default=1, help="--strategy pipeline: stages, one rank each "
+                   "(the world is pp x data-parallel)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="--strategy pipeline: micro-batches per step in each pipeline (default: 2 x pp)")
+    p.add_argument("--schedule", choices=sorted(pipeline.SCHEDULES), default="1f1b",
+                   help="--strategy pipeline: all forwards then all backwards (gpipe), or alternating (1f1b)")
+    p.add_argument("--stage-layers", default=None, metavar="N,N,...",
+                   help="--strategy pipeline: blocks per stage (default: balanced by count)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="end of the cosine decay (default: lr/10)")
@@ -147,13 +157,16 @@ def check_args(parser, args, world_size):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     check_tensor_parallel(parser, args, world_size)
-    data_parallel = world_size // args.tp                         # ranks reading different rows
-    per_step = data_parallel * args.grad_accum
+    check_pipeline(parser, args, world_size)
+    data_parallel = world_size // args.tp // args.pp              # ranks reading different rows
+    micro, flag = ((args.microbatches, "--microbatches") if args.strategy == "pipeline"
+                   else (args.grad_accum, "--grad-accum"))
+    per_step = data_parallel * micro
     if args.batch_size % per_step:
         fixed = (args.batch_size // per_step + 1) * per_step
         parser.error(f"--batch-size {args.batch_size} does not divide into {data_parallel} "
                      f"data-parallel ranks x "
-                     f"--grad-accum {args.grad_accum} = {per_step} equal micro-batches: "
+                     f"{flag} {micro} = {per_step} equal micro-batches: "
                      f"use a multiple of {per_step}, e.g. --batch-size {fixed}")
     block_size = PRESETS[args.model].block_size
     if args.seq_len > block_size:
@@ -218,6 +231,46 @@ def check_tensor_parallel(parser, args, world_size):
                      f"use a --seq-len divisible by {args.tp}, e.g. {args.seq_len // args.tp * args.tp or args.tp}")
 
 
+def check_pipeline(parser, args, world_size):
+    """--pp, --microbatches, --schedule, --stage-layers: only with --strategy pipeline, and a split
+    the world and the model allow."""
+    if args.strategy != "pipeline":
+        if args.pp != 1 or args.microbatches is not None or args.stage_layers is not None:
+            parser.error(f"--pp, --microbatches and --stage-layers cut the model into stages: add "
+                         f"--strategy pipeline (--strategy {args.strategy} runs the whole model on every rank)")
+        return
+    if args.pp < 1 or world_size % args.pp:
+        parser.error(f"world size {world_size} is not --pp {args.pp} x a data-parallel size: launch "
+                     f"a multiple of {args.pp} processes (--nproc_per_node), or use a --pp dividing "
+                     f"{world_size}")
+    if args.microbatches is None:
+        args.microbatches = 2 * args.pp
+    if args.microbatches < 1:
+        parser.error(f"--microbatches must be at least 1, got {args.microbatches}")
+    if args.grad_accum != 1:
+        parser.error("--grad-accum: a pipeline accumulates its gradients over its micro-batches "
+                     "already; use --microbatches instead")
+    cfg = PRESETS[args.model]
+    try:
+        stage_layers(args, cfg.n_layer)
+    except ValueError as e:
+        parser.error(f"--model {args.model}: {e}")
+    if cfg.tie_embeddings and args.pp > 1:
+        parser.error(f"--model {args.model} ties its head to its token embedding, which would live on "
+                     f"the first and the last stage: use --strategy fsdp or tp for it, or an untied "
+                     f"preset (tiny, medium) with --strategy pipeline")
+
+
+def stage_layers(args, n_layer) -> list[range]:
+    """The blocks of each pipeline stage, from --stage-layers (or balanced)."""
+    try:
+        sizes = [int(n) for n in args.stage_layers.split(",")] if args.stage_layers else None
+    except ValueError:
+        raise ValueError(f"--stage-layers {args.stage_layers}: give whole numbers separated by "
+                         f"commas, one per stage") from None
+    return pipeline.split_layers(n_layer, args.pp, sizes)
+
+
 def learning_rate(step, args):
     """Linear warmup to --lr, then cosine decay to --min-lr at the last step."""
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
@@ -229,12 +282,15 @@ def learning_rate(step, args):
 
 @torch.no_grad()
 def eval_loss(model, data, args, rank, world_size, device):
-    model.eval()
+    stages = isinstance(model, pipeline.Pipeline)            # forwards through every stage
+    module = model.module if stages else model
+    module.eval()
     losses = []
     for i in range(args.eval_batches):
         x, y = data.batch(i, args.batch_size, args.seq_len, args.seed, "eval", rank, world_size)
-        losses.append(model(x.to(device), y.to(device))[1])
-    model.train()
+        x, y = x.to(device), y.to(device)
+        losses.append(model.evaluate(x, y) if stages else model(x, y)[1])
+    module.train()
     return global_mean(torch.stack(losses).mean())
 
 
@@ -245,13 +301,20 @@ def global_mean(value: torch.Tensor) -> float:
     return value.item()
 
 
-def train_step(model, optimizer, x, y, args):
+def train_step(model, optimizer, x, y, args, measure=False):
     """One optimizer step on this rank's rows x, y (B/N, T), in --grad-accum micro-batches.
 
     Returns this rank's mean loss (a tensor) and whether the update was applied (a step
-    whose gradients hold inf or NaN is skipped on every rank).
+    whose gradients hold inf or NaN is skipped on every rank). measure: time a pipeline's
+    compute exactly (on CUDA, synchronizing).
     """
     optimizer.zero_grad()
+    if isinstance(model, pipeline.Pipeline):
+        # The schedule runs the --microbatches (pipeline.py); replicas average once per step.
+        loss = model.train_step(x, y, optimizer.scale_loss, measure)
+        if isinstance(model.module, DDP):
+            model.module.finish_gradient_sync()
+        return loss, optimizer.step(clip_grad=args.clip_grad or None)
     # DDP reduces once per step (no_sync); FSDP reduce-scatters every micro-batch's gradient
     # into its shards, so that no rank ever holds a full gradient.
     ddp, sync = isinstance(model, DDP), isinstance(model, (DDP, FSDP))
@@ -272,11 +335,12 @@ def train_step(model, optimizer, x, y, args):
 
 # ---- building the run ------------------------------------------------------------------------
 
-def build(args, device, comm, tensor, data):
+def build(args, device, comm, split, data):
     """The model, its strategy wrapper, the optimizer, and the bytes the strategy should send.
 
-    comm: the whole world; tensor and data: the two axes of the --tp mesh (tensor is None
-    unless --strategy tp, data is then the whole world).
+    comm: the whole world; split and data: the two axes of the --tp or --pp mesh (split: the
+    ranks that hold one model between them, a tensor group or a pipeline; None unless --strategy
+    tp or pipeline, and data is then the whole world).
     """
     torch.manual_seed(args.seed)
     gpt = build_model(args.model, dropout=args.dropout)                  # fp32
@@ -302,12 +366,23 @@ def build(args, device, comm, tensor, data):
         predicted = optimizer.bytes_per_step(micro_batches=args.grad_accum)
     elif args.strategy == "tp":
         # gpt keeps its names (token_emb.weight, blocks.0.attn.query.weight...) for checkpoints.
-        tp = tensor_parallel.parallelize(gpt, tensor, args.sequence_parallel)
+        tp = tensor_parallel.parallelize(gpt, split, args.sequence_parallel)
         model = DDP(tp, data, bucket_mb=args.bucket_mb) if data.world_size > 1 else tp
         optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
                                             precision=args.precision, grad_norm=tp.grad_norm, **adamw)
         predicted = tp.bytes_per_step(args.batch_size // data.world_size, args.seq_len, args.grad_accum)
         predicted += model.bytes_per_step() if model is not tp else 0
+    elif args.strategy == "pipeline":
+        # gpt keeps this stage's parts under their whole-model names (checkpoints); the rest is gone.
+        stage = pipeline.GPTStage(gpt, stage_layers(args, gpt.cfg.n_layer)[split.rank],
+                                  first=split.rank == 0, last=split.rank == args.pp - 1)
+        replicas = DDP(stage, data, bucket_mb=args.bucket_mb) if data.world_size > 1 else stage
+        model = pipeline.Pipeline(replicas, split, args.schedule, args.microbatches,
+                                  gpt.cfg.n_embd, DTYPES[args.precision])
+        optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=args.precision,
+                                            grad_norm=model.grad_norm, **adamw)
+        predicted = model.bytes_per_step(args.batch_size // data.world_size, args.seq_len)
+        predicted += replicas.bytes_per_step() if replicas is not stage else 0
     else:
         if args.strategy == "ddp":
             model = DDP(gpt, comm, bucket_mb=args.bucket_mb)
@@ -371,9 +446,12 @@ def _tensor_parallel(model):
 
 def _pieces(gpt, model, optimizer, rank, frozen=True) -> list[dict]:
     """This rank's part of the weights and optimizer state: its shard (zero, fsdp), or whole
-    parameters on rank 0 (replicas; tp gathers each split parameter whole first).
+    parameters on rank 0 (replicas; tp gathers each split parameter whole first; a pipeline
+    stage's first replica writes that stage's parameters).
     frozen: with the frozen weights (a LoRA checkpoint leaves them to its base)."""
     tp = _tensor_parallel(model)
+    if isinstance(model, pipeline.Pipeline):
+        rank = model.module.comm.rank if isinstance(model.module, DDP) else 0   # in its data group
     pieces = []
     if isinstance(optimizer, (ZeroOptimizer, FSDPOptimizer)) or rank == 0 or tp is not None:
         pieces = snapshot.optimizer_pieces(optimizer, _names(gpt))
@@ -392,7 +470,7 @@ def save_checkpoint(args, step, gpt, model, optimizer, rank):
     """
     base = os.path.abspath(args.init_from) if args.lora and args.init_from else None
     pieces = _pieces(gpt, model, optimizer, rank, frozen=not base)
-    if not snapshot.all_finite(pieces, gpt.head.weight.device):
+    if not snapshot.all_finite(pieces, next(gpt.parameters()).device):
         raise RunError(f"step {step}: the weights hold inf or NaN; no checkpoint written (the "
                        f"last good one is {snapshot.latest(args.out)})")
     rng = {"cpu": torch.get_rng_state()}
@@ -446,8 +524,8 @@ def export(path, gpt, model, optimizer, rank, lora_config=None):
     dist.gather_object(pieces, gathered, dst=0)
     if rank == 0:
         shapes = gpt
-        if _tensor_parallel(model) is not None:
-            with torch.device("meta"):     # whole shapes (a tp rank holds slices), no memory
+        if _tensor_parallel(model) is not None or isinstance(model, pipeline.Pipeline):
+            with torch.device("meta"):     # whole shapes (a rank holds slices or a stage), no memory
                 shapes = GPT(gpt.cfg)
                 if lora_config:
                     lora.apply_lora(shapes, **lora_config)
@@ -530,10 +608,12 @@ def main(argv=None) -> dict:
 
     comm = Comm(ring=args.collectives == "ring")
     # The --tp mesh: ranks in one tensor group read the same rows of the batch.
-    tensor, data_comm = tensor_parallel.make_mesh(comm, args.tp) if args.strategy == "tp" else (None, comm)
+    # The --tp and --pp meshes: the ranks of one tensor group or one pipeline read the same rows.
+    split, data_comm = (tensor_parallel.make_mesh(comm, args.tp) if args.strategy == "tp" else
+                        make_mesh(comm, args.pp) if args.strategy == "pipeline" else (None, comm))
     data_rank, data_size = data_comm.rank, data_comm.world_size
     try:
-        gpt, model, optimizer, predicted = build(args, device, comm, tensor, data_comm)
+        gpt, model, optimizer, predicted = build(args, device, comm, split, data_comm)
     except ValueError as e:                    # a strategy refused its input: same on every rank
         raise RunError(str(e)) from None
     start = resume(args, gpt, model, optimizer, world_size, rank, say) if args.resume else 0
@@ -541,11 +621,14 @@ def main(argv=None) -> dict:
     # QLoRA's 4-bit weights are buffers, not parameters: counted apart.
     quantized = sum(torch.Size(m.shape).numel() for m in gpt.modules() if isinstance(m, NF4Weight))
     n_params = sum(p.numel() for p in gpt.parameters()) + quantized     # tp: this rank's slices
-    mesh = f" = tp {args.tp} x dp {data_size}" if args.strategy == "tp" else ""
+    mesh = {"tp": f" = tp {args.tp} x dp {data_size}",
+            "pipeline": f" = pp {args.pp} x dp {data_size}, {args.schedule} over {args.microbatches} "
+                        f"micro-batches"}.get(args.strategy, "")
     say(f"{args.strategy} on {world_size}{mesh} x {device.type} ({dist.get_backend()}) | model "
         f"{args.model} {n_params / 1e6:.2f}M params{' per rank' if mesh else ''} | {args.precision} | "
-        f"global batch {args.batch_size} x {args.seq_len} tokens, {args.grad_accum} micro-batch(es) "
-        f"per rank | {args.collectives} collectives")
+        f"global batch {args.batch_size} x {args.seq_len} tokens, "
+        f"{args.microbatches if args.strategy == 'pipeline' else args.grad_accum} micro-batch(es) "
+        f"per {'pipeline' if args.strategy == 'pipeline' else 'rank'} | {args.collectives} collectives")
     # memory.py's napkin math for this run, to read beside the measured bytes in the log.
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
     if args.lora:
@@ -556,6 +639,8 @@ def main(argv=None) -> dict:
     if args.strategy == "tp":
         # A tp rank holds its slices whole, data parallelism replicates them: ddp over the slices.
         napkin = state_bytes(tp_params(gpt.cfg, args.tp), "ddp", args.precision, data_size)
+    elif args.strategy == "pipeline":     # this stage's parameters, replicated over its data group
+        napkin = state_bytes(n_params, "ddp", args.precision, data_size, trainable=trainable)
     else:
         napkin = state_bytes(n_params, "ddp" if args.strategy == "single" else args.strategy,
                              args.precision, world_size, trainable=trainable, quantized=quantized,
@@ -567,7 +652,7 @@ def main(argv=None) -> dict:
     history = {"losses": {}, "live_bytes": {}}
     step_done = start_profiling(args, rank, world_size)
     if args.init_from and start == 0:          # fine-tuning: where the new text starts from
-        history["eval_loss_before"] = eval_loss(model, data, args, rank, world_size, device)
+        history["eval_loss_before"] = eval_loss(model, data, args, data_rank, data_size, device)
         say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
     tokens_per_step = args.batch_size * args.seq_len
     timer, last_timed, skipped = time.perf_counter(), start - 1, 0
@@ -577,7 +662,8 @@ def main(argv=None) -> dict:
         comm.bytes_sent.clear()
         x, y = data.batch(step, args.batch_size, args.seq_len, args.seed,
                           rank=data_rank, world_size=data_size)      # (B/D, T)
-        loss, applied = train_step(model, optimizer, x.to(device), y.to(device), args)
+        logged = step % args.log_every == 0 or step == args.steps - 1
+        loss, applied = train_step(model, optimizer, x.to(device), y.to(device), args, measure=logged)
         if not applied and args.precision != "fp16":
             # fp16 overflow is the loss scaler's business; in fp32 and bf16 inf/NaN means the
             # run diverged. The decision came from the global norm: every rank stops here.
@@ -586,12 +672,12 @@ def main(argv=None) -> dict:
                            f"--data; resume from the last checkpoint with --resume")
         skipped += not applied
 
-        if step % args.log_every == 0 or step == args.steps - 1:
+        if logged:
             loss = global_mean(loss)                                 # the global batch's mean
             if device.type == "cuda":
                 torch.cuda.synchronize()
             tokens_per_s = tokens_per_step * (step - last_timed) / (time.perf_counter() - timer)
-            held = held_bytes(model, optimizer)
+            held = held_bytes(model.module if isinstance(model, pipeline.Pipeline) else model, optimizer)
             peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else sum(held.values())
             history["losses"][step] = loss
             if device.type == "cpu":
@@ -601,6 +687,13 @@ def main(argv=None) -> dict:
                 f"{held['params'] / 2**20:.1f}, grads {held['grads'] / 2**20:.1f}, optim "
                 f"{held['optimizer'] / 2**20:.1f}) | sent {sum(comm.bytes_sent.values()) / 2**20:.2f} "
                 f"MiB/step (ring formula {predicted / 2**20:.2f})" + (f" | skipped {skipped}" if skipped else ""))
+            if isinstance(model, pipeline.Pipeline):
+                bubbles = history.setdefault("bubble", {})[step] = model.measured_bubbles()
+                M, P = args.microbatches, args.pp
+                say(f"step {step:5d} | bubble (idle share of the step) per stage "
+                    f"{' '.join(f'{b:.2f}' for b in bubbles)} | formula (P-1)/(M+P-1) "
+                    f"{(P - 1) / (M + P - 1):.2f} | activations held at most "
+                    f"{model.peak_activations} micro-batches on stage 0")
             timer, last_timed = time.perf_counter(), step
         if args.eval_every and step and step % args.eval_every == 0:
             say(f"step {step:5d} | eval loss {eval_loss(model, data, args, data_rank, data_size, device):.4f}")

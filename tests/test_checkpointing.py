@@ -109,13 +109,16 @@ def test_a_block_keeps_what_the_formula_bounds():
     assert 0.5 * formula < kept <= formula, (kept, formula)
 
 
-def _ddp_losses(extra):
+def _losses(strategy, extra):
     import train
-    return train.main(["--strategy", "ddp", "--steps", "4", "--log-every", "1", "--eval-every", "0",
+    return train.main(["--strategy", strategy, "--steps", "4", "--log-every", "1", "--eval-every", "0",
                        "--seq-len", "32", "--batch-size", "8", "--dropout", "0.1", *extra])["losses"]
 
 
-def test_composes_with_ddp_bit_for_bit():
-    """DDP's gradient hooks fire from inside the recomputation: the same averaged gradients."""
-    plain = run_ranks(_ddp_losses, 2, [])[0]
-    assert run_ranks(_ddp_losses, 2, ["--checkpoint-activations"])[0] == plain
+@pytest.mark.parametrize("strategy, extra", [
+    ("ddp", []), ("fsdp", []), ("pipeline", ["--pp", "2", "--microbatches", "4"])])
+def test_composes_with_strategies_bit_for_bit(strategy, extra):
+    """DDP's and FSDP's gradient hooks fire from inside the recomputation, a pipeline stage
+    recomputes its blocks when its micro-batch's gradient arrives: the same gradients."""
+    plain = run_ranks(_losses, 2, strategy, extra)[0]
+    assert run_ranks(_losses, 2, strategy, [*extra, "--checkpoint-activations"])[0] == plain

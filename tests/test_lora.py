@@ -144,11 +144,13 @@ ALL_LINEARS = ["--lora-targets", "query,key,value,output,up,down"]
 
 def test_lora_under_every_strategy_equals_one_process(pretrained):
     """ddp and zero2 communicate only the adapters' gradients, fsdp shards only them (the base
-    stays whole), tp splits A or B with the layer they adapt: the same fine-tuned model."""
+    stays whole), tp splits A or B with the layer they adapt, a pipeline stage trains the
+    adapters of its own blocks: the same fine-tuned model."""
     root, other = pretrained
     single = run_ranks(_fine_tune, 1, root, other, "single", "single", ALL_LINEARS)[0]
     assert single["eval_loss"] < single["eval_loss_before"]          # it learns the new text
-    for strategy, extra in [("ddp", []), ("zero2", []), ("fsdp", []), ("tp", ["--tp", "2"])]:
+    for strategy, extra in [("ddp", []), ("zero2", []), ("fsdp", []), ("tp", ["--tp", "2"]),
+                            ("pipeline", ["--pp", "2", "--microbatches", "4"])]:
         out = run_ranks(_fine_tune, 2, root, other, strategy, strategy, [*ALL_LINEARS, *extra])[0]
         for step, loss in single["losses"].items():
             assert out["losses"][step] == pytest.approx(loss, rel=LOSS_RTOL), (strategy, step)
