@@ -313,13 +313,15 @@ def test_nan_weights_on_one_rank_refuse_the_save_everywhere():
 # ---- no leak ---------------------------------------------------------------------------------
 
 def _live_bytes(strategies):
-    return {s: _train(["--strategy", s, *(["--tp", "2"] if s == "tp" else []), "--steps", "200",
+    split = {"tp": ["--tp", "2"], "pipeline": ["--pp", "2", "--microbatches", "2"]}
+    return {s: _train(["--strategy", s, *split.get(s, []), "--steps", "200",
                        "--log-every", "10", "--batch-size", "4", "--seq-len", "16"])["live_bytes"]
             for s in strategies}
 
 
 def test_memory_is_flat_from_step_10_to_200():
-    runs = {**run_ranks(_live_bytes, 1, ["single"])[0], **run_ranks(_live_bytes, 2, ["ddp", "zero1", "zero2", "tp"])[0]}
+    runs = {**run_ranks(_live_bytes, 1, ["single"])[0],
+            **run_ranks(_live_bytes, 2, ["ddp", "zero1", "zero2", "tp", "pipeline"])[0]}
     for strategy, live in runs.items():
         assert set(live) >= {10, 100, 199}
         # Every CPU tensor alive in the process, counted after the step: the same bytes at
