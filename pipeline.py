@@ -219,8 +219,8 @@ class Pipeline:
     """Runs this rank's action list each step: the rank is stage comm.rank of comm.world_size.
 
     module: this rank's GPTStage, or DDP(stage) over the stage's data-parallel group; then the
-    backwards of all but the last micro-batch run under its no_sync(), and the gradients are
-    averaged once per step. hidden, dtype: the activation a stage sends is (b, T, hidden) of
+    backwards of all but the last micro-batch run under its no_sync(), and train_step ends with
+    its finish_gradient_sync(): the gradients are averaged once per step. hidden, dtype: the activation a stage sends is (b, T, hidden) of
     dtype, known before it arrives, so a receive is posted into a buffer of the right size with
     no message about sizes.
     Deadlock-free: sends never wait, receives wait in list order, and the lists are checked
@@ -245,9 +245,13 @@ class Pipeline:
 
     def train_step(self, x, y, scale_loss=lambda loss: loss, measure=False) -> torch.Tensor:
         """Forwards and backwards of the M micro-batches of x, y (B, T); the gradients of the
-        mean loss over B accumulate in the stage's .grad. Returns that loss on every stage.
+        mean loss over B accumulate in the stage's .grad (averaged over replicas, if any).
+        Returns that loss on every stage.
         measure: synchronize CUDA around each compute, so busy and wall time are exact."""
-        return self._run(self.actions, x, y, scale_loss, measure)
+        loss = self._run(self.actions, x, y, scale_loss, measure)
+        if hasattr(self.module, "finish_gradient_sync"):
+            self.module.finish_gradient_sync()
+        return loss
 
     @torch.no_grad()
     def evaluate(self, x, y) -> torch.Tensor:

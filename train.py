@@ -312,8 +312,6 @@ def train_step(model, optimizer, x, y, args, measure=False):
     if isinstance(model, pipeline.Pipeline):
         # The schedule runs the --microbatches (pipeline.py); replicas average once per step.
         loss = model.train_step(x, y, optimizer.scale_loss, measure)
-        if isinstance(model.module, DDP):
-            model.module.finish_gradient_sync()
         return loss, optimizer.step(clip_grad=args.clip_grad or None)
     # DDP reduces once per step (no_sync); FSDP reduce-scatters every micro-batch's gradient
     # into its shards, so that no rank ever holds a full gradient.

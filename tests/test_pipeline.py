@@ -133,7 +133,6 @@ def _pipeline_trains(P, runs):
             rows = batch.chunk(data.world_size)[data.rank]                # (B/D, T+1)
             loss = runner.train_step(rows[:, :-1], rows[:, 1:])
             if data.world_size > 1:
-                module.finish_gradient_sync()
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=data.group)
             grads = grads or {n: p.grad.clone() for n, p in gpt.named_parameters()}
             optimizer.step(clip_grad=0.5)
