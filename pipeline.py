@@ -7,7 +7,7 @@ et al. 2021, "Megatron-LM at scale", section 2.2.1), starts backwards as soon as
 can, so a stage holds at most P micro-batches of activations instead of M. Both idle
 (P-1)/(M+P-1) of the time when a forward and a backward take one slot each: the bubble.
 A schedule is data (each stage's list of actions) and one executor runs any list. Left out:
-interleaved stages (virtual pipelines), zero-bubble schedules, tied weights across stages.
+interleaved stages (virtual pipelines), zero-bubble schedules.
 Run: python pipeline.py --stages 4 --microbatches 8 --schedule 1f1b;
      torchrun --nproc_per_node 4 train.py --strategy pipeline --pp 4 --microbatches 8
 Test: python -m pytest tests/test_pipeline.py
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from collectives import Comm
+from collectives import Comm, ring_bytes
 
 
 class Action(NamedTuple):
@@ -181,22 +181,30 @@ class GPTStage(nn.Module):
     """One stage of a model.GPT: its blocks in `layers`, with the embeddings on the first stage
     and the final norm, head and loss on the last. The other stages' parts are dropped from
     this rank, and what stays keeps the whole model's names (blocks.5.attn.query.weight), so
-    the stages' checkpoints together read as one model's."""
+    the stages' checkpoints together read as one model's.
+
+    A head tied to the token embedding (GPT-2) lives on both ends: the first and the last
+    stage each hold a copy, `tied`, kept equal by summing their gradients (Pipeline does).
+    """
 
     def __init__(self, gpt: nn.Module, layers: range, first: bool, last: bool):
         super().__init__()
-        if gpt.cfg.tie_embeddings and not (first and last):
-            raise ValueError("the model ties its head to its token embedding, which would live on "
-                             "the first and the last stage: train it with --pp 1 (or another "
-                             "strategy), or use an untied preset (tiny, medium)")
+        tied = gpt.cfg.tie_embeddings and first != last
         for i in range(len(gpt.blocks)):
             if i not in layers:
                 gpt.blocks[i] = nn.Identity()           # freed; the indices keep their names
         if not first:
-            gpt.token_emb = gpt.pos_emb = None
+            gpt.pos_emb = None
+            if not (last and tied):      # the last stage keeps the tied copy under its own name
+                gpt.token_emb = None
         if not last:
             gpt.norm = gpt.head = None
-        self.gpt, self.layers, self.first, self.last = gpt, layers, first, last
+        self.gpt, self.layers, self.first, self.last, self._tied = gpt, layers, first, last, tied
+
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """This stage's copy of the tied weight (a property: an attribute would re-register it)."""
+        return self.gpt.token_emb.weight if self._tied else None
 
     def forward(self, x, targets=None):
         gpt = self.gpt
@@ -225,10 +233,12 @@ class Pipeline:
     no message about sizes.
     Deadlock-free: sends never wait, receives wait in list order, and the lists are checked
     with simulate(), whose clock works the same way, before the first message.
+    tied: the stage's copy of a weight the first and the last stage share (GPTStage.tied);
+    after each step's backward the two copies' gradients are summed, so both take one step.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
-                 hidden: int, dtype: torch.dtype):
+                 hidden: int, dtype: torch.dtype, tied: nn.Parameter | None = None):
         self.module, self.comm, self.M = module, comm, microbatches
         self.stage, self.P = comm.rank, comm.world_size
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
@@ -240,6 +250,10 @@ class Pipeline:
         self.forward_actions = [a for a in gpipe(self.P, self.M)[self.stage] if a.kind in
                                 ("F", "send_act", "recv_act")]
         self.hidden, self.dtype = hidden, dtype
+        self.tied = tied
+        if tied is not None:               # a group of the two ends: only they create it
+            ends = dist.get_process_group_ranks(comm.group)[:: self.P - 1]
+            self.ends = comm.subgroup(dist.new_group(ends, use_local_synchronization=True))
         self.peak_activations = 0         # most micro-batches held at once (a graph kept for B)
         self.busy = self.wall = 0.0       # seconds computing, seconds in all, in the last step
 
@@ -251,6 +265,8 @@ class Pipeline:
         loss = self._run(self.actions, x, y, scale_loss, measure)
         if hasattr(self.module, "finish_gradient_sync"):
             self.module.finish_gradient_sync()
+        if self.tied is not None:         # the embedding's gradient + the head's: one weight's
+            self.ends.all_reduce(self.tied.grad)
         return loss
 
     @torch.no_grad()
@@ -260,10 +276,12 @@ class Pipeline:
 
     def grad_norm(self, params, grads) -> torch.Tensor:
         """The global gradient norm (mixed_precision's hook): each stage holds its own
-        parameters, so the squares add up over the pipeline (the data group holds copies)."""
+        parameters, so the squares add up over the pipeline (the data group holds copies;
+        a tied weight counts once, on the first stage)."""
         squares = torch.zeros(1, device=grads[0].device)
-        for g in grads:
-            squares += g.float().pow(2).sum()
+        for p, g in zip(params, grads):
+            if not (p is self.tied and self.last):
+                squares += g.float().pow(2).sum()
         self.comm.all_reduce(squares)
         return squares.sqrt()[0]
 
@@ -277,10 +295,13 @@ class Pipeline:
 
     def bytes_per_step(self, batch: int, seq_len: int) -> int:
         """Bytes this stage sends per step: M activations forward unless it is the last stage,
-        M of their gradients back unless it is the first, and the gradient norm's all-reduce."""
+        M of their gradients back unless it is the first, the gradient norm's all-reduce, and
+        at the two ends a tied weight's gradient (ring formulas)."""
         message = batch * seq_len * self.hidden * torch.finfo(self.dtype).bits // 8
-        norm = 2 * (self.P - 1) * 4 if self.P > 1 else 0          # ring all-reduce, 1 fp32
-        return message * ((not self.last) + (not self.first)) + norm
+        norm = ring_bytes("all_reduce", 1, 4, self.P)                  # 1 fp32
+        tied = (ring_bytes("all_reduce", self.tied.numel(), self.tied.element_size(), 2)
+                if self.tied is not None else 0)
+        return message * ((not self.last) + (not self.first)) + norm + tied
 
     def _run(self, actions, x, y, scale_loss=None, measure=False):
         B, T = x.shape

@@ -255,10 +255,6 @@ def check_pipeline(parser, args, world_size):
         stage_layers(args, cfg.n_layer)
     except ValueError as e:
         parser.error(f"--model {args.model}: {e}")
-    if cfg.tie_embeddings and args.pp > 1:
-        parser.error(f"--model {args.model} ties its head to its token embedding, which would live on "
-                     f"the first and the last stage: use --strategy fsdp or tp for it, or an untied "
-                     f"preset (tiny, medium) with --strategy pipeline")
 
 
 def stage_layers(args, n_layer) -> list[range]:
@@ -376,7 +372,7 @@ def build(args, device, comm, split, data):
                                   first=split.rank == 0, last=split.rank == args.pp - 1)
         replicas = DDP(stage, data, bucket_mb=args.bucket_mb) if data.world_size > 1 else stage
         model = pipeline.Pipeline(replicas, split, args.schedule, args.microbatches,
-                                  gpt.cfg.n_embd, DTYPES[args.precision])
+                                  gpt.cfg.n_embd, DTYPES[args.precision], tied=stage.tied)
         optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=args.precision,
                                             grad_norm=model.grad_norm, **adamw)
         predicted = model.bytes_per_step(args.batch_size // data.world_size, args.seq_len)
@@ -418,6 +414,8 @@ def load_weights(path: str, gpt: GPT | None = None) -> GPT:
         gpt = GPT(GPTConfig(**config))
     else:
         snapshot.check_same_model(config, _model_config(gpt), path, ignore=("dropout",))
+    if gpt.cfg.tie_embeddings:      # one tensor under two names: files hold the first name only
+        weights.setdefault("head.weight", weights["token_emb.weight"])
     gpt.load_state_dict(weights)
     return gpt
 

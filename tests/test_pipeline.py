@@ -97,10 +97,13 @@ def _optimizer(params, grad_norm=None):
                                    lr=1e-2, weight_decay=0.1)
 
 
-def _single():
+TIED = GPTConfig(**{**CFG.__dict__, "tie_embeddings": True})      # the head is the token embedding
+
+
+def _single(cfg=CFG):
     """One process, whole batches: losses, first step's gradients, final parameters."""
     torch.manual_seed(0)
-    gpt = GPT(CFG)
+    gpt = GPT(cfg)
     optimizer = _optimizer(gpt.parameters())
     losses, grads = [], None
     for batch in _batches():
@@ -114,7 +117,7 @@ def _single():
             "params": {n: p.detach() for n, p in gpt.named_parameters()}}
 
 
-def _pipeline_trains(P, runs):
+def _pipeline_trains(P, runs, cfg=CFG):
     """On P x D ranks: each (schedule, M) in runs trained from the same init; per run this rank's
     losses, first gradients, final parameters, and the executor's counts."""
     comm = Comm()
@@ -122,11 +125,11 @@ def _pipeline_trains(P, runs):
     results = []
     for schedule, M in runs:
         torch.manual_seed(0)
-        gpt = GPT(CFG)
-        layers = pipeline.split_layers(CFG.n_layer, P)[pipe.rank]
+        gpt = GPT(cfg)
+        layers = pipeline.split_layers(cfg.n_layer, P)[pipe.rank]
         stage = pipeline.GPTStage(gpt, layers, first=pipe.rank == 0, last=pipe.rank == P - 1)
         module = DDP(stage, data) if data.world_size > 1 else stage
-        runner = pipeline.Pipeline(module, pipe, schedule, M, CFG.n_embd, torch.float32)
+        runner = pipeline.Pipeline(module, pipe, schedule, M, cfg.n_embd, torch.float32, stage.tied)
         optimizer = _optimizer(gpt.parameters(), runner.grad_norm)
         losses, grads = [], None
         for batch in _batches():
@@ -145,8 +148,9 @@ def _pipeline_trains(P, runs):
 
 
 def _whole(ranks, run, key):
-    """One {name: tensor} over the stages (replicas hold the same, rank order keeps stage 0 first)."""
-    return {name: t for rank in ranks for name, t in rank[run][key].items()}
+    """One {name: tensor} over the stages (replicas hold the same, rank order keeps stage 0 first;
+    a tied weight's copy on the last stage is compared with stage 0's apart)."""
+    return {name: t for rank in reversed(ranks) for name, t in rank[run][key].items()}
 
 
 # Micro-batches and stages change only the order of sums: the mean over B as M means over B/M,
@@ -232,6 +236,22 @@ def test_executor_equals_torch_distributed_pipelining(P):
         assert_tensors_close(ours, theirs, RTOL, ATOL, f"P={P} M={M} {schedule} vs torch")
 
 
+@pytest.mark.parametrize("P", [2, 4])
+def test_tied_head_and_embedding_on_two_stages_equal_one_process(P):
+    """GPT-2 ties its head to its token embedding: the first and last stage each hold a copy,
+    their gradients summed every step, so the copies stay equal and equal one process's."""
+    ranks = run_ranks(_pipeline_trains, P, P, [("1f1b", 4)], TIED)
+    single = _single(TIED)
+    assert ranks[0][0]["losses"] == pytest.approx(single["losses"], rel=RTOL)
+    # The summed gradient (embedding's + head's) equals one process's; parameters are not
+    # compared after the steps: the head's gradient reaches every embedding row, some of them
+    # ~1e-8, where Adam's first step (g / (|g| + eps)) turns fp32 noise into lr-sized moves.
+    assert_tensors_close(_whole(ranks, 0, "grads"), single["grads"], RTOL, ATOL, f"tied P={P} grads")
+    for key in ("grads", "params"):
+        first, last = ranks[0][0][key]["token_emb.weight"], ranks[-1][0][key]["token_emb.weight"]
+        torch.testing.assert_close(last, first, rtol=0, atol=0)         # the same sum, both ends
+
+
 def test_stage_split_balanced_by_blocks_or_given():
     assert pipeline.split_layers(4, 2) == [range(0, 2), range(2, 4)]
     assert pipeline.split_layers(6, 4) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
@@ -249,9 +269,10 @@ def test_stage_keeps_only_its_parameters_under_their_whole_model_names():
     kept = {n for n, _ in gpt.named_parameters()}
     assert kept == {n for n in names if n.startswith(("blocks.2.", "blocks.3.", "norm.", "head."))}
     assert {"gpt." + n for n in kept} == {n for n, _ in stage.named_parameters()}
-    with pytest.raises(ValueError, match="ties its head to its token embedding"):
-        pipeline.GPTStage(GPT(GPTConfig(**{**CFG.__dict__, "tie_embeddings": True})), range(2),
-                          first=True, last=False)
+    assert stage.tied is None
+    tied_last = pipeline.GPTStage(GPT(TIED), range(2, 4), first=False, last=True)
+    assert tied_last.tied is tied_last.gpt.head.weight                 # kept as token_emb.weight
+    assert "gpt.token_emb.weight" in dict(tied_last.named_parameters())
 
 
 # ---- train.py --strategy pipeline: same curve as one process, checkpoints, bad input ----------
@@ -349,8 +370,7 @@ def _bad_pipeline_inputs():
              "no_strategy": ["--strategy", "ddp", "--pp", "2"],
              "batch": ["--strategy", "pipeline", "--pp", "2", "--microbatches", "3"],
              "grad_accum": ["--strategy", "pipeline", "--pp", "2", "--grad-accum", "2"],
-             "split": ["--strategy", "pipeline", "--pp", "2", "--stage-layers", "3,2"],
-             "tied": ["--strategy", "pipeline", "--pp", "2", "--model", "gpt2-small"]}
+             "split": ["--strategy", "pipeline", "--pp", "2", "--stage-layers", "3,2"]}
     results = {}
     for name, argv in cases.items():
         err = io.StringIO()
@@ -375,7 +395,6 @@ def bad_pp():
               "micro-batches: use a multiple of 3, e.g. --batch-size 9"),
     ("grad_accum", "use --microbatches instead"),
     ("split", "--stage-layers 3,2: give 2 numbers, each 1 or more, adding up to the model's 4 blocks"),
-    ("tied", "ties its head to its token embedding"),
 ])
 def test_bad_pipeline_input_stops_every_rank_with_the_same_message(bad_pp, case, fix):
     assert bad_pp[0][case] == bad_pp[1][case], bad_pp
