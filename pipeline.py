@@ -228,13 +228,13 @@ class Pipeline:
 
     module: this rank's GPTStage, or DDP(stage) over the stage's data-parallel group; then the
     backwards of all but the last micro-batch run under its no_sync(), and train_step ends with
-    its finish_gradient_sync(): the gradients are averaged once per step. hidden, dtype: the activation a stage sends is (b, T, hidden) of
-    dtype, known before it arrives, so a receive is posted into a buffer of the right size with
-    no message about sizes.
-    Deadlock-free: sends never wait, receives wait in list order, and the lists are checked
-    with simulate(), whose clock works the same way, before the first message.
+    its finish_gradient_sync(): the gradients are averaged once per step.
+    hidden, dtype: the activation a stage sends is (b, T, hidden) of dtype, known before it
+    arrives, so a receive is posted into a buffer of the right size with no message about sizes.
     tied: the stage's copy of a weight the first and the last stage share (GPTStage.tied);
     after each step's backward the two copies' gradients are summed, so both take one step.
+    Deadlock-free: sends never wait, receives wait in list order, and the lists are checked
+    with simulate(), whose clock works the same way, before the first message.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
@@ -250,8 +250,8 @@ class Pipeline:
         self.forward_actions = [a for a in gpipe(self.P, self.M)[self.stage] if a.kind in
                                 ("F", "send_act", "recv_act")]
         self.hidden, self.dtype = hidden, dtype
-        self.tied = tied
-        if tied is not None:               # a group of the two ends: only they create it
+        self.tied = tied if self.P > 1 else None
+        if self.tied is not None:          # a group of the two ends: only they create it
             ends = dist.get_process_group_ranks(comm.group)[:: self.P - 1]
             self.ends = comm.subgroup(dist.new_group(ends, use_local_synchronization=True))
         self.peak_activations = 0         # most micro-batches held at once (a graph kept for B)
