@@ -4,11 +4,13 @@ Each strategy and its PyTorch counterpart train the same model on the same data,
 world size, alternating run by run (fresh model, warm-up, timed steps), beside memory and bytes
 sent; our ring all-reduce is timed against the native one from 1 KB up (nccl-tests' busbw).
 Activation checkpointing is timed the same way: ours against torch.utils.checkpoint, both on
-our DDP. Left out: strategies not written yet, gradient accumulation, data loading.
+our DDP. fsdp runs against fully_shard (FSDP2), tp against parallelize_module over a DeviceMesh.
+Left out: pipeline schedules, gradient accumulation, data loading.
 Run: torchrun --nproc_per_node 2 bench.py --quick (CPU); torchrun --nproc_per_node 8 bench.py (GPUs)
 Test: python -m pytest tests/test_bench.py
 """
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -17,18 +19,26 @@ import statistics
 import time
 from dataclasses import dataclass
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               loss_parallel, parallelize_module)
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.utils import clip_grad_norm_
+from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from checkpointing import checkpoint_blocks, saved_activation_bytes
+import tensor_parallel
+from checkpointing import checkpoint_blocks
 from collectives import Comm, exit_distributed, init_distributed
 from data import TextData
 from ddp import DDP
+from fsdp import FSDP, FSDPOptimizer
 from memory import comm_bytes, held_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import PRESETS, build_model
@@ -47,6 +57,8 @@ class Run:
     optimizer: object           # zero_grad(), scale_loss(loss), step(clip_grad); held_bytes reads it
     comm: Comm | None = None    # ours: the byte counter; PyTorch's collectives count nothing
     label: str = "ours"         # what ran, for the report
+    napkin_sent: int | None = None       # bytes per step predicted, where memory.comm_bytes has no row
+    loss_context: object = contextlib.nullcontext   # entered around forward and backward
 
 
 class TorchOptimizer:
@@ -56,8 +68,8 @@ class TorchOptimizer:
     its local optimizer (state_owner), the one that updates this rank's shard.
     """
 
-    def __init__(self, optimizer, params, state_owner=None):
-        self.torch_optimizer, self.params = optimizer, list(params)
+    def __init__(self, optimizer, params, state_owner=None, clip=clip_grad_norm_):
+        self.torch_optimizer, self.params, self.clip = optimizer, list(params), clip
         self.optimizer = state_owner or optimizer
         self.param_groups = optimizer.param_groups
 
@@ -69,7 +81,7 @@ class TorchOptimizer:
 
     def step(self, clip_grad=None):
         if clip_grad:
-            clip_grad_norm_(self.params, clip_grad)     # every rank holds the full averaged grads
+            self.clip(self.params, clip_grad)
         self.torch_optimizer.step()
 
 
@@ -131,14 +143,97 @@ def torch_checkpointed(model, args):
                label="our DDP + torch.utils.checkpoint.checkpoint(use_reentrant=False) per block")
 
 
+def ours_fsdp(model, args):
+    # FSDP keeps fp32 master shards and computes in --precision: the model arrives cast to
+    # --precision (as every row's does, so every row starts from the same rounded weights).
+    comm = Comm()
+    fsdp = FSDP(model.float(), compute_dtype=DTYPES[args.precision], group=comm)
+    return Run(fsdp, FSDPOptimizer(fsdp, torch.optim.AdamW, **ADAMW), comm,
+               label="our FSDP(prefetch=1) + FSDPOptimizer(AdamW)")
+
+
+def torch_fsdp(model, args):
+    # The same units as ours: one per block, the rest the root. fully_shard's default policy is
+    # ours: blocks free their gathered weights after forward, the root keeps them until the end
+    # of backward. The policy computes and reduce-scatters in --precision, fp32 shards beside.
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    dtype = DTYPES[args.precision]
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    model.float()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    adamw = torch.optim.AdamW(model.parameters(), **ADAMW)
+    return Run(model, TorchOptimizer(adamw, model.parameters()),
+               label=f"fully_shard per block + root (FSDP2), MixedPrecisionPolicy({args.precision}) + AdamW")
+
+
+def ours_tp(model, args):
+    # The whole world is one tensor group: every rank computes the same rows (WHOLE_BATCH).
+    comm = Comm()
+    tp = tensor_parallel.parallelize(model, comm)
+    return Run(tp, MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
+                                           grad_norm=tp.grad_norm, **ADAMW), comm,
+               napkin_sent=tp.bytes_per_step(args.batch_size, args.seq_len))
+
+
+def clip_mixed(params, max_norm):
+    """clip_grad_norm_ for a model of DTensor and plain parameters, which it refuses to mix.
+
+    A split weight's DTensor norm is over the whole matrix (.full_tensor() sums the ranks'
+    squares); a plain parameter is replicated, the same on every rank, so its norm is local.
+    """
+    kinds = [p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]
+    split, replicated = (get_total_norm([p.grad for p in kind]) for kind in kinds)
+    norm = (split.full_tensor() ** 2 + replicated ** 2).sqrt()
+    for kind in kinds:
+        clip_grads_with_norm_(kind, max_norm, norm)
+
+
+def torch_tp(model, args):
+    # Our split, layer by layer: query/key/value/up by columns, output/down by rows (Megatron),
+    # the embedding by vocabulary rows (RowwiseParallel on an nn.Embedding: out-of-range ids
+    # give zeros, an all-reduce sums), the head by vocabulary columns, its logits never gathered.
+    # What differs: the vocab-parallel loss is loss_parallel's (DTensor reductions of per-token
+    # numbers), ours is three all-reduces (max, target logit, sum of exponentials). Norms and
+    # the position embedding stay plain tensors (ours: replicated parameters), hence clip_mixed.
+    n = dist.get_world_size()
+    mesh = init_device_mesh(next(model.parameters()).device.type, (n,))
+    plan = {"token_emb": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i, block in enumerate(model.blocks):
+        block.attn.n_head //= n                  # H/N heads per rank, as ours
+        plan.update({
+            # One DTensor input for query, key and value: their input gradients are summed
+            # first and all-reduced once, as ours does (f entered once per sublayer).
+            f"blocks.{i}.attn": PrepareModuleInput(input_layouts=(Replicate(),),
+                                                   desired_input_layouts=(Replicate(),),
+                                                   use_local_output=False),
+            **{f"blocks.{i}.attn.{name}": ColwiseParallel() for name in ("query", "key", "value")},
+            f"blocks.{i}.attn.output": RowwiseParallel(),
+            f"blocks.{i}.mlp.up": ColwiseParallel(), f"blocks.{i}.mlp.down": RowwiseParallel()})
+    parallelize_module(model, mesh, plan)
+    if model.cfg.tie_embeddings:                 # each layer got its own DTensor: tie them again
+        model.head.weight = model.token_emb.weight
+    # torch has no fp32-master wrapper for TP: in bf16 AdamW runs on the bf16 weights.
+    adamw = torch.optim.AdamW(model.parameters(), **ADAMW)
+    return Run(model, TorchOptimizer(adamw, model.parameters(), clip=clip_mixed), loss_context=loss_parallel,
+               label="parallelize_module(Colwise: query/key/value/up/head, Rowwise: output/down/"
+                     "token_emb) + loss_parallel + AdamW" + ("" if args.precision == "fp32" else
+                                                             " on the bf16 weights"))
+
+
 # name -> (build ours, build PyTorch's). A new strategy is one more line here.
 STRATEGIES = {
     "ddp": (ours_ddp, torch_ddp),
     "zero1": (partial(ours_zero, 1), torch_zero),
     "zero2": (partial(ours_zero, 2), torch_zero),
+    "fsdp": (ours_fsdp, torch_fsdp),
+    "tp": (ours_tp, torch_tp),
     "checkpointing": (ours_checkpointed, torch_checkpointed),
 }
 NAPKIN_STRATEGY = {"checkpointing": "ddp"}   # what memory.comm_bytes knows a row as
+WHOLE_BATCH = {"tp"}     # a tensor group computes one model: its ranks read the same rows
 BENCHMARKS = (*STRATEGIES, "collectives")
 
 
@@ -163,12 +258,56 @@ def summary(samples: list) -> dict:
 
 def train_step(run: Run, x, y, clip_grad) -> torch.Tensor:
     run.optimizer.zero_grad()
-    _, loss = run.model(x, y)
-    run.optimizer.scale_loss(loss).backward()
-    if isinstance(run.model, DDP):
+    with run.loss_context():
+        _, loss = run.model(x, y)
+        run.optimizer.scale_loss(loss).backward()
+    if hasattr(run.model, "finish_gradient_sync"):     # ours: DDP's, FSDP's, tp's collectives
         run.model.finish_gradient_sync()
     run.optimizer.step(clip_grad=clip_grad)
     return loss.detach()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's part on this rank (its storage is the DTensor's bytes here), else t itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held(run: Run) -> int:
+    """memory.held_bytes of a run. A DTensor (fully_shard's and parallelize_module's parameters,
+    gradients, AdamW moments) has no storage of its own: held_bytes reads stand-ins holding
+    the local tensors, which serve as both the model and the optimizer it reads. (A gradient's
+    local tensor need not be its parameter's shape: TP's embedding gradient is whole.)"""
+    if not any(isinstance(p, DTensor) for p in run.model.parameters()):
+        return sum(held_bytes(run.model, run.optimizer).values())
+    params = [SimpleNamespace(untyped_storage=_local(p).untyped_storage,
+                              grad=None if p.grad is None else _local(p.grad))
+              for p in run.model.parameters()]
+    state = {i: {k: _local(v) for k, v in s.items()} for i, s in enumerate(run.optimizer.optimizer.state.values())}
+    local = SimpleNamespace(parameters=lambda: params, buffers=lambda: map(_local, run.model.buffers()),
+                            param_groups=[{"params": params}], optimizer=SimpleNamespace(state=state))
+    return sum(held_bytes(local, local).values())
+
+
+def activation_bytes(run: Run, x, y) -> int:
+    """Bytes one forward keeps for backward (saved-tensor hooks), each storage once, untimed.
+
+    checkpointing.saved_activation_bytes fixes the parameters' storages before forward; FSDP
+    gathers them during forward, and a DTensor has none: so the parameters' storages are
+    read again at each save. DDP wrappers only add gradient hooks: their module is run.
+    """
+    model = run.model.module if isinstance(run.model, (DDP, DistributedDataParallel)) else run.model
+    owner = getattr(run.model, "module", run.model)          # our FSDP: the gathered weights
+    storages = {}
+
+    def pack(t):
+        weights = {_local(p).untyped_storage().data_ptr() for p in owner.parameters()}
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() not in weights:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+    with run.loss_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, y)                                         # the graph is dropped unused
+    return sum(storages.values())
 
 
 def time_training(build, args, batches, device) -> dict:
@@ -190,15 +329,12 @@ def time_training(build, args, batches, device) -> dict:
         loss = train_step(run, x, y, args.clip_grad)
     sync(device)
     seconds = across_ranks(time.perf_counter() - start, device)
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else sum(held_bytes(run.model, run.optimizer).values()))
-    # What one forward keeps for backward (untimed; the graph is dropped unused).
-    inner = getattr(run.model, "module", run.model)
-    activations, _ = saved_activation_bytes(lambda: inner(x, y)[1], exclude=list(inner.parameters()))
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else held(run)
     sent = None if run.comm is None else sum(run.comm.bytes_sent.values()) / args.steps
     return {"ms_per_step": 1e3 * seconds / args.steps, "label": run.label,
             "peak_bytes": across_ranks(peak, device), "sent_per_step": sent,
-            "activation_bytes": across_ranks(activations, device),
+            "napkin_sent": run.napkin_sent,
+            "activation_bytes": across_ranks(activation_bytes(run, x, y), device),
             # the same loss on both sides says both did the same work
             "last_loss": across_ranks(loss.item(), device, dist.ReduceOp.SUM) / dist.get_world_size()}
 
@@ -219,7 +355,8 @@ def bench_strategy(name, args, batches, device, n_params, peak_flops) -> dict:
                      "sent_per_step": results[-1]["sent_per_step"],
                      "last_loss": results[-1]["last_loss"]}
     row["ratio"] = row["ours"]["ms_per_step"]["median"] / row["torch"]["ms_per_step"]["median"]
-    row["ours"]["napkin_sent_per_step"] = sum(
+    napkin = runs["ours"][-1]["napkin_sent"]
+    row["ours"]["napkin_sent_per_step"] = napkin if napkin is not None else sum(
         comm_bytes(n_params, NAPKIN_STRATEGY.get(name, name), args.precision, dist.get_world_size()).values())
     if peak_flops:
         # Model FLOPs per token (Kaplan et al. 2020; PaLM appendix B): 6 per parameter for forward
@@ -319,17 +456,21 @@ def report(m: dict, rows: list, collective_rows: list) -> str:
                             else "n/a | ")
                          + (f"{100 * r['mfu']:.1f}% |" if "mfu" in r else "n/a |"))
         peak = ("CUDA max_memory_allocated, activations included" if m["gpu"] else "memory.held_bytes: "
-                "parameters + gradients (torch DDP's buckets, as .grad views) + optimizer state")
+                "parameters + gradients (torch DDP's buckets, as .grad views) + optimizer state, a DTensor's "
+                "local tensors")
         mfu = (f"model FLOPs / a measured bf16 matmul peak of {m['matmul_peak_tflops']:.0f} TFLOP/s"
                if m["gpu"] else "GPU only")
         lines += ["", f"ms/step: median (min-max) over repetitions, slowest rank. Peak: max over ranks, "
                   f"{peak}. Sent: our Comm's counter (ring volume, native calls included) beside "
-                  f"memory.comm_bytes; PyTorch's DDP counts nothing. Activations: bytes one forward keeps for "
+                  f"memory.comm_bytes (fsdp: our root unit is gathered once, not twice; tp: "
+                  f"tensor_parallel's bytes_per_step, activation traffic memory.py does not model); "
+                  f"PyTorch's collectives count nothing. Activations: bytes one forward keeps for "
                   f"backward (saved-tensor hooks), max over ranks. MFU: {mfu}. Both sides: AdamW, "
                   f"gradient-norm clip {m['clip_grad']}. PyTorch's side, and the loss after the last "
                   f"step (ours / torch: the same work gives the same loss):"]
         lines += [f"- {r['strategy']}: {r['torch_counterpart']}; loss {r['ours']['last_loss']:.5f} / "
                   f"{r['torch']['last_loss']:.5f}" for r in rows]
+    lines += [f"- {name}: skipped, {why}" for name, why in m["skipped"].items()]
     if collective_rows:
         lines += ["", "| all-reduce size | ring us | native us | ring/native | ring busbw GB/s | "
                   "native busbw GB/s |", "|" + "---|" * 6]
@@ -375,10 +516,23 @@ def parse_args(argv=None):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     args.batch_size = 8 * world_size if args.batch_size is None else args.batch_size
     # Every rank parses the same line, so a mistake stops every rank here, before any work.
+    chosen = args.strategies != p.get_default("strategies")
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in args.strategies if s not in BENCHMARKS] or ([] if args.strategies else ["''"])
     if unknown:
         p.error(f"unknown --strategies {', '.join(unknown)}: choose from {', '.join(BENCHMARKS)}")
+    # tp splits heads, width and vocabulary over every rank. A world that does not divide them
+    # refuses tp when asked for, and leaves it out of the default list, saying so in the report.
+    cfg, args.skipped = PRESETS[args.model], {}
+    indivisible = [f"{name}={size}" for name, size in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd),
+                                                        ("vocab_size", cfg.vocab_size)) if size % world_size]
+    if "tp" in args.strategies and indivisible:
+        why = (f"tp splits model {args.model} over all {world_size} ranks, and {world_size} does not "
+               f"divide {', '.join(indivisible)}")
+        if chosen:
+            p.error(f"{why}: leave tp out of --strategies or launch a world size that divides them")
+        args.strategies.remove("tp")
+        args.skipped["tp"] = why
     if args.batch_size < 1 or args.batch_size % world_size:
         p.error(f"--batch-size {args.batch_size} does not split over {world_size} ranks: "
                 f"use a positive multiple of {world_size}")
@@ -401,17 +555,22 @@ def main(argv=None):
     started = time.perf_counter()
 
     data = TextData.from_file()
-    batches = [tuple(t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.seed,
-                                                      rank=rank, world_size=world_size))
-               for step in range(args.warmup + args.steps)]              # (B/N, T) each
+
+    def batches(rank, world_size):
+        return [tuple(t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, args.seed,
+                                                       rank=rank, world_size=world_size))
+                for step in range(args.warmup + args.steps)]
+    rows_of_rank, whole = batches(rank, world_size), batches(0, 1)       # (B/N, T), (B, T) each
     n_params = build_model(args.model).num_parameters()
     peak_flops = matmul_peak_flops(device) if device.type == "cuda" else None
-    rows = [bench_strategy(name, args, batches, device, n_params, peak_flops)
+    rows = [bench_strategy(name, args, whole if name in WHOLE_BATCH else rows_of_rank, device,
+                           n_params, peak_flops)
             for name in args.strategies if name in STRATEGIES]
     collective_rows = (bench_collectives(args, device)
                        if "collectives" in args.strategies and world_size > 1 else [])
 
-    m = {**machine(device, args, n_params, peak_flops), "benchmarks": args.strategies}
+    m = {**machine(device, args, n_params, peak_flops), "benchmarks": args.strategies,
+         "skipped": args.skipped}
     if rank == 0:
         print(report(m, rows, collective_rows))
         print(f"\nbench.py ran {time.perf_counter() - started:.0f} s")

@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from bench import parse_args
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGY_COLUMNS = ["strategy", "ours ms/step", "torch ms/step", "ours/torch", "ours tokens/s",
                     "ours peak MiB", "torch peak MiB", "activations MiB (ours / torch)",
@@ -25,11 +27,12 @@ NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?%?")
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    """One quick run: zero2 (ours vs ZeroRedundancyOptimizer), activation checkpointing (ours vs
-    torch.utils.checkpoint) and the 1 KB and 4 KB all-reduces."""
+    """One quick run: zero2 (ours vs ZeroRedundancyOptimizer), fsdp (vs fully_shard), tp (vs
+    parallelize_module), activation checkpointing (ours vs torch.utils.checkpoint) and the 1 KB
+    and 4 KB all-reduces."""
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "bench.py", "--quick", "--strategies", "zero2,checkpointing,collectives", "--warmup", "1",
+               "bench.py", "--quick", "--strategies", "zero2,fsdp,tp,checkpointing,collectives", "--warmup", "1",
                "--steps", "2", "--repeats", "2", "--max-mb", "0.004", "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=120)
@@ -75,7 +78,7 @@ def test_strategy_table_has_every_column_and_finite_numbers(bench):
     output, _ = bench
     columns, rows = table(output, "strategy")
     assert columns == STRATEGY_COLUMNS
-    assert [row[0] for row in rows] == ["zero2", "checkpointing"]
+    assert [row[0] for row in rows] == ["zero2", "fsdp", "tp", "checkpointing"]
     for row in rows:
         assert len(row) == len(columns), row
         assert row[STRATEGY_COLUMNS.index("ours MFU")] == "n/a"          # CPU: no MFU
@@ -96,8 +99,8 @@ def test_collectives_table_covers_the_sizes(bench):
 def test_json_holds_the_same_numbers(bench):
     output, data = bench
     assert data["machine"]["world_size"] == 2 and data["machine"]["backend"] == "gloo"
-    row, checkpointed = data["strategies"]
-    assert row["strategy"] == "zero2" and checkpointed["strategy"] == "checkpointing"
+    rows = {r["strategy"]: r for r in data["strategies"]}
+    row, checkpointed = rows["zero2"], rows["checkpointing"]
     # Ours and torch.utils.checkpoint keep the same: each block's input, nothing inside it.
     assert checkpointed["ours"]["activation_bytes"] == checkpointed["torch"]["activation_bytes"]
     assert checkpointed["ours"]["activation_bytes"] < row["ours"]["activation_bytes"] / 3
@@ -116,13 +119,40 @@ def test_json_holds_the_same_numbers(bench):
     assert abs(ours["sent_per_step"] - ours["napkin_sent_per_step"]) <= 64, ours
     # ZeRO-2 holds fewer bytes than ZeroRedundancyOptimizer (stage 1): gradients are sharded.
     assert ours["peak_bytes"] < row["torch"]["peak_bytes"]
-    # The table prints the JSON's numbers.
+    # The table prints the JSON's numbers (zero2 is the first row).
     _, rows = table(output, "strategy")
     assert rows[0][3] == f"{row['ratio']:.2f}"
     assert [r["bytes"] for r in data["collectives"]] == [1024, 4096]
     for r in data["collectives"]:
         for name in ("ring", "native"):
             assert math.isfinite(r[name]["busbw_GBps"]) and r[name]["busbw_GBps"] > 0
+
+
+def test_fsdp_and_tp_do_pytorchs_work(bench):
+    _, data = bench
+    rows = {r["strategy"]: r for r in data["strategies"]}
+    for name in ("fsdp", "tp"):
+        ours, theirs = rows[name]["ours"], rows[name]["torch"]
+        # Same init, data and fp32 AdamW steps: only the order of cross-rank sums may differ.
+        assert math.isclose(ours["last_loss"], theirs["last_loss"], rel_tol=1e-5), (name, ours, theirs)
+        # The same split keeps the same activations (tp: within a few per-token numbers).
+        assert math.isclose(ours["activation_bytes"], theirs["activation_bytes"], rel_tol=1e-3), name
+    # Both FSDPs hold 1/N of every byte; our tp counter is tensor_parallel's ring formula exactly.
+    fsdp, tp = rows["fsdp"], rows["tp"]
+    assert math.isclose(fsdp["ours"]["peak_bytes"], fsdp["torch"]["peak_bytes"], rel_tol=0.01)
+    assert tp["ours"]["sent_per_step"] == tp["ours"]["napkin_sent_per_step"]
+    # FSDP sends more than ZeRO-2 (gathers twice), less than the napkin's 1.5x: the root is
+    # gathered once per step.
+    assert rows["zero2"]["ours"]["sent_per_step"] < fsdp["ours"]["sent_per_step"] < fsdp["ours"]["napkin_sent_per_step"]
+
+
+def test_tp_needs_a_world_that_divides_the_model(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")                # the tiny GPT: 4 heads, width 128
+    args = parse_args(["--quick"])                 # the default list leaves tp out, says why
+    assert "tp" not in args.strategies and "3 does not divide n_head=4" in args.skipped["tp"]
+    with pytest.raises(SystemExit):                      # asked for by name: one clear error
+        parse_args(["--quick", "--strategies", "tp"])
+    assert "leave tp out of --strategies" in capsys.readouterr().err
 
 
 # ---- profiling aids: train.py --profile, --memory-snapshot ----------------------------------
