@@ -4,8 +4,9 @@ Each strategy and its PyTorch counterpart train the same model on the same data,
 world size, alternating run by run (fresh model, warm-up, timed steps), beside memory and bytes
 sent; our ring all-reduce is timed against the native one from 1 KB up (nccl-tests' busbw).
 Activation checkpointing is timed the same way: ours against torch.utils.checkpoint, both on
-our DDP. fsdp runs against fully_shard (FSDP2), tp against parallelize_module over a DeviceMesh.
-Left out: pipeline schedules, gradient accumulation, data loading.
+our DDP. fsdp runs against fully_shard (FSDP2), tp against parallelize_module over a DeviceMesh,
+our pipeline executor (GPipe, 1F1B) against torch.distributed.pipelining's schedules on the same
+stages, with each stage's measured bubble. Left out: gradient accumulation, data loading.
 Run: torchrun --nproc_per_node 2 bench.py --quick (CPU); torchrun --nproc_per_node 8 bench.py (GPUs)
 Test: python -m pytest tests/test_bench.py
 """
@@ -23,9 +24,11 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                loss_parallel, parallelize_module)
@@ -33,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+import pipeline
 import tensor_parallel
 from checkpointing import checkpoint_blocks
 from collectives import Comm, exit_distributed, init_distributed
@@ -59,6 +63,8 @@ class Run:
     label: str = "ours"         # what ran, for the report
     napkin_sent: int | None = None       # bytes per step predicted, where memory.comm_bytes has no row
     loss_context: object = contextlib.nullcontext   # entered around forward and backward
+    forward_backward: object = None      # (x, y) -> loss: a pipeline schedule runs both itself
+    bubbles: object = None               # () -> each stage's idle share of the last step (ours)
 
 
 class TorchOptimizer:
@@ -223,6 +229,55 @@ def torch_tp(model, args):
                                                              " on the bf16 weights"))
 
 
+def _stage(model):
+    """This rank's pipeline.GPTStage: the whole world is one pipeline, a stage per rank."""
+    s, P = dist.get_rank(), dist.get_world_size()
+    return pipeline.GPTStage(model, pipeline.split_layers(model.cfg.n_layer, P)[s], s == 0, s == P - 1)
+
+
+def ours_pipeline(schedule, model, args):
+    stage, comm = _stage(model), Comm()
+    runner = pipeline.Pipeline(stage, comm, schedule, args.microbatches, model.cfg.n_embd,
+                               DTYPES[args.precision])
+    optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
+                                        grad_norm=runner.grad_norm, **ADAMW)
+    return Run(stage, optimizer, comm, label=f"pipeline.Pipeline({schedule})",
+               napkin_sent=runner.bytes_per_step(args.batch_size, args.seq_len),
+               forward_backward=partial(runner.train_step, scale_loss=optimizer.scale_loss),
+               bubbles=runner.measured_bubbles)
+
+
+def stages_norm(params, grads) -> torch.Tensor:
+    """The gradient norm over a pipeline's stages (each rank holds its own parameters)."""
+    squares = sum(g.float().pow(2).sum() for g in grads).reshape(1)
+    dist.all_reduce(squares)
+    return squares.sqrt()[0]
+
+
+def torch_pipelining(schedule, model, args):
+    # The same stages; torch's last stage returns logits and applies loss_fn itself, then
+    # divides the gradients by M (ours divides each micro-batch's loss by M: the same mean).
+    s, P = dist.get_rank(), dist.get_world_size()
+    stage = _stage(model)
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    runner = schedule_class(PipelineStage(stage, s, P, next(model.parameters()).device),
+                            n_microbatches=args.microbatches,
+                            loss_fn=lambda logits, t: F.cross_entropy(logits.float().flatten(0, 1), t.flatten()))
+
+    def forward_backward(x, y):
+        losses = []
+        runner.step(*([x] if s == 0 else []), **({"target": y, "losses": losses} if s == P - 1 else {}))
+        loss = torch.stack(losses).mean().float() if losses else torch.zeros((), device=x.device)
+        dist.broadcast(loss, src=P - 1)                       # reported by every rank, as ours
+        return loss
+    # torch clips nothing across stages: the same MixedPrecisionOptimizer and norm as ours.
+    optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
+                                        grad_norm=stages_norm, **ADAMW)
+    return Run(stage, optimizer, label=f"torch.distributed.pipelining.{schedule_class.__name__}"
+               f"(n_microbatches={args.microbatches}) + our MixedPrecisionOptimizer(AdamW)",
+               forward_backward=forward_backward)
+
+
 # name -> (build ours, build PyTorch's). A new strategy is one more line here.
 STRATEGIES = {
     "ddp": (ours_ddp, torch_ddp),
@@ -231,9 +286,12 @@ STRATEGIES = {
     "fsdp": (ours_fsdp, torch_fsdp),
     "tp": (ours_tp, torch_tp),
     "checkpointing": (ours_checkpointed, torch_checkpointed),
+    "pipeline-gpipe": (partial(ours_pipeline, "gpipe"), partial(torch_pipelining, "gpipe")),
+    "pipeline-1f1b": (partial(ours_pipeline, "1f1b"), partial(torch_pipelining, "1f1b")),
 }
 NAPKIN_STRATEGY = {"checkpointing": "ddp"}   # what memory.comm_bytes knows a row as
-WHOLE_BATCH = {"tp"}     # a tensor group computes one model: its ranks read the same rows
+# A tensor group or a pipeline computes one model: its ranks read the same rows.
+WHOLE_BATCH = {"tp", "pipeline-gpipe", "pipeline-1f1b"}
 BENCHMARKS = (*STRATEGIES, "collectives")
 
 
@@ -258,6 +316,10 @@ def summary(samples: list) -> dict:
 
 def train_step(run: Run, x, y, clip_grad) -> torch.Tensor:
     run.optimizer.zero_grad()
+    if run.forward_backward is not None:                # a pipeline: the schedule does both
+        loss = run.forward_backward(x, y)
+        run.optimizer.step(clip_grad=clip_grad)
+        return loss.detach()
     with run.loss_context():
         _, loss = run.model(x, y)
         run.optimizer.scale_loss(loss).backward()
@@ -288,6 +350,43 @@ def held(run: Run) -> int:
     return sum(held_bytes(local, local).values())
 
 
+class LiveSaved:
+    """Saved-tensor hooks that track the bytes autograd holds for backward at each moment, and
+    their peak: what a pipeline stage's micro-batches in flight cost (GPipe M, 1F1B at most P).
+    A storage counts once while any saved tensor uses it; parameters never count."""
+
+    def __init__(self, params):
+        self.weights = {_local(p).untyped_storage().data_ptr() for p in params}
+        self.users, self.live, self.peak = {}, 0, 0
+
+    def pack(self, t):
+        storage = _local(t).untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.weights:
+            return t
+        if self.users.get(ptr, 0) == 0:
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.users[ptr] = self.users.get(ptr, 0) + 1
+        return _Saved(t, self, ptr, storage.nbytes())
+
+    @staticmethod
+    def unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+class _Saved:
+    """A saved tensor; when autograd drops it (its backward ran), its bytes leave the count."""
+
+    def __init__(self, tensor, counter, ptr, nbytes):
+        self.tensor, self.counter, self.ptr, self.nbytes = tensor, counter, ptr, nbytes
+
+    def __del__(self):
+        self.counter.users[self.ptr] -= 1
+        if self.counter.users[self.ptr] == 0:
+            self.counter.live -= self.nbytes
+
+
 def activation_bytes(run: Run, x, y) -> int:
     """Bytes one forward keeps for backward (saved-tensor hooks), each storage once, untimed.
 
@@ -295,6 +394,12 @@ def activation_bytes(run: Run, x, y) -> int:
     gathers them during forward, and a DTensor has none: so the parameters' storages are
     read again at each save. DDP wrappers only add gradient hooks: their module is run.
     """
+    if run.forward_backward is not None:      # a pipeline: the peak over a whole step's schedule
+        counter = LiveSaved(run.model.parameters())
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            run.forward_backward(x, y)
+        run.optimizer.zero_grad()
+        return counter.peak
     model = run.model.module if isinstance(run.model, (DDP, DistributedDataParallel)) else run.model
     owner = getattr(run.model, "module", run.model)          # our FSDP: the gathered weights
     storages = {}
@@ -331,7 +436,8 @@ def time_training(build, args, batches, device) -> dict:
     seconds = across_ranks(time.perf_counter() - start, device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else held(run)
     sent = None if run.comm is None else sum(run.comm.bytes_sent.values()) / args.steps
-    return {"ms_per_step": 1e3 * seconds / args.steps, "label": run.label,
+    bubbles = run.bubbles() if run.bubbles else None          # of the last timed step
+    return {"ms_per_step": 1e3 * seconds / args.steps, "label": run.label, "bubbles": bubbles,
             "peak_bytes": across_ranks(peak, device), "sent_per_step": sent,
             "napkin_sent": run.napkin_sent,
             "activation_bytes": across_ranks(activation_bytes(run, x, y), device),
@@ -353,7 +459,7 @@ def bench_strategy(name, args, batches, device, n_params, peak_flops) -> dict:
                      "peak_bytes": max(r["peak_bytes"] for r in results),
                      "activation_bytes": results[-1]["activation_bytes"],
                      "sent_per_step": results[-1]["sent_per_step"],
-                     "last_loss": results[-1]["last_loss"]}
+                     "last_loss": results[-1]["last_loss"], "bubbles": results[-1]["bubbles"]}
     row["ratio"] = row["ours"]["ms_per_step"]["median"] / row["torch"]["ms_per_step"]["median"]
     napkin = runs["ours"][-1]["napkin_sent"]
     row["ours"]["napkin_sent_per_step"] = napkin if napkin is not None else sum(
@@ -426,11 +532,22 @@ def machine(device, args, n_params, peak_flops) -> dict:
             "model": args.model, "n_params": n_params, "precision": args.precision,
             "global_batch": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup,
             "steps": args.steps, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
+            "microbatches": args.microbatches,
             "clip_grad": args.clip_grad, "matmul_peak_tflops": peak_flops and peak_flops / 1e12}
 
 
 def spread(s: dict) -> str:
     return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
+
+
+def _bubble_note(row: dict, m: dict) -> str:
+    """A pipeline row's measured idle share per stage, beside (P-1)/(M+P-1)."""
+    if not row["ours"]["bubbles"]:
+        return ""
+    P, M = m["world_size"], m["microbatches"]
+    return (f"; ours {M} micro-batches, bubble per stage (idle share of a step) "
+            f"{' '.join(f'{b:.2f}' for b in row['ours']['bubbles'])}, formula (P-1)/(M+P-1) "
+            f"{(P - 1) / (M + P - 1):.2f}; activations: the most a stage holds at once")
 
 
 def report(m: dict, rows: list, collective_rows: list) -> str:
@@ -469,7 +586,7 @@ def report(m: dict, rows: list, collective_rows: list) -> str:
                   f"gradient-norm clip {m['clip_grad']}. PyTorch's side, and the loss after the last "
                   f"step (ours / torch: the same work gives the same loss):"]
         lines += [f"- {r['strategy']}: {r['torch_counterpart']}; loss {r['ours']['last_loss']:.5f} / "
-                  f"{r['torch']['last_loss']:.5f}" for r in rows]
+                  f"{r['torch']['last_loss']:.5f}" + _bubble_note(r, m) for r in rows]
     lines += [f"- {name}: skipped, {why}" for name, why in m["skipped"].items()]
     if collective_rows:
         lines += ["", "| all-reduce size | ring us | native us | ring/native | ring busbw GB/s | "
@@ -503,6 +620,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, help="runs of each side; default 5 (3)")
     p.add_argument("--max-mb", type=float, help="largest all-reduce, MiB; default 64 (4)")
     p.add_argument("--bucket-mb", type=float, default=25, help="bucket MiB, ours and torch's; default 25")
+    p.add_argument("--microbatches", type=int, help="pipeline rows: micro-batches per step; "
+                   "default 2 x world size")
     p.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip, 0: off; default 1")
     p.add_argument("--threads", type=int, help="torch threads per rank; default cores / local ranks")
     p.add_argument("--seed", type=int, default=0)
@@ -533,6 +652,23 @@ def parse_args(argv=None):
             p.error(f"{why}: leave tp out of --strategies or launch a world size that divides them")
         args.strategies.remove("tp")
         args.skipped["tp"] = why
+    # The pipeline rows cut the model into one stage per rank: they need a block per rank, a
+    # batch of whole micro-batches, and an untied head (torch's schedules do not tie stages).
+    args.microbatches = args.microbatches or 2 * world_size
+    pipelines = [s for s in args.strategies if s.startswith("pipeline")]
+    why = ("a pipeline needs 2 or more ranks" if world_size < 2 else
+           f"model {args.model} has {cfg.n_layer} blocks, fewer than {world_size} stages"
+           if cfg.n_layer < world_size else
+           f"model {args.model} ties its head to its token embedding, which "
+           f"torch.distributed.pipelining does not share between stages" if cfg.tie_embeddings else
+           f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches}"
+           if args.batch_size % args.microbatches else None)
+    if pipelines and why:
+        if chosen:
+            p.error(f"{', '.join(pipelines)}: {why}; leave them out of --strategies")
+        for name in pipelines:
+            args.strategies.remove(name)
+            args.skipped[name] = why
     if args.batch_size < 1 or args.batch_size % world_size:
         p.error(f"--batch-size {args.batch_size} does not split over {world_size} ranks: "
                 f"use a positive multiple of {world_size}")

@@ -28,11 +28,11 @@ NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?%?")
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     """One quick run: zero2 (ours vs ZeroRedundancyOptimizer), fsdp (vs fully_shard), tp (vs
-    parallelize_module), activation checkpointing (ours vs torch.utils.checkpoint) and the 1 KB
-    and 4 KB all-reduces."""
+    parallelize_module), activation checkpointing (ours vs torch.utils.checkpoint), the 1F1B
+    pipeline (ours vs torch.distributed.pipelining) and the 1 KB and 4 KB all-reduces."""
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "bench.py", "--quick", "--strategies", "zero2,fsdp,tp,checkpointing,collectives", "--warmup", "1",
+               "bench.py", "--quick", "--strategies", "zero2,fsdp,tp,checkpointing,pipeline-1f1b,collectives", "--warmup", "1",
                "--steps", "2", "--repeats", "2", "--max-mb", "0.004", "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=120)
@@ -78,7 +78,7 @@ def test_strategy_table_has_every_column_and_finite_numbers(bench):
     output, _ = bench
     columns, rows = table(output, "strategy")
     assert columns == STRATEGY_COLUMNS
-    assert [row[0] for row in rows] == ["zero2", "fsdp", "tp", "checkpointing"]
+    assert [row[0] for row in rows] == ["zero2", "fsdp", "tp", "checkpointing", "pipeline-1f1b"]
     for row in rows:
         assert len(row) == len(columns), row
         assert row[STRATEGY_COLUMNS.index("ours MFU")] == "n/a"          # CPU: no MFU
@@ -144,6 +144,29 @@ def test_fsdp_and_tp_do_pytorchs_work(bench):
     # FSDP sends more than ZeRO-2 (gathers twice), less than the napkin's 1.5x: the root is
     # gathered once per step.
     assert rows["zero2"]["ours"]["sent_per_step"] < fsdp["ours"]["sent_per_step"] < fsdp["ours"]["napkin_sent_per_step"]
+
+
+def test_pipeline_does_pytorchs_work_and_reports_its_bubble(bench):
+    output, data = bench
+    row = next(r for r in data["strategies"] if r["strategy"] == "pipeline-1f1b")
+    ours, theirs = row["ours"], row["torch"]
+    # The same stages, micro-batches and fp32 steps: the same loss, the same activations held
+    # at the peak (1F1B: at most P micro-batches on a stage), our p2p bytes its formula exactly.
+    assert math.isclose(ours["last_loss"], theirs["last_loss"], rel_tol=1e-5), (ours, theirs)
+    assert math.isclose(ours["activation_bytes"], theirs["activation_bytes"], rel_tol=1e-3)
+    assert ours["sent_per_step"] == ours["napkin_sent_per_step"]
+    assert len(ours["bubbles"]) == 2 and all(0 <= b < 1 for b in ours["bubbles"])
+    assert "formula (P-1)/(M+P-1) 0.20" in output                 # P=2, M=4
+
+
+def test_pipeline_rows_need_a_model_that_splits(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "8")                # the tiny GPT: 4 blocks
+    args = parse_args(["--quick"])
+    assert "pipeline-1f1b" not in args.strategies
+    assert "4 blocks, fewer than 8 stages" in args.skipped["pipeline-1f1b"]
+    with pytest.raises(SystemExit):
+        parse_args(["--quick", "--strategies", "pipeline-gpipe", "--microbatches", "3"])
+    assert "leave them out of --strategies" in capsys.readouterr().err
 
 
 def test_tp_needs_a_world_that_divides_the_model(monkeypatch, capsys):
