@@ -4,8 +4,9 @@ ZeRO stage 3 (Rajbhandari et al. 2020, 5.3), built as PyTorch's FSDP (Zhao et al
 each unit of the model is one flat parameter sharded 1/N, all-gathered just before its forward
 and again before its backward, freed after each, its gradient reduce-scattered: 3 (N-1)/N of
 the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state.
-Left out: CPU offload, hybrid sharding, a stream of our own (NCCL's async collectives already
-run on theirs; wait() orders the compute stream after them), FSDP1's module-wrapper state API.
+FSDPOptimizer(offload=True) keeps the fp32 master shards and Adam's moments on the host (zero.py).
+Left out: offloading the parameters themselves, hybrid sharding, a stream of our own (NCCL's
+async collectives run on theirs; wait() orders the compute stream after them), FSDP1's state API.
 Run: torchrun --nproc_per_node 2 train.py --strategy fsdp; test: python -m pytest tests/test_fsdp.py
 
 Shapes: N ranks, r this rank, P elements in a unit, S = ceil(P / N) elements per shard.
@@ -19,7 +20,8 @@ import torch.nn as nn
 from collectives import as_comm, check_same_parameters, ring_bytes
 from mixed_precision import DynamicLossScaler
 from model import Block
-from zero import MAX_BUCKETS_IN_FLIGHT, FlatParams, unscale_and_clip
+from zero import (MAX_BUCKETS_IN_FLIGHT, FlatParams, gradients_to_host, host_buffer, host_copy,
+                  optimizer_state, unscale_and_clip)
 
 
 def gpt_blocks(module: nn.Module) -> bool:
@@ -31,8 +33,11 @@ class Unit(FlatParams):
     """One FSDP unit: the parameters of a module (minus nested units') as one flat parameter.
 
         master  (S,)    fp32, this rank's shard: the nn.Parameter the optimizer updates
+        grad    (S,)    fp32, this rank's reduced (and accumulated) gradient of the shard
         full    (N*S,)  compute dtype, gathered; its storage is resized to 0 between uses, and
                         the module's parameters stay views of it, so the module code never changes
+    Offloaded (FSDPOptimizer(offload=True)) the master lives on the host, and the device keeps
+        device_shard (S,) compute dtype, the master rounded: what the all-gathers send
     """
 
     def __init__(self, index, module, params, comm, compute_dtype):
@@ -49,6 +54,16 @@ class Unit(FlatParams):
         self.gathered = False        # full holds the parameters (storage allocated)
         self.pending = len(self.params)   # gradients not yet accumulated in this backward
         self.reduced = False         # this backward's reduce-scatter has been launched
+        self.grad = None
+        self.device_shard = None
+        self.host_grad = None        # offload: (S,) fp32 host buffer the gradient is copied into
+
+    def refresh(self):
+        """The master changed: a gathered copy is stale, and an offloaded master is copied back
+        to its device shard (host -> device, asynchronous from pinned memory)."""
+        if self.device_shard is not None:
+            self.device_shard.copy_(self.master.detach(), non_blocking=True)
+        self.free()
 
     def free(self):
         self.wait()
@@ -163,7 +178,8 @@ class FSDP(nn.Module):
         if unit.gathered:
             return
         unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
-        shard = unit.master.detach().to(self.compute_dtype)                      # (S,) on the wire
+        shard = (unit.device_shard if unit.device_shard is not None       # (S,) on the wire
+                 else unit.master.detach().to(self.compute_dtype))
         unit.gathering = (self.comm.all_gather(unit.full, shard, async_op=True), shard)  # -> (N*S,)
         unit.gathered = True
         self.events.append(("all-gather", unit.index))
@@ -240,7 +256,7 @@ class FSDP(nn.Module):
         handle.wait()
         # Upcast after the wire: accumulation and the update are fp32, whatever was sent.
         grad = output.float()
-        unit.master.grad = grad if unit.master.grad is None else unit.master.grad.add_(grad)
+        unit.grad = grad if unit.grad is None else unit.grad.add_(grad)
 
     def _finish_backward(self):
         # Units whose gradient never (fully) came still reduce-scatter: collectives match by
@@ -252,7 +268,7 @@ class FSDP(nn.Module):
         self._backward_hooked = False
 
     def finish_gradient_sync(self):
-        """Wait for the outstanding reduce-scatters: each shard's .grad is then its fp32 average."""
+        """Wait for the outstanding reduce-scatters: each unit's .grad is then its fp32 average."""
         while self._reductions:
             self._retire()
 
@@ -267,6 +283,14 @@ class FSDP(nn.Module):
             self._sync = True
 
     # ---- state ------------------------------------------------------------------------------
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The gradient shards this rank holds (fp32, on the device)."""
+        return [u.grad for u in self.units if u.grad is not None]
+
+    def device_shards(self) -> list[torch.Tensor]:
+        """The parameters the device keeps when the masters are offloaded (empty otherwise)."""
+        return [u.device_shard for u in self.units if u.device_shard is not None]
 
     def bytes_per_step(self, micro_batches: int = 1) -> int:
         """Bytes this rank sends per step (ring): per micro-batch one all-gather per unit for
@@ -287,8 +311,8 @@ class FSDP(nn.Module):
         Collective: every rank calls it."""
         names, out = self.names(), {}
         for unit in self.units:
-            flat = torch.empty(unit.full.numel(), device=unit.master.device)  # (N*S,) fp32
-            self.comm.all_gather(flat, unit.master.detach().clone())
+            flat = torch.empty(unit.full.numel(), device=unit.full.device)    # (N*S,) fp32
+            self.comm.all_gather(flat, unit.master.detach().to(flat.device, copy=True))
             out.update({names[p]: view.clone() for p, view in zip(unit.params, unit.views(flat))})
         out.update({name: p.detach().float().clone() for name, p in self.module.named_parameters()
                     if not p.requires_grad})
@@ -303,7 +327,7 @@ class FSDP(nn.Module):
             for p, view in zip(unit.params, unit.views(flat)):
                 view.copy_(state[names[p]])
             unit.master.copy_(unit.shard(flat, self.comm.rank))
-            unit.free()                              # a gathered copy would be stale
+            unit.refresh()
         for name, p in self.module.named_parameters():
             if not p.requires_grad:
                 p.copy_(state[name])
@@ -316,11 +340,22 @@ class FSDPOptimizer:
     zero.py's: unscale (fp16 loss scale), one global norm across ranks for clipping and for the
     inf/NaN skip that every rank agrees on, the inner step. No all-gather after it: the next
     forward gathers. Loop: zero_grad(); scale_loss(loss).backward() per micro-batch; step().
+    offload: ZeRO-Offload, as ZeroOptimizer's: the fp32 master shards (FSDP's parameters) and
+    the optimizer state move to the host and the step runs there; the device keeps each shard
+    in the compute dtype for the all-gathers, and the gradient shards.
     """
 
     def __init__(self, fsdp: FSDP, optimizer_cls=torch.optim.AdamW,
-                 scaler: DynamicLossScaler | None = None, **optimizer_kwargs):
-        self.fsdp = fsdp
+                 scaler: DynamicLossScaler | None = None, offload: bool = False, **optimizer_kwargs):
+        if offload not in (True, False):
+            raise ValueError(f"FSDPOptimizer offload must be True (the optimizer on the CPU) or "
+                             f"False, got {offload!r}")
+        self.fsdp, self.offload = fsdp, offload
+        if offload:
+            for unit in fsdp.units:
+                unit.device_shard = unit.master.detach().to(fsdp.compute_dtype, copy=True)   # (S,)
+                unit.host_grad = host_buffer(unit.device_shard)
+                unit.master.data = host_copy(unit.master)          # the device's fp32 copy is freed
         self.optimizer = optimizer_cls(list(fsdp.parameters()), **optimizer_kwargs)
         self.scaler = scaler or DynamicLossScaler(enabled=fsdp.compute_dtype == torch.float16)
         self.last_grad_norm = None
@@ -335,18 +370,33 @@ class FSDPOptimizer:
     def step(self, clip_grad: float | None = None) -> bool:
         """Unscale, clip across shards, update this rank's shards; False if skipped (inf/NaN)."""
         self.fsdp.finish_gradient_sync()
-        masters = [u.master for u in self.fsdp.units if u.master.grad is not None]
+        units = [u for u in self.fsdp.units if u.grad is not None]
+        grads = [u.grad for u in units]                                  # (S,) each, on the device
+        if self.offload:
+            # Gradients out, Adam on the CPU, the updated shards back in (Unit.refresh), where
+            # the next forward's all-gathers wait for them; zero.py says where it could overlap more.
+            grads = gradients_to_host(grads, [u.host_grad for u in units])
         skip, self.last_grad_norm = unscale_and_clip(
-            [m.grad for m in masters], masters, self.scaler, self.fsdp.comm, clip_grad,
-            self.fsdp.units[0].master.device)
+            grads, [u.master for u in units], self.scaler, self.fsdp.comm, clip_grad,
+            self.fsdp.units[0].full.device)
         if not skip:
             self.optimizer.step()
+            if self.offload:
+                for unit in self.fsdp.units:
+                    unit.refresh()
         self.scaler.update(skip)
         return not skip
 
     def zero_grad(self):
         for unit in self.fsdp.units:
-            unit.master.grad = None
+            unit.grad = unit.master.grad = None
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What offload keeps in host memory: fp32 masters, optimizer state, gradient buffers."""
+        if not self.offload:
+            return []
+        return [*(t for u in self.fsdp.units for t in (u.master, u.host_grad)),
+                *optimizer_state(self.optimizer)]
 
     def master_ranges(self) -> list[tuple]:
         """(param, start, stop, master, offset), as ZeroOptimizer's: checkpoints and resharding
@@ -358,7 +408,7 @@ class FSDPOptimizer:
     def refresh_params(self):
         """After the masters were written: drop any gathered copy; the next forward gathers."""
         for unit in self.fsdp.units:
-            unit.free()
+            unit.refresh()
 
     def state_dict(self) -> dict:
         """This rank's shard: the sharded state dict of a checkpoint."""

@@ -91,7 +91,7 @@ def nf4_bytes(numel: int, double_quant: bool = False) -> int:
 
 def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
                 optimizer: str = "adamw", trainable: int | None = None, quantized: int = 0,
-                double_quant: bool = False) -> dict:
+                double_quant: bool = False, offload: bool = False) -> dict:
     """Bytes one rank holds in parameters, gradients and optimizer state, and their total.
 
     A sharded quantity is one padded shard, c = ceil(P / N) elements: the implementation pads
@@ -102,8 +102,15 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     held whole, in the parameters' dtype, with no gradient and no optimizer state: the talk's
     "the model plus about 4x the trainable parameters". quantized: how many of the frozen
     ones are stored in NF4 (QLoRA), counted as one weight (each real matrix pads to 64 values).
+    offload (ZeRO-Offload, zero1/zero2/zero3 only): the optimizer shard moves to host memory,
+    and "host" counts it: fp32 master (fp32 training too: the CPU updates its own copy, the
+    device keeps the parameters), moments, and an fp32 buffer the gradient shard lands in.
+    "total" stays the device's bytes.
     """
     strategy = _strategy(strategy, world_size)
+    if offload and strategy == "ddp":
+        raise ValueError("offload moves a sharded optimizer to the host: use zero1, zero2 or "
+                         "zero3/fsdp (ddp keeps a whole optimizer on every rank)")
     per_param = bytes_per_param(precision, optimizer)
     trainable = n_params if trainable is None else trainable
     shard = -(-trainable // world_size)                             # c = ceil(P / N)
@@ -115,6 +122,11 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     held["params"] += nf4_bytes(-(-quantized // world_size) if SHARDED[strategy][0] else quantized,
                                 double_quant)
     held["total"] = sum(held.values())
+    if offload:
+        master = 4 * shard if per_param["params"] == 4 else 0     # 16-bit: already in "optimizer"
+        held["host"] = held["optimizer"] + master + 4 * shard
+        held["total"] -= held["optimizer"]
+        held["optimizer"] = 0
     return held
 
 
@@ -236,6 +248,7 @@ def held_bytes(model, optimizer) -> dict:
     Each storage counts once, whole: ZeRO's parameters are views of padded flat buffers and
     its fp32 master shards (fp32 training) views of those. The optimizer side counts fp32
     master copies and Adam's moments; DDP's and ZeRO's gradient buffers count as gradients.
+    An offloading optimizer's host tensors count under "host" (a key only it adds), first.
     """
     seen = set()
 
@@ -247,15 +260,17 @@ def held_bytes(model, optimizer) -> dict:
                 count += t.untyped_storage().nbytes()
         return count
 
+    host = getattr(optimizer, "host_tensors", list)()
+    host = {"host": total(host)} if host else {}
     inner = getattr(model, "module", model)   # FSDP's module: its frozen weights stay whole
-    params = [*model.parameters(), *inner.parameters()]
+    params = [*model.parameters(), *inner.parameters(), *getattr(model, "device_shards", list)()]
     masters = [p for group in optimizer.param_groups for p in group["params"]]
     states = [v for s in optimizer.optimizer.state.values() for v in s.values()
               if isinstance(v, torch.Tensor) and v.dim() > 0]
     buffers = [*getattr(model, "gradient_buffers", list)(), *getattr(optimizer, "gradient_buffers", list)()]
     return {"params": total(params + list(inner.buffers())),     # buffers: QLoRA's 4-bit weights
             "grads": total([p.grad for p in params + masters] + buffers),
-            "optimizer": total(masters + states)}
+            "optimizer": total(masters + states), **host}
 
 
 def live_tensor_bytes() -> int:
@@ -296,6 +311,8 @@ def _parse_args(argv=None):
     p.add_argument("--quantize-base", choices=("nf4",), default=None,
                    help="QLoRA: the frozen parameters in 4-bit NormalFloat (with --trainable)")
     p.add_argument("--double-quant", action="store_true", help="with --quantize-base: 8-bit scales")
+    p.add_argument("--offload", choices=("optimizer",), default=None,
+                   help="ZeRO-Offload: the sharded optimizer (fp32 master, moments) in host memory")
     args = p.parse_args(argv)
 
     if args.quantize_base and args.trainable is None:
@@ -315,6 +332,9 @@ def _parse_args(argv=None):
                 f"use --strategy ddp, or drop --world")
     if args.grad_accum < 1:
         p.error("--grad-accum must be at least 1")
+    if args.offload and args.strategy in ("ddp", "single"):
+        p.error(f"--offload optimizer moves a sharded optimizer to the host, and --strategy "
+                f"{args.strategy} keeps it whole: use --strategy zero1, zero2 or fsdp")
     if args.model is not None:
         cfg = PRESETS[args.model]
         args.seq_len = cfg.block_size if args.seq_len is None else args.seq_len
@@ -335,10 +355,13 @@ def _trainable(args):
 
 
 def _state(n_params, strategy, args):
+    """state_bytes for the command line's choices; --offload applies to the sharded strategies."""
     trainable = _trainable(args)
     quantized = n_params - trainable if args.quantize_base else 0
+    offload = bool(args.offload) and _strategy(strategy, args.world) != "ddp"
     return state_bytes(n_params, strategy, args.precision, args.world, args.optimizer,
-                       trainable=trainable, quantized=quantized, double_quant=args.double_quant)
+                       trainable=trainable, quantized=quantized, double_quant=args.double_quant,
+                       offload=offload)
 
 
 def _sent(n_params, strategy, args):
@@ -360,13 +383,16 @@ def _table(n_params, args):
     print(f"{n_params:,} parameters on {args.world} ranks, {args.precision} with {args.optimizer}: "
           f"{per_param['params']} + {per_param['grads']} + {per_param['optimizer']} = "
           f"{sum(per_param.values())} bytes per parameter before sharding")
-    print(f"per rank, in {name}; sent: ring algorithm, per step")
-    print(f"{'strategy':<9}{'params':>9}{'grads':>9}{'optimizer':>11}{'total':>9} |{'sent':>8}  collectives")
+    print(f"per rank, in {name}; sent: ring algorithm, per step"
+          + ("; --offload: the zero stages' optimizer in host memory (ddp cannot)" if args.offload else ""))
+    host = f"{'host':>9}" if args.offload else ""
+    print(f"{'strategy':<9}{'params':>9}{'grads':>9}{'optimizer':>11}{'total':>9}{host} |{'sent':>8}  collectives")
     for strategy in STRATEGIES:
         held = _state(n_params, strategy, args)
         sent = _sent(n_params, strategy, args)
+        host = f"{held['host'] / unit:9.2f}" if "host" in held else f"{'-':>9}" if args.offload else ""
         print(f"{strategy:<9}{held['params'] / unit:9.2f}{held['grads'] / unit:9.2f}"
-              f"{held['optimizer'] / unit:11.2f}{held['total'] / unit:9.2f} |"
+              f"{held['optimizer'] / unit:11.2f}{held['total'] / unit:9.2f}{host} |"
               f"{sum(sent.values()) / unit:8.2f}  {COLLECTIVES[strategy]}")
 
 
@@ -384,7 +410,7 @@ def _breakdown(n_params, args):
     print(f"per rank{'bytes':>54}{'MiB':>12}{'GB':>10}   (MiB = 2**20 bytes, as train.py logs; GB = 1e9)")
     row(f"parameters ({how[0]})", held["params"])
     row(f"gradients ({how[1]})", held["grads"])
-    row(f"optimizer state ({how[2]})", held["optimizer"])
+    row(f"optimizer state ({how[2]}{', offloaded' if 'host' in held else ''})", held["optimizer"])
     totals = {"": held["total"]}
     if args.model is not None:
         cfg = PRESETS[args.model]
@@ -403,6 +429,8 @@ def _breakdown(n_params, args):
                   " with checkpointing": held["total"] + ckpt + logits}
     for suffix, value in totals.items():
         row(f"total{suffix}", value)
+    if "host" in held:
+        row("host: fp32 master, moments, gradient copy", held["host"])
     print(f"sent per rank per step (ring algorithm): "
           f"{'nothing, one rank' if strategy == 'single' else COLLECTIVES[canonical]}")
     for name, value in sent.items():

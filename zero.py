@@ -5,7 +5,10 @@ precision. ZeRO (Rajbhandari et al. 2020, sections 5.1 and 5.2) lays the paramet
 buffer split into N equal shards; rank r keeps the optimizer state (stage 1) and the reduced
 gradient (stage 2) of shard r only, updates that shard, and all-gathers the parameters. A
 reduce-scatter plus an all-gather move exactly what DDP's all-reduce moves: the memory is free.
-Left out: stage 3 (fsdp.py reuses FlatParams below), CPU offload, ZeRO++'s quantised messages.
+offload=True is ZeRO-Offload (Ren et al. 2021, section 4): the shard's fp32 master and Adam
+moments live in host memory and the step runs on the CPU; parameters and gradients stay put.
+Left out: stage 3 (fsdp.py reuses FlatParams below), ZeRO++'s quantised messages, offload's
+one-step delayed update and a vectorised CPU Adam (torch's own runs on the host).
 Run: torchrun --nproc_per_node 2 train.py --strategy zero2; test: python -m pytest tests/test_zero.py
 
 Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements per shard.
@@ -87,6 +90,7 @@ class Bucket(FlatParams):
         self.grad_flat = None     # (N*S,) full gradient: stage 1 always, stage 2 only in flight
         self.pending = len(self.params)   # stage 2: gradients not yet copied in this backward
         self.reduction = None     # stage 2: (handle, output) of its reduce-scatter in flight
+        self.host_grad = None     # offload: (S,) fp32 host buffer the reduced gradient lands in
 
 
 class ZeroOptimizer:
@@ -97,11 +101,14 @@ class ZeroOptimizer:
     master), bf16 and fp16 keep an fp32 master shard, fp16 also scales the loss (scaler).
     group: a collectives.Comm, a process group or None (the world). bucket_mb: the size of
     each flat buffer; stage 2 reduces one bucket while backward computes the next.
+    offload: keep the fp32 masters and the optimizer state on the host and step there (the
+    device then holds only the parameters and the gradient shards).
     Training loop: zero_grad(); scale_loss(loss).backward() per micro-batch; step().
     """
 
     def __init__(self, params, stage: int = 1, optimizer_cls=torch.optim.AdamW, group=None,
-                 bucket_mb: float = 25, scaler: DynamicLossScaler | None = None, **optimizer_kwargs):
+                 bucket_mb: float = 25, scaler: DynamicLossScaler | None = None,
+                 offload: bool = False, **optimizer_kwargs):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}; stage 3 shards the "
                              f"parameters too: that is FSDP (fsdp.py)")
@@ -115,7 +122,10 @@ class ZeroOptimizer:
                              f"model.to(torch.bfloat16)")
         self.comm = as_comm(group)
         check_same_parameters(trainable, self.comm)
-        self.stage = stage
+        if offload not in (True, False):
+            raise ValueError(f"ZeroOptimizer offload must be True (the optimizer on the CPU) or "
+                             f"False, got {offload!r}")
+        self.stage, self.offload = stage, offload
         n, r = self.comm.world_size, self.comm.rank
         # Reverse registration order is roughly the order backward produces gradients (stage 2
         # reduces buckets as they fill); each bucket is sharded N ways, so rank r's share of
@@ -124,7 +134,11 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             self.comm.broadcast(bucket.flat, src=0)                  # ranks start identical
             shard = bucket.shard(bucket.flat, r)                     # (S,) a view of the parameters
-            bucket.master = shard if shard.dtype == torch.float32 else shard.float()
+            if offload:
+                # Even in fp32 the host needs its own copy: the CPU cannot update device memory.
+                bucket.master, bucket.host_grad = host_copy(shard), host_buffer(shard)
+            else:
+                bucket.master = shard if shard.dtype == torch.float32 else shard.float()
         self.optimizer = optimizer_cls([b.master for b in self.buckets], **optimizer_kwargs)
         self.scaler = scaler or DynamicLossScaler(enabled=trainable[0].dtype == torch.float16)
         self.last_grad_norm = None
@@ -206,15 +220,21 @@ class ZeroOptimizer:
         if self.stage == 1:
             self._reduce_scatter_full_gradients()
         buckets = [b for b in self.buckets if b.grad_shard is not None]
-        skip, self.last_grad_norm = unscale_and_clip([b.grad_shard for b in buckets],
-                                                     [b.master for b in buckets], self.scaler,
+        grads = [b.grad_shard for b in buckets]                          # (S,) each, on the device
+        if self.offload:
+            # ZeRO-Offload's step: gradients out, Adam on the CPU, parameters back in. It could
+            # overlap more: copy each shard out as its reduce-scatter retires in backward, step
+            # bucket i on the CPU while bucket i+1 is still on its way, or (the paper's delayed update) run
+            # the whole CPU step beside the next forward with the weights one step stale.
+            grads = gradients_to_host(grads, [b.host_grad for b in buckets])
+        skip, self.last_grad_norm = unscale_and_clip(grads, [b.master for b in buckets], self.scaler,
                                                      self.comm, clip_grad, self.buckets[0].flat.device)
         if not skip:
-            self.optimizer.step()
+            self.optimizer.step()                        # on the host's shards when offloaded
             self._all_gather_parameters()
         for bucket in buckets:
-            if bucket.master.dtype != bucket.flat.dtype:
-                bucket.master.grad = None                # the fp32 copy lives only inside step()
+            if bucket.master.grad is not bucket.grad_shard:
+                bucket.master.grad = None                # an fp32 or host copy lives only inside step()
             if self.stage == 1:                          # the full gradient stays until zero_grad()
                 bucket.grad_shard = bucket.master.grad = None
         self.scaler.update(skip)
@@ -246,7 +266,10 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             shard = bucket.shard(bucket.flat, r)
             if bucket.master is not shard:
-                shard.copy_(bucket.master)               # round the fp32 master into the model
+                # Round the fp32 master into the model. Offloaded, this is the host -> device copy:
+                # from pinned memory it is asynchronous, and the stream runs it before the
+                # clone below, so bucket i's all-gather overlaps bucket i+1's copy.
+                shard.copy_(bucket.master, non_blocking=True)
             # The input is a copy: it must not alias the buffer being gathered into.
             gathers.append(self.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
         for handle in gathers:
@@ -276,6 +299,13 @@ class ZeroOptimizer:
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The gradient memory this rank holds: full flat buffers (stage 1) or shards (stage 2)."""
         return [t for b in self.buckets for t in (b.grad_flat, b.grad_shard) if t is not None]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What offload keeps in host memory: fp32 masters, optimizer state, gradient buffers."""
+        if not self.offload:
+            return []
+        return [*(t for b in self.buckets for t in (b.master, b.host_grad)),
+                *optimizer_state(self.optimizer)]
 
     def bytes_per_step(self, micro_batches: int = 1) -> int:
         """Bytes this rank sends per step (ring): reduce-scatter + all-gather of every bucket.
@@ -307,6 +337,36 @@ class ZeroOptimizer:
             for bucket, master in zip(self.buckets, state["masters"]):
                 bucket.master.copy_(master)
         self._all_gather_parameters()                    # the full parameters follow the shards
+
+
+# ---- CPU offload (ZeRO-Offload), shared with fsdp.py -------------------------------------------
+
+def host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An empty fp32 host tensor shaped like `like`, pinned when `like` is on a GPU: only from
+    pinned (page-locked) memory can a copy run as a DMA transfer that does not block the CPU."""
+    return torch.empty(like.shape, dtype=torch.float32, pin_memory=like.is_cuda)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of `t` in (pinned) host memory."""
+    return host_buffer(t).copy_(t.detach())
+
+
+def gradients_to_host(grads: list, buffers: list) -> list:
+    """Copy each device gradient shard (S,) into its fp32 host buffer (S,); return the buffers."""
+    for grad, buffer in zip(grads, buffers):
+        buffer.copy_(grad, non_blocking=True)    # queued behind the reduce-scatter that made grad
+    if grads and grads[0].is_cuda:
+        # One wait for all of them (the copies run back to back): the CPU step must not read a
+        # buffer before its bytes have landed.
+        torch.cuda.current_stream(grads[0].device).synchronize()
+    return buffers
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The inner optimizer's per-element state tensors (Adam's moments), not its step counts."""
+    return [v for s in optimizer.state.values() for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
 def unscale_and_clip(grads: list, masters: list, scaler: DynamicLossScaler, comm, clip_grad,

@@ -136,7 +136,7 @@ def _full_gradients(wrapped, scale):
     names, grads = wrapped.names(), {}
     for unit in wrapped.units:
         flat = torch.empty(unit.full.numel())                         # (N*S,)
-        dist.all_gather_single(flat, unit.master.grad / scale)
+        dist.all_gather_single(flat, unit.grad / scale)
         grads.update({names[p]: g.clone() for p, g in zip(unit.params, unit.views(flat))})
     return grads
 
@@ -222,16 +222,16 @@ def _errors():
     return errors
 
 
-def _state_round_trip(batches):
+def _state_round_trip(batches, offload=False):
     """Train 2 steps, save the full and sharded state, load them into a fresh FSDP (other
     initial weights) and train step 3 in both: the same parameters, bit for bit."""
     runs = []
     for resume in (False, True):
-        wrapped, opt = _wrap(_gpt())
+        wrapped, opt = _wrap(_gpt(), offload=offload)
         _train_fsdp(wrapped, opt, batches[:2])
         if resume:
             weights, state = wrapped.full_state_dict(all_ranks=True), opt.state_dict()
-            wrapped, opt = _wrap(_gpt(seed=1))
+            wrapped, opt = _wrap(_gpt(seed=1), offload=offload)
             wrapped.load_full_state_dict(weights)
             opt.load_state_dict(state)
         runs.append(_train_fsdp(wrapped, opt, batches[2:3])["params"])
@@ -257,12 +257,21 @@ def _launch(full):
     out["torch"] = _fully_shard(data)
     out["errors"] = _errors()
     out["round_trip"] = _state_round_trip(data)
+    # CPU offload: the runs above again, with the masters and Adam's moments on the host
+    out["offload_fp32"] = _train_fsdp(*_wrap(_gpt(), offload=True), data, clip=CLIP)
+    wrapped, opt = _wrap(_gpt(), dtype=torch.bfloat16, offload=True)
+    out["offload_bf16"] = _train_fsdp(wrapped, opt, data)
+    out["offload_bf16"].update(held=held_bytes(wrapped, opt),
+                               shard_numel=sum(u.master.numel() for u in wrapped.units))
+    out["offload_tied"] = _train_fsdp(*_wrap(_tied(), wrap=_tied_policy, offload=True), tied_data,
+                                      accum=ACCUM)
+    out["offload_round_trip"] = _state_round_trip(data, offload=True)
     return out
 
 
-def _wrap(model, dtype=None, scaler=None, wrap=None):
+def _wrap(model, dtype=None, scaler=None, wrap=None, offload=False):
     wrapped = FSDP(model, compute_dtype=dtype, **({"wrap": wrap} if wrap else {}))
-    return wrapped, FSDPOptimizer(wrapped, scaler=scaler, **ADAMW)
+    return wrapped, FSDPOptimizer(wrapped, scaler=scaler, offload=offload, **ADAMW)
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +327,28 @@ def test_mixed_precision(two, single, precision):
 def test_full_and_sharded_state_round_trip(two):
     straight, resumed = two[0]["round_trip"]
     assert_tensors_close(resumed, straight, rtol=0, atol=0, what="loaded state")
+
+
+@pytest.mark.parametrize("variant, reference", [("offload_fp32", "fp32"), ("offload_bf16", "bf16"),
+                                                ("offload_tied", "tied_nosyncFalse")])
+def test_offload_equals_the_optimizer_on_the_device(two, variant, reference):
+    """Tolerance 0 (test_zero's reasoning: with no GPU both step the same fp32 shards with the
+    same CPU kernels; the device shard is the host master rounded exactly as the gather rounds it)."""
+    for rank, o in enumerate(two):
+        what = f"rank {rank} fsdp {variant} vs {reference}"
+        assert o[variant]["losses"] == o[reference]["losses"], what
+        _assert_grads_close(o[variant]["grads"], o[reference]["grads"], what, tol=0)
+        assert_tensors_close(o[variant]["params"], o[reference]["params"], rtol=0, atol=0, what=what)
+    straight, resumed = two[0]["offload_round_trip"]
+    assert_tensors_close(resumed, straight, rtol=0, atol=0, what="offload loaded state")
+
+
+def test_offload_leaves_the_device_the_compute_shard_and_the_gradient(two):
+    # bf16: the device keeps the 2-byte shard the gathers send and the fp32 gradient shard; the
+    # host the fp32 master, Adam's two moments and the gradient's fp32 copy (16 bytes each).
+    o = two[0]["offload_bf16"]
+    s = o["shard_numel"]
+    assert o["held"] == {"params": 2 * s, "grads": 4 * s, "optimizer": 0, "host": 16 * s}, (o["held"], s)
 
 
 def test_matches_torch_fully_shard(two):

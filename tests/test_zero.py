@@ -294,14 +294,15 @@ def _zero_launch():
 
     def zero(stage, model=None, dtype=None, optimizer_cls=torch.optim.AdamW, kwargs=ADAMW,
              accum=1, clip=None, comm=None, bucket_mb=BUCKET_MB, batches=data, scaler=None,
-             probe=False, extra=None):
+             probe=False, extra=None, offload=False):
         def run():
             m = _gpt(seed=rank) if model is None else model()    # ranks differ until broadcast
             if dtype is not None:
                 m = m.to(dtype)
             before = _params(m)
             opt = ZeroOptimizer(m.parameters(), stage=stage, optimizer_cls=optimizer_cls,
-                                group=comm, bucket_mb=bucket_mb, scaler=scaler, **kwargs)
+                                group=comm, bucket_mb=bucket_mb, scaler=scaler, offload=offload,
+                                **kwargs)
             init = _params(m)
             if comm is not None:
                 comm.bytes_sent.clear()                          # drop the construction broadcast
@@ -343,6 +344,16 @@ def _zero_launch():
     for stage in (1, 2):
         _variant(out, f"bf16_{stage}", zero(stage, dtype=torch.bfloat16))
         _variant(out, f"fp16_{stage}", zero(stage, dtype=torch.float16, scaler=_fp16_scaler()))
+    # 12: CPU offload, against the same runs without it
+    def host_layout(m, opt):
+        return {"masters_apart": all(b.master.data_ptr() != b.shard(b.flat, rank).data_ptr()
+                                     for b in opt.buckets),
+                "host_bytes": sum(t.nbytes for t in opt.host_tensors())}
+    for name, stage, kwargs in (("offload1", 1, {}), ("offload2", 2, {}),
+                                ("offload2_accum", 2, {"accum": ACCUM}),
+                                ("offload2_bf16", 2, {"dtype": torch.bfloat16}),
+                                ("offload1_fp16", 1, {"dtype": torch.float16, "scaler": _fp16_scaler()})):
+        _variant(out, name, zero(stage, offload=True, extra=host_layout, **kwargs))
     # 8: ring collectives counting bytes, ZeRO and our DDP; stage 2 then one step of ACCUM
     # micro-batches, which reduce-scatters once per micro-batch
     def ring_accum_step(m, opt):                                 # after the 5 measured steps
@@ -488,7 +499,8 @@ def _zero_launch():
                           ("stage0", lambda: ZeroOptimizer(_gpt().parameters(), stage=0)),
                           ("frozen", lambda: ZeroOptimizer(
                               nn.Linear(2, 2).requires_grad_(False).parameters())),
-                          ("empty", lambda: ZeroOptimizer([]))]:
+                          ("empty", lambda: ZeroOptimizer([])),
+                          ("offload", lambda: ZeroOptimizer(_gpt().parameters(), offload="cpu"))]:
             try:
                 make()
                 res[key] = None
@@ -872,3 +884,31 @@ def test_clear_errors(launch):
         for key in ("frozen", "empty"):
             assert out[key] is not None and out[key][0] == "ValueError", out[key]
             assert "trainable" in out[key][1], out[key][1]
+        assert out["offload"] == ("ValueError", "ZeroOptimizer offload must be True (the optimizer "
+                                                "on the CPU) or False, got 'cpu'"), out["offload"]
+
+
+# ---- CPU offload ----------------------------------------------------------------------------
+
+OFFLOADED = {"offload1": "zero1", "offload2": "zero2", "offload2_accum": "zero2_accum",
+             "offload2_bf16": "bf16_2", "offload1_fp16": "fp16_1"}
+
+
+@pytest.mark.parametrize("variant", OFFLOADED)
+def test_offload_equals_the_optimizer_on_the_device(launch, variant):
+    """Offload moves where the step runs, not what it computes. Tolerance 0, every precision:
+    with no GPU both runs update the same fp32 shards with the same CPU kernels, and the 16-bit
+    gradient widens to fp32 exactly on either side. (On a GPU the CPU's Adam and the device's
+    differ in their last bits: the tolerance would then be the one against one process.)"""
+    n, ranks = launch
+    for rank, (off, ref) in enumerate(zip(_get(ranks, variant), _get(ranks, OFFLOADED[variant]))):
+        what = f"N={n} rank {rank} {variant} vs {OFFLOADED[variant]}"
+        assert (off["losses"], off["norms"], off["scales"], off["stepped"]) == \
+            (ref["losses"], ref["norms"], ref["scales"], ref["stepped"]), what
+        _assert_grads_close(off["grads"], ref["grads"], what, tol=0)
+        assert_tensors_close(off["params"], ref["params"], rtol=0, atol=0, what=what)
+        # The inner optimizer steps fp32 shards of its own (not views of the model's buffers);
+        # the host holds, per shard element, master 4 + Adam's moments 8 + the gradient's copy 4.
+        assert off["masters_apart"] and off["inner_numels"] == off["shard_numels"], what
+        assert off["inner_dtypes"] == [torch.float32] * len(off["shard_numels"]), what
+        assert off["host_bytes"] == 16 * sum(off["shard_numels"]), what
