@@ -83,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--collectives", choices=("native", "ring"), default="native",
                    help="torch.distributed's collectives, or ours from send/recv")
     p.add_argument("--bucket-mb", type=float, default=25, help="DDP gradient bucket size")
+    p.add_argument("--offload", choices=("optimizer",), default=None,
+                   help="zero1/zero2/fsdp: keep the fp32 master shards and Adam's moments in CPU memory "
+                        "and step there (ZeRO-Offload): less device memory, a copy each way per step")
     p.add_argument("--prefetch", type=int, default=1,
                    help="fsdp/zero3: units all-gathered ahead of the one computing (0: none)")
     p.add_argument("--seed", type=int, default=0)
@@ -187,6 +190,9 @@ def check_args(parser, args, world_size):
     if args.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         parser.error("--precision bf16: this GPU has no bf16 arithmetic (it needs compute "
                      "capability 8.0 or newer): use --precision fp16 (with loss scaling)")
+    if args.offload and args.strategy not in ("zero1", "zero2", "fsdp", "zero3"):
+        parser.error(f"--offload optimizer moves a sharded optimizer to the CPU: use --strategy zero1, "
+                     f"zero2 or fsdp (--strategy {args.strategy} keeps no optimizer shard to move)")
     if (args.resume or args.save_every) and not args.out:
         parser.error("--resume and --save-every need a run directory: add --out DIR")
     if args.resume and args.init_from and not args.lora:
@@ -351,12 +357,12 @@ def build(args, device, comm, split, data):
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     if fsdp:
         model = FSDP(gpt, compute_dtype=DTYPES[args.precision], group=comm, prefetch=args.prefetch)
-        optimizer = FSDPOptimizer(model, torch.optim.AdamW, **adamw)
+        optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(args.offload), **adamw)
         return gpt, model, optimizer, model.bytes_per_step(micro_batches=args.grad_accum)
     if args.strategy in ("zero1", "zero2"):
         optimizer = ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]),
                                   optimizer_cls=torch.optim.AdamW, group=comm,
-                                  bucket_mb=args.bucket_mb, **adamw)
+                                  bucket_mb=args.bucket_mb, offload=bool(args.offload), **adamw)
         predicted = optimizer.bytes_per_step(micro_batches=args.grad_accum)
     elif args.strategy == "tp":
         # gpt keeps its names (token_emb.weight, blocks.0.attn.query.weight...) for checkpoints.
@@ -640,10 +646,11 @@ def main(argv=None) -> dict:
     else:
         napkin = state_bytes(n_params, "ddp" if args.strategy == "single" else args.strategy,
                              args.precision, world_size, trainable=trainable, quantized=quantized,
-                             double_quant=args.double_quant)
+                             double_quant=args.double_quant, offload=bool(args.offload))
     say(f"napkin math per rank (memory.py): params {napkin['params'] / 2**20:.1f} MiB, grads "
         f"{napkin['grads'] / 2**20:.1f}, optim {napkin['optimizer'] / 2**20:.1f}, total "
-        f"{napkin['total'] / 2**20:.1f}")
+        f"{napkin['total'] / 2**20:.1f}" + (f" on the device, {napkin['host'] / 2**20:.1f} in CPU "
+                                            f"memory (--offload)" if args.offload else ""))
 
     history = {"losses": {}, "live_bytes": {}}
     step_done = start_profiling(args, rank, world_size)
@@ -674,6 +681,7 @@ def main(argv=None) -> dict:
                 torch.cuda.synchronize()
             tokens_per_s = tokens_per_step * (step - last_timed) / (time.perf_counter() - timer)
             held = held_bytes(model.module if isinstance(model, pipeline.Pipeline) else model, optimizer)
+            host = held.pop("host", None)                           # --offload: CPU memory
             peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else sum(held.values())
             history["losses"][step] = loss
             if device.type == "cpu":
@@ -681,7 +689,8 @@ def main(argv=None) -> dict:
             say(f"step {step:5d} | loss {loss:.4f} | lr {learning_rate(step, args):.2e} | "
                 f"{tokens_per_s / 1e3:7.1f}k tok/s | mem {peak / 2**20:.1f} MiB (params "
                 f"{held['params'] / 2**20:.1f}, grads {held['grads'] / 2**20:.1f}, optim "
-                f"{held['optimizer'] / 2**20:.1f}) | sent {sum(comm.bytes_sent.values()) / 2**20:.2f} "
+                f"{held['optimizer'] / 2**20:.1f}" + (f", host {host / 2**20:.1f}" if host else "")
+                + f") | sent {sum(comm.bytes_sent.values()) / 2**20:.2f} "
                 f"MiB/step (ring formula {predicted / 2**20:.2f})" + (f" | skipped {skipped}" if skipped else ""))
             if isinstance(model, pipeline.Pipeline):
                 bubbles = history.setdefault("bubble", {})[step] = model.measured_bubbles()

@@ -86,3 +86,40 @@ def test_batch_that_does_not_divide_names_the_fix():
 def test_single_strategy_under_torchrun_names_the_fix():
     result = run("--strategy", "single", ranks=2, check=False)
     assert result.returncode != 0 and "use --strategy ddp" in result.stderr
+
+
+# ---- --offload optimizer: the same run, the optimizer in CPU memory -------------------------------
+
+def _offload_runs(root):
+    import shutil
+    import torch.distributed as dist
+    import train
+    from test_snapshot import RUN
+    out = {}
+    for strategy in ("zero2", "fsdp"):
+        argv = [*RUN, "--strategy", strategy]
+        saved, resumed = os.path.join(root, strategy), os.path.join(root, strategy + "-resumed")
+        out[strategy] = {
+            "device": train.main(argv),
+            "offload": train.main([*argv, "--offload", "optimizer", "--out", saved, "--save-every", "3"])}
+        if dist.get_rank() == 0:                      # as if the run stopped after step 3
+            shutil.copytree(saved, resumed, ignore=shutil.ignore_patterns("ckpt-0000006"))
+        dist.barrier()
+        out[strategy]["resumed"] = train.main([*argv, "--offload", "optimizer", "--out", resumed, "--resume"])
+    return out
+
+
+def test_offload_trains_and_resumes_exactly_as_on_the_device(tmp_path):
+    """The same AdamW on the same fp32 shards, run on the CPU's copy: the same curve bit for bit,
+    and its checkpoint (masters and moments read from host memory) resumes it bit for bit."""
+    from multiprocess import run_ranks
+    runs = run_ranks(_offload_runs, 2, str(tmp_path))[0]
+    for strategy, run in runs.items():
+        assert run["offload"]["losses"] == run["device"]["losses"], strategy
+        assert run["resumed"]["losses"] == {s: run["offload"]["losses"][s] for s in (3, 4, 5)}, strategy
+
+
+def test_offload_needs_a_sharded_optimizer():
+    result = run("--strategy", "ddp", "--offload", "optimizer", ranks=2, check=False)
+    assert result.returncode != 0
+    assert result.stderr.count("use --strategy zero1, zero2 or fsdp") == 2, result.stderr
