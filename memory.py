@@ -7,13 +7,16 @@ figure 1; activations: Korthikanti et al. 2022, "Reducing Activation Recomputati
 Transformer Models", section 4). held_bytes() measures the same three on a live rank.
 Left out: transient buffers (FSDP's gathered unit, the fp32 gradient inside a mixed-precision
 step), fragmentation, the CUDA context.
-Run: python memory.py --params 7.5e9 --world 64; test: python -m pytest tests/test_memory.py
+Run: python memory.py --params 7.5e9 --world 64; the lecture's flow chart as advice:
+python memory.py --advise --model gpt2-small --gpu-mem 24GB --world 4 --target-batch 64
+Test: python -m pytest tests/test_memory.py
 
 Shapes: P parameters, N world size, c = ceil(P / N) elements per shard; activations: s sequence,
 b micro-batch per rank, h hidden (n_embd), a heads, L layers, V vocabulary.
 """
 import argparse
 import gc
+from dataclasses import dataclass
 
 import torch
 
@@ -237,6 +240,127 @@ def tp_params(name_or_config, tp: int) -> int:
     return V * C // tp + cfg.block_size * C + cfg.n_layer * block + 2 * C + head
 
 
+# ---- the advisor: the lecture's flow chart, rung by rung ------------------------------------
+#
+#   mixed precision always (bf16, or fp16 where the GPU has no bf16)
+#   -> micro-batch 1 fits with ddp?  then zero2 and the largest micro-batch that fits
+#   -> else zero3/fsdp  -> + activation checkpointing  -> + optimizer offloaded to the CPU
+#   -> else LoRA (train adapters only)  -> QLoRA (the frozen base in 4 bits)
+# Gradient accumulation fills the rest of the target batch at every rung.
+
+LORA_RANK, LORA_TARGETS = 8, ("query", "value")
+
+
+@dataclass
+class Advice:
+    """One rung: what train.py runs, and the napkin bytes per rank it needs."""
+    rung: str
+    strategy: str
+    micro_batch: int              # sequences per rank per forward
+    grad_accum: int
+    flags: list                   # train.py flags beyond strategy, batch and accumulation
+    held: dict                    # params, grads, optimizer, activations, total (device bytes)
+    fits: bool
+
+    def argv(self, model: str, precision: str, seq_len: int, target_batch: int) -> list:
+        return ["--strategy", self.strategy, "--model", model, "--precision", precision,
+                "--batch-size", str(target_batch), "--seq-len", str(seq_len),
+                "--grad-accum", str(self.grad_accum), *self.flags]
+
+
+def lora_params(cfg: GPTConfig, rank: int = LORA_RANK, targets: int = len(LORA_TARGETS)) -> int:
+    """Trainable parameters of LoRA on `targets` C x C projections per block: A (r x C), B (C x r)."""
+    return cfg.n_layer * targets * 2 * rank * cfg.n_embd
+
+
+def parse_bytes(text: str) -> int:
+    """'24GB' (1e9), '512MiB' (2**20), '80G', '1.5e9' -> bytes."""
+    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 1e9, "MB": 1e6, "KB": 1e3,
+             "G": 1e9, "M": 1e6, "K": 1e3, "B": 1}
+    upper = text.strip().upper()
+    for unit, size in units.items():
+        if upper.endswith(unit):
+            return int(float(upper[: -len(unit)]) * size)
+    return int(float(upper))
+
+
+def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int,
+           precision: str = "bf16", headroom: float = 0.1) -> list[Advice]:
+    """Walk the flow chart; every rung tried, the last one the first that fits (if any does).
+
+    A rung fits when its per-rank bytes (states + one micro-batch's activations and logits)
+    stay under (1 - headroom) x gpu_mem. target_batch: the global batch in sequences.
+    """
+    if target_batch % world:
+        raise ValueError(f"--target-batch {target_batch} does not split over {world} ranks: "
+                         f"use a multiple of {world}")
+    cfg, n = PRESETS[model], model_params(model)
+    per_rank, value = target_batch // world, _element_size(precision)
+    budget = (1 - headroom) * gpu_mem
+    adapted = cfg.n_layer * len(LORA_TARGETS) * cfg.n_embd ** 2        # weights LoRA wraps
+    lora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(LORA_TARGETS)]
+    rungs = [  # (name, strategy, checkpointing, offload, trainable, quantized, flags)
+        ("ddp, micro-batch 1", "ddp" if world > 1 else "single", False, False, n, 0, []),
+        ("zero3 (fsdp)", "fsdp", False, False, n, 0, []),
+        ("fsdp + activation checkpointing", "fsdp", True, False, n, 0, ["--checkpoint-activations"]),
+        ("fsdp + checkpointing + optimizer offloaded to the CPU", "fsdp", True, True, n, 0,
+         ["--checkpoint-activations", "--offload", "optimizer"]),
+        ("LoRA (fsdp + checkpointing)", "fsdp", True, False, lora_params(cfg), 0,
+         ["--checkpoint-activations", *lora]),
+        ("QLoRA: the frozen base in 4-bit NF4", "fsdp", True, False, lora_params(cfg), adapted,
+         ["--checkpoint-activations", *lora, "--quantize-base", "nf4"]),
+    ]
+    tried = []
+    for name, strategy, checkpointing, offload, trainable, quantized, flags in rungs:
+        def need(b, strategy=strategy):
+            states = state_bytes(n, strategy, precision, world, trainable=trainable,
+                                 quantized=quantized, offload=offload)
+            act = activation_bytes(seq_len, b, cfg.n_embd, cfg.n_head, cfg.n_layer, checkpointing,
+                                   value) + logits_bytes(seq_len, b, cfg.vocab_size)
+            return {"params": states["params"], "grads": states["grads"],
+                    "optimizer": states["optimizer"], "activations": act,
+                    "total": states["total"] + act, **({"host": states["host"]} if offload else {})}
+        held = need(1)
+        if held["total"] > budget:
+            tried.append(Advice(name, strategy, 1, per_rank, flags, held, False))
+            continue
+        if strategy == "ddp":                  # it fits: shard gradients and optimizer, grow b
+            name, strategy = "zero2, the largest micro-batch that fits", "zero2"
+        elif strategy == "single":             # one GPU: nothing to shard, grow b
+            name = "one GPU, the largest micro-batch that fits"
+        b = max(d for d in range(1, per_rank + 1) if per_rank % d == 0 and need(d, strategy)["total"] <= budget)
+        tried.append(Advice(name, strategy, b, per_rank // b, flags, need(b, strategy), True))
+        break
+    return tried
+
+
+def _advise(args):
+    if args.model is None:
+        raise SystemExit("memory.py: error: --advise needs --model (a preset: the flow chart needs its shape)")
+    gpu_mem = parse_bytes(args.gpu_mem)
+    seq_len = args.seq_len or PRESETS[args.model].block_size
+    precision = "bf16" if args.bf16 else "fp16"
+    rungs = advise(args.model, gpu_mem, args.world, seq_len, args.target_batch, precision)
+    print(f"{args.model} ({model_params(args.model):,} parameters) on {args.world} GPU(s) of "
+          f"{gpu_mem / GB:.0f} GB, seq len {seq_len}, target batch {args.target_batch}, {precision} "
+          f"(mixed precision, fp32 masters); fits = under 90% of the memory")
+    print(f"{'rung':<55}{'b':>4}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'total GB':>10}")
+    for a in rungs:
+        h = a.held
+        print(f"{a.rung:<55}{a.micro_batch:>4}{h['params'] / GB:9.2f}{h['grads'] / GB:9.2f}"
+              f"{h['optimizer'] / GB:9.2f}{h['activations'] / GB:9.2f}{h['total'] / GB:10.2f}  "
+              + ("fits" + (f" (+{h['host'] / GB:.2f} GB in CPU memory)" if "host" in h else "")
+                 if a.fits else "too big"))
+    chosen = rungs[-1]
+    if not chosen.fits:
+        print("nothing fits: more GPUs, a smaller --seq-len, or a smaller model")
+        return
+    launch = "python" if args.world == 1 else f"torchrun --nproc_per_node {args.world}"
+    argv = chosen.argv(args.model, precision, seq_len, args.target_batch)
+    print(f"\n{launch} train.py {' '.join(argv)}"
+          + ("   # LoRA fine-tunes a trained model: add --init-from RUN_DIR" if "--lora" in argv else ""))
+
+
 # ---- command line ---------------------------------------------------------------------------
 
 GB, MiB = 1e9, 2**20    # GB as in the ZeRO paper; MiB as train.py logs what it measures
@@ -313,7 +437,19 @@ def _parse_args(argv=None):
     p.add_argument("--double-quant", action="store_true", help="with --quantize-base: 8-bit scales")
     p.add_argument("--offload", choices=("optimizer",), default=None,
                    help="ZeRO-Offload: the sharded optimizer (fp32 master, moments) in host memory")
+    advice = p.add_argument_group("the flow chart (memory.py --advise --model M --gpu-mem 24GB --world N)")
+    advice.add_argument("--advise", action="store_true",
+                        help="walk the lecture's flow chart and print the first train.py command that fits")
+    advice.add_argument("--gpu-mem", default="24GB", help="memory per GPU, e.g. 24GB, 80GB, 512MiB")
+    advice.add_argument("--target-batch", type=int, default=None,
+                        help="global batch in sequences to reach (gradient accumulation fills it); "
+                             "default 8 per GPU")
+    advice.add_argument("--no-bf16", dest="bf16", action="store_false",
+                        help="the GPU has no bf16 (before Ampere): fp16 with loss scaling")
     args = p.parse_args(argv)
+    if args.advise:
+        args.target_batch = args.target_batch or 8 * args.world
+        return args
 
     if args.quantize_base and args.trainable is None:
         p.error("--quantize-base stores the frozen parameters in 4 bits: give --trainable, the "
@@ -440,6 +576,8 @@ def _breakdown(n_params, args):
 
 def main(argv=None):
     args = _parse_args(argv)
+    if args.advise:
+        return _advise(args)
     n_params = model_params(args.model) if args.model is not None else int(args.params)
     if args.strategy is None:
         _table(n_params, args)

@@ -32,13 +32,13 @@ from collectives import Comm, exit_distributed, init_distributed, make_mesh
 from data import TextData
 from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer
-from memory import held_bytes, live_tensor_bytes, state_bytes, tp_params
+from memory import advise, held_bytes, live_tensor_bytes, parse_bytes, state_bytes, tp_params
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import PRESETS, GPT, GPTConfig, build_model
 from quantization import NF4Weight
 from zero import ZeroOptimizer
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "tp", "pipeline")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "tp", "pipeline", "auto")
 EVAL_FRACTION = 0.05                      # data.py's held-out tail
 
 
@@ -51,7 +51,10 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="how ranks share the work (default: single for one process, ddp under "
-                        "torchrun); fsdp and zero3 are one engine (fsdp.py): ZeRO stage 3 is FSDP")
+                        "torchrun); fsdp and zero3 are one engine (fsdp.py): ZeRO stage 3 is FSDP; "
+                        "auto walks memory.py's flow chart for this machine's memory")
+    p.add_argument("--mem-budget", default=None, metavar="BYTES",
+                   help="--strategy auto: memory per rank, e.g. 2GB (default: the GPU's free memory)")
     p.add_argument("--model", choices=list(PRESETS), default="tiny")
     p.add_argument("--data", default=None, help="a text file to train on (default: the embedded "
                                                 "Python standard library source)")
@@ -137,8 +140,36 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     # torchrun sets WORLD_SIZE; a caller that joined a process group itself has it there.
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    if args.strategy == "auto":              # the advice's flags, after the user's, win
+        advice = auto_strategy(p, args, world_size)
+        args = p.parse_args([*(sys.argv[1:] if argv is None else argv), *advice])
+        args.advice = " ".join(advice)
     check_args(p, args, world_size=world_size)
     return args
+
+
+def auto_strategy(parser, args, world_size) -> list[str]:
+    """--strategy auto: memory.advise's first rung that fits this machine; its train.py flags."""
+    if args.mem_budget:
+        budget = parse_bytes(args.mem_budget)
+    elif torch.cuda.is_available():
+        budget = torch.cuda.mem_get_info()[0]            # free bytes on this rank's GPU
+    else:
+        parser.error("--strategy auto on CPU ranks needs --mem-budget (e.g. --mem-budget 2GB): "
+                     "the bytes each rank may use")
+    try:
+        rungs = advise(args.model, budget, world_size, args.seq_len, args.batch_size, args.precision)
+    except ValueError as e:
+        parser.error(f"--strategy auto: {e}")
+    chosen = rungs[-1]
+    if not chosen.fits:
+        parser.error(f"--strategy auto: model {args.model} does not fit in {budget / 1e9:.2f} GB per "
+                     f"rank on any rung (QLoRA needs {chosen.held['total'] / 1e9:.2f}): more ranks, "
+                     f"a smaller --seq-len or --model")
+    if "--lora" in chosen.flags and not args.init_from:
+        parser.error(f"--strategy auto: model {args.model} fits in {budget / 1e9:.2f} GB per rank "
+                     f"only as {chosen.rung}, which fine-tunes a trained model: add --init-from RUN_DIR")
+    return ["--strategy", chosen.strategy, "--grad-accum", str(chosen.grad_accum), *chosen.flags]
 
 
 def check_args(parser, args, world_size):
@@ -626,6 +657,9 @@ def main(argv=None) -> dict:
     mesh = {"tp": f" = tp {args.tp} x dp {data_size}",
             "pipeline": f" = pp {args.pp} x dp {data_size}, {args.schedule} over {args.microbatches} "
                         f"micro-batches"}.get(args.strategy, "")
+    if getattr(args, "advice", None):
+        say(f"--strategy auto (memory.py's flow chart, --mem-budget {args.mem_budget or 'free GPU memory'}): "
+            f"{args.advice}")
     say(f"{args.strategy} on {world_size}{mesh} x {device.type} ({dist.get_backend()}) | model "
         f"{args.model} {n_params / 1e6:.2f}M params{' per rank' if mesh else ''} | {args.precision} | "
         f"global batch {args.batch_size} x {args.seq_len} tokens, "
