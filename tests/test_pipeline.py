@@ -7,10 +7,7 @@ one process training on the same whole batches, and against torch.distributed.pi
 schedules on the same split. train.py --strategy pipeline: the same loss curve as one
 process, bit-exact resume, its checkpoints read by one process, bad input stopped early.
 """
-import contextlib
-import io
 import os
-import shutil
 
 import pytest
 import torch
@@ -270,37 +267,9 @@ def test_stage_keeps_only_its_parameters_under_their_whole_model_names():
 
 # ---- train.py --strategy pipeline: same curve as one process, checkpoints, bad input ----------
 
-RUN = ["--steps", "6", "--log-every", "1", "--eval-every", "0", "--seq-len", "32",
-       "--batch-size", "8", "--warmup", "2", "--eval-batches", "1"]
-
-
-def _train(argv):
-    import train
-    return train.main([*RUN, *argv])
-
-
-def _copy_first_checkpoint(saved, to):
-    if dist.get_rank() == 0:                                     # as if the run stopped at step 3
-        shutil.copytree(saved, to, ignore=shutil.ignore_patterns("ckpt-0000006"))
-    dist.barrier()
-
-
-def _pipeline_runs(root, argv):
-    """Straight (saving at steps 3 and 6) and resumed from step 3, in a copy of its directory."""
-    path = lambda name: os.path.join(root, name)
-    out = {"straight": _train([*argv, "--out", path("saved"), "--save-every", "3",
-                               "--export", path("straight.pt")])}
-    _copy_first_checkpoint(path("saved"), path("resumed"))
-    out["resumed"] = _train([*argv, "--out", path("resumed"), "--resume", "--export", path("resumed.pt")])
-    return out
-
-
-def _single_runs(root, pipeline_root):
-    """One process: straight, and resumed from the pipeline's step-3 checkpoint."""
-    _copy_first_checkpoint(os.path.join(pipeline_root, "saved"), os.path.join(root, "from_pp"))
-    return {"straight": _train(["--strategy", "single", "--export", os.path.join(root, "single.pt")]),
-            "from_pp": _train(["--strategy", "single", "--out", os.path.join(root, "from_pp"),
-                               "--resume", "--export", os.path.join(root, "from_pp.pt")])}
+# The runs, their resume from step 3 and one process's, as tensor parallelism's tests run them.
+from test_tensor_parallel import (_single_runs, _straight_and_resumed, _train,  # noqa: E402
+                                  _usage_errors, _weights)
 
 
 @pytest.fixture(scope="module")
@@ -309,17 +278,13 @@ def runs(tmp_path_factory):
     paths = {name: os.path.join(root, name) for name in ("pp2", "pp4", "single")}
     for p in paths.values():
         os.makedirs(p)
-    pp2 = run_ranks(_pipeline_runs, 2, paths["pp2"],
-                    ["--strategy", "pipeline", "--pp", "2", "--microbatches", "4", "--schedule", "gpipe"])[0]
+    pp2 = run_ranks(_straight_and_resumed, 2, paths["pp2"],
+                    ["--strategy", "pipeline", "--pp", "2", "--microbatches", "4", "--schedule", "gpipe"], [])[0]
     # The issue's command, shortened: 4 stages, 8 micro-batches, 1F1B.
     pp4 = run_ranks(_train, 4, ["--strategy", "pipeline", "--pp", "4", "--microbatches", "8",
                                 "--export", os.path.join(paths["pp4"], "straight.pt")])[0]
     single = run_ranks(_single_runs, 1, paths["single"], paths["pp2"])[0]
     return {"pp2": pp2, "pp4": pp4, "single": single, "paths": paths}
-
-
-def _weights(path):
-    return torch.load(path, weights_only=True)["state_dict"]
 
 
 # train.py's runs: 6 steps with a warmed-up learning rate; the same fp32 noise as above, grown by
@@ -341,8 +306,8 @@ def test_train_pipeline_matches_single_process_step_by_step(runs, name):
 
 def test_pipeline_resume_is_bit_exact(runs):
     straight, again = runs["pp2"]["straight"], runs["pp2"]["resumed"]
-    assert list(again["losses"]) == [3, 4, 5]
-    assert again["losses"] == {s: straight["losses"][s] for s in (3, 4, 5)}
+    assert list(again["losses"]) == [3, 5]                       # logged every 3 steps and the last
+    assert again["losses"] == {s: straight["losses"][s] for s in (3, 5)}
     assert again["eval_loss"] == straight["eval_loss"]
     a, b = (_weights(os.path.join(runs["paths"]["pp2"], f)) for f in ("resumed.pt", "straight.pt"))
     assert_tensors_close(a, b, rtol=0, atol=0, what="resumed pipeline vs uninterrupted")
@@ -350,30 +315,20 @@ def test_pipeline_resume_is_bit_exact(runs):
 
 def test_pipeline_checkpoint_resumes_and_exports_on_one_process(runs):
     # Each stage wrote its own parameters under whole-model names: one process reads them all.
-    from_pp, straight = runs["single"]["from_pp"], runs["pp2"]["straight"]
-    torch.testing.assert_close([from_pp["losses"][s] for s in (3, 4, 5)],
-                               [straight["losses"][s] for s in (3, 4, 5)], rtol=TRAIN_RTOL, atol=0)
-    assert_tensors_close(_weights(os.path.join(runs["paths"]["single"], "from_pp.pt")),
+    from_pp, straight = runs["single"]["from_split"], runs["pp2"]["straight"]
+    torch.testing.assert_close([from_pp["losses"][s] for s in (3, 5)],
+                               [straight["losses"][s] for s in (3, 5)], rtol=TRAIN_RTOL, atol=0)
+    assert_tensors_close(_weights(os.path.join(runs["paths"]["single"], "from_split.pt")),
                          _weights(os.path.join(runs["paths"]["pp2"], "straight.pt")),
                          rtol=0, atol=TRAIN_ATOL, what="pipeline checkpoint resumed on one process")
 
 
 def _bad_pipeline_inputs():
-    cases = {"world": ["--strategy", "pipeline", "--pp", "3"],
-             "no_strategy": ["--strategy", "ddp", "--pp", "2"],
-             "batch": ["--strategy", "pipeline", "--pp", "2", "--microbatches", "3"],
-             "grad_accum": ["--strategy", "pipeline", "--pp", "2", "--grad-accum", "2"],
-             "split": ["--strategy", "pipeline", "--pp", "2", "--stage-layers", "3,2"]}
-    results = {}
-    for name, argv in cases.items():
-        err = io.StringIO()
-        try:
-            with contextlib.redirect_stderr(err):
-                _train(argv)
-            results[name] = "no error"
-        except SystemExit:
-            results[name] = err.getvalue().splitlines()[-1]
-    return results
+    return _usage_errors({"world": ["--strategy", "pipeline", "--pp", "3"],
+                          "no_strategy": ["--strategy", "ddp", "--pp", "2"],
+                          "batch": ["--strategy", "pipeline", "--pp", "2", "--microbatches", "3"],
+                          "grad_accum": ["--strategy", "pipeline", "--pp", "2", "--grad-accum", "2"],
+                          "split": ["--strategy", "pipeline", "--pp", "2", "--stage-layers", "3,2"]})
 
 
 @pytest.fixture(scope="module")

@@ -355,9 +355,9 @@ def _copy_first_checkpoint(saved, to):
     dist.barrier()
 
 
-def _tp_runs(root, strategy, extra):
+def _straight_and_resumed(root, strategy, extra):
     """Straight (saving at steps 3 and 6: saving leaves a run as it is, tests/test_snapshot.py)
-    and resumed from step 3, in a copy of the straight run's directory."""
+    and resumed from step 3, in a copy of the straight run's directory (test_pipeline too)."""
     path = lambda name: os.path.join(root, name)
     out = {"straight": _train([*strategy, *extra, "--out", path("saved"), "--save-every", str(SAVE_AT),
                                "--export", path("straight.pt")])}
@@ -367,12 +367,12 @@ def _tp_runs(root, strategy, extra):
     return out
 
 
-def _single_runs(root, tp_root):
-    """One process: straight, and resumed from the tp run's step-3 checkpoint."""
-    _copy_first_checkpoint(os.path.join(tp_root, "saved"), os.path.join(root, "from_tp"))
+def _single_runs(root, split_root):
+    """One process: straight, and resumed from a split (tp or pipeline) run's step-3 checkpoint."""
+    _copy_first_checkpoint(os.path.join(split_root, "saved"), os.path.join(root, "from_split"))
     return {"straight": _train(["--strategy", "single", "--export", os.path.join(root, "single.pt")]),
-            "from_tp": _train(["--strategy", "single", "--out", os.path.join(root, "from_tp"),
-                               "--resume", "--export", os.path.join(root, "from_tp.pt")])}
+            "from_split": _train(["--strategy", "single", "--out", os.path.join(root, "from_split"),
+                                  "--resume", "--export", os.path.join(root, "from_split.pt")])}
 
 
 @pytest.fixture(scope="module")
@@ -381,7 +381,7 @@ def runs(tmp_path_factory):
     tp_root, single_root = os.path.join(root, "tp"), os.path.join(root, "single")
     os.makedirs(tp_root)
     os.makedirs(single_root)
-    tp2 = run_ranks(_tp_runs, 2, tp_root, ["--strategy", "tp", "--tp", "2"], [])[0]
+    tp2 = run_ranks(_straight_and_resumed, 2, tp_root, ["--strategy", "tp", "--tp", "2"], [])[0]
     single = run_ranks(_single_runs, 1, single_root, tp_root)[0]
     return {"tp": tp2, "single": single, "tp_root": tp_root, "single_root": single_root}
 
@@ -412,10 +412,10 @@ def test_tp_resume_is_bit_exact(runs):
 def test_tp_checkpoint_resumes_and_exports_on_one_process(runs):
     import train
     # Whole parameters in the checkpoint: a single process reads them as its own.
-    from_tp, straight = runs["single"]["from_tp"], runs["tp"]["straight"]
+    from_tp, straight = runs["single"]["from_split"], runs["tp"]["straight"]
     torch.testing.assert_close([from_tp["losses"][s] for s in (3, 5)],
                                [straight["losses"][s] for s in (3, 5)], rtol=1e-5, atol=0)
-    assert_tensors_close(_weights(os.path.join(runs["single_root"], "from_tp.pt")),
+    assert_tensors_close(_weights(os.path.join(runs["single_root"], "from_split.pt")),
                          _weights(os.path.join(runs["tp_root"], "straight.pt")),
                          rtol=0, atol=MODEL_ATOL, what="tp checkpoint resumed on one process")
     exported = os.path.join(runs["tp_root"], "straight.pt")
@@ -427,11 +427,8 @@ def test_tp_checkpoint_resumes_and_exports_on_one_process(runs):
                          _weights(exported), rtol=0, atol=0, what="tp checkpoint loaded whole")
 
 
-def _bad_tp_inputs():
-    import train
-    cases = {"world": ["--strategy", "tp", "--tp", "3"],
-             "no_strategy": ["--strategy", "ddp", "--tp", "2"],
-             "sequence": ["--strategy", "tp", "--tp", "2", "--sequence-parallel", "--seq-len", "33"]}
+def _usage_errors(cases):
+    """{case: the last line train.py's argparse wrote to stderr on this rank, or 'no error'}."""
     results = {}
     for name, argv in cases.items():
         err = io.StringIO()
@@ -442,6 +439,13 @@ def _bad_tp_inputs():
         except SystemExit:
             results[name] = err.getvalue().splitlines()[-1]
     return results
+
+
+def _bad_tp_inputs():
+    return _usage_errors({"world": ["--strategy", "tp", "--tp", "3"],
+                          "no_strategy": ["--strategy", "ddp", "--tp", "2"],
+                          "sequence": ["--strategy", "tp", "--tp", "2", "--sequence-parallel",
+                                       "--seq-len", "33"]})
 
 
 @pytest.mark.parametrize("case, fix", [
