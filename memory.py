@@ -278,10 +278,14 @@ def parse_bytes(text: str) -> int:
     units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 1e9, "MB": 1e6, "KB": 1e3,
              "G": 1e9, "M": 1e6, "K": 1e3, "B": 1}
     upper = text.strip().upper()
-    for unit, size in units.items():
-        if upper.endswith(unit):
-            return int(float(upper[: -len(unit)]) * size)
-    return int(float(upper))
+    unit = next((u for u in units if upper.endswith(u)), "B")
+    try:
+        value = float(upper[: len(upper) - len(unit)] if upper.endswith(unit) else upper)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"memory {text!r} is not a positive size: write it like 24GB, 80GB, 512MiB")
+    return int(value * units[unit])
 
 
 def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int,
@@ -290,8 +294,17 @@ def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int
 
     A rung fits when its per-rank bytes (states + one micro-batch's activations and logits)
     stay under (1 - headroom) x gpu_mem. target_batch: the global batch in sequences.
+    Activations are per micro-batch: gradient accumulation reaches the target batch without
+    holding more of them, so it costs steps, not memory.
     """
-    if target_batch % world:
+    if model not in PRESETS:
+        raise ValueError(f"unknown model {model!r}: choose one of {', '.join(PRESETS)}")
+    if world < 1:
+        raise ValueError(f"the world must be at least 1 GPU, got {world}")
+    if not 1 <= seq_len <= PRESETS[model].block_size:
+        raise ValueError(f"--seq-len must be between 1 and model {model}'s block size "
+                         f"{PRESETS[model].block_size}, got {seq_len}")
+    if target_batch < 1 or target_batch % world:
         raise ValueError(f"--target-batch {target_batch} does not split over {world} ranks: "
                          f"use a multiple of {world}")
     cfg, n = PRESETS[model], model_params(model)
@@ -344,6 +357,7 @@ def _advise(args):
     print(f"{args.model} ({model_params(args.model):,} parameters) on {args.world} GPU(s) of "
           f"{gpu_mem / GB:.0f} GB, seq len {seq_len}, target batch {args.target_batch}, {precision} "
           f"(mixed precision, fp32 masters); fits = under 90% of the memory")
+    print("activations are one micro-batch's (b sequences per rank): --grad-accum adds none")
     print(f"{'rung':<55}{'b':>4}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'total GB':>10}")
     for a in rungs:
         h = a.held
@@ -449,6 +463,12 @@ def _parse_args(argv=None):
     args = p.parse_args(argv)
     if args.advise:
         args.target_batch = args.target_batch or 8 * args.world
+        if args.model is not None:            # _advise names the missing --model itself
+            try:                              # advise's own checks, as one usage message
+                advise(args.model, parse_bytes(args.gpu_mem), args.world,
+                       args.seq_len or PRESETS[args.model].block_size, args.target_batch)
+            except ValueError as e:
+                p.error(str(e))
         return args
 
     if args.quantize_base and args.trainable is None:

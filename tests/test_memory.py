@@ -296,6 +296,20 @@ def test_advise_prints_a_command_train_py_accepts(capsys, monkeypatch):
     assert args.checkpoint_activations == 1 and args.precision == "bf16"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--world", "0"], "the world must be at least 1 GPU"),
+    (["--gpu-mem", "lots"], "write it like 24GB"),
+    (["--gpu-mem", "0GB"], "write it like 24GB"),
+    (["--seq-len", "4096"], "between 1 and model gpt2-small's block size 1024"),
+    (["--world", "3", "--target-batch", "64"], "use a multiple of 3"),
+])
+def test_advise_bad_input_stops_with_one_clear_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--advise", "--model", "gpt2-small", *argv])
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def _auto(budgets):
     import train
     return {m: train.main(["--steps", "3", "--log-every", "1", "--eval-every", "0", "--strategy", "auto",
