@@ -151,7 +151,10 @@ def parse_args(argv=None):
 def auto_strategy(parser, args, world_size) -> list[str]:
     """--strategy auto: memory.advise's first rung that fits this machine; its train.py flags."""
     if args.mem_budget:
-        budget = parse_bytes(args.mem_budget)
+        try:
+            budget = parse_bytes(args.mem_budget)
+        except ValueError as e:
+            parser.error(f"--mem-budget: {e}")
     elif torch.cuda.is_available():
         budget = torch.cuda.mem_get_info()[0]            # free bytes on this rank's GPU
     else:

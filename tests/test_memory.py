@@ -332,7 +332,8 @@ def test_strategy_auto_names_the_fix(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     for argv, fix in ((["--strategy", "auto"], "needs --mem-budget"),
                       (["--strategy", "auto", "--mem-budget", "4MB"], "add --init-from RUN_DIR"),
-                      (["--strategy", "auto", "--mem-budget", "1MB"], "does not fit in 0.00 GB")):
+                      (["--strategy", "auto", "--mem-budget", "1MB"], "does not fit in 0.00 GB"),
+                      (["--strategy", "auto", "--mem-budget", "abc"], "write it like 24GB")):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
         assert fix in capsys.readouterr().err, argv
