@@ -247,13 +247,6 @@ def ours_pipeline(schedule, model, args):
                bubbles=runner.measured_bubbles)
 
 
-def stages_norm(params, grads) -> torch.Tensor:
-    """The gradient norm over a pipeline's stages (each rank holds its own parameters)."""
-    squares = sum(g.float().pow(2).sum() for g in grads).reshape(1)
-    dist.all_reduce(squares)
-    return squares.sqrt()[0]
-
-
 def torch_pipelining(schedule, model, args):
     # The same stages; torch's last stage returns logits and applies loss_fn itself, then
     # divides the gradients by M (ours divides each micro-batch's loss by M: the same mean).
@@ -271,8 +264,10 @@ def torch_pipelining(schedule, model, args):
         dist.broadcast(loss, src=P - 1)                       # reported by every rank, as ours
         return loss
     # torch clips nothing across stages: the same MixedPrecisionOptimizer and norm as ours.
+    stages = Comm()                                           # the world is the pipeline
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
-                                        grad_norm=stages_norm, **ADAMW)
+                                        grad_norm=lambda params, grads: pipeline.stages_grad_norm(
+                                            grads, stages, grads[0].device), **ADAMW)
     return Run(stage, optimizer, label=f"torch.distributed.pipelining.{schedule_class.__name__}"
                f"(n_microbatches={args.microbatches}) + our MixedPrecisionOptimizer(AdamW)",
                forward_backward=forward_backward)

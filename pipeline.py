@@ -221,6 +221,16 @@ class GPTStage(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())   # fp32, as GPT's
 
 
+def stages_grad_norm(grads: list, comm: Comm, device) -> torch.Tensor:
+    """The global gradient norm of a pipeline: each stage holds its own parameters, so the
+    squares add up over the stages in comm (a data group holds copies: not summed)."""
+    squares = torch.zeros(1, device=device)
+    for g in grads:
+        squares += g.float().pow(2).sum()
+    comm.all_reduce(squares)
+    return squares.sqrt()[0]
+
+
 # ---- the executor: one stage's list, run over send/recv --------------------------------------
 
 class Pipeline:
@@ -275,15 +285,9 @@ class Pipeline:
         return self._run(self.forward_actions, x, y)
 
     def grad_norm(self, params, grads) -> torch.Tensor:
-        """The global gradient norm (mixed_precision's hook): each stage holds its own
-        parameters, so the squares add up over the pipeline (the data group holds copies;
-        a tied weight counts once, on the first stage)."""
-        squares = torch.zeros(1, device=grads[0].device)
-        for p, g in zip(params, grads):
-            if not (p is self.tied and self.last):
-                squares += g.float().pow(2).sum()
-        self.comm.all_reduce(squares)
-        return squares.sqrt()[0]
+        """mixed_precision's norm hook: stages_grad_norm, a tied weight counted on the first stage."""
+        return stages_grad_norm([g for p, g in zip(params, grads) if not (p is self.tied and self.last)],
+                                self.comm, grads[0].device)
 
     def measured_bubbles(self) -> list[float]:
         """Each stage's idle share of its last step, 1 - busy / wall (collective: every stage)."""

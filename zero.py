@@ -224,8 +224,8 @@ class ZeroOptimizer:
         if self.offload:
             # ZeRO-Offload's step: gradients out, Adam on the CPU, parameters back in. It could
             # overlap more: copy each shard out as its reduce-scatter retires in backward, step
-            # bucket i on the CPU while bucket i+1 is still on its way, or (the paper's delayed update) run
-            # the whole CPU step beside the next forward with the weights one step stale.
+            # bucket i on the CPU while bucket i+1 is still on its way, or (the paper's delayed
+            # update) run the whole CPU step beside the next forward, the weights one step stale.
             grads = gradients_to_host(grads, [b.host_grad for b in buckets])
         skip, self.last_grad_norm = unscale_and_clip(grads, [b.master for b in buckets], self.scaler,
                                                      self.comm, clip_grad, self.buckets[0].flat.device)
