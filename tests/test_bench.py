@@ -164,9 +164,12 @@ def test_pipeline_rows_need_a_model_that_splits(monkeypatch, capsys):
     args = parse_args(["--quick"])
     assert "pipeline-1f1b" not in args.strategies
     assert "4 blocks, fewer than 8 stages" in args.skipped["pipeline-1f1b"]
+    monkeypatch.setenv("WORLD_SIZE", "2")                # asked for by name: one clear error
     with pytest.raises(SystemExit):
         parse_args(["--quick", "--strategies", "pipeline-gpipe", "--microbatches", "3"])
-    assert "leave them out of --strategies" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--batch-size 16 does not split into --microbatches 3" in err
+    assert "leave them out of --strategies" in err
 
 
 def test_tp_needs_a_world_that_divides_the_model(monkeypatch, capsys):
