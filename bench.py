@@ -18,9 +18,14 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
+
+# torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy, and
+# requirements.txt does not install it.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch
 import torch.distributed as dist

@@ -15,6 +15,7 @@ elements per chunk; rank r's neighbours on the ring are r - 1 (left) and r + 1 (
 import datetime
 import math
 import os
+import pickle
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -303,6 +304,37 @@ def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
     return buckets
 
 
+def gather_objects(obj, comm: "Comm", device: torch.device, dst: int | None = None) -> list | None:
+    """Every rank's picklable `obj`, in rank order, on rank `dst` of comm (None: on every rank).
+
+    torch's all_gather_object/gather_object do the same but decode through numpy, which this
+    project does not depend on. Here the pickled bytes travel as a uint8 tensor on `device`
+    (NCCL moves only device tensors): first every rank's length, then the bytes padded to the
+    longest. Ranks other than dst get None. For set-up and export, not for every step.
+    """
+    n = comm.world_size
+    mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    lengths = torch.zeros(n, dtype=torch.long, device=device)            # (N,)
+    lengths[comm.rank] = mine.numel()
+    dist.all_reduce(lengths, group=comm.group)
+    lengths = lengths.tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)  # (longest,)
+    padded[: mine.numel()] = mine
+    receives = dst is None or comm.rank == dst
+    every = torch.empty(n * max(lengths), dtype=torch.uint8, device=device) if receives else None
+    if dst is None:                                                       # (N * longest,)
+        dist.all_gather_single(every, padded, group=comm.group)
+    else:
+        dist.gather(padded, list(every.view(n, -1)) if receives else None, group=comm.group,
+                    group_dst=dst)
+    if not receives:
+        return None
+    every = every.view(n, -1)                                             # (N, longest)
+    # bytes() reads a storage through the buffer protocol: no numpy needed to decode.
+    return [pickle.loads(bytes(row[:length].cpu().clone().untyped_storage()))
+            for row, length in zip(every, lengths)]
+
+
 def check_same_parameters(params: list[torch.Tensor], comm: "Comm"):
     """Raise the same clear error on every rank if the ranks' parameter shapes differ.
 
@@ -311,8 +343,7 @@ def check_same_parameters(params: list[torch.Tensor], comm: "Comm"):
     fail deep inside torch, or silently train rank 0's model everywhere.
     """
     shapes = [tuple(p.shape) for p in params]
-    every = [None] * comm.world_size
-    dist.all_gather_object(every, shapes, group=comm.group)
+    every = gather_objects(shapes, comm, params[0].device if params else torch.device("cpu"))
     for rank, other in enumerate(every):
         if other != every[0]:
             def count(s):

@@ -19,6 +19,11 @@ import math
 import os
 import sys
 import time
+import warnings
+
+# torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy, and
+# requirements.txt does not install it.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch
 import torch.distributed as dist
@@ -28,7 +33,7 @@ import pipeline
 import snapshot
 import tensor_parallel
 from checkpointing import checkpoint_blocks
-from collectives import Comm, exit_distributed, init_distributed, make_mesh
+from collectives import Comm, exit_distributed, gather_objects, init_distributed, make_mesh
 from data import TextData
 from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer
@@ -556,8 +561,7 @@ def export(path, gpt, model, optimizer, rank, lora_config=None):
     """One consolidated fp32 file: {"model": config, "state_dict": weights}, written by rank 0."""
     pieces = [{**p, "tensors": {"param": p["tensors"]["param"]}, "scalars": {}}
               for p in _pieces(gpt, model, optimizer, rank)]
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(pieces, gathered, dst=0)
+    gathered = gather_objects(pieces, Comm(), next(gpt.parameters()).device, dst=0)
     if rank == 0:
         shapes = gpt
         if _tensor_parallel(model) is not None or isinstance(model, pipeline.Pipeline):
