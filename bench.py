@@ -252,13 +252,29 @@ def ours_pipeline(schedule, model, args):
                bubbles=runner.measured_bubbles)
 
 
+def torch_pipeline_stage(stage, s: int, P: int, micro_batch: int, seq_len: int, dtype) -> PipelineStage:
+    """torch's PipelineStage around our GPTStage, told the shapes one micro-batch has going in
+    and out: token ids (b, T) or activations (b, T, C) in; activations or logits (b, T, V) out.
+    Given both, torch skips its shape-inference handshake, which sends Python objects
+    (recv_object_list) that only decode with numpy, a package this project does not install."""
+    cfg, device = stage.gpt.cfg, next(stage.parameters()).device
+    # requires_grad marks what has a gradient in backward: activations do, token ids do not.
+    inputs = (torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device) if s == 0 else
+              torch.zeros(micro_batch, seq_len, cfg.n_embd, dtype=dtype, device=device,
+                          requires_grad=True))
+    outputs = torch.zeros(micro_batch, seq_len, cfg.vocab_size if s == P - 1 else cfg.n_embd,
+                          dtype=dtype, device=device, requires_grad=True)
+    return PipelineStage(stage, s, P, device, input_args=inputs, output_args=outputs)
+
+
 def torch_pipelining(schedule, model, args):
     # The same stages; torch's last stage returns logits and applies loss_fn itself, then
     # divides the gradients by M (ours divides each micro-batch's loss by M: the same mean).
     s, P = dist.get_rank(), dist.get_world_size()
     stage = _stage(model)
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    runner = schedule_class(PipelineStage(stage, s, P, next(model.parameters()).device),
+    runner = schedule_class(torch_pipeline_stage(stage, s, P, args.batch_size // args.microbatches,
+                                                 args.seq_len, DTYPES[args.precision]),
                             n_microbatches=args.microbatches,
                             loss_fn=lambda logits, t: F.cross_entropy(logits.float().flatten(0, 1), t.flatten()))
 

@@ -51,22 +51,33 @@ class RunError(Exception):
     """A run that cannot go on, with the reason and the fix: printed without a traceback."""
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows each option's default once: appended unless the help already says it, and
+    left out where there is none (None, a flag's False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("(default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="how ranks share the work (default: single for one process, ddp under "
                         "torchrun); fsdp and zero3 are one engine (fsdp.py): ZeRO stage 3 is FSDP; "
                         "auto walks memory.py's flow chart for this machine's memory")
     p.add_argument("--mem-budget", default=None, metavar="BYTES",
                    help="--strategy auto: memory per rank, e.g. 2GB (default: the GPU's free memory)")
-    p.add_argument("--model", choices=list(PRESETS), default="tiny")
+    p.add_argument("--model", choices=list(PRESETS), default="tiny", help="model size (model.py's presets)")
     p.add_argument("--data", default=None, help="a text file to train on (default: the embedded "
                                                 "Python standard library source)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps in all (a resumed run "
                                                           "continues up to this many)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=64, help="tokens (bytes) per sequence")
     p.add_argument("--tp", type=int, default=1, help="--strategy tp: ranks per tensor-parallel "
                    "group (the world is tp x data-parallel)")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -83,9 +94,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="end of the cosine decay (default: lr/10)")
     p.add_argument("--warmup", type=int, default=30, help="linear warmup steps")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability in the model")
     p.add_argument("--precision", choices=list(DTYPES), default="fp32",
                    help="dtype of the model; bf16 and fp16 keep fp32 master weights, fp16 scales the loss")
     p.add_argument("--collectives", choices=("native", "ring"), default="native",
@@ -96,21 +107,21 @@ def parse_args(argv=None):
                         "and step there (ZeRO-Offload): less device memory, a copy each way per step")
     p.add_argument("--prefetch", type=int, default=1,
                    help="fsdp/zero3: units all-gathered ahead of the one computing (0: none)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0, help="initial weights, batches and dropout masks")
+    p.add_argument("--log-every", type=int, default=10, help="log a line every N steps (and the last)")
     p.add_argument("--eval-every", type=int, default=100, help="eval loss every N steps (0: only at the end)")
-    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per eval loss")
     p.add_argument("--checkpoint-activations", type=int, nargs="?", const=1, default=0, metavar="K",
                    help="recompute every K-th block's activations in backward instead of keeping "
                         "them (K=1, the default when given: every block)")
     tune = p.add_argument_group("LoRA fine-tuning (train.py --init-from RUN_DIR --lora --data OTHER.txt)")
     tune.add_argument("--lora", action="store_true",
                       help="freeze the model, train low-rank adapters; checkpoints hold only the adapter")
-    tune.add_argument("--lora-rank", type=int, default=8)
+    tune.add_argument("--lora-rank", type=int, default=8, help="r, the adapters' inner dimension")
     tune.add_argument("--lora-alpha", type=float, default=16, help="the update is scaled by alpha / rank")
     tune.add_argument("--lora-targets", default="query,value",
                       help="comma-separated linear layers to adapt (query, key, value, output, up, down, head)")
-    tune.add_argument("--lora-dropout", type=float, default=0.0)
+    tune.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
     tune.add_argument("--quantize-base", choices=("nf4",), default=None,
                       help="QLoRA: store the adapted layers' frozen weights in 4-bit NormalFloat")
     tune.add_argument("--double-quant", action="store_true",
@@ -139,9 +150,9 @@ def parse_args(argv=None):
                            "for https://pytorch.org/memory_viz")
     gen = p.add_argument_group("sampling (python train.py --sample --init-from RUN_DIR)")
     gen.add_argument("--sample", action="store_true", help="generate text from --init-from and stop")
-    gen.add_argument("--prompt", default="def ")
-    gen.add_argument("--sample-tokens", type=int, default=300)
-    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--prompt", default="def ", help="text the sample continues (default: 'def ')")
+    gen.add_argument("--sample-tokens", type=int, default=300, help="bytes to generate")
+    gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature of sampling")
     args = p.parse_args(argv)
     # torchrun sets WORLD_SIZE; a caller that joined a process group itself has it there.
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
@@ -505,7 +516,8 @@ def _pieces(gpt, model, optimizer, rank, frozen=True) -> list[dict]:
 
 
 def save_checkpoint(args, step, gpt, model, optimizer, rank):
-    """Every rank's shard (or rank 0's copy, for replicas), RNG, loss scale; None if not finite.
+    """Every rank's shard (or rank 0's copy, for replicas), RNG, loss scale; returns its path.
+    Weights with inf or NaN are not saved: RunError.
 
     A LoRA run on an --init-from base saves only what trains, the adapter, and names the base.
     """
@@ -535,8 +547,8 @@ def resume(args, gpt, model, optimizer, world_size, rank, say) -> int:
     meta, parts = snapshot.load(path)
     snapshot.check_same_model(meta["model"], _model_config(gpt), path)
     bookkeeping = ("out", "save_every", "keep", "resume", "export", "timeout", "log_every", "init_from")
-    changed = {k: (v, vars(args).get(k)) for k, v in meta["args"].items()
-               if k not in bookkeeping and vars(args).get(k) != v}
+    changed = [(k, v, vars(args).get(k)) for k, v in meta["args"].items()
+               if k not in bookkeeping and vars(args).get(k) != v]
     pieces = snapshot.Pieces([p for part in parts for p in part["pieces"]])
     if (tp := _tensor_parallel(model)) is not None:       # whole pieces in, this rank's slices out
         pieces = tensor_parallel.ShardReader(pieces, dict(gpt.named_parameters()), tp.comm)
@@ -552,8 +564,12 @@ def resume(args, gpt, model, optimizer, world_size, rank, say) -> int:
         # uninterrupted run; without dropout nothing random is drawn after initialisation).
         torch.manual_seed(args.seed + meta["step"] * 1000 + rank)
         resharded = f", resharded from {meta['world_size']} to {world_size} ranks"
-    say(f"resumed from {path} at step {meta['step']} ({meta['args']['strategy']}{resharded})"
-        + (f"; changed since: {changed}" if changed else ""))
+    say(f"resumed from {path} at step {meta['step']} ({meta['args']['strategy']}{resharded})")
+    for name, before, now in changed:
+        say(f"resumed with --{name.replace('_', '-')} {now} (the run was started with {before})"
+            + ("; the learning-rate schedule (warmup, then cosine decay to --min-lr at the last "
+               "step) is rebuilt for the new length, so the rate from here on differs from the "
+               "first run's" if name == "steps" else ""))
     return meta["step"]
 
 
@@ -585,6 +601,13 @@ def sample(args):
 
 
 # ---- the run ---------------------------------------------------------------------------------
+
+def clock(seconds: float) -> str:
+    """12.3 -> '0:12', 3725 -> '1:02:05'."""
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
 
 def start_profiling(args, rank, world_size):
     """torch.profiler over steps 2-4 (after two warm-up steps), and CUDA's allocation history.
@@ -625,8 +648,11 @@ def start_profiling(args, rank, world_size):
     return step_done
 
 
-def main(argv=None) -> dict:
-    """Train as the command line says; returns the logged history {losses, live_bytes, eval_loss}."""
+def main(argv=None, live_bytes: bool = False) -> dict:
+    """Train as the command line says; returns the logged history {losses, live_bytes, eval_loss}.
+
+    live_bytes (CPU): also count every live tensor's bytes at each logged step, for leak tests;
+    each count is a full garbage-collector pass, so it is off unless asked for."""
     args = parse_args(argv)
     if args.sample:
         return sample(args)
@@ -671,7 +697,15 @@ def main(argv=None) -> dict:
         f"{args.model} {n_params / 1e6:.2f}M params{' per rank' if mesh else ''} | {args.precision} | "
         f"global batch {args.batch_size} x {args.seq_len} tokens, "
         f"{args.microbatches if args.strategy == 'pipeline' else args.grad_accum} micro-batch(es) "
-        f"per {'pipeline' if args.strategy == 'pipeline' else 'rank'} | {args.collectives} collectives")
+        f"per {'pipeline' if args.strategy == 'pipeline' else 'rank'} | {args.collectives} collectives | "
+        f"{args.steps} steps")
+    if world_size == 1 and args.strategy != "single":
+        say(f"note: --strategy {args.strategy} on one process is a world of 1 rank: nothing to average "
+            f"or shard, the same training as --strategy single; launch more ranks with "
+            f"torchrun --nproc_per_node N")
+    if args.lora and not args.init_from:
+        say("note: --lora without --init-from trains the adapters on a randomly initialised frozen "
+            "model, which cannot learn much; fine-tune a trained one with --init-from RUN_DIR")
     # memory.py's napkin math for this run, to read beside the measured bytes in the log.
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
     if args.lora:
@@ -680,8 +714,10 @@ def main(argv=None) -> dict:
             f"{lora.adapter_bytes(gpt) / 2**10:.1f} KiB, the model {n_params * 4 / 2**20:.1f} MiB in fp32"
             + (f"; {quantized:,} frozen weights in 4-bit {args.quantize_base}" if quantized else ""))
     if args.strategy == "tp":
-        # A tp rank holds its slices whole, data parallelism replicates them: ddp over the slices.
-        napkin = state_bytes(tp_params(gpt.cfg, args.tp), "ddp", args.precision, data_size)
+        # A tp rank holds its slices whole, data parallelism replicates them: ddp over the slices
+        # (with LoRA: the frozen slices, plus this rank's adapters, which alone train).
+        napkin = state_bytes(tp_params(gpt.cfg, args.tp) + (trainable if args.lora else 0), "ddp",
+                             args.precision, data_size, trainable=trainable)
     elif args.strategy == "pipeline":     # this stage's parameters, replicated over its data group
         napkin = state_bytes(n_params, "ddp", args.precision, data_size, trainable=trainable)
     else:
@@ -700,6 +736,7 @@ def main(argv=None) -> dict:
         say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
     tokens_per_step = args.batch_size * args.seq_len
     timer, last_timed, skipped = time.perf_counter(), start - 1, 0
+    began = timer
     for step in range(start, args.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
@@ -725,14 +762,18 @@ def main(argv=None) -> dict:
             host = held.pop("host", None)                           # --offload: CPU memory
             peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else sum(held.values())
             history["losses"][step] = loss
-            if device.type == "cpu":
+            if live_bytes and device.type == "cpu":
                 history["live_bytes"][step] = live_tensor_bytes()
+            elapsed = time.perf_counter() - began         # this run's steps, evals and saves
+            left = elapsed / (step + 1 - start) * (args.steps - step - 1)
             say(f"step {step:5d} | loss {loss:.4f} | lr {learning_rate(step, args):.2e} | "
                 f"{tokens_per_s / 1e3:7.1f}k tok/s | mem {peak / 2**20:.1f} MiB (params "
                 f"{held['params'] / 2**20:.1f}, grads {held['grads'] / 2**20:.1f}, optim "
-                f"{held['optimizer'] / 2**20:.1f}" + (f", host {host / 2**20:.1f}" if host else "")
-                + f") | sent {sum(comm.bytes_sent.values()) / 2**20:.2f} "
-                f"MiB/step (ring formula {predicted / 2**20:.2f})" + (f" | skipped {skipped}" if skipped else ""))
+                f"{held['optimizer'] / 2**20:.1f}" + (f", host {host / 2**20:.1f}" if host else "") + ")"
+                + (f" | sent {sum(comm.bytes_sent.values()) / 2**20:.2f} MiB/step (ring formula "
+                   f"{predicted / 2**20:.2f})" if world_size > 1 else "")
+                + (f" | skipped {skipped}" if skipped else "")
+                + f" | {step + 1}/{args.steps} in {clock(elapsed)}, about {clock(left)} left")
             if isinstance(model, pipeline.Pipeline):
                 bubbles = history.setdefault("bubble", {})[step] = model.measured_bubbles()
                 M, P = args.microbatches, args.pp
@@ -747,7 +788,9 @@ def main(argv=None) -> dict:
         done = step + 1
         step_done(last=done == args.steps)
         if args.out and (done == args.steps or args.save_every and done % args.save_every == 0):
-            say(f"step {step:5d} | saved {save_checkpoint(args, done, gpt, model, optimizer, rank)}")
+            saved = save_checkpoint(args, done, gpt, model, optimizer, rank)
+            say(f"step {step:5d} | saved {saved}: named by the steps done ({done}), so --resume "
+                f"continues at step {done}")
             timer, last_timed = time.perf_counter(), step
     history["eval_loss"] = eval_loss(model, data, args, data_rank, data_size, device)
     say(f"done | eval loss {history['eval_loss']:.4f}")

@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 _context = multiprocessing.get_context("forkserver")
-_context.set_forkserver_preload(["torch", "torch.distributed"])
+# What every rank imports, imported once by the server: torch._dynamo is what the first
+# torch.optim optimizer imports (with sympy), nearly 2 s a process.
+_context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:

@@ -431,7 +431,8 @@ def _runs(root):
     out["zero3"] = _train(["--strategy", "zero3"])
     out["ddp"] = _train(["--strategy", "ddp"])
     out["live"] = train.main(["--strategy", "fsdp", "--steps", "200", "--log-every", "10",
-                              "--batch-size", "4", "--seq-len", "16", "--eval-every", "0"])["live_bytes"]
+                              "--batch-size", "4", "--seq-len", "16", "--eval-every", "0"],
+                             live_bytes=True)["live_bytes"]
     return out
 
 

@@ -191,7 +191,8 @@ def test_pipeline_times_data_parallel_equals_one_process():
 def _ours_and_torchs(P, runs):
     """This stage's first-step gradients from our executor and from torch.distributed.pipelining
     (ScheduleGPipe / Schedule1F1B), on the same split, weights and batch."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from bench import torch_pipeline_stage
     s = dist.get_rank()
     batch = _batches()[0]
     x, y = batch[:, :-1], batch[:, 1:]
@@ -208,7 +209,8 @@ def _ours_and_torchs(P, runs):
                 # torch's last stage returns logits and applies loss_fn itself, then divides the
                 # gradients by M; ours divides each micro-batch's loss by M: the same mean.
                 theirs = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
-                    PipelineStage(stage, s, P, torch.device("cpu")), n_microbatches=M,
+                    torch_pipeline_stage(stage, s, P, len(x) // M, x.shape[1], torch.float32),
+                    n_microbatches=M,
                     loss_fn=lambda logits, t: F.cross_entropy(logits.float().flatten(0, 1), t.flatten()))
                 theirs.step(*([x] if s == 0 else []), **({"target": y} if s == P - 1 else {}))
             grads.append({n: p.grad.clone() for n, p in gpt.named_parameters()})

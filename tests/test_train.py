@@ -123,3 +123,61 @@ def test_offload_needs_a_sharded_optimizer():
     result = run("--strategy", "ddp", "--offload", "optimizer", ranks=2, check=False)
     assert result.returncode != 0
     assert result.stderr.count("use --strategy zero1, zero2 or fsdp") == 2, result.stderr
+
+
+# ---- a first run a person can read --------------------------------------------------------------
+
+def test_log_shows_progress_and_no_bytes_sent_on_one_process(single_run):
+    assert "| 25 steps" in single_run.splitlines()[0]                       # the header
+    lines = [line for line in single_run.splitlines() if re.match(r"step +\d+ \| loss", line)]
+    done = [int(m) for line in lines for m in re.findall(r"\| (\d+)/25 in \d+:\d\d, about \d+:\d\d left$", line)]
+    assert done == [1, 5, 9, 13, 17, 21, 25], lines
+    assert not any("sent" in line for line in lines)                       # one rank sends nothing
+
+
+def test_help_shows_each_default_once(capsys):
+    import train
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    entries = {}                      # "--seq-len SEQ_LEN" -> its help, unwrapped
+    for line in capsys.readouterr().out.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            option, _, help_text = line.strip().partition("  ")
+            entries[option] = help_text.strip()
+        elif line.startswith("    ") and entries:
+            entries[option] = (entries[option] + " " + line.strip()).strip()
+    assert len(entries) > 40
+    assert not [o for o, h in entries.items() if "(default: None)" in h or "(default: False)" in h]
+    assert not [o for o, h in entries.items() if h.count("(default") > 1]
+    for option, default in (("--seq-len SEQ_LEN", "64"), ("--microbatches MICROBATCHES", "2 x pp"),
+                            ("--min-lr MIN_LR", "lr/10"), ("--prompt PROMPT", "'def '")):
+        assert f"(default: {default})" in entries[option], (option, entries[option])
+
+
+def _notes(root):
+    import contextlib
+    import io
+    import train
+    out = {}
+    for name, argv in (
+            ("ddp", ["--strategy", "ddp", "--steps", "3", "--out", root, "--save-every", "2"]),
+            ("resumed", ["--strategy", "ddp", "--steps", "4", "--out", root, "--resume"]),
+            ("lora", ["--lora", "--steps", "1"])):
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            train.main([*QUICK, "--log-every", "1", *argv])
+        out[name] = text.getvalue()
+    return out
+
+
+def test_first_run_notes_say_what_happens(tmp_path):
+    from multiprocess import run_ranks
+    notes = run_ranks(_notes, 1, str(tmp_path / "run"))[0]
+    assert "--strategy ddp on one process is a world of 1 rank" in notes["ddp"]
+    # The checkpoint after step 1 is named by the 2 steps done, and says so.
+    assert re.search(r"step +1 \| saved .*ckpt-0000002: named by the steps done \(2\), so --resume "
+                     r"continues at step 2", notes["ddp"]), notes["ddp"]
+    assert ("resumed with --steps 4 (the run was started with 3); the learning-rate schedule"
+            in notes["resumed"]), notes["resumed"]
+    assert "{" not in notes["resumed"]                                      # words, not a dict
+    assert "--lora without --init-from trains the adapters on a randomly initialised" in notes["lora"]
