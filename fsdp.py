@@ -33,7 +33,9 @@ class Unit(FlatParams):
     """One FSDP unit: the parameters of a module (minus nested units') as one flat parameter.
 
         master  (S,)    fp32, this rank's shard: the nn.Parameter the optimizer updates
-        grad    (S,)    fp32, this rank's reduced (and accumulated) gradient of the shard
+        grad    (S,)    fp32, this rank's reduced (and accumulated) gradient of the shard: the
+                        master's own .grad, so any torch.optim optimizer over FSDP.parameters()
+                        steps on it (offloaded, the master is on the host and this stays on the device)
         full    (N*S,)  compute dtype, gathered; its storage is resized to 0 between uses, and
                         the module's parameters stay views of it, so the module code never changes
     Offloaded (FSDPOptimizer(offload=True)) the master lives on the host, and the device keeps
@@ -53,10 +55,21 @@ class Unit(FlatParams):
         self.gathering = None        # (handle, input) of an all-gather in flight
         self.gathered = False        # full holds the parameters (storage allocated)
         self.pending = len(self.params)   # gradients not yet accumulated in this backward
-        self.reduced = False         # this backward's reduce-scatter has been launched
-        self.grad = None
+        self.ready = False           # this backward has produced all its gradients
         self.device_shard = None
+        self._device_grad = None     # offload: the reduced gradient, on the device
         self.host_grad = None        # offload: (S,) fp32 host buffer the gradient is copied into
+
+    @property
+    def grad(self):
+        return self._device_grad if self.device_shard is not None else self.master.grad
+
+    @grad.setter
+    def grad(self, value):
+        if self.device_shard is not None:
+            self._device_grad = value
+        else:
+            self.master.grad = value
 
     def refresh(self):
         """The master changed: a gathered copy is stale, and an offloaded master is copied back
@@ -129,6 +142,9 @@ class FSDP(nn.Module):
                 if m is None:
                     self.root = self.units[-1]
         self.order = [u for u in self.units if u is not self.root]      # forward order, root aside
+        # Backward's order, the root last: every rank launches its reduce-scatters in this order.
+        self.reduce_order = self.order[::-1] + ([self.root] if self.root is not None else [])
+        self._next_reduce = 0            # first unit in reduce_order not yet launched
         self.shards = nn.ParameterList([u.master for u in self.units])
         with torch.no_grad():
             for p in module.parameters():
@@ -232,11 +248,18 @@ class FSDP(nn.Module):
         self._hook_end_of_backward()
         unit.pending -= 1
         if unit.pending == 0:
-            self._reduce(unit)
+            unit.pending, unit.ready = len(unit.params), True
+            unit.free()                  # the gradients are out: the gathered parameters can go
+            # Collectives match by call order: every rank launches its units in reduce_order,
+            # whatever order its gradients arrived in (a unit unused here waits for the end of
+            # backward, and the units after it with it).
+            while (self._next_reduce < len(self.reduce_order)
+                   and self.reduce_order[self._next_reduce].ready):
+                self._reduce(self.reduce_order[self._next_reduce])
+                self._next_reduce += 1
 
     def _reduce(self, unit):
         """The unit's backward is over: reduce-scatter its gradient (unless no_sync), free it all."""
-        unit.pending, unit.reduced = len(unit.params), True
         if self._sync:
             grad = torch.zeros_like(unit.full)                                   # (N*S,)
             for p, view in zip(unit.params, unit.views(grad)):
@@ -261,14 +284,16 @@ class FSDP(nn.Module):
     def _finish_backward(self):
         # Units whose gradient never (fully) came still reduce-scatter: collectives match by
         # order, so every rank must launch every unit's, whatever this rank's graph used.
+        for unit in self.reduce_order[self._next_reduce:]:
+            unit.pending = len(unit.params)
+            self._reduce(unit)
         for unit in self.units:
-            if not unit.reduced:
-                self._reduce(unit)
-            unit.reduced = False
-        self._backward_hooked = False
+            unit.ready = False
+        self._next_reduce, self._backward_hooked = 0, False
 
     def finish_gradient_sync(self):
-        """Wait for the outstanding reduce-scatters: each unit's .grad is then its fp32 average."""
+        """Wait for the outstanding reduce-scatters: each shard in FSDP.parameters() then holds its
+        fp32 averaged gradient in .grad, so a plain torch.optim optimizer can step on them."""
         while self._reductions:
             self._retire()
 

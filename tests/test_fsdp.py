@@ -483,3 +483,118 @@ def test_memory_is_flat_from_step_10_to_200(runs):
     # Within one fp32 scalar: a 4-byte tensor is sometimes still held by gloo when the count
     # runs, at random logged steps (measured: zero2 shows the same +4 bytes at steps 40, 60, 170).
     assert max(v for s, v in live.items() if s >= 10) - live[10] <= 4, live
+
+
+# ---- a plain torch.optim loop, and a unit only one rank uses ------------------------------------
+
+class _Plain(nn.Module):
+    """Not our GPT: an embedding, an RMSNorm and three linears; one FSDP unit per Linear and
+    Embedding (wrap=), the norm's weight in the root unit."""
+    V, C = 32, 16
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.norm = nn.Embedding(self.V, self.C), nn.RMSNorm(self.C)
+        self.l1, self.l2, self.l3 = nn.Linear(self.C, self.C), nn.Linear(self.C, self.C), nn.Linear(self.C, self.V)
+
+    def forward(self, idx, targets):
+        x = self.norm(self.emb(idx))                                     # (B, T, C)
+        logits = self.l3(F.relu(self.l2(F.relu(self.l1(x)))))           # (B, T, V)
+        return logits, F.cross_entropy(logits.reshape(-1, self.V), targets.reshape(-1))
+
+
+PLAIN_OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)}
+
+
+def _plain_loops(batches):
+    """The same plain loop, zero_grad(set_to_none=True) / backward / finish_gradient_sync / step,
+    with torch's SGD and AdamW over FSDP(...).parameters() and over our DDP's model."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, make in PLAIN_OPTIMIZERS.items():
+        for how in ("fsdp", "ddp"):
+            torch.manual_seed(0)
+            model = _Plain()
+            wrapped = (FSDP(model, wrap=lambda m: isinstance(m, (nn.Linear, nn.Embedding))) if how == "fsdp"
+                       else DDP(model))
+            opt = make(wrapped.parameters())
+            for batch in batches:
+                opt.zero_grad(set_to_none=True)
+                mine = batch.chunk(n)[r]                                  # (B/N, T+1)
+                wrapped(mine[:, :-1], mine[:, 1:])[1].backward()
+                wrapped.finish_gradient_sync()
+                opt.step()
+            out[f"{name} {how}"] = (wrapped.full_state_dict(all_ranks=True) if how == "fsdp"
+                                    else {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_plain_torch_optimizer_trains_fsdp_shards(world_size):
+    batches = _batches(STEPS, 12, vocab=_Plain.V)
+    ranks = run_ranks(_plain_loops, world_size, batches)
+    for name, make in PLAIN_OPTIMIZERS.items():
+        torch.manual_seed(0)
+        model = _Plain()
+        opt = make(model.parameters())
+        for batch in batches:
+            opt.zero_grad(set_to_none=True)
+            model(batch[:, :-1], batch[:, 1:])[1].backward()
+            opt.step()
+        single = {k: v.detach() for k, v in model.state_dict().items()}
+        for r, out in enumerate(ranks):
+            # The same averaged gradients as our DDP's, stepped by the same optimizer: bit for bit
+            # on 2 ranks (a + b in either order). On 3, gloo's reduce-scatter adds the three
+            # contributions in another order than its all-reduce: fp32 rounding of the sum
+            # (measured 1.5e-8 with SGD, 1.2e-7 = one ulp of a weight near 1.5 with AdamW).
+            assert_tensors_close(out[f"{name} fsdp"], out[f"{name} ddp"], rtol=0,
+                                 atol=0 if world_size == 2 else 1e-6,
+                                 what=f"{name} FSDP vs DDP, rank {r} of {world_size}")
+            # Against one process only the sums' order differs: fp32 reordering noise (our DDP
+            # is 1.5e-8 from one process here; AdamW can amplify it near zero gradients).
+            assert_tensors_close(out[f"{name} fsdp"], single, rtol=0, atol=1e-6,
+                                 what=f"{name} FSDP vs one process, rank {r} of {world_size}")
+            moved = max((out[f"{name} fsdp"][k] - v).abs().max().item()
+                        for k, v in _Plain().state_dict().items())
+            assert moved > 1e-3                                        # it trained
+
+
+class _Sometimes(nn.Module):
+    """Three same-sized units; every rank runs `extra` (its all-gathers match) but only rank 0
+    uses its output, so rank 1's backward never reaches it: launched in arrival order, rank 1's
+    reduce-scatter of `first` would pair with rank 0's of `extra` (same size: silently wrong)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.extra, self.last = (nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, use_extra):
+        h = torch.tanh(self.first(x))
+        extra = torch.tanh(self.extra(h))
+        return self.last(extra if use_extra else h).pow(2).mean()
+
+
+def _sometimes(inputs):
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    wrapped = FSDP(_Sometimes(), wrap=lambda m: isinstance(m, nn.Linear))
+    wrapped(inputs[r], use_extra=r == 0).backward()
+    wrapped.finish_gradient_sync()
+    names, grads = wrapped.names(), {}
+    for unit in wrapped.units:
+        flat = torch.empty(unit.full.numel())                            # (N*S,)
+        dist.all_gather_single(flat, unit.master.grad)
+        grads.update({names[p]: g.clone() for p, g in zip(unit.params, unit.views(flat))})
+    return grads
+
+
+def test_unit_used_on_one_rank_reduces_in_the_same_order_everywhere():
+    inputs = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3))
+    ranks = run_ranks(_sometimes, 2, inputs)
+    torch.manual_seed(0)
+    model = _Sometimes()
+    ((model(inputs[0], True) + model(inputs[1], False)) / 2).backward()     # the average of both
+    expected = {n: p.grad for n, p in model.named_parameters()}
+    for r, grads in enumerate(ranks):
+        assert_tensors_close(grads, expected, rtol=0, atol=1e-7, what=f"rank {r}")
