@@ -581,12 +581,7 @@ def _sometimes(inputs):
     wrapped = FSDP(_Sometimes(), wrap=lambda m: isinstance(m, nn.Linear))
     wrapped(inputs[r], use_extra=r == 0).backward()
     wrapped.finish_gradient_sync()
-    names, grads = wrapped.names(), {}
-    for unit in wrapped.units:
-        flat = torch.empty(unit.full.numel())                            # (N*S,)
-        dist.all_gather_single(flat, unit.master.grad)
-        grads.update({names[p]: g.clone() for p, g in zip(unit.params, unit.views(flat))})
-    return grads
+    return _full_gradients(wrapped, scale=1.0)
 
 
 def test_unit_used_on_one_rank_reduces_in_the_same_order_everywhere():
