@@ -33,8 +33,8 @@ LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-5
 
 
-def _train(argv):
-    return train.main([*RUN, *argv])
+def _train(argv, **kwargs):
+    return train.main([*RUN, *argv], **kwargs)
 
 
 def _weights(path):
@@ -314,9 +314,8 @@ def test_nan_weights_on_one_rank_refuse_the_save_everywhere():
 
 def _live_bytes(strategies):
     split = {"tp": ["--tp", "2"], "pipeline": ["--pp", "2", "--microbatches", "2"]}
-    return {s: train.main([*RUN, "--strategy", s, *split.get(s, []), "--steps", "200",
-                           "--log-every", "10", "--batch-size", "4", "--seq-len", "16"],
-                          live_bytes=True)["live_bytes"]
+    return {s: _train(["--strategy", s, *split.get(s, []), "--steps", "200", "--log-every", "10",
+                       "--batch-size", "4", "--seq-len", "16"], live_bytes=True)["live_bytes"]
             for s in strategies}
 
 

@@ -34,7 +34,8 @@ def usage_errors(*args, ranks=2):
                                    "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks),
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
              for r in range(ranks)]
-    return [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
+    stderrs = [p.communicate(timeout=300)[1] for p in procs]    # reads the pipes as they fill
+    return [(p.returncode, stderr) for p, stderr in zip(procs, stderrs)]
 
 
 def losses(output):
