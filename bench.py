@@ -63,7 +63,7 @@ ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 class Run:
     """A model wrapped by one strategy, and what the report reads from it."""
     model: torch.nn.Module
-    optimizer: object           # zero_grad(), scale_loss(loss), step(clip_grad); held_bytes reads it
+    optimizer: object           # zero_grad(), scale_loss(loss), clip_grad_norm_(max), step()
     comm: Comm | None = None    # ours: the byte counter; PyTorch's collectives count nothing
     label: str = "ours"         # what ran, for the report
     napkin_sent: int | None = None       # bytes per step predicted, where memory.comm_bytes has no row
@@ -73,7 +73,7 @@ class Run:
 
 
 class TorchOptimizer:
-    """A torch optimizer behind our optimizers' interface: torch's clip, then its step.
+    """A torch optimizer behind our optimizers' interface: scale_loss and clip_grad_norm_.
 
     held_bytes reads the moments from `.optimizer.state`: ZeroRedundancyOptimizer keeps them in
     its local optimizer (state_owner), the one that updates this rank's shard.
@@ -90,9 +90,10 @@ class TorchOptimizer:
     def scale_loss(self, loss):
         return loss
 
-    def step(self, clip_grad=None):
-        if clip_grad:
-            self.clip(self.params, clip_grad)
+    def clip_grad_norm_(self, max_norm):
+        self.clip(self.params, max_norm)
+
+    def step(self):
         self.torch_optimizer.step()
 
 
@@ -334,15 +335,21 @@ def train_step(run: Run, x, y, clip_grad) -> torch.Tensor:
     run.optimizer.zero_grad()
     if run.forward_backward is not None:                # a pipeline: the schedule does both
         loss = run.forward_backward(x, y)
-        run.optimizer.step(clip_grad=clip_grad)
+        update(run.optimizer, clip_grad)
         return loss.detach()
     with run.loss_context():
         _, loss = run.model(x, y)
         run.optimizer.scale_loss(loss).backward()
     if hasattr(run.model, "finish_gradient_sync"):     # ours: DDP's, FSDP's, tp's collectives
         run.model.finish_gradient_sync()
-    run.optimizer.step(clip_grad=clip_grad)
+    update(run.optimizer, clip_grad)
     return loss.detach()
+
+
+def update(optimizer, clip_grad):
+    if clip_grad:
+        optimizer.clip_grad_norm_(clip_grad)
+    optimizer.step()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ import torch.nn as nn
 from collectives import as_comm, check_same_parameters, ring_bytes
 from mixed_precision import DynamicLossScaler
 from model import Block
-from zero import (MAX_BUCKETS_IN_FLIGHT, FlatParams, gradients_to_host, host_buffer, host_copy,
-                  optimizer_state, unscale_and_clip)
+from zero import (MAX_BUCKETS_IN_FLIGHT, FlatParams, ShardedOptimizer, gradients_to_host,
+                  host_buffer, host_copy, step_message_bytes)
 
 
 def gpt_blocks(module: nn.Module) -> bool:
@@ -59,6 +59,7 @@ class Unit(FlatParams):
         self.device_shard = None
         self._device_grad = None     # offload: the reduced gradient, on the device
         self.host_grad = None        # offload: (S,) fp32 host buffer the gradient is copied into
+        self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
 
     @property
     def grad(self):
@@ -262,9 +263,10 @@ class FSDP(nn.Module):
         """The unit's backward is over: reduce-scatter its gradient (unless no_sync), free it all."""
         if self._sync:
             grad = torch.zeros_like(unit.full)                                   # (N*S,)
-            for p, view in zip(unit.params, unit.views(grad)):
+            for i, (p, view) in enumerate(zip(unit.params, unit.views(grad))):
                 if p.grad is not None:
                     view.copy_(p.grad)
+                    unit.used[i] = True
                 p.grad = None
             output = torch.empty_like(unit.master, dtype=grad.dtype)            # (S,)
             handle = self.comm.reduce_scatter(output, grad, op="avg", async_op=True)
@@ -297,6 +299,26 @@ class FSDP(nn.Module):
         while self._reductions:
             self._retire()
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """For a plain torch optimizer over FSDP.parameters(): scale the shards' gradients so the
+        whole model's gradient has 2-norm at most max_norm; returns the norm before clipping.
+        Collective (an all-reduce of the squares): call on every rank, after
+        finish_gradient_sync(). torch.nn.utils.clip_grad_norm_ would see this rank's shards only.
+        FSDPOptimizer has its own, which also unscales fp16's loss scale first."""
+        if max_norm <= 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+        grads = self.gradient_buffers()                                     # (S,) each, fp32
+        squares = sum(g.pow(2).sum() for g in grads) if grads else torch.zeros(())
+        squares = squares.reshape(1).to(self.units[0].full.device)
+        self.comm.all_reduce(squares, op="sum")                     # disjoint slices: squares add
+        norm = squares.sqrt()[0]
+        # torch's rule (clip_grad_norm_): scale by max_norm / norm when that is below 1.
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale)
+        return norm
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate full (unsharded) gradients locally; the next backward outside reduces them.
@@ -320,11 +342,11 @@ class FSDP(nn.Module):
     def bytes_per_step(self, micro_batches: int = 1) -> int:
         """Bytes this rank sends per step (ring): per micro-batch one all-gather per unit for
         forward, one more for backward except the root's (it stays gathered), one reduce-scatter
-        per unit; plus the gradient norm's fp32 number. 3 (N-1)/N of the model: 1.5x DDP."""
+        per unit; plus FSDPOptimizer's used-flags and norm (zero.py). 3 (N-1)/N of the model: 1.5x DDP."""
         n, size = self.comm.world_size, torch.finfo(self.compute_dtype).bits // 8
         per_unit = sum((2 if u is not self.root else 1) * ring_bytes("all_gather", u.full.numel(), size, n)
                        + ring_bytes("reduce_scatter", u.full.numel(), size, n) for u in self.units)
-        return micro_batches * per_unit + ring_bytes("all_reduce", 1, 4, n)
+        return micro_batches * per_unit + step_message_bytes(sum(len(u.params) for u in self.units), n)
 
     def names(self) -> dict:
         """{original parameter: its name in .module}."""
@@ -358,13 +380,14 @@ class FSDP(nn.Module):
                 p.copy_(state[name])
 
 
-class FSDPOptimizer:
+class FSDPOptimizer(ShardedOptimizer):
     """Any element-wise torch optimizer on the FSDP shards, with ZeRO's sharded step.
 
     The gradients arrive as fp32 shards (the reduce-scatter did ZeRO-2's work), so the update is
     zero.py's: unscale (fp16 loss scale), one global norm across ranks for clipping and for the
     inf/NaN skip that every rank agrees on, the inner step. No all-gather after it: the next
-    forward gathers. Loop: zero_grad(); scale_loss(loss).backward() per micro-batch; step().
+    forward gathers. Loop: zero_grad(); scale_loss(loss).backward() per micro-batch;
+    clip_grad_norm_(max_norm) if clipping; step(). A torch.optim.Optimizer: schedulers drive it.
     offload: ZeRO-Offload, as ZeroOptimizer's: the fp32 master shards (FSDP's parameters) and
     the optimizer state move to the host and the step runs there; the device keeps each shard
     in the compute dtype for the all-gathers, and the gradient shards.
@@ -375,25 +398,17 @@ class FSDPOptimizer:
         if offload not in (True, False):
             raise ValueError(f"FSDPOptimizer offload must be True (the optimizer on the CPU) or "
                              f"False, got {offload!r}")
-        self.fsdp, self.offload = fsdp, offload
+        self.fsdp, self.offload, self.comm = fsdp, offload, fsdp.comm
         if offload:
             for unit in fsdp.units:
                 unit.device_shard = unit.master.detach().to(fsdp.compute_dtype, copy=True)   # (S,)
                 unit.host_grad = host_buffer(unit.device_shard)
                 unit.master.data = host_copy(unit.master)          # the device's fp32 copy is freed
-        self.optimizer = optimizer_cls(list(fsdp.parameters()), **optimizer_kwargs)
-        self.scaler = scaler or DynamicLossScaler(enabled=fsdp.compute_dtype == torch.float16)
-        self.last_grad_norm = None
+        self.flats, self.masters = fsdp.units, [u.master for u in fsdp.units]
+        super().__init__(self.masters, optimizer_cls, optimizer_kwargs,
+                         scaler or DynamicLossScaler(enabled=fsdp.compute_dtype == torch.float16))
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale_loss(loss)
-
-    def step(self, clip_grad: float | None = None) -> bool:
-        """Unscale, clip across shards, update this rank's shards; False if skipped (inf/NaN)."""
+    def _gradients(self):
         self.fsdp.finish_gradient_sync()
         units = [u for u in self.fsdp.units if u.grad is not None]
         grads = [u.grad for u in units]                                  # (S,) each, on the device
@@ -401,54 +416,21 @@ class FSDPOptimizer:
             # Gradients out, Adam on the CPU, the updated shards back in (Unit.refresh), where
             # the next forward's all-gathers wait for them; zero.py says where it could overlap more.
             grads = gradients_to_host(grads, [u.host_grad for u in units])
-        skip, self.last_grad_norm = unscale_and_clip(
-            grads, [u.master for u in units], self.scaler, self.fsdp.comm, clip_grad,
-            self.fsdp.units[0].full.device)
-        if not skip:
-            self.optimizer.step()
-            if self.offload:
-                for unit in self.fsdp.units:
-                    unit.refresh()
-        self.scaler.update(skip)
-        return not skip
+        return grads, [u.master for u in units]
 
-    def zero_grad(self):
+    def _write_back(self):
+        if self.offload:
+            self.refresh_params()
+
+    def zero_grad(self, set_to_none: bool = True):
         for unit in self.fsdp.units:
-            unit.grad = unit.master.grad = None
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        """What offload keeps in host memory: fp32 masters, optimizer state, gradient buffers."""
-        if not self.offload:
-            return []
-        return [*(t for u in self.fsdp.units for t in (u.master, u.host_grad)),
-                *optimizer_state(self.optimizer)]
-
-    def master_ranges(self) -> list[tuple]:
-        """(param, start, stop, master, offset), as ZeroOptimizer's: checkpoints and resharding
-        treat an FSDP shard exactly like a ZeRO shard."""
-        r = self.fsdp.comm.rank
-        return [(unit.params[i], start, stop, unit.master, offset) for unit in self.fsdp.units
-                for i, start, stop, offset in unit.shard_ranges(r)]
+            unit.used = [False] * len(unit.params)
+            if set_to_none:
+                unit.grad = unit.master.grad = None
+            elif unit.grad is not None:
+                unit.grad.zero_()
 
     def refresh_params(self):
         """After the masters were written: drop any gathered copy; the next forward gathers."""
         for unit in self.fsdp.units:
             unit.refresh()
-
-    def state_dict(self) -> dict:
-        """This rank's shard: the sharded state dict of a checkpoint."""
-        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                "masters": [u.master.detach().clone() for u in self.fsdp.units],
-                "rank": self.fsdp.comm.rank, "world_size": self.fsdp.comm.world_size}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict):
-        comm = self.fsdp.comm
-        if (state["rank"], state["world_size"]) != (comm.rank, comm.world_size):
-            raise ValueError(f"this state is rank {state['rank']} of {state['world_size']}'s shard; "
-                             f"load it on rank {state['rank']} of a world of {state['world_size']}")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        for unit, master in zip(self.fsdp.units, state["masters"]):
-            unit.master.copy_(master)
-        self.refresh_params()

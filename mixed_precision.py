@@ -7,6 +7,8 @@ fp32's exponent and needs no scaling (Kalamkar et al. 2019). Left out: autocast'
 casting (the whole model is in one dtype) and fp8.
 Run: python mixed_precision.py; test: python -m pytest tests/test_mixed_precision.py
 """
+import contextlib
+
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
@@ -99,24 +101,158 @@ def found_overflow(grad_norm: torch.Tensor, comm: Comm | None = None) -> bool:
     return bool(flag.item())
 
 
-class MixedPrecisionOptimizer:
-    """fp32 master weights and loss scaling around any torch optimizer.
+class MasterOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer that runs any torch optimizer on fp32 master weights.
+
+    The base of every optimizer in this project: MixedPrecisionOptimizer below (one master
+    per parameter), ZeroOptimizer and FSDPOptimizer (one master shard per flat buffer, zero.py
+    and fsdp.py). `.optimizer`, the inner optimizer, only ever sees the masters; its
+    param_groups and state are this optimizer's own, so an lr scheduler, a param-group edit or
+    a look at the Adam moments works as on any torch optimizer. A subclass says where things are:
+        _gradients() -> (grads, masters): this rank's gradients of the scaled loss and the
+                        masters they update, only those that have one
+        _total_norm(grads) -> the whole model's gradient norm, the same on every rank
+        _unused() -> [(master, start, stop)]: elements no rank computed a gradient for
+        _write_back(): after the update, the model's parameters follow their masters
+        _release(): drop what this step's gradients held
+    Loop:  zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) if clipping; step()
+    """
+
+    def __init__(self, masters: list, optimizer_cls, optimizer_kwargs: dict,
+                 scaler: DynamicLossScaler):
+        self.optimizer = optimizer_cls(masters, **optimizer_kwargs)
+        # The inner optimizer's group dicts themselves (add_param_group keeps the dict it is
+        # given): a scheduler that sets group["lr"] here sets it for the inner step.
+        super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
+        self.state = self.optimizer.state
+        self.scaler = scaler
+        self.last_grad_norm: float | None = None     # before clipping; inf/NaN on a skipped step
+        self.last_step_skipped = False               # the last step found inf/NaN and did nothing
+        self._unscaled = None                        # (masters, norm) between clipping and step
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(loss)
+
+    def add_param_group(self, param_group: dict):
+        if hasattr(self, "scaler"):                  # after __init__: the masters are laid out
+            raise ValueError(f"{type(self).__name__} lays out its fp32 masters once, when it is "
+                             f"built: pass every parameter to the constructor")
+        super().add_param_group(param_group)
+
+    def _unscale(self):
+        """Give the masters their fp32 gradients, divided by the loss scale; their global norm."""
+        if self._unscaled is None:
+            grads, masters = self._gradients()
+            grads = unscale_grads(grads, masters, self.scaler.scale)
+            self._unscaled = masters, self._total_norm(grads)
+        return self._unscaled
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so their global 2-norm is at most max_norm; returns the norm
+        before clipping, over every rank's share. Call after backward, before step():
+        torch.nn.utils.clip_grad_norm_ would see only this rank's (or no) gradients."""
+        if max_norm <= 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+        masters, norm = self._unscale()
+        if torch.isfinite(norm):
+            clip_grads_with_norm_(masters, max_norm, norm)
+        return norm
+
+    def step(self, closure=None):
+        """Update the masters from the gradients (skipped, on every rank, if any is inf/NaN),
+        then the model's parameters from the masters. Returns closure()'s loss, if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        _, norm = self._unscale()
+        # One non-finite element makes the norm non-finite: the norm doubles as the overflow
+        # check, and as it is global, every rank takes the same decision without a message.
+        skip = not bool(torch.isfinite(norm))
+        self.last_grad_norm, self.last_step_skipped = norm.item(), skip
+        if not skip:
+            with keep_unchanged(self._unused(), self.optimizer.state):
+                self.optimizer.step()
+            self._write_back()
+        self._release()
+        self._unscaled = None
+        self.scaler.update(skip)
+        return loss
+
+    def _unused(self) -> list:
+        return []
+
+    def _release(self):
+        pass
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer: inner state, fp32 masters, loss scale (plus, sharded, which
+        shard). train.py's checkpoints save by parameter name instead (snapshot.py)."""
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "masters": [m.detach().clone() for m in self.masters], **self._shard_id()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict):
+        if self._shard_id() and (state["rank"], state["world_size"]) != tuple(self._shard_id().values()):
+            raise ValueError(f"this state is rank {state['rank']} of {state['world_size']}'s shard; "
+                             f"load it on rank {state['rank']} of a world of {state['world_size']}")
+        if [m.shape for m in state["masters"]] != [m.shape for m in self.masters]:
+            raise ValueError(f"the state holds {len(state['masters'])} master weights that do not "
+                             f"match this optimizer's {len(self.masters)}: build the same model (and "
+                             f"freeze the same parameters) before loading")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        for master, saved in zip(self.masters, state["masters"]):
+            master.copy_(saved)
+        self.refresh_params()                    # the model follows the masters
+
+    def _shard_id(self) -> dict:
+        return {}
+
+
+@contextlib.contextmanager
+def keep_unchanged(ranges: list, state: dict):
+    """Elements master[start:stop] of each (master, start, stop), and the same elements of the
+    optimizer's per-element state (Adam's moments), come out as they went in.
+
+    A flat master holds parameters that got no gradient beside ones that did. torch's
+    optimizers skip a parameter whose .grad is None: no update, no weight decay, no moment
+    change. A shard sees a zero gradient instead, which AdamW would still decay, so the
+    elements are put back. (The shard's step count still advances: a parameter unused for
+    some steps and then used again gets the bias correction of the shard's count.)
+    """
+    saved = []
+    for master, start, stop in ranges:
+        moments = {k: v[start:stop].clone() for k, v in state.get(master, {}).items()
+                   if isinstance(v, torch.Tensor) and v.shape == master.shape}
+        saved.append((master, start, stop, master.detach()[start:stop].clone(), moments))
+    yield
+    with torch.no_grad():
+        for master, start, stop, values, moments in saved:
+            master[start:stop] = values
+            for key, v in state[master].items():
+                if isinstance(v, torch.Tensor) and v.shape == master.shape:
+                    # State the step created (the first one) starts from zero, as it would
+                    # the first time this parameter has a gradient.
+                    v[start:stop] = moments[key] if key in moments else 0
+
+
+class MixedPrecisionOptimizer(MasterOptimizer):
+    """fp32 master weights and loss scaling around any torch optimizer, one master per parameter.
 
     params: the model's parameters, already in the dtype of `precision` ("fp32", "bf16"
-    or "fp16"); those with requires_grad=False (frozen) are left out. The inner optimizer,
-    optimizer_cls(masters, **optimizer_kwargs), is `.optimizer`; it only ever sees the fp32
-    masters. For fp32 the parameters are their own masters: no copy, no extra bytes.
+    or "fp16"); those with requires_grad=False (frozen) are left out. The inner optimizer is
+    optimizer_cls(masters, **optimizer_kwargs). For fp32 the parameters are their own masters:
+    no copy, no extra bytes.
     comm: a collectives.Comm or process group over ranks whose gradients may differ, to
     agree on skipping; None when there is one rank or the gradients are already averaged.
     scaler: default DynamicLossScaler, enabled only for fp16.
     grad_norm: grad_norm(params, grads) -> the global norm, when the parameters are slices of
-    larger ones (tensor parallelism); default: the norm of these gradients alone.
+    larger ones (tensor parallelism) or one stage of a pipeline; default: these gradients' norm.
 
-    Per step:  loss -> scale_loss -> backward (16-bit grads) -> step():
+    Per step:  loss -> scale_loss -> backward (16-bit grads) -> [clip_grad_norm_] -> step():
         master.grad = grad.float() / scale -> inf/NaN? skip, back off -> clip -> inner step
         -> copy masters into the 16-bit parameters -> grow the scale when due
-    last_grad_norm: the norm of the unscaled fp32 gradients before clipping, every step
-    (inf or NaN on a skipped step).
     """
 
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, precision: str = "fp32",
@@ -125,7 +261,7 @@ class MixedPrecisionOptimizer:
         if precision not in DTYPES:
             raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[precision]
-        self.params = [p for p in params if p.requires_grad]
+        self.params = [p for p in parameters_only(params, "MixedPrecisionOptimizer") if p.requires_grad]
         for p in self.params:
             if p.dtype != dtype:
                 raise ValueError(f"precision {precision!r} needs {dtype} parameters, got {p.dtype}: "
@@ -136,47 +272,47 @@ class MixedPrecisionOptimizer:
                         for p in self.params]
         self.precision = precision
         self.comm = as_comm(comm) if comm is not None else None
-        self.scaler = scaler if scaler is not None else DynamicLossScaler(enabled=precision == "fp16")
-        self.optimizer = optimizer_cls(self.masters, **optimizer_kwargs)
         self.grad_norm = grad_norm
-        self.last_grad_norm: float | None = None
+        super().__init__(self.masters, optimizer_cls, optimizer_kwargs,
+                         scaler or DynamicLossScaler(enabled=precision == "fp16"))
 
-    @property
-    def param_groups(self) -> list:
-        return self.optimizer.param_groups
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale_loss(loss)
-
-    def step(self, clip_grad: float | None = None) -> bool:
-        """Update the weights from the gradients of the scaled loss; False if skipped."""
+    def _with_grad(self) -> list:
         # A parameter without a gradient this step keeps master.grad None, so the inner
         # optimizer skips it exactly as it would skip a plain parameter.
-        pairs = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
-        masters = [m for _, m in pairs]
-        grads = unscale_grads([p.grad for p, _ in pairs], masters, self.scaler.scale)
-        # clip_grad_norm_ split in two: the same norm serves the overflow check and clipping.
-        # (Finite gradients whose norm overflows fp32 are skipped too: no sane update there.)
-        norm = (self.grad_norm([p for p, _ in pairs], grads) if self.grad_norm
-                else get_total_norm(grads))
-        skip = found_overflow(norm, self.comm)
-        self.last_grad_norm = norm.item()
-        if not skip:
-            if clip_grad is not None:
-                clip_grads_with_norm_(masters, clip_grad, norm)
-            self.optimizer.step()
-            with torch.no_grad():
-                for p, m in pairs:
-                    if m is not p:
-                        p.copy_(m)                 # round to 16 bits for the next forward
-        self._free_master_grads()
-        self.scaler.update(skip)
-        return not skip
+        return [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
 
-    def zero_grad(self):
+    def _gradients(self):
+        pairs = self._with_grad()
+        return [p.grad for p, _ in pairs], [m for _, m in pairs]
+
+    def _total_norm(self, grads):
+        # (Finite gradients whose norm overflows fp32 are skipped too: no sane update there.)
+        norm = (self.grad_norm([p for p, _ in self._with_grad()], grads) if self.grad_norm
+                else get_total_norm(grads))
+        if self.comm is not None and found_overflow(norm, self.comm):
+            norm = torch.full_like(norm, float("inf"))      # skipped somewhere: skipped here too
+        return norm
+
+    @torch.no_grad()
+    def _write_back(self):
+        for p, m in self._with_grad():
+            if m is not p:
+                p.copy_(m)                 # round to 16 bits for the next forward
+
+    def _release(self):
+        # The fp32 gradients live only inside step(): between steps a rank holds the 2-byte
+        # gradients of the memory table, not 4 more bytes per parameter.
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = None
+
+    def zero_grad(self, set_to_none: bool = True):
         for p in self.params:
-            p.grad = None
-        self._free_master_grads()
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        self._release()
 
     def master_ranges(self) -> list[tuple]:
         """(param, start, stop, master, offset): where each parameter's fp32 master and its
@@ -190,31 +326,15 @@ class MixedPrecisionOptimizer:
             if m is not p:
                 p.copy_(m)
 
-    def _free_master_grads(self):
-        # The fp32 gradients live only inside step(): between steps a rank holds the 2-byte
-        # gradients of the memory table, not 4 more bytes per parameter.
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                m.grad = None
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "masters": self.masters,
-                "scaler": self.scaler.state_dict()}
-
-    def load_state_dict(self, state: dict):
-        masters = state["masters"]
-        shapes = [tuple(m.shape) for m in masters]
-        if shapes != [tuple(m.shape) for m in self.masters]:
-            raise ValueError(f"the checkpoint holds {len(masters)} master weights that do not match "
-                             f"this model's {len(self.masters)} trainable parameters: build the same "
-                             f"model (and freeze the same parameters) before loading")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        with torch.no_grad():
-            for p, m, saved in zip(self.params, self.masters, masters):
-                m.copy_(saved)
-                if m is not p:
-                    p.copy_(m)             # the model resumes from the masters' rounding
+def parameters_only(params, who: str) -> list:
+    """params as a list of tensors; our optimizers lay out their masters themselves, so they
+    take one group of parameters (settings are keyword arguments), not group dicts."""
+    params = list(params)
+    if any(isinstance(p, dict) for p in params):
+        raise ValueError(f"{who} takes the model's parameters (e.g. model.parameters()), not "
+                         f"parameter-group dicts: its options apply to all of them")
+    return params
 
 
 def _show(x: torch.Tensor) -> str:

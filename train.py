@@ -27,6 +27,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
 import lora
 import pipeline
@@ -209,6 +210,10 @@ def check_args(parser, args, world_size):
     for name in ("steps", "grad_accum", "seq_len", "log_every", "batch_size", "keep", "tp"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not args.lr > 0:
+        parser.error(f"--lr must be above 0 (the peak of the schedule), got {args.lr}")
+    if args.clip_grad < 0:
+        parser.error(f"--clip-grad must be 0 (off) or a positive norm, got {args.clip_grad}")
     check_tensor_parallel(parser, args, world_size)
     check_pipeline(parser, args, world_size)
     data_parallel = world_size // args.tp // args.pp              # ranks reading different rows
@@ -332,6 +337,14 @@ def learning_rate(step, args):
     return min_lr + 0.5 * (args.lr - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def lr_scheduler(optimizer, args, start: int) -> LambdaLR:
+    """learning_rate as torch's LambdaLR over our optimizer (a torch.optim.Optimizer), set for
+    step `start`: a resumed run rebuilds the schedule from its own --steps and --lr."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = args.lr
+    return LambdaLR(optimizer, lambda step: learning_rate(step, args) / args.lr, last_epoch=start - 1)
+
+
 @torch.no_grad()
 def eval_loss(model, data, args, rank, world_size, device):
     stages = isinstance(model, pipeline.Pipeline)            # forwards through every stage
@@ -360,11 +373,11 @@ def train_step(model, optimizer, x, y, args, measure=False):
     whose gradients hold inf or NaN is skipped on every rank). measure: time a pipeline's
     compute exactly (on CUDA, synchronizing).
     """
-    optimizer.zero_grad()
+    optimizer.zero_grad(set_to_none=True)
     if isinstance(model, pipeline.Pipeline):
         # The schedule runs the --microbatches (pipeline.py); replicas average once per step.
         loss = model.train_step(x, y, optimizer.scale_loss, measure)
-        return loss, optimizer.step(clip_grad=args.clip_grad or None)
+        return loss, update(optimizer, args)
     # DDP reduces once per step (no_sync); FSDP reduce-scatters every micro-batch's gradient
     # into its shards, so that no rank ever holds a full gradient.
     ddp, sync = isinstance(model, DDP), isinstance(model, (DDP, FSDP))
@@ -380,7 +393,15 @@ def train_step(model, optimizer, x, y, args, measure=False):
         model.finish_gradient_sync()
     if (tp := _tensor_parallel(model)) is not None:
         tp.finish_gradient_sync()                 # sequence parallelism's partial gradients
-    return step_loss, optimizer.step(clip_grad=args.clip_grad or None)
+    return step_loss, update(optimizer, args)
+
+
+def update(optimizer, args) -> bool:
+    """Clip to --clip-grad (the global norm over every rank's share), step; False if skipped."""
+    if args.clip_grad:
+        optimizer.clip_grad_norm_(args.clip_grad)
+    optimizer.step()
+    return not optimizer.last_step_skipped
 
 
 # ---- building the run ------------------------------------------------------------------------
@@ -737,9 +758,8 @@ def main(argv=None, live_bytes: bool = False) -> dict:
     tokens_per_step = args.batch_size * args.seq_len
     timer, last_timed, skipped = time.perf_counter(), start - 1, 0
     began = timer
+    schedule = lr_scheduler(optimizer, args, start)
     for step in range(start, args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args)
         comm.bytes_sent.clear()
         x, y = data.batch(step, args.batch_size, args.seq_len, args.seed,
                           rank=data_rank, world_size=data_size)      # (B/D, T)
@@ -752,6 +772,7 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                            f"inf/NaN in {args.precision}: lower --lr, keep --clip-grad on, check "
                            f"--data; resume from the last checkpoint with --resume")
         skipped += not applied
+        schedule.step()                                              # the next step's lr
 
         if logged:
             loss = global_mean(loss)                                 # the global batch's mean

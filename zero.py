@@ -17,10 +17,9 @@ from collections import deque
 
 import torch
 import torch.nn as nn
-from torch.nn.utils import clip_grads_with_norm_
 
 from collectives import as_comm, check_same_parameters, ring_bytes, split_into_buckets
-from mixed_precision import DynamicLossScaler, found_overflow, unscale_grads
+from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
 
 # Stage 2 keeps at most this many full bucket gradients in flight: when a third bucket
 # fills, backward waits for the oldest reduce-scatter and frees its buffer. Memory stays
@@ -91,9 +90,64 @@ class Bucket(FlatParams):
         self.pending = len(self.params)   # stage 2: gradients not yet copied in this backward
         self.reduction = None     # stage 2: (handle, output) of its reduce-scatter in flight
         self.host_grad = None     # offload: (S,) fp32 host buffer the reduced gradient lands in
+        self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
 
 
-class ZeroOptimizer:
+class ShardedOptimizer(MasterOptimizer):
+    """What ZeRO's optimizer and FSDP's share once the gradients are shards (the base of both).
+
+    self.flats: the flat buffers (zero.py's buckets, fsdp.py's units), each with `master`, this
+    rank's (S,) fp32 shard, and `used`, one flag per parameter: did this rank compute a gradient
+    for it since zero_grad()? The step is stage 2's whatever the stage: each rank updates its
+    shards only, with one global norm for clipping and the inf/NaN skip.
+    """
+
+    def _total_norm(self, grads):
+        comm, device = self.comm, self.flats[0].params[0].device
+        # A parameter no rank used keeps its values and moments (keep_unchanged), as torch's
+        # optimizers skip a .grad of None: OR the flags over the ranks, a P-byte message as
+        # DDP's, sent beside the norm's.
+        used = torch.tensor([u for flat in self.flats for u in flat.used], dtype=torch.uint8,
+                            device=device)                                      # (P,)
+        handle = comm.all_reduce(used, op="max", async_op=True)
+        # The global norm: each rank's shards hold disjoint slices of the one gradient (padding
+        # is zero), so the squares add up across ranks: one 4-byte all-reduce, and every rank
+        # gets the same norm, so every rank takes the same skip decision.
+        squares = sum(g.float().pow(2).sum() for g in grads) if grads else torch.zeros(())
+        squares = squares.reshape(1).to(device)
+        comm.all_reduce(squares, op="sum")
+        handle.wait()
+        self._used_anywhere = used.tolist()
+        return squares.sqrt()[0]
+
+    def _unused(self):
+        used, r, ranges = iter(self._used_anywhere), self.comm.rank, []
+        for flat in self.flats:
+            unused = {i for i in range(len(flat.params)) if not next(used)}
+            ranges += [(flat.master, offset, offset + stop - start)
+                       for i, start, stop, offset in flat.shard_ranges(r) if i in unused]
+        return ranges
+
+    def master_ranges(self) -> list[tuple]:
+        """(param, start, stop, master, offset): elements start:stop of param (flattened) have
+        their fp32 master, and their optimizer state, at master[offset : offset + stop - start].
+        Only this rank's shards: a checkpoint saves every rank's and joins them by name."""
+        r = self.comm.rank
+        return [(flat.params[i], start, stop, flat.master, offset) for flat in self.flats
+                for i, start, stop, offset in flat.shard_ranges(r)]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What offload keeps in host memory: fp32 masters, optimizer state, gradient buffers."""
+        if not self.offload:
+            return []
+        return [*(t for flat in self.flats for t in (flat.master, flat.host_grad)),
+                *optimizer_state(self.optimizer)]
+
+    def _shard_id(self) -> dict:
+        return {"rank": self.comm.rank, "world_size": self.comm.world_size}
+
+
+class ZeroOptimizer(ShardedOptimizer):
     """Any element-wise torch optimizer (SGD, Adam, AdamW...) on this rank's shards only.
 
     params: the model's parameters; frozen ones (requires_grad=False) are left alone. Their
@@ -103,7 +157,9 @@ class ZeroOptimizer:
     each flat buffer; stage 2 reduces one bucket while backward computes the next.
     offload: keep the fp32 masters and the optimizer state on the host and step there (the
     device then holds only the parameters and the gradient shards).
-    Training loop: zero_grad(); scale_loss(loss).backward() per micro-batch; step().
+    Training loop: zero_grad(); scale_loss(loss).backward() per micro-batch;
+    clip_grad_norm_(max_norm) if clipping (the global norm: torch.nn.utils' would see stage 2's
+    freed .grad as nothing to clip); step(). A torch.optim.Optimizer: schedulers drive it.
     """
 
     def __init__(self, params, stage: int = 1, optimizer_cls=torch.optim.AdamW, group=None,
@@ -112,7 +168,7 @@ class ZeroOptimizer:
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}; stage 3 shards the "
                              f"parameters too: that is FSDP (fsdp.py)")
-        trainable = [p for p in params if p.requires_grad]
+        trainable = [p for p in parameters_only(params, "ZeroOptimizer") if p.requires_grad]
         if not trainable:
             raise ValueError("ZeroOptimizer: no trainable parameters (requires_grad=True) to shard")
         dtypes = {p.dtype for p in trainable}
@@ -139,15 +195,17 @@ class ZeroOptimizer:
                 bucket.master, bucket.host_grad = host_copy(shard), host_buffer(shard)
             else:
                 bucket.master = shard if shard.dtype == torch.float32 else shard.float()
-        self.optimizer = optimizer_cls([b.master for b in self.buckets], **optimizer_kwargs)
-        self.scaler = scaler or DynamicLossScaler(enabled=trainable[0].dtype == torch.float16)
-        self.last_grad_norm = None
+        self.flats, self.masters = self.buckets, [b.master for b in self.buckets]
+        super().__init__(self.masters, optimizer_cls, optimizer_kwargs,
+                         scaler or DynamicLossScaler(enabled=trainable[0].dtype == torch.float16))
         if stage == 1:
             # Gradients accumulate straight into each bucket's flat buffer: param.grad is a view.
             for bucket in self.buckets:
                 bucket.grad_flat = torch.zeros_like(bucket.flat)
-                for p, view in zip(bucket.params, bucket.views(bucket.grad_flat)):
+                for i, (p, view) in enumerate(zip(bucket.params, bucket.views(bucket.grad_flat))):
                     p.grad = view
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, bucket=bucket, i=i: bucket.used.__setitem__(i, True))
         else:
             self._next_bucket = 0                 # first bucket whose reduction is not launched
             self._in_flight = deque()             # buckets launched, not yet waited for
@@ -156,13 +214,6 @@ class ZeroOptimizer:
                 for i, p in enumerate(bucket.params):
                     p.register_post_accumulate_grad_hook(
                         lambda p, bucket=bucket, i=i: self._gradient_ready(bucket, i, p))
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale_loss(loss)
 
     # ---- stage 2: reduce-scatter buckets while backward runs ------------------------------
     #
@@ -180,6 +231,7 @@ class ZeroOptimizer:
             bucket.grad_flat = torch.zeros_like(bucket.flat)         # (N*S,) lives while in flight
         bucket.view(bucket.grad_flat, i).copy_(param.grad)
         param.grad = None                                            # the full gradient is gone
+        bucket.used[i] = True
         bucket.pending -= 1
         # Collectives match by order: every rank launches bucket 0, then 1, ... whatever order
         # its gradients arrived in.
@@ -215,8 +267,8 @@ class ZeroOptimizer:
 
     # ---- the step ----------------------------------------------------------------------
 
-    def step(self, clip_grad: float | None = None) -> bool:
-        """Reduce (stage 1), unscale, clip, update this rank's shards, all-gather; False if skipped."""
+    def _gradients(self):
+        """Reduce (stage 1; stage 2 did in backward): this rank's gradient shards, its masters."""
         if self.stage == 1:
             self._reduce_scatter_full_gradients()
         buckets = [b for b in self.buckets if b.grad_shard is not None]
@@ -227,18 +279,17 @@ class ZeroOptimizer:
             # bucket i on the CPU while bucket i+1 is still on its way, or (the paper's delayed
             # update) run the whole CPU step beside the next forward, the weights one step stale.
             grads = gradients_to_host(grads, [b.host_grad for b in buckets])
-        skip, self.last_grad_norm = unscale_and_clip(grads, [b.master for b in buckets], self.scaler,
-                                                     self.comm, clip_grad, self.buckets[0].flat.device)
-        if not skip:
-            self.optimizer.step()                        # on the host's shards when offloaded
-            self._all_gather_parameters()
-        for bucket in buckets:
+        return grads, [b.master for b in buckets]
+
+    def _write_back(self):
+        self._all_gather_parameters()
+
+    def _release(self):
+        for bucket in self.buckets:
             if bucket.master.grad is not bucket.grad_shard:
                 bucket.master.grad = None                # an fp32 or host copy lives only inside step()
             if self.stage == 1:                          # the full gradient stays until zero_grad()
                 bucket.grad_shard = bucket.master.grad = None
-        self.scaler.update(skip)
-        return not skip
 
     def _reduce_scatter_full_gradients(self):
         r = self.comm.rank
@@ -275,22 +326,17 @@ class ZeroOptimizer:
         for handle in gathers:
             handle.wait()
 
-    def master_ranges(self) -> list[tuple]:
-        """(param, start, stop, master, offset): elements start:stop of param (flattened) have
-        their fp32 master, and their optimizer state, at master[offset : offset + stop - start].
-        Only this rank's shards: a checkpoint saves every rank's and joins them by name."""
-        r = self.comm.rank
-        return [(bucket.params[i], start, stop, bucket.master, offset) for bucket in self.buckets
-                for i, start, stop, offset in bucket.shard_ranges(r)]
-
     def refresh_params(self):
         """After the masters were written (a loaded checkpoint): the model's parameters follow."""
         self._all_gather_parameters()
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none: bool = True):
+        """Forget this step's gradients. Stage 2 holds only shards, and they go. Stage 1's .grad
+        are views into flat buffers it keeps for the next backward (as DDP's
+        gradient_as_bucket_view): they are zeroed whatever set_to_none says."""
         for bucket in self.buckets:
-            bucket.grad_shard = None
-            bucket.master.grad = None
+            bucket.grad_shard = bucket.master.grad = None
+            bucket.used = [False] * len(bucket.params)
             if self.stage == 1:
                 bucket.grad_flat.zero_()
 
@@ -299,13 +345,6 @@ class ZeroOptimizer:
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The gradient memory this rank holds: full flat buffers (stage 1) or shards (stage 2)."""
         return [t for b in self.buckets for t in (b.grad_flat, b.grad_shard) if t is not None]
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        """What offload keeps in host memory: fp32 masters, optimizer state, gradient buffers."""
-        if not self.offload:
-            return []
-        return [*(t for b in self.buckets for t in (b.master, b.host_grad)),
-                *optimizer_state(self.optimizer)]
 
     def bytes_per_step(self, micro_batches: int = 1) -> int:
         """Bytes this rank sends per step (ring): reduce-scatter + all-gather of every bucket.
@@ -316,27 +355,17 @@ class ZeroOptimizer:
         """
         n = self.comm.world_size
         reductions = micro_batches if self.stage == 2 else 1
-        return ring_bytes("all_reduce", 1, 4, n) + sum(
+        return step_message_bytes(sum(len(b.params) for b in self.buckets), n) + sum(
             reductions * ring_bytes("reduce_scatter", b.flat.numel(), b.flat.element_size(), n)
             + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), n)
             for b in self.buckets)
 
-    def state_dict(self) -> dict:
-        """This rank's shard: inner optimizer state, fp32 master shards, loss scale."""
-        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                "masters": [b.master.detach().clone() for b in self.buckets],
-                "rank": self.comm.rank, "world_size": self.comm.world_size}
 
-    def load_state_dict(self, state: dict):
-        if (state["rank"], state["world_size"]) != (self.comm.rank, self.comm.world_size):
-            raise ValueError(f"this state is rank {state['rank']} of {state['world_size']}'s shard; "
-                             f"load it on rank {state['rank']} of a world of {state['world_size']}")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        with torch.no_grad():
-            for bucket, master in zip(self.buckets, state["masters"]):
-                bucket.master.copy_(master)
-        self._all_gather_parameters()                    # the full parameters follow the shards
+def step_message_bytes(n_params: int, world_size: int) -> int:
+    """What a sharded step sends besides the shards (ring): the P used-flags, one byte each,
+    as DDP sends them, and the global norm's one fp32 number."""
+    return (ring_bytes("all_reduce", n_params, 1, world_size)
+            + ring_bytes("all_reduce", 1, 4, world_size))
 
 
 # ---- CPU offload (ZeRO-Offload), shared with fsdp.py -------------------------------------------
@@ -367,25 +396,3 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The inner optimizer's per-element state tensors (Adam's moments), not its step counts."""
     return [v for s in optimizer.state.values() for v in s.values()
             if isinstance(v, torch.Tensor) and v.dim() > 0]
-
-
-def unscale_and_clip(grads: list, masters: list, scaler: DynamicLossScaler, comm, clip_grad,
-                     device) -> tuple[bool, float]:
-    """Give sharded masters their fp32 gradients, unscaled and clipped; (skip?, global norm).
-
-    grads[i] is this rank's reduced gradient shard for masters[i]. Shared by ZeroOptimizer and
-    fsdp.py: once the gradients are shards, stage 2 and stage 3 update them the same way.
-    """
-    grads = unscale_grads(grads, masters, scaler.scale)
-    # The global norm: each rank's shards hold disjoint slices of the one gradient (padding
-    # is zero), so the squares add up across ranks. Every rank gets the same norm, so every
-    # rank takes the same skip decision without a second message. It serves clipping and the
-    # inf/NaN check of every precision (as in mixed_precision.py): one 4-byte all-reduce.
-    squares = sum(g.float().pow(2).sum() for g in grads) if grads else torch.zeros(())
-    squares = squares.reshape(1).to(device)
-    comm.all_reduce(squares, op="sum")
-    norm = squares.sqrt()[0]
-    skip = found_overflow(norm)
-    if not skip and clip_grad is not None:
-        clip_grads_with_norm_(masters, clip_grad, norm)
-    return skip, norm.item()

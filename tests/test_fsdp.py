@@ -81,7 +81,10 @@ def _single(model, opt, batches, accum=1, clip=None, mixed=False):
             loss += micro_loss.detach()
         first = first or _grads(model)
         if mixed:
-            assert opt.step(clip_grad=clip)
+            if clip:
+                opt.clip_grad_norm_(clip)
+            opt.step()
+            assert not opt.last_step_skipped
         else:
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -126,7 +129,10 @@ def _train_fsdp(wrapped, opt, batches, accum=1, clip=None, no_sync=False):
                 loss += micro_loss.detach()
         wrapped.finish_gradient_sync()
         first = first or _full_gradients(wrapped, opt.scaler.scale)
-        assert opt.step(clip_grad=clip)
+        if clip:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        assert not opt.last_step_skipped
         losses.append(loss.item())
     return {"losses": losses, "grads": first, "params": wrapped.full_state_dict(all_ranks=True)}
 

@@ -107,7 +107,8 @@ def _single(cfg=CFG):
         _, loss = gpt(batch[:, :-1], batch[:, 1:])
         loss.backward()
         grads = grads or {n: p.grad.clone() for n, p in gpt.named_parameters()}
-        optimizer.step(clip_grad=0.5)                     # clipped: the global norm matters
+        optimizer.clip_grad_norm_(0.5)                     # clipped: the global norm matters
+        optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "grads": grads,
@@ -135,7 +136,8 @@ def _pipeline_trains(P, runs, cfg=CFG):
             if data.world_size > 1:
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=data.group)
             grads = grads or {n: p.grad.clone() for n, p in gpt.named_parameters()}
-            optimizer.step(clip_grad=0.5)
+            optimizer.clip_grad_norm_(0.5)
+            optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
         results.append({"losses": losses, "grads": grads, "peak": runner.peak_activations,

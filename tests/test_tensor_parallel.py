@@ -187,7 +187,8 @@ def _gpt_train(tp_size, sequence_parallel):
         if data.world_size > 1:
             model.finish_gradient_sync()
         tp_model.finish_gradient_sync()
-        optimizer.step(clip_grad=0.5)                            # clipped: the global norm matters
+        optimizer.clip_grad_norm_(0.5)                            # clipped: the global norm matters
+        optimizer.step()
         optimizer.zero_grad()
         loss = loss.detach()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
@@ -204,7 +205,8 @@ def _single():
     for batch in _batches():
         _, loss = gpt(batch[:, :-1], batch[:, 1:])
         loss.backward()
-        optimizer.step(clip_grad=0.5)
+        optimizer.clip_grad_norm_(0.5)
+        optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "params": {n: p.detach() for n, p in gpt.named_parameters()},

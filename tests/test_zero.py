@@ -23,7 +23,7 @@ from mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
 import zero as zero_module
-from zero import FlatParams, ZeroOptimizer
+from zero import FlatParams, ZeroOptimizer, step_message_bytes
 
 MODEL = dict(n_layer=2, n_embd=64, n_head=4, block_size=32)
 GLOBAL_BATCH, SEQ, STEPS, LR, WD = 8, 16, 5, 1e-3, 0.1  # 8 sequences split over N = 2 or 4 ranks
@@ -117,7 +117,10 @@ def _single_train(model, opt, batches, clip=None, mixed=False):
         if first is None:
             first = _grads(model)
         if mixed:
-            assert opt.step(clip_grad=clip)
+            if clip:
+                opt.clip_grad_norm_(clip)
+            opt.step()
+            assert not opt.last_step_skipped
             scales.append(opt.scaler.scale)
         else:
             if clip is not None:
@@ -218,7 +221,10 @@ def _train_zero(model, opt, batches, accum=1, clip=None, after_backward=None, co
             if after_backward is not None:
                 after_backward()
         out["losses"].append(loss_sum)
-        out["stepped"].append(opt.step(clip_grad=clip))
+        if clip:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        out["stepped"].append(not opt.last_step_skipped)
         out["norms"].append(opt.last_grad_norm)
         out["scales"].append(opt.scaler.scale)
         if comm is not None:
@@ -409,7 +415,8 @@ def _zero_launch():
                 opt.scale_loss(loss).backward()
                 ddp.finish_gradient_sync()
                 res["losses"].append(loss.item())
-                res["stepped"].append(opt.step())
+                opt.step()
+                res["stepped"].append(not opt.last_step_skipped)
                 res["scales"].append(opt.scaler.scale)
                 opt.zero_grad()
             res["params"] = _params(ddp.module)
@@ -480,7 +487,8 @@ def _zero_launch():
                 opt.scale_loss(m(batch[:, :-1], batch[:, 1:])[1]).backward()
                 if hook is not None:
                     hook.remove()
-                res["stepped"].append(opt.step())
+                opt.step()
+                res["stepped"].append(not opt.last_step_skipped)
                 res["scales"].append(opt.scaler.scale)
                 if step == 1:
                     res["params_after"] = _params(m)
@@ -839,12 +847,13 @@ def test_bytes_sent_equal_ddp(launch, stage):
         flags = ring_bytes("all_reduce", d["n_params"], 1, n)    # DDP's "used" byte flags
         ddp_grads = d["bytes_per_step"] - flags
         assert d["bytes_sent"] == [{"all_reduce": d["bytes_per_step"]}] * STEPS
-        # ZeRO's one extra message: the gradient norm, one fp32 number (DDP's replicas need none).
+        # ZeRO sends DDP's "used" flags too, and one extra message: the gradient norm, one fp32
+        # number (DDP's replicas need none).
         norm = ring_bytes("all_reduce", 1, 4, n)
-        assert out["bytes_per_step"] == ddp_grads + norm, what
+        assert out["bytes_per_step"] == d["bytes_per_step"] + norm, what
         per_bucket = sum(ring_bytes("reduce_scatter", f, 4, n) for f in out["flat_numels"])
         assert out["bytes_sent"] == [{"reduce_scatter": per_bucket, "all_gather": per_bucket,
-                                      "all_reduce": norm}] * STEPS, what
+                                      "all_reduce": flags + norm}] * STEPS, what
         assert 2 * per_bucket == ddp_grads
         # ring collectives compute the same numbers as the native ones (N = 2: exactly)
         tol = 0 if n == 2 else PARAM_TOL
@@ -857,7 +866,7 @@ def test_bytes_sent_equal_ddp(launch, stage):
             per_bucket = sum(ring_bytes("reduce_scatter", f, 4, n) for f in out["flat_numels"])
             assert out["accum_bytes_sent"] == {"reduce_scatter": ACCUM * per_bucket,
                                                "all_gather": per_bucket,
-                                               "all_reduce": ring_bytes("all_reduce", 1, 4, n)}, \
+                                               "all_reduce": step_message_bytes(ddp[rank]["n_params"], n)}, \
                 f"N={n} rank {rank}"
 
 
