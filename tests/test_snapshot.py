@@ -247,15 +247,16 @@ def _children(pid):
     return kids
 
 
-def _straight_zero2():
-    return _train(["--strategy", "zero2", "--steps", "30"])
+def _straight_zero2(export):
+    return _train(["--strategy", "zero2", "--steps", "30", "--export", export])
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
 def test_torchrun_restart_resumes_and_finishes_like_an_uninterrupted_run(tmp_path):
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             "--max-restarts=1", "train.py", *RUN, "--strategy", "zero2", "--steps", "30",
-            "--save-every", "10", "--out", str(tmp_path / "run"), "--resume", "auto"]
+            "--save-every", "10", "--out", str(tmp_path / "run"), "--resume", "auto",
+            "--export", str(tmp_path / "restarted.pt")]
     job = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, killed = [], False
@@ -270,8 +271,10 @@ def test_torchrun_restart_resumes_and_finishes_like_an_uninterrupted_run(tmp_pat
     # (seen both ways); the message itself is test_killed_rank_stops_the_other_with_a_clear_message's.
     assert killed and "resumed from" in log and "ckpt-0000010" in log, log
     final = float(re.findall(r"done \| eval loss ([\d.]+)", log)[-1])
-    straight = run_ranks(_straight_zero2, 2)[0]
-    assert final == round(straight["eval_loss"], 4)
+    straight = run_ranks(_straight_zero2, 2, str(tmp_path / "straight.pt"))[0]
+    assert final == round(straight["eval_loss"], 4)                   # the log's 4 decimals
+    # Resume is bit-exact: the restarted job's final weights are the uninterrupted run's.
+    _same_weights(_weights(tmp_path / "restarted.pt"), _weights(tmp_path / "straight.pt"))
 
 
 # ---- numerics -------------------------------------------------------------------------------
