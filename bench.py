@@ -582,7 +582,7 @@ def report(m: dict, rows: list, collective_rows: list) -> str:
     if rows:
         lines += ["| strategy | ours ms/step | torch ms/step | ours/torch | ours tokens/s | "
                   "ours peak MiB | torch peak MiB | activations MiB (ours / torch) | "
-                  "ours sent MiB/step (measured / napkin) | torch sent MiB/step | ours MFU |",
+                  "ours sent MiB/step (ring volume of the calls / napkin) | torch sent MiB/step | ours MFU |",
                   "|" + "---|" * 11]
         for r in rows:
             ours, theirs = r["ours"], r["torch"]

@@ -101,7 +101,8 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=list(DTYPES), default="fp32",
                    help="dtype of the model; bf16 and fp16 keep fp32 master weights, fp16 scales the loss")
     p.add_argument("--collectives", choices=("native", "ring"), default="native",
-                   help="torch.distributed's collectives, or ours from send/recv")
+                   help="torch.distributed's collectives (the log's bytes sent are then the ring volume "
+                        "of the calls made), or ours from send/recv (bytes measured as they are sent)")
     p.add_argument("--bucket-mb", type=float, default=25, help="DDP gradient bucket size")
     p.add_argument("--offload", choices=("optimizer",), default=None,
                    help="zero1/zero2/fsdp: keep the fp32 master shards and Adam's moments in CPU memory "
@@ -718,8 +719,10 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         f"{args.model} {n_params / 1e6:.2f}M params{' per rank' if mesh else ''} | {args.precision} | "
         f"global batch {args.batch_size} x {args.seq_len} tokens, "
         f"{args.microbatches if args.strategy == 'pipeline' else args.grad_accum} micro-batch(es) "
-        f"per {'pipeline' if args.strategy == 'pipeline' else 'rank'} | {args.collectives} collectives | "
-        f"{args.steps} steps")
+        f"per {'pipeline' if args.strategy == 'pipeline' else 'rank'} | {args.collectives} collectives"
+        + ((" (bytes sent: the ring volume of the calls made)" if args.collectives == "native"
+            else " (bytes sent: measured)") if world_size > 1 else "")
+        + f" | {args.steps} steps")
     if world_size == 1 and args.strategy != "single":
         say(f"note: --strategy {args.strategy} on one process is a world of 1 rank: nothing to average "
             f"or shard, the same training as --strategy single; launch more ranks with "

@@ -20,7 +20,7 @@ from zero import step_message_bytes
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGY_COLUMNS = ["strategy", "ours ms/step", "torch ms/step", "ours/torch", "ours tokens/s",
                     "ours peak MiB", "torch peak MiB", "activations MiB (ours / torch)",
-                    "ours sent MiB/step (measured / napkin)",
+                    "ours sent MiB/step (ring volume of the calls / napkin)",
                     "torch sent MiB/step", "ours MFU"]
 COLLECTIVE_COLUMNS = ["all-reduce size", "ring us", "native us", "ring/native", "ring busbw GB/s",
                       "native busbw GB/s"]
