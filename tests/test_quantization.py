@@ -103,3 +103,60 @@ def test_qlora_fine_tuning_lowers_the_loss(pretrained):    # noqa: F811
     root, other = pretrained
     history = run_ranks(_qlora, 1, root, other)[0]
     assert history["eval_loss"] < history["eval_loss_before"], history
+
+
+# ---- QLoRA through training ---------------------------------------------------------------------
+
+def test_qlora_trains_exactly_as_lora_on_the_dequantized_weights():
+    """Five AdamW steps of a QLoRA GPT and of a LoRA GPT whose targeted weights are the
+    dequantized 4-bit ones: the same numbers, step by step (the same F.linear on the same W0,
+    the same adapter gradients)."""
+    torch.manual_seed(0)
+    qlora = apply_lora(GPT(PRESETS["tiny"]), rank=4, alpha=8, quantize="nf4", double_quant=True)
+    torch.manual_seed(0)
+    lora = apply_lora(GPT(PRESETS["tiny"]), rank=4, alpha=8)
+    quantized = {n: m for n, m in qlora.named_modules() if isinstance(m, QLoRALinear)}
+    assert len(quantized) == 2 * PRESETS["tiny"].n_layer                # query and value per block
+    with torch.no_grad():
+        for name, layer in quantized.items():
+            lora.get_submodule(name).weight.copy_(layer.base.dequantize())
+    trainable = [[p for p in m.parameters() if p.requires_grad] for m in (qlora, lora)]
+    for q, p in zip(*trainable):
+        assert torch.equal(q, p)                                         # the same adapters to start
+    optimizers = [torch.optim.AdamW(params, lr=1e-2) for params in trainable]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        x = torch.randint(0, 256, (4, 33), generator=g)                  # (B, T+1)
+        losses = []
+        for model, optimizer in zip((qlora, lora), optimizers):
+            _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    for q, p in zip(*trainable):
+        assert torch.equal(q, p)
+    assert any(p.abs().sum() > 0 for n, p in qlora.named_parameters() if "lora_B" in n)   # it trained
+
+
+def _qlora_run(root, other, strategy):
+    return train.main([*RUN, *LORA, "--quantize-base", "nf4", "--strategy", strategy,
+                       "--init-from", str(root / "base.pt"), "--data", other,
+                       "--export", str(root / f"qlora-{strategy}.pt")])
+
+
+def test_qlora_under_zero2_and_fsdp_equals_one_process(pretrained):    # noqa: F811
+    """The 4-bit base stays whole on every rank (buffers: nothing to shard or reduce); zero2 and
+    fsdp shard and average the adapters' gradients only: one process's fine-tuning, to fp32 noise
+    (test_snapshot's LOSS_RTOL and WEIGHT_ATOL, as LoRA under every strategy)."""
+    from test_snapshot import LOSS_RTOL, WEIGHT_ATOL, _same_weights, _weights
+    root, other = pretrained
+    single = run_ranks(_qlora_run, 1, root, other, "single")[0]
+    for strategy in ("zero2", "fsdp"):
+        out = run_ranks(_qlora_run, 2, root, other, strategy)[0]
+        assert out["losses"].keys() == single["losses"].keys()
+        for step, loss in single["losses"].items():
+            assert out["losses"][step] == pytest.approx(loss, rel=LOSS_RTOL), (strategy, step)
+        _same_weights(_weights(root / f"qlora-{strategy}.pt"), _weights(root / "qlora-single.pt"),
+                      atol=WEIGHT_ATOL)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import tensor_parallel as tp
 from collectives import Comm
-from mixed_precision import MixedPrecisionOptimizer
+from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
 from multiprocess import assert_tensors_close, run_ranks
 
@@ -154,9 +154,16 @@ def _batches():
     return torch.randint(0, CFG.vocab_size, (STEPS, B, T + 1))   # the global batch of each step
 
 
-def _optimizer(gpt, grad_norm=None):
+def _optimizer(gpt, grad_norm=None, precision="fp32"):
+    # fp16: the scale starts low enough for every rank and grows every 2 clean steps, so it moves.
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2) if precision == "fp16" else None
     return MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, grad_norm=grad_norm,
-                                   lr=1e-2, weight_decay=0.1)
+                                   precision=precision, scaler=scaler, lr=1e-2, weight_decay=0.1)
+
+
+def _gpt(tied=False, precision="fp32"):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**CFG.__dict__, "tie_embeddings": tied})).to(DTYPES[precision])
 
 
 def _whole(model_params, n):
@@ -167,50 +174,54 @@ def _whole(model_params, n):
 
 
 def _gpt_trains(cases):
-    return [_gpt_train(tp_size, sp) for tp_size, sp in cases]
+    return [_gpt_train(*case) for case in cases]
 
 
-def _gpt_train(tp_size, sequence_parallel):
+def _gpt_train(tp_size, sequence_parallel, tied=False, precision="fp32"):
     from ddp import DDP
     comm = Comm()
     tensor, data = tp.make_mesh(comm, tp_size)
-    torch.manual_seed(0)
-    gpt = GPT(CFG)
+    gpt = _gpt(tied, precision)
     tp_model = tp.parallelize(gpt, tensor, sequence_parallel)
     model = DDP(tp_model, data) if data.world_size > 1 else tp_model
-    optimizer = _optimizer(gpt, tp_model.grad_norm)
-    losses = []
+    optimizer = _optimizer(gpt, tp_model.grad_norm, precision)
+    losses, scales = [], []
     for batch in _batches():
         rows = batch.chunk(data.world_size)[data.rank]           # (B/D, T+1)
         _, loss = model(rows[:, :-1], rows[:, 1:])
-        loss.backward()
+        scales.append(optimizer.scaler.scale)
+        optimizer.scale_loss(loss).backward()
         if data.world_size > 1:
             model.finish_gradient_sync()
         tp_model.finish_gradient_sync()
         optimizer.clip_grad_norm_(0.5)                            # clipped: the global norm matters
         optimizer.step()
+        assert not optimizer.last_step_skipped
         optimizer.zero_grad()
-        loss = loss.detach()
+        loss = loss.detach().float()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         losses.append(loss.item())
-    params = {name: (p.detach(), getattr(p, "tp_dim", None)) for name, p in gpt.named_parameters()}
-    return {"losses": losses, "params": params, "norm": optimizer.last_grad_norm}
+    params = {name: (m.detach(), getattr(p, "tp_dim", None))          # the fp32 masters
+              for (name, p), m in zip(gpt.named_parameters(), optimizer.masters)}
+    return {"losses": losses, "params": params, "norm": optimizer.last_grad_norm, "scales": scales}
 
 
-def _single():
-    torch.manual_seed(0)
-    gpt = GPT(CFG)
-    optimizer = _optimizer(gpt)
-    losses = []
+def _single(tied=False, precision="fp32"):
+    gpt = _gpt(tied, precision)
+    optimizer = _optimizer(gpt, precision=precision)
+    losses, scales = [], []
     for batch in _batches():
         _, loss = gpt(batch[:, :-1], batch[:, 1:])
-        loss.backward()
+        scales.append(optimizer.scaler.scale)
+        optimizer.scale_loss(loss).backward()
         optimizer.clip_grad_norm_(0.5)
         optimizer.step()
+        assert not optimizer.last_step_skipped
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach() for n, p in gpt.named_parameters()},
-            "norm": optimizer.last_grad_norm}
+    return {"losses": losses, "params": {n: m.detach() for (n, _), m in zip(gpt.named_parameters(),
+                                                                            optimizer.masters)},
+            "norm": optimizer.last_grad_norm, "scales": scales}
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +234,43 @@ def test_gpt_trains_like_one_process(single, world, cases):
     every = run_ranks(_gpt_trains, world, cases)                 # one launch, several meshes
     for i, (tp_size, sp) in enumerate(cases):
         _check_gpt(single, [rank[i] for rank in every], world, tp_size, sp)
+
+
+# 16 bits, one process against two tensor-parallel ranks: split matmuls round their partial sums
+# to 16 bits before the all-reduce adds them, so gradients differ by the dtype's rounding, and
+# Adam turns a near-zero gradient's rounding into a full step of either sign: up to 2 lr a step
+# per element (measured over 3 steps at lr 1e-2: 3.3e-2 in bf16, 2.6e-2 in fp16). The mean over
+# the model stays at 0.05 lr (measured 3.2e-4 bf16, 1.0e-4 fp16); a weight left out of the update
+# moves it by about lr. Losses: the dtype's rounding of the logits (measured 2e-4 bf16, 6e-5 fp16).
+MIXED_ATOL, MIXED_MEAN_ATOL = 2 * STEPS * 1e-2, 0.05 * 1e-2
+MIXED_LOSS_RTOL = {"bf16": 1e-3, "fp16": 1e-4}
+# Tied head, fp32: TRAIN_ATOL's near-eps element again (measured 2.7e-5), the mean at 4.9e-8.
+TIED_MEAN_ATOL = 2e-7
+
+
+def test_tied_head_and_16_bit_precisions_like_one_process():
+    """The head tied to the token embedding (both split by vocabulary rows: one (V/N, C) weight),
+    and bf16 and fp16 (the fp16 loss scale and the skip decision shared by the tensor group),
+    each against one process with the same model in the same precision."""
+    cases = [(2, False, True, "fp32"), (2, True, False, "bf16"), (2, False, False, "fp16")]
+    every = run_ranks(_gpt_trains, 2, cases)
+    for i, (tp_size, sp, tied, precision) in enumerate(cases):
+        expected, ranks = _single(tied, precision), [rank[i] for rank in every]
+        whole = _whole([res["params"] for res in ranks], tp_size)        # fp32 masters
+        what = f"tp {tp_size}, sp={sp}, tied={tied}, {precision}"
+        if precision == "fp32":
+            for r, res in enumerate(ranks):
+                torch.testing.assert_close(res["losses"], expected["losses"], rtol=1e-5, atol=0,
+                                           msg=lambda m: f"{what} losses, rank {r}: {m}")
+            assert_tensors_close(whole, expected["params"], rtol=0, atol=TRAIN_ATOL, what=what)
+            _assert_mean_close(whole, expected["params"], TIED_MEAN_ATOL, what)
+            continue
+        for r, res in enumerate(ranks):
+            assert res["scales"] == expected["scales"], what                 # fp16: 2^10, 2^10, 2^11
+            torch.testing.assert_close(res["losses"], expected["losses"], rtol=MIXED_LOSS_RTOL[precision],
+                                       atol=0, msg=lambda m: f"{what} losses, rank {r}: {m}")
+        assert_tensors_close(whole, expected["params"], rtol=0, atol=MIXED_ATOL, what=what)
+        _assert_mean_close(whole, expected["params"], MIXED_MEAN_ATOL, what)
 
 
 def _check_gpt(single, ranks, world, tp_size, sp):

@@ -47,9 +47,9 @@ NORM_RTOL = 1e-5
 
 # ---- shared helpers -----------------------------------------------------------------------
 
-def _gpt(seed=0):
+def _gpt(seed=0, tied=False):
     torch.manual_seed(seed)
-    return build_model("tiny", **MODEL)
+    return build_model("tiny", **MODEL, tie_embeddings=tied)
 
 
 def _batches(steps, batch, seed=1234, vocab=256):
@@ -174,6 +174,8 @@ def _single_baselines():
     model = _odd()
     out["odd"] = _single_train(model, torch.optim.AdamW(model.parameters(), **ADAMW),
                                _batches(STEPS, GLOBAL_BATCH, vocab=_Odd.V), clip=CLIP)
+    model = _gpt(tied=True)
+    out["tied"] = _single_train(model, torch.optim.AdamW(model.parameters(), **ADAMW), data)
     return out
 
 
@@ -340,6 +342,8 @@ def _zero_launch():
         _variant(out, f"zero{stage}_clip", zero(stage, clip=CLIP))
         _variant(out, f"zero{stage}_accum", zero(stage, accum=ACCUM, probe=stage == 2))
         _variant(out, f"zero{stage}_frozen", zero(stage, model=lambda: _frozen(_gpt(seed=0))))
+        # the head tied to the token embedding: one parameter, one slot, two uses' gradient
+        _variant(out, f"zero{stage}_tied", zero(stage, model=lambda: _gpt(seed=rank, tied=True)))
     # 6: 165 parameters in buckets of 11, 77, 77 elements: every bucket padded, clipped (so a
     # non-zero padding would show in the norm)
     odd = _batches(STEPS, GLOBAL_BATCH, vocab=_Odd.V)[:, rank * b:(rank + 1) * b]
@@ -598,6 +602,16 @@ def test_matches_single_process_and_ddp(launch, single, stage):
                             tol=tol[0])
         assert_tensors_close(z["params"], d["params"], rtol=0, atol=tol[1],
                              what=f"N={n} rank {rank} zero{stage} vs ddp parameters")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_tied_head_and_embedding(launch, single, stage):
+    """GPT-2's tie: the head's weight is the token embedding's, one parameter whose gradient sums
+    both uses; it is laid in a bucket once and must train as one process trains it."""
+    n, ranks = launch
+    zero = _get(ranks, f"zero{stage}_tied")
+    assert "head.weight" not in zero[0]["params"]                # one name: named_parameters dedups
+    _check_against(n, zero, single["tied"], f"zero{stage} tied")
 
 
 @pytest.mark.parametrize("stage", [1, 2])
