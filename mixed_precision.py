@@ -3,8 +3,10 @@
 Forward and backward run in fp16 or bf16; the optimizer updates an fp32 master copy of
 each weight (Micikevicius et al. 2018, "Mixed Precision Training", 3.1) and fp16's narrow
 range is stretched by a dynamic loss scale that backs off on overflow (3.2). bf16 keeps
-fp32's exponent and needs no scaling (Kalamkar et al. 2019). Left out: autocast's per-op
-casting (the whole model is in one dtype) and fp8.
+fp32's exponent and needs no scaling (Kalamkar et al. 2019). MasterOptimizer, the base of every
+optimizer in the project (ZeRO's and FSDP's too), is a torch.optim.Optimizer around any torch
+optimizer on the masters: unscale, one global norm for clipping and the inf/NaN skip, the step.
+Left out: autocast's per-op casting (the whole model is in one dtype) and fp8.
 Run: python mixed_precision.py; test: python -m pytest tests/test_mixed_precision.py
 """
 import contextlib
