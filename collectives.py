@@ -180,15 +180,23 @@ class Comm:
 
     # ---- point to point: what a pipeline stage sends its neighbour ----------------------
 
-    def send(self, tensor: torch.Tensor, peer: int) -> Handle:
-        """Post a send of `tensor` to rank `peer` of this group; wait() before reusing it."""
-        self.bytes_sent["send"] += tensor.nbytes
-        return Handle(dist.isend(tensor, group=self.group, group_dst=peer).wait)
+    def exchange(self, ops: list) -> Handle:
+        """Post sends and receives together: ops is a list of ("send" | "recv", tensor, peer),
+        peer a rank of this group; wait() before reading a receive's tensor or reusing a send's.
 
-    def recv(self, tensor: torch.Tensor, peer: int) -> Handle:
-        """Post a receive into `tensor` from rank `peer`; shape and dtype must match the send.
-        Messages between two ranks arrive in the order they were sent."""
-        return Handle(dist.irecv(tensor, group=self.group, group_src=peer).wait)
+        One dist.batch_isend_irecv: under NCCL one group of p2p calls, which run together.
+        Separate calls would run one after another on the p2p stream (pipeline.py's
+        run_under_nccl says why that can deadlock). Messages between two ranks are matched in
+        the order they were posted, so shape and dtype of each receive must match its send.
+        """
+        p2p = []
+        for kind, tensor, peer in ops:
+            if kind == "send":
+                self.bytes_sent["send"] += tensor.nbytes
+            p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor,
+                                  group=self.group, group_peer=peer))
+        works = dist.batch_isend_irecv(p2p) if p2p else []
+        return Handle(lambda: [work.wait() for work in works])
 
     # ---- the ring versions, from send/recv --------------------------------------------
 

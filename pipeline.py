@@ -103,6 +103,91 @@ def check_schedule(stages: list[list[Action]], M: int):
             if sent != received:
                 raise ValueError(f"stage {a} sends {send[5:]} for micro-batches {sent} but stage "
                                  f"{b} receives {received}: the messages would not match")
+    run_under_nccl([nccl_program(actions) for actions in stages])
+
+
+# ---- what the executor posts, and NCCL's rules for it ------------------------------------------
+#
+# NCCL runs a rank's point-to-point calls on one stream, in the order they were posted: a send
+# completes only once its partner has posted the matching receive, and everything posted after
+# it waits. So a receive posted early (to overlap) can block this rank's own later send that its
+# peer waits for: a deadlock gloo never shows. The executor therefore posts the sends and
+# receives that sit between two computations together, as one group (one batch_isend_irecv, as
+# torch.distributed.pipelining does), and waits for a group before the computation after it only
+# if the group receives something. nccl_program() writes that down; run_under_nccl() plays it.
+
+def nccl_program(actions: list[Action]) -> list:
+    """The executor's program for a stage's list: compute actions as they are, and each run of
+    sends and receives between two computations as ("post", group) then, if the group receives,
+    ("wait", group); group is a tuple of Actions."""
+    program, group = [], []
+
+    def close():
+        if group:
+            program.append(("post", tuple(group)))
+            if any(a.kind.startswith("recv") for a in group):
+                program.append(("wait", tuple(group)))
+            group.clear()
+    for a in actions:
+        if a.kind in COMPUTE:
+            close()
+            program.append(a)
+        else:
+            group.append(a)
+    close()
+    return program
+
+
+def run_under_nccl(programs: list[list]):
+    """Play each stage's program by NCCL's rules; raise if the stages would wait forever.
+
+    A ("post", group) queues the group on the stage's p2p stream; the stream runs its oldest
+    unfinished group, and an op of it completes when the matching op (the same message, the
+    other end) is in the peer's running group. ("wait", group) blocks the stage until that group
+    has completed. Compute actions always proceed.
+    """
+    P = len(programs)
+
+    def message(s, a):                       # (from, to, what, m): the same key at both ends
+        kind = a.kind.split("_")[1]
+        peer = s + 1 if a.kind in ("send_act", "recv_grad") else s - 1
+        return (s, peer, kind, a.m) if a.kind.startswith("send") else (peer, s, kind, a.m)
+    pc = [0] * P
+    streams = [[] for _ in range(P)]         # posted groups not yet complete, oldest first
+    pending = {}                             # (stage, group) -> its messages not yet through
+    while True:
+        moved = False
+        for s in range(P):
+            while pc[s] < len(programs[s]):
+                item = programs[s][pc[s]]
+                if isinstance(item, Action):
+                    pass                     # computation never waits on the p2p stream
+                elif item[0] == "post":
+                    pending[s, item[1]] = {message(s, a) for a in item[1]}
+                    streams[s].append(item[1])
+                elif (s, item[1]) in pending:
+                    break                    # ("wait", group): still on the wire
+                pc[s] += 1
+                moved = True
+        for s in range(P):
+            if not streams[s]:
+                continue
+            for key in list(pending[s, streams[s][0]]):
+                peer = key[1] if key[0] == s else key[0]
+                if streams[peer] and key in pending[peer, streams[peer][0]]:
+                    pending[s, streams[s][0]].discard(key)
+                    pending[peer, streams[peer][0]].discard(key)
+                    moved = True
+        for s in range(P):
+            while streams[s] and not pending[s, streams[s][0]]:
+                del pending[s, streams[s].pop(0)]
+        if all(pc[s] == len(programs[s]) and not streams[s] for s in range(P)):
+            return
+        if not moved:
+            stuck = {s: (programs[s][pc[s]] if pc[s] < len(programs[s]) else "done",
+                         streams[s][0] if streams[s] else None) for s in range(P)}
+            raise ValueError(f"deadlock under NCCL's p2p rules (stage: next step, oldest group "
+                             f"on its stream): {stuck}")
 
 
 def simulate(stages: list[list[Action]]) -> list[list[str]]:
@@ -243,8 +328,9 @@ class Pipeline:
     arrives, so a receive is posted into a buffer of the right size with no message about sizes.
     tied: the stage's copy of a weight the first and the last stage share (GPTStage.tied);
     after each step's backward the two copies' gradients are summed, so both take one step.
-    Deadlock-free: sends never wait, receives wait in list order, and the lists are checked
-    with simulate(), whose clock works the same way, before the first message.
+    Deadlock-free under gloo's rules and NCCL's: each stage runs nccl_program(its list), the
+    sends and receives between two computations posted together, and the programs are played
+    by run_under_nccl() (check_schedule) before the first message.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
@@ -257,8 +343,14 @@ class Pipeline:
         simulate(stages)
         self.actions = stages[self.stage]
         # Evaluation: the forwards (and their messages) of GPipe's lists, no backward.
-        self.forward_actions = [a for a in gpipe(self.P, self.M)[self.stage] if a.kind in
-                                ("F", "send_act", "recv_act")]
+        forwards = [[a for a in actions if a.kind in ("F", "send_act", "recv_act")]
+                    for actions in gpipe(self.P, self.M)]
+        run_under_nccl([nccl_program(actions) for actions in forwards])
+        self.forward_actions = forwards[self.stage]
+        # NCCL: a batch_isend_irecv may be a group's first call only if every rank of the group
+        # joins it (torch's documentation); the stages' first groups differ, so one small
+        # all-reduce creates the communicator on every stage first (a set-up call, not counted).
+        dist.all_reduce(torch.zeros(1, device=next(module.parameters()).device), group=comm.group)
         self.hidden, self.dtype = hidden, dtype
         self.tied = tied if self.P > 1 else None
         if self.tied is not None:          # a group of the two ends: only they create it
@@ -316,29 +408,13 @@ class Pipeline:
         shape = (B // self.M, T, self.hidden)
         device = x.device
         inputs, outputs, grads = {}, {}, {}      # by micro-batch: received, computed, received grad
-        sends, loss = [], torch.zeros((), device=device)
-        receives = iter([a for a in actions if a.kind.startswith("recv")])
-        posted = self._post(next(receives, None), shape, device)
+        posted, sends, loss = {}, [], torch.zeros((), device=device)
         backwards = [a.m for a in actions if a.kind == "B"]
         no_sync = getattr(self.module, "no_sync", contextlib.nullcontext)
         self.busy, start = 0.0, self._clock(measure)
-        for a in actions:
-            if a.kind.startswith("recv"):
-                buffer, handle = posted
-                handle.wait()
-                # Post the next receive now: its bytes arrive while this stage computes.
-                posted = self._post(next(receives, None), shape, device)
-                if a.kind == "recv_act":
-                    inputs[a.m] = buffer.requires_grad_(torch.is_grad_enabled())
-                else:
-                    grads[a.m] = buffer
-            elif a.kind == "send_act":     # (evaluation keeps no graph: nothing to hold for B)
-                out = outputs[a.m] if torch.is_grad_enabled() else outputs.pop(a.m)
-                sends.append(self.comm.send(out.detach(), self.stage + 1))
-            elif a.kind == "send_grad":
-                sends.append(self.comm.send(inputs.pop(a.m).grad, self.stage - 1))
-            elif a.kind == "F":
-                began = self._clock(measure)
+        for item in nccl_program(actions):
+            if isinstance(item, Action) and item.kind == "F":
+                a, began = item, self._clock(measure)
                 inp = xs[a.m] if self.first else inputs[a.m]
                 outputs[a.m] = self.module(inp, ys[a.m]) if self.last else self.module(inp)
                 if self.last:
@@ -347,8 +423,8 @@ class Pipeline:
                         del outputs[a.m]
                 self.peak_activations = max(self.peak_activations, len(outputs))
                 self.busy += self._clock(measure) - began
-            else:                                                  # "B"
-                began = self._clock(measure)
+            elif isinstance(item, Action):                         # "B"
+                a, began = item, self._clock(measure)
                 # One gradient average per step: the last backward's, for the sum of all M.
                 with no_sync() if a.m != backwards[-1] else contextlib.nullcontext():
                     if self.last:   # the step's loss is the mean over micro-batches: 1/M each
@@ -356,6 +432,31 @@ class Pipeline:
                     else:
                         outputs.pop(a.m).backward(grads.pop(a.m))
                 self.busy += self._clock(measure) - began
+            elif item[0] == "post":
+                ops, received = [], {}
+                for a in item[1]:
+                    if a.kind == "send_act":     # (evaluation keeps no graph: nothing to hold for B)
+                        out = outputs[a.m] if torch.is_grad_enabled() else outputs.pop(a.m)
+                        ops.append(("send", out.detach(), self.stage + 1))
+                    elif a.kind == "send_grad":
+                        ops.append(("send", inputs.pop(a.m).grad, self.stage - 1))
+                    else:                        # a fresh buffer of the known shape: (b, T, hidden)
+                        received[a] = torch.empty(shape, dtype=self.dtype, device=device)
+                        ops.append(("recv", received[a], self.stage - 1 if a.kind == "recv_act"
+                                    else self.stage + 1))
+                handle = self.comm.exchange(ops)
+                if received:
+                    posted[item[1]] = handle, received
+                else:
+                    sends.append(handle)         # waited at the end: nothing here reads them
+            else:                                                  # "wait"
+                handle, received = posted.pop(item[1])
+                handle.wait()
+                for a, buffer in received.items():
+                    if a.kind == "recv_act":
+                        inputs[a.m] = buffer.requires_grad_(torch.is_grad_enabled())
+                    else:
+                        grads[a.m] = buffer
         for handle in sends:
             handle.wait()
         self.wall = self._clock(measure) - start
@@ -363,18 +464,13 @@ class Pipeline:
         dist.broadcast(loss, group=self.comm.group, group_src=self.P - 1)
         return loss
 
-    def _post(self, action, shape, device):
-        """Post the receive of `action` (None: nothing left to receive) into a fresh buffer."""
-        if action is None:
-            return None
-        buffer = torch.empty(shape, dtype=self.dtype, device=device)
-        peer = self.stage - 1 if action.kind == "recv_act" else self.stage + 1
-        return buffer, self.comm.recv(buffer, peer)
-
     @staticmethod
     def _clock(synchronize: bool) -> float:
         if synchronize and torch.cuda.is_available():
-            torch.cuda.synchronize()
+            # The compute stream only: a device-wide synchronize would also wait for the p2p
+            # stream, where a send may sit until the peer posts its receive after this very
+            # stage's next send (run_under_nccl lets computation run on meanwhile).
+            torch.cuda.current_stream().synchronize()
         return time.perf_counter()
 
 

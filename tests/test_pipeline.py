@@ -29,7 +29,9 @@ SIZES = [(P, M) for P in (1, 2, 3, 4, 8) for M in (1, 2, 4, 7, 8, 16)]
 @pytest.mark.parametrize("P, M", SIZES)
 def test_every_forward_precedes_its_backward_and_every_send_is_received(name, P, M):
     stages = SCHEDULES[name](P, M)
-    check_schedule(stages, M)                  # raises on a missing, misordered or unmatched action
+    # raises on a missing, misordered or unmatched action, and on a deadlock under NCCL's p2p
+    # rules of the groups the executor posts (run_under_nccl), up to 8 stages
+    check_schedule(stages, M)
     simulate(stages)                           # raises on a deadlock
 
 
@@ -61,6 +63,33 @@ def test_checks_catch_broken_schedules():
     # Stage 0 first waits for a gradient that stage 1 sends only after stage 0's activations.
     with pytest.raises(ValueError, match="deadlock"):
         simulate([[Action("recv_grad", 0)] + stages[0], stages[1]])
+
+
+def _receive_ahead(actions):
+    """The executor before NCCL's rules were checked: each send posted alone and never waited
+    for in the step, the next receive posted as soon as the previous one arrived."""
+    receives = [(a,) for a in actions if a.kind.startswith("recv")]
+    program = [("post", receives[0])] if receives else []
+    for a in actions:
+        if a.kind.startswith("recv"):
+            k = receives.index((a,))
+            program.append(("wait", receives[k]))
+            if k + 1 < len(receives):
+                program.append(("post", receives[k + 1]))
+        else:
+            program.append(("post", (a,)) if a.kind.startswith("send") else a)
+    return program
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_nccl_rules_catch_a_receive_posted_ahead_of_a_send(name):
+    """Under gloo the old order worked; under NCCL stage 0's early receive of gradient 0 sits
+    first on its p2p stream, and its send of activation 0, posted after it, waits behind it,
+    while stage 1 waits for that activation."""
+    stages = SCHEDULES[name](2, 4)
+    with pytest.raises(ValueError, match="deadlock under NCCL"):
+        pipeline.run_under_nccl([_receive_ahead(actions) for actions in stages])
+    pipeline.run_under_nccl([pipeline.nccl_program(actions) for actions in stages])   # the fix
 
 
 def test_command_line_prints_the_timeline_and_the_bubble(capsys):
@@ -280,6 +309,47 @@ def test_16_bit_precisions_equal_one_process_in_the_same_precision(precision):
     diffs = torch.cat([(params[k] - single["params"][k]).abs().flatten() for k in single["params"]])
     assert_tensors_close(params, single["params"], 0, MIXED_ATOL, what)
     assert diffs.mean() <= MIXED_MEAN_ATOL, (what, diffs.mean())
+
+
+def _posted_groups(P, runs):
+    """Each exchange() call this stage's executor makes in one training step and one evaluation:
+    [(send or recv, peer), ...] per call, in order."""
+    calls, exchange = [], Comm.exchange
+
+    def record(comm, ops):
+        calls[-1].append([(kind, peer) for kind, _, peer in ops])
+        return exchange(comm, ops)
+    Comm.exchange = record
+    batch = _batches()[0]
+    for schedule, M in runs:
+        torch.manual_seed(0)
+        gpt = GPT(CFG)
+        s = dist.get_rank()
+        stage = pipeline.GPTStage(gpt, pipeline.split_layers(CFG.n_layer, P)[s], s == 0, s == P - 1)
+        runner = pipeline.Pipeline(stage, Comm(), schedule, M, CFG.n_embd, torch.float32)
+        calls.append([])
+        runner.train_step(batch[:, :-1], batch[:, 1:])
+        calls.append([])
+        runner.evaluate(batch[:, :-1], batch[:, 1:])
+    return calls
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_executor_posts_the_groups_the_nccl_check_played(P):
+    """run_under_nccl proves nccl_program deadlock-free; this checks the executor posts exactly
+    those groups, in that order (one exchange(), i.e. one batch_isend_irecv, per group)."""
+    runs = [("gpipe", 4), ("1f1b", 4)]
+    ranks = run_ranks(_posted_groups, P, P, runs)
+    peer = {"send_act": 1, "recv_grad": 1, "recv_act": -1, "send_grad": -1}
+    for i, (schedule, M) in enumerate(runs):
+        stages = SCHEDULES[schedule](P, M)
+        forwards = [[a for a in actions if a.kind in ("F", "send_act", "recv_act")]
+                    for actions in pipeline.gpipe(P, M)]
+        for s, calls in enumerate(ranks):
+            for lists, posted in ((stages, calls[2 * i]), (forwards, calls[2 * i + 1])):
+                expected = [[(a.kind[:4], s + peer[a.kind]) for a in item[1]]
+                            for item in pipeline.nccl_program(lists[s]) if item[0] == "post"]
+                assert posted == expected, (schedule, s)
 
 
 def test_stage_split_balanced_by_blocks_or_given():
