@@ -107,13 +107,15 @@ class Comm:
 
     group: the ranks taking part (default: the whole world). ring: build the collectives
     from point-to-point messages instead of calling torch.distributed's. bytes_sent: a
-    Counter {collective name: bytes this rank sent}, shared with comms made by subgroup().
+    Counter {collective name: bytes this rank sent}, shared with comms made by subgroups().
     Every method works in place on the given tensors and takes async_op: when True it
     returns a Handle at once, so the caller can compute while the bytes move.
-    Constructing a Comm with ring=True is collective: every rank of the group must do it.
+    Constructing a Comm over the world with ring=True is collective: every rank does it;
+    over a subgroup, subgroups() builds it (with p2p_group, its private twin).
     """
 
-    def __init__(self, group=None, ring: bool = False, bytes_sent: Counter | None = None):
+    def __init__(self, group=None, ring: bool = False, bytes_sent: Counter | None = None,
+                 p2p_group=None):
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -123,13 +125,17 @@ class Comm:
             # Ring messages get a private communicator, so they never interleave with native
             # collectives on the same group, and one worker thread, so every rank runs its
             # ring collectives in the order they were issued (the order the peers expect).
-            ranks = dist.get_process_group_ranks(self.group)
-            self._p2p_group = dist.new_group(ranks, use_local_synchronization=True)
+            # Creating a group is collective over the whole world (new_group's rule; NCCL
+            # with a bound device splits it from the world's communicator, every rank
+            # joining), so only the world's Comm makes its own here; subgroups() makes the rest.
+            if p2p_group is None:
+                if self.world_size != dist.get_world_size():
+                    raise ValueError("Comm(group, ring=True) over part of the world: build it with "
+                                     "collectives.subgroups (or make_mesh), which create every "
+                                     "rank's groups on every rank")
+                p2p_group = dist.new_group(dist.get_process_group_ranks(self.group))
+            self._p2p_group = p2p_group
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ring")
-
-    def subgroup(self, group) -> "Comm":
-        """A Comm over another group (a tensor- or data-parallel axis), same counter and switch."""
-        return Comm(group, ring=self.ring, bytes_sent=self.bytes_sent)
 
     # ---- the public collectives -------------------------------------------------------
 
@@ -367,6 +373,24 @@ def check_same_parameters(params: list[torch.Tensor], comm: "Comm"):
                              f"vs {first[1]}); start every rank with the same model configuration")
 
 
+def subgroups(comm: Comm, rank_lists: list[list[int]]) -> "Comm | None":
+    """Create a group for each list of (world) ranks, on every rank, in the given order; return
+    a Comm over the one holding this rank (None if none does), sharing comm's counter and switch.
+
+    Every rank must call it with the same lists: new_group is collective over the whole world
+    (with NCCL and a bound device it splits the world's communicator, which every rank joins),
+    and a group created by some ranks only, or in another order, hangs or pairs the wrong ranks.
+    With ring collectives each group gets its private twin for the ring's messages, also here.
+    """
+    me, mine = dist.get_rank(), None
+    for ranks in rank_lists:
+        group = dist.new_group(list(ranks))
+        p2p_group = dist.new_group(list(ranks)) if comm.ring else None
+        if me in ranks:
+            mine = Comm(group, ring=comm.ring, bytes_sent=comm.bytes_sent, p2p_group=p2p_group)
+    return mine
+
+
 def make_mesh(comm: Comm, inner: int) -> tuple[Comm, Comm]:
     """(inner, outer) Comms of a 2-D grid over comm's ranks, sharing its byte counter.
 
@@ -376,17 +400,8 @@ def make_mesh(comm: Comm, inner: int) -> tuple[Comm, Comm]:
     The caller checks that inner divides the world size, naming its own flag.
     """
     ranks = dist.get_process_group_ranks(comm.group)
-    mine = {}
-    # new_group is collective over the whole world: every rank creates every group, in order.
-    for start in range(0, comm.world_size, inner):
-        group = dist.new_group(ranks[start: start + inner])
-        if comm.rank // inner == start // inner:
-            mine["inner"] = group
-    for offset in range(inner):
-        group = dist.new_group(ranks[offset::inner])
-        if comm.rank % inner == offset:
-            mine["outer"] = group
-    return comm.subgroup(mine["inner"]), comm.subgroup(mine["outer"])
+    return (subgroups(comm, [ranks[start: start + inner] for start in range(0, len(ranks), inner)]),
+            subgroups(comm, [ranks[offset::inner] for offset in range(inner)]))
 
 
 def as_comm(group) -> Comm:

@@ -268,7 +268,9 @@ class FSDP(nn.Module):
                     view.copy_(p.grad)
                     unit.used[i] = True
                 p.grad = None
-            output = torch.empty_like(unit.master, dtype=grad.dtype)            # (S,)
+            # On the gradient's device, not the master's: offloaded, the master lives on the
+            # host, and NCCL reads and writes device memory only.
+            output = grad.new_empty(unit.master.shape)                          # (S,)
             handle = self.comm.reduce_scatter(output, grad, op="avg", async_op=True)
             self.events.append(("reduce-scatter", unit.index))
             self._reductions.append((unit, handle, output, grad))

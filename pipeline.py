@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from collectives import Comm, ring_bytes
+from collectives import Comm, ring_bytes, subgroups
 
 
 class Action(NamedTuple):
@@ -350,14 +350,31 @@ class Pipeline:
         # NCCL: a batch_isend_irecv may be a group's first call only if every rank of the group
         # joins it (torch's documentation); the stages' first groups differ, so one small
         # all-reduce creates the communicator on every stage first (a set-up call, not counted).
-        dist.all_reduce(torch.zeros(1, device=next(module.parameters()).device), group=comm.group)
+        device = next(module.parameters()).device
+        dist.all_reduce(torch.zeros(1, device=device), group=comm.group)
         self.hidden, self.dtype = hidden, dtype
         self.tied = tied if self.P > 1 else None
-        if self.tied is not None:          # a group of the two ends: only they create it
-            ends = dist.get_process_group_ranks(comm.group)[:: self.P - 1]
-            self.ends = comm.subgroup(dist.new_group(ends, use_local_synchronization=True))
+        if self.P > 1:
+            self.ends = self._ends_group(comm, device)
         self.peak_activations = 0         # most micro-batches held at once (a graph kept for B)
         self.busy = self.wall = 0.0       # seconds computing, seconds in all, in the last step
+
+    def _ends_group(self, comm: Comm, device) -> Comm | None:
+        """A Comm over this pipeline's first and last stage if they share a tied weight.
+
+        Collective over the world: every rank of every pipeline (data-parallel copies) learns
+        all pipelines' ends and whether any is tied, and then creates every ends group, in one
+        order, as new_group requires (collectives.subgroups). Middle stages hold no tied copy
+        but create the groups too."""
+        ranks = dist.get_process_group_ranks(comm.group)
+        mine = torch.tensor([ranks[0], ranks[-1], self.tied is not None], device=device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)                             # set-up, not counted
+        if not any(t[2] for t in every):
+            return None
+        ends = sorted({(t[0].item(), t[1].item()) for t in every})
+        group = subgroups(comm, ends)
+        return group if self.tied is not None else None
 
     def train_step(self, x, y, scale_loss=lambda loss: loss, measure=False) -> torch.Tensor:
         """Forwards and backwards of the M micro-batches of x, y (B, T); the gradients of the

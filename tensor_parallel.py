@@ -467,9 +467,12 @@ def gather_pieces(pieces: list[dict], params: dict, comm: Comm) -> list[dict]:
             continue
         tensors = {}
         for key, t in piece["tensors"].items():
-            parts = [torch.empty_like(t) for _ in range(comm.world_size)]
-            dist.all_gather(parts, t, group=comm.group)          # a checkpoint, not a training step
-            tensors[key] = torch.cat([x.view(p.shape) for x in parts], p.tp_dim).reshape(-1)
+            # The pieces were copied to the host for the file; the gather runs on the
+            # parameter's device (NCCL moves device memory only), the whole piece goes back.
+            local = t.to(p.device)
+            parts = [torch.empty_like(local) for _ in range(comm.world_size)]
+            dist.all_gather(parts, local, group=comm.group)      # a checkpoint, not a training step
+            tensors[key] = torch.cat([x.view(p.shape) for x in parts], p.tp_dim).reshape(-1).cpu()
         whole.append({**piece, "start": 0, "stop": p.numel() * comm.world_size, "tensors": tensors})
     return whole
 

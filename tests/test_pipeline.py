@@ -352,6 +352,38 @@ def test_executor_posts_the_groups_the_nccl_check_played(P):
                 assert posted == expected, (schedule, s)
 
 
+def _groups_created(P):
+    """Every new_group call this rank makes while building ring and native meshes and a
+    pipeline of P stages with a tied head (world: P x D ranks)."""
+    from collectives import make_mesh
+    calls, new_group = [], dist.new_group
+
+    def record(ranks=None, **kwargs):
+        calls.append((list(ranks), sorted(kwargs)))
+        return new_group(ranks, **kwargs)
+    dist.new_group = record
+    ring = Comm(ring=True)
+    pipe, data = make_mesh(ring, P)
+    make_mesh(Comm(), P)
+    torch.manual_seed(0)
+    s = pipe.rank
+    stage = pipeline.GPTStage(GPT(TIED), pipeline.split_layers(TIED.n_layer, P)[s], s == 0, s == P - 1)
+    pipeline.Pipeline(stage, pipe, "1f1b", 4, TIED.n_embd, torch.float32, stage.tied)
+    return calls
+
+
+@pytest.mark.parametrize("P, world", [(4, 4), (2, 4)])
+def test_every_rank_creates_the_same_groups_in_the_same_order(P, world):
+    """NCCL with a bound device splits every new group from the world's communicator: every
+    rank must create every group, in one order, the tied ends' too (a group made by the two ends
+    alone hangs the first GPU run), and ring mode's private twins."""
+    ranks = run_ranks(_groups_created, world, P)
+    for r, calls in enumerate(ranks):
+        assert calls == ranks[0], f"rank {r} created other groups than rank 0"
+    assert all(kwargs == [] for _, kwargs in ranks[0])         # no use_local_synchronization
+    assert [0, P - 1] in [r for r, _ in ranks[0]]               # the first pipeline's tied ends
+
+
 def test_stage_split_balanced_by_blocks_or_given():
     assert pipeline.split_layers(4, 2) == [range(0, 2), range(2, 4)]
     assert pipeline.split_layers(6, 4) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
