@@ -490,14 +490,41 @@ def bench_strategy(name, args, batches, device, n_params, peak_flops) -> dict:
     if peak_flops:
         # Model FLOPs per token (Kaplan et al. 2020; PaLM appendix B): 6 per parameter for forward
         # and backward, plus attention's scores and weighted sum, 12 * layers * width * sequence.
+        # Against the datasheet's peak (MFU), and against the measured bf16 matmul's beside it.
         cfg = PRESETS[args.model]
-        flops_per_token = 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * args.seq_len
-        row["mfu"] = flops_per_token * row["ours"]["tokens_per_s"] / (peak_flops * dist.get_world_size())
+        flops = (6 * n_params + 12 * cfg.n_layer * cfg.n_embd * args.seq_len) * row["ours"]["tokens_per_s"]
+        sheet = datasheet_peak_flops(device, args.precision)
+        if sheet:
+            row["mfu"] = flops / (sheet * dist.get_world_size())
+        row["mfu_of_measured_peak"] = flops / (peak_flops * dist.get_world_size())
     return row
 
 
+# Dense peak TFLOP/s from the vendors' datasheets (no 2:4 sparsity), by the name torch reports:
+# MFU's denominator (PaLM, appendix B). "tf32" is an fp32 run whose matmuls use TF32 tensor cores
+# (torch.backends.cuda.matmul.allow_tf32), "fp32" one that does not (torch's default).
+DATASHEET_TFLOPS = [              # (all these words in the name, {precision: TFLOP/s})
+    (("H100", "PCIe"), {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51}),
+    (("H100",), {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67}),            # SXM
+    (("H200",), {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67}),
+    (("A100",), {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
+    (("L4",), {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3}),
+]
+
+
+def datasheet_peak_flops(device, precision: str) -> float | None:
+    """The card's datasheet peak for this run's precision, or None for a card not in the table."""
+    name = torch.cuda.get_device_name(device)
+    if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        precision = "tf32"
+    for words, peaks in DATASHEET_TFLOPS:
+        if all(w in name for w in words):
+            return peaks[precision] * 1e12
+    return None
+
+
 def matmul_peak_flops(device, n=8192, iters=20) -> float:
-    """What this card really does in bf16 (a large matmul): the MFU's denominator."""
+    """What this card really does in bf16 (a large matmul): printed beside the datasheet's."""
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     for _ in range(3):
         a @ b
@@ -556,7 +583,9 @@ def machine(device, args, n_params, peak_flops) -> dict:
             "global_batch": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup,
             "steps": args.steps, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
             "microbatches": args.microbatches,
-            "clip_grad": args.clip_grad, "matmul_peak_tflops": peak_flops and peak_flops / 1e12}
+            "clip_grad": args.clip_grad, "matmul_peak_tflops": peak_flops and peak_flops / 1e12,
+            "datasheet_peak_tflops": (datasheet_peak_flops(device, args.precision) or 0) / 1e12
+            if device.type == "cuda" else None}
 
 
 def spread(s: dict) -> str:
@@ -594,12 +623,14 @@ def report(m: dict, rows: list, collective_rows: list) -> str:
                          f"{ours['napkin_sent_per_step'] / MiB:.2f} | "
                          + (f"{theirs['sent_per_step'] / MiB:.2f} | " if theirs["sent_per_step"] is not None
                             else "n/a | ")
-                         + (f"{100 * r['mfu']:.1f}% |" if "mfu" in r else "n/a |"))
+                         + (f"{100 * r['mfu']:.1f}% ({100 * r['mfu_of_measured_peak']:.1f}% of the "
+                            f"measured peak) |" if "mfu" in r else "n/a |"))
         peak = ("CUDA max_memory_allocated, activations included" if m["gpu"] else "memory.held_bytes: "
                 "parameters + gradients (torch DDP's buckets, as .grad views) + optimizer state, a DTensor's "
                 "local tensors")
-        mfu = (f"model FLOPs / a measured bf16 matmul peak of {m['matmul_peak_tflops']:.0f} TFLOP/s"
-               if m["gpu"] else "GPU only")
+        mfu = (f"model FLOPs / the datasheet's dense {m['precision']} peak of "
+               f"{m['datasheet_peak_tflops']:.0f} TFLOP/s per GPU (in brackets: / a measured bf16 "
+               f"matmul's {m['matmul_peak_tflops']:.0f} TFLOP/s)" if m["gpu"] else "GPU only")
         lines += ["", f"ms/step: median (min-max) over repetitions, slowest rank. Peak: max over ranks, "
                   f"{peak}. Sent: our Comm's counter (ring volume, native calls included) beside "
                   f"memory.comm_bytes (fsdp: our root unit is gathered once, not twice; tp: "

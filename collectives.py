@@ -44,6 +44,11 @@ def init_distributed(timeout: float | None = None) -> torch.device:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
+        # NCCL's watchdog, on a collective past the timeout, aborts the communicators and, by
+        # default, the process: no Python line runs. CleanUpOnly (2) aborts the communicators
+        # only, so the waiting call raises and train.py says which rank lost contact and how
+        # to resume. (A value set by the user wins.)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         wait = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
         if "RANK" in os.environ:
             store, rank, world_size = next(dist.rendezvous("env://", **wait))
@@ -136,6 +141,7 @@ class Comm:
                 p2p_group = dist.new_group(dist.get_process_group_ranks(self.group))
             self._p2p_group = p2p_group
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ring")
+            self._ring_streams = {}               # CUDA: the worker's stream, per device
 
     # ---- the public collectives -------------------------------------------------------
 
@@ -285,13 +291,35 @@ class Comm:
         return dist.P2POp(fn, tensor, group=self._p2p_group, group_peer=group_peer)
 
     def _run_ring(self, fn, async_op, *args):
-        if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
-            # The worker thread must see the tensors as the caller's stream left them.
-            torch.cuda.current_stream().synchronize()
-        future = self._worker.submit(fn, *args)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors or not tensors[0].is_cuda:
+            future = self._worker.submit(fn, *args)
+            wait = future.result
+        else:
+            # No host synchronize (it would end all overlap): the worker's stream waits for the
+            # caller's with an event, and waiting on the handle makes the caller's stream wait
+            # for the worker's in turn.
+            ready, device = torch.cuda.Event(), tensors[0].device
+            ready.record()
+
+            def run():
+                torch.cuda.set_device(device)              # a new thread starts on GPU 0
+                stream = self._ring_streams.setdefault(device, torch.cuda.Stream(device))
+                stream.wait_event(ready)
+                with torch.cuda.stream(stream):
+                    for t in tensors:                      # freed by the caller: not reused early
+                        t.record_stream(stream)
+                    fn(*args)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                return done
+            future = self._worker.submit(run)
+
+            def wait():
+                torch.cuda.current_stream().wait_event(future.result())
         if async_op:
-            return Handle(future.result)
-        future.result()
+            return Handle(wait)
+        wait()
 
     def _count(self, name, numel, element_size, root=0):
         # The native library does not report what it sent: count what the ring sends.
@@ -351,7 +379,7 @@ def gather_objects(obj, comm: "Comm", device: torch.device, dst: int | None = No
             for row, length in zip(every, lengths)]
 
 
-def check_same_parameters(params: list[torch.Tensor], comm: "Comm"):
+def check_same_parameters(params: list[torch.Tensor], comm: "Comm", device=None):
     """Raise the same clear error on every rank if the ranks' parameter shapes differ.
 
     Called by the strategies at construction, before their first broadcast: ranks started
@@ -359,7 +387,9 @@ def check_same_parameters(params: list[torch.Tensor], comm: "Comm"):
     fail deep inside torch, or silently train rank 0's model everywhere.
     """
     shapes = [tuple(p.shape) for p in params]
-    every = gather_objects(shapes, comm, params[0].device if params else torch.device("cpu"))
+    # device: the group's (NCCL gathers device memory only); default: the parameters'.
+    device = device or (params[0].device if params else torch.device("cpu"))
+    every = gather_objects(shapes, comm, device)
     for rank, other in enumerate(every):
         if other != every[0]:
             def count(s):

@@ -42,12 +42,13 @@ class Unit(FlatParams):
         device_shard (S,) compute dtype, the master rounded: what the all-gathers send
     """
 
-    def __init__(self, index, module, params, comm, compute_dtype):
+    def __init__(self, index, module, params, comm, compute_dtype, device):
         super().__init__(params, comm.world_size)          # self.flat: (N*S,) fp32, params view it
         self.index, self.module = index, module
-        comm.broadcast(self.flat, src=0)                     # ranks start identical
-        self.master = nn.Parameter(self.shard(self.flat, comm.rank).clone())   # (S,) fp32
-        self.full = torch.empty(self.flat.numel(), dtype=compute_dtype, device=self.flat.device)
+        flat = self.flat.to(device)              # one unit at a time on the device, never the model
+        comm.broadcast(flat, src=0)                          # ranks start identical
+        self.master = nn.Parameter(self.shard(flat, comm.rank).clone())        # (S,) fp32
+        self.full = torch.empty(flat.numel(), dtype=compute_dtype, device=device)
         for p, view in zip(self.params, self.views(self.full)):
             p.data = view
         self.flat = None                                     # the fp32 copy of the whole unit is gone
@@ -101,10 +102,13 @@ class FSDP(nn.Module):
     compute_dtype: what forward and backward run in and what is on the wire (default fp32).
     prefetch: units all-gathered ahead of the one computing (0: none), at most 1 + prefetch
     non-root units gathered at once. group: a collectives.Comm, a process group or None.
+    device: where the shards, the gathered units and the rest of the module live (default: where
+    the module is). Build the module on the CPU and name the GPU here, and a model that fits
+    only sharded can start: each unit visits the device alone, then only its shard stays.
     """
 
     def __init__(self, module: nn.Module, wrap=gpt_blocks, compute_dtype=None, group=None,
-                 prefetch: int = 1):
+                 prefetch: int = 1, device=None):
         super().__init__()
         compute_dtype = compute_dtype or torch.float32
         if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -120,7 +124,8 @@ class FSDP(nn.Module):
                              "compute precision with compute_dtype (e.g. torch.bfloat16), do not "
                              "cast the model first")
         self.comm = as_comm(group)
-        check_same_parameters(list(module.parameters()), self.comm)
+        device = torch.device(device) if device is not None else trainable[0].device
+        check_same_parameters(list(module.parameters()), self.comm, device)
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
         self.compute_dtype, self.prefetch = compute_dtype, prefetch
         # Owner of each parameter: the nearest wrapped module above it, or the root (None).
@@ -139,7 +144,8 @@ class FSDP(nn.Module):
         for m in units:
             params = [p for p in trainable if owner[p] is m]
             if params:
-                self.units.append(Unit(len(self.units), m or module, params, self.comm, compute_dtype))
+                self.units.append(Unit(len(self.units), m or module, params, self.comm, compute_dtype,
+                                       device))
                 if m is None:
                     self.root = self.units[-1]
         self.order = [u for u in self.units if u is not self.root]      # forward order, root aside
@@ -150,8 +156,9 @@ class FSDP(nn.Module):
         with torch.no_grad():
             for p in module.parameters():
                 if not p.requires_grad:
+                    p.data = p.data.to(device=device, dtype=compute_dtype)
                     self.comm.broadcast(p.data, src=0)
-                    p.data = p.data.to(compute_dtype)
+        module.to(device)          # buffers (QLoRA's 4-bit weights); the parameters are there
         for unit in self.units:
             if unit is not self.root:
                 unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._before_forward(u))

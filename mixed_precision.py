@@ -10,11 +10,12 @@ Left out: autocast's per-op casting (the whole model is in one dtype) and fp8.
 Run: python mixed_precision.py; test: python -m pytest tests/test_mixed_precision.py
 """
 import contextlib
+import math
 
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from collectives import Comm, as_comm
+from collectives import as_comm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -90,19 +91,6 @@ def unscale_grads(grads: list, masters: list, scale: float) -> list:
     return [master.grad for master in masters]
 
 
-def found_overflow(grad_norm: torch.Tensor, comm: Comm | None = None) -> bool:
-    """True if grad_norm is inf or NaN here or, with comm, on any rank of comm.
-
-    One non-finite element makes the norm non-finite, so the norm doubles as the overflow
-    check. Ranks whose gradients differ (before an all-reduce, or shards of them) must all
-    skip or all step, else their weights drift apart: a max over a 0/1 flag agrees on it.
-    """
-    flag = (~torch.isfinite(grad_norm)).float()
-    if comm is not None:
-        comm.all_reduce(flag, op="max")
-    return bool(flag.item())
-
-
 class MasterOptimizer(torch.optim.Optimizer):
     """A torch.optim.Optimizer that runs any torch optimizer on fp32 master weights.
 
@@ -170,8 +158,9 @@ class MasterOptimizer(torch.optim.Optimizer):
         _, norm = self._unscale()
         # One non-finite element makes the norm non-finite: the norm doubles as the overflow
         # check, and as it is global, every rank takes the same decision without a message.
-        skip = not bool(torch.isfinite(norm))
-        self.last_grad_norm, self.last_step_skipped = norm.item(), skip
+        # Reading it is the step's one device-to-host copy (a host sync on a GPU).
+        self.last_grad_norm = norm.item()
+        skip = self.last_step_skipped = not math.isfinite(self.last_grad_norm)
         if not skip:
             with keep_unchanged(self._unused(), self.optimizer.state):
                 self.optimizer.step()
@@ -291,8 +280,12 @@ class MixedPrecisionOptimizer(MasterOptimizer):
         # (Finite gradients whose norm overflows fp32 are skipped too: no sane update there.)
         norm = (self.grad_norm([p for p, _ in self._with_grad()], grads) if self.grad_norm
                 else get_total_norm(grads))
-        if self.comm is not None and found_overflow(norm, self.comm):
-            norm = torch.full_like(norm, float("inf"))      # skipped somewhere: skipped here too
+        if self.comm is not None:
+            # Skipped on some rank: skipped here too. The flag's max over the ranks stays on the
+            # device (no host read before step()'s own).
+            flag = (~torch.isfinite(norm)).float().reshape(1)
+            self.comm.all_reduce(flag, op="max")
+            norm = torch.where(flag[0] > 0, torch.full_like(norm, float("inf")), norm)
         return norm
 
     @torch.no_grad()

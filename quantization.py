@@ -51,6 +51,9 @@ class NF4Weight(nn.Module):
         codes = codes.reshape(-1).to(torch.uint8)
         # Two codes per byte: even positions in the high nibble, odd ones in the low one.
         self.register_buffer("codes", codes[0::2] << 4 | codes[1::2])            # (G * 32,) uint8
+        # The 16 levels ride along with the codes (a buffer moves with .to(device)): no copy of
+        # them to the GPU in every forward and backward. Not saved: they are the format's.
+        self.register_buffer("levels", LEVELS.to(flat.device), persistent=False)
         if double_quant:
             self.scale_mean = scales.mean().item()
             centered = F.pad(scales - self.scale_mean, (0, -scales.numel() % SCALE_BLOCK))
@@ -71,12 +74,13 @@ class NF4Weight(nn.Module):
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         codes = torch.stack([self.codes >> 4, self.codes & 0xF], dim=1).view(-1, BLOCK)  # (G, 64)
-        values = LEVELS.to(self.codes.device)[codes.long()] * self.block_scales()[:, None]
+        values = self.levels[codes.long()] * self.block_scales()[:, None]
         numel = torch.Size(self.shape).numel()
         return values.view(-1)[:numel].view(self.shape).to(dtype)
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        """The stored weight's bytes: codes and scales (the 16 shared levels aside)."""
+        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "levels")
 
     def extra_repr(self):
         return f"shape={self.shape}, double_quant={self.double_quant}, {self.nbytes():,} bytes"

@@ -174,7 +174,13 @@ def auto_strategy(parser, args, world_size) -> list[str]:
         except ValueError as e:
             parser.error(f"--mem-budget: {e}")
     elif torch.cuda.is_available():
-        budget = torch.cuda.mem_get_info()[0]            # free bytes on this rank's GPU
+        # The free bytes of this rank's own GPU (joining the job sets its device first: asked
+        # before that, every rank would query, and make a context on, GPU 0), and the least over
+        # the ranks, so that every rank picks the same rung.
+        device = init_distributed(timeout=args.timeout or 600)
+        free = torch.tensor([torch.cuda.mem_get_info(device)[0]], dtype=torch.float64, device=device)
+        dist.all_reduce(free, op=dist.ReduceOp.MIN)
+        budget = int(free.item())
     else:
         parser.error("--strategy auto on CPU ranks needs --mem-budget (e.g. --mem-budget 2GB): "
                      "the bytes each rank may use")
@@ -419,8 +425,13 @@ def build(args, device, comm, split, data):
     if args.init_from:
         load_weights(args.init_from, gpt)
     fsdp = args.strategy in ("fsdp", "zero3")
-    # FSDP keeps the fp32 weights as master shards and computes in --precision itself.
-    gpt.to(device=device, dtype=torch.float32 if fsdp else DTYPES[args.precision])
+    # FSDP keeps the fp32 weights as master shards and computes in --precision itself; the
+    # model stays on the CPU until FSDP moves each rank's shards (a model that fits only
+    # sharded must never be whole on the GPU).
+    if fsdp:
+        gpt.to(dtype=torch.float32)
+    else:
+        gpt.to(device=device, dtype=DTYPES[args.precision])
     if args.lora:         # after the cast: a 4-bit base keeps its scales in fp32
         lora.apply_lora(gpt, **_lora_config(args))
     if args.checkpoint_activations:
@@ -428,7 +439,8 @@ def build(args, device, comm, split, data):
     model = gpt
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     if fsdp:
-        model = FSDP(gpt, compute_dtype=DTYPES[args.precision], group=comm, prefetch=args.prefetch)
+        model = FSDP(gpt, compute_dtype=DTYPES[args.precision], group=comm, prefetch=args.prefetch,
+                     device=device)
         optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(args.offload), **adamw)
         return gpt, model, optimizer, model.bytes_per_step(micro_batches=args.grad_accum)
     if args.strategy in ("zero1", "zero2"):
@@ -681,6 +693,10 @@ def main(argv=None, live_bytes: bool = False) -> dict:
     timeout = args.timeout or (600 if torch.cuda.is_available() else 120)
     device = init_distributed(timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    if args.offload and device.type == "cuda":
+        # The offloaded Adam step runs on the host, where torchrun leaves each rank one thread
+        # (OMP_NUM_THREADS=1): share the cores among this node's ranks instead.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     log_file = None
     if args.out and rank == 0:
         os.makedirs(args.out, exist_ok=True)
@@ -754,6 +770,10 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                                             f"memory (--offload)" if args.offload else ""))
 
     history = {"losses": {}, "live_bytes": {}}
+    if device.type == "cuda":
+        # Set-up held more than training does (the whole fp32 model before ZeRO or FSDP
+        # sharded it): the logged peak starts here, and again after each logged step.
+        torch.cuda.reset_peak_memory_stats(device)
     step_done = start_profiling(args, rank, world_size)
     if args.init_from and start == 0:          # fine-tuning: where the new text starts from
         history["eval_loss_before"] = eval_loss(model, data, args, data_rank, data_size, device)
@@ -784,7 +804,7 @@ def main(argv=None, live_bytes: bool = False) -> dict:
             tokens_per_s = tokens_per_step * (step - last_timed) / (time.perf_counter() - timer)
             held = held_bytes(model.module if isinstance(model, pipeline.Pipeline) else model, optimizer)
             host = held.pop("host", None)                           # --offload: CPU memory
-            peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else sum(held.values())
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else sum(held.values())
             history["losses"][step] = loss
             if live_bytes and device.type == "cpu":
                 history["live_bytes"][step] = live_tensor_bytes()
@@ -805,6 +825,8 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                     f"{' '.join(f'{b:.2f}' for b in bubbles)} | formula (P-1)/(M+P-1) "
                     f"{(P - 1) / (M + P - 1):.2f} | activations held at most "
                     f"{model.peak_activations} micro-batches on stage 0")
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)         # the next line's peak: its steps'
             timer, last_timed = time.perf_counter(), step
         if args.eval_every and step and step % args.eval_every == 0:
             say(f"step {step:5d} | eval loss {eval_loss(model, data, args, data_rank, data_size, device):.4f}")
@@ -831,7 +853,7 @@ if __name__ == "__main__":
         main()
     except (RunError, snapshot.CheckpointError) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_distributed(2)               # destroys the process group: NCCL's are not left behind
     except (dist.DistError, RuntimeError) as e:
         if not isinstance(e, dist.DistError) and "gloo" not in str(e):
             raise                              # a bug, not a lost peer: keep the traceback

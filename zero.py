@@ -117,11 +117,15 @@ class ShardedOptimizer(MasterOptimizer):
         squares = squares.reshape(1).to(device)
         comm.all_reduce(squares, op="sum")
         handle.wait()
-        self._used_anywhere = used.tolist()
+        # Read only where this rank missed a gradient: if it computed every one, every parameter
+        # was used somewhere, and the step keeps its one host read (the norm's).
+        self._used_anywhere = used if not all(u for flat in self.flats for u in flat.used) else None
         return squares.sqrt()[0]
 
     def _unused(self):
-        used, r, ranges = iter(self._used_anywhere), self.comm.rank, []
+        if self._used_anywhere is None:
+            return []
+        used, r, ranges = iter(self._used_anywhere.tolist()), self.comm.rank, []
         for flat in self.flats:
             unused = {i for i in range(len(flat.params)) if not next(used)}
             ranges += [(flat.master, offset, offset + stop - start)
