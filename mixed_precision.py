@@ -144,8 +144,8 @@ class MasterOptimizer(torch.optim.Optimizer):
         if max_norm <= 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
         masters, norm = self._unscale()
-        if torch.isfinite(norm):
-            clip_grads_with_norm_(masters, max_norm, norm)
+        # No check of the norm here (a host read): an inf or NaN norm makes step() skip anyway.
+        clip_grads_with_norm_(masters, max_norm, norm)
         return norm
 
     def step(self, closure=None):

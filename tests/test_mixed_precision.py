@@ -381,3 +381,73 @@ def test_our_optimizers_are_torch_optimizers_and_leave_unused_parameters_alone(w
         mean = torch.tensor([out[how]["losses"] for out in ranks]).mean(0)
         torch.testing.assert_close(mean, torch.tensor(losses), rtol=1e-6, atol=0,
                                    msg=lambda m: f"{how} losses: {m}")
+
+
+# ---- one device-to-host read per step ------------------------------------------------------------
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")   # each a sync on a GPU
+
+
+def _host_reads(batches):
+    """Host reads of tensor values between the end of backward and the end of step(), per step,
+    for each optimizer, every parameter used. torch's own AdamW step is left out of the count:
+    it reads its step counters, which torch keeps in host memory."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    reads, originals = [0], {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(original):
+        def counted(self, *args, **kwargs):
+            reads[0] += counting.on
+            return original(self, *args, **kwargs)
+        return counted
+    counting.on = False
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(original))
+    out = {}
+    try:
+        for how in ("ddp", "zero1", "zero2", "fsdp"):
+            torch.manual_seed(0)
+            model = _WithUnused()
+            model.unused, model.unused_scale = None, None                 # every parameter used
+            if how == "fsdp":
+                wrapped = FSDP(model, wrap=lambda m: isinstance(m, (nn.Linear, nn.Embedding)))
+                opt = FSDPOptimizer(wrapped, torch.optim.AdamW, **DROP_IN_ADAMW)
+            elif how == "ddp":
+                wrapped = DDP(model)
+                opt = MixedPrecisionOptimizer(wrapped.parameters(), torch.optim.AdamW, **DROP_IN_ADAMW)
+            else:
+                wrapped = model
+                opt = ZeroOptimizer(model.parameters(), stage=int(how[-1]), bucket_mb=0.002,
+                                    **DROP_IN_ADAMW)
+            inner_step = opt.optimizer.step
+
+            def uncounted_step(*args, **kwargs):
+                counting.on = False
+                try:
+                    return inner_step(*args, **kwargs)
+                finally:
+                    counting.on = True
+            opt.optimizer.step = uncounted_step
+            out[how] = []
+            for batch in batches:
+                opt.zero_grad(set_to_none=True)
+                mine = batch.chunk(n)[r]                                  # (B/N, T+1)
+                wrapped(mine[:, :-1], mine[:, 1:])[1].backward()
+                reads[0], counting.on = 0, True
+                if how in ("ddp", "fsdp"):
+                    wrapped.finish_gradient_sync()
+                opt.clip_grad_norm_(DROP_IN_CLIP)
+                opt.step()
+                counting.on = False
+                out[how].append(reads[0])
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return out
+
+
+def test_one_host_read_per_step():
+    """The norm, read once, is also the overflow check; the used-flags are read only where a
+    rank missed a gradient (never, here); nothing else leaves the device."""
+    for r, out in enumerate(run_ranks(_host_reads, 2, _drop_in_batches())):
+        assert out == {how: [1] * DROP_IN_STEPS for how in out}, (r, out)
