@@ -138,9 +138,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, new_tokens: int, temperature: float = 0.8, top_k: int | None = 50):
-        """Append new_tokens sampled one at a time to idx (B, T); the window slides past block_size."""
+        """Append new_tokens sampled one at a time to idx (B, T); the window slides past block_size.
+        temperature 0: greedy, the most likely token every time."""
         for _ in range(new_tokens):
-            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :].float() / temperature  # (B, V)
+            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :].float()               # (B, V)
+            if temperature == 0:
+                idx = torch.cat([idx, logits.argmax(dim=-1, keepdim=True)], dim=1)
+                continue
+            logits = logits / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]     # (B, 1)
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -12,6 +12,8 @@ Test: python -m pytest tests/test_snapshot.py
 
 Layout:  OUT/ckpt-0000100/{meta.json, rank00000.pt, ...}   written as ckpt-0000100.tmp first
 """
+import hashlib
+import io
 import json
 import os
 import re
@@ -130,13 +132,48 @@ def load_pieces(optimizer, names: dict, model: torch.nn.Module, pieces: Pieces, 
 
 # ---- the run directory ----------------------------------------------------------------------
 
-def latest(out_dir: str) -> str | None:
-    """The newest complete checkpoint in out_dir: a .tmp directory (a save that crashed) never counts."""
+def checkpoints(out_dir: str) -> list[str]:
+    """The complete checkpoints in out_dir, oldest first: a .tmp directory (a save that crashed)
+    never counts."""
     if not os.path.isdir(out_dir):
-        return None
-    steps = [(int(m.group(1)), entry) for entry in os.listdir(out_dir)
-             if (m := CHECKPOINT.match(entry)) and os.path.exists(os.path.join(out_dir, entry, "meta.json"))]
-    return os.path.join(out_dir, max(steps)[1]) if steps else None
+        return []
+    return [os.path.join(out_dir, entry) for entry in sorted(os.listdir(out_dir))
+            if CHECKPOINT.match(entry) and os.path.exists(os.path.join(out_dir, entry, "meta.json"))]
+
+
+def latest(out_dir: str) -> str | None:
+    """The newest complete checkpoint in out_dir, or None."""
+    saved = checkpoints(out_dir)
+    return saved[-1] if saved else None
+
+
+def losses(out_dir: str) -> list[tuple[str, float | None]]:
+    """(checkpoint, the loss of the step it was saved after), oldest first: where to go back to
+    when a run diverged."""
+    out = []
+    for path in checkpoints(out_dir):
+        with open(os.path.join(path, "meta.json")) as f:
+            out.append((path, json.load(f).get("loss")))
+    return out
+
+
+def clear(out_dir: str):
+    """Delete every checkpoint in out_dir, complete or not (train.py --overwrite). Rank 0 only."""
+    for entry in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
+        if CHECKPOINT.match(entry.removesuffix(".tmp")):
+            shutil.rmtree(os.path.join(out_dir, entry))
+
+
+def _sha256(data) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def save(out_dir: str, step: int, part: dict, meta: dict, keep: int) -> str:
@@ -151,14 +188,26 @@ def save(out_dir: str, step: int, part: dict, meta: dict, keep: int) -> str:
         shutil.rmtree(tmp, ignore_errors=True)          # left by a save that crashed
         os.makedirs(tmp)
     dist.barrier()
-    with open(os.path.join(tmp, f"rank{rank:05d}.pt"), "wb") as f:
-        torch.save(part, f)
+    # Serialized in memory first, so its checksum costs no second read of the file; load()
+    # verifies it: flipped bits inside a tensor would otherwise load as silently wrong weights.
+    data = io.BytesIO()
+    torch.save(part, data)
+    name = f"rank{rank:05d}.pt"
+    with open(os.path.join(tmp, name), "wb") as f:
+        f.write(data.getbuffer())
         f.flush()
         os.fsync(f.fileno())
+    with open(os.path.join(tmp, name + ".sha256"), "w") as f:
+        f.write(_sha256(data.getbuffer()))
     dist.barrier()                                     # every part is on disk ...
     if rank == 0:
+        checksums = {}
+        for r in range(world_size):
+            with open(os.path.join(tmp, f"rank{r:05d}.pt.sha256")) as f:
+                checksums[f"rank{r:05d}.pt"] = f.read()
+            os.remove(os.path.join(tmp, f"rank{r:05d}.pt.sha256"))
         with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({**meta, "step": step, "world_size": world_size}, f, indent=1)
+            json.dump({**meta, "step": step, "world_size": world_size, "sha256": checksums}, f, indent=1)
         shutil.rmtree(final, ignore_errors=True)       # the same step saved again after a resume
         os.rename(tmp, final)                          # ... before the checkpoint exists at all
         older = sorted(e for e in os.listdir(out_dir) if CHECKPOINT.match(e))[:-keep]
@@ -171,8 +220,9 @@ def save(out_dir: str, step: int, part: dict, meta: dict, keep: int) -> str:
 def load(path: str) -> tuple[dict, list[dict]]:
     """(meta, [part of rank 0, ...]) of a complete checkpoint, or one CheckpointError naming the fix.
 
-    Every rank reads every part (memory-mapped: only the pieces it copies are read from
-    disk), so every rank finds the same damage and stops with the same message.
+    Every rank checks every part's checksum and reads every part (memory-mapped: only the
+    pieces it copies come into memory), so every rank finds the same damage and stops with
+    the same message.
     """
     fix = f"delete {path} to resume from the checkpoint before it"
     try:
@@ -183,11 +233,17 @@ def load(path: str) -> tuple[dict, list[dict]]:
     parts = []
     for rank in range(meta["world_size"]):
         file = os.path.join(path, f"rank{rank:05d}.pt")
+        expected = meta.get("sha256", {}).get(f"rank{rank:05d}.pt")    # older checkpoints: none
         try:
+            if expected is not None and _file_sha256(file) != expected:
+                raise CheckpointError(f"{file} is corrupt or truncated (its bytes no longer match "
+                                      f"the checksum saved with it); {fix}")
             parts.append(torch.load(file, mmap=True, weights_only=True))
-        except Exception as e:      # truncated or corrupt: torch says why, in its own words
-            raise CheckpointError(f"{file} is corrupt or truncated ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:200]}); {fix}") from None
+        except CheckpointError:
+            raise
+        except Exception as e:      # truncated or corrupt: in our words, not the unpickler's
+            raise CheckpointError(f"{file} is corrupt or truncated (it does not read back as a "
+                                  f"checkpoint part: {type(e).__name__}); {fix}") from None
     return meta, parts
 
 

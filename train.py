@@ -133,9 +133,13 @@ def parse_args(argv=None):
     run.add_argument("--save-every", type=int, default=0,
                      help="checkpoint every K steps into --out (0: only at the end)")
     run.add_argument("--keep", type=int, default=3, help="checkpoints kept in --out, newest first")
-    run.add_argument("--resume", nargs="?", const="must", choices=("must", "auto"), default=None,
+    run.add_argument("--overwrite", action="store_true",
+                     help="start a new run in an --out that holds checkpoints, deleting them")
+    run.add_argument("--resume", nargs="?", const="must", default=None, metavar="auto|CHECKPOINT",
                      help="continue from the newest complete checkpoint in --out; 'auto' starts "
-                          "fresh when there is none (for torchrun --max-restarts)")
+                          "fresh when there is none (for torchrun --max-restarts); a checkpoint "
+                          "directory (OUT/ckpt-NNNNNNN) continues from that one, e.g. one saved "
+                          "before a run diverged")
     run.add_argument("--init-from", default=None,
                      help="weights only (fine-tuning): a run directory, a checkpoint or an --export file")
     run.add_argument("--export", default=None,
@@ -208,19 +212,41 @@ def check_args(parser, args, world_size):
     if args.sample:
         if not args.init_from:
             parser.error("--sample needs a trained model: add --init-from RUN_DIR (or a checkpoint)")
+        check_paths(parser, args)
+        if not args.temperature >= 0:                                  # NaN fails too
+            parser.error(f"--temperature must be 0 (greedy: the likeliest byte each time) or "
+                         f"positive, got {args.temperature}")
         return
     if args.strategy is None:
         args.strategy = "single" if world_size == 1 else "ddp"
     if args.strategy == "single" and world_size > 1:
         parser.error(f"--strategy single runs one process, but {world_size} were launched: "
                      f"use --strategy ddp (or zero1, zero2, fsdp, tp), or run with plain `python train.py`")
-    for name in ("steps", "grad_accum", "seq_len", "log_every", "batch_size", "keep", "tp"):
+    for name in ("steps", "grad_accum", "seq_len", "log_every", "batch_size", "keep", "tp",
+                 "eval_batches", "lora_rank"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if not args.lr > 0:
-        parser.error(f"--lr must be above 0 (the peak of the schedule), got {args.lr}")
-    if args.clip_grad < 0:
+    for name in ("warmup", "save_every", "eval_every"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be 0 (none) or more steps, got "
+                         f"{getattr(args, name)}")
+    # "not x > 0" rather than "x <= 0": a NaN fails every comparison, and is refused too.
+    if not 0 < args.lr < math.inf:
+        parser.error(f"--lr must be a positive number (the peak of the schedule), got {args.lr}")
+    if args.min_lr is not None and not 0 <= args.min_lr <= args.lr:
+        parser.error(f"--min-lr (the end of the cosine decay) must be between 0 and --lr {args.lr}, "
+                     f"got {args.min_lr}")
+    if not 0 <= args.clip_grad < math.inf:
         parser.error(f"--clip-grad must be 0 (off) or a positive norm, got {args.clip_grad}")
+    if not 0 <= args.weight_decay < math.inf:
+        parser.error(f"--weight-decay must be 0 (off) or positive, got {args.weight_decay}")
+    for name in ("dropout", "lora_dropout"):
+        if not 0 <= getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} is the probability of zeroing an activation: "
+                         f"give a number from 0 (off) up to, not including, 1; got {getattr(args, name)}")
+    if not 0 < args.lora_alpha < math.inf:
+        parser.error(f"--lora-alpha must be positive (the update is scaled by alpha / rank: at 0 "
+                     f"the adapter never changes the model), got {args.lora_alpha}")
     check_tensor_parallel(parser, args, world_size)
     check_pipeline(parser, args, world_size)
     data_parallel = world_size // args.tp // args.pp              # ranks reading different rows
@@ -277,6 +303,42 @@ def check_args(parser, args, world_size):
         parser.error(f"--prefetch must be 0 (no prefetch) or more units, got {args.prefetch}")
     if args.timeout is not None and args.timeout <= 0:
         parser.error(f"--timeout must be positive seconds, got {args.timeout}")
+    check_paths(parser, args)
+
+
+def check_paths(parser, args):
+    """--init-from must exist; --out must be a directory this rank can write, and one that
+    holds no other run's checkpoints unless --resume continues it or --overwrite starts over.
+    Every rank checks (each writes its part of every checkpoint), before any work."""
+    if args.init_from and not os.path.exists(args.init_from):
+        parser.error(f"--init-from {args.init_from}: no such file or directory; give a run directory, "
+                     f"a checkpoint directory or an --export file")
+    if not args.out:
+        if args.overwrite:
+            parser.error("--overwrite starts a run directory over: add --out DIR")
+        return
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out} is a file: give a directory (the run's log, configuration "
+                     f"and checkpoints go in it)")
+    try:                 # by writing, not by os.access: root passes that even on a read-only mount
+        os.makedirs(args.out, exist_ok=True)
+        probe = os.path.join(args.out, f".writable-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        parser.error(f"--out {args.out}: this rank cannot write there ({e.strerror}): choose a "
+                     f"directory every rank can write to")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --out, --overwrite deletes it: use one")
+    if args.resume not in (None, "must", "auto") and not os.path.isfile(os.path.join(args.resume, "meta.json")):
+        parser.error(f"--resume {args.resume}: not a complete checkpoint; give no value (the newest "
+                     f"in --out), 'auto', or a checkpoint directory such as {args.out}/ckpt-0000100")
+    saved = snapshot.checkpoints(args.out)
+    if saved and not args.resume and not args.overwrite:
+        parser.error(f"--out {args.out} holds another run's checkpoints (newest "
+                     f"{os.path.basename(saved[-1])}): continue it with --resume, or start over with "
+                     f"--overwrite (which deletes them), or give a new --out")
 
 
 def check_tensor_parallel(parser, args, world_size):
@@ -549,7 +611,7 @@ def _pieces(gpt, model, optimizer, rank, frozen=True) -> list[dict]:
     return pieces
 
 
-def save_checkpoint(args, step, gpt, model, optimizer, rank):
+def save_checkpoint(args, step, gpt, model, optimizer, rank, loss=None):
     """Every rank's shard (or rank 0's copy, for replicas), RNG, loss scale; returns its path.
     Weights with inf or NaN are not saved: RunError.
 
@@ -565,13 +627,14 @@ def save_checkpoint(args, step, gpt, model, optimizer, rank):
         rng["cuda"] = torch.cuda.get_rng_state()
     part = {"pieces": pieces, "rng": rng, "scaler": optimizer.scaler.state_dict()}
     meta = {"model": _model_config(gpt), "args": vars(args), "data_position": step,
-            "lora": _lora_config(args), "base": base}
+            "lora": _lora_config(args), "base": base, "loss": loss}
     return snapshot.save(args.out, step, part, meta, keep=args.keep)
 
 
 def resume(args, gpt, model, optimizer, world_size, rank, say) -> int:
-    """Load the newest checkpoint in --out into this run; the step to continue from."""
-    path = snapshot.latest(args.out)
+    """Load the newest checkpoint in --out (or the one --resume names) into this run; the step
+    to continue from."""
+    path = args.resume if args.resume not in ("must", "auto") else snapshot.latest(args.out)
     if path is None:
         if args.resume == "auto":
             say(f"--resume auto: no checkpoint in {args.out} yet, starting from step 0")
@@ -580,7 +643,8 @@ def resume(args, gpt, model, optimizer, world_size, rank, say) -> int:
                        f"or use --resume auto to start fresh when there is none")
     meta, parts = snapshot.load(path)
     snapshot.check_same_model(meta["model"], _model_config(gpt), path)
-    bookkeeping = ("out", "save_every", "keep", "resume", "export", "timeout", "log_every", "init_from")
+    bookkeeping = ("out", "save_every", "keep", "resume", "overwrite", "export", "timeout", "log_every",
+                   "init_from")
     changed = [(k, v, vars(args).get(k)) for k, v in meta["args"].items()
                if k not in bookkeeping and vars(args).get(k) != v]
     pieces = snapshot.Pieces([p for part in parts for p in part["pieces"]])
@@ -699,10 +763,14 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     log_file = None
     if args.out and rank == 0:
+        if args.overwrite:
+            snapshot.clear(args.out)             # asked for: the old run's checkpoints go
         os.makedirs(args.out, exist_ok=True)
         log_file = open(os.path.join(args.out, "log.txt"), "a")
-        with open(os.path.join(args.out, "config.json"), "w") as f:
-            json.dump({**vars(args), "world_size": world_size}, f, indent=1)
+        config = os.path.join(args.out, "config.json")
+        if not (args.resume and os.path.exists(config)):     # the run's own, not a resume's
+            with open(config, "w") as f:
+                json.dump({**vars(args), "world_size": world_size}, f, indent=1)
 
     def say(line):
         if rank == 0:
@@ -791,9 +859,14 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         if not applied and args.precision != "fp16":
             # fp16 overflow is the loss scaler's business; in fp32 and bf16 inf/NaN means the
             # run diverged. The decision came from the global norm: every rank stops here.
+            saved = snapshot.losses(args.out) if args.out else []
+            back = ("; the checkpoints and the loss each was saved at: " + ", ".join(
+                f"{os.path.basename(p)} ({'?' if v is None else f'{v:.4g}'})" for p, v in saved)
+                + f". Resume from one saved before the loss climbed: --resume {saved[0][0]}"
+                if saved else "")
             raise RunError(f"step {step}: the loss ({global_mean(loss):.4g}) or the gradients are "
                            f"inf/NaN in {args.precision}: lower --lr, keep --clip-grad on, check "
-                           f"--data; resume from the last checkpoint with --resume")
+                           f"--data{back}")
         skipped += not applied
         schedule.step()                                              # the next step's lr
 
@@ -834,9 +907,10 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         done = step + 1
         step_done(last=done == args.steps)
         if args.out and (done == args.steps or args.save_every and done % args.save_every == 0):
-            saved = save_checkpoint(args, done, gpt, model, optimizer, rank)
+            step_loss = loss if isinstance(loss, float) else global_mean(loss)
+            saved = save_checkpoint(args, done, gpt, model, optimizer, rank, step_loss)
             say(f"step {step:5d} | saved {saved}: named by the steps done ({done}), so --resume "
-                f"continues at step {done}")
+                f"continues at step {done} | loss {step_loss:.4f}")
             timer, last_timed = time.perf_counter(), step
     history["eval_loss"] = eval_loss(model, data, args, data_rank, data_size, device)
     say(f"done | eval loss {history['eval_loss']:.4f}")

@@ -1,4 +1,5 @@
 """train.py end to end: the loss falls, runs at any world size agree, bad input stops early."""
+import math
 import os
 import re
 import subprocess
@@ -268,3 +269,142 @@ def test_readme_training_loop_runs(tmp_path):
     assert abs(zero2 - ddp) <= 1.5e-4 and abs(fsdp - ddp) <= 1.5e-4, found.group(0)
     assert abs(bf16 - ddp) <= 0.01, found.group(0)
     assert ddp < 3.0, found.group(0)                  # from ln 256 = 5.5: it learned in 30 steps
+
+
+# ---- nothing lost, nothing silently wrong (bad inputs and checkpoint safety) -------------------
+
+def _usage_error(argv, capsys):
+    """What parse_args says to a bad command line: (exit code, stderr)."""
+    import train
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args(argv)
+    return stop.value.code, capsys.readouterr().err
+
+
+def _one_error_line(stderr):
+    lines = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--clip-grad", "-1"], "--clip-grad must be 0 (off) or a positive norm, got -1.0"),
+    (["--clip-grad", "nan"], "--clip-grad must be 0 (off) or a positive norm"),
+    (["--eval-batches", "0"], "--eval-batches must be at least 1, got 0"),
+    (["--eval-batches", "-2"], "--eval-batches must be at least 1, got -2"),
+    (["--dropout", "1.5"], "--dropout is the probability of zeroing an activation"),
+    (["--lora", "--lora-dropout", "1.5"], "--lora-dropout is the probability of zeroing an activation"),
+    (["--lr", "nan"], "--lr must be a positive number"),
+    (["--lr", "0"], "--lr must be a positive number"),
+    (["--min-lr", "nan"], "--min-lr (the end of the cosine decay) must be between 0 and --lr"),
+    (["--min-lr=-1e-3"], "--min-lr (the end of the cosine decay) must be between 0 and --lr"),
+    (["--warmup", "-5"], "--warmup must be 0 (none) or more steps, got -5"),
+    (["--save-every", "-1", "--out", "OUT"], "--save-every must be 0 (none) or more steps, got -1"),
+    (["--weight-decay=-0.1"], "--weight-decay must be 0 (off) or positive"),
+    (["--lora", "--lora-alpha", "0"], "--lora-alpha must be positive"),
+    (["--lora", "--lora-rank", "0"], "--lora-rank must be at least 1, got 0"),
+    (["--init-from", "/nonexistent"], "--init-from /nonexistent: no such file or directory"),
+    (["--sample", "--init-from", "README.md", "--temperature", "nan"], "--temperature must be 0 (greedy"),
+    (["--sample", "--init-from", "README.md", "--temperature", "-1"], "--temperature must be 0 (greedy"),
+    (["--out", "FILE"], "is a file: give a directory"),
+    (["--out", "/proc/1/run"], "this rank cannot write there"),
+    (["--overwrite"], "--overwrite starts a run directory over: add --out DIR"),
+    (["--out", "OUT", "--resume", "OUT/ckpt-0000009"], "not a complete checkpoint"),
+])
+def test_bad_value_stops_with_one_line_naming_the_flag(argv, says, tmp_path, capsys):
+    (tmp_path / "FILE").write_text("a file, not a directory")
+    argv = [a.replace("OUT", str(tmp_path / "out")).replace("FILE", str(tmp_path / "FILE")) for a in argv]
+    code, stderr = _usage_error(argv, capsys)
+    assert code == 2 and says in _one_error_line(stderr), stderr
+
+
+def test_temperature_zero_is_greedy():
+    import torch
+    from model import build_model
+    torch.manual_seed(0)
+    gpt = build_model("tiny").eval()
+    prompt = torch.tensor([list(b"def ")])
+    tokens = gpt.generate(prompt, 8, temperature=0)
+    expected = prompt
+    for _ in range(8):                                  # the likeliest byte, one at a time
+        expected = torch.cat([expected, gpt(expected)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(tokens, expected)
+
+
+def _files(root):
+    """{relative path: bytes} of every file under root."""
+    return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(root) for f in files}
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A run directory with checkpoints after steps 2 and 4 (2 ranks)."""
+    root = tmp_path_factory.mktemp("saved") / "run"
+    run(*QUICK, "--steps", "4", "--out", str(root), "--save-every", "2", "--strategy", "ddp", ranks=2)
+    return root
+
+
+def test_a_run_directory_is_not_reused_without_resume_or_overwrite(saved_run, tmp_path):
+    import shutil
+    root = tmp_path / "run"
+    shutil.copytree(saved_run, root)
+    before = _files(root)
+    for code, stderr in usage_errors(*QUICK, "--steps", "2", "--out", str(root), "--strategy", "ddp"):
+        line = _one_error_line(stderr)
+        assert code == 2 and "holds another run's checkpoints (newest ckpt-0000004)" in line, stderr
+        assert "--resume" in line and "--overwrite" in line
+    assert _files(root) == before                                # nothing on disk changed
+    # --overwrite is the explicit way to start over: the old checkpoints go, the new run's stay.
+    out = run(*QUICK, "--steps", "2", "--out", str(root), "--overwrite").stdout
+    assert "saved" in out
+    assert sorted(os.path.basename(p) for p in __import__("snapshot").checkpoints(str(root))) == ["ckpt-0000002"]
+
+
+def test_flipped_bytes_in_a_checkpoint_are_found_and_named(saved_run, tmp_path):
+    import shutil
+    root = tmp_path / "run"
+    shutil.copytree(saved_run, root)
+    part = root / "ckpt-0000004" / "rank00000.pt"
+    data = bytearray(part.read_bytes())
+    middle = len(data) // 2
+    data[middle: middle + 64] = bytes(b ^ 0xFF for b in data[middle: middle + 64])   # 64 flipped bytes
+    part.write_bytes(bytes(data))
+    before = _files(root)
+    # (One process: every rank checks every file, so every rank stops alike; torchrun would add
+    # its own report of the failed workers to stderr.)
+    result = run(*QUICK, "--steps", "6", "--out", str(root), "--resume", check=False)
+    line = _one_error_line(result.stderr)
+    assert result.returncode == 2 and f"{part} is corrupt or truncated" in line, result.stderr
+    assert "checksum" in line
+    assert _files(root) == before
+    # A header torch cannot read: our words, not the unpickler's.
+    part.write_bytes(b"not a checkpoint" + bytes(data[16:]))
+    meta = root / "ckpt-0000004" / "meta.json"
+    import json
+    saved = json.loads(meta.read_text())
+    del saved["sha256"]                                             # as a checkpoint from before them
+    meta.write_text(json.dumps(saved))
+    result = run(*QUICK, "--steps", "6", "--out", str(root), "--resume", check=False)
+    line = _one_error_line(result.stderr)
+    assert result.returncode == 2 and "is corrupt or truncated" in line and "weights_only" not in result.stderr
+
+
+def test_a_diverged_run_lists_its_checkpoints_and_resumes_from_one(tmp_path):
+    root = str(tmp_path / "run")
+    run(*QUICK, "--steps", "3", "--out", root, "--save-every", "1", "--keep", "10")   # sane
+    # The same run, continued at an absurd learning rate: it diverges within a few steps.
+    result = run(*QUICK, "--steps", "10", "--warmup", "0", "--lr", "1e9", "--clip-grad", "0", "--out",
+                 root, "--save-every", "1", "--keep", "10", "--resume", check=False)
+    line = _one_error_line(result.stderr)
+    assert result.returncode == 2 and "inf/NaN" in line, result.stderr
+    assert re.search(r"saved \S+ckpt-0000004: .* \| loss [\d.]+$", result.stdout, re.M), result.stdout
+    listed = re.findall(r"(ckpt-\d{7}) \(([\d.e+]+)\)", line)
+    assert [name for name, _ in listed][:4] == ["ckpt-0000001", "ckpt-0000002", "ckpt-0000003",
+                                                "ckpt-0000004"], line
+    assert f"--resume {os.path.join(root, 'ckpt-0000001')}" in line
+    # Back to a checkpoint from before the divergence, at a sane rate: it trains on from there.
+    again = run(*QUICK, "--steps", "5", "--out", root, "--resume", os.path.join(root, "ckpt-0000003"),
+                "--keep", "10").stdout
+    assert "resumed from" in again and "ckpt-0000003 at step 3" in again, again
+    assert all(math.isfinite(v) for v in losses(again)), again
