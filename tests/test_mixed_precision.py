@@ -284,6 +284,18 @@ def _drop_in_batches():
     return torch.randint(0, _WithUnused.V, (DROP_IN_STEPS, 6, 9), generator=g)   # (steps, B, T+1)
 
 
+def _wrap(how, model):
+    """(wrapped model, optimizer) for how in ddp (our DDP + MixedPrecisionOptimizer), zero1,
+    zero2 (2 KB buckets: unused parameters share buckets with used ones), fsdp (+ FSDPOptimizer)."""
+    if how == "fsdp":
+        wrapped = FSDP(model, wrap=lambda m: isinstance(m, (nn.Linear, nn.Embedding)))
+        return wrapped, FSDPOptimizer(wrapped, torch.optim.AdamW, **DROP_IN_ADAMW)
+    if how == "ddp":
+        wrapped = DDP(model)
+        return wrapped, MixedPrecisionOptimizer(wrapped.parameters(), torch.optim.AdamW, **DROP_IN_ADAMW)
+    return model, ZeroOptimizer(model.parameters(), stage=int(how[-1]), bucket_mb=0.002, **DROP_IN_ADAMW)
+
+
 def _drop_in_loops(batches):
     """Our DDP + MixedPrecisionOptimizer, ZeroOptimizer stage 1 and 2, FSDP + FSDPOptimizer:
     each driven by torch's LambdaLR, zero_grad(set_to_none=True), clip_grad_norm_, and for
@@ -293,15 +305,7 @@ def _drop_in_loops(batches):
     for how in ("ddp", "zero1", "zero2", "fsdp"):
         torch.manual_seed(0)
         model = _WithUnused()
-        if how == "fsdp":
-            wrapped = FSDP(model, wrap=lambda m: isinstance(m, (nn.Linear, nn.Embedding)))
-            opt = FSDPOptimizer(wrapped, torch.optim.AdamW, **DROP_IN_ADAMW)
-        elif how == "ddp":
-            wrapped = DDP(model)
-            opt = MixedPrecisionOptimizer(wrapped.parameters(), torch.optim.AdamW, **DROP_IN_ADAMW)
-        else:       # 2 KB buckets: the unused parameters share buckets with used ones
-            wrapped = model
-            opt = ZeroOptimizer(model.parameters(), stage=int(how[-1]), bucket_mb=0.002, **DROP_IN_ADAMW)
+        wrapped, opt = _wrap(how, model)
         assert isinstance(opt, torch.optim.Optimizer)
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, _halve)
 
@@ -409,16 +413,7 @@ def _host_reads(batches):
             torch.manual_seed(0)
             model = _WithUnused()
             model.unused, model.unused_scale = None, None                 # every parameter used
-            if how == "fsdp":
-                wrapped = FSDP(model, wrap=lambda m: isinstance(m, (nn.Linear, nn.Embedding)))
-                opt = FSDPOptimizer(wrapped, torch.optim.AdamW, **DROP_IN_ADAMW)
-            elif how == "ddp":
-                wrapped = DDP(model)
-                opt = MixedPrecisionOptimizer(wrapped.parameters(), torch.optim.AdamW, **DROP_IN_ADAMW)
-            else:
-                wrapped = model
-                opt = ZeroOptimizer(model.parameters(), stage=int(how[-1]), bucket_mb=0.002,
-                                    **DROP_IN_ADAMW)
+            wrapped, opt = _wrap(how, model)
             inner_step = opt.optimizer.step
 
             def uncounted_step(*args, **kwargs):
