@@ -183,7 +183,7 @@ def torch_fsdp(model, args):
 def ours_tp(model, args):
     # The whole world is one tensor group: every rank computes the same rows (WHOLE_BATCH).
     comm = Comm()
-    tp = tensor_parallel.parallelize(model, comm)
+    tp = tensor_parallel.TensorParallelGPT(model, comm)
     return Run(tp, MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
                                            grad_norm=tp.grad_norm, **ADAMW), comm,
                napkin_sent=tp.bytes_per_step(args.batch_size, args.seq_len))

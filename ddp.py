@@ -197,7 +197,7 @@ class DDP(nn.Module):
     # ---- bookkeeping ------------------------------------------------------------------------
 
     def gradient_buffers(self) -> list[torch.Tensor]:
-        """The buckets' flat buffers: gradient memory held beside every param.grad."""
+        """The buckets' flat buffers: the gradients themselves (each param.grad is a view into one)."""
         return [bucket.buffer for bucket in self.buckets]
 
     def bytes_per_step(self) -> int:

@@ -20,7 +20,7 @@ import torch.nn as nn
 from collectives import as_comm, check_same_parameters, ring_bytes
 from mixed_precision import DynamicLossScaler
 from model import Block
-from zero import (MAX_BUCKETS_IN_FLIGHT, FlatParams, ShardedOptimizer, gradients_to_host,
+from zero import (MAX_REDUCTIONS_IN_FLIGHT, FlatParams, ShardedOptimizer, gradients_to_host,
                   host_buffer, host_copy, step_message_bytes)
 
 
@@ -281,7 +281,7 @@ class FSDP(nn.Module):
             handle = self.comm.reduce_scatter(output, grad, op="avg", async_op=True)
             self.events.append(("reduce-scatter", unit.index))
             self._reductions.append((unit, handle, output, grad))
-            while len(self._reductions) > MAX_BUCKETS_IN_FLIGHT:
+            while len(self._reductions) > MAX_REDUCTIONS_IN_FLIGHT:
                 self._retire()
         unit.free()
 

@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import collectives
 from collectives import Comm, as_comm, ring_bytes
 
 # ---- the conjugate pair f and g, and their sequence-parallel forms -------------------------
@@ -341,7 +340,9 @@ def check_divisible(cfg, n: int):
 
 
 class TensorParallelGPT(nn.Module):
-    """model.py's GPT with its matrices split over the tensor group; built by parallelize()."""
+    """model.py's GPT with its matrices split, in place, over the tensor group (group: a Comm, a
+    process group or None, the world): each rank keeps its slices, the module to train. Every
+    rank must start from the same weights (the same seed)."""
 
     def __init__(self, gpt, group=None, sequence_parallel: bool = False):
         super().__init__()
@@ -428,26 +429,6 @@ class TensorParallelGPT(nn.Module):
         per_micro += 3 * ring_bytes("all_reduce", m, 4, n)
         sync = ring_bytes("all_reduce", sum(p.numel() for p in self.partial), size, n) if self.partial else 0
         return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, 4, n)
-
-
-def parallelize(gpt, group=None, sequence_parallel: bool = False) -> TensorParallelGPT:
-    """Split a GPT's matrices over `group` in place (each rank keeps its slices); returns the
-    module to train. Every rank must start from the same weights (the same seed)."""
-    return TensorParallelGPT(gpt, group, sequence_parallel)
-
-
-def make_mesh(comm: Comm, tp: int) -> tuple[Comm, Comm]:
-    """(tensor, data) Comms of a tp x dp mesh over comm's ranks (collectives.make_mesh).
-
-    Ranks r*tp .. r*tp + tp-1 form a tensor group (neighbours: on a GPU node, the fast links);
-    ranks with the same position in their tensor group form a data group.
-        world 4, tp 2:   tensor groups {0,1} {2,3}     data groups {0,2} {1,3}
-    """
-    if comm.world_size % tp:
-        raise ValueError(f"world size {comm.world_size} is not --tp {tp} x a data-parallel size: "
-                         f"launch a multiple of {tp} processes, or choose a --tp dividing "
-                         f"{comm.world_size}")
-    return collectives.make_mesh(comm, tp)
 
 
 # ---- checkpoints: whole parameters in, whole parameters out ---------------------------------

@@ -512,7 +512,7 @@ def build(args, device, comm, split, data):
         predicted = optimizer.bytes_per_step(micro_batches=args.grad_accum)
     elif args.strategy == "tp":
         # gpt keeps its names (token_emb.weight, blocks.0.attn.query.weight...) for checkpoints.
-        tp = tensor_parallel.parallelize(gpt, split, args.sequence_parallel)
+        tp = tensor_parallel.TensorParallelGPT(gpt, split, args.sequence_parallel)
         model = DDP(tp, data, bucket_mb=args.bucket_mb) if data.world_size > 1 else tp
         optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
                                             precision=args.precision, grad_norm=tp.grad_norm, **adamw)
@@ -781,7 +781,8 @@ def main(argv=None, live_bytes: bool = False) -> dict:
     comm = Comm(ring=args.collectives == "ring")
     # The --tp mesh: ranks in one tensor group read the same rows of the batch.
     # The --tp and --pp meshes: the ranks of one tensor group or one pipeline read the same rows.
-    split, data_comm = (tensor_parallel.make_mesh(comm, args.tp) if args.strategy == "tp" else
+    # (check_args made sure --tp and --pp divide the world.)
+    split, data_comm = (make_mesh(comm, args.tp) if args.strategy == "tp" else
                         make_mesh(comm, args.pp) if args.strategy == "pipeline" else (None, comm))
     data_rank, data_size = data_comm.rank, data_comm.world_size
     try:

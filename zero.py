@@ -4,7 +4,8 @@ Under DDP every rank holds the whole Adam state: 12 of the 16 bytes per paramete
 precision. ZeRO (Rajbhandari et al. 2020, sections 5.1 and 5.2) lays the parameters in a flat
 buffer split into N equal shards; rank r keeps the optimizer state (stage 1) and the reduced
 gradient (stage 2) of shard r only, updates that shard, and all-gathers the parameters. A
-reduce-scatter plus an all-gather move exactly what DDP's all-reduce moves: the memory is free.
+reduce-scatter plus an all-gather move what DDP's all-reduce moves: the memory is free (with
+gradient accumulation stage 2 reduce-scatters every micro-batch, DDP all-reduces once a step).
 offload=True is ZeRO-Offload (Ren et al. 2021, section 4): the shard's fp32 master and Adam
 moments live in host memory and the step runs on the CPU; parameters and gradients stay put.
 Left out: stage 3 (fsdp.py reuses FlatParams below), ZeRO++'s quantised messages, offload's
@@ -21,10 +22,10 @@ import torch.nn as nn
 from collectives import as_comm, check_same_parameters, ring_bytes, split_into_buckets
 from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
 
-# Stage 2 keeps at most this many full bucket gradients in flight: when a third bucket
-# fills, backward waits for the oldest reduce-scatter and frees its buffer. Memory stays
+# Stage 2 (and FSDP) keeps at most this many full gradients in flight, buckets or units: when a
+# third fills, backward waits for the oldest reduce-scatter and frees its buffer. Memory stays
 # bounded whatever the network's speed; two in flight are enough to keep the link busy.
-MAX_BUCKETS_IN_FLIGHT = 2
+MAX_REDUCTIONS_IN_FLIGHT = 2
 
 
 class FlatParams:
@@ -224,7 +225,7 @@ class ZeroOptimizer(ShardedOptimizer):
     #   backward   | grads of bucket 0 | grads of bucket 1 | grads of bucket 2 |
     #   network                        |= reduce-scatter 0 =|= reduce-scatter 1 =|= 2 =|
     #   memory       a full gradient buffer exists only for the bucket being filled and the
-    #                (at most MAX_BUCKETS_IN_FLIGHT) buckets in flight; then only shards
+    #                (at most MAX_REDUCTIONS_IN_FLIGHT) buckets in flight; then only shards
 
     def _gradient_ready(self, bucket: Bucket, i: int, param: nn.Parameter):
         if not self._backward_hooked:
@@ -248,7 +249,7 @@ class ZeroOptimizer(ShardedOptimizer):
         handle = self.comm.reduce_scatter(output, bucket.grad_flat, op="avg", async_op=True)
         bucket.reduction = (handle, output)
         self._in_flight.append(bucket)
-        while len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
+        while len(self._in_flight) > MAX_REDUCTIONS_IN_FLIGHT:
             self._retire(self._in_flight.popleft())
 
     def _retire(self, bucket: Bucket):

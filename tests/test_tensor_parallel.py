@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tensor_parallel as tp
-from collectives import Comm
+from collectives import Comm, make_mesh
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
 from multiprocess import assert_tensors_close, run_ranks
@@ -180,9 +180,9 @@ def _gpt_trains(cases):
 def _gpt_train(tp_size, sequence_parallel, tied=False, precision="fp32"):
     from ddp import DDP
     comm = Comm()
-    tensor, data = tp.make_mesh(comm, tp_size)
+    tensor, data = make_mesh(comm, tp_size)
     gpt = _gpt(tied, precision)
-    tp_model = tp.parallelize(gpt, tensor, sequence_parallel)
+    tp_model = tp.TensorParallelGPT(gpt, tensor, sequence_parallel)
     model = DDP(tp_model, data) if data.world_size > 1 else tp_model
     optimizer = _optimizer(gpt, tp_model.grad_norm, precision)
     losses, scales = [], []
@@ -294,7 +294,7 @@ def _traffic(sequence_parallel):
     for layers in (1, 2):
         torch.manual_seed(0)
         gpt = GPT(GPTConfig(**{**CFG.__dict__, "n_layer": layers}))
-        model = tp.parallelize(gpt, comm, sequence_parallel)
+        model = tp.TensorParallelGPT(gpt, comm, sequence_parallel)
         weights = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
         saved = {}
 

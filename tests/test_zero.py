@@ -818,7 +818,7 @@ def test_zero2_gradient_memory(launch, variant):
     n, ranks = launch
     # Buckets whose full gradient may exist at once: those launched and not yet waited for,
     # plus the one backward is filling.
-    alive = zero_module.MAX_BUCKETS_IN_FLIGHT + 1
+    alive = zero_module.MAX_REDUCTIONS_IN_FLIGHT + 1
     for rank, out in enumerate(_get(ranks, variant)):
         what = f"N={n} rank {rank} {variant}"
         shards = 4 * sum(out["shard_numels"])                    # fp32 gradient shards
