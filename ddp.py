@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from collectives import as_comm, check_same_parameters, ring_bytes, split_into_buckets
+from mixed_precision import MixedPrecisionOptimizer
 
 
 # ---- naive: one blocking all-reduce per parameter, after backward -----------------------------
@@ -210,3 +211,20 @@ class DDP(nn.Module):
         grads = sum(ring_bytes("all_reduce", b.buffer.numel(), b.buffer.element_size(), n)
                     for b in self.buckets)
         return grads + ring_bytes("all_reduce", len(self.params), 1, n)
+
+
+# ---- train.py's row ---------------------------------------------------------------------------
+
+def build(gpt, options, data, split, device, adamw: dict):
+    """--strategy single and ddp: (model, optimizer, bytes per step the ring formula predicts).
+
+    options: train.py's parsed command line; data, split: the data-parallel group and the
+    group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
+    No comm for the optimizer's overflow decision: after the all-reduce every rank holds the
+    same averaged gradients, so every rank decides the same way.
+    """
+    model = gpt if options.strategy == "single" else DDP(gpt, data, bucket_mb=options.bucket_mb)
+    # After DDP's broadcast: fp16/bf16 masters copy rank 0's weights.
+    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
+                                        precision=options.precision, **adamw)
+    return model, optimizer, 0 if model is gpt else model.bytes_per_step()

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from collectives import as_comm, check_same_parameters, ring_bytes
-from mixed_precision import DynamicLossScaler
+from mixed_precision import DTYPES, DynamicLossScaler
 from model import Block
 from zero import (MAX_REDUCTIONS_IN_FLIGHT, FlatParams, ShardedOptimizer, gradients_to_host,
                   host_buffer, host_copy, step_message_bytes)
@@ -443,3 +443,18 @@ class FSDPOptimizer(ShardedOptimizer):
         """After the masters were written: drop any gathered copy; the next forward gathers."""
         for unit in self.fsdp.units:
             unit.refresh()
+
+
+# ---- train.py's row ---------------------------------------------------------------------------
+
+def build(gpt, options, data, split, device, adamw: dict):
+    """--strategy fsdp (= zero3): (FSDP(gpt), FSDPOptimizer(AdamW), bytes per step predicted).
+
+    options: train.py's parsed command line; data, split: the data-parallel group and the
+    group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
+    gpt: fp32, on the CPU (train.py leaves it there: see FSDP's device).
+    """
+    model = FSDP(gpt, compute_dtype=DTYPES[options.precision], group=data, prefetch=options.prefetch,
+                 device=device)
+    optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(options.offload), **adamw)
+    return model, optimizer, model.bytes_per_step(micro_batches=options.grad_accum)

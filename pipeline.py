@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from collectives import Comm, ring_bytes, subgroups
+from ddp import DDP
+from mixed_precision import DTYPES, MixedPrecisionOptimizer
 
 
 class Action(NamedTuple):
@@ -489,6 +491,38 @@ class Pipeline:
             # stage's next send (run_under_nccl lets computation run on meanwhile).
             torch.cuda.current_stream().synchronize()
         return time.perf_counter()
+
+
+# ---- train.py's row ---------------------------------------------------------------------------
+
+def stage_layers(option: str | None, n_layer: int, P: int) -> list[range]:
+    """The blocks of each stage from --stage-layers "N,N,..." (None: balanced)."""
+    try:
+        sizes = [int(n) for n in option.split(",")] if option else None
+    except ValueError:
+        raise ValueError(f"--stage-layers {option}: give whole numbers separated by commas, one "
+                         f"per stage") from None
+    return split_layers(n_layer, P, sizes)
+
+
+def build(gpt, options, data, split, device, adamw: dict):
+    """--strategy pipeline: (this rank's stage, under DDP over data when the pipeline has
+    replicas, run by Pipeline; MixedPrecisionOptimizer(AdamW) with the norm over every stage;
+    the bytes per step).
+
+    options: train.py's parsed command line; data, split: the data-parallel group and the
+    group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
+    gpt keeps this stage's parts under their whole-model names (checkpoints); the rest is gone.
+    """
+    stage = GPTStage(gpt, stage_layers(options.stage_layers, gpt.cfg.n_layer, options.pp)[split.rank],
+                     first=split.rank == 0, last=split.rank == options.pp - 1)
+    replicas = DDP(stage, data, bucket_mb=options.bucket_mb) if data.world_size > 1 else stage
+    model = Pipeline(replicas, split, options.schedule, options.microbatches, gpt.cfg.n_embd,
+                     DTYPES[options.precision], tied=stage.tied)
+    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=options.precision,
+                                        grad_norm=model.grad_norm, **adamw)
+    predicted = model.bytes_per_step(options.batch_size // data.world_size, options.seq_len)
+    return model, optimizer, predicted + (replicas.bytes_per_step() if replicas is not stage else 0)
 
 
 def main(argv=None):

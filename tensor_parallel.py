@@ -18,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from collectives import Comm, as_comm, ring_bytes
+from ddp import DDP
+from mixed_precision import MixedPrecisionOptimizer
 
 # ---- the conjugate pair f and g, and their sequence-parallel forms -------------------------
 #
@@ -476,3 +478,21 @@ class ShardReader:
 
     def scalars(self, name: str) -> dict:
         return self.pieces.scalars(name)
+
+
+# ---- train.py's row ---------------------------------------------------------------------------
+
+def build(gpt, options, data, split, device, adamw: dict):
+    """--strategy tp: (the split model, under DDP over data when there is more than one
+    replica; MixedPrecisionOptimizer(AdamW) with the norm over the whole matrices; the bytes).
+
+    options: train.py's parsed command line; data, split: the data-parallel group and the
+    group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
+    gpt keeps its names (token_emb.weight, blocks.0.attn.query.weight...) for checkpoints.
+    """
+    tp = TensorParallelGPT(gpt, split, options.sequence_parallel)
+    model = DDP(tp, data, bucket_mb=options.bucket_mb) if data.world_size > 1 else tp
+    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=options.precision,
+                                        grad_norm=tp.grad_norm, **adamw)
+    predicted = tp.bytes_per_step(options.batch_size // data.world_size, options.seq_len, options.grad_accum)
+    return model, optimizer, predicted + (model.bytes_per_step() if model is not tp else 0)

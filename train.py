@@ -29,22 +29,29 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
+import ddp
+import fsdp
 import lora
 import pipeline
 import snapshot
 import tensor_parallel
+import zero
 from checkpointing import checkpoint_blocks
 from collectives import Comm, exit_distributed, gather_objects, init_distributed, make_mesh
 from data import TextData
 from ddp import DDP
-from fsdp import FSDP, FSDPOptimizer
+from fsdp import FSDP
 from memory import advise, held_bytes, live_tensor_bytes, parse_bytes, state_bytes, tp_params
-from mixed_precision import DTYPES, MixedPrecisionOptimizer
+from mixed_precision import DTYPES
 from model import PRESETS, GPT, GPTConfig, build_model
 from quantization import NF4Weight
-from zero import ZeroOptimizer
+from zero import ShardedOptimizer
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "tp", "pipeline", "auto")
+# --strategy -> the module whose build(gpt, options, data, split, device, adamw) wraps the model
+# and makes its optimizer: (model, optimizer, bytes per step its formula predicts). "auto" picks
+# one of them (memory.advise).
+STRATEGIES = {"single": ddp, "ddp": ddp, "zero1": zero, "zero2": zero, "fsdp": fsdp, "zero3": fsdp,
+              "tp": tensor_parallel, "pipeline": pipeline}
 EVAL_FRACTION = 0.05                      # data.py's held-out tail
 
 
@@ -66,7 +73,7 @@ class HelpFormatter(argparse.HelpFormatter):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("--strategy", choices=STRATEGIES, default=None,
+    p.add_argument("--strategy", choices=[*STRATEGIES, "auto"], default=None,
                    help="how ranks share the work (default: single for one process, ddp under "
                         "torchrun); fsdp and zero3 are one engine (fsdp.py): ZeRO stage 3 is FSDP; "
                         "auto walks memory.py's flow chart for this machine's memory")
@@ -382,19 +389,9 @@ def check_pipeline(parser, args, world_size):
                      "already; use --microbatches instead")
     cfg = PRESETS[args.model]
     try:
-        stage_layers(args, cfg.n_layer)
+        pipeline.stage_layers(args.stage_layers, cfg.n_layer, args.pp)
     except ValueError as e:
         parser.error(f"--model {args.model}: {e}")
-
-
-def stage_layers(args, n_layer) -> list[range]:
-    """The blocks of each pipeline stage, from --stage-layers (or balanced)."""
-    try:
-        sizes = [int(n) for n in args.stage_layers.split(",")] if args.stage_layers else None
-    except ValueError:
-        raise ValueError(f"--stage-layers {args.stage_layers}: give whole numbers separated by "
-                         f"commas, one per stage") from None
-    return pipeline.split_layers(n_layer, args.pp, sizes)
 
 
 def learning_rate(step, args):
@@ -449,12 +446,12 @@ def train_step(model, optimizer, x, y, args, measure=False):
         return loss, update(optimizer, args)
     # DDP reduces once per step (no_sync); FSDP reduce-scatters every micro-batch's gradient
     # into its shards, so that no rank ever holds a full gradient.
-    ddp, sync = isinstance(model, DDP), isinstance(model, (DDP, FSDP))
+    replicas, sync = isinstance(model, DDP), isinstance(model, (DDP, FSDP))
     step_loss = torch.zeros((), device=x.device)
     for micro, (mx, my) in enumerate(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum))):
         last = micro == args.grad_accum - 1
         # Gradients of all but the last micro-batch accumulate locally: one sync per step.
-        with model.no_sync() if ddp and not last else contextlib.nullcontext():
+        with model.no_sync() if replicas and not last else contextlib.nullcontext():
             _, loss = model(mx, my)                                  # mean over (B/N/k, T)
             optimizer.scale_loss(loss / args.grad_accum).backward()
         step_loss += loss.detach() / args.grad_accum
@@ -486,11 +483,10 @@ def build(args, device, comm, split, data):
     gpt = build_model(args.model, dropout=args.dropout)                  # fp32
     if args.init_from:
         load_weights(args.init_from, gpt)
-    fsdp = args.strategy in ("fsdp", "zero3")
     # FSDP keeps the fp32 weights as master shards and computes in --precision itself; the
     # model stays on the CPU until FSDP moves each rank's shards (a model that fits only
     # sharded must never be whole on the GPU).
-    if fsdp:
+    if STRATEGIES[args.strategy] is fsdp:
         gpt.to(dtype=torch.float32)
     else:
         gpt.to(device=device, dtype=DTYPES[args.precision])
@@ -498,45 +494,8 @@ def build(args, device, comm, split, data):
         lora.apply_lora(gpt, **_lora_config(args))
     if args.checkpoint_activations:
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
-    model = gpt
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    if fsdp:
-        model = FSDP(gpt, compute_dtype=DTYPES[args.precision], group=comm, prefetch=args.prefetch,
-                     device=device)
-        optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(args.offload), **adamw)
-        return gpt, model, optimizer, model.bytes_per_step(micro_batches=args.grad_accum)
-    if args.strategy in ("zero1", "zero2"):
-        optimizer = ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]),
-                                  optimizer_cls=torch.optim.AdamW, group=comm,
-                                  bucket_mb=args.bucket_mb, offload=bool(args.offload), **adamw)
-        predicted = optimizer.bytes_per_step(micro_batches=args.grad_accum)
-    elif args.strategy == "tp":
-        # gpt keeps its names (token_emb.weight, blocks.0.attn.query.weight...) for checkpoints.
-        tp = tensor_parallel.TensorParallelGPT(gpt, split, args.sequence_parallel)
-        model = DDP(tp, data, bucket_mb=args.bucket_mb) if data.world_size > 1 else tp
-        optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
-                                            precision=args.precision, grad_norm=tp.grad_norm, **adamw)
-        predicted = tp.bytes_per_step(args.batch_size // data.world_size, args.seq_len, args.grad_accum)
-        predicted += model.bytes_per_step() if model is not tp else 0
-    elif args.strategy == "pipeline":
-        # gpt keeps this stage's parts under their whole-model names (checkpoints); the rest is gone.
-        stage = pipeline.GPTStage(gpt, stage_layers(args, gpt.cfg.n_layer)[split.rank],
-                                  first=split.rank == 0, last=split.rank == args.pp - 1)
-        replicas = DDP(stage, data, bucket_mb=args.bucket_mb) if data.world_size > 1 else stage
-        model = pipeline.Pipeline(replicas, split, args.schedule, args.microbatches,
-                                  gpt.cfg.n_embd, DTYPES[args.precision], tied=stage.tied)
-        optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=args.precision,
-                                            grad_norm=model.grad_norm, **adamw)
-        predicted = model.bytes_per_step(args.batch_size // data.world_size, args.seq_len)
-        predicted += replicas.bytes_per_step() if replicas is not stage else 0
-    else:
-        if args.strategy == "ddp":
-            model = DDP(gpt, comm, bucket_mb=args.bucket_mb)
-        # No comm for the overflow decision: after DDP's all-reduce every rank holds the same
-        # averaged gradients, so every rank already decides the same way.
-        optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
-                                            precision=args.precision, **adamw)
-        predicted = model.bytes_per_step() if args.strategy == "ddp" else 0
+    model, optimizer, predicted = STRATEGIES[args.strategy].build(gpt, args, data, split, device, adamw)
     return gpt, model, optimizer, predicted
 
 
@@ -601,7 +560,7 @@ def _pieces(gpt, model, optimizer, rank, frozen=True) -> list[dict]:
     if isinstance(model, pipeline.Pipeline):
         rank = model.module.comm.rank if isinstance(model.module, DDP) else 0   # in its data group
     pieces = []
-    if isinstance(optimizer, (ZeroOptimizer, FSDPOptimizer)) or rank == 0 or tp is not None:
+    if isinstance(optimizer, ShardedOptimizer) or rank == 0 or tp is not None:
         pieces = snapshot.optimizer_pieces(optimizer, _names(gpt))
     if frozen and (rank == 0 or tp is not None):
         pieces += snapshot.frozen_pieces(gpt)

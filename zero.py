@@ -401,3 +401,18 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The inner optimizer's per-element state tensors (Adam's moments), not its step counts."""
     return [v for s in optimizer.state.values() for v in s.values()
             if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+# ---- train.py's row ---------------------------------------------------------------------------
+
+def build(gpt, options, data, split, device, adamw: dict):
+    """--strategy zero1 and zero2: (the model, unwrapped: the optimizer does the
+    communication, ZeroOptimizer(AdamW), bytes per step the ring formula predicts).
+
+    options: train.py's parsed command line; data, split: the data-parallel group and the
+    group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
+    """
+    optimizer = ZeroOptimizer(gpt.parameters(), stage=int(options.strategy[-1]),
+                              optimizer_cls=torch.optim.AdamW, group=data, bucket_mb=options.bucket_mb,
+                              offload=bool(options.offload), **adamw)
+    return gpt, optimizer, optimizer.bytes_per_step(micro_batches=options.grad_accum)
