@@ -5,7 +5,8 @@ the fp32 weights and optimizer state, the loss scale, the step (which fixes the 
 and the data position: batches are a function of the step), every rank's RNG state and the
 configuration. Sharded strategies save each rank's shard with the map of which elements of
 which parameter it holds ("pieces"), so the same files load on any world size and under any
-strategy: every rank takes the elements it now owns. (PyTorch's elastic training calls these
+strategy: every rank takes the elements it now owns; tensor parallelism's split matrices are
+saved gathered whole, so they load at any --tp. (PyTorch's elastic training calls these
 snapshots; activation checkpointing, recomputing in backward, is checkpointing.py.)
 Left out: asynchronous saving, object stores, fsync of the directory entries.
 Test: python -m pytest tests/test_snapshot.py
@@ -128,6 +129,54 @@ def load_pieces(optimizer, names: dict, model: torch.nn.Module, pieces: Pieces, 
         if frozen and not p.requires_grad:
             p.copy_(pieces.read(name, 0, p.numel())["param"].view(p.shape))
     optimizer.refresh_params()
+
+
+# ---- tensor parallelism's slices: whole parameters in, whole parameters out -------------------
+#
+# snapshot.py's pieces are flat element ranges; a rank's slice of a column- or row-split
+# matrix is not one range. So a save gathers each split parameter (and its optimizer state)
+# over the tensor group into one whole piece, and a load reads the whole piece and keeps this
+# rank's slice: tp checkpoints are plain full-model checkpoints, loadable at any --tp.
+
+def gather_pieces(pieces: list[dict], params: dict, comm) -> list[dict]:
+    """Whole-parameter pieces from this rank's pieces of tensor_parallel.py's split parameters
+    (those with a tp_dim); params: {name: parameter}; comm: the tensor group. Collective."""
+    whole = []
+    for piece in pieces:
+        p = params[piece["name"]]
+        if not hasattr(p, "tp_dim"):
+            whole.append(piece)
+            continue
+        tensors = {}
+        for key, t in piece["tensors"].items():
+            # The pieces were copied to the host for the file; the gather runs on the
+            # parameter's device (NCCL moves device memory only), the whole piece goes back.
+            local = t.to(p.device)
+            parts = [torch.empty_like(local) for _ in range(comm.world_size)]
+            dist.all_gather(parts, local, group=comm.group)      # a checkpoint, not a training step
+            tensors[key] = torch.cat([x.view(p.shape) for x in parts], p.tp_dim).reshape(-1).cpu()
+        whole.append({**piece, "start": 0, "stop": p.numel() * comm.world_size, "tensors": tensors})
+    return whole
+
+
+class TensorParallelReader:
+    """snapshot.Pieces' read() and scalars(), answering with this rank's slice of whole pieces."""
+
+    def __init__(self, pieces, params: dict, comm):
+        self.pieces, self.params, self.comm = pieces, params, comm
+
+    def read(self, name: str, start: int, stop: int) -> dict:
+        p = self.params[name]
+        if not hasattr(p, "tp_dim"):
+            return self.pieces.read(name, start, stop)
+        full_shape = list(p.shape)
+        full_shape[p.tp_dim] *= self.comm.world_size
+        whole = self.pieces.read(name, 0, p.numel() * self.comm.world_size)
+        return {key: t.view(full_shape).chunk(self.comm.world_size, p.tp_dim)[self.comm.rank]
+                .reshape(-1)[start:stop] for key, t in whole.items()}
+
+    def scalars(self, name: str) -> dict:
+        return self.pieces.scalars(name)
 
 
 # ---- the run directory ----------------------------------------------------------------------

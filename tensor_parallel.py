@@ -13,7 +13,6 @@ Shapes: B batch, T sequence, C channels, H heads, V vocabulary, N tensor-paralle
 in the tensor group; M = B x T tokens. "/N" marks this rank's part of a split dimension.
 """
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -431,53 +430,6 @@ class TensorParallelGPT(nn.Module):
         per_micro += 3 * ring_bytes("all_reduce", m, 4, n)
         sync = ring_bytes("all_reduce", sum(p.numel() for p in self.partial), size, n) if self.partial else 0
         return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, 4, n)
-
-
-# ---- checkpoints: whole parameters in, whole parameters out ---------------------------------
-#
-# snapshot.py's pieces are flat element ranges; a rank's slice of a column- or row-split
-# matrix is not one range. So a save gathers each split parameter (and its optimizer state)
-# over the tensor group into one whole piece, and a load reads the whole piece and keeps this
-# rank's slice: tp checkpoints are plain full-model checkpoints, loadable at any --tp.
-
-def gather_pieces(pieces: list[dict], params: dict, comm: Comm) -> list[dict]:
-    """Whole-parameter pieces from this rank's shard pieces; params: {name: parameter}."""
-    whole = []
-    for piece in pieces:
-        p = params[piece["name"]]
-        if not hasattr(p, "tp_dim"):
-            whole.append(piece)
-            continue
-        tensors = {}
-        for key, t in piece["tensors"].items():
-            # The pieces were copied to the host for the file; the gather runs on the
-            # parameter's device (NCCL moves device memory only), the whole piece goes back.
-            local = t.to(p.device)
-            parts = [torch.empty_like(local) for _ in range(comm.world_size)]
-            dist.all_gather(parts, local, group=comm.group)      # a checkpoint, not a training step
-            tensors[key] = torch.cat([x.view(p.shape) for x in parts], p.tp_dim).reshape(-1).cpu()
-        whole.append({**piece, "start": 0, "stop": p.numel() * comm.world_size, "tensors": tensors})
-    return whole
-
-
-class ShardReader:
-    """snapshot.Pieces' read() and scalars(), answering with this rank's slice of whole pieces."""
-
-    def __init__(self, pieces, params: dict, comm: Comm):
-        self.pieces, self.params, self.comm = pieces, params, comm
-
-    def read(self, name: str, start: int, stop: int) -> dict:
-        p = self.params[name]
-        if not hasattr(p, "tp_dim"):
-            return self.pieces.read(name, start, stop)
-        full_shape = list(p.shape)
-        full_shape[p.tp_dim] *= self.comm.world_size
-        whole = self.pieces.read(name, 0, p.numel() * self.comm.world_size)
-        return {key: _my_piece(t.view(full_shape), self.comm, p.tp_dim).reshape(-1)[start:stop]
-                for key, t in whole.items()}
-
-    def scalars(self, name: str) -> dict:
-        return self.pieces.scalars(name)
 
 
 # ---- train.py's row ---------------------------------------------------------------------------

@@ -565,7 +565,7 @@ def _pieces(gpt, model, optimizer, rank, frozen=True) -> list[dict]:
     if frozen and (rank == 0 or tp is not None):
         pieces += snapshot.frozen_pieces(gpt)
     if tp is not None:                                               # collective: every rank
-        pieces = tensor_parallel.gather_pieces(pieces, dict(gpt.named_parameters()), tp.comm)
+        pieces = snapshot.gather_pieces(pieces, dict(gpt.named_parameters()), tp.comm)
         pieces = pieces if rank == 0 else []
     return pieces
 
@@ -608,7 +608,7 @@ def resume(args, gpt, model, optimizer, world_size, rank, say) -> int:
                if k not in bookkeeping and vars(args).get(k) != v]
     pieces = snapshot.Pieces([p for part in parts for p in part["pieces"]])
     if (tp := _tensor_parallel(model)) is not None:       # whole pieces in, this rank's slices out
-        pieces = tensor_parallel.ShardReader(pieces, dict(gpt.named_parameters()), tp.comm)
+        pieces = snapshot.TensorParallelReader(pieces, dict(gpt.named_parameters()), tp.comm)
     snapshot.load_pieces(optimizer, _names(gpt), gpt, pieces, frozen=not meta.get("base"))
     optimizer.scaler.load_state_dict(parts[0]["scaler"])     # the same on every rank
     if meta["world_size"] == world_size:
