@@ -706,7 +706,10 @@ def start_profiling(args, rank, world_size):
 
 
 def main(argv=None, live_bytes: bool = False) -> dict:
-    """Train as the command line says; returns the logged history {losses, live_bytes, eval_loss}.
+    """Train as the command line says (argv: its words; None: sys.argv) and return the history:
+    {"losses": {step: global mean loss} at logged steps, "live_bytes": {step: bytes} (only with
+    live_bytes), "eval_loss"; "eval_loss_before" with --init-from, "bubble" under --strategy
+    pipeline}. --sample prints text instead and returns None.
 
     live_bytes (CPU): also count every live tensor's bytes at each logged step, for leak tests;
     each count is a full garbage-collector pass, so it is off unless asked for."""
