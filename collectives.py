@@ -18,7 +18,7 @@ import math
 import os
 import pickle
 import sys
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -325,6 +325,60 @@ class Comm:
         # The native library does not report what it sent: count what the ring sends.
         self.bytes_sent[name] += ring_bytes(name, numel, element_size, self.world_size,
                                             self.rank, root)
+
+
+class InOrder:
+    """The backward side of DDP, ZeRO-2 and FSDP, written once: launch one reduction per bucket
+    (or unit) in a fixed order that every rank agrees on, whatever order the gradients arrive in,
+    with at most max_in_flight unfinished.
+
+    Collectives are matched by call order, not by name: a rank whose backward fills bucket 2
+    before bucket 1 (data-dependent control flow, a unit only some ranks use) must still launch
+    1 first, or it pairs its buffers with another rank's wrong ones. So a full bucket waits for
+    every earlier one, then all consecutive full ones go. launch(bucket) starts its reduction
+    and returns what retire(bucket, started) needs to finish it (wait, keep the result, free the
+    buffer); None when nothing was started (FSDP under no_sync). The strategy calls ready() from
+    its gradient hooks and, at the end of backward, launch_rest() (buckets whose gradients never
+    came still reduce: every rank must launch every bucket) and wait_all().
+    """
+
+    def __init__(self, buckets: list, launch, retire, max_in_flight: int | None = None):
+        self.buckets, self.launch, self.retire, self.max_in_flight = list(buckets), launch, retire, max_in_flight
+        self._ready = set()                    # indices of full buckets not yet launched
+        self._next = 0                         # the first bucket not launched in this backward
+        self._in_flight = deque()              # (bucket, what launch returned), oldest first
+        self._index = {id(b): i for i, b in enumerate(self.buckets)}
+
+    @property
+    def launched(self) -> int:
+        """Buckets launched so far in this backward."""
+        return self._next
+
+    def ready(self, bucket):
+        """All of bucket's gradients are in: launch it, and every full one after it, in order."""
+        self._ready.add(self._index[id(bucket)])
+        while self._next in self._ready:
+            self._ready.discard(self._next)
+            self._start(self.buckets[self._next])
+            self._next += 1
+
+    def launch_rest(self):
+        """End of backward: launch every bucket not launched yet, full or not, in order."""
+        for bucket in self.buckets[self._next:]:
+            self._start(bucket)
+        self._next, self._ready = 0, set()
+
+    def wait_all(self):
+        while self._in_flight:
+            self.retire(*self._in_flight.popleft())
+
+    def _start(self, bucket):
+        started = self.launch(bucket)
+        if started is not None:
+            self._in_flight.append((bucket, started))
+        # Memory stays bounded whatever the network's speed: wait for the oldest.
+        while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
+            self.retire(*self._in_flight.popleft())
 
 
 def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:

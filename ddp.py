@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, check_same_parameters, ring_bytes, split_into_buckets
+from collectives import InOrder, as_comm, check_same_parameters, ring_bytes, split_into_buckets
 from mixed_precision import MixedPrecisionOptimizer
 
 
@@ -99,6 +99,10 @@ class DDP(nn.Module):
         self._slot = [slot for bucket in self.buckets for slot in bucket.slots]
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
+        # Each full bucket's all-reduce starts at once, in bucket order on every rank.
+        self._order = InOrder(self.buckets, retire=lambda bucket, handle: handle.wait(),
+                              launch=lambda bucket: self.comm.all_reduce(bucket.buffer, op="avg",
+                                                                         async_op=True))
         self._syncing = True                                     # False inside no_sync()
         self._reset()
 
@@ -122,8 +126,6 @@ class DDP(nn.Module):
         self._ready = [False] * len(self.params)
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
-        self._next_bucket = 0                                    # first bucket not yet launched
-        self._handles = []
 
     # ---- during backward ------------------------------------------------------------------
 
@@ -145,15 +147,10 @@ class DDP(nn.Module):
 
     def _mark_ready(self, i: int):
         self._ready[i] = True
-        self.buckets[self._bucket_of[i]].pending -= 1
-        # Collectives are matched by order, not by name: every rank must launch bucket 0, then
-        # 1, then 2... even if its gradients arrive in another order (data-dependent control
-        # flow). So a full bucket waits for all earlier ones, then all consecutive full ones go.
-        while (self._next_bucket < len(self.buckets)
-               and self.buckets[self._next_bucket].pending == 0):
-            bucket = self.buckets[self._next_bucket]
-            self._handles.append(self.comm.all_reduce(bucket.buffer, op="avg", async_op=True))
-            self._next_bucket += 1
+        bucket = self.buckets[self._bucket_of[i]]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._order.ready(bucket)
 
     # ---- after backward -------------------------------------------------------------------
 
@@ -176,9 +173,10 @@ class DDP(nn.Module):
         # message launched after every bucket (the same position on every rank) so it overlaps.
         self._local_used = [p.grad is not None for p in self.params]
         used = torch.tensor(self._local_used, dtype=torch.uint8, device=self.params[0].device)  # (P,)
-        self._handles.append(self.comm.all_reduce(used, op="max", async_op=True))
-        for handle in self._handles:
-            handle.wait()
+        flags = self.comm.all_reduce(used, op="max", async_op=True)
+        self._order.launch_rest()                                # (every bucket is full by now)
+        self._order.wait_all()
+        flags.wait()
         # Read (a host sync on a GPU) only if this rank missed one: else every one was used.
         everywhere = [True] * len(self.params) if all(self._local_used) else used.tolist()
         for p, slot, used_anywhere in zip(self.params, self._slot, everywhere):

@@ -12,12 +12,11 @@ Run: torchrun --nproc_per_node 2 train.py --strategy fsdp; test: python -m pytes
 Shapes: N ranks, r this rank, P elements in a unit, S = ceil(P / N) elements per shard.
 """
 import contextlib
-from collections import deque
 
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, check_same_parameters, ring_bytes
+from collectives import InOrder, as_comm, check_same_parameters, ring_bytes
 from mixed_precision import DTYPES, DynamicLossScaler
 from model import Block
 from zero import (MAX_REDUCTIONS_IN_FLIGHT, FlatParams, ShardedOptimizer, gradients_to_host,
@@ -56,7 +55,6 @@ class Unit(FlatParams):
         self.gathering = None        # (handle, input) of an all-gather in flight
         self.gathered = False        # full holds the parameters (storage allocated)
         self.pending = len(self.params)   # gradients not yet accumulated in this backward
-        self.ready = False           # this backward has produced all its gradients
         self.device_shard = None
         self._device_grad = None     # offload: the reduced gradient, on the device
         self.host_grad = None        # offload: (S,) fp32 host buffer the gradient is copied into
@@ -151,7 +149,8 @@ class FSDP(nn.Module):
         self.order = [u for u in self.units if u is not self.root]      # forward order, root aside
         # Backward's order, the root last: every rank launches its reduce-scatters in this order.
         self.reduce_order = self.order[::-1] + ([self.root] if self.root is not None else [])
-        self._next_reduce = 0            # first unit in reduce_order not yet launched
+        self._order = InOrder(self.reduce_order, self._reduce, self._retire,
+                              max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
         self.shards = nn.ParameterList([u.master for u in self.units])
         with torch.no_grad():
             for p in module.parameters():
@@ -165,7 +164,6 @@ class FSDP(nn.Module):
                 unit.module.register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=unit: self._gradient_ready(u))
-        self._reductions = deque()       # (unit, handle, output, input) reduce-scatters in flight
         self._backward_hooked = False
         self._sync = True
         self.events = []                 # this step's order of collectives and computation
@@ -256,18 +254,16 @@ class FSDP(nn.Module):
         self._hook_end_of_backward()
         unit.pending -= 1
         if unit.pending == 0:
-            unit.pending, unit.ready = len(unit.params), True
+            unit.pending = len(unit.params)
             unit.free()                  # the gradients are out: the gathered parameters can go
-            # Collectives match by call order: every rank launches its units in reduce_order,
-            # whatever order its gradients arrived in (a unit unused here waits for the end of
-            # backward, and the units after it with it).
-            while (self._next_reduce < len(self.reduce_order)
-                   and self.reduce_order[self._next_reduce].ready):
-                self._reduce(self.reduce_order[self._next_reduce])
-                self._next_reduce += 1
+            # In reduce_order on every rank (collectives.InOrder): a unit unused here waits for
+            # the end of backward, and the units after it with it.
+            self._order.ready(unit)
 
     def _reduce(self, unit):
-        """The unit's backward is over: reduce-scatter its gradient (unless no_sync), free it all."""
+        """The unit's backward is over: reduce-scatter its gradient (unless no_sync), free it all.
+        Returns (handle, output) of the reduce-scatter in flight, or None under no_sync."""
+        started = None
         if self._sync:
             grad = torch.zeros_like(unit.full)                                   # (N*S,)
             for i, (p, view) in enumerate(zip(unit.params, unit.views(grad))):
@@ -278,15 +274,13 @@ class FSDP(nn.Module):
             # On the gradient's device, not the master's: offloaded, the master lives on the
             # host, and NCCL reads and writes device memory only.
             output = grad.new_empty(unit.master.shape)                          # (S,)
-            handle = self.comm.reduce_scatter(output, grad, op="avg", async_op=True)
+            started = self.comm.reduce_scatter(output, grad, op="avg", async_op=True), output
             self.events.append(("reduce-scatter", unit.index))
-            self._reductions.append((unit, handle, output, grad))
-            while len(self._reductions) > MAX_REDUCTIONS_IN_FLIGHT:
-                self._retire()
         unit.free()
+        return started
 
-    def _retire(self):
-        unit, handle, output, _ = self._reductions.popleft()
+    def _retire(self, unit, started):
+        handle, output = started
         handle.wait()
         # Upcast after the wire: accumulation and the update are fp32, whatever was sent.
         grad = output.float()
@@ -295,18 +289,15 @@ class FSDP(nn.Module):
     def _finish_backward(self):
         # Units whose gradient never (fully) came still reduce-scatter: collectives match by
         # order, so every rank must launch every unit's, whatever this rank's graph used.
-        for unit in self.reduce_order[self._next_reduce:]:
-            unit.pending = len(unit.params)
-            self._reduce(unit)
+        self._order.launch_rest()
         for unit in self.units:
-            unit.ready = False
-        self._next_reduce, self._backward_hooked = 0, False
+            unit.pending = len(unit.params)
+        self._backward_hooked = False
 
     def finish_gradient_sync(self):
         """Wait for the outstanding reduce-scatters: each shard in FSDP.parameters() then holds its
         fp32 averaged gradient in .grad, so a plain torch.optim optimizer can step on them."""
-        while self._reductions:
-            self._retire()
+        self._order.wait_all()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

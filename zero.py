@@ -14,12 +14,11 @@ Run: torchrun --nproc_per_node 2 train.py --strategy zero2; test: python -m pyte
 
 Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements per shard.
 """
-from collections import deque
 
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, check_same_parameters, ring_bytes, split_into_buckets
+from collectives import InOrder, as_comm, check_same_parameters, ring_bytes, split_into_buckets
 from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
 
 # Stage 2 (and FSDP) keeps at most this many full gradients in flight, buckets or units: when a
@@ -89,7 +88,6 @@ class Bucket(FlatParams):
         self.grad_shard = None    # (S,) this rank's reduced gradient, in the parameters' dtype
         self.grad_flat = None     # (N*S,) full gradient: stage 1 always, stage 2 only in flight
         self.pending = len(self.params)   # stage 2: gradients not yet copied in this backward
-        self.reduction = None     # stage 2: (handle, output) of its reduce-scatter in flight
         self.host_grad = None     # offload: (S,) fp32 host buffer the reduced gradient lands in
         self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
 
@@ -212,8 +210,8 @@ class ZeroOptimizer(ShardedOptimizer):
                     p.register_post_accumulate_grad_hook(
                         lambda p, bucket=bucket, i=i: bucket.used.__setitem__(i, True))
         else:
-            self._next_bucket = 0                 # first bucket whose reduction is not launched
-            self._in_flight = deque()             # buckets launched, not yet waited for
+            self._order = InOrder(self.buckets, self._launch_reduction, self._retire,
+                                  max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
             self._backward_hooked = False         # end-of-backward callback queued?
             for bucket in self.buckets:
                 for i, p in enumerate(bucket.params):
@@ -238,37 +236,28 @@ class ZeroOptimizer(ShardedOptimizer):
         param.grad = None                                            # the full gradient is gone
         bucket.used[i] = True
         bucket.pending -= 1
-        # Collectives match by order: every rank launches bucket 0, then 1, ... whatever order
-        # its gradients arrived in.
-        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
-            self._launch_reduction(self.buckets[self._next_bucket])
-            self._next_bucket += 1
+        if bucket.pending == 0:
+            self._order.ready(bucket)
 
     def _launch_reduction(self, bucket: Bucket):
+        if bucket.grad_flat is None:                                     # no gradient came
+            bucket.grad_flat = torch.zeros_like(bucket.flat)
         output = torch.empty_like(bucket.flat[: bucket.shard_numel])      # (S,)
-        handle = self.comm.reduce_scatter(output, bucket.grad_flat, op="avg", async_op=True)
-        bucket.reduction = (handle, output)
-        self._in_flight.append(bucket)
-        while len(self._in_flight) > MAX_REDUCTIONS_IN_FLIGHT:
-            self._retire(self._in_flight.popleft())
+        return self.comm.reduce_scatter(output, bucket.grad_flat, op="avg", async_op=True), output
 
-    def _retire(self, bucket: Bucket):
+    def _retire(self, bucket: Bucket, started):
         """Wait for a bucket's reduce-scatter, keep the shard, free the full gradient."""
-        handle, output = bucket.reduction
+        handle, output = started
         handle.wait()
         # Micro-batches of one step (gradient accumulation) add up in the shard.
         bucket.grad_shard = output if bucket.grad_shard is None else bucket.grad_shard.add_(output)
-        bucket.grad_flat, bucket.reduction = None, None
+        bucket.grad_flat = None
         bucket.pending = len(bucket.params)
 
     def _finish_backward(self):
-        for bucket in self.buckets[self._next_bucket:]:                  # some gradient never came
-            if bucket.grad_flat is None:
-                bucket.grad_flat = torch.zeros_like(bucket.flat)
-            self._launch_reduction(bucket)
-        while self._in_flight:
-            self._retire(self._in_flight.popleft())
-        self._next_bucket, self._backward_hooked = 0, False
+        self._order.launch_rest()                                        # some gradient never came
+        self._order.wait_all()
+        self._backward_hooked = False
 
     # ---- the step ----------------------------------------------------------------------
 
