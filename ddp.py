@@ -51,23 +51,61 @@ def all_reduce_gradients(module: nn.Module, group=None):
 # only the last bucket's all-reduce is exposed. Few large messages instead of one per tensor
 # reach the link's bandwidth; too large a bucket would start its message too late to overlap.
 
-class Bucket:
-    """Parameters whose gradients travel as one message: a flat buffer and a view per parameter."""
+class FlatParams:
+    """Parameters laid end to end in one flat buffer, zero-padded to N equal shards: the one
+    buffer of the whole ladder. DDP's rank owns every shard (N = 1, no padding); ZeRO's rank r
+    owns shard r of the optimizer state and the gradient (zero.py); FSDP's of the parameters too.
 
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = params
-        first = params[0]
-        # Memory: once a gradient is copied into its slot, param.grad becomes that slot (a
-        # view, as PyTorch's gradient_as_bucket_view=True), so the buckets are the gradients,
-        # not a second copy. A fresh .grad (after zero_grad(set_to_none=True)) lives only
-        # until its hook copies it in.
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype,
-                                  device=first.device)           # (L_b,)
-        self.slots, offset = [], 0
-        for p in params:                                         # slot: p's shape, in the buffer
-            self.slots.append(self.buffer[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
-        self.pending = len(params)                               # gradients not yet copied in
+        params   [ w0: 6 elements | w1: 3 | b1: 2 ]              P = 11, N = 3, S = 4
+        flat     [ w0 w0 w0 w0 | w0 w0 w1 w1 | w1 b1 b1 pad ]
+                      shard 0       shard 1       shard 2        rank r owns shard r
+
+    After construction every parameter is a view into `flat`: the model runs unchanged, and
+    whatever is written into `flat` (an all-gather) is written into the parameters. Any other
+    flat tensor of the same layout (a gradient buffer) is cut the same way by views() and shard().
+    """
+
+    def __init__(self, params: list[nn.Parameter], world_size: int):
+        self.params = list(params)
+        first = self.params[0]
+        self.numel = sum(p.numel() for p in self.params)                 # P
+        self.shard_numel = -(-self.numel // world_size)                  # S = ceil(P / N)
+        self.offsets = [0]
+        for p in self.params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.flat = torch.zeros(world_size * self.shard_numel, dtype=first.dtype,
+                                device=first.device)                     # (N*S,)
+        with torch.no_grad():
+            for p, view in zip(self.params, self.views(self.flat)):
+                view.copy_(p)
+                p.data = view
+        # The gradient side, filled by the strategies as backward runs:
+        self.grad_flat = None     # (N*S,) the full gradient in the same layout (DDP: always)
+        self.pending = len(self.params)   # gradients not yet in, this backward
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """The slice of `flat` that belongs to params[i], shaped like it."""
+        return flat[self.offsets[i]: self.offsets[i + 1]].view_as(self.params[i])
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [self.view(flat, i) for i in range(len(self.params))]
+
+    def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s shard of `flat`: (N*S,) -> (S,)."""
+        return flat[rank * self.shard_numel: (rank + 1) * self.shard_numel]
+
+    def shard_ranges(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """What shard `rank` holds, parameter by parameter: (i, start, stop, offset) says that
+        elements start:stop of params[i] (flattened) sit at shard[offset : offset + stop - start].
+        In the picture above, shard 1 is (0, 4, 6, 0), (1, 0, 2, 2). Checkpoints save this map
+        beside each shard, so another world size can cut the same values differently."""
+        low, high = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        ranges = []
+        for i in range(len(self.params)):
+            first, last = max(self.offsets[i], low), min(self.offsets[i + 1], high)
+            if first < last:
+                ranges.append((i, first - self.offsets[i], last - self.offsets[i], first - low))
+        return ranges
 
 
 class DDP(nn.Module):
@@ -94,14 +132,21 @@ class DDP(nn.Module):
         check_same_parameters(list(module.parameters()), self.comm)
         self._broadcast_from_rank0()
         # Consecutive parameters in gradient-arrival order, one dtype and device per bucket.
-        self.buckets = [Bucket(chunk) for chunk in split_into_buckets(self.params, bucket_mb)]
+        # Each bucket is a FlatParams of one shard (this rank owns all of it), and beside it a
+        # gradient buffer of the same layout. Memory: once a gradient is copied into its slot,
+        # param.grad becomes that slot (a view, as PyTorch's gradient_as_bucket_view=True), so
+        # the buckets are the gradients, not a second copy. A fresh .grad (after
+        # zero_grad(set_to_none=True)) lives only until its hook copies it in.
+        self.buckets = [FlatParams(chunk, world_size=1) for chunk in split_into_buckets(self.params, bucket_mb)]
+        for bucket in self.buckets:
+            bucket.grad_flat = torch.zeros_like(bucket.flat)                     # (L_b,)
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.params]
-        self._slot = [slot for bucket in self.buckets for slot in bucket.slots]
+        self._slot = [slot for bucket in self.buckets for slot in bucket.views(bucket.grad_flat)]
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
         # Each full bucket's all-reduce starts at once, in bucket order on every rank.
         self._order = InOrder(self.buckets, retire=lambda bucket, handle: handle.wait(),
-                              launch=lambda bucket: self.comm.all_reduce(bucket.buffer, op="avg",
+                              launch=lambda bucket: self.comm.all_reduce(bucket.grad_flat, op="avg",
                                                                          async_op=True))
         self._syncing = True                                     # False inside no_sync()
         self._reset()
@@ -197,7 +242,7 @@ class DDP(nn.Module):
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The buckets' flat buffers: the gradients themselves (each param.grad is a view into one)."""
-        return [bucket.buffer for bucket in self.buckets]
+        return [bucket.grad_flat for bucket in self.buckets]
 
     def bytes_per_step(self) -> int:
         """Bytes this rank sends per synchronised step, as the ring schedule sends them.
@@ -206,7 +251,7 @@ class DDP(nn.Module):
         about twice the gradients' bytes, nearly independent of N.
         """
         n = self.comm.world_size
-        grads = sum(ring_bytes("all_reduce", b.buffer.numel(), b.buffer.element_size(), n)
+        grads = sum(ring_bytes("all_reduce", b.grad_flat.numel(), b.grad_flat.element_size(), n)
                     for b in self.buckets)
         return grads + ring_bytes("all_reduce", len(self.params), 1, n)
 

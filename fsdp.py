@@ -17,9 +17,10 @@ import torch
 import torch.nn as nn
 
 from collectives import InOrder, as_comm, check_same_parameters, ring_bytes
+from ddp import FlatParams
 from mixed_precision import DTYPES, DynamicLossScaler
 from model import Block
-from zero import (MAX_REDUCTIONS_IN_FLIGHT, FlatParams, ShardedOptimizer, gradients_to_host,
+from zero import (MAX_REDUCTIONS_IN_FLIGHT, ShardedOptimizer, gradients_to_host,
                   host_buffer, host_copy, step_message_bytes)
 
 
@@ -54,7 +55,6 @@ class Unit(FlatParams):
         self.full.untyped_storage().resize_(0)
         self.gathering = None        # (handle, input) of an all-gather in flight
         self.gathered = False        # full holds the parameters (storage allocated)
-        self.pending = len(self.params)   # gradients not yet accumulated in this backward
         self.device_shard = None
         self._device_grad = None     # offload: the reduced gradient, on the device
         self.host_grad = None        # offload: (S,) fp32 host buffer the gradient is copied into

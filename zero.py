@@ -8,7 +8,7 @@ reduce-scatter plus an all-gather move what DDP's all-reduce moves: the memory i
 gradient accumulation stage 2 reduce-scatters every micro-batch, DDP all-reduces once a step).
 offload=True is ZeRO-Offload (Ren et al. 2021, section 4): the shard's fp32 master and Adam
 moments live in host memory and the step runs on the CPU; parameters and gradients stay put.
-Left out: stage 3 (fsdp.py reuses FlatParams below), ZeRO++'s quantised messages, offload's
+Left out: stage 3 (fsdp.py: the same FlatParams, ddp.py's), ZeRO++'s quantised messages, offload's
 one-step delayed update and a vectorised CPU Adam (torch's own runs on the host).
 Run: torchrun --nproc_per_node 2 train.py --strategy zero2; test: python -m pytest tests/test_zero.py
 
@@ -19,64 +19,13 @@ import torch
 import torch.nn as nn
 
 from collectives import InOrder, as_comm, check_same_parameters, ring_bytes, split_into_buckets
+from ddp import FlatParams
 from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
 
 # Stage 2 (and FSDP) keeps at most this many full gradients in flight, buckets or units: when a
 # third fills, backward waits for the oldest reduce-scatter and frees its buffer. Memory stays
 # bounded whatever the network's speed; two in flight are enough to keep the link busy.
 MAX_REDUCTIONS_IN_FLIGHT = 2
-
-
-class FlatParams:
-    """Parameters laid end to end in one flat buffer, zero-padded to N equal shards.
-
-        params   [ w0: 6 elements | w1: 3 | b1: 2 ]              P = 11, N = 3, S = 4
-        flat     [ w0 w0 w0 w0 | w0 w0 w1 w1 | w1 b1 b1 pad ]
-                      shard 0       shard 1       shard 2        rank r owns shard r
-
-    After construction every parameter is a view into `flat`: the model runs unchanged, and
-    whatever is written into `flat` (an all-gather) is written into the parameters. Any other
-    flat tensor of the same layout (a gradient buffer) is cut the same way by views() and shard().
-    """
-
-    def __init__(self, params: list[nn.Parameter], world_size: int):
-        self.params = list(params)
-        first = self.params[0]
-        self.numel = sum(p.numel() for p in self.params)                 # P
-        self.shard_numel = -(-self.numel // world_size)                  # S = ceil(P / N)
-        self.offsets = [0]
-        for p in self.params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        self.flat = torch.zeros(world_size * self.shard_numel, dtype=first.dtype,
-                                device=first.device)                     # (N*S,)
-        with torch.no_grad():
-            for p, view in zip(self.params, self.views(self.flat)):
-                view.copy_(p)
-                p.data = view
-
-    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        """The slice of `flat` that belongs to params[i], shaped like it."""
-        return flat[self.offsets[i]: self.offsets[i + 1]].view_as(self.params[i])
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [self.view(flat, i) for i in range(len(self.params))]
-
-    def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
-        """Rank `rank`'s shard of `flat`: (N*S,) -> (S,)."""
-        return flat[rank * self.shard_numel: (rank + 1) * self.shard_numel]
-
-    def shard_ranges(self, rank: int) -> list[tuple[int, int, int, int]]:
-        """What shard `rank` holds, parameter by parameter: (i, start, stop, offset) says that
-        elements start:stop of params[i] (flattened) sit at shard[offset : offset + stop - start].
-        In the picture above, shard 1 is (0, 4, 6, 0), (1, 0, 2, 2). Checkpoints save this map
-        beside each shard, so another world size can cut the same values differently."""
-        low, high = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        ranges = []
-        for i in range(len(self.params)):
-            first, last = max(self.offsets[i], low), min(self.offsets[i + 1], high)
-            if first < last:
-                ranges.append((i, first - self.offsets[i], last - self.offsets[i], first - low))
-        return ranges
 
 
 class Bucket(FlatParams):
@@ -86,8 +35,7 @@ class Bucket(FlatParams):
         super().__init__(params, world_size)
         self.master = None        # (S,) fp32: the shard the inner optimizer updates
         self.grad_shard = None    # (S,) this rank's reduced gradient, in the parameters' dtype
-        self.grad_flat = None     # (N*S,) full gradient: stage 1 always, stage 2 only in flight
-        self.pending = len(self.params)   # stage 2: gradients not yet copied in this backward
+        # grad_flat (FlatParams): stage 1 keeps it always, stage 2 only while in flight
         self.host_grad = None     # offload: (S,) fp32 host buffer the reduced gradient lands in
         self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
 
