@@ -1,0 +1,370 @@
+"""cli.py: train.py's command line: its options, and every check that stops a wrong one.
+
+Every rank parses the same command line with the same world size, so a wrong value stops
+every rank with the same one-line message naming the flag and its fix, before any work: no
+rank is left waiting in a collective, nothing on disk is touched. STRATEGIES is the table of
+strategies train.py builds from. --strategy auto picks a row with memory.py's advice.
+Test: python -m pytest tests/test_train.py
+"""
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import ddp
+import fsdp
+import pipeline
+import snapshot
+import tensor_parallel
+import zero
+from collectives import init_distributed
+from memory import advise, parse_bytes
+from mixed_precision import DTYPES
+from model import PRESETS
+
+# --strategy -> the module whose build(gpt, options, data, split, device, adamw) wraps the model
+# and makes its optimizer: (model, optimizer, bytes per step its formula predicts). "auto" picks
+# one of them (memory.advise).
+STRATEGIES = {"single": ddp, "ddp": ddp, "zero1": zero, "zero2": zero, "fsdp": fsdp, "zero3": fsdp,
+              "tp": tensor_parallel, "pipeline": pipeline}
+EVAL_FRACTION = 0.05                      # data.py's held-out tail
+
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows each option's default once: appended unless the help already says it, and
+    left out where there is none (None, a flag's False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("(default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="train.py: the command line that composes the concept "
+                                "files into one training run.", formatter_class=HelpFormatter)
+    p.add_argument("--strategy", choices=[*STRATEGIES, "auto"], default=None,
+                   help="how ranks share the work (default: single for one process, ddp under "
+                        "torchrun); fsdp and zero3 are one engine (fsdp.py): ZeRO stage 3 is FSDP; "
+                        "auto walks memory.py's flow chart for this machine's memory")
+    p.add_argument("--mem-budget", default=None, metavar="BYTES",
+                   help="--strategy auto: memory per rank, e.g. 2GB (default: the GPU's free memory)")
+    p.add_argument("--model", choices=list(PRESETS), default="tiny", help="model size (model.py's presets)")
+    p.add_argument("--data", default=None, help="a text file to train on (default: the embedded "
+                                                "Python standard library source)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps in all (a resumed run "
+                                                          "continues up to this many)")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens (bytes) per sequence")
+    p.add_argument("--tp", type=int, default=1, help="--strategy tp: ranks per tensor-parallel "
+                   "group (the world is tp x data-parallel)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="--strategy tp: norms and dropout on 1/tp of the tokens each")
+    p.add_argument("--pp", type=int, default=1, help="--strategy pipeline: stages, one rank each "
+                   "(the world is pp x data-parallel)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="--strategy pipeline: micro-batches per step in each pipeline (default: 2 x pp)")
+    p.add_argument("--schedule", choices=sorted(pipeline.SCHEDULES), default="1f1b",
+                   help="--strategy pipeline: all forwards then all backwards (gpipe), or alternating (1f1b)")
+    p.add_argument("--stage-layers", default=None, metavar="N,N,...",
+                   help="--strategy pipeline: blocks per stage (default: balanced by count)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--min-lr", type=float, default=None, help="end of the cosine decay (default: lr/10)")
+    p.add_argument("--warmup", type=int, default=30, help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability in the model")
+    p.add_argument("--precision", choices=list(DTYPES), default="fp32",
+                   help="dtype of the model; bf16 and fp16 keep fp32 master weights, fp16 scales the loss")
+    p.add_argument("--collectives", choices=("native", "ring"), default="native",
+                   help="torch.distributed's collectives (the log's bytes sent are then the ring volume "
+                        "of the calls made), or ours from send/recv (bytes measured as they are sent)")
+    p.add_argument("--bucket-mb", type=float, default=25, help="DDP gradient bucket size")
+    p.add_argument("--offload", choices=("optimizer",), default=None,
+                   help="zero1/zero2/fsdp: keep the fp32 master shards and Adam's moments in CPU memory "
+                        "and step there (ZeRO-Offload): less device memory, a copy each way per step")
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="fsdp/zero3: units all-gathered ahead of the one computing (0: none)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights, batches and dropout masks")
+    p.add_argument("--log-every", type=int, default=10, help="log a line every N steps (and the last)")
+    p.add_argument("--eval-every", type=int, default=100, help="eval loss every N steps (0: only at the end)")
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per eval loss")
+    p.add_argument("--checkpoint-activations", type=int, nargs="?", const=1, default=0, metavar="K",
+                   help="recompute every K-th block's activations in backward instead of keeping "
+                        "them (K=1, the default when given: every block)")
+    tune = p.add_argument_group("LoRA fine-tuning (train.py --init-from RUN_DIR --lora --data OTHER.txt)")
+    tune.add_argument("--lora", action="store_true",
+                      help="freeze the model, train low-rank adapters; checkpoints hold only the adapter")
+    tune.add_argument("--lora-rank", type=int, default=8, help="r, the adapters' inner dimension")
+    tune.add_argument("--lora-alpha", type=float, default=16, help="the update is scaled by alpha / rank")
+    tune.add_argument("--lora-targets", default="query,value",
+                      help="comma-separated linear layers to adapt (query, key, value, output, up, down, head)")
+    tune.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    tune.add_argument("--quantize-base", choices=("nf4",), default=None,
+                      help="QLoRA: store the adapted layers' frozen weights in 4-bit NormalFloat")
+    tune.add_argument("--double-quant", action="store_true",
+                      help="with --quantize-base: quantize the 4-bit weights' scales to 8 bits too")
+    run = p.add_argument_group("run directory, checkpoints and faults")
+    run.add_argument("--out", default=None, help="run directory: log.txt, config.json, checkpoints")
+    run.add_argument("--save-every", type=int, default=0,
+                     help="checkpoint every K steps into --out (0: only at the end)")
+    run.add_argument("--keep", type=int, default=3, help="checkpoints kept in --out, newest first")
+    run.add_argument("--overwrite", action="store_true",
+                     help="start a new run in an --out that holds checkpoints, deleting them")
+    run.add_argument("--resume", nargs="?", const="must", default=None, metavar="auto|CHECKPOINT",
+                     help="continue from the newest complete checkpoint in --out; 'auto' starts "
+                          "fresh when there is none (for torchrun --max-restarts); a checkpoint "
+                          "directory (OUT/ckpt-NNNNNNN) continues from that one, e.g. one saved "
+                          "before a run diverged")
+    run.add_argument("--init-from", default=None,
+                     help="weights only (fine-tuning): a run directory, a checkpoint or an --export file")
+    run.add_argument("--export", default=None,
+                     help="at the end, write one fp32 model file that loads without torch.distributed")
+    run.add_argument("--timeout", type=float, default=None,
+                     help="seconds a collective waits for a dead or stuck rank before the run stops "
+                          "(default: 120 on CPU, 600 on GPU)")
+    prof = p.add_argument_group("profiling")
+    prof.add_argument("--profile", metavar="DIR", default=None,
+                      help="write a torch.profiler trace of steps 2-4 per rank into DIR, for "
+                           "https://ui.perfetto.dev: communication beside the compute it overlaps")
+    prof.add_argument("--memory-snapshot", metavar="FILE", default=None,
+                      help="CUDA: record every allocation of the first 5 steps into FILE (a pickle) "
+                           "for https://pytorch.org/memory_viz")
+    gen = p.add_argument_group("sampling (python train.py --sample --init-from RUN_DIR)")
+    gen.add_argument("--sample", action="store_true", help="generate text from --init-from and stop")
+    gen.add_argument("--prompt", default="def ", help="text the sample continues (default: 'def ')")
+    gen.add_argument("--sample-tokens", type=int, default=300, help="bytes to generate")
+    gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature of sampling")
+    args = p.parse_args(argv)
+    # torchrun sets WORLD_SIZE; a caller that joined a process group itself has it there.
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    if args.strategy == "auto":              # the advice's flags, after the user's, win
+        advice = auto_strategy(p, args, world_size)
+        args = p.parse_args([*(sys.argv[1:] if argv is None else argv), *advice])
+        args.advice = " ".join(advice)
+    check_args(p, args, world_size=world_size)
+    return args
+
+
+def auto_strategy(parser, args, world_size) -> list[str]:
+    """--strategy auto: memory.advise's first rung that fits this machine; its train.py flags."""
+    if args.mem_budget:
+        try:
+            budget = parse_bytes(args.mem_budget)
+        except ValueError as e:
+            parser.error(f"--mem-budget: {e}")
+    elif torch.cuda.is_available():
+        # The free bytes of this rank's own GPU (joining the job sets its device first: asked
+        # before that, every rank would query, and make a context on, GPU 0), and the least over
+        # the ranks, so that every rank picks the same rung.
+        device = init_distributed(timeout=args.timeout or 600)
+        free = torch.tensor([torch.cuda.mem_get_info(device)[0]], dtype=torch.float64, device=device)
+        dist.all_reduce(free, op=dist.ReduceOp.MIN)
+        budget = int(free.item())
+    else:
+        parser.error("--strategy auto on CPU ranks needs --mem-budget (e.g. --mem-budget 2GB): "
+                     "the bytes each rank may use")
+    try:
+        rungs = advise(args.model, budget, world_size, args.seq_len, args.batch_size, args.precision)
+    except ValueError as e:
+        parser.error(f"--strategy auto: {e}")
+    chosen = rungs[-1]
+    if not chosen.fits:
+        parser.error(f"--strategy auto: model {args.model} does not fit in {budget / 1e9:.2f} GB per "
+                     f"rank on any rung (QLoRA needs {chosen.held['total'] / 1e9:.2f}): more ranks, "
+                     f"a smaller --seq-len or --model")
+    if "--lora" in chosen.flags and not args.init_from:
+        parser.error(f"--strategy auto: model {args.model} fits in {budget / 1e9:.2f} GB per rank "
+                     f"only as {chosen.rung}, which fine-tunes a trained model: add --init-from RUN_DIR")
+    return ["--strategy", chosen.strategy, "--grad-accum", str(chosen.grad_accum), *chosen.flags]
+
+
+def check_args(parser, args, world_size):
+    """Stop a wrong configuration with one message naming the fix, before any work.
+
+    Every rank parses the same command line with the same world size, so every rank
+    stops with the same message: no rank is left waiting in a collective.
+    """
+    if args.sample:
+        if not args.init_from:
+            parser.error("--sample needs a trained model: add --init-from RUN_DIR (or a checkpoint)")
+        check_paths(parser, args)
+        if not args.temperature >= 0:                                  # NaN fails too
+            parser.error(f"--temperature must be 0 (greedy: the likeliest byte each time) or "
+                         f"positive, got {args.temperature}")
+        return
+    if args.strategy is None:
+        args.strategy = "single" if world_size == 1 else "ddp"
+    if args.strategy == "single" and world_size > 1:
+        parser.error(f"--strategy single runs one process, but {world_size} were launched: "
+                     f"use --strategy ddp (or zero1, zero2, fsdp, tp), or run with plain `python train.py`")
+    for name in ("steps", "grad_accum", "seq_len", "log_every", "batch_size", "keep", "tp",
+                 "eval_batches", "lora_rank"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("warmup", "save_every", "eval_every"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be 0 (none) or more steps, got "
+                         f"{getattr(args, name)}")
+    # "not x > 0" rather than "x <= 0": a NaN fails every comparison, and is refused too.
+    if not 0 < args.lr < math.inf:
+        parser.error(f"--lr must be a positive number (the peak of the schedule), got {args.lr}")
+    if args.min_lr is not None and not 0 <= args.min_lr <= args.lr:
+        parser.error(f"--min-lr (the end of the cosine decay) must be between 0 and --lr {args.lr}, "
+                     f"got {args.min_lr}")
+    if not 0 <= args.clip_grad < math.inf:
+        parser.error(f"--clip-grad must be 0 (off) or a positive norm, got {args.clip_grad}")
+    if not 0 <= args.weight_decay < math.inf:
+        parser.error(f"--weight-decay must be 0 (off) or positive, got {args.weight_decay}")
+    for name in ("dropout", "lora_dropout"):
+        if not 0 <= getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} is the probability of zeroing an activation: "
+                         f"give a number from 0 (off) up to, not including, 1; got {getattr(args, name)}")
+    if not 0 < args.lora_alpha < math.inf:
+        parser.error(f"--lora-alpha must be positive (the update is scaled by alpha / rank: at 0 "
+                     f"the adapter never changes the model), got {args.lora_alpha}")
+    check_tensor_parallel(parser, args, world_size)
+    check_pipeline(parser, args, world_size)
+    data_parallel = world_size // args.tp // args.pp              # ranks reading different rows
+    micro, flag = ((args.microbatches, "--microbatches") if args.strategy == "pipeline"
+                   else (args.grad_accum, "--grad-accum"))
+    per_step = data_parallel * micro
+    if args.batch_size % per_step:
+        fixed = (args.batch_size // per_step + 1) * per_step
+        parser.error(f"--batch-size {args.batch_size} does not divide into {data_parallel} "
+                     f"data-parallel ranks x "
+                     f"{flag} {micro} = {per_step} equal micro-batches: "
+                     f"use a multiple of {per_step}, e.g. --batch-size {fixed}")
+    block_size = PRESETS[args.model].block_size
+    if args.seq_len > block_size:
+        parser.error(f"--seq-len {args.seq_len} is longer than model {args.model}'s block size "
+                     f"{block_size}: use --seq-len {block_size} or less, or a larger --model")
+    if args.data is not None:
+        if not os.path.isfile(args.data):
+            parser.error(f"--data {args.data}: no such file; give a text file's path, or leave "
+                         f"--data out to train on the embedded standard-library text")
+        # Both the training part and the held-out tail must fit one window of seq_len + 1 bytes.
+        need = math.ceil((args.seq_len + 1) / EVAL_FRACTION)
+        size = os.path.getsize(args.data)
+        if size < need:
+            parser.error(f"--data {args.data} has {size} bytes, but --seq-len {args.seq_len} needs "
+                         f"at least {need} (windows of {args.seq_len + 1} bytes in the training text "
+                         f"and in its last {EVAL_FRACTION:.0%}, held out): use a longer file or a "
+                         f"smaller --seq-len")
+    if args.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        parser.error("--precision bf16: this GPU has no bf16 arithmetic (it needs compute "
+                     "capability 8.0 or newer): use --precision fp16 (with loss scaling)")
+    if args.offload and args.strategy not in ("zero1", "zero2", "fsdp", "zero3"):
+        parser.error(f"--offload optimizer moves a sharded optimizer to the CPU: use --strategy zero1, "
+                     f"zero2 or fsdp (--strategy {args.strategy} keeps no optimizer shard to move)")
+    if (args.resume or args.save_every) and not args.out:
+        parser.error("--resume and --save-every need a run directory: add --out DIR")
+    if args.resume and args.init_from and not args.lora:
+        parser.error("--resume continues a run, --init-from starts one from other weights: use one "
+                     "(with --lora, --init-from names the frozen base and --resume the adapter)")
+    if args.quantize_base and not (args.lora and args.init_from):
+        parser.error("--quantize-base stores a trained base in 4 bits under LoRA adapters: add "
+                     "--lora and --init-from RUN_DIR (the model to fine-tune)")
+    if args.quantize_base and args.strategy == "tp":
+        parser.error("--quantize-base: a 4-bit base weight cannot be split over tensor-parallel "
+                     "ranks; fine-tune in 4 bits with --strategy ddp, zero1, zero2 or fsdp")
+    if args.double_quant and not args.quantize_base:
+        parser.error("--double-quant quantizes the scales of a 4-bit base: add --quantize-base nf4")
+    if args.checkpoint_activations < 0:
+        parser.error(f"--checkpoint-activations K must be 1 or more, got {args.checkpoint_activations}")
+    if args.memory_snapshot and not torch.cuda.is_available():
+        parser.error("--memory-snapshot records CUDA's allocator and there is no GPU here: on the "
+                     "CPU use --profile DIR (its trace has the memory events too)")
+    if args.prefetch < 0:
+        parser.error(f"--prefetch must be 0 (no prefetch) or more units, got {args.prefetch}")
+    if args.timeout is not None and args.timeout <= 0:
+        parser.error(f"--timeout must be positive seconds, got {args.timeout}")
+    check_paths(parser, args)
+
+
+def check_paths(parser, args):
+    """--init-from must exist; --out must be a directory this rank can write, and one that
+    holds no other run's checkpoints unless --resume continues it or --overwrite starts over.
+    Every rank checks (each writes its part of every checkpoint), before any work."""
+    if args.init_from and not os.path.exists(args.init_from):
+        parser.error(f"--init-from {args.init_from}: no such file or directory; give a run directory, "
+                     f"a checkpoint directory or an --export file")
+    if not args.out:
+        if args.overwrite:
+            parser.error("--overwrite starts a run directory over: add --out DIR")
+        return
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out} is a file: give a directory (the run's log, configuration "
+                     f"and checkpoints go in it)")
+    try:                 # by writing, not by os.access: root passes that even on a read-only mount
+        os.makedirs(args.out, exist_ok=True)
+        probe = os.path.join(args.out, f".writable-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        parser.error(f"--out {args.out}: this rank cannot write there ({e.strerror}): choose a "
+                     f"directory every rank can write to")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --out, --overwrite deletes it: use one")
+    if args.resume not in (None, "must", "auto") and not os.path.isfile(os.path.join(args.resume, "meta.json")):
+        parser.error(f"--resume {args.resume}: not a complete checkpoint; give no value (the newest "
+                     f"in --out), 'auto', or a checkpoint directory such as {args.out}/ckpt-0000100")
+    saved = snapshot.checkpoints(args.out)
+    if saved and not args.resume and not args.overwrite:
+        parser.error(f"--out {args.out} holds another run's checkpoints (newest "
+                     f"{os.path.basename(saved[-1])}): continue it with --resume, or start over with "
+                     f"--overwrite (which deletes them), or give a new --out")
+
+
+def check_tensor_parallel(parser, args, world_size):
+    """--tp and --sequence-parallel: only with --strategy tp, and splitting the world and the model."""
+    if args.strategy != "tp":
+        if args.tp != 1 or args.sequence_parallel:
+            parser.error(f"--tp and --sequence-parallel split layers: add --strategy tp "
+                         f"(--strategy {args.strategy} replicates or shards whole parameters)")
+        return
+    if world_size % args.tp:
+        parser.error(f"world size {world_size} is not --tp {args.tp} x a data-parallel size: launch "
+                     f"a multiple of {args.tp} processes (--nproc_per_node), or use a --tp dividing "
+                     f"{world_size}")
+    try:
+        tensor_parallel.check_divisible(PRESETS[args.model], args.tp)
+    except ValueError as e:
+        parser.error(f"--model {args.model}: {e}")
+    if args.sequence_parallel and args.seq_len % args.tp:
+        parser.error(f"--sequence-parallel splits each sequence into --tp {args.tp} equal parts: "
+                     f"use a --seq-len divisible by {args.tp}, e.g. {args.seq_len // args.tp * args.tp or args.tp}")
+
+
+def check_pipeline(parser, args, world_size):
+    """--pp, --microbatches, --schedule, --stage-layers: only with --strategy pipeline, and a split
+    the world and the model allow."""
+    if args.strategy != "pipeline":
+        if args.pp != 1 or args.microbatches is not None or args.stage_layers is not None:
+            parser.error(f"--pp, --microbatches and --stage-layers cut the model into stages: add "
+                         f"--strategy pipeline (--strategy {args.strategy} runs the whole model on every rank)")
+        return
+    if args.pp < 1 or world_size % args.pp:
+        parser.error(f"world size {world_size} is not --pp {args.pp} x a data-parallel size: launch "
+                     f"a multiple of {args.pp} processes (--nproc_per_node), or use a --pp dividing "
+                     f"{world_size}")
+    if args.microbatches is None:
+        args.microbatches = 2 * args.pp
+    if args.microbatches < 1:
+        parser.error(f"--microbatches must be at least 1, got {args.microbatches}")
+    if args.grad_accum != 1:
+        parser.error("--grad-accum: a pipeline accumulates its gradients over its micro-batches "
+                     "already; use --microbatches instead")
+    cfg = PRESETS[args.model]
+    try:
+        pipeline.stage_layers(args.stage_layers, cfg.n_layer, args.pp)
+    except ValueError as e:
+        parser.error(f"--model {args.model}: {e}")
