@@ -365,20 +365,6 @@ class FSDP(nn.Module):
                     if not p.requires_grad})
         return out if all_ranks or self.comm.rank == 0 else {}
 
-    @torch.no_grad()
-    def load_full_state_dict(self, state: dict):
-        """Every rank passes the whole state dict; each keeps its own shard of it."""
-        names = self.names()
-        for unit in self.units:
-            flat = torch.zeros(unit.full.numel(), device=unit.master.device)   # (N*S,) fp32
-            for p, view in zip(unit.params, unit.views(flat)):
-                view.copy_(state[names[p]])
-            unit.master.copy_(unit.shard(flat, self.comm.rank))
-            unit.refresh()
-        for name, p in self.module.named_parameters():
-            if not p.requires_grad:
-                p.copy_(state[name])
-
 
 class FSDPOptimizer(ShardedOptimizer):
     """Any element-wise torch optimizer on the FSDP shards, with ZeRO's sharded step.

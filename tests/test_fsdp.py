@@ -233,6 +233,21 @@ def _errors():
     return errors
 
 
+@torch.no_grad()
+def _load_full_state_dict(wrapped, state: dict):
+    """full_state_dict's inverse: every rank passes the whole state dict, each keeps its shard."""
+    names = wrapped.names()
+    for unit in wrapped.units:
+        flat = torch.zeros(unit.full.numel(), device=unit.master.device)   # (N*S,) fp32
+        for p, view in zip(unit.params, unit.views(flat)):
+            view.copy_(state[names[p]])
+        unit.master.copy_(unit.shard(flat, wrapped.comm.rank))
+        unit.refresh()
+    for name, p in wrapped.module.named_parameters():
+        if not p.requires_grad:
+            p.copy_(state[name])
+
+
 def _state_round_trip(batches, offload=False):
     """Train 2 steps, save the full and sharded state, load them into a fresh FSDP (other
     initial weights) and train step 3 in both: the same parameters, bit for bit."""
@@ -243,7 +258,7 @@ def _state_round_trip(batches, offload=False):
         if resume:
             weights, state = wrapped.full_state_dict(all_ranks=True), opt.state_dict()
             wrapped, opt = _wrap(_gpt(seed=1), offload=offload)
-            wrapped.load_full_state_dict(weights)
+            _load_full_state_dict(wrapped, weights)
             opt.load_state_dict(state)
         runs.append(_train_fsdp(wrapped, opt, batches[2:3])["params"])
     return runs
