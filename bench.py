@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 import pipeline
 import tensor_parallel
 from checkpointing import checkpoint_blocks
-from collectives import Comm, exit_distributed, init_distributed
+from collectives import Comm, exit_distributed, init_distributed, split_norm
 from data import TextData
 from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer
@@ -288,7 +288,7 @@ def torch_pipelining(schedule, model, args):
     # torch clips nothing across stages: the same MixedPrecisionOptimizer and norm as ours.
     stages = Comm()                                           # the world is the pipeline
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
-                                        grad_norm=lambda params, grads: pipeline.stages_grad_norm(
+                                        grad_norm=lambda params, grads: split_norm(
                                             grads, stages, grads[0].device), **ADAMW)
     return Run(stage, optimizer, label=f"torch.distributed.pipelining.{schedule_class.__name__}"
                f"(n_microbatches={args.microbatches}) + our MixedPrecisionOptimizer(AdamW)",

@@ -220,7 +220,7 @@ class Comm:
         chunks = input.detach().clone().view(n, -1)        # (N, c): never touch the caller's input
         incoming = torch.empty_like(chunks[0])             # (c,)
         for step in range(n - 1):
-            self._exchange(chunks[(r - step - 1) % n], incoming, name)
+            self._ring_step(chunks[(r - step - 1) % n], incoming, name)
             _combine(chunks[(r - step - 2) % n], incoming, op)
         if op == "avg":
             chunks[r].div_(n)
@@ -233,7 +233,7 @@ class Comm:
         chunks = output.view(n, -1)                        # (N, c)
         chunks[r].copy_(input)
         for step in range(n - 1):
-            self._exchange(chunks[(r - step) % n], chunks[(r - step - 1) % n], name)
+            self._ring_step(chunks[(r - step) % n], chunks[(r - step - 1) % n], name)
 
     def _ring_all_reduce(self, tensor, op):
         # The lecture's identity: all-reduce = reduce-scatter + all-gather, 2(N-1)/N x bytes.
@@ -279,7 +279,7 @@ class Comm:
 
     # ---- plumbing -----------------------------------------------------------------------
 
-    def _exchange(self, send: torch.Tensor, recv: torch.Tensor, name: str):
+    def _ring_step(self, send: torch.Tensor, recv: torch.Tensor, name: str):
         """One ring step: send to the right neighbour while receiving from the left one."""
         n = self.world_size
         ops = [self._p2p(dist.isend, send, (self.rank + 1) % n),
@@ -379,6 +379,18 @@ class InOrder:
         # Memory stays bounded whatever the network's speed: wait for the oldest.
         while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
             self.retire(*self._in_flight.popleft())
+
+
+def split_norm(grads: list, comm: Comm, device) -> torch.Tensor:
+    """The 2-norm of one gradient held in disjoint pieces by comm's ranks (ZeRO's and FSDP's
+    shards, a pipeline's stages): each rank's squares, summed over the ranks by one 4-byte
+    all-reduce (padding is zero), then the root. Every rank gets the same norm. device: the
+    group's (NCCL reduces device memory only)."""
+    squares = torch.zeros(1, device=device)
+    for g in grads:
+        squares += g.float().pow(2).sum()
+    comm.all_reduce(squares, op="sum")
+    return squares.sqrt()[0]
 
 
 def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:

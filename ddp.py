@@ -216,14 +216,14 @@ class DDP(nn.Module):
         # A parameter that no rank used must keep grad None, as a single process would leave
         # it (AdamW would otherwise decay it): OR the local "used" flags over the ranks, a P-byte
         # message launched after every bucket (the same position on every rank) so it overlaps.
-        self._local_used = [p.grad is not None for p in self.params]
-        used = torch.tensor(self._local_used, dtype=torch.uint8, device=self.params[0].device)  # (P,)
+        local = [p.grad is not None for p in self.params]
+        used = torch.tensor(local, dtype=torch.uint8, device=self.params[0].device)      # (P,)
         flags = self.comm.all_reduce(used, op="max", async_op=True)
         self._order.launch_rest()                                # (every bucket is full by now)
         self._order.wait_all()
         flags.wait()
         # Read (a host sync on a GPU) only if this rank missed one: else every one was used.
-        everywhere = [True] * len(self.params) if all(self._local_used) else used.tolist()
+        everywhere = local if all(local) else used.tolist()
         for p, slot, used_anywhere in zip(self.params, self._slot, everywhere):
             if used_anywhere:
                 p.grad = slot                                    # averaged in place

@@ -16,7 +16,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from collectives import InOrder, as_comm, check_same_parameters, ring_bytes
+from collectives import InOrder, as_comm, check_same_parameters, ring_bytes, split_norm
 from ddp import FlatParams
 from mixed_precision import DTYPES, DynamicLossScaler
 from model import Block
@@ -309,10 +309,7 @@ class FSDP(nn.Module):
         if max_norm <= 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
         grads = self.gradient_buffers()                                     # (S,) each, fp32
-        squares = sum(g.pow(2).sum() for g in grads) if grads else torch.zeros(())
-        squares = squares.reshape(1).to(self.units[0].full.device)
-        self.comm.all_reduce(squares, op="sum")                     # disjoint slices: squares add
-        norm = squares.sqrt()[0]
+        norm = split_norm(grads, self.comm, self.units[0].full.device)
         # torch's rule (clip_grad_norm_): scale by max_norm / norm when that is below 1.
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:

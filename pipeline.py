@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from collectives import Comm, ring_bytes, subgroups
+from collectives import Comm, ring_bytes, split_norm, subgroups
 from ddp import DDP
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 
@@ -308,16 +308,6 @@ class GPTStage(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())   # fp32, as GPT's
 
 
-def stages_grad_norm(grads: list, comm: Comm, device) -> torch.Tensor:
-    """The global gradient norm of a pipeline: each stage holds its own parameters, so the
-    squares add up over the stages in comm (a data group holds copies: not summed)."""
-    squares = torch.zeros(1, device=device)
-    for g in grads:
-        squares += g.float().pow(2).sum()
-    comm.all_reduce(squares)
-    return squares.sqrt()[0]
-
-
 # ---- the executor: one stage's list, run over send/recv --------------------------------------
 
 class Pipeline:
@@ -341,8 +331,7 @@ class Pipeline:
         self.stage, self.P = comm.rank, comm.world_size
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
         stages = SCHEDULES[schedule](self.P, self.M)
-        check_schedule(stages, self.M)
-        simulate(stages)
+        check_schedule(stages, self.M)           # NCCL's rules included (run_under_nccl)
         self.actions = stages[self.stage]
         # Evaluation: the forwards (and their messages) of GPipe's lists, no backward.
         forwards = [[a for a in actions if a.kind in ("F", "send_act", "recv_act")]
@@ -396,8 +385,10 @@ class Pipeline:
         return self._run(self.forward_actions, x, y)
 
     def grad_norm(self, params, grads) -> torch.Tensor:
-        """mixed_precision's norm hook: stages_grad_norm, a tied weight counted on the first stage."""
-        return stages_grad_norm([g for p, g in zip(params, grads) if not (p is self.tied and self.last)],
+        """mixed_precision's norm hook: each stage holds its own parameters, so the squares add up
+        over the stages (a data group holds copies: not summed); a tied weight counts once, on
+        the first stage."""
+        return split_norm([g for p, g in zip(params, grads) if not (p is self.tied and self.last)],
                                 self.comm, grads[0].device)
 
     def measured_bubbles(self) -> list[float]:

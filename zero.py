@@ -18,7 +18,8 @@ Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements p
 import torch
 import torch.nn as nn
 
-from collectives import InOrder, as_comm, check_same_parameters, ring_bytes, split_into_buckets
+from collectives import (InOrder, as_comm, check_same_parameters, ring_bytes, split_into_buckets,
+                         split_norm)
 from ddp import FlatParams
 from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
 
@@ -57,17 +58,14 @@ class ShardedOptimizer(MasterOptimizer):
         used = torch.tensor([u for flat in self.flats for u in flat.used], dtype=torch.uint8,
                             device=device)                                      # (P,)
         handle = comm.all_reduce(used, op="max", async_op=True)
-        # The global norm: each rank's shards hold disjoint slices of the one gradient (padding
-        # is zero), so the squares add up across ranks: one 4-byte all-reduce, and every rank
-        # gets the same norm, so every rank takes the same skip decision.
-        squares = sum(g.float().pow(2).sum() for g in grads) if grads else torch.zeros(())
-        squares = squares.reshape(1).to(device)
-        comm.all_reduce(squares, op="sum")
+        # The shards are disjoint slices of the one gradient: every rank gets the same global
+        # norm, so every rank takes the same skip decision.
+        norm = split_norm(grads, comm, device)
         handle.wait()
         # Read only where this rank missed a gradient: if it computed every one, every parameter
         # was used somewhere, and the step keeps its one host read (the norm's).
         self._used_anywhere = used if not all(u for flat in self.flats for u in flat.used) else None
-        return squares.sqrt()[0]
+        return norm
 
     def _unused(self):
         if self._used_anywhere is None:
