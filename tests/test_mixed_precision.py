@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from collectives import Comm
 from ddp import DDP
@@ -17,6 +16,7 @@ from fsdp import FSDP, FSDPOptimizer
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer, dtype_facts
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
+from test_fsdp import _Plain
 from zero import ZeroOptimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,22 +251,14 @@ def test_state_dict_resumes_exactly():
 
 # ---- every optimizer here is a torch.optim.Optimizer: a plain PyTorch loop drives it ----------
 
-class _WithUnused(nn.Module):
-    """An embedding, an RMSNorm and three linears, plus two parameters forward never uses: a
-    Linear of its own (its own FSDP unit; a slice of a ZeRO bucket) and a vector that shares
-    FSDP's root unit with the norm's weight."""
-    V, C = 32, 16
+class _WithUnused(_Plain):
+    """test_fsdp's _Plain (an embedding, an RMSNorm, three linears) plus two parameters forward
+    never uses: a Linear of its own (its own FSDP unit; a slice of a ZeRO bucket) and a vector
+    that shares FSDP's root unit with the norm's weight."""
 
     def __init__(self):
         super().__init__()
-        self.emb, self.norm = nn.Embedding(self.V, self.C), nn.RMSNorm(self.C)
-        self.l1, self.l2, self.l3 = nn.Linear(self.C, self.C), nn.Linear(self.C, self.C), nn.Linear(self.C, self.V)
         self.unused, self.unused_scale = nn.Linear(self.C, self.C), nn.Parameter(torch.ones(self.C))
-
-    def forward(self, idx, targets):
-        x = self.norm(self.emb(idx))                                     # (B, T, C)
-        logits = self.l3(F.relu(self.l2(F.relu(self.l1(x)))))           # (B, T, V)
-        return logits, F.cross_entropy(logits.reshape(-1, self.V), targets.reshape(-1))
 
 
 UNUSED = ("unused.weight", "unused.bias", "unused_scale")
