@@ -20,7 +20,7 @@ import tensor_parallel as tp
 from collectives import Comm, make_mesh
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
-from multiprocess import assert_tensors_close, run_ranks
+from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
 
 # A split matmul sums over in/N features per rank and adds the N partial sums: the same
 # numbers in another order, so fp32 rounding at worst (measured: 3e-6 on values of order 1).
@@ -263,14 +263,14 @@ def test_tied_head_and_16_bit_precisions_like_one_process():
                 torch.testing.assert_close(res["losses"], expected["losses"], rtol=1e-5, atol=0,
                                            msg=lambda m: f"{what} losses, rank {r}: {m}")
             assert_tensors_close(whole, expected["params"], rtol=0, atol=TRAIN_ATOL, what=what)
-            _assert_mean_close(whole, expected["params"], TIED_MEAN_ATOL, what)
+            assert_mean_close(whole, expected["params"], TIED_MEAN_ATOL, what)
             continue
         for r, res in enumerate(ranks):
             assert res["scales"] == expected["scales"], what                 # fp16: 2^10, 2^10, 2^11
             torch.testing.assert_close(res["losses"], expected["losses"], rtol=MIXED_LOSS_RTOL[precision],
                                        atol=0, msg=lambda m: f"{what} losses, rank {r}: {m}")
         assert_tensors_close(whole, expected["params"], rtol=0, atol=MIXED_ATOL, what=what)
-        _assert_mean_close(whole, expected["params"], MIXED_MEAN_ATOL, what)
+        assert_mean_close(whole, expected["params"], MIXED_MEAN_ATOL, what)
 
 
 def _check_gpt(single, ranks, world, tp_size, sp):
@@ -448,13 +448,6 @@ def _weights(path):
     return torch.load(path, weights_only=True)["state_dict"]
 
 
-def _assert_mean_close(actual, expected, atol, what):
-    """The mean absolute difference over every weight: an element may sit on Adam's eps edge
-    (TRAIN_ATOL), but a real bug moves many elements and shows here."""
-    diffs = torch.cat([(actual[n] - expected[n]).abs().flatten() for n in expected])
-    assert diffs.mean().item() <= atol, f"{what}: mean |difference| {diffs.mean().item():.3g} > {atol}"
-
-
 def test_train_tp2_matches_single_process_step_by_step(runs):
     tp2, single = runs["tp"]["straight"], runs["single"]["straight"]
     # The same sums in another order (split matmuls, the loss over vocabulary halves): fp32 noise.
@@ -464,7 +457,7 @@ def test_train_tp2_matches_single_process_step_by_step(runs):
     single_weights = _weights(os.path.join(runs["single_root"], "single.pt"))
     assert_tensors_close(tp_weights, single_weights, rtol=0, atol=TRAIN_ATOL,
                          what="tp 2 vs single after 6 steps")
-    _assert_mean_close(tp_weights, single_weights, TRAIN_MEAN_ATOL, "tp 2 vs single after 6 steps")
+    assert_mean_close(tp_weights, single_weights, TRAIN_MEAN_ATOL, "tp 2 vs single after 6 steps")
 
 
 def test_tp_resume_is_bit_exact(runs):
