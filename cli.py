@@ -314,7 +314,8 @@ def check_paths(parser, args):
                      f"directory every rank can write to")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out, --overwrite deletes it: use one")
-    if args.resume not in (None, "must", "auto") and not os.path.isfile(os.path.join(args.resume, "meta.json")):
+    chosen = args.resume not in (None, "must", "auto")              # --resume CHECKPOINT
+    if chosen and not os.path.isfile(os.path.join(args.resume, "meta.json")):
         parser.error(f"--resume {args.resume}: not a complete checkpoint; give no value (the newest "
                      f"in --out), 'auto', or a checkpoint directory such as {args.out}/ckpt-0000100")
     saved = snapshot.checkpoints(args.out)

@@ -343,7 +343,8 @@ class InOrder:
     """
 
     def __init__(self, buckets: list, launch, retire, max_in_flight: int | None = None):
-        self.buckets, self.launch, self.retire, self.max_in_flight = list(buckets), launch, retire, max_in_flight
+        self.buckets, self.launch, self.retire = list(buckets), launch, retire
+        self.max_in_flight = max_in_flight
         self._ready = set()                    # indices of full buckets not yet launched
         self._next = 0                         # the first bucket not launched in this backward
         self._in_flight = deque()              # (bucket, what launch returned), oldest first

@@ -137,7 +137,8 @@ class DDP(nn.Module):
         # param.grad becomes that slot (a view, as PyTorch's gradient_as_bucket_view=True), so
         # the buckets are the gradients, not a second copy. A fresh .grad (after
         # zero_grad(set_to_none=True)) lives only until its hook copies it in.
-        self.buckets = [FlatParams(chunk, world_size=1) for chunk in split_into_buckets(self.params, bucket_mb)]
+        self.buckets = [FlatParams(chunk, world_size=1)
+                        for chunk in split_into_buckets(self.params, bucket_mb)]
         for bucket in self.buckets:
             bucket.grad_flat = torch.zeros_like(bucket.flat)                     # (L_b,)
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.params]
