@@ -97,11 +97,12 @@ class ShardedOptimizer(MasterOptimizer):
 
 
 class ZeroOptimizer(ShardedOptimizer):
-    """Any element-wise torch optimizer (SGD, Adam, AdamW...) on this rank's shards only.
+    """ZeRO-1: any element-wise torch optimizer (SGD, Adam, AdamW...) on this rank's shards only.
 
     params: the model's parameters; frozen ones (requires_grad=False) are left alone. Their
     dtype picks the precision: fp32 updates the parameters' own shard in place (it is its own
     master), bf16 and fp16 keep an fp32 master shard, fp16 also scales the loss (scaler).
+    stage: 1, or 2 for ZeRO-2 (the constructor then builds a Zero2Optimizer, below).
     group: a collectives.Comm, a process group or None (the world). bucket_mb: the size of
     each flat buffer; stage 2 reduces one bucket while backward computes the next.
     offload: keep the fp32 masters and the optimizer state on the host and step there (the
@@ -109,7 +110,16 @@ class ZeroOptimizer(ShardedOptimizer):
     Training loop: zero_grad(); scale_loss(loss).backward() per micro-batch;
     clip_grad_norm_(max_norm) if clipping (the global norm: torch.nn.utils' would see stage 2's
     freed .grad as nothing to clip); step(). A torch.optim.Optimizer: schedulers drive it.
+
+    Stage 1 keeps every full gradient in the buckets' flat buffers (param.grad is a view, as
+    DDP's) and reduce-scatters them once, at step(): the gradients stay whole until then.
     """
+
+    stage = 1
+
+    def __new__(cls, params, stage: int = 1, *args, **kwargs):
+        # ZeroOptimizer(params, stage=2) is a Zero2Optimizer: one class per stage, one argument.
+        return super().__new__(Zero2Optimizer if stage == 2 else cls)
 
     def __init__(self, params, stage: int = 1, optimizer_cls=torch.optim.AdamW, group=None,
                  bucket_mb: float = 25, scaler: DynamicLossScaler | None = None,
@@ -130,7 +140,7 @@ class ZeroOptimizer(ShardedOptimizer):
         if offload not in (True, False):
             raise ValueError(f"ZeroOptimizer offload must be True (the optimizer on the CPU) or "
                              f"False, got {offload!r}")
-        self.stage, self.offload = stage, offload
+        self.offload = offload
         n, r = self.comm.world_size, self.comm.rank
         # Reverse registration order is roughly the order backward produces gradients (stage 2
         # reduces buckets as they fill); each bucket is sharded N ways, so rank r's share of
@@ -147,29 +157,138 @@ class ZeroOptimizer(ShardedOptimizer):
         self.flats, self.masters = self.buckets, [b.master for b in self.buckets]
         super().__init__(self.masters, optimizer_cls, optimizer_kwargs,
                          scaler or DynamicLossScaler(enabled=trainable[0].dtype == torch.float16))
-        if stage == 1:
-            # Gradients accumulate straight into each bucket's flat buffer: param.grad is a view.
-            for bucket in self.buckets:
-                bucket.grad_flat = torch.zeros_like(bucket.flat)
-                for i, (p, view) in enumerate(zip(bucket.params, bucket.views(bucket.grad_flat))):
-                    p.grad = view
-                    p.register_post_accumulate_grad_hook(
-                        lambda p, bucket=bucket, i=i: bucket.used.__setitem__(i, True))
-        else:
-            self._order = InOrder(self.buckets, self._launch_reduction, self._retire,
-                                  max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
-            self._backward_hooked = False         # end-of-backward callback queued?
-            for bucket in self.buckets:
-                for i, p in enumerate(bucket.params):
-                    p.register_post_accumulate_grad_hook(
-                        lambda p, bucket=bucket, i=i: self._gradient_ready(bucket, i, p))
+        self._hook_gradients()
 
-    # ---- stage 2: reduce-scatter buckets while backward runs ------------------------------
-    #
+    def _hook_gradients(self):
+        """Gradients accumulate straight into each bucket's flat buffer: param.grad is a view."""
+        for bucket in self.buckets:
+            bucket.grad_flat = torch.zeros_like(bucket.flat)
+            for i, (p, view) in enumerate(zip(bucket.params, bucket.views(bucket.grad_flat))):
+                p.grad = view
+                p.register_post_accumulate_grad_hook(
+                    lambda p, bucket=bucket, i=i: bucket.used.__setitem__(i, True))
+
+    def _reduce_gradients(self):
+        """At step(): reduce-scatter every bucket's full gradient; keep this rank's shard."""
+        r = self.comm.rank
+        for bucket in self.buckets:
+            # A parameter that the user's zero_grad(set_to_none=True) or autograd re-created is
+            # copied back into the flat buffer once, and becomes a view again.
+            for p, view in zip(bucket.params, bucket.views(bucket.grad_flat)):
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
+        reductions = []
+        for bucket in self.buckets:
+            output = torch.empty_like(bucket.shard(bucket.flat, r))                 # (S,)
+            reductions.append((bucket, output, self.comm.reduce_scatter(
+                output, bucket.grad_flat, op="avg", async_op=True)))
+        for bucket, output, handle in reductions:
+            handle.wait()
+            bucket.grad_shard = output
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def _gradients(self):
+        """This rank's gradient shards (reduced now, or in backward by stage 2), its masters."""
+        self._reduce_gradients()
+        buckets = [b for b in self.buckets if b.grad_shard is not None]
+        grads = [b.grad_shard for b in buckets]                          # (S,) each, on the device
+        if self.offload:
+            # ZeRO-Offload's step: gradients out, Adam on the CPU, parameters back in. It could
+            # overlap more: copy each shard out as its reduce-scatter retires in backward, step
+            # bucket i on the CPU while bucket i+1 is still on its way, or (the paper's delayed
+            # update) run the whole CPU step beside the next forward, the weights one step stale.
+            grads = gradients_to_host(grads, [b.host_grad for b in buckets])
+        return grads, [b.master for b in buckets]
+
+    def _write_back(self):
+        self._all_gather_parameters()
+
+    def _release(self):
+        # The shard goes too: it is recomputed from the full gradient, which stays until zero_grad().
+        for bucket in self.buckets:
+            bucket.grad_shard = bucket.master.grad = None
+
+    def _all_gather_parameters(self):
+        r = self.comm.rank
+        gathers = []
+        for bucket in self.buckets:
+            shard = bucket.shard(bucket.flat, r)
+            if bucket.master is not shard:
+                # Round the fp32 master into the model. Offloaded, this is the host -> device copy:
+                # from pinned memory it is asynchronous, and the stream runs it before the
+                # clone below, so bucket i's all-gather overlaps bucket i+1's copy.
+                shard.copy_(bucket.master, non_blocking=True)
+            # The input is a copy: it must not alias the buffer being gathered into.
+            gathers.append(self.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
+        for handle in gathers:
+            handle.wait()
+
+    def refresh_params(self):
+        """After the masters were written (a loaded checkpoint): the model's parameters follow."""
+        self._all_gather_parameters()
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Forget this step's gradients. Stage 1's .grad are views into flat buffers it keeps for
+        the next backward (as DDP's gradient_as_bucket_view): they are zeroed whatever
+        set_to_none says."""
+        for bucket in self.buckets:
+            bucket.grad_shard = bucket.master.grad = None
+            bucket.used = [False] * len(bucket.params)
+            if bucket.grad_flat is not None:
+                bucket.grad_flat.zero_()
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The gradient memory this rank holds: full flat buffers (stage 1) or shards (stage 2)."""
+        return [t for b in self.buckets for t in (b.grad_flat, b.grad_shard) if t is not None]
+
+    def reductions_per_step(self, micro_batches: int) -> int:
+        """Stage 1 reduce-scatters once a step, whatever the gradient accumulation."""
+        return 1
+
+    def bytes_per_step(self, micro_batches: int = 1) -> int:
+        """Bytes this rank sends per step (ring): reduce-scatter + all-gather of every bucket.
+
+        Each is (N-1)/N of the bucket, together DDP's 2(N-1)/N: ZeRO-1 costs no more traffic
+        than DDP (plus the gradient norm's one fp32 number and the used-flags).
+        """
+        n, reductions = self.comm.world_size, self.reductions_per_step(micro_batches)
+        return step_message_bytes(sum(len(b.params) for b in self.buckets), n) + sum(
+            reductions * ring_bytes("reduce_scatter", b.flat.numel(), b.flat.element_size(), n)
+            + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), n)
+            for b in self.buckets)
+
+
+class Zero2Optimizer(ZeroOptimizer):
+    """ZeRO-2: ZeRO-1 plus one difference, gradients freed as soon as they are reduced.
+
+    Each bucket is reduce-scattered the moment backward fills it, and its full gradient freed:
+    a rank holds whole gradients only for the buckets in flight, then its 1/N shards. The price:
+    with gradient accumulation every micro-batch reduce-scatters (no full buffer is kept to
+    add the next micro-batch into), where DDP and ZeRO-1 reduce once a step.
+    """
+
+    stage = 2
+
     #   backward   | grads of bucket 0 | grads of bucket 1 | grads of bucket 2 |
     #   network                        |= reduce-scatter 0 =|= reduce-scatter 1 =|= 2 =|
     #   memory       a full gradient buffer exists only for the bucket being filled and the
     #                (at most MAX_REDUCTIONS_IN_FLIGHT) buckets in flight; then only shards
+
+    def _hook_gradients(self):
+        self._order = InOrder(self.buckets, self._launch_reduction, self._retire,
+                              max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
+        self._backward_hooked = False             # end-of-backward callback queued?
+        for bucket in self.buckets:
+            bucket.grad_flat = None                   # allocated while a bucket is in flight
+            for i, p in enumerate(bucket.params):
+                p.register_post_accumulate_grad_hook(
+                    lambda p, bucket=bucket, i=i: self._gradient_ready(bucket, i, p))
 
     def _gradient_ready(self, bucket: Bucket, i: int, param: nn.Parameter):
         if not self._backward_hooked:
@@ -205,100 +324,18 @@ class ZeroOptimizer(ShardedOptimizer):
         self._order.wait_all()
         self._backward_hooked = False
 
-    # ---- the step ----------------------------------------------------------------------
-
-    def _gradients(self):
-        """Reduce (stage 1; stage 2 did in backward): this rank's gradient shards, its masters."""
-        if self.stage == 1:
-            self._reduce_scatter_full_gradients()
-        buckets = [b for b in self.buckets if b.grad_shard is not None]
-        grads = [b.grad_shard for b in buckets]                          # (S,) each, on the device
-        if self.offload:
-            # ZeRO-Offload's step: gradients out, Adam on the CPU, parameters back in. It could
-            # overlap more: copy each shard out as its reduce-scatter retires in backward, step
-            # bucket i on the CPU while bucket i+1 is still on its way, or (the paper's delayed
-            # update) run the whole CPU step beside the next forward, the weights one step stale.
-            grads = gradients_to_host(grads, [b.host_grad for b in buckets])
-        return grads, [b.master for b in buckets]
-
-    def _write_back(self):
-        self._all_gather_parameters()
+    def _reduce_gradients(self):
+        """Nothing left to reduce at step(): backward did it, bucket by bucket."""
 
     def _release(self):
+        # The shard is all that is left of the gradient: it stays until zero_grad(), as a .grad.
         for bucket in self.buckets:
             if bucket.master.grad is not bucket.grad_shard:
                 bucket.master.grad = None                # an fp32 or host copy lives only inside step()
-            if self.stage == 1:                          # the full gradient stays until zero_grad()
-                bucket.grad_shard = bucket.master.grad = None
 
-    def _reduce_scatter_full_gradients(self):
-        r = self.comm.rank
-        for bucket in self.buckets:
-            # A parameter that the user's zero_grad(set_to_none=True) or autograd re-created is
-            # copied back into the flat buffer once, and becomes a view again.
-            for p, view in zip(bucket.params, bucket.views(bucket.grad_flat)):
-                if p.grad is None:
-                    view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                p.grad = view
-        reductions = []
-        for bucket in self.buckets:
-            output = torch.empty_like(bucket.shard(bucket.flat, r))                 # (S,)
-            reductions.append((bucket, output, self.comm.reduce_scatter(
-                output, bucket.grad_flat, op="avg", async_op=True)))
-        for bucket, output, handle in reductions:
-            handle.wait()
-            bucket.grad_shard = output
-
-    def _all_gather_parameters(self):
-        r = self.comm.rank
-        gathers = []
-        for bucket in self.buckets:
-            shard = bucket.shard(bucket.flat, r)
-            if bucket.master is not shard:
-                # Round the fp32 master into the model. Offloaded, this is the host -> device copy:
-                # from pinned memory it is asynchronous, and the stream runs it before the
-                # clone below, so bucket i's all-gather overlaps bucket i+1's copy.
-                shard.copy_(bucket.master, non_blocking=True)
-            # The input is a copy: it must not alias the buffer being gathered into.
-            gathers.append(self.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
-        for handle in gathers:
-            handle.wait()
-
-    def refresh_params(self):
-        """After the masters were written (a loaded checkpoint): the model's parameters follow."""
-        self._all_gather_parameters()
-
-    def zero_grad(self, set_to_none: bool = True):
-        """Forget this step's gradients. Stage 2 holds only shards, and they go. Stage 1's .grad
-        are views into flat buffers it keeps for the next backward (as DDP's
-        gradient_as_bucket_view): they are zeroed whatever set_to_none says."""
-        for bucket in self.buckets:
-            bucket.grad_shard = bucket.master.grad = None
-            bucket.used = [False] * len(bucket.params)
-            if self.stage == 1:
-                bucket.grad_flat.zero_()
-
-    # ---- bookkeeping ------------------------------------------------------------------------
-
-    def gradient_buffers(self) -> list[torch.Tensor]:
-        """The gradient memory this rank holds: full flat buffers (stage 1) or shards (stage 2)."""
-        return [t for b in self.buckets for t in (b.grad_flat, b.grad_shard) if t is not None]
-
-    def bytes_per_step(self, micro_batches: int = 1) -> int:
-        """Bytes this rank sends per step (ring): reduce-scatter + all-gather of every bucket.
-
-        Each is (N-1)/N of the bucket, together DDP's 2(N-1)/N: ZeRO-1 and ZeRO-2 cost no more
-        traffic than DDP (plus the gradient norm's one fp32 number). Stage 2 reduce-scatters
-        once per micro-batch (it keeps no full gradient to accumulate into), stage 1 once.
-        """
-        n = self.comm.world_size
-        reductions = micro_batches if self.stage == 2 else 1
-        return step_message_bytes(sum(len(b.params) for b in self.buckets), n) + sum(
-            reductions * ring_bytes("reduce_scatter", b.flat.numel(), b.flat.element_size(), n)
-            + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), n)
-            for b in self.buckets)
+    def reductions_per_step(self, micro_batches: int) -> int:
+        """One reduce-scatter per micro-batch: ZeRO-2 sends more than DDP under accumulation."""
+        return micro_batches
 
 
 def step_message_bytes(n_params: int, world_size: int) -> int:
