@@ -36,7 +36,7 @@ class Unit(FlatParams):
         grad    (S,)    fp32, this rank's reduced (and accumulated) gradient of the shard: the
                         master's own .grad, so any torch.optim optimizer over FSDP.parameters()
                         steps on it (offloaded, the master is on the host and this stays on the device)
-        full    (N*S,)  compute dtype, gathered; its storage is resized to 0 between uses, and
+        flat    (N*S,)  compute dtype, gathered; its storage is resized to 0 between uses, and
                         the module's parameters stay views of it, so the module code never changes
     Offloaded (FSDPOptimizer(offload=True)) the master lives on the host, and the device keeps
         device_shard (S,) compute dtype, the master rounded: what the all-gathers send
@@ -48,13 +48,14 @@ class Unit(FlatParams):
         flat = self.flat.to(device)              # one unit at a time on the device, never the model
         comm.broadcast(flat, src=0)                          # ranks start identical
         self.master = nn.Parameter(self.shard(flat, comm.rank).clone())        # (S,) fp32
-        self.full = torch.empty(flat.numel(), dtype=compute_dtype, device=device)
-        for p, view in zip(self.params, self.views(self.full)):
+        # The fp32 copy of the whole unit goes; the flat buffer is now the compute-dtype one
+        # the all-gathers fill, empty (storage resized to 0) between uses.
+        self.flat = torch.empty(flat.numel(), dtype=compute_dtype, device=device)
+        for p, view in zip(self.params, self.views(self.flat)):
             p.data = view
-        self.flat = None                                     # the fp32 copy of the whole unit is gone
-        self.full.untyped_storage().resize_(0)
+        self.flat.untyped_storage().resize_(0)
         self.gathering = None        # (handle, input) of an all-gather in flight
-        self.gathered = False        # full holds the parameters (storage allocated)
+        self.gathered = False        # flat holds the parameters (storage allocated)
         self.device_shard = None
         self._device_grad = None     # offload: the reduced gradient, on the device
         self.host_grad = None        # offload: (S,) fp32 host buffer the gradient is copied into
@@ -80,7 +81,7 @@ class Unit(FlatParams):
 
     def free(self):
         self.wait()
-        self.full.untyped_storage().resize_(0)
+        self.flat.untyped_storage().resize_(0)
         self.gathered = False
 
     def wait(self):
@@ -199,14 +200,14 @@ class FSDP(nn.Module):
         """Issue unit's all-gather (async) unless it is gathered or on its way."""
         if unit.gathered:
             return
-        unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+        unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
         shard = (unit.device_shard if unit.device_shard is not None       # (S,) on the wire
                  else unit.master.detach().to(self.compute_dtype))
-        unit.gathering = (self.comm.all_gather(unit.full, shard, async_op=True), shard)  # -> (N*S,)
+        unit.gathering = (self.comm.all_gather(unit.flat, shard, async_op=True), shard)  # -> (N*S,)
         unit.gathered = True
         self.events.append(("all-gather", unit.index))
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(
-            u.full.untyped_storage().nbytes() for u in self.units))
+            u.flat.untyped_storage().nbytes() for u in self.units))
 
     def _prefetch(self, unit):
         # The limit keeps memory at 1 + prefetch units whatever runs ahead; a unit past the
@@ -265,7 +266,7 @@ class FSDP(nn.Module):
         Returns (handle, output) of the reduce-scatter in flight, or None under no_sync."""
         started = None
         if self._sync:
-            grad = torch.zeros_like(unit.full)                                   # (N*S,)
+            grad = torch.zeros_like(unit.flat)                                   # (N*S,)
             for i, (p, view) in enumerate(zip(unit.params, unit.views(grad))):
                 if p.grad is not None:
                     view.copy_(p.grad)
@@ -309,7 +310,7 @@ class FSDP(nn.Module):
         if max_norm <= 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
         grads = self.gradient_buffers()                                     # (S,) each, fp32
-        norm = split_norm(grads, self.comm, self.units[0].full.device)
+        norm = split_norm(grads, self.comm, self.units[0].flat.device)
         # torch's rule (clip_grad_norm_): scale by max_norm / norm when that is below 1.
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -341,8 +342,8 @@ class FSDP(nn.Module):
         forward, one more for backward except the root's (it stays gathered), one reduce-scatter
         per unit; plus FSDPOptimizer's used-flags and norm (zero.py). 3 (N-1)/N of the model: 1.5x DDP."""
         n, size = self.comm.world_size, torch.finfo(self.compute_dtype).bits // 8
-        per_unit = sum((2 if u is not self.root else 1) * ring_bytes("all_gather", u.full.numel(), size, n)
-                       + ring_bytes("reduce_scatter", u.full.numel(), size, n) for u in self.units)
+        per_unit = sum((2 if u is not self.root else 1) * ring_bytes("all_gather", u.flat.numel(), size, n)
+                       + ring_bytes("reduce_scatter", u.flat.numel(), size, n) for u in self.units)
         return micro_batches * per_unit + step_message_bytes(sum(len(u.params) for u in self.units), n)
 
     def names(self) -> dict:
@@ -355,7 +356,7 @@ class FSDP(nn.Module):
         Collective: every rank calls it."""
         names, out = self.names(), {}
         for unit in self.units:
-            flat = torch.empty(unit.full.numel(), device=unit.full.device)    # (N*S,) fp32
+            flat = torch.empty(unit.flat.numel(), device=unit.flat.device)    # (N*S,) fp32
             self.comm.all_gather(flat, unit.master.detach().to(flat.device, copy=True))
             out.update({names[p]: view.clone() for p, view in zip(unit.params, unit.views(flat))})
         out.update({name: p.detach().float().clone() for name, p in self.module.named_parameters()

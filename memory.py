@@ -400,15 +400,18 @@ def held_bytes(model, optimizer) -> dict:
 
     host = getattr(optimizer, "host_tensors", list)()
     host = {"host": total(host)} if host else {}
-    inner = getattr(model, "module", model)   # FSDP's module: its frozen weights stay whole
-    params = [*model.parameters(), *inner.parameters(), *getattr(model, "device_shards", list)()]
-    masters = [p for group in optimizer.param_groups for p in group["params"]]
-    states = [v for s in optimizer.optimizer.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor) and v.dim() > 0]
-    buffers = [*getattr(model, "gradient_buffers", list)(), *getattr(optimizer, "gradient_buffers", list)()]
-    return {"params": total(params + list(inner.buffers())),     # buffers: QLoRA's 4-bit weights
-            "grads": total([p.grad for p in params + masters] + buffers),
-            "optimizer": total(masters + states), **host}
+    # The wrappers, outermost first: a pipeline's DDP, DDP's tensor-parallel GPT, FSDP's module
+    # (its frozen weights stay whole), each with what it holds itself.
+    wrappers = [model]
+    while hasattr(wrappers[-1], "module"):
+        wrappers.append(wrappers[-1].module)
+    modules = [w for w in wrappers if isinstance(w, torch.nn.Module)]
+    params = [*(p for m in modules for p in m.parameters()),
+              *(t for w in wrappers for t in getattr(w, "device_shards", list)())]
+    buffers = [*(t for w in (*wrappers, optimizer) for t in getattr(w, "gradient_buffers", list)())]
+    return {"params": total(params + [b for m in modules for b in m.buffers()]),   # QLoRA's 4-bit
+            "grads": total([p.grad for p in params + optimizer.masters] + buffers),
+            "optimizer": total(optimizer.state_tensors()), **host}        # fp32 masters, moments
 
 
 def live_tensor_bytes() -> int:

@@ -200,6 +200,17 @@ class MasterOptimizer(torch.optim.Optimizer):
     def _shard_id(self) -> dict:
         return {}
 
+    @property
+    def sharded(self) -> bool:
+        """Does each rank hold only its shard of the masters (ZeRO, FSDP), not all of them?"""
+        return bool(self._shard_id())
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What this optimizer holds per element: the fp32 masters and the inner optimizer's
+        state (Adam's moments, not its step counts). memory.held_bytes counts them."""
+        return [*self.masters, *(v for s in self.optimizer.state.values() for v in s.values()
+                                 if isinstance(v, torch.Tensor) and v.dim() > 0)]
+
 
 @contextlib.contextmanager
 def keep_unchanged(ranges: list, state: dict):

@@ -384,6 +384,16 @@ class Pipeline:
         """The mean loss over x, y (B, T), forwards only; on every stage."""
         return self._run(self.forward_actions, x, y)
 
+    def __call__(self, x, y):
+        """(None, evaluate(x, y)): called as a GPT is, for the loss (no stage holds all logits)."""
+        return None, self.evaluate(x, y)
+
+    def eval(self):
+        self.module.eval()
+
+    def train(self):
+        self.module.train()
+
     def grad_norm(self, params, grads) -> torch.Tensor:
         """mixed_precision's norm hook: each stage holds its own parameters, so the squares add up
         over the stages (a data group holds copies: not summed); a tied weight counts once, on

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import warnings
+from typing import NamedTuple
 
 # torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy, and
 # requirements.txt does not install it.
@@ -30,20 +31,16 @@ from torch.optim.lr_scheduler import LambdaLR
 
 import fsdp
 import lora
-import pipeline
 import snapshot
-import tensor_parallel
 from checkpointing import checkpoint_blocks
 from cli import STRATEGIES, parse_args
 from collectives import Comm, exit_distributed, gather_objects, init_distributed, make_mesh
 from data import TextData
 from ddp import DDP
-from fsdp import FSDP
 from memory import held_bytes, live_tensor_bytes, state_bytes, tp_params
 from mixed_precision import DTYPES
 from model import GPT, GPTConfig, build_model
 from quantization import NF4Weight
-from zero import ShardedOptimizer
 
 class RunError(Exception):
     """A run that cannot go on, with the reason and the fix: printed without a traceback."""
@@ -68,15 +65,13 @@ def lr_scheduler(optimizer, args, start: int) -> LambdaLR:
 
 @torch.no_grad()
 def eval_loss(model, data, args, rank, world_size, device):
-    stages = isinstance(model, pipeline.Pipeline)            # forwards through every stage
-    module = model.module if stages else model
-    module.eval()
+    model.eval()
     losses = []
     for i in range(args.eval_batches):
         x, y = data.batch(i, args.batch_size, args.seq_len, args.seed, "eval", rank, world_size)
-        x, y = x.to(device), y.to(device)
-        losses.append(model.evaluate(x, y) if stages else model(x, y)[1])
-    module.train()
+        _, loss = model(x.to(device), y.to(device))      # a pipeline forwards through every stage
+        losses.append(loss)
+    model.train()
     return global_mean(torch.stack(losses).mean())
 
 
@@ -95,25 +90,23 @@ def train_step(model, optimizer, x, y, args, measure=False):
     compute exactly (on CUDA, synchronizing).
     """
     optimizer.zero_grad(set_to_none=True)
-    if isinstance(model, pipeline.Pipeline):
-        # The schedule runs the --microbatches (pipeline.py); replicas average once per step.
+    if hasattr(model, "train_step"):
+        # A pipeline runs the --microbatches by its schedule; replicas average once per step.
         loss = model.train_step(x, y, optimizer.scale_loss, measure)
         return loss, update(optimizer, args)
     # DDP reduces once per step (no_sync); FSDP reduce-scatters every micro-batch's gradient
-    # into its shards, so that no rank ever holds a full gradient.
-    replicas, sync = isinstance(model, DDP), isinstance(model, (DDP, FSDP))
+    # into its shards, so that no rank ever holds a full gradient (its no_sync would keep one).
+    no_sync = model.no_sync if isinstance(model, DDP) else contextlib.nullcontext
     step_loss = torch.zeros((), device=x.device)
     for micro, (mx, my) in enumerate(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum))):
         last = micro == args.grad_accum - 1
         # Gradients of all but the last micro-batch accumulate locally: one sync per step.
-        with model.no_sync() if replicas and not last else contextlib.nullcontext():
+        with contextlib.nullcontext() if last else no_sync():
             _, loss = model(mx, my)                                  # mean over (B/N/k, T)
             optimizer.scale_loss(loss / args.grad_accum).backward()
         step_loss += loss.detach() / args.grad_accum
-    if sync:
+    if hasattr(model, "finish_gradient_sync"):   # DDP, FSDP, tp (its partial gradients)
         model.finish_gradient_sync()
-    if (tp := _tensor_parallel(model)) is not None:
-        tp.finish_gradient_sync()                 # sequence parallelism's partial gradients
     return step_loss, update(optimizer, args)
 
 
@@ -200,39 +193,45 @@ def _lora_config(args) -> dict | None:
                 double_quant=args.double_quant) if args.lora else None
 
 
-def _tensor_parallel(model):
-    """The TensorParallelGPT inside model (under DDP or not), or None."""
-    inner = model.module if isinstance(model, DDP) else model
-    return inner if isinstance(inner, tensor_parallel.TensorParallelGPT) else None
+class Layout(NamedTuple):
+    """Where this rank's weights sit, as checkpoints need it: its rank in the data-parallel
+    group (replica 0 writes replicated weights), and the group that splits one model (tp's
+    tensor group or a pipeline, else None). `tensor` says the split is by matrix (parameters
+    marked tp_dim, tensor_parallel.py): whole pieces are gathered over `split`, and its first
+    rank writes them; a pipeline stage writes its own parameters."""
+    data_rank: int
+    split: Comm | None
+    tensor: bool
 
 
-def _pieces(gpt, model, optimizer, rank, frozen=True) -> list[dict]:
-    """This rank's part of the weights and optimizer state: its shard (zero, fsdp), or whole
-    parameters on rank 0 (replicas; tp gathers each split parameter whole first; a pipeline
-    stage's first replica writes that stage's parameters).
+def _layout(gpt, data_comm, split) -> Layout:
+    return Layout(data_comm.rank, split, any(hasattr(p, "tp_dim") for p in gpt.parameters()))
+
+
+def _pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
+    """This rank's part of the weights and optimizer state: its shard (a sharded optimizer:
+    zero, fsdp), or the first replica's whole parameters (tp gathers each split one whole
+    first; a pipeline stage's first replica writes that stage's).
     frozen: with the frozen weights (a LoRA checkpoint leaves them to its base)."""
-    tp = _tensor_parallel(model)
-    if isinstance(model, pipeline.Pipeline):
-        rank = model.module.comm.rank if isinstance(model.module, DDP) else 0   # in its data group
-    pieces = []
-    if isinstance(optimizer, ShardedOptimizer) or rank == 0 or tp is not None:
-        pieces = snapshot.optimizer_pieces(optimizer, _names(gpt))
-    if frozen and (rank == 0 or tp is not None):
+    if not (optimizer.sharded or layout.data_rank == 0):
+        return []
+    pieces = snapshot.optimizer_pieces(optimizer, _names(gpt))
+    if frozen and layout.data_rank == 0:
         pieces += snapshot.frozen_pieces(gpt)
-    if tp is not None:                                               # collective: every rank
-        pieces = snapshot.gather_pieces(pieces, dict(gpt.named_parameters()), tp.comm)
-        pieces = pieces if rank == 0 else []
+    if layout.tensor:                                  # collective: the whole tensor group
+        pieces = snapshot.gather_pieces(pieces, dict(gpt.named_parameters()), layout.split)
+        pieces = pieces if layout.split.rank == 0 else []
     return pieces
 
 
-def save_checkpoint(args, step, gpt, model, optimizer, rank, loss=None):
-    """Every rank's shard (or rank 0's copy, for replicas), RNG, loss scale; returns its path.
+def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None):
+    """Every rank's shard (or the first replica's copy), RNG, loss scale; returns its path.
     Weights with inf or NaN are not saved: RunError.
 
     A LoRA run on an --init-from base saves only what trains, the adapter, and names the base.
     """
     base = os.path.abspath(args.init_from) if args.lora and args.init_from else None
-    pieces = _pieces(gpt, model, optimizer, rank, frozen=not base)
+    pieces = _pieces(gpt, optimizer, layout, frozen=not base)
     if not snapshot.all_finite(pieces, next(gpt.parameters()).device):
         raise RunError(f"step {step}: the weights hold inf or NaN; no checkpoint written (the "
                        f"last good one is {snapshot.latest(args.out)})")
@@ -245,7 +244,7 @@ def save_checkpoint(args, step, gpt, model, optimizer, rank, loss=None):
     return snapshot.save(args.out, step, part, meta, keep=args.keep)
 
 
-def resume(args, gpt, model, optimizer, world_size, rank, say) -> int:
+def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
     """Load the newest checkpoint in --out (or the one --resume names) into this run; the step
     to continue from."""
     path = args.resume if args.resume not in ("must", "auto") else snapshot.latest(args.out)
@@ -262,8 +261,8 @@ def resume(args, gpt, model, optimizer, world_size, rank, say) -> int:
     changed = [(k, v, vars(args).get(k)) for k, v in meta["args"].items()
                if k not in bookkeeping and vars(args).get(k) != v]
     pieces = snapshot.Pieces([p for part in parts for p in part["pieces"]])
-    if (tp := _tensor_parallel(model)) is not None:       # whole pieces in, this rank's slices out
-        pieces = snapshot.TensorParallelReader(pieces, dict(gpt.named_parameters()), tp.comm)
+    if layout.tensor:                                    # whole pieces in, this rank's slices out
+        pieces = snapshot.TensorParallelReader(pieces, dict(gpt.named_parameters()), layout.split)
     snapshot.load_pieces(optimizer, _names(gpt), gpt, pieces, frozen=not meta.get("base"))
     optimizer.scaler.load_state_dict(parts[0]["scaler"])     # the same on every rank
     if meta["world_size"] == world_size:
@@ -285,14 +284,14 @@ def resume(args, gpt, model, optimizer, world_size, rank, say) -> int:
     return meta["step"]
 
 
-def export(path, gpt, model, optimizer, rank, lora_config=None):
+def export(path, gpt, optimizer, layout: Layout, rank, lora_config=None):
     """One consolidated fp32 file: {"model": config, "state_dict": weights}, written by rank 0."""
     pieces = [{**p, "tensors": {"param": p["tensors"]["param"]}, "scalars": {}}
-              for p in _pieces(gpt, model, optimizer, rank)]
+              for p in _pieces(gpt, optimizer, layout)]
     gathered = gather_objects(pieces, Comm(), next(gpt.parameters()).device, dst=0)
     if rank == 0:
         shapes = gpt
-        if _tensor_parallel(model) is not None or isinstance(model, pipeline.Pipeline):
+        if layout.split is not None:
             with torch.device("meta"):     # whole shapes (a rank holds slices or a stage), no memory
                 shapes = GPT(gpt.cfg)
                 if lora_config:
@@ -406,7 +405,8 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         gpt, model, optimizer, predicted = build(args, device, comm, split, data_comm)
     except ValueError as e:                    # a strategy refused its input: same on every rank
         raise RunError(str(e)) from None
-    start = resume(args, gpt, model, optimizer, world_size, rank, say) if args.resume else 0
+    layout = _layout(gpt, data_comm, split)
+    start = resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
     # QLoRA's 4-bit weights are buffers, not parameters: counted apart.
     quantized = sum(torch.Size(m.shape).numel() for m in gpt.modules() if isinstance(m, NF4Weight))
@@ -493,7 +493,7 @@ def main(argv=None, live_bytes: bool = False) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             tokens_per_s = tokens_per_step * (step - last_timed) / (time.perf_counter() - timer)
-            held = held_bytes(model.module if isinstance(model, pipeline.Pipeline) else model, optimizer)
+            held = held_bytes(model, optimizer)
             host = held.pop("host", None)                           # --offload: CPU memory
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else sum(held.values())
             history["losses"][step] = loss
@@ -509,7 +509,7 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                    f"{predicted / 2**20:.2f})" if world_size > 1 else "")
                 + (f" | skipped {skipped}" if skipped else "")
                 + f" | {step + 1}/{args.steps} in {clock(elapsed)}, about {clock(left)} left")
-            if isinstance(model, pipeline.Pipeline):
+            if hasattr(model, "measured_bubbles"):
                 bubbles = history.setdefault("bubble", {})[step] = model.measured_bubbles()
                 M, P = args.microbatches, args.pp
                 say(f"step {step:5d} | bubble (idle share of the step) per stage "
@@ -526,14 +526,14 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         step_done(last=done == args.steps)
         if args.out and (done == args.steps or args.save_every and done % args.save_every == 0):
             step_loss = loss if isinstance(loss, float) else global_mean(loss)
-            saved = save_checkpoint(args, done, gpt, model, optimizer, rank, step_loss)
+            saved = save_checkpoint(args, done, gpt, optimizer, layout, step_loss)
             say(f"step {step:5d} | saved {saved}: named by the steps done ({done}), so --resume "
                 f"continues at step {done} | loss {step_loss:.4f}")
             timer, last_timed = time.perf_counter(), step
     history["eval_loss"] = eval_loss(model, data, args, data_rank, data_size, device)
     say(f"done | eval loss {history['eval_loss']:.4f}")
     if args.export:
-        export(args.export, gpt, model, optimizer, rank, _lora_config(args))
+        export(args.export, gpt, optimizer, layout, rank, _lora_config(args))
         say(f"exported {args.export}: fp32 weights; train.load_weights({args.export!r}) loads them")
     if log_file:
         log_file.close()

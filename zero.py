@@ -89,8 +89,7 @@ class ShardedOptimizer(MasterOptimizer):
         """What offload keeps in host memory: fp32 masters, optimizer state, gradient buffers."""
         if not self.offload:
             return []
-        return [*(t for flat in self.flats for t in (flat.master, flat.host_grad)),
-                *optimizer_state(self.optimizer)]
+        return [*self.state_tensors(), *(flat.host_grad for flat in self.flats)]
 
     def _shard_id(self) -> dict:
         return {"rank": self.comm.rank, "world_size": self.comm.world_size}
@@ -367,12 +366,6 @@ def gradients_to_host(grads: list, buffers: list) -> list:
         # buffer before its bytes have landed.
         torch.cuda.current_stream(grads[0].device).synchronize()
     return buffers
-
-
-def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The inner optimizer's per-element state tensors (Adam's moments), not its step counts."""
-    return [v for s in optimizer.state.values() for v in s.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
 # ---- train.py's row ---------------------------------------------------------------------------

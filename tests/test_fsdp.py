@@ -146,7 +146,7 @@ def _full_gradients(wrapped, scale):
     """The averaged gradient by name, all-gathered from every rank's fp32 shards."""
     names, grads = wrapped.names(), {}
     for unit in wrapped.units:
-        flat = torch.empty(unit.full.numel())                         # (N*S,)
+        flat = torch.empty(unit.flat.numel())                         # (N*S,)
         dist.all_gather_single(flat, unit.grad / scale)
         grads.update({names[p]: g.clone() for p, g in zip(unit.params, unit.views(flat))})
     return grads
@@ -196,7 +196,7 @@ def _bytes_and_memory(batches):
         live.append(live_tensor_bytes())
     out.update(sent=sent, live=live, predicted=wrapped.bytes_per_step(), events=wrapped.events,
                held=held_bytes(wrapped, opt), peak=wrapped.peak_gathered_bytes,
-               unit_bytes=[u.full.numel() * 4 for u in wrapped.units],
+               unit_bytes=[u.flat.numel() * 4 for u in wrapped.units],
                root=wrapped.units.index(wrapped.root), n_params=sum(p.numel() for p in gpt.parameters()))
     # Root-less: every parameter in a unit freed after forward, so every unit is gathered twice.
     torch.manual_seed(0)
@@ -238,7 +238,7 @@ def _load_full_state_dict(wrapped, state: dict):
     """full_state_dict's inverse: every rank passes the whole state dict, each keeps its shard."""
     names = wrapped.names()
     for unit in wrapped.units:
-        flat = torch.zeros(unit.full.numel(), device=unit.master.device)   # (N*S,) fp32
+        flat = torch.zeros(unit.flat.numel(), device=unit.master.device)   # (N*S,) fp32
         for p, view in zip(unit.params, unit.views(flat)):
             view.copy_(state[names[p]])
         unit.master.copy_(unit.shard(flat, wrapped.comm.rank))
