@@ -20,14 +20,14 @@ import pipeline
 import snapshot
 import tensor_parallel
 import zero
+from advisor import advise, parse_bytes
 from collectives import init_distributed
-from memory import advise, parse_bytes
 from mixed_precision import DTYPES
 from model import PRESETS
 
 # --strategy -> the module whose build(gpt, options, data, split, device, adamw) wraps the model
 # and makes its optimizer: (model, optimizer, bytes per step its formula predicts). "auto" picks
-# one of them (memory.advise).
+# one of them (advisor.advise).
 STRATEGIES = {"single": ddp, "ddp": ddp, "zero1": zero, "zero2": zero, "fsdp": fsdp, "zero3": fsdp,
               "tp": tensor_parallel, "pipeline": pipeline}
 EVAL_FRACTION = 0.05                      # data.py's held-out tail
@@ -154,7 +154,7 @@ def parse_args(argv=None):
 
 
 def auto_strategy(parser, args, world_size) -> list[str]:
-    """--strategy auto: memory.advise's first rung that fits this machine; its train.py flags."""
+    """--strategy auto: advisor.advise's first rung that fits this machine; its train.py flags."""
     if args.mem_budget:
         try:
             budget = parse_bytes(args.mem_budget)

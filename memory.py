@@ -7,8 +7,7 @@ figure 1; activations: Korthikanti et al. 2022, "Reducing Activation Recomputati
 Transformer Models", section 4). held_bytes() measures the same three on a live rank.
 Left out: transient buffers (FSDP's gathered unit, the fp32 gradient inside a mixed-precision
 step), fragmentation, the CUDA context.
-Run: python memory.py --params 7.5e9 --world 64; the lecture's flow chart as advice:
-python memory.py --advise --model gpt2-small --gpu-mem 24GB --world 4 --target-batch 64
+Run: python memory.py --params 7.5e9 --world 64 (--advise: the lecture's flow chart, advisor.py)
 Test: python -m pytest tests/test_memory.py
 
 Shapes: P parameters, N world size, c = ceil(P / N) elements per shard; activations: s sequence,
@@ -16,7 +15,6 @@ b micro-batch per rank, h hidden (n_embd), a heads, L layers, V vocabulary.
 """
 import argparse
 import gc
-from dataclasses import dataclass
 
 import torch
 
@@ -240,144 +238,7 @@ def tp_params(name_or_config, tp: int) -> int:
     return V * C // tp + cfg.block_size * C + cfg.n_layer * block + 2 * C + head
 
 
-# ---- the advisor: the lecture's flow chart, rung by rung ------------------------------------
-#
-#   mixed precision always (bf16, or fp16 where the GPU has no bf16)
-#   -> micro-batch 1 fits with ddp?  then zero2 and the largest micro-batch that fits
-#   -> else zero3/fsdp  -> + activation checkpointing  -> + optimizer offloaded to the CPU
-#   -> else LoRA (train adapters only)  -> QLoRA (the frozen base in 4 bits)
-# Gradient accumulation fills the rest of the target batch at every rung.
-
-LORA_RANK, LORA_TARGETS = 8, ("query", "value")
-
-
-@dataclass
-class Advice:
-    """One rung: what train.py runs, and the napkin bytes per rank it needs."""
-    rung: str
-    strategy: str
-    micro_batch: int              # sequences per rank per forward
-    grad_accum: int
-    flags: list                   # train.py flags beyond strategy, batch and accumulation
-    held: dict                    # params, grads, optimizer, activations, total (device bytes)
-    fits: bool
-
-    def argv(self, model: str, precision: str, seq_len: int, target_batch: int) -> list:
-        return ["--strategy", self.strategy, "--model", model, "--precision", precision,
-                "--batch-size", str(target_batch), "--seq-len", str(seq_len),
-                "--grad-accum", str(self.grad_accum), *self.flags]
-
-
-def lora_params(cfg: GPTConfig, rank: int = LORA_RANK, targets: int = len(LORA_TARGETS)) -> int:
-    """Trainable parameters of LoRA on `targets` C x C projections per block: A (r x C), B (C x r)."""
-    return cfg.n_layer * targets * 2 * rank * cfg.n_embd
-
-
-def parse_bytes(text: str) -> int:
-    """'24GB' (1e9), '512MiB' (2**20), '80G', '1.5e9' -> bytes."""
-    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 1e9, "MB": 1e6, "KB": 1e3,
-             "G": 1e9, "M": 1e6, "K": 1e3, "B": 1}
-    upper = text.strip().upper()
-    unit = next((u for u in units if upper.endswith(u)), "B")
-    try:
-        value = float(upper[: len(upper) - len(unit)] if upper.endswith(unit) else upper)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise ValueError(f"memory {text!r} is not a positive size: write it like 24GB, 80GB, 512MiB")
-    return int(value * units[unit])
-
-
-def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int,
-           precision: str = "bf16", headroom: float = 0.1) -> list[Advice]:
-    """Walk the flow chart; every rung tried, the last one the first that fits (if any does).
-
-    A rung fits when its per-rank bytes (states + one micro-batch's activations and logits)
-    stay under (1 - headroom) x gpu_mem. target_batch: the global batch in sequences.
-    Activations are per micro-batch: gradient accumulation reaches the target batch without
-    holding more of them, so it costs steps, not memory.
-    """
-    if model not in PRESETS:
-        raise ValueError(f"unknown model {model!r}: choose one of {', '.join(PRESETS)}")
-    if world < 1:
-        raise ValueError(f"the world must be at least 1 GPU, got {world}")
-    if not 1 <= seq_len <= PRESETS[model].block_size:
-        raise ValueError(f"--seq-len must be between 1 and model {model}'s block size "
-                         f"{PRESETS[model].block_size}, got {seq_len}")
-    if target_batch < 1 or target_batch % world:
-        raise ValueError(f"--target-batch {target_batch} does not split over {world} ranks: "
-                         f"use a multiple of {world}")
-    cfg, n = PRESETS[model], model_params(model)
-    per_rank, value = target_batch // world, _element_size(precision)
-    budget = (1 - headroom) * gpu_mem
-    adapted = cfg.n_layer * len(LORA_TARGETS) * cfg.n_embd ** 2        # weights LoRA wraps
-    lora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(LORA_TARGETS)]
-    rungs = [  # (name, strategy, checkpointing, offload, trainable, quantized, flags)
-        ("ddp, micro-batch 1", "ddp" if world > 1 else "single", False, False, n, 0, []),
-        ("zero3 (fsdp)", "fsdp", False, False, n, 0, []),
-        ("fsdp + activation checkpointing", "fsdp", True, False, n, 0, ["--checkpoint-activations"]),
-        ("fsdp + checkpointing + optimizer offloaded to the CPU", "fsdp", True, True, n, 0,
-         ["--checkpoint-activations", "--offload", "optimizer"]),
-        ("LoRA (fsdp + checkpointing)", "fsdp", True, False, lora_params(cfg), 0,
-         ["--checkpoint-activations", *lora]),
-        ("QLoRA: the frozen base in 4-bit NF4", "fsdp", True, False, lora_params(cfg), adapted,
-         ["--checkpoint-activations", *lora, "--quantize-base", "nf4"]),
-    ]
-    tried = []
-    for name, strategy, checkpointing, offload, trainable, quantized, flags in rungs:
-        def need(b, strategy=strategy):
-            states = state_bytes(n, strategy, precision, world, trainable=trainable,
-                                 quantized=quantized, offload=offload)
-            act = activation_bytes(seq_len, b, cfg.n_embd, cfg.n_head, cfg.n_layer, checkpointing,
-                                   value) + logits_bytes(seq_len, b, cfg.vocab_size)
-            return {"params": states["params"], "grads": states["grads"],
-                    "optimizer": states["optimizer"], "activations": act,
-                    "total": states["total"] + act, **({"host": states["host"]} if offload else {})}
-        held = need(1)
-        if held["total"] > budget:
-            tried.append(Advice(name, strategy, 1, per_rank, flags, held, False))
-            continue
-        if strategy == "ddp":                  # it fits: shard gradients and optimizer, grow b
-            name, strategy = "zero2, the largest micro-batch that fits", "zero2"
-        elif strategy == "single":             # one GPU: nothing to shard, grow b
-            name = "one GPU, the largest micro-batch that fits"
-        b = max(d for d in range(1, per_rank + 1) if per_rank % d == 0 and need(d, strategy)["total"] <= budget)
-        tried.append(Advice(name, strategy, b, per_rank // b, flags, need(b, strategy), True))
-        break
-    return tried
-
-
-def _advise(args):
-    if args.model is None:
-        raise SystemExit("memory.py: error: --advise needs --model (a preset: the flow chart needs its shape)")
-    gpu_mem = parse_bytes(args.gpu_mem)
-    seq_len = args.seq_len or PRESETS[args.model].block_size
-    precision = "bf16" if args.bf16 else "fp16"
-    rungs = advise(args.model, gpu_mem, args.world, seq_len, args.target_batch, precision)
-    print(f"{args.model} ({model_params(args.model):,} parameters) on {args.world} GPU(s) of "
-          f"{gpu_mem / GB:.0f} GB, seq len {seq_len}, target batch {args.target_batch}, {precision} "
-          f"(mixed precision, fp32 masters); fits = under 90% of the memory")
-    print("activations are one micro-batch's (b sequences per rank): --grad-accum adds none")
-    print(f"{'rung':<55}{'b':>4}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'total GB':>10}")
-    for a in rungs:
-        h = a.held
-        print(f"{a.rung:<55}{a.micro_batch:>4}{h['params'] / GB:9.2f}{h['grads'] / GB:9.2f}"
-              f"{h['optimizer'] / GB:9.2f}{h['activations'] / GB:9.2f}{h['total'] / GB:10.2f}  "
-              + ("fits" + (f" (+{h['host'] / GB:.2f} GB in CPU memory)" if "host" in h else "")
-                 if a.fits else "too big"))
-    chosen = rungs[-1]
-    if not chosen.fits:
-        print("nothing fits: more GPUs, a smaller --seq-len, or a smaller model")
-        return
-    launch = "python" if args.world == 1 else f"torchrun --nproc_per_node {args.world}"
-    argv = chosen.argv(args.model, precision, seq_len, args.target_batch)
-    print(f"\n{launch} train.py {' '.join(argv)}"
-          + ("   # LoRA fine-tunes a trained model: add --init-from RUN_DIR" if "--lora" in argv else ""))
-
-
-# ---- command line ---------------------------------------------------------------------------
-
-GB, MiB = 1e9, 2**20    # GB as in the ZeRO paper; MiB as train.py logs what it measures
+# ---- measured on a live rank -----------------------------------------------------------------
 
 
 def held_bytes(model, optimizer) -> dict:
@@ -430,7 +291,13 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
+# ---- command line ---------------------------------------------------------------------------
+
+GB, MiB = 1e9, 2**20    # GB as in the ZeRO paper; MiB as train.py logs what it measures
+
+
 def _parse_args(argv=None):
+    import advisor    # it imports this file's napkin math: imported here, not at the top
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--params", type=float, default=None, help="parameter count, e.g. 7.5e9")
@@ -454,24 +321,10 @@ def _parse_args(argv=None):
     p.add_argument("--double-quant", action="store_true", help="with --quantize-base: 8-bit scales")
     p.add_argument("--offload", choices=("optimizer",), default=None,
                    help="ZeRO-Offload: the sharded optimizer (fp32 master, moments) in host memory")
-    advice = p.add_argument_group("the flow chart (memory.py --advise --model M --gpu-mem 24GB --world N)")
-    advice.add_argument("--advise", action="store_true",
-                        help="walk the lecture's flow chart and print the first train.py command that fits")
-    advice.add_argument("--gpu-mem", default="24GB", help="memory per GPU, e.g. 24GB, 80GB, 512MiB")
-    advice.add_argument("--target-batch", type=int, default=None,
-                        help="global batch in sequences to reach (gradient accumulation fills it); "
-                             "default 8 per GPU")
-    advice.add_argument("--no-bf16", dest="bf16", action="store_false",
-                        help="the GPU has no bf16 (before Ampere): fp16 with loss scaling")
+    advisor.add_arguments(p)
     args = p.parse_args(argv)
     if args.advise:
-        args.target_batch = args.target_batch or 8 * args.world
-        if args.model is not None:            # _advise names the missing --model itself
-            try:                              # advise's own checks, as one usage message
-                advise(args.model, parse_bytes(args.gpu_mem), args.world,
-                       args.seq_len or PRESETS[args.model].block_size, args.target_batch)
-            except ValueError as e:
-                p.error(str(e))
+        advisor.check_args(p, args)
         return args
 
     if args.quantize_base and args.trainable is None:
@@ -509,27 +362,20 @@ def _parse_args(argv=None):
     return args
 
 
-def _trainable(args):
-    return None if args.trainable is None else int(args.trainable)
-
-
-def _state(n_params, strategy, args):
-    """state_bytes for the command line's choices; --offload applies to the sharded strategies."""
-    trainable = _trainable(args)
+def _predict(n_params, strategy, args):
+    """state_bytes and comm_bytes for the command line's choices. --offload applies to the
+    sharded strategies. Only trainable parameters have gradients to reduce (and, under zero1/2,
+    updates to gather); zero3 still all-gathers every parameter, frozen ones included."""
+    trainable = None if args.trainable is None else int(args.trainable)
     quantized = n_params - trainable if args.quantize_base else 0
-    offload = bool(args.offload) and _strategy(strategy, args.world) != "ddp"
-    return state_bytes(n_params, strategy, args.precision, args.world, args.optimizer,
+    canonical = _strategy(strategy, args.world)
+    held = state_bytes(n_params, strategy, args.precision, args.world, args.optimizer,
                        trainable=trainable, quantized=quantized, double_quant=args.double_quant,
-                       offload=offload)
-
-
-def _sent(n_params, strategy, args):
-    """Only trainable parameters have gradients to reduce (and, under zero1/2, updates to
-    gather); zero3 still all-gathers every parameter, frozen ones included."""
-    sent = comm_bytes(_trainable(args) or n_params, strategy, args.precision, args.world)
-    if "all_gather" in sent and _strategy(strategy, args.world) == "zero3":
+                       offload=bool(args.offload) and canonical != "ddp")
+    sent = comm_bytes(trainable or n_params, strategy, args.precision, args.world)
+    if "all_gather" in sent and canonical == "zero3":
         sent["all_gather"] = comm_bytes(n_params, strategy, args.precision, args.world)["all_gather"]
-    return sent
+    return held, sent
 
 
 def _table(n_params, args):
@@ -547,8 +393,7 @@ def _table(n_params, args):
     host = f"{'host':>9}" if args.offload else ""
     print(f"{'strategy':<9}{'params':>9}{'grads':>9}{'optimizer':>11}{'total':>9}{host} |{'sent':>8}  collectives")
     for strategy in STRATEGIES:
-        held = _state(n_params, strategy, args)
-        sent = _sent(n_params, strategy, args)
+        held, sent = _predict(n_params, strategy, args)
         host = f"{held['host'] / unit:9.2f}" if "host" in held else f"{'-':>9}" if args.offload else ""
         print(f"{strategy:<9}{held['params'] / unit:9.2f}{held['grads'] / unit:9.2f}"
               f"{held['optimizer'] / unit:11.2f}{held['total'] / unit:9.2f}{host} |"
@@ -558,11 +403,9 @@ def _table(n_params, args):
 def _breakdown(n_params, args):
     """One strategy in detail: what a rank holds, activations included, and what it sends."""
     strategy, n = args.strategy, args.world
-    held = _state(n_params, strategy, args)
-    sent = _sent(n_params, strategy, args)
+    held, sent = _predict(n_params, strategy, args)
     canonical = _strategy(strategy, n)
-    sharded = SHARDED[canonical]
-    how = [f"1/{n} shard" if s else "full" for s in sharded]
+    how = [f"1/{n} shard" if s else "full" for s in SHARDED[canonical]]
     row = lambda label, value: print(f"  {label:<44}{value:>16,}{value / MiB:12.2f}{value / GB:10.3f}")
     print(f"{args.model or 'model'}: {n_params:,} parameters | {strategy} on {n} rank(s) | "
           f"{args.precision} parameters and gradients, {args.optimizer}")
@@ -600,7 +443,8 @@ def _breakdown(n_params, args):
 def main(argv=None):
     args = _parse_args(argv)
     if args.advise:
-        return _advise(args)
+        import advisor
+        return advisor.print_advice(args)
     n_params = model_params(args.model) if args.model is not None else int(args.params)
     if args.strategy is None:
         _table(n_params, args)

@@ -1,0 +1,174 @@
+"""The lecture's "what to do when it does not fit" flow chart, walked with memory.py's napkin math.
+
+The rungs, each a train.py command: ddp (then zero2, the micro-batch grown), fsdp, + activation
+checkpointing, + the optimizer offloaded to the CPU, LoRA, QLoRA. Each is priced per rank (training
+state plus one micro-batch's activations and logits); the first that fits is the advice, and
+train.py --strategy auto takes it. Left out: speed (it chooses by bytes, not step time), pipeline
+and tensor parallelism, and what memory.py leaves out (transient buffers, the CUDA context).
+Run: python memory.py --advise --model gpt2-small --gpu-mem 24GB --world 4 --target-batch 64
+Test: python -m pytest tests/test_advisor.py
+"""
+from dataclasses import dataclass
+
+from memory import GB, activation_bytes, bytes_per_param, logits_bytes, model_params, state_bytes
+from model import PRESETS, GPTConfig
+
+# ---- the flow chart, rung by rung ------------------------------------------------------------
+#
+#   mixed precision always (bf16, or fp16 where the GPU has no bf16)
+#   -> micro-batch 1 fits with ddp?  then zero2 and the largest micro-batch that fits
+#   -> else zero3/fsdp  -> + activation checkpointing  -> + optimizer offloaded to the CPU
+#   -> else LoRA (train adapters only)  -> QLoRA (the frozen base in 4 bits)
+# Gradient accumulation fills the rest of the target batch at every rung.
+
+LORA_RANK, LORA_TARGETS = 8, ("query", "value")
+
+
+@dataclass
+class Advice:
+    """One rung: what train.py runs, and the napkin bytes per rank it needs."""
+    rung: str
+    strategy: str
+    micro_batch: int              # sequences per rank per forward
+    grad_accum: int
+    flags: list                   # train.py flags beyond strategy, batch and accumulation
+    held: dict                    # params, grads, optimizer, activations, total (device bytes)
+    fits: bool
+
+    def argv(self, model: str, precision: str, seq_len: int, target_batch: int) -> list:
+        return ["--strategy", self.strategy, "--model", model, "--precision", precision,
+                "--batch-size", str(target_batch), "--seq-len", str(seq_len),
+                "--grad-accum", str(self.grad_accum), *self.flags]
+
+
+def lora_params(cfg: GPTConfig, rank: int = LORA_RANK, targets: int = len(LORA_TARGETS)) -> int:
+    """Trainable parameters of LoRA on `targets` C x C projections per block: A (r x C), B (C x r)."""
+    return cfg.n_layer * targets * 2 * rank * cfg.n_embd
+
+
+def parse_bytes(text: str) -> int:
+    """'24GB' (1e9), '512MiB' (2**20), '80G', '1.5e9' -> bytes."""
+    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 1e9, "MB": 1e6, "KB": 1e3,
+             "G": 1e9, "M": 1e6, "K": 1e3, "B": 1}
+    upper = text.strip().upper()
+    unit = next((u for u in units if upper.endswith(u)), "B")
+    try:
+        value = float(upper[: len(upper) - len(unit)] if upper.endswith(unit) else upper)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"memory {text!r} is not a positive size: write it like 24GB, 80GB, 512MiB")
+    return int(value * units[unit])
+
+
+def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int,
+           precision: str = "bf16", headroom: float = 0.1) -> list[Advice]:
+    """Walk the flow chart; every rung tried, the last one the first that fits (if any does).
+
+    A rung fits when its per-rank bytes (states + one micro-batch's activations and logits)
+    stay under (1 - headroom) x gpu_mem. target_batch: the global batch in sequences.
+    Activations are per micro-batch: gradient accumulation reaches the target batch without
+    holding more of them, so it costs steps, not memory.
+    """
+    if model not in PRESETS:
+        raise ValueError(f"unknown model {model!r}: choose one of {', '.join(PRESETS)}")
+    if world < 1:
+        raise ValueError(f"the world must be at least 1 GPU, got {world}")
+    if not 1 <= seq_len <= PRESETS[model].block_size:
+        raise ValueError(f"--seq-len must be between 1 and model {model}'s block size "
+                         f"{PRESETS[model].block_size}, got {seq_len}")
+    if target_batch < 1 or target_batch % world:
+        raise ValueError(f"--target-batch {target_batch} does not split over {world} ranks: "
+                         f"use a multiple of {world}")
+    cfg, n = PRESETS[model], model_params(model)
+    per_rank, value = target_batch // world, bytes_per_param(precision)["params"]
+    budget = (1 - headroom) * gpu_mem
+    adapted = cfg.n_layer * len(LORA_TARGETS) * cfg.n_embd ** 2        # weights LoRA wraps
+    lora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(LORA_TARGETS)]
+    rungs = [  # (name, strategy, checkpointing, offload, trainable, quantized, flags)
+        ("ddp, micro-batch 1", "ddp" if world > 1 else "single", False, False, n, 0, []),
+        ("zero3 (fsdp)", "fsdp", False, False, n, 0, []),
+        ("fsdp + activation checkpointing", "fsdp", True, False, n, 0, ["--checkpoint-activations"]),
+        ("fsdp + checkpointing + optimizer offloaded to the CPU", "fsdp", True, True, n, 0,
+         ["--checkpoint-activations", "--offload", "optimizer"]),
+        ("LoRA (fsdp + checkpointing)", "fsdp", True, False, lora_params(cfg), 0,
+         ["--checkpoint-activations", *lora]),
+        ("QLoRA: the frozen base in 4-bit NF4", "fsdp", True, False, lora_params(cfg), adapted,
+         ["--checkpoint-activations", *lora, "--quantize-base", "nf4"]),
+    ]
+    tried = []
+    for name, strategy, checkpointing, offload, trainable, quantized, flags in rungs:
+        def need(b, strategy=strategy):
+            states = state_bytes(n, strategy, precision, world, trainable=trainable,
+                                 quantized=quantized, offload=offload)
+            act = activation_bytes(seq_len, b, cfg.n_embd, cfg.n_head, cfg.n_layer, checkpointing,
+                                   value) + logits_bytes(seq_len, b, cfg.vocab_size)
+            return {"params": states["params"], "grads": states["grads"],
+                    "optimizer": states["optimizer"], "activations": act,
+                    "total": states["total"] + act, **({"host": states["host"]} if offload else {})}
+        held = need(1)
+        if held["total"] > budget:
+            tried.append(Advice(name, strategy, 1, per_rank, flags, held, False))
+            continue
+        if strategy == "ddp":                  # it fits: shard gradients and optimizer, grow b
+            name, strategy = "zero2, the largest micro-batch that fits", "zero2"
+        elif strategy == "single":             # one GPU: nothing to shard, grow b
+            name = "one GPU, the largest micro-batch that fits"
+        b = max(d for d in range(1, per_rank + 1) if per_rank % d == 0 and need(d, strategy)["total"] <= budget)
+        tried.append(Advice(name, strategy, b, per_rank // b, flags, need(b, strategy), True))
+        break
+    return tried
+
+
+# ---- memory.py --advise ----------------------------------------------------------------------
+
+def add_arguments(p):
+    """The flow chart's options, a group of memory.py's command line."""
+    advice = p.add_argument_group("the flow chart (memory.py --advise --model M --gpu-mem 24GB --world N)")
+    advice.add_argument("--advise", action="store_true",
+                        help="walk the lecture's flow chart and print the first train.py command that fits")
+    advice.add_argument("--gpu-mem", default="24GB", help="memory per GPU, e.g. 24GB, 80GB, 512MiB")
+    advice.add_argument("--target-batch", type=int, default=None,
+                        help="global batch in sequences to reach (gradient accumulation fills it); "
+                             "default 8 per GPU")
+    advice.add_argument("--no-bf16", dest="bf16", action="store_false",
+                        help="the GPU has no bf16 (before Ampere): fp16 with loss scaling")
+
+
+def check_args(p, args):
+    """The default target batch, then advise's own checks as one usage message."""
+    args.target_batch = args.target_batch or 8 * args.world
+    if args.model is None:
+        raise SystemExit("memory.py: error: --advise needs --model (a preset: the flow chart needs its shape)")
+    try:
+        advise(args.model, parse_bytes(args.gpu_mem), args.world,
+               args.seq_len or PRESETS[args.model].block_size, args.target_batch)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def print_advice(args):
+    """Every rung tried, bytes per rank, and the train.py command of the first that fits."""
+    gpu_mem = parse_bytes(args.gpu_mem)
+    seq_len = args.seq_len or PRESETS[args.model].block_size
+    precision = "bf16" if args.bf16 else "fp16"
+    rungs = advise(args.model, gpu_mem, args.world, seq_len, args.target_batch, precision)
+    print(f"{args.model} ({model_params(args.model):,} parameters) on {args.world} GPU(s) of "
+          f"{gpu_mem / GB:.0f} GB, seq len {seq_len}, target batch {args.target_batch}, {precision} "
+          f"(mixed precision, fp32 masters); fits = under 90% of the memory")
+    print("activations are one micro-batch's (b sequences per rank): --grad-accum adds none")
+    print(f"{'rung':<55}{'b':>4}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'total GB':>10}")
+    for a in rungs:
+        h = a.held
+        print(f"{a.rung:<55}{a.micro_batch:>4}{h['params'] / GB:9.2f}{h['grads'] / GB:9.2f}"
+              f"{h['optimizer'] / GB:9.2f}{h['activations'] / GB:9.2f}{h['total'] / GB:10.2f}  "
+              + ("fits" + (f" (+{h['host'] / GB:.2f} GB in CPU memory)" if "host" in h else "")
+                 if a.fits else "too big"))
+    chosen = rungs[-1]
+    if not chosen.fits:
+        print("nothing fits: more GPUs, a smaller --seq-len, or a smaller model")
+        return
+    launch = "python" if args.world == 1 else f"torchrun --nproc_per_node {args.world}"
+    argv = chosen.argv(args.model, precision, seq_len, args.target_batch)
+    print(f"\n{launch} train.py {' '.join(argv)}"
+          + ("   # LoRA fine-tunes a trained model: add --init-from RUN_DIR" if "--lora" in argv else ""))

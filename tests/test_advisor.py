@@ -1,0 +1,84 @@
+"""advisor.py: the lecture's flow chart rung by rung, memory.py --advise, train.py --strategy auto."""
+import pytest
+
+from advisor import advise, parse_bytes
+from memory import main
+from multiprocess import run_ranks
+
+
+@pytest.mark.parametrize("gpu_mem, world, rung, strategy, flags", [
+    # gpt2-small, seq 1024: at 24 GB states and a big micro-batch fit replicated -> zero2
+    ("24GB", 4, "zero2", "zero2", []),
+    # replicated states (1.5 GB of Adam alone) plus one sequence do not fit 2.7 GB: shard all
+    ("3GB", 4, "zero3", "fsdp", []),
+    ("1.2GB", 4, "activation checkpointing", "fsdp", ["--checkpoint-activations"]),
+    ("0.5GB", 4, "offloaded", "fsdp", ["--checkpoint-activations", "--offload", "optimizer"]),
+    # one GPU: full fine-tuning fits nowhere, not even offloaded -> LoRA, then QLoRA
+    ("0.8GB", 1, "LoRA", "fsdp", ["--checkpoint-activations", "--lora"]),
+    ("0.62GB", 1, "QLoRA", "fsdp", ["--checkpoint-activations", "--lora", "--quantize-base"]),
+])
+def test_advice_follows_the_flow_chart(gpu_mem, world, rung, strategy, flags):
+    rungs = advise("gpt2-small", parse_bytes(gpu_mem), world, 1024, 8 * world)
+    chosen = rungs[-1]
+    assert chosen.fits and rung in chosen.rung and chosen.strategy == strategy, rungs
+    assert all(flag in chosen.flags for flag in flags), chosen.flags
+    assert not any(a.fits for a in rungs[:-1])                  # every earlier rung was too big
+    assert chosen.held["total"] <= 0.9 * parse_bytes(gpu_mem)   # 10% headroom
+    assert chosen.micro_batch * chosen.grad_accum * world == 8 * world     # the target batch
+
+
+def test_advise_prints_a_command_train_py_accepts(capsys, monkeypatch):
+    import train
+    main(["--advise", "--model", "gpt2-small", "--gpu-mem", "0.5GB", "--world", "4",
+          "--seq-len", "1024", "--target-batch", "64"])
+    out = capsys.readouterr().out
+    assert "too big" in out and "fits (+" in out                # the rungs walked, host bytes shown
+    command = out.strip().splitlines()[-1]
+    assert command.startswith("torchrun --nproc_per_node 4 train.py ")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = train.parse_args(command.split("train.py ")[1].split())
+    assert (args.strategy, args.offload, args.grad_accum) == ("fsdp", "optimizer", 16)
+    assert args.checkpoint_activations == 1 and args.precision == "bf16"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world", "0"], "the world must be at least 1 GPU"),
+    (["--gpu-mem", "lots"], "write it like 24GB"),
+    (["--gpu-mem", "0GB"], "write it like 24GB"),
+    (["--seq-len", "4096"], "between 1 and model gpt2-small's block size 1024"),
+    (["--world", "3", "--target-batch", "64"], "use a multiple of 3"),
+])
+def test_advise_bad_input_stops_with_one_clear_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--advise", "--model", "gpt2-small", *argv])
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _auto(budgets):
+    import train
+    return {m: train.main(["--steps", "3", "--log-every", "1", "--eval-every", "0", "--strategy", "auto",
+                           "--mem-budget", m]) for m in budgets}
+
+
+def test_strategy_auto_runs_the_advice_on_cpu_ranks():
+    """The tiny GPT on 2 CPU ranks, fp32, 16 x 64: 9 MB per rank leaves fsdp with
+    checkpointing (7.9 MB predicted); 6 MB needs the optimizer offloaded."""
+    assert "checkpointing" in advise("tiny", parse_bytes("9MB"), 2, 64, 16, "fp32")[-1].rung
+    assert "offloaded" in advise("tiny", parse_bytes("6MB"), 2, 64, 16, "fp32")[-1].rung
+    runs = run_ranks(_auto, 2, ("9MB", "6MB"))
+    for history in runs[0].values():
+        losses = list(history["losses"].values())
+        assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_strategy_auto_names_the_fix(monkeypatch, capsys):
+    import train
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for argv, fix in ((["--strategy", "auto"], "needs --mem-budget"),
+                      (["--strategy", "auto", "--mem-budget", "4MB"], "add --init-from RUN_DIR"),
+                      (["--strategy", "auto", "--mem-budget", "1MB"], "does not fit in 0.00 GB"),
+                      (["--strategy", "auto", "--mem-budget", "abc"], "write it like 24GB")):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+        assert fix in capsys.readouterr().err, argv
