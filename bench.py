@@ -1,27 +1,19 @@
 """bench.py: our strategies and collectives against PyTorch's own, timed in one job.
 
-Each strategy and its PyTorch counterpart train the same model on the same data, precision and
-world size, alternating run by run (fresh model, warm-up, timed steps), beside memory and bytes
-sent; our ring all-reduce is timed against the native one from 1 KB up (nccl-tests' busbw).
-Activation checkpointing is timed the same way: ours against torch.utils.checkpoint, both on
-our DDP. fsdp runs against fully_shard (FSDP2), tp against parallelize_module over a DeviceMesh,
-our pipeline executor (GPipe, 1F1B) against torch.distributed.pipelining's schedules on the same
-stages, with each stage's measured bubble. Left out: gradient accumulation, data loading.
+The contenders: each strategy and its PyTorch counterpart (DistributedDataParallel, ZeRO-1's
+ZeroRedundancyOptimizer, fully_shard, parallelize_module, torch.distributed.pipelining's
+schedules on the same stages, torch.utils.checkpoint on our DDP) train the same model on the
+same data, precision and world size. bench_measure.py times them and prints the table,
+bench_collectives.py times all-reduce by size. Left out: gradient accumulation, data loading.
 Run: torchrun --nproc_per_node 2 bench.py --quick (CPU); torchrun --nproc_per_node 8 bench.py (GPUs)
 Test: python -m pytest tests/test_bench.py
 """
 import argparse
-import contextlib
-import gc
 import json
 import os
-import platform
-import statistics
 import time
 import warnings
-from dataclasses import dataclass
 from functools import partial
-from types import SimpleNamespace
 
 # torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy, and
 # requirements.txt does not install it.
@@ -43,34 +35,21 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import pipeline
 import tensor_parallel
+from bench_collectives import bench_collectives, collectives_report
+from bench_measure import Run, bench_strategy, machine, matmul_peak_flops, report
 from checkpointing import checkpoint_blocks
 from collectives import Comm, exit_distributed, init_distributed, split_norm
 from data import TextData
 from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer
-from memory import comm_bytes, held_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import PRESETS, build_model
 from zero import ZeroOptimizer
 
-MiB = 2**20
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 # ---- the contenders: model, args -> Run, ours and PyTorch's -------------------------------------
-
-@dataclass
-class Run:
-    """A model wrapped by one strategy, and what the report reads from it."""
-    model: torch.nn.Module
-    optimizer: object           # zero_grad(), scale_loss(loss), clip_grad_norm_(max), step()
-    comm: Comm | None = None    # ours: the byte counter; PyTorch's collectives count nothing
-    label: str = "ours"         # what ran, for the report
-    napkin_sent: int | None = None       # bytes per step predicted, where memory.comm_bytes has no row
-    loss_context: object = contextlib.nullcontext   # entered around forward and backward
-    forward_backward: object = None      # (x, y) -> loss: a pipeline schedule runs both itself
-    bubbles: object = None               # () -> each stage's idle share of the last step (ours)
-
 
 class TorchOptimizer:
     """A torch optimizer behind our optimizers' interface: scale_loss and clip_grad_norm_.
@@ -306,355 +285,9 @@ STRATEGIES = {
     "pipeline-gpipe": (partial(ours_pipeline, "gpipe"), partial(torch_pipelining, "gpipe")),
     "pipeline-1f1b": (partial(ours_pipeline, "1f1b"), partial(torch_pipelining, "1f1b")),
 }
-NAPKIN_STRATEGY = {"checkpointing": "ddp"}   # what memory.comm_bytes knows a row as
 # A tensor group or a pipeline computes one model: its ranks read the same rows.
 WHOLE_BATCH = {"tp", "pipeline-gpipe", "pipeline-1f1b"}
 BENCHMARKS = (*STRATEGIES, "collectives")
-
-
-# ---- timing ------------------------------------------------------------------------------------
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def across_ranks(value: float, device, op=dist.ReduceOp.MAX) -> float:
-    """A per-rank number combined over ranks (the slowest rank's time is the step's time)."""
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return t.item()
-
-
-def summary(samples: list) -> dict:
-    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
-            "samples": samples}
-
-
-def train_step(run: Run, x, y, clip_grad) -> torch.Tensor:
-    run.optimizer.zero_grad()
-    if run.forward_backward is not None:                # a pipeline: the schedule does both
-        loss = run.forward_backward(x, y)
-        update(run.optimizer, clip_grad)
-        return loss.detach()
-    with run.loss_context():
-        _, loss = run.model(x, y)
-        run.optimizer.scale_loss(loss).backward()
-    if hasattr(run.model, "finish_gradient_sync"):     # ours: DDP's, FSDP's, tp's collectives
-        run.model.finish_gradient_sync()
-    update(run.optimizer, clip_grad)
-    return loss.detach()
-
-
-def update(optimizer, clip_grad):
-    if clip_grad:
-        optimizer.clip_grad_norm_(clip_grad)
-    optimizer.step()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's part on this rank (its storage is the DTensor's bytes here), else t itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def held(run: Run) -> int:
-    """memory.held_bytes of a run. A DTensor (fully_shard's and parallelize_module's parameters,
-    gradients, AdamW moments) has no storage of its own: held_bytes reads stand-ins holding
-    the local tensors, which serve as both the model and the optimizer it reads. (A gradient's
-    local tensor need not be its parameter's shape: TP's embedding gradient is whole.)"""
-    if not any(isinstance(p, DTensor) for p in run.model.parameters()):
-        return sum(held_bytes(run.model, run.optimizer).values())
-    params = [SimpleNamespace(untyped_storage=_local(p).untyped_storage,
-                              grad=None if p.grad is None else _local(p.grad))
-              for p in run.model.parameters()]
-    state = {i: {k: _local(v) for k, v in s.items()} for i, s in enumerate(run.optimizer.optimizer.state.values())}
-    local = SimpleNamespace(parameters=lambda: params, buffers=lambda: map(_local, run.model.buffers()),
-                            param_groups=[{"params": params}], optimizer=SimpleNamespace(state=state))
-    return sum(held_bytes(local, local).values())
-
-
-class LiveSaved:
-    """Saved-tensor hooks that track the bytes autograd holds for backward at each moment, and
-    their peak: what a pipeline stage's micro-batches in flight cost (GPipe M, 1F1B at most P).
-    A storage counts once while any saved tensor uses it; parameters never count."""
-
-    def __init__(self, params):
-        self.weights = {_local(p).untyped_storage().data_ptr() for p in params}
-        self.users, self.live, self.peak = {}, 0, 0
-
-    def pack(self, t):
-        storage = _local(t).untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.weights:
-            return t
-        if self.users.get(ptr, 0) == 0:
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self.users[ptr] = self.users.get(ptr, 0) + 1
-        return _Saved(t, self, ptr, storage.nbytes())
-
-    @staticmethod
-    def unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-
-class _Saved:
-    """A saved tensor; when autograd drops it (its backward ran), its bytes leave the count."""
-
-    def __init__(self, tensor, counter, ptr, nbytes):
-        self.tensor, self.counter, self.ptr, self.nbytes = tensor, counter, ptr, nbytes
-
-    def __del__(self):
-        self.counter.users[self.ptr] -= 1
-        if self.counter.users[self.ptr] == 0:
-            self.counter.live -= self.nbytes
-
-
-def activation_bytes(run: Run, x, y) -> int:
-    """Bytes one forward keeps for backward (saved-tensor hooks), each storage once, untimed.
-
-    checkpointing.saved_activation_bytes fixes the parameters' storages before forward; FSDP
-    gathers them during forward, and a DTensor has none: so the parameters' storages are
-    read again at each save. DDP wrappers only add gradient hooks: their module is run.
-    """
-    if run.forward_backward is not None:      # a pipeline: the peak over a whole step's schedule
-        counter = LiveSaved(run.model.parameters())
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-            run.forward_backward(x, y)
-        run.optimizer.zero_grad()
-        return counter.peak
-    model = run.model.module if isinstance(run.model, (DDP, DistributedDataParallel)) else run.model
-    owner = getattr(run.model, "module", run.model)          # our FSDP: the gathered weights
-    storages = {}
-
-    def pack(t):
-        weights = {_local(p).untyped_storage().data_ptr() for p in owner.parameters()}
-        storage = _local(t).untyped_storage()
-        if storage.data_ptr() not in weights:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-    with run.loss_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, y)                                         # the graph is dropped unused
-    return sum(storages.values())
-
-
-def time_training(build, args, batches, device) -> dict:
-    """Build a fresh model and strategy, warm up, time args.steps steps: ms/step, memory, bytes."""
-    gc.collect()                                # the previous run's model and hooks are gone
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(args.seed)                # every run starts from the same weights
-    run = build(build_model(args.model).to(device=device, dtype=DTYPES[args.precision]), args)
-    for x, y in batches[:args.warmup]:          # first steps allocate, build buckets, tune
-        train_step(run, x, y, args.clip_grad)
-    if run.comm is not None:
-        run.comm.bytes_sent.clear()
-    sync(device)
-    dist.barrier()                              # every rank starts the clock together
-    start = time.perf_counter()
-    for x, y in batches[args.warmup:]:
-        loss = train_step(run, x, y, args.clip_grad)
-    sync(device)
-    seconds = across_ranks(time.perf_counter() - start, device)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else held(run)
-    sent = None if run.comm is None else sum(run.comm.bytes_sent.values()) / args.steps
-    bubbles = run.bubbles() if run.bubbles else None          # of the last timed step
-    return {"ms_per_step": 1e3 * seconds / args.steps, "label": run.label, "bubbles": bubbles,
-            "peak_bytes": across_ranks(peak, device), "sent_per_step": sent,
-            "napkin_sent": run.napkin_sent,
-            "activation_bytes": across_ranks(activation_bytes(run, x, y), device),
-            # the same loss on both sides says both did the same work
-            "last_loss": across_ranks(loss.item(), device, dist.ReduceOp.SUM) / dist.get_world_size()}
-
-
-def bench_strategy(name, args, batches, device, n_params, peak_flops) -> dict:
-    """Ours, PyTorch's, ours, PyTorch's...: args.repeats runs each, so drift hits both alike."""
-    runs = {"ours": [], "torch": []}
-    for _ in range(args.repeats):
-        for side, build in zip(runs, STRATEGIES[name]):
-            runs[side].append(time_training(build, args, batches, device))
-    row = {"strategy": name, "torch_counterpart": runs["torch"][-1]["label"]}
-    tokens_per_step = args.batch_size * args.seq_len                  # the global batch
-    for side, results in runs.items():
-        ms = summary([r["ms_per_step"] for r in results])
-        row[side] = {"ms_per_step": ms, "tokens_per_s": tokens_per_step / ms["median"] * 1e3,
-                     "peak_bytes": max(r["peak_bytes"] for r in results),
-                     "activation_bytes": results[-1]["activation_bytes"],
-                     "sent_per_step": results[-1]["sent_per_step"],
-                     "last_loss": results[-1]["last_loss"], "bubbles": results[-1]["bubbles"]}
-    row["ratio"] = row["ours"]["ms_per_step"]["median"] / row["torch"]["ms_per_step"]["median"]
-    napkin = runs["ours"][-1]["napkin_sent"]
-    row["ours"]["napkin_sent_per_step"] = napkin if napkin is not None else sum(
-        comm_bytes(n_params, NAPKIN_STRATEGY.get(name, name), args.precision, dist.get_world_size()).values())
-    if peak_flops:
-        # Model FLOPs per token (Kaplan et al. 2020; PaLM appendix B): 6 per parameter for forward
-        # and backward, plus attention's scores and weighted sum, 12 * layers * width * sequence.
-        # Against the datasheet's peak (MFU), and against the measured bf16 matmul's beside it.
-        cfg = PRESETS[args.model]
-        flops = (6 * n_params + 12 * cfg.n_layer * cfg.n_embd * args.seq_len) * row["ours"]["tokens_per_s"]
-        sheet = datasheet_peak_flops(device, args.precision)
-        if sheet:
-            row["mfu"] = flops / (sheet * dist.get_world_size())
-        row["mfu_of_measured_peak"] = flops / (peak_flops * dist.get_world_size())
-    return row
-
-
-# Dense peak TFLOP/s from the vendors' datasheets (no 2:4 sparsity), by the name torch reports:
-# MFU's denominator (PaLM, appendix B). "tf32" is an fp32 run whose matmuls use TF32 tensor cores
-# (torch.backends.cuda.matmul.allow_tf32), "fp32" one that does not (torch's default).
-DATASHEET_TFLOPS = [              # (all these words in the name, {precision: TFLOP/s})
-    (("H100", "PCIe"), {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51}),
-    (("H100",), {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67}),            # SXM
-    (("H200",), {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67}),
-    (("A100",), {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
-    (("L4",), {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3}),
-]
-
-
-def datasheet_peak_flops(device, precision: str) -> float | None:
-    """The card's datasheet peak for this run's precision, or None for a card not in the table."""
-    name = torch.cuda.get_device_name(device)
-    if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
-        precision = "tf32"
-    for words, peaks in DATASHEET_TFLOPS:
-        if all(w in name for w in words):
-            return peaks[precision] * 1e12
-    return None
-
-
-def matmul_peak_flops(device, n=8192, iters=20) -> float:
-    """What this card really does in bf16 (a large matmul): printed beside the datasheet's."""
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    sync(device)
-    return across_ranks(2 * n**3 * iters / (time.perf_counter() - start), device, dist.ReduceOp.MIN)
-
-
-def bench_collectives(args, device) -> list:
-    """Ring (ours, from send/recv) against native all-reduce, sizes x4 from 1 KB to --max-mb."""
-    comms = {"ring": Comm(ring=True), "native": Comm()}
-    n, rows, nbytes = dist.get_world_size(), [], 2**10
-    while nbytes <= args.max_mb * MiB:
-        tensor = torch.zeros(nbytes // 4, device=device)      # fp32; zeros stay finite under sum
-        iters = max(5, min(100, 2**26 // nbytes))              # small messages: more calls
-        for comm in comms.values():                            # warm-up: connections, buffers
-            comm.all_reduce(tensor)
-            comm.all_reduce(tensor)
-        times = {name: [] for name in comms}
-        for _ in range(args.repeats):
-            for name, comm in comms.items():
-                sync(device)
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(iters):
-                    comm.all_reduce(tensor)
-                sync(device)
-                times[name].append(across_ranks(time.perf_counter() - start, device) / iters)
-        row = {"bytes": nbytes}
-        for name, seconds in times.items():
-            algbw = nbytes / statistics.median(seconds)        # nccl-tests: size / time
-            row[name] = {"us": summary([1e6 * s for s in seconds]), "algbw_GBps": algbw / 1e9,
-                         "busbw_GBps": algbw * 2 * (n - 1) / n / 1e9}   # what each link carries
-        row["ratio"] = row["ring"]["us"]["median"] / row["native"]["us"]["median"]
-        rows.append(row)
-        nbytes *= 4
-    return rows
-
-
-# ---- the report --------------------------------------------------------------------------------
-
-def machine(device, args, n_params, peak_flops) -> dict:
-    cpu = platform.processor() or "unknown CPU"
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "torch": torch.__version__, "backend": dist.get_backend(),
-            "world_size": dist.get_world_size(),
-            "model": args.model, "n_params": n_params, "precision": args.precision,
-            "global_batch": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup,
-            "steps": args.steps, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
-            "microbatches": args.microbatches,
-            "clip_grad": args.clip_grad, "matmul_peak_tflops": peak_flops and peak_flops / 1e12,
-            "datasheet_peak_tflops": (datasheet_peak_flops(device, args.precision) or 0) / 1e12
-            if device.type == "cuda" else None}
-
-
-def spread(s: dict) -> str:
-    return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
-
-
-def _bubble_note(row: dict, m: dict) -> str:
-    """A pipeline row's measured idle share per stage, beside (P-1)/(M+P-1)."""
-    if not row["ours"]["bubbles"]:
-        return ""
-    P, M = m["world_size"], m["microbatches"]
-    return (f"; ours {M} micro-batches, bubble per stage (idle share of a step) "
-            f"{' '.join(f'{b:.2f}' for b in row['ours']['bubbles'])}, formula (P-1)/(M+P-1) "
-            f"{(P - 1) / (M + P - 1):.2f}; activations: the most a stage holds at once")
-
-
-def report(m: dict, rows: list, collective_rows: list) -> str:
-    lines = [f"{m['cpu']}, {m['cores']} cores ({m['threads_per_rank']} thread(s) per rank), GPU: "
-             f"{m['gpu'] or 'none'}, torch {m['torch']}, {m['backend']}, world size {m['world_size']}, "
-             f"model {m['model']} ({m['n_params'] / 1e6:.2f}M params), {m['precision']}, global batch "
-             f"{m['global_batch']} x seq len {m['seq_len']}, {m['warmup']} warm-up + {m['steps']} "
-             f"timed steps x {m['repeats']} repetitions", ""]
-    if rows:
-        lines += ["| strategy | ours ms/step | torch ms/step | ours/torch | ours tokens/s | "
-                  "ours peak MiB | torch peak MiB | activations MiB (ours / torch) | "
-                  "ours sent MiB/step (ring volume of the calls / napkin) | torch sent MiB/step | ours MFU |",
-                  "|" + "---|" * 11]
-        for r in rows:
-            ours, theirs = r["ours"], r["torch"]
-            lines.append(f"| {r['strategy']} | {spread(ours['ms_per_step'])} | "
-                         f"{spread(theirs['ms_per_step'])} | {r['ratio']:.2f} | "
-                         f"{ours['tokens_per_s']:,.0f} | {ours['peak_bytes'] / MiB:.1f} | "
-                         f"{theirs['peak_bytes'] / MiB:.1f} | {ours['activation_bytes'] / MiB:.1f} / "
-                         f"{theirs['activation_bytes'] / MiB:.1f} | {ours['sent_per_step'] / MiB:.2f} / "
-                         f"{ours['napkin_sent_per_step'] / MiB:.2f} | "
-                         + (f"{theirs['sent_per_step'] / MiB:.2f} | " if theirs["sent_per_step"] is not None
-                            else "n/a | ")
-                         + (f"{100 * r['mfu']:.1f}% ({100 * r['mfu_of_measured_peak']:.1f}% of the "
-                            f"measured peak) |" if "mfu" in r else "n/a |"))
-        peak = ("CUDA max_memory_allocated, activations included" if m["gpu"] else "memory.held_bytes: "
-                "parameters + gradients (torch DDP's buckets, as .grad views) + optimizer state, a DTensor's "
-                "local tensors")
-        mfu = (f"model FLOPs / the datasheet's dense {m['precision']} peak of "
-               f"{m['datasheet_peak_tflops']:.0f} TFLOP/s per GPU (in brackets: / a measured bf16 "
-               f"matmul's {m['matmul_peak_tflops']:.0f} TFLOP/s)" if m["gpu"] else "GPU only")
-        lines += ["", f"ms/step: median (min-max) over repetitions, slowest rank. Peak: max over ranks, "
-                  f"{peak}. Sent: our Comm's counter (ring volume, native calls included) beside "
-                  f"memory.comm_bytes (fsdp: our root unit is gathered once, not twice; tp: "
-                  f"tensor_parallel's bytes_per_step, activation traffic memory.py does not model); "
-                  f"PyTorch's collectives count nothing. Activations: bytes one forward keeps for "
-                  f"backward (saved-tensor hooks), max over ranks. MFU: {mfu}. Both sides: AdamW, "
-                  f"gradient-norm clip {m['clip_grad']}. PyTorch's side, and the loss after the last "
-                  f"step (ours / torch: the same work gives the same loss):"]
-        lines += [f"- {r['strategy']}: {r['torch_counterpart']}; loss {r['ours']['last_loss']:.5f} / "
-                  f"{r['torch']['last_loss']:.5f}" + _bubble_note(r, m) for r in rows]
-    lines += [f"- {name}: skipped, {why}" for name, why in m["skipped"].items()]
-    if collective_rows:
-        lines += ["", "| all-reduce size | ring us | native us | ring/native | ring busbw GB/s | "
-                  "native busbw GB/s |", "|" + "---|" * 6]
-        for r in collective_rows:
-            size = f"{r['bytes'] // MiB} MB" if r["bytes"] >= MiB else f"{r['bytes'] // 2**10} KB"
-            lines.append(f"| {size} | {spread(r['ring']['us'])} | {spread(r['native']['us'])} | "
-                         f"{r['ratio']:.2f} | {r['ring']['busbw_GBps']:.3f} | "
-                         f"{r['native']['busbw_GBps']:.3f} |")
-        lines += ["", "Per call, median (min-max) over repetitions; algbw = bytes / time, "
-                  "busbw = algbw x 2(N-1)/N (nccl-tests); 1 GB = 1e9 bytes."]
-    elif "collectives" in m["benchmarks"]:
-        lines += ["", "all-reduce: skipped, a world of one sends nothing (run with 2+ ranks)"]
-    return "\n".join(lines)
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -753,8 +386,8 @@ def main(argv=None):
     rows_of_rank, whole = batches(rank, world_size), batches(0, 1)       # (B/N, T), (B, T) each
     n_params = build_model(args.model).num_parameters()
     peak_flops = matmul_peak_flops(device) if device.type == "cuda" else None
-    rows = [bench_strategy(name, args, whole if name in WHOLE_BATCH else rows_of_rank, device,
-                           n_params, peak_flops)
+    rows = [bench_strategy(name, STRATEGIES[name], args, whole if name in WHOLE_BATCH else rows_of_rank,
+                           device, n_params, peak_flops)
             for name in args.strategies if name in STRATEGIES]
     collective_rows = (bench_collectives(args, device)
                        if "collectives" in args.strategies and world_size > 1 else [])
@@ -762,7 +395,7 @@ def main(argv=None):
     m = {**machine(device, args, n_params, peak_flops), "benchmarks": args.strategies,
          "skipped": args.skipped}
     if rank == 0:
-        print(report(m, rows, collective_rows))
+        print("\n".join(report(m, rows) + collectives_report(m, collective_rows)))
         print(f"\nbench.py ran {time.perf_counter() - started:.0f} s")
         with open(args.json, "w") as f:
             json.dump({"machine": m, "strategies": rows, "collectives": collective_rows}, f, indent=1)
