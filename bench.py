@@ -42,7 +42,7 @@ from collectives import Comm, exit_distributed, init_distributed, split_norm
 from data import TextData
 from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer
-from mixed_precision import DTYPES, MixedPrecisionOptimizer
+from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS, build_model
 from zero import ZeroOptimizer
 
@@ -54,14 +54,19 @@ ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 class TorchOptimizer:
     """A torch optimizer behind our optimizers' interface: scale_loss and clip_grad_norm_.
 
-    held_bytes reads the moments from `.optimizer.state`: ZeroRedundancyOptimizer keeps them in
-    its local optimizer (state_owner), the one that updates this rank's shard.
+    held_bytes asks for masters (a torch optimizer updates the parameters themselves) and
+    state_tensors(): ZeroRedundancyOptimizer keeps the moments in its local optimizer
+    (state_owner), the one that updates this rank's shard.
     """
 
     def __init__(self, optimizer, params, state_owner=None, clip=clip_grad_norm_):
         self.torch_optimizer, self.params, self.clip = optimizer, list(params), clip
         self.optimizer = state_owner or optimizer
         self.param_groups = optimizer.param_groups
+        self.masters = [p for group in self.param_groups for p in group["params"]]
+
+    def state_tensors(self):
+        return [*self.masters, *element_state(self.optimizer)]
 
     def zero_grad(self):
         self.torch_optimizer.zero_grad(set_to_none=True)

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from collectives import Comm
 from ddp import DDP
 from memory import comm_bytes, held_bytes
-from mixed_precision import DTYPES
+from mixed_precision import DTYPES, element_state
 from model import PRESETS, build_model
 
 MiB = 2**20
@@ -101,9 +101,9 @@ def held(run: Run) -> int:
     params = [SimpleNamespace(untyped_storage=_local(p).untyped_storage,
                               grad=None if p.grad is None else _local(p.grad))
               for p in run.model.parameters()]
-    state = {i: {k: _local(v) for k, v in s.items()} for i, s in enumerate(run.optimizer.optimizer.state.values())}
+    state = [_local(v) for v in element_state(run.optimizer.optimizer)]
     local = SimpleNamespace(parameters=lambda: params, buffers=lambda: map(_local, run.model.buffers()),
-                            param_groups=[{"params": params}], optimizer=SimpleNamespace(state=state))
+                            masters=params, state_tensors=lambda: [*params, *state])
     return sum(held_bytes(local, local).values())
 
 

@@ -266,7 +266,7 @@ def held_bytes(model, optimizer) -> dict:
     wrappers = [model]
     while hasattr(wrappers[-1], "module"):
         wrappers.append(wrappers[-1].module)
-    modules = [w for w in wrappers if isinstance(w, torch.nn.Module)]
+    modules = [w for w in wrappers if hasattr(w, "parameters")]        # a pipeline has none
     params = [*(p for m in modules for p in m.parameters()),
               *(t for w in wrappers for t in getattr(w, "device_shards", list)())]
     buffers = [*(t for w in (*wrappers, optimizer) for t in getattr(w, "gradient_buffers", list)())]

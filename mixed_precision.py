@@ -207,9 +207,14 @@ class MasterOptimizer(torch.optim.Optimizer):
 
     def state_tensors(self) -> list[torch.Tensor]:
         """What this optimizer holds per element: the fp32 masters and the inner optimizer's
-        state (Adam's moments, not its step counts). memory.held_bytes counts them."""
-        return [*self.masters, *(v for s in self.optimizer.state.values() for v in s.values()
-                                 if isinstance(v, torch.Tensor) and v.dim() > 0)]
+        state. memory.held_bytes counts them."""
+        return [*self.masters, *element_state(self.optimizer)]
+
+
+def element_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """A torch optimizer's per-element state (Adam's moments), not its step counts."""
+    return [v for s in optimizer.state.values() for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
 @contextlib.contextmanager
