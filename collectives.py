@@ -197,7 +197,7 @@ class Comm:
         peer a rank of this group; wait() before reading a receive's tensor or reusing a send's.
 
         One dist.batch_isend_irecv: under NCCL one group of p2p calls, which run together.
-        Separate calls would run one after another on the p2p stream (pipeline.py's
+        Separate calls would run one after another on the p2p stream (schedules.py's
         run_under_nccl says why that can deadlock). Messages between two ranks are matched in
         the order they were posted, so shape and dtype of each receive must match its send.
         """
