@@ -44,13 +44,14 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 import pipeline
 import tensor_parallel
 from checkpointing import checkpoint_blocks
-from collectives import Comm, exit_distributed, init_distributed, split_norm
+from collectives import Comm, split_norm
 from data import TextData
 from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer
 from memory import comm_bytes, held_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import PRESETS, build_model
+from process_groups import exit_distributed, init_distributed
 from zero import ZeroOptimizer
 
 MiB = 2**20

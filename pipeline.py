@@ -21,9 +21,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from collectives import Comm, ring_bytes, split_norm, subgroups
+from collectives import Comm, ring_bytes, split_norm
 from ddp import DDP
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
+from process_groups import subgroups
 from schedules import SCHEDULES, Action, check_schedule, gpipe, main, nccl_program, run_under_nccl
 
 
@@ -135,7 +136,7 @@ class Pipeline:
 
         Collective over the world: every rank of every pipeline (data-parallel copies) learns
         all pipelines' ends and whether any is tied, and then creates every ends group, in one
-        order, as new_group requires (collectives.subgroups). Middle stages hold no tied copy
+        order, as new_group requires (process_groups.subgroups). Middle stages hold no tied copy
         but create the groups too."""
         ranks = dist.get_process_group_ranks(comm.group)
         mine = torch.tensor([ranks[0], ranks[-1], self.tied is not None], device=device)

@@ -15,11 +15,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pipeline
-from collectives import Comm, make_mesh
+from collectives import Comm
 from ddp import DDP
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
+from process_groups import make_mesh
 from schedules import SCHEDULES, gpipe, nccl_program
 
 # ---- the executor, against one process -----------------------------------------------------------
@@ -270,7 +271,7 @@ def test_executor_posts_the_groups_the_nccl_check_played(P):
 def _groups_created(P):
     """Every new_group call this rank makes while building ring and native meshes and a
     pipeline of P stages with a tied head (world: P x D ranks)."""
-    from collectives import make_mesh
+    from process_groups import make_mesh
     calls, new_group = [], dist.new_group
 
     def record(ranks=None, **kwargs):
