@@ -38,12 +38,13 @@ import tensor_parallel
 from bench_collectives import bench_collectives, collectives_report
 from bench_measure import Run, bench_strategy, machine, matmul_peak_flops, report
 from checkpointing import checkpoint_blocks
-from collectives import Comm, exit_distributed, init_distributed, split_norm
+from collectives import Comm, split_norm
 from data import TextData
 from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS, build_model
+from process_groups import exit_distributed, init_distributed
 from zero import ZeroOptimizer
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)

@@ -21,9 +21,9 @@ import snapshot
 import tensor_parallel
 import zero
 from advisor import advise, parse_bytes
-from collectives import init_distributed
 from mixed_precision import DTYPES
 from model import PRESETS
+from process_groups import init_distributed
 
 # --strategy -> the module whose build(gpt, options, data, split, device, adamw) wraps the model
 # and makes its optimizer: (model, optimizer, bytes per step its formula predicts). "auto" picks

@@ -6,18 +6,13 @@ bandwidth-optimal schedule (Patarasuk & Yuan, 2009) that NCCL uses for large mes
 and all-reduce is written as the lecture's identity: reduce-scatter, then all-gather.
 The same methods run on torch.distributed's native calls (the default, and the fast
 path); one switch picks ring or native, and a byte counter records what each rank sends.
-Left out: tree and hierarchical algorithms, latency tuning for small messages.
+Left out: tree and hierarchical algorithms, latency tuning for small messages. Joining the
+job, its groups and meshes: process_groups.py.
 Test: python -m pytest tests/test_collectives.py
 
 Shapes: N ranks in the group, r this rank, L elements in the tensor, c = ceil(L / N)
 elements per chunk; rank r's neighbours on the ring are r - 1 (left) and r + 1 (right).
 """
-import ctypes
-import datetime
-import math
-import os
-import pickle
-import sys
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,58 +20,6 @@ import torch
 import torch.distributed as dist
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
-
-
-def init_distributed(timeout: float | None = None) -> torch.device:
-    """Join the job torchrun started, or become a world of one; return this rank's device.
-
-    torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, on one node
-    or many (--nnodes, --rdzv-endpoint). Plain `python train.py` gets a process group of
-    size 1 held in memory, so every code path, collectives included, is the same.
-    timeout (seconds): how long a collective waits for a rank that died or hangs before it
-    raises, instead of blocking forever (None: torch's default, 10 minutes).
-    """
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-    if not dist.is_initialized():
-        # NCCL's watchdog, on a collective past the timeout, aborts the communicators and, by
-        # default, the process: no Python line runs. CleanUpOnly (2) aborts the communicators
-        # only, so the waiting call raises and train.py says which rank lost contact and how
-        # to resume. (A value set by the user wins.)
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        wait = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
-        if "RANK" in os.environ:
-            store, rank, world_size = next(dist.rendezvous("env://", **wait))
-            # torchrun --max-restarts keeps one store for every attempt: a restarted worker
-            # could read the address a dead worker left there and wait on it. Each attempt
-            # gets its own keys.
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}/", store),
-                                    rank=rank, world_size=world_size,
-                                    device_id=device if device.type == "cuda" else None, **wait)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
-    return device
-
-
-def exit_distributed(code: int = 0):
-    """Leave the job: destroy the process group, flush, and end the process at once.
-
-    gloo's worker threads can still be dropping the last collective's tensors, which needs
-    the GIL; if the interpreter is already finalizing, that aborts the process (SIGABRT
-    after a finished run, seen about once in ten 2-rank runs on a loaded CPU). A script's
-    last line calls this, after every file is written and closed, so finalizing is skipped.
-    """
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 class Handle:
@@ -116,7 +59,7 @@ class Comm:
     Every method works in place on the given tensors and takes async_op: when True it
     returns a Handle at once, so the caller can compute while the bytes move.
     Constructing a Comm over the world with ring=True is collective: every rank does it;
-    over a subgroup, subgroups() builds it (with p2p_group, its private twin).
+    over a subgroup, process_groups.subgroups() builds it (with p2p_group, its private twin).
     """
 
     def __init__(self, group=None, ring: bool = False, bytes_sent: Counter | None = None,
@@ -136,7 +79,7 @@ class Comm:
             if p2p_group is None:
                 if self.world_size != dist.get_world_size():
                     raise ValueError("Comm(group, ring=True) over part of the world: build it with "
-                                     "collectives.subgroups (or make_mesh), which create every "
+                                     "process_groups.subgroups (or make_mesh), which create every "
                                      "rank's groups on every rank")
                 p2p_group = dist.new_group(dist.get_process_group_ranks(self.group))
             self._p2p_group = p2p_group
@@ -197,7 +140,7 @@ class Comm:
         peer a rank of this group; wait() before reading a receive's tensor or reusing a send's.
 
         One dist.batch_isend_irecv: under NCCL one group of p2p calls, which run together.
-        Separate calls would run one after another on the p2p stream (pipeline.py's
+        Separate calls would run one after another on the p2p stream (schedules.py's
         run_under_nccl says why that can deadlock). Messages between two ranks are matched in
         the order they were posted, so shape and dtype of each receive must match its send.
         """
@@ -412,93 +355,6 @@ def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
         buckets[-1].append(t)
         size += nbytes
     return buckets
-
-
-def gather_objects(obj, comm: "Comm", device: torch.device, dst: int | None = None) -> list | None:
-    """Every rank's picklable `obj`, in rank order, on rank `dst` of comm (None: on every rank).
-
-    torch's all_gather_object/gather_object do the same but decode through numpy, which this
-    project does not depend on. Here the pickled bytes travel as a uint8 tensor on `device`
-    (NCCL moves only device tensors): first every rank's length, then the bytes padded to the
-    longest. Ranks other than dst get None. For set-up and export, not for every step.
-    """
-    n = comm.world_size
-    mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    lengths = torch.zeros(n, dtype=torch.long, device=device)            # (N,)
-    lengths[comm.rank] = mine.numel()
-    dist.all_reduce(lengths, group=comm.group)
-    lengths = lengths.tolist()
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)  # (longest,)
-    padded[: mine.numel()] = mine
-    receives = dst is None or comm.rank == dst
-    every = torch.empty(n * max(lengths), dtype=torch.uint8, device=device) if receives else None
-    if dst is None:                                                       # (N * longest,)
-        dist.all_gather_single(every, padded, group=comm.group)
-    else:
-        dist.gather(padded, list(every.view(n, -1)) if receives else None, group=comm.group,
-                    group_dst=dst)
-    if not receives:
-        return None
-    every = every.view(n, -1).cpu()                                       # (N, longest)
-    # The bytes of each row, read straight from memory (one memcpy): torch itself goes through
-    # numpy here, and iterating a storage reads one byte per Python call.
-    return [pickle.loads(ctypes.string_at(row.data_ptr(), length))
-            for row, length in zip(every, lengths)]
-
-
-def check_same_parameters(params: list[torch.Tensor], comm: "Comm", device=None):
-    """Raise the same clear error on every rank if the ranks' parameter shapes differ.
-
-    Called by the strategies at construction, before their first broadcast: ranks started
-    with different model configurations would otherwise exchange mismatched buffers and
-    fail deep inside torch, or silently train rank 0's model everywhere.
-    """
-    shapes = [tuple(p.shape) for p in params]
-    # device: the group's (NCCL gathers device memory only); default: the parameters'.
-    device = device or (params[0].device if params else torch.device("cpu"))
-    every = gather_objects(shapes, comm, device)
-    for rank, other in enumerate(every):
-        if other != every[0]:
-            def count(s):
-                return sum(math.prod(shape) for shape in s)
-            i = next((i for i, (a, b) in enumerate(zip(every[0], other)) if a != b),
-                     min(len(other), len(every[0])))
-            first = [s[i] if i < len(s) else "none" for s in (every[0], other)]
-            raise ValueError(f"ranks were started with different models: rank 0 has "
-                             f"{count(every[0]):,} parameters in {len(every[0])} tensors, rank "
-                             f"{rank} has {count(other):,} in {len(other)} (tensor {i}: {first[0]} "
-                             f"vs {first[1]}); start every rank with the same model configuration")
-
-
-def subgroups(comm: Comm, rank_lists: list[list[int]]) -> "Comm | None":
-    """Create a group for each list of (world) ranks, on every rank, in the given order; return
-    a Comm over the one holding this rank (None if none does), sharing comm's counter and switch.
-
-    Every rank must call it with the same lists: new_group is collective over the whole world
-    (with NCCL and a bound device it splits the world's communicator, which every rank joins),
-    and a group created by some ranks only, or in another order, hangs or pairs the wrong ranks.
-    With ring collectives each group gets its private twin for the ring's messages, also here.
-    """
-    me, mine = dist.get_rank(), None
-    for ranks in rank_lists:
-        group = dist.new_group(list(ranks))
-        p2p_group = dist.new_group(list(ranks)) if comm.ring else None
-        if me in ranks:
-            mine = Comm(group, ring=comm.ring, bytes_sent=comm.bytes_sent, p2p_group=p2p_group)
-    return mine
-
-
-def make_mesh(comm: Comm, inner: int) -> tuple[Comm, Comm]:
-    """(inner, outer) Comms of a 2-D grid over comm's ranks, sharing its byte counter.
-
-    Ranks r*inner .. r*inner + inner-1 form an inner group (neighbours: on a GPU node, the
-    fast links); ranks with the same position in their inner group form an outer group.
-        world 4, inner 2:   inner groups {0,1} {2,3}     outer groups {0,2} {1,3}
-    The caller checks that inner divides the world size, naming its own flag.
-    """
-    ranks = dist.get_process_group_ranks(comm.group)
-    return (subgroups(comm, [ranks[start: start + inner] for start in range(0, len(ranks), inner)]),
-            subgroups(comm, [ranks[offset::inner] for offset in range(inner)]))
 
 
 def as_comm(group) -> Comm:

@@ -15,8 +15,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from collectives import InOrder, as_comm, check_same_parameters, ring_bytes, split_into_buckets
+from collectives import InOrder, as_comm, ring_bytes, split_into_buckets
 from mixed_precision import MixedPrecisionOptimizer
+from process_groups import check_same_parameters
 
 
 # ---- naive: one blocking all-reduce per parameter, after backward -----------------------------

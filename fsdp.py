@@ -16,10 +16,11 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from collectives import InOrder, as_comm, check_same_parameters, ring_bytes, split_norm
+from collectives import InOrder, as_comm, ring_bytes, split_norm
 from ddp import FlatParams
 from mixed_precision import DTYPES, DynamicLossScaler
 from model import Block
+from process_groups import check_same_parameters
 from zero import (MAX_REDUCTIONS_IN_FLIGHT, ShardedOptimizer, gradients_to_host,
                   host_buffer, host_copy, step_message_bytes)
 

@@ -34,12 +34,13 @@ import lora
 import snapshot
 from checkpointing import checkpoint_blocks
 from cli import STRATEGIES, parse_args
-from collectives import Comm, exit_distributed, gather_objects, init_distributed, make_mesh
+from collectives import Comm
 from data import TextData
 from ddp import DDP
 from memory import held_bytes, live_tensor_bytes, state_bytes, tp_params
 from mixed_precision import DTYPES
 from model import GPT, GPTConfig, build_model
+from process_groups import exit_distributed, gather_objects, init_distributed, make_mesh
 from quantization import NF4Weight
 
 class RunError(Exception):

@@ -18,10 +18,10 @@ Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements p
 import torch
 import torch.nn as nn
 
-from collectives import (InOrder, as_comm, check_same_parameters, ring_bytes, split_into_buckets,
-                         split_norm)
+from collectives import InOrder, as_comm, ring_bytes, split_into_buckets, split_norm
 from ddp import FlatParams
 from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
+from process_groups import check_same_parameters
 
 # Stage 2 (and FSDP) keeps at most this many full gradients in flight, buckets or units: when a
 # third fills, backward waits for the oldest reduce-scatter and frees its buffer. Memory stays

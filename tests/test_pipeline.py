@@ -1,11 +1,11 @@
-"""Pipeline parallelism (pipeline.py): the schedules as data, and the executor against one process.
+"""Pipeline parallelism (pipeline.py): the executor against one process (the schedules it runs
+are tested in tests/test_schedules.py).
 
-The schedules: they run, their messages match, their bubble and memory are the lecture's,
-for many P and M. The executor: P = 2 and 4 stages, M in {1, 4, 8}, GPipe and 1F1B, and
-P = 2 x D = 2, train a few clipped AdamW steps (fp32) of a small GPT on CPU ranks, against
-one process training on the same whole batches, and against torch.distributed.pipelining's
-schedules on the same split. train.py --strategy pipeline: the same loss curve as one
-process, bit-exact resume, its checkpoints read by one process, bad input stopped early.
+The executor: P = 2 and 4 stages, M in {1, 4, 8}, GPipe and 1F1B, and P = 2 x D = 2, train
+a few clipped AdamW steps (fp32) of a small GPT on CPU ranks, against one process training on
+the same whole batches, and against torch.distributed.pipelining's schedules on the same split.
+train.py --strategy pipeline: the same loss curve as one process, bit-exact resume, its
+checkpoints read by one process, bad input stopped early.
 """
 import os
 
@@ -15,96 +15,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pipeline
-from collectives import Comm, make_mesh
+from collectives import Comm
 from ddp import DDP
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
-from pipeline import Action, SCHEDULES, bubble_fraction, check_schedule, peak_activations, simulate
-
-SIZES = [(P, M) for P in (1, 2, 3, 4, 8) for M in (1, 2, 4, 7, 8, 16)]
-
-
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
-@pytest.mark.parametrize("P, M", SIZES)
-def test_every_forward_precedes_its_backward_and_every_send_is_received(name, P, M):
-    stages = SCHEDULES[name](P, M)
-    # raises on a missing, misordered or unmatched action, and on a deadlock under NCCL's p2p
-    # rules of the groups the executor posts (run_under_nccl), up to 8 stages
-    check_schedule(stages, M)
-    simulate(stages)                           # raises on a deadlock
-
-
-@pytest.mark.parametrize("P, M", SIZES)
-def test_bubble_is_the_formula_for_both_schedules(P, M):
-    # F and B one slot each: 2(M+P-1) slots per stage, 2M of them busy, for GPipe and 1F1B alike.
-    for name in SCHEDULES:
-        rows = simulate(SCHEDULES[name](P, M))
-        assert len(rows[0]) == 2 * (M + P - 1), name
-        assert bubble_fraction(rows) == pytest.approx((P - 1) / (M + P - 1), abs=1e-12), name
-
-
-@pytest.mark.parametrize("P, M", SIZES)
-def test_1f1b_holds_at_most_p_micro_batches_gpipe_holds_m(P, M):
-    for s, actions in enumerate(pipeline.gpipe(P, M)):
-        assert peak_activations(actions) == M, s
-    for s, actions in enumerate(pipeline.one_f_one_b(P, M)):
-        assert peak_activations(actions) == min(P - s, M), s
-
-
-def test_checks_catch_broken_schedules():
-    stages = pipeline.gpipe(2, 2)
-    with pytest.raises(ValueError, match="stage 1 runs F on micro-batches"):
-        check_schedule([stages[0], [a for a in stages[1] if a != Action("F", 0)]], 2)
-    with pytest.raises(ValueError, match="backward of micro-batch 0 before its forward"):
-        check_schedule([stages[0], [Action("B", 0)] + [a for a in stages[1] if a != Action("B", 0)]], 2)
-    with pytest.raises(ValueError, match="would not match"):
-        check_schedule([[a for a in stages[0] if a != Action("send_act", 1)], stages[1]], 2)
-    # Stage 0 first waits for a gradient that stage 1 sends only after stage 0's activations.
-    with pytest.raises(ValueError, match="deadlock"):
-        simulate([[Action("recv_grad", 0)] + stages[0], stages[1]])
-
-
-def _receive_ahead(actions):
-    """The executor before NCCL's rules were checked: each send posted alone and never waited
-    for in the step, the next receive posted as soon as the previous one arrived."""
-    receives = [(a,) for a in actions if a.kind.startswith("recv")]
-    program = [("post", receives[0])] if receives else []
-    for a in actions:
-        if a.kind.startswith("recv"):
-            k = receives.index((a,))
-            program.append(("wait", receives[k]))
-            if k + 1 < len(receives):
-                program.append(("post", receives[k + 1]))
-        else:
-            program.append(("post", (a,)) if a.kind.startswith("send") else a)
-    return program
-
-
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
-def test_nccl_rules_catch_a_receive_posted_ahead_of_a_send(name):
-    """Under gloo the old order worked; under NCCL stage 0's early receive of gradient 0 sits
-    first on its p2p stream, and its send of activation 0, posted after it, waits behind it,
-    while stage 1 waits for that activation."""
-    stages = SCHEDULES[name](2, 4)
-    with pytest.raises(ValueError, match="deadlock under NCCL"):
-        pipeline.run_under_nccl([_receive_ahead(actions) for actions in stages])
-    pipeline.run_under_nccl([pipeline.nccl_program(actions) for actions in stages])   # the fix
-
-
-def test_command_line_prints_the_timeline_and_the_bubble(capsys):
-    pipeline.main(["--stages", "4", "--microbatches", "8", "--schedule", "1f1b"])
-    out = capsys.readouterr().out
-    assert out.count("stage ") == 4
-    assert "bubble fraction 0.273, formula (P-1)/(M+P-1) = 0.273" in out
-    assert "held per stage: 4, 3, 2, 1" in out
-
-
-def test_command_line_refuses_an_empty_pipeline(capsys):
-    with pytest.raises(SystemExit):
-        pipeline.main(["--stages", "0"])
-    assert "--stages and --microbatches must be at least 1" in capsys.readouterr().err
-
+from process_groups import make_mesh
+from schedules import SCHEDULES, gpipe, nccl_program
 
 # ---- the executor, against one process -----------------------------------------------------------
 
@@ -343,18 +260,18 @@ def test_executor_posts_the_groups_the_nccl_check_played(P):
     for i, (schedule, M) in enumerate(runs):
         stages = SCHEDULES[schedule](P, M)
         forwards = [[a for a in actions if a.kind in ("F", "send_act", "recv_act")]
-                    for actions in pipeline.gpipe(P, M)]
+                    for actions in gpipe(P, M)]
         for s, calls in enumerate(ranks):
             for lists, posted in ((stages, calls[2 * i]), (forwards, calls[2 * i + 1])):
                 expected = [[(a.kind[:4], s + peer[a.kind]) for a in item[1]]
-                            for item in pipeline.nccl_program(lists[s]) if item[0] == "post"]
+                            for item in nccl_program(lists[s]) if item[0] == "post"]
                 assert posted == expected, (schedule, s)
 
 
 def _groups_created(P):
     """Every new_group call this rank makes while building ring and native meshes and a
     pipeline of P stages with a tied head (world: P x D ranks)."""
-    from collectives import make_mesh
+    from process_groups import make_mesh
     calls, new_group = [], dist.new_group
 
     def record(ranks=None, **kwargs):

@@ -17,10 +17,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tensor_parallel as tp
-from collectives import Comm, make_mesh
+from collectives import Comm
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
+from process_groups import make_mesh
 
 # A split matmul sums over in/N features per rank and adds the N partial sums: the same
 # numbers in another order, so fp32 rounding at worst (measured: 3e-6 on values of order 1).
