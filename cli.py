@@ -26,8 +26,8 @@ from model import PRESETS
 from process_groups import init_distributed
 
 # --strategy -> the module whose build(gpt, options, data, split, device, adamw) wraps the model
-# and makes its optimizer: (model, optimizer, bytes per step its formula predicts). "auto" picks
-# one of them (advisor.advise).
+# and makes its optimizer: (model, optimizer, bytes sent per step its formula predicts, bytes held
+# memory.py's napkin math predicts). "auto" picks one of them (advisor.advise).
 STRATEGIES = {"single": ddp, "ddp": ddp, "zero1": zero, "zero2": zero, "fsdp": fsdp, "zero3": fsdp,
               "tp": tensor_parallel, "pipeline": pipeline}
 EVAL_FRACTION = 0.05                      # data.py's held-out tail

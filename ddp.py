@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from collectives import InOrder, as_comm, ring_bytes, split_into_buckets
+from memory import run_state_bytes
 from mixed_precision import MixedPrecisionOptimizer
 from process_groups import check_same_parameters
 
@@ -265,7 +266,8 @@ class DDP(nn.Module):
 # ---- train.py's row ---------------------------------------------------------------------------
 
 def build(gpt, options, data, split, device, adamw: dict):
-    """--strategy single and ddp: (model, optimizer, bytes per step the ring formula predicts).
+    """--strategy single and ddp: (model, optimizer, bytes per step the ring formula predicts,
+    bytes held the napkin math predicts).
 
     options: train.py's parsed command line; data, split: the data-parallel group and the
     group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
@@ -276,4 +278,5 @@ def build(gpt, options, data, split, device, adamw: dict):
     # After DDP's broadcast: fp16/bf16 masters copy rank 0's weights.
     optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
                                         precision=options.precision, **adamw)
-    return model, optimizer, 0 if model is gpt else model.bytes_per_step()
+    return (model, optimizer, 0 if model is gpt else model.bytes_per_step(),
+            run_state_bytes(gpt, "ddp", options, data.world_size))

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from collectives import InOrder, as_comm, ring_bytes, split_norm
 from ddp import FlatParams
+from memory import run_state_bytes
 from mixed_precision import DTYPES, DynamicLossScaler
 from model import Block
 from process_groups import check_same_parameters
@@ -424,7 +425,8 @@ class FSDPOptimizer(ShardedOptimizer):
 # ---- train.py's row ---------------------------------------------------------------------------
 
 def build(gpt, options, data, split, device, adamw: dict):
-    """--strategy fsdp (= zero3): (FSDP(gpt), FSDPOptimizer(AdamW), bytes per step predicted).
+    """--strategy fsdp (= zero3): (FSDP(gpt), FSDPOptimizer(AdamW), bytes sent per step and
+    bytes held predicted).
 
     options: train.py's parsed command line; data, split: the data-parallel group and the
     group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
@@ -433,4 +435,5 @@ def build(gpt, options, data, split, device, adamw: dict):
     model = FSDP(gpt, compute_dtype=DTYPES[options.precision], group=data, prefetch=options.prefetch,
                  device=device)
     optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(options.offload), **adamw)
-    return model, optimizer, model.bytes_per_step(micro_batches=options.grad_accum)
+    return (model, optimizer, model.bytes_per_step(micro_batches=options.grad_accum),
+            run_state_bytes(gpt, "zero3", options, data.world_size))

@@ -223,6 +223,26 @@ def model_params(name_or_config) -> int:
     return V * C + cfg.block_size * C + cfg.n_layer * block + 2 * C + head
 
 
+def live_numel(gpt) -> tuple[int, int]:
+    """(parameters, of which 4-bit) of a built model as this rank holds it: its slices or its
+    stage. QLoRA's 4-bit weights are buffers, not parameters: counted by their shape."""
+    from quantization import NF4Weight                     # only a live model can hold one
+    quantized = sum(torch.Size(m.shape).numel() for m in gpt.modules() if isinstance(m, NF4Weight))
+    return sum(p.numel() for p in gpt.parameters()) + quantized, quantized
+
+
+def run_state_bytes(gpt, strategy: str, options, world_size: int, n_params: int | None = None) -> dict:
+    """state_bytes of a built model under train.py's options (--precision, --double-quant,
+    --offload): the parameters this rank holds, of which those that train, over world_size
+    data-parallel ranks. n_params: count that many instead (tp: whole-matrix slices in closed
+    form). Each strategy's build() calls it: the prediction train.py logs beside the measure."""
+    numel, quantized = live_numel(gpt)
+    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
+    return state_bytes(numel if n_params is None else n_params, strategy, options.precision,
+                       world_size, trainable=trainable, quantized=quantized,
+                       double_quant=options.double_quant, offload=bool(options.offload))
+
+
 def tp_params(name_or_config, tp: int) -> int:
     """Parameters one tensor-parallel rank holds (tensor_parallel.py), in closed form.
 

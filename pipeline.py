@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from collectives import Comm, ring_bytes, split_norm
 from ddp import DDP
+from memory import run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from process_groups import subgroups
 from schedules import SCHEDULES, Action, check_schedule, gpipe, main, nccl_program, run_under_nccl
@@ -290,7 +291,7 @@ def stage_layers(option: str | None, n_layer: int, P: int) -> list[range]:
 def build(gpt, options, data, split, device, adamw: dict):
     """--strategy pipeline: (this rank's stage, under DDP over data when the pipeline has
     replicas, run by Pipeline; MixedPrecisionOptimizer(AdamW) with the norm over every stage;
-    the bytes per step).
+    the bytes sent and held per step predicted).
 
     options: train.py's parsed command line; data, split: the data-parallel group and the
     group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
@@ -304,7 +305,8 @@ def build(gpt, options, data, split, device, adamw: dict):
     optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=options.precision,
                                         grad_norm=model.grad_norm, **adamw)
     predicted = model.bytes_per_step(options.batch_size // data.world_size, options.seq_len)
-    return model, optimizer, predicted + (replicas.bytes_per_step() if replicas is not stage else 0)
+    held = run_state_bytes(gpt, "ddp", options, data.world_size)  # this stage's, over its replicas
+    return model, optimizer, predicted + (replicas.bytes_per_step() if replicas is not stage else 0), held
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from collectives import Comm, as_comm, ring_bytes
 from ddp import DDP
+from memory import run_state_bytes, tp_params
 from mixed_precision import MixedPrecisionOptimizer
 
 # ---- the conjugate pair f and g, and their sequence-parallel forms -------------------------
@@ -436,7 +437,8 @@ class TensorParallelGPT(nn.Module):
 
 def build(gpt, options, data, split, device, adamw: dict):
     """--strategy tp: (the split model, under DDP over data when there is more than one
-    replica; MixedPrecisionOptimizer(AdamW) with the norm over the whole matrices; the bytes).
+    replica; MixedPrecisionOptimizer(AdamW) with the norm over the whole matrices; the bytes
+    sent and held per step predicted).
 
     options: train.py's parsed command line; data, split: the data-parallel group and the
     group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
@@ -447,4 +449,9 @@ def build(gpt, options, data, split, device, adamw: dict):
     optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=options.precision,
                                         grad_norm=tp.grad_norm, **adamw)
     predicted = tp.bytes_per_step(options.batch_size // data.world_size, options.seq_len, options.grad_accum)
-    return model, optimizer, predicted + (model.bytes_per_step() if model is not tp else 0)
+    # A tp rank holds its slices whole, data parallelism replicates them: ddp over the slices
+    # (with LoRA: the frozen slices, plus this rank's adapters, which alone train).
+    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
+    held = run_state_bytes(gpt, "ddp", options, data.world_size,
+                           n_params=tp_params(gpt.cfg, options.tp) + (trainable if options.lora else 0))
+    return model, optimizer, predicted + (model.bytes_per_step() if model is not tp else 0), held

@@ -37,11 +37,10 @@ from cli import STRATEGIES, parse_args
 from collectives import Comm
 from data import TextData
 from ddp import DDP
-from memory import held_bytes, live_tensor_bytes, state_bytes, tp_params
+from memory import held_bytes, live_numel, live_tensor_bytes
 from mixed_precision import DTYPES
 from model import GPT, GPTConfig, build_model
 from process_groups import exit_distributed, gather_objects, init_distributed, make_mesh
-from quantization import NF4Weight
 
 class RunError(Exception):
     """A run that cannot go on, with the reason and the fix: printed without a traceback."""
@@ -122,7 +121,8 @@ def update(optimizer, args) -> bool:
 # ---- building the run ------------------------------------------------------------------------
 
 def build(args, device, comm, split, data):
-    """The model, its strategy wrapper, the optimizer, and the bytes the strategy should send.
+    """The model, its strategy wrapper, the optimizer, and the bytes the strategy predicts it
+    sends per step and holds (memory.state_bytes).
 
     comm: the whole world; split and data: the two axes of the --tp or --pp mesh (split: the
     ranks that hold one model between them, a tensor group or a pipeline; None unless --strategy
@@ -144,8 +144,7 @@ def build(args, device, comm, split, data):
     if args.checkpoint_activations:
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    model, optimizer, predicted = STRATEGIES[args.strategy].build(gpt, args, data, split, device, adamw)
-    return gpt, model, optimizer, predicted
+    return gpt, *STRATEGIES[args.strategy].build(gpt, args, data, split, device, adamw)
 
 
 def load_weights(path: str, gpt: GPT | None = None) -> GPT:
@@ -403,15 +402,13 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                         make_mesh(comm, args.pp) if args.strategy == "pipeline" else (None, comm))
     data_rank, data_size = data_comm.rank, data_comm.world_size
     try:
-        gpt, model, optimizer, predicted = build(args, device, comm, split, data_comm)
+        gpt, model, optimizer, predicted, napkin = build(args, device, comm, split, data_comm)
     except ValueError as e:                    # a strategy refused its input: same on every rank
         raise RunError(str(e)) from None
     layout = _layout(gpt, data_comm, split)
     start = resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
-    # QLoRA's 4-bit weights are buffers, not parameters: counted apart.
-    quantized = sum(torch.Size(m.shape).numel() for m in gpt.modules() if isinstance(m, NF4Weight))
-    n_params = sum(p.numel() for p in gpt.parameters()) + quantized     # tp: this rank's slices
+    n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
     mesh = {"tp": f" = tp {args.tp} x dp {data_size}",
             "pipeline": f" = pp {args.pp} x dp {data_size}, {args.schedule} over {args.microbatches} "
                         f"micro-batches"}.get(args.strategy, "")
@@ -433,24 +430,13 @@ def main(argv=None, live_bytes: bool = False) -> dict:
     if args.lora and not args.init_from:
         say("note: --lora without --init-from trains the adapters on a randomly initialised frozen "
             "model, which cannot learn much; fine-tune a trained one with --init-from RUN_DIR")
-    # memory.py's napkin math for this run, to read beside the measured bytes in the log.
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
     if args.lora:
         say(f"LoRA rank {args.lora_rank} on {args.lora_targets}: {trainable:,} trainable parameters "
             f"({trainable / n_params:.2%} of the model); the adapter is "
             f"{lora.adapter_bytes(gpt) / 2**10:.1f} KiB, the model {n_params * 4 / 2**20:.1f} MiB in fp32"
             + (f"; {quantized:,} frozen weights in 4-bit {args.quantize_base}" if quantized else ""))
-    if args.strategy == "tp":
-        # A tp rank holds its slices whole, data parallelism replicates them: ddp over the slices
-        # (with LoRA: the frozen slices, plus this rank's adapters, which alone train).
-        napkin = state_bytes(tp_params(gpt.cfg, args.tp) + (trainable if args.lora else 0), "ddp",
-                             args.precision, data_size, trainable=trainable)
-    elif args.strategy == "pipeline":     # this stage's parameters, replicated over its data group
-        napkin = state_bytes(n_params, "ddp", args.precision, data_size, trainable=trainable)
-    else:
-        napkin = state_bytes(n_params, "ddp" if args.strategy == "single" else args.strategy,
-                             args.precision, world_size, trainable=trainable, quantized=quantized,
-                             double_quant=args.double_quant, offload=bool(args.offload))
+    # The strategy's napkin math (memory.py), to read beside the measured bytes in the log.
     say(f"napkin math per rank (memory.py): params {napkin['params'] / 2**20:.1f} MiB, grads "
         f"{napkin['grads'] / 2**20:.1f}, optim {napkin['optimizer'] / 2**20:.1f}, total "
         f"{napkin['total'] / 2**20:.1f}" + (f" on the device, {napkin['host'] / 2**20:.1f} in CPU "

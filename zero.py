@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from collectives import InOrder, as_comm, ring_bytes, split_into_buckets, split_norm
 from ddp import FlatParams
+from memory import run_state_bytes
 from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
 from process_groups import check_same_parameters
 
@@ -372,7 +373,8 @@ def gradients_to_host(grads: list, buffers: list) -> list:
 
 def build(gpt, options, data, split, device, adamw: dict):
     """--strategy zero1 and zero2: (the model, unwrapped: the optimizer does the
-    communication, ZeroOptimizer(AdamW), bytes per step the ring formula predicts).
+    communication, ZeroOptimizer(AdamW), bytes per step the ring formula predicts, bytes
+    held the napkin math predicts).
 
     options: train.py's parsed command line; data, split: the data-parallel group and the
     group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
@@ -380,4 +382,5 @@ def build(gpt, options, data, split, device, adamw: dict):
     optimizer = ZeroOptimizer(gpt.parameters(), stage=int(options.strategy[-1]),
                               optimizer_cls=torch.optim.AdamW, group=data, bucket_mb=options.bucket_mb,
                               offload=bool(options.offload), **adamw)
-    return gpt, optimizer, optimizer.bytes_per_step(micro_batches=options.grad_accum)
+    return (gpt, optimizer, optimizer.bytes_per_step(micro_batches=options.grad_accum),
+            run_state_bytes(gpt, options.strategy, options, data.world_size))
