@@ -377,24 +377,19 @@ class TensorParallelGPT(nn.Module):
         return enter_region(x, self.comm, self.sequence_parallel)
 
     def forward(self, idx, targets=None):                        # idx: (B, T)
-        gpt, n, r = self.gpt, self.comm.world_size, self.comm.rank
-        B, T = idx.shape
-        if T > gpt.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {gpt.cfg.block_size}")
-        positions = torch.arange(T, device=idx.device)
+        gpt, n, T = self.gpt, self.comm.world_size, idx.shape[1]
+        positions = None                                         # all T, the same on every rank
         if self.sequence_parallel:
             if T % n:
                 raise ValueError(f"sequence parallelism splits the sequence ({T} tokens) into "
                                  f"{n} equal parts: use a --seq-len divisible by {n}")
-            positions = positions.chunk(n)[r]                    # this rank's T/N positions
-        x = gpt.drop(gpt.token_emb(idx) + gpt.pos_emb(positions))    # (B, T or T/N, C)
-        for block in gpt.blocks:
-            x = block(x)                                         # model.py's own Block.forward
-        logits = gpt.head(gpt.norm(x))                           # (B, T, V/N): never gathered
+            positions = torch.arange(T, device=idx.device).chunk(n)[self.comm.rank]   # (T/N,)
+        # model.py's own forward, on the split layers: (B, T or T/N, C) through the blocks,
+        # then logits (B, T, V/N), never gathered
+        logits = gpt.logits(gpt.run_blocks(gpt.embed(idx, positions)))
         if targets is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits.float().reshape(B * T, -1),
-                                            targets.reshape(B * T), self.comm)
+        loss = vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten(), self.comm)
         return logits, loss
 
     def finish_gradient_sync(self):
