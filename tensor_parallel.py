@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from collectives import Comm, as_comm, ring_bytes
 from ddp import DDP
+from lora import add_adapter, split_adapter
 from mixed_precision import MixedPrecisionOptimizer
 
 # ---- the conjugate pair f and g, and their sequence-parallel forms -------------------------
@@ -145,55 +146,18 @@ def leave_region(x, comm: Comm, sequence_parallel: bool = False):
 # columns r*in/N... Every rank draws the same full init and keeps its slice, so the ranks'
 # slices put together are exactly the matrix one rank would have had.
 
-def _shard(param: torch.Tensor, comm: Comm, dim: int) -> nn.Parameter:
-    """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms.
-    A frozen weight (LoRA's base) stays frozen."""
+def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
+    """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms;
+    dim None: a whole copy, the same on every rank of the group. A frozen weight (LoRA's base)
+    stays frozen."""
+    if dim is None:
+        return nn.Parameter(param.detach().clone(), param.requires_grad)
     if param.shape[dim] % comm.world_size:
         raise ValueError(f"a dimension of {param.shape[dim]} does not split into {comm.world_size} "
                          f"equal tensor-parallel parts: choose --tp dividing it")
     shard = nn.Parameter(_my_piece(param.detach(), comm, dim).clone(), param.requires_grad)
     shard.tp_dim = dim
     return shard
-
-
-def _whole(param: torch.Tensor) -> nn.Parameter:
-    """A weight every rank of the group keeps whole (a replicated copy)."""
-    return nn.Parameter(param.detach().clone(), param.requires_grad)
-
-
-# ---- LoRA inside a split layer ----------------------------------------------------------------
-#
-# A LoRA layer (lora.py) adds (alpha/r) B A x to W0 x. Split A and B the way W0 is split, so
-# the low-rank path needs no collective of its own:
-#   column (W0 rows split):  B's rows split with W0's, A whole:    y_r = W0_r x + s B_r (A x)
-#   row (W0 columns split):  A's columns split with W0's, B whole: z_r = W0_r y_r + s B (A_r y_r),
-#                            and the g that sums W0_r y_r sums B (A_r y_r) into B A y as well.
-# The whole factor (A of a column layer, B of a row layer) gets only this rank's part of its
-# gradient: TensorParallelGPT sums those over the group after backward (tp_partial).
-
-def _take_adapter(layer: nn.Module, linear: nn.Module, comm: Comm, split: str):
-    """Copy linear's LoRA factors, if any, onto layer; split: which factor is split ("A", "B")."""
-    layer.lora_A = layer.lora_B = None
-    if getattr(linear, "lora_A", None) is None:
-        return
-    if not hasattr(linear, "weight"):
-        raise ValueError("a 4-bit (QLoRA) base weight cannot be split over tensor-parallel ranks: "
-                         "fine-tune in 4 bits with --strategy ddp, zero1, zero2 or fsdp")
-    if split == "B":
-        layer.lora_A, layer.lora_B = _whole(linear.lora_A), _shard(linear.lora_B, comm, 0)
-        layer.lora_A.tp_partial = True                           # (r, in) whole, (out/N, r)
-    else:
-        layer.lora_A, layer.lora_B = _shard(linear.lora_A, comm, 1), _whole(linear.lora_B)
-        layer.lora_B.tp_partial = True                           # (r, in/N), (out, r) whole
-    layer.lora_scale, layer.lora_dropout = linear.scale, linear.dropout
-
-
-def _adapter(layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y plus the layer's local low-rank term (alpha/r) B A x, if it has an adapter."""
-    if layer.lora_A is None:
-        return y
-    x = F.dropout(x, layer.lora_dropout, layer.training)
-    return y + layer.lora_scale * F.linear(F.linear(x, layer.lora_A), layer.lora_B)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -212,7 +176,7 @@ class ColumnParallelLinear(nn.Module):
         linear = linear if linear is not None else nn.Linear(in_features, out_features, bias=bias)
         self.weight = _shard(linear.weight, self.comm, 0)                 # (out/N, in)
         self.bias = _shard(linear.bias, self.comm, 0) if linear.bias is not None else None
-        _take_adapter(self, linear, self.comm, split="B")
+        split_adapter(self, linear, 0, lambda param, dim: _shard(param, self.comm, dim))
         self.gather_output, self.sequence_parallel, self.enter = gather_output, sequence_parallel, enter
 
     @classmethod
@@ -223,7 +187,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):                                        # (B, T, in), or (B, T/N, in) with SP
         if self.enter:
             x = enter_region(x, self.comm, self.sequence_parallel)          # (B, T, in)
-        y = _adapter(self, x, F.linear(x, self.weight, self.bias))     # (B, T, out/N)
+        y = add_adapter(self, x, F.linear(x, self.weight, self.bias))  # (B, T, out/N)
         return _gather_features(y, self.comm) if self.gather_output else y
 
 
@@ -241,8 +205,8 @@ class RowParallelLinear(nn.Module):
         self.comm = as_comm(group)
         linear = linear if linear is not None else nn.Linear(in_features, out_features, bias=bias)
         self.weight = _shard(linear.weight, self.comm, 1)                 # (out, in/N)
-        self.bias = _whole(linear.bias) if linear.bias is not None else None
-        _take_adapter(self, linear, self.comm, split="A")
+        self.bias = _shard(linear.bias, self.comm, None) if linear.bias is not None else None
+        split_adapter(self, linear, 1, lambda param, dim: _shard(param, self.comm, dim))
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
 
     @classmethod
@@ -253,7 +217,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, y):                                        # (B, T, in/N), or (B, T, in)
         if not self.input_is_parallel:
             y = _split_features(y, self.comm)                   # (B, T, in/N)
-        partial = _adapter(self, y, F.linear(y, self.weight))  # (B, T, out): this rank's share
+        partial = add_adapter(self, y, F.linear(y, self.weight))  # (B, T, out): this rank's share
         z = leave_region(partial, self.comm, self.sequence_parallel)  # (B, T or T/N, out)
         return z + self.bias if self.bias is not None else z
 
