@@ -149,40 +149,48 @@ def leave_region(x, comm: Comm, sequence_parallel: bool = False):
 def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
     """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms;
     dim None: a whole copy, the same on every rank of the group. A frozen weight (LoRA's base)
-    stays frozen."""
+    stays frozen. The sizes divide by N: TensorParallelGPT checks them first (check_divisible)."""
     if dim is None:
         return nn.Parameter(param.detach().clone(), param.requires_grad)
-    if param.shape[dim] % comm.world_size:
-        raise ValueError(f"a dimension of {param.shape[dim]} does not split into {comm.world_size} "
-                         f"equal tensor-parallel parts: choose --tp dividing it")
     shard = nn.Parameter(_my_piece(param.detach(), comm, dim).clone(), param.requires_grad)
     shard.tp_dim = dim
     return shard
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A's output features split: rank r computes y[..., r*out/N : (r+1)*out/N].
+class _SplitLinear(nn.Module):
+    """An nn.Linear split over the group along dim: 0 the output features (a column layer), 1 the
+    input features (a row layer). linear: an existing nn.Linear to split (from_linear; default:
+    a fresh one, initialised as on one rank). Its LoRA adapter, if any, splits with it (lora.py)."""
 
-    enter: apply f (or, with sequence_parallel, gather the sequence) to the input here; False
-    when the caller entered the region once for several layers sharing an input (query, key
-    and value). gather_output: all-gather the full (.., out) instead of keeping (.., out/N).
-    linear: an existing nn.Linear to split (default: a fresh one, initialised as on one rank).
-    """
-
-    def __init__(self, in_features, out_features, group=None, bias=True, gather_output=False,
-                 sequence_parallel=False, enter=True, linear: nn.Linear | None = None):
+    def __init__(self, in_features, out_features, group, bias, linear, dim):
         super().__init__()
         self.comm = as_comm(group)
         linear = linear if linear is not None else nn.Linear(in_features, out_features, bias=bias)
-        self.weight = _shard(linear.weight, self.comm, 0)                 # (out/N, in)
-        self.bias = _shard(linear.bias, self.comm, 0) if linear.bias is not None else None
-        split_adapter(self, linear, 0, lambda param, dim: _shard(param, self.comm, dim))
-        self.gather_output, self.sequence_parallel, self.enter = gather_output, sequence_parallel, enter
+        self.weight = _shard(linear.weight, self.comm, dim)       # (out/N, in) or (out, in/N)
+        # The bias goes with the output features: split in a column layer; whole in a row
+        # layer, which adds it once, after the partial products are summed.
+        bias_dim = 0 if dim == 0 else None
+        self.bias = _shard(linear.bias, self.comm, bias_dim) if linear.bias is not None else None
+        split_adapter(self, linear, dim, lambda param, d: _shard(param, self.comm, d))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **options):
         return cls(linear.in_features, linear.out_features, group,
                    bias=linear.bias is not None, linear=linear, **options)
+
+
+class ColumnParallelLinear(_SplitLinear):
+    """y = x A^T + b with A's output features split: rank r computes y[..., r*out/N : (r+1)*out/N].
+
+    enter: apply f (or, with sequence_parallel, gather the sequence) to the input here; False
+    when the caller entered the region once for several layers sharing an input (query, key
+    and value). gather_output: all-gather the full (.., out) instead of keeping (.., out/N).
+    """
+
+    def __init__(self, in_features, out_features, group=None, bias=True, gather_output=False,
+                 sequence_parallel=False, enter=True, linear: nn.Linear | None = None):
+        super().__init__(in_features, out_features, group, bias, linear, dim=0)
+        self.gather_output, self.sequence_parallel, self.enter = gather_output, sequence_parallel, enter
 
     def forward(self, x):                                        # (B, T, in), or (B, T/N, in) with SP
         if self.enter:
@@ -191,28 +199,18 @@ class ColumnParallelLinear(nn.Module):
         return _gather_features(y, self.comm) if self.gather_output else y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLinear):
     """z = y B^T + b with B's input features split: rank r multiplies y[..., r*in/N : (r+1)*in/N].
 
     input_is_parallel: y arrives already split (a column-parallel output); else each rank
     takes its slice. The partial products are summed by g (sequence_parallel: reduce-scattered
-    along T); the bias, whole on every rank, is added once, after the sum.
+    along T), then the bias is added.
     """
 
     def __init__(self, in_features, out_features, group=None, bias=True, input_is_parallel=True,
                  sequence_parallel=False, linear: nn.Linear | None = None):
-        super().__init__()
-        self.comm = as_comm(group)
-        linear = linear if linear is not None else nn.Linear(in_features, out_features, bias=bias)
-        self.weight = _shard(linear.weight, self.comm, 1)                 # (out, in/N)
-        self.bias = _shard(linear.bias, self.comm, None) if linear.bias is not None else None
-        split_adapter(self, linear, 1, lambda param, dim: _shard(param, self.comm, dim))
+        super().__init__(in_features, out_features, group, bias, linear, dim=1)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **options):
-        return cls(linear.in_features, linear.out_features, group,
-                   bias=linear.bias is not None, linear=linear, **options)
 
     def forward(self, y):                                        # (B, T, in/N), or (B, T, in)
         if not self.input_is_parallel:
