@@ -27,41 +27,35 @@ from mixed_precision import MixedPrecisionOptimizer
 # collectives: what one does forward, the other does backward.
 #
 #                      forward                 backward
-#   f                  identity                all-reduce      (enter a split region)
-#   g                  all-reduce              identity        (leave a split region)
+#   _f                 identity                all-reduce      (enter a split region)
+#   _g                 all-reduce              identity        (leave a split region)
 #   _gather_sequence   all-gather along T      reduce-scatter  (f with sequence parallelism)
 #   _scatter_sequence  reduce-scatter along T  all-gather      (g with sequence parallelism)
 #   _gather_features   all-gather along C      keep my slice   (gather_output=True)
 #   _split_features    keep my slice of C      all-gather      (input_is_parallel=False)
 
 
-class _F(torch.autograd.Function):
-    # Every rank feeds the same x into its own columns; x's gradient is the sum of the parts
-    # each rank's columns contributed, so backward adds them up over the group.
+class _Conjugate(torch.autograd.Function):
+    # A collective forward whose backward is its conjugate (a row of the table above):
+    # forward(x, comm) and backward(grad, comm) are plain functions, so one class serves all.
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
+    def forward(ctx, x, comm, forward, backward):
+        ctx.comm, ctx.conjugate = comm, backward
+        return forward(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad)
-        return grad, None
+        return ctx.conjugate(grad, ctx.comm), None, None, None
 
 
-class _G(torch.autograd.Function):
-    # Each rank holds a partial sum of the output (its rows of the second matrix): forward
-    # adds them. The sum's gradient flows unchanged to every addend, so backward is identity.
-    @staticmethod
-    def forward(ctx, x, comm):
-        out = x.contiguous().clone()
-        comm.all_reduce(out)
-        return out
+def _identity(x, comm):
+    return x.view_as(x)             # a new tensor (a view) for autograd to attach to, not x itself
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+
+def _all_reduced(x, comm):
+    out = x.contiguous().clone()    # a copy: x itself may be saved for backward or read elsewhere
+    comm.all_reduce(out)
+    return out
 
 
 def _all_gather_dim(x, comm, dim):
@@ -86,17 +80,16 @@ def _my_piece(x, comm, dim):
     return x.chunk(comm.world_size, dim)[comm.rank].contiguous()
 
 
-class _Conjugate(torch.autograd.Function):
-    # A collective forward whose backward is its conjugate (the table above, last four rows):
-    # forward(x, comm) and backward(grad, comm) are plain functions, so one class serves all.
-    @staticmethod
-    def forward(ctx, x, comm, forward, backward):
-        ctx.comm, ctx.conjugate = comm, backward
-        return forward(x, comm)
+def _f(x, comm):
+    # Every rank feeds the same x into its own columns; x's gradient is the sum of the parts
+    # each rank's columns contributed, so backward adds them up over the group.
+    return _Conjugate.apply(x, comm, _identity, _all_reduced)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.conjugate(grad, ctx.comm), None, None, None
+
+def _g(x, comm):
+    # Each rank holds a partial sum of the output (its rows of the second matrix): forward
+    # adds them. The sum's gradient flows unchanged to every addend, so backward is identity.
+    return _Conjugate.apply(x, comm, _all_reduced, _identity)
 
 
 def _gather_sequence(x, comm):
@@ -128,12 +121,12 @@ def _split_features(x, comm):
 
 def enter_region(x, comm: Comm, sequence_parallel: bool = False):
     """f, or with sequence parallelism the all-gather that replaces it: (B, T or T/N, C) -> (B, T, C)."""
-    return _gather_sequence(x, comm) if sequence_parallel else _F.apply(x, comm)
+    return _gather_sequence(x, comm) if sequence_parallel else _f(x, comm)
 
 
 def leave_region(x, comm: Comm, sequence_parallel: bool = False):
     """g, or with sequence parallelism the reduce-scatter: partial (B, T, C) -> (B, T or T/N, C)."""
-    return _scatter_sequence(x, comm) if sequence_parallel else _G.apply(x, comm)
+    return _scatter_sequence(x, comm) if sequence_parallel else _g(x, comm)
 
 
 # ---- the layers ---------------------------------------------------------------------------------
@@ -324,7 +317,8 @@ class TensorParallelGPT(nn.Module):
             # Query, key and value read one input: enter the region once for all three, so
             # backward sums their input gradients in one all-reduce, not three.
             for sublayer in (attn, mlp):
-                sublayer.register_forward_pre_hook(lambda _, args: (self._enter(args[0]),))
+                sublayer.register_forward_pre_hook(
+                    lambda _, args: (enter_region(args[0], comm, sequence_parallel),))
         gpt.token_emb = VocabParallelEmbedding.from_embedding(gpt.token_emb, **sp)
         gpt.head = ColumnParallelLinear.from_linear(gpt.head, **sp)  # logits (B, T, V/N)
         if gpt.cfg.tie_embeddings:
@@ -334,9 +328,6 @@ class TensorParallelGPT(nn.Module):
         # the whole factor of a LoRA adapter inside a split layer, with or without it.
         self.partial = [p for p in gpt.parameters() if p.requires_grad and (
             getattr(p, "tp_partial", False) or sequence_parallel and not hasattr(p, "tp_dim"))]
-
-    def _enter(self, x):
-        return enter_region(x, self.comm, self.sequence_parallel)
 
     def forward(self, idx, targets=None):                        # idx: (B, T)
         gpt, n, T = self.gpt, self.comm.world_size, idx.shape[1]
