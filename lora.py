@@ -180,3 +180,40 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
               else state_dict[name + ".weight"])                                # (d, k)
         folded[name + ".weight"] = W0 + layer.scale * B @ A
     return folded
+
+
+# ---- LoRA inside a tensor-parallel layer (tensor_parallel.py) -----------------------------------
+#
+# A layer split over tensor-parallel ranks adds s B A x (s = alpha / r) too. Split A and B the way
+# W0 is split, so the low-rank path needs no collective of its own:
+#   column (W0 rows split):  B's rows split with W0's, A whole:    y_r = W0_r x + s B_r (A x)
+#   row (W0 columns split):  A's columns split with W0's, B whole: z_r = W0_r y_r + s B (A_r y_r),
+#                            and the g that sums W0_r y_r sums B (A_r y_r) into B A y as well.
+# The whole factor (A of a column layer, B of a row layer) gets only this rank's part of its
+# gradient: TensorParallelGPT sums those over the group after backward (tp_partial).
+
+def split_adapter(layer: nn.Module, linear: nn.Module, dim: int, shard):
+    """Copy linear's LoRA factors, if any, onto layer, the tensor-parallel layer made from it.
+    dim: the dimension W0 (d, k) is split along, 0 (column) or 1 (row); shard(param, dim):
+    this rank's slice of param along dim, or with dim None a whole copy."""
+    layer.lora_A = layer.lora_B = None
+    if getattr(linear, "lora_A", None) is None:
+        return
+    if isinstance(linear, QLoRALinear):
+        raise ValueError("a 4-bit (QLoRA) base weight cannot be split over tensor-parallel ranks: "
+                         "fine-tune in 4 bits with --strategy ddp, zero1, zero2 or fsdp")
+    if dim == 0:
+        layer.lora_A, layer.lora_B = shard(linear.lora_A, None), shard(linear.lora_B, 0)
+        layer.lora_A.tp_partial = True                           # (r, k) whole, (d/N, r)
+    else:
+        layer.lora_A, layer.lora_B = shard(linear.lora_A, 1), shard(linear.lora_B, None)
+        layer.lora_B.tp_partial = True                           # (r, k/N), (d, r) whole
+    layer.lora_scale, layer.lora_dropout = linear.scale, linear.dropout
+
+
+def add_adapter(layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y plus a split layer's local low-rank term (alpha/r) B A x, if it has an adapter."""
+    if layer.lora_A is None:
+        return y
+    x = F.dropout(x, layer.lora_dropout, layer.training)
+    return y + layer.lora_scale * F.linear(F.linear(x, layer.lora_A), layer.lora_B)

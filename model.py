@@ -119,22 +119,33 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx, targets=None):                        # idx: (B, T) token ids
-        B, T = idx.shape
+    # The forward in parts (embed, run_blocks, logits, then cross_entropy below): tensor
+    # parallelism (tensor_parallel.py) and pipeline stages (pipeline.py) run these same parts
+    # on their split or partial model.
+
+    def embed(self, idx, positions=None):                        # idx: (B, T) token ids
+        """Token plus position embeddings, dropped out: (B, T, C). positions: the tokens' places,
+        0..T-1 by default (sequence parallelism passes its rank's T/N)."""
+        T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}: "
                              f"use a shorter --seq-len or a larger model preset")
-        positions = torch.arange(T, device=idx.device)
-        x = self.drop(self.token_emb(idx) + self.pos_emb(positions))   # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))                         # (B, T, V)
-        if targets is None:
-            return logits
-        # The loss is computed in fp32 whatever the model's dtype: log-softmax over V
-        # classes is where low precision hurts most.
-        loss = F.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(B * T))
-        return logits, loss
+        if positions is None:
+            positions = torch.arange(T, device=idx.device)
+        return self.drop(self.token_emb(idx) + self.pos_emb(positions))   # (B, T, C)
+
+    def run_blocks(self, x, layers=None):                        # (B, T, C) -> (B, T, C)
+        """The blocks in order: all of them, or those numbered in layers (a pipeline stage's)."""
+        for i in (range(len(self.blocks)) if layers is None else layers):
+            x = self.blocks[i](x)
+        return x
+
+    def logits(self, x):                                         # (B, T, C) -> (B, T, V)
+        return self.head(self.norm(x))
+
+    def forward(self, idx, targets=None):                        # idx: (B, T) token ids
+        logits = self.logits(self.run_blocks(self.embed(idx)))
+        return logits if targets is None else (logits, cross_entropy(logits, targets))
 
     @torch.no_grad()
     def generate(self, idx, new_tokens: int, temperature: float = 0.8, top_k: int | None = 50):
@@ -155,6 +166,12 @@ class GPT(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())         # shared weights counted once
+
+
+def cross_entropy(logits, targets):                              # (B, T, V), (B, T) -> scalar
+    """The mean loss over all B x T tokens, computed in fp32 whatever the model's dtype:
+    log-softmax over V classes is where low precision hurts most."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def build_model(name: str = "tiny", **overrides) -> GPT:

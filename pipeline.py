@@ -19,12 +19,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from collectives import Comm, ring_bytes, split_norm
 from ddp import DDP
 from memory import run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
+from model import cross_entropy
 from process_groups import subgroups
 from schedules import SCHEDULES, Action, check_schedule, gpipe, main, nccl_program, run_under_nccl
 
@@ -76,18 +76,14 @@ class GPTStage(nn.Module):
         return self.gpt.token_emb.weight if self._tied else None
 
     def forward(self, x, targets=None):
-        gpt = self.gpt
-        if self.first:                                   # x: (b, T) token ids -> (b, T, C)
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = gpt.drop(gpt.token_emb(x) + gpt.pos_emb(positions))
-        for i in self.layers:
-            x = gpt.blocks[i](x)                         # (b, T, C)
+        gpt = self.gpt                                   # model.GPT's own parts, a stage's share
+        if self.first:
+            x = gpt.embed(x)                             # (b, T) token ids -> (b, T, C)
+        x = gpt.run_blocks(x, self.layers)               # (b, T, C)
         if not self.last:
             return x
-        logits = gpt.head(gpt.norm(x))                   # (b, T, V)
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())   # fp32, as GPT's
+        logits = gpt.logits(x)                           # (b, T, V)
+        return logits if targets is None else cross_entropy(logits, targets)
 
 
 # ---- the executor: one stage's list, run over send/recv --------------------------------------

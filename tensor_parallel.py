@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from collectives import Comm, as_comm, ring_bytes
 from ddp import DDP
+from lora import add_adapter, split_adapter
 from memory import run_state_bytes, tp_params
 from mixed_precision import MixedPrecisionOptimizer
 
@@ -27,41 +28,35 @@ from mixed_precision import MixedPrecisionOptimizer
 # collectives: what one does forward, the other does backward.
 #
 #                      forward                 backward
-#   f                  identity                all-reduce      (enter a split region)
-#   g                  all-reduce              identity        (leave a split region)
+#   _f                 identity                all-reduce      (enter a split region)
+#   _g                 all-reduce              identity        (leave a split region)
 #   _gather_sequence   all-gather along T      reduce-scatter  (f with sequence parallelism)
 #   _scatter_sequence  reduce-scatter along T  all-gather      (g with sequence parallelism)
 #   _gather_features   all-gather along C      keep my slice   (gather_output=True)
 #   _split_features    keep my slice of C      all-gather      (input_is_parallel=False)
 
 
-class _F(torch.autograd.Function):
-    # Every rank feeds the same x into its own columns; x's gradient is the sum of the parts
-    # each rank's columns contributed, so backward adds them up over the group.
+class _Conjugate(torch.autograd.Function):
+    # A collective forward whose backward is its conjugate (a row of the table above):
+    # forward(x, comm) and backward(grad, comm) are plain functions, so one class serves all.
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
+    def forward(ctx, x, comm, forward, backward):
+        ctx.comm, ctx.conjugate = comm, backward
+        return forward(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad)
-        return grad, None
+        return ctx.conjugate(grad, ctx.comm), None, None, None
 
 
-class _G(torch.autograd.Function):
-    # Each rank holds a partial sum of the output (its rows of the second matrix): forward
-    # adds them. The sum's gradient flows unchanged to every addend, so backward is identity.
-    @staticmethod
-    def forward(ctx, x, comm):
-        out = x.contiguous().clone()
-        comm.all_reduce(out)
-        return out
+def _identity(x, comm):
+    return x.view_as(x)             # a new tensor (a view) for autograd to attach to, not x itself
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+
+def _all_reduced(x, comm):
+    out = x.contiguous().clone()    # a copy: x itself may be saved for backward or read elsewhere
+    comm.all_reduce(out)
+    return out
 
 
 def _all_gather_dim(x, comm, dim):
@@ -86,17 +81,16 @@ def _my_piece(x, comm, dim):
     return x.chunk(comm.world_size, dim)[comm.rank].contiguous()
 
 
-class _Conjugate(torch.autograd.Function):
-    # A collective forward whose backward is its conjugate (the table above, last four rows):
-    # forward(x, comm) and backward(grad, comm) are plain functions, so one class serves all.
-    @staticmethod
-    def forward(ctx, x, comm, forward, backward):
-        ctx.comm, ctx.conjugate = comm, backward
-        return forward(x, comm)
+def _f(x, comm):
+    # Every rank feeds the same x into its own columns; x's gradient is the sum of the parts
+    # each rank's columns contributed, so backward adds them up over the group.
+    return _Conjugate.apply(x, comm, _identity, _all_reduced)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.conjugate(grad, ctx.comm), None, None, None
+
+def _g(x, comm):
+    # Each rank holds a partial sum of the output (its rows of the second matrix): forward
+    # adds them. The sum's gradient flows unchanged to every addend, so backward is identity.
+    return _Conjugate.apply(x, comm, _all_reduced, _identity)
 
 
 def _gather_sequence(x, comm):
@@ -128,12 +122,12 @@ def _split_features(x, comm):
 
 def enter_region(x, comm: Comm, sequence_parallel: bool = False):
     """f, or with sequence parallelism the all-gather that replaces it: (B, T or T/N, C) -> (B, T, C)."""
-    return _gather_sequence(x, comm) if sequence_parallel else _F.apply(x, comm)
+    return _gather_sequence(x, comm) if sequence_parallel else _f(x, comm)
 
 
 def leave_region(x, comm: Comm, sequence_parallel: bool = False):
     """g, or with sequence parallelism the reduce-scatter: partial (B, T, C) -> (B, T or T/N, C)."""
-    return _scatter_sequence(x, comm) if sequence_parallel else _G.apply(x, comm)
+    return _scatter_sequence(x, comm) if sequence_parallel else _g(x, comm)
 
 
 # ---- the layers ---------------------------------------------------------------------------------
@@ -146,115 +140,76 @@ def leave_region(x, comm: Comm, sequence_parallel: bool = False):
 # columns r*in/N... Every rank draws the same full init and keeps its slice, so the ranks'
 # slices put together are exactly the matrix one rank would have had.
 
-def _shard(param: torch.Tensor, comm: Comm, dim: int) -> nn.Parameter:
-    """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms.
-    A frozen weight (LoRA's base) stays frozen."""
-    if param.shape[dim] % comm.world_size:
-        raise ValueError(f"a dimension of {param.shape[dim]} does not split into {comm.world_size} "
-                         f"equal tensor-parallel parts: choose --tp dividing it")
+def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
+    """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms;
+    dim None: a whole copy, the same on every rank of the group. A frozen weight (LoRA's base)
+    stays frozen. The sizes divide by N: TensorParallelGPT checks them first (check_divisible)."""
+    if dim is None:
+        return nn.Parameter(param.detach().clone(), param.requires_grad)
     shard = nn.Parameter(_my_piece(param.detach(), comm, dim).clone(), param.requires_grad)
     shard.tp_dim = dim
     return shard
 
 
-def _whole(param: torch.Tensor) -> nn.Parameter:
-    """A weight every rank of the group keeps whole (a replicated copy)."""
-    return nn.Parameter(param.detach().clone(), param.requires_grad)
+class _SplitLinear(nn.Module):
+    """An nn.Linear split over the group along dim: 0 the output features (a column layer), 1 the
+    input features (a row layer). linear: an existing nn.Linear to split (from_linear; default:
+    a fresh one, initialised as on one rank). Its LoRA adapter, if any, splits with it (lora.py)."""
+
+    def __init__(self, in_features, out_features, group, bias, linear, dim):
+        super().__init__()
+        self.comm = as_comm(group)
+        linear = linear if linear is not None else nn.Linear(in_features, out_features, bias=bias)
+        self.weight = _shard(linear.weight, self.comm, dim)       # (out/N, in) or (out, in/N)
+        # The bias goes with the output features: split in a column layer; whole in a row
+        # layer, which adds it once, after the partial products are summed.
+        bias_dim = 0 if dim == 0 else None
+        self.bias = _shard(linear.bias, self.comm, bias_dim) if linear.bias is not None else None
+        split_adapter(self, linear, dim, lambda param, d: _shard(param, self.comm, d))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **options):
+        return cls(linear.in_features, linear.out_features, group,
+                   bias=linear.bias is not None, linear=linear, **options)
 
 
-# ---- LoRA inside a split layer ----------------------------------------------------------------
-#
-# A LoRA layer (lora.py) adds (alpha/r) B A x to W0 x. Split A and B the way W0 is split, so
-# the low-rank path needs no collective of its own:
-#   column (W0 rows split):  B's rows split with W0's, A whole:    y_r = W0_r x + s B_r (A x)
-#   row (W0 columns split):  A's columns split with W0's, B whole: z_r = W0_r y_r + s B (A_r y_r),
-#                            and the g that sums W0_r y_r sums B (A_r y_r) into B A y as well.
-# The whole factor (A of a column layer, B of a row layer) gets only this rank's part of its
-# gradient: TensorParallelGPT sums those over the group after backward (tp_partial).
-
-def _take_adapter(layer: nn.Module, linear: nn.Module, comm: Comm, split: str):
-    """Copy linear's LoRA factors, if any, onto layer; split: which factor is split ("A", "B")."""
-    layer.lora_A = layer.lora_B = None
-    if getattr(linear, "lora_A", None) is None:
-        return
-    if not hasattr(linear, "weight"):
-        raise ValueError("a 4-bit (QLoRA) base weight cannot be split over tensor-parallel ranks: "
-                         "fine-tune in 4 bits with --strategy ddp, zero1, zero2 or fsdp")
-    if split == "B":
-        layer.lora_A, layer.lora_B = _whole(linear.lora_A), _shard(linear.lora_B, comm, 0)
-        layer.lora_A.tp_partial = True                           # (r, in) whole, (out/N, r)
-    else:
-        layer.lora_A, layer.lora_B = _shard(linear.lora_A, comm, 1), _whole(linear.lora_B)
-        layer.lora_B.tp_partial = True                           # (r, in/N), (out, r) whole
-    layer.lora_scale, layer.lora_dropout = linear.scale, linear.dropout
-
-
-def _adapter(layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y plus the layer's local low-rank term (alpha/r) B A x, if it has an adapter."""
-    if layer.lora_A is None:
-        return y
-    x = F.dropout(x, layer.lora_dropout, layer.training)
-    return y + layer.lora_scale * F.linear(F.linear(x, layer.lora_A), layer.lora_B)
-
-
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_SplitLinear):
     """y = x A^T + b with A's output features split: rank r computes y[..., r*out/N : (r+1)*out/N].
 
     enter: apply f (or, with sequence_parallel, gather the sequence) to the input here; False
     when the caller entered the region once for several layers sharing an input (query, key
     and value). gather_output: all-gather the full (.., out) instead of keeping (.., out/N).
-    linear: an existing nn.Linear to split (default: a fresh one, initialised as on one rank).
     """
 
     def __init__(self, in_features, out_features, group=None, bias=True, gather_output=False,
                  sequence_parallel=False, enter=True, linear: nn.Linear | None = None):
-        super().__init__()
-        self.comm = as_comm(group)
-        linear = linear if linear is not None else nn.Linear(in_features, out_features, bias=bias)
-        self.weight = _shard(linear.weight, self.comm, 0)                 # (out/N, in)
-        self.bias = _shard(linear.bias, self.comm, 0) if linear.bias is not None else None
-        _take_adapter(self, linear, self.comm, split="B")
+        super().__init__(in_features, out_features, group, bias, linear, dim=0)
         self.gather_output, self.sequence_parallel, self.enter = gather_output, sequence_parallel, enter
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **options):
-        return cls(linear.in_features, linear.out_features, group,
-                   bias=linear.bias is not None, linear=linear, **options)
 
     def forward(self, x):                                        # (B, T, in), or (B, T/N, in) with SP
         if self.enter:
             x = enter_region(x, self.comm, self.sequence_parallel)          # (B, T, in)
-        y = _adapter(self, x, F.linear(x, self.weight, self.bias))     # (B, T, out/N)
+        y = add_adapter(self, x, F.linear(x, self.weight, self.bias))  # (B, T, out/N)
         return _gather_features(y, self.comm) if self.gather_output else y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLinear):
     """z = y B^T + b with B's input features split: rank r multiplies y[..., r*in/N : (r+1)*in/N].
 
     input_is_parallel: y arrives already split (a column-parallel output); else each rank
     takes its slice. The partial products are summed by g (sequence_parallel: reduce-scattered
-    along T); the bias, whole on every rank, is added once, after the sum.
+    along T), then the bias is added.
     """
 
     def __init__(self, in_features, out_features, group=None, bias=True, input_is_parallel=True,
                  sequence_parallel=False, linear: nn.Linear | None = None):
-        super().__init__()
-        self.comm = as_comm(group)
-        linear = linear if linear is not None else nn.Linear(in_features, out_features, bias=bias)
-        self.weight = _shard(linear.weight, self.comm, 1)                 # (out, in/N)
-        self.bias = _whole(linear.bias) if linear.bias is not None else None
-        _take_adapter(self, linear, self.comm, split="A")
+        super().__init__(in_features, out_features, group, bias, linear, dim=1)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **options):
-        return cls(linear.in_features, linear.out_features, group,
-                   bias=linear.bias is not None, linear=linear, **options)
 
     def forward(self, y):                                        # (B, T, in/N), or (B, T, in)
         if not self.input_is_parallel:
             y = _split_features(y, self.comm)                   # (B, T, in/N)
-        partial = _adapter(self, y, F.linear(y, self.weight))  # (B, T, out): this rank's share
+        partial = add_adapter(self, y, F.linear(y, self.weight))  # (B, T, out): this rank's share
         z = leave_region(partial, self.comm, self.sequence_parallel)  # (B, T or T/N, out)
         return z + self.bias if self.bias is not None else z
 
@@ -363,7 +318,8 @@ class TensorParallelGPT(nn.Module):
             # Query, key and value read one input: enter the region once for all three, so
             # backward sums their input gradients in one all-reduce, not three.
             for sublayer in (attn, mlp):
-                sublayer.register_forward_pre_hook(lambda _, args: (self._enter(args[0]),))
+                sublayer.register_forward_pre_hook(
+                    lambda _, args: (enter_region(args[0], comm, sequence_parallel),))
         gpt.token_emb = VocabParallelEmbedding.from_embedding(gpt.token_emb, **sp)
         gpt.head = ColumnParallelLinear.from_linear(gpt.head, **sp)  # logits (B, T, V/N)
         if gpt.cfg.tie_embeddings:
@@ -374,28 +330,20 @@ class TensorParallelGPT(nn.Module):
         self.partial = [p for p in gpt.parameters() if p.requires_grad and (
             getattr(p, "tp_partial", False) or sequence_parallel and not hasattr(p, "tp_dim"))]
 
-    def _enter(self, x):
-        return enter_region(x, self.comm, self.sequence_parallel)
-
     def forward(self, idx, targets=None):                        # idx: (B, T)
-        gpt, n, r = self.gpt, self.comm.world_size, self.comm.rank
-        B, T = idx.shape
-        if T > gpt.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {gpt.cfg.block_size}")
-        positions = torch.arange(T, device=idx.device)
+        gpt, n, T = self.gpt, self.comm.world_size, idx.shape[1]
+        positions = None                                         # all T, the same on every rank
         if self.sequence_parallel:
             if T % n:
                 raise ValueError(f"sequence parallelism splits the sequence ({T} tokens) into "
                                  f"{n} equal parts: use a --seq-len divisible by {n}")
-            positions = positions.chunk(n)[r]                    # this rank's T/N positions
-        x = gpt.drop(gpt.token_emb(idx) + gpt.pos_emb(positions))    # (B, T or T/N, C)
-        for block in gpt.blocks:
-            x = block(x)                                         # model.py's own Block.forward
-        logits = gpt.head(gpt.norm(x))                           # (B, T, V/N): never gathered
+            positions = torch.arange(T, device=idx.device).chunk(n)[self.comm.rank]   # (T/N,)
+        # model.py's own forward, on the split layers: (B, T or T/N, C) through the blocks,
+        # then logits (B, T, V/N), never gathered
+        logits = gpt.logits(gpt.run_blocks(gpt.embed(idx, positions)))
         if targets is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits.float().reshape(B * T, -1),
-                                            targets.reshape(B * T), self.comm)
+        loss = vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten(), self.comm)
         return logits, loss
 
     def finish_gradient_sync(self):
