@@ -231,10 +231,6 @@ class DDP(nn.Module):
             if used_anywhere:
                 p.grad = slot                                    # averaged in place
         self._reset()
-        if hasattr(self.module, "finish_gradient_sync"):
-            # A module that splits layers (tensor_parallel.py) sums its partial gradients over
-            # its own group; the average over replicas came first.
-            self.module.finish_gradient_sync()
 
     @contextmanager
     def no_sync(self):

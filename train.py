@@ -105,8 +105,13 @@ def train_step(model, optimizer, x, y, args, measure=False):
             _, loss = model(mx, my)                                  # mean over (B/N/k, T)
             optimizer.scale_loss(loss / args.grad_accum).backward()
         step_loss += loss.detach() / args.grad_accum
-    if hasattr(model, "finish_gradient_sync"):   # DDP, FSDP, tp (its partial gradients)
-        model.finish_gradient_sync()
+    # Each wrapper finishes its own sync, outermost first: DDP's average (or FSDP's shards),
+    # then a tensor-parallel model's partial sums (sequence parallelism, LoRA factors).
+    wrapper = model
+    while wrapper is not None:
+        if hasattr(wrapper, "finish_gradient_sync"):
+            wrapper.finish_gradient_sync()
+        wrapper = getattr(wrapper, "module", None)
     return step_loss, update(optimizer, args)
 
 
