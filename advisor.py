@@ -10,8 +10,12 @@ Test: python -m pytest tests/test_advisor.py
 """
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from memory import GB, activation_bytes, bytes_per_param, logits_bytes, model_params, state_bytes
 from model import PRESETS, GPTConfig
+from process_groups import init_distributed
 
 # ---- the flow chart, rung by rung ------------------------------------------------------------
 #
@@ -172,3 +176,38 @@ def print_advice(args):
     argv = chosen.argv(args.model, precision, seq_len, args.target_batch)
     print(f"\n{launch} train.py {' '.join(argv)}"
           + ("   # LoRA fine-tunes a trained model: add --init-from RUN_DIR" if "--lora" in argv else ""))
+
+
+# ---- train.py --strategy auto ------------------------------------------------------------------
+
+def auto_strategy(parser, args, world_size) -> list[str]:
+    """--strategy auto: advise's first rung that fits this machine; its train.py flags."""
+    if args.mem_budget:
+        try:
+            budget = parse_bytes(args.mem_budget)
+        except ValueError as e:
+            parser.error(f"--mem-budget: {e}")
+    elif torch.cuda.is_available():
+        # The free bytes of this rank's own GPU (joining the job sets its device first: asked
+        # before that, every rank would query, and make a context on, GPU 0), and the least over
+        # the ranks, so that every rank picks the same rung.
+        device = init_distributed(timeout=args.timeout or 600)
+        free = torch.tensor([torch.cuda.mem_get_info(device)[0]], dtype=torch.float64, device=device)
+        dist.all_reduce(free, op=dist.ReduceOp.MIN)
+        budget = int(free.item())
+    else:
+        parser.error("--strategy auto on CPU ranks needs --mem-budget (e.g. --mem-budget 2GB): "
+                     "the bytes each rank may use")
+    try:
+        rungs = advise(args.model, budget, world_size, args.seq_len, args.batch_size, args.precision)
+    except ValueError as e:
+        parser.error(f"--strategy auto: {e}")
+    chosen = rungs[-1]
+    if not chosen.fits:
+        parser.error(f"--strategy auto: model {args.model} does not fit in {budget / 1e9:.2f} GB per "
+                     f"rank on any rung (QLoRA needs {chosen.held['total'] / 1e9:.2f}): more ranks, "
+                     f"a smaller --seq-len or --model")
+    if "--lora" in chosen.flags and not args.init_from:
+        parser.error(f"--strategy auto: model {args.model} fits in {budget / 1e9:.2f} GB per rank "
+                     f"only as {chosen.rung}, which fine-tunes a trained model: add --init-from RUN_DIR")
+    return ["--strategy", chosen.strategy, "--grad-accum", str(chosen.grad_accum), *chosen.flags]

@@ -20,10 +20,9 @@ import pipeline
 import snapshot
 import tensor_parallel
 import zero
-from advisor import advise, parse_bytes
+from advisor import auto_strategy
 from mixed_precision import DTYPES
 from model import PRESETS
-from process_groups import init_distributed
 
 # --strategy -> the module whose build(gpt, options, data, split, device, adamw) wraps the model
 # and makes its optimizer: (model, optimizer, bytes sent per step its formula predicts, bytes held
@@ -153,37 +152,19 @@ def parse_args(argv=None):
     return args
 
 
-def auto_strategy(parser, args, world_size) -> list[str]:
-    """--strategy auto: advisor.advise's first rung that fits this machine; its train.py flags."""
-    if args.mem_budget:
-        try:
-            budget = parse_bytes(args.mem_budget)
-        except ValueError as e:
-            parser.error(f"--mem-budget: {e}")
-    elif torch.cuda.is_available():
-        # The free bytes of this rank's own GPU (joining the job sets its device first: asked
-        # before that, every rank would query, and make a context on, GPU 0), and the least over
-        # the ranks, so that every rank picks the same rung.
-        device = init_distributed(timeout=args.timeout or 600)
-        free = torch.tensor([torch.cuda.mem_get_info(device)[0]], dtype=torch.float64, device=device)
-        dist.all_reduce(free, op=dist.ReduceOp.MIN)
-        budget = int(free.item())
-    else:
-        parser.error("--strategy auto on CPU ranks needs --mem-budget (e.g. --mem-budget 2GB): "
-                     "the bytes each rank may use")
-    try:
-        rungs = advise(args.model, budget, world_size, args.seq_len, args.batch_size, args.precision)
-    except ValueError as e:
-        parser.error(f"--strategy auto: {e}")
-    chosen = rungs[-1]
-    if not chosen.fits:
-        parser.error(f"--strategy auto: model {args.model} does not fit in {budget / 1e9:.2f} GB per "
-                     f"rank on any rung (QLoRA needs {chosen.held['total'] / 1e9:.2f}): more ranks, "
-                     f"a smaller --seq-len or --model")
-    if "--lora" in chosen.flags and not args.init_from:
-        parser.error(f"--strategy auto: model {args.model} fits in {budget / 1e9:.2f} GB per rank "
-                     f"only as {chosen.rung}, which fine-tunes a trained model: add --init-from RUN_DIR")
-    return ["--strategy", chosen.strategy, "--grad-accum", str(chosen.grad_accum), *chosen.flags]
+def split_size(args) -> int | None:
+    """Ranks that hold one model between them (--tp under tp, --pp under pipeline); None when
+    every rank holds a whole one."""
+    return {"tp": args.tp, "pipeline": args.pp}.get(args.strategy)
+
+
+def run_shape(args, data_size: int) -> tuple[str, str]:
+    """How the log names the run's mesh (" = tp 2 x dp 2"; "" without one) and its micro-batches."""
+    if args.strategy == "pipeline":
+        return (f" = pp {args.pp} x dp {data_size}, {args.schedule} over {args.microbatches} "
+                f"micro-batches", f"{args.microbatches} micro-batch(es) per pipeline")
+    mesh = f" = tp {args.tp} x dp {data_size}" if args.strategy == "tp" else ""
+    return mesh, f"{args.grad_accum} micro-batch(es) per rank"
 
 
 def check_args(parser, args, world_size):

@@ -33,7 +33,7 @@ import fsdp
 import lora
 import snapshot
 from checkpointing import checkpoint_blocks
-from cli import STRATEGIES, parse_args
+from cli import STRATEGIES, parse_args, run_shape, split_size
 from collectives import Comm
 from data import TextData
 from ddp import DDP
@@ -400,11 +400,10 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                 print(line, file=log_file, flush=True)
 
     comm = Comm(ring=args.collectives == "ring")
-    # The --tp mesh: ranks in one tensor group read the same rows of the batch.
     # The --tp and --pp meshes: the ranks of one tensor group or one pipeline read the same rows.
     # (check_args made sure --tp and --pp divide the world.)
-    split, data_comm = (make_mesh(comm, args.tp) if args.strategy == "tp" else
-                        make_mesh(comm, args.pp) if args.strategy == "pipeline" else (None, comm))
+    split_ranks = split_size(args)
+    split, data_comm = make_mesh(comm, split_ranks) if split_ranks else (None, comm)
     data_rank, data_size = data_comm.rank, data_comm.world_size
     try:
         gpt, model, optimizer, predicted, napkin = build(args, device, comm, split, data_comm)
@@ -414,17 +413,14 @@ def main(argv=None, live_bytes: bool = False) -> dict:
     start = resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
-    mesh = {"tp": f" = tp {args.tp} x dp {data_size}",
-            "pipeline": f" = pp {args.pp} x dp {data_size}, {args.schedule} over {args.microbatches} "
-                        f"micro-batches"}.get(args.strategy, "")
+    mesh, micro_batches = run_shape(args, data_size)
     if getattr(args, "advice", None):
-        say(f"--strategy auto (memory.py's flow chart, --mem-budget {args.mem_budget or 'free GPU memory'}): "
+        say(f"--strategy auto (advisor.py's flow chart, --mem-budget {args.mem_budget or 'free GPU memory'}): "
             f"{args.advice}")
     say(f"{args.strategy} on {world_size}{mesh} x {device.type} ({dist.get_backend()}) | model "
         f"{args.model} {n_params / 1e6:.2f}M params{' per rank' if mesh else ''} | {args.precision} | "
         f"global batch {args.batch_size} x {args.seq_len} tokens, "
-        f"{args.microbatches if args.strategy == 'pipeline' else args.grad_accum} micro-batch(es) "
-        f"per {'pipeline' if args.strategy == 'pipeline' else 'rank'} | {args.collectives} collectives"
+        f"{micro_batches} | {args.collectives} collectives"
         + ((" (bytes sent: the ring volume of the calls made)" if args.collectives == "native"
             else " (bytes sent: measured)") if world_size > 1 else "")
         + f" | {args.steps} steps")
