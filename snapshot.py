@@ -4,179 +4,37 @@ Hours of GPU time must survive a crash. A checkpoint holds what an exact continu
 the fp32 weights and optimizer state, the loss scale, the step (which fixes the learning rate
 and the data position: batches are a function of the step), every rank's RNG state and the
 configuration. Sharded strategies save each rank's shard with the map of which elements of
-which parameter it holds ("pieces"), so the same files load on any world size and under any
+which parameter it holds (pieces.py), so the same files load on any world size and under any
 strategy: every rank takes the elements it now owns; tensor parallelism's split matrices are
-saved gathered whole, so they load at any --tp. (PyTorch's elastic training calls these
-snapshots; activation checkpointing, recomputing in backward, is checkpointing.py.)
+saved gathered whole, so they load at any --tp. Here: the run directory, and what train.py
+saves, resumes and exports; load_weights reads any of them on one process. (PyTorch's elastic
+training calls these snapshots; activation checkpointing, recomputing in backward, is
+checkpointing.py.)
 Left out: asynchronous saving, object stores, fsync of the directory entries.
 Test: python -m pytest tests/test_snapshot.py
 
 Layout:  OUT/ckpt-0000100/{meta.json, rank00000.pt, ...}   written as ckpt-0000100.tmp first
 """
+import dataclasses
 import hashlib
 import io
 import json
 import os
 import re
 import shutil
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+import lora
+from collectives import Comm
+from model import GPT, GPTConfig
+from pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
+                    gather_pieces, load_pieces, optimizer_pieces)
+from process_groups import gather_objects
+
 CHECKPOINT = re.compile(r"ckpt-(\d{7})$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used, with the fix in the message; train.py prints it plainly."""
-
-
-# ---- pieces: which elements of which parameter this rank holds ------------------------------
-#
-# A piece is {"name", "start", "stop", "tensors", "scalars"}: elements start:stop of the named
-# parameter (flattened), their fp32 values ("param") and optimizer state of the same shape
-# ("exp_avg", "exp_avg_sq", "momentum_buffer"...), and the optimizer's scalars ("step").
-# DDP's replicas save one full-range piece per parameter (rank 0 only); ZeRO's ranks save
-# the ranges their shards cover, which may cut a parameter in two.
-
-def optimizer_pieces(optimizer, names: dict) -> list[dict]:
-    """This rank's pieces, from an optimizer with master_ranges() (mixed_precision.py, zero.py)."""
-    pieces = []
-    for param, start, stop, master, offset in optimizer.master_ranges():
-        ranged = {"param": master}
-        scalars = {}
-        for key, value in optimizer.optimizer.state.get(master, {}).items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                ranged[key] = value
-            else:
-                scalars[key] = value.clone() if torch.is_tensor(value) else value
-        # Cloned: saving a view would write the whole flat buffer it points into.
-        tensors = {key: t.detach().reshape(-1)[offset: offset + stop - start].float().cpu().clone()
-                   for key, t in ranged.items()}
-        pieces.append({"name": names[param], "start": start, "stop": stop,
-                       "tensors": tensors, "scalars": scalars})
-    return pieces
-
-
-def frozen_pieces(model: torch.nn.Module) -> list[dict]:
-    """Parameters no optimizer owns (requires_grad=False), whole: saved by rank 0."""
-    return [{"name": name, "start": 0, "stop": p.numel(), "scalars": {},
-             "tensors": {"param": p.detach().reshape(-1).float().cpu().clone()}}
-            for name, p in model.named_parameters() if not p.requires_grad]
-
-
-class Pieces:
-    """Every rank's pieces, joined by parameter name: read any element range back."""
-
-    def __init__(self, pieces: list[dict]):
-        self.by_name = {}
-        for piece in pieces:
-            self.by_name.setdefault(piece["name"], []).append(piece)
-
-    def read(self, name: str, start: int, stop: int) -> dict:
-        """{key: (stop - start,) tensor} for elements start:stop of `name`, from whichever pieces hold them."""
-        if name not in self.by_name:
-            raise CheckpointError(f"the checkpoint has no parameter {name!r}: it was saved from "
-                                  f"another model; start from scratch or pick its own --model")
-        out, covered = {}, torch.zeros(stop - start, dtype=torch.bool)
-        for piece in self.by_name[name]:
-            first, last = max(start, piece["start"]), min(stop, piece["stop"])
-            if first >= last:
-                continue
-            for key, t in piece["tensors"].items():
-                if key not in out:
-                    out[key] = torch.zeros(stop - start, dtype=t.dtype)
-                out[key][first - start: last - start] = t[first - piece["start"]: last - piece["start"]]
-            covered[first - start: last - start] = True
-        if not covered.all():
-            raise CheckpointError(f"the checkpoint lacks elements of {name!r}: a rank's file is "
-                                  f"missing; resume from an earlier checkpoint")
-        return out
-
-    def scalars(self, name: str) -> dict:
-        return {key: value.clone() if torch.is_tensor(value) else value
-                for key, value in self.by_name[name][0]["scalars"].items()}
-
-    def full_state_dict(self, model: torch.nn.Module, missing_from_model: bool = False) -> dict:
-        """{name: fp32 tensor shaped like the model's}: the weights alone, on one process.
-
-        missing_from_model: parameters the checkpoint does not hold (a LoRA run's frozen base,
-        saved elsewhere) are taken from model as it is.
-        """
-        return {name: self.read(name, 0, p.numel())["param"].view(p.shape)
-                if name in self.by_name or not missing_from_model else p.detach().float()
-                for name, p in model.named_parameters()}
-
-
-@torch.no_grad()
-def load_pieces(optimizer, names: dict, model: torch.nn.Module, pieces: Pieces, frozen: bool = True):
-    """Write the saved values and optimizer state into what this rank owns now, at any world size.
-
-    frozen=False: the frozen parameters are not in the checkpoint (a LoRA run's base, loaded
-    from its own file) and stay as they are.
-    """
-    for param, start, stop, master, offset in optimizer.master_ranges():
-        values = pieces.read(names[param], start, stop)
-        window = slice(offset, offset + stop - start)
-        master.view(-1)[window].copy_(values.pop("param"))
-        if values:                       # torch optimizers create their state at the first step
-            state = optimizer.optimizer.state[master]
-            for key, value in values.items():
-                if key not in state:
-                    state[key] = torch.zeros_like(master)
-                state[key].view(-1)[window].copy_(value)
-            state.update(pieces.scalars(names[param]))
-    for name, p in model.named_parameters():
-        if frozen and not p.requires_grad:
-            p.copy_(pieces.read(name, 0, p.numel())["param"].view(p.shape))
-    optimizer.refresh_params()
-
-
-# ---- tensor parallelism's slices: whole parameters in, whole parameters out -------------------
-#
-# snapshot.py's pieces are flat element ranges; a rank's slice of a column- or row-split
-# matrix is not one range. So a save gathers each split parameter (and its optimizer state)
-# over the tensor group into one whole piece, and a load reads the whole piece and keeps this
-# rank's slice: tp checkpoints are plain full-model checkpoints, loadable at any --tp.
-
-def gather_pieces(pieces: list[dict], params: dict, comm) -> list[dict]:
-    """Whole-parameter pieces from this rank's pieces of tensor_parallel.py's split parameters
-    (those with a tp_dim); params: {name: parameter}; comm: the tensor group. Collective."""
-    whole = []
-    for piece in pieces:
-        p = params[piece["name"]]
-        if not hasattr(p, "tp_dim"):
-            whole.append(piece)
-            continue
-        tensors = {}
-        for key, t in piece["tensors"].items():
-            # The pieces were copied to the host for the file; the gather runs on the
-            # parameter's device (NCCL moves device memory only), the whole piece goes back.
-            local = t.to(p.device)
-            parts = [torch.empty_like(local) for _ in range(comm.world_size)]
-            dist.all_gather(parts, local, group=comm.group)      # a checkpoint, not a training step
-            tensors[key] = torch.cat([x.view(p.shape) for x in parts], p.tp_dim).reshape(-1).cpu()
-        whole.append({**piece, "start": 0, "stop": p.numel() * comm.world_size, "tensors": tensors})
-    return whole
-
-
-class TensorParallelReader:
-    """snapshot.Pieces' read() and scalars(), answering with this rank's slice of whole pieces."""
-
-    def __init__(self, pieces, params: dict, comm):
-        self.pieces, self.params, self.comm = pieces, params, comm
-
-    def read(self, name: str, start: int, stop: int) -> dict:
-        p = self.params[name]
-        if not hasattr(p, "tp_dim"):
-            return self.pieces.read(name, start, stop)
-        full_shape = list(p.shape)
-        full_shape[p.tp_dim] *= self.comm.world_size
-        whole = self.pieces.read(name, 0, p.numel() * self.comm.world_size)
-        return {key: t.view(full_shape).chunk(self.comm.world_size, p.tp_dim)[self.comm.rank]
-                .reshape(-1)[start:stop] for key, t in whole.items()}
-
-    def scalars(self, name: str) -> dict:
-        return self.pieces.scalars(name)
 
 
 # ---- the run directory ----------------------------------------------------------------------
@@ -305,9 +163,156 @@ def check_same_model(saved: dict, current: dict, path: str, ignore: tuple = ()):
                                   f"--model (and overrides), or another --out")
 
 
-def all_finite(pieces: list[dict], device: torch.device) -> bool:
-    """Whether every rank's weights are finite: a checkpoint with NaNs is never written."""
-    finite = all(bool(torch.isfinite(piece["tensors"]["param"]).all()) for piece in pieces)
-    flag = torch.tensor([0.0 if finite else 1.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)        # one rank's NaN stops every rank's save
-    return flag.item() == 0.0
+# ---- a run's checkpoints: what train.py saves, resumes and exports -----------------------------
+
+class RunError(Exception):
+    """A run that cannot go on, with the reason and the fix: printed without a traceback."""
+
+
+class Layout(NamedTuple):
+    """Where this rank's weights sit, as checkpoints need it: its rank in the data-parallel
+    group (replica 0 writes replicated weights), and the group that splits one model (tp's
+    tensor group or a pipeline, else None). `tensor` says the split is by matrix (parameters
+    marked tp_dim, tensor_parallel.py): whole pieces are gathered over `split`, and its first
+    rank writes them; a pipeline stage writes its own parameters."""
+    data_rank: int
+    split: Comm | None
+    tensor: bool
+
+
+def layout_of(gpt, data_comm, split) -> Layout:
+    return Layout(data_comm.rank, split, any(hasattr(p, "tp_dim") for p in gpt.parameters()))
+
+
+def rank_pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
+    """This rank's part of the weights and optimizer state: its shard (a sharded optimizer:
+    zero, fsdp), or the first replica's whole parameters (tp gathers each split one whole
+    first; a pipeline stage's first replica writes that stage's).
+    frozen: with the frozen weights (a LoRA checkpoint leaves them to its base)."""
+    if not (optimizer.sharded or layout.data_rank == 0):
+        return []
+    pieces = optimizer_pieces(optimizer, names(gpt))
+    if frozen and layout.data_rank == 0:
+        pieces += frozen_pieces(gpt)
+    if layout.tensor:                                  # collective: the whole tensor group
+        pieces = gather_pieces(pieces, dict(gpt.named_parameters()), layout.split)
+        pieces = pieces if layout.split.rank == 0 else []
+    return pieces
+
+
+def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_config=None):
+    """Every rank's shard (or the first replica's copy), RNG, loss scale; returns its path.
+    Weights with inf or NaN are not saved: RunError. lora_config: apply_lora's arguments.
+
+    A LoRA run on an --init-from base saves only what trains, the adapter, and names the base.
+    """
+    base = os.path.abspath(args.init_from) if args.lora and args.init_from else None
+    pieces = rank_pieces(gpt, optimizer, layout, frozen=not base)
+    if not all_finite(pieces, next(gpt.parameters()).device):
+        raise RunError(f"step {step}: the weights hold inf or NaN; no checkpoint written (the "
+                       f"last good one is {latest(args.out)})")
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    part = {"pieces": pieces, "rng": rng, "scaler": optimizer.scaler.state_dict()}
+    meta = {"model": model_config(gpt), "args": vars(args), "data_position": step,
+            "lora": lora_config, "base": base, "loss": loss}
+    return save(args.out, step, part, meta, keep=args.keep)
+
+
+def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
+    """Load the newest checkpoint in --out (or the one --resume names) into this run; the step
+    to continue from."""
+    path = args.resume if args.resume not in ("must", "auto") else latest(args.out)
+    if path is None:
+        if args.resume == "auto":
+            say(f"--resume auto: no checkpoint in {args.out} yet, starting from step 0")
+            return 0
+        raise RunError(f"--resume: no complete checkpoint in {args.out}; start without --resume, "
+                       f"or use --resume auto to start fresh when there is none")
+    meta, parts = load(path)
+    check_same_model(meta["model"], model_config(gpt), path)
+    bookkeeping = ("out", "save_every", "keep", "resume", "overwrite", "export", "timeout", "log_every",
+                   "init_from")
+    changed = [(k, v, vars(args).get(k)) for k, v in meta["args"].items()
+               if k not in bookkeeping and vars(args).get(k) != v]
+    pieces = Pieces([p for part in parts for p in part["pieces"]])
+    if layout.tensor:                                    # whole pieces in, this rank's slices out
+        pieces = TensorParallelReader(pieces, dict(gpt.named_parameters()), layout.split)
+    load_pieces(optimizer, names(gpt), gpt, pieces, frozen=not meta.get("base"))
+    optimizer.scaler.load_state_dict(parts[0]["scaler"])     # the same on every rank
+    if meta["world_size"] == world_size:
+        torch.set_rng_state(parts[rank]["rng"]["cpu"])
+        if torch.cuda.is_available() and "cuda" in parts[rank]["rng"]:
+            torch.cuda.set_rng_state(parts[rank]["rng"]["cuda"])
+        resharded = ""
+    else:
+        # Another world size: no rank's RNG stream carries over (dropout masks differ from an
+        # uninterrupted run; without dropout nothing random is drawn after initialisation).
+        torch.manual_seed(args.seed + meta["step"] * 1000 + rank)
+        resharded = f", resharded from {meta['world_size']} to {world_size} ranks"
+    say(f"resumed from {path} at step {meta['step']} ({meta['args']['strategy']}{resharded})")
+    for name, before, now in changed:
+        say(f"resumed with --{name.replace('_', '-')} {now} (the run was started with {before})"
+            + ("; the learning-rate schedule (warmup, then cosine decay to --min-lr at the last "
+               "step) is rebuilt for the new length, so the rate from here on differs from the "
+               "first run's" if name == "steps" else ""))
+    return meta["step"]
+
+
+def export(path, gpt, optimizer, layout: Layout, rank, lora_config=None):
+    """One consolidated fp32 file: {"model": config, "state_dict": weights}, written by rank 0."""
+    pieces = [{**p, "tensors": {"param": p["tensors"]["param"]}, "scalars": {}}
+              for p in rank_pieces(gpt, optimizer, layout)]
+    gathered = gather_objects(pieces, Comm(), next(gpt.parameters()).device, dst=0)
+    if rank == 0:
+        shapes = gpt
+        if layout.split is not None:
+            with torch.device("meta"):     # whole shapes (a rank holds slices or a stage), no memory
+                shapes = GPT(gpt.cfg)
+                if lora_config:
+                    lora.apply_lora(shapes, **lora_config)
+        weights = Pieces([p for part in gathered for p in part]).full_state_dict(shapes)
+        weights = lora.fold_adapters(weights, shapes)         # LoRA: merged into W0; else as is
+        torch.save({"model": model_config(gpt), "state_dict": weights}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+
+def load_weights(path: str, gpt: GPT | None = None) -> GPT:
+    """fp32 weights from a run directory, a checkpoint or an --export file, on one process.
+
+    Into `gpt` (its configuration must match, dropout aside) or into a new GPT of the saved
+    configuration: `load_weights("model.pt")` is all a user of an exported model needs.
+    """
+    if os.path.isfile(path):
+        saved = torch.load(path, weights_only=True)
+        config, weights = saved["model"], saved["state_dict"]
+    else:
+        path = latest(path) or path
+        meta, parts = load(path)
+        config = meta["model"]
+        pieces = Pieces([p for part in parts for p in part["pieces"]])
+        saved_from = GPT(GPTConfig(**config))
+        if meta.get("lora"):        # a LoRA run saved its adapter; the base is meta["base"]
+            if meta["base"]:
+                load_weights(meta["base"], saved_from)
+            lora.apply_lora(saved_from, **meta["lora"])
+        weights = pieces.full_state_dict(saved_from, missing_from_model=bool(meta.get("base")))
+        if meta.get("lora"):
+            weights = lora.fold_adapters(weights, saved_from)
+    if gpt is None:
+        gpt = GPT(GPTConfig(**config))
+    else:
+        check_same_model(config, model_config(gpt), path, ignore=("dropout",))
+    if gpt.cfg.tie_embeddings:      # one tensor under two names: files hold the first name only
+        weights.setdefault("head.weight", weights["token_emb.weight"])
+    gpt.load_state_dict(weights)
+    return gpt
+
+
+def model_config(gpt: GPT) -> dict:
+    return dataclasses.asdict(gpt.cfg)
+
+
+def names(gpt: GPT) -> dict:
+    return {p: name for name, p in gpt.named_parameters()}

@@ -12,14 +12,12 @@ Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero
 Test: python -m pytest tests/test_train.py tests/test_snapshot.py
 """
 import contextlib
-import dataclasses
 import json
 import math
 import os
 import sys
 import time
 import warnings
-from typing import NamedTuple
 
 # torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy, and
 # requirements.txt does not install it.
@@ -39,12 +37,9 @@ from data import TextData
 from ddp import DDP
 from memory import held_bytes, live_numel, live_tensor_bytes
 from mixed_precision import DTYPES
-from model import GPT, GPTConfig, build_model
-from process_groups import exit_distributed, gather_objects, init_distributed, make_mesh
-
-class RunError(Exception):
-    """A run that cannot go on, with the reason and the fix: printed without a traceback."""
-
+from model import build_model
+from process_groups import exit_distributed, init_distributed, make_mesh
+from snapshot import RunError, load_weights
 
 def learning_rate(step, args):
     """Linear warmup to --lr, then cosine decay to --min-lr at the last step."""
@@ -152,159 +147,10 @@ def build(args, device, comm, split, data):
     return gpt, *STRATEGIES[args.strategy].build(gpt, args, data, split, device, adamw)
 
 
-def load_weights(path: str, gpt: GPT | None = None) -> GPT:
-    """fp32 weights from a run directory, a checkpoint or an --export file, on one process.
-
-    Into `gpt` (its configuration must match, dropout aside) or into a new GPT of the saved
-    configuration: `load_weights("model.pt")` is all a user of an exported model needs.
-    """
-    if os.path.isfile(path):
-        saved = torch.load(path, weights_only=True)
-        config, weights = saved["model"], saved["state_dict"]
-    else:
-        path = snapshot.latest(path) or path
-        meta, parts = snapshot.load(path)
-        config = meta["model"]
-        pieces = snapshot.Pieces([p for part in parts for p in part["pieces"]])
-        saved_from = GPT(GPTConfig(**config))
-        if meta.get("lora"):        # a LoRA run saved its adapter; the base is meta["base"]
-            if meta["base"]:
-                load_weights(meta["base"], saved_from)
-            lora.apply_lora(saved_from, **meta["lora"])
-        weights = pieces.full_state_dict(saved_from, missing_from_model=bool(meta.get("base")))
-        if meta.get("lora"):
-            weights = lora.fold_adapters(weights, saved_from)
-    if gpt is None:
-        gpt = GPT(GPTConfig(**config))
-    else:
-        snapshot.check_same_model(config, _model_config(gpt), path, ignore=("dropout",))
-    if gpt.cfg.tie_embeddings:      # one tensor under two names: files hold the first name only
-        weights.setdefault("head.weight", weights["token_emb.weight"])
-    gpt.load_state_dict(weights)
-    return gpt
-
-
-def _model_config(gpt: GPT) -> dict:
-    return dataclasses.asdict(gpt.cfg)
-
-
-def _names(gpt: GPT) -> dict:
-    return {p: name for name, p in gpt.named_parameters()}
-
-
 def _lora_config(args) -> dict | None:
     return dict(targets=args.lora_targets.split(","), rank=args.lora_rank, alpha=args.lora_alpha,
                 dropout=args.lora_dropout, quantize=args.quantize_base,
                 double_quant=args.double_quant) if args.lora else None
-
-
-class Layout(NamedTuple):
-    """Where this rank's weights sit, as checkpoints need it: its rank in the data-parallel
-    group (replica 0 writes replicated weights), and the group that splits one model (tp's
-    tensor group or a pipeline, else None). `tensor` says the split is by matrix (parameters
-    marked tp_dim, tensor_parallel.py): whole pieces are gathered over `split`, and its first
-    rank writes them; a pipeline stage writes its own parameters."""
-    data_rank: int
-    split: Comm | None
-    tensor: bool
-
-
-def _layout(gpt, data_comm, split) -> Layout:
-    return Layout(data_comm.rank, split, any(hasattr(p, "tp_dim") for p in gpt.parameters()))
-
-
-def _pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
-    """This rank's part of the weights and optimizer state: its shard (a sharded optimizer:
-    zero, fsdp), or the first replica's whole parameters (tp gathers each split one whole
-    first; a pipeline stage's first replica writes that stage's).
-    frozen: with the frozen weights (a LoRA checkpoint leaves them to its base)."""
-    if not (optimizer.sharded or layout.data_rank == 0):
-        return []
-    pieces = snapshot.optimizer_pieces(optimizer, _names(gpt))
-    if frozen and layout.data_rank == 0:
-        pieces += snapshot.frozen_pieces(gpt)
-    if layout.tensor:                                  # collective: the whole tensor group
-        pieces = snapshot.gather_pieces(pieces, dict(gpt.named_parameters()), layout.split)
-        pieces = pieces if layout.split.rank == 0 else []
-    return pieces
-
-
-def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None):
-    """Every rank's shard (or the first replica's copy), RNG, loss scale; returns its path.
-    Weights with inf or NaN are not saved: RunError.
-
-    A LoRA run on an --init-from base saves only what trains, the adapter, and names the base.
-    """
-    base = os.path.abspath(args.init_from) if args.lora and args.init_from else None
-    pieces = _pieces(gpt, optimizer, layout, frozen=not base)
-    if not snapshot.all_finite(pieces, next(gpt.parameters()).device):
-        raise RunError(f"step {step}: the weights hold inf or NaN; no checkpoint written (the "
-                       f"last good one is {snapshot.latest(args.out)})")
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    part = {"pieces": pieces, "rng": rng, "scaler": optimizer.scaler.state_dict()}
-    meta = {"model": _model_config(gpt), "args": vars(args), "data_position": step,
-            "lora": _lora_config(args), "base": base, "loss": loss}
-    return snapshot.save(args.out, step, part, meta, keep=args.keep)
-
-
-def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
-    """Load the newest checkpoint in --out (or the one --resume names) into this run; the step
-    to continue from."""
-    path = args.resume if args.resume not in ("must", "auto") else snapshot.latest(args.out)
-    if path is None:
-        if args.resume == "auto":
-            say(f"--resume auto: no checkpoint in {args.out} yet, starting from step 0")
-            return 0
-        raise RunError(f"--resume: no complete checkpoint in {args.out}; start without --resume, "
-                       f"or use --resume auto to start fresh when there is none")
-    meta, parts = snapshot.load(path)
-    snapshot.check_same_model(meta["model"], _model_config(gpt), path)
-    bookkeeping = ("out", "save_every", "keep", "resume", "overwrite", "export", "timeout", "log_every",
-                   "init_from")
-    changed = [(k, v, vars(args).get(k)) for k, v in meta["args"].items()
-               if k not in bookkeeping and vars(args).get(k) != v]
-    pieces = snapshot.Pieces([p for part in parts for p in part["pieces"]])
-    if layout.tensor:                                    # whole pieces in, this rank's slices out
-        pieces = snapshot.TensorParallelReader(pieces, dict(gpt.named_parameters()), layout.split)
-    snapshot.load_pieces(optimizer, _names(gpt), gpt, pieces, frozen=not meta.get("base"))
-    optimizer.scaler.load_state_dict(parts[0]["scaler"])     # the same on every rank
-    if meta["world_size"] == world_size:
-        torch.set_rng_state(parts[rank]["rng"]["cpu"])
-        if torch.cuda.is_available() and "cuda" in parts[rank]["rng"]:
-            torch.cuda.set_rng_state(parts[rank]["rng"]["cuda"])
-        resharded = ""
-    else:
-        # Another world size: no rank's RNG stream carries over (dropout masks differ from an
-        # uninterrupted run; without dropout nothing random is drawn after initialisation).
-        torch.manual_seed(args.seed + meta["step"] * 1000 + rank)
-        resharded = f", resharded from {meta['world_size']} to {world_size} ranks"
-    say(f"resumed from {path} at step {meta['step']} ({meta['args']['strategy']}{resharded})")
-    for name, before, now in changed:
-        say(f"resumed with --{name.replace('_', '-')} {now} (the run was started with {before})"
-            + ("; the learning-rate schedule (warmup, then cosine decay to --min-lr at the last "
-               "step) is rebuilt for the new length, so the rate from here on differs from the "
-               "first run's" if name == "steps" else ""))
-    return meta["step"]
-
-
-def export(path, gpt, optimizer, layout: Layout, rank, lora_config=None):
-    """One consolidated fp32 file: {"model": config, "state_dict": weights}, written by rank 0."""
-    pieces = [{**p, "tensors": {"param": p["tensors"]["param"]}, "scalars": {}}
-              for p in _pieces(gpt, optimizer, layout)]
-    gathered = gather_objects(pieces, Comm(), next(gpt.parameters()).device, dst=0)
-    if rank == 0:
-        shapes = gpt
-        if layout.split is not None:
-            with torch.device("meta"):     # whole shapes (a rank holds slices or a stage), no memory
-                shapes = GPT(gpt.cfg)
-                if lora_config:
-                    lora.apply_lora(shapes, **lora_config)
-        weights = snapshot.Pieces([p for part in gathered for p in part]).full_state_dict(shapes)
-        weights = lora.fold_adapters(weights, shapes)         # LoRA: merged into W0; else as is
-        torch.save({"model": _model_config(gpt), "state_dict": weights}, path + ".tmp")
-        os.replace(path + ".tmp", path)
 
 
 def sample(args):
@@ -409,8 +255,8 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         gpt, model, optimizer, predicted, napkin = build(args, device, comm, split, data_comm)
     except ValueError as e:                    # a strategy refused its input: same on every rank
         raise RunError(str(e)) from None
-    layout = _layout(gpt, data_comm, split)
-    start = resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
+    layout = snapshot.layout_of(gpt, data_comm, split)
+    start = snapshot.resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
     mesh, micro_batches = run_shape(args, data_size)
@@ -514,14 +360,15 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         step_done(last=done == args.steps)
         if args.out and (done == args.steps or args.save_every and done % args.save_every == 0):
             step_loss = loss if isinstance(loss, float) else global_mean(loss)
-            saved = save_checkpoint(args, done, gpt, optimizer, layout, step_loss)
+            saved = snapshot.save_checkpoint(args, done, gpt, optimizer, layout, step_loss,
+                                             _lora_config(args))
             say(f"step {step:5d} | saved {saved}: named by the steps done ({done}), so --resume "
                 f"continues at step {done} | loss {step_loss:.4f}")
             timer, last_timed = time.perf_counter(), step
     history["eval_loss"] = eval_loss(model, data, args, data_rank, data_size, device)
     say(f"done | eval loss {history['eval_loss']:.4f}")
     if args.export:
-        export(args.export, gpt, optimizer, layout, rank, _lora_config(args))
+        snapshot.export(args.export, gpt, optimizer, layout, rank, _lora_config(args))
         say(f"exported {args.export}: fp32 weights; train.load_weights({args.export!r}) loads them")
     if log_file:
         log_file.close()
