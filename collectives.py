@@ -13,7 +13,7 @@ Test: python -m pytest tests/test_collectives.py
 Shapes: N ranks in the group, r this rank, L elements in the tensor, c = ceil(L / N)
 elements per chunk; rank r's neighbours on the ring are r - 1 (left) and r + 1 (right).
 """
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -270,61 +270,6 @@ class Comm:
                                             self.rank, root)
 
 
-class InOrder:
-    """The backward side of DDP, ZeRO-2 and FSDP, written once: launch one reduction per bucket
-    (or unit) in a fixed order that every rank agrees on, whatever order the gradients arrive in,
-    with at most max_in_flight unfinished.
-
-    Collectives are matched by call order, not by name: a rank whose backward fills bucket 2
-    before bucket 1 (data-dependent control flow, a unit only some ranks use) must still launch
-    1 first, or it pairs its buffers with another rank's wrong ones. So a full bucket waits for
-    every earlier one, then all consecutive full ones go. launch(bucket) starts its reduction
-    and returns what retire(bucket, started) needs to finish it (wait, keep the result, free the
-    buffer); None when nothing was started (FSDP under no_sync). The strategy calls ready() from
-    its gradient hooks and, at the end of backward, launch_rest() (buckets whose gradients never
-    came still reduce: every rank must launch every bucket) and wait_all().
-    """
-
-    def __init__(self, buckets: list, launch, retire, max_in_flight: int | None = None):
-        self.buckets, self.launch, self.retire = list(buckets), launch, retire
-        self.max_in_flight = max_in_flight
-        self._ready = set()                    # indices of full buckets not yet launched
-        self._next = 0                         # the first bucket not launched in this backward
-        self._in_flight = deque()              # (bucket, what launch returned), oldest first
-        self._index = {id(b): i for i, b in enumerate(self.buckets)}
-
-    @property
-    def launched(self) -> int:
-        """Buckets launched so far in this backward."""
-        return self._next
-
-    def ready(self, bucket):
-        """All of bucket's gradients are in: launch it, and every full one after it, in order."""
-        self._ready.add(self._index[id(bucket)])
-        while self._next in self._ready:
-            self._ready.discard(self._next)
-            self._start(self.buckets[self._next])
-            self._next += 1
-
-    def launch_rest(self):
-        """End of backward: launch every bucket not launched yet, full or not, in order."""
-        for bucket in self.buckets[self._next:]:
-            self._start(bucket)
-        self._next, self._ready = 0, set()
-
-    def wait_all(self):
-        while self._in_flight:
-            self.retire(*self._in_flight.popleft())
-
-    def _start(self, bucket):
-        started = self.launch(bucket)
-        if started is not None:
-            self._in_flight.append((bucket, started))
-        # Memory stays bounded whatever the network's speed: wait for the oldest.
-        while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
-            self.retire(*self._in_flight.popleft())
-
-
 def split_norm(grads: list, comm: Comm, device) -> torch.Tensor:
     """The 2-norm of one gradient held in disjoint pieces by comm's ranks (ZeRO's and FSDP's
     shards, a pipeline's stages): each rank's squares, summed over the ranks by one 4-byte
@@ -335,26 +280,6 @@ def split_norm(grads: list, comm: Comm, device) -> torch.Tensor:
         squares += g.float().pow(2).sum()
     comm.all_reduce(squares, op="sum")
     return squares.sqrt()[0]
-
-
-def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
-    """Consecutive tensors grouped into messages of at most bucket_mb MiB, one dtype and device each.
-
-    One message per tensor pays the network's latency hundreds of times; one message for
-    everything can only start when the last gradient exists. Buckets of a few MiB reach the
-    link's bandwidth and can still start early. A tensor larger than the cap gets its own.
-    """
-    cap = bucket_mb * 2**20
-    buckets, size = [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if not buckets or size + nbytes > cap or (t.dtype, t.device) != (buckets[-1][-1].dtype,
-                                                                        buckets[-1][-1].device):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(t)
-        size += nbytes
-    return buckets
 
 
 def as_comm(group) -> Comm:

@@ -16,8 +16,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from collectives import InOrder, as_comm, ring_bytes, split_norm
-from ddp import FlatParams
+from collectives import as_comm, ring_bytes, split_norm
+from ddp import FlatParams, InOrder
 from memory import run_state_bytes
 from mixed_precision import DTYPES, DynamicLossScaler
 from model import Block
@@ -259,7 +259,7 @@ class FSDP(nn.Module):
         if unit.pending == 0:
             unit.pending = len(unit.params)
             unit.free()                  # the gradients are out: the gathered parameters can go
-            # In reduce_order on every rank (collectives.InOrder): a unit unused here waits for
+            # In reduce_order on every rank (ddp.InOrder): a unit unused here waits for
             # the end of backward, and the units after it with it.
             self._order.ready(unit)
 

@@ -18,8 +18,8 @@ Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements p
 import torch
 import torch.nn as nn
 
-from collectives import InOrder, as_comm, ring_bytes, split_into_buckets, split_norm
-from ddp import FlatParams
+from collectives import as_comm, ring_bytes, split_norm
+from ddp import FlatParams, InOrder, split_into_buckets
 from memory import run_state_bytes
 from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
 from process_groups import check_same_parameters
