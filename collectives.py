@@ -133,6 +133,21 @@ class Comm:
                            async_op=async_op)
         return Handle(work.wait) if async_op else None
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits=None,
+                   input_splits=None, async_op: bool = False):
+        """Rank r sends input's i-th block of rows to rank i, and receives rank i's r-th block
+        into output's i-th: input (sum of input_splits, ...) -> output (sum of output_splits,
+        ...); splits are row counts per rank, None for N equal blocks. MoE's dispatch and
+        combine (moe.py): each rank's tokens to the ranks that hold their experts, and back."""
+        if self.ring:
+            return self._run_ring(self._ring_all_to_all, async_op, output, input, output_splits,
+                                  input_splits)
+        self.bytes_sent["all_to_all"] += all_to_all_bytes(input, input_splits, self.rank,
+                                                          self.world_size)
+        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group,
+                                      async_op=async_op)
+        return Handle(work.wait) if async_op else None
+
     # ---- point to point: what a pipeline stage sends its neighbour ----------------------
 
     def exchange(self, ops: list) -> Handle:
@@ -220,6 +235,23 @@ class Comm:
         if r == dst:
             tensor.copy_(flat[: tensor.numel()].view_as(tensor))
 
+    def _ring_all_to_all(self, output, input, output_splits, input_splits):
+        # Not a ring: every pair of ranks exchanges once. At step s rank r sends its block for
+        # r+s and receives r-s's block for it, both posted together (NCCL runs two ranks'
+        # p2p calls in order: posted apart, every rank's send would wait for a receive that
+        # is not posted yet). N-1 steps, each rank sending what is not its own: (N-1)/N of
+        # the input for equal blocks, as the native call.
+        n, r = self.world_size, self.rank
+        sends, receives = _row_blocks(input, input_splits, n), _row_blocks(output, output_splits, n)
+        receives[r].copy_(sends[r])
+        for step in range(1, n):
+            to, source = (r + step) % n, (r - step) % n
+            ops = [self._p2p(dist.isend, sends[to], to)] if sends[to].numel() else []
+            if receives[source].numel():                 # an empty block is never sent
+                ops.append(self._p2p(dist.irecv, receives[source], source))
+            _send_recv(ops)
+            self.bytes_sent["all_to_all"] += sends[to].nbytes
+
     # ---- plumbing -----------------------------------------------------------------------
 
     def _ring_step(self, send: torch.Tensor, recv: torch.Tensor, name: str):
@@ -280,6 +312,25 @@ def split_norm(grads: list, comm: Comm, device) -> torch.Tensor:
         squares += g.float().pow(2).sum()
     comm.all_reduce(squares, op="sum")
     return squares.sqrt()[0]
+
+
+def all_to_all_bytes(input: torch.Tensor, input_splits, rank: int, world_size: int) -> int:
+    """Bytes a rank sends in an all-to-all: every block of its input but its own."""
+    blocks = _row_blocks(input, input_splits, world_size)
+    return sum(block.nbytes for i, block in enumerate(blocks) if i != rank)
+
+
+def _row_blocks(tensor: torch.Tensor, splits, n: int) -> list[torch.Tensor]:
+    """tensor cut along dim 0 into n blocks of splits[i] rows (None: n equal blocks); views."""
+    if splits is None:
+        if tensor.shape[0] % n:
+            raise ValueError(f"all_to_all: {tensor.shape[0]} rows do not split into {n} equal "
+                             f"blocks: pass the splits")
+        splits = [tensor.shape[0] // n] * n
+    if len(splits) != n or sum(splits) != tensor.shape[0]:
+        raise ValueError(f"all_to_all: splits {list(splits)} must be {n} row counts adding up to "
+                         f"the tensor's {tensor.shape[0]} rows")
+    return list(tensor.split(list(splits)))
 
 
 def as_comm(group) -> Comm:

@@ -125,3 +125,53 @@ def test_wrong_shard_size_is_a_clear_error():
     for message in run_ranks(_mismatched_shards, 2):
         assert "pad the full tensor to a multiple of N" in message
 
+
+
+# ---- all-to-all (moe.py's dispatch and combine) ------------------------------------------------
+
+def _rows_for(source, dest):
+    """Rows rank `source` sends rank `dest`: uneven, and zero for some pairs."""
+    return (source + 2 * dest) % 3
+
+
+def _a2a_input(rank, n, features=3):
+    """Rank's input (sum of its row counts, features), small integers: every value says where
+    it came from, and the test is exact."""
+    rows = sum(_rows_for(rank, dest) for dest in range(n))
+    return (rank * 1000 + torch.arange(rows * features, dtype=torch.float32)).view(rows, features)
+
+
+def _all_to_alls():
+    from collectives import all_to_all_bytes
+    native, ring = Comm(), Comm(ring=True)
+    n, r = native.world_size, native.rank
+    x = _a2a_input(r, n)
+    input_splits = [_rows_for(r, dest) for dest in range(n)]
+    output_splits = [_rows_for(source, r) for source in range(n)]
+    expected = torch.cat([_a2a_input(source, n).split([_rows_for(source, d) for d in range(n)])[r]
+                          for source in range(n)])
+    out = {"expected": expected, "formula": all_to_all_bytes(x, input_splits, r, n)}
+    for name, comm in (("native", native), ("ring", ring)):
+        result = torch.full((sum(output_splits), 3), -1.0)
+        comm.bytes_sent.clear()
+        comm.all_to_all(result, x, output_splits, input_splits)
+        out[name], out[f"{name} bytes"] = result, comm.bytes_sent["all_to_all"]
+    equal = torch.arange(4.0 * n).view(2 * n, 2) + 100 * r     # equal blocks, no splits given
+    out["equal native"], out["equal ring"] = torch.empty_like(equal), torch.empty_like(equal)
+    native.all_to_all(out["equal native"], equal)
+    ring.all_to_all(out["equal ring"], equal, async_op=True).wait()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_to_all_ring_equals_native_and_bytes_equal_formula(world_size):
+    """Our all-to-all from send/recv equals torch's all_to_all_single (exactly: nothing is added)
+    with uneven and empty blocks, and every rank sends what is not its own block."""
+    for rank, out in enumerate(run_ranks(_all_to_alls, world_size)):
+        what = f"N={world_size} rank {rank}"
+        assert torch.equal(out["native"], out["expected"]), what
+        assert torch.equal(out["ring"], out["expected"]), what
+        assert torch.equal(out["equal ring"], out["equal native"]), what
+        sent_rows = sum(_rows_for(rank, dest) for dest in range(world_size) if dest != rank)
+        assert out["formula"] == sent_rows * 3 * 4, what
+        assert out["ring bytes"] == out["native bytes"] == out["formula"], what
