@@ -7,6 +7,7 @@ strategies train.py builds from. --strategy auto picks a row with memory.py's ad
 Test: python -m pytest tests/test_train.py
 """
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -98,6 +99,16 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-activations", type=int, nargs="?", const=1, default=0, metavar="K",
                    help="recompute every K-th block's activations in backward instead of keeping "
                         "them (K=1, the default when given: every block)")
+    moe = p.add_argument_group("mixture of experts (moe.py; --model tiny-moe has them)")
+    moe.add_argument("--experts", type=int, default=None,
+                     help="E: every block's MLP becomes E experts behind a router (default: the "
+                          "model's; 0: dense)")
+    moe.add_argument("--top-k", type=int, default=None, help="experts per token (1: Switch, 2: GShard)")
+    moe.add_argument("--capacity-factor", type=float, default=None,
+                     help="each expert takes at most ceil(F x k x tokens / E) of a micro-batch's "
+                          "tokens, the rest dropped; 0: dropless (default: the model's, 1.25)")
+    moe.add_argument("--aux-loss-weight", type=float, default=None,
+                     help="weight of Switch's load-balancing loss (default: the model's, 0.01)")
     tune = p.add_argument_group("LoRA fine-tuning (train.py --init-from RUN_DIR --lora --data OTHER.txt)")
     tune.add_argument("--lora", action="store_true",
                       help="freeze the model, train low-rank adapters; checkpoints hold only the adapter")
@@ -211,6 +222,7 @@ def check_args(parser, args, world_size):
     if not 0 < args.lora_alpha < math.inf:
         parser.error(f"--lora-alpha must be positive (the update is scaled by alpha / rank: at 0 "
                      f"the adapter never changes the model), got {args.lora_alpha}")
+    check_experts(parser, args)
     check_tensor_parallel(parser, args, world_size)
     check_pipeline(parser, args, world_size)
     data_parallel = world_size // args.tp // args.pp              # ranks reading different rows
@@ -304,6 +316,37 @@ def check_paths(parser, args):
         parser.error(f"--out {args.out} holds another run's checkpoints (newest "
                      f"{os.path.basename(saved[-1])}): continue it with --resume, or start over with "
                      f"--overwrite (which deletes them), or give a new --out")
+
+
+def moe_config(args) -> dict:
+    """The model config fields the MoE flags override (build_model's keyword arguments)."""
+    given = {"experts": args.experts, "top_k": args.top_k, "aux_loss_weight": args.aux_loss_weight}
+    config = {name: value for name, value in given.items() if value is not None}
+    if args.capacity_factor is not None:
+        config["capacity_factor"] = args.capacity_factor or None      # 0: dropless, None
+    return config
+
+
+def check_experts(parser, args):
+    """--experts, --top-k, --capacity-factor, --aux-loss-weight: a router the model can have."""
+    cfg = dataclasses.replace(PRESETS[args.model], **moe_config(args))
+    if cfg.experts < 0:
+        parser.error(f"--experts must be 0 (a dense model) or more, got {cfg.experts}")
+    if not cfg.experts:
+        if any(v is not None for v in (args.top_k, args.capacity_factor, args.aux_loss_weight)):
+            parser.error(f"--top-k, --capacity-factor and --aux-loss-weight configure experts, and "
+                         f"model {args.model} has none: add --experts E or use --model tiny-moe")
+        return
+    if not 1 <= cfg.top_k <= cfg.experts:
+        parser.error(f"--top-k {cfg.top_k} must be between 1 and the {cfg.experts} experts")
+    if args.capacity_factor is not None and not args.capacity_factor >= 0:
+        parser.error(f"--capacity-factor must be positive, or 0 for dropless routing; got "
+                     f"{args.capacity_factor}")
+    if args.aux_loss_weight is not None and not 0 <= args.aux_loss_weight < math.inf:
+        parser.error(f"--aux-loss-weight must be 0 (off) or positive, got {args.aux_loss_weight}")
+    if args.strategy in ("tp", "pipeline"):
+        parser.error(f"--strategy {args.strategy} does not split expert layers: train a model with "
+                     f"experts under --strategy ddp, zero1, zero2 or fsdp")
 
 
 def check_tensor_parallel(parser, args, world_size):

@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe import MoE
+
 
 @dataclass
 class GPTConfig:
@@ -26,6 +28,13 @@ class GPTConfig:
     vocab_size: int = 256          # bytes
     dropout: float = 0.0
     tie_embeddings: bool = False   # head shares the token embedding's weight (GPT-2 does)
+    # Mixture of experts (moe.py): every block's MLP becomes `experts` MLPs behind a router, each
+    # token sent to top_k of them; 0 experts: the dense model.
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = 1.25       # None: dropless
+    aux_loss_weight: float = 0.01              # Switch's load-balancing loss
+    z_loss_weight: float = 0.0                 # ST-MoE's router z-loss
 
 
 PRESETS = {
@@ -33,6 +42,9 @@ PRESETS = {
     "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128),
     # about 11M parameters: a laptop can still train it, a GPU shows the strategies' costs
     "medium": GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=256),
+    # tiny with every MLP a mixture of 8 experts, top-2 (GShard): 4x the parameters, each token
+    # computing 2 experts' worth
+    "tiny-moe": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, experts=8, top_k=2),
     # GPT-2 small's shape, vocabulary included (50257 padded to a multiple of 64), so that its
     # memory and FLOPs are GPT-2's 124M: our byte-level data uses only the first 256 rows.
     "gpt2-small": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024,
@@ -86,7 +98,9 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.norm2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg.n_embd, lambda: MLP(cfg), cfg.experts, cfg.top_k, cfg.capacity_factor,
+                       aux_loss_weight=cfg.aux_loss_weight,
+                       z_loss_weight=cfg.z_loss_weight) if cfg.experts else MLP(cfg)
 
     def forward(self, x):                                        # (B, T, C)
         x = x + self.attn(self.norm1(x))
@@ -109,7 +123,8 @@ class GPT(nn.Module):
         # GPT-2's scaling: each block adds two projections to the residual stream, so their
         # init shrinks with depth to keep the stream's variance from growing.
         for block in self.blocks:
-            for proj in (block.attn.output, block.mlp.down):
+            mlps = block.mlp.experts if cfg.experts else [block.mlp]
+            for proj in (block.attn.output, *(mlp.down for mlp in mlps)):
                 nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
@@ -145,7 +160,14 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None):                        # idx: (B, T) token ids
         logits = self.logits(self.run_blocks(self.embed(idx)))
-        return logits if targets is None else (logits, cross_entropy(logits, targets))
+        if targets is None:
+            return logits
+        loss = cross_entropy(logits, targets)
+        return logits, loss + self.aux_loss() if self.cfg.experts else loss
+
+    def aux_loss(self) -> torch.Tensor:
+        """The routers' losses of the last forward (moe.py), summed over the blocks."""
+        return sum(block.mlp.aux_loss for block in self.blocks)
 
     @torch.no_grad()
     def generate(self, idx, new_tokens: int, temperature: float = 0.8, top_k: int | None = 50):

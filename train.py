@@ -31,13 +31,14 @@ import fsdp
 import lora
 import snapshot
 from checkpointing import checkpoint_blocks
-from cli import STRATEGIES, parse_args, run_shape, split_size
+from cli import STRATEGIES, moe_config, parse_args, run_shape, split_size
 from collectives import Comm
 from data import TextData
 from ddp import DDP
 from memory import held_bytes, live_numel, live_tensor_bytes
 from mixed_precision import DTYPES
 from model import build_model
+from moe import routing_summary
 from process_groups import exit_distributed, init_distributed, make_mesh
 from snapshot import RunError, load_weights
 
@@ -129,7 +130,7 @@ def build(args, device, comm, split, data):
     tp or pipeline, and data is then the whole world).
     """
     torch.manual_seed(args.seed)
-    gpt = build_model(args.model, dropout=args.dropout)                  # fp32
+    gpt = build_model(args.model, dropout=args.dropout, **moe_config(args))     # fp32
     if args.init_from:
         load_weights(args.init_from, gpt)
     # FSDP keeps the fp32 weights as master shards and computes in --precision itself; the
@@ -343,6 +344,12 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                    f"{predicted / 2**20:.2f})" if world_size > 1 else "")
                 + (f" | skipped {skipped}" if skipped else "")
                 + f" | {step + 1}/{args.steps} in {clock(elapsed)}, about {clock(left)} left")
+            if gpt.cfg.experts:                  # moe.py's routing, rank 0's last micro-batch
+                routing = routing_summary(gpt)
+                low, mean, high = routing["tokens_per_expert"]
+                say(f"step {step:5d} | experts: tokens per expert min/mean/max {low:.0f}/{mean:.1f}/"
+                    f"{high:.0f} | dropped {routing['dropped']:.1%} | balance loss "
+                    f"{routing['balance_loss']:.3f} (1: balanced)")
             if hasattr(model, "measured_bubbles"):
                 bubbles = history.setdefault("bubble", {})[step] = model.measured_bubbles()
                 M, P = args.microbatches, args.pp

@@ -311,6 +311,12 @@ def _one_error_line(stderr):
     (["--out", "/proc/1/run"], "this rank cannot write there"),
     (["--overwrite"], "--overwrite starts a run directory over: add --out DIR"),
     (["--out", "OUT", "--resume", "OUT/ckpt-0000009"], "not a complete checkpoint"),
+    (["--model", "tiny-moe", "--top-k", "9"], "--top-k 9 must be between 1 and the 8 experts"),
+    (["--model", "tiny-moe", "--capacity-factor=-1"], "--capacity-factor must be positive, or 0 for dropless"),
+    (["--model", "tiny-moe", "--aux-loss-weight", "nan"], "--aux-loss-weight must be 0 (off) or positive"),
+    (["--top-k", "2"], "configure experts, and model tiny has none: add --experts E"),
+    (["--experts=-1"], "--experts must be 0 (a dense model) or more, got -1"),
+    (["--model", "tiny-moe", "--strategy", "tp"], "--strategy tp does not split expert layers"),
 ])
 def test_bad_value_stops_with_one_line_naming_the_flag(argv, says, tmp_path, capsys):
     (tmp_path / "FILE").write_text("a file, not a directory")

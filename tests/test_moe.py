@@ -1,0 +1,192 @@
+"""The mixture-of-experts layer (moe.py) against a dense MLP and a plain loop over tokens."""
+import math
+
+import pytest
+import torch
+
+from model import MLP, GPTConfig
+from moe import MoE, routing_summary
+
+CFG = GPTConfig(n_embd=16)
+# fp32, one process: the layer and the loop do the same products; only the order in which a
+# token's k contributions are added differs, a few ulps.
+ATOL = 1e-6
+
+
+def _x(seed=0, B=2, T=12):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, CFG.n_embd, generator=g).requires_grad_()
+
+
+def _moe(seed=1, **options):
+    torch.manual_seed(seed)
+    return MoE(CFG.n_embd, lambda: MLP(CFG), **options)
+
+
+def _naive(moe: MoE, x):
+    """The layer written token by token: softmax, top-k, gates renormalised over the k, and an
+    expert's queue filled in priority order (every first choice before any second choice, then
+    by token) until it holds K; returns the output and the kept (token, expert) pairs."""
+    tokens = x.reshape(-1, x.shape[-1])
+    S, E, k = tokens.shape[0], len(moe.experts), moe.top_k
+    group = moe.group_size or S
+    capacity = math.ceil(moe.capacity_factor * k * group / E) if moe.capacity_factor else S * k
+    probs = moe.router(tokens).float().softmax(-1)
+    outputs, kept = [torch.zeros(x.shape[-1]) for _ in range(S)], []
+    for start in range(0, S, group):
+        filled = [0] * E
+        for choice in range(k):
+            for t in range(start, start + group):
+                top = probs[t].topk(k)
+                e = top.indices[choice].item()
+                if filled[e] < capacity:
+                    filled[e] += 1
+                    kept.append((t, e))
+                    gate = top.values[choice] / top.values.sum()
+                    outputs[t] = outputs[t] + gate * moe.experts[e](tokens[t:t + 1])[0]
+    return torch.stack(outputs).view_as(x), kept
+
+
+def _grads(module, x, y):
+    y.pow(2).sum().backward()
+    grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+    grads["input"] = x.grad.clone()
+    module.zero_grad()
+    x.grad = None
+    return grads
+
+
+def test_one_expert_top_1_dropless_is_the_dense_mlp_exactly():
+    """E = 1, k = 1: the gate is p / p = 1, every token runs through the one expert once."""
+    torch.manual_seed(0)
+    dense = MLP(CFG)
+    moe = _moe(experts=1, top_k=1, capacity_factor=None)
+    moe.experts[0].load_state_dict(dense.state_dict())
+    x = _x()
+    expected, got = dense(x), moe(x)
+    assert torch.equal(got, expected)
+    dense_grads, moe_grads = _grads(dense, x, expected), _grads(moe, x, got)
+    assert torch.equal(moe_grads["input"], dense_grads["input"])
+    for name in ("up.weight", "up.bias", "down.weight", "down.bias"):
+        assert torch.equal(moe_grads[f"experts.0.{name}"], dense_grads[name]), name
+
+
+@pytest.mark.parametrize("options", [
+    dict(experts=4, top_k=2, capacity_factor=None),
+    dict(experts=4, top_k=1, capacity_factor=None),
+    dict(experts=5, top_k=3, capacity_factor=None),
+    dict(experts=4, top_k=2, capacity_factor=1.0),                 # drops second choices
+    dict(experts=4, top_k=2, capacity_factor=0.5),                 # drops first choices too
+    dict(experts=4, top_k=2, capacity_factor=1.0, group_size=6),   # 4 routing groups of 6 tokens
+])
+def test_equals_a_loop_over_tokens(options):
+    """Outputs, input gradients, router and expert gradients equal the loop's (fp32, 1e-6), and
+    the kept assignments are exactly the loop's: those within capacity in priority order."""
+    moe, x = _moe(**options), _x()
+    expected, kept = _naive(moe, x)
+    expected_grads = _grads(moe, x, expected)
+    got = moe(x)
+    route = moe.route(x.detach().reshape(-1, CFG.n_embd))
+    assert sorted(zip(route["token"].tolist(), route["expert"].tolist())) == sorted(kept)
+    torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+    got_grads = _grads(moe, x, got)
+    assert "router.weight" in got_grads and got_grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=0, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    dropped = routing_summary(moe)["dropped"]
+    assert dropped == pytest.approx(1 - len(kept) / (moe.top_k * x.shape[0] * x.shape[1]))
+    if options["capacity_factor"] is None:
+        assert dropped == 0
+    elif options["capacity_factor"] < 1:
+        assert dropped > 0
+
+
+def test_balance_loss_is_one_when_uniform_and_e_when_one_expert_takes_all():
+    moe, x = _moe(experts=4, top_k=1, capacity_factor=None, aux_loss_weight=1.0), _x()
+    torch.nn.init.zeros_(moe.router.weight)                         # every probability 1/E
+    moe(x)
+    assert routing_summary(moe)["balance_loss"] == pytest.approx(1.0)
+    with torch.no_grad():                                           # expert 0 wins every token
+        moe.router.weight.zero_()
+        moe.router.weight[0] = 100 * x.detach().reshape(-1, CFG.n_embd).mean(0).sign()
+    x = x.detach().abs().mul(torch.sign(moe.router.weight[0])).requires_grad_()
+    moe(x)
+    summary = routing_summary(moe)
+    assert summary["balance_loss"] == pytest.approx(4.0, rel=1e-3)
+    assert summary["tokens_per_expert"] == (0.0, 6.0, 24.0)
+    assert moe.aux_loss.item() == pytest.approx(summary["balance_loss"])
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(experts=4, top_k=5), "top_k must be between 1 and the 4 experts"),
+    (dict(experts=4, capacity_factor=0), "capacity_factor must be > 0"),
+    (dict(experts=4, capacity_factor=-1.0), "capacity_factor must be > 0"),
+])
+def test_bad_options_are_one_clear_error(options, message):
+    with pytest.raises(ValueError, match=message):
+        MoE(CFG.n_embd, lambda: MLP(CFG), **options)
+
+
+# ---- data parallel: each rank routes its own tokens -----------------------------------------
+
+ROWS, SEQ = 4, 32          # the global batch; each of 2 ranks routes its 2 x 32 tokens
+
+
+def _batch():
+    g = torch.Generator().manual_seed(7)
+    return (torch.randint(0, 256, (ROWS, SEQ), generator=g),        # x, y: (B, T) byte ids
+            torch.randint(0, 256, (ROWS, SEQ), generator=g))
+
+
+def _gpt(capacity_factor):
+    from model import build_model
+    torch.manual_seed(0)
+    return build_model("tiny-moe", n_layer=2, capacity_factor=capacity_factor)
+
+
+def _data_parallel_gradients(capacity_factor):
+    import torch.distributed as dist
+    from ddp import DDP
+    gpt, (x, y) = _gpt(capacity_factor), _batch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    rows = slice(r * ROWS // n, (r + 1) * ROWS // n)
+    model = DDP(gpt)
+    _, loss = model(x[rows], y[rows])
+    loss.backward()
+    model.finish_gradient_sync()
+    dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
+    return loss.item(), {name: p.grad for name, p in gpt.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_data_parallel_equals_one_process_with_the_same_routing_groups(capacity_factor):
+    """DDP over 2 ranks, each routing its own 64 tokens (dropless, and capacity 1.0, which
+    drops), equals one process routing the same two groups of 64: the loss (language model,
+    load balancing averaged over groups, z-loss) and every gradient, the router's included
+    (fp32, 1e-6: the ranks' average adds the same terms in another order)."""
+    gpt, (x, y) = _gpt(capacity_factor), _batch()
+    for block in gpt.blocks:
+        block.mlp.group_size = ROWS // 2 * SEQ
+    _, loss = gpt(x, y)
+    loss.backward()
+    expected = {name: p.grad for name, p in gpt.named_parameters() if p.grad is not None}
+    assert capacity_factor is None or routing_summary(gpt)["dropped"] > 0
+    from multiprocess import run_ranks
+    for rank, (rank_loss, grads) in enumerate(run_ranks(_data_parallel_gradients, 2, capacity_factor)):
+        assert rank_loss == pytest.approx(loss.item(), rel=1e-6)
+        assert grads.keys() == expected.keys(), rank
+        for name, grad in expected.items():
+            torch.testing.assert_close(grads[name], grad, rtol=0, atol=ATOL,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+# ---- train.py --model tiny-moe ------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_tiny_moe_trains_under_each_data_parallel_strategy(strategy):
+    """2 ranks, 30 steps: the loss falls, and the log shows the routing every logged step."""
+    from test_train import QUICK, run
+    out = run(*QUICK, "--steps", "30", "--model", "tiny-moe", "--strategy", strategy, ranks=2).stdout
+    losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
+    assert losses[-1] < losses[0] - 1.0, out
+    assert out.count("experts: tokens per expert min/mean/max") == len(losses), out
