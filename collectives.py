@@ -268,7 +268,7 @@ class Comm:
     def _run_ring(self, fn, async_op, *args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if not tensors or not tensors[0].is_cuda:
-            future = self._worker.submit(fn, *args)
+            future = self._worker.submit(_no_grad, fn, *args)
             wait = future.result
         else:
             # No host synchronize (it would end all overlap): the worker's stream waits for the
@@ -284,7 +284,7 @@ class Comm:
                 with torch.cuda.stream(stream):
                     for t in tensors:                      # freed by the caller: not reused early
                         t.record_stream(stream)
-                    fn(*args)
+                    _no_grad(fn, *args)
                     done = torch.cuda.Event()
                     done.record(stream)
                 return done
@@ -312,6 +312,13 @@ def split_norm(grads: list, comm: Comm, device) -> torch.Tensor:
         squares += g.float().pow(2).sum()
     comm.all_reduce(squares, op="sum")
     return squares.sqrt()[0]
+
+
+def _no_grad(fn, *args):
+    """fn(*args) with autograd off in this thread (grad mode is per thread: the ring's worker
+    does not inherit a caller's no_grad, and a collective's in-place writes are no graph)."""
+    with torch.no_grad():
+        return fn(*args)
 
 
 def all_to_all_bytes(input: torch.Tensor, input_splits, rank: int, world_size: int) -> int:

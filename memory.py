@@ -207,9 +207,20 @@ def model_params(name_or_config) -> int:
 
     Per block (C = n_embd): query, value and output projections C*C + C each, key C*C (no
     bias: see model.py), MLP up C*4C + 4C and down 4C*C + C, two layer norms 2C each:
-    12 C^2 + 12 C. Around the blocks: token and position embeddings, the final norm, and the
+    12 C^2 + 12 C. With E experts (moe.py) the MLP's 8 C^2 + 5 C is there E times, plus the
+    router's E C. Around the blocks: token and position embeddings, the final norm, and the
     head, which is the token embedding itself when tied (counted once, as .parameters() does).
     """
+    return _params(name_or_config, experts_used=None)
+
+
+def active_params(name_or_config) -> int:
+    """Parameters one token computes with: a mixture of experts runs only top_k of its E MLPs
+    (the rest of the model, router included, as model_params). A dense model: all of them."""
+    return _params(name_or_config, experts_used="top_k")
+
+
+def _params(name_or_config, experts_used) -> int:
     cfg = name_or_config
     if isinstance(cfg, str):
         if cfg not in PRESETS:
@@ -218,7 +229,12 @@ def model_params(name_or_config) -> int:
     if not isinstance(cfg, GPTConfig):
         raise TypeError(f"model_params takes a preset name or a GPTConfig, got {type(cfg).__name__}")
     C, V = cfg.n_embd, cfg.vocab_size
-    block = 12 * C * C + 12 * C
+    mlp = 8 * C * C + 5 * C
+    if cfg.experts:
+        copies = cfg.top_k if experts_used else cfg.experts
+        block = 4 * C * C + 7 * C + copies * mlp + cfg.experts * C
+    else:
+        block = 4 * C * C + 7 * C + mlp                             # 12 C^2 + 12 C
     head = 0 if cfg.tie_embeddings else V * C
     return V * C + cfg.block_size * C + cfg.n_layer * block + 2 * C + head
 

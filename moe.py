@@ -5,8 +5,9 @@ experts and their outputs are summed, weighted by the router's gate values. Para
 E-fold, the compute per token only k-fold (Shazeer et al. 2017). GShard (Lepikhin et al. 2020,
 section 2.2) routes to 2 experts with a capacity per expert, Switch (Fedus et al. 2021, section
 2.2) to 1, with the load-balancing loss E * sum_e f_e P_e; ST-MoE (Zoph et al. 2022, section 3)
-adds the router z-loss. Left out: expert parallelism's all-to-all (next), shared experts,
-token-choice alternatives (expert choice), jitter noise. Test: python -m pytest tests/test_moe.py
+adds the router z-loss. Expert parallelism (GShard, section 2.3): E/P experts on each of P ranks,
+the tokens sent to their experts' ranks by an all-to-all and brought back by a second. Left out:
+shared experts, expert-choice routing, jitter noise. Test: python -m pytest tests/test_moe.py
 
 Shapes: S tokens in a routing group (B*T by default), C channels, E experts, k choices per token,
 A = k*S assignments (token, choice), K = ceil(capacity_factor * k * S / E) slots per expert.
@@ -16,6 +17,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+
+from collectives import Comm
 
 
 class MoE(nn.Module):
@@ -48,17 +51,81 @@ class MoE(nn.Module):
         self.top_k, self.capacity_factor, self.group_size = top_k, capacity_factor, group_size
         self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
         self.aux_loss, self.stats = None, {}
+        self.ep, self.local = None, range(experts)     # expert parallelism: shard_experts()
+
+    def shard_experts(self, ep: Comm):
+        """Expert parallelism over the ep group's P ranks: rank r keeps experts r*E/P to
+        (r+1)*E/P - 1 and drops the others (an nn.Identity keeps each index, so parameters keep
+        their names: experts.5.up.weight on whichever rank holds expert 5). Every rank must
+        hold the same model before (the same seed), as tensor parallelism's split."""
+        E, P = len(self.experts), ep.world_size
+        if E % P:
+            raise ValueError(f"{E} experts do not split over --ep {P} ranks: use an --ep dividing {E}")
+        self.ep, self.local = ep, range(ep.rank * E // P, (ep.rank + 1) * E // P)
+        for e in range(E):
+            if e not in self.local:
+                self.experts[e] = nn.Identity()
 
     def forward(self, x):                                     # (B, T, C)
         tokens = x.reshape(-1, x.shape[-1])                   # (S, C)
         route = self.route(tokens)
         # Dispatch: the kept assignments' tokens, expert by expert (route sorted them so), each
         # expert's run through it, and combine: every output back to its token, times its gate.
-        inputs = tokens[route["token"]].split(route["per_expert"])          # E x (n_e, C)
-        outputs = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, inputs)])
+        inputs = tokens[route["token"]]                                     # (kept, C)
+        if self.ep is None:
+            outputs = torch.cat([expert(chunk) for expert, chunk in
+                                 zip(self.experts, inputs.split(route["per_expert"]))])
+        elif self.capacity_factor is not None:
+            outputs = self._exchange_static(inputs, route)
+        else:
+            outputs = self._exchange_dropless(inputs, route)
         weighted = outputs * route["gate"].unsqueeze(1).to(outputs.dtype)  # (kept, C)
         y = torch.zeros_like(tokens).index_add_(0, route["token"], weighted)  # (S, C)
         return y.view_as(x)
+
+    # ---- expert parallelism: the tokens travel to their experts' ranks and back ---------------
+    #
+    #   rank 0: tokens -> route -> [for experts 0,1 | for experts 2,3]    all-to-all   rank 0 runs
+    #   rank 1: tokens -> route -> [for experts 0,1 | for experts 2,3]    ---------->  experts 0,1
+    #   on rank p's tokens for rank q's experts go to q; the outputs come back by the mirror
+    #   all-to-all, and backward runs the same two exchanges the other way round.
+
+    def _exchange_static(self, inputs, route):
+        """Capacity mode: a (P, E/P, G*K, C) buffer of fixed shape (G routing groups, K slots
+        each), so both all-to-alls send equal blocks, whatever the routing: no sizes to agree on
+        first, and the bytes never change. Empty slots are zeros, computed and thrown away."""
+        E, C, P = len(self.experts), inputs.shape[1], self.ep.world_size
+        slots = route["groups"] * route["capacity"]                          # G*K per expert
+        slot = route["group"] * route["capacity"] + route["position"]        # (kept,)
+        buffer = inputs.new_zeros(E, slots, C)
+        buffer = buffer.index_put((route["expert"], slot), inputs)           # (E, G*K, C)
+        received = all_to_all(buffer.view(E * slots, C), self.ep)           # (P*E/P*G*K, C)
+        # From each source rank, its slots for each of my experts: run expert by expert.
+        mine = received.view(P, len(self.local), slots, C).transpose(0, 1)  # (E/P, P, G*K, C)
+        outputs = torch.stack([self.experts[e](chunk.reshape(P * slots, C))
+                               for e, chunk in zip(self.local, mine)])      # (E/P, P*G*K, C)
+        back = outputs.view(len(self.local), P, slots, C).transpose(0, 1)   # (P, E/P, G*K, C)
+        returned = all_to_all(back.reshape(E * slots, C), self.ep).view(E, slots, C)
+        return returned[route["expert"], slot]                               # (kept, C)
+
+    def _exchange_dropless(self, inputs, route):
+        """Dropless: each rank sends exactly its kept tokens, so the block sizes vary; the ranks
+        first swap their counts per expert (E numbers) to size the receiving buffers."""
+        P, L = self.ep.world_size, len(self.local)
+        counts = torch.tensor(route["per_expert"], device=inputs.device)    # (E,)
+        incoming = torch.empty_like(counts)
+        self.ep.all_to_all(incoming, counts)                                 # (P*L,) for my experts
+        incoming = incoming.view(P, L).tolist()                              # [source][local expert]
+        send_splits = counts.view(P, L).sum(dim=1).tolist()
+        receive_splits = [sum(row) for row in incoming]
+        received = all_to_all(inputs, self.ep, receive_splits, send_splits)  # [source][expert] rows
+        # Regroup by expert: expert l's rows from source 0, from source 1, ...; run; put back.
+        blocks = received.split([n for row in incoming for n in row])       # P*L blocks
+        by_expert = [torch.cat([blocks[p * L + l] for p in range(P)]) for l in range(L)]
+        outputs = [self.experts[e](chunk) for e, chunk in zip(self.local, by_expert)]
+        pieces = [o.split([incoming[p][l] for p in range(P)]) for l, o in enumerate(outputs)]
+        back = torch.cat([pieces[l][p] for p in range(P) for l in range(L)])  # [source][expert]
+        return all_to_all(back, self.ep, send_splits, receive_splits)       # (kept, C)
 
     def route(self, tokens: torch.Tensor) -> dict:
         """Which expert each token goes to, in which slot, with which gate; the losses.
@@ -98,7 +165,8 @@ class MoE(nn.Module):
         self._losses(logits, probs, per_queue.view(groups, E), per_expert, A=k * S)
         # The split sizes are read on the host: the step's one sync per layer.
         return {"token": token[kept], "gate": gate[kept], "expert": expert[kept],
-                "position": position[kept], "per_expert": per_expert.tolist(), "capacity": capacity}
+                "position": position[kept], "group": token[kept] // group_size, "groups": groups,
+                "per_expert": per_expert.tolist(), "capacity": capacity}
 
     def _losses(self, logits, probs, per_queue, per_expert, A):
         """Switch's load balancing, E * sum_e f_e P_e with f_e the share of a routing group's
@@ -113,6 +181,31 @@ class MoE(nn.Module):
         z = logits.logsumexp(dim=-1).pow(2).mean()
         self.aux_loss = self.aux_loss_weight * balance + self.z_loss_weight * z
         self.stats = {"per_expert": per_expert, "assignments": A, "balance_loss": balance.detach()}
+
+
+class _AllToAll(torch.autograd.Function):
+    """all-to-all whose backward is the mirror all-to-all: the gradient of each received row goes
+    back to the rank that sent it."""
+
+    @staticmethod
+    def forward(ctx, x, comm, receive_splits, send_splits):
+        ctx.comm, ctx.splits = comm, (receive_splits, send_splits)
+        rows = x.shape[0] if receive_splits is None else sum(receive_splits)
+        out = x.new_empty(rows, *x.shape[1:])
+        comm.all_to_all(out, x.contiguous(), receive_splits, send_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        receive_splits, send_splits = ctx.splits
+        out = grad.new_empty(sum(send_splits) if send_splits else grad.shape[0], *grad.shape[1:])
+        ctx.comm.all_to_all(out, grad.contiguous(), send_splits, receive_splits)
+        return out, None, None, None
+
+
+def all_to_all(x, comm: Comm, receive_splits=None, send_splits=None):
+    """Rows of x to the ranks of comm (splits: rows per rank; None: equal), differentiable."""
+    return _AllToAll.apply(x, comm, receive_splits, send_splits)
 
 
 def routing_summary(model: nn.Module) -> dict:

@@ -29,7 +29,7 @@ def test_attention_is_causal():
 
 
 def test_presets():
-    assert set(PRESETS) == {"tiny", "medium", "gpt2-small"}
+    assert set(PRESETS) == {"tiny", "tiny-moe", "medium", "gpt2-small"}
     assert build_model("tiny").num_parameters() < 2_000_000
     # GPT-2 small's 124M parameters, with its 50257-token vocabulary padded to 50304.
     assert round(build_model("gpt2-small").num_parameters() / 1e6) == 124
@@ -60,7 +60,7 @@ def test_dropout_is_off_by_default_and_optional():
 def test_bad_configs_name_the_fix():
     with pytest.raises(ValueError, match="block_size"):
         build_model("tiny")(torch.zeros(1, 129, dtype=torch.long))
-    with pytest.raises(ValueError, match="choose one of tiny, medium, gpt2-small"):
+    with pytest.raises(ValueError, match="choose one of tiny, medium, tiny-moe, gpt2-small"):
         build_model("huge")
     with pytest.raises(ValueError, match="divisible by n_head"):
         build_model("tiny", n_head=5)

@@ -6,6 +6,7 @@ import torch
 
 from model import MLP, GPTConfig
 from moe import MoE, routing_summary
+from multiprocess import run_ranks
 
 CFG = GPTConfig(n_embd=16)
 # fp32, one process: the layer and the loop do the same products; only the order in which a
@@ -190,3 +191,75 @@ def test_tiny_moe_trains_under_each_data_parallel_strategy(strategy):
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
     assert losses[-1] < losses[0] - 1.0, out
     assert out.count("experts: tokens per expert min/mean/max") == len(losses), out
+
+
+def test_parameter_counts_total_and_active():
+    """memory.py's closed form: tiny-moe holds 8 experts per block, a token computes with 2."""
+    from memory import active_params, model_params
+    from model import build_model
+    gpt = build_model("tiny-moe")
+    assert model_params("tiny-moe") == sum(p.numel() for p in gpt.parameters()) == 4_566_784
+    C, L = gpt.cfg.n_embd, gpt.cfg.n_layer
+    assert model_params("tiny-moe") - active_params("tiny-moe") == L * 6 * (8 * C * C + 5 * C)
+    assert active_params("tiny") == model_params("tiny")
+
+
+# ---- expert parallelism: E/P experts per rank, tokens exchanged by all-to-all -------------------
+
+def _expert_parallel(options, ring):
+    from collectives import Comm
+    comm = Comm(ring=ring)                        # the expert-parallel group: the whole world
+    r, P = comm.rank, comm.world_size
+    moe = _moe(**options)                         # every rank builds all E, the same
+    moe.shard_experts(comm)
+    x = _x(B=2 * P)[2 * r: 2 * r + 2].detach().requires_grad_()     # this rank's 2 x 12 tokens
+    y = moe(x)
+    comm.bytes_sent.clear()
+    y.pow(2).sum().backward()                     # each rank's loss; together the one process's
+    backward_bytes = comm.bytes_sent["all_to_all"]
+    router = moe.router.weight.grad.clone()
+    comm.all_reduce(router)                       # the router is replicated: its parts add up
+    experts = {f"experts.{e}.{name}": p.grad for e in moe.local
+               for name, p in moe.experts[e].named_parameters()}
+    return {"y": y.detach(), "input": x.grad, "router": router, "experts": experts,
+            "local": list(moe.local), "backward_bytes": backward_bytes,
+            "capacity": moe.route(x.detach().reshape(-1, CFG.n_embd))["capacity"]}
+
+
+@pytest.mark.parametrize("world_size, options, ring", [
+    (2, dict(experts=4, top_k=2, capacity_factor=None), False),
+    (2, dict(experts=4, top_k=2, capacity_factor=1.0), False),
+    (2, dict(experts=4, top_k=2, capacity_factor=1.0), True),
+    (4, dict(experts=8, top_k=2, capacity_factor=None), True),
+    (4, dict(experts=4, top_k=1, capacity_factor=0.5), False),
+])
+def test_expert_parallel_equals_one_process(world_size, options, ring):
+    """P ranks holding E/P experts each, every rank routing its own 24 tokens, equal one process
+    holding all E and routing the same P groups of 24: outputs, input gradients, the router's
+    gradient (summed over the ranks) and each expert's gradient, on the rank that holds it (fp32,
+    1e-6). In capacity mode each all-to-all moves a fixed (P, E/P, K, C) buffer: backward's two
+    send 2 (P-1)/P x E K C x 4 bytes per rank, whatever the routing."""
+    moe, x = _moe(**options), _x(B=2 * world_size)
+    moe.group_size = 2 * 12
+    y = moe(x)
+    expected = _grads(moe, x, y)
+    for rank, out in enumerate(run_ranks(_expert_parallel, world_size, options, ring)):
+        rows = slice(2 * rank, 2 * rank + 2)
+        close = lambda got, want, what: torch.testing.assert_close(
+            got, want, rtol=0, atol=ATOL, msg=lambda m: f"rank {rank} {what}: {m}")
+        close(out["y"], y.detach()[rows], "output")
+        close(out["input"], expected["input"][rows], "input gradient")
+        close(out["router"], expected["router.weight"], "router gradient")
+        assert out["local"] == list(range(rank * len(moe.experts) // world_size,
+                                          (rank + 1) * len(moe.experts) // world_size))
+        for name, grad in out["experts"].items():
+            close(grad, expected.get(name, torch.zeros_like(grad)), name)
+        if options["capacity_factor"] is not None:
+            E, K, C = len(moe.experts), out["capacity"], CFG.n_embd
+            assert out["backward_bytes"] == 2 * (world_size - 1) * E * K * C * 4 // world_size
+
+
+def test_experts_that_do_not_split_over_the_ranks_are_one_clear_error():
+    from types import SimpleNamespace
+    with pytest.raises(ValueError, match="6 experts do not split over --ep 4 ranks"):
+        _moe(experts=6).shard_experts(SimpleNamespace(world_size=4, rank=0))
