@@ -263,3 +263,32 @@ def test_experts_that_do_not_split_over_the_ranks_are_one_clear_error():
     from types import SimpleNamespace
     with pytest.raises(ValueError, match="6 experts do not split over --ep 4 ranks"):
         _moe(experts=6).shard_experts(SimpleNamespace(world_size=4, rank=0))
+
+
+def _routing_imbalance(aux_loss_weight, steps=40):
+    """max/mean assignments per expert over the last 10 of `steps` single-process AdamW steps of
+    a 2-block tiny-moe (dropless), and the last balancing loss."""
+    from data import TextData
+    from model import build_model
+    data = TextData.from_file()
+    torch.manual_seed(0)
+    gpt = build_model("tiny-moe", n_layer=2, aux_loss_weight=aux_loss_weight, capacity_factor=None)
+    optimizer = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
+    ratios = []
+    for step in range(steps):
+        x, y = data.batch(step, 8, 32, 0)
+        _, loss = gpt(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        low, mean, high = routing_summary(gpt)["tokens_per_expert"]
+        ratios.append(high / mean)
+    return sum(ratios[-10:]) / 10, routing_summary(gpt)["balance_loss"]
+
+
+def test_the_balancing_loss_balances():
+    """With the load-balancing loss on (weight 0.1) the busiest expert's load over the mean falls
+    below the same run's with it off (measured: 2.40 against 3.88; balancing loss 1.02 against
+    2.38, where 1 is perfectly balanced)."""
+    off, on = _routing_imbalance(0.0), _routing_imbalance(0.1)
+    assert on[0] < off[0] and on[1] < off[1], (on, off)
