@@ -5,7 +5,7 @@ experts and their outputs are summed, weighted by the router's gate values. Para
 E-fold, the compute per token only k-fold (Shazeer et al. 2017). GShard (Lepikhin et al. 2020,
 section 2.2) routes to 2 experts with a capacity per expert, Switch (Fedus et al. 2021, section
 2.2) to 1, with the load-balancing loss E * sum_e f_e P_e; ST-MoE (Zoph et al. 2022, section 3)
-adds the router z-loss. Expert parallelism (GShard, section 2.3): E/P experts on each of P ranks,
+adds the router z-loss. Expert parallelism (as GShard shards experts): E/P experts on each of P ranks,
 the tokens sent to their experts' ranks by an all-to-all and brought back by a second. Left out:
 shared experts, expert-choice routing, jitter noise. Test: python -m pytest tests/test_moe.py
 
