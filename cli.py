@@ -109,6 +109,12 @@ def parse_args(argv=None):
                           "tokens, the rest dropped; 0: dropless (default: the model's, 1.25)")
     moe.add_argument("--aux-loss-weight", type=float, default=None,
                      help="weight of Switch's load-balancing loss (default: the model's, 0.01)")
+    moe.add_argument("--routing-group", type=int, default=None, metavar="TOKENS",
+                     help="tokens routed together, each group with its own capacity and balancing "
+                          "loss (default: each rank's micro-batch)")
+    moe.add_argument("--ep", type=int, default=1,
+                     help="expert parallelism: split the experts over groups of N ranks, each "
+                          "rank's tokens sent to their experts' ranks (--strategy ddp)")
     tune = p.add_argument_group("LoRA fine-tuning (train.py --init-from RUN_DIR --lora --data OTHER.txt)")
     tune.add_argument("--lora", action="store_true",
                       help="freeze the model, train low-rank adapters; checkpoints hold only the adapter")
@@ -222,7 +228,7 @@ def check_args(parser, args, world_size):
     if not 0 < args.lora_alpha < math.inf:
         parser.error(f"--lora-alpha must be positive (the update is scaled by alpha / rank: at 0 "
                      f"the adapter never changes the model), got {args.lora_alpha}")
-    check_experts(parser, args)
+    check_experts(parser, args, world_size)
     check_tensor_parallel(parser, args, world_size)
     check_pipeline(parser, args, world_size)
     data_parallel = world_size // args.tp // args.pp              # ranks reading different rows
@@ -320,23 +326,37 @@ def check_paths(parser, args):
 
 def moe_config(args) -> dict:
     """The model config fields the MoE flags override (build_model's keyword arguments)."""
-    given = {"experts": args.experts, "top_k": args.top_k, "aux_loss_weight": args.aux_loss_weight}
+    given = {"experts": args.experts, "top_k": args.top_k, "aux_loss_weight": args.aux_loss_weight,
+             "routing_group": args.routing_group}
     config = {name: value for name, value in given.items() if value is not None}
     if args.capacity_factor is not None:
         config["capacity_factor"] = args.capacity_factor or None      # 0: dropless, None
     return config
 
 
-def check_experts(parser, args):
-    """--experts, --top-k, --capacity-factor, --aux-loss-weight: a router the model can have."""
+def check_experts(parser, args, world_size):
+    """--experts, --top-k, --capacity-factor, --aux-loss-weight, --routing-group, --ep: a router
+    the model can have, and experts the world can split."""
     cfg = dataclasses.replace(PRESETS[args.model], **moe_config(args))
     if cfg.experts < 0:
         parser.error(f"--experts must be 0 (a dense model) or more, got {cfg.experts}")
     if not cfg.experts:
-        if any(v is not None for v in (args.top_k, args.capacity_factor, args.aux_loss_weight)):
-            parser.error(f"--top-k, --capacity-factor and --aux-loss-weight configure experts, and "
-                         f"model {args.model} has none: add --experts E or use --model tiny-moe")
+        if any(v is not None for v in (args.top_k, args.capacity_factor, args.aux_loss_weight,
+                                       args.routing_group)) or args.ep != 1:
+            parser.error(f"--top-k, --capacity-factor, --aux-loss-weight, --routing-group and --ep "
+                         f"configure experts, and model {args.model} has none: add --experts E or "
+                         f"use --model tiny-moe")
         return
+    if args.ep < 1 or world_size % args.ep or cfg.experts % args.ep:
+        parser.error(f"--ep {args.ep} splits the {cfg.experts} experts over groups of {args.ep} of "
+                     f"the {world_size} ranks: use an --ep (1 or more) dividing both")
+    if args.ep > 1 and (args.strategy != "ddp" or args.lora):
+        parser.error(f"--ep {args.ep}: expert parallelism runs under --strategy ddp without --lora "
+                     f"so far (zero1, zero2 and fsdp do not yet reduce the experts apart)")
+    tokens = args.batch_size // (world_size * args.grad_accum) * args.seq_len    # a micro-batch's
+    if args.routing_group is not None and not (1 <= args.routing_group and tokens % args.routing_group == 0):
+        parser.error(f"--routing-group {args.routing_group} must divide the {tokens} tokens of a "
+                     f"rank's micro-batch (--batch-size / ranks / --grad-accum x --seq-len)")
     if not 1 <= cfg.top_k <= cfg.experts:
         parser.error(f"--top-k {cfg.top_k} must be between 1 and the {cfg.experts} experts")
     if args.capacity_factor is not None and not args.capacity_factor >= 0:

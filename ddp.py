@@ -19,6 +19,7 @@ import torch.nn as nn
 from collectives import as_comm, ring_bytes
 from memory import run_state_bytes
 from mixed_precision import MixedPrecisionOptimizer
+from moe import MoE, expert_parallel
 from process_groups import check_same_parameters
 
 
@@ -192,18 +193,21 @@ class DDP(nn.Module):
     Per step: forward and backward as usual (gradient hooks launch the buckets' all-reduces as
     backward runs), then finish_gradient_sync() before optimizer.step(). For gradient
     accumulation, run the backwards of all but the last micro-batch inside `with ddp.no_sync():`.
+    expert_group: with expert parallelism (moe.py), the ranks that hold the same experts as this
+    one: the experts' parameters (marked expert_parallel) start from and are reduced over it.
     """
 
-    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25):
+    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25, expert_group=None):
         super().__init__()
         self.module = module
         self.comm = as_comm(group)
+        self.expert_group = None if expert_group is None else as_comm(expert_group)
         # Trainable parameters only: a frozen one gets no gradient, so it needs no hook, no slot
         # and no bytes. named_parameters() lists a tied (shared) weight once, and autograd
         # accumulates all its uses into one .grad before the post-accumulate hook fires once.
         trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        self.names = [name for name, _ in reversed(trainable)]   # (P,) in gradient-arrival order
-        self.params = [p for _, p in reversed(trainable)]
+        names = {p: name for name, p in trainable}
+        self.params = [p for _, p in reversed(trainable)]        # (P,) in gradient-arrival order
         if not self.params:
             raise ValueError("DDP: the module has no trainable parameters (requires_grad=True), "
                              "so there are no gradients to average; train at least one parameter")
@@ -215,36 +219,58 @@ class DDP(nn.Module):
         # param.grad becomes that slot (a view, as PyTorch's gradient_as_bucket_view=True), so
         # the buckets are the gradients, not a second copy. A fresh .grad (after
         # zero_grad(set_to_none=True)) lives only until its hook copies it in.
-        self.buckets = [FlatParams(chunk, world_size=1)
-                        for chunk in split_into_buckets(self.params, bucket_mb)]
-        for bucket in self.buckets:
-            bucket.grad_flat = torch.zeros_like(bucket.flat)                     # (L_b,)
+        self.buckets = []
+        for comm, params in self._by_group(self.params):
+            # An expert's gradient already sums the tokens of its expert-parallel group (the
+            # all-to-all brought them): summed over the ranks holding the same experts it holds
+            # every rank's, and divided by the world it is the world's mean, as the rest.
+            op, divide = ("avg", 1) if comm is self.comm else ("sum", self.comm.world_size)
+            for chunk in split_into_buckets(params, bucket_mb):
+                bucket = FlatParams(chunk, world_size=1)
+                bucket.comm, bucket.op, bucket.divide = comm, op, divide
+                bucket.grad_flat = torch.zeros_like(bucket.flat)                 # (L_b,)
+                self.buckets.append(bucket)
+        self.params = [p for bucket in self.buckets for p in bucket.params]      # bucket order
+        self.names = [names[p] for p in self.params]
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.params]
         self._slot = [slot for bucket in self.buckets for slot in bucket.views(bucket.grad_flat)]
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
         # Each full bucket's all-reduce starts at once, in bucket order on every rank.
-        self._order = InOrder(self.buckets, retire=lambda bucket, handle: handle.wait(),
-                              launch=lambda bucket: self.comm.all_reduce(bucket.grad_flat, op="avg",
-                                                                         async_op=True))
+        self._order = InOrder(self.buckets, launch=lambda bucket: bucket.comm.all_reduce(
+            bucket.grad_flat, op=bucket.op, async_op=True), retire=self._retire)
         self._syncing = True                                     # False inside no_sync()
         self._reset()
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def _by_group(self, tensors) -> list:
+        """[(comm, tensors it reduces)]: the experts' (expert_parallel) over the expert group,
+        everything else over the group; the same order on every rank."""
+        experts = [t for t in tensors if getattr(t, "expert_parallel", False)]
+        rest = [t for t in tensors if not getattr(t, "expert_parallel", False)]
+        return [(comm, part) for comm, part in ((self.comm, rest), (self.expert_group, experts)) if part]
+
     def _broadcast_from_rank0(self):
         # Ranks may have been seeded differently: rank 0's initial weights (and buffers) become
-        # everyone's. One broadcast per dtype of a flat copy, not one per tensor; dict keys keep
-        # first-seen order, so every rank issues the broadcasts in the same order.
-        tensors = [*self.module.parameters(), *self.module.buffers()]
-        for kind in dict.fromkeys((t.dtype, t.device) for t in tensors):
-            group = [t for t in tensors if (t.dtype, t.device) == kind]
-            flat = torch.cat([t.detach().reshape(-1) for t in group])    # (sum of numel,)
-            self.comm.broadcast(flat, src=0)
-            with torch.no_grad():
-                for t, value in zip(group, flat.split([t.numel() for t in group])):
-                    t.copy_(value.view_as(t))
+        # everyone's (an expert's: its group's rank 0's). One broadcast per dtype of a flat copy,
+        # not one per tensor; dict keys keep first-seen order, so every rank issues the
+        # broadcasts in the same order.
+        for comm, tensors in self._by_group([*self.module.parameters(), *self.module.buffers()]):
+            for kind in dict.fromkeys((t.dtype, t.device) for t in tensors):
+                group = [t for t in tensors if (t.dtype, t.device) == kind]
+                flat = torch.cat([t.detach().reshape(-1) for t in group])    # (sum of numel,)
+                comm.broadcast(flat, src=0)
+                with torch.no_grad():
+                    for t, value in zip(group, flat.split([t.numel() for t in group])):
+                        t.copy_(value.view_as(t))
+
+    @staticmethod
+    def _retire(bucket, handle):
+        handle.wait()
+        if bucket.divide != 1:
+            bucket.grad_flat.div_(bucket.divide)
 
     def _reset(self):
         self._ready = [False] * len(self.params)
@@ -295,12 +321,17 @@ class DDP(nn.Module):
         # A parameter that no rank used must keep grad None, as a single process would leave
         # it (AdamW would otherwise decay it): OR the local "used" flags over the ranks, a P-byte
         # message launched after every bucket (the same position on every rank) so it overlaps.
+        # (An expert's flag over the ranks holding that expert: a second, shorter message.)
         local = [p.grad is not None for p in self.params]
         used = torch.tensor(local, dtype=torch.uint8, device=self.params[0].device)      # (P,)
-        flags = self.comm.all_reduce(used, op="max", async_op=True)
+        flags, start = [], 0
+        for comm, params in self._by_group(self.params):
+            flags.append(comm.all_reduce(used[start: start + len(params)], op="max", async_op=True))
+            start += len(params)
         self._order.launch_rest()                                # (every bucket is full by now)
         self._order.wait_all()
-        flags.wait()
+        for handle in flags:
+            handle.wait()
         # Read (a host sync on a GPU) only if this rank missed one: else every one was used.
         everywhere = local if all(local) else used.tolist()
         for p, slot, used_anywhere in zip(self.params, self._slot, everywhere):
@@ -329,10 +360,11 @@ class DDP(nn.Module):
         2(N-1)/N x each bucket (padded to N equal chunks), plus the P-byte used-flag vector:
         about twice the gradients' bytes, nearly independent of N.
         """
-        n = self.comm.world_size
-        grads = sum(ring_bytes("all_reduce", b.grad_flat.numel(), b.grad_flat.element_size(), n)
-                    for b in self.buckets)
-        return grads + ring_bytes("all_reduce", len(self.params), 1, n)
+        grads = sum(ring_bytes("all_reduce", b.grad_flat.numel(), b.grad_flat.element_size(),
+                               b.comm.world_size) for b in self.buckets)
+        flags = sum(ring_bytes("all_reduce", len(params), 1, comm.world_size)
+                    for comm, params in self._by_group(self.params))
+        return grads + flags
 
 
 # ---- train.py's row ---------------------------------------------------------------------------
@@ -346,9 +378,16 @@ def build(gpt, options, data, split, device, adamw: dict):
     No comm for the optimizer's overflow decision: after the all-reduce every rank holds the
     same averaged gradients, so every rank decides the same way.
     """
-    model = gpt if options.strategy == "single" else DDP(gpt, data, bucket_mb=options.bucket_mb)
+    experts, grad_norm = None, None
+    if options.ep > 1:                          # moe.py: E/ep experts per rank, each rank its rows
+        experts, grad_norm = expert_parallel(gpt, data, options.ep)
+    model = (gpt if options.strategy == "single" else
+             DDP(gpt, data, bucket_mb=options.bucket_mb, expert_group=experts))
     # After DDP's broadcast: fp16/bf16 masters copy rank 0's weights.
-    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
+    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, grad_norm=grad_norm,
                                         precision=options.precision, **adamw)
-    return (model, optimizer, 0 if model is gpt else model.bytes_per_step(),
-            run_state_bytes(gpt, "ddp", options, data.world_size))
+    sent = 0 if model is gpt else model.bytes_per_step()
+    tokens = options.batch_size // data.world_size // options.grad_accum * options.seq_len
+    sent += options.grad_accum * sum(m.exchange_bytes(tokens, gpt.head.weight.element_size())
+                                     for m in gpt.modules() if isinstance(m, MoE))
+    return model, optimizer, sent, run_state_bytes(gpt, "ddp", options, data.world_size)

@@ -35,6 +35,7 @@ class GPTConfig:
     capacity_factor: float | None = 1.25       # None: dropless
     aux_loss_weight: float = 0.01              # Switch's load-balancing loss
     z_loss_weight: float = 0.0                 # ST-MoE's router z-loss
+    routing_group: int | None = None           # tokens per routing group; None: a forward's
 
 
 PRESETS = {
@@ -99,8 +100,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.norm2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MoE(cfg.n_embd, lambda: MLP(cfg), cfg.experts, cfg.top_k, cfg.capacity_factor,
-                       aux_loss_weight=cfg.aux_loss_weight,
-                       z_loss_weight=cfg.z_loss_weight) if cfg.experts else MLP(cfg)
+                       cfg.routing_group, cfg.aux_loss_weight,
+                       cfg.z_loss_weight) if cfg.experts else MLP(cfg)
 
     def forward(self, x):                                        # (B, T, C)
         x = x + self.attn(self.norm1(x))

@@ -65,6 +65,9 @@ class MoE(nn.Module):
         for e in range(E):
             if e not in self.local:
                 self.experts[e] = nn.Identity()
+        for e in self.local:
+            for p in self.experts[e].parameters():
+                p.expert_parallel = True      # ddp.py reduces it over the ranks holding expert e
 
     def forward(self, x):                                     # (B, T, C)
         tokens = x.reshape(-1, x.shape[-1])                   # (S, C)
@@ -82,6 +85,17 @@ class MoE(nn.Module):
         weighted = outputs * route["gate"].unsqueeze(1).to(outputs.dtype)  # (kept, C)
         y = torch.zeros_like(tokens).index_add_(0, route["token"], weighted)  # (S, C)
         return y.view_as(x)
+
+    def exchange_bytes(self, tokens: int, element_size: int) -> int:
+        """Bytes this rank sends under expert parallelism per forward and backward of `tokens`
+        tokens, in capacity mode: four all-to-alls (dispatch and combine, and their mirrors in
+        backward) of the (E, G*K, C) buffer, (P-1)/P of it each. Dropless, the sizes follow the
+        routing: not predicted (0), the counter measures them."""
+        if self.ep is None or self.capacity_factor is None:
+            return 0
+        E, P, group = len(self.experts), self.ep.world_size, self.group_size or tokens
+        slots = tokens // group * math.ceil(self.capacity_factor * self.top_k * group / E)
+        return 4 * (P - 1) * E * slots * self.router.in_features * element_size // P
 
     # ---- expert parallelism: the tokens travel to their experts' ranks and back ---------------
     #
@@ -181,6 +195,28 @@ class MoE(nn.Module):
         z = logits.logsumexp(dim=-1).pow(2).mean()
         self.aux_loss = self.aux_loss_weight * balance + self.z_loss_weight * z
         self.stats = {"per_expert": per_expert, "assignments": A, "balance_loss": balance.detach()}
+
+
+def expert_parallel(gpt: nn.Module, comm: Comm, ep: int):
+    """Split every MoE layer of gpt over groups of ep consecutive ranks of comm (E/ep experts
+    each); returns (the group of ranks that hold the same experts, over which their gradients
+    are reduced, and mixed_precision's grad_norm hook). Collective: every rank of comm."""
+    from process_groups import make_mesh
+    ep_group, replicas = make_mesh(comm, ep)
+    for module in gpt.modules():
+        if isinstance(module, MoE):
+            module.shard_experts(ep_group)
+
+    def grad_norm(params, grads) -> torch.Tensor:
+        """Every rank holds the replicated weights' gradient, and its own experts': the experts'
+        squares add up over the expert-parallel group."""
+        device = grads[0].device
+        experts, rest = torch.zeros(1, device=device), torch.zeros(1, device=device)
+        for p, g in zip(params, grads):
+            (experts if getattr(p, "expert_parallel", False) else rest).add_(g.float().pow(2).sum())
+        ep_group.all_reduce(experts)
+        return (experts + rest).sqrt()[0]
+    return replicas, grad_norm
 
 
 class _AllToAll(torch.autograd.Function):

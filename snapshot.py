@@ -178,10 +178,12 @@ class Layout(NamedTuple):
     data_rank: int
     split: Comm | None
     tensor: bool
+    experts: Comm | None = None     # expert parallelism: the ranks holding this rank's experts
 
 
-def layout_of(gpt, data_comm, split) -> Layout:
-    return Layout(data_comm.rank, split, any(hasattr(p, "tp_dim") for p in gpt.parameters()))
+def layout_of(gpt, data_comm, split, experts=None) -> Layout:
+    return Layout(data_comm.rank, split, any(hasattr(p, "tp_dim") for p in gpt.parameters()),
+                  experts)
 
 
 def rank_pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
@@ -189,9 +191,14 @@ def rank_pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
     zero, fsdp), or the first replica's whole parameters (tp gathers each split one whole
     first; a pipeline stage's first replica writes that stage's).
     frozen: with the frozen weights (a LoRA checkpoint leaves them to its base)."""
-    if not (optimizer.sharded or layout.data_rank == 0):
+    replicas = layout.data_rank == 0
+    experts = layout.experts is not None and layout.experts.rank == 0     # first holder of these
+    if not (optimizer.sharded or replicas or experts):
         return []
     pieces = optimizer_pieces(optimizer, names(gpt))
+    if layout.experts is not None and not optimizer.sharded:   # each rank its own experts
+        held = {name for name, p in gpt.named_parameters() if getattr(p, "expert_parallel", False)}
+        pieces = [piece for piece in pieces if (experts if piece["name"] in held else replicas)]
     if frozen and layout.data_rank == 0:
         pieces += frozen_pieces(gpt)
     if layout.tensor:                                  # collective: the whole tensor group
@@ -267,7 +274,7 @@ def export(path, gpt, optimizer, layout: Layout, rank, lora_config=None):
     gathered = gather_objects(pieces, Comm(), next(gpt.parameters()).device, dst=0)
     if rank == 0:
         shapes = gpt
-        if layout.split is not None:
+        if layout.split is not None or layout.experts is not None:
             with torch.device("meta"):     # whole shapes (a rank holds slices or a stage), no memory
                 shapes = GPT(gpt.cfg)
                 if lora_config:

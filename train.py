@@ -256,7 +256,7 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         gpt, model, optimizer, predicted, napkin = build(args, device, comm, split, data_comm)
     except ValueError as e:                    # a strategy refused its input: same on every rank
         raise RunError(str(e)) from None
-    layout = snapshot.layout_of(gpt, data_comm, split)
+    layout = snapshot.layout_of(gpt, data_comm, split, getattr(model, "expert_group", None))
     start = snapshot.resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit

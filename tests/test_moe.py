@@ -292,3 +292,41 @@ def test_the_balancing_loss_balances():
     2.38, where 1 is perfectly balanced)."""
     off, on = _routing_imbalance(0.0), _routing_imbalance(0.1)
     assert on[0] < off[0] and on[1] < off[1], (on, off)
+
+
+# ---- train.py --ep: experts split over ranks, under DDP -------------------------------------------
+
+# After 4 AdamW steps the ranks' other summation order (the gradients' all-reduces, the
+# experts' tokens arriving by all-to-all) shows, amplified by Adam's 1/sqrt(v) on near-zero
+# gradients: measured up to 1.0e-5 (dropless, 4 ranks), allowed 2e-5 as tensor_parallel's tests.
+EP_WEIGHT_ATOL = 2e-5
+EP_RUN = ["--model", "tiny-moe", "--steps", "4", "--log-every", "1", "--eval-every", "0",
+          "--seq-len", "32", "--batch-size", "8", "--warmup", "2", "--routing-group", "64"]
+
+
+def _run_ep(tmp_path, ranks, *flags):
+    """train.py's losses at every step and its exported weights."""
+    from test_train import run
+    export = tmp_path / f"model-{ranks}-{'-'.join(flags)}.pt"
+    out = run(*EP_RUN, *flags, "--export", str(export), ranks=ranks).stdout
+    losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
+    sent = [line.split("| sent ")[1].split(" MiB/step (ring formula ")
+            for line in out.splitlines() if "| sent " in line]
+    return losses, torch.load(export, weights_only=True)["state_dict"], sent
+
+
+@pytest.mark.parametrize("capacity", ["1.25", "0"])
+def test_expert_parallel_training_equals_one_process(tmp_path, capacity):
+    """--ep 2 on 2 ranks, and --ep 2 x data parallel 2 on 4 ranks, train as one process routing
+    the same groups of 64 tokens (capacity 1.25, which drops, and dropless): the loss at every
+    step, and every weight after 4 steps, the experts' included (whole in the export)."""
+    single, weights, _ = _run_ep(tmp_path, 1, "--capacity-factor", capacity)
+    for ranks in (2, 4):
+        losses, got, sent = _run_ep(tmp_path, ranks, "--strategy", "ddp", "--ep", "2",
+                                    "--capacity-factor", capacity)
+        assert losses == pytest.approx(single, rel=1e-5), (ranks, losses, single)
+        assert got.keys() == weights.keys()
+        worst = max((got[k] - weights[k]).abs().max().item() for k in weights)
+        assert worst < EP_WEIGHT_ATOL, (ranks, worst)
+        if capacity != "0":                     # capacity mode: the all-to-alls are predicted
+            assert all(measured == predicted.split(")")[0] for measured, predicted in sent), sent
