@@ -19,7 +19,7 @@ import torch.nn as nn
 from collectives import as_comm, ring_bytes
 from memory import run_state_bytes
 from mixed_precision import MixedPrecisionOptimizer
-from moe import MoE, expert_parallel
+from moe import exchange_bytes, expert_parallel
 from process_groups import check_same_parameters
 
 
@@ -386,8 +386,5 @@ def build(gpt, options, data, split, device, adamw: dict):
     # After DDP's broadcast: fp16/bf16 masters copy rank 0's weights.
     optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, grad_norm=grad_norm,
                                         precision=options.precision, **adamw)
-    sent = 0 if model is gpt else model.bytes_per_step()
-    tokens = options.batch_size // data.world_size // options.grad_accum * options.seq_len
-    sent += options.grad_accum * sum(m.exchange_bytes(tokens, gpt.head.weight.element_size())
-                                     for m in gpt.modules() if isinstance(m, MoE))
+    sent = (0 if model is gpt else model.bytes_per_step()) + exchange_bytes(gpt, options, data.world_size)
     return model, optimizer, sent, run_state_bytes(gpt, "ddp", options, data.world_size)

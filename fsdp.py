@@ -46,7 +46,7 @@ class Unit(FlatParams):
 
     def __init__(self, index, module, params, comm, compute_dtype, device):
         super().__init__(params, comm.world_size)          # self.flat: (N*S,) fp32, params view it
-        self.index, self.module = index, module
+        self.index, self.module, self.comm = index, module, comm
         flat = self.flat.to(device)              # one unit at a time on the device, never the model
         comm.broadcast(flat, src=0)                          # ranks start identical
         self.master = nn.Parameter(self.shard(flat, comm.rank).clone())        # (S,) fp32

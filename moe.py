@@ -219,6 +219,15 @@ def expert_parallel(gpt: nn.Module, comm: Comm, ep: int):
     return replicas, grad_norm
 
 
+def exchange_bytes(gpt: nn.Module, options, data_size: int) -> int:
+    """What every MoE layer of gpt sends per training step under train.py's options (each of
+    data_size ranks a micro-batch of --batch-size / data_size / --grad-accum rows at a time)."""
+    tokens = options.batch_size // data_size // options.grad_accum * options.seq_len
+    size = next(gpt.parameters()).element_size()
+    return options.grad_accum * sum(m.exchange_bytes(tokens, size) for m in gpt.modules()
+                                    if isinstance(m, MoE))
+
+
 class _AllToAll(torch.autograd.Function):
     """all-to-all whose backward is the mirror all-to-all: the gradient of each received row goes
     back to the rank that sent it."""

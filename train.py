@@ -256,7 +256,9 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         gpt, model, optimizer, predicted, napkin = build(args, device, comm, split, data_comm)
     except ValueError as e:                    # a strategy refused its input: same on every rank
         raise RunError(str(e)) from None
-    layout = snapshot.layout_of(gpt, data_comm, split, getattr(model, "expert_group", None))
+    # Expert parallelism's groups: DDP's (it reduces the experts), or ZeRO's optimizer's.
+    experts = getattr(model, "expert_group", None) or getattr(optimizer, "expert_group", None)
+    layout = snapshot.layout_of(gpt, data_comm, split, experts)
     start = snapshot.resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit

@@ -15,6 +15,8 @@ Run: torchrun --nproc_per_node 2 train.py --strategy zero2; test: python -m pyte
 Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements per shard.
 """
 
+import itertools
+
 import torch
 import torch.nn as nn
 
@@ -22,6 +24,7 @@ from collectives import as_comm, ring_bytes, split_norm
 from ddp import FlatParams, InOrder, split_into_buckets
 from memory import run_state_bytes
 from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
+from moe import expert_parallel, exchange_bytes
 from process_groups import check_same_parameters
 
 # Stage 2 (and FSDP) keeps at most this many full gradients in flight, buckets or units: when a
@@ -31,10 +34,12 @@ MAX_REDUCTIONS_IN_FLIGHT = 2
 
 
 class Bucket(FlatParams):
-    """One flat buffer's worth of parameters, plus this rank's optimizer-side state for it."""
+    """One flat buffer's worth of parameters, sharded over comm, plus this rank's optimizer-side
+    state for it."""
 
-    def __init__(self, params, world_size):
-        super().__init__(params, world_size)
+    def __init__(self, params, comm):
+        super().__init__(params, comm.world_size)
+        self.comm = comm
         self.master = None        # (S,) fp32: the shard the inner optimizer updates
         self.grad_shard = None    # (S,) this rank's reduced gradient, in the parameters' dtype
         # grad_flat (FlatParams): stage 1 keeps it always, stage 2 only while in flight
@@ -46,23 +51,31 @@ class ShardedOptimizer(MasterOptimizer):
     """What ZeRO's optimizer and FSDP's share once the gradients are shards (the base of both).
 
     self.flats: the flat buffers (zero.py's buckets, fsdp.py's units), each with `master`, this
-    rank's (S,) fp32 shard, and `used`, one flag per parameter: did this rank compute a gradient
-    for it since zero_grad()? The step is stage 2's whatever the stage: each rank updates its
-    shards only, with one global norm for clipping and the inf/NaN skip.
+    rank's (S,) fp32 shard, `comm`, the ranks it is sharded over (self.comm, or with expert
+    parallelism the ranks holding the same experts), and `used`, one flag per parameter: did
+    this rank compute a gradient for it since zero_grad()? The step is stage 2's whatever the
+    stage: each rank updates its shards only, with one global norm for clipping and the
+    inf/NaN skip.
     """
 
     def _total_norm(self, grads):
-        comm, device = self.comm, self.flats[0].params[0].device
+        device = self.flats[0].params[0].device
         # A parameter no rank used keeps its values and moments (keep_unchanged), as torch's
-        # optimizers skip a .grad of None: OR the flags over the ranks, a P-byte message as
-        # DDP's, sent beside the norm's.
+        # optimizers skip a .grad of None: OR the flags over the ranks that hold it, a P-byte
+        # message as DDP's, sent beside the norm's.
         used = torch.tensor([u for flat in self.flats for u in flat.used], dtype=torch.uint8,
                             device=device)                                      # (P,)
-        handle = comm.all_reduce(used, op="max", async_op=True)
-        # The shards are disjoint slices of the one gradient: every rank gets the same global
-        # norm, so every rank takes the same skip decision.
-        norm = split_norm(grads, comm, device)
-        handle.wait()
+        handles, start = [], 0
+        for comm, flats in itertools.groupby(self.flats, key=lambda flat: flat.comm):
+            count = sum(len(flat.params) for flat in flats)
+            handles.append(comm.all_reduce(used[start: start + count], op="max", async_op=True))
+            start += count
+        # The shards are disjoint slices of the one gradient (an expert's shards, over the world,
+        # cover every expert once): every rank gets the same global norm, so every rank takes
+        # the same skip decision.
+        norm = split_norm(grads, self.comm, device)
+        for handle in handles:
+            handle.wait()
         # Read only where this rank missed a gradient: if it computed every one, every parameter
         # was used somewhere, and the step keeps its one host read (the norm's).
         self._used_anywhere = used if not all(u for flat in self.flats for u in flat.used) else None
@@ -71,20 +84,19 @@ class ShardedOptimizer(MasterOptimizer):
     def _unused(self):
         if self._used_anywhere is None:
             return []
-        used, r, ranges = iter(self._used_anywhere.tolist()), self.comm.rank, []
+        used, ranges = iter(self._used_anywhere.tolist()), []
         for flat in self.flats:
             unused = {i for i in range(len(flat.params)) if not next(used)}
             ranges += [(flat.master, offset, offset + stop - start)
-                       for i, start, stop, offset in flat.shard_ranges(r) if i in unused]
+                       for i, start, stop, offset in flat.shard_ranges(flat.comm.rank) if i in unused]
         return ranges
 
     def master_ranges(self) -> list[tuple]:
         """(param, start, stop, master, offset): elements start:stop of param (flattened) have
         their fp32 master, and their optimizer state, at master[offset : offset + stop - start].
         Only this rank's shards: a checkpoint saves every rank's and joins them by name."""
-        r = self.comm.rank
         return [(flat.params[i], start, stop, flat.master, offset) for flat in self.flats
-                for i, start, stop, offset in flat.shard_ranges(r)]
+                for i, start, stop, offset in flat.shard_ranges(flat.comm.rank)]
 
     def host_tensors(self) -> list[torch.Tensor]:
         """What offload keeps in host memory: fp32 masters, optimizer state, gradient buffers."""
@@ -106,7 +118,8 @@ class ZeroOptimizer(ShardedOptimizer):
     group: a collectives.Comm, a process group or None (the world). bucket_mb: the size of
     each flat buffer; stage 2 reduces one bucket while backward computes the next.
     offload: keep the fp32 masters and the optimizer state on the host and step there (the
-    device then holds only the parameters and the gradient shards).
+    device then holds only the parameters and the gradient shards). expert_group: with expert
+    parallelism (moe.py), the ranks holding the same experts as this one.
     Training loop: zero_grad(); scale_loss(loss).backward() per micro-batch;
     clip_grad_norm_(max_norm) if clipping (the global norm: torch.nn.utils' would see stage 2's
     freed .grad as nothing to clip); step(). A torch.optim.Optimizer: schedulers drive it.
@@ -123,7 +136,7 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def __init__(self, params, stage: int = 1, optimizer_cls=torch.optim.AdamW, group=None,
                  bucket_mb: float = 25, scaler: DynamicLossScaler | None = None,
-                 offload: bool = False, **optimizer_kwargs):
+                 offload: bool = False, expert_group=None, **optimizer_kwargs):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}; stage 3 shards the "
                              f"parameters too: that is FSDP (fsdp.py)")
@@ -141,14 +154,30 @@ class ZeroOptimizer(ShardedOptimizer):
             raise ValueError(f"ZeroOptimizer offload must be True (the optimizer on the CPU) or "
                              f"False, got {offload!r}")
         self.offload = offload
-        n, r = self.comm.world_size, self.comm.rank
         # Reverse registration order is roughly the order backward produces gradients (stage 2
         # reduces buckets as they fill); each bucket is sharded N ways, so rank r's share of
         # the optimizer state is shard r of every bucket: 1/N of the whole, plus padding.
-        self.buckets = [Bucket(chunk, n) for chunk in split_into_buckets(trainable[::-1], bucket_mb)]
+        # Experts (moe.py's expert parallelism) are sharded over the ranks holding the same
+        # ones; their gradient already sums the tokens of the expert group, so it is summed
+        # over those ranks and divided by the world, to the world's mean as every other.
+        experts = [p for p in trainable if getattr(p, "expert_parallel", False)]
+        parts = [(self.comm, [p for p in trainable if not getattr(p, "expert_parallel", False)])]
+        self.expert_group = None
+        if experts:
+            if expert_group is None:
+                raise ValueError("ZeroOptimizer: the model's experts are split over ranks "
+                                 "(moe.py): pass expert_group, the ranks holding the same ones")
+            self.expert_group = as_comm(expert_group)
+            parts.append((self.expert_group, experts))
+        self.buckets = []
+        for comm, part in parts:
+            for chunk in split_into_buckets(part[::-1], bucket_mb):
+                bucket = Bucket(chunk, comm)
+                bucket.op, bucket.divide = ("avg", 1) if comm is self.comm else ("sum", self.comm.world_size)
+                self.buckets.append(bucket)
         for bucket in self.buckets:
-            self.comm.broadcast(bucket.flat, src=0)                  # ranks start identical
-            shard = bucket.shard(bucket.flat, r)                     # (S,) a view of the parameters
+            bucket.comm.broadcast(bucket.flat, src=0)                # ranks start identical
+            shard = bucket.shard(bucket.flat, bucket.comm.rank)      # (S,) a view of the parameters
             if offload:
                 # Even in fp32 the host needs its own copy: the CPU cannot update device memory.
                 bucket.master, bucket.host_grad = host_copy(shard), host_buffer(shard)
@@ -170,7 +199,6 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def _reduce_gradients(self):
         """At step(): reduce-scatter every bucket's full gradient; keep this rank's shard."""
-        r = self.comm.rank
         for bucket in self.buckets:
             # A parameter that the user's zero_grad(set_to_none=True) or autograd re-created is
             # copied back into the flat buffer once, and becomes a view again.
@@ -182,12 +210,12 @@ class ZeroOptimizer(ShardedOptimizer):
                 p.grad = view
         reductions = []
         for bucket in self.buckets:
-            output = torch.empty_like(bucket.shard(bucket.flat, r))                 # (S,)
-            reductions.append((bucket, output, self.comm.reduce_scatter(
-                output, bucket.grad_flat, op="avg", async_op=True)))
+            output = torch.empty_like(bucket.flat[: bucket.shard_numel])            # (S,)
+            reductions.append((bucket, output, bucket.comm.reduce_scatter(
+                output, bucket.grad_flat, op=bucket.op, async_op=True)))
         for bucket, output, handle in reductions:
             handle.wait()
-            bucket.grad_shard = output
+            bucket.grad_shard = output.div_(bucket.divide) if bucket.divide != 1 else output
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -213,17 +241,16 @@ class ZeroOptimizer(ShardedOptimizer):
             bucket.grad_shard = bucket.master.grad = None
 
     def _all_gather_parameters(self):
-        r = self.comm.rank
         gathers = []
         for bucket in self.buckets:
-            shard = bucket.shard(bucket.flat, r)
+            shard = bucket.shard(bucket.flat, bucket.comm.rank)
             if bucket.master is not shard:
                 # Round the fp32 master into the model. Offloaded, this is the host -> device copy:
                 # from pinned memory it is asynchronous, and the stream runs it before the
                 # clone below, so bucket i's all-gather overlaps bucket i+1's copy.
                 shard.copy_(bucket.master, non_blocking=True)
             # The input is a copy: it must not alias the buffer being gathered into.
-            gathers.append(self.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
+            gathers.append(bucket.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
         for handle in gathers:
             handle.wait()
 
@@ -257,10 +284,13 @@ class ZeroOptimizer(ShardedOptimizer):
         Each is (N-1)/N of the bucket, together DDP's 2(N-1)/N: ZeRO-1 costs no more traffic
         than DDP (plus the gradient norm's one fp32 number and the used-flags).
         """
-        n, reductions = self.comm.world_size, self.reductions_per_step(micro_batches)
-        return step_message_bytes(sum(len(b.params) for b in self.buckets), n) + sum(
-            reductions * ring_bytes("reduce_scatter", b.flat.numel(), b.flat.element_size(), n)
-            + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), n)
+        reductions = self.reductions_per_step(micro_batches)
+        # The used-flags go to the ranks each bucket is sharded over (the experts': theirs).
+        flags = sum(ring_bytes("all_reduce", sum(len(b.params) for b in buckets), 1, comm.world_size)
+                    for comm, buckets in itertools.groupby(self.buckets, key=lambda b: b.comm))
+        return flags + ring_bytes("all_reduce", 1, 4, self.comm.world_size) + sum(
+            reductions * ring_bytes("reduce_scatter", b.flat.numel(), b.flat.element_size(), b.comm.world_size)
+            + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), b.comm.world_size)
             for b in self.buckets)
 
 
@@ -308,12 +338,14 @@ class Zero2Optimizer(ZeroOptimizer):
         if bucket.grad_flat is None:                                     # no gradient came
             bucket.grad_flat = torch.zeros_like(bucket.flat)
         output = torch.empty_like(bucket.flat[: bucket.shard_numel])      # (S,)
-        return self.comm.reduce_scatter(output, bucket.grad_flat, op="avg", async_op=True), output
+        return bucket.comm.reduce_scatter(output, bucket.grad_flat, op=bucket.op, async_op=True), output
 
     def _retire(self, bucket: Bucket, started):
         """Wait for a bucket's reduce-scatter, keep the shard, free the full gradient."""
         handle, output = started
         handle.wait()
+        if bucket.divide != 1:
+            output.div_(bucket.divide)
         # Micro-batches of one step (gradient accumulation) add up in the shard.
         bucket.grad_shard = output if bucket.grad_shard is None else bucket.grad_shard.add_(output)
         bucket.grad_flat = None
@@ -379,8 +411,11 @@ def build(gpt, options, data, split, device, adamw: dict):
     options: train.py's parsed command line; data, split: the data-parallel group and the
     group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
     """
+    # Expert parallelism (moe.py): E/ep experts per rank, sharded over the ranks holding them.
+    experts = expert_parallel(gpt, data, options.ep)[0] if options.ep > 1 else None
     optimizer = ZeroOptimizer(gpt.parameters(), stage=int(options.strategy[-1]),
                               optimizer_cls=torch.optim.AdamW, group=data, bucket_mb=options.bucket_mb,
-                              offload=bool(options.offload), **adamw)
-    return (gpt, optimizer, optimizer.bytes_per_step(micro_batches=options.grad_accum),
+                              offload=bool(options.offload), expert_group=experts, **adamw)
+    return (gpt, optimizer, optimizer.bytes_per_step(micro_batches=options.grad_accum)
+            + exchange_bytes(gpt, options, data.world_size),
             run_state_bytes(gpt, options.strategy, options, data.world_size))

@@ -315,14 +315,16 @@ def _run_ep(tmp_path, ranks, *flags):
     return losses, torch.load(export, weights_only=True)["state_dict"], sent
 
 
-@pytest.mark.parametrize("capacity", ["1.25", "0"])
-def test_expert_parallel_training_equals_one_process(tmp_path, capacity):
-    """--ep 2 on 2 ranks, and --ep 2 x data parallel 2 on 4 ranks, train as one process routing
+@pytest.mark.parametrize("strategy, capacity", [("ddp", "1.25"), ("ddp", "0"), ("zero2", "1.25"),
+                                                ("zero1", "0")])
+def test_expert_parallel_training_equals_one_process(tmp_path, strategy, capacity):
+    """--ep 2 on 2 ranks, and --ep 2 x data parallel 2 on 4 ranks, under DDP and ZeRO (the
+    experts reduced, and sharded, over the ranks holding them), train as one process routing
     the same groups of 64 tokens (capacity 1.25, which drops, and dropless): the loss at every
     step, and every weight after 4 steps, the experts' included (whole in the export)."""
     single, weights, _ = _run_ep(tmp_path, 1, "--capacity-factor", capacity)
     for ranks in (2, 4):
-        losses, got, sent = _run_ep(tmp_path, ranks, "--strategy", "ddp", "--ep", "2",
+        losses, got, sent = _run_ep(tmp_path, ranks, "--strategy", strategy, "--ep", "2",
                                     "--capacity-factor", capacity)
         assert losses == pytest.approx(single, rel=1e-5), (ranks, losses, single)
         assert got.keys() == weights.keys()
