@@ -114,7 +114,7 @@ def parse_args(argv=None):
                           "loss (default: each rank's micro-batch)")
     moe.add_argument("--ep", type=int, default=1,
                      help="expert parallelism: split the experts over groups of N ranks, each "
-                          "rank's tokens sent to their experts' ranks (--strategy ddp, zero1, zero2)")
+                          "rank's tokens sent to their experts' ranks (ddp, zero1, zero2, fsdp)")
     tune = p.add_argument_group("LoRA fine-tuning (train.py --init-from RUN_DIR --lora --data OTHER.txt)")
     tune.add_argument("--lora", action="store_true",
                       help="freeze the model, train low-rank adapters; checkpoints hold only the adapter")
@@ -350,9 +350,9 @@ def check_experts(parser, args, world_size):
     if args.ep < 1 or world_size % args.ep or cfg.experts % args.ep:
         parser.error(f"--ep {args.ep} splits the {cfg.experts} experts over groups of {args.ep} of "
                      f"the {world_size} ranks: use an --ep (1 or more) dividing both")
-    if args.ep > 1 and (args.strategy not in ("ddp", "zero1", "zero2") or args.lora):
-        parser.error(f"--ep {args.ep}: expert parallelism runs under --strategy ddp, zero1 or "
-                     f"zero2, without --lora, so far (fsdp does not yet shard the experts apart)")
+    if args.ep > 1 and (args.strategy not in ("ddp", "zero1", "zero2", "fsdp", "zero3") or args.lora):
+        parser.error(f"--ep {args.ep}: expert parallelism runs under --strategy ddp, zero1, zero2 "
+                     f"or fsdp, without --lora (the experts stay whole, frozen or not)")
     tokens = args.batch_size // (world_size * args.grad_accum) * args.seq_len    # a micro-batch's
     if args.routing_group is not None and not (1 <= args.routing_group and tokens % args.routing_group == 0):
         parser.error(f"--routing-group {args.routing_group} must divide the {tokens} tokens of a "

@@ -21,14 +21,17 @@ from ddp import FlatParams, InOrder
 from memory import run_state_bytes
 from mixed_precision import DTYPES, DynamicLossScaler
 from model import Block
+from moe import exchange_bytes, expert_parallel
 from process_groups import check_same_parameters
 from zero import (MAX_REDUCTIONS_IN_FLIGHT, ShardedOptimizer, gradients_to_host,
-                  host_buffer, host_copy, step_message_bytes)
+                  flags_and_norm_bytes, host_buffer, host_copy)
 
 
 def gpt_blocks(module: nn.Module) -> bool:
-    """The default wrap policy: one unit per transformer block; the rest is the root unit."""
-    return isinstance(module, Block)
+    """The default wrap policy: one unit per transformer block, and one per expert a rank holds
+    under expert parallelism (moe.py: it is sharded over the ranks holding that expert); the
+    rest is the root unit."""
+    return isinstance(module, Block) or getattr(module, "expert_parallel", False)
 
 
 class Unit(FlatParams):
@@ -106,10 +109,13 @@ class FSDP(nn.Module):
     device: where the shards, the gathered units and the rest of the module live (default: where
     the module is). Build the module on the CPU and name the GPU here, and a model that fits
     only sharded can start: each unit visits the device alone, then only its shard stays.
+    expert_group: with expert parallelism (moe.py), the ranks holding the same experts as this
+    one: each expert's unit is sharded over them. Its gradient already sums the tokens of the
+    expert group, so it is summed over them and divided by the world: the world's mean.
     """
 
     def __init__(self, module: nn.Module, wrap=gpt_blocks, compute_dtype=None, group=None,
-                 prefetch: int = 1, device=None):
+                 prefetch: int = 1, device=None, expert_group=None):
         super().__init__()
         compute_dtype = compute_dtype or torch.float32
         if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -125,6 +131,7 @@ class FSDP(nn.Module):
                              "compute precision with compute_dtype (e.g. torch.bfloat16), do not "
                              "cast the model first")
         self.comm = as_comm(group)
+        self.expert_group = None if expert_group is None else as_comm(expert_group)
         device = torch.device(device) if device is not None else trainable[0].device
         check_same_parameters(list(module.parameters()), self.comm, device)
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
@@ -145,8 +152,15 @@ class FSDP(nn.Module):
         for m in units:
             params = [p for p in trainable if owner[p] is m]
             if params:
-                self.units.append(Unit(len(self.units), m or module, params, self.comm, compute_dtype,
+                experts = getattr(m, "expert_parallel", False)
+                if experts and expert_group is None:
+                    raise ValueError("FSDP: the model's experts are split over ranks (moe.py): "
+                                     "pass expert_group, the ranks holding the same ones")
+                comm = self.expert_group if experts else self.comm
+                self.units.append(Unit(len(self.units), m or module, params, comm, compute_dtype,
                                        device))
+                unit = self.units[-1]
+                unit.op, unit.divide = ("sum", self.comm.world_size) if experts else ("avg", 1)
                 if m is None:
                     self.root = self.units[-1]
         self.order = [u for u in self.units if u is not self.root]      # forward order, root aside
@@ -205,7 +219,7 @@ class FSDP(nn.Module):
         unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
         shard = (unit.device_shard if unit.device_shard is not None       # (S,) on the wire
                  else unit.master.detach().to(self.compute_dtype))
-        unit.gathering = (self.comm.all_gather(unit.flat, shard, async_op=True), shard)  # -> (N*S,)
+        unit.gathering = (unit.comm.all_gather(unit.flat, shard, async_op=True), shard)  # -> (N*S,)
         unit.gathered = True
         self.events.append(("all-gather", unit.index))
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(
@@ -277,7 +291,7 @@ class FSDP(nn.Module):
             # On the gradient's device, not the master's: offloaded, the master lives on the
             # host, and NCCL reads and writes device memory only.
             output = grad.new_empty(unit.master.shape)                          # (S,)
-            started = self.comm.reduce_scatter(output, grad, op="avg", async_op=True), output
+            started = unit.comm.reduce_scatter(output, grad, op=unit.op, async_op=True), output
             self.events.append(("reduce-scatter", unit.index))
         unit.free()
         return started
@@ -287,6 +301,8 @@ class FSDP(nn.Module):
         handle.wait()
         # Upcast after the wire: accumulation and the update are fp32, whatever was sent.
         grad = output.float()
+        if unit.divide != 1:
+            grad.div_(unit.divide)
         unit.grad = grad if unit.grad is None else unit.grad.add_(grad)
 
     def _finish_backward(self):
@@ -343,10 +359,12 @@ class FSDP(nn.Module):
         """Bytes this rank sends per step (ring): per micro-batch one all-gather per unit for
         forward, one more for backward except the root's (it stays gathered), one reduce-scatter
         per unit; plus FSDPOptimizer's used-flags and norm (zero.py). 3 (N-1)/N of the model: 1.5x DDP."""
-        n, size = self.comm.world_size, torch.finfo(self.compute_dtype).bits // 8
-        per_unit = sum((2 if u is not self.root else 1) * ring_bytes("all_gather", u.flat.numel(), size, n)
-                       + ring_bytes("reduce_scatter", u.flat.numel(), size, n) for u in self.units)
-        return micro_batches * per_unit + step_message_bytes(sum(len(u.params) for u in self.units), n)
+        size = torch.finfo(self.compute_dtype).bits // 8
+        per_unit = sum((2 if u is not self.root else 1)
+                       * ring_bytes("all_gather", u.flat.numel(), size, u.comm.world_size)
+                       + ring_bytes("reduce_scatter", u.flat.numel(), size, u.comm.world_size)
+                       for u in self.units)
+        return micro_batches * per_unit + flags_and_norm_bytes(self.units, self.comm)
 
     def names(self) -> dict:
         """{original parameter: its name in .module}."""
@@ -355,11 +373,11 @@ class FSDP(nn.Module):
     @torch.no_grad()
     def full_state_dict(self, all_ranks: bool = False) -> dict:
         """{name: fp32 tensor of its original shape}, on rank 0 (empty elsewhere) or all_ranks.
-        Collective: every rank calls it."""
+        Collective: every rank calls it. Under expert parallelism, only this rank's experts."""
         names, out = self.names(), {}
         for unit in self.units:
             flat = torch.empty(unit.flat.numel(), device=unit.flat.device)    # (N*S,) fp32
-            self.comm.all_gather(flat, unit.master.detach().to(flat.device, copy=True))
+            unit.comm.all_gather(flat, unit.master.detach().to(flat.device, copy=True))
             out.update({names[p]: view.clone() for p, view in zip(unit.params, unit.views(flat))})
         out.update({name: p.detach().float().clone() for name, p in self.module.named_parameters()
                     if not p.requires_grad})
@@ -432,8 +450,11 @@ def build(gpt, options, data, split, device, adamw: dict):
     group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
     gpt: fp32, on the CPU (train.py leaves it there: see FSDP's device).
     """
+    # Expert parallelism (moe.py): E/ep experts per rank, each its own unit over their holders.
+    experts = expert_parallel(gpt, data, options.ep)[0] if options.ep > 1 else None
     model = FSDP(gpt, compute_dtype=DTYPES[options.precision], group=data, prefetch=options.prefetch,
-                 device=device)
+                 device=device, expert_group=experts)
     optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(options.offload), **adamw)
-    return (model, optimizer, model.bytes_per_step(micro_batches=options.grad_accum),
+    return (model, optimizer, model.bytes_per_step(micro_batches=options.grad_accum)
+            + exchange_bytes(gpt, options, data.world_size),
             run_state_bytes(gpt, "zero3", options, data.world_size))

@@ -66,8 +66,11 @@ class MoE(nn.Module):
             if e not in self.local:
                 self.experts[e] = nn.Identity()
         for e in self.local:
+            # Reduced over the ranks holding expert e: ddp.py and zero.py read the parameters'
+            # mark, fsdp.py the module's (one unit per expert).
+            self.experts[e].expert_parallel = True
             for p in self.experts[e].parameters():
-                p.expert_parallel = True      # ddp.py reduces it over the ranks holding expert e
+                p.expert_parallel = True
 
     def forward(self, x):                                     # (B, T, C)
         tokens = x.reshape(-1, x.shape[-1])                   # (S, C)

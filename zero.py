@@ -285,10 +285,7 @@ class ZeroOptimizer(ShardedOptimizer):
         than DDP (plus the gradient norm's one fp32 number and the used-flags).
         """
         reductions = self.reductions_per_step(micro_batches)
-        # The used-flags go to the ranks each bucket is sharded over (the experts': theirs).
-        flags = sum(ring_bytes("all_reduce", sum(len(b.params) for b in buckets), 1, comm.world_size)
-                    for comm, buckets in itertools.groupby(self.buckets, key=lambda b: b.comm))
-        return flags + ring_bytes("all_reduce", 1, 4, self.comm.world_size) + sum(
+        return flags_and_norm_bytes(self.buckets, self.comm) + sum(
             reductions * ring_bytes("reduce_scatter", b.flat.numel(), b.flat.element_size(), b.comm.world_size)
             + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), b.comm.world_size)
             for b in self.buckets)
@@ -368,6 +365,14 @@ class Zero2Optimizer(ZeroOptimizer):
     def reductions_per_step(self, micro_batches: int) -> int:
         """One reduce-scatter per micro-batch: ZeRO-2 sends more than DDP under accumulation."""
         return micro_batches
+
+
+def flags_and_norm_bytes(flats: list, comm) -> int:
+    """step_message_bytes when the flats are sharded over groups of their own (expert
+    parallelism's): each run of flats sends its flags to its ranks; the norm goes to comm's."""
+    return sum(ring_bytes("all_reduce", sum(len(flat.params) for flat in run), 1, group.world_size)
+               for group, run in itertools.groupby(flats, key=lambda flat: flat.comm)
+               ) + ring_bytes("all_reduce", 1, 4, comm.world_size)
 
 
 def step_message_bytes(n_params: int, world_size: int) -> int:

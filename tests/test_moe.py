@@ -316,9 +316,9 @@ def _run_ep(tmp_path, ranks, *flags):
 
 
 @pytest.mark.parametrize("strategy, capacity", [("ddp", "1.25"), ("ddp", "0"), ("zero2", "1.25"),
-                                                ("zero1", "0")])
+                                                ("zero1", "0"), ("fsdp", "1.25")])
 def test_expert_parallel_training_equals_one_process(tmp_path, strategy, capacity):
-    """--ep 2 on 2 ranks, and --ep 2 x data parallel 2 on 4 ranks, under DDP and ZeRO (the
+    """--ep 2 on 2 ranks, and --ep 2 x data parallel 2 on 4 ranks, under DDP, ZeRO and FSDP (the
     experts reduced, and sharded, over the ranks holding them), train as one process routing
     the same groups of 64 tokens (capacity 1.25, which drops, and dropless): the loss at every
     step, and every weight after 4 steps, the experts' included (whole in the export)."""
