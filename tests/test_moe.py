@@ -332,3 +332,23 @@ def test_expert_parallel_training_equals_one_process(tmp_path, strategy, capacit
         assert worst < EP_WEIGHT_ATOL, (ranks, worst)
         if capacity != "0":                     # capacity mode: the all-to-alls are predicted
             assert all(measured == predicted.split(")")[0] for measured, predicted in sent), sent
+
+
+@pytest.mark.parametrize("ranks, argv, says", [
+    (2, ["--ep", "3"], "--ep 3 splits the 8 experts over groups of 3 of the 2 ranks: use an --ep"),
+    (4, ["--experts", "6", "--ep", "4"], "--ep 4 splits the 6 experts over groups of 4 of the 4 ranks"),
+    (2, ["--ep", "2", "--strategy", "tp"], "expert parallelism runs under --strategy ddp, zero1, zero2 or fsdp"),
+    (2, ["--ep", "2", "--lora"], "without --lora"),
+    (2, ["--ep", "2", "--routing-group", "100"], "--routing-group 100 must divide the 128 tokens"),
+])
+def test_bad_expert_parallel_options_are_one_clear_error_on_every_rank(ranks, argv, says):
+    from test_train import usage_errors
+    for code, stderr in usage_errors("--model", "tiny-moe", "--strategy", "ddp", "--batch-size", "8",
+                                     "--seq-len", "32", *argv, ranks=ranks):
+        assert code == 2 and says in stderr, stderr
+
+
+def test_expert_parallel_with_a_dense_model_is_one_clear_error_on_every_rank():
+    from test_train import usage_errors
+    for code, stderr in usage_errors("--strategy", "ddp", "--ep", "2"):
+        assert code == 2 and "configure experts, and model tiny has none" in stderr, stderr
