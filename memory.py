@@ -251,12 +251,20 @@ def run_state_bytes(gpt, strategy: str, options, world_size: int, n_params: int 
     """state_bytes of a built model under train.py's options (--precision, --double-quant,
     --offload): the parameters this rank holds, of which those that train, over world_size
     data-parallel ranks. n_params: count that many instead (tp: whole-matrix slices in closed
-    form). Each strategy's build() calls it: the prediction train.py logs beside the measure."""
+    form). Each strategy's build() calls it: the prediction train.py logs beside the measure.
+    Under expert parallelism (--ep) this rank's experts are held over the world / ep ranks
+    that hold the same ones, the rest over all: two predictions, added."""
     numel, quantized = live_numel(gpt)
-    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
-    return state_bytes(numel if n_params is None else n_params, strategy, options.precision,
-                       world_size, trainable=trainable, quantized=quantized,
+    experts = sum(p.numel() for p in gpt.parameters() if getattr(p, "expert_parallel", False))
+    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) - experts
+    held = state_bytes((numel if n_params is None else n_params) - experts, strategy,
+                       options.precision, world_size, trainable=trainable, quantized=quantized,
                        double_quant=options.double_quant, offload=bool(options.offload))
+    if experts:
+        expert_held = state_bytes(experts, strategy, options.precision, world_size // options.ep,
+                                  offload=bool(options.offload))
+        held = {key: held.get(key, 0) + expert_held.get(key, 0) for key in held}
+    return held
 
 
 def tp_params(name_or_config, tp: int) -> int:

@@ -1,5 +1,7 @@
-"""The mixture-of-experts layer (moe.py) against a dense MLP and a plain loop over tokens."""
+"""The mixture-of-experts layer (moe.py) against a dense MLP and a plain loop over tokens;
+expert parallelism against one process."""
 import math
+import re
 
 import pytest
 import torch
@@ -312,7 +314,11 @@ def _run_ep(tmp_path, ranks, *flags):
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
     sent = [line.split("| sent ")[1].split(" MiB/step (ring formula ")
             for line in out.splitlines() if "| sent " in line]
-    return losses, torch.load(export, weights_only=True)["state_dict"], sent
+    # memory.py's prediction and the measure, as the log prints them: params, grads, optim (MiB)
+    held = (re.search(r"napkin math per rank \(memory.py\): params ([\d.]+) MiB, grads ([\d.]+), "
+                      r"optim ([\d.]+)", out).groups(),
+            re.findall(r"\(params ([\d.]+), grads ([\d.]+), optim ([\d.]+)\)", out)[-1])
+    return losses, torch.load(export, weights_only=True)["state_dict"], sent, held
 
 
 @pytest.fixture(scope="module")
@@ -335,11 +341,13 @@ def test_expert_parallel_training_equals_one_process(tmp_path, one_process, stra
     latter, which has both groups), under DDP, ZeRO and FSDP (the experts reduced, and sharded,
     over the ranks holding them), train as one process routing the same groups of 64 tokens
     (capacity 1.25, which drops, and dropless): the loss at every step, and every weight after
-    4 steps, the experts' included (whole in the export)."""
-    single, weights, _ = one_process(capacity)
+    4 steps, the experts' included (whole in the export); the bytes held per rank equal
+    memory.py's prediction, the bytes sent the formula's."""
+    single, weights, _, _ = one_process(capacity)
     for ranks in worlds:
-        losses, got, sent = _run_ep(tmp_path, ranks, "--strategy", strategy, "--ep", "2",
-                                    "--capacity-factor", capacity)
+        losses, got, sent, (predicted, measured) = _run_ep(tmp_path, ranks, "--strategy", strategy,
+                                                           "--ep", "2", "--capacity-factor", capacity)
+        assert predicted == measured, (ranks, predicted, measured)     # experts held over W / ep
         assert losses == pytest.approx(single, rel=1e-5), (ranks, losses, single)
         assert got.keys() == weights.keys()
         worst = max((got[k] - weights[k]).abs().max().item() for k in weights)
