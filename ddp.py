@@ -19,7 +19,7 @@ import torch.nn as nn
 from collectives import as_comm, ring_bytes
 from memory import run_state_bytes
 from mixed_precision import MixedPrecisionOptimizer
-from moe import exchange_bytes, expert_parallel
+from moe import exchange_bytes, expert_parallel, reduction_groups
 from process_groups import check_same_parameters
 
 
@@ -219,15 +219,12 @@ class DDP(nn.Module):
         # param.grad becomes that slot (a view, as PyTorch's gradient_as_bucket_view=True), so
         # the buckets are the gradients, not a second copy. A fresh .grad (after
         # zero_grad(set_to_none=True)) lives only until its hook copies it in.
+        # Experts (moe.py's expert parallelism) go in buckets of their own: moe.reduction says how.
         self.buckets = []
-        for comm, params in self._by_group(self.params):
-            # An expert's gradient already sums the tokens of its expert-parallel group (the
-            # all-to-all brought them): summed over the ranks holding the same experts it holds
-            # every rank's, and divided by the world it is the world's mean, as the rest.
-            op, divide = ("avg", 1) if comm is self.comm else ("sum", self.comm.world_size)
+        for how, params in reduction_groups(self.params, self.comm, self.expert_group):
             for chunk in split_into_buckets(params, bucket_mb):
                 bucket = FlatParams(chunk, world_size=1)
-                bucket.comm, bucket.op, bucket.divide = comm, op, divide
+                bucket.comm, bucket.op, bucket.divide = how
                 bucket.grad_flat = torch.zeros_like(bucket.flat)                 # (L_b,)
                 self.buckets.append(bucket)
         self.params = [p for bucket in self.buckets for p in bucket.params]      # bucket order
@@ -246,11 +243,9 @@ class DDP(nn.Module):
         return self.module(*args, **kwargs)
 
     def _by_group(self, tensors) -> list:
-        """[(comm, tensors it reduces)]: the experts' (expert_parallel) over the expert group,
-        everything else over the group; the same order on every rank."""
-        experts = [t for t in tensors if getattr(t, "expert_parallel", False)]
-        rest = [t for t in tensors if not getattr(t, "expert_parallel", False)]
-        return [(comm, part) for comm, part in ((self.comm, rest), (self.expert_group, experts)) if part]
+        """[(the group tensors are reduced over, tensors)]: moe.reduction_groups' groups."""
+        return [(comm, part) for (comm, _, _), part in
+                reduction_groups(tensors, self.comm, self.expert_group)]
 
     def _broadcast_from_rank0(self):
         # Ranks may have been seeded differently: rank 0's initial weights (and buffers) become

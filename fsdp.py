@@ -21,7 +21,7 @@ from ddp import FlatParams, InOrder
 from memory import run_state_bytes
 from mixed_precision import DTYPES, DynamicLossScaler
 from model import Block
-from moe import exchange_bytes, expert_parallel
+from moe import exchange_bytes, expert_parallel, is_expert, reduction
 from process_groups import check_same_parameters
 from zero import (MAX_REDUCTIONS_IN_FLIGHT, ShardedOptimizer, gradients_to_host,
                   flags_and_norm_bytes, host_buffer, host_copy)
@@ -31,7 +31,7 @@ def gpt_blocks(module: nn.Module) -> bool:
     """The default wrap policy: one unit per transformer block, and one per expert a rank holds
     under expert parallelism (moe.py: it is sharded over the ranks holding that expert); the
     rest is the root unit."""
-    return isinstance(module, Block) or getattr(module, "expert_parallel", False)
+    return isinstance(module, Block) or is_expert(module)
 
 
 class Unit(FlatParams):
@@ -110,8 +110,7 @@ class FSDP(nn.Module):
     the module is). Build the module on the CPU and name the GPU here, and a model that fits
     only sharded can start: each unit visits the device alone, then only its shard stays.
     expert_group: with expert parallelism (moe.py), the ranks holding the same experts as this
-    one: each expert's unit is sharded over them. Its gradient already sums the tokens of the
-    expert group, so it is summed over them and divided by the world: the world's mean.
+    one: each expert's unit is sharded over them, its gradient reduced as moe.reduction says.
     """
 
     def __init__(self, module: nn.Module, wrap=gpt_blocks, compute_dtype=None, group=None,
@@ -152,15 +151,10 @@ class FSDP(nn.Module):
         for m in units:
             params = [p for p in trainable if owner[p] is m]
             if params:
-                experts = getattr(m, "expert_parallel", False)
-                if experts and expert_group is None:
-                    raise ValueError("FSDP: the model's experts are split over ranks (moe.py): "
-                                     "pass expert_group, the ranks holding the same ones")
-                comm = self.expert_group if experts else self.comm
+                comm, op, divide = reduction(is_expert(m), self.comm, self.expert_group)
                 self.units.append(Unit(len(self.units), m or module, params, comm, compute_dtype,
                                        device))
-                unit = self.units[-1]
-                unit.op, unit.divide = ("sum", self.comm.world_size) if experts else ("avg", 1)
+                self.units[-1].op, self.units[-1].divide = op, divide
                 if m is None:
                     self.root = self.units[-1]
         self.order = [u for u in self.units if u is not self.root]      # forward order, root aside

@@ -21,6 +21,7 @@ import torch
 from collectives import ring_bytes
 from mixed_precision import DTYPES
 from model import PRESETS, GPTConfig
+from moe import is_expert
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 ALIASES = {"fsdp": "zero3"}            # FSDP is ZeRO stage 3, sharded unit by unit
@@ -255,7 +256,7 @@ def run_state_bytes(gpt, strategy: str, options, world_size: int, n_params: int 
     Under expert parallelism (--ep) this rank's experts are held over the world / ep ranks
     that hold the same ones, the rest over all: two predictions, added."""
     numel, quantized = live_numel(gpt)
-    experts = sum(p.numel() for p in gpt.parameters() if getattr(p, "expert_parallel", False))
+    experts = sum(p.numel() for p in gpt.parameters() if is_expert(p))
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) - experts
     held = state_bytes((numel if n_params is None else n_params) - experts, strategy,
                        options.precision, world_size, trainable=trainable, quantized=quantized,

@@ -216,10 +216,37 @@ def expert_parallel(gpt: nn.Module, comm: Comm, ep: int):
         device = grads[0].device
         experts, rest = torch.zeros(1, device=device), torch.zeros(1, device=device)
         for p, g in zip(params, grads):
-            (experts if getattr(p, "expert_parallel", False) else rest).add_(g.float().pow(2).sum())
+            (experts if is_expert(p) else rest).add_(g.float().pow(2).sum())
         ep_group.all_reduce(experts)
         return (experts + rest).sqrt()[0]
     return replicas, grad_norm
+
+
+def is_expert(t) -> bool:
+    """Is t (a parameter, or an expert module) one of the experts this rank holds under expert
+    parallelism? shard_experts marks them."""
+    return getattr(t, "expert_parallel", False)
+
+
+def reduction(expert: bool, comm: Comm, expert_group: Comm | None) -> tuple[Comm, str, int]:
+    """(group, op, divisor) that make a gradient the mean over comm's whole world, as data
+    parallelism needs: comm's average for everything but an expert. An expert's gradient already
+    sums the tokens of its expert-parallel group (the all-to-all brought them), so it is summed
+    over the ranks holding the same expert (expert_group) and divided by the world: the same
+    mean. ddp.py, zero.py and fsdp.py reduce by it."""
+    if not expert:
+        return comm, "avg", 1
+    if expert_group is None:
+        raise ValueError("the model's experts are split over ranks (moe.py): pass expert_group, "
+                         "the ranks holding the same ones")
+    return expert_group, "sum", comm.world_size
+
+
+def reduction_groups(tensors: list, comm: Comm, expert_group: Comm | None) -> list:
+    """[(reduction(), tensors)]: everything but this rank's experts first, then its experts;
+    order kept within each, an empty part left out. The same on every rank."""
+    parts = [(False, [t for t in tensors if not is_expert(t)]), (True, [t for t in tensors if is_expert(t)])]
+    return [(reduction(expert, comm, expert_group), part) for expert, part in parts if part]
 
 
 def exchange_bytes(gpt: nn.Module, options, data_size: int) -> int:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import lora
 from collectives import Comm
 from model import GPT, GPTConfig
+from moe import is_expert
 from pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
                     gather_pieces, load_pieces, optimizer_pieces)
 from process_groups import gather_objects
@@ -197,7 +198,7 @@ def rank_pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
         return []
     pieces = optimizer_pieces(optimizer, names(gpt))
     if layout.experts is not None and not optimizer.sharded:   # each rank its own experts
-        held = {name for name, p in gpt.named_parameters() if getattr(p, "expert_parallel", False)}
+        held = {name for name, p in gpt.named_parameters() if is_expert(p)}
         pieces = [piece for piece in pieces if (experts if piece["name"] in held else replicas)]
     if frozen and layout.data_rank == 0:
         pieces += frozen_pieces(gpt)

@@ -24,7 +24,7 @@ from collectives import as_comm, ring_bytes, split_norm
 from ddp import FlatParams, InOrder, split_into_buckets
 from memory import run_state_bytes
 from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
-from moe import expert_parallel, exchange_bytes
+from moe import exchange_bytes, expert_parallel, reduction_groups
 from process_groups import check_same_parameters
 
 # Stage 2 (and FSDP) keeps at most this many full gradients in flight, buckets or units: when a
@@ -158,22 +158,13 @@ class ZeroOptimizer(ShardedOptimizer):
         # reduces buckets as they fill); each bucket is sharded N ways, so rank r's share of
         # the optimizer state is shard r of every bucket: 1/N of the whole, plus padding.
         # Experts (moe.py's expert parallelism) are sharded over the ranks holding the same
-        # ones; their gradient already sums the tokens of the expert group, so it is summed
-        # over those ranks and divided by the world, to the world's mean as every other.
-        experts = [p for p in trainable if getattr(p, "expert_parallel", False)]
-        parts = [(self.comm, [p for p in trainable if not getattr(p, "expert_parallel", False)])]
-        self.expert_group = None
-        if experts:
-            if expert_group is None:
-                raise ValueError("ZeroOptimizer: the model's experts are split over ranks "
-                                 "(moe.py): pass expert_group, the ranks holding the same ones")
-            self.expert_group = as_comm(expert_group)
-            parts.append((self.expert_group, experts))
+        # ones, in buckets of their own: moe.reduction says how their gradient is reduced.
+        self.expert_group = None if expert_group is None else as_comm(expert_group)
         self.buckets = []
-        for comm, part in parts:
+        for (comm, op, divide), part in reduction_groups(trainable, self.comm, self.expert_group):
             for chunk in split_into_buckets(part[::-1], bucket_mb):
                 bucket = Bucket(chunk, comm)
-                bucket.op, bucket.divide = ("avg", 1) if comm is self.comm else ("sum", self.comm.world_size)
+                bucket.op, bucket.divide = op, divide
                 self.buckets.append(bucket)
         for bucket in self.buckets:
             bucket.comm.broadcast(bucket.flat, src=0)                # ranks start identical
