@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                loss_parallel, parallelize_module)
@@ -220,47 +221,76 @@ def torch_tp(model, args):
                                                              " on the bf16 weights"))
 
 
-def _stage(model):
-    """This rank's pipeline.GPTStage: the whole world is one pipeline, a stage per rank."""
+# The pipeline rows' chunks per stage: interleaved runs two (Megatron's and torch's usual).
+VIRTUAL_STAGES = {"interleaved": 2}
+
+
+def _stage(model, v: int = 1):
+    """This rank's pipeline.GPTStage (v chunks of blocks): the whole world is one pipeline, a
+    stage per rank."""
     s, P = dist.get_rank(), dist.get_world_size()
-    return pipeline.GPTStage(model, pipeline.split_layers(model.cfg.n_layer, P)[s], s == 0, s == P - 1)
+    return pipeline.GPTStage(model, pipeline.stage_layers(None, model.cfg.n_layer, P, v)[s], s == 0, s == P - 1)
 
 
 def ours_pipeline(schedule, model, args):
-    stage, comm = _stage(model), Comm()
+    v = VIRTUAL_STAGES.get(schedule, 1)
+    stage, comm = _stage(model, v), Comm()
     runner = pipeline.Pipeline(stage, comm, schedule, args.microbatches, model.cfg.n_embd,
-                               DTYPES[args.precision])
+                               DTYPES[args.precision], virtual_stages=v)
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
                                         grad_norm=runner.grad_norm, **ADAMW)
-    return Run(stage, optimizer, comm, label=f"pipeline.Pipeline({schedule})",
+    return Run(stage, optimizer, comm, label=f"pipeline.Pipeline({schedule}" + (f", v={v})" if v > 1 else ")"),
                napkin_sent=runner.bytes_per_step(args.batch_size, args.seq_len),
                forward_backward=partial(runner.train_step, scale_loss=optimizer.scale_loss),
-               bubbles=runner.measured_bubbles)
+               bubbles=runner.measured_bubbles, predicted_bubble=runner.predicted_bubble())
 
 
-def torch_pipeline_stage(stage, s: int, P: int, micro_batch: int, seq_len: int, dtype) -> PipelineStage:
-    """torch's PipelineStage around our GPTStage, told the shapes one micro-batch has going in
-    and out: token ids (b, T) or activations (b, T, C) in; activations or logits (b, T, V) out.
-    Given both, torch skips its shape-inference handshake, which sends Python objects
-    (recv_object_list) that only decode with numpy, a package this project does not install."""
+class TorchChunk(torch.nn.Module):
+    """Chunk `chunk` of an interleaved GPTStage as a module of its own, for torch's PipelineStage:
+    its parameters() are this chunk's alone (torch's zero-bubble W differentiates by them)."""
+
+    def __init__(self, stage, chunk: int):
+        super().__init__()
+        gpt, last = stage.gpt, chunk == len(stage.chunks) - 1 and stage.last
+        ends = ([gpt.token_emb, gpt.pos_emb] if chunk == 0 and stage.first else []) + (
+            [gpt.norm, gpt.head] if last else [])
+        self.parts = torch.nn.ModuleList([gpt.blocks[i] for i in stage.chunks[chunk]] + ends)
+        self.run = partial(stage, chunk=chunk)            # a function: the stage is not registered
+
+    def forward(self, x):
+        return self.run(x)
+
+
+def torch_pipeline_stage(stage, s: int, P: int, micro_batch: int, seq_len: int, dtype,
+                         chunk: int = 0) -> PipelineStage:
+    """torch's PipelineStage around our GPTStage (or its chunk `chunk`, virtual stage chunk P + s),
+    told the shapes one micro-batch has going in and out: token ids (b, T) or activations (b, T, C)
+    in; activations or logits (b, T, V) out. Given both, torch skips its shape-inference
+    handshake, which sends Python objects (recv_object_list) that only decode with numpy, a
+    package this project does not install."""
     cfg, device = stage.gpt.cfg, next(stage.parameters()).device
+    index, n = chunk * P + s, len(stage.chunks) * P                   # virtual stage, of n
     # requires_grad marks what has a gradient in backward: activations do, token ids do not.
-    inputs = (torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device) if s == 0 else
+    inputs = (torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device) if index == 0 else
               torch.zeros(micro_batch, seq_len, cfg.n_embd, dtype=dtype, device=device,
                           requires_grad=True))
-    outputs = torch.zeros(micro_batch, seq_len, cfg.vocab_size if s == P - 1 else cfg.n_embd,
+    outputs = torch.zeros(micro_batch, seq_len, cfg.vocab_size if index == n - 1 else cfg.n_embd,
                           dtype=dtype, device=device, requires_grad=True)
-    return PipelineStage(stage, s, P, device, input_args=inputs, output_args=outputs)
+    module = stage if len(stage.chunks) == 1 else TorchChunk(stage, chunk)
+    return PipelineStage(module, index, n, device, input_args=inputs, output_args=outputs)
 
 
 def torch_pipelining(schedule, model, args):
     # The same stages; torch's last stage returns logits and applies loss_fn itself, then
     # divides the gradients by M (ours divides each micro-batch's loss by M: the same mean).
-    s, P = dist.get_rank(), dist.get_world_size()
-    stage = _stage(model)
-    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    runner = schedule_class(torch_pipeline_stage(stage, s, P, args.batch_size // args.microbatches,
-                                                 args.seq_len, DTYPES[args.precision]),
+    # Interleaved: the same chunks; zero bubble: torch's interleaved ZB with one chunk per stage.
+    s, P, v = dist.get_rank(), dist.get_world_size(), VIRTUAL_STAGES.get(schedule, 1)
+    stage = _stage(model, v)
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                      "zb": ScheduleInterleavedZeroBubble}[schedule]
+    stages = [torch_pipeline_stage(stage, s, P, args.batch_size // args.microbatches, args.seq_len,
+                                   DTYPES[args.precision], chunk) for chunk in range(v)]
+    runner = schedule_class(stages if schedule in ("interleaved", "zb") else stages[0],   # several: a list
                             n_microbatches=args.microbatches,
                             loss_fn=lambda logits, t: F.cross_entropy(logits.float().flatten(0, 1), t.flatten()))
 
@@ -290,9 +320,11 @@ STRATEGIES = {
     "checkpointing": (ours_checkpointed, torch_checkpointed),
     "pipeline-gpipe": (partial(ours_pipeline, "gpipe"), partial(torch_pipelining, "gpipe")),
     "pipeline-1f1b": (partial(ours_pipeline, "1f1b"), partial(torch_pipelining, "1f1b")),
+    "pipeline-interleaved": (partial(ours_pipeline, "interleaved"), partial(torch_pipelining, "interleaved")),
+    "pipeline-zb": (partial(ours_pipeline, "zb"), partial(torch_pipelining, "zb")),
 }
 # A tensor group or a pipeline computes one model: its ranks read the same rows.
-WHOLE_BATCH = {"tp", "pipeline-gpipe", "pipeline-1f1b"}
+WHOLE_BATCH = {"tp", *(name for name in STRATEGIES if name.startswith("pipeline-"))}
 BENCHMARKS = (*STRATEGIES, "collectives")
 
 
@@ -336,15 +368,20 @@ def parse_args(argv=None):
     # tp splits heads, width and vocabulary over every rank. A world that does not divide them
     # refuses tp when asked for, and leaves it out of the default list, saying so in the report.
     cfg, args.skipped = PRESETS[args.model], {}
+
+    def refuse(names: list, why: str, fix: str):
+        """Rows this run cannot hold: an error if the user chose them, else skipped and said so."""
+        if chosen:
+            p.error(f"{', '.join(names)}: {why}; {fix}")
+        for name in names:
+            args.strategies.remove(name)
+            args.skipped[name] = why
     indivisible = [f"{name}={size}" for name, size in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd),
                                                         ("vocab_size", cfg.vocab_size)) if size % world_size]
     if "tp" in args.strategies and indivisible:
-        why = (f"tp splits model {args.model} over all {world_size} ranks, and {world_size} does not "
-               f"divide {', '.join(indivisible)}")
-        if chosen:
-            p.error(f"{why}: leave tp out of --strategies or launch a world size that divides them")
-        args.strategies.remove("tp")
-        args.skipped["tp"] = why
+        refuse(["tp"], f"tp splits model {args.model} over all {world_size} ranks, and {world_size} "
+               f"does not divide {', '.join(indivisible)}",
+               "leave tp out of --strategies or launch a world size that divides them")
     # The pipeline rows cut the model into one stage per rank: they need a block per rank, a
     # batch of whole micro-batches, and an untied head (torch's schedules do not tie stages).
     args.microbatches = args.microbatches or 2 * world_size
@@ -357,11 +394,14 @@ def parse_args(argv=None):
            f"--batch-size {args.batch_size} does not split into --microbatches {args.microbatches}"
            if args.batch_size % args.microbatches else None)
     if pipelines and why:
-        if chosen:
-            p.error(f"{', '.join(pipelines)}: {why}; leave them out of --strategies")
-        for name in pipelines:
-            args.strategies.remove(name)
-            args.skipped[name] = why
+        refuse(pipelines, why, "leave them out of --strategies")
+    v = VIRTUAL_STAGES["interleaved"]
+    why = (f"model {args.model} has {cfg.n_layer} blocks, fewer than {world_size} stages x {v} chunks"
+           if cfg.n_layer < world_size * v else
+           f"--microbatches {args.microbatches} is not a multiple of the {world_size} stages"
+           if args.microbatches % world_size else None)
+    if "pipeline-interleaved" in args.strategies and why:
+        refuse(["pipeline-interleaved"], why, "leave it out of --strategies")
     if args.batch_size < 1 or args.batch_size % world_size:
         p.error(f"--batch-size {args.batch_size} does not split over {world_size} ranks: "
                 f"use a positive multiple of {world_size}")

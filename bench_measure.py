@@ -44,6 +44,7 @@ class Run:
     loss_context: object = contextlib.nullcontext   # entered around forward and backward
     forward_backward: object = None      # (x, y) -> loss: a pipeline schedule runs both itself
     bubbles: object = None               # () -> each stage's idle share of the last step (ours)
+    predicted_bubble: tuple | None = None      # (formula, value): the schedule's, on its clock
 
 
 # ---- timing ------------------------------------------------------------------------------------
@@ -195,6 +196,7 @@ def time_training(build, args, batches, device) -> dict:
     sent = None if run.comm is None else sum(run.comm.bytes_sent.values()) / args.steps
     bubbles = run.bubbles() if run.bubbles else None          # of the last timed step
     return {"ms_per_step": 1e3 * seconds / args.steps, "label": run.label, "bubbles": bubbles,
+            "predicted_bubble": run.predicted_bubble,
             "peak_bytes": across_ranks(peak, device), "sent_per_step": sent,
             "napkin_sent": run.napkin_sent,
             "activation_bytes": across_ranks(activation_bytes(run, x, y), device),
@@ -220,7 +222,8 @@ def bench_strategy(name, builds, args, batches, device, n_params, peak_flops) ->
                      "peak_bytes": max(r["peak_bytes"] for r in results),
                      "activation_bytes": results[-1]["activation_bytes"],
                      "sent_per_step": results[-1]["sent_per_step"],
-                     "last_loss": results[-1]["last_loss"], "bubbles": results[-1]["bubbles"]}
+                     "last_loss": results[-1]["last_loss"], "bubbles": results[-1]["bubbles"],
+                     "predicted_bubble": results[-1]["predicted_bubble"]}
     row["ratio"] = row["ours"]["ms_per_step"]["median"] / row["torch"]["ms_per_step"]["median"]
     napkin = runs["ours"][-1]["napkin_sent"]
     row["ours"]["napkin_sent_per_step"] = napkin if napkin is not None else sum(
@@ -300,13 +303,16 @@ def spread(s: dict) -> str:
 
 
 def _bubble_note(row: dict, m: dict) -> str:
-    """A pipeline row's measured idle share per stage, beside (P-1)/(M+P-1)."""
+    """A pipeline row's measured idle share per stage, beside its schedule's formula."""
     if not row["ours"]["bubbles"]:
         return ""
-    P, M = m["world_size"], m["microbatches"]
-    return (f"; ours {M} micro-batches, bubble per stage (idle share of a step) "
-            f"{' '.join(f'{b:.2f}' for b in row['ours']['bubbles'])}, formula (P-1)/(M+P-1) "
-            f"{(P - 1) / (M + P - 1):.2f}; activations: the most a stage holds at once")
+    formula, value = row["ours"]["predicted_bubble"]
+    return (f"; ours {m['microbatches']} micro-batches, bubble per stage (idle share of a step) "
+            f"{' '.join(f'{b:.2f}' for b in row['ours']['bubbles'])}, formula {formula} "
+            f"{value:.2f}; activations: the most a stage holds at once"
+            + (" (ours: what autograd saves; the inputs and output gradients kept for a deferred W "
+               "live outside autograd after its B, uncounted; torch keeps the graph until W)"
+               if "zb" in row["strategy"] else ""))
 
 
 def report(m: dict, rows: list) -> list:

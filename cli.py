@@ -18,6 +18,7 @@ import torch.distributed as dist
 import ddp
 import fsdp
 import pipeline
+import schedules
 import snapshot
 import tensor_parallel
 import zero
@@ -70,8 +71,12 @@ def parse_args(argv=None):
                    "(the world is pp x data-parallel)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="--strategy pipeline: micro-batches per step in each pipeline (default: 2 x pp)")
-    p.add_argument("--schedule", choices=sorted(pipeline.SCHEDULES), default="1f1b",
-                   help="--strategy pipeline: all forwards then all backwards (gpipe), or alternating (1f1b)")
+    p.add_argument("--schedule", choices=sorted(schedules.SCHEDULES), default=None,
+                   help="--strategy pipeline: all forwards then all backwards (gpipe), alternating "
+                        "(1f1b, the default), over several chunks per stage (interleaved), or with "
+                        "each backward split, its weight half filling the idle slots (zb)")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="--schedule interleaved: chunks of blocks per stage (default 2)")
     p.add_argument("--stage-layers", default=None, metavar="N,N,...",
                    help="--strategy pipeline: blocks per stage (default: balanced by count)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
@@ -178,7 +183,8 @@ def split_size(args) -> int | None:
 def run_shape(args, data_size: int) -> tuple[str, str]:
     """How the log names the run's mesh (" = tp 2 x dp 2"; "" without one) and its micro-batches."""
     if args.strategy == "pipeline":
-        return (f" = pp {args.pp} x dp {data_size}, {args.schedule} over {args.microbatches} "
+        chunks = f" ({args.virtual_stages} chunks per stage)" if args.virtual_stages > 1 else ""
+        return (f" = pp {args.pp} x dp {data_size}, {args.schedule}{chunks} over {args.microbatches} "
                 f"micro-batches", f"{args.microbatches} micro-batch(es) per pipeline")
     mesh = f" = tp {args.tp} x dp {data_size}" if args.strategy == "tp" else ""
     return mesh, f"{args.grad_accum} micro-batch(es) per rank"
@@ -393,10 +399,15 @@ def check_pipeline(parser, args, world_size):
     """--pp, --microbatches, --schedule, --stage-layers: only with --strategy pipeline, and a split
     the world and the model allow."""
     if args.strategy != "pipeline":
-        if args.pp != 1 or args.microbatches is not None or args.stage_layers is not None:
-            parser.error(f"--pp, --microbatches and --stage-layers cut the model into stages: add "
-                         f"--strategy pipeline (--strategy {args.strategy} runs the whole model on every rank)")
+        if (args.pp != 1 or args.microbatches is not None or args.stage_layers is not None
+                or args.schedule is not None or args.virtual_stages is not None):
+            parser.error(f"--pp, --microbatches, --schedule, --virtual-stages and --stage-layers cut "
+                         f"the model into stages: add --strategy pipeline (--strategy "
+                         f"{args.strategy} runs the whole model on every rank)")
         return
+    args.schedule = args.schedule or "1f1b"
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
     if args.pp < 1 or world_size % args.pp:
         parser.error(f"world size {world_size} is not --pp {args.pp} x a data-parallel size: launch "
                      f"a multiple of {args.pp} processes (--nproc_per_node), or use a --pp dividing "
@@ -410,6 +421,7 @@ def check_pipeline(parser, args, world_size):
                      "already; use --microbatches instead")
     cfg = PRESETS[args.model]
     try:
-        pipeline.stage_layers(args.stage_layers, cfg.n_layer, args.pp)
+        schedules.make_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+        pipeline.stage_layers(args.stage_layers, cfg.n_layer, args.pp, args.virtual_stages)
     except ValueError as e:
-        parser.error(f"--model {args.model}: {e}")
+        parser.error(f"--model {args.model}: {e}" if "blocks" in str(e) else str(e))

@@ -7,7 +7,8 @@ figure 1; activations: Korthikanti et al. 2022, "Reducing Activation Recomputati
 Transformer Models", section 4). held_bytes() measures the same three on a live rank.
 Left out: transient buffers (FSDP's gathered unit, the fp32 gradient inside a mixed-precision
 step), fragmentation, the CUDA context.
-Run: python memory.py --params 7.5e9 --world 64 (--advise: the lecture's flow chart, advisor.py)
+Run: python memory.py --params 7.5e9 --world 64 (--advise: the lecture's flow chart, advisor.py;
+     --model gpt2-small --pp 4 --microbatches 8: activations and bubble per pipeline schedule)
 Test: python -m pytest tests/test_memory.py
 
 Shapes: P parameters, N world size, c = ceil(P / N) elements per shard; activations: s sequence,
@@ -22,6 +23,7 @@ from collectives import ring_bytes
 from mixed_precision import DTYPES
 from model import PRESETS, GPTConfig
 from moe import is_expert
+from schedules import BUBBLE_FORMULAS, SCHEDULES, bubble_formula, make_schedule
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 ALIASES = {"fsdp": "zero3"}            # FSDP is ZeRO stage 3, sharded unit by unit
@@ -191,6 +193,33 @@ def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: 
     else:
         total = layers * per_layer
     return total * bytes_per_value // 2
+
+
+def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, micro_batch: int,
+                              seq_len: int, v: int = 1, bytes_per_value: int = 2) -> list[int]:
+    """Each pipeline stage's peak activation bytes under `schedule` (schedules.py's lists): walk
+    the stage's list, each F adding its chunk's layers' activation_bytes for one micro-batch
+    (and the logits, on the last chunk), each B freeing them (W, when the backward is split: an
+    upper bound, since B frees all but the linear layers' inputs and output gradients).
+    Blocks split as pipeline.split_layers does: balanced over the P v chunks."""
+    V = P * v
+    if cfg.n_layer < V:
+        raise ValueError(f"{cfg.n_layer} blocks, fewer than {V} chunks: every chunk needs a block")
+    layers = [cfg.n_layer // V + (i < cfg.n_layer % V) for i in range(V)]      # blocks per chunk
+    peaks = []
+    for s, actions in enumerate(make_schedule(schedule, P, M, v)):
+        release = "W" if any(a.kind == "W" for a in actions) else "B"
+        held = peak = 0
+        for a in actions:
+            if a.kind in ("F", release):
+                vs = a.chunk * P + s
+                size = activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, layers[vs],
+                                        bytes_per_value=bytes_per_value) + (
+                    logits_bytes(seq_len, micro_batch, cfg.vocab_size) if vs == V - 1 else 0)
+                held += size if a.kind == "F" else -size
+                peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
 
 
 def logits_bytes(seq_len: int, batch: int, vocab: int) -> int:
@@ -366,6 +395,9 @@ def _parse_args(argv=None):
     p.add_argument("--double-quant", action="store_true", help="with --quantize-base: 8-bit scales")
     p.add_argument("--offload", choices=("optimizer",), default=None,
                    help="ZeRO-Offload: the sharded optimizer (fp32 master, moments) in host memory")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages: with --model, each schedule's "
+                   "bubble and activations per stage")
+    p.add_argument("--microbatches", type=int, default=None, help="with --pp: per step (default 2 x pp)")
     advisor.add_arguments(p)
     args = p.parse_args(argv)
     if args.advise:
@@ -389,6 +421,17 @@ def _parse_args(argv=None):
                 f"use --strategy ddp, or drop --world")
     if args.grad_accum < 1:
         p.error("--grad-accum must be at least 1")
+    if args.pp != 1 or args.microbatches is not None:
+        if args.model is None or args.pp < 1:
+            p.error("--pp needs --model (the layers and activation shapes) and a count of at least 1")
+        args.microbatches = args.microbatches or 2 * args.pp
+        args.batch_size = args.batch_size or args.microbatches
+        if args.microbatches < 1 or args.batch_size % args.microbatches:
+            p.error(f"--batch-size {args.batch_size} does not split into --microbatches "
+                    f"{args.microbatches} equal micro-batches: use a multiple of it")
+        if PRESETS[args.model].n_layer < args.pp:
+            p.error(f"--model {args.model} has {PRESETS[args.model].n_layer} blocks, fewer than --pp "
+                    f"{args.pp} stages")
     if args.offload and args.strategy in ("ddp", "single"):
         p.error(f"--offload optimizer moves a sharded optimizer to the host, and --strategy "
                 f"{args.strategy} keeps it whole: use --strategy zero1, zero2 or fsdp")
@@ -485,11 +528,33 @@ def _breakdown(n_params, args):
     row("total sent", sum(sent.values()))
 
 
+def _pipeline_table(args):
+    """--pp P: each schedule's bubble and the activations its stages hold at their peak."""
+    cfg, P, M = PRESETS[args.model], args.pp, args.microbatches
+    b = args.batch_size // M
+    print(f"{args.model} cut into {P} pipeline stages, {M} micro-batches of {b} x {args.seq_len} "
+          f"tokens, {_element_size(args.precision)}-byte activations; bubble on schedules.py's "
+          f"clock (F, B, W one slot each), activations per stage at its peak (MiB)")
+    print(f"{'schedule':<16}{'bubble':>8}  {'formula':<16}" + "".join(f"{f'stage {s}':>11}" for s in range(P)))
+    for name in SCHEDULES:
+        for v in ((2, 4) if name == "interleaved" else (1,)):
+            try:
+                peaks = pipeline_activation_bytes(cfg, name, P, M, b, args.seq_len, v,
+                                                  _element_size(args.precision))
+            except ValueError as e:                       # interleaved: M or P it cannot run
+                print(f"{name + (f' v={v}' if v > 1 else ''):<16}  {e}")
+                continue
+            print(f"{name + (f' v={v}' if v > 1 else ''):<16}{bubble_formula(name, P, M, v):8.3f}  "
+                  f"{BUBBLE_FORMULAS[name]:<16}" + "".join(f"{p / MiB:11.1f}" for p in peaks))
+
+
 def main(argv=None):
     args = _parse_args(argv)
     if args.advise:
         import advisor
         return advisor.print_advice(args)
+    if args.pp > 1:
+        return _pipeline_table(args)
     n_params = model_params(args.model) if args.model is not None else int(args.params)
     if args.strategy is None:
         _table(n_params, args)

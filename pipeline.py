@@ -3,22 +3,27 @@
 Cut the model into P stages of whole blocks, one per rank; a batch split into M micro-batches
 flows through them, activations sent forward and their gradients back with point-to-point
 messages. The order of each stage's forwards, backwards, sends and receives is a schedule,
-data built and checked in schedules.py (GPipe, 1F1B; their bubble and memory are worked out
-there); here one executor runs any such list on a stage of a GPT. Left out: interleaved stages
-(virtual pipelines), zero-bubble schedules.
+data built and checked in schedules.py (GPipe, 1F1B, interleaved 1F1B, zero bubble ZB-H1; their
+bubble and memory are worked out there); here one executor runs any such list on a stage of a
+GPT: a stage may hold several chunks of blocks (interleaved), and a backward may be split in two
+(zero bubble: B, the input's gradient now, W, the weights' gradient later; how below, at
+DeferredLinear).
 Run: python pipeline.py --stages 4 --microbatches 8 --schedule 1f1b (draws it: schedules.main);
      torchrun --nproc_per_node 4 train.py --strategy pipeline --pp 4 --microbatches 8
+     (--schedule interleaved --virtual-stages 2, --schedule zb)
 Test: python -m pytest tests/test_pipeline.py (the schedules: tests/test_schedules.py)
 
-Shapes: P stages, M micro-batches, s stage, m micro-batch, B batch rows per pipeline,
-b = B / M rows per micro-batch, T sequence, C channels.
+Shapes: P stages, M micro-batches, s stage, m micro-batch, v chunks per stage, B batch rows per
+pipeline, b = B / M rows per micro-batch, T sequence, C channels.
 """
 import contextlib
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from collectives import Comm, ring_bytes, split_norm
 from ddp import DDP
@@ -26,41 +31,50 @@ from memory import run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import cross_entropy
 from process_groups import subgroups
-from schedules import SCHEDULES, Action, check_schedule, gpipe, main, nccl_program, run_under_nccl
+from schedules import (BUBBLE_FORMULAS, Action, bubble_formula, check_schedule, chunks_of, forwards_only, main, make_schedule,
+                       nccl_program, run_under_nccl)
 
 
 # ---- the model, cut into stages ----------------------------------------------------------
 
-def split_layers(n_layer: int, P: int, sizes: list[int] | None = None) -> list[range]:
-    """The blocks of each stage: `sizes` blocks each if given, else balanced by count (the
-    first n_layer % P stages take one more; the last stage also computes the head and loss)."""
+def split_layers(n_layer: int, P: int, sizes: list[int] | None = None, v: int = 1) -> list[range]:
+    """The blocks of each of the P v chunks (virtual stages; stage s holds chunks s, s + P, ...):
+    `sizes` blocks each if given, else balanced by count (the first n_layer % Pv take one more;
+    the last also computes the head and loss)."""
+    P, pp = P * v, P
     if sizes is None:
         if n_layer < P:
-            raise ValueError(f"the model has {n_layer} blocks, fewer than {P} pipeline stages: "
-                             f"every stage needs a block; use --pp {n_layer} or fewer, or a deeper --model")
+            chunks = f" x {v} chunks each = {P} chunks" if v > 1 else ""
+            raise ValueError(f"the model has {n_layer} blocks, fewer than {pp} pipeline stages{chunks}: "
+                             f"every {'chunk' if v > 1 else 'stage'} needs a block; use "
+                             + ("fewer --virtual-stages" if v > 1 else f"--pp {n_layer} or fewer")
+                             + ", or a deeper --model")
         sizes = [n_layer // P + (s < n_layer % P) for s in range(P)]
     if len(sizes) != P or sum(sizes) != n_layer or min(sizes) < 1:
-        raise ValueError(f"--stage-layers {','.join(map(str, sizes))}: give {P} numbers, each 1 or "
-                         f"more, adding up to the model's {n_layer} blocks")
+        raise ValueError(f"--stage-layers {','.join(map(str, sizes))}: give {P} numbers"
+                         + (f" (--pp {pp} x --virtual-stages {v} chunks)" if v > 1 else "")
+                         + f", each 1 or more, adding up to the model's {n_layer} blocks")
     starts = [sum(sizes[:s]) for s in range(P)]
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
 class GPTStage(nn.Module):
-    """One stage of a model.GPT: its blocks in `layers`, with the embeddings on the first stage
-    and the final norm, head and loss on the last. The other stages' parts are dropped from
-    this rank, and what stays keeps the whole model's names (blocks.5.attn.query.weight), so
-    the stages' checkpoints together read as one model's.
+    """One stage of a model.GPT: its blocks in `layers` (a range; interleaved, one range per
+    chunk), with the embeddings on the first stage and the final norm, head and loss on the last
+    (in the first and the last chunk). The other stages' parts are dropped from this rank, and
+    what stays keeps the whole model's names (blocks.5.attn.query.weight), so the stages'
+    checkpoints together read as one model's.
 
     A head tied to the token embedding (GPT-2) lives on both ends: the first and the last
     stage each hold a copy, `tied`, kept equal by summing their gradients (Pipeline does).
     """
 
-    def __init__(self, gpt: nn.Module, layers: range, first: bool, last: bool):
+    def __init__(self, gpt: nn.Module, layers: range | list[range], first: bool, last: bool):
         super().__init__()
         tied = gpt.cfg.tie_embeddings and first != last
+        self.chunks = [layers] if isinstance(layers, range) else list(layers)
         for i in range(len(gpt.blocks)):
-            if i not in layers:
+            if not any(i in chunk for chunk in self.chunks):
                 gpt.blocks[i] = nn.Identity()           # freed; the indices keep their names
         if not first:
             gpt.pos_emb = None
@@ -68,22 +82,85 @@ class GPTStage(nn.Module):
                 gpt.token_emb = None
         if not last:
             gpt.norm = gpt.head = None
-        self.gpt, self.layers, self.first, self.last, self._tied = gpt, layers, first, last, tied
+        self.gpt, self.first, self.last, self._tied = gpt, first, last, tied
 
     @property
     def tied(self) -> nn.Parameter | None:
         """This stage's copy of the tied weight (a property: an attribute would re-register it)."""
         return self.gpt.token_emb.weight if self._tied else None
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, chunk: int = 0):
         gpt = self.gpt                                   # model.GPT's own parts, a stage's share
-        if self.first:
+        if self.first and chunk == 0:
             x = gpt.embed(x)                             # (b, T) token ids -> (b, T, C)
-        x = gpt.run_blocks(x, self.layers)               # (b, T, C)
-        if not self.last:
+        x = gpt.run_blocks(x, self.chunks[chunk])        # (b, T, C)
+        if not (self.last and chunk == len(self.chunks) - 1):
             return x
         logits = gpt.logits(x)                           # (b, T, V)
         return logits if targets is None else cross_entropy(logits, targets)
+
+
+# ---- zero bubble: a backward in two halves ------------------------------------------------------
+#
+# A linear layer y = x W^T + b has three gradients: dx = dy W (the previous layer, and the
+# previous stage, wait for it), dW = dy^T x and db = sum(dy) (nothing waits for them until the
+# optimizer). B runs autograd's backward with every trainable nn.Linear swapped for
+# DeferredLinear, whose backward returns dx only and leaves (x, dy) in a list; W runs that
+# list's two matmuls later. The other parameters (norms, embeddings, LoRA's thin factors) are
+# small: their gradients come in B, as usual.
+
+class DeferredLinear(torch.autograd.Function):
+    """F.linear whose backward computes the input's gradient and defers the weight's and bias's:
+    (weight, bias, x, dy) goes into later.pending, the list of the backward now running."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, later):
+        ctx.save_for_backward(x, weight)
+        ctx.bias, ctx.later = bias, later
+        return F.linear(x, weight, bias)                            # (..., k) -> (..., d)
+
+    @staticmethod
+    def backward(ctx, dy):                                          # dy: (..., d)
+        x, weight = ctx.saved_tensors
+        ctx.later.pending.append((weight, ctx.bias, x, dy))
+        return dy @ weight, None, None, None                        # dx: (..., k)
+
+
+class WeightGradients:
+    """The deferred halves of a stage's backwards, by micro-batch and chunk."""
+
+    def __init__(self, module: nn.Module):
+        self.pending, self.by_pass = [], {}
+        for layer in module.modules():
+            if isinstance(layer, nn.Linear) and layer.weight.requires_grad:
+                layer.forward = partial(self._linear, layer)
+
+    def _linear(self, layer, x):
+        return DeferredLinear.apply(x, layer.weight, layer.bias, self)
+
+    @contextlib.contextmanager
+    def collect(self, key):
+        """Inside: a backward (B) whose deferred halves are filed under key."""
+        self.pending = self.by_pass[key] = []
+        yield
+        self.pending = []
+
+    @torch.no_grad()
+    def run(self, key):
+        """W: the weight and bias gradients of the backward filed under key, accumulated in .grad
+        as autograd would (the same products: dW = (x^T dy)^T over the folded rows)."""
+        for weight, bias, x, dy in self.by_pass.pop(key):
+            x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # (rows, k), (rows, d)
+            _accumulate(weight, x2.t().mm(dy2).t())                                # (d, k)
+            if bias is not None and bias.requires_grad:
+                _accumulate(bias, dy2.sum(0))                                      # (d,)
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor):
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
 
 
 # ---- the executor: one stage's list, run over send/recv --------------------------------------
@@ -93,7 +170,10 @@ class Pipeline:
 
     module: this rank's GPTStage, or DDP(stage) over the stage's data-parallel group; then the
     backwards of all but the last micro-batch run under its no_sync(), and train_step ends with
-    its finish_gradient_sync(): the gradients are averaged once per step.
+    its finish_gradient_sync(): the gradients are averaged once per step (zero bubble: all of
+    them under no_sync(), W's gradients come outside autograd, and the finish averages them).
+    schedule, virtual_stages: schedules.make_schedule's; interleaved, module holds one chunk of
+    blocks per virtual stage (GPTStage(layers=[...]), called with chunk=c).
     hidden, dtype: the activation a stage sends is (b, T, hidden) of dtype, known before it
     arrives, so a receive is posted into a buffer of the right size with no message about sizes.
     tied: the stage's copy of a weight the first and the last stage share (GPTStage.tied);
@@ -104,18 +184,20 @@ class Pipeline:
     """
 
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
-                 hidden: int, dtype: torch.dtype, tied: nn.Parameter | None = None):
+                 hidden: int, dtype: torch.dtype, tied: nn.Parameter | None = None,
+                 virtual_stages: int = 1):
         self.module, self.comm, self.M = module, comm, microbatches
         self.stage, self.P = comm.rank, comm.world_size
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
-        stages = SCHEDULES[schedule](self.P, self.M)
+        stages = make_schedule(schedule, self.P, self.M, virtual_stages)
         check_schedule(stages, self.M)           # NCCL's rules included (run_under_nccl)
-        self.actions = stages[self.stage]
-        # Evaluation: the forwards (and their messages) of GPipe's lists, no backward.
-        forwards = [[a for a in actions if a.kind in ("F", "send_act", "recv_act")]
-                    for actions in gpipe(self.P, self.M)]
+        self.actions, self.v, self.schedule = stages[self.stage], chunks_of(stages), schedule
+        # Evaluation: every chunk's forwards (and their messages), no backward.
+        forwards = forwards_only(self.P, self.M, self.v)
         run_under_nccl([nccl_program(actions) for actions in forwards])
         self.forward_actions = forwards[self.stage]
+        self.weight_grads = (WeightGradients(module) if any(a.kind == "W" for a in self.actions)
+                             else None)
         # NCCL: a batch_isend_irecv may be a group's first call only if every rank of the group
         # joins it (torch's documentation); the stages' first groups differ, so one small
         # all-reduce creates the communicator on every stage first (a set-up call, not counted).
@@ -125,7 +207,7 @@ class Pipeline:
         self.tied = tied if self.P > 1 else None
         if self.P > 1:
             self.ends = self._ends_group(comm, device)
-        self.peak_activations = 0         # most micro-batches held at once (a graph kept for B)
+        self.peak_activations = 0         # most micro-batch chunks held at once (F run, B or W not)
         self.busy = self.wall = 0.0       # seconds computing, seconds in all, in the last step
 
     def _ends_group(self, comm: Comm, device) -> Comm | None:
@@ -187,15 +269,21 @@ class Pipeline:
         dist.all_gather(every, times, group=self.comm.group)      # a metric: not counted
         return [1 - (busy / wall).item() for busy, wall in every]
 
+    def predicted_bubble(self) -> tuple[str, float]:
+        """The schedule's idle share on schedules.py's clock: (formula, value)."""
+        return BUBBLE_FORMULAS[self.schedule], bubble_formula(self.schedule, self.P, self.M, self.v)
+
     def bytes_per_step(self, batch: int, seq_len: int) -> int:
-        """Bytes this stage sends per step: M activations forward unless it is the last stage,
-        M of their gradients back unless it is the first, the gradient norm's all-reduce, and
-        at the two ends a tied weight's gradient (ring formulas)."""
-        message = batch * seq_len * self.hidden * torch.finfo(self.dtype).bits // 8
+        """Bytes this stage sends per step: one (b, T, hidden) activation or gradient per send in
+        its list (1F1B: M forward unless it is the last stage, M back unless the first;
+        interleaved: v times as many), the gradient norm's all-reduce, and at the two ends a
+        tied weight's gradient (ring formulas)."""
+        message = batch // self.M * seq_len * self.hidden * torch.finfo(self.dtype).bits // 8
+        sends = sum(a.kind.startswith("send") for a in self.actions)
         norm = ring_bytes("all_reduce", 1, 4, self.P)                  # 1 fp32
         tied = (ring_bytes("all_reduce", self.tied.numel(), self.tied.element_size(), 2)
                 if self.tied is not None else 0)
-        return message * ((not self.last) + (not self.first)) + norm + tied
+        return message * sends + norm + tied
 
     def _run(self, actions, x, y, scale_loss=None, measure=False):
         B, T = x.shape
@@ -205,62 +293,81 @@ class Pipeline:
         xs, ys = x.chunk(self.M), y.chunk(self.M)                 # M x (b, T)
         shape = (B // self.M, T, self.hidden)
         device = x.device
-        inputs, outputs, grads = {}, {}, {}      # by micro-batch: received, computed, received grad
+        # By (micro-batch, chunk): received activations, computed outputs, received gradients.
+        inputs, outputs, grads = {}, {}, {}
+        held = set()                             # F run, B (or W, if the backward is split) not
         posted, sends, loss = {}, [], torch.zeros((), device=device)
-        backwards = [a.m for a in actions if a.kind == "B"]
+        split = self.weight_grads is not None
+        last_backward = [a for a in actions if a.kind == "B"][-1:]
         no_sync = getattr(self.module, "no_sync", contextlib.nullcontext)
         self.busy, start = 0.0, self._clock(measure)
         for item in nccl_program(actions):
-            if isinstance(item, Action) and item.kind == "F":
-                a, began = item, self._clock(measure)
-                inp = xs[a.m] if self.first else inputs[a.m]
-                outputs[a.m] = self.module(inp, ys[a.m]) if self.last else self.module(inp)
-                if self.last:
-                    loss += outputs[a.m].detach().float() / self.M
+            if not isinstance(item, Action):
+                self._communicate(item, inputs, outputs, grads, posted, sends, shape, device)
+                continue
+            a, began = item, self._clock(measure)
+            key, first, last = (a.m, a.chunk), self.first and a.chunk == 0, self.last and a.chunk == self.v - 1
+            if a.kind == "F":
+                inp = xs[a.m] if first else inputs[key]
+                outputs[key] = self.module(inp, ys[a.m], chunk=a.chunk) if last else self.module(inp, chunk=a.chunk)
+                if last:
+                    loss += outputs[key].detach().float() / self.M
                     if not torch.is_grad_enabled():
-                        del outputs[a.m]
-                self.peak_activations = max(self.peak_activations, len(outputs))
-                self.busy += self._clock(measure) - began
-            elif isinstance(item, Action):                         # "B"
-                a, began = item, self._clock(measure)
-                # One gradient average per step: the last backward's, for the sum of all M.
-                with no_sync() if a.m != backwards[-1] else contextlib.nullcontext():
-                    if self.last:   # the step's loss is the mean over micro-batches: 1/M each
-                        scale_loss(outputs.pop(a.m) / self.M).backward()
+                        del outputs[key]
+                if torch.is_grad_enabled():
+                    held.add(key)
+                    self.peak_activations = max(self.peak_activations, len(held))
+            elif a.kind == "B":
+                # One gradient average per step: the last backward's, for the sum of all M
+                # (split: none; the W's after it still add to the gradients).
+                with (no_sync() if split or [a] != last_backward else contextlib.nullcontext()), \
+                        (self.weight_grads.collect(key) if split else contextlib.nullcontext()):
+                    if last:        # the step's loss is the mean over micro-batches: 1/M each
+                        scale_loss(outputs.pop(key) / self.M).backward()
                     else:
-                        outputs.pop(a.m).backward(grads.pop(a.m))
-                self.busy += self._clock(measure) - began
-            elif item[0] == "post":
-                ops, received = [], {}
-                for a in item[1]:
-                    if a.kind == "send_act":     # (evaluation keeps no graph: nothing to hold for B)
-                        out = outputs[a.m] if torch.is_grad_enabled() else outputs.pop(a.m)
-                        ops.append(("send", out.detach(), self.stage + 1))
-                    elif a.kind == "send_grad":
-                        ops.append(("send", inputs.pop(a.m).grad, self.stage - 1))
-                    else:                        # a fresh buffer of the known shape: (b, T, hidden)
-                        received[a] = torch.empty(shape, dtype=self.dtype, device=device)
-                        ops.append(("recv", received[a], self.stage - 1 if a.kind == "recv_act"
-                                    else self.stage + 1))
-                handle = self.comm.exchange(ops)
-                if received:
-                    posted[item[1]] = handle, received
-                else:
-                    sends.append(handle)         # waited at the end: nothing here reads them
-            else:                                                  # "wait"
-                handle, received = posted.pop(item[1])
-                handle.wait()
-                for a, buffer in received.items():
-                    if a.kind == "recv_act":
-                        inputs[a.m] = buffer.requires_grad_(torch.is_grad_enabled())
-                    else:
-                        grads[a.m] = buffer
+                        outputs.pop(key).backward(grads.pop(key))
+                if not split:
+                    held.discard(key)
+            else:                                                  # "W"
+                self.weight_grads.run(key)
+                held.discard(key)
+            self.busy += self._clock(measure) - began
         for handle in sends:
             handle.wait()
         self.wall = self._clock(measure) - start
         # The loss lives on the last stage; every stage returns it (a metric: not counted).
         dist.broadcast(loss, group=self.comm.group, group_src=self.P - 1)
         return loss
+
+    def _communicate(self, item, inputs, outputs, grads, posted, sends, shape, device):
+        """A ("post", group) of nccl_program: one exchange() of the group's sends and receives;
+        ("wait", group): wait for it and file what arrived."""
+        if item[0] == "wait":
+            handle, received = posted.pop(item[1])
+            handle.wait()
+            for a, buffer in received.items():
+                if a.kind == "recv_act":
+                    inputs[a.m, a.chunk] = buffer.requires_grad_(torch.is_grad_enabled())
+                else:
+                    grads[a.m, a.chunk] = buffer
+            return
+        ops, received = [], {}
+        after, before = (self.stage + 1) % self.P, (self.stage - 1) % self.P   # the ring's neighbours
+        for a in item[1]:
+            key = (a.m, a.chunk)
+            if a.kind == "send_act":         # (evaluation keeps no graph: nothing to hold for B)
+                out = outputs[key] if torch.is_grad_enabled() else outputs.pop(key)
+                ops.append(("send", out.detach(), after))
+            elif a.kind == "send_grad":
+                ops.append(("send", inputs.pop(key).grad, before))
+            else:                            # a fresh buffer of the known shape: (b, T, hidden)
+                received[a] = torch.empty(shape, dtype=self.dtype, device=device)
+                ops.append(("recv", received[a], before if a.kind == "recv_act" else after))
+        handle = self.comm.exchange(ops)
+        if received:
+            posted[item[1]] = handle, received
+        else:
+            sends.append(handle)             # waited at the end: nothing here reads them
 
     @staticmethod
     def _clock(synchronize: bool) -> float:
@@ -274,14 +381,16 @@ class Pipeline:
 
 # ---- train.py's row ---------------------------------------------------------------------------
 
-def stage_layers(option: str | None, n_layer: int, P: int) -> list[range]:
-    """The blocks of each stage from --stage-layers "N,N,..." (None: balanced)."""
+def stage_layers(option: str | None, n_layer: int, P: int, v: int = 1) -> list[list[range]]:
+    """Each stage's chunks of blocks (one chunk unless interleaved: stage s holds chunks s, s + P,
+    ...) from --stage-layers "N,N,..." (blocks per chunk; None: balanced)."""
     try:
         sizes = [int(n) for n in option.split(",")] if option else None
     except ValueError:
         raise ValueError(f"--stage-layers {option}: give whole numbers separated by commas, one "
-                         f"per stage") from None
-    return split_layers(n_layer, P, sizes)
+                         f"per {'chunk' if v > 1 else 'stage'}") from None
+    chunks = split_layers(n_layer, P, sizes, v)
+    return [chunks[s::P] for s in range(P)]
 
 
 def build(gpt, options, data, split, device, adamw: dict):
@@ -293,11 +402,12 @@ def build(gpt, options, data, split, device, adamw: dict):
     group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
     gpt keeps this stage's parts under their whole-model names (checkpoints); the rest is gone.
     """
-    stage = GPTStage(gpt, stage_layers(options.stage_layers, gpt.cfg.n_layer, options.pp)[split.rank],
+    v = options.virtual_stages
+    stage = GPTStage(gpt, stage_layers(options.stage_layers, gpt.cfg.n_layer, options.pp, v)[split.rank],
                      first=split.rank == 0, last=split.rank == options.pp - 1)
     replicas = DDP(stage, data, bucket_mb=options.bucket_mb) if data.world_size > 1 else stage
     model = Pipeline(replicas, split, options.schedule, options.microbatches, gpt.cfg.n_embd,
-                     DTYPES[options.precision], tied=stage.tied)
+                     DTYPES[options.precision], tied=stage.tied, virtual_stages=v)
     optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=options.precision,
                                         grad_norm=model.grad_norm, **adamw)
     predicted = model.bytes_per_step(options.batch_size // data.world_size, options.seq_len)

@@ -354,11 +354,11 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                     f"{routing['balance_loss']:.3f} (1: balanced)")
             if hasattr(model, "measured_bubbles"):
                 bubbles = history.setdefault("bubble", {})[step] = model.measured_bubbles()
-                M, P = args.microbatches, args.pp
+                formula, predicted_bubble = model.predicted_bubble()
                 say(f"step {step:5d} | bubble (idle share of the step) per stage "
-                    f"{' '.join(f'{b:.2f}' for b in bubbles)} | formula (P-1)/(M+P-1) "
-                    f"{(P - 1) / (M + P - 1):.2f} | activations held at most "
-                    f"{model.peak_activations} micro-batches on stage 0")
+                    f"{' '.join(f'{b:.2f}' for b in bubbles)} | formula {formula} "
+                    f"{predicted_bubble:.2f} | activations held at most {model.peak_activations} "
+                    f"micro-batch{' chunks' if model.v > 1 else 'es'} on stage {model.stage}")
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)         # the next line's peak: its steps'
             timer, last_timed = time.perf_counter(), step

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bench import parse_args
+from collectives import ring_bytes
 from model import build_model
 from zero import step_message_bytes
 
@@ -34,7 +35,8 @@ def bench(tmp_path_factory):
     pipeline (ours vs torch.distributed.pipelining) and the 1 KB and 4 KB all-reduces."""
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "bench.py", "--quick", "--strategies", "zero2,fsdp,tp,checkpointing,pipeline-1f1b,collectives", "--warmup", "1",
+               "bench.py", "--quick", "--strategies",
+               "zero2,fsdp,tp,checkpointing,pipeline-1f1b,pipeline-interleaved,pipeline-zb,collectives", "--warmup", "1",
                "--steps", "2", "--repeats", "2", "--max-mb", "0.004", "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=120)
@@ -80,7 +82,8 @@ def test_strategy_table_has_every_column_and_finite_numbers(bench):
     output, _ = bench
     columns, rows = table(output, "strategy")
     assert columns == STRATEGY_COLUMNS
-    assert [row[0] for row in rows] == ["zero2", "fsdp", "tp", "checkpointing", "pipeline-1f1b"]
+    assert [row[0] for row in rows] == ["zero2", "fsdp", "tp", "checkpointing", "pipeline-1f1b",
+                                        "pipeline-interleaved", "pipeline-zb"]
     for row in rows:
         assert len(row) == len(columns), row
         assert row[STRATEGY_COLUMNS.index("ours MFU")] == "n/a"          # CPU: no MFU
@@ -161,6 +164,24 @@ def test_pipeline_does_pytorchs_work_and_reports_its_bubble(bench):
     assert ours["sent_per_step"] == ours["napkin_sent_per_step"]
     assert len(ours["bubbles"]) == 2 and all(0 <= b < 1 for b in ours["bubbles"])
     assert "formula (P-1)/(M+P-1) 0.20" in output                 # P=2, M=4
+
+
+@pytest.mark.parametrize("name, formula", [("pipeline-interleaved", "formula (P-1)/(vM+P-1) 0.11"),
+                                           ("pipeline-zb", "formula (P-1)/(3M+P-1) 0.08")])
+def test_interleaved_and_zero_bubble_rows_run_torchs_schedules(bench, name, formula):
+    """Ours against ScheduleInterleaved1F1B on the same two chunks per stage, and against
+    ScheduleInterleavedZeroBubble: the same loss, our p2p bytes their formula, the bubble beside
+    its formula. Interleaved sends 2(Pv-1)M activations and gradients in all to 1F1B's 2(P-1)M:
+    3 times as many at P = v = 2 (each rank sends 3M, 1F1B's M); zero bubble sends 1F1B's."""
+    output, data = bench
+    row = next(r for r in data["strategies"] if r["strategy"] == name)
+    one_f_one_b = next(r for r in data["strategies"] if r["strategy"] == "pipeline-1f1b")
+    assert math.isclose(row["ours"]["last_loss"], row["torch"]["last_loss"], rel_tol=1e-5)
+    assert row["ours"]["sent_per_step"] == row["ours"]["napkin_sent_per_step"]
+    norm = ring_bytes("all_reduce", 1, 4, 2)                   # the clip's norm: one fp32
+    times = 3 if name == "pipeline-interleaved" else 1
+    assert row["ours"]["sent_per_step"] - norm == times * (one_f_one_b["ours"]["sent_per_step"] - norm)
+    assert len(row["ours"]["bubbles"]) == 2 and formula in output
 
 
 def test_pipeline_rows_need_a_model_that_splits(monkeypatch, capsys):

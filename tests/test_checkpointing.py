@@ -116,9 +116,12 @@ def _losses(strategy, extra):
 
 
 @pytest.mark.parametrize("strategy, extra", [
-    ("ddp", []), ("fsdp", []), ("pipeline", ["--pp", "2", "--microbatches", "4"])])
+    ("ddp", []), ("fsdp", []), ("pipeline", ["--pp", "2", "--microbatches", "4"]),
+    ("pipeline", ["--pp", "2", "--microbatches", "4", "--schedule", "interleaved"]),
+    ("pipeline", ["--pp", "2", "--microbatches", "4", "--schedule", "zb"])])
 def test_composes_with_strategies_bit_for_bit(strategy, extra):
     """DDP's and FSDP's gradient hooks fire from inside the recomputation, a pipeline stage
-    recomputes its blocks when its micro-batch's gradient arrives: the same gradients."""
+    recomputes its blocks (its chunk's, interleaved) when its micro-batch's gradient arrives, and
+    zero bubble's deferred products are filed from the recomputed layers: the same gradients."""
     plain = run_ranks(_losses, 2, strategy, extra)[0]
     assert run_ranks(_losses, 2, strategy, [*extra, "--checkpoint-activations"])[0] == plain

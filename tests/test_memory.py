@@ -254,3 +254,32 @@ def test_prediction_matches_the_bytes_ranks_hold(world_size):
                 # out, and with one bucket the padding is counted on both sides.
                 assert measured[part] == pytest.approx(predicted[part], rel=0.01), \
                     (strategy, precision, world_size, part, measured, predicted)
+
+
+# ---- pipeline schedules: activations held per stage ------------------------------------------
+
+def test_pipeline_activations_follow_each_schedules_peak():
+    """Per stage, the peak micro-batches (or chunks) schedules.py counts, times one micro-batch's
+    activations through the stage's blocks (and the logits, on the last stage)."""
+    from memory import logits_bytes, pipeline_activation_bytes
+    cfg, P, M, b, s = PRESETS["gpt2-small"], 4, 8, 1, 1024          # 12 blocks: 3 a stage
+    layer = activation_bytes(s, b, cfg.n_embd, cfg.n_head)          # one block, one micro-batch
+    logits = logits_bytes(s, b, cfg.vocab_size)
+    one_f_one_b = pipeline_activation_bytes(cfg, "1f1b", P, M, b, s)
+    assert one_f_one_b == [(P - st) * 3 * layer + (logits if st == P - 1 else 0) for st in range(P)]
+    assert pipeline_activation_bytes(cfg, "gpipe", P, M, b, s)[0] == M * 3 * layer
+    # ZB-H1 holds P micro-batches on every stage: 1F1B's stage 0 everywhere.
+    zb = pipeline_activation_bytes(cfg, "zb", P, M, b, s)
+    assert zb[:-1] == [one_f_one_b[0]] * (P - 1) and zb[-1] == P * (3 * layer + logits)
+    # Interleaved, v = 3 (12 chunks of one block): stage 0 holds 2(P-1) + (v-1)P + 1 chunks.
+    assert pipeline_activation_bytes(cfg, "interleaved", P, M, b, s, v=3)[0] == (6 + 8 + 1) * layer
+    with pytest.raises(ValueError, match="12 blocks, fewer than 16 chunks"):
+        pipeline_activation_bytes(cfg, "interleaved", P, M, b, s, v=4)
+
+
+def test_pipeline_table_prints_every_schedule(capsys):
+    main(["--model", "gpt2-small", "--pp", "4", "--microbatches", "8"])
+    out = capsys.readouterr().out
+    for row in ("1f1b               0.273  (P-1)/(M+P-1)", "interleaved v=2    0.158  (P-1)/(vM+P-1)",
+                "zb                 0.111  (P-1)/(3M+P-1)", "interleaved v=4   12 blocks, fewer than 16"):
+        assert row in out, out

@@ -69,18 +69,20 @@ def _single(cfg=CFG, precision="fp32"):
 
 
 def _pipeline_trains(P, runs, cfg=CFG, precision="fp32"):
-    """On P x D ranks: each (schedule, M) in runs trained from the same init; per run this rank's
-    losses, first gradients, final (master) parameters, loss scales, and the executor's counts."""
+    """On P x D ranks: each (schedule, M) or (schedule, M, v chunks per stage) in runs trained from
+    the same init; per run this rank's losses, first gradients, final (master) parameters, loss
+    scales, and the executor's counts."""
     comm = Comm()
     pipe, data = make_mesh(comm, P)                       # stage = pipe.rank, replica = data.rank
     results = []
-    for schedule, M in runs:
+    for schedule, M, *v in runs:
+        v = v[0] if v else 1
         torch.manual_seed(0)
         gpt = GPT(cfg).to(DTYPES[precision])
-        layers = pipeline.split_layers(cfg.n_layer, P)[pipe.rank]
+        layers = pipeline.stage_layers(None, cfg.n_layer, P, v)[pipe.rank]
         stage = pipeline.GPTStage(gpt, layers, first=pipe.rank == 0, last=pipe.rank == P - 1)
         module = DDP(stage, data) if data.world_size > 1 else stage
-        runner = pipeline.Pipeline(module, pipe, schedule, M, cfg.n_embd, DTYPES[precision], stage.tied)
+        runner = pipeline.Pipeline(module, pipe, schedule, M, cfg.n_embd, DTYPES[precision], stage.tied, v)
         optimizer = _optimizer(gpt.parameters(), runner.grad_norm, precision)
         losses, grads, scales = [], None, []
         for batch in _batches():
@@ -135,44 +137,103 @@ def test_pipeline_equals_one_process_and_holds_what_the_schedule_says(P):
             assert 0 < rank[i]["busy"] < rank[i]["wall"]
 
 
+# Interleaved stages and zero bubble at P = 2 and 4 on a model of 8 blocks (P v chunks of at least
+# one): the same sums in the same order as 1F1B (each parameter's gradient accumulated over the
+# micro-batches in order; zero bubble's W the same products autograd's backward runs), so the
+# losses and gradients are 1F1B's bit for bit, and one process's within the tolerances above.
+# Parameters: zero bubble's are 1F1B's bit for bit; interleaved stages hold other blocks, so the
+# clipping norm adds its squares in another order (measured 3.7e-7 from 1F1B after 3 steps,
+# allowed PARAM_ATOL). Against one process they are not compared on this model: 1F1B's own
+# parameters differ by 3.4e-5 there after 3 steps (Adam's amplified noise, as above; 8 blocks
+# hold more near-zero gradients than 4), which 1F1B's test on CFG bounds instead.
+DEEP = GPTConfig(**{**CFG.__dict__, "n_layer": 8})
+NEW_SCHEDULES = {2: [("interleaved", 4, 2), ("interleaved", 4, 4), ("interleaved", 8, 2),
+                     ("zb", 4), ("zb", 8)],
+                 4: [("interleaved", 4, 2), ("interleaved", 8, 2), ("zb", 4), ("zb", 8)]}
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_interleaved_and_zero_bubble_equal_1f1b_and_one_process(P):
+    runs = NEW_SCHEDULES[P] + [("1f1b", M) for M in (4, 8)]
+    ranks = run_ranks(_pipeline_trains, P, P, runs, DEEP)
+    single = _single(DEEP)
+    for i, (schedule, M, *v) in enumerate(NEW_SCHEDULES[P]):
+        what = f"P={P} M={M} {schedule} {v}"
+        assert ranks[0][i]["losses"] == pytest.approx(single["losses"], rel=RTOL), what
+        assert_tensors_close(_whole(ranks, i, "grads"), single["grads"], RTOL, ATOL, what + " grads")
+        one_f_one_b = runs.index(("1f1b", M))
+        assert ranks[0][i]["losses"][0] == ranks[0][one_f_one_b]["losses"][0], what
+        assert_tensors_close(_whole(ranks, i, "grads"), _whole(ranks, one_f_one_b, "grads"), 0, 0,
+                             what + " vs 1f1b grads")
+        assert_tensors_close(_whole(ranks, i, "params"), _whole(ranks, one_f_one_b, "params"), 0,
+                             PARAM_ATOL if schedule == "interleaved" else 0, what + " vs 1f1b params")
+        # Counted by the executor, against the formulas in schedules.py: interleaved holds up
+        # to 2(P-1-s) + (v-1)P + 1 micro-batch chunks, ZB-H1 P micro-batches on every stage.
+        for s, rank in enumerate(ranks):
+            expected = (min(v[0] * M, 2 * (P - 1 - s) + (v[0] - 1) * P + 1) if schedule == "interleaved"
+                        else min(P, M))
+            assert rank[i]["peak"] == expected, (what, s)
+
+
 def test_pipeline_times_data_parallel_equals_one_process():
-    ranks = run_ranks(_pipeline_trains, 4, 2, [("1f1b", 2), ("gpipe", 2)])   # P=2 x D=2
+    # Interleaved: DDP over the stage's two chunks; zero bubble: every backward under no_sync(),
+    # the W's gradients averaged by finish_gradient_sync() at the end.
+    runs = [("1f1b", 2), ("gpipe", 2), ("interleaved", 2, 2), ("zb", 2)]
+    ranks = run_ranks(_pipeline_trains, 4, 2, runs)   # P=2 x D=2
     single = _single()
-    for i in range(2):
-        assert ranks[0][i]["losses"] == pytest.approx(single["losses"], rel=RTOL)
+    for i, run in enumerate(runs):
+        assert ranks[0][i]["losses"] == pytest.approx(single["losses"], rel=RTOL), run
         # Replicas 0 and 1 of each stage: ranks (0, 2) hold stage 0, (1, 3) stage 1.
         for replica in (ranks[:2], ranks[2:]):
-            assert_tensors_close(_whole(replica, i, "params"), single["params"], RTOL, PARAM_ATOL, "P=2 x D=2")
+            assert_tensors_close(_whole(replica, i, "params"), single["params"], RTOL, PARAM_ATOL,
+                                 f"P=2 x D=2 {run}")
 
 
-def _ours_and_torchs(P, runs):
+def _ours_and_torchs(P, runs, cfg=CFG):
     """This stage's first-step gradients from our executor and from torch.distributed.pipelining
-    (ScheduleGPipe / Schedule1F1B), on the same split, weights and batch."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    (ScheduleGPipe, Schedule1F1B; ScheduleInterleaved1F1B on the same chunks; for zero bubble
+    ScheduleInterleavedZeroBubble, its B/W split, with one chunk per stage), on the same split,
+    weights and batch; runs: (schedule, M) or (schedule, M, v)."""
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
     from bench import torch_pipeline_stage
     s = dist.get_rank()
     batch = _batches()[0]
     x, y = batch[:, :-1], batch[:, 1:]
     results = []
-    for schedule, M in runs:
-        grads = []
+    for schedule, M, *v in runs:
+        v, grads = v[0] if v else 1, []
         for whose in ("ours", "torch"):
             torch.manual_seed(0)
-            gpt = GPT(CFG)
-            stage = pipeline.GPTStage(gpt, pipeline.split_layers(CFG.n_layer, P)[s], s == 0, s == P - 1)
+            gpt = GPT(cfg)
+            stage = pipeline.GPTStage(gpt, pipeline.stage_layers(None, cfg.n_layer, P, v)[s], s == 0, s == P - 1)
             if whose == "ours":
-                pipeline.Pipeline(stage, Comm(), schedule, M, CFG.n_embd, torch.float32).train_step(x, y)
+                pipeline.Pipeline(stage, Comm(), schedule, M, cfg.n_embd, torch.float32,
+                                  virtual_stages=v).train_step(x, y)
             else:
                 # torch's last stage returns logits and applies loss_fn itself, then divides the
                 # gradients by M; ours divides each micro-batch's loss by M: the same mean.
-                theirs = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
-                    torch_pipeline_stage(stage, s, P, len(x) // M, x.shape[1], torch.float32),
-                    n_microbatches=M,
-                    loss_fn=lambda logits, t: F.cross_entropy(logits.float().flatten(0, 1), t.flatten()))
+                stages = [torch_pipeline_stage(stage, s, P, len(x) // M, x.shape[1], torch.float32, c)
+                          for c in range(v)]
+                kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                        "zb": ScheduleInterleavedZeroBubble}[schedule]
+                theirs = kind(stages if schedule in ("interleaved", "zb") else stages[0],   # a list: several
+                              n_microbatches=M,
+                              loss_fn=lambda logits, t: F.cross_entropy(logits.float().flatten(0, 1), t.flatten()))
                 theirs.step(*([x] if s == 0 else []), **({"target": y} if s == P - 1 else {}))
             grads.append({n: p.grad.clone() for n, p in gpt.named_parameters()})
         results.append(grads)
     return results
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_interleaved_and_zero_bubble_equal_torchs(P):
+    runs = [("interleaved", 2 * P, 2), ("zb", 2 * P)] + ([("interleaved", 4, 4)] if P == 2 else [])
+    ranks = run_ranks(_ours_and_torchs, P, P, runs, DEEP)
+    for i, (schedule, M, *v) in enumerate(runs):
+        ours = {n: g for rank in ranks for n, g in rank[i][0].items()}
+        theirs = {n: g for rank in ranks for n, g in rank[i][1].items()}
+        assert_tensors_close(ours, theirs, RTOL, ATOL, f"P={P} M={M} {schedule} {v} vs torch")
 
 
 @pytest.mark.parametrize("P", [2, 4])
@@ -326,14 +387,20 @@ def test_stage_keeps_only_its_parameters_under_their_whole_model_names():
 # ---- train.py --strategy pipeline: same curve as one process, checkpoints, bad input ----------
 
 # The runs, their resume from step 3 and one process's, as tensor parallelism's tests run them.
-from test_tensor_parallel import (_single_runs, _straight_and_resumed, _train,  # noqa: E402
-                                  _usage_errors, _weights)
+from test_tensor_parallel import (_copy_first_checkpoint, _single_runs,  # noqa: E402
+                                  _straight_and_resumed, _train, _usage_errors, _weights)
+
+
+def _resumed_as(saved, to, argv):
+    """Resume the run in `saved` from its step-3 checkpoint with other flags (another schedule)."""
+    _copy_first_checkpoint(saved, to)
+    return _train([*argv, "--out", to, "--resume", "--export", to + ".pt"])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("pp_runs"))
-    paths = {name: os.path.join(root, name) for name in ("pp2", "pp4", "single")}
+    paths = {name: os.path.join(root, name) for name in ("pp2", "pp4", "single", "interleaved", "zb")}
     for p in paths.values():
         os.makedirs(p)
     pp2 = run_ranks(_straight_and_resumed, 2, paths["pp2"],
@@ -342,7 +409,15 @@ def runs(tmp_path_factory):
     pp4 = run_ranks(_train, 4, ["--strategy", "pipeline", "--pp", "4", "--microbatches", "8",
                                 "--export", os.path.join(paths["pp4"], "straight.pt")])[0]
     single = run_ranks(_single_runs, 1, paths["single"], paths["pp2"])[0]
-    return {"pp2": pp2, "pp4": pp4, "single": single, "paths": paths}
+    # pp 2 x dp 2 interleaved, two chunks of one block per stage, straight through; zero bubble
+    # resumed from the GPipe run's step-3 checkpoint (whole-model names: any schedule reads it).
+    pp = ["--strategy", "pipeline", "--pp", "2", "--microbatches", "4"]
+    interleaved = run_ranks(_train, 4, [*pp, "--schedule", "interleaved", "--virtual-stages", "2",
+                                        "--export", os.path.join(paths["interleaved"], "straight.pt")])[0]
+    zb = run_ranks(_resumed_as, 2, os.path.join(paths["pp2"], "saved"), os.path.join(paths["zb"], "resumed"),
+                   [*pp, "--schedule", "zb"])[0]
+    return {"pp2": pp2, "pp4": pp4, "single": single, "interleaved": interleaved, "zb": zb,
+            "paths": paths}
 
 
 # train.py's runs: 6 steps with a warmed-up learning rate; the same fp32 noise as above, grown by
@@ -350,7 +425,7 @@ def runs(tmp_path_factory):
 TRAIN_RTOL, TRAIN_ATOL = 1e-6, 1e-5
 
 
-@pytest.mark.parametrize("name", ["pp2", "pp4"])
+@pytest.mark.parametrize("name", ["pp2", "pp4", "interleaved"])
 def test_train_pipeline_matches_single_process_step_by_step(runs, name):
     run = runs[name]["straight"] if name == "pp2" else runs[name]
     single = runs["single"]["straight"]
@@ -360,6 +435,16 @@ def test_train_pipeline_matches_single_process_step_by_step(runs, name):
                          _weights(os.path.join(runs["paths"]["single"], "single.pt")),
                          rtol=0, atol=TRAIN_ATOL, what=f"{name} vs single after 6 steps")
     assert all(0 <= b < 1 for bubbles in run["bubble"].values() for b in bubbles)
+
+
+def test_zero_bubble_resumes_a_gpipe_checkpoint_as_if_uninterrupted(runs):
+    # The same sums as GPipe's (tests above): bit for bit the straight GPipe run's steps 3 to 5.
+    straight, zb = runs["pp2"]["straight"], runs["zb"]
+    assert zb["losses"] == {s: straight["losses"][s] for s in (3, 5)}
+    assert_tensors_close(_weights(os.path.join(runs["paths"]["zb"], "resumed.pt")),
+                         _weights(os.path.join(runs["paths"]["pp2"], "straight.pt")), rtol=0, atol=0,
+                         what="zb resumed from gpipe vs gpipe straight")
+    assert all(0 <= b < 1 for bubbles in zb["bubble"].values() for b in bubbles)
 
 
 def test_pipeline_resume_is_bit_exact(runs):
@@ -386,7 +471,12 @@ def _bad_pipeline_inputs():
                           "no_strategy": ["--strategy", "ddp", "--pp", "2"],
                           "batch": ["--strategy", "pipeline", "--pp", "2", "--microbatches", "3"],
                           "grad_accum": ["--strategy", "pipeline", "--pp", "2", "--grad-accum", "2"],
-                          "split": ["--strategy", "pipeline", "--pp", "2", "--stage-layers", "3,2"]})
+                          "split": ["--strategy", "pipeline", "--pp", "2", "--stage-layers", "3,2"],
+                          "chunks": ["--strategy", "pipeline", "--pp", "2", "--schedule", "interleaved",
+                                     "--virtual-stages", "4"],
+                          "ring": ["--strategy", "pipeline", "--pp", "2", "--schedule", "interleaved",
+                                   "--microbatches", "3", "--batch-size", "12"],
+                          "virtual": ["--strategy", "pipeline", "--pp", "2", "--virtual-stages", "2"]})
 
 
 @pytest.fixture(scope="module")
@@ -396,11 +486,16 @@ def bad_pp():
 
 @pytest.mark.parametrize("case, fix", [
     ("world", "world size 2 is not --pp 3 x a data-parallel size: launch a multiple of 3"),
-    ("no_strategy", "--pp, --microbatches and --stage-layers cut the model into stages: add --strategy pipeline"),
+    ("no_strategy", "--pp, --microbatches, --schedule, --virtual-stages and --stage-layers cut the model "
+                    "into stages: add --strategy pipeline"),
     ("batch", "--batch-size 8 does not divide into 1 data-parallel ranks x --microbatches 3 = 3 equal "
               "micro-batches: use a multiple of 3, e.g. --batch-size 9"),
     ("grad_accum", "use --microbatches instead"),
     ("split", "--stage-layers 3,2: give 2 numbers, each 1 or more, adding up to the model's 4 blocks"),
+    ("chunks", "--model tiny: the model has 4 blocks, fewer than 2 pipeline stages x 4 chunks each = 8 "
+               "chunks: every chunk needs a block; use fewer --virtual-stages, or a deeper --model"),
+    ("ring", "3 micro-batches is not a multiple of 2; use --microbatches 4"),
+    ("virtual", "--virtual-stages 2: only --schedule interleaved runs several chunks per stage"),
 ])
 def test_bad_pipeline_input_stops_every_rank_with_the_same_message(bad_pp, case, fix):
     assert bad_pp[0][case] == bad_pp[1][case], bad_pp
