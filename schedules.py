@@ -129,10 +129,12 @@ def interleaved(P: int, M: int, v: int = 2) -> list[list[Action]]:
             f = _forward(s, P, *pass_k(warmup + i, True), V)
             b = _backward(s, P, *pass_k(i, False), V)
             # As Megatron posts them: both inputs received before the pair, both results sent
-            # after it, so each exchange is one group of up to four messages per pair.
-            order = [a for a in f + b if a.kind.startswith("recv")] + [f_or_b for f_or_b in f + b
-                                                                       if f_or_b.kind in COMPUTE]
-            actions += order + [a for a in f + b if a.kind.startswith("send")]
+            # after it, so each exchange is one group of up to four messages per pair. (Each
+            # message posted beside its computation instead deadlocks under NCCL's rules at
+            # P = 4, v = 2: check_schedule finds it.)
+            for part in ("recv", "compute", "send"):
+                actions += [a for a in f + b if (a.kind in COMPUTE if part == "compute"
+                                                 else a.kind.startswith(part))]
         actions += [a for k in range(n - warmup, n) for a in _backward(s, P, *pass_k(k, False), V)]
         stages.append(actions)
     return stages
