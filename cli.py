@@ -92,9 +92,14 @@ def parse_args(argv=None):
                    help="torch.distributed's collectives (the log's bytes sent are then the ring volume "
                         "of the calls made), or ours from send/recv (bytes measured as they are sent)")
     p.add_argument("--bucket-mb", type=float, default=25, help="DDP gradient bucket size")
-    p.add_argument("--offload", choices=("optimizer",), default=None,
-                   help="zero1/zero2/fsdp: keep the fp32 master shards and Adam's moments in CPU memory "
-                        "and step there (ZeRO-Offload): less device memory, a copy each way per step")
+    p.add_argument("--offload", choices=("optimizer", "params"), default=None,
+                   help="optimizer (zero1/zero2/fsdp): keep the fp32 master shards and Adam's moments "
+                        "in CPU memory and step there (ZeRO-Offload): less device memory, a copy each "
+                        "way per step; params (fsdp): the parameter shards too, each copied to the "
+                        "device just before its all-gather")
+    p.add_argument("--shard-group", type=int, default=None, metavar="S",
+                   help="fsdp: hybrid sharding (HSDP): shard within groups of S ranks (one node), "
+                        "replicate across the world / S groups")
     p.add_argument("--prefetch", type=int, default=1,
                    help="fsdp/zero3: units all-gathered ahead of the one computing (0: none)")
     p.add_argument("--seed", type=int, default=0, help="initial weights, batches and dropout masks")
@@ -269,6 +274,10 @@ def check_args(parser, args, world_size):
     if args.offload and args.strategy not in ("zero1", "zero2", "fsdp", "zero3"):
         parser.error(f"--offload optimizer moves a sharded optimizer to the CPU: use --strategy zero1, "
                      f"zero2 or fsdp (--strategy {args.strategy} keeps no optimizer shard to move)")
+    if args.offload == "params" and args.strategy not in ("fsdp", "zero3"):
+        parser.error(f"--offload params keeps the parameter shards in CPU memory between uses: use "
+                     f"--strategy fsdp (--strategy {args.strategy} keeps whole parameters on the device)")
+    check_shard_group(parser, args, world_size)
     if (args.resume or args.save_every) and not args.out:
         parser.error("--resume and --save-every need a run directory: add --out DIR")
     if args.resume and args.init_from and not args.lora:
@@ -393,6 +402,21 @@ def check_tensor_parallel(parser, args, world_size):
     if args.sequence_parallel and args.seq_len % args.tp:
         parser.error(f"--sequence-parallel splits each sequence into --tp {args.tp} equal parts: "
                      f"use a --seq-len divisible by {args.tp}, e.g. {args.seq_len // args.tp * args.tp or args.tp}")
+
+
+def check_shard_group(parser, args, world_size):
+    """--shard-group S: fsdp only, S dividing the world, no expert parallelism beside it."""
+    if args.shard_group is None:
+        return
+    if args.strategy not in ("fsdp", "zero3"):
+        parser.error(f"--shard-group {args.shard_group} is hybrid sharding, a layout of FSDP's shards: "
+                     f"use --strategy fsdp (--strategy {args.strategy} has none)")
+    if args.shard_group < 1 or world_size % args.shard_group:
+        parser.error(f"--shard-group {args.shard_group} must divide the world size {world_size} into "
+                     f"equal groups: use a divisor of {world_size} (the ranks of one node, e.g.)")
+    if args.ep > 1:
+        parser.error(f"--shard-group with --ep {args.ep}: hybrid sharding of experts is not built; "
+                     f"use one of them")
 
 
 def check_pipeline(parser, args, world_size):

@@ -4,12 +4,21 @@ ZeRO stage 3 (Rajbhandari et al. 2020, 5.3), built as PyTorch's FSDP (Zhao et al
 each unit of the model is one flat parameter sharded 1/N, all-gathered just before its forward
 and again before its backward, freed after each, its gradient reduce-scattered: 3 (N-1)/N of
 the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state.
+
+The talk's QLoRA + FSDP case adds three things. A unit's frozen weights (LoRA's base) are a
+second flat buffer of raw bytes, sharded and gathered beside the trained one, never reduced; a
+4-bit NF4 base goes over the wire as its packed codes and scales, 4.5 bits a weight, and is
+dequantized after the gather. Offloaded (offload_params), the shards wait in host memory and
+visit the device only for their all-gather. Hybrid sharding (HSDP, replicate_group) shards
+within a group (one node's fast links) and keeps a copy per group: the gradient is
+reduce-scattered in the group, then its shard all-reduced across the copies.
 FSDPOptimizer(offload=True) keeps the fp32 master shards and Adam's moments on the host (zero.py).
-Left out: offloading the parameters themselves, hybrid sharding, a stream of our own (NCCL's
-async collectives run on theirs; wait() orders the compute stream after them), FSDP1's state API.
+Left out: a stream of our own (NCCL's async collectives run on theirs; wait() orders the compute
+stream after them), FSDP1's state API.
 Run: torchrun --nproc_per_node 2 train.py --strategy fsdp; test: python -m pytest tests/test_fsdp.py
 
-Shapes: N ranks, r this rank, P elements in a unit, S = ceil(P / N) elements per shard.
+Shapes: N ranks (of a shard group), r this rank, P elements in a unit, S = ceil(P / N) elements
+per shard; frozen: B bytes, ceil(B / N) per shard.
 """
 import contextlib
 
@@ -22,7 +31,8 @@ from memory import run_state_bytes
 from mixed_precision import DTYPES, DynamicLossScaler
 from model import Block
 from moe import exchange_bytes, expert_parallel, is_expert, reduction
-from process_groups import check_same_parameters
+from quantization import NF4Weight
+from process_groups import check_same_parameters, make_mesh
 from zero import (MAX_REDUCTIONS_IN_FLIGHT, ShardedOptimizer, gradients_to_host,
                   flags_and_norm_bytes, host_buffer, host_copy)
 
@@ -34,7 +44,71 @@ def gpt_blocks(module: nn.Module) -> bool:
     return isinstance(module, Block) or is_expert(module)
 
 
-class Unit(FlatParams):
+class FrozenBytes:
+    """A unit's frozen tensors laid end to end as raw bytes in one flat buffer, sharded 1/N:
+    frozen parameters (in the compute dtype) and QLoRA's NF4 codes and scales (quantization.py),
+    all-gathered with the unit as they are stored (a 4-bit weight stays 4 bits on the wire),
+    never reduced.
+
+        shard  (ceil(B/N),)  uint8, this rank's bytes: what stays between uses
+        flat   (N*ceil(B/N),) uint8, gathered; each frozen tensor is a view into it (of its own
+                             dtype and shape), storage resized to 0 between uses
+    Each tensor starts at a multiple of 16 bytes, so its bytes can be viewed as its dtype.
+    """
+
+    ALIGN = 16
+
+    def __init__(self, tensors: list[torch.Tensor], comm, device, replicas=None):
+        self.tensors, self.offsets, end = tensors, [], 0
+        for t in tensors:
+            start = -(-end // self.ALIGN) * self.ALIGN
+            self.offsets.append(start)
+            end = start + t.numel() * t.element_size()
+        self.shard_bytes = -(-end // comm.world_size)
+        self.flat = torch.zeros(comm.world_size * self.shard_bytes, dtype=torch.uint8, device=device)
+        for t, start in zip(tensors, self.offsets):
+            raw = t.detach().to(device).reshape(-1).view(torch.uint8)
+            self.flat[start: start + raw.numel()] = raw
+        for group in (comm, replicas):                       # every copy starts as rank 0's
+            if group is not None:
+                group.broadcast(self.flat, src=0)
+        self.shard = self.flat[comm.rank * self.shard_bytes: (comm.rank + 1) * self.shard_bytes].clone()
+        with torch.no_grad():
+            for t, start in zip(tensors, self.offsets):
+                t.data = self.flat[start: start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        self.flat.untyped_storage().resize_(0)
+
+
+class Gathered:
+    """What every unit shares: its flat buffers are gathered for its forward and again for its
+    backward, and freed after each (a frozen-only unit has no trained flat)."""
+    params, frozen, gathering, gathered = (), None, (), False
+
+    def flats(self, frozen: bool = True) -> list[torch.Tensor]:
+        return ([self.flat] if self.params else []) + ([self.frozen.flat] if self.frozen and frozen else [])
+
+    def free(self, frozen: bool = True):
+        """Drop the gathered copies; frozen=False keeps the frozen bytes (still gathered)."""
+        self.wait()
+        for flat in self.flats(frozen):
+            flat.untyped_storage().resize_(0)
+        self.gathered = self.frozen is not None and not frozen
+
+    def wait(self):
+        for handle, _ in self.gathering:       # (handle, the shard it sends: kept alive till then)
+            handle.wait()
+        self.gathering = ()
+
+
+class FrozenUnit(Gathered):
+    """A module whose parameters are all frozen (LoRA's embeddings and head, a frozen block):
+    only its FrozenBytes, gathered and freed as a Unit's are."""
+
+    def __init__(self, index, module, frozen: FrozenBytes, comm):
+        self.index, self.module, self.frozen, self.comm = index, module, frozen, comm
+
+
+class Unit(FlatParams, Gathered):
     """One FSDP unit: the parameters of a module (minus nested units') as one flat parameter.
 
         master  (S,)    fp32, this rank's shard: the nn.Parameter the optimizer updates
@@ -43,15 +117,20 @@ class Unit(FlatParams):
                         steps on it (offloaded, the master is on the host and this stays on the device)
         flat    (N*S,)  compute dtype, gathered; its storage is resized to 0 between uses, and
                         the module's parameters stay views of it, so the module code never changes
+        frozen  FrozenBytes of the module's frozen weights, or None
     Offloaded (FSDPOptimizer(offload=True)) the master lives on the host, and the device keeps
         device_shard (S,) compute dtype, the master rounded: what the all-gathers send
+    and with the parameters offloaded too (FSDP(offload_params=True)) that copy is on the host,
+        host_shard   (S,) compute dtype, copied to the device just before each all-gather
     """
 
-    def __init__(self, index, module, params, comm, compute_dtype, device):
+    def __init__(self, index, module, params, comm, compute_dtype, device, frozen=None, replicas=None):
         super().__init__(params, comm.world_size)          # self.flat: (N*S,) fp32, params view it
-        self.index, self.module, self.comm = index, module, comm
+        self.index, self.module, self.comm, self.frozen = index, module, comm, frozen
         flat = self.flat.to(device)              # one unit at a time on the device, never the model
-        comm.broadcast(flat, src=0)                          # ranks start identical
+        for group in (comm, replicas):                       # every copy starts as rank 0's
+            if group is not None:
+                group.broadcast(flat, src=0)
         self.master = nn.Parameter(self.shard(flat, comm.rank).clone())        # (S,) fp32
         # The fp32 copy of the whole unit goes; the flat buffer is now the compute-dtype one
         # the all-gathers fill, empty (storage resized to 0) between uses.
@@ -59,40 +138,35 @@ class Unit(FlatParams):
         for p, view in zip(self.params, self.views(self.flat)):
             p.data = view
         self.flat.untyped_storage().resize_(0)
-        self.gathering = None        # (handle, input) of an all-gather in flight
-        self.gathered = False        # flat holds the parameters (storage allocated)
-        self.device_shard = None
+        self.device_shard = self.host_shard = None
         self._device_grad = None     # offload: the reduced gradient, on the device
         self.host_grad = None        # offload: (S,) fp32 host buffer the gradient is copied into
         self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
 
     @property
+    def offloaded(self) -> bool:
+        """The master is on the host (FSDPOptimizer(offload=True)): the gradient stays apart."""
+        return self.device_shard is not None or self.host_shard is not None
+
+    @property
     def grad(self):
-        return self._device_grad if self.device_shard is not None else self.master.grad
+        return self._device_grad if self.offloaded else self.master.grad
 
     @grad.setter
     def grad(self, value):
-        if self.device_shard is not None:
+        if self.offloaded:
             self._device_grad = value
         else:
             self.master.grad = value
 
     def refresh(self):
         """The master changed: a gathered copy is stale, and an offloaded master is copied back
-        to its device shard (host -> device, asynchronous from pinned memory)."""
-        if self.device_shard is not None:
-            self.device_shard.copy_(self.master.detach(), non_blocking=True)
+        to its device shard (host -> device, asynchronous from pinned memory; with the
+        parameters offloaded, host -> host)."""
+        for copy in (self.device_shard, self.host_shard):
+            if copy is not None:
+                copy.copy_(self.master.detach(), non_blocking=True)
         self.free()
-
-    def free(self):
-        self.wait()
-        self.flat.untyped_storage().resize_(0)
-        self.gathered = False
-
-    def wait(self):
-        if self.gathering is not None:
-            self.gathering[0].wait()
-            self.gathering = None
 
 
 class FSDP(nn.Module):
@@ -102,7 +176,8 @@ class FSDP(nn.Module):
     submodules, True for each that becomes a unit (default: the GPT's blocks); everything else,
     and any parameter two units share (tied weights), is the root unit, gathered from the
     start of forward to the end of its backward, as in PyTorch. Frozen parameters
-    (requires_grad=False) are not sharded: each rank keeps them whole, in compute_dtype.
+    (requires_grad=False, cast to compute_dtype) and QLoRA's 4-bit weights are sharded too, as
+    each unit's FrozenBytes (a module with nothing to train is a FrozenUnit).
     compute_dtype: what forward and backward run in and what is on the wire (default fp32).
     prefetch: units all-gathered ahead of the one computing (0: none), at most 1 + prefetch
     non-root units gathered at once. group: a collectives.Comm, a process group or None.
@@ -111,10 +186,17 @@ class FSDP(nn.Module):
     only sharded can start: each unit visits the device alone, then only its shard stays.
     expert_group: with expert parallelism (moe.py), the ranks holding the same experts as this
     one: each expert's unit is sharded over them, its gradient reduced as moe.reduction says.
+    replicate_group: hybrid sharding (HSDP): group shards the model, and the ranks holding the
+    same shard in the other groups (process_groups.make_mesh's outer group) keep copies: each
+    reduce-scattered gradient shard is then all-reduced over them (the mean over both).
+    offload_params: the shards (trained ones rounded to compute_dtype, frozen ones) live in host
+    memory, copied to the device just before each all-gather; the optimizer must step on the
+    host too (FSDPOptimizer(offload=True)).
     """
 
     def __init__(self, module: nn.Module, wrap=gpt_blocks, compute_dtype=None, group=None,
-                 prefetch: int = 1, device=None, expert_group=None):
+                 prefetch: int = 1, device=None, expert_group=None, replicate_group=None,
+                 offload_params: bool = False):
         super().__init__()
         compute_dtype = compute_dtype or torch.float32
         if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -131,48 +213,72 @@ class FSDP(nn.Module):
                              "cast the model first")
         self.comm = as_comm(group)
         self.expert_group = None if expert_group is None else as_comm(expert_group)
+        self.replicas = None if replicate_group is None else as_comm(replicate_group)
+        if self.replicas is not None and self.expert_group is not None:
+            raise ValueError("FSDP: hybrid sharding (replicate_group) with expert parallelism "
+                             "(expert_group) is not built; use one of them")
         device = torch.device(device) if device is not None else trainable[0].device
-        check_same_parameters(list(module.parameters()), self.comm, device)
+        for comm in (self.comm, self.replicas):             # the same model on every rank
+            if comm is not None:
+                check_same_parameters(list(module.parameters()), comm, device)
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
-        self.compute_dtype, self.prefetch = compute_dtype, prefetch
-        # Owner of each parameter: the nearest wrapped module above it, or the root (None).
+        self.compute_dtype, self.prefetch, self.offload_params = compute_dtype, prefetch, offload_params
+        self.device = device
+        # Owner of each parameter (and 4-bit buffer): the nearest wrapped module above it, or the
+        # root (None).
         owner = {}
 
         def visit(m, unit):
             unit = m if m is not module and wrap(m) else unit
-            for p in m.parameters(recurse=False):
-                if p.requires_grad and owner.setdefault(p, unit) is not unit:
-                    owner[p] = None                          # shared by two units: the root's
+            quantized = [b for name, b in m.named_buffers(recurse=False)
+                         if isinstance(m, NF4Weight) and name != "levels"]   # levels: a constant
+            for t in [*m.parameters(recurse=False), *quantized]:
+                if owner.setdefault(t, unit) is not unit:
+                    owner[t] = None                          # shared by two units: the root's
             for child in m.children():
                 visit(child, unit)
         visit(module, None)
-        units = [None] + [m for m in module.modules() if m is not module and wrap(m)]
-        self.units, self.root = [], None
-        for m in units:
-            params = [p for p in trainable if owner[p] is m]
-            if params:
-                comm, op, divide = reduction(is_expert(m), self.comm, self.expert_group)
-                self.units.append(Unit(len(self.units), m or module, params, comm, compute_dtype,
-                                       device))
-                self.units[-1].op, self.units[-1].divide = op, divide
-                if m is None:
-                    self.root = self.units[-1]
-        self.order = [u for u in self.units if u is not self.root]      # forward order, root aside
-        # Backward's order, the root last: every rank launches its reduce-scatters in this order.
-        self.reduce_order = self.order[::-1] + ([self.root] if self.root is not None else [])
-        self._order = InOrder(self.reduce_order, self._reduce, self._retire,
-                              max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
-        self.shards = nn.ParameterList([u.master for u in self.units])
         with torch.no_grad():
             for p in module.parameters():
                 if not p.requires_grad:
-                    p.data = p.data.to(device=device, dtype=compute_dtype)
-                    self.comm.broadcast(p.data, src=0)
-        module.to(device)          # buffers (QLoRA's 4-bit weights); the parameters are there
+                    p.data = p.data.to(dtype=compute_dtype)
+        units = [None] + [m for m in module.modules() if m is not module and wrap(m)]
+        self.units, self.frozen_units, self.root, frozen_root, in_order = [], [], None, None, []
+        for m in units:
+            params = [p for p in trainable if owner[p] is m]
+            kept = [t for t, o in owner.items() if o is m and not t.requires_grad]   # frozen, 4-bit
+            frozen = FrozenBytes(kept, self.comm, device, self.replicas) if kept else None
+            index = len(self.units) + len(self.frozen_units)
+            if params:
+                comm, op, divide = reduction(is_expert(m), self.comm, self.expert_group)
+                self.units.append(Unit(index, m or module, params, comm, compute_dtype, device,
+                                       frozen, self.replicas))
+                self.units[-1].op, self.units[-1].divide = op, divide
+                self.root = self.units[-1] if m is None else self.root
+                in_order.append(self.units[-1])
+            elif frozen is not None:
+                self.frozen_units.append(FrozenUnit(index, m or module, frozen, self.comm))
+                frozen_root = self.frozen_units[-1] if m is None else frozen_root
+                in_order.append(self.frozen_units[-1])
+        # The root's own tensors (trained or frozen) stay gathered from the start of forward to
+        # the end of backward; every other unit is gathered around each of its uses, in this
+        # order (forward's, the root aside).
+        self.roots = [u for u in (self.root, frozen_root) if u is not None]
+        self.order = [u for u in in_order if u not in self.roots]
+        # Backward's order, the root last: every rank launches its reduce-scatters in this order.
+        self.reduce_order = [u for u in self.order[::-1] if u.params] + ([self.root] if self.root else [])
+        self._order = InOrder(self.reduce_order, self._reduce, self._retire,
+                              max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
+        self.shards = nn.ParameterList([u.master for u in self.units])
+        if offload_params:                       # the frozen shards to (pinned) host memory
+            for unit in in_order:
+                if unit.frozen is not None:
+                    unit.frozen.shard = host_copy(unit.frozen.shard, dtype=torch.uint8)
+        module.to(device)          # buffers (the 4-bit levels); the parameters are there
+        for unit in self.order:
+            unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._before_forward(u))
+            unit.module.register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
         for unit in self.units:
-            if unit is not self.root:
-                unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._before_forward(u))
-                unit.module.register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=unit: self._gradient_ready(u))
         self._backward_hooked = False
@@ -192,13 +298,14 @@ class FSDP(nn.Module):
 
     def forward(self, *args, **kwargs):
         self.events = []
-        if self.root is not None:
-            self._gather(self.root)
-            self.root.wait()
+        for root in self.roots:
+            self._gather(root)
+            root.wait()
         self._prefetch(self.order[0] if self.order else None)
         out = self.module(*args, **kwargs)
-        if self.root is not None and not torch.is_grad_enabled():
-            self.root.free()                         # no backward will come to free it
+        if not torch.is_grad_enabled():
+            for root in self.roots:
+                root.free()                          # no backward will come to free it
         return out
 
     def _next(self, unit, step):
@@ -207,17 +314,33 @@ class FSDP(nn.Module):
         return self.order[i] if 0 <= i < len(self.order) else None
 
     def _gather(self, unit):
-        """Issue unit's all-gather (async) unless it is gathered or on its way."""
+        """Issue unit's all-gathers (async) unless it is gathered or on its way: its trained flat
+        and its frozen bytes, each from this rank's shard."""
         if unit.gathered:
             return
-        unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
-        shard = (unit.device_shard if unit.device_shard is not None       # (S,) on the wire
-                 else unit.master.detach().to(self.compute_dtype))
-        unit.gathering = (unit.comm.all_gather(unit.flat, shard, async_op=True), shard)  # -> (N*S,)
+        sends = []                                                # (shard, flat it fills)
+        if unit.params:
+            shard = (self._visit_device(unit.host_shard) if unit.host_shard is not None
+                     else unit.device_shard if unit.device_shard is not None
+                     else unit.master.detach().to(self.compute_dtype))              # (S,)
+            sends.append((shard, unit.flat))                                        # -> (N*S,)
+        if unit.frozen is not None:
+            shard = unit.frozen.shard
+            sends.append((self._visit_device(shard) if self.offload_params else shard, unit.frozen.flat))
+        unit.gathering = []
+        for shard, flat in sends:
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            unit.gathering.append((unit.comm.all_gather(flat, shard, async_op=True), shard))
         unit.gathered = True
         self.events.append(("all-gather", unit.index))
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(
-            u.flat.untyped_storage().nbytes() for u in self.units))
+            flat.untyped_storage().nbytes() for u in self.units + self.frozen_units for flat in u.flats()))
+
+    def _visit_device(self, host_shard: torch.Tensor) -> torch.Tensor:
+        """offload_params: a shard's copy on the device, made just before its all-gather (which
+        keeps it alive until it is sent) and dropped after. From pinned memory the copy runs
+        beside compute on a GPU; on CPU ranks it is a CPU-to-CPU copy, the same steps."""
+        return host_shard.to(self.device, non_blocking=True, copy=True)
 
     def _prefetch(self, unit):
         # The limit keeps memory at 1 + prefetch units whatever runs ahead; a unit past the
@@ -251,6 +374,9 @@ class FSDP(nn.Module):
 
     def _before_backward(self, unit):
         self._hook_end_of_backward()
+        after = self._next(unit, +1)
+        if after is not None and after.frozen is not None:
+            after.free()       # its backward is over: its frozen bytes go (see _gradient_ready)
         self._gather(unit)
         unit.wait()
         self.events.append(("backward", unit.index))
@@ -266,7 +392,10 @@ class FSDP(nn.Module):
         unit.pending -= 1
         if unit.pending == 0:
             unit.pending = len(unit.params)
-            unit.free()                  # the gradients are out: the gathered parameters can go
+            # The gradients are out: the gathered parameters can go. Not the frozen ones: the
+            # unit's backward may still need them (LoRA's dx = dy W0 can come after the adapters'
+            # gradients), so they go when the unit before it starts its backward, or at the end.
+            unit.free(frozen=False)
             # In reduce_order on every rank (ddp.InOrder): a unit unused here waits for
             # the end of backward, and the units after it with it.
             self._order.ready(unit)
@@ -287,12 +416,14 @@ class FSDP(nn.Module):
             output = grad.new_empty(unit.master.shape)                          # (S,)
             started = unit.comm.reduce_scatter(output, grad, op=unit.op, async_op=True), output
             self.events.append(("reduce-scatter", unit.index))
-        unit.free()
+        unit.free(frozen=False)
         return started
 
     def _retire(self, unit, started):
         handle, output = started
         handle.wait()
+        if self.replicas is not None:            # HSDP: the shard's mean over the copies too
+            self.replicas.all_reduce(output, op=unit.op)
         # Upcast after the wire: accumulation and the update are fp32, whatever was sent.
         grad = output.float()
         if unit.divide != 1:
@@ -305,12 +436,25 @@ class FSDP(nn.Module):
         self._order.launch_rest()
         for unit in self.units:
             unit.pending = len(unit.params)
+        for unit in self.units + self.frozen_units:
+            if unit.frozen is not None:
+                unit.free()
         self._backward_hooked = False
 
     def finish_gradient_sync(self):
         """Wait for the outstanding reduce-scatters: each shard in FSDP.parameters() then holds its
         fp32 averaged gradient in .grad, so a plain torch.optim optimizer can step on them."""
         self._order.wait_all()
+        if self.replicas is not None and self._sync:
+            # HSDP: a parameter used by any copy's batch has a gradient on every copy now, so
+            # each unit's "used" flags are OR'ed over the copies (one small message, one read),
+            # or the copies would step differently (zero.py's keep_unchanged).
+            used = torch.tensor([u for unit in self.units for u in unit.used], dtype=torch.uint8,
+                                device=self.device)
+            self.replicas.all_reduce(used, op="max")
+            flags = iter(used.bool().tolist())
+            for unit in self.units:
+                unit.used = [next(flags) for _ in unit.params]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -345,20 +489,63 @@ class FSDP(nn.Module):
         """The gradient shards this rank holds (fp32, on the device)."""
         return [u.grad for u in self.units if u.grad is not None]
 
+    def frozen_shards(self) -> list[torch.Tensor]:
+        """This rank's shards of the frozen weights (bytes): on the host under offload_params."""
+        return [u.frozen.shard for u in self.units + self.frozen_units if u.frozen is not None]
+
     def device_shards(self) -> list[torch.Tensor]:
-        """The parameters the device keeps when the masters are offloaded (empty otherwise)."""
-        return [u.device_shard for u in self.units if u.device_shard is not None]
+        """The parameter shards the device keeps besides FSDP.parameters(): the compute-dtype
+        copies when the masters are offloaded, and the frozen shards (none under offload_params)."""
+        return ([u.device_shard for u in self.units if u.device_shard is not None]
+                + ([] if self.offload_params else self.frozen_shards()))
+
+    def host_shards(self) -> list[torch.Tensor]:
+        """offload_params: the shards that wait in host memory between their uses."""
+        if not self.offload_params:
+            return []
+        return [u.host_shard for u in self.units if u.host_shard is not None] + self.frozen_shards()
 
     def bytes_per_step(self, micro_batches: int = 1) -> int:
         """Bytes this rank sends per step (ring): per micro-batch one all-gather per unit for
-        forward, one more for backward except the root's (it stays gathered), one reduce-scatter
-        per unit; plus FSDPOptimizer's used-flags and norm (zero.py). 3 (N-1)/N of the model: 1.5x DDP."""
+        forward, one more for backward except the root's (it stays gathered), of its trained flat
+        and of its frozen bytes; one reduce-scatter per unit with something to train (HSDP: and
+        the shard's all-reduce over the copies); plus FSDPOptimizer's used-flags (HSDP: OR'ed over
+        the copies too) and norm (zero.py). 3 (N-1)/N of the trained model: 1.5x DDP."""
         size = torch.finfo(self.compute_dtype).bits // 8
-        per_unit = sum((2 if u is not self.root else 1)
-                       * ring_bytes("all_gather", u.flat.numel(), size, u.comm.world_size)
-                       + ring_bytes("reduce_scatter", u.flat.numel(), size, u.comm.world_size)
-                       for u in self.units)
-        return micro_batches * per_unit + flags_and_norm_bytes(self.units, self.comm)
+        gathers = lambda u: 1 if u in self.roots else 2
+        trained = sum(gathers(u) * ring_bytes("all_gather", u.flat.numel(), size, u.comm.world_size)
+                      + ring_bytes("reduce_scatter", u.flat.numel(), size, u.comm.world_size)
+                      + (ring_bytes("all_reduce", u.shard_numel, size, self.replicas.world_size)
+                         if self.replicas is not None else 0)
+                      for u in self.units)
+        frozen = sum(gathers(u) * ring_bytes("all_gather", u.frozen.flat.numel(), 1, u.comm.world_size)
+                     for u in self.units + self.frozen_units if u.frozen is not None)
+        flags = (ring_bytes("all_reduce", sum(len(u.params) for u in self.units), 1,
+                            self.replicas.world_size) if self.replicas is not None else 0)
+        return micro_batches * (trained + frozen) + flags_and_norm_bytes(self.units, self.comm) + flags
+
+    @contextlib.contextmanager
+    def frozen_gathered(self):
+        """Inside, every frozen weight is whole on this rank (a checkpoint saves or loads them);
+        on the way out, what was written into them goes back into this rank's shards.
+        Collective (all-gathers): every rank enters. For checkpoints, not for training steps.
+        Nested, only the outermost gathers and frees."""
+        units = [u for u in self.units + self.frozen_units if u.frozen is not None]
+        self._frozen_depth = getattr(self, "_frozen_depth", 0) + 1
+        if self._frozen_depth == 1:
+            for unit in units:
+                flat = unit.frozen.flat
+                flat.untyped_storage().resize_(flat.numel())
+                unit.comm.all_gather(flat, unit.frozen.shard.to(self.device))
+        try:
+            yield
+        finally:
+            self._frozen_depth -= 1
+            for unit in units if self._frozen_depth == 0 else ():
+                frozen = unit.frozen
+                frozen.shard.copy_(frozen.flat[unit.comm.rank * frozen.shard_bytes:
+                                               (unit.comm.rank + 1) * frozen.shard_bytes])
+                frozen.flat.untyped_storage().resize_(0)
 
     def names(self) -> dict:
         """{original parameter: its name in .module}."""
@@ -373,8 +560,9 @@ class FSDP(nn.Module):
             flat = torch.empty(unit.flat.numel(), device=unit.flat.device)    # (N*S,) fp32
             unit.comm.all_gather(flat, unit.master.detach().to(flat.device, copy=True))
             out.update({names[p]: view.clone() for p, view in zip(unit.params, unit.views(flat))})
-        out.update({name: p.detach().float().clone() for name, p in self.module.named_parameters()
-                    if not p.requires_grad})
+        with self.frozen_gathered():
+            out.update({name: p.detach().float().clone() for name, p in self.module.named_parameters()
+                        if not p.requires_grad})
         return out if all_ranks or self.comm.rank == 0 else {}
 
 
@@ -396,11 +584,19 @@ class FSDPOptimizer(ShardedOptimizer):
         if offload not in (True, False):
             raise ValueError(f"FSDPOptimizer offload must be True (the optimizer on the CPU) or "
                              f"False, got {offload!r}")
+        # Parameters on the host: so are their fp32 masters, so the step runs there too.
+        offload = offload or fsdp.offload_params
         self.fsdp, self.offload, self.comm = fsdp, offload, fsdp.comm
+        # HSDP: the copies hold the same shards; the first copy's ranks write checkpoints.
+        self.replica_rank = fsdp.replicas.rank if fsdp.replicas is not None else 0
         if offload:
             for unit in fsdp.units:
-                unit.device_shard = unit.master.detach().to(fsdp.compute_dtype, copy=True)   # (S,)
-                unit.host_grad = host_buffer(unit.device_shard)
+                rounded = unit.master.detach().to(fsdp.compute_dtype, copy=True)         # (S,)
+                if fsdp.offload_params:
+                    unit.host_shard = host_copy(rounded, dtype=fsdp.compute_dtype)
+                else:
+                    unit.device_shard = rounded
+                unit.host_grad = host_buffer(rounded)
                 unit.master.data = host_copy(unit.master)          # the device's fp32 copy is freed
         self.flats, self.masters = fsdp.units, [u.master for u in fsdp.units]
         super().__init__(self.masters, optimizer_cls, optimizer_kwargs,
@@ -419,6 +615,13 @@ class FSDPOptimizer(ShardedOptimizer):
     def _write_back(self):
         if self.offload:
             self.refresh_params()
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return super().host_tensors() + self.fsdp.host_shards()
+
+    def frozen_gathered(self):
+        """FSDP.frozen_gathered: the frozen weights whole, for a checkpoint (collective)."""
+        return self.fsdp.frozen_gathered()
 
     def zero_grad(self, set_to_none: bool = True):
         for unit in self.fsdp.units:
@@ -446,9 +649,13 @@ def build(gpt, options, data, split, device, adamw: dict):
     """
     # Expert parallelism (moe.py): E/ep experts per rank, each its own unit over their holders.
     experts = expert_parallel(gpt, data, options.ep)[0] if options.ep > 1 else None
-    model = FSDP(gpt, compute_dtype=DTYPES[options.precision], group=data, prefetch=options.prefetch,
-                 device=device, expert_group=experts)
+    # --shard-group S: shards over S neighbouring ranks (one node), a copy per group of them.
+    S = options.shard_group or data.world_size
+    shard, copies = make_mesh(data, S) if S < data.world_size else (data, None)
+    model = FSDP(gpt, compute_dtype=DTYPES[options.precision], group=shard, prefetch=options.prefetch,
+                 device=device, expert_group=experts, replicate_group=copies,
+                 offload_params=options.offload == "params")
     optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(options.offload), **adamw)
     return (model, optimizer, model.bytes_per_step(micro_batches=options.grad_accum)
             + exchange_bytes(gpt, options, data.world_size),
-            run_state_bytes(gpt, "zero3", options, data.world_size))
+            run_state_bytes(gpt, "zero3", options, S))

@@ -95,7 +95,7 @@ def nf4_bytes(numel: int, double_quant: bool = False) -> int:
 
 def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
                 optimizer: str = "adamw", trainable: int | None = None, quantized: int = 0,
-                double_quant: bool = False, offload: bool = False) -> dict:
+                double_quant: bool = False, offload: bool | str = False) -> dict:
     """Bytes one rank holds in parameters, gradients and optimizer state, and their total.
 
     A sharded quantity is one padded shard, c = ceil(P / N) elements: the implementation pads
@@ -109,12 +109,15 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     offload (ZeRO-Offload, zero1/zero2/zero3 only): the optimizer shard moves to host memory,
     and "host" counts it: fp32 master (fp32 training too: the CPU updates its own copy, the
     device keeps the parameters), moments, and an fp32 buffer the gradient shard lands in.
-    "total" stays the device's bytes.
+    offload="params" (zero3 only): the parameter shards (trained and frozen) move to the host
+    too, visiting the device only for their all-gathers. "total" stays the device's bytes.
     """
     strategy = _strategy(strategy, world_size)
     if offload and strategy == "ddp":
         raise ValueError("offload moves a sharded optimizer to the host: use zero1, zero2 or "
                          "zero3/fsdp (ddp keeps a whole optimizer on every rank)")
+    if offload == "params" and strategy != "zero3":
+        raise ValueError("offload='params' moves parameter shards to the host: zero3/fsdp only")
     per_param = bytes_per_param(precision, optimizer)
     trainable = n_params if trainable is None else trainable
     shard = -(-trainable // world_size)                             # c = ceil(P / N)
@@ -131,6 +134,10 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
         held["host"] = held["optimizer"] + master + 4 * shard
         held["total"] -= held["optimizer"]
         held["optimizer"] = 0
+    if offload == "params":
+        held["host"] += held["params"]
+        held["total"] -= held["params"]
+        held["params"] = 0
     return held
 
 
@@ -289,10 +296,10 @@ def run_state_bytes(gpt, strategy: str, options, world_size: int, n_params: int 
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) - experts
     held = state_bytes((numel if n_params is None else n_params) - experts, strategy,
                        options.precision, world_size, trainable=trainable, quantized=quantized,
-                       double_quant=options.double_quant, offload=bool(options.offload))
+                       double_quant=options.double_quant, offload=options.offload or False)
     if experts:
         expert_held = state_bytes(experts, strategy, options.precision, world_size // options.ep,
-                                  offload=bool(options.offload))
+                                  offload=options.offload or False)
         held = {key: held.get(key, 0) + expert_held.get(key, 0) for key in held}
     return held
 

@@ -15,6 +15,7 @@ Test: python -m pytest tests/test_snapshot.py
 
 Layout:  OUT/ckpt-0000100/{meta.json, rank00000.pt, ...}   written as ckpt-0000100.tmp first
 """
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -196,16 +197,25 @@ def rank_pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
     experts = layout.experts is not None and layout.experts.rank == 0     # first holder of these
     if not (optimizer.sharded or replicas or experts):
         return []
-    pieces = optimizer_pieces(optimizer, names(gpt))
+    # HSDP's copies hold the same shards: the first copy's ranks write them.
+    first_copy = getattr(optimizer, "replica_rank", 0) == 0
+    pieces = optimizer_pieces(optimizer, names(gpt)) if first_copy else []
     if layout.experts is not None and not optimizer.sharded:   # each rank its own experts
         held = {name for name, p in gpt.named_parameters() if is_expert(p)}
         pieces = [piece for piece in pieces if (experts if piece["name"] in held else replicas)]
-    if frozen and layout.data_rank == 0:
-        pieces += frozen_pieces(gpt)
+    if frozen:
+        with frozen_whole(optimizer):                  # collective where FSDP shards them
+            pieces += frozen_pieces(gpt) if layout.data_rank == 0 else []
     if layout.tensor:                                  # collective: the whole tensor group
         pieces = gather_pieces(pieces, dict(gpt.named_parameters()), layout.split)
         pieces = pieces if layout.split.rank == 0 else []
     return pieces
+
+
+def frozen_whole(optimizer):
+    """A context in which the frozen weights are whole on every rank: FSDP shards them
+    (fsdp.FSDPOptimizer.frozen_gathered), the other strategies keep them whole already."""
+    return getattr(optimizer, "frozen_gathered", contextlib.nullcontext)()
 
 
 def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_config=None):
@@ -247,7 +257,8 @@ def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
     pieces = Pieces([p for part in parts for p in part["pieces"]])
     if layout.tensor:                                    # whole pieces in, this rank's slices out
         pieces = TensorParallelReader(pieces, dict(gpt.named_parameters()), layout.split)
-    load_pieces(optimizer, names(gpt), gpt, pieces, frozen=not meta.get("base"))
+    with frozen_whole(optimizer):
+        load_pieces(optimizer, names(gpt), gpt, pieces, frozen=not meta.get("base"))
     optimizer.scaler.load_state_dict(parts[0]["scaler"])     # the same on every rank
     if meta["world_size"] == world_size:
         torch.set_rng_state(parts[rank]["rng"]["cpu"])
@@ -269,7 +280,13 @@ def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
 
 
 def export(path, gpt, optimizer, layout: Layout, rank, lora_config=None):
-    """One consolidated fp32 file: {"model": config, "state_dict": weights}, written by rank 0."""
+    """One consolidated fp32 file: {"model": config, "state_dict": weights}, written by rank 0.
+    Collective. The frozen weights are whole throughout (folding reads a 4-bit base)."""
+    with frozen_whole(optimizer):
+        _export(path, gpt, optimizer, layout, rank, lora_config)
+
+
+def _export(path, gpt, optimizer, layout: Layout, rank, lora_config):
     pieces = [{**p, "tensors": {"param": p["tensors"]["param"]}, "scalars": {}}
               for p in rank_pieces(gpt, optimizer, layout)]
     gathered = gather_objects(pieces, Comm(), next(gpt.parameters()).device, dst=0)

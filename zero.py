@@ -375,15 +375,15 @@ def step_message_bytes(n_params: int, world_size: int) -> int:
 
 # ---- CPU offload (ZeRO-Offload), shared with fsdp.py -------------------------------------------
 
-def host_buffer(like: torch.Tensor) -> torch.Tensor:
-    """An empty fp32 host tensor shaped like `like`, pinned when `like` is on a GPU: only from
+def host_buffer(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """An empty (fp32) host tensor shaped like `like`, pinned when `like` is on a GPU: only from
     pinned (page-locked) memory can a copy run as a DMA transfer that does not block the CPU."""
-    return torch.empty(like.shape, dtype=torch.float32, pin_memory=like.is_cuda)
+    return torch.empty(like.shape, dtype=dtype, pin_memory=like.is_cuda)
 
 
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """An fp32 copy of `t` in (pinned) host memory."""
-    return host_buffer(t).copy_(t.detach())
+def host_copy(t: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """An (fp32) copy of `t` in (pinned) host memory."""
+    return host_buffer(t, dtype).copy_(t.detach())
 
 
 def gradients_to_host(grads: list, buffers: list) -> list:

@@ -147,7 +147,7 @@ def _full_gradients(wrapped, scale):
     names, grads = wrapped.names(), {}
     for unit in wrapped.units:
         flat = torch.empty(unit.flat.numel())                         # (N*S,)
-        dist.all_gather_single(flat, unit.grad / scale)
+        unit.comm.all_gather(flat, unit.grad / scale)                 # over its shard group
         grads.update({names[p]: g.clone() for p, g in zip(unit.params, unit.views(flat))})
     return grads
 
@@ -243,9 +243,10 @@ def _load_full_state_dict(wrapped, state: dict):
             view.copy_(state[names[p]])
         unit.master.copy_(unit.shard(flat, wrapped.comm.rank))
         unit.refresh()
-    for name, p in wrapped.module.named_parameters():
-        if not p.requires_grad:
-            p.copy_(state[name])
+    with wrapped.frozen_gathered():                  # whole inside, written back to the shards
+        for name, p in wrapped.module.named_parameters():
+            if not p.requires_grad:
+                p.copy_(state[name])
 
 
 def _state_round_trip(batches, offload=False):
