@@ -76,8 +76,9 @@ def collectives_report(m: dict, tables: dict) -> list:
         lines += ["", f"| {title} size | ring us | native us | ring/native | ring busbw GB/s | "
                   "native busbw GB/s | sent per rank, B (ring counter / formula) |", "|" + "---|" * 7]
         for r in rows:
-            # an all-to-all of N blocks on N = 3 ranks is a few bytes short of the round size
-            size = f"{round(r['bytes'] / MiB)} MB" if r["bytes"] >= MiB / 2 else f"{round(r['bytes'] / 2**10)} KB"
+            # rounded: an all-to-all of N equal blocks on N = 3 ranks is a few bytes short
+            size = (f"{round(r['bytes'] / MiB)} MB" if r["bytes"] >= MiB / 2 else
+                    f"{round(r['bytes'] / 2**10)} KB")
             lines.append(f"| {size} | {spread(r['ring']['us'])} | {spread(r['native']['us'])} | "
                          f"{r['ratio']:.2f} | {r['ring']['busbw_GBps']:.3f} | "
                          f"{r['native']['busbw_GBps']:.3f} | {r['ring_sent_bytes']:,.0f} / "

@@ -302,6 +302,8 @@ def expert_params(name_or_config, experts: int | None = None) -> int:
     """Parameters of the experts' MLPs over all blocks: every one of each MoE layer's E, or
     `experts` of them (a token's top_k; a rank's E/ep under expert parallelism). 0 if dense."""
     cfg = _config(name_or_config)
+    if not cfg.experts:
+        return 0
     C = cfg.n_embd
     return cfg.n_layer * (cfg.experts if experts is None else experts) * (8 * C * C + 5 * C)
 

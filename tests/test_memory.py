@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from collectives import ring_bytes
-from memory import (STRATEGIES, activation_bytes, bytes_per_param, comm_bytes, ep_comm_bytes,
-                    ep_params, ep_state_bytes, expert_params, main, model_params, moe_exchange_bytes,
-                    moe_mlp_bytes, nf4_bytes, state_bytes)
+from memory import (STRATEGIES, active_params, activation_bytes, bytes_per_param, comm_bytes,
+                    ep_comm_bytes, ep_params, ep_state_bytes, expert_params, main, model_params,
+                    moe_exchange_bytes, moe_mlp_bytes, nf4_bytes, state_bytes)
 from model import PRESETS, GPTConfig, build_model
 from multiprocess import run_ranks
 
@@ -149,7 +149,8 @@ def test_a_rank_holds_what_ep_params_says(name, ep):
     assert experts == sum(p.numel() for p in gpt.parameters() if is_expert(p))
     assert experts == expert_params(name) // ep
     assert ep_params(name, 1) == (model_params(name), 0)
-    assert expert_params("tiny") == 0
+    assert expert_params("tiny") == expert_params("tiny", 2) == 0
+    assert active_params("gpt2-small") == model_params("gpt2-small")      # dense: every one
 
 
 def test_expert_parallel_state_and_traffic_by_hand():
