@@ -3,8 +3,10 @@
 The rungs, each a train.py command: ddp (then zero2, the micro-batch grown), fsdp, + activation
 checkpointing, + the optimizer offloaded to the CPU, LoRA, QLoRA. Each is priced per rank (training
 state plus one micro-batch's activations and logits); the first that fits is the advice, and
-train.py --strategy auto takes it. Left out: speed (it chooses by bytes, not step time), pipeline
-and tensor parallelism, and what memory.py leaves out (transient buffers, the CUDA context).
+train.py --strategy auto takes it. For a model with experts, the advice is also priced under each
+--ep: bytes held against all-to-all bytes sent. Left out: speed (it chooses by bytes, not step
+time), pipeline and tensor parallelism, and what memory.py leaves out (transient buffers, the CUDA
+context).
 Run: python memory.py --advise --model gpt2-small --gpu-mem 24GB --world 4 --target-batch 64
 Test: python -m pytest tests/test_advisor.py
 """
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from memory import GB, activation_bytes, bytes_per_param, logits_bytes, model_params, state_bytes
+from memory import (GB, active_params, activation_bytes, bytes_per_param, ep_comm_bytes, ep_params,
+                    ep_state_bytes, logits_bytes, model_params, moe_exchange_bytes)
 from model import PRESETS, GPTConfig
 from process_groups import init_distributed
 
@@ -26,6 +29,7 @@ from process_groups import init_distributed
 # Gradient accumulation fills the rest of the target batch at every rung.
 
 LORA_RANK, LORA_TARGETS = 8, ("query", "value")
+HEADROOM = 0.1                  # of the memory left free: a rung fits under 90% of it
 
 
 @dataclass
@@ -43,6 +47,23 @@ class Advice:
         return ["--strategy", self.strategy, "--model", model, "--precision", precision,
                 "--batch-size", str(target_batch), "--seq-len", str(seq_len),
                 "--grad-accum", str(self.grad_accum), *self.flags]
+
+
+def rung_bytes(cfg: GPTConfig, strategy: str, precision: str, world: int, seq_len: int, b: int,
+               checkpointing: bool = False, offload: bool = False, trainable: int | None = None,
+               quantized: int = 0, ep: int = 1) -> dict:
+    """Per-rank device bytes of one rung: the training state (under --ep, a rank's E/ep experts
+    of each MoE layer kept over the world/ep ranks that hold them) and one micro-batch of b
+    sequences' activations and logits. trainable None: every parameter trains."""
+    n, experts = ep_params(cfg, ep)
+    states = ep_state_bytes(n, experts, strategy, precision, world, ep, trainable=trainable,
+                            quantized=quantized, offload=offload)
+    act = activation_bytes(seq_len, b, cfg.n_embd, cfg.n_head, cfg.n_layer, checkpointing,
+                           bytes_per_param(precision)["params"], moe=cfg, ep=ep)
+    act += logits_bytes(seq_len, b, cfg.vocab_size)
+    return {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
+            "activations": act, "total": states["total"] + act,
+            **({"host": states["host"]} if offload else {})}
 
 
 def lora_params(cfg: GPTConfig, rank: int = LORA_RANK, targets: int = len(LORA_TARGETS)) -> int:
@@ -66,7 +87,7 @@ def parse_bytes(text: str) -> int:
 
 
 def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int,
-           precision: str = "bf16", headroom: float = 0.1) -> list[Advice]:
+           precision: str = "bf16", headroom: float = HEADROOM) -> list[Advice]:
     """Walk the flow chart; every rung tried, the last one the first that fits (if any does).
 
     A rung fits when its per-rank bytes (states + one micro-batch's activations and logits)
@@ -84,16 +105,16 @@ def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int
     if target_batch < 1 or target_batch % world:
         raise ValueError(f"--target-batch {target_batch} does not split over {world} ranks: "
                          f"use a multiple of {world}")
-    cfg, n = PRESETS[model], model_params(model)
-    per_rank, value = target_batch // world, bytes_per_param(precision)["params"]
+    cfg = PRESETS[model]
+    per_rank = target_batch // world
     budget = (1 - headroom) * gpu_mem
     adapted = cfg.n_layer * len(LORA_TARGETS) * cfg.n_embd ** 2        # weights LoRA wraps
     lora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(LORA_TARGETS)]
-    rungs = [  # (name, strategy, checkpointing, offload, trainable, quantized, flags)
-        ("ddp, micro-batch 1", "ddp" if world > 1 else "single", False, False, n, 0, []),
-        ("zero3 (fsdp)", "fsdp", False, False, n, 0, []),
-        ("fsdp + activation checkpointing", "fsdp", True, False, n, 0, ["--checkpoint-activations"]),
-        ("fsdp + checkpointing + optimizer offloaded to the CPU", "fsdp", True, True, n, 0,
+    rungs = [  # (name, strategy, checkpointing, offload, trainable (None: all), quantized, flags)
+        ("ddp, micro-batch 1", "ddp" if world > 1 else "single", False, False, None, 0, []),
+        ("zero3 (fsdp)", "fsdp", False, False, None, 0, []),
+        ("fsdp + activation checkpointing", "fsdp", True, False, None, 0, ["--checkpoint-activations"]),
+        ("fsdp + checkpointing + optimizer offloaded to the CPU", "fsdp", True, True, None, 0,
          ["--checkpoint-activations", "--offload", "optimizer"]),
         ("LoRA (fsdp + checkpointing)", "fsdp", True, False, lora_params(cfg), 0,
          ["--checkpoint-activations", *lora]),
@@ -103,13 +124,8 @@ def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int
     tried = []
     for name, strategy, checkpointing, offload, trainable, quantized, flags in rungs:
         def need(b, strategy=strategy):
-            states = state_bytes(n, strategy, precision, world, trainable=trainable,
-                                 quantized=quantized, offload=offload)
-            act = activation_bytes(seq_len, b, cfg.n_embd, cfg.n_head, cfg.n_layer, checkpointing,
-                                   value) + logits_bytes(seq_len, b, cfg.vocab_size)
-            return {"params": states["params"], "grads": states["grads"],
-                    "optimizer": states["optimizer"], "activations": act,
-                    "total": states["total"] + act, **({"host": states["host"]} if offload else {})}
+            return rung_bytes(cfg, strategy, precision, world, seq_len, b, checkpointing, offload,
+                              trainable, quantized)
         held = need(1)
         if held["total"] > budget:
             tried.append(Advice(name, strategy, 1, per_rank, flags, held, False))
@@ -157,7 +173,10 @@ def print_advice(args):
     seq_len = args.seq_len or PRESETS[args.model].block_size
     precision = "bf16" if args.bf16 else "fp16"
     rungs = advise(args.model, gpu_mem, args.world, seq_len, args.target_batch, precision)
-    print(f"{args.model} ({model_params(args.model):,} parameters) on {args.world} GPU(s) of "
+    cfg = PRESETS[args.model]
+    active = (f", {active_params(cfg):,} of them active per token: top-{cfg.top_k} of "
+              f"{cfg.experts} experts" if cfg.experts else "")
+    print(f"{args.model} ({model_params(cfg):,} parameters{active}) on {args.world} GPU(s) of "
           f"{gpu_mem / GB:.0f} GB, seq len {seq_len}, target batch {args.target_batch}, {precision} "
           f"(mixed precision, fp32 masters); fits = under 90% of the memory")
     print("activations are one micro-batch's (b sequences per rank): --grad-accum adds none")
@@ -176,6 +195,45 @@ def print_advice(args):
     argv = chosen.argv(args.model, precision, seq_len, args.target_batch)
     print(f"\n{launch} train.py {' '.join(argv)}"
           + ("   # LoRA fine-tunes a trained model: add --init-from RUN_DIR" if "--lora" in argv else ""))
+    if cfg.experts:
+        print_expert_parallel(cfg, chosen, args.world, seq_len, precision, gpu_mem)
+
+
+def expert_parallel_options(cfg: GPTConfig, chosen: Advice, world: int, seq_len: int,
+                            precision: str) -> list[tuple[int, dict, dict]]:
+    """The chosen rung under each --ep dividing the experts and the world: (ep, bytes per rank
+    (rung_bytes), bytes sent per step by collective: the gradients' and parameters' over their
+    groups (memory.ep_comm_bytes) and the all-to-alls (memory.moe_exchange_bytes))."""
+    options = []
+    for ep in (ep for ep in range(1, world + 1) if world % ep == 0 and cfg.experts % ep == 0):
+        n, experts = ep_params(cfg, ep)
+        sent = ep_comm_bytes(n, experts, chosen.strategy, precision, world, ep)
+        sent["all_to_all"] = moe_exchange_bytes(cfg, chosen.micro_batch * seq_len, ep, precision,
+                                                chosen.grad_accum)
+        held = rung_bytes(cfg, chosen.strategy, precision, world, seq_len, chosen.micro_batch,
+                          "--checkpoint-activations" in chosen.flags, "--offload" in chosen.flags, ep=ep)
+        options.append((ep, held, sent))
+    return options
+
+
+def print_expert_parallel(cfg: GPTConfig, chosen: Advice, world: int, seq_len: int, precision: str,
+                          gpu_mem: int):
+    """The advice under each --ep: fewer experts held per rank, against the all-to-all bytes."""
+    if not chosen.fits or "--lora" in chosen.flags or world == 1:
+        why = ("one GPU holds every expert" if world == 1 else "nothing fits" if not chosen.fits
+               else "LoRA keeps the experts whole on every rank")
+        print(f"expert parallelism (--ep): not priced, {why}")
+        return
+    print(f"\nexpert parallelism, {chosen.strategy} with micro-batch {chosen.micro_batch} x "
+          f"{chosen.grad_accum}: --ep N holds {cfg.experts}/N experts per block on each rank, and each "
+          f"block sends a micro-batch's tokens to them and back (4 all-to-alls, capacity buffer)")
+    print(f"{'--ep':>5}{'experts':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'total GB':>10}"
+          f"{'all-to-all MB':>15}{'sent MB/step':>14}")
+    for ep, h, sent in expert_parallel_options(cfg, chosen, world, seq_len, precision):
+        print(f"{ep:>5}{cfg.experts // ep:>9}{h['params'] / GB:9.2f}{h['grads'] / GB:9.2f}"
+              f"{h['optimizer'] / GB:9.2f}{h['activations'] / GB:9.2f}{h['total'] / GB:10.2f}"
+              f"{sent['all_to_all'] / 1e6:15.1f}{sum(sent.values()) / 1e6:14.1f}  "
+              + ("fits" if h["total"] <= (1 - HEADROOM) * gpu_mem else "too big"))
 
 
 # ---- train.py --strategy auto ------------------------------------------------------------------

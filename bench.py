@@ -3,8 +3,10 @@
 The contenders: each strategy and its PyTorch counterpart (DistributedDataParallel, ZeRO-1's
 ZeroRedundancyOptimizer, fully_shard, parallelize_module, torch.distributed.pipelining's
 schedules on the same stages, torch.utils.checkpoint on our DDP) train the same model on the
-same data, precision and world size. bench_measure.py times them and prints the table,
-bench_collectives.py times all-reduce by size. Left out: gradient accumulation, data loading.
+same data, precision and world size; a mixture of experts trains with its experts split over
+--ep ranks against the same model replicated (PyTorch has no expert parallelism of its own).
+bench_measure.py times them and prints the tables, bench_collectives.py times all-reduce and
+all-to-all by size. Left out: gradient accumulation, data loading.
 Run: torchrun --nproc_per_node 2 bench.py --quick (CPU); torchrun --nproc_per_node 8 bench.py (GPUs)
 Test: python -m pytest tests/test_bench.py
 """
@@ -14,6 +16,7 @@ import os
 import time
 import warnings
 from functools import partial
+from types import SimpleNamespace
 
 # torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy, and
 # requirements.txt does not install it.
@@ -37,11 +40,11 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 import pipeline
 import tensor_parallel
 from bench_collectives import bench_collectives, collectives_report
-from bench_measure import Run, bench_strategy, machine, matmul_peak_flops, report
+from bench_measure import Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report, report
 from checkpointing import checkpoint_blocks
 from collectives import Comm, split_norm
 from data import TextData
-from ddp import DDP
+from ddp import DDP, build as build_ddp
 from fsdp import FSDP, FSDPOptimizer
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS, build_model
@@ -310,6 +313,18 @@ def torch_pipelining(schedule, model, args):
                forward_backward=forward_backward)
 
 
+def ours_moe(ep, model, args):
+    """Our DDP on a mixture of experts, as train.py --strategy ddp --ep builds it (ddp.build):
+    each rank holds E/ep of every MoE layer's experts and sends its tokens to them by all-to-all;
+    ep 1 keeps every expert on every rank, plain data parallelism."""
+    comm = Comm()
+    options = SimpleNamespace(strategy="ddp", ep=ep, bucket_mb=args.bucket_mb, precision=args.precision,
+                              batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=1,
+                              double_quant=False, offload=None)
+    wrapped, optimizer, sent, _ = build_ddp(model, options, comm, None, None, ADAMW)
+    return Run(wrapped, optimizer, comm, label=f"our DDP --ep {ep}", napkin_sent=sent)
+
+
 # name -> (build ours, build PyTorch's). A new strategy is one more line here.
 STRATEGIES = {
     "ddp": (ours_ddp, torch_ddp),
@@ -325,7 +340,7 @@ STRATEGIES = {
 }
 # A tensor group or a pipeline computes one model: its ranks read the same rows.
 WHOLE_BATCH = {"tp", *(name for name in STRATEGIES if name.startswith("pipeline-"))}
-BENCHMARKS = (*STRATEGIES, "collectives")
+BENCHMARKS = (*STRATEGIES, "moe", "collectives")
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -347,12 +362,17 @@ def parse_args(argv=None):
     p.add_argument("--bucket-mb", type=float, default=25, help="bucket MiB, ours and torch's; default 25")
     p.add_argument("--microbatches", type=int, help="pipeline rows: micro-batches per step; "
                    "default 2 x world size")
+    p.add_argument("--moe-model", choices=[name for name, cfg in PRESETS.items() if cfg.experts],
+                   help="the moe rows' model; default gpt2-small-moe (tiny-moe)")
+    p.add_argument("--ep", type=int, default=2, help="the moe rows: experts split over groups of "
+                   "--ep ranks, against ep 1; default 2")
     p.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip, 0: off; default 1")
     p.add_argument("--threads", type=int, help="torch threads per rank; default cores / local ranks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench.json", help="the numbers as JSON; default bench.json")
     args = p.parse_args(argv)
-    for name, full, quick in (("model", "gpt2-small", "tiny"), ("precision", "bf16", "fp32"),
+    for name, full, quick in (("model", "gpt2-small", "tiny"), ("moe_model", "gpt2-small-moe", "tiny-moe"),
+                              ("precision", "bf16", "fp32"),
                               ("seq_len", 1024, 64), ("warmup", 5, 3), ("steps", 20, 10),
                               ("repeats", 5, 3), ("max_mb", 64, 4)):
         if getattr(args, name) is None:
@@ -402,6 +422,16 @@ def parse_args(argv=None):
            if args.microbatches % world_size else None)
     if "pipeline-interleaved" in args.strategies and why:
         refuse(["pipeline-interleaved"], why, "leave it out of --strategies")
+    # The moe rows split the experts of --moe-model over groups of --ep ranks.
+    moe = PRESETS[args.moe_model]
+    why = ("expert parallelism needs 2 or more ranks" if world_size < 2 else
+           f"--ep {args.ep} must be 2 or more and divide the world size {world_size} and model "
+           f"{args.moe_model}'s {moe.experts} experts" if args.ep < 2 or world_size % args.ep
+           or moe.experts % args.ep else
+           f"--seq-len {args.seq_len} exceeds model {args.moe_model}'s block size {moe.block_size}"
+           if args.seq_len > moe.block_size else None)
+    if "moe" in args.strategies and why:
+        refuse(["moe"], why, "leave it out of --strategies")
     if args.batch_size < 1 or args.batch_size % world_size:
         p.error(f"--batch-size {args.batch_size} does not split over {world_size} ranks: "
                 f"use a positive multiple of {world_size}")
@@ -435,16 +465,21 @@ def main(argv=None):
     rows = [bench_strategy(name, STRATEGIES[name], args, whole if name in WHOLE_BATCH else rows_of_rank,
                            device, n_params, peak_flops)
             for name in args.strategies if name in STRATEGIES]
+    # The moe rows' model: time_training builds args.model.
+    moe_args = argparse.Namespace(**{**vars(args), "model": args.moe_model})
+    moe_row = (bench_moe({ep: partial(ours_moe, ep) for ep in (1, args.ep)}, moe_args, rows_of_rank, device)
+               if "moe" in args.strategies else None)
     collective_rows = (bench_collectives(args, device)
-                       if "collectives" in args.strategies and world_size > 1 else [])
+                       if "collectives" in args.strategies and world_size > 1 else {})
 
     m = {**machine(device, args, n_params, peak_flops), "benchmarks": args.strategies,
          "skipped": args.skipped}
     if rank == 0:
-        print("\n".join(report(m, rows) + collectives_report(m, collective_rows)))
+        print("\n".join(report(m, rows) + moe_report(moe_row) + collectives_report(m, collective_rows)))
         print(f"\nbench.py ran {time.perf_counter() - started:.0f} s")
         with open(args.json, "w") as f:
-            json.dump({"machine": m, "strategies": rows, "collectives": collective_rows}, f, indent=1)
+            json.dump({"machine": m, "strategies": rows, "moe": moe_row, "collectives": collective_rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""bench_collectives.py: our ring all-reduce (built from send/recv) against the native one, by size.
+"""bench_collectives.py: our ring collectives (built from send/recv) against the native ones, by size.
 
+All-reduce (every strategy's gradient sync) and all-to-all (moe.py's dispatch and combine).
 Message sizes x4 from 1 KB to --max-mb, each timed per call over many calls (more for small
 messages, where latency is the cost), ring and native in turn so drift hits both alike; reported
-as nccl-tests do: algbw = bytes / time, busbw = what each link carries. Left out: the other
-collectives (reduce-scatter, all-gather: the two halves of this one) and dtypes other than fp32.
+as nccl-tests do: algbw = bytes / time, busbw = what each link carries. Beside them, the bytes a
+rank sends per call by our ring's counter and by the formula. Left out: reduce-scatter and
+all-gather (all-reduce's two halves), uneven all-to-all splits, dtypes other than fp32.
 Run: torchrun --nproc_per_node 2 bench.py --quick --strategies collectives
 Test: python -m pytest tests/test_bench.py
 """
@@ -14,53 +16,78 @@ import torch
 import torch.distributed as dist
 
 from bench_measure import MiB, across_ranks, spread, summary, sync
-from collectives import Comm
+from collectives import Comm, all_to_all_bytes, ring_bytes
+
+# What each link carries per byte of the message (nccl-tests' busbw factor), for N ranks: a ring
+# all-reduce sends 2(N-1)/N of it; all-to-all sends each rank's N-1 blocks out of N.
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 
 
-def bench_collectives(args, device) -> list:
-    """Ring (ours, from send/recv) against native all-reduce, sizes x4 from 1 KB to --max-mb."""
+def bench_collectives(args, device) -> dict:
+    """{collective: rows}: ring (ours, from send/recv) against native, sizes x4 from 1 KB to
+    --max-mb; an all-to-all's size is each rank's input, N equal blocks of it."""
     comms = {"ring": Comm(ring=True), "native": Comm()}
-    n, rows, nbytes = dist.get_world_size(), [], 2**10
+    return {name: _by_size(name, comms, args, device) for name in BUS_FACTOR}
+
+
+def _by_size(name, comms, args, device) -> list:
+    n, rank, rows, nbytes = dist.get_world_size(), dist.get_rank(), [], 2**10
     while nbytes <= args.max_mb * MiB:
-        tensor = torch.zeros(nbytes // 4, device=device)      # fp32; zeros stay finite under sum
+        # fp32 zeros stay finite under sum; all-to-all's input: N equal blocks of rows
+        tensor = torch.zeros(nbytes // 4 // n * n, device=device)
+        if name == "all_reduce":
+            formula = ring_bytes("all_reduce", tensor.numel(), 4, n)
+            call = lambda comm: comm.all_reduce(tensor)
+        else:
+            formula, output = all_to_all_bytes(tensor, None, rank, n), torch.empty_like(tensor)
+            call = lambda comm: comm.all_to_all(output, tensor)
         iters = max(5, min(100, 2**26 // nbytes))              # small messages: more calls
         for comm in comms.values():                            # warm-up: connections, buffers
-            comm.all_reduce(tensor)
-            comm.all_reduce(tensor)
-        times = {name: [] for name in comms}
+            call(comm)
+            call(comm)
+        times = {side: [] for side in comms}
+        comms["ring"].bytes_sent.clear()
         for _ in range(args.repeats):
-            for name, comm in comms.items():
+            for side, comm in comms.items():
                 sync(device)
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(iters):
-                    comm.all_reduce(tensor)
+                    call(comm)
                 sync(device)
-                times[name].append(across_ranks(time.perf_counter() - start, device) / iters)
-        row = {"bytes": nbytes}
-        for name, seconds in times.items():
-            algbw = nbytes / statistics.median(seconds)        # nccl-tests: size / time
-            row[name] = {"us": summary([1e6 * s for s in seconds]), "algbw_GBps": algbw / 1e9,
-                         "busbw_GBps": algbw * 2 * (n - 1) / n / 1e9}   # what each link carries
+                times[side].append(across_ranks(time.perf_counter() - start, device) / iters)
+        row = {"bytes": tensor.nbytes, "formula_bytes": formula,
+               "ring_sent_bytes": comms["ring"].bytes_sent[name] / (args.repeats * iters)}
+        for side, seconds in times.items():
+            algbw = tensor.nbytes / statistics.median(seconds)     # nccl-tests: size / time
+            row[side] = {"us": summary([1e6 * s for s in seconds]), "algbw_GBps": algbw / 1e9,
+                         "busbw_GBps": algbw * BUS_FACTOR[name](n) / 1e9}
         row["ratio"] = row["ring"]["us"]["median"] / row["native"]["us"]["median"]
         rows.append(row)
         nbytes *= 4
     return rows
 
 
-def collectives_report(m: dict, rows: list) -> list:
-    """The all-reduce table's lines, or why it is missing; none when it was not asked for."""
+def collectives_report(m: dict, tables: dict) -> list:
+    """The all-reduce and all-to-all tables' lines, or why they are missing; none when not asked for."""
     lines = []
-    if rows:
-        lines += ["", "| all-reduce size | ring us | native us | ring/native | ring busbw GB/s | "
-                  "native busbw GB/s |", "|" + "---|" * 6]
+    for name, rows in tables.items():
+        title = name.replace("_", "-")
+        lines += ["", f"| {title} size | ring us | native us | ring/native | ring busbw GB/s | "
+                  "native busbw GB/s | sent per rank, B (ring counter / formula) |", "|" + "---|" * 7]
         for r in rows:
-            size = f"{r['bytes'] // MiB} MB" if r["bytes"] >= MiB else f"{r['bytes'] // 2**10} KB"
+            # rounded: an all-to-all of N equal blocks on N = 3 ranks is a few bytes short
+            size = (f"{round(r['bytes'] / MiB)} MB" if r["bytes"] >= MiB / 2 else
+                    f"{round(r['bytes'] / 2**10)} KB")
             lines.append(f"| {size} | {spread(r['ring']['us'])} | {spread(r['native']['us'])} | "
                          f"{r['ratio']:.2f} | {r['ring']['busbw_GBps']:.3f} | "
-                         f"{r['native']['busbw_GBps']:.3f} |")
-        lines += ["", "Per call, median (min-max) over repetitions; algbw = bytes / time, "
-                  "busbw = algbw x 2(N-1)/N (nccl-tests); 1 GB = 1e9 bytes."]
+                         f"{r['native']['busbw_GBps']:.3f} | {r['ring_sent_bytes']:,.0f} / "
+                         f"{r['formula_bytes']:,} |")
+    if tables:
+        lines += ["", "Per call, median (min-max) over repetitions; algbw = bytes / time, busbw = "
+                  "algbw x 2(N-1)/N for all-reduce, x (N-1)/N for all-to-all (nccl-tests); 1 GB = 1e9 "
+                  "bytes. An all-to-all's size is each rank's input. Formula: collectives.ring_bytes, "
+                  "collectives.all_to_all_bytes."]
     elif "collectives" in m["benchmarks"]:
-        lines += ["", "all-reduce: skipped, a world of one sends nothing (run with 2+ ranks)"]
+        lines += ["", "all-reduce, all-to-all: skipped, a world of one sends nothing (run with 2+ ranks)"]
     return lines

@@ -3,8 +3,10 @@
 A run is a fresh model under one strategy: warm-up steps, then timed steps (the slowest rank's
 time), beside the bytes held between steps (memory.held_bytes, a DTensor by its local tensors),
 the bytes one forward keeps for backward (saved-tensor hooks) and, on a GPU, MFU against the
-card's datasheet peak. Ours and PyTorch's runs alternate. Left out: where a step's time goes
-(train.py --profile), and a CPU allocator's peak (none is kept: bytes held between steps instead).
+card's datasheet peak. Ours and PyTorch's runs alternate; so do a mixture of experts' runs at
+ep 1 and ep P, with the expert weights a rank holds and the all-to-all bytes beside memory.py's.
+Left out: where a step's time goes (train.py --profile), and a CPU allocator's peak (none is
+kept: bytes held between steps instead).
 Run: torchrun --nproc_per_node 2 bench.py --quick (bench.py imports this file)
 Test: python -m pytest tests/test_bench.py
 """
@@ -24,9 +26,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from collectives import Comm
 from ddp import DDP
-from memory import comm_bytes, held_bytes
+from memory import comm_bytes, ep_params, ep_state_bytes, expert_params, held_bytes, moe_exchange_bytes
 from mixed_precision import DTYPES, element_state
 from model import PRESETS, build_model
+from moe import MoE
 
 MiB = 2**20
 
@@ -145,6 +148,12 @@ class _Saved:
             self.counter.live -= self.nbytes
 
 
+def expert_bytes(model) -> int:
+    """Bytes of the expert weights this rank holds (moe.py: every MoE layer's E experts, or its
+    E/ep under expert parallelism); 0 for a dense model."""
+    return sum(p.nbytes for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters())
+
+
 def activation_bytes(run: Run, x, y) -> int:
     """Bytes one forward keeps for backward (saved-tensor hooks), each storage once, untimed.
 
@@ -193,12 +202,13 @@ def time_training(build, args, batches, device) -> dict:
     sync(device)
     seconds = across_ranks(time.perf_counter() - start, device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else held(run)
-    sent = None if run.comm is None else sum(run.comm.bytes_sent.values()) / args.steps
+    sent = None if run.comm is None else {name: b / args.steps for name, b in run.comm.bytes_sent.items()}
     bubbles = run.bubbles() if run.bubbles else None          # of the last timed step
     return {"ms_per_step": 1e3 * seconds / args.steps, "label": run.label, "bubbles": bubbles,
             "predicted_bubble": run.predicted_bubble,
-            "peak_bytes": across_ranks(peak, device), "sent_per_step": sent,
-            "napkin_sent": run.napkin_sent,
+            "peak_bytes": across_ranks(peak, device), "sent_by_collective": sent,
+            "sent_per_step": None if sent is None else sum(sent.values()),
+            "napkin_sent": run.napkin_sent, "expert_bytes": across_ranks(expert_bytes(run.model), device),
             "activation_bytes": across_ranks(activation_bytes(run, x, y), device),
             # the same loss on both sides says both did the same work
             "last_loss": across_ranks(loss.item(), device, dist.ReduceOp.SUM) / dist.get_world_size()}
@@ -207,23 +217,33 @@ def time_training(build, args, batches, device) -> dict:
 NAPKIN_STRATEGY = {"checkpointing": "ddp"}   # what memory.comm_bytes knows a row as
 
 
+def alternate(builds, args, batches, device) -> list[list[dict]]:
+    """args.repeats runs of each build, taking turns (a, b, a, b...), so drift hits all alike."""
+    runs = [[] for _ in builds]
+    for _ in range(args.repeats):
+        for results, build in zip(runs, builds):
+            results.append(time_training(build, args, batches, device))
+    return runs
+
+
+def side(results: list, args) -> dict:
+    """One contender's runs: ms/step over the repetitions, tokens/s of the global batch, the most
+    bytes held, and the last run's activations, bytes sent and loss."""
+    ms = summary([r["ms_per_step"] for r in results])
+    return {"ms_per_step": ms, "tokens_per_s": args.batch_size * args.seq_len / ms["median"] * 1e3,
+            "peak_bytes": max(r["peak_bytes"] for r in results),
+            "activation_bytes": results[-1]["activation_bytes"],
+            "sent_per_step": results[-1]["sent_per_step"],
+            "last_loss": results[-1]["last_loss"], "bubbles": results[-1]["bubbles"],
+            "predicted_bubble": results[-1]["predicted_bubble"]}
+
+
 def bench_strategy(name, builds, args, batches, device, n_params, peak_flops) -> dict:
     """Ours, PyTorch's, ours, PyTorch's...: args.repeats runs each, so drift hits both alike.
     builds: (build ours, build PyTorch's), the strategy's row of bench.STRATEGIES."""
-    runs = {"ours": [], "torch": []}
-    for _ in range(args.repeats):
-        for side, build in zip(runs, builds):
-            runs[side].append(time_training(build, args, batches, device))
-    row = {"strategy": name, "torch_counterpart": runs["torch"][-1]["label"]}
-    tokens_per_step = args.batch_size * args.seq_len                  # the global batch
-    for side, results in runs.items():
-        ms = summary([r["ms_per_step"] for r in results])
-        row[side] = {"ms_per_step": ms, "tokens_per_s": tokens_per_step / ms["median"] * 1e3,
-                     "peak_bytes": max(r["peak_bytes"] for r in results),
-                     "activation_bytes": results[-1]["activation_bytes"],
-                     "sent_per_step": results[-1]["sent_per_step"],
-                     "last_loss": results[-1]["last_loss"], "bubbles": results[-1]["bubbles"],
-                     "predicted_bubble": results[-1]["predicted_bubble"]}
+    runs = dict(zip(("ours", "torch"), alternate(builds, args, batches, device)))
+    row = {"strategy": name, "torch_counterpart": runs["torch"][-1]["label"],
+           **{who: side(results, args) for who, results in runs.items()}}
     row["ratio"] = row["ours"]["ms_per_step"]["median"] / row["torch"]["ms_per_step"]["median"]
     napkin = runs["ours"][-1]["napkin_sent"]
     row["ours"]["napkin_sent_per_step"] = napkin if napkin is not None else sum(
@@ -239,6 +259,29 @@ def bench_strategy(name, builds, args, batches, device, n_params, peak_flops) ->
             row["mfu"] = flops / (sheet * dist.get_world_size())
         row["mfu_of_measured_peak"] = flops / (peak_flops * dist.get_world_size())
     return row
+
+
+def bench_moe(builds: dict, args, batches, device) -> dict:
+    """Expert parallelism against the same MoE replicated: builds {ep: build} (ep 1 first), run
+    in turn as bench_strategy's sides. Beside each ep's time: the expert weights a rank holds,
+    the bytes it holds and sends and its all-to-all bytes, each with memory.py's napkin (sent:
+    the build's prediction, ddp's bucket formula plus moe.exchange_bytes)."""
+    cfg, world = PRESETS[args.model], dist.get_world_size()
+    tokens = args.batch_size // world * args.seq_len                 # a rank's micro-batch
+    size = DTYPES[args.precision].itemsize
+    runs = []
+    for ep, results in zip(builds, alternate(list(builds.values()), args, batches, device)):
+        last = results[-1]
+        runs.append({"ep": ep, "label": last["label"], **side(results, args),
+                     "expert_bytes": last["expert_bytes"],
+                     "napkin_expert_bytes": expert_params(cfg, cfg.experts // ep) * size,
+                     "napkin_held_bytes": ep_state_bytes(*ep_params(cfg, ep), "ddp", args.precision,
+                                                         world, ep)["total"],
+                     "all_to_all_per_step": last["sent_by_collective"].get("all_to_all", 0),
+                     "napkin_all_to_all_per_step": moe_exchange_bytes(cfg, tokens, ep, args.precision),
+                     "napkin_sent_per_step": last["napkin_sent"]})
+    return {"model": args.model, "tokens_per_rank": tokens, "runs": runs,
+            "ratio": runs[-1]["ms_per_step"]["median"] / runs[0]["ms_per_step"]["median"]}
 
 
 # Dense peak TFLOP/s from the vendors' datasheets (no 2:4 sparsity), by the name torch reports:
@@ -292,7 +335,7 @@ def machine(device, args, n_params, peak_flops) -> dict:
             "model": args.model, "n_params": n_params, "precision": args.precision,
             "global_batch": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup,
             "steps": args.steps, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
-            "microbatches": args.microbatches,
+            "microbatches": args.microbatches, "moe_model": args.moe_model, "ep": args.ep,
             "clip_grad": args.clip_grad, "matmul_peak_tflops": peak_flops and peak_flops / 1e12,
             "datasheet_peak_tflops": (datasheet_peak_flops(device, args.precision) or 0) / 1e12
             if device.type == "cuda" else None}
@@ -356,4 +399,33 @@ def report(m: dict, rows: list) -> list:
         lines += [f"- {r['strategy']}: {r['torch_counterpart']}; loss {r['ours']['last_loss']:.5f} / "
                   f"{r['torch']['last_loss']:.5f}" + _bubble_note(r, m) for r in rows]
     lines += [f"- {name}: skipped, {why}" for name, why in m["skipped"].items()]
+    return lines
+
+
+def moe_report(row: dict | None) -> list:
+    """The expert-parallelism table's lines (bench_moe's row), or none when it was not run."""
+    if row is None:
+        return []
+    cfg = PRESETS[row["model"]]
+    both = lambda r, key: f"{r[key] / MiB:.2f} / {r['napkin_' + key] / MiB:.2f}"
+    lines = ["", "| expert parallelism | ms/step | tokens/s | expert weights MiB per rank (measured / "
+             "napkin) | peak MiB per rank (measured / napkin) | all-to-all MiB/step (counter / napkin) | "
+             "sent MiB/step (counter / napkin) | loss |", "|" + "---|" * 8]
+    for r in row["runs"]:
+        lines.append(f"| ep {r['ep']}: {cfg.experts // r['ep']} of {cfg.experts} experts per rank | "
+                     f"{spread(r['ms_per_step'])} | {r['tokens_per_s']:,.0f} | {both(r, 'expert_bytes')} | "
+                     f"{r['peak_bytes'] / MiB:.2f} / {r['napkin_held_bytes'] / MiB:.2f} | "
+                     f"{both(r, 'all_to_all_per_step')} | {both(r, 'sent_per_step')} | "
+                     f"{r['last_loss']:.5f} |")
+    P = row["runs"][-1]["ep"]
+    capacity = "dropless" if cfg.capacity_factor is None else f"capacity factor {cfg.capacity_factor:g}"
+    lines += ["", f"ep {P} / ep 1: {row['ratio']:.2f}x the time per step. Model {row['model']} "
+              f"({cfg.experts} experts per block, top-{cfg.top_k}, {capacity}), each rank routing its "
+              f"own {row['tokens_per_rank']} tokens; both sides our DDP as train.py --strategy ddp "
+              f"--ep N builds it (ddp.build), AdamW. ep 1 keeps every expert on every rank and "
+              f"all-reduces their gradients over the world; ep {P} holds {cfg.experts // P} per rank "
+              f"and sends each block's tokens to their experts and back (4 all-to-alls per block). "
+              f"Napkin: memory.py's expert_params, ep_state_bytes (ddp), moe_exchange_bytes; sent: "
+              f"ddp's bucket formula plus moe.exchange_bytes (at ep > 1 the clip adds a 4-byte "
+              f"norm all-reduce). Peak as in the strategy table."]
     return lines

@@ -4,15 +4,17 @@ Per parameter a rank may hold three things (the parameter, its gradient, the opt
 state); each strategy keeps each of them whole or as a 1/N shard, and the collectives that
 keep the shards in step move a predictable volume (Rajbhandari et al. 2020, "ZeRO", section 3,
 figure 1; activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", section 4). held_bytes() measures the same three on a live rank.
-Left out: transient buffers (FSDP's gathered unit, the fp32 gradient inside a mixed-precision
-step), fragmentation, the CUDA context.
+Transformer Models", section 4). A mixture of experts (moe.py) computes with top_k of its E
+MLPs per token; under expert parallelism a rank holds E/ep of them and adds the all-to-alls.
+held_bytes() measures the same three on a live rank. Left out: transient buffers (FSDP's
+gathered unit, the fp32 gradient inside a mixed-precision step), fragmentation, the CUDA context.
 Run: python memory.py --params 7.5e9 --world 64 (--advise: the lecture's flow chart, advisor.py;
      --model gpt2-small --pp 4 --microbatches 8: activations and bubble per pipeline schedule)
 Test: python -m pytest tests/test_memory.py
 
 Shapes: P parameters, N world size, c = ceil(P / N) elements per shard; activations: s sequence,
-b micro-batch per rank, h hidden (n_embd), a heads, L layers, V vocabulary.
+b micro-batch per rank, h hidden (n_embd), a heads, L layers, V vocabulary; experts: t = sb
+tokens on a rank, E experts per layer, k of them per token, split over ep ranks.
 """
 import argparse
 import gc
@@ -22,7 +24,7 @@ import torch
 from collectives import ring_bytes
 from mixed_precision import DTYPES
 from model import PRESETS, GPTConfig
-from moe import is_expert
+from moe import expert_capacity, is_expert, layer_exchange_bytes
 from schedules import BUBBLE_FORMULAS, SCHEDULES, bubble_formula, make_schedule
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -173,10 +175,52 @@ def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int) ->
     return {"all_gather": 2 * all_gather, "reduce_scatter": reduce_scatter}
 
 
+# ---- expert parallelism: experts over ep ranks, the rest over all -----------------------------
+
+def ep_state_bytes(n_params: int, experts: int, strategy: str, precision: str, world_size: int,
+                   ep: int, optimizer: str = "adamw", offload: bool | str = False, **rest) -> dict:
+    """state_bytes under expert parallelism (moe.py): `experts` of the n_params a rank holds are
+    its E/ep experts of each MoE layer, kept (whole or sharded, as the strategy says) over the
+    world_size / ep ranks holding the same ones; the others over all world_size ranks. rest:
+    state_bytes' trainable, quantized and double_quant, which concern the others (LoRA never
+    runs with split experts)."""
+    held = state_bytes(n_params - experts, strategy, precision, world_size, optimizer,
+                       offload=offload, **rest)
+    if experts:
+        split = state_bytes(experts, strategy, precision, world_size // ep, optimizer, offload=offload)
+        held = {key: held[key] + split[key] for key in held}
+    return held
+
+
+def ep_comm_bytes(n_params: int, experts: int, strategy: str, precision: str, world_size: int,
+                  ep: int) -> dict:
+    """comm_bytes under expert parallelism: the gradients (and under ZeRO and FSDP the parameters)
+    of a rank's `experts` travel among the world_size / ep ranks holding the same ones (nowhere
+    when ep is the world), the others' among all. The all-to-alls: moe_exchange_bytes."""
+    sent = comm_bytes(n_params - experts, strategy, precision, world_size)
+    if experts:
+        for name, value in comm_bytes(experts, strategy, precision, world_size // ep).items():
+            sent[name] = sent.get(name, 0) + value
+    return sent
+
+
+def moe_exchange_bytes(cfg: GPTConfig, tokens: int, ep: int, precision: str,
+                       micro_batches: int = 1) -> int:
+    """All-to-all bytes a rank sends per step with the experts split over ep ranks: each MoE
+    layer's four exchanges (moe.layer_exchange_bytes: the capacity buffer, or dropless an
+    estimate for balanced routing) per micro-batch of `tokens` tokens. 0 for a dense model."""
+    if not cfg.experts:
+        return 0
+    return micro_batches * cfg.n_layer * layer_exchange_bytes(
+        tokens, cfg.n_embd, cfg.experts, cfg.top_k, cfg.capacity_factor, cfg.routing_group, ep,
+        _element_size(precision))
+
+
 # ---- activations ----------------------------------------------------------------------------
 
 def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: int = 1,
-                     checkpointing: bool = False, bytes_per_value: int = 2) -> int:
+                     checkpointing: bool = False, bytes_per_value: int = 2,
+                     moe: GPTConfig | None = None, ep: int = 1) -> int:
     """Bytes of activations kept for backward by `layers` transformer layers on one rank.
 
     Korthikanti et al., section 4.1, per layer, counting 16-bit values and 1-byte dropout masks:
@@ -192,14 +236,45 @@ def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: 
     With activation checkpointing each layer keeps only its input, 2 sbh, and backward
     recomputes one layer's full activations at a time, so that one layer's worth is added
     once (the paper's "full activation recomputation").
+
+    moe: the config of a model whose MLPs are mixtures of experts: each layer's MLP term is
+    moe_mlp_bytes (its experts split over ep ranks) instead of 19 sbh.
     """
     s, b, h, a = seq_len, batch, hidden, heads
-    per_layer = 34 * s * b * h + 5 * a * s * s * b        # sbh (34 + 5as/h), kept in integers
-    if checkpointing:
-        total = layers * 2 * s * b * h + per_layer
+    rest = 15 * s * b * h + 5 * a * s * s * b              # attention and the norms, 16-bit
+    if moe is not None and moe.experts:
+        per_layer = rest * bytes_per_value // 2 + moe_mlp_bytes(s * b, moe, ep, bytes_per_value)
     else:
-        total = layers * per_layer
-    return total * bytes_per_value // 2
+        per_layer = (rest + 19 * s * b * h) * bytes_per_value // 2    # sbh (34 + 5as/h)
+    if checkpointing:
+        return layers * 2 * s * b * h * bytes_per_value // 2 + per_layer
+    return layers * per_layer
+
+
+def moe_mlp_bytes(tokens: int, cfg: GPTConfig, ep: int = 1, bytes_per_value: int = 2) -> int:
+    """Bytes one MoE layer (moe.py) keeps for backward on a rank's t = `tokens` tokens, in place
+    of the dense MLP's 19 sbh; the same 16-bit accounting, with h = n_embd:
+        input        2 th    the router's and the dispatch's input (the dense MLP's 2 sbh)
+        router       8 tE    fp32 logits and softmax probabilities, whatever the dtype
+        expert rows 19 Rh    each row an expert runs: its gathered input, the 4h-wide GeLU
+                             input and output, the dropout mask (the dense MLP's 19 per token)
+        kept         4 Ah    each kept assignment's expert output (for its gate's product) and
+                             gated output (for the scatter back to its token)
+    A: the k t assignments (dropless); in capacity mode at most E x K x G of them, the buffer's
+    slots (K per expert in each of G routing groups). R = A, except under expert parallelism:
+    in capacity mode each expert runs on its whole static buffer, empty slots too, so R = E K G
+    on every rank (about capacity_factor x k t, above A when capacity_factor > 1); dropless, a
+    rank runs what the routing sends its experts, A when balanced. Left out: a few int64
+    indices and fp32 gates per assignment (about 1% of the total at h = 128 in fp32).
+    """
+    E, k, h = cfg.experts, cfg.top_k, cfg.n_embd
+    kept = rows = k * tokens                                # A, R
+    if cfg.capacity_factor is not None:
+        group = cfg.routing_group or tokens
+        slots = tokens // group * E * expert_capacity(group, E, k, cfg.capacity_factor)   # E K G
+        kept = min(kept, slots)
+        rows = slots if ep > 1 else kept
+    return (2 * tokens + 19 * rows + 4 * kept) * h * bytes_per_value // 2 + 8 * tokens * E
 
 
 def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, micro_batch: int,
@@ -248,16 +323,46 @@ def model_params(name_or_config) -> int:
     router's E C. Around the blocks: token and position embeddings, the final norm, and the
     head, which is the token embedding itself when tied (counted once, as .parameters() does).
     """
-    return _params(name_or_config, experts_used=None)
+    cfg = _config(name_or_config)
+    return _shared_params(cfg) + expert_params(cfg)
 
 
 def active_params(name_or_config) -> int:
     """Parameters one token computes with: a mixture of experts runs only top_k of its E MLPs
     (the rest of the model, router included, as model_params). A dense model: all of them."""
-    return _params(name_or_config, experts_used="top_k")
+    cfg = _config(name_or_config)
+    return _shared_params(cfg) + expert_params(cfg, cfg.top_k)
 
 
-def _params(name_or_config, experts_used) -> int:
+def expert_params(name_or_config, experts: int | None = None) -> int:
+    """Parameters of the experts' MLPs over all blocks: every one of each MoE layer's E, or
+    `experts` of them (a token's top_k; a rank's E/ep under expert parallelism). 0 if dense."""
+    cfg = _config(name_or_config)
+    if not cfg.experts:
+        return 0
+    C = cfg.n_embd
+    return cfg.n_layer * (cfg.experts if experts is None else experts) * (8 * C * C + 5 * C)
+
+
+def ep_params(name_or_config, ep: int = 1) -> tuple[int, int]:
+    """(parameters one rank holds, of which its experts) with each MoE layer's E experts split
+    over ep ranks, E/ep on each; ep 1 splits nothing: (model_params, 0)."""
+    cfg = _config(name_or_config)
+    if ep == 1:
+        return model_params(cfg), 0
+    experts = expert_params(cfg, cfg.experts // ep)
+    return _shared_params(cfg) + experts, experts
+
+
+def _shared_params(cfg: GPTConfig) -> int:
+    """Every parameter but the experts': an MoE block keeps its router (E C) instead of the MLP."""
+    C, V = cfg.n_embd, cfg.vocab_size
+    block = 4 * C * C + 7 * C + (cfg.experts * C if cfg.experts else 8 * C * C + 5 * C)
+    head = 0 if cfg.tie_embeddings else V * C
+    return V * C + cfg.block_size * C + cfg.n_layer * block + 2 * C + head
+
+
+def _config(name_or_config) -> GPTConfig:
     cfg = name_or_config
     if isinstance(cfg, str):
         if cfg not in PRESETS:
@@ -265,15 +370,7 @@ def _params(name_or_config, experts_used) -> int:
         cfg = PRESETS[cfg]
     if not isinstance(cfg, GPTConfig):
         raise TypeError(f"model_params takes a preset name or a GPTConfig, got {type(cfg).__name__}")
-    C, V = cfg.n_embd, cfg.vocab_size
-    mlp = 8 * C * C + 5 * C
-    if cfg.experts:
-        copies = cfg.top_k if experts_used else cfg.experts
-        block = 4 * C * C + 7 * C + copies * mlp + cfg.experts * C
-    else:
-        block = 4 * C * C + 7 * C + mlp                             # 12 C^2 + 12 C
-    head = 0 if cfg.tie_embeddings else V * C
-    return V * C + cfg.block_size * C + cfg.n_layer * block + 2 * C + head
+    return cfg
 
 
 def live_numel(gpt) -> tuple[int, int]:
@@ -294,14 +391,10 @@ def run_state_bytes(gpt, strategy: str, options, world_size: int, n_params: int 
     numel, quantized = live_numel(gpt)
     experts = sum(p.numel() for p in gpt.parameters() if is_expert(p))
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) - experts
-    held = state_bytes((numel if n_params is None else n_params) - experts, strategy,
-                       options.precision, world_size, trainable=trainable, quantized=quantized,
-                       double_quant=options.double_quant, offload=options.offload or False)
-    if experts:
-        expert_held = state_bytes(experts, strategy, options.precision, world_size // options.ep,
-                                  offload=options.offload or False)
-        held = {key: held.get(key, 0) + expert_held.get(key, 0) for key in held}
-    return held
+    return ep_state_bytes(numel if n_params is None else n_params, experts, strategy,
+                          options.precision, world_size, options.ep, trainable=trainable,
+                          quantized=quantized, double_quant=options.double_quant,
+                          offload=options.offload or False)
 
 
 def tp_params(name_or_config, tp: int) -> int:
@@ -405,8 +498,12 @@ def _parse_args(argv=None):
     p.add_argument("--pp", type=int, default=1, help="pipeline stages: with --model, each schedule's "
                    "bubble and activations per stage")
     p.add_argument("--microbatches", type=int, default=None, help="with --pp: per step (default 2 x pp)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism (--model with experts): each rank holds E/ep of every "
+                        "MoE layer's experts, its tokens sent to them and back by all-to-all")
     advisor.add_arguments(p)
     args = p.parse_args(argv)
+    _check_ep(p, args)
     if args.advise:
         advisor.check_args(p, args)
         return args
@@ -457,20 +554,74 @@ def _parse_args(argv=None):
     return args
 
 
+def _check_ep(p, args):
+    """--ep: a model with experts, split evenly over a world it divides, every parameter trained."""
+    if args.ep == 1:
+        return
+    with_experts = [name for name, cfg in PRESETS.items() if cfg.experts]
+    cfg = PRESETS.get(args.model)
+    if args.advise:
+        p.error("--advise prints the first rung that fits under every --ep that splits the "
+                "experts: drop --ep")
+    if cfg is None or not cfg.experts:
+        p.error(f"--ep splits a model's experts: give --model {' or '.join(with_experts)}")
+    if args.ep < 1 or args.world % args.ep or cfg.experts % args.ep:
+        p.error(f"--ep {args.ep} splits the {cfg.experts} experts over groups of {args.ep} of the "
+                f"--world {args.world} ranks: use an --ep dividing both")
+    if args.trainable is not None:
+        p.error("--ep with --trainable: LoRA keeps the experts whole on every rank (train.py "
+                "refuses --ep with --lora)")
+
+
 def _predict(n_params, strategy, args):
     """state_bytes and comm_bytes for the command line's choices. --offload applies to the
     sharded strategies. Only trainable parameters have gradients to reduce (and, under zero1/2,
-    updates to gather); zero3 still all-gathers every parameter, frozen ones included."""
+    updates to gather); zero3 still all-gathers every parameter, frozen ones included. Under
+    --ep a rank holds E/ep of each MoE layer's experts (ep_state_bytes, ep_comm_bytes) and
+    sends its micro-batches' tokens to them and back (moe_exchange_bytes)."""
     trainable = None if args.trainable is None else int(args.trainable)
     quantized = n_params - trainable if args.quantize_base else 0
     canonical = _strategy(strategy, args.world)
-    held = state_bytes(n_params, strategy, args.precision, args.world, args.optimizer,
-                       trainable=trainable, quantized=quantized, double_quant=args.double_quant,
-                       offload=bool(args.offload) and canonical != "ddp")
-    sent = comm_bytes(trainable or n_params, strategy, args.precision, args.world)
+    experts = 0
+    if args.ep > 1:
+        n_params, experts = ep_params(args.model, args.ep)
+    held = ep_state_bytes(n_params, experts, strategy, args.precision, args.world, args.ep,
+                          args.optimizer, trainable=trainable, quantized=quantized,
+                          double_quant=args.double_quant,
+                          offload=bool(args.offload) and canonical != "ddp")
+    sent = ep_comm_bytes(trainable or n_params, experts, strategy, args.precision, args.world, args.ep)
     if "all_gather" in sent and canonical == "zero3":
-        sent["all_gather"] = comm_bytes(n_params, strategy, args.precision, args.world)["all_gather"]
+        sent["all_gather"] = ep_comm_bytes(n_params, experts, strategy, args.precision, args.world,
+                                           args.ep)["all_gather"]
+    if args.ep > 1:
+        sent["all_to_all"] = moe_exchange_bytes(PRESETS[args.model], _micro_batch_tokens(args),
+                                                args.ep, args.precision, args.grad_accum)
     return held, sent
+
+
+def _micro_batch_tokens(args) -> int:
+    return args.batch_size // (args.world * args.grad_accum) * args.seq_len
+
+
+def _moe_lines(args) -> list:
+    """A model with experts: its parameters in all and per token, and what --ep splits and sends."""
+    cfg = PRESETS[args.model] if args.model is not None else None
+    if cfg is None or not cfg.experts:
+        return []
+    total, active = model_params(cfg), active_params(cfg)
+    lines = [f"{args.model}: {cfg.experts} experts per block, top-{cfg.top_k}: a token computes with "
+             f"{active:,} of the {total:,} parameters ({active / total:.0%}); the experts hold "
+             f"{expert_params(cfg):,}"]
+    if args.ep > 1:
+        held, experts = ep_params(cfg, args.ep)
+        capacity = ("dropless: the all-to-all sizes follow the routing, estimated balanced"
+                    if cfg.capacity_factor is None else
+                    f"capacity factor {cfg.capacity_factor:g}: a fixed buffer of E x K slots")
+        lines.append(f"--ep {args.ep}: a rank holds {cfg.experts // args.ep} of each block's "
+                     f"{cfg.experts} experts, {held:,} parameters in all ({experts:,} in experts); per "
+                     f"block and micro-batch of {_micro_batch_tokens(args)} tokens it sends 4 "
+                     f"all-to-alls ({capacity})")
+    return lines
 
 
 def _table(n_params, args):
@@ -483,6 +634,8 @@ def _table(n_params, args):
     print(f"{n_params:,} parameters on {args.world} ranks, {args.precision} with {args.optimizer}: "
           f"{per_param['params']} + {per_param['grads']} + {per_param['optimizer']} = "
           f"{sum(per_param.values())} bytes per parameter before sharding")
+    for line in _moe_lines(args):
+        print(line)
     print(f"per rank, in {name}; sent: ring algorithm, per step"
           + ("; --offload: the zero stages' optimizer in host memory (ddp cannot)" if args.offload else ""))
     host = f"{'host':>9}" if args.offload else ""
@@ -492,7 +645,8 @@ def _table(n_params, args):
         host = f"{held['host'] / unit:9.2f}" if "host" in held else f"{'-':>9}" if args.offload else ""
         print(f"{strategy:<9}{held['params'] / unit:9.2f}{held['grads'] / unit:9.2f}"
               f"{held['optimizer'] / unit:11.2f}{held['total'] / unit:9.2f}{host} |"
-              f"{sum(sent.values()) / unit:8.2f}  {COLLECTIVES[strategy]}")
+              f"{sum(sent.values()) / unit:8.2f}  {COLLECTIVES[strategy]}"
+              + (" + all-to-all" if "all_to_all" in sent else ""))
 
 
 def _breakdown(n_params, args):
@@ -500,10 +654,13 @@ def _breakdown(n_params, args):
     strategy, n = args.strategy, args.world
     held, sent = _predict(n_params, strategy, args)
     canonical = _strategy(strategy, n)
-    how = [f"1/{n} shard" if s else "full" for s in SHARDED[canonical]]
+    experts = f", its experts 1/{n // args.ep}" if args.ep > 1 else ""    # over the ranks holding them
+    how = [f"1/{n} shard{experts}" if s else "full" for s in SHARDED[canonical]]
     row = lambda label, value: print(f"  {label:<44}{value:>16,}{value / MiB:12.2f}{value / GB:10.3f}")
     print(f"{args.model or 'model'}: {n_params:,} parameters | {strategy} on {n} rank(s) | "
           f"{args.precision} parameters and gradients, {args.optimizer}")
+    for line in _moe_lines(args):
+        print(line)
     print(f"per rank{'bytes':>54}{'MiB':>12}{'GB':>10}   (MiB = 2**20 bytes, as train.py logs; GB = 1e9)")
     row(f"parameters ({how[0]})", held["params"])
     row(f"gradients ({how[1]})", held["grads"])
@@ -514,12 +671,13 @@ def _breakdown(n_params, args):
         b, s = args.batch_size // (n * args.grad_accum), args.seq_len
         value = _element_size(args.precision)
         shape = dict(seq_len=s, batch=b, hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer,
-                     bytes_per_value=value)
+                     bytes_per_value=value, moe=cfg, ep=args.ep)
         full, ckpt = activation_bytes(**shape), activation_bytes(**shape, checkpointing=True)
         logits = logits_bytes(s, b, cfg.vocab_size)
         print(f"  activations: micro-batch b={b} per rank, s={s}, {cfg.n_layer} layers, "
               f"{value}-byte values")
-        row("activations, L x sbh(34 + 5as/h)", full)
+        row("activations, L x (sbh(15 + 5as/h) + MoE MLP)" if cfg.experts else
+            "activations, L x sbh(34 + 5as/h)", full)
         row("activations checkpointed, L x 2sbh + 1 layer", ckpt)
         row("logits kept by the loss (4 sbV, fp32)", logits)
         totals = {"": held["total"] + full + logits,
@@ -529,7 +687,8 @@ def _breakdown(n_params, args):
     if "host" in held:
         row("host: fp32 master, moments, gradient copy", held["host"])
     print(f"sent per rank per step (ring algorithm): "
-          f"{'nothing, one rank' if strategy == 'single' else COLLECTIVES[canonical]}")
+          f"{'nothing, one rank' if strategy == 'single' else COLLECTIVES[canonical]}"
+          + (" + all-to-all (the tokens to their experts and back)" if "all_to_all" in sent else ""))
     for name, value in sent.items():
         row(name, value)
     row("total sent", sum(sent.values()))

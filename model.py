@@ -50,6 +50,10 @@ PRESETS = {
     # memory and FLOPs are GPT-2's 124M: our byte-level data uses only the first 256 rows.
     "gpt2-small": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024,
                             vocab_size=50304, tie_embeddings=True),
+    # gpt2-small with every MLP a mixture of 8 experts, top-2: 521M parameters, of which a token
+    # computes with 181M (GPT-2 small's 124M plus one more MLP per block and the routers)
+    "gpt2-small-moe": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024,
+                                vocab_size=50304, tie_embeddings=True, experts=8, top_k=2),
 }
 
 

@@ -91,14 +91,13 @@ class MoE(nn.Module):
 
     def exchange_bytes(self, tokens: int, element_size: int) -> int:
         """Bytes this rank sends under expert parallelism per forward and backward of `tokens`
-        tokens, in capacity mode: four all-to-alls (dispatch and combine, and their mirrors in
-        backward) of the (E, G*K, C) buffer, (P-1)/P of it each. Dropless, the sizes follow the
-        routing: not predicted (0), the counter measures them."""
+        tokens, in capacity mode (layer_exchange_bytes). Dropless, the sizes follow the routing:
+        not predicted (0), the counter measures them."""
         if self.ep is None or self.capacity_factor is None:
             return 0
-        E, P, group = len(self.experts), self.ep.world_size, self.group_size or tokens
-        slots = tokens // group * math.ceil(self.capacity_factor * self.top_k * group / E)
-        return 4 * (P - 1) * E * slots * self.router.in_features * element_size // P
+        return layer_exchange_bytes(tokens, self.router.in_features, len(self.experts), self.top_k,
+                                    self.capacity_factor, self.group_size, self.ep.world_size,
+                                    element_size)
 
     # ---- expert parallelism: the tokens travel to their experts' ranks and back ---------------
     #
@@ -173,7 +172,7 @@ class MoE(nn.Module):
         starts = per_queue.cumsum(0) - per_queue
         position = torch.empty_like(order)
         position[order] = torch.arange(order.numel(), device=order.device) - starts[queue[order]]
-        capacity = (math.ceil(self.capacity_factor * k * group_size / E)
+        capacity = (expert_capacity(group_size, E, k, self.capacity_factor)
                     if self.capacity_factor is not None else group_size * k)   # K
         kept = order[position[order] < capacity]                          # sorted by queue
         # Sorted by expert across groups for the dispatch (a stable sort: priority order stays).
@@ -198,6 +197,26 @@ class MoE(nn.Module):
         z = logits.logsumexp(dim=-1).pow(2).mean()
         self.aux_loss = self.aux_loss_weight * balance + self.z_loss_weight * z
         self.stats = {"per_expert": per_expert, "assignments": A, "balance_loss": balance.detach()}
+
+
+def expert_capacity(group_size: int, experts: int, top_k: int, capacity_factor: float) -> int:
+    """K, the assignments one expert takes from a routing group: ceil(capacity_factor * k * S / E)."""
+    return math.ceil(capacity_factor * top_k * group_size / experts)
+
+
+def layer_exchange_bytes(tokens: int, channels: int, experts: int, top_k: int,
+                         capacity_factor: float | None, group_size: int | None, ep: int,
+                         element_size: int) -> int:
+    """Bytes a rank sends per forward and backward of one MoE layer on `tokens` tokens, its
+    experts split over ep ranks: four all-to-alls (dispatch and combine, and their mirrors in
+    backward), each sending (ep-1)/ep of the rank's dispatch rows of C channels. Capacity mode:
+    the static buffer's E x G x K rows, whatever the routing. Dropless (capacity_factor None):
+    the k x tokens assignments, of which (ep-1)/ep leave the rank when the routing is balanced,
+    an estimate (memory.py's napkin; the counter measures the real ones)."""
+    group = group_size or tokens
+    rows = (tokens // group * experts * expert_capacity(group, experts, top_k, capacity_factor)
+            if capacity_factor is not None else top_k * tokens)
+    return 4 * (ep - 1) * rows * channels * element_size // ep
 
 
 def expert_parallel(gpt: nn.Module, comm: Comm, ep: int):

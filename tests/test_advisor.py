@@ -1,8 +1,9 @@
 """advisor.py: the lecture's flow chart rung by rung, memory.py --advise, train.py --strategy auto."""
 import pytest
 
-from advisor import advise, parse_bytes
-from memory import main
+from advisor import advise, expert_parallel_options, parse_bytes
+from memory import GB, ep_params, expert_params, main, moe_exchange_bytes
+from model import PRESETS
 from multiprocess import run_ranks
 
 
@@ -39,6 +40,31 @@ def test_advise_prints_a_command_train_py_accepts(capsys, monkeypatch):
     args = train.parse_args(command.split("train.py ")[1].split())
     assert (args.strategy, args.offload, args.grad_accum) == ("fsdp", "optimizer", 16)
     assert args.checkpoint_activations == 1 and args.precision == "bf16"
+
+
+def test_advise_prices_a_mixture_of_experts_under_every_ep(capsys):
+    """gpt2-small-moe on 8 GPUs of 80 GB: zero2 fits replicated; under --ep N a rank holds N
+    times fewer expert weights (zero2 keeps the parameters whole; gradients and optimizer are
+    sharded over the world either way), and sends (N-1)/N of every MoE layer's capacity buffer
+    4 times per micro-batch."""
+    main(["--advise", "--model", "gpt2-small-moe", "--world", "8", "--gpu-mem", "80GB"])
+    out = capsys.readouterr().out
+    assert "521,224,704 parameters, 181,209,600 of them active per token: top-2 of 8 experts" in out
+    cfg, chosen = PRESETS["gpt2-small-moe"], advise("gpt2-small-moe", parse_bytes("80GB"), 8, 1024, 64)[-1]
+    options = expert_parallel_options(cfg, chosen, 8, 1024, "bf16")
+    assert [ep for ep, _, _ in options] == [1, 2, 4, 8]
+    ep1 = options[0][1]
+    for ep, held, sent in options:
+        assert held["params"] == 2 * ep_params(cfg, ep)[0]                      # bf16, whole
+        assert ep1["params"] - held["params"] == 2 * (expert_params(cfg) - expert_params(cfg) // ep)
+        assert (held["grads"], held["optimizer"]) == (ep1["grads"], ep1["optimizer"])
+        assert sent["all_to_all"] == moe_exchange_bytes(cfg, 8 * 1024, ep, "bf16")
+        assert sent["all_to_all"] * ep == (ep - 1) * options[1][2]["all_to_all"] * 2
+        row = next(l for l in out.splitlines() if l.split()[:2] == [str(ep), str(8 // ep)])
+        assert row.split()[6:9] == [f"{held['total'] / GB:.2f}", f"{sent['all_to_all'] / 1e6:.1f}",
+                                    f"{sum(sent.values()) / 1e6:.1f}"], row
+    main(["--advise", "--model", "tiny-moe"])
+    assert "expert parallelism (--ep): not priced, one GPU holds every expert" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -23,8 +23,11 @@ STRATEGY_COLUMNS = ["strategy", "ours ms/step", "torch ms/step", "ours/torch", "
                     "ours peak MiB", "torch peak MiB", "activations MiB (ours / torch)",
                     "ours sent MiB/step (ring volume of the calls / napkin)",
                     "torch sent MiB/step", "ours MFU"]
-COLLECTIVE_COLUMNS = ["all-reduce size", "ring us", "native us", "ring/native", "ring busbw GB/s",
-                      "native busbw GB/s"]
+COLLECTIVE_COLUMNS = ["ring us", "native us", "ring/native", "ring busbw GB/s", "native busbw GB/s",
+                      "sent per rank, B (ring counter / formula)"]
+MOE_COLUMNS = ["expert parallelism", "ms/step", "tokens/s",
+               "expert weights MiB per rank (measured / napkin)", "peak MiB per rank (measured / napkin)",
+               "all-to-all MiB/step (counter / napkin)", "sent MiB/step (counter / napkin)", "loss"]
 NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?%?")
 
 
@@ -32,11 +35,13 @@ NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?%?")
 def bench(tmp_path_factory):
     """One quick run: zero2 (ours vs ZeroRedundancyOptimizer), fsdp (vs fully_shard), tp (vs
     parallelize_module), activation checkpointing (ours vs torch.utils.checkpoint), the 1F1B
-    pipeline (ours vs torch.distributed.pipelining) and the 1 KB and 4 KB all-reduces."""
+    pipeline (ours vs torch.distributed.pipelining), tiny-moe at ep 2 against ep 1, and the
+    1 KB and 4 KB all-reduces and all-to-alls."""
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "bench.py", "--quick", "--strategies",
-               "zero2,fsdp,tp,checkpointing,pipeline-1f1b,pipeline-interleaved,pipeline-zb,collectives", "--warmup", "1",
+               "zero2,fsdp,tp,checkpointing,pipeline-1f1b,pipeline-interleaved,pipeline-zb,moe,collectives",
+               "--warmup", "1",
                "--steps", "2", "--repeats", "2", "--max-mb", "0.004", "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=120)
@@ -92,13 +97,67 @@ def test_strategy_table_has_every_column_and_finite_numbers(bench):
     assert rows[0][STRATEGY_COLUMNS.index("torch sent MiB/step")] == "n/a"
 
 
-def test_collectives_table_covers_the_sizes(bench):
+@pytest.mark.parametrize("collective", ["all-reduce", "all-to-all"])
+def test_collectives_tables_cover_the_sizes(bench, collective):
     output, _ = bench
-    columns, rows = table(output, "all-reduce size")
-    assert columns == COLLECTIVE_COLUMNS
+    columns, rows = table(output, f"{collective} size")
+    assert columns == [f"{collective} size", *COLLECTIVE_COLUMNS]
     assert [row[0] for row in rows] == ["1 KB", "4 KB"]
     for row in rows:
         assert_finite_cells(row[1:], allowed_text=())
+
+
+def test_ring_collectives_send_what_the_formulas_say(bench):
+    """Our ring's counter (what its sends carried) against collectives.ring_bytes and
+    all_to_all_bytes, per call: all-reduce 2(N-1)/N of the size, all-to-all (N-1)/N of it."""
+    _, data = bench
+    for name, share in (("all_reduce", 1), ("all_to_all", 0.5)):              # N = 2
+        rows = data["collectives"][name]
+        assert [r["bytes"] for r in rows] == [1024, 4096]
+        for r in rows:
+            assert r["ring_sent_bytes"] == r["formula_bytes"] == share * r["bytes"], (name, r)
+            for side in ("ring", "native"):
+                assert math.isfinite(r[side]["busbw_GBps"]) and r[side]["busbw_GBps"] > 0
+
+
+def test_expert_parallelism_halves_the_experts_and_sends_the_formula(bench):
+    """tiny-moe at ep 2 against ep 1 on 2 ranks, both our DDP: the same training (each rank
+    routes its own tokens either way: fp32, only the order of cross-rank sums differs), half the
+    expert weights per rank, and the all-to-all counter equal to memory.py's formula (capacity
+    mode: a fixed buffer, whatever the routing); ep 1 sends none."""
+    output, data = bench
+    row = data["moe"]
+    assert row["model"] == "tiny-moe" and [r["ep"] for r in row["runs"]] == [1, 2]
+    ep1, ep2 = row["runs"]
+    assert math.isclose(ep1["last_loss"], ep2["last_loss"], rel_tol=1e-5), (ep1, ep2)
+    assert ep2["expert_bytes"] * 2 == ep1["expert_bytes"] == 4 * 8 * 4 * (8 * 128**2 + 5 * 128)
+    for r in row["runs"]:
+        assert r["expert_bytes"] == r["napkin_expert_bytes"]
+        assert r["all_to_all_per_step"] == r["napkin_all_to_all_per_step"]
+        # ddp's buckets and flags exactly; at ep 2 the clip's norm adds the experts' squares over
+        # the expert group (moe.expert_parallel's grad_norm): one fp32 all-reduce, not in ddp's formula
+        norm = ring_bytes("all_reduce", 1, 4, 2) if r["ep"] > 1 else 0
+        assert r["sent_per_step"] - r["napkin_sent_per_step"] == norm, r
+        assert r["peak_bytes"] == pytest.approx(r["napkin_held_bytes"], rel=0.01)
+        assert len(r["ms_per_step"]["samples"]) == 2 and r["ms_per_step"]["median"] > 0
+    assert ep1["all_to_all_per_step"] == 0 < ep2["all_to_all_per_step"]
+    assert ep2["peak_bytes"] < ep1["peak_bytes"] and ep2["sent_per_step"] < ep1["sent_per_step"]
+    assert math.isclose(row["ratio"], ep2["ms_per_step"]["median"] / ep1["ms_per_step"]["median"])
+    columns, rows = table(output, "expert parallelism")
+    assert columns == MOE_COLUMNS
+    assert [r[0] for r in rows] == ["ep 1: 8 of 8 experts per rank", "ep 2: 4 of 8 experts per rank"]
+    for cells in rows:
+        assert_finite_cells(cells[1:], allowed_text=())
+    assert rows[1][5] == f"{ep2['all_to_all_per_step'] / 2**20:.2f} / {ep2['all_to_all_per_step'] / 2**20:.2f}"
+
+
+def test_moe_rows_need_a_world_the_experts_split_over(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")                # the default list leaves moe out, says why
+    assert "2 or more ranks" in parse_args(["--quick"]).skipped["moe"]
+    monkeypatch.setenv("WORLD_SIZE", "6")                # tiny-moe: 8 experts
+    with pytest.raises(SystemExit):                      # asked for by name: one clear error
+        parse_args(["--quick", "--strategies", "moe", "--ep", "3"])
+    assert "model tiny-moe's 8 experts; leave it out of --strategies" in capsys.readouterr().err
 
 
 def test_json_holds_the_same_numbers(bench):
@@ -129,10 +188,6 @@ def test_json_holds_the_same_numbers(bench):
     # The table prints the JSON's numbers (zero2 is the first row).
     _, rows = table(output, "strategy")
     assert rows[0][3] == f"{row['ratio']:.2f}"
-    assert [r["bytes"] for r in data["collectives"]] == [1024, 4096]
-    for r in data["collectives"]:
-        for name in ("ring", "native"):
-            assert math.isfinite(r[name]["busbw_GBps"]) and r[name]["busbw_GBps"] > 0
 
 
 def test_fsdp_and_tp_do_pytorchs_work(bench):

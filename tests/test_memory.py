@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from collectives import ring_bytes
-from memory import (STRATEGIES, activation_bytes, bytes_per_param, comm_bytes, main,
-                    model_params, nf4_bytes, state_bytes)
-from model import PRESETS, build_model
+from memory import (STRATEGIES, active_params, activation_bytes, bytes_per_param, comm_bytes,
+                    ep_comm_bytes, ep_params, ep_state_bytes, expert_params, main, model_params,
+                    moe_exchange_bytes, moe_mlp_bytes, nf4_bytes, state_bytes)
+from model import PRESETS, GPTConfig, build_model
 from multiprocess import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,6 +125,125 @@ def test_activation_formula_by_hand_and_checkpointing_saves():
     assert ckpt < full / 5
 
 
+# ---- mixture of experts ------------------------------------------------------------------------
+
+def _sharded(name, ep, rank=0):
+    """A preset built on the meta device (no memory) with its experts split as rank `rank` of ep
+    would hold them: shard_experts reads only the group's size and rank."""
+    from types import SimpleNamespace
+    from moe import MoE
+    with torch.device("meta"):
+        gpt = build_model(name)
+    for module in gpt.modules():
+        if isinstance(module, MoE):
+            module.shard_experts(SimpleNamespace(world_size=ep, rank=rank))
+    return gpt
+
+
+@pytest.mark.parametrize("name, ep", [("tiny-moe", 2), ("tiny-moe", 8), ("gpt2-small-moe", 4)])
+def test_a_rank_holds_what_ep_params_says(name, ep):
+    from moe import is_expert
+    gpt = _sharded(name, ep, rank=ep - 1)
+    held, experts = ep_params(name, ep)
+    assert held == sum(p.numel() for p in gpt.parameters())
+    assert experts == sum(p.numel() for p in gpt.parameters() if is_expert(p))
+    assert experts == expert_params(name) // ep
+    assert ep_params(name, 1) == (model_params(name), 0)
+    assert expert_params("tiny") == expert_params("tiny", 2) == 0
+    assert active_params("gpt2-small") == model_params("gpt2-small")      # dense: every one
+
+
+def test_expert_parallel_state_and_traffic_by_hand():
+    # tiny-moe: 352,000 parameters outside the experts, 4,214,784 in them; ep 2 on 2 ranks keeps
+    # half the experts on each rank, and ddp (16 bytes each in bf16 with AdamW) holds them whole:
+    # the 37.5 MiB per rank train.py measures (README), against 69.7 replicated.
+    n, experts = ep_params("tiny-moe", 2)
+    assert (n, experts) == (352_000 + 4_214_784 // 2, 4_214_784 // 2)
+    assert ep_state_bytes(n, experts, "ddp", "bf16", 2, 2)["total"] == 16 * n
+    assert ep_state_bytes(n, 0, "ddp", "bf16", 2, 1) == state_bytes(n, "ddp", "bf16", 2)
+    # zero2 at ep 2 on 4 ranks: the experts' gradients and optimizer over the 2 ranks holding them
+    held = ep_state_bytes(n, experts, "zero2", "bf16", 4, 2)
+    assert held["grads"] == 2 * (-(-(n - experts) // 4) + experts // 2)
+    assert held["optimizer"] == 12 * (-(-(n - experts) // 4) + experts // 2)
+    # The experts' gradients travel only between the ranks holding them: at ep = world, nowhere.
+    assert ep_comm_bytes(n, experts, "ddp", "bf16", 2, 2) == comm_bytes(n - experts, "ddp", "bf16", 2)
+    four = ep_comm_bytes(n, experts, "ddp", "bf16", 4, 2)["all_reduce"]
+    assert four == (comm_bytes(n - experts, "ddp", "bf16", 4)["all_reduce"]
+                    + ring_bytes("all_reduce", experts, 2, 2))      # among the 2 holding them
+
+
+@pytest.mark.parametrize("name, ep, tokens, capacity_factor",
+                         [("tiny-moe", 2, 512, 1.25), ("tiny-moe", 4, 128, 0.5),
+                          ("gpt2-small-moe", 8, 8192, 1.25)])
+def test_all_to_all_napkin_is_the_layers_formula(name, ep, tokens, capacity_factor):
+    """memory.py's closed form equals moe.exchange_bytes on the model split over ep ranks (the
+    formula train.py logs beside the counter, and test_moe checks against the counter): 4 (P-1)/P
+    of the E x K slots of C values per layer and micro-batch, K = ceil(1.25 x 2 x 512 / 8) = 160."""
+    from types import SimpleNamespace
+    from moe import exchange_bytes
+    gpt = _sharded(name, ep)
+    for module in gpt.modules():
+        if hasattr(module, "capacity_factor"):
+            module.capacity_factor = capacity_factor
+    options = SimpleNamespace(batch_size=3 * ep * tokens // 64, seq_len=64, grad_accum=3)
+    cfg = dataclasses.replace(PRESETS[name], capacity_factor=capacity_factor)
+    assert moe_exchange_bytes(cfg, tokens, ep, "fp32", 3) == exchange_bytes(gpt, options, ep)
+    assert moe_exchange_bytes(PRESETS["tiny-moe"], 512, 2, "fp32") == 4 * 4 * 8 * 160 * 128 * 4 // 2
+    assert moe_exchange_bytes(PRESETS["tiny-moe"], 512, 1, "fp32") == 0
+
+
+def test_moe_activation_formula_by_hand():
+    # h = 8, E = 4 experts, k = 2, t = 16 tokens: A = 32 assignments. Per layer (16-bit, so
+    # x h bytes): 2t input + 19 per expert row + 4 per kept assignment, + 8 tE for the fp32
+    # router logits and probabilities.
+    cfg = GPTConfig(n_embd=8, n_head=2, experts=4, top_k=2, capacity_factor=None)
+    assert moe_mlp_bytes(16, cfg) == (2 * 16 + 19 * 32 + 4 * 32) * 8 + 8 * 16 * 4 == 6656
+    # capacity 0.5: K = ceil(0.5 x 2 x 16 / 4) = 4 slots per expert, 16 assignments at most
+    half = dataclasses.replace(cfg, capacity_factor=0.5)
+    assert moe_mlp_bytes(16, half) == (2 * 16 + 19 * 16 + 4 * 16) * 8 + 512
+    # expert parallelism in capacity mode: every expert runs its K = 10 slots, empty or not
+    ep = dataclasses.replace(cfg, capacity_factor=1.25)
+    assert moe_mlp_bytes(16, ep, ep=2) == (2 * 16 + 19 * 40 + 4 * 32) * 8 + 512
+    assert moe_mlp_bytes(16, ep, ep=1) == moe_mlp_bytes(16, cfg)          # 32 of 40 slots used
+    # A block: attention and norms as the dense one, the MLP's 19 sbh replaced (s=4, b=4).
+    dense = activation_bytes(seq_len=4, batch=4, hidden=8, heads=2)
+    assert activation_bytes(4, 4, 8, 2, moe=cfg) == dense - 19 * 16 * 8 + 6656
+    assert activation_bytes(4, 4, 8, 2, moe=PRESETS["tiny"]) == dense      # no experts: dense
+    assert activation_bytes(4, 4, 8, 2, layers=3, checkpointing=True, moe=cfg) == \
+        3 * 2 * 16 * 8 + activation_bytes(4, 4, 8, 2, moe=cfg)
+
+
+def _moe_layer_saves(capacity_factor, ep):
+    """Bytes tiny-moe's first MoE layer keeps for backward on 4 x 64 fp32 tokens (saved-tensor
+    hooks, each storage once), this rank's experts split over the world when ep."""
+    from checkpointing import saved_activation_bytes
+    from collectives import Comm
+    torch.manual_seed(0)
+    moe = build_model("tiny-moe", capacity_factor=capacity_factor).blocks[0].mlp
+    if ep:
+        moe.shard_experts(Comm())
+    x = torch.randn(4, 64, 128, requires_grad=True)
+    saved, _ = saved_activation_bytes(lambda: moe(x), exclude=list(moe.parameters()))
+    return saved
+
+
+@pytest.mark.parametrize("capacity_factor, ep", [(None, 1), (0.5, 1), (1.25, 2)])
+def test_an_moe_layer_keeps_what_the_formula_says(capacity_factor, ep):
+    """Measured with saved-tensor hooks, as the dense block in test_checkpointing.py: dropless
+    (every token's 2 copies run), capacity 0.5 (every expert full, K = 32) and ep 2 in capacity
+    mode on 2 ranks (each expert runs all its K = 80 slots, empty ones too). Between 95% and
+    100% of moe_mlp_bytes: the formula counts dropout masks, at most 1/19 of it, that dropout 0
+    does not keep, and leaves out the int64 indices and fp32 gates, about 1% (measured: 96.4%,
+    96.8%, 96.4%). Forgetting the buffer's empty slots, or counting them as kept outputs too,
+    falls outside."""
+    cfg = dataclasses.replace(PRESETS["tiny-moe"], capacity_factor=capacity_factor)
+    formula = moe_mlp_bytes(4 * 64, cfg, ep, bytes_per_value=4)
+    measured = run_ranks(_moe_layer_saves, 2, capacity_factor, True) if ep > 1 else \
+        [_moe_layer_saves(capacity_factor, False)]
+    for saved in measured:
+        assert 0.95 * formula <= saved <= formula, (saved, formula, saved / formula)
+
+
 def test_cli_reproduces_the_zero_paper_table(cli):
     out = cli[PAPER]
     assert "GB (1 GB = 1e9 bytes" in out
@@ -147,6 +267,29 @@ def test_cli_breakdown_of_one_strategy(cli):
         line = next((l for l in out.splitlines() if l.strip().startswith(label)), None)
         assert line is not None and f"{value:,}" in line, f"{label}: {value:,} not in\n{out}"
     assert re.search(r"^  total\s+[\d,]+", out, re.M) and "total with checkpointing" in out
+
+
+def test_cli_splits_the_experts_under_ep(capsys):
+    """tiny-moe on 2 ranks: total against active parameters; under --ep 2 each rank holds half
+    the experts (ddp: 37.53 MiB, not 69.68) and sends the all-to-alls beside the gradients."""
+    main(["--model", "tiny-moe", "--world", "2"])
+    replicated = capsys.readouterr().out
+    assert "a token computes with 1,405,696 of the 4,566,784 parameters (31%)" in replicated
+    assert next(l for l in replicated.splitlines() if l.startswith("ddp")).split()[4] == "69.68"
+    main(["--model", "tiny-moe", "--world", "2", "--ep", "2"])
+    out = capsys.readouterr().out
+    assert "--ep 2: a rank holds 4 of each block's 8 experts, 2,459,392 parameters" in out
+    ddp = next(l for l in out.splitlines() if l.startswith("ddp")).split()
+    # the non-experts' all-reduce, and 4 layers x 4 all-to-alls of half the 8 x 40 slots
+    sent = ring_bytes("all_reduce", 352_000, 2, 2) + moe_exchange_bytes(PRESETS["tiny-moe"], 128, 2, "bf16")
+    assert ddp[4] == "37.53" and ddp[6] == f"{sent / 2**20:.2f}" and out.count("+ all-to-all") == 4
+    main(["--model", "tiny-moe", "--strategy", "zero2", "--world", "2", "--ep", "2",
+          "--batch-size", "16", "--seq-len", "64"])
+    out = capsys.readouterr().out
+    a2a = moe_exchange_bytes(PRESETS["tiny-moe"], 8 * 64, 2, "bf16")
+    assert re.search(rf"^  all_to_all\s+{a2a:,}", out, re.M), out
+    act = activation_bytes(64, 8, 128, 4, 4, moe=PRESETS["tiny-moe"], ep=2)
+    assert re.search(rf"^  activations, L x \(sbh\(15 \+ 5as/h\) \+ MoE MLP\)\s+{act:,}", out, re.M), out
 
 
 def test_lora_is_the_model_plus_4x_the_trainable_parameters(capsys):
@@ -175,6 +318,12 @@ def test_qlora_base_in_4_bits(capsys):
     (["--model", "tiny", "--world", "3", "--batch-size", "8"], "use a multiple of 3"),
     (["--params", "1e9", "--strategy", "single", "--world", "2"], "use --strategy ddp"),
     (["--params", "1e9", "--strategy", "ddp", "--offload", "optimizer"], "use --strategy zero1, zero2 or fsdp"),
+    (["--params", "1e9", "--world", "2", "--ep", "2"], "--ep splits a model's experts: give --model"),
+    (["--model", "tiny", "--world", "2", "--ep", "2"], "--ep splits a model's experts: give --model"),
+    (["--model", "tiny-moe", "--world", "3", "--ep", "3"], "use an --ep dividing both"),
+    (["--model", "tiny-moe", "--world", "2", "--ep", "4"], "use an --ep dividing both"),
+    (["--model", "tiny-moe", "--world", "2", "--ep", "2", "--trainable", "1e4"], "LoRA keeps the experts whole"),
+    (["--advise", "--model", "tiny-moe", "--world", "2", "--ep", "2"], "drop --ep"),
 ])
 def test_bad_input_stops_with_one_clear_message(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:

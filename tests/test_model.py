@@ -1,4 +1,5 @@
 """The GPT: shapes, causality, presets, named projections, tying and the loss at init."""
+import dataclasses
 import math
 
 import pytest
@@ -29,10 +30,25 @@ def test_attention_is_causal():
 
 
 def test_presets():
-    assert set(PRESETS) == {"tiny", "tiny-moe", "medium", "gpt2-small"}
+    assert set(PRESETS) == {"tiny", "tiny-moe", "medium", "gpt2-small", "gpt2-small-moe"}
     assert build_model("tiny").num_parameters() < 2_000_000
     # GPT-2 small's 124M parameters, with its 50257-token vocabulary padded to 50304.
     assert round(build_model("gpt2-small").num_parameters() / 1e6) == 124
+
+
+def test_moe_presets_are_their_dense_model_with_8_experts_top_2():
+    from memory import active_params
+    for moe, dense in (("tiny-moe", "tiny"), ("gpt2-small-moe", "gpt2-small")):
+        cfg = PRESETS[moe]
+        assert (cfg.experts, cfg.top_k) == (8, 2)
+        assert dataclasses.replace(cfg, experts=0) == PRESETS[dense], moe     # the same shape
+    with torch.device("meta"):                      # the real modules, no memory or init time
+        model = build_model("gpt2-small-moe")
+    assert len(model.blocks[0].mlp.experts) == 8
+    assert round(model.num_parameters() / 1e6) == 521
+    # A token computes with GPT-2 small plus one more MLP (4.7M) per block and the routers.
+    C = 768
+    assert active_params("gpt2-small-moe") == 124_466_688 + 12 * (8 * C * C + 5 * C + 8 * C)
 
 
 def test_projections_are_separate_named_linears_and_tying_shares_storage():
@@ -60,7 +76,7 @@ def test_dropout_is_off_by_default_and_optional():
 def test_bad_configs_name_the_fix():
     with pytest.raises(ValueError, match="block_size"):
         build_model("tiny")(torch.zeros(1, 129, dtype=torch.long))
-    with pytest.raises(ValueError, match="choose one of tiny, medium, tiny-moe, gpt2-small"):
+    with pytest.raises(ValueError, match="choose one of tiny, medium, tiny-moe, gpt2-small, gpt2-small-moe"):
         build_model("huge")
     with pytest.raises(ValueError, match="divisible by n_head"):
         build_model("tiny", n_head=5)
