@@ -222,6 +222,43 @@ def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, mic
     return peaks
 
 
+def cp_activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: int, cp: int,
+                        attention: str = "ring", checkpointing: bool = False,
+                        bytes_per_value: int = 2) -> int:
+    """activation_bytes on one of cp context-parallel ranks (context_parallel.py): every term at
+    its s/cp tokens, except two. Its queries' scores span every key, 5 a (s/cp) s b (an upper
+    bound, as in activation_bytes: the ring keeps none). And all-gather attention keeps the whole
+    sequence's K and V, 4 s b h, where the ring keeps its own 4 (s/cp) b h. So the sbh terms fall
+    as 1/cp, the scores' as 1/cp too (s/cp rows of s), the all-gather's K/V not at all."""
+    s, b, h, a = seq_len, batch, hidden, heads
+    local = s // cp
+    extra = 5 * a * local * (s - local) * b                 # scores: s keys per query, not s/cp
+    if attention == "allgather":
+        extra += 4 * (s - local) * b * h                    # the gathered K and V
+    full_layers = 1 if checkpointing else layers            # checkpointed: one layer's, recomputed
+    return (activation_bytes(local, b, h, a, layers, checkpointing, bytes_per_value)
+            + full_layers * extra * bytes_per_value // 2)
+
+
+def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str = "ring",
+                bytes_per_value: int = 2) -> dict:
+    """Bytes one of cp context-parallel ranks sends per layer and micro-batch so that its queries
+    meet every key: {"forward": ..., "backward": ...}. A rank's K and V are kv = 2 (s/cp) b h values.
+
+    All-gather K/V: forward, the all-gather of every rank's K/V, (cp-1) kv; backward, the
+    reduce-scatter of dK and dV, the same volume. Ring attention: forward, cp-1 steps of one K/V
+    block; backward, the blocks go round again ((cp-1) kv) and dK, dV travel beside them cp-1
+    steps in fp32, or wider (they add up over the ranks). In fp32 the ring sends 1.5x the all-gather's,
+    as FSDP sends 1.5x DDP's: both send again in backward what they would not keep.
+    """
+    kv = 2 * (seq_len // cp) * batch * hidden
+    if attention == "allgather":
+        return {"forward": ring_bytes("all_gather", cp * kv, bytes_per_value, cp),
+                "backward": ring_bytes("reduce_scatter", cp * kv, bytes_per_value, cp)}
+    return {"forward": (cp - 1) * kv * bytes_per_value,
+            "backward": (cp - 1) * kv * (bytes_per_value + max(bytes_per_value, 4))}
+
+
 def logits_bytes(seq_len: int, batch: int, vocab: int) -> int:
     """The loss keeps b x s x V fp32 log-probabilities for backward: 4 sbV bytes (section 4).
 
