@@ -191,7 +191,7 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock: BusyCl
     rank's queries put into it. Autograd keeps the gathered K/V of the whole sequence per layer:
     the memory this naive version pays, where the ring keeps only its own block.
     """
-    r, (B, H, t, D) = comm.rank, q.shape
+    r, t = comm.rank, q.shape[2]
     kv = torch.stack([k, v]).permute(1, 3, 0, 2, 4)                           # (B, t, 2, H, D)
     kv = enter_region(kv, comm, sequence_parallel=True)                        # (B, T, 2, H, D), rank order
     T = kv.shape[1]
@@ -266,6 +266,7 @@ class RingAttention(torch.autograd.Function):
         delta = (dout * _wide(out)).sum(-1)                                    # (B, H, t)
         dq = torch.zeros_like(dout)                                            # (B, H, t, D), fp32
         kv = torch.stack([k, v])                                               # (2, B, H, t, D)
+        incoming = None          # (handle, buffer): a partial sum of dK, dV on its way from r+1
         for step in range(cp):
             source = (r + step) % cp                  # the other way round: blocks move to r-1
             if step < cp - 1:                         # the next block in flight, as in forward
@@ -283,18 +284,20 @@ class RingAttention(torch.autograd.Function):
             if step == 0:
                 own = dkv                             # this rank's block: the others' shares come home
             else:
-                if step > 1:                          # the shares of the ranks this block met before
-                    grad_handle.wait()
+                if incoming is not None:              # the shares of the ranks this block met before
+                    handle, partial_sum = incoming
+                    handle.wait()
                     dkv += partial_sum
                 # On to r-1, in the same order on every rank as the K/V batches (NCCL pairs two
                 # ranks' p2p calls by their order); the last step's reaches the block's owner.
                 partial_sum = torch.empty_like(dkv)
-                grad_handle = comm.exchange([("send", dkv, left), ("recv", partial_sum, right)])
+                incoming = comm.exchange([("send", dkv, left), ("recv", partial_sum, right)]), partial_sum
             if step < cp - 1:
                 kv_handle.wait()
                 kv = arriving
-        if cp > 1:
-            grad_handle.wait()
+        if incoming is not None:
+            handle, partial_sum = incoming
+            handle.wait()
             own += partial_sum                        # every other rank's share of this block
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
 
