@@ -334,7 +334,10 @@ class ContextParallelGPT(nn.Module):
         self.clock = BusyClock()
         for block in gpt.blocks:
             block.attn.attend = partial(self._attend, ATTENTIONS[attention])
-        self.activation_bytes = None    # kept for backward by the first training forward, measured
+        # True: the next training forward counts the bytes it keeps for backward (saved-tensor
+        # hooks) into activation_bytes. build() asks, for train.py's log; off otherwise, since
+        # hooks do not nest: ours would hide a caller's own.
+        self.count_activations, self.activation_bytes = False, None
         self.kv_formula = None          # K/V bytes per step train.py's batch sends, predicted: build()
 
     def _attend(self, attention, q, k, v, dropout_p: float):                 # (B, H, t, D) each
@@ -353,8 +356,8 @@ class ContextParallelGPT(nn.Module):
             # The mean over this rank's B x t tokens: every rank holds as many, so the mean over
             # the ranks (DDP's average) is the mean over the whole batch.
             return logits if targets is None else (logits, cross_entropy(logits, targets[:, positions]))
-        if self.activation_bytes is None and self.training and torch.is_grad_enabled():
-            # Saved-tensor hooks, once (nested hooks would hide a caller's own).
+        if self.count_activations and self.training and torch.is_grad_enabled():
+            self.count_activations = False
             self.activation_bytes, result = saved_activation_bytes(run, exclude=list(gpt.parameters()))
             return result
         return run()
@@ -396,6 +399,7 @@ def build(gpt, options, data, split, device, adamw: dict):
     optimizer's settings. No parameter is split: checkpoints hold whole ones, as under ddp.
     """
     cp = ContextParallelGPT(gpt, split, options.cp_attention, options.cp_balance == "zigzag")
+    cp.count_activations = True                            # the first step's, for the log
     # Every rank's gradient is the whole model's, from its own tokens: summed over the cp group and
     # averaged over the data groups in one all-reduce over the world, divided by cp x dp (each
     # rank's loss is its tokens' mean). Over the world with ring collectives, building the Comm is
