@@ -8,8 +8,9 @@ Transformer Models", section 4). held_bytes() measures the same three on a live 
 Left out: transient buffers (FSDP's gathered unit, the fp32 gradient inside a mixed-precision
 step), fragmentation, the CUDA context.
 Run: python memory.py --params 7.5e9 --world 64 (--advise: the lecture's flow chart, advisor.py;
-     --model gpt2-small --pp 4 --microbatches 8: activations and bubble per pipeline schedule)
-Test: python -m pytest tests/test_memory.py
+     --model gpt2-small --pp 4 --microbatches 8: activations and bubble per pipeline schedule;
+     --model gpt2-small --cp 8: activations and K/V traffic per context-parallel rank)
+Test: python -m pytest tests/test_memory.py (context parallelism's: tests/test_context_parallel.py)
 
 Shapes: P parameters, N world size, c = ceil(P / N) elements per shard; activations: s sequence,
 b micro-batch per rank, h hidden (n_embd), a heads, L layers, V vocabulary.
@@ -435,6 +436,8 @@ def _parse_args(argv=None):
     p.add_argument("--pp", type=int, default=1, help="pipeline stages: with --model, each schedule's "
                    "bubble and activations per stage")
     p.add_argument("--microbatches", type=int, default=None, help="with --pp: per step (default 2 x pp)")
+    p.add_argument("--cp", type=int, default=1, help="context parallelism: with --model, a rank's "
+                   "activations and K/V bytes sent as each sequence splits over 1, 2, 4 ... cp ranks")
     advisor.add_arguments(p)
     args = p.parse_args(argv)
     if args.advise:
@@ -469,6 +472,8 @@ def _parse_args(argv=None):
         if PRESETS[args.model].n_layer < args.pp:
             p.error(f"--model {args.model} has {PRESETS[args.model].n_layer} blocks, fewer than --pp "
                     f"{args.pp} stages")
+    if args.cp != 1 and (args.model is None or args.cp < 1):
+        p.error("--cp needs --model (the layers and activation shapes) and a count of at least 1")
     if args.offload and args.strategy in ("ddp", "single"):
         p.error(f"--offload optimizer moves a sharded optimizer to the host, and --strategy "
                 f"{args.strategy} keeps it whole: use --strategy zero1, zero2 or fsdp")
@@ -585,6 +590,24 @@ def _pipeline_table(args):
                   f"{BUBBLE_FORMULAS[name]:<16}" + "".join(f"{p / MiB:11.1f}" for p in peaks))
 
 
+def _cp_table(args):
+    """--cp N: what one rank keeps and sends as every sequence splits over 1, 2, 4 ... N ranks
+    (context_parallel.py), ring attention beside all-gather K/V."""
+    cfg, s, value = PRESETS[args.model], args.seq_len, _element_size(args.precision)
+    b = args.batch_size // args.grad_accum                 # a cp group's ranks read the same rows
+    print(f"{args.model}: {cfg.n_layer} layers, micro-batch {b} x {s} tokens split over cp ranks, "
+          f"{value}-byte activations; per rank, MiB: activations kept (sbh(34 + 5as/h) at s/cp "
+          f"tokens, memory.cp_activation_bytes) and K/V sent per layer and micro-batch, forward + "
+          f"backward (memory.cp_kv_bytes)")
+    print(f"{'cp':>4}{'activations ring':>18}{'all-gather':>12}{'K/V sent ring':>15}{'all-gather':>12}")
+    for cp in sorted({2 ** i for i in range(args.cp.bit_length()) if 2 ** i <= args.cp} | {args.cp}):
+        shape = dict(seq_len=s, batch=b, hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer, cp=cp,
+                     bytes_per_value=value)
+        kept = [cp_activation_bytes(**shape, attention=a) for a in ("ring", "allgather")]
+        sent = [sum(cp_kv_bytes(s, b, cfg.n_embd, cp, a, value).values()) for a in ("ring", "allgather")]
+        print(f"{cp:>4}{kept[0] / MiB:18.1f}{kept[1] / MiB:12.1f}{sent[0] / MiB:15.2f}{sent[1] / MiB:12.2f}")
+
+
 def main(argv=None):
     args = _parse_args(argv)
     if args.advise:
@@ -592,6 +615,8 @@ def main(argv=None):
         return advisor.print_advice(args)
     if args.pp > 1:
         return _pipeline_table(args)
+    if args.cp > 1:
+        return _cp_table(args)
     n_params = model_params(args.model) if args.model is not None else int(args.params)
     if args.strategy is None:
         _table(n_params, args)
