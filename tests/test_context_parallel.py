@@ -7,7 +7,10 @@ a rank keeps falling as 1/cp. train.py --strategy cp at cp 2 and cp 2 x dp 2 tra
 model step by step, with LoRA and activation checkpointing too, and its checkpoints resume on one
 process; bad command lines stop every rank with one message.
 """
+import json
 import os
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -15,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import context_parallel as cp_module
+import memory
 from checkpointing import saved_activation_bytes
 from collectives import Comm
 from memory import cp_activation_bytes, cp_kv_bytes
@@ -271,3 +275,36 @@ def bad_cp():
 def test_bad_cp_input_stops_every_rank_with_the_same_message(bad_cp, case, fix):
     assert bad_cp[0][case] == bad_cp[1][case], bad_cp
     assert fix in bad_cp[0][case], bad_cp[0][case]
+
+
+# ---- memory.py --cp and bench.py's cp rows -------------------------------------------------------
+
+def test_memory_cp_table_halves_a_ranks_activations(capsys):
+    memory.main(["--model", "tiny", "--cp", "4", "--precision", "fp32", "--batch-size", "16",
+                 "--seq-len", "64"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(row[0]) for row in rows] == [1, 2, 4]
+    ring = [float(row[1]) for row in rows]
+    assert ring[0] == 2 * ring[1] == 4 * ring[2]                   # 44.0, 22.0, 11.0 MiB
+    # K/V per layer: ring (cp-1) x 3 K/V blocks in fp32, all-gather (cp-1) x 2: 1.5x
+    assert [float(row[3]) for row in rows] == [1.5 * float(row[4]) for row in rows]
+
+
+def test_bench_times_ring_beside_allgather(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node", "2", "bench.py", "--quick", "--strategies", "cp",
+                             "--warmup", "1", "--steps", "2", "--repeats", "1", "--json", str(path)],
+                            cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| cp attention (cp 2, zigzag) |" in result.stdout and "context_parallel not run" in result.stdout
+    rows = {r["attention"]: r for r in json.loads(path.read_text())["context_parallel"]}
+    assert set(rows) == {"ring", "allgather"}
+    for r in rows.values():
+        assert r["sent_per_step"] == r["napkin_sent"] and len(r["idle"]) == 2
+    # the same training on both; the ring keeps less (no gathered K/V) and sends more (K/V again in backward)
+    assert rows["ring"]["last_loss"] == pytest.approx(rows["allgather"]["last_loss"], rel=1e-5)
+    assert rows["ring"]["activation_bytes"] < rows["allgather"]["activation_bytes"]
+    assert rows["ring"]["sent_per_step"] > rows["allgather"]["sent_per_step"]
