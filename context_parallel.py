@@ -4,8 +4,8 @@ Activations grow with the sequence, and neither data parallelism nor ZeRO nor FS
 Context parallelism cuts each sequence into cp parts, one per rank: embeddings, norms, MLPs and
 the loss only ever see their own tokens, and attention, which needs every earlier key and value,
 gets them from the other ranks in one of two ways, the naive one beside the optimised one:
-- all-gather K/V (Llama 3, arXiv 2407.21783, section 3.3.2): gather the whole sequence's keys and
-  values, attend, reduce-scatter their gradients in backward;
+- all-gather K/V (Llama 3: Grattafiori et al. 2024, arXiv 2407.21783): gather the whole
+  sequence's keys and values, attend, reduce-scatter their gradients in backward;
 - ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): K/V blocks go
   round the ring while each rank folds them into its queries' online softmax (FlashAttention's
   running max and sum, Dao et al. 2022, algorithm 1), the next block in flight while this one
@@ -140,7 +140,7 @@ def _fold_in(m, l, acc, q, k, v, causal: bool):
 
 
 def _block_grads(q, k, v, dout, lse, delta, causal: bool):
-    """One block's gradients (FlashAttention's backward, Dao et al. 2022, appendix B.2), in fp32:
+    """One block's gradients (FlashAttention's backward, Dao et al. 2022, appendix B), in fp32:
     the forward's probabilities recomputed from the log-sum-exp it kept, never stored.
     dout (B, H, c, D), lse and delta = rowsum(dout * out) (B, H, c) -> dq, dk, dv (B, H, c, D)."""
     scale = q.shape[-1] ** -0.5
