@@ -229,9 +229,10 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, comm: Comm, split: SequenceSplit, clock: BusyClock):
         r, cp = comm.rank, comm.world_size
         c = q.shape[2] // len(split.chunks(r))
-        m = torch.full(q.shape[:3], float("-inf"), dtype=_wide(q).dtype, device=q.device)  # (B, H, t) max
+        wide = torch.promote_types(q.dtype, torch.float32)                     # as _wide
+        m = torch.full(q.shape[:3], float("-inf"), dtype=wide, device=q.device)  # (B, H, t) running max
         l = torch.zeros_like(m)                                                # (B, H, t) running sum
-        acc = torch.zeros(q.shape, dtype=m.dtype, device=q.device)             # (B, H, t, D)
+        acc = torch.zeros(q.shape, dtype=wide, device=q.device)                # (B, H, t, D)
         kv = torch.stack([k, v])                                               # (2, B, H, t, D): one message
         for step in range(cp):
             source = (r - step) % cp                                           # whose block kv is
