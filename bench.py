@@ -4,9 +4,10 @@ The contenders: each strategy and its PyTorch counterpart (DistributedDataParall
 ZeroRedundancyOptimizer, fully_shard, parallelize_module, torch.distributed.pipelining's
 schedules on the same stages, torch.utils.checkpoint on our DDP) train the same model on the
 same data, precision and world size; a mixture of experts trains with its experts split over
---ep ranks against the same model replicated (PyTorch has no expert parallelism of its own).
-bench_measure.py times them and prints the tables, bench_collectives.py times all-reduce and
-all-to-all by size. Left out: gradient accumulation, data loading.
+--ep ranks against the same model replicated (PyTorch has no expert parallelism of its own);
+context parallelism's ring attention runs beside its all-gather (PyTorch's context_parallel does
+not run on CPU ranks). bench_measure.py times them and prints the tables, bench_collectives.py
+times all-reduce and all-to-all by size. Left out: gradient accumulation, data loading.
 Run: torchrun --nproc_per_node 2 bench.py --quick (CPU); torchrun --nproc_per_node 8 bench.py (GPUs)
 Test: python -m pytest tests/test_bench.py
 """
@@ -37,10 +38,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+import context_parallel
 import pipeline
 import tensor_parallel
 from bench_collectives import bench_collectives, collectives_report
-from bench_measure import Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report, report
+from bench_measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report,
+                           report, spread, summary, time_training)
 from checkpointing import checkpoint_blocks
 from collectives import Comm, split_norm
 from data import TextData
@@ -340,7 +343,66 @@ STRATEGIES = {
 }
 # A tensor group or a pipeline computes one model: its ranks read the same rows.
 WHOLE_BATCH = {"tp", *(name for name in STRATEGIES if name.startswith("pipeline-"))}
-BENCHMARKS = (*STRATEGIES, "moe", "collectives")
+BENCHMARKS = (*STRATEGIES, "moe", "cp", "collectives")
+
+
+# ---- context parallelism: ring attention beside all-gather K/V ----------------------------------
+
+# PyTorch's own, torch.distributed.tensor.experimental.context_parallel, is no contender on CPU
+# ranks (checked with torch 2.13.0): its ring takes over only CUDA's attention kernels (flash,
+# memory-efficient, cuDNN), while the CPU runs _scaled_dot_product_flash_attention_for_cpu, and
+# entering it imports torch.distributed.tensor.debug, which needs numpy (not installed here).
+TORCH_CONTEXT_PARALLEL = ("PyTorch's context_parallel not run: its ring handles only CUDA's SDPA "
+                          "kernels (flash, efficient, cuDNN), not the CPU's "
+                          "_scaled_dot_product_flash_attention_for_cpu, and it imports numpy")
+
+
+def ours_context_parallel(attention, model, args):
+    """The whole world as one cp group (every rank reads the whole batch, keeps its zigzag chunks),
+    gradients summed by our DDP over it."""
+    comm = Comm()
+    cp = context_parallel.ContextParallelGPT(model, comm, attention)
+    ddp = DDP(cp, comm, bucket_mb=args.bucket_mb)
+    return Run(ddp, MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
+                                            **ADAMW), comm,
+               label=f"context_parallel.ContextParallelGPT({attention}, zigzag) + our DDP",
+               napkin_sent=ddp.bytes_per_step() + cp.kv_bytes_per_step(args.batch_size, args.seq_len),
+               bubbles=lambda: cp.idle_shares()[0])
+
+
+def bench_context_parallel(args, batches, device) -> list:
+    """Ring and all-gather, alternating, args.repeats runs each: one row per attention."""
+    runs = {attention: [] for attention in context_parallel.ATTENTIONS}
+    for _ in range(args.repeats):
+        for attention in runs:
+            runs[attention].append(time_training(partial(ours_context_parallel, attention), args,
+                                                 batches, device))
+    tokens_per_step = args.batch_size * args.seq_len
+    rows = []
+    for attention, results in runs.items():
+        ms, last = summary([r["ms_per_step"] for r in results]), results[-1]
+        rows.append({"attention": attention, "label": last["label"], "ms_per_step": ms,
+                     "tokens_per_s": tokens_per_step / ms["median"] * 1e3,
+                     **{key: last[key] for key in ("activation_bytes", "sent_per_step", "napkin_sent",
+                                                   "last_loss")},
+                     "idle": last["bubbles"]})
+    return rows
+
+
+def context_parallel_report(m: dict, rows: list) -> list:
+    """The ring-vs-all-gather table's lines; none when cp was not asked for."""
+    if not rows:
+        return []
+    lines = ["", f"| cp attention (cp {m['world_size']}, zigzag) | ms/step | tokens/s | activations MiB "
+             f"per rank | sent MiB/step (measured / formula) | idle share of attention per rank |",
+             "|" + "---|" * 6]
+    lines += [f"| {r['attention']} | {spread(r['ms_per_step'])} | {r['tokens_per_s']:,.0f} | "
+              f"{r['activation_bytes'] / MiB:.2f} | {r['sent_per_step'] / MiB:.2f} / "
+              f"{r['napkin_sent'] / MiB:.2f} | {' '.join(f'{x:.2f}' for x in r['idle'])} |" for r in rows]
+    return lines + ["", "Context parallelism: the whole world is one cp group; sent = K/V (memory.cp_kv_bytes) "
+                    "+ DDP's gradient all-reduce; idle: 1 - a rank's seconds computing attention's "
+                    "blocks (forward) / the busiest rank's, over every step of the last run; loss "
+                    + " / ".join(f"{r['last_loss']:.5f}" for r in rows) + f". {TORCH_CONTEXT_PARALLEL}."]
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -432,6 +494,12 @@ def parse_args(argv=None):
            if args.seq_len > moe.block_size else None)
     if "moe" in args.strategies and why:
         refuse(["moe"], why, "leave it out of --strategies")
+    chunks = 2 * world_size                              # cp: the zigzag split, 2 chunks per rank
+    why = ("context parallelism needs 2 or more ranks" if world_size < 2 else
+           f"--seq-len {args.seq_len} does not split into {chunks} equal chunks (zigzag over "
+           f"{world_size} ranks)" if args.seq_len % chunks else None)
+    if "cp" in args.strategies and why:
+        refuse(["cp"], why, "leave cp out of --strategies")
     if args.batch_size < 1 or args.batch_size % world_size:
         p.error(f"--batch-size {args.batch_size} does not split over {world_size} ranks: "
                 f"use a positive multiple of {world_size}")
@@ -469,17 +537,19 @@ def main(argv=None):
     moe_args = argparse.Namespace(**{**vars(args), "model": args.moe_model})
     moe_row = (bench_moe({ep: partial(ours_moe, ep) for ep in (1, args.ep)}, moe_args, rows_of_rank, device)
                if "moe" in args.strategies else None)
+    cp_rows = bench_context_parallel(args, whole, device) if "cp" in args.strategies else []
     collective_rows = (bench_collectives(args, device)
                        if "collectives" in args.strategies and world_size > 1 else {})
 
     m = {**machine(device, args, n_params, peak_flops), "benchmarks": args.strategies,
          "skipped": args.skipped}
     if rank == 0:
-        print("\n".join(report(m, rows) + moe_report(moe_row) + collectives_report(m, collective_rows)))
+        print("\n".join(report(m, rows) + moe_report(moe_row) + context_parallel_report(m, cp_rows)
+                        + collectives_report(m, collective_rows)))
         print(f"\nbench.py ran {time.perf_counter() - started:.0f} s")
         with open(args.json, "w") as f:
-            json.dump({"machine": m, "strategies": rows, "moe": moe_row, "collectives": collective_rows},
-                      f, indent=1)
+            json.dump({"machine": m, "strategies": rows, "moe": moe_row, "context_parallel": cp_rows,
+                       "collectives": collective_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

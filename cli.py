@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+import context_parallel
 import ddp
 import fsdp
 import pipeline
@@ -30,7 +31,7 @@ from model import PRESETS
 # and makes its optimizer: (model, optimizer, bytes sent per step its formula predicts, bytes held
 # memory.py's napkin math predicts). "auto" picks one of them (advisor.advise).
 STRATEGIES = {"single": ddp, "ddp": ddp, "zero1": zero, "zero2": zero, "fsdp": fsdp, "zero3": fsdp,
-              "tp": tensor_parallel, "pipeline": pipeline}
+              "tp": tensor_parallel, "pipeline": pipeline, "cp": context_parallel}
 EVAL_FRACTION = 0.05                      # data.py's held-out tail
 
 
@@ -79,6 +80,14 @@ def parse_args(argv=None):
                    help="--schedule interleaved: chunks of blocks per stage (default 2)")
     p.add_argument("--stage-layers", default=None, metavar="N,N,...",
                    help="--strategy pipeline: blocks per stage (default: balanced by count)")
+    p.add_argument("--cp", type=int, default=1, help="--strategy cp: ranks each sequence is split over "
+                   "(the world is cp x data-parallel)")
+    p.add_argument("--cp-attention", choices=sorted(context_parallel.ATTENTIONS), default=None,
+                   help="--strategy cp: K/V blocks passed round a ring while attention computes (ring, "
+                        "the default), or the whole sequence's K/V all-gathered (allgather, Llama 3's)")
+    p.add_argument("--cp-balance", choices=("zigzag", "none"), default=None,
+                   help="--strategy cp: rank r holds chunks r and 2cp-1-r of 2cp, the same causal work "
+                        "on every rank (zigzag, the default), or chunk r of cp (none)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="end of the cosine decay (default: lr/10)")
@@ -180,9 +189,9 @@ def parse_args(argv=None):
 
 
 def split_size(args) -> int | None:
-    """Ranks that hold one model between them (--tp under tp, --pp under pipeline); None when
-    every rank holds a whole one."""
-    return {"tp": args.tp, "pipeline": args.pp}.get(args.strategy)
+    """Ranks that hold one model between them (--tp under tp, --pp under pipeline), or its
+    sequences (--cp under cp); None when every rank holds a whole one."""
+    return {"tp": args.tp, "pipeline": args.pp, "cp": args.cp}.get(args.strategy)
 
 
 def run_shape(args, data_size: int) -> tuple[str, str]:
@@ -191,7 +200,9 @@ def run_shape(args, data_size: int) -> tuple[str, str]:
         chunks = f" ({args.virtual_stages} chunks per stage)" if args.virtual_stages > 1 else ""
         return (f" = pp {args.pp} x dp {data_size}, {args.schedule}{chunks} over {args.microbatches} "
                 f"micro-batches", f"{args.microbatches} micro-batch(es) per pipeline")
-    mesh = f" = tp {args.tp} x dp {data_size}" if args.strategy == "tp" else ""
+    mesh = {"tp": f" = tp {args.tp} x dp {data_size}",
+            "cp": f" = cp {args.cp} x dp {data_size}, {args.cp_attention} attention, "
+                  f"{args.cp_balance} balance"}.get(args.strategy, "")
     return mesh, f"{args.grad_accum} micro-batch(es) per rank"
 
 
@@ -242,7 +253,8 @@ def check_args(parser, args, world_size):
     check_experts(parser, args, world_size)
     check_tensor_parallel(parser, args, world_size)
     check_pipeline(parser, args, world_size)
-    data_parallel = world_size // args.tp // args.pp              # ranks reading different rows
+    check_context_parallel(parser, args, world_size)
+    data_parallel = world_size // args.tp // args.pp // args.cp   # ranks reading different rows
     micro, flag = ((args.microbatches, "--microbatches") if args.strategy == "pipeline"
                    else (args.grad_accum, "--grad-accum"))
     per_step = data_parallel * micro
@@ -379,7 +391,7 @@ def check_experts(parser, args, world_size):
                      f"{args.capacity_factor}")
     if args.aux_loss_weight is not None and not 0 <= args.aux_loss_weight < math.inf:
         parser.error(f"--aux-loss-weight must be 0 (off) or positive, got {args.aux_loss_weight}")
-    if args.strategy in ("tp", "pipeline"):
+    if args.strategy in ("tp", "pipeline", "cp"):
         parser.error(f"--strategy {args.strategy} does not split expert layers: train a model with "
                      f"experts under --strategy ddp, zero1, zero2 or fsdp")
 
@@ -449,3 +461,28 @@ def check_pipeline(parser, args, world_size):
         pipeline.stage_layers(args.stage_layers, cfg.n_layer, args.pp, args.virtual_stages)
     except ValueError as e:
         parser.error(f"--model {args.model}: {e}" if "blocks" in str(e) else str(e))
+
+
+def check_context_parallel(parser, args, world_size):
+    """--cp, --cp-attention, --cp-balance: only with --strategy cp, and a split the world and the
+    sequence allow."""
+    if args.strategy != "cp":
+        if args.cp != 1 or args.cp_attention is not None or args.cp_balance is not None:
+            parser.error(f"--cp, --cp-attention and --cp-balance split sequences over ranks: add "
+                         f"--strategy cp (--strategy {args.strategy} gives every rank whole sequences)")
+        return
+    args.cp_attention = args.cp_attention or "ring"
+    args.cp_balance = args.cp_balance or "zigzag"
+    if args.cp < 1 or world_size % args.cp:
+        parser.error(f"world size {world_size} is not --cp {args.cp} x a data-parallel size: launch "
+                     f"a multiple of {args.cp} processes (--nproc_per_node), or use a --cp dividing "
+                     f"{world_size}")
+    chunks = context_parallel.SequenceSplit(args.cp, args.cp_balance == "zigzag").n_chunks
+    if args.seq_len % chunks:
+        per_rank = "two chunks per rank" if args.cp_balance == "zigzag" else "one chunk per rank"
+        parser.error(f"--cp {args.cp} with --cp-balance {args.cp_balance} cuts each sequence into "
+                     f"{chunks} equal chunks ({per_rank}): use a --seq-len divisible by {chunks}, "
+                     f"e.g. {args.seq_len // chunks * chunks or chunks}")
+    if args.dropout:
+        parser.error("--dropout: context-parallel attention has no dropout (its masks would have to "
+                     "be drawn again block by block in backward): use --dropout 0 with --strategy cp")

@@ -9,8 +9,9 @@ MLPs per token; under expert parallelism a rank holds E/ep of them and adds the 
 held_bytes() measures the same three on a live rank. Left out: transient buffers (FSDP's
 gathered unit, the fp32 gradient inside a mixed-precision step), fragmentation, the CUDA context.
 Run: python memory.py --params 7.5e9 --world 64 (--advise: the lecture's flow chart, advisor.py;
-     --model gpt2-small --pp 4 --microbatches 8: activations and bubble per pipeline schedule)
-Test: python -m pytest tests/test_memory.py
+     --model gpt2-small --pp 4 --microbatches 8: activations and bubble per pipeline schedule;
+     --model gpt2-small --cp 8: activations and K/V traffic per context-parallel rank)
+Test: python -m pytest tests/test_memory.py (context parallelism's: tests/test_context_parallel.py)
 
 Shapes: P parameters, N world size, c = ceil(P / N) elements per shard; activations: s sequence,
 b micro-batch per rank, h hidden (n_embd), a heads, L layers, V vocabulary; experts: t = sb
@@ -304,6 +305,43 @@ def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, mic
     return peaks
 
 
+def cp_activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: int, cp: int,
+                        attention: str = "ring", checkpointing: bool = False,
+                        bytes_per_value: int = 2) -> int:
+    """activation_bytes on one of cp context-parallel ranks (context_parallel.py): every term at
+    its s/cp tokens, except two. Its queries' scores span every key, 5 a (s/cp) s b (an upper
+    bound, as in activation_bytes: the ring keeps none). And all-gather attention keeps the whole
+    sequence's K and V, 4 s b h, where the ring keeps its own 4 (s/cp) b h. So the sbh terms fall
+    as 1/cp, the scores' as 1/cp too (s/cp rows of s), the all-gather's K/V not at all."""
+    s, b, h, a = seq_len, batch, hidden, heads
+    local = s // cp
+    extra = 5 * a * local * (s - local) * b                 # scores: s keys per query, not s/cp
+    if attention == "allgather":
+        extra += 4 * (s - local) * b * h                    # the gathered K and V
+    full_layers = 1 if checkpointing else layers            # checkpointed: one layer's, recomputed
+    return (activation_bytes(local, b, h, a, layers, checkpointing, bytes_per_value)
+            + full_layers * extra * bytes_per_value // 2)
+
+
+def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str = "ring",
+                bytes_per_value: int = 2) -> dict:
+    """Bytes one of cp context-parallel ranks sends per layer and micro-batch so that its queries
+    meet every key: {"forward": ..., "backward": ...}. A rank's K and V are kv = 2 (s/cp) b h values.
+
+    All-gather K/V: forward, the all-gather of every rank's K/V, (cp-1) kv; backward, the
+    reduce-scatter of dK and dV, the same volume. Ring attention: forward, cp-1 steps of one K/V
+    block; backward, the blocks go round again ((cp-1) kv) and dK, dV travel beside them cp-1
+    steps in fp32, or wider (they add up over the ranks). In fp32 the ring sends 1.5x the all-gather's,
+    as FSDP sends 1.5x DDP's: both send again in backward what they would not keep.
+    """
+    kv = 2 * (seq_len // cp) * batch * hidden
+    if attention == "allgather":
+        return {"forward": ring_bytes("all_gather", cp * kv, bytes_per_value, cp),
+                "backward": ring_bytes("reduce_scatter", cp * kv, bytes_per_value, cp)}
+    return {"forward": (cp - 1) * kv * bytes_per_value,
+            "backward": (cp - 1) * kv * (bytes_per_value + max(bytes_per_value, 4))}
+
+
 def logits_bytes(seq_len: int, batch: int, vocab: int) -> int:
     """The loss keeps b x s x V fp32 log-probabilities for backward: 4 sbV bytes (section 4).
 
@@ -501,6 +539,8 @@ def _parse_args(argv=None):
     p.add_argument("--ep", type=int, default=1,
                    help="expert parallelism (--model with experts): each rank holds E/ep of every "
                         "MoE layer's experts, its tokens sent to them and back by all-to-all")
+    p.add_argument("--cp", type=int, default=1, help="context parallelism: with --model, a rank's "
+                   "activations and K/V bytes sent as each sequence splits over 1, 2, 4 ... cp ranks")
     advisor.add_arguments(p)
     args = p.parse_args(argv)
     _check_ep(p, args)
@@ -536,6 +576,8 @@ def _parse_args(argv=None):
         if PRESETS[args.model].n_layer < args.pp:
             p.error(f"--model {args.model} has {PRESETS[args.model].n_layer} blocks, fewer than --pp "
                     f"{args.pp} stages")
+    if args.cp != 1 and (args.model is None or args.cp < 1):
+        p.error("--cp needs --model (the layers and activation shapes) and a count of at least 1")
     if args.offload and args.strategy in ("ddp", "single"):
         p.error(f"--offload optimizer moves a sharded optimizer to the host, and --strategy "
                 f"{args.strategy} keeps it whole: use --strategy zero1, zero2 or fsdp")
@@ -714,6 +756,24 @@ def _pipeline_table(args):
                   f"{BUBBLE_FORMULAS[name]:<16}" + "".join(f"{p / MiB:11.1f}" for p in peaks))
 
 
+def _cp_table(args):
+    """--cp N: what one rank keeps and sends as every sequence splits over 1, 2, 4 ... N ranks
+    (context_parallel.py), ring attention beside all-gather K/V."""
+    cfg, s, value = PRESETS[args.model], args.seq_len, _element_size(args.precision)
+    b = args.batch_size // args.grad_accum                 # a cp group's ranks read the same rows
+    print(f"{args.model}: {cfg.n_layer} layers, micro-batch {b} x {s} tokens split over cp ranks, "
+          f"{value}-byte activations; per rank, MiB: activations kept (sbh(34 + 5as/h) at s/cp "
+          f"tokens, memory.cp_activation_bytes) and K/V sent per layer and micro-batch, forward + "
+          f"backward (memory.cp_kv_bytes)")
+    print(f"{'cp':>4}{'activations ring':>18}{'all-gather':>12}{'K/V sent ring':>15}{'all-gather':>12}")
+    for cp in sorted({2 ** i for i in range(args.cp.bit_length()) if 2 ** i <= args.cp} | {args.cp}):
+        shape = dict(seq_len=s, batch=b, hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer, cp=cp,
+                     bytes_per_value=value)
+        kept = [cp_activation_bytes(**shape, attention=a) for a in ("ring", "allgather")]
+        sent = [sum(cp_kv_bytes(s, b, cfg.n_embd, cp, a, value).values()) for a in ("ring", "allgather")]
+        print(f"{cp:>4}{kept[0] / MiB:18.1f}{kept[1] / MiB:12.1f}{sent[0] / MiB:15.2f}{sent[1] / MiB:12.2f}")
+
+
 def main(argv=None):
     args = _parse_args(argv)
     if args.advise:
@@ -721,6 +781,8 @@ def main(argv=None):
         return advisor.print_advice(args)
     if args.pp > 1:
         return _pipeline_table(args)
+    if args.cp > 1:
+        return _cp_table(args)
     n_params = model_params(args.model) if args.model is not None else int(args.params)
     if args.strategy is None:
         _table(n_params, args)

@@ -57,6 +57,11 @@ PRESETS = {
 }
 
 
+def causal_attention(q, k, v, dropout_p: float = 0.0):        # (B, H, T, D) each -> (B, H, T, D)
+    """softmax(q k^T / sqrt(D) + causal mask) v, in PyTorch's fused form."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -71,15 +76,16 @@ class CausalSelfAttention(nn.Module):
         self.value = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.output = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
+        # softmax(q k^T / sqrt(D) + causal mask) v over the whole sequence; context_parallel.py
+        # swaps in attention over a sequence split across ranks (ring or all-gather K/V).
+        self.attend = causal_attention
 
     def forward(self, x):                                        # x: (B, T, C)
         B, T, C = x.shape
         def split_heads(t):                                      # (B, T, H*D) -> (B, H, T, D)
             return t.view(B, T, self.n_head, -1).transpose(1, 2)
         q, k, v = split_heads(self.query(x)), split_heads(self.key(x)), split_heads(self.value(x))
-        # softmax(q k^T / sqrt(D) + causal mask) v, in PyTorch's fused form: (B, H, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v, self.dropout if self.training else 0.0)   # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)                  # (B, T, H*D)
         return F.dropout(self.output(y), self.dropout, self.training)
 

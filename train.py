@@ -258,7 +258,10 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         raise RunError(str(e)) from None
     # Expert parallelism's groups: DDP's (it reduces the experts), or ZeRO's optimizer's.
     experts = getattr(model, "expert_group", None) or getattr(optimizer, "expert_group", None)
-    layout = snapshot.layout_of(gpt, data_comm, split, experts)
+    # The ranks holding copies of the same parameters write them once: a data-parallel group's
+    # first; under cp the whole world's first (a cp group's ranks hold whole copies too).
+    replicas = comm if args.strategy == "cp" else data_comm
+    layout = snapshot.layout_of(gpt, replicas, split, experts)
     start = snapshot.resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
@@ -359,6 +362,17 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                     f"{' '.join(f'{b:.2f}' for b in bubbles)} | formula {formula} "
                     f"{predicted_bubble:.2f} | activations held at most {model.peak_activations} "
                     f"micro-batch{' chunks' if model.v > 1 else 'es'} on stage {model.stage}")
+            context = getattr(model, "module", model)            # DDP(ContextParallelGPT)
+            if hasattr(context, "idle_shares"):
+                idle, predicted_idle = context.idle_shares()
+                history.setdefault("cp", {})[step] = cp = {
+                    "activation_bytes": context.activation_bytes, "kv_sent": context.kv_bytes_sent(),
+                    "kv_formula": context.kv_formula, "idle": idle, "predicted_idle": predicted_idle}
+                say(f"step {step:5d} | context parallel: activations kept {cp['activation_bytes'] / 2**20:.2f} "
+                    f"MiB per rank | K/V sent {cp['kv_sent'] / 2**20:.2f} MiB/step (formula "
+                    f"{cp['kv_formula'] / 2**20:.2f}) | idle share of attention per rank "
+                    f"{' '.join(f'{x:.2f}' for x in idle)} (causal mask's blocks: "
+                    f"{' '.join(f'{x:.2f}' for x in predicted_idle)})")
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)         # the next line's peak: its steps'
             timer, last_timed = time.perf_counter(), step

@@ -1,0 +1,417 @@
+"""Context parallelism: every sequence split over cp ranks; only attention looks across the split.
+
+Activations grow with the sequence, and neither data parallelism nor ZeRO nor FSDP splits them.
+Context parallelism cuts each sequence into cp parts, one per rank: embeddings, norms, MLPs and
+the loss only ever see their own tokens, and attention, which needs every earlier key and value,
+gets them from the other ranks in one of two ways, the naive one beside the optimised one:
+- all-gather K/V (Llama 3: Grattafiori et al. 2024, arXiv 2407.21783): gather the whole
+  sequence's keys and values, attend, reduce-scatter their gradients in backward;
+- ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): K/V blocks go
+  round the ring while each rank folds them into its queries' online softmax (FlashAttention's
+  running max and sum, Dao et al. 2022, algorithm 1), the next block in flight while this one
+  computes; backward sends the blocks round the other way, their dK/dV travelling with them.
+Causal masking leaves the rank with the first tokens idle; Llama 3's split (rank r holds chunks r
+and 2cp-1-r of 2cp, "zigzag") gives every rank the same work. Left out: attention dropout, lengths
+that do not divide into the chunks, fused attention kernels inside the ring, Ulysses' all-to-all.
+Run: torchrun --nproc_per_node 2 train.py --strategy cp --cp 2 [--cp-attention allgather] [--cp-balance none]
+Test: python -m pytest tests/test_context_parallel.py
+
+Shapes: B batch, T sequence, H heads, D channels per head, C = H x D, cp ranks in the group, r
+this rank, t = T/cp tokens per rank, c tokens per chunk (t, or t/2 under zigzag).
+"""
+import contextlib
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from checkpointing import saved_activation_bytes
+from collectives import Comm, as_comm
+from ddp import DDP
+from memory import cp_kv_bytes, run_state_bytes
+from mixed_precision import MixedPrecisionOptimizer
+from model import cross_entropy
+from tensor_parallel import enter_region
+
+# ---- the split: which tokens a rank holds -------------------------------------------------------
+#
+#   T = 16, cp = 2.  zigzag: 2cp = 4 chunks of c = 4         none: cp = 2 chunks of c = 8
+#     chunk   0     1     2     3                             chunk   0         1
+#     rank    0     1     1     0                             rank    0         1
+#
+#   Causal attention: query chunk i sees key chunks j <= i, the diagonal one (j = i) under a
+#   causal mask, those before it whole. Zigzag gives every rank as many blocks to compute:
+#                keys 0  1  2  3
+#     queries 0       \                  rank 0 (chunks 0, 3): 1 + 4 = 5 blocks of c x c
+#             1       #  \               rank 1 (chunks 1, 2): 2 + 3 = 5
+#             2       #  #  \
+#             3       #  #  #  \
+#   Without it rank 0 computes one block of 8 x 8 and rank 1 two: rank 0 idles half the time.
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """How every sequence is cut over the cp ranks of a group."""
+    cp: int
+    zigzag: bool = True
+
+    @property
+    def n_chunks(self) -> int:
+        return 2 * self.cp if self.zigzag else self.cp
+
+    def chunks(self, rank: int) -> list[int]:
+        """The chunks `rank` holds, in the order its t tokens are laid out."""
+        return [rank, 2 * self.cp - 1 - rank] if self.zigzag else [rank]
+
+    def positions(self, rank: int, seq_len: int, device=None) -> torch.Tensor:
+        """Where in the sequence `rank`'s tokens sit: (t,) positions, chunk by chunk."""
+        if seq_len % self.n_chunks:
+            layout = "two per rank, zigzag" if self.zigzag else "one per rank"
+            raise ValueError(f"context parallelism over {self.cp} ranks cuts each sequence into "
+                             f"{self.n_chunks} equal chunks ({layout}), and {seq_len} tokens do not "
+                             f"divide by {self.n_chunks}: use a sequence length divisible by {self.n_chunks}")
+        c = seq_len // self.n_chunks
+        return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in self.chunks(rank)])
+
+    def sequence_order(self, seq_len: int, device=None) -> torch.Tensor:
+        """(T,): which row of the ranks' pieces laid end to end, in rank order, holds position p."""
+        every = torch.cat([self.positions(r, seq_len, device) for r in range(self.cp)])   # (T,)
+        return every.argsort()
+
+    def blocks(self, rank: int, source: int) -> list[tuple[int, int, bool]]:
+        """The blocks `rank`'s queries compute against `source`'s keys: (its chunk a, source's chunk
+        b, causal: the same chunk, so masked), skipping chunks wholly in the future."""
+        return [(a, b, j == i) for a, i in enumerate(self.chunks(rank))
+                for b, j in enumerate(self.chunks(source)) if j <= i]
+
+    def predicted_idle(self) -> list[float]:
+        """Each rank's idle share of attention's compute: 1 - its blocks / the busiest rank's. A
+        diagonal block costs a whole one here (computed, then masked)."""
+        work = [sum(len(self.blocks(r, s)) for s in range(self.cp)) for r in range(self.cp)]
+        return [1 - w / max(work) for w in work]
+
+
+def split_sequence(x: torch.Tensor, split: SequenceSplit, rank: int, dim: int = 1) -> torch.Tensor:
+    """`rank`'s tokens of the whole sequences x: (.., T, ..) -> (.., t, ..) along dim."""
+    return x.index_select(dim, split.positions(rank, x.shape[dim], x.device))
+
+
+def unsplit_sequence(x: torch.Tensor, comm: Comm, split: SequenceSplit, dim: int = 1) -> torch.Tensor:
+    """The group's pieces gathered back into whole sequences: (.., t, ..) -> (.., T, ..) along dim,
+    on every rank (an all-gather of every rank's piece, then put in sequence order)."""
+    local = x.movedim(dim, 0).contiguous()                                     # (t, ...)
+    every = local.new_empty((comm.world_size * local.shape[0], *local.shape[1:]))   # (T, ...), rank order
+    comm.all_gather(every.view(-1), local.view(-1))
+    return every.index_select(0, split.sequence_order(every.shape[0], x.device)).movedim(0, dim)
+
+
+# ---- one block of attention, in fp32 (or wider) -------------------------------------------------
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """t in the dtype the ring sums in: fp32, or t's own if wider (fp64, for tests)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _scores(q, k, causal: bool):                             # (B, H, c, D), (B, H, c, D) -> (B, H, c, c)
+    """q k^T / sqrt(D); a chunk against itself masks each query's future keys."""
+    scores = _wide(q) @ _wide(k).transpose(-2, -1) * q.shape[-1] ** -0.5
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def _fold_in(m, l, acc, q, k, v, causal: bool):
+    """The online softmax: fold one key block into a query chunk's running max m (B, H, c), sum of
+    exponentials l (B, H, c) and unnormalised output acc (B, H, c, D), in place. The scores are
+    exponentiated against the new max, so none overflows; what was summed under the old max is
+    rescaled by exp(m_old - m_new) (0 before the first block, where m_old = -inf)."""
+    scores = _scores(q, k, causal)                                             # (B, H, c, c)
+    m_new = torch.maximum(m, scores.amax(-1))                                  # (B, H, c)
+    p = (scores - m_new.unsqueeze(-1)).exp()                                   # (B, H, c, c)
+    rescale = (m - m_new).exp()                                                # (B, H, c)
+    l.mul_(rescale).add_(p.sum(-1))
+    acc.mul_(rescale.unsqueeze(-1)).add_(p @ _wide(v))
+    m.copy_(m_new)
+
+
+def _block_grads(q, k, v, dout, lse, delta, causal: bool):
+    """One block's gradients (FlashAttention's backward, Dao et al. 2022, appendix B), in fp32:
+    the forward's probabilities recomputed from the log-sum-exp it kept, never stored.
+    dout (B, H, c, D), lse and delta = rowsum(dout * out) (B, H, c) -> dq, dk, dv (B, H, c, D)."""
+    scale = q.shape[-1] ** -0.5
+    p = (_scores(q, k, causal) - lse.unsqueeze(-1)).exp()                     # (B, H, c, c)
+    dv = p.transpose(-2, -1) @ dout
+    ds = p * (dout @ _wide(v).transpose(-2, -1) - delta.unsqueeze(-1))       # softmax's Jacobian
+    return ds @ _wide(k) * scale, ds.transpose(-2, -1) @ _wide(q) * scale, dv
+
+
+class BusyClock:
+    """Seconds this rank spent computing attention's blocks in forward, summed until read(): the
+    CPU's clock, or CUDA events on the compute stream, read (one synchronize) only when asked,
+    on a logged step, so no step waits for the device."""
+
+    def __init__(self):
+        self.seconds, self.events = 0.0, []
+
+    @contextlib.contextmanager
+    def timing(self, cuda: bool):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+        else:
+            began = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - began
+
+    def read(self) -> float:
+        """The seconds since the last read; the count starts again."""
+        if self.events:
+            self.events[-1][1].synchronize()
+        seconds = self.seconds + sum(start.elapsed_time(end) for start, end in self.events) / 1e3
+        self.seconds, self.events = 0.0, []
+        return seconds
+
+
+# ---- all-gather K/V (Llama 3): the naive one ---------------------------------------------------
+
+def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock: BusyClock):
+    """Causal attention of this rank's queries over the whole sequence: (B, H, t, D) each -> (B, H, t, D).
+
+    Every rank gathers every rank's K and V, and each query chunk attends to the keys up to its
+    own end. Gathering forward and reduce-scattering backward is sequence parallelism's conjugate
+    pair (tensor_parallel.enter_region): the gradient of this rank's keys is the sum of what every
+    rank's queries put into it. Autograd keeps the gathered K/V of the whole sequence per layer:
+    the memory this naive version pays, where the ring keeps only its own block.
+    """
+    r, t = comm.rank, q.shape[2]
+    kv = torch.stack([k, v]).permute(1, 3, 0, 2, 4)                           # (B, t, 2, H, D)
+    kv = enter_region(kv, comm, sequence_parallel=True)                        # (B, T, 2, H, D), rank order
+    T = kv.shape[1]
+    kv = kv.index_select(1, split.sequence_order(T, q.device))                 # sequence order
+    keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)   # (B, H, T, D) each
+    c = t // len(split.chunks(r))
+    out = []
+    for a, i in enumerate(split.chunks(r)):
+        end = (i + 1) * c              # chunk i's queries (positions i c .. end-1) see keys 0 .. end-1
+        # query x of the chunk, at position i c + x, sees key y when y <= i c + x
+        visible = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(i * c)
+        with clock.timing(q.is_cuda):
+            out.append(F.scaled_dot_product_attention(q[:, :, a * c:(a + 1) * c], keys[:, :, :end],
+                                                      values[:, :, :end], attn_mask=visible))
+    return torch.cat(out, dim=2)                                               # (B, H, t, D)
+
+
+# ---- ring attention (Liu et al. 2023): the optimised one ---------------------------------------
+#
+#   forward, cp = 4: at step s rank r holds rank r-s's K/V block and sends it on to r+1
+#     step 0      step 1      step 2      step 3
+#     r0: kv0     r0: kv3     r0: kv2     r0: kv1        while step s computes, block s+1 is on
+#     r1: kv1     r1: kv0     r1: kv3     r1: kv2        the wire: each step posts its send and
+#     r2: kv2     r2: kv1     r2: kv0     r2: kv3        its receive together, then computes,
+#     r3: kv3     r3: kv2     r3: kv1     r3: kv0        then waits
+#   backward: the mirror image, blocks moving to r-1; rank r's share of block j's dK/dV joins the
+#   partial sum travelling with block j, which reaches its owner after the last step.
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence, its K/V blocks passed round
+    the ring: (B, H, t, D) each -> (B, H, t, D). Keeps q, k, v, the output and its log-sum-exp
+    (B, H, t) for backward: the rank's own block, never the sequence's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm: Comm, split: SequenceSplit, clock: BusyClock):
+        r, cp = comm.rank, comm.world_size
+        c = q.shape[2] // len(split.chunks(r))
+        wide = torch.promote_types(q.dtype, torch.float32)                     # as _wide
+        m = torch.full(q.shape[:3], float("-inf"), dtype=wide, device=q.device)  # (B, H, t) running max
+        l = torch.zeros_like(m)                                                # (B, H, t) running sum
+        acc = torch.zeros(q.shape, dtype=wide, device=q.device)                # (B, H, t, D)
+        kv = torch.stack([k, v])                                               # (2, B, H, t, D): one message
+        for step in range(cp):
+            source = (r - step) % cp                                           # whose block kv is
+            if step < cp - 1:
+                # One batched send and receive (Comm.exchange): NCCL runs two ranks' p2p calls in
+                # the order they were posted, so a send posted apart from its receive would wait
+                # for a peer that is itself waiting in its send. Every rank of the group joins each
+                # batch, which NCCL requires of a group's first p2p call.
+                arriving = torch.empty_like(kv)
+                handle = comm.exchange([("send", kv, (r + 1) % cp), ("recv", arriving, (r - 1) % cp)])
+            with clock.timing(q.is_cuda):
+                for a, b, causal in split.blocks(r, source):
+                    rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+                    _fold_in(m[:, :, rows], l[:, :, rows], acc[:, :, rows], q[:, :, rows],
+                             kv[0][:, :, cols], kv[1][:, :, cols], causal)
+            if step < cp - 1:
+                handle.wait()          # CUDA: the compute stream waits for NCCL's, the host does not
+                kv = arriving
+        out = (acc / l.unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, m + l.log())                      # lse: (B, H, t)
+        ctx.comm, ctx.split = comm, split
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):                                                   # (B, H, t, D)
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, split = ctx.comm, ctx.split
+        r, cp = comm.rank, comm.world_size
+        left, right = (r - 1) % cp, (r + 1) % cp
+        c = q.shape[2] // len(split.chunks(r))
+        dout = _wide(dout)
+        delta = (dout * _wide(out)).sum(-1)                                    # (B, H, t)
+        dq = torch.zeros_like(dout)                                            # (B, H, t, D), fp32
+        kv = torch.stack([k, v])                                               # (2, B, H, t, D)
+        incoming = None          # (handle, buffer): a partial sum of dK, dV on its way from r+1
+        for step in range(cp):
+            source = (r + step) % cp                  # the other way round: blocks move to r-1
+            if step < cp - 1:                         # the next block in flight, as in forward
+                arriving = torch.empty_like(kv)
+                kv_handle = comm.exchange([("send", kv, left), ("recv", arriving, right)])
+            # This rank's share of source's dK, dV: fp32, as the shares add up over the ranks.
+            dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)       # (2, B, H, t, D)
+            for a, b, causal in split.blocks(r, source):
+                rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+                dq_a, dk_b, dv_b = _block_grads(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                                dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], causal)
+                dq[:, :, rows] += dq_a
+                dkv[0][:, :, cols] += dk_b
+                dkv[1][:, :, cols] += dv_b
+            if step == 0:
+                own = dkv                             # this rank's block: the others' shares come home
+            else:
+                if incoming is not None:              # the shares of the ranks this block met before
+                    handle, partial_sum = incoming
+                    handle.wait()
+                    dkv += partial_sum
+                # On to r-1, in the same order on every rank as the K/V batches (NCCL pairs two
+                # ranks' p2p calls by their order); the last step's reaches the block's owner.
+                partial_sum = torch.empty_like(dkv)
+                incoming = comm.exchange([("send", dkv, left), ("recv", partial_sum, right)]), partial_sum
+            if step < cp - 1:
+                kv_handle.wait()
+                kv = arriving
+        if incoming is not None:
+            handle, partial_sum = incoming
+            handle.wait()
+            own += partial_sum                        # every other rank's share of this block
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q, k, v, comm: Comm, split: SequenceSplit, clock: BusyClock):
+    """RingAttention.apply: (B, H, t, D) each -> (B, H, t, D)."""
+    return RingAttention.apply(q, k, v, comm, split, clock)
+
+
+ATTENTIONS = {"ring": ring_attention, "allgather": allgather_attention}
+# What the attention sends, by the byte counter's names (the gradient average is an all_reduce).
+KV_COLLECTIVES = ("send", "all_gather", "reduce_scatter")
+
+
+# ---- the GPT, context parallel -------------------------------------------------------------------
+
+class ContextParallelGPT(nn.Module):
+    """model.py's GPT over sequences split across the group's ranks (group: a Comm, a process group
+    or None, the world). Every rank holds the whole model and gets the same rows (B, T); it keeps
+    its t = T/cp tokens of each, and each block's attention (model.py's `attend`) becomes
+    `attention` ("ring" or "allgather") over the group. zigzag: Llama 3's balanced split."""
+
+    def __init__(self, gpt, group=None, attention: str = "ring", zigzag: bool = True):
+        super().__init__()
+        if attention not in ATTENTIONS:
+            raise ValueError(f"unknown context-parallel attention {attention!r}: choose "
+                             f"{' or '.join(ATTENTIONS)}")
+        if gpt.cfg.dropout or gpt.cfg.experts:
+            raise ValueError("context parallelism here runs a dense model without dropout: its "
+                             "attention has no dropout masks to regenerate block by block, and a "
+                             "router would see one rank's tokens only; use dropout 0 and no experts")
+        self.gpt, self.comm, self.attention = gpt, as_comm(group), attention
+        self.split = SequenceSplit(self.comm.world_size, zigzag)
+        self.clock = BusyClock()
+        for block in gpt.blocks:
+            block.attn.attend = partial(self._attend, ATTENTIONS[attention])
+        # True: the next training forward counts the bytes it keeps for backward (saved-tensor
+        # hooks) into activation_bytes. build() asks, for train.py's log; off otherwise, since
+        # hooks do not nest: ours would hide a caller's own.
+        self.count_activations, self.activation_bytes = False, None
+        self.kv_formula = None          # K/V bytes per step train.py's batch sends, predicted: build()
+
+    def _attend(self, attention, q, k, v, dropout_p: float):                 # (B, H, t, D) each
+        return attention(q, k, v, self.comm, self.split, self.clock)
+
+    def forward(self, idx, targets=None):                  # idx: (B, T), the same on the group's ranks
+        gpt, T = self.gpt, idx.shape[1]
+        if T > gpt.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {gpt.cfg.block_size}: use a "
+                             f"shorter --seq-len or a larger model preset")
+        positions = self.split.positions(self.comm.rank, T, idx.device)      # (t,)
+
+        def run():
+            # model.py's own forward on this rank's tokens: (B, t) -> (B, t, C) -> logits (B, t, V)
+            logits = gpt.logits(gpt.run_blocks(gpt.embed(idx[:, positions], positions)))
+            # The mean over this rank's B x t tokens: every rank holds as many, so the mean over
+            # the ranks (DDP's average) is the mean over the whole batch.
+            return logits if targets is None else (logits, cross_entropy(logits, targets[:, positions]))
+        if self.count_activations and self.training and torch.is_grad_enabled():
+            self.count_activations = False
+            self.activation_bytes, result = saved_activation_bytes(run, exclude=list(gpt.parameters()))
+            return result
+        return run()
+
+    def idle_shares(self) -> tuple[list[float], list[float]]:
+        """(measured, predicted) idle share of each rank of the group in attention's forward compute
+        since the last call: 1 - its busy seconds / the busiest rank's; predicted by counting the
+        causal mask's blocks (SequenceSplit.predicted_idle). Collective over the group."""
+        busy = torch.tensor([self.clock.read()], dtype=torch.float64,
+                            device=self.gpt.pos_emb.weight.device)
+        every = [torch.zeros_like(busy) for _ in range(self.comm.world_size)]
+        dist.all_gather(every, busy, group=self.comm.group)                   # a metric: not counted
+        busiest = max(b.item() for b in every)
+        return [1 - b.item() / busiest if busiest else 0.0 for b in every], self.split.predicted_idle()
+
+    def kv_bytes_sent(self) -> int:
+        """What the attention sent since the byte counter was last cleared."""
+        return sum(self.comm.bytes_sent[name] for name in KV_COLLECTIVES)
+
+    def kv_bytes_per_step(self, batch: int, seq_len: int, micro_batches: int = 1,
+                          recomputed: int = 0) -> int:
+        """K/V bytes this rank sends per step (memory.cp_kv_bytes for every layer and micro-batch):
+        batch rows per rank; recomputed: checkpointed blocks, whose forward runs again in backward."""
+        cfg = self.gpt.cfg
+        layer = cp_kv_bytes(seq_len, batch // micro_batches, cfg.n_embd, self.comm.world_size,
+                            self.attention, self.gpt.pos_emb.weight.element_size())
+        return micro_batches * (cfg.n_layer * (layer["forward"] + layer["backward"])
+                                + recomputed * layer["forward"])
+
+
+# ---- train.py's row ---------------------------------------------------------------------------
+
+def build(gpt, options, data, split, device, adamw: dict):
+    """--strategy cp: (the GPT over the cp group's sequence chunks, under DDP over the whole world;
+    MixedPrecisionOptimizer(AdamW); the bytes sent and held per step predicted).
+
+    options: train.py's parsed command line; data: the data-parallel group (its ranks read other
+    rows); split: the cp group (its ranks read the same rows, each keeping its chunks); adamw: the
+    optimizer's settings. No parameter is split: checkpoints hold whole ones, as under ddp.
+    """
+    cp = ContextParallelGPT(gpt, split, options.cp_attention, options.cp_balance == "zigzag")
+    cp.count_activations = True                            # the first step's, for the log
+    # Every rank's gradient is the whole model's, from its own tokens: summed over the cp group and
+    # averaged over the data groups in one all-reduce over the world, divided by cp x dp (each
+    # rank's loss is its tokens' mean). Over the world with ring collectives, building the Comm is
+    # collective: every rank does it here, in the same order.
+    world = Comm(ring=data.ring, bytes_sent=data.bytes_sent)
+    model = DDP(cp, world, bucket_mb=options.bucket_mb) if world.world_size > 1 else cp
+    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=options.precision,
+                                        **adamw)
+    every = options.checkpoint_activations                 # checkpoint_blocks: blocks 0, K, 2K, ...
+    recomputed = len(range(0, gpt.cfg.n_layer, every)) if every else 0
+    cp.kv_formula = cp.kv_bytes_per_step(options.batch_size // data.world_size, options.seq_len,
+                                         options.grad_accum, recomputed)
+    held = run_state_bytes(gpt, "ddp", options, world.world_size)
+    return model, optimizer, cp.kv_formula + (model.bytes_per_step() if model is not cp else 0), held

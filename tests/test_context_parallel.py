@@ -1,0 +1,310 @@
+"""Context parallelism (context_parallel.py): attention over a split sequence equals one process's.
+
+Both attentions (all-gather K/V, ring) at cp 2, 3 and 4, zigzag and not, against PyTorch's causal
+attention on the whole sequence: outputs and q/k/v gradients separately, fp32 and bf16; the bytes
+they send against memory.cp_kv_bytes; the messages paired the way NCCL pairs them; the activations
+a rank keeps falling as 1/cp. train.py --strategy cp at cp 2 and cp 2 x dp 2 trains the one-process
+model step by step, with LoRA and activation checkpointing too, and its checkpoints resume on one
+process; bad command lines stop every rank with one message.
+"""
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import context_parallel as cp_module
+import memory
+from checkpointing import saved_activation_bytes
+from collectives import Comm
+from memory import cp_activation_bytes, cp_kv_bytes
+from model import GPT, GPTConfig
+from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
+from test_tensor_parallel import (_single_runs, _straight_and_resumed, _train, _usage_errors,
+                                  _weights)
+
+B, H, D = 2, 4, 16
+# fp32: the ring sums its blocks' exponentials in another order than PyTorch's kernel, and the
+# all-gather attends chunk by chunk: fp32 rounding of values of order 1 (measured: at most 1.1e-6
+# absolute, on a gradient of about 2; 4e-7 on the outputs). In fp64 both are exact to 3e-15.
+FP32_TOL = 1e-6
+# bf16: both sides compute in fp32 and round to bf16, whose ulp is 2^-8 to 2^-7 of a value; the
+# all-gather's dK/dV are also summed over the ranks in bf16. Measured: one ulp at most (1.6e-2 on
+# gradients between 2 and 4, 7.8e-3 on outputs), within 2^-6 relative or absolute.
+BF16_RTOL, BF16_ATOL = 2 ** -6, 2 ** -6
+
+
+def _lengths(cp):
+    """A length both splits divide (4 x 2cp tokens) and one the zigzag split cannot (2cp + cp)."""
+    return 8 * cp, 3 * cp
+
+
+def _recording(comm):
+    """comm with its exchanges recorded, per batch: [(kind, peer, shape, dtype), ...]."""
+    batches, exchange = [], comm.exchange
+
+    def record(ops):
+        batches.append([(kind, peer, tuple(t.shape), t.dtype) for kind, t, peer in ops])
+        return exchange(ops)
+    comm.exchange = record
+    return batches
+
+
+def _attention_cases():
+    """On each rank: every attention x balance x dtype against the whole sequence's SDPA."""
+    comm = Comm()
+    r, n = comm.rank, comm.world_size
+    batches = _recording(comm)
+    results = {}
+    for T in _lengths(n)[:1]:
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(B, H, T, D, dtype=dtype, requires_grad=True) for _ in range(3))
+            dout = torch.randn(B, H, T, D, dtype=dtype)
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            ref.backward(dout)
+            for attention in cp_module.ATTENTIONS:
+                for zigzag in (True, False):
+                    split = cp_module.SequenceSplit(n, zigzag)
+                    mine = lambda t: cp_module.split_sequence(t.detach(), split, r, dim=2)
+                    inputs = [mine(t).requires_grad_() for t in (q, k, v)]
+                    comm.bytes_sent.clear()
+                    out = cp_module.ATTENTIONS[attention](*inputs, comm, split, cp_module.BusyClock())
+                    out.backward(mine(dout))
+                    sent = sum(comm.bytes_sent[name] for name in cp_module.KV_COLLECTIVES)
+                    results[attention, zigzag, dtype] = {
+                        "got": {"out": out.detach(), **{f"grad_{x}": t.grad for x, t in zip("qkv", inputs)}},
+                        "want": {"out": mine(ref), **{f"grad_{x}": mine(t.grad) for x, t in zip("qkv", (q, k, v))}},
+                        "whole": cp_module.unsplit_sequence(mine(ref), comm, split, dim=2),
+                        "ref": ref.detach(), "sent": sent}
+    return {"results": results, "batches": batches}
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def attention(request):
+    return request.param, run_ranks(_attention_cases, request.param)
+
+
+def test_both_attentions_equal_causal_attention_on_the_whole_sequence(attention):
+    cp, ranks = attention
+    for r, rank in enumerate(ranks):
+        for (name, zigzag, dtype), res in rank["results"].items():
+            what = f"{name} attention, cp {cp}, zigzag {zigzag}, {dtype}, rank {r}"
+            rtol, atol = (FP32_TOL, FP32_TOL) if dtype == torch.float32 else (BF16_RTOL, BF16_ATOL)
+            assert_tensors_close(res["got"], res["want"], rtol=rtol, atol=atol, what=what)
+            assert torch.equal(res["whole"], res["ref"]), what         # split then unsplit: itself
+
+
+def test_bytes_sent_equal_the_formula(attention):
+    cp, ranks = attention
+    T = _lengths(cp)[0]
+    for rank in ranks:
+        for (name, _, dtype), res in rank["results"].items():
+            formula = cp_kv_bytes(T, B, H * D, cp, name, torch.finfo(dtype).bits // 8)
+            assert res["sent"] == formula["forward"] + formula["backward"], (name, dtype)
+
+
+def test_ring_messages_pair_up_as_nccl_pairs_them(attention):
+    """NCCL runs two ranks' p2p calls in the order they were posted: every rank posts as many
+    batches, batch i of rank r sends to the peer whose batch i receives from r, the same shape."""
+    cp, ranks = attention
+    batches = [rank["batches"] for rank in ranks]
+    assert len({len(b) for b in batches}) == 1
+    for i in range(len(batches[0])):
+        for r in range(cp):
+            for kind, peer, shape, dtype in batches[r][i]:
+                if kind == "send":
+                    assert ("recv", r, shape, dtype) in batches[peer][i], (i, r, peer)
+            assert Counter(op[0] for op in batches[r][i]) == {"send": 1, "recv": 1}
+
+
+def test_a_length_the_split_cannot_divide_is_a_clear_error():
+    for cp in (2, 3, 4):
+        T = _lengths(cp)[1]                                   # divides into cp chunks, not 2cp
+        assert cp_module.SequenceSplit(cp, zigzag=False).positions(0, T).numel() == T // cp
+        with pytest.raises(ValueError, match=f"{T} tokens do not divide by {2 * cp}: use a "
+                                             f"sequence length divisible by {2 * cp}"):
+            cp_module.SequenceSplit(cp, zigzag=True).positions(0, T)
+
+
+def test_zigzag_gives_every_rank_the_same_causal_work():
+    """Blocks computed per rank under the causal mask: rank r of cp holds r + 1 blocks without
+    zigzag (rank 0 idles 1 - 1/cp of the time), and 2cp + 1 half-size ones with it on every rank."""
+    for cp in (2, 3, 4):
+        none, zigzag = cp_module.SequenceSplit(cp, False), cp_module.SequenceSplit(cp, True)
+        assert none.predicted_idle() == pytest.approx([1 - (r + 1) / cp for r in range(cp)])
+        assert zigzag.predicted_idle() == [0.0] * cp
+        assert [sum(len(zigzag.blocks(r, s)) for s in range(cp)) for r in range(cp)] == [2 * cp + 1] * cp
+    assert cp_module.SequenceSplit(2, True).chunks(0) == [0, 3]
+
+
+# ---- activations per rank fall with cp ------------------------------------------------------------
+
+CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=64)
+
+
+def _kept_bytes(attention):
+    """Bytes one forward keeps for backward on this rank (saved-tensor hooks), whole batch (4, 64)."""
+    torch.manual_seed(0)
+    gpt = GPT(CFG)
+    model = cp_module.ContextParallelGPT(gpt, Comm(), attention)
+    x = torch.randint(0, CFG.vocab_size, (4, 64))
+    kept, _ = saved_activation_bytes(lambda: model(x, x), exclude=list(gpt.parameters()))
+    return kept
+
+
+@pytest.fixture(scope="module")
+def kept():
+    return {(cp, attention): run_ranks(_kept_bytes, cp, attention)
+            for cp in (1, 2, 4) for attention in cp_module.ATTENTIONS}
+
+
+def test_activations_per_rank_fall_with_cp(kept):
+    one = kept[1, "ring"][0]
+    for cp in (2, 4):
+        ring, gathered = kept[cp, "ring"], kept[cp, "allgather"]
+        assert len(set(ring)) == 1                        # every rank keeps as much
+        # every saved tensor has T/cp rows, but for the loss's 4-byte scalar
+        assert abs(ring[0] - one / cp) <= 8, (cp, ring[0], one)
+        # all-gather keeps the whole sequence's K and V besides (B, T, 2, H, D) per layer
+        assert 0 < gathered[0] - ring[0] <= CFG.n_layer * 4 * 64 * 2 * CFG.n_embd * 4, (cp, gathered, ring)
+    # memory.py's napkin falls the same way: 1/cp of the tokens (the scores' s keys per query aside)
+    napkin = {cp: cp_activation_bytes(64, 4, 32, 4, 2, cp) for cp in (1, 2, 4)}
+    assert napkin[4] < napkin[2] < napkin[1] / 1.9
+
+
+# ---- train.py --strategy cp: the one-process curve, LoRA, checkpointing, checkpoints, bad input ----
+
+LORA = ["--lora", "--lora-rank", "4", "--lora-targets", "query,value,up", "--checkpoint-activations"]
+
+
+def _single_and_lora(root, cp_root):
+    return {**_single_runs(root, cp_root),
+            "lora": _train(["--strategy", "single", *LORA, "--export", os.path.join(root, "lora.pt")])}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("cp_runs"))
+    paths = {name: os.path.join(root, name) for name in ("cp2", "cp2dp2", "lora", "single")}
+    for p in paths.values():
+        os.makedirs(p)
+    cp2 = run_ranks(_straight_and_resumed, 2, paths["cp2"], ["--strategy", "cp", "--cp", "2"], [])[0]
+    # cp 2 x dp 2: the naive attention, the unbalanced split, activation checkpointing on.
+    cp2dp2 = run_ranks(_train, 4, ["--strategy", "cp", "--cp", "2", "--cp-attention", "allgather",
+                                   "--cp-balance", "none", "--checkpoint-activations",
+                                   "--export", os.path.join(paths["cp2dp2"], "straight.pt")])[0]
+    lora = run_ranks(_train, 2, ["--strategy", "cp", "--cp", "2", *LORA,
+                                 "--export", os.path.join(paths["lora"], "straight.pt")])[0]
+    single = run_ranks(_single_and_lora, 1, paths["single"], paths["cp2"])[0]
+    return {"cp2": cp2, "cp2dp2": cp2dp2, "lora": lora, "single": single, "paths": paths}
+
+
+# The same sums in another order (each rank's tokens' gradient, then the all-reduce over the
+# world) and attention in other kernels: fp32 noise, grown by 6 AdamW steps where Adam amplifies
+# it on near-zero gradients (test_tensor_parallel.py's TRAIN_ATOL says how). Measured on 2 cores:
+# losses 2.1e-7 relative, weights 9.6e-6 at most and 4.8e-9 on average (cp 2; cp 2 x dp 2 and LoRA
+# less).
+TRAIN_RTOL, TRAIN_ATOL, TRAIN_MEAN_ATOL = 1e-6, 5e-5, 5e-8
+
+
+@pytest.mark.parametrize("name, single", [("cp2", "straight"), ("cp2dp2", "straight"), ("lora", "lora")])
+def test_train_cp_matches_single_process_step_by_step(runs, name, single):
+    run = runs[name]["straight"] if name == "cp2" else runs[name]
+    one = runs["single"][single]
+    torch.testing.assert_close(list(run["losses"].values()), list(one["losses"].values()),
+                               rtol=TRAIN_RTOL, atol=0)
+    mine = _weights(os.path.join(runs["paths"][name], "straight.pt"))
+    theirs = _weights(os.path.join(runs["paths"]["single"], "single.pt" if single == "straight" else "lora.pt"))
+    assert_tensors_close(mine, theirs, rtol=0, atol=TRAIN_ATOL, what=f"{name} vs single after 6 steps")
+    assert_mean_close(mine, theirs, TRAIN_MEAN_ATOL, f"{name} vs single after 6 steps")
+
+
+@pytest.mark.parametrize("name", ["cp2", "cp2dp2", "lora"])
+def test_train_logs_kv_bytes_equal_to_the_formula_and_the_idle_shares(runs, name):
+    run = runs[name]["straight"] if name == "cp2" else runs[name]
+    for step, logged in run["cp"].items():
+        assert logged["kv_sent"] == logged["kv_formula"] > 0, (name, step)
+        assert len(logged["idle"]) == 2 and min(logged["idle"]) == 0.0
+        assert all(0 <= x < 1 for x in logged["idle"])
+    balance = [0.5, 0.0] if name == "cp2dp2" else [0.0, 0.0]
+    assert all(logged["predicted_idle"] == balance for logged in run["cp"].values())
+
+
+def test_cp_resume_is_bit_exact_and_resumes_on_one_process(runs):
+    straight, again = runs["cp2"]["straight"], runs["cp2"]["resumed"]
+    assert again["losses"] == {s: straight["losses"][s] for s in (3, 5)}
+    a, b = (_weights(os.path.join(runs["paths"]["cp2"], f)) for f in ("resumed.pt", "straight.pt"))
+    assert_tensors_close(a, b, rtol=0, atol=0, what="resumed cp 2 vs uninterrupted")
+    # Whole parameters in the checkpoint: one process reads them as its own.
+    from_cp = runs["single"]["from_split"]
+    torch.testing.assert_close([from_cp["losses"][s] for s in (3, 5)],
+                               [straight["losses"][s] for s in (3, 5)], rtol=TRAIN_RTOL, atol=0)
+
+
+def _bad_cp_inputs():
+    return _usage_errors({"world": ["--strategy", "cp", "--cp", "3"],
+                          "no_strategy": ["--strategy", "ddp", "--cp", "2"],
+                          "attention_alone": ["--strategy", "ddp", "--cp-attention", "allgather"],
+                          "zigzag": ["--strategy", "cp", "--cp", "2", "--seq-len", "30"],
+                          "none": ["--strategy", "cp", "--cp", "2", "--cp-balance", "none",
+                                   "--seq-len", "31"],
+                          "dropout": ["--strategy", "cp", "--cp", "2", "--dropout", "0.1"],
+                          "experts": ["--strategy", "cp", "--cp", "2", "--model", "tiny-moe"]})
+
+
+@pytest.fixture(scope="module")
+def bad_cp():
+    return run_ranks(_bad_cp_inputs, 2)
+
+
+@pytest.mark.parametrize("case, fix", [
+    ("world", "world size 2 is not --cp 3 x a data-parallel size: launch a multiple of 3"),
+    ("no_strategy", "--cp, --cp-attention and --cp-balance split sequences over ranks: add --strategy cp"),
+    ("attention_alone", "add --strategy cp (--strategy ddp gives every rank whole sequences)"),
+    ("zigzag", "--cp 2 with --cp-balance zigzag cuts each sequence into 4 equal chunks (two chunks per "
+               "rank): use a --seq-len divisible by 4, e.g. 28"),
+    ("none", "use a --seq-len divisible by 2, e.g. 30"),
+    ("dropout", "use --dropout 0 with --strategy cp"),
+    ("experts", "--strategy cp does not split expert layers"),
+])
+def test_bad_cp_input_stops_every_rank_with_the_same_message(bad_cp, case, fix):
+    assert bad_cp[0][case] == bad_cp[1][case], bad_cp
+    assert fix in bad_cp[0][case], bad_cp[0][case]
+
+
+# ---- memory.py --cp and bench.py's cp rows -------------------------------------------------------
+
+def test_memory_cp_table_halves_a_ranks_activations(capsys):
+    memory.main(["--model", "tiny", "--cp", "4", "--precision", "fp32", "--batch-size", "16",
+                 "--seq-len", "64"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(row[0]) for row in rows] == [1, 2, 4]
+    ring = [float(row[1]) for row in rows]
+    assert ring[0] == 2 * ring[1] == 4 * ring[2]                   # 44.0, 22.0, 11.0 MiB
+    # K/V per layer: ring (cp-1) x 3 K/V blocks in fp32, all-gather (cp-1) x 2: 1.5x
+    assert [float(row[3]) for row in rows] == [1.5 * float(row[4]) for row in rows]
+
+
+def test_bench_times_ring_beside_allgather(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node", "2", "bench.py", "--quick", "--strategies", "cp",
+                             "--warmup", "1", "--steps", "2", "--repeats", "1", "--json", str(path)],
+                            cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| cp attention (cp 2, zigzag) |" in result.stdout and "context_parallel not run" in result.stdout
+    rows = {r["attention"]: r for r in json.loads(path.read_text())["context_parallel"]}
+    assert set(rows) == {"ring", "allgather"}
+    for r in rows.values():
+        assert r["sent_per_step"] == r["napkin_sent"] and len(r["idle"]) == 2
+    # the same training on both; the ring keeps less (no gathered K/V) and sends more (K/V again in backward)
+    assert rows["ring"]["last_loss"] == pytest.approx(rows["allgather"]["last_loss"], rel=1e-5)
+    assert rows["ring"]["activation_bytes"] < rows["allgather"]["activation_bytes"]
+    assert rows["ring"]["sent_per_step"] > rows["allgather"]["sent_per_step"]
