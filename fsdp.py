@@ -283,6 +283,7 @@ class FSDP(nn.Module):
                 p.register_post_accumulate_grad_hook(lambda p, u=unit: self._gradient_ready(u))
         self._backward_hooked = False
         self._sync = True
+        self._used_agreed = False        # HSDP: this backward's used-flags OR'ed over the copies
         self.events = []                 # this step's order of collectives and computation
         self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
 
@@ -440,21 +441,24 @@ class FSDP(nn.Module):
             if unit.frozen is not None:
                 unit.free()
         self._backward_hooked = False
+        self._used_agreed = False
 
     def finish_gradient_sync(self):
         """Wait for the outstanding reduce-scatters: each shard in FSDP.parameters() then holds its
         fp32 averaged gradient in .grad, so a plain torch.optim optimizer can step on them."""
         self._order.wait_all()
-        if self.replicas is not None and self._sync:
+        if self.replicas is not None and self._sync and not self._used_agreed:
             # HSDP: a parameter used by any copy's batch has a gradient on every copy now, so
             # each unit's "used" flags are OR'ed over the copies (one small message, one read),
-            # or the copies would step differently (zero.py's keep_unchanged).
+            # or the copies would step differently (zero.py's keep_unchanged). Once per
+            # backward: train.py calls this, and FSDPOptimizer calls it again.
             used = torch.tensor([u for unit in self.units for u in unit.used], dtype=torch.uint8,
                                 device=self.device)
             self.replicas.all_reduce(used, op="max")
             flags = iter(used.bool().tolist())
             for unit in self.units:
                 unit.used = [next(flags) for _ in unit.params]
+            self._used_agreed = True
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
