@@ -44,6 +44,7 @@ class Run:
     comm: Comm | None = None    # ours: the byte counter; PyTorch's collectives count nothing
     label: str = "ours"         # what ran, for the report
     napkin_sent: int | None = None       # bytes per step predicted, where memory.comm_bytes has no row
+    napkin_held: dict | None = None      # {what memory.py assumes: bytes held per rank it predicts}
     loss_context: object = contextlib.nullcontext   # entered around forward and backward
     forward_backward: object = None      # (x, y) -> loss: a pipeline schedule runs both itself
     bubbles: object = None               # () -> each stage's idle share of the last step (ours)
@@ -109,6 +110,17 @@ def held(run: Run) -> int:
     local = SimpleNamespace(parameters=lambda: params, buffers=lambda: map(_local, run.model.buffers()),
                             masters=params, state_tensors=lambda: [*params, *state])
     return sum(held_bytes(local, local).values())
+
+
+def frozen_bytes(model) -> tuple[int, int]:
+    """The frozen parameters (LoRA's base): (bytes this rank holds between steps, bytes of the
+    whole base, what every rank holds when it is not sharded). Our FSDP holds its frozen shards
+    (the parameters are views of a gathered buffer, empty between uses); a DTensor its local
+    tensor; a plain parameter itself. 0 and 0 for a model with nothing frozen."""
+    frozen = [p for p in getattr(model, "module", model).parameters() if not p.requires_grad]
+    here = model.frozen_shards() if hasattr(model, "frozen_shards") else [_local(p) for p in frozen]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in here}
+    return sum(storages.values()), sum(p.numel() * p.element_size() for p in frozen)
 
 
 class LiveSaved:
@@ -204,11 +216,14 @@ def time_training(build, args, batches, device) -> dict:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else held(run)
     sent = None if run.comm is None else {name: b / args.steps for name, b in run.comm.bytes_sent.items()}
     bubbles = run.bubbles() if run.bubbles else None          # of the last timed step
+    frozen_here, frozen_whole = frozen_bytes(run.model)
     return {"ms_per_step": 1e3 * seconds / args.steps, "label": run.label, "bubbles": bubbles,
             "predicted_bubble": run.predicted_bubble,
             "peak_bytes": across_ranks(peak, device), "sent_by_collective": sent,
             "sent_per_step": None if sent is None else sum(sent.values()),
-            "napkin_sent": run.napkin_sent, "expert_bytes": across_ranks(expert_bytes(run.model), device),
+            "napkin_sent": run.napkin_sent, "napkin_held": run.napkin_held,
+            "frozen_bytes": across_ranks(frozen_here, device), "frozen_whole": frozen_whole,
+            "expert_bytes": across_ranks(expert_bytes(run.model), device),
             "activation_bytes": across_ranks(activation_bytes(run, x, y), device),
             # the same loss on both sides says both did the same work
             "last_loss": across_ranks(loss.item(), device, dist.ReduceOp.SUM) / dist.get_world_size()}
@@ -228,12 +243,12 @@ def alternate(builds, args, batches, device) -> list[list[dict]]:
 
 def side(results: list, args) -> dict:
     """One contender's runs: ms/step over the repetitions, tokens/s of the global batch, the most
-    bytes held, and the last run's activations, bytes sent and loss."""
+    bytes held, and the last run's activations, bytes sent, frozen bytes and loss."""
     ms = summary([r["ms_per_step"] for r in results])
     return {"ms_per_step": ms, "tokens_per_s": args.batch_size * args.seq_len / ms["median"] * 1e3,
             "peak_bytes": max(r["peak_bytes"] for r in results),
-            "activation_bytes": results[-1]["activation_bytes"],
-            "sent_per_step": results[-1]["sent_per_step"],
+            **{key: results[-1][key] for key in ("activation_bytes", "sent_per_step", "napkin_held",
+                                                  "frozen_bytes", "frozen_whole")},
             "last_loss": results[-1]["last_loss"], "bubbles": results[-1]["bubbles"],
             "predicted_bubble": results[-1]["predicted_bubble"]}
 
@@ -358,6 +373,21 @@ def _bubble_note(row: dict, m: dict) -> str:
                if "zb" in row["strategy"] else ""))
 
 
+def _held_note(row: dict) -> str:
+    """Beside the peak column: a frozen base's bytes per rank on both sides and whole (what every
+    rank holds unsharded), and memory.py's prediction of our bytes held, where the build gave one."""
+    ours, theirs = row["ours"], row["torch"]
+    note = ""
+    if ours["frozen_whole"]:
+        note += (f"; frozen base per rank {ours['frozen_bytes'] / MiB:.2f} / "
+                 f"{theirs['frozen_bytes'] / MiB:.2f} MiB (ours / torch), whole "
+                 f"{ours['frozen_whole'] / MiB:.2f} MiB (every rank's under DDP)")
+    if ours["napkin_held"]:
+        note += "; ours held per rank predicted (memory.run_state_bytes): " + ", ".join(
+            f"{what} {nbytes / MiB:.2f} MiB" for what, nbytes in ours["napkin_held"].items())
+    return note
+
+
 def report(m: dict, rows: list) -> list:
     """The report's lines: the machine and the run, the strategy table, its notes, what was skipped."""
     lines = [f"{m['cpu']}, {m['cores']} cores ({m['threads_per_rank']} thread(s) per rank), GPU: "
@@ -391,13 +421,15 @@ def report(m: dict, rows: list) -> list:
         lines += ["", f"ms/step: median (min-max) over repetitions, slowest rank. Peak: max over ranks, "
                   f"{peak}. Sent: our Comm's counter (ring volume, native calls included) beside "
                   f"memory.comm_bytes (fsdp: our root unit is gathered once, not twice; tp: "
-                  f"tensor_parallel's bytes_per_step, activation traffic memory.py does not model); "
+                  f"tensor_parallel's bytes_per_step, activation traffic memory.py does not model; hsdp, "
+                  f"fsdp-lora: FSDP.bytes_per_step, with the copies' all-reduce and the frozen base's "
+                  f"gathers memory.comm_bytes has no row for); "
                   f"PyTorch's collectives count nothing. Activations: bytes one forward keeps for "
                   f"backward (saved-tensor hooks), max over ranks. MFU: {mfu}. Both sides: AdamW, "
                   f"gradient-norm clip {m['clip_grad']}. PyTorch's side, and the loss after the last "
                   f"step (ours / torch: the same work gives the same loss):"]
         lines += [f"- {r['strategy']}: {r['torch_counterpart']}; loss {r['ours']['last_loss']:.5f} / "
-                  f"{r['torch']['last_loss']:.5f}" + _bubble_note(r, m) for r in rows]
+                  f"{r['torch']['last_loss']:.5f}" + _bubble_note(r, m) + _held_note(r) for r in rows]
     lines += [f"- {name}: skipped, {why}" for name, why in m["skipped"].items()]
     return lines
 
