@@ -3,11 +3,13 @@
 The contenders: each strategy and its PyTorch counterpart (DistributedDataParallel, ZeRO-1's
 ZeroRedundancyOptimizer, fully_shard, parallelize_module, torch.distributed.pipelining's
 schedules on the same stages, torch.utils.checkpoint on our DDP) train the same model on the
-same data, precision and world size; a mixture of experts trains with its experts split over
---ep ranks against the same model replicated (PyTorch has no expert parallelism of its own);
-context parallelism's ring attention runs beside its all-gather (PyTorch's context_parallel does
-not run on CPU ranks). bench_measure.py times them and prints the tables, bench_collectives.py
-times all-reduce and all-to-all by size. Left out: gradient accumulation, data loading.
+same data, precision and world size (fully_shard also on a 2-D mesh, HSDP, against our FSDP's
+shard and replicate groups, and on a LoRA model whose frozen base both sides shard); a mixture
+of experts trains with its experts split over --ep ranks against the same model replicated
+(PyTorch has no expert parallelism of its own); context parallelism's ring attention runs
+beside its all-gather (PyTorch's context_parallel does not run on CPU ranks). bench_measure.py
+times them and prints the tables, bench_collectives.py all-reduce and all-to-all by size.
+Left out: gradient accumulation, data loading.
 Run: torchrun --nproc_per_node 2 bench.py --quick (CPU); torchrun --nproc_per_node 8 bench.py (GPUs)
 Test: python -m pytest tests/test_bench.py
 """
@@ -49,9 +51,11 @@ from collectives import Comm, split_norm
 from data import TextData
 from ddp import DDP, build as build_ddp
 from fsdp import FSDP, FSDPOptimizer
+from lora import apply_lora
+from memory import run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS, build_model
-from process_groups import exit_distributed, init_distributed
+from process_groups import exit_distributed, init_distributed, make_mesh
 from zero import ZeroOptimizer
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -147,29 +151,69 @@ def torch_checkpointed(model, args):
                label="our DDP + torch.utils.checkpoint.checkpoint(use_reentrant=False) per block")
 
 
-def ours_fsdp(model, args):
+# hsdp: FSDP shards within groups of this many neighbouring ranks (one node's fast links) and
+# keeps a copy of the model per group (train.py --shard-group 2): a world of 2 groups or more.
+SHARD_GROUP = 2
+# fsdp-lora: train.py's --lora defaults, adapters on attention's query and value.
+LORA = dict(targets=("query", "value"), rank=8, alpha=16)
+
+
+def ours_fsdp(model, args, shard_group=None):
     # FSDP keeps fp32 master shards and computes in --precision: the model arrives cast to
     # --precision (as every row's does, so every row starts from the same rounded weights).
+    # shard_group: hybrid sharding, as train.py --shard-group builds it (make_mesh's inner groups
+    # shard, its outer groups hold the copies; both count into the one Comm).
     comm = Comm()
-    fsdp = FSDP(model.float(), compute_dtype=DTYPES[args.precision], group=comm)
+    shard, copies = make_mesh(comm, shard_group) if shard_group else (comm, None)
+    frozen = any(not p.requires_grad for p in model.parameters())
+    # What a rank holds, predicted (memory.py); with a frozen base, also what it would hold whole.
+    options = SimpleNamespace(precision=args.precision, ep=1, double_quant=False, offload=None)
+    napkin_held = {f"zero3 over {shard.world_size}": run_state_bytes(model, "zero3", options,
+                                                                     shard.world_size)["total"]}
+    if frozen:
+        napkin_held["ddp (the base whole)"] = run_state_bytes(model, "ddp", options, comm.world_size)["total"]
+    fsdp = FSDP(model.float(), compute_dtype=DTYPES[args.precision], group=shard, replicate_group=copies)
+    hybrid = f", shard group {shard.world_size} x {copies.world_size} copies" if copies else ""
     return Run(fsdp, FSDPOptimizer(fsdp, torch.optim.AdamW, **ADAMW), comm,
-               label="our FSDP(prefetch=1) + FSDPOptimizer(AdamW)")
+               label=f"our FSDP(prefetch=1{hybrid}) + FSDPOptimizer(AdamW)",
+               # memory.comm_bytes models neither the copies' all-reduce nor a frozen base's
+               # gathers: FSDP's own formula, unit by unit, is the napkin then.
+               napkin_sent=fsdp.bytes_per_step() if copies or frozen else None, napkin_held=napkin_held)
 
 
-def torch_fsdp(model, args):
+def torch_fsdp(model, args, shard_group=None):
     # The same units as ours: one per block, the rest the root. fully_shard's default policy is
     # ours: blocks free their gathered weights after forward, the root keeps them until the end
     # of backward. The policy computes and reduce-scatters in --precision, fp32 shards beside.
-    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    # shard_group: FSDP2's HSDP, a 2-D mesh whose ranks [[0, 1], [2, 3]] shard along a row and
+    # hold copies down a column, the groups make_mesh gives ours.
+    device_type, n = next(model.parameters()).device.type, dist.get_world_size()
+    mesh = (init_device_mesh(device_type, (n // shard_group, shard_group),
+                             mesh_dim_names=("replicate", "shard")) if shard_group
+            else init_device_mesh(device_type, (n,)))
     dtype = DTYPES[args.precision]
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     model.float()
+    for p in model.parameters():       # a frozen base is kept in --precision, as ours keeps it
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    adamw = torch.optim.AdamW(model.parameters(), **ADAMW)
+    # After fully_shard: it replaced each parameter with a sharded one (a DTensor).
+    adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
+    hybrid = f" on a {n // shard_group} x {shard_group} (replicate, shard) mesh: HSDP" if shard_group else ""
     return Run(model, TorchOptimizer(adamw, model.parameters()),
-               label=f"fully_shard per block + root (FSDP2), MixedPrecisionPolicy({args.precision}) + AdamW")
+               label=f"fully_shard per block + root (FSDP2){hybrid}, MixedPrecisionPolicy({args.precision})"
+                     " + AdamW")
+
+
+def with_lora(build, model, args):
+    """build (ours_fsdp or torch_fsdp) on the model with LoRA adapters: its base frozen."""
+    apply_lora(model, **LORA)
+    run = build(model, args)
+    run.label += f" on apply_lora(rank {LORA['rank']}, {','.join(LORA['targets'])})"
+    return run
 
 
 def ours_tp(model, args):
@@ -334,6 +378,8 @@ STRATEGIES = {
     "zero1": (partial(ours_zero, 1), torch_zero),
     "zero2": (partial(ours_zero, 2), torch_zero),
     "fsdp": (ours_fsdp, torch_fsdp),
+    "hsdp": (partial(ours_fsdp, shard_group=SHARD_GROUP), partial(torch_fsdp, shard_group=SHARD_GROUP)),
+    "fsdp-lora": (partial(with_lora, ours_fsdp), partial(with_lora, torch_fsdp)),
     "tp": (ours_tp, torch_tp),
     "checkpointing": (ours_checkpointed, torch_checkpointed),
     "pipeline-gpipe": (partial(ours_pipeline, "gpipe"), partial(torch_pipelining, "gpipe")),
@@ -484,6 +530,12 @@ def parse_args(argv=None):
            if args.microbatches % world_size else None)
     if "pipeline-interleaved" in args.strategies and why:
         refuse(["pipeline-interleaved"], why, "leave it out of --strategies")
+    # hsdp shards over groups of SHARD_GROUP ranks and keeps a copy per group: 2 groups at least.
+    if "hsdp" in args.strategies and (world_size < 2 * SHARD_GROUP or world_size % SHARD_GROUP):
+        refuse(["hsdp"], f"hsdp shards over groups of {SHARD_GROUP} ranks and keeps a copy per group: "
+               f"it needs a world of {2 * SHARD_GROUP} or more ranks, a multiple of {SHARD_GROUP}, "
+               f"not {world_size}", f"leave hsdp out of --strategies or launch {2 * SHARD_GROUP}, "
+               f"{3 * SHARD_GROUP}... ranks")
     # The moe rows split the experts of --moe-model over groups of --ep ranks.
     moe = PRESETS[args.moe_model]
     why = ("expert parallelism needs 2 or more ranks" if world_size < 2 else

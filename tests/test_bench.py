@@ -31,23 +31,36 @@ MOE_COLUMNS = ["expert parallelism", "ms/step", "tokens/s",
 NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?%?")
 
 
+def run_bench(directory, ranks: int, strategies: str, *extra):
+    """bench.py --quick on `ranks` CPU ranks, 1 warm-up + 2 timed steps x 2 repetitions:
+    (what it printed, its JSON)."""
+    path = directory / "bench.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+               "bench.py", "--quick", "--strategies", strategies, "--warmup", "1", "--steps", "2",
+               "--repeats", "2", *extra, "--json", str(path)]
+    result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with open(path) as f:
+        return result.stdout, json.load(f)
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     """One quick run: zero2 (ours vs ZeroRedundancyOptimizer), fsdp (vs fully_shard), tp (vs
     parallelize_module), activation checkpointing (ours vs torch.utils.checkpoint), the 1F1B
     pipeline (ours vs torch.distributed.pipelining), tiny-moe at ep 2 against ep 1, and the
     1 KB and 4 KB all-reduces and all-to-alls."""
-    path = tmp_path_factory.mktemp("bench") / "bench.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "bench.py", "--quick", "--strategies",
-               "zero2,fsdp,tp,checkpointing,pipeline-1f1b,pipeline-interleaved,pipeline-zb,moe,collectives",
-               "--warmup", "1",
-               "--steps", "2", "--repeats", "2", "--max-mb", "0.004", "--json", str(path)]
-    result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    with open(path) as f:
-        return result.stdout, json.load(f)
+    return run_bench(tmp_path_factory.mktemp("bench"), 2,
+                     "zero2,fsdp,tp,checkpointing,pipeline-1f1b,pipeline-interleaved,pipeline-zb,moe,collectives",
+                     "--max-mb", "0.004")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """The FSDP rows that need more: hsdp (2 shard groups of 2) and fsdp-lora on 4 ranks."""
+    output, data = run_bench(tmp_path_factory.mktemp("sharded"), 4, "hsdp,fsdp-lora")
+    return output, {r["strategy"]: r for r in data["strategies"]}
 
 
 def table(output, first_column):
@@ -206,6 +219,53 @@ def test_fsdp_and_tp_do_pytorchs_work(bench):
     # FSDP sends more than ZeRO-2 (gathers twice), less than the napkin's 1.5x: the root is
     # gathered once per step.
     assert rows["zero2"]["ours"]["sent_per_step"] < fsdp["ours"]["sent_per_step"] < fsdp["ours"]["napkin_sent_per_step"]
+
+
+@pytest.mark.parametrize("name", ["hsdp", "fsdp-lora"])
+def test_hsdp_and_fsdp_lora_do_fully_shards_work_and_send_the_formula(sharded, name):
+    """Against fully_shard on a (replicate 2, shard 2) mesh, and on the same LoRA model: the same
+    init, data and fp32 AdamW steps (only the order of cross-rank sums may differ), and our
+    counter equal to FSDP.bytes_per_step (HSDP: the copies' all-reduce and its flags; LoRA: the
+    frozen base's all-gathers, no reduce-scatter for it)."""
+    _, rows = sharded
+    ours, theirs = rows[name]["ours"], rows[name]["torch"]
+    assert math.isclose(ours["last_loss"], theirs["last_loss"], rel_tol=1e-5), (name, ours, theirs)
+    assert ours["sent_per_step"] == ours["napkin_sent_per_step"], name
+    assert math.isclose(ours["peak_bytes"], theirs["peak_bytes"], rel_tol=0.01), name
+
+
+def test_hsdp_holds_its_shard_groups_share(sharded):
+    """HSDP shards over 2 of the 4 ranks: each holds half the model's state, as memory.py's zero3
+    over 2 says (plain fsdp on 4 ranks would hold a quarter); it is skipped below 4 ranks."""
+    _, rows = sharded
+    ours = rows["hsdp"]["ours"]
+    assert "2 x 2 (replicate, shard) mesh" in rows["hsdp"]["torch_counterpart"]
+    assert ours["peak_bytes"] == ours["napkin_held"]["zero3 over 2"]
+
+
+def test_fsdp_lora_shards_the_frozen_base(sharded):
+    """Both FSDPs hold a quarter of the frozen base per rank (the tiny model's units split evenly:
+    no padding), where DDP would hold it whole; ours holds memory.py's prediction in all."""
+    output, rows = sharded
+    ours, theirs = rows["fsdp-lora"]["ours"], rows["fsdp-lora"]["torch"]
+    assert ours["frozen_whole"] == theirs["frozen_whole"] == 4 * build_model("tiny").num_parameters()
+    assert ours["frozen_bytes"] == theirs["frozen_bytes"] == ours["frozen_whole"] / 4
+    assert ours["peak_bytes"] == ours["napkin_held"]["zero3 over 4"]
+    assert ours["peak_bytes"] < ours["napkin_held"]["ddp (the base whole)"] / 3
+    whole = ours["frozen_whole"] / 2**20
+    assert f"frozen base per rank {whole / 4:.2f} / {whole / 4:.2f} MiB (ours / torch), whole {whole:.2f}" in output
+
+
+def test_hsdp_needs_two_shard_groups(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")                # the default list leaves hsdp out, says why
+    args = parse_args(["--quick"])
+    assert "hsdp" not in args.strategies and "fsdp-lora" in args.strategies
+    assert args.skipped["hsdp"] == ("hsdp shards over groups of 2 ranks and keeps a copy per group: it "
+                                    "needs a world of 4 or more ranks, a multiple of 2, not 2")
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    with pytest.raises(SystemExit):                      # asked for by name: one clear error
+        parse_args(["--quick", "--strategies", "hsdp", "--batch-size", "5"])
+    assert "a multiple of 2, not 5; leave hsdp out of --strategies" in capsys.readouterr().err
 
 
 def test_pipeline_does_pytorchs_work_and_reports_its_bubble(bench):
