@@ -1,7 +1,9 @@
 """The lecture's "what to do when it does not fit" flow chart, walked with memory.py's napkin math.
 
 The rungs, each a train.py command: ddp (then zero2, the micro-batch grown), fsdp, + activation
-checkpointing, + the optimizer offloaded to the CPU, LoRA, QLoRA. Each is priced per rank (training
+checkpointing, + the optimizer offloaded to the CPU, LoRA, QLoRA (FSDP sharding the 4-bit base),
+QLoRA with the parameters offloaded too (the talk's 70B on two 24 GB GPUs: python memory.py
+--advise --model 70b --gpu-mem 24GB --world 2 --seq-len 2048). Each is priced per rank (training
 state plus one micro-batch's activations and logits); the first that fits is the advice, and
 train.py --strategy auto takes it. For a model with experts, the advice is also priced under each
 --ep: bytes held against all-to-all bytes sent. Left out: speed (it chooses by bytes, not step
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from memory import (GB, active_params, activation_bytes, bytes_per_param, ep_comm_bytes, ep_params,
-                    ep_state_bytes, logits_bytes, model_params, moe_exchange_bytes)
+                    ep_state_bytes, logits_bytes, model_params, moe_exchange_bytes, nf4_bytes)
 from model import PRESETS, GPTConfig
 from process_groups import init_distributed
 
@@ -25,10 +27,13 @@ from process_groups import init_distributed
 #   mixed precision always (bf16, or fp16 where the GPU has no bf16)
 #   -> micro-batch 1 fits with ddp?  then zero2 and the largest micro-batch that fits
 #   -> else zero3/fsdp  -> + activation checkpointing  -> + optimizer offloaded to the CPU
-#   -> else LoRA (train adapters only)  -> QLoRA (the frozen base in 4 bits)
+#   -> else LoRA (train adapters only)  -> QLoRA (the frozen base in 4 bits, sharded by FSDP)
+#   -> + the parameters offloaded to the CPU (the device holds only the units being gathered)
 # Gradient accumulation fills the rest of the target batch at every rung.
 
 LORA_RANK, LORA_TARGETS = 8, ("query", "value")
+# QLoRA quantizes the base's linear layers (the ones it adapts): all of them, as QLoRA does.
+QLORA_TARGETS = ("query", "key", "value", "output", "up", "down")
 HEADROOM = 0.1                  # of the memory left free: a rung fits under 90% of it
 
 
@@ -50,25 +55,45 @@ class Advice:
 
 
 def rung_bytes(cfg: GPTConfig, strategy: str, precision: str, world: int, seq_len: int, b: int,
-               checkpointing: bool = False, offload: bool = False, trainable: int | None = None,
+               checkpointing: bool = False, offload: bool | str = False, trainable: int | None = None,
                quantized: int = 0, ep: int = 1) -> dict:
     """Per-rank device bytes of one rung: the training state (under --ep, a rank's E/ep experts
     of each MoE layer kept over the world/ep ranks that hold them) and one micro-batch of b
-    sequences' activations and logits. trainable None: every parameter trains."""
+    sequences' activations and logits. trainable None: every parameter trains.
+    offload="params" (fsdp): the shards wait on the host; the device holds, as "params", the
+    units being gathered: FSDP's 1 + prefetch = 2 blocks, whole, as stored (4-bit where quantized)."""
     n, experts = ep_params(cfg, ep)
     states = ep_state_bytes(n, experts, strategy, precision, world, ep, trainable=trainable,
                             quantized=quantized, offload=offload)
     act = activation_bytes(seq_len, b, cfg.n_embd, cfg.n_head, cfg.n_layer, checkpointing,
                            bytes_per_param(precision)["params"], moe=cfg, ep=ep)
     act += logits_bytes(seq_len, b, cfg.vocab_size)
-    return {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-            "activations": act, "total": states["total"] + act,
+    params = states["params"]
+    if offload == "params":
+        stored = nf4_bytes(quantized) + (n - quantized) * bytes_per_param(precision)["params"]
+        params = 2 * stored // cfg.n_layer
+    return {"params": params, "grads": states["grads"], "optimizer": states["optimizer"],
+            "activations": act, "total": states["total"] - states["params"] + params + act,
             **({"host": states["host"]} if offload else {})}
 
 
-def lora_params(cfg: GPTConfig, rank: int = LORA_RANK, targets: int = len(LORA_TARGETS)) -> int:
-    """Trainable parameters of LoRA on `targets` C x C projections per block: A (r x C), B (C x r)."""
-    return cfg.n_layer * targets * 2 * rank * cfg.n_embd
+def _linear_shapes(cfg: GPTConfig) -> dict:
+    """(in + out, in x out) of each linear layer a block has, by name; an MoE block's up and
+    down are its experts', E of each."""
+    C, copies = cfg.n_embd, max(1, cfg.experts)
+    return {"query": (2 * C, C * C), "key": (2 * C, C * C), "value": (2 * C, C * C),
+            "output": (2 * C, C * C), "up": (5 * C * copies, 4 * C * C * copies),
+            "down": (5 * C * copies, 4 * C * C * copies)}
+
+
+def lora_params(cfg: GPTConfig, rank: int = LORA_RANK, targets=LORA_TARGETS) -> int:
+    """Trainable parameters of LoRA on the named linears of each block: A (r x in), B (out x r)."""
+    return cfg.n_layer * rank * sum(_linear_shapes(cfg)[t][0] for t in targets)
+
+
+def adapted_weights(cfg: GPTConfig, targets=LORA_TARGETS) -> int:
+    """Weights of the linears LoRA wraps (QLoRA stores them in 4 bits)."""
+    return cfg.n_layer * sum(_linear_shapes(cfg)[t][1] for t in targets)
 
 
 def parse_bytes(text: str) -> int:
@@ -108,8 +133,10 @@ def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int
     cfg = PRESETS[model]
     per_rank = target_batch // world
     budget = (1 - headroom) * gpu_mem
-    adapted = cfg.n_layer * len(LORA_TARGETS) * cfg.n_embd ** 2        # weights LoRA wraps
     lora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(LORA_TARGETS)]
+    qlora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(QLORA_TARGETS),
+             "--quantize-base", "nf4"]
+    trained, quantized = lora_params(cfg, targets=QLORA_TARGETS), adapted_weights(cfg, QLORA_TARGETS)
     rungs = [  # (name, strategy, checkpointing, offload, trainable (None: all), quantized, flags)
         ("ddp, micro-batch 1", "ddp" if world > 1 else "single", False, False, None, 0, []),
         ("zero3 (fsdp)", "fsdp", False, False, None, 0, []),
@@ -118,8 +145,10 @@ def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int
          ["--checkpoint-activations", "--offload", "optimizer"]),
         ("LoRA (fsdp + checkpointing)", "fsdp", True, False, lora_params(cfg), 0,
          ["--checkpoint-activations", *lora]),
-        ("QLoRA: the frozen base in 4-bit NF4", "fsdp", True, False, lora_params(cfg), adapted,
-         ["--checkpoint-activations", *lora, "--quantize-base", "nf4"]),
+        ("QLoRA: the frozen base in 4-bit NF4, sharded", "fsdp", True, False, trained, quantized,
+         ["--checkpoint-activations", *qlora]),
+        ("QLoRA + the parameters offloaded to the CPU", "fsdp", True, "params", trained, quantized,
+         ["--checkpoint-activations", *qlora, "--offload", "params"]),
     ]
     tried = []
     for name, strategy, checkpointing, offload, trainable, quantized, flags in rungs:

@@ -531,8 +531,9 @@ def _parse_args(argv=None):
     p.add_argument("--quantize-base", choices=("nf4",), default=None,
                    help="QLoRA: the frozen parameters in 4-bit NormalFloat (with --trainable)")
     p.add_argument("--double-quant", action="store_true", help="with --quantize-base: 8-bit scales")
-    p.add_argument("--offload", choices=("optimizer",), default=None,
-                   help="ZeRO-Offload: the sharded optimizer (fp32 master, moments) in host memory")
+    p.add_argument("--offload", choices=("optimizer", "params"), default=None,
+                   help="ZeRO-Offload: the sharded optimizer (fp32 master, moments) in host memory; "
+                        "params (zero3/fsdp): the parameter shards too (other strategies: optimizer)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages: with --model, each schedule's "
                    "bubble and activations per stage")
     p.add_argument("--microbatches", type=int, default=None, help="with --pp: per step (default 2 x pp)")
@@ -581,6 +582,9 @@ def _parse_args(argv=None):
     if args.offload and args.strategy in ("ddp", "single"):
         p.error(f"--offload optimizer moves a sharded optimizer to the host, and --strategy "
                 f"{args.strategy} keeps it whole: use --strategy zero1, zero2 or fsdp")
+    if args.offload == "params" and args.strategy in ("zero1", "zero2"):
+        p.error(f"--offload params keeps FSDP's parameter shards on the host, and --strategy "
+                f"{args.strategy} keeps whole parameters on the device: use --strategy fsdp")
     if args.model is not None:
         cfg = PRESETS[args.model]
         args.seq_len = cfg.block_size if args.seq_len is None else args.seq_len
@@ -630,7 +634,8 @@ def _predict(n_params, strategy, args):
     held = ep_state_bytes(n_params, experts, strategy, args.precision, args.world, args.ep,
                           args.optimizer, trainable=trainable, quantized=quantized,
                           double_quant=args.double_quant,
-                          offload=bool(args.offload) and canonical != "ddp")
+                          offload=(False if canonical == "ddp" else args.offload if canonical == "zero3"
+                                   else bool(args.offload)))
     sent = ep_comm_bytes(trainable or n_params, experts, strategy, args.precision, args.world, args.ep)
     if "all_gather" in sent and canonical == "zero3":
         sent["all_gather"] = ep_comm_bytes(n_params, experts, strategy, args.precision, args.world,
@@ -679,7 +684,8 @@ def _table(n_params, args):
     for line in _moe_lines(args):
         print(line)
     print(f"per rank, in {name}; sent: ring algorithm, per step"
-          + ("; --offload: the zero stages' optimizer in host memory (ddp cannot)" if args.offload else ""))
+          + ("; --offload: the zero stages' optimizer in host memory (ddp cannot)" if args.offload else "")
+          + ("; params: zero3's parameter shards too" if args.offload == "params" else ""))
     host = f"{'host':>9}" if args.offload else ""
     print(f"{'strategy':<9}{'params':>9}{'grads':>9}{'optimizer':>11}{'total':>9}{host} |{'sent':>8}  collectives")
     for strategy in STRATEGIES:

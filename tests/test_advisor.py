@@ -108,3 +108,21 @@ def test_strategy_auto_names_the_fix(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
         assert fix in capsys.readouterr().err, argv
+
+
+def test_the_talks_70b_case_fits_two_24_gb_gpus_only_with_the_parameters_offloaded(capsys):
+    """A 70B-class model (65B parameters), 4-bit base, LoRA rank 8 on every linear, 2 GPUs of
+    24 GB, sequences of 2048 under activation checkpointing: QLoRA with FSDP sharding the base
+    needs 24.2 GB a GPU (18.7 of them the base's half), over the 21.6 GB budget; with the shards
+    offloaded the GPU holds only the two blocks being gathered, and the rest waits in CPU memory."""
+    rungs = advise("70b", parse_bytes("24GB"), 2, 2048, 2)
+    sharded, offloaded = rungs[-2], rungs[-1]
+    assert "QLoRA" in sharded.rung and not sharded.fits
+    assert 21.6 * GB < sharded.held["total"] < 25 * GB
+    assert offloaded.fits and "--offload params" in " ".join(offloaded.flags)
+    assert offloaded.held["params"] < GB and offloaded.held["total"] < 8 * GB
+    assert 18 * GB < offloaded.held["host"] < 21 * GB           # the 4-bit base's half, Adam's
+    main(["--advise", "--model", "70b", "--gpu-mem", "24GB", "--world", "2", "--seq-len", "2048",
+          "--target-batch", "2"])
+    out = capsys.readouterr().out
+    assert "64,990,232,576 parameters" in out and "--offload params" in out.splitlines()[-1]

@@ -432,3 +432,16 @@ def test_pipeline_table_prints_every_schedule(capsys):
     for row in ("1f1b               0.273  (P-1)/(M+P-1)", "interleaved v=2    0.158  (P-1)/(vM+P-1)",
                 "zb                 0.111  (P-1)/(3M+P-1)", "interleaved v=4   12 blocks, fewer than 16"):
         assert row in out, out
+
+
+def test_offloaded_parameters_leave_the_device_with_the_optimizer():
+    """offload="params" (FSDP's --offload params): zero3's parameter shards join the optimizer's
+    host bytes; the device keeps the gradient shard. Other strategies keep whole parameters."""
+    n = model_params("gpt2-small")
+    optimizer_only = state_bytes(n, "zero3", "bf16", 4, offload=True)
+    both = state_bytes(n, "zero3", "bf16", 4, offload="params")
+    assert both["params"] == 0 and both["grads"] == optimizer_only["grads"]
+    assert both["host"] == optimizer_only["host"] + optimizer_only["params"]
+    assert both["total"] == optimizer_only["total"] - optimizer_only["params"]
+    with pytest.raises(ValueError, match="zero3/fsdp only"):
+        state_bytes(n, "zero2", "bf16", 4, offload="params")
