@@ -2,18 +2,22 @@
 
 torchrun starts one process per rank; each joins the job's process group (NCCL with CUDA,
 else gloo; without torchrun a world of one, so every code path is the same). Strategies work
-on groups inside it: a 2-D mesh (tensor x data, pipeline x data) whose groups every rank
-creates in the same order, as torch.distributed.new_group requires. Before the first step the
-ranks check that they were started with the same model (gather_objects). What moves the bytes
-of every step is collectives.py. Left out: torch's DeviceMesh, elastic membership changes.
+on groups inside it: a 2-D mesh (tensor x data, pipeline x data), and the N-D one, one group per
+dimension (tensor, context, data, pipeline; experts folded into data x context), whose groups
+every rank creates in the same order, as torch.distributed.new_group requires. Before the first
+step the ranks check that they were started with the same model (gather_objects). What moves
+the bytes of every step is collectives.py. Left out: torch's DeviceMesh, elastic membership
+changes.
 Test: python -m pytest tests/test_process_groups.py (the groups: tests/test_pipeline.py)
 """
 import ctypes
 import datetime
+import itertools
 import math
 import os
 import pickle
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -106,6 +110,96 @@ def make_mesh(comm: Comm, inner: int) -> tuple[Comm, Comm]:
     ranks = dist.get_process_group_ranks(comm.group)
     return (subgroups(comm, [ranks[start: start + inner] for start in range(0, len(ranks), inner)]),
             subgroups(comm, [ranks[offset::inner] for offset in range(inner)]))
+
+
+# ---- the N-D mesh: tensor x context x data x pipeline, experts inside data x context ---------
+#
+# A rank's coordinates, the innermost on neighbouring ranks:  rank = ((pp D + dp) C + cp) T + tp
+#   tp innermost: it all-reduces activations in every layer, forward and backward, the most
+#      bytes and the most latency-bound: on one node's fastest links (NVLink), T ranks apart 1.
+#   cp next: K/V blocks pass every attention layer, less than tp, more than data parallelism.
+#   dp next: one gradient reduction per step (or FSDP's gathers, once per unit).
+#   pp outermost: only the activations between neighbouring stages, point to point, the least
+#      traffic: it can cross nodes.
+# Experts (ep) fold into the D x C ranks that hold the same tensor and pipeline slice, as
+# torchtitan does: consecutive runs of ep of them split the experts (an all-to-all per MoE
+# layer stays on near ranks), and the ranks at the same place in each run hold the same experts
+# (their expert gradients are reduced over them).
+
+DIMENSIONS = ("pp", "dp", "cp", "tp")            # outermost first, as in the rank formula
+
+
+class Mesh(NamedTuple):
+    """This rank's group along each dimension (a Comm over 1 rank where the size is 1), plus the
+    groups gradients are reduced over: dp_cp, the ranks holding the same non-expert parameters,
+    and, with ep > 1, ep (the ranks splitting the experts) and expert_dp (the ranks holding the
+    same experts as this one)."""
+    tp: Comm
+    cp: Comm
+    dp: Comm
+    pp: Comm
+    dp_cp: Comm
+    ep: Comm | None
+    expert_dp: Comm | None
+
+
+def mesh_shape(world: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> dict:
+    """{dimension: size} of the mesh over `world` ranks, data parallel over what is left; a
+    ValueError naming the flags when the sizes do not fit the world (or ep the data x context)."""
+    sizes = {"tp": tp, "cp": cp, "pp": pp, "ep": ep}
+    if any(size < 1 for size in sizes.values()):
+        raise ValueError(f"mesh sizes must be at least 1, got {sizes}")
+    if world % (tp * cp * pp):
+        raise ValueError(f"world size {world} is not --tp {tp} x --cp {cp} x --pp {pp} x a data-parallel "
+                         f"size: launch a multiple of {tp * cp * pp} processes")
+    dp = world // (tp * cp * pp)
+    if (dp * cp) % ep:
+        raise ValueError(f"--ep {ep} must divide the data x context ranks that hold the same tensor "
+                         f"and pipeline slice, dp {dp} x cp {cp} = {dp * cp}")
+    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
+
+
+def mesh_rank_lists(world: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> dict:
+    """{group name: [rank list, ...]}: every group of the mesh, in one order (every rank creates
+    them all). A group varies along its dimensions and keeps the others fixed."""
+    shape = mesh_shape(world, tp, cp, pp, ep)
+
+    def along(dims):                             # dims in DIMENSIONS' order
+        fixed = [d for d in DIMENSIONS if d not in dims]
+        groups = []
+        for outer in itertools.product(*(range(shape[d]) for d in fixed)):
+            group = []
+            for inner in itertools.product(*(range(shape[d]) for d in dims)):
+                where = {**dict(zip(fixed, outer)), **dict(zip(dims, inner))}
+                group.append(_flatten([where[d] for d in DIMENSIONS], [shape[d] for d in DIMENSIONS]))
+            groups.append(group)
+        return groups
+    lists = {d: along([d]) for d in DIMENSIONS}
+    lists["dp_cp"] = along(["dp", "cp"])                      # ranks ordered dp-major: dp C + cp
+    if ep > 1:
+        lists["ep"] = [g[start: start + ep] for g in lists["dp_cp"] for start in range(0, len(g), ep)]
+        lists["expert_dp"] = [g[offset::ep] for g in lists["dp_cp"] for offset in range(ep)]
+    return lists
+
+
+def _flatten(coords: list, sizes: list) -> int:
+    """The rank at coords (outermost first) of a grid of the given sizes: for the mesh,
+    ((pp D + dp) C + cp) T + tp."""
+    r = 0
+    for c, n in zip(coords, sizes):
+        r = r * n + c
+    return r
+
+
+def make_device_mesh(comm: Comm, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> Mesh:
+    """This rank's Mesh over comm's ranks (the world), sharing its byte counter. Collective:
+    every rank creates every group, dimension by dimension, in mesh_rank_lists' order."""
+    ranks = dist.get_process_group_ranks(comm.group)
+    lists = mesh_rank_lists(len(ranks), tp, cp, pp, ep)
+    groups = {name: subgroups(comm, [[ranks[r] for r in group] for group in rank_lists])
+              for name, rank_lists in lists.items()}
+    return Mesh(groups["tp"], groups["cp"], groups["dp"], groups["pp"], groups["dp_cp"],
+                groups.get("ep"), groups.get("expert_dp"))
 
 
 # ---- agreeing before the first step ----------------------------------------------------------

@@ -1,15 +1,20 @@
-"""Process groups (process_groups.py): picklable objects gathered over the ranks arrive whole.
+"""Process groups (process_groups.py): picklable objects gathered over the ranks arrive whole;
+the N-D mesh cuts the world once per dimension, its groups crossing at one rank, created by
+every rank in one order.
 
-Joining the job runs in every spawned test; the groups every rank creates and the meshes are
-checked in tests/test_pipeline.py and tests/test_tensor_parallel.py, and the same-model check
-at start-up in tests/test_snapshot.py.
+Joining the job runs in every spawned test; the groups every rank creates and the 2-D meshes
+are checked in tests/test_pipeline.py and tests/test_tensor_parallel.py, and the same-model
+check at start-up in tests/test_snapshot.py.
 """
+import itertools
+import re
+
 import pytest
 import torch
 
 from collectives import Comm
 from multiprocess import run_ranks
-from process_groups import gather_objects
+from process_groups import DIMENSIONS, gather_objects, make_device_mesh, mesh_rank_lists, mesh_shape
 
 
 def _gathered_objects():
@@ -31,3 +36,73 @@ def test_gather_objects_without_numpy(world_size):
                 assert torch.equal(o["tensor"], torch.arange(3 * i + 1.0))
         if rank != 1:
             assert at_one is None
+
+
+# ---- the N-D mesh (issue 28's first piece: the groups; train.py does not compose them yet) ----
+
+MESHES = [dict(world=8, tp=2, pp=2), dict(world=8, tp=2, cp=2), dict(world=8, pp=2, cp=2),
+          dict(world=16, tp=2, cp=2, pp=2, ep=2), dict(world=8, ep=4), dict(world=4)]
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "-".join(f"{k}{v}" for k, v in m.items()))
+def test_every_dimension_cuts_the_world_once_and_the_dimensions_cross_at_one_rank(mesh):
+    world = mesh["world"]
+    sizes = {k: v for k, v in mesh.items() if k != "world"}
+    shape, lists = mesh_shape(world, **sizes), mesh_rank_lists(world, **sizes)
+    assert shape["pp"] * shape["dp"] * shape["cp"] * shape["tp"] == world
+    for name, groups in lists.items():
+        assert sorted(r for g in groups for r in g) == list(range(world)), name     # a partition
+        size = {"dp_cp": shape["dp"] * shape["cp"], "ep": shape["ep"],
+                "expert_dp": shape["dp"] * shape["cp"] // shape["ep"]}.get(name, shape.get(name))
+        assert all(len(g) == size for g in groups), name
+    # tp innermost: a tensor group is consecutive ranks (one node's links); pp outermost.
+    assert all(g == list(range(g[0], g[0] + shape["tp"])) for g in lists["tp"])
+    assert all(b - a == world // shape["pp"] for g in lists["pp"] for a, b in zip(g, g[1:]))
+    # The groups of two dimensions through a rank share that rank only: coordinates, not overlaps.
+    for r in range(world):
+        through = {d: next(set(g) for g in lists[d] if r in g) for d in DIMENSIONS}
+        for a, b in itertools.combinations(DIMENSIONS, 2):
+            assert through[a] & through[b] == {r}, (r, a, b)
+    if shape["ep"] > 1:        # experts: ep splits a data x context group, expert_dp spans its runs
+        for g in lists["dp_cp"]:
+            runs = [e for e in lists["ep"] if set(e) <= set(g)]
+            assert len(runs) == len(g) // shape["ep"]
+            assert [e for e in lists["expert_dp"] if set(e) <= set(g)] == [list(x) for x in zip(*runs)]
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(world=8, tp=3), "world size 8 is not --tp 3 x --cp 1 x --pp 1 x a data-parallel size"),
+    (dict(world=8, tp=2, pp=2, ep=3), "--ep 3 must divide the data x context ranks"),
+    (dict(world=8, cp=0), "mesh sizes must be at least 1")])
+def test_a_mesh_that_does_not_fit_names_the_flags(sizes, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mesh_shape(**sizes)
+
+
+def _mesh_sums(sizes):
+    """Each group's sum of its ranks (an all-reduce in it), and the new_group calls made."""
+    import torch.distributed as dist
+    calls, new_group = [], dist.new_group
+
+    def record(ranks=None, **kwargs):
+        calls.append(list(ranks))
+        return new_group(ranks, **kwargs)
+    dist.new_group = record
+    mesh = make_device_mesh(Comm(), **sizes)
+    sums = {}
+    for name, comm in mesh._asdict().items():
+        if comm is not None:
+            t = torch.tensor([float(dist.get_rank())])
+            comm.all_reduce(t)
+            sums[name] = t.item()
+    return sums, calls
+
+
+def test_the_mesh_groups_are_created_everywhere_and_reduce_over_their_ranks():
+    sizes = dict(tp=2, pp=2)
+    ranks = run_ranks(_mesh_sums, 4, sizes)
+    lists = mesh_rank_lists(4, **sizes)
+    for r, (sums, calls) in enumerate(ranks):
+        assert calls == ranks[0][1]                          # every rank, every group, one order
+        for name, total in sums.items():
+            assert total == sum(next(g for g in lists[name] if r in g)), (r, name)
