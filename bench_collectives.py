@@ -62,7 +62,9 @@ def _by_size(name, comms, args, device) -> list:
             algbw = tensor.nbytes / statistics.median(seconds)     # nccl-tests: size / time
             row[side] = {"us": summary([1e6 * s for s in seconds]), "algbw_GBps": algbw / 1e9,
                          "busbw_GBps": algbw * BUS_FACTOR[name](n) / 1e9}
-        row["ratio"] = row["ring"]["us"]["median"] / row["native"]["us"]["median"]
+        # ring and native timed back to back in each repetition: the median of those pairs'
+        # ratios, which drift on a shared machine moves less than a ratio of two medians
+        row["ratio"] = statistics.median(ring / native for ring, native in zip(times["ring"], times["native"]))
         rows.append(row)
         nbytes *= 4
     return rows
@@ -84,7 +86,8 @@ def collectives_report(m: dict, tables: dict) -> list:
                          f"{r['native']['busbw_GBps']:.3f} | {r['ring_sent_bytes']:,.0f} / "
                          f"{r['formula_bytes']:,} |")
     if tables:
-        lines += ["", "Per call, median (min-max) over repetitions; algbw = bytes / time, busbw = "
+        lines += ["", "Per call, median (min-max) over repetitions; ring/native: the median over repetitions of "
+                  "the ratio of back-to-back timings; algbw = bytes / time, busbw = "
                   "algbw x 2(N-1)/N for all-reduce, x (N-1)/N for all-to-all (nccl-tests); 1 GB = 1e9 "
                   "bytes. An all-to-all's size is each rank's input. Formula: collectives.ring_bytes, "
                   "collectives.all_to_all_bytes."]

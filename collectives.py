@@ -4,8 +4,10 @@ Every strategy in this project is a choice of which rank holds which bytes and w
 collective moves them. Here the collectives are built from send/recv on a ring, the
 bandwidth-optimal schedule (Patarasuk & Yuan, 2009) that NCCL uses for large messages,
 and all-reduce is written as the lecture's identity: reduce-scatter, then all-gather.
-The same methods run on torch.distributed's native calls (the default, and the fast
-path); one switch picks ring or native, and a byte counter records what each rank sends.
+As in NCCL, each ring step's chunk moves in segments, so reducing one overlaps sending the
+next, and the scratch it reduces into is allocated once, not per call. The same methods run
+on torch.distributed's native calls (the default); one switch picks ring or native, and a
+byte counter records what each rank sends.
 Left out: tree and hierarchical algorithms, latency tuning for small messages. Joining the
 job, its groups and meshes: process_groups.py.
 Test: python -m pytest tests/test_collectives.py
@@ -15,11 +17,16 @@ elements per chunk; rank r's neighbours on the ring are r - 1 (left) and r + 1 (
 """
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+# A ring step's chunk travels in segments of this size, so that reducing one overlaps sending
+# the next. Smaller segments overlap more and pay a message's fixed cost more often: 1 MiB
+# measured best on gloo over loopback (bench_collectives.py); NCCL's own slices are smaller.
+SEGMENT_BYTES = 2**20
 
 
 class Handle:
@@ -60,10 +67,11 @@ class Comm:
     returns a Handle at once, so the caller can compute while the bytes move.
     Constructing a Comm over the world with ring=True is collective: every rank does it;
     over a subgroup, process_groups.subgroups() builds it (with p2p_group, its private twin).
+    segment_bytes: the ring's pipelining grain (SEGMENT_BYTES).
     """
 
     def __init__(self, group=None, ring: bool = False, bytes_sent: Counter | None = None,
-                 p2p_group=None):
+                 p2p_group=None, segment_bytes: int = SEGMENT_BYTES):
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -85,6 +93,8 @@ class Comm:
             self._p2p_group = p2p_group
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ring")
             self._ring_streams = {}               # CUDA: the worker's stream, per device
+            self._workspaces = {}                 # (dtype, device) -> the ring's scratch buffer
+            self.segment_bytes = segment_bytes
 
     # ---- the public collectives -------------------------------------------------------
 
@@ -170,43 +180,44 @@ class Comm:
 
     # ---- the ring versions, from send/recv --------------------------------------------
 
-    def _ring_reduce_scatter(self, output, input, op, name="reduce_scatter"):
+    def _ring_reduce_scatter(self, output, input, op):
         #   step 0        step 1        ...  step N-2
-        #   rank r sends chunk r-1-s to r+1 and adds chunk r-2-s from r-1 into its own copy;
+        #   rank r sends chunk r-1-s to r+1 and reduces chunk r-2-s from r-1 with its own copy;
         #   after N-1 steps chunk r has passed every rank once: it holds the full reduction.
+        # The caller's input is only read: the partial sums go to two workspace chunks in
+        # turn (one on the wire while the next is written), the last step's into output.
         n, r = self.world_size, self.rank
-        chunks = input.detach().clone().view(n, -1)        # (N, c): never touch the caller's input
-        incoming = torch.empty_like(chunks[0])             # (c,)
+        if n == 1:
+            return output.copy_(input.view(-1))
+        chunks = input.view(n, -1)                         # (N, c)
+        recv, *partial = self._workspace(output, *[output.numel()] * (1 + min(2, n - 2)))
+        steps, send = [], chunks[(r - 1) % n]
         for step in range(n - 1):
-            self._ring_step(chunks[(r - step - 1) % n], incoming, name)
-            _combine(chunks[(r - step - 2) % n], incoming, op)
-        if op == "avg":
-            chunks[r].div_(n)
-        output.copy_(chunks[r])
+            out = output if step == n - 2 else partial[step % 2]
+            steps.append(_Step(send, recv, add=chunks[(r - step - 2) % n], out=out))
+            send = out
+        self._run_steps(steps, op, "reduce_scatter")
 
-    def _ring_all_gather(self, output, input, name="all_gather"):
-        # Rank r starts with chunk r; at step s it forwards chunk r-s (its own, then what it
-        # just received) to r+1 and receives chunk r-s-1 from r-1.
-        n, r = self.world_size, self.rank
-        chunks = output.view(n, -1)                        # (N, c)
-        chunks[r].copy_(input)
-        for step in range(n - 1):
-            self._ring_step(chunks[(r - step) % n], chunks[(r - step - 1) % n], name)
+    def _ring_all_gather(self, output, input):
+        chunks = output.view(self.world_size, -1)          # (N, c)
+        chunks[self.rank].copy_(input)
+        self._run_steps(self._all_gather_steps(chunks), None, "all_gather")
 
     def _ring_all_reduce(self, tensor, op):
-        # The lecture's identity: all-reduce = reduce-scatter + all-gather, 2(N-1)/N x bytes.
-        n = self.world_size
-        flat = _padded_copy(tensor, n)                     # (N*c,)
-        shard = torch.empty_like(flat[: flat.numel() // n])  # (c,)
-        self._ring_reduce_scatter(shard, flat, op, name="all_reduce")  # rank r owns reduced chunk r
-        self._ring_all_gather(flat, shard, name="all_reduce")          # every rank gets every chunk
-        tensor.copy_(flat[: tensor.numel()].view_as(tensor))
+        # The lecture's identity: all-reduce = reduce-scatter + all-gather, 2(N-1)/N x bytes,
+        # in place: rank r reduces chunk r where it lies, then passes it round. One run of
+        # 2(N-1) steps, so the all-gather's first segment leaves as soon as it is reduced.
+        flat, recv = self._in_place(tensor)                # (N*c,), (c,)
+        chunks = flat.view(self.world_size, -1)            # (N, c)
+        steps = self._reduce_scatter_steps(chunks, recv) + self._all_gather_steps(chunks)
+        self._run_steps(steps, op, "all_reduce")
+        _copy_back(tensor, flat)
 
     def _ring_broadcast(self, tensor, src):
         # Scatter (the root sends chunk i to rank i), then ring all-gather: the root sends
         # about 2x the tensor, every other rank about 1x, instead of the root sending N-1 copies.
         n, r = self.world_size, self.rank
-        flat = _padded_copy(tensor, n)                     # (N*c,)
+        flat, _ = self._in_place(tensor)                   # (N*c,)
         chunks = flat.view(n, -1)                          # (N, c)
         if r == src:
             ops = [self._p2p(dist.isend, chunks[i], i) for i in range(n) if i != src]
@@ -214,26 +225,24 @@ class Comm:
         else:
             ops = [self._p2p(dist.irecv, chunks[r], src)]
         _send_recv(ops)
-        self._ring_all_gather(flat, chunks[r].clone(), name="broadcast")
-        tensor.copy_(flat[: tensor.numel()].view_as(tensor))
+        self._run_steps(self._all_gather_steps(chunks), None, "broadcast")
+        _copy_back(tensor, flat)
 
     def _ring_reduce(self, tensor, dst, op):
-        # Mirror image of broadcast: ring reduce-scatter, then every rank sends its reduced
-        # chunk to the root (a gather).
+        # Mirror image of broadcast: ring reduce-scatter in place (the other ranks' tensors
+        # are left unspecified), then every rank sends its reduced chunk to the root (a gather).
         n, r = self.world_size, self.rank
-        flat = _padded_copy(tensor, n)                     # (N*c,)
+        flat, recv = self._in_place(tensor)                # (N*c,), (c,)
         chunks = flat.view(n, -1)                          # (N, c)
-        shard = torch.empty_like(chunks[0])
-        self._ring_reduce_scatter(shard, flat, op, name="reduce")
+        self._run_steps(self._reduce_scatter_steps(chunks, recv), op, "reduce")
         if r == dst:
-            chunks[r].copy_(shard)
             ops = [self._p2p(dist.irecv, chunks[i], i) for i in range(n) if i != dst]
         else:
-            ops = [self._p2p(dist.isend, shard, dst)]
-            self.bytes_sent["reduce"] += shard.nbytes
+            ops = [self._p2p(dist.isend, chunks[r], dst)]
+            self.bytes_sent["reduce"] += chunks[r].nbytes
         _send_recv(ops)
         if r == dst:
-            tensor.copy_(flat[: tensor.numel()].view_as(tensor))
+            _copy_back(tensor, flat)
 
     def _ring_all_to_all(self, output, input, output_splits, input_splits):
         # Not a ring: every pair of ranks exchanges once. At step s rank r sends its block for
@@ -252,15 +261,78 @@ class Comm:
             _send_recv(ops)
             self.bytes_sent["all_to_all"] += sends[to].nbytes
 
-    # ---- plumbing -----------------------------------------------------------------------
+    # ---- the ring's steps, run as a pipeline of segments --------------------------------
 
-    def _ring_step(self, send: torch.Tensor, recv: torch.Tensor, name: str):
-        """One ring step: send to the right neighbour while receiving from the left one."""
+    def _reduce_scatter_steps(self, chunks, recv) -> list:
+        # In place: rank r sends chunk r-1-s and adds chunk r-2-s from r-1 into its own.
+        n, r = self.world_size, self.rank
+        return [_Step(chunks[(r - step - 1) % n], recv, add=chunks[(r - step - 2) % n],
+                      out=chunks[(r - step - 2) % n]) for step in range(n - 1)]
+
+    def _all_gather_steps(self, chunks) -> list:
+        # Rank r starts with chunk r; at step s it forwards chunk r-s (its own, then what it
+        # just received) to r+1 and receives chunk r-s-1 from r-1, straight into place.
+        n, r = self.world_size, self.rank
+        return [_Step(chunks[(r - step) % n], chunks[(r - step - 1) % n]) for step in range(n - 1)]
+
+    def _run_steps(self, steps: list, op, name: str):
+        """Run ring steps: at each, send step.send to the right neighbour while receiving the
+        left one's into step.recv, then, in a reduction, step.out = step.add (op) step.recv.
+
+        Each chunk travels in segments of segment_bytes, and segment j of step s+1 leaves as
+        soon as segment j of step s is in place: while one segment is being reduced, the next
+        ones are on the wire (NCCL's pipelined ring does this with its slices). Every rank
+        posts in one order, (step 0, segment 0), (0, 1), ..., (1, 0), ..., each segment's send
+        and receive in one batch_isend_irecv: under NCCL two ranks' p2p calls run in the order
+        posted, and a ring whose sends went out alone would wait for receives not yet posted.
+        """
         n = self.world_size
-        ops = [self._p2p(dist.isend, send, (self.rank + 1) % n),
-               self._p2p(dist.irecv, recv, (self.rank - 1) % n)]
-        _send_recv(ops)
-        self.bytes_sent[name] += send.nbytes
+        if not steps:                                      # a world of one: nothing to send
+            return
+        right, left = (self.rank + 1) % n, (self.rank - 1) % n
+        per_segment = max(1, self.segment_bytes // steps[0].send.element_size())
+        split = [[t.split(per_segment) if t is not None else None for t in step] for step in steps]
+
+        def post(s, j):
+            send, recv = split[s][0][j], split[s][1][j]
+            self.bytes_sent[name] += send.nbytes
+            return dist.batch_isend_irecv([self._p2p(dist.isend, send, right),
+                                           self._p2p(dist.irecv, recv, left)])
+        in_flight = [post(0, j) for j in range(len(split[0][0]))]
+        for s, (_, recv, add, out) in enumerate(split):
+            # avg: divide once, where a chunk's sum is complete (the reduce-scatter's last step)
+            divide = op == "avg" and add is not None and (s + 1 == len(steps) or steps[s + 1].add is None)
+            for j, works in enumerate(in_flight):
+                for work in works:
+                    work.wait()
+                if add is not None:
+                    _combine(out[j], add[j], recv[j], op)
+                    if divide:
+                        out[j].div_(n)
+                if s + 1 < len(steps):
+                    in_flight[j] = post(s + 1, j)
+
+    def _in_place(self, tensor: torch.Tensor):
+        """(the tensor as N chunks, flat (N*c,); a (c,) receive buffer). The tensor itself when
+        it is contiguous and splits into N equal chunks, else a zero-padded copy of it."""
+        n = self.world_size
+        c = -(-tensor.numel() // n)
+        if tensor.is_contiguous() and tensor.numel() == n * c:
+            return tensor.view(-1), self._workspace(tensor, c)[0]
+        flat, recv = self._workspace(tensor, n * c, c)
+        flat[tensor.numel():].zero_()
+        flat[: tensor.numel()].copy_(tensor.reshape(-1))
+        return flat, recv
+
+    def _workspace(self, like: torch.Tensor, *sizes: int) -> list:
+        """Buffers of these sizes (like's dtype and device), carved from one buffer this Comm
+        keeps and reuses call after call, grown when a call needs more: no allocation per
+        call or step. Sharing it is safe because one worker thread (on CUDA, its one stream)
+        runs this Comm's ring collectives one after another."""
+        key = (like.dtype, like.device)
+        if key not in self._workspaces or self._workspaces[key].numel() < sum(sizes):
+            self._workspaces[key] = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
+        return list(self._workspaces[key][: sum(sizes)].split(sizes))
 
     def _p2p(self, fn, tensor, group_peer):
         return dist.P2POp(fn, tensor, group=self._p2p_group, group_peer=group_peer)
@@ -352,19 +424,26 @@ def _check_shards(name, shard, full, world_size):
                          f"{shard.numel()} {shard.dtype}; pad the full tensor to a multiple of N")
 
 
-def _padded_copy(tensor, n):
-    """Flat copy of `tensor`, zero-padded to a multiple of n: (L,) -> (N*c,)."""
-    flat = tensor.detach().reshape(-1)
-    padded = flat.new_zeros(-(-flat.numel() // n) * n)
-    padded[: flat.numel()] = flat
-    return padded
+class _Step(NamedTuple):
+    """One ring step of one rank, (c,) views: send goes right, recv comes from the left;
+    a reduction's step also sets out = add (op) recv."""
+    send: torch.Tensor
+    recv: torch.Tensor
+    add: torch.Tensor | None = None
+    out: torch.Tensor | None = None
 
 
-def _combine(acc, incoming, op):
+def _combine(out, a, b, op):
     if op == "max":
-        torch.maximum(acc, incoming, out=acc)
+        torch.maximum(a, b, out=out)
     else:                                                  # sum, and avg (divided at the end)
-        acc.add_(incoming)
+        torch.add(a, b, out=out)
+
+
+def _copy_back(tensor, flat):
+    """The result into the caller's tensor, when the ring worked on a padded copy of it."""
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat[: tensor.numel()].view_as(tensor))
 
 
 def _send_recv(ops):

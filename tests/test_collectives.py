@@ -7,6 +7,9 @@ from multiprocess import run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16]
 LENGTHS = [1, 7, 12, 1001]           # odd, smaller than N, divisible by 2, 3 and 4, large and odd
+# The ring's pipelining grain, tiny here: chunks of 1 to 501 elements travel as one segment,
+# several, and several with a short last one (3 fp32 or 6 bf16 elements a segment).
+SEGMENT = 12
 
 
 def _inputs(rank, length, dtype, integers):
@@ -21,7 +24,7 @@ def _inputs(rank, length, dtype, integers):
 def _all_collectives(dtype_name, integers):
     import torch.distributed as dist
     dtype = getattr(torch, dtype_name)
-    native, ring = Comm(), Comm(ring=True)
+    native, ring = Comm(), Comm(ring=True, segment_bytes=SEGMENT)
     n, r = native.world_size, native.rank
     out = {}
     for length in LENGTHS:
@@ -79,7 +82,7 @@ def test_ring_equals_native(world_size):
 
 
 def _bytes_per_collective(length):
-    ring = Comm(ring=True)
+    ring = Comm(ring=True, segment_bytes=1000)               # 4 KiB chunks in 5 segments
     n = ring.world_size
     x = torch.ones(length)
     sent = {}
@@ -111,6 +114,39 @@ def test_ring_bytes_match_formula(world_size):
         for name, measured in sent.items():
             numel = length * n if name == "all_gather" else length
             assert measured == ring_bytes(name, numel, 4, n, rank, root=0), name
+
+
+def _workspace_after_calls():
+    """The ring's scratch buffers after a first and after further calls of every collective:
+    reused, never allocated per call (a fresh large buffer page-faults on every call)."""
+    ring, n = Comm(ring=True, segment_bytes=SEGMENT), dist_world_size()
+    x, shard, full = torch.randn(1200), torch.empty(1200 // n), torch.randn(1200)
+    calls = [lambda: ring.all_reduce(x), lambda: ring.reduce_scatter(shard, full),
+             lambda: ring.all_gather(full, shard), lambda: ring.broadcast(x), lambda: ring.reduce(x),
+             lambda: ring.all_reduce(x[:1001])]                  # padded: the copy is scratch too
+    for call in calls:
+        call()
+    first = {key: (t.data_ptr(), t.numel()) for key, t in ring._workspaces.items()}
+    for _ in range(3):
+        for call in calls:
+            call()
+    return first, {key: (t.data_ptr(), t.numel()) for key, t in ring._workspaces.items()}
+
+
+def dist_world_size():
+    import torch.distributed as dist
+    return dist.get_world_size()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_reuses_one_workspace(world_size):
+    for first, later in run_ranks(_workspace_after_calls, world_size):
+        assert list(first) == [(torch.float32, torch.device("cpu"))] and later == first
+        # the largest need: all-reduce of 1001 padded to N x c plus a (c,) receive buffer, or
+        # reduce-scatter's receive buffer and (N >= 4) two partial sums of 1200 / N each
+        c = -(-1001 // world_size)
+        assert first[(torch.float32, torch.device("cpu"))][1] == max(
+            world_size * c + c, (1 + min(2, world_size - 2)) * 1200 // world_size)
 
 
 def _mismatched_shards():
