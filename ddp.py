@@ -10,6 +10,7 @@ Run: torchrun --nproc_per_node 2 train.py --strategy ddp; test: python -m pytest
 
 Shapes: N ranks in the group, P trainable parameters, L_b elements in bucket b's flat buffer.
 """
+import weakref
 from collections import deque
 from contextlib import contextmanager
 
@@ -73,6 +74,23 @@ def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
         buckets[-1].append(t)
         size += nbytes
     return buckets
+
+
+def hook_gradient(param: nn.Parameter, method, *indices: int):
+    """Call method(*indices), a bound method of a wrapper (DDP, ZeRO-2, FSDP), each time backward
+    has accumulated param's gradient into param.grad.
+
+    The hook holds the wrapper weakly and gets plain indices, never a bucket or unit: torch keeps
+    post-accumulate hooks where Python's gc does not look (torch 2.13), so a hook reaching the
+    wrapper, which holds the parameter, would be a cycle never freed, every model wrapped kept.
+    Once the wrapper is gone, the hook does nothing.
+    """
+    wrapper, function = weakref.ref(method.__self__), method.__func__
+
+    def hook(_):
+        if (alive := wrapper()) is not None:
+            function(alive, *indices)
+    param.register_post_accumulate_grad_hook(hook)
 
 
 class InOrder:
@@ -232,7 +250,7 @@ class DDP(nn.Module):
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.params]
         self._slot = [slot for bucket in self.buckets for slot in bucket.views(bucket.grad_flat)]
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
+            hook_gradient(p, self._grad_ready, i)
         # Each full bucket's all-reduce starts at once, in bucket order on every rank.
         self._order = InOrder(self.buckets, launch=lambda bucket: bucket.comm.all_reduce(
             bucket.grad_flat, op=bucket.op, async_op=True), retire=self._retire)

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from collectives import as_comm, ring_bytes, split_norm
-from ddp import FlatParams, InOrder
+from ddp import FlatParams, InOrder, hook_gradient
 from memory import run_state_bytes
 from mixed_precision import DTYPES, DynamicLossScaler
 from model import Block
@@ -278,9 +278,9 @@ class FSDP(nn.Module):
         for unit in self.order:
             unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._before_forward(u))
             unit.module.register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
-        for unit in self.units:
+        for k, unit in enumerate(self.units):
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(lambda p, u=unit: self._gradient_ready(u))
+                hook_gradient(p, self._gradient_ready, k)
         self._backward_hooked = False
         self._sync = True
         self._used_agreed = False        # HSDP: this backward's used-flags OR'ed over the copies
@@ -388,7 +388,8 @@ class FSDP(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._backward_hooked = True
 
-    def _gradient_ready(self, unit):
+    def _gradient_ready(self, k: int):
+        unit = self.units[k]
         self._hook_end_of_backward()
         unit.pending -= 1
         if unit.pending == 0:

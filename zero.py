@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from collectives import as_comm, ring_bytes, split_norm
-from ddp import FlatParams, InOrder, split_into_buckets
+from ddp import FlatParams, InOrder, hook_gradient, split_into_buckets
 from memory import run_state_bytes
 from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
 from moe import exchange_bytes, expert_parallel, reduction_groups
@@ -181,12 +181,14 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def _hook_gradients(self):
         """Gradients accumulate straight into each bucket's flat buffer: param.grad is a view."""
-        for bucket in self.buckets:
+        for b, bucket in enumerate(self.buckets):
             bucket.grad_flat = torch.zeros_like(bucket.flat)
             for i, (p, view) in enumerate(zip(bucket.params, bucket.views(bucket.grad_flat))):
                 p.grad = view
-                p.register_post_accumulate_grad_hook(
-                    lambda p, bucket=bucket, i=i: bucket.used.__setitem__(i, True))
+                hook_gradient(p, self._mark_used, b, i)
+
+    def _mark_used(self, b: int, i: int):
+        self.buckets[b].used[i] = True
 
     def _reduce_gradients(self):
         """At step(): reduce-scatter every bucket's full gradient; keep this rank's shard."""
@@ -302,13 +304,14 @@ class Zero2Optimizer(ZeroOptimizer):
         self._order = InOrder(self.buckets, self._launch_reduction, self._retire,
                               max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
         self._backward_hooked = False             # end-of-backward callback queued?
-        for bucket in self.buckets:
+        for b, bucket in enumerate(self.buckets):
             bucket.grad_flat = None                   # allocated while a bucket is in flight
             for i, p in enumerate(bucket.params):
-                p.register_post_accumulate_grad_hook(
-                    lambda p, bucket=bucket, i=i: self._gradient_ready(bucket, i, p))
+                hook_gradient(p, self._gradient_ready, b, i)
 
-    def _gradient_ready(self, bucket: Bucket, i: int, param: nn.Parameter):
+    def _gradient_ready(self, b: int, i: int):
+        bucket = self.buckets[b]
+        param = bucket.params[i]
         if not self._backward_hooked:
             # Runs once backward is over: launch what never filled (unused parameters), wait.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)

@@ -343,3 +343,36 @@ def test_clear_errors(awkward):
         assert "second gradient" in out["error"] and "no_sync()" in out["error"]
         assert "finish_gradient_sync()" in out["error"]
         assert "no trainable parameters" in out["no_params_error"]
+
+
+def _wrappers_freed():
+    """Each wrapper that hooks gradients (DDP, ZeRO-1, ZeRO-2, FSDP), after one backward, dropped:
+    is it, and its model, freed? torch keeps post-accumulate hooks where Python's gc does not look,
+    so a hook holding its wrapper kept both alive (ddp.hook_gradient holds it weakly)."""
+    import gc
+    import weakref
+    from fsdp import FSDP
+    from zero import ZeroOptimizer
+    builds = {"ddp": lambda m: DDP(m, bucket_mb=BUCKET_MB),
+              "zero1": lambda m: ZeroOptimizer(m.parameters(), stage=1, bucket_mb=BUCKET_MB),
+              "zero2": lambda m: ZeroOptimizer(m.parameters(), stage=2, bucket_mb=BUCKET_MB),
+              "fsdp": lambda m: FSDP(m)}
+    alive = {}
+    for name, wrap in builds.items():
+        model = _gpt()
+        wrapper = wrap(model)
+        tokens = _batches(1, 2)[0]                               # (B, T+1)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        (wrapper if name in ("ddp", "fsdp") else model)(x, y)[1].backward()   # (logits, loss)
+        if name == "fsdp":
+            wrapper.finish_gradient_sync()
+        refs = weakref.ref(wrapper), weakref.ref(model)
+        del model, wrapper
+        gc.collect()
+        alive[name] = [ref() is not None for ref in refs]
+    return alive
+
+
+def test_wrappers_and_their_models_are_freed_when_dropped():
+    for name, (wrapper, model) in run_ranks(_wrappers_freed, 1)[0].items():
+        assert not wrapper and not model, f"{name}: wrapper alive {wrapper}, model alive {model}"
