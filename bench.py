@@ -10,7 +10,8 @@ of experts trains with its experts split over --ep ranks against the same model 
 beside its all-gather (PyTorch's context_parallel does not run on CPU ranks). bench_measure.py
 times them and prints the tables, bench_collectives.py all-reduce and all-to-all by size.
 Left out: gradient accumulation, data loading.
-Run: torchrun --nproc_per_node 2 bench.py --quick (CPU); torchrun --nproc_per_node 8 bench.py (GPUs)
+Run: torchrun --nproc_per_node 2 bench.py --quick (CPU); torchrun --nproc_per_node 8 bench.py (GPUs);
+python bench.py --report bench.json prints a finished run's tables again (the README's come so)
 Test: python -m pytest tests/test_bench.py
 """
 import argparse
@@ -478,7 +479,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, help="torch threads per rank; default cores / local ranks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench.json", help="the numbers as JSON; default bench.json")
+    p.add_argument("--report", metavar="FILE", help="print the tables of a finished run from the JSON "
+                   "it wrote (runs nothing; the README's tables are made so)")
     args = p.parse_args(argv)
+    if args.report:
+        return args
     for name, full, quick in (("model", "gpt2-small", "tiny"), ("moe_model", "gpt2-small-moe", "tiny-moe"),
                               ("precision", "bf16", "fp32"),
                               ("seq_len", 1024, 64), ("warmup", 5, 3), ("steps", 20, 10),
@@ -564,8 +569,20 @@ def parse_args(argv=None):
     return args
 
 
+def print_report(data: dict):
+    """Every table of one run, from its JSON (what main prints as it ends): the README's tables
+    are made this way, from the file a run wrote, with its machine, torch version and date."""
+    m = data["machine"]
+    print("\n".join(report(m, data["strategies"]) + moe_report(data["moe"])
+                    + context_parallel_report(m, data["context_parallel"])
+                    + collectives_report(m, data["collectives"])))
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.report:                             # a finished run's tables: no ranks, no run
+        with open(args.report) as f:
+            return print_report(json.load(f))
     # torchrun sets OMP_NUM_THREADS=1; on a CPU the ranks share the cores, a share each.
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_ranks))
@@ -596,12 +613,12 @@ def main(argv=None):
     m = {**machine(device, args, n_params, peak_flops), "benchmarks": args.strategies,
          "skipped": args.skipped}
     if rank == 0:
-        print("\n".join(report(m, rows) + moe_report(moe_row) + context_parallel_report(m, cp_rows)
-                        + collectives_report(m, collective_rows)))
+        data = {"machine": m, "strategies": rows, "moe": moe_row, "context_parallel": cp_rows,
+                "collectives": collective_rows}
+        print_report(data)
         print(f"\nbench.py ran {time.perf_counter() - started:.0f} s")
         with open(args.json, "w") as f:
-            json.dump({"machine": m, "strategies": rows, "moe": moe_row, "context_parallel": cp_rows,
-                       "collectives": collective_rows}, f, indent=1)
+            json.dump(data, f, indent=1)
 
 
 if __name__ == "__main__":

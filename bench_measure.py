@@ -11,6 +11,7 @@ Run: torchrun --nproc_per_node 2 bench.py --quick (bench.py imports this file)
 Test: python -m pytest tests/test_bench.py
 """
 import contextlib
+import datetime
 import gc
 import os
 import platform
@@ -188,7 +189,10 @@ def activation_bytes(run: Run, x, y) -> int:
         storage = _local(t).untyped_storage()
         if storage.data_ptr() not in weights:
             storages[storage.data_ptr()] = storage.nbytes()
-        return t
+        # Not t itself: an op's saved output would point back at the op through t.grad_fn, a
+        # cycle through autograd's C++ graph that Python's gc never frees (a forward's every
+        # activation, each run). The graph is never run backward: a detached alias will do.
+        return t.detach()
     with run.loss_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x, y)                                         # the graph is dropped unused
     return sum(storages.values())
@@ -346,6 +350,7 @@ def machine(device, args, n_params, peak_flops) -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "torch": torch.__version__, "backend": dist.get_backend(),
+            "date": datetime.date.today().isoformat(),
             "world_size": dist.get_world_size(),
             "model": args.model, "n_params": n_params, "precision": args.precision,
             "global_batch": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup,
@@ -391,7 +396,8 @@ def _held_note(row: dict) -> str:
 def report(m: dict, rows: list) -> list:
     """The report's lines: the machine and the run, the strategy table, its notes, what was skipped."""
     lines = [f"{m['cpu']}, {m['cores']} cores ({m['threads_per_rank']} thread(s) per rank), GPU: "
-             f"{m['gpu'] or 'none'}, torch {m['torch']}, {m['backend']}, world size {m['world_size']}, "
+             f"{m['gpu'] or 'none'}, torch {m['torch']}, {m['backend']}, {m.get('date', 'undated')}, "
+             f"world size {m['world_size']}, "
              f"model {m['model']} ({m['n_params'] / 1e6:.2f}M params), {m['precision']}, global batch "
              f"{m['global_batch']} x seq len {m['seq_len']}, {m['warmup']} warm-up + {m['steps']} "
              f"timed steps x {m['repeats']} repetitions", ""]

@@ -203,6 +203,20 @@ def test_json_holds_the_same_numbers(bench):
     assert rows[0][3] == f"{row['ratio']:.2f}"
 
 
+def test_report_from_the_json_prints_the_runs_tables(bench, tmp_path):
+    """python bench.py --report FILE (how the README's tables are made) prints, from the JSON
+    alone, every line the run printed but its wall time; the header names the date."""
+    output, data = bench
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    result = subprocess.run([sys.executable, "bench.py", "--report", str(path)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    ran = [line for line in output.splitlines() if line.startswith("bench.py ran")]
+    assert result.stdout.strip() == output[:output.index(ran[-1])].strip()
+    assert data["machine"]["date"] in result.stdout.splitlines()[0]
+
+
 def test_fsdp_and_tp_do_pytorchs_work(bench):
     _, data = bench
     rows = {r["strategy"]: r for r in data["strategies"]}
