@@ -64,15 +64,17 @@ def init_distributed(timeout: float | None = None) -> torch.device:
     return device
 
 
-def exit_distributed(code: int = 0):
+def exit_distributed(code: int = 0, peer_lost: bool = False):
     """Leave the job: destroy the process group, flush, and end the process at once.
 
     gloo's worker threads can still be dropping the last collective's tensors, which needs
     the GIL; if the interpreter is already finalizing, that aborts the process (SIGABRT
     after a finished run, seen about once in ten 2-rank runs on a loaded CPU). A script's
     last line calls this, after every file is written and closed, so finalizing is skipped.
+    The same holds after a peer died mid-collective (peer_lost), with the group then left
+    as it is: its failed work is what the worker threads still hold.
     """
-    if dist.is_initialized():
+    if dist.is_initialized() and not peer_lost:
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -414,5 +414,5 @@ if __name__ == "__main__":
               f"{str(e).splitlines()[0][:200]}); one of them died or stalled past --timeout. Its own "
               f"log says why; rerun the same command with --resume to continue from the last "
               f"checkpoint", file=sys.stderr)
-        sys.exit(1)
+        exit_distributed(1, peer_lost=True)
     exit_distributed()

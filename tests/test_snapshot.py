@@ -229,7 +229,7 @@ def test_killed_rank_stops_the_other_with_a_clear_message():
         for p in ranks:
             p.kill()
             p.wait()
-    assert code == 1 and waited < 10 + 5, (code, waited)   # within --timeout, never a hang
+    assert code == 1 and waited < 10 + 5, (code, waited, stderr)   # within --timeout, never a hang
     assert "rank 0 lost contact with the other ranks" in stderr and "--resume" in stderr, stderr
     assert "Traceback" not in stderr, stderr
 
