@@ -128,6 +128,9 @@ def parse_args(argv=None):
                           "tokens, the rest dropped; 0: dropless (default: the model's, 1.25)")
     moe.add_argument("--aux-loss-weight", type=float, default=None,
                      help="weight of Switch's load-balancing loss (default: the model's, 0.01)")
+    moe.add_argument("--z-loss-weight", type=float, default=None,
+                     help="weight of ST-MoE's router z-loss, mean (logsumexp of the router's "
+                          "logits)^2, which keeps them small (default: the model's, 0: off)")
     moe.add_argument("--routing-group", type=int, default=None, metavar="TOKENS",
                      help="tokens routed together, each group with its own capacity and balancing "
                           "loss (default: each rank's micro-batch)")
@@ -354,7 +357,7 @@ def check_paths(parser, args):
 def moe_config(args) -> dict:
     """The model config fields the MoE flags override (build_model's keyword arguments)."""
     given = {"experts": args.experts, "top_k": args.top_k, "aux_loss_weight": args.aux_loss_weight,
-             "routing_group": args.routing_group}
+             "z_loss_weight": args.z_loss_weight, "routing_group": args.routing_group}
     config = {name: value for name, value in given.items() if value is not None}
     if args.capacity_factor is not None:
         config["capacity_factor"] = args.capacity_factor or None      # 0: dropless, None
@@ -362,15 +365,16 @@ def moe_config(args) -> dict:
 
 
 def check_experts(parser, args, world_size):
-    """--experts, --top-k, --capacity-factor, --aux-loss-weight, --routing-group, --ep: a router
-    the model can have, and experts the world can split."""
+    """--experts, --top-k, --capacity-factor, --aux-loss-weight, --z-loss-weight, --routing-group,
+    --ep: a router the model can have, and experts the world can split."""
     cfg = dataclasses.replace(PRESETS[args.model], **moe_config(args))
     if cfg.experts < 0:
         parser.error(f"--experts must be 0 (a dense model) or more, got {cfg.experts}")
     if not cfg.experts:
         if any(v is not None for v in (args.top_k, args.capacity_factor, args.aux_loss_weight,
-                                       args.routing_group)) or args.ep != 1:
-            parser.error(f"--top-k, --capacity-factor, --aux-loss-weight, --routing-group and --ep "
+                                       args.z_loss_weight, args.routing_group)) or args.ep != 1:
+            parser.error(f"--top-k, --capacity-factor, --aux-loss-weight, --z-loss-weight, "
+                         f"--routing-group and --ep "
                          f"configure experts, and model {args.model} has none: add --experts E or "
                          f"use --model tiny-moe")
         return
@@ -391,6 +395,8 @@ def check_experts(parser, args, world_size):
                      f"{args.capacity_factor}")
     if args.aux_loss_weight is not None and not 0 <= args.aux_loss_weight < math.inf:
         parser.error(f"--aux-loss-weight must be 0 (off) or positive, got {args.aux_loss_weight}")
+    if args.z_loss_weight is not None and not 0 <= args.z_loss_weight < math.inf:
+        parser.error(f"--z-loss-weight must be 0 (off) or positive, got {args.z_loss_weight}")
     if args.strategy in ("tp", "pipeline", "cp"):
         parser.error(f"--strategy {args.strategy} does not split expert layers: train a model with "
                      f"experts under --strategy ddp, zero1, zero2 or fsdp")

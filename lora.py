@@ -99,20 +99,24 @@ def apply_lora(model: nn.Module, targets=("query", "value"), rank: int = 8,
                double_quant: bool = False) -> nn.Module:
     """Freeze every parameter of model and wrap each nn.Linear named in targets, in place.
 
-    targets are module names' last parts ("query" matches blocks.0.attn.query). Parameter
-    names of the base stay as they were, so base checkpoints still load. quantize="nf4" stores
-    the targeted weights in 4 bits (QLoRA); double_quant quantizes their scales too.
+    targets are module names' last parts ("query" matches blocks.0.attn.query). A mixture of
+    experts' experts (moe.py, under an "experts" list) are never adapted: a token reaches an
+    expert only when routed there, so each adapter would learn from a few tokens, and the
+    experts stay plain weights that expert parallelism can split. Parameter names of the base
+    stay as they were, so base checkpoints still load. quantize="nf4" stores the targeted
+    weights in 4 bits (QLoRA); double_quant quantizes their scales too.
     """
     if quantize not in (None, "nf4"):
         raise ValueError(f"--quantize-base {quantize}: the one 4-bit format here is nf4")
     for p in model.parameters():
         p.requires_grad_(False)
-    found = [(name, module) for name, module in model.named_modules()
-             if name.rsplit(".", 1)[-1] in targets and isinstance(module, nn.Linear)]
+    linears = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and "experts" not in name.split(".")]
+    found = [(name, module) for name, module in linears if name.rsplit(".", 1)[-1] in targets]
     if not found:
-        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        choices = sorted({name.rsplit(".", 1)[-1] for name, _ in linears})
         raise ValueError(f"--lora-targets {','.join(targets)} names no linear layer; choose "
-                         f"among {','.join(linears)}")
+                         f"among {','.join(choices)}")
     for name, module in found:
         parent_name, _, child = name.rpartition(".")
         wrapped = (QLoRALinear(module, rank, alpha, dropout, double_quant) if quantize

@@ -38,7 +38,7 @@ from ddp import DDP
 from memory import held_bytes, live_numel, live_tensor_bytes
 from mixed_precision import DTYPES
 from model import build_model
-from moe import routing_summary
+from moe import exchange_bytes, routing_summary
 from process_groups import exit_distributed, init_distributed, make_mesh
 from snapshot import RunError, load_weights
 
@@ -352,9 +352,15 @@ def main(argv=None, live_bytes: bool = False) -> dict:
             if gpt.cfg.experts:                  # moe.py's routing, rank 0's last micro-batch
                 routing = routing_summary(gpt)
                 low, mean, high = routing["tokens_per_expert"]
+                exchanged = ""
+                if args.ep > 1:                  # the all-to-alls alone, beside their formula
+                    formula = exchange_bytes(gpt, args, data_size)
+                    exchanged = (f" | all-to-all {comm.bytes_sent['all_to_all'] / 2**20:.2f} MiB/step "
+                                 + (f"(formula {formula / 2**20:.2f})" if formula
+                                    else "(dropless: as routed, no formula)"))
                 say(f"step {step:5d} | experts: tokens per expert min/mean/max {low:.0f}/{mean:.1f}/"
                     f"{high:.0f} | dropped {routing['dropped']:.1%} | balance loss "
-                    f"{routing['balance_loss']:.3f} (1: balanced)")
+                    f"{routing['balance_loss']:.3f} (1: balanced)" + exchanged)
             if hasattr(model, "measured_bubbles"):
                 bubbles = history.setdefault("bubble", {})[step] = model.measured_bubbles()
                 formula, predicted_bubble = model.predicted_bubble()

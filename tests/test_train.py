@@ -314,6 +314,7 @@ def _one_error_line(stderr):
     (["--model", "tiny-moe", "--top-k", "9"], "--top-k 9 must be between 1 and the 8 experts"),
     (["--model", "tiny-moe", "--capacity-factor=-1"], "--capacity-factor must be positive, or 0 for dropless"),
     (["--model", "tiny-moe", "--aux-loss-weight", "nan"], "--aux-loss-weight must be 0 (off) or positive"),
+    (["--model", "tiny-moe", "--z-loss-weight=-1"], "--z-loss-weight must be 0 (off) or positive"),
     (["--top-k", "2"], "configure experts, and model tiny has none: add --experts E"),
     (["--experts=-1"], "--experts must be 0 (a dense model) or more, got -1"),
     (["--model", "tiny-moe", "--strategy", "tp"], "--strategy tp does not split expert layers"),
