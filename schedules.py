@@ -415,7 +415,7 @@ def main(argv=None):
     print(timeline(rows))
     print(f"\nbubble fraction {bubble_fraction(rows):.3f}, formula {BUBBLE_FORMULAS[args.schedule]} = "
           f"{bubble_formula(args.schedule, P, M, v):.3f}")
-    print(f"peak micro-batch{'-chunk' if v > 1 else ''}es of activations held per stage: "
+    print(f"peak {'micro-batch chunks' if v > 1 else 'micro-batches'} of activations held per stage: "
           + ", ".join(str(peak_activations(a)) for a in stages))
 
 

@@ -412,8 +412,14 @@ def runs(tmp_path_factory):
     # pp 2 x dp 2 interleaved, two chunks of one block per stage, straight through; zero bubble
     # resumed from the GPipe run's step-3 checkpoint (whole-model names: any schedule reads it).
     pp = ["--strategy", "pipeline", "--pp", "2", "--microbatches", "4"]
+    # The interleaved run saves at step 3 too: one process resumes its chunks' checkpoint.
     interleaved = run_ranks(_train, 4, [*pp, "--schedule", "interleaved", "--virtual-stages", "2",
+                                        "--out", os.path.join(paths["interleaved"], "saved"),
+                                        "--save-every", "3",
                                         "--export", os.path.join(paths["interleaved"], "straight.pt")])[0]
+    single["from_interleaved"] = run_ranks(_resumed_as, 1, os.path.join(paths["interleaved"], "saved"),
+                                           os.path.join(paths["single"], "from_interleaved"),
+                                           ["--strategy", "single"])[0]
     zb = run_ranks(_resumed_as, 2, os.path.join(paths["pp2"], "saved"), os.path.join(paths["zb"], "resumed"),
                    [*pp, "--schedule", "zb"])[0]
     return {"pp2": pp2, "pp4": pp4, "single": single, "interleaved": interleaved, "zb": zb,
@@ -464,6 +470,16 @@ def test_pipeline_checkpoint_resumes_and_exports_on_one_process(runs):
     assert_tensors_close(_weights(os.path.join(runs["paths"]["single"], "from_split.pt")),
                          _weights(os.path.join(runs["paths"]["pp2"], "straight.pt")),
                          rtol=0, atol=TRAIN_ATOL, what="pipeline checkpoint resumed on one process")
+
+
+def test_interleaved_checkpoint_holds_whole_model_names_and_resumes_on_one_process(runs):
+    # Rank r wrote chunks r and r + 2 (blocks r and r + 2) under their whole-model names.
+    resumed, straight = runs["single"]["from_interleaved"], runs["interleaved"]
+    torch.testing.assert_close([resumed["losses"][s] for s in (3, 5)],
+                               [straight["losses"][s] for s in (3, 5)], rtol=TRAIN_RTOL, atol=0)
+    assert_tensors_close(_weights(os.path.join(runs["paths"]["single"], "from_interleaved.pt")),
+                         _weights(os.path.join(runs["paths"]["interleaved"], "straight.pt")),
+                         rtol=0, atol=TRAIN_ATOL, what="interleaved checkpoint resumed on one process")
 
 
 def _bad_pipeline_inputs():

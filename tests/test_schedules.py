@@ -52,6 +52,16 @@ def test_zero_bubble_idles_a_third_of_1f1b_when_a_backward_is_b_plus_w(P, M):
     assert idle[1] * 3 == idle[0]
 
 
+@pytest.mark.parametrize("F, B, W", [(2, 1, 1), (2, 2, 1), (3, 2, 1)])
+@pytest.mark.parametrize("P, M", [(P, M) for P, M in SIZES if M >= P > 1])
+def test_zero_bubble_idles_its_formula_when_a_forward_costs_more_than_w(F, B, W, P, M):
+    """With F, B, W slots unequal (a forward as long as a whole backward, B + W = F, or longer),
+    ZB-H1's stages idle (P-1)(F+B-W) of M(F+B+W) + (P-1)(F+B-W) slots (Qi et al. 2024)."""
+    rows = simulate(schedules.zero_bubble(P, M), {"F": F, "B": B, "W": W})
+    idle = (P - 1) * (F + B - W)
+    assert bubble_fraction(rows) == pytest.approx(idle / (M * (F + B + W) + idle), abs=1e-12)
+
+
 @pytest.mark.parametrize("P, M", SIZES)
 def test_1f1b_holds_at_most_p_micro_batches_gpipe_holds_m(P, M):
     for s, actions in enumerate(schedules.gpipe(P, M)):
