@@ -105,10 +105,11 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     the flat buffer to N equal shards so that every collective moves equal chunks. Under
     zero1 and zero2 the full parameters (and zero1's full gradients) are that padded flat
     buffer, N * c elements; ddp keeps unpadded per-parameter tensors, P elements.
-    trainable: how many of the P parameters train (LoRA: the adapters). The frozen rest is
-    held whole, in the parameters' dtype, with no gradient and no optimizer state: the talk's
-    "the model plus about 4x the trainable parameters". quantized: how many of the frozen
-    ones are stored in NF4 (QLoRA), counted as one weight (each real matrix pads to 64 values).
+    trainable: how many of the P parameters train (LoRA: the adapters). The frozen rest has no
+    gradient and no optimizer state, and is held in the parameters' dtype, whole, or under
+    zero3 one 1/N shard: the talk's "the model plus about 4x the trainable parameters".
+    quantized: how many of the frozen ones are stored in NF4 (QLoRA), counted as one weight
+    (each real matrix pads to 64 values), whole or (zero3) a 1/N shard of them.
     offload (ZeRO-Offload, zero1/zero2/zero3 only): the optimizer shard moves to host memory,
     and "host" counts it: fp32 master (fp32 training too: the CPU updates its own copy, the
     device keeps the parameters), moments, and an fp32 buffer the gradient shard lands in.
@@ -474,7 +475,8 @@ def held_bytes(model, optimizer) -> dict:
     host = getattr(optimizer, "host_tensors", list)()
     host = {"host": total(host)} if host else {}
     # The wrappers, outermost first: a pipeline's DDP, DDP's tensor-parallel GPT, FSDP's module
-    # (its frozen weights stay whole), each with what it holds itself.
+    # (its frozen weights empty between uses: FSDP's device_shards hold their bytes), each with
+    # what it holds itself.
     wrappers = [model]
     while hasattr(wrappers[-1], "module"):
         wrappers.append(wrappers[-1].module)
