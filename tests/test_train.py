@@ -325,6 +325,10 @@ def _one_error_line(stderr):
     (["--top-k", "2"], "configure experts, and model tiny has none: add --experts E"),
     (["--experts=-1"], "--experts must be 0 (a dense model) or more, got -1"),
     (["--model", "tiny-moe", "--strategy", "tp"], "--strategy tp does not split expert layers"),
+    (["--strategy", "fsdp", "--shard-group", "2"], "--shard-group 2 must divide the world size 1"),
+    (["--strategy", "zero2", "--shard-group", "1"], "use --strategy fsdp (--strategy zero2 has none)"),
+    (["--strategy", "zero2", "--offload", "params"], "--offload params keeps the parameter shards in "
+                                                     "CPU memory between uses: use --strategy fsdp"),
 ])
 def test_bad_value_stops_with_one_line_naming_the_flag(argv, says, tmp_path, capsys):
     (tmp_path / "FILE").write_text("a file, not a directory")
