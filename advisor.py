@@ -61,7 +61,8 @@ def rung_bytes(cfg: GPTConfig, strategy: str, precision: str, world: int, seq_le
     of each MoE layer kept over the world/ep ranks that hold them) and one micro-batch of b
     sequences' activations and logits. trainable None: every parameter trains.
     offload="params" (fsdp): the shards wait on the host; the device holds, as "params", the
-    units being gathered: FSDP's 1 + prefetch = 2 blocks, whole, as stored (4-bit where quantized)."""
+    units gathered: the root (root_params, gathered from forward to the end of backward) and
+    FSDP's 1 + prefetch = 2 blocks, whole, as stored (4-bit where quantized)."""
     n, experts = ep_params(cfg, ep)
     states = ep_state_bytes(n, experts, strategy, precision, world, ep, trainable=trainable,
                             quantized=quantized, offload=offload)
@@ -70,11 +71,20 @@ def rung_bytes(cfg: GPTConfig, strategy: str, precision: str, world: int, seq_le
     act += logits_bytes(seq_len, b, cfg.vocab_size)
     params = states["params"]
     if offload == "params":
-        stored = nf4_bytes(quantized) + (n - quantized) * bytes_per_param(precision)["params"]
-        params = 2 * stored // cfg.n_layer
+        size = bytes_per_param(precision)["params"]
+        root = root_params(cfg) * size                 # in the compute dtype: QLoRA quantizes blocks
+        blocks = nf4_bytes(quantized) + (n - quantized) * size - root
+        params = root + 2 * blocks // cfg.n_layer
     return {"params": params, "grads": states["grads"], "optimizer": states["optimizer"],
             "activations": act, "total": states["total"] - states["params"] + params + act,
             **({"host": states["host"]} if offload else {})}
+
+
+def root_params(cfg: GPTConfig) -> int:
+    """Parameters of FSDP's root unit, everything around the blocks: token and position
+    embeddings, the final norm, and the head unless it is the token embedding (tied)."""
+    C, V = cfg.n_embd, cfg.vocab_size
+    return V * C + cfg.block_size * C + 2 * C + (0 if cfg.tie_embeddings else V * C)
 
 
 def _linear_shapes(cfg: GPTConfig) -> dict:

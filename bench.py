@@ -177,8 +177,9 @@ def ours_fsdp(model, args, shard_group=None):
     hybrid = f", shard group {shard.world_size} x {copies.world_size} copies" if copies else ""
     return Run(fsdp, FSDPOptimizer(fsdp, torch.optim.AdamW, **ADAMW), comm,
                label=f"our FSDP(prefetch=1{hybrid}) + FSDPOptimizer(AdamW)",
-               # memory.comm_bytes models neither the copies' all-reduce nor a frozen base's
-               # gathers: FSDP's own formula, unit by unit, is the napkin then.
+               # memory.comm_bytes prices the copies' all-reduce and a frozen base's gathers too,
+               # but as one flat buffer with the root gathered twice (test_fsdp_qlora compares
+               # them): these rows print FSDP's own formula, unit by unit, exact to the byte.
                napkin_sent=fsdp.bytes_per_step() if copies or frozen else None, napkin_held=napkin_held)
 
 

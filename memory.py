@@ -6,6 +6,7 @@ keep the shards in step move a predictable volume (Rajbhandari et al. 2020, "ZeR
 figure 1; activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", section 4). A mixture of experts (moe.py) computes with top_k of its E
 MLPs per token; under expert parallelism a rank holds E/ep of them and adds the all-to-alls.
+Hybrid sharding (--shard-group S) holds zero3 over S ranks and all-reduces each shard across copies.
 held_bytes() measures the same three on a live rank. Left out: transient buffers (FSDP's
 gathered unit, the fp32 gradient inside a mixed-precision step), fragmentation, the CUDA context.
 Run: python memory.py --params 7.5e9 --world 64 (--advise: the lecture's flow chart, advisor.py;
@@ -105,10 +106,11 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     the flat buffer to N equal shards so that every collective moves equal chunks. Under
     zero1 and zero2 the full parameters (and zero1's full gradients) are that padded flat
     buffer, N * c elements; ddp keeps unpadded per-parameter tensors, P elements.
-    trainable: how many of the P parameters train (LoRA: the adapters). The frozen rest is
-    held whole, in the parameters' dtype, with no gradient and no optimizer state: the talk's
-    "the model plus about 4x the trainable parameters". quantized: how many of the frozen
-    ones are stored in NF4 (QLoRA), counted as one weight (each real matrix pads to 64 values).
+    trainable: how many of the P parameters train (LoRA: the adapters). The frozen rest has no
+    gradient and no optimizer state, and is held in the parameters' dtype, whole, or under
+    zero3 one 1/N shard: the talk's "the model plus about 4x the trainable parameters".
+    quantized: how many of the frozen ones are stored in NF4 (QLoRA), counted as one weight
+    (each real matrix pads to 64 values), whole or (zero3) a 1/N shard of them.
     offload (ZeRO-Offload, zero1/zero2/zero3 only): the optimizer shard moves to host memory,
     and "host" counts it: fp32 master (fp32 training too: the CPU updates its own copy, the
     device keeps the parameters), moments, and an fp32 buffer the gradient shard lands in.
@@ -146,34 +148,51 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
 
 # ---- communication --------------------------------------------------------------------------
 
-def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int) -> dict:
+def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int,
+               trainable: int | None = None, quantized: int = 0, double_quant: bool = False,
+               shard_group: int | None = None) -> dict:
     """Bytes one rank sends per optimizer step, by collective, with the ring algorithm.
 
     Keys are collectives.Comm's counter names, so a measured comm.bytes_sent compares
     directly. Gradients and gathered parameters travel in the parameters' dtype; the whole
     model is counted as one flat buffer padded to N equal chunks (real buckets and FSDP units
-    pad each message separately, a few elements more). single sends nothing.
+    pad each message separately, a few elements more; FSDP gathers its root unit once, not
+    twice). single sends nothing. trainable, quantized, double_quant: as state_bytes. Only
+    trainable parameters have gradients to reduce (and, under zero1/2, updates to gather);
+    zero3 all-gathers the frozen ones too, a quantized weight as its packed NF4 bytes (4.5
+    bits, fsdp.FrozenBytes). shard_group S (zero3, HSDP): all-gathers and reduce-scatter among
+    S ranks, then each 1/S gradient shard all-reduced over the world / S copies.
     """
     if strategy == "single":
         _strategy(strategy, world_size)
         return {}
     strategy = _strategy(strategy, world_size)
     size = _element_size(precision)
-    padded = -(-n_params // world_size) * world_size                # N * c
+    trainable = n_params if trainable is None else trainable
+    S = shard_group or world_size
+    if S != world_size and (strategy != "zero3" or S < 1 or world_size % S):
+        raise ValueError(f"shard_group {S} is hybrid sharding: zero3/fsdp only, with a group size "
+                         f"dividing world_size {world_size}")
+    padded = -(-trainable // S) * S                                  # S * c (S = N unless HSDP)
     if strategy == "ddp":
         # Every rank needs the whole averaged gradient: one all-reduce, 2 (N-1)/N x its size.
-        return {"all_reduce": ring_bytes("all_reduce", n_params, size, world_size)}
-    reduce_scatter = ring_bytes("reduce_scatter", padded, size, world_size)
-    all_gather = ring_bytes("all_gather", padded, size, world_size)
+        return {"all_reduce": ring_bytes("all_reduce", trainable, size, world_size)}
+    reduce_scatter = ring_bytes("reduce_scatter", padded, size, S)
     if strategy in ("zero1", "zero2"):
         # Rank r needs only the averaged gradient of the shard it updates (reduce-scatter),
         # then everyone needs everyone's updated shard (all-gather). All-reduce is exactly
         # reduce-scatter + all-gather, so the optimizer-state savings cost no extra bytes.
-        return {"reduce_scatter": reduce_scatter, "all_gather": all_gather}
+        return {"reduce_scatter": reduce_scatter,
+                "all_gather": ring_bytes("all_gather", padded, size, world_size)}
     # zero3 keeps no full parameters between uses: gather them for forward, gather them again
     # for backward, reduce-scatter the gradients. The update needs no gather (each rank owns
-    # its shard), so the total is 3 (N-1)/N: 1.5 x an all-reduce.
-    return {"all_gather": 2 * all_gather, "reduce_scatter": reduce_scatter}
+    # its shard), so the total is 3 (N-1)/N: 1.5 x an all-reduce. A 4-bit base goes as bytes.
+    all_gather = (ring_bytes("all_gather", n_params - quantized, size, S)
+                  + ring_bytes("all_gather", nf4_bytes(quantized, double_quant), 1, S))
+    sent = {"all_gather": 2 * all_gather, "reduce_scatter": reduce_scatter}
+    if S < world_size:               # HSDP: the shard's mean over the copies, 2 (G-1)/G of it
+        sent["all_reduce"] = ring_bytes("all_reduce", padded // S, size, world_size // S)
+    return sent
 
 
 # ---- expert parallelism: experts over ep ranks, the rest over all -----------------------------
@@ -194,11 +213,12 @@ def ep_state_bytes(n_params: int, experts: int, strategy: str, precision: str, w
 
 
 def ep_comm_bytes(n_params: int, experts: int, strategy: str, precision: str, world_size: int,
-                  ep: int) -> dict:
+                  ep: int, **rest) -> dict:
     """comm_bytes under expert parallelism: the gradients (and under ZeRO and FSDP the parameters)
     of a rank's `experts` travel among the world_size / ep ranks holding the same ones (nowhere
-    when ep is the world), the others' among all. The all-to-alls: moe_exchange_bytes."""
-    sent = comm_bytes(n_params - experts, strategy, precision, world_size)
+    when ep is the world), the others' among all. The all-to-alls: moe_exchange_bytes. rest:
+    comm_bytes' trainable, quantized, double_quant and shard_group, which concern the others."""
+    sent = comm_bytes(n_params - experts, strategy, precision, world_size, **rest)
     if experts:
         for name, value in comm_bytes(experts, strategy, precision, world_size // ep).items():
             sent[name] = sent.get(name, 0) + value
@@ -474,7 +494,8 @@ def held_bytes(model, optimizer) -> dict:
     host = getattr(optimizer, "host_tensors", list)()
     host = {"host": total(host)} if host else {}
     # The wrappers, outermost first: a pipeline's DDP, DDP's tensor-parallel GPT, FSDP's module
-    # (its frozen weights stay whole), each with what it holds itself.
+    # (its frozen weights empty between uses: FSDP's device_shards hold their bytes), each with
+    # what it holds itself.
     wrappers = [model]
     while hasattr(wrappers[-1], "module"):
         wrappers.append(wrappers[-1].module)
@@ -542,9 +563,14 @@ def _parse_args(argv=None):
                         "MoE layer's experts, its tokens sent to them and back by all-to-all")
     p.add_argument("--cp", type=int, default=1, help="context parallelism: with --model, a rank's "
                    "activations and K/V bytes sent as each sequence splits over 1, 2, 4 ... cp ranks")
+    p.add_argument("--shard-group", type=int, default=None, metavar="S",
+                   help="with --strategy fsdp: hybrid sharding (HSDP), sharded within groups of S "
+                        "ranks (one node), a copy per group; the shards' gradients all-reduced "
+                        "across the copies")
     advisor.add_arguments(p)
     args = p.parse_args(argv)
     _check_ep(p, args)
+    _check_shard_group(p, args)
     if args.advise:
         advisor.check_args(p, args)
         return args
@@ -619,27 +645,39 @@ def _check_ep(p, args):
                 "refuses --ep with --lora)")
 
 
+def _check_shard_group(p, args):
+    """--shard-group S: one fsdp breakdown, S dividing the world, no expert parallelism beside it."""
+    if args.shard_group is None:
+        return
+    if args.strategy not in ("fsdp", "zero3"):
+        p.error(f"--shard-group {args.shard_group} is hybrid sharding, a layout of FSDP's shards: "
+                f"give --strategy fsdp")
+    if args.shard_group < 1 or args.world % args.shard_group:
+        p.error(f"--shard-group {args.shard_group} must divide --world {args.world} into equal "
+                f"groups: use a divisor of {args.world} (the ranks of one node, e.g.)")
+    if args.ep > 1:
+        p.error(f"--shard-group with --ep {args.ep}: hybrid sharding of experts is not built "
+                f"(train.py refuses it too); use one of them")
+
+
 def _predict(n_params, strategy, args):
     """state_bytes and comm_bytes for the command line's choices. --offload applies to the
-    sharded strategies. Only trainable parameters have gradients to reduce (and, under zero1/2,
-    updates to gather); zero3 still all-gathers every parameter, frozen ones included. Under
-    --ep a rank holds E/ep of each MoE layer's experts (ep_state_bytes, ep_comm_bytes) and
-    sends its micro-batches' tokens to them and back (moe_exchange_bytes)."""
+    sharded strategies. --shard-group S (zero3): held as zero3 over S ranks, sent as HSDP.
+    Under --ep a rank holds E/ep of each MoE layer's experts (ep_state_bytes, ep_comm_bytes)
+    and sends its micro-batches' tokens to them and back (moe_exchange_bytes)."""
     trainable = None if args.trainable is None else int(args.trainable)
     quantized = n_params - trainable if args.quantize_base else 0
     canonical = _strategy(strategy, args.world)
     experts = 0
     if args.ep > 1:
         n_params, experts = ep_params(args.model, args.ep)
-    held = ep_state_bytes(n_params, experts, strategy, args.precision, args.world, args.ep,
-                          args.optimizer, trainable=trainable, quantized=quantized,
-                          double_quant=args.double_quant,
+    frozen = dict(trainable=trainable, quantized=quantized, double_quant=args.double_quant)
+    held = ep_state_bytes(n_params, experts, strategy, args.precision, args.shard_group or args.world,
+                          args.ep, args.optimizer, **frozen,
                           offload=(False if canonical == "ddp" else args.offload if canonical == "zero3"
                                    else bool(args.offload)))
-    sent = ep_comm_bytes(trainable or n_params, experts, strategy, args.precision, args.world, args.ep)
-    if "all_gather" in sent and canonical == "zero3":
-        sent["all_gather"] = ep_comm_bytes(n_params, experts, strategy, args.precision, args.world,
-                                           args.ep)["all_gather"]
+    sent = ep_comm_bytes(n_params, experts, strategy, args.precision, args.world, args.ep, **frozen,
+                         shard_group=args.shard_group)
     if args.ep > 1:
         sent["all_to_all"] = moe_exchange_bytes(PRESETS[args.model], _micro_batch_tokens(args),
                                                 args.ep, args.precision, args.grad_accum)
@@ -703,9 +741,11 @@ def _breakdown(n_params, args):
     held, sent = _predict(n_params, strategy, args)
     canonical = _strategy(strategy, n)
     experts = f", its experts 1/{n // args.ep}" if args.ep > 1 else ""    # over the ranks holding them
-    how = [f"1/{n} shard{experts}" if s else "full" for s in SHARDED[canonical]]
+    S = args.shard_group or n
+    how = [f"1/{S} shard{experts}" if s else "full" for s in SHARDED[canonical]]
+    hybrid = f", sharded over groups of {S} (HSDP), {n // S} copies" if S < n else ""
     row = lambda label, value: print(f"  {label:<44}{value:>16,}{value / MiB:12.2f}{value / GB:10.3f}")
-    print(f"{args.model or 'model'}: {n_params:,} parameters | {strategy} on {n} rank(s) | "
+    print(f"{args.model or 'model'}: {n_params:,} parameters | {strategy} on {n} rank(s){hybrid} | "
           f"{args.precision} parameters and gradients, {args.optimizer}")
     for line in _moe_lines(args):
         print(line)
@@ -736,6 +776,8 @@ def _breakdown(n_params, args):
         row("host: fp32 master, moments, gradient copy", held["host"])
     print(f"sent per rank per step (ring algorithm): "
           f"{'nothing, one rank' if strategy == 'single' else COLLECTIVES[canonical]}"
+          + (f" within a group of {S}, + all-reduce of the gradient shard over the {n // S} copies"
+             if S < n else "")
           + (" + all-to-all (the tokens to their experts and back)" if "all_to_all" in sent else ""))
     for name, value in sent.items():
         row(name, value)

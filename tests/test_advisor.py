@@ -1,7 +1,7 @@
 """advisor.py: the lecture's flow chart rung by rung, memory.py --advise, train.py --strategy auto."""
 import pytest
 
-from advisor import advise, expert_parallel_options, parse_bytes
+from advisor import advise, expert_parallel_options, parse_bytes, root_params
 from memory import GB, ep_params, expert_params, main, moe_exchange_bytes
 from model import PRESETS
 from multiprocess import run_ranks
@@ -114,13 +114,19 @@ def test_the_talks_70b_case_fits_two_24_gb_gpus_only_with_the_parameters_offload
     """A 70B-class model (65B parameters), 4-bit base, LoRA rank 8 on every linear, 2 GPUs of
     24 GB, sequences of 2048 under activation checkpointing: QLoRA with FSDP sharding the base
     needs 24.2 GB a GPU (18.7 of them the base's half), over the 21.6 GB budget; with the shards
-    offloaded the GPU holds only the two blocks being gathered, and the rest waits in CPU memory."""
+    offloaded the GPU holds only the units FSDP gathers: the root (embeddings and untied head,
+    bf16, whole from forward to the end of backward) and two blocks (4-bit), 2.02 GB in all,
+    and the rest waits in CPU memory."""
     rungs = advise("70b", parse_bytes("24GB"), 2, 2048, 2)
     sharded, offloaded = rungs[-2], rungs[-1]
     assert "QLoRA" in sharded.rung and not sharded.fits
     assert 21.6 * GB < sharded.held["total"] < 25 * GB
     assert offloaded.fits and "--offload params" in " ".join(offloaded.flags)
-    assert offloaded.held["params"] < GB and offloaded.held["total"] < 8 * GB
+    root = 2 * root_params(PRESETS["70b"])
+    assert root == 2 * (2 * 32000 * 8192 + 4096 * 8192 + 2 * 8192)             # 1.12 GB
+    assert 0.8 * GB < offloaded.held["params"] - root < GB                      # two 4-bit blocks
+    assert round(offloaded.held["params"] / GB, 2) == 2.02
+    assert round(offloaded.held["total"] / GB, 2) == 6.98
     assert 18 * GB < offloaded.held["host"] < 21 * GB           # the 4-bit base's half, Adam's
     main(["--advise", "--model", "70b", "--gpu-mem", "24GB", "--world", "2", "--seq-len", "2048",
           "--target-batch", "2"])

@@ -309,7 +309,58 @@ def test_qlora_base_in_4_bits(capsys):
     assert ddp.split()[1] == f"{(nf4_bytes(7_000_000_000 - 4_200_000, True) + 2 * 4_200_000) / 1e9:.2f}" == "3.62"
 
 
+def _printed(out, label) -> int:
+    """The bytes column of memory.py's breakdown row `label`."""
+    return int(re.search(rf"^  {label}\s+([\d,]+)", out, re.M).group(1).replace(",", ""))
+
+
+def test_fsdp_gathers_a_4_bit_base_as_its_packed_bytes(capsys):
+    """zero3 all-gathers the frozen base too, for forward and again for backward, and a 4-bit
+    one as its codes and scales, one byte each (fsdp.FrozenBytes: 4.13 bits a weight with double
+    quantization), not in the compute dtype; only the adapters' gradients are reduce-scattered.
+    tests/test_fsdp_qlora.py compares the napkin with FSDP's counter on the tiny GPT."""
+    n, trainable = 7_000_000_000, 4_200_000
+    quantized = n - trainable
+    sent = comm_bytes(n, "zero3", "bf16", 8, trainable, quantized, double_quant=True)
+    gather = (ring_bytes("all_gather", trainable, 2, 8)                          # bf16 adapters
+              + ring_bytes("all_gather", nf4_bytes(quantized, True), 1, 8))      # 4-bit base
+    assert sent == {"all_gather": 2 * gather,
+                    "reduce_scatter": ring_bytes("reduce_scatter", trainable, 2, 8)}
+    assert sent["all_gather"] < 0.26 * comm_bytes(n, "zero3", "bf16", 8)["all_gather"]   # 4.13 of 16 bits
+    main(["--params", "7e9", "--trainable", "4.2e6", "--quantize-base", "nf4", "--double-quant",
+          "--strategy", "fsdp", "--world", "8"])
+    out = capsys.readouterr().out
+    assert (_printed(out, "all_gather"), _printed(out, "reduce_scatter")) == (sent["all_gather"],
+                                                                              sent["reduce_scatter"])
+
+
+def test_hsdp_holds_zero3_over_its_group_and_all_reduces_the_shard_across_copies(capsys):
+    """--shard-group S: a rank holds what zero3 over S ranks holds, and sends per step two
+    all-gathers and a reduce-scatter among its S, plus the all-reduce of its 1/S gradient shard
+    over the world/S copies. tests/test_fsdp_qlora.py compares it with FSDP's HSDP counter."""
+    n, shard = model_params("tiny"), -(-model_params("tiny") // 2)
+    sent = comm_bytes(n, "zero3", "fp32", 4, shard_group=2)
+    assert sent == {"all_gather": 2 * ring_bytes("all_gather", n, 4, 2),
+                    "reduce_scatter": ring_bytes("reduce_scatter", n, 4, 2),
+                    "all_reduce": ring_bytes("all_reduce", shard, 4, 2)}
+    assert sum(sent.values()) == 4 * 4 * shard            # 2 x 1/2, 1/2, then 2 x 1/2 of the shard
+    main(["--model", "tiny", "--strategy", "fsdp", "--world", "4", "--shard-group", "2",
+          "--precision", "fp32"])
+    out = capsys.readouterr().out
+    assert "fsdp on 4 rank(s), sharded over groups of 2 (HSDP), 2 copies" in out
+    held = state_bytes(n, "zero3", "fp32", 2)
+    assert _printed(out, r"parameters \(1/2 shard\)") == held["params"] == 4 * shard
+    assert _printed(out, r"optimizer state \(1/2 shard\)") == held["optimizer"]
+    for collective, value in sent.items():
+        assert _printed(out, collective) == value, collective
+    with pytest.raises(ValueError, match="zero3/fsdp only"):
+        comm_bytes(n, "zero2", "fp32", 4, shard_group=2)
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--model", "tiny", "--world", "4", "--shard-group", "2"], "give --strategy fsdp"),
+    (["--model", "tiny", "--strategy", "fsdp", "--world", "4", "--shard-group", "3"],
+     "use a divisor of 4"),
     (["--params", "1e9", "--quantize-base", "nf4"], "give --trainable"),
     (["--params", "1e9", "--trainable", "2e9"], "--trainable 2e+09 must be between 0"),
     (["--params", "1e9", "--strategy", "zero4"], "invalid choice: 'zero4'"),

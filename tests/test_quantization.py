@@ -147,9 +147,10 @@ def _qlora_run(root, other, strategy):
 
 
 def test_qlora_under_zero2_and_fsdp_equals_one_process(pretrained):    # noqa: F811
-    """The 4-bit base stays whole on every rank (buffers: nothing to shard or reduce); zero2 and
-    fsdp shard and average the adapters' gradients only: one process's fine-tuning, to fp32 noise
-    (test_snapshot's LOSS_RTOL and WEIGHT_ATOL, as LoRA under every strategy)."""
+    """zero2 keeps the 4-bit base whole on every rank, fsdp shards it (its packed codes and
+    scales, all-gathered as bytes: tests/test_fsdp_qlora.py); both shard and average the
+    adapters' gradients only: one process's fine-tuning, to fp32 noise (test_snapshot's
+    LOSS_RTOL and WEIGHT_ATOL, as LoRA under every strategy)."""
     from test_snapshot import LOSS_RTOL, WEIGHT_ATOL, _same_weights, _weights
     root, other = pretrained
     single = run_ranks(_qlora_run, 1, root, other, "single")[0]

@@ -105,35 +105,43 @@ def test_single_strategy_under_torchrun_names_the_fix():
     assert result.returncode != 0 and "use --strategy ddp" in result.stderr
 
 
-# ---- --offload optimizer: the same run, the optimizer in CPU memory -------------------------------
+# ---- --offload: the same run, the optimizer (and fsdp's parameter shards) in CPU memory -----------
+
+OFFLOADS = (("zero2", "optimizer"), ("fsdp", "optimizer"), ("fsdp", "params"))
+
 
 def _offload_runs(root):
     import shutil
     import torch.distributed as dist
     import train
     from test_snapshot import RUN
-    out = {}
-    for strategy in ("zero2", "fsdp"):
+    out, device = {}, {}
+    for strategy, offload in OFFLOADS:
         argv = [*RUN, "--strategy", strategy]
-        saved, resumed = os.path.join(root, strategy), os.path.join(root, strategy + "-resumed")
-        out[strategy] = {
-            "device": train.main(argv),
-            "offload": train.main([*argv, "--offload", "optimizer", "--out", saved, "--save-every", "3"])}
+        if strategy not in device:
+            device[strategy] = train.main(argv)
+        name = f"{strategy}-{offload}"
+        saved, resumed = os.path.join(root, name), os.path.join(root, name + "-resumed")
+        out[name] = {
+            "device": device[strategy],
+            "offload": train.main([*argv, "--offload", offload, "--out", saved, "--save-every", "3"])}
         if dist.get_rank() == 0:                      # as if the run stopped after step 3
             shutil.copytree(saved, resumed, ignore=shutil.ignore_patterns("ckpt-0000006"))
         dist.barrier()
-        out[strategy]["resumed"] = train.main([*argv, "--offload", "optimizer", "--out", resumed, "--resume"])
+        out[name]["resumed"] = train.main([*argv, "--offload", offload, "--out", resumed, "--resume"])
     return out
 
 
 def test_offload_trains_and_resumes_exactly_as_on_the_device(tmp_path):
     """The same AdamW on the same fp32 shards, run on the CPU's copy: the same curve bit for bit,
-    and its checkpoint (masters and moments read from host memory) resumes it bit for bit."""
+    and its checkpoint (masters and moments read from host memory; with --offload params, the
+    parameter shards too) resumes it bit for bit."""
     from multiprocess import run_ranks
     runs = run_ranks(_offload_runs, 2, str(tmp_path))[0]
-    for strategy, run in runs.items():
-        assert run["offload"]["losses"] == run["device"]["losses"], strategy
-        assert run["resumed"]["losses"] == {s: run["offload"]["losses"][s] for s in (3, 4, 5)}, strategy
+    assert list(runs) == [f"{strategy}-{offload}" for strategy, offload in OFFLOADS]
+    for name, run in runs.items():
+        assert run["offload"]["losses"] == run["device"]["losses"], name
+        assert run["resumed"]["losses"] == {s: run["offload"]["losses"][s] for s in (3, 4, 5)}, name
 
 
 def test_offload_needs_a_sharded_optimizer():
@@ -318,6 +326,10 @@ def _one_error_line(stderr):
     (["--top-k", "2"], "configure experts, and model tiny has none: add --experts E"),
     (["--experts=-1"], "--experts must be 0 (a dense model) or more, got -1"),
     (["--model", "tiny-moe", "--strategy", "tp"], "--strategy tp does not split expert layers"),
+    (["--strategy", "fsdp", "--shard-group", "2"], "--shard-group 2 must divide the world size 1"),
+    (["--strategy", "zero2", "--shard-group", "1"], "use --strategy fsdp (--strategy zero2 has none)"),
+    (["--strategy", "zero2", "--offload", "params"], "--offload params keeps the parameter shards in "
+                                                     "CPU memory between uses: use --strategy fsdp"),
 ])
 def test_bad_value_stops_with_one_line_naming_the_flag(argv, says, tmp_path, capsys):
     (tmp_path / "FILE").write_text("a file, not a directory")
