@@ -180,11 +180,15 @@ def test_activations_per_rank_fall_with_cp(kept):
 # ---- train.py --strategy cp: the one-process curve, LoRA, checkpointing, checkpoints, bad input ----
 
 LORA = ["--lora", "--lora-rank", "4", "--lora-targets", "query,value,up", "--checkpoint-activations"]
+# Every step's loss in the history (RUN logs every 3rd), to compare step by step.
+EVERY_STEP = ["--log-every", "1"]
+STEPS = list(range(6))                                       # RUN's --steps 6
 
 
 def _single_and_lora(root, cp_root):
-    return {**_single_runs(root, cp_root),
-            "lora": _train(["--strategy", "single", *LORA, "--export", os.path.join(root, "lora.pt")])}
+    return {**_single_runs(root, cp_root, EVERY_STEP),
+            "lora": _train(["--strategy", "single", *LORA, *EVERY_STEP,
+                            "--export", os.path.join(root, "lora.pt")])}
 
 
 @pytest.fixture(scope="module")
@@ -193,12 +197,13 @@ def runs(tmp_path_factory):
     paths = {name: os.path.join(root, name) for name in ("cp2", "cp2dp2", "lora", "single")}
     for p in paths.values():
         os.makedirs(p)
-    cp2 = run_ranks(_straight_and_resumed, 2, paths["cp2"], ["--strategy", "cp", "--cp", "2"], [])[0]
+    cp2 = run_ranks(_straight_and_resumed, 2, paths["cp2"], ["--strategy", "cp", "--cp", "2"],
+                    EVERY_STEP)[0]
     # cp 2 x dp 2: the naive attention, the unbalanced split, activation checkpointing on.
     cp2dp2 = run_ranks(_train, 4, ["--strategy", "cp", "--cp", "2", "--cp-attention", "allgather",
-                                   "--cp-balance", "none", "--checkpoint-activations",
+                                   "--cp-balance", "none", "--checkpoint-activations", *EVERY_STEP,
                                    "--export", os.path.join(paths["cp2dp2"], "straight.pt")])[0]
-    lora = run_ranks(_train, 2, ["--strategy", "cp", "--cp", "2", *LORA,
+    lora = run_ranks(_train, 2, ["--strategy", "cp", "--cp", "2", *LORA, *EVERY_STEP,
                                  "--export", os.path.join(paths["lora"], "straight.pt")])[0]
     single = run_ranks(_single_and_lora, 1, paths["single"], paths["cp2"])[0]
     return {"cp2": cp2, "cp2dp2": cp2dp2, "lora": lora, "single": single, "paths": paths}
@@ -216,6 +221,7 @@ TRAIN_RTOL, TRAIN_ATOL, TRAIN_MEAN_ATOL = 1e-6, 5e-5, 5e-8
 def test_train_cp_matches_single_process_step_by_step(runs, name, single):
     run = runs[name]["straight"] if name == "cp2" else runs[name]
     one = runs["single"][single]
+    assert list(run["losses"]) == list(one["losses"]) == STEPS
     torch.testing.assert_close(list(run["losses"].values()), list(one["losses"].values()),
                                rtol=TRAIN_RTOL, atol=0)
     mine = _weights(os.path.join(runs["paths"][name], "straight.pt"))
@@ -237,13 +243,13 @@ def test_train_logs_kv_bytes_equal_to_the_formula_and_the_idle_shares(runs, name
 
 def test_cp_resume_is_bit_exact_and_resumes_on_one_process(runs):
     straight, again = runs["cp2"]["straight"], runs["cp2"]["resumed"]
-    assert again["losses"] == {s: straight["losses"][s] for s in (3, 5)}
+    assert again["losses"] == {s: straight["losses"][s] for s in STEPS[3:]}
     a, b = (_weights(os.path.join(runs["paths"]["cp2"], f)) for f in ("resumed.pt", "straight.pt"))
     assert_tensors_close(a, b, rtol=0, atol=0, what="resumed cp 2 vs uninterrupted")
     # Whole parameters in the checkpoint: one process reads them as its own.
     from_cp = runs["single"]["from_split"]
-    torch.testing.assert_close([from_cp["losses"][s] for s in (3, 5)],
-                               [straight["losses"][s] for s in (3, 5)], rtol=TRAIN_RTOL, atol=0)
+    torch.testing.assert_close([from_cp["losses"][s] for s in STEPS[3:]],
+                               [straight["losses"][s] for s in STEPS[3:]], rtol=TRAIN_RTOL, atol=0)
 
 
 def _bad_cp_inputs():
