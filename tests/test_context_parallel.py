@@ -24,7 +24,8 @@ from collectives import Comm
 from memory import cp_activation_bytes, cp_kv_bytes
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
-from test_tensor_parallel import (_single_runs, _straight_and_resumed, _train, _usage_errors,
+from snapshot import load_weights
+from test_tensor_parallel import (RUN, _single_runs, _straight_and_resumed, _train, _usage_errors,
                                   _weights)
 
 B, H, D = 2, 4, 16
@@ -183,6 +184,7 @@ LORA = ["--lora", "--lora-rank", "4", "--lora-targets", "query,value,up", "--che
 # Every step's loss in the history (RUN logs every 3rd), to compare step by step.
 EVERY_STEP = ["--log-every", "1"]
 STEPS = list(range(6))                                       # RUN's --steps 6
+SEQ_LEN, BATCH = (int(RUN[RUN.index(flag) + 1]) for flag in ("--seq-len", "--batch-size"))
 
 
 def _single_and_lora(root, cp_root):
@@ -200,8 +202,8 @@ def runs(tmp_path_factory):
     # Each attention trained against one process: cp 2 the naive one with the unbalanced split;
     # cp 2 x dp 2 (DDP over 4 ranks) and LoRA with activation checkpointing the ring, zigzag.
     cp2 = run_ranks(_straight_and_resumed, 2, paths["cp2"],
-                    ["--strategy", "cp", "--cp", "2", "--cp-attention", "allgather", "--cp-balance", "none"],
-                    EVERY_STEP)[0]
+                    ["--strategy", "cp", "--cp", "2", "--cp-attention", "allgather",
+                     "--cp-balance", "none"], EVERY_STEP)[0]
     cp2dp2 = run_ranks(_train, 4, ["--strategy", "cp", "--cp", "2", *EVERY_STEP,
                                    "--export", os.path.join(paths["cp2dp2"], "straight.pt")])[0]
     lora = run_ranks(_train, 2, ["--strategy", "cp", "--cp", "2", *LORA, *EVERY_STEP,
@@ -240,6 +242,34 @@ def test_train_logs_kv_bytes_equal_to_the_formula_and_the_idle_shares(runs, name
         assert all(0 <= x < 1 for x in logged["idle"])
     balance = [0.5, 0.0] if name == "cp2" else [0.0, 0.0]
     assert all(logged["predicted_idle"] == balance for logged in run["cp"].values())
+
+
+def _kept_by_one_process(gpt, rows: int) -> int:
+    """Bytes one process's forward keeps for backward over rows x SEQ_LEN tokens (saved-tensor
+    hooks)."""
+    x = torch.zeros(rows, SEQ_LEN, dtype=torch.long)
+    return saved_activation_bytes(lambda: gpt(x, x), exclude=list(gpt.parameters()))[0]
+
+
+def test_train_logs_half_of_one_processs_activation_bytes(runs):
+    """The activation bytes a cp 2 rank logs (counted on its first step) against one process's
+    forward over as many rows: train.py's model, loaded from the one-process run's export."""
+    gpt = load_weights(os.path.join(runs["paths"]["single"], "single.pt"))
+    C, layers, T, t = gpt.cfg.n_embd, gpt.cfg.n_layer, SEQ_LEN, SEQ_LEN // 2
+    # Ring, cp 2 x dp 2 (BATCH / 2 rows a rank): half, within one (rows, t, C) tensor per layer and
+    # 1 KiB. The ring's output (B, H, t, D) is copied by the heads' merge, and kept by the output
+    # projection, where PyTorch's CPU kernel writes (B, T, H, D), which the merge only views; the
+    # KiB: token positions. Measured: half + 128 KiB + 514 B.
+    rows = BATCH // 2
+    ring, half = runs["cp2dp2"]["cp"][0]["activation_bytes"], _kept_by_one_process(gpt, rows) / 2
+    assert abs(ring - half) <= layers * rows * t * C * 4 + 1024, (ring, half)
+    # All-gather, cp 2 (BATCH rows): half, with the whole sequence's K/V (B, T, 2, C) kept per layer
+    # where the rank's own was: more than the other ranks' K/V, at most the whole. Measured: the
+    # others' K/V (768 KiB) + 6 KiB (the masks as a float bias, the sequence-order index).
+    gathered = runs["cp2"]["straight"]["cp"][0]["activation_bytes"]
+    half, kv = _kept_by_one_process(gpt, BATCH) / 2, layers * BATCH * 2 * C * 4
+    assert (T - t) * kv <= gathered - half <= T * kv, (gathered, half)
+    assert gathered / BATCH > ring / rows                   # a row keeps more under the all-gather
 
 
 def test_cp_resume_is_bit_exact_and_resumes_on_one_process(runs):
