@@ -2,16 +2,19 @@
 
 Both attentions (all-gather K/V, ring) at cp 2, 3 and 4, zigzag and not, against PyTorch's causal
 attention on the whole sequence: outputs and q/k/v gradients separately, fp32 and bf16; the bytes
-they send against memory.cp_kv_bytes; the messages paired the way NCCL pairs them; the activations
-a rank keeps falling as 1/cp. train.py --strategy cp trains the one-process model step by step:
+they send against memory.cp_kv_bytes; the messages paired the way NCCL pairs them; the blocks each
+rank computes (counted) against the split's causal count, so zigzag's balance is measured without
+a clock; the activations a rank keeps falling as 1/cp. train.py --strategy cp trains the one-process model step by step:
 the all-gather at cp 2, the ring at cp 2 x dp 2 and with LoRA and activation checkpointing; its
 checkpoints resume on one process; bad command lines stop every rank with one message.
 """
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
@@ -55,6 +58,21 @@ def _recording(comm):
     return batches
 
 
+@contextlib.contextmanager
+def _counting_scores(counts: Counter, phase: str):
+    """Within: every attention score the cp attentions compute, counted into counts[phase] as
+    queries x keys per batch row and head: the ring's blocks (context_parallel._scores, in forward
+    and in backward) and the all-gather's SDPA calls (forward; autograd runs their backward)."""
+    def counting(fn):
+        def counted(q, k, *args, **kwargs):
+            counts[phase] += q.shape[-2] * k.shape[-2]
+            return fn(q, k, *args, **kwargs)
+        return counted
+    with mock.patch.object(cp_module, "_scores", counting(cp_module._scores)), \
+            mock.patch.object(F, "scaled_dot_product_attention", counting(F.scaled_dot_product_attention)):
+        yield
+
+
 def _attention_cases():
     """On each rank: every attention x balance x dtype against the whole sequence's SDPA."""
     comm = Comm()
@@ -74,14 +92,17 @@ def _attention_cases():
                     mine = lambda t: cp_module.split_sequence(t.detach(), split, r, dim=2)
                     inputs = [mine(t).requires_grad_() for t in (q, k, v)]
                     comm.bytes_sent.clear()
-                    out = cp_module.ATTENTIONS[attention](*inputs, comm, split, cp_module.BusyClock())
-                    out.backward(mine(dout))
+                    scores = Counter()
+                    with _counting_scores(scores, "forward"):
+                        out = cp_module.ATTENTIONS[attention](*inputs, comm, split, cp_module.BusyClock())
+                    with _counting_scores(scores, "backward"):
+                        out.backward(mine(dout))
                     sent = sum(comm.bytes_sent[name] for name in cp_module.KV_COLLECTIVES)
                     results[attention, zigzag, dtype] = {
                         "got": {"out": out.detach(), **{f"grad_{x}": t.grad for x, t in zip("qkv", inputs)}},
                         "want": {"out": mine(ref), **{f"grad_{x}": mine(t.grad) for x, t in zip("qkv", (q, k, v))}},
                         "whole": cp_module.unsplit_sequence(mine(ref), comm, split, dim=2),
-                        "ref": ref.detach(), "sent": sent}
+                        "ref": ref.detach(), "sent": sent, "scores": scores}
     return {"results": results, "batches": batches}
 
 
@@ -121,6 +142,24 @@ def test_ring_messages_pair_up_as_nccl_pairs_them(attention):
                 if kind == "send":
                     assert ("recv", r, shape, dtype) in batches[peer][i], (i, r, peer)
             assert Counter(op[0] for op in batches[r][i]) == {"send": 1, "recv": 1}
+
+
+def test_each_rank_computes_the_blocks_the_split_predicts(attention):
+    """The causal work measured without a clock: the scores each rank computed (counted), in blocks
+    of c x c, are SequenceSplit.blocks' count, so 1 - a rank's blocks / the busiest rank's is
+    predicted_idle. Measured at cp 4: 1, 2, 3, 4 blocks of c = T/4 without zigzag (idle 0.75, 0.5,
+    0.25, 0), 9 of c = T/8 on every rank with it (idle 0); the ring computes as many in backward."""
+    cp, ranks = attention
+    T = _lengths(cp)[0]
+    for name, zigzag, dtype in ranks[0]["results"]:
+        split = cp_module.SequenceSplit(cp, zigzag)
+        c = T // split.n_chunks
+        predicted = [sum(len(split.blocks(r, s)) for s in range(cp)) for r in range(cp)]
+        for phase in ("forward", "backward") if name == "ring" else ("forward",):
+            blocks = [rank["results"][name, zigzag, dtype]["scores"][phase] / c ** 2 for rank in ranks]
+            assert blocks == predicted, (name, zigzag, dtype, phase)
+            idle = [1 - b / max(blocks) for b in blocks]
+            assert idle == pytest.approx(split.predicted_idle()), (name, zigzag, dtype, phase)
 
 
 def test_a_length_the_split_cannot_divide_is_a_clear_error():
@@ -345,4 +384,5 @@ def test_bench_times_ring_beside_allgather(tmp_path):
     assert rows["ring"]["last_loss"] == pytest.approx(rows["allgather"]["last_loss"], rel=1e-5)
     assert rows["ring"]["activation_bytes"] < rows["allgather"]["activation_bytes"]
     assert rows["ring"]["sent_per_step"] > rows["allgather"]["sent_per_step"]
+
 
