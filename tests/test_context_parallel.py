@@ -1,12 +1,13 @@
 """Context parallelism (context_parallel.py): attention over a split sequence equals one process's.
 
 Both attentions (all-gather K/V, ring) at cp 2, 3 and 4, zigzag and not, against PyTorch's causal
-attention on the whole sequence: outputs and q/k/v gradients separately, fp32 and bf16; the bytes
-they send against memory.cp_kv_bytes; the messages paired the way NCCL pairs them; the blocks each
-rank computes (counted) against the split's causal count, so zigzag's balance is measured without
-a clock; the activations a rank keeps falling as 1/cp. train.py --strategy cp trains the one-process model step by step:
-the all-gather at cp 2, the ring at cp 2 x dp 2 and with LoRA and activation checkpointing; its
-checkpoints resume on one process; bad command lines stop every rank with one message.
+attention on the whole sequence: outputs and q/k/v gradients separately, fp32 and bf16, and fp64 at
+a second length; the bytes they send against memory.cp_kv_bytes; the messages paired the way
+NCCL pairs them; the blocks each rank computes (counted) against the split's causal count, so
+zigzag's balance is measured without a clock; the activations a rank keeps falling as 1/cp.
+train.py --strategy cp trains the one-process model step by step: the all-gather at cp 2, the ring
+at cp 2 x dp 2 and with LoRA and activation checkpointing; its checkpoints resume on one process;
+bad command lines stop every rank with one message.
 """
 import contextlib
 import json
@@ -34,17 +35,24 @@ from test_tensor_parallel import (RUN, _single_runs, _straight_and_resumed, _tra
 B, H, D = 2, 4, 16
 # fp32: the ring sums its blocks' exponentials in another order than PyTorch's kernel, and the
 # all-gather attends chunk by chunk: fp32 rounding of values of order 1 (measured: at most 1.1e-6
-# absolute, on a gradient of about 2; 4e-7 on the outputs). In fp64 both are exact to 3e-15.
+# absolute, on a gradient of about 2; 4e-7 on the outputs).
 FP32_TOL = 1e-6
 # bf16: both sides compute in fp32 and round to bf16, whose ulp is 2^-8 to 2^-7 of a value; the
 # all-gather's dK/dV are also summed over the ranks in bf16. Measured: one ulp at most (1.6e-2 on
 # gradients between 2 and 4, 7.8e-3 on outputs), within 2^-6 relative or absolute.
 BF16_RTOL, BF16_ATOL = 2 ** -6, 2 ** -6
+# fp64: both exact up to fp64's rounding (measured: at most 1.8e-15, at 8cp and 4cp tokens), so the
+# fp32 and bf16 gaps are rounding, not a wrong block, mask or split.
+FP64_TOL = 1e-12
+TOLERANCES = {torch.float32: (FP32_TOL, FP32_TOL), torch.bfloat16: (BF16_RTOL, BF16_ATOL),
+              torch.float64: (FP64_TOL, FP64_TOL)}
 
 
-def _lengths(cp):
-    """A length both splits divide (4 x 2cp tokens) and one the zigzag split cannot (2cp + cp)."""
-    return 8 * cp, 3 * cp
+def _cases(cp):
+    """(sequence length, dtype) of the attention cases: fp32 and bf16 at 8cp tokens (4 a zigzag
+    chunk); a second length for the split, 4cp (2 a chunk), in fp64, checked exactly: in fp32 its
+    rounding passes FP32_TOL (measured at cp 2: 1.16e-6 on a dK of scale 1)."""
+    return [(8 * cp, torch.float32), (8 * cp, torch.bfloat16), (4 * cp, torch.float64)]
 
 
 def _recording(comm):
@@ -74,35 +82,34 @@ def _counting_scores(counts: Counter, phase: str):
 
 
 def _attention_cases():
-    """On each rank: every attention x balance x dtype against the whole sequence's SDPA."""
+    """On each rank: every attention x balance x (length, dtype) against the whole sequence's SDPA."""
     comm = Comm()
     r, n = comm.rank, comm.world_size
     batches = _recording(comm)
     results = {}
-    for T in _lengths(n)[:1]:
-        for dtype in (torch.float32, torch.bfloat16):
-            torch.manual_seed(0)
-            q, k, v = (torch.randn(B, H, T, D, dtype=dtype, requires_grad=True) for _ in range(3))
-            dout = torch.randn(B, H, T, D, dtype=dtype)
-            ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            ref.backward(dout)
-            for attention in cp_module.ATTENTIONS:
-                for zigzag in (True, False):
-                    split = cp_module.SequenceSplit(n, zigzag)
-                    mine = lambda t: cp_module.split_sequence(t.detach(), split, r, dim=2)
-                    inputs = [mine(t).requires_grad_() for t in (q, k, v)]
-                    comm.bytes_sent.clear()
-                    scores = Counter()
-                    with _counting_scores(scores, "forward"):
-                        out = cp_module.ATTENTIONS[attention](*inputs, comm, split, cp_module.BusyClock())
-                    with _counting_scores(scores, "backward"):
-                        out.backward(mine(dout))
-                    sent = sum(comm.bytes_sent[name] for name in cp_module.KV_COLLECTIVES)
-                    results[attention, zigzag, dtype] = {
-                        "got": {"out": out.detach(), **{f"grad_{x}": t.grad for x, t in zip("qkv", inputs)}},
-                        "want": {"out": mine(ref), **{f"grad_{x}": mine(t.grad) for x, t in zip("qkv", (q, k, v))}},
-                        "whole": cp_module.unsplit_sequence(mine(ref), comm, split, dim=2),
-                        "ref": ref.detach(), "sent": sent, "scores": scores}
+    for T, dtype in _cases(n):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, H, T, D, dtype=dtype, requires_grad=True) for _ in range(3))
+        dout = torch.randn(B, H, T, D, dtype=dtype)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ref.backward(dout)
+        for attention in cp_module.ATTENTIONS:
+            for zigzag in (True, False):
+                split = cp_module.SequenceSplit(n, zigzag)
+                mine = lambda t: cp_module.split_sequence(t.detach(), split, r, dim=2)
+                inputs = [mine(t).requires_grad_() for t in (q, k, v)]
+                comm.bytes_sent.clear()
+                scores = Counter()
+                with _counting_scores(scores, "forward"):
+                    out = cp_module.ATTENTIONS[attention](*inputs, comm, split, cp_module.BusyClock())
+                with _counting_scores(scores, "backward"):
+                    out.backward(mine(dout))
+                sent = sum(comm.bytes_sent[name] for name in cp_module.KV_COLLECTIVES)
+                results[attention, zigzag, dtype, T] = {
+                    "got": {"out": out.detach(), **{f"grad_{x}": t.grad for x, t in zip("qkv", inputs)}},
+                    "want": {"out": mine(ref), **{f"grad_{x}": mine(t.grad) for x, t in zip("qkv", (q, k, v))}},
+                    "whole": cp_module.unsplit_sequence(mine(ref), comm, split, dim=2),
+                    "ref": ref.detach(), "sent": sent, "scores": scores}
     return {"results": results, "batches": batches}
 
 
@@ -114,20 +121,19 @@ def attention(request):
 def test_both_attentions_equal_causal_attention_on_the_whole_sequence(attention):
     cp, ranks = attention
     for r, rank in enumerate(ranks):
-        for (name, zigzag, dtype), res in rank["results"].items():
-            what = f"{name} attention, cp {cp}, zigzag {zigzag}, {dtype}, rank {r}"
-            rtol, atol = (FP32_TOL, FP32_TOL) if dtype == torch.float32 else (BF16_RTOL, BF16_ATOL)
+        for (name, zigzag, dtype, T), res in rank["results"].items():
+            what = f"{name} attention, cp {cp}, zigzag {zigzag}, {dtype}, T {T}, rank {r}"
+            rtol, atol = TOLERANCES[dtype]
             assert_tensors_close(res["got"], res["want"], rtol=rtol, atol=atol, what=what)
             assert torch.equal(res["whole"], res["ref"]), what         # split then unsplit: itself
 
 
 def test_bytes_sent_equal_the_formula(attention):
     cp, ranks = attention
-    T = _lengths(cp)[0]
     for rank in ranks:
-        for (name, _, dtype), res in rank["results"].items():
+        for (name, _, dtype, T), res in rank["results"].items():
             formula = cp_kv_bytes(T, B, H * D, cp, name, torch.finfo(dtype).bits // 8)
-            assert res["sent"] == formula["forward"] + formula["backward"], (name, dtype)
+            assert res["sent"] == formula["forward"] + formula["backward"], (name, dtype, T)
 
 
 def test_ring_messages_pair_up_as_nccl_pairs_them(attention):
@@ -150,21 +156,21 @@ def test_each_rank_computes_the_blocks_the_split_predicts(attention):
     predicted_idle. Measured at cp 4: 1, 2, 3, 4 blocks of c = T/4 without zigzag (idle 0.75, 0.5,
     0.25, 0), 9 of c = T/8 on every rank with it (idle 0); the ring computes as many in backward."""
     cp, ranks = attention
-    T = _lengths(cp)[0]
-    for name, zigzag, dtype in ranks[0]["results"]:
+    for case in ranks[0]["results"]:
+        name, zigzag, _, T = case
         split = cp_module.SequenceSplit(cp, zigzag)
         c = T // split.n_chunks
         predicted = [sum(len(split.blocks(r, s)) for s in range(cp)) for r in range(cp)]
         for phase in ("forward", "backward") if name == "ring" else ("forward",):
-            blocks = [rank["results"][name, zigzag, dtype]["scores"][phase] / c ** 2 for rank in ranks]
-            assert blocks == predicted, (name, zigzag, dtype, phase)
+            blocks = [rank["results"][case]["scores"][phase] / c ** 2 for rank in ranks]
+            assert blocks == predicted, (case, phase)
             idle = [1 - b / max(blocks) for b in blocks]
-            assert idle == pytest.approx(split.predicted_idle()), (name, zigzag, dtype, phase)
+            assert idle == pytest.approx(split.predicted_idle()), (case, phase)
 
 
 def test_a_length_the_split_cannot_divide_is_a_clear_error():
     for cp in (2, 3, 4):
-        T = _lengths(cp)[1]                                   # divides into cp chunks, not 2cp
+        T = 3 * cp                                            # divides into cp chunks, not 2cp
         assert cp_module.SequenceSplit(cp, zigzag=False).positions(0, T).numel() == T // cp
         with pytest.raises(ValueError, match=f"{T} tokens do not divide by {2 * cp}: use a "
                                              f"sequence length divisible by {2 * cp}"):
