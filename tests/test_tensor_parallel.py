@@ -426,12 +426,14 @@ def _straight_and_resumed(root, strategy, extra):
     return out
 
 
-def _single_runs(root, split_root):
-    """One process: straight, and resumed from a split (tp or pipeline) run's step-3 checkpoint."""
+def _single_runs(root, split_root, extra=()):
+    """One process: straight, and resumed from a split (tp, pipeline or cp) run's step-3
+    checkpoint; extra: more flags for both (test_context_parallel's --log-every 1)."""
     _copy_first_checkpoint(os.path.join(split_root, "saved"), os.path.join(root, "from_split"))
-    return {"straight": _train(["--strategy", "single", "--export", os.path.join(root, "single.pt")]),
-            "from_split": _train(["--strategy", "single", "--out", os.path.join(root, "from_split"),
-                                  "--resume", "--export", os.path.join(root, "from_split.pt")])}
+    single = ["--strategy", "single", *extra]
+    return {"straight": _train([*single, "--export", os.path.join(root, "single.pt")]),
+            "from_split": _train([*single, "--out", os.path.join(root, "from_split"), "--resume",
+                                  "--export", os.path.join(root, "from_split.pt")])}
 
 
 @pytest.fixture(scope="module")
