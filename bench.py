@@ -11,6 +11,7 @@ beside its all-gather (PyTorch's context_parallel does not run on CPU ranks). be
 times them and prints the tables, bench_collectives.py all-reduce and all-to-all by size.
 Left out: gradient accumulation, data loading.
 Run: torchrun --nproc_per_node 2 bench.py --quick (CPU); torchrun --nproc_per_node 8 bench.py (GPUs);
+python bench.py --scaling 1,2,4,8 (no torchrun) the bytes per rank as the world grows (bench_scaling.py);
 python bench.py --report bench.json prints a finished run's tables again (the README's come so)
 Test: python -m pytest tests/test_bench.py
 """
@@ -45,6 +46,7 @@ import context_parallel
 import pipeline
 import tensor_parallel
 from bench_collectives import bench_collectives, collectives_report
+from bench_scaling import STRATEGIES as SCALED, bench_scaling, scaling_report
 from bench_measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report,
                            report, spread, summary, time_training)
 from checkpointing import checkpoint_blocks
@@ -482,6 +484,10 @@ def parse_args(argv=None):
     p.add_argument("--json", default="bench.json", help="the numbers as JSON; default bench.json")
     p.add_argument("--report", metavar="FILE", help="print the tables of a finished run from the JSON "
                    "it wrote (runs nothing; the README's tables are made so)")
+    p.add_argument("--scaling", metavar="WORLDS", type=lambda s: [int(w) for w in s.split(",")],
+                   help="instead of the contenders: ddp, zero1, zero2, fsdp, tp and pipeline 2 steps "
+                        "at each world size (e.g. 1,2,4,8), bytes held and sent per rank beside "
+                        "memory.py (run with python, not torchrun: it launches a torchrun per run)")
     args = p.parse_args(argv)
     if args.report:
         return args
@@ -492,6 +498,21 @@ def parse_args(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if args.scaling:
+        if world_size > 1:
+            p.error("--scaling launches a torchrun for each world size itself: run python bench.py "
+                    "--scaling ..., not under torchrun")
+        if any(w < 1 for w in args.scaling) or args.seq_len > PRESETS[args.model].block_size:
+            p.error(f"--scaling takes world sizes of 1 or more, and --seq-len at most model "
+                    f"{args.model}'s block size")
+        args.batch_size = args.batch_size or 16
+        chosen = args.strategies != p.get_default("strategies")
+        args.strategies = args.strategies.split(",") if chosen else list(SCALED)
+        if not set(args.strategies) <= set(SCALED):
+            p.error(f"--scaling runs --strategies among {', '.join(SCALED)}")
+        if any(args.batch_size % w for w in args.scaling):
+            p.error(f"--batch-size {args.batch_size} must split over every --scaling world size")
+        return args
     args.batch_size = 8 * world_size if args.batch_size is None else args.batch_size
     # Every rank parses the same line, so a mistake stops every rank here, before any work.
     chosen = args.strategies != p.get_default("strategies")
@@ -576,7 +597,8 @@ def print_report(data: dict):
     m = data["machine"]
     print("\n".join(report(m, data["strategies"]) + moe_report(data["moe"])
                     + context_parallel_report(m, data["context_parallel"])
-                    + collectives_report(m, data["collectives"])))
+                    + collectives_report(m, data["collectives"])
+                    + scaling_report(m, data.get("scaling", []))))
 
 
 def main(argv=None):
@@ -591,6 +613,14 @@ def main(argv=None):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     started = time.perf_counter()
 
+    if args.scaling:                             # train.py runs of their own, from this process
+        m = {**machine(device, args, build_model(args.model).num_parameters(), None), "skipped": {}, "benchmarks": ["scaling"]}
+        data = {"machine": m, "strategies": [], "moe": None, "context_parallel": [], "collectives": {},
+                "scaling": bench_scaling(args)}
+        print_report(data)
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+        return
     data = TextData.from_file()
 
     def batches(rank, world_size):

@@ -360,3 +360,20 @@ def test_memory_snapshot_is_written_on_a_gpu_and_refused_without_one(tmp_path):
         assert result.returncode == 0 and path.stat().st_size > 0, result.stderr
     else:
         assert result.returncode == 2 and "use --profile DIR" in result.stderr, result.stderr
+
+
+def test_scaling_counts_what_a_rank_holds_beside_memory_py(tmp_path):
+    """python bench.py --scaling (2 steps of train.py per world size): FSDP on 2 ranks holds what
+    memory.py predicts (to the log's 0.1 MiB), half of the 16 bytes per parameter, and sends the
+    ring formula's bytes; the table has a cell pair per world size."""
+    path = tmp_path / "scaling.json"
+    result = subprocess.run([sys.executable, "bench.py", "--quick", "--scaling", "2", "--strategies",
+                             "fsdp", "--json", str(path)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    [row] = json.loads(path.read_text())["scaling"]
+    assert row["world"] == 2 and row["held"] == row["napkin_held"], row
+    assert row["sent"] == row["formula_sent"] > 0, row
+    whole = build_model("tiny").num_parameters() * 16 / 2**20            # fp32 AdamW, MiB
+    assert sum(row["held"]) == pytest.approx(whole / 2, abs=0.15), row
+    assert "| fsdp | " in result.stdout and "world 2: held | sent" in result.stdout
