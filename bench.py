@@ -595,7 +595,9 @@ def print_report(data: dict):
     """Every table of one run, from its JSON (what main prints as it ends): the README's tables
     are made this way, from the file a run wrote, with its machine, torch version and date."""
     m = data["machine"]
-    print("\n".join(report(m, data["strategies"]) + moe_report(data["moe"])
+    # A --scaling run has a header of its own, and no contenders.
+    contenders = report(m, data["strategies"]) if not data.get("scaling") else []
+    print("\n".join(contenders + moe_report(data["moe"])
                     + context_parallel_report(m, data["context_parallel"])
                     + collectives_report(m, data["collectives"])
                     + scaling_report(m, data.get("scaling", []))))

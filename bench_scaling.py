@@ -64,7 +64,8 @@ def scaling_report(m: dict, rows: list) -> list:
     if not rows:
         return []
     worlds = sorted({r["world"] for r in rows})
-    lines = [f"\nBytes per rank as the world grows: model {m['model']}, {m['precision']}, batch "
+    lines = [f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['backend']}, {m['date']}",
+             f"\nBytes per rank as the world grows: model {m['model']}, {m['precision']}, batch "
              f"{m['global_batch']} x {m['seq_len']}, 2 steps of train.py each; rank 0's. held: params + "
              f"grads + optimizer, measured / memory.py (MiB); sent per step, measured / ring formula "
              f"(MiB)", "",
