@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from memory import (GB, active_params, activation_bytes, bytes_per_param, ep_comm_bytes, ep_params,
-                    ep_state_bytes, logits_bytes, model_params, moe_exchange_bytes, nf4_bytes)
+from memory import (GB, activation_bytes, active_params, bytes_per_param, ep_comm_bytes, ep_params,
+                    ep_state_bytes, logits_bytes, model_params, moe_exchange_bytes, nf4_bytes,
+                    root_params)
 from model import PRESETS, GPTConfig
 from process_groups import init_distributed
 
@@ -78,13 +79,6 @@ def rung_bytes(cfg: GPTConfig, strategy: str, precision: str, world: int, seq_le
     return {"params": params, "grads": states["grads"], "optimizer": states["optimizer"],
             "activations": act, "total": states["total"] - states["params"] + params + act,
             **({"host": states["host"]} if offload else {})}
-
-
-def root_params(cfg: GPTConfig) -> int:
-    """Parameters of FSDP's root unit, everything around the blocks: token and position
-    embeddings, the final norm, and the head unless it is the token embedding (tied)."""
-    C, V = cfg.n_embd, cfg.vocab_size
-    return V * C + cfg.block_size * C + 2 * C + (0 if cfg.tie_embeddings else V * C)
 
 
 def _linear_shapes(cfg: GPTConfig) -> dict:

@@ -412,12 +412,19 @@ def ep_params(name_or_config, ep: int = 1) -> tuple[int, int]:
     return _shared_params(cfg) + experts, experts
 
 
+def root_params(name_or_config) -> int:
+    """Parameters around the blocks (FSDP's root unit): token and position embeddings, the
+    final norm, and the head unless it is the token embedding (tied)."""
+    cfg = _config(name_or_config)
+    C, V = cfg.n_embd, cfg.vocab_size
+    return V * C + cfg.block_size * C + 2 * C + (0 if cfg.tie_embeddings else V * C)
+
+
 def _shared_params(cfg: GPTConfig) -> int:
     """Every parameter but the experts': an MoE block keeps its router (E C) instead of the MLP."""
-    C, V = cfg.n_embd, cfg.vocab_size
+    C = cfg.n_embd
     block = 4 * C * C + 7 * C + (cfg.experts * C if cfg.experts else 8 * C * C + 5 * C)
-    head = 0 if cfg.tie_embeddings else V * C
-    return V * C + cfg.block_size * C + cfg.n_layer * block + 2 * C + head
+    return root_params(cfg) + cfg.n_layer * block
 
 
 def _config(name_or_config) -> GPTConfig:

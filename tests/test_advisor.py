@@ -1,8 +1,8 @@
 """advisor.py: the lecture's flow chart rung by rung, memory.py --advise, train.py --strategy auto."""
 import pytest
 
-from advisor import advise, expert_parallel_options, parse_bytes, root_params
-from memory import GB, ep_params, expert_params, main, moe_exchange_bytes
+from advisor import advise, expert_parallel_options, parse_bytes
+from memory import GB, ep_params, expert_params, main, moe_exchange_bytes, root_params
 from model import PRESETS
 from multiprocess import run_ranks
 

@@ -1,10 +1,14 @@
 """The mixture-of-experts layer (moe.py) against a dense MLP and a plain loop over tokens;
 expert parallelism against one process."""
+import contextlib
+import io
 import math
+import os
 import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from model import MLP, GPTConfig
 from moe import MoE, routing_summary
@@ -199,7 +203,6 @@ def _gpt(capacity_factor):
 
 
 def _data_parallel_gradients(capacity_factor):
-    import torch.distributed as dist
     from ddp import DDP
     gpt, (x, y) = _gpt(capacity_factor), _batch()
     r, n = dist.get_rank(), dist.get_world_size()
@@ -360,11 +363,6 @@ EP_RUN = ["--model", "tiny-moe", "--steps", "4", "--log-every", "1", "--eval-eve
 
 def _train_logged(argv):
     """train.main(argv) on this rank: its history (full-precision losses) and what it printed."""
-    import contextlib
-    import io
-    import os
-
-    import torch.distributed as dist
     import train
     os.environ["WORLD_SIZE"] = str(dist.get_world_size())       # what torchrun would set
     printed = io.StringIO()
