@@ -507,7 +507,7 @@ def parse_args(argv=None):
                     f"{args.model}'s block size")
         args.batch_size = args.batch_size or 16
         chosen = args.strategies != p.get_default("strategies")
-        args.strategies = args.strategies.split(",") if chosen else list(SCALED)
+        args.strategies = [s.strip() for s in args.strategies.split(",")] if chosen else list(SCALED)
         if not set(args.strategies) <= set(SCALED):
             p.error(f"--scaling runs --strategies among {', '.join(SCALED)}")
         if any(args.batch_size % w for w in args.scaling):
