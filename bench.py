@@ -48,7 +48,7 @@ import tensor_parallel
 from bench_collectives import bench_collectives, collectives_report
 from bench_scaling import STRATEGIES as SCALED, bench_scaling, scaling_report
 from bench_measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report,
-                           report, spread, summary, time_training)
+                           report, size_report, spread, summary, time_training)
 from checkpointing import checkpoint_blocks
 from collectives import Comm, split_norm
 from data import TextData
@@ -481,9 +481,13 @@ def parse_args(argv=None):
     p.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip, 0: off; default 1")
     p.add_argument("--threads", type=int, help="torch threads per rank; default cores / local ranks")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="one more untimed run of each side under torch.profiler: a table of the "
+                        "operators' time per step, ours beside PyTorch's, under each row")
     p.add_argument("--json", default="bench.json", help="the numbers as JSON; default bench.json")
-    p.add_argument("--report", metavar="FILE", help="print the tables of a finished run from the JSON "
-                   "it wrote (runs nothing; the README's tables are made so)")
+    p.add_argument("--report", metavar="FILE", nargs="+",
+                   help="print the tables of finished runs from the JSON they wrote (runs nothing; the "
+                        "README's tables are made so); with several, also ddp's step time by model size")
     p.add_argument("--scaling", metavar="WORLDS", type=lambda s: [int(w) for w in s.split(",")],
                    help="instead of the contenders: ddp, zero1, zero2, fsdp, tp and pipeline 2 steps "
                         "at each world size (e.g. 1,2,4,8), bytes held and sent per rank beside "
@@ -605,9 +609,15 @@ def print_report(data: dict):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.report:                             # a finished run's tables: no ranks, no run
-        with open(args.report) as f:
-            return print_report(json.load(f))
+    if args.report:                             # finished runs' tables: no ranks, no run
+        runs = []
+        for name in args.report:
+            with open(name) as f:
+                runs.append(json.load(f))
+            print_report(runs[-1])
+        if len(runs) > 1:
+            print("\n".join(size_report(runs)))
+        return
     # torchrun sets OMP_NUM_THREADS=1; on a CPU the ranks share the cores, a share each.
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_ranks))

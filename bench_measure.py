@@ -5,8 +5,9 @@ time), beside the bytes held between steps (memory.held_bytes, a DTensor by its 
 the bytes one forward keeps for backward (saved-tensor hooks) and, on a GPU, MFU against the
 card's datasheet peak. Ours and PyTorch's runs alternate; so do a mixture of experts' runs at
 ep 1 and ep P, with the expert weights a rank holds and the all-to-all bytes beside memory.py's.
-Left out: where a step's time goes (train.py --profile), and a CPU allocator's peak (none is
-kept: bytes held between steps instead).
+With --profile, one more untimed run of each side under torch.profiler says where a step's time
+goes, operator by operator, side by side. Left out: a CPU allocator's peak (none is kept: bytes
+held between steps instead).
 Run: torchrun --nproc_per_node 2 bench.py --quick (bench.py imports this file)
 Test: python -m pytest tests/test_bench.py
 """
@@ -198,8 +199,9 @@ def activation_bytes(run: Run, x, y) -> int:
     return sum(storages.values())
 
 
-def time_training(build, args, batches, device) -> dict:
-    """Build a fresh model and strategy, warm up, time args.steps steps: ms/step, memory, bytes."""
+def time_training(build, args, batches, device, profile: bool = False) -> dict:
+    """Build a fresh model and strategy, warm up, time args.steps steps: ms/step, memory, bytes.
+    profile: run the timed steps under torch.profiler (which slows them), and add "profile"."""
     gc.collect()                                # the previous run's model and hooks are gone
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -213,9 +215,12 @@ def time_training(build, args, batches, device) -> dict:
     sync(device)
     dist.barrier()                              # every rank starts the clock together
     start = time.perf_counter()
-    for x, y in batches[args.warmup:]:
-        loss = train_step(run, x, y, args.clip_grad)
-    sync(device)
+    profiler = (torch.profiler.profile(activities=profiled_activities(device)) if profile
+                else contextlib.nullcontext())
+    with profiler:
+        for x, y in batches[args.warmup:]:
+            loss = train_step(run, x, y, args.clip_grad)
+        sync(device)
     seconds = across_ranks(time.perf_counter() - start, device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else held(run)
     sent = None if run.comm is None else {name: b / args.steps for name, b in run.comm.bytes_sent.items()}
@@ -230,7 +235,22 @@ def time_training(build, args, batches, device) -> dict:
             "expert_bytes": across_ranks(expert_bytes(run.model), device),
             "activation_bytes": across_ranks(activation_bytes(run, x, y), device),
             # the same loss on both sides says both did the same work
-            "last_loss": across_ranks(loss.item(), device, dist.ReduceOp.SUM) / dist.get_world_size()}
+            "last_loss": across_ranks(loss.item(), device, dist.ReduceOp.SUM) / dist.get_world_size(),
+            **({"profile": ops_per_step(profiler, args.steps, device)} if profile else {})}
+
+
+def profiled_activities(device) -> list:
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    return cpu + [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else cpu
+
+
+def ops_per_step(profiler, steps: int, device) -> dict:
+    """{operator: this rank's self time per step, ms}: CPU time on a CPU, kernel time on a GPU
+    (where the host only launches). Self time: an operator's own, without the operators it calls,
+    so the figures add up to the step."""
+    cuda = device.type == "cuda"
+    return {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3 / steps
+            for e in profiler.key_averages()}
 
 
 NAPKIN_STRATEGY = {"checkpointing": "ddp"}   # what memory.comm_bytes knows a row as
@@ -267,6 +287,9 @@ def bench_strategy(name, builds, args, batches, device, n_params, peak_flops) ->
     napkin = runs["ours"][-1]["napkin_sent"]
     row["ours"]["napkin_sent_per_step"] = napkin if napkin is not None else sum(
         comm_bytes(n_params, NAPKIN_STRATEGY.get(name, name), args.precision, dist.get_world_size()).values())
+    if args.profile:       # one untimed run more of each side: where the time goes, side by side
+        row["profile"] = {who: time_training(build, args, batches, device, profile=True)["profile"]
+                          for who, build in zip(("ours", "torch"), builds)}
     if peak_flops:
         # Model FLOPs per token (Kaplan et al. 2020; PaLM appendix B): 6 per parameter for forward
         # and backward, plus attention's scores and weighted sum, 12 * layers * width * sequence.
@@ -437,6 +460,39 @@ def report(m: dict, rows: list) -> list:
         lines += [f"- {r['strategy']}: {r['torch_counterpart']}; loss {r['ours']['last_loss']:.5f} / "
                   f"{r['torch']['last_loss']:.5f}" + _bubble_note(r, m) + _held_note(r) for r in rows]
     lines += [f"- {name}: skipped, {why}" for name, why in m["skipped"].items()]
+    return lines + [line for r in rows if "profile" in r for line in profile_report(r)]
+
+
+def profile_report(row: dict, top: int = 12) -> list:
+    """A profiled row's operators, ours beside PyTorch's: self ms per step on rank 0 in one more
+    run under torch.profiler, the `top` largest on either side, then the sum over every operator."""
+    ours, theirs = row["profile"]["ours"], row["profile"]["torch"]
+    ops = sorted(set(ours) | set(theirs), key=lambda op: -max(ours.get(op, 0), theirs.get(op, 0)))
+    lines = ["", f"{row['strategy']}: where a step's time goes (bench.py --profile: self ms per step, "
+                 f"rank 0, one more run under torch.profiler, slowed by it)", "",
+             "| operator | ours ms/step | torch ms/step | ours - torch |", "|---|---|---|---|"]
+    for op in ops[:top]:
+        a, b = ours.get(op, 0.0), theirs.get(op, 0.0)
+        lines.append(f"| {op} | {a:.1f} | {b:.1f} | {a - b:+.1f} |")
+    total_ours, total_torch = sum(ours.values()), sum(theirs.values())
+    lines.append(f"| every operator | {total_ours:.1f} | {total_torch:.1f} | {total_ours - total_torch:+.1f} |")
+    return lines
+
+
+def size_report(runs: list) -> list:
+    """ddp against DistributedDataParallel in each run (one per model size), smallest model first:
+    whether the ratio holds as the matmuls grow and the per-call overheads stop dominating."""
+    lines = ["", "ddp by model size (bench.py --report on each size's JSON):", "",
+             "| model | params | global batch x seq len | ours ms/step | torch ms/step | ours/torch | "
+             "ours tokens/s | torch tokens/s | run |", "|---|---|---|---|---|---|---|---|---|"]
+    for data in sorted(runs, key=lambda d: d["machine"]["n_params"]):
+        m = data["machine"]
+        for r in (r for r in data["strategies"] if r["strategy"] == "ddp"):
+            lines.append(f"| {m['model']} | {m['n_params'] / 1e6:.2f}M | {m['global_batch']} x "
+                         f"{m['seq_len']} | {spread(r['ours']['ms_per_step'])} | "
+                         f"{spread(r['torch']['ms_per_step'])} | {r['ratio']:.2f} | "
+                         f"{r['ours']['tokens_per_s']:,.0f} | {r['torch']['tokens_per_s']:,.0f} | "
+                         f"{m['world_size']} ranks, {m['repeats']} x {m['steps']} steps, {m['date']} |")
     return lines
 
 

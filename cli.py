@@ -29,9 +29,10 @@ from model import PRESETS
 
 # --strategy -> the module whose build(gpt, options, data, split, device, adamw) wraps the model
 # and makes its optimizer: (model, optimizer, bytes sent per step its formula predicts, bytes held
-# memory.py's napkin math predicts). "auto" picks one of them (advisor.advise).
+# memory.py's napkin math predicts). "auto" picks one of them (advisor.advise). tp, pipeline and cp
+# are ddp over the data dimension, with their split (train.parallelize).
 STRATEGIES = {"single": ddp, "ddp": ddp, "zero1": zero, "zero2": zero, "fsdp": fsdp, "zero3": fsdp,
-              "tp": tensor_parallel, "pipeline": pipeline, "cp": context_parallel}
+              "tp": ddp, "pipeline": ddp, "cp": ddp}
 EVAL_FRACTION = 0.05                      # data.py's held-out tail
 
 
@@ -64,29 +65,29 @@ def parse_args(argv=None):
                                                           "continues up to this many)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=64, help="tokens (bytes) per sequence")
-    p.add_argument("--tp", type=int, default=1, help="--strategy tp: ranks per tensor-parallel "
-                   "group (the world is tp x data-parallel)")
+    p.add_argument("--tp", type=int, default=1, help="ranks per tensor-parallel group, splitting "
+                   "every matrix (the world is tp x cp x pp x data-parallel; --strategy tp: ddp with it)")
     p.add_argument("--sequence-parallel", action="store_true",
-                   help="--strategy tp: norms and dropout on 1/tp of the tokens each")
-    p.add_argument("--pp", type=int, default=1, help="--strategy pipeline: stages, one rank each "
-                   "(the world is pp x data-parallel)")
+                   help="with --tp: norms and dropout on 1/tp of the tokens each")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages the blocks are cut into, "
+                   "one rank each (--strategy pipeline: ddp with them)")
     p.add_argument("--microbatches", type=int, default=None,
-                   help="--strategy pipeline: micro-batches per step in each pipeline (default: 2 x pp)")
+                   help="with --pp: micro-batches per step in each pipeline (default: 2 x pp)")
     p.add_argument("--schedule", choices=sorted(schedules.SCHEDULES), default=None,
-                   help="--strategy pipeline: all forwards then all backwards (gpipe), alternating "
+                   help="with --pp: all forwards then all backwards (gpipe), alternating "
                         "(1f1b, the default), over several chunks per stage (interleaved), or with "
                         "each backward split, its weight half filling the idle slots (zb)")
     p.add_argument("--virtual-stages", type=int, default=None,
                    help="--schedule interleaved: chunks of blocks per stage (default 2)")
     p.add_argument("--stage-layers", default=None, metavar="N,N,...",
-                   help="--strategy pipeline: blocks per stage (default: balanced by count)")
-    p.add_argument("--cp", type=int, default=1, help="--strategy cp: ranks each sequence is split over "
-                   "(the world is cp x data-parallel)")
+                   help="with --pp: blocks per stage (default: balanced by count)")
+    p.add_argument("--cp", type=int, default=1, help="ranks each sequence is split over (context "
+                   "parallelism; --strategy cp: ddp with it)")
     p.add_argument("--cp-attention", choices=sorted(context_parallel.ATTENTIONS), default=None,
-                   help="--strategy cp: K/V blocks passed round a ring while attention computes (ring, "
+                   help="with --cp: K/V blocks passed round a ring while attention computes (ring, "
                         "the default), or the whole sequence's K/V all-gathered (allgather, Llama 3's)")
     p.add_argument("--cp-balance", choices=("zigzag", "none"), default=None,
-                   help="--strategy cp: rank r holds chunks r and 2cp-1-r of 2cp, the same causal work "
+                   help="with --cp: rank r holds chunks r and 2cp-1-r of 2cp, the same causal work "
                         "on every rank (zigzag, the default), or chunk r of cp (none)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
@@ -191,22 +192,33 @@ def parse_args(argv=None):
     return args
 
 
-def split_size(args) -> int | None:
-    """Ranks that hold one model between them (--tp under tp, --pp under pipeline), or its
-    sequences (--cp under cp); None when every rank holds a whole one."""
-    return {"tp": args.tp, "pipeline": args.pp, "cp": args.cp}.get(args.strategy)
+# --strategy tp, pipeline and cp: ddp over the data dimension, with that dimension split even at
+# size 1. The strategies whose data dimension runs beside --tp, --pp and --cp:
+MESH_DATA = ("single", "ddp", "tp", "pipeline", "cp")
+SPLIT_BY = {"tp": "tp", "pipeline": "pp", "cp": "cp"}
+
+
+def mesh_splits(args) -> dict:
+    """{dimension: size} of the dimensions this run splits the model or its sequences over: tp
+    (matrices), cp (sequences), pp (stages); a --strategy tp, pipeline or cp splits its own."""
+    return {d: getattr(args, d) for d in ("tp", "cp", "pp")
+            if getattr(args, d) > 1 or SPLIT_BY.get(args.strategy) == d}
 
 
 def run_shape(args, data_size: int) -> tuple[str, str]:
-    """How the log names the run's mesh (" = tp 2 x dp 2"; "" without one) and its micro-batches."""
-    if args.strategy == "pipeline":
-        chunks = f" ({args.virtual_stages} chunks per stage)" if args.virtual_stages > 1 else ""
-        return (f" = pp {args.pp} x dp {data_size}, {args.schedule}{chunks} over {args.microbatches} "
-                f"micro-batches", f"{args.microbatches} micro-batch(es) per pipeline")
-    mesh = {"tp": f" = tp {args.tp} x dp {data_size}",
-            "cp": f" = cp {args.cp} x dp {data_size}, {args.cp_attention} attention, "
-                  f"{args.cp_balance} balance"}.get(args.strategy, "")
-    return mesh, f"{args.grad_accum} micro-batch(es) per rank"
+    """How the log names the run's mesh (" = tp 2 x pp 2 x dp 2, ..."; "" without one) and its
+    micro-batches."""
+    splits = mesh_splits(args)
+    if not splits:
+        return "", f"{args.grad_accum} micro-batch(es) per rank"
+    mesh = " = " + " x ".join(f"{d} {n}" for d, n in splits.items()) + f" x dp {data_size}"
+    if "cp" in splits:
+        mesh += f", {args.cp_attention} attention, {args.cp_balance} balance"
+    if "pp" not in splits:
+        return mesh, f"{args.grad_accum} micro-batch(es) per rank"
+    chunks = f" ({args.virtual_stages} chunks per stage)" if args.virtual_stages > 1 else ""
+    return (mesh + f", {args.schedule}{chunks} over {args.microbatches} micro-batches",
+            f"{args.microbatches} micro-batch(es) per pipeline")
 
 
 def check_args(parser, args, world_size):
@@ -228,7 +240,7 @@ def check_args(parser, args, world_size):
     if args.strategy == "single" and world_size > 1:
         parser.error(f"--strategy single runs one process, but {world_size} were launched: "
                      f"use --strategy ddp (or zero1, zero2, fsdp, tp), or run with plain `python train.py`")
-    for name in ("steps", "grad_accum", "seq_len", "log_every", "batch_size", "keep", "tp",
+    for name in ("steps", "grad_accum", "seq_len", "log_every", "batch_size", "keep", "tp", "cp", "pp",
                  "eval_batches", "lora_rank"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -253,6 +265,7 @@ def check_args(parser, args, world_size):
     if not 0 < args.lora_alpha < math.inf:
         parser.error(f"--lora-alpha must be positive (the update is scaled by alpha / rank: at 0 "
                      f"the adapter never changes the model), got {args.lora_alpha}")
+    check_mesh(parser, args, world_size)
     check_experts(parser, args, world_size)
     check_tensor_parallel(parser, args, world_size)
     check_pipeline(parser, args, world_size)
@@ -301,7 +314,7 @@ def check_args(parser, args, world_size):
     if args.quantize_base and not (args.lora and args.init_from):
         parser.error("--quantize-base stores a trained base in 4 bits under LoRA adapters: add "
                      "--lora and --init-from RUN_DIR (the model to fine-tune)")
-    if args.quantize_base and args.strategy == "tp":
+    if args.quantize_base and "tp" in mesh_splits(args):
         parser.error("--quantize-base: a 4-bit base weight cannot be split over tensor-parallel "
                      "ranks; fine-tune in 4 bits with --strategy ddp, zero1, zero2 or fsdp")
     if args.double_quant and not args.quantize_base:
@@ -397,17 +410,43 @@ def check_experts(parser, args, world_size):
         parser.error(f"--aux-loss-weight must be 0 (off) or positive, got {args.aux_loss_weight}")
     if args.z_loss_weight is not None and not 0 <= args.z_loss_weight < math.inf:
         parser.error(f"--z-loss-weight must be 0 (off) or positive, got {args.z_loss_weight}")
-    if args.strategy in ("tp", "pipeline", "cp"):
-        parser.error(f"--strategy {args.strategy} does not split expert layers: train a model with "
-                     f"experts under --strategy ddp, zero1, zero2 or fsdp")
+    if mesh_splits(args):
+        parser.error(f"{mesh_flags(args)} does not split expert layers yet: train a model with "
+                     f"experts under --strategy ddp, zero1, zero2 or fsdp, with --ep")
+
+
+def mesh_flags(args) -> str:
+    """The flags that ask for the run's mesh, as the user gave them: "--tp 2 --pp 2"."""
+    flags = [f"--{d} {getattr(args, d)}" for d in ("tp", "cp", "pp") if getattr(args, d) != 1]
+    return " ".join(flags + ([f"--strategy {args.strategy}"] if args.strategy in SPLIT_BY else []))
+
+
+def check_mesh(parser, args, world_size):
+    """--tp, --cp and --pp together: one mesh (process_groups.make_device_mesh), the world their
+    product x the data-parallel ranks, each combination one this project builds."""
+    splits = mesh_splits(args)
+    if not splits:
+        return
+    if args.strategy not in MESH_DATA:
+        parser.error(f"{mesh_flags(args)} with --strategy {args.strategy}: the data dimension beside a "
+                     f"tensor, context or pipeline split runs ddp in this version; use --strategy ddp")
+    if args.sequence_parallel and ("cp" in splits or "pp" in splits):
+        parser.error("--sequence-parallel with --cp or --pp: both would place the tokens a rank holds "
+                     "(and a stage would send 1/tp of them); leave --sequence-parallel out")
+    if args.lora and "tp" in splits and len(splits) > 1:
+        parser.error(f"--lora with {mesh_flags(args)}: LoRA under tensor parallelism runs with --tp "
+                     f"alone; fine-tune with --tp, or with --cp or --pp without --tp")
+    product = math.prod(max(1, getattr(args, d)) for d in ("tp", "cp", "pp"))
+    if len(splits) > 1 and world_size % product:
+        parser.error(f"world size {world_size} is not {' x '.join(f'--{d} {n}' for d, n in splits.items())}"
+                     f" x a data-parallel size: launch a multiple of {product} processes")
 
 
 def check_tensor_parallel(parser, args, world_size):
-    """--tp and --sequence-parallel: only with --strategy tp, and splitting the world and the model."""
-    if args.strategy != "tp":
-        if args.tp != 1 or args.sequence_parallel:
-            parser.error(f"--tp and --sequence-parallel split layers: add --strategy tp "
-                         f"(--strategy {args.strategy} replicates or shards whole parameters)")
+    """--tp and --sequence-parallel: splitting the world and the model."""
+    if "tp" not in mesh_splits(args):
+        if args.sequence_parallel:
+            parser.error("--sequence-parallel splits the tokens of a tensor-parallel group: add --tp N")
         return
     if world_size % args.tp:
         parser.error(f"world size {world_size} is not --tp {args.tp} x a data-parallel size: launch "
@@ -438,14 +477,13 @@ def check_shard_group(parser, args, world_size):
 
 
 def check_pipeline(parser, args, world_size):
-    """--pp, --microbatches, --schedule, --stage-layers: only with --strategy pipeline, and a split
-    the world and the model allow."""
-    if args.strategy != "pipeline":
-        if (args.pp != 1 or args.microbatches is not None or args.stage_layers is not None
+    """--pp, --microbatches, --schedule, --stage-layers: a split the world and the model allow."""
+    if "pp" not in mesh_splits(args):
+        if (args.microbatches is not None or args.stage_layers is not None
                 or args.schedule is not None or args.virtual_stages is not None):
-            parser.error(f"--pp, --microbatches, --schedule, --virtual-stages and --stage-layers cut "
-                         f"the model into stages: add --strategy pipeline (--strategy "
-                         f"{args.strategy} runs the whole model on every rank)")
+            parser.error(f"--microbatches, --schedule, --virtual-stages and --stage-layers cut the "
+                         f"model into stages: add --pp N (--strategy {args.strategy} without it runs "
+                         f"the whole model on every rank)")
         return
     args.schedule = args.schedule or "1f1b"
     if args.virtual_stages is None:
@@ -470,12 +508,11 @@ def check_pipeline(parser, args, world_size):
 
 
 def check_context_parallel(parser, args, world_size):
-    """--cp, --cp-attention, --cp-balance: only with --strategy cp, and a split the world and the
-    sequence allow."""
-    if args.strategy != "cp":
-        if args.cp != 1 or args.cp_attention is not None or args.cp_balance is not None:
-            parser.error(f"--cp, --cp-attention and --cp-balance split sequences over ranks: add "
-                         f"--strategy cp (--strategy {args.strategy} gives every rank whole sequences)")
+    """--cp, --cp-attention, --cp-balance: a split the world and the sequence allow."""
+    if "cp" not in mesh_splits(args):
+        if args.cp_attention is not None or args.cp_balance is not None:
+            parser.error(f"--cp-attention and --cp-balance split sequences over ranks: add --cp N "
+                         f"(--strategy {args.strategy} without it gives every rank whole sequences)")
         return
     args.cp_attention = args.cp_attention or "ring"
     args.cp_balance = args.cp_balance or "zigzag"
@@ -491,4 +528,4 @@ def check_context_parallel(parser, args, world_size):
                      f"e.g. {args.seq_len // chunks * chunks or chunks}")
     if args.dropout:
         parser.error("--dropout: context-parallel attention has no dropout (its masks would have to "
-                     "be drawn again block by block in backward): use --dropout 0 with --strategy cp")
+                     "be drawn again block by block in backward): use --dropout 0 with --cp")

@@ -31,10 +31,7 @@ import torch.nn.functional as F
 
 from checkpointing import saved_activation_bytes
 from collectives import Comm, as_comm
-from ddp import DDP
-from memory import cp_kv_bytes, run_state_bytes
-from mixed_precision import MixedPrecisionOptimizer
-from model import cross_entropy
+from memory import cp_kv_bytes
 from tensor_parallel import enter_region
 
 # ---- the split: which tokens a rank holds -------------------------------------------------------
@@ -333,7 +330,12 @@ class ContextParallelGPT(nn.Module):
         self.gpt, self.comm, self.attention = gpt, as_comm(group), attention
         self.split = SequenceSplit(self.comm.world_size, zigzag)
         self.clock = BusyClock()
+        # In place, so that model.py's forward (or a pipeline stage's part of it) runs on this
+        # rank's tokens: its positions in the sequence, and attention over the group.
+        gpt.positions_of = self._my_positions
         for block in gpt.blocks:
+            if isinstance(block, nn.Identity):          # another pipeline stage's block
+                continue
             block.attn.attend = partial(self._attend, ATTENTIONS[attention])
         # True: the next training forward counts the bytes it keeps for backward (saved-tensor
         # hooks) into activation_bytes. build() asks, for train.py's log; off otherwise, since
@@ -344,22 +346,29 @@ class ContextParallelGPT(nn.Module):
     def _attend(self, attention, q, k, v, dropout_p: float):                 # (B, H, t, D) each
         return attention(q, k, v, self.comm, self.split, self.clock)
 
-    def forward(self, idx, targets=None):                  # idx: (B, T), the same on the group's ranks
-        gpt, T = self.gpt, idx.shape[1]
-        if T > gpt.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {gpt.cfg.block_size}: use a "
-                             f"shorter --seq-len or a larger model preset")
+    def _my_positions(self, t: int, device) -> torch.Tensor:      # (t,) of the T = cp x t
+        return self.split.positions(self.comm.rank, t * self.comm.world_size, device)
+
+    def local_tokens(self, idx, targets=None):             # (B, T) each -> (B, t) each
+        """This rank's tokens of whole sequences (and of their targets, if given)."""
+        T = idx.shape[1]
+        if T > self.gpt.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.gpt.cfg.block_size}: use "
+                             f"a shorter --seq-len or a larger model preset")
         positions = self.split.positions(self.comm.rank, T, idx.device)      # (t,)
+        return idx[:, positions], None if targets is None else targets[:, positions]
+
+    def forward(self, idx, targets=None):                  # idx: (B, T), the same on the group's ranks
+        idx, targets = self.local_tokens(idx, targets)
 
         def run():
-            # model.py's own forward on this rank's tokens: (B, t) -> (B, t, C) -> logits (B, t, V)
-            logits = gpt.logits(gpt.run_blocks(gpt.embed(idx[:, positions], positions)))
-            # The mean over this rank's B x t tokens: every rank holds as many, so the mean over
-            # the ranks (DDP's average) is the mean over the whole batch.
-            return logits if targets is None else (logits, cross_entropy(logits, targets[:, positions]))
+            # model.py's own forward on this rank's tokens: (B, t) -> (B, t, C) -> logits (B, t, V).
+            # The loss: the mean over this rank's B x t tokens; every rank holds as many, so the
+            # mean over the ranks (DDP's average) is the mean over the whole batch.
+            return self.gpt(idx, targets)
         if self.count_activations and self.training and torch.is_grad_enabled():
             self.count_activations = False
-            self.activation_bytes, result = saved_activation_bytes(run, exclude=list(gpt.parameters()))
+            self.activation_bytes, result = saved_activation_bytes(run, exclude=list(self.gpt.parameters()))
             return result
         return run()
 
@@ -368,7 +377,7 @@ class ContextParallelGPT(nn.Module):
         since the last call: 1 - its busy seconds / the busiest rank's; predicted by counting the
         causal mask's blocks (SequenceSplit.predicted_idle). Collective over the group."""
         busy = torch.tensor([self.clock.read()], dtype=torch.float64,
-                            device=self.gpt.pos_emb.weight.device)
+                            device=next(self.gpt.parameters()).device)
         every = [torch.zeros_like(busy) for _ in range(self.comm.world_size)]
         dist.all_gather(every, busy, group=self.comm.group)                   # a metric: not counted
         busiest = max(b.item() for b in every)
@@ -381,37 +390,12 @@ class ContextParallelGPT(nn.Module):
     def kv_bytes_per_step(self, batch: int, seq_len: int, micro_batches: int = 1,
                           recomputed: int = 0) -> int:
         """K/V bytes this rank sends per step (memory.cp_kv_bytes for every layer and micro-batch):
-        batch rows per rank; recomputed: checkpointed blocks, whose forward runs again in backward."""
+        batch rows per rank; recomputed: checkpointed blocks, whose forward runs again in backward.
+        A pipeline stage counts its own blocks; a tensor-parallel rank its own heads' K/V."""
         cfg = self.gpt.cfg
-        layer = cp_kv_bytes(seq_len, batch // micro_batches, cfg.n_embd, self.comm.world_size,
-                            self.attention, self.gpt.pos_emb.weight.element_size())
-        return micro_batches * (cfg.n_layer * (layer["forward"] + layer["backward"])
+        blocks = [block for block in self.gpt.blocks if not isinstance(block, nn.Identity)]
+        hidden = cfg.n_embd * blocks[0].attn.n_head // cfg.n_head          # C, or C/tp
+        layer = cp_kv_bytes(seq_len, batch // micro_batches, hidden, self.comm.world_size,
+                            self.attention, blocks[0].norm1.weight.element_size())
+        return micro_batches * (len(blocks) * (layer["forward"] + layer["backward"])
                                 + recomputed * layer["forward"])
-
-
-# ---- train.py's row ---------------------------------------------------------------------------
-
-def build(gpt, options, data, split, device, adamw: dict):
-    """--strategy cp: (the GPT over the cp group's sequence chunks, under DDP over the whole world;
-    MixedPrecisionOptimizer(AdamW); the bytes sent and held per step predicted).
-
-    options: train.py's parsed command line; data: the data-parallel group (its ranks read other
-    rows); split: the cp group (its ranks read the same rows, each keeping its chunks); adamw: the
-    optimizer's settings. No parameter is split: checkpoints hold whole ones, as under ddp.
-    """
-    cp = ContextParallelGPT(gpt, split, options.cp_attention, options.cp_balance == "zigzag")
-    cp.count_activations = True                            # the first step's, for the log
-    # Every rank's gradient is the whole model's, from its own tokens: summed over the cp group and
-    # averaged over the data groups in one all-reduce over the world, divided by cp x dp (each
-    # rank's loss is its tokens' mean). Over the world with ring collectives, building the Comm is
-    # collective: every rank does it here, in the same order.
-    world = Comm(ring=data.ring, bytes_sent=data.bytes_sent)
-    model = DDP(cp, world, bucket_mb=options.bucket_mb) if world.world_size > 1 else cp
-    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=options.precision,
-                                        **adamw)
-    every = options.checkpoint_activations                 # checkpoint_blocks: blocks 0, K, 2K, ...
-    recomputed = len(range(0, gpt.cfg.n_layer, every)) if every else 0
-    cp.kv_formula = cp.kv_bytes_per_step(options.batch_size // data.world_size, options.seq_len,
-                                         options.grad_accum, recomputed)
-    held = run_state_bytes(gpt, "ddp", options, world.world_size)
-    return model, optimizer, cp.kv_formula + (model.bytes_per_step() if model is not cp else 0), held

@@ -462,19 +462,24 @@ def run_state_bytes(gpt, strategy: str, options, world_size: int, n_params: int 
                           offload=options.offload or False)
 
 
-def tp_params(name_or_config, tp: int) -> int:
-    """Parameters one tensor-parallel rank holds (tensor_parallel.py), in closed form.
+def mesh_params(name_or_config, tp: int = 1, blocks: int | None = None, first: bool = True,
+                last: bool = True) -> int:
+    """Parameters one rank of a tensor x pipeline mesh holds (tensor_parallel.py, pipeline.py),
+    in closed form: its stage's blocks (None: all of them), each split over the tp ranks, and
+    the first stage's embeddings, the last stage's final norm and head.
 
     Every matrix of a block is split over the tp ranks, and so are the column layers' biases
     (query, value, MLP up: 6C); the row layers' biases (2C) and the norms (4C) stay whole:
     12 C^2 / tp + 6C / tp + 6C per block. Token embedding and head are split over the
-    vocabulary; positions and the final norm are whole. tp=1 gives model_params.
+    vocabulary; positions and the final norm are whole. A head tied to the token embedding
+    is a copy of it on a last stage that is not also the first. tp=1, all blocks: model_params.
     """
     cfg = PRESETS[name_or_config] if isinstance(name_or_config, str) else name_or_config
     C, V = cfg.n_embd, cfg.vocab_size
     block = (12 * C * C + 6 * C) // tp + 6 * C
-    head = 0 if cfg.tie_embeddings else V * C // tp
-    return V * C // tp + cfg.block_size * C + cfg.n_layer * block + 2 * C + head
+    embeddings = V * C // tp + cfg.block_size * C if first else 0
+    head = 0 if cfg.tie_embeddings and first else V * C // tp
+    return embeddings + (cfg.n_layer if blocks is None else blocks) * block + (2 * C + head if last else 0)
 
 
 # ---- measured on a live rank -----------------------------------------------------------------

@@ -134,6 +134,12 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.token_emb.weight
+        # Two parts the parallelisms swap in place, so that every one of them runs this same
+        # forward: the positions of the tokens this rank embeds (context parallelism keeps its
+        # chunks of each sequence, sequence parallelism 1/tp of it), and the loss of the logits
+        # this rank holds (tensor parallelism holds V/tp of them).
+        self.positions_of = whole_sequence
+        self.loss_fn = cross_entropy
         self.apply(self._init_weights)
         # GPT-2's scaling: each block adds two projections to the residual stream, so their
         # init shrinks with depth to keep the stream's variance from growing.
@@ -149,19 +155,19 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    # The forward in parts (embed, run_blocks, logits, then cross_entropy below): tensor
-    # parallelism (tensor_parallel.py) and pipeline stages (pipeline.py) run these same parts
-    # on their split or partial model.
+    # The forward in parts (embed, run_blocks, logits, then loss_fn): pipeline stages
+    # (pipeline.py) run these same parts on their share of the model.
 
-    def embed(self, idx, positions=None):                        # idx: (B, T) token ids
-        """Token plus position embeddings, dropped out: (B, T, C). positions: the tokens' places,
-        0..T-1 by default (sequence parallelism passes its rank's T/N)."""
+    def embed(self, idx):                                        # idx: (B, T) token ids
+        """Token plus position embeddings, dropped out: (B, T, C) (sequence parallelism: its
+        rank's T/tp of them). The positions: positions_of(T), 0..T-1 unless a parallelism
+        swapped it."""
         T = idx.shape[1]
-        if T > self.cfg.block_size:
+        # A split sequence's T is a part: the parallelism that split it checks the whole.
+        if T > self.cfg.block_size and self.positions_of is whole_sequence:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}: "
                              f"use a shorter --seq-len or a larger model preset")
-        if positions is None:
-            positions = torch.arange(T, device=idx.device)
+        positions = self.positions_of(T, idx.device)
         return self.drop(self.token_emb(idx) + self.pos_emb(positions))   # (B, T, C)
 
     def run_blocks(self, x, layers=None):                        # (B, T, C) -> (B, T, C)
@@ -177,7 +183,7 @@ class GPT(nn.Module):
         logits = self.logits(self.run_blocks(self.embed(idx)))
         if targets is None:
             return logits
-        loss = cross_entropy(logits, targets)
+        loss = self.loss_fn(logits, targets)
         return logits, loss + self.aux_loss() if self.cfg.experts else loss
 
     def aux_loss(self) -> torch.Tensor:
@@ -203,6 +209,11 @@ class GPT(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())         # shared weights counted once
+
+
+def whole_sequence(n_tokens: int, device) -> torch.Tensor:
+    """Positions 0..T-1: a rank that holds whole sequences."""
+    return torch.arange(n_tokens, device=device)
 
 
 def cross_entropy(logits, targets):                              # (B, T, V), (B, T) -> scalar

@@ -26,10 +26,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from collectives import Comm, ring_bytes, split_norm
-from ddp import DDP
-from memory import run_state_bytes
-from mixed_precision import DTYPES, MixedPrecisionOptimizer
-from model import cross_entropy
 from process_groups import subgroups
 from schedules import (BUBBLE_FORMULAS, Action, bubble_formula, check_schedule, chunks_of, forwards_only, main, make_schedule,
                        nccl_program, run_under_nccl)
@@ -96,8 +92,8 @@ class GPTStage(nn.Module):
         x = gpt.run_blocks(x, self.chunks[chunk])        # (b, T, C)
         if not (self.last and chunk == len(self.chunks) - 1):
             return x
-        logits = gpt.logits(x)                           # (b, T, V)
-        return logits if targets is None else cross_entropy(logits, targets)
+        logits = gpt.logits(x)                           # (b, T, V) (tensor parallel: V/tp)
+        return logits if targets is None else gpt.loss_fn(logits, targets)
 
 
 # ---- zero bubble: a backward in two halves ------------------------------------------------------
@@ -181,12 +177,16 @@ class Pipeline:
     Deadlock-free under gloo's rules and NCCL's: each stage runs nccl_program(its list), the
     sends and receives between two computations posted together, and the programs are played
     by run_under_nccl() (check_schedule) before the first message.
+    Inside a mesh (train.py): stage_norm, the norm of a stage whose parameters are split
+    further (a tensor-parallel stage's grad_norm), summed in squares over the stages; local_tokens,
+    context parallelism's (x, y) -> this rank's tokens of them, applied before the micro-batches.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
                  hidden: int, dtype: torch.dtype, tied: nn.Parameter | None = None,
-                 virtual_stages: int = 1):
+                 virtual_stages: int = 1, stage_norm=None, local_tokens=None):
         self.module, self.comm, self.M = module, comm, microbatches
+        self.stage_norm, self.local_tokens = stage_norm, local_tokens
         self.stage, self.P = comm.rank, comm.world_size
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
         stages = make_schedule(schedule, self.P, self.M, virtual_stages)
@@ -232,6 +232,8 @@ class Pipeline:
         mean loss over B accumulate in the stage's .grad (averaged over replicas, if any).
         Returns that loss on every stage.
         measure: synchronize CUDA around each compute, so busy and wall time are exact."""
+        if self.local_tokens:
+            x, y = self.local_tokens(x, y)                        # (B, t) each
         loss = self._run(self.actions, x, y, scale_loss, measure)
         if hasattr(self.module, "finish_gradient_sync"):
             self.module.finish_gradient_sync()
@@ -242,6 +244,8 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, x, y) -> torch.Tensor:
         """The mean loss over x, y (B, T), forwards only; on every stage."""
+        if self.local_tokens:
+            x, y = self.local_tokens(x, y)
         return self._run(self.forward_actions, x, y)
 
     def __call__(self, x, y):
@@ -257,9 +261,13 @@ class Pipeline:
     def grad_norm(self, params, grads) -> torch.Tensor:
         """mixed_precision's norm hook: each stage holds its own parameters, so the squares add up
         over the stages (a data group holds copies: not summed); a tied weight counts once, on
-        the first stage."""
-        return split_norm([g for p, g in zip(params, grads) if not (p is self.tied and self.last)],
-                                self.comm, grads[0].device)
+        the first stage. A stage split further (stage_norm) gives its own norm, squared here."""
+        kept = [(p, g) for p, g in zip(params, grads) if not (p is self.tied and self.last)]
+        if self.stage_norm is None:
+            return split_norm([g for _, g in kept], self.comm, grads[0].device)
+        squares = self.stage_norm(*map(list, zip(*kept))).pow(2).reshape(1)
+        self.comm.all_reduce(squares, op="sum")
+        return squares.sqrt()[0]
 
     def measured_bubbles(self) -> list[float]:
         """Each stage's idle share of its last step, 1 - busy / wall (collective: every stage)."""
@@ -391,28 +399,6 @@ def stage_layers(option: str | None, n_layer: int, P: int, v: int = 1) -> list[l
                          f"per {'chunk' if v > 1 else 'stage'}") from None
     chunks = split_layers(n_layer, P, sizes, v)
     return [chunks[s::P] for s in range(P)]
-
-
-def build(gpt, options, data, split, device, adamw: dict):
-    """--strategy pipeline: (this rank's stage, under DDP over data when the pipeline has
-    replicas, run by Pipeline; MixedPrecisionOptimizer(AdamW) with the norm over every stage;
-    the bytes sent and held per step predicted).
-
-    options: train.py's parsed command line; data, split: the data-parallel group and the
-    group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
-    gpt keeps this stage's parts under their whole-model names (checkpoints); the rest is gone.
-    """
-    v = options.virtual_stages
-    stage = GPTStage(gpt, stage_layers(options.stage_layers, gpt.cfg.n_layer, options.pp, v)[split.rank],
-                     first=split.rank == 0, last=split.rank == options.pp - 1)
-    replicas = DDP(stage, data, bucket_mb=options.bucket_mb) if data.world_size > 1 else stage
-    model = Pipeline(replicas, split, options.schedule, options.microbatches, gpt.cfg.n_embd,
-                     DTYPES[options.precision], tied=stage.tied, virtual_stages=v)
-    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=options.precision,
-                                        grad_norm=model.grad_norm, **adamw)
-    predicted = model.bytes_per_step(options.batch_size // data.world_size, options.seq_len)
-    held = run_state_bytes(gpt, "ddp", options, data.world_size)  # this stage's, over its replicas
-    return model, optimizer, predicted + (replicas.bytes_per_step() if replicas is not stage else 0), held
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import math
 import os
 import pickle
 import sys
+from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -83,9 +84,10 @@ def exit_distributed(code: int = 0, peer_lost: bool = False):
 
 # ---- groups inside the job: subgroups and a 2-D mesh -----------------------------------------
 
-def subgroups(comm: Comm, rank_lists: list[list[int]]) -> "Comm | None":
+def subgroups(comm: Comm, rank_lists: list[list[int]], bytes_sent=None) -> "Comm | None":
     """Create a group for each list of (world) ranks, on every rank, in the given order; return
-    a Comm over the one holding this rank (None if none does), sharing comm's counter and switch.
+    a Comm over the one holding this rank (None if none does), sharing comm's counter (or
+    counting into bytes_sent) and its ring switch.
 
     Every rank must call it with the same lists: new_group is collective over the whole world
     (with NCCL and a bound device it splits the world's communicator, which every rank joins),
@@ -97,7 +99,8 @@ def subgroups(comm: Comm, rank_lists: list[list[int]]) -> "Comm | None":
         group = dist.new_group(list(ranks))
         p2p_group = dist.new_group(list(ranks)) if comm.ring else None
         if me in ranks:
-            mine = Comm(group, ring=comm.ring, bytes_sent=comm.bytes_sent, p2p_group=p2p_group)
+            mine = Comm(group, ring=comm.ring, p2p_group=p2p_group,
+                        bytes_sent=comm.bytes_sent if bytes_sent is None else bytes_sent)
     return mine
 
 
@@ -143,6 +146,17 @@ class Mesh(NamedTuple):
     dp_cp: Comm
     ep: Comm | None
     expert_dp: Comm | None
+
+    def sent(self) -> dict:
+        """{dimension: bytes this rank sent along it since clear()}: each dimension counts on its
+        own; dp is the data-parallel reductions (over dp x cp, and expert_dp's)."""
+        comms = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp_cp, "ep": self.ep}
+        return {name: sum(comm.bytes_sent.values()) for name, comm in comms.items() if comm is not None}
+
+    def clear(self):
+        for comm in (self.tp, self.cp, self.pp, self.dp_cp, self.ep):
+            if comm is not None:
+                comm.bytes_sent.clear()
 
 
 def mesh_shape(world: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> dict:
@@ -194,11 +208,14 @@ def _flatten(coords: list, sizes: list) -> int:
 
 
 def make_device_mesh(comm: Comm, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> Mesh:
-    """This rank's Mesh over comm's ranks (the world), sharing its byte counter. Collective:
-    every rank creates every group, dimension by dimension, in mesh_rank_lists' order."""
+    """This rank's Mesh over comm's ranks (the world), a byte counter per dimension (Mesh.sent).
+    Collective: every rank creates every group, dimension by dimension, in mesh_rank_lists' order."""
     ranks = dist.get_process_group_ranks(comm.group)
     lists = mesh_rank_lists(len(ranks), tp, cp, pp, ep)
-    groups = {name: subgroups(comm, [[ranks[r] for r in group] for group in rank_lists])
+    data = Counter()                            # dp, dp x cp and expert_dp: the gradients' reductions
+    counters = {"dp": data, "dp_cp": data, "expert_dp": data}
+    groups = {name: subgroups(comm, [[ranks[r] for r in group] for group in rank_lists],
+                              bytes_sent=counters.get(name, Counter()))
               for name, rank_lists in lists.items()}
     return Mesh(groups["tp"], groups["cp"], groups["dp"], groups["pp"], groups["dp_cp"],
                 groups.get("ep"), groups.get("expert_dp"))

@@ -17,10 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from collectives import Comm, as_comm, ring_bytes
-from ddp import DDP
 from lora import add_adapter, split_adapter
-from memory import run_state_bytes, tp_params
-from mixed_precision import MixedPrecisionOptimizer
 
 # ---- the conjugate pair f and g, and their sequence-parallel forms -------------------------
 #
@@ -329,22 +326,22 @@ class TensorParallelGPT(nn.Module):
         # the whole factor of a LoRA adapter inside a split layer, with or without it.
         self.partial = [p for p in gpt.parameters() if p.requires_grad and (
             getattr(p, "tp_partial", False) or sequence_parallel and not hasattr(p, "tp_dim"))]
+        # model.py's own forward runs on the split layers: (B, T or T/N, C) through the blocks,
+        # then logits (B, T, V/N), never gathered, into the loss over the split vocabulary.
+        gpt.loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), comm)
+        if sequence_parallel:
+            gpt.positions_of = self._my_positions
 
-    def forward(self, idx, targets=None):                        # idx: (B, T)
-        gpt, n, T = self.gpt, self.comm.world_size, idx.shape[1]
-        positions = None                                         # all T, the same on every rank
-        if self.sequence_parallel:
-            if T % n:
-                raise ValueError(f"sequence parallelism splits the sequence ({T} tokens) into "
-                                 f"{n} equal parts: use a --seq-len divisible by {n}")
-            positions = torch.arange(T, device=idx.device).chunk(n)[self.comm.rank]   # (T/N,)
-        # model.py's own forward, on the split layers: (B, T or T/N, C) through the blocks,
-        # then logits (B, T, V/N), never gathered
-        logits = gpt.logits(gpt.run_blocks(gpt.embed(idx, positions)))
-        if targets is None:
-            return logits
-        loss = vocab_parallel_cross_entropy(logits.float().flatten(0, 1), targets.flatten(), self.comm)
-        return logits, loss
+    def _my_positions(self, T: int, device) -> torch.Tensor:        # sequence parallelism: (T/N,)
+        n = self.comm.world_size
+        if T % n:
+            raise ValueError(f"sequence parallelism splits the sequence ({T} tokens) into "
+                             f"{n} equal parts: use a --seq-len divisible by {n}")
+        return torch.arange(T, device=device).chunk(n)[self.comm.rank]
+
+    def forward(self, idx, targets=None):                        # idx: (B, T), the same on the group
+        return self.gpt(idx, targets)
 
     def finish_gradient_sync(self):
         """After backward: sum the partial gradients of replicated weights (sequence parallelism,
@@ -366,40 +363,20 @@ class TensorParallelGPT(nn.Module):
         return (split + replicated).sqrt()[0]
 
     def bytes_per_step(self, batch: int, seq_len: int, micro_batches: int = 1) -> int:
-        """Bytes this rank sends per step for the activations (ring formula), batch rows per rank.
+        """Bytes this rank sends per step for the activations (ring formula), batch rows per rank
+        (seq_len: its tokens of each, under context parallelism).
 
         Each block sends 2 all-reduces forward and 2 backward of (B, T, C); embedding and head
         one each; with sequence parallelism each all-reduce is a reduce-scatter + all-gather pair
-        of the same volume. The loss adds 3 x M fp32 numbers; the gradient norm one.
+        of the same volume. The loss adds 3 x M fp32 numbers; the gradient norm one. A pipeline
+        stage (pipeline.GPTStage) counts its own blocks, and the embedding or head if it has them.
         """
-        cfg, n = self.gpt.cfg, self.comm.world_size
-        size = self.gpt.head.weight.element_size()
+        gpt, n = self.gpt, self.comm.world_size
+        blocks = sum(not isinstance(block, nn.Identity) for block in gpt.blocks)
+        first, last = gpt.pos_emb is not None, gpt.head is not None
+        size = next(gpt.parameters()).element_size()
         m = batch // micro_batches * seq_len
-        per_micro = (4 * cfg.n_layer + 2) * ring_bytes("all_reduce", m * cfg.n_embd, size, n)
-        per_micro += 3 * ring_bytes("all_reduce", m, 4, n)
+        per_micro = (4 * blocks + first + last) * ring_bytes("all_reduce", m * gpt.cfg.n_embd, size, n)
+        per_micro += 3 * ring_bytes("all_reduce", m, 4, n) if last else 0
         sync = ring_bytes("all_reduce", sum(p.numel() for p in self.partial), size, n) if self.partial else 0
         return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, 4, n)
-
-
-# ---- train.py's row ---------------------------------------------------------------------------
-
-def build(gpt, options, data, split, device, adamw: dict):
-    """--strategy tp: (the split model, under DDP over data when there is more than one
-    replica; MixedPrecisionOptimizer(AdamW) with the norm over the whole matrices; the bytes
-    sent and held per step predicted).
-
-    options: train.py's parsed command line; data, split: the data-parallel group and the
-    group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
-    gpt keeps its names (token_emb.weight, blocks.0.attn.query.weight...) for checkpoints.
-    """
-    tp = TensorParallelGPT(gpt, split, options.sequence_parallel)
-    model = DDP(tp, data, bucket_mb=options.bucket_mb) if data.world_size > 1 else tp
-    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=options.precision,
-                                        grad_norm=tp.grad_norm, **adamw)
-    predicted = tp.bytes_per_step(options.batch_size // data.world_size, options.seq_len, options.grad_accum)
-    # A tp rank holds its slices whole, data parallelism replicates them: ddp over the slices
-    # (with LoRA: the frozen slices, plus this rank's adapters, which alone train).
-    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
-    held = run_state_bytes(gpt, "ddp", options, data.world_size,
-                           n_params=tp_params(gpt.cfg, options.tp) + (trainable if options.lora else 0))
-    return model, optimizer, predicted + (model.bytes_per_step() if model is not tp else 0), held

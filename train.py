@@ -5,10 +5,13 @@ over --grad-accum micro-batches, the strategy averages the gradients (ddp.py, ze
 over collectives.py), and the mixed-precision optimizer updates fp32 master weights
 (mixed_precision.py). The log shows loss, tokens/s, per-rank memory and bytes sent per step.
 With --out the run is a directory: log, config and checkpoints (snapshot.py) that --resume
-continues bit for bit, on the same or another world size and strategy. --strategy tp splits
-each layer's matrices over --tp ranks (tensor_parallel.py); --strategy pipeline cuts the model
-into --pp stages fed --microbatches at a time (pipeline.py); both data-parallelize the rest.
+continues bit for bit, on the same or another world size and strategy. One mesh
+(process_groups.make_device_mesh) splits each layer's matrices over --tp ranks
+(tensor_parallel.py), each sequence over --cp ranks (context_parallel.py) and the blocks into
+--pp stages fed --microbatches at a time (pipeline.py), in any combination (parallelize), and
+data-parallelizes the rest; --strategy tp, cp and pipeline are ddp with their split.
 Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero2
+     torchrun --nproc_per_node 8 train.py --tp 2 --pp 2   (tp 2 x pp 2 x dp 2)
 Test: python -m pytest tests/test_train.py tests/test_snapshot.py
 """
 import contextlib
@@ -25,22 +28,26 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
 
 import fsdp
 import lora
 import snapshot
 from checkpointing import checkpoint_blocks
-from cli import STRATEGIES, moe_config, parse_args, run_shape, split_size
+from cli import STRATEGIES, mesh_splits, moe_config, parse_args, run_shape
 from collectives import Comm
+from context_parallel import ContextParallelGPT
 from data import TextData
 from ddp import DDP
-from memory import held_bytes, live_numel, live_tensor_bytes
-from mixed_precision import DTYPES
+from memory import held_bytes, live_numel, live_tensor_bytes, mesh_params, run_state_bytes
+from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model
 from moe import exchange_bytes, routing_summary
-from process_groups import exit_distributed, init_distributed, make_mesh
+from pipeline import GPTStage, Pipeline, stage_layers
+from process_groups import exit_distributed, init_distributed, make_device_mesh
 from snapshot import RunError, load_weights
+from tensor_parallel import TensorParallelGPT
 
 def learning_rate(step, args):
     """Linear warmup to --lr, then cosine decay to --min-lr at the last step."""
@@ -121,13 +128,14 @@ def update(optimizer, args) -> bool:
 
 # ---- building the run ------------------------------------------------------------------------
 
-def build(args, device, comm, split, data):
-    """The model, its strategy wrapper, the optimizer, and the bytes the strategy predicts it
-    sends per step and holds (memory.state_bytes).
+def build(args, device, mesh):
+    """The model, its parallelisms and data-parallel wrapper, the optimizer, the bytes the run
+    predicts it sends per step ({dimension: bytes}, each its formula) and holds (memory.py), and
+    the context-parallel wrapper (None without --cp), whose attention the log reports.
 
-    comm: the whole world; split and data: the two axes of the --tp or --pp mesh (split: the
-    ranks that hold one model between them, a tensor group or a pipeline; None unless --strategy
-    tp or pipeline, and data is then the whole world).
+    mesh: this rank's groups (process_groups.make_device_mesh). Without a tensor, context or
+    pipeline split the strategy's own build() wraps the whole model over the data dimension;
+    with one, parallelize() applies them in turn.
     """
     torch.manual_seed(args.seed)
     gpt = build_model(args.model, dropout=args.dropout, **moe_config(args))     # fp32
@@ -145,7 +153,68 @@ def build(args, device, comm, split, data):
     if args.checkpoint_activations:
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    return gpt, *STRATEGIES[args.strategy].build(gpt, args, data, split, device, adamw)
+    if mesh_splits(args):
+        return gpt, *parallelize(gpt, args, mesh, adamw)
+    model, optimizer, sent, held = STRATEGIES[args.strategy].build(gpt, args, mesh.dp, None, device, adamw)
+    return gpt, model, optimizer, {"dp": sent}, held, None
+
+
+def parallelize(gpt, args, mesh, adamw: dict):
+    """--tp, --cp and --pp over the mesh, then data parallelism over what is left, each step
+    its own file's (in torchtitan's order: split the matrices, split the sequences, cut the
+    stages, wrap for data parallelism): (model, optimizer, {dimension: bytes sent per step
+    predicted}, bytes held predicted, the context-parallel wrapper or None). gpt keeps its whole-model parameter names throughout
+    (this rank's slices of its stage's), so checkpoints read the same on any mesh.
+    """
+    splits = mesh_splits(args)
+    # 1. Split the matrices (tensor_parallel.py): each block's heads and MLP columns over tp.
+    tp = TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel) if "tp" in splits else None
+    # 2. Split the sequences (context_parallel.py): this rank's chunks of each; attention over cp.
+    cp = (ContextParallelGPT(gpt, mesh.cp, args.cp_attention, args.cp_balance == "zigzag")
+          if "cp" in splits else None)
+    # 3. Cut the stages (pipeline.py): this rank keeps its stage's blocks, the rest are dropped.
+    module = cp or tp or gpt
+    if "pp" in splits:
+        stage = mesh.pp.rank
+        layers = stage_layers(args.stage_layers, gpt.cfg.n_layer, args.pp, args.virtual_stages)[stage]
+        module = GPTStage(gpt, layers, first=stage == 0, last=stage == args.pp - 1)
+    # 4. Data parallelism over the ranks holding the same slice of the same stage: dp x cp (a
+    # cp group's ranks hold whole copies too; their gradients, from other tokens, are summed).
+    replicas = (DDP(module, mesh.dp_cp, bucket_mb=args.bucket_mb) if mesh.dp_cp.world_size > 1
+                else module)
+    model, grad_norm = replicas, tp.grad_norm if tp else None
+    if "pp" in splits:         # the executor runs the stage's micro-batches over send/recv
+        model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches, gpt.cfg.n_embd,
+                         DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
+                         stage_norm=grad_norm, local_tokens=cp.local_tokens if cp else None)
+        grad_norm = model.grad_norm
+    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=args.precision,
+                                        grad_norm=grad_norm, **adamw)
+
+    # The formulas, per dimension, for this rank's rows (B/D) and tokens of each (T/cp).
+    rows, tokens = args.batch_size // mesh.dp.world_size, args.seq_len // mesh.cp.world_size
+    micro = args.microbatches if "pp" in splits else args.grad_accum
+    every = args.checkpoint_activations               # checkpoint_blocks: blocks 0, K, 2K, ...
+    held_blocks = [i for i, block in enumerate(gpt.blocks) if not isinstance(block, nn.Identity)]
+    recomputed = sum(i % every == 0 for i in held_blocks) if every else 0
+    sent = {}
+    if tp:
+        sent["tp"] = tp.bytes_per_step(rows, tokens, micro)
+    if cp:
+        cp.count_activations = "pp" not in splits     # the first step's, for the log (a stage's
+                                                      # forwards run in the pipeline's schedule)
+        cp.kv_formula = sent["cp"] = cp.kv_bytes_per_step(rows, args.seq_len, micro, recomputed)
+    if "pp" in splits:
+        sent["pp"] = model.bytes_per_step(rows, tokens)
+    if replicas is not module:
+        sent["dp"] = replicas.bytes_per_step()
+    # memory.py: this rank's share of its stage (all of it without pp), replicated over dp x cp
+    # (with LoRA: the frozen slices, plus the adapters, which alone train).
+    n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks), first=gpt.pos_emb is not None,
+                           last=gpt.head is not None)
+    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else 0
+    held = run_state_bytes(gpt, "ddp", args, mesh.dp_cp.world_size, n_params=n_params + trainable)
+    return model, optimizer, sent, held, cp
 
 
 def _lora_config(args) -> dict | None:
@@ -247,30 +316,30 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                 print(line, file=log_file, flush=True)
 
     comm = Comm(ring=args.collectives == "ring")
-    # The --tp and --pp meshes: the ranks of one tensor group or one pipeline read the same rows.
-    # (check_args made sure --tp and --pp divide the world.)
-    split_ranks = split_size(args)
-    split, data_comm = make_mesh(comm, split_ranks) if split_ranks else (None, comm)
-    data_rank, data_size = data_comm.rank, data_comm.world_size
+    # One mesh: tensor x context x data x pipeline (check_args made sure the sizes divide the
+    # world). The ranks of one tensor, context or pipeline group read the same rows: dp's.
+    mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp)
+    data_rank, data_size = mesh.dp.rank, mesh.dp.world_size
     try:
-        gpt, model, optimizer, predicted, napkin = build(args, device, comm, split, data_comm)
+        gpt, model, optimizer, predicted, napkin, context = build(args, device, mesh)
     except ValueError as e:                    # a strategy refused its input: same on every rank
         raise RunError(str(e)) from None
     # Expert parallelism's groups: DDP's (it reduces the experts), or ZeRO's optimizer's.
     experts = getattr(model, "expert_group", None) or getattr(optimizer, "expert_group", None)
-    # The ranks holding copies of the same parameters write them once: a data-parallel group's
-    # first; under cp the whole world's first (a cp group's ranks hold whole copies too).
-    replicas = comm if args.strategy == "cp" else data_comm
-    layout = snapshot.layout_of(gpt, replicas, split, experts)
+    # The ranks holding copies of the same parameters (dp x cp: a cp group's ranks hold whole
+    # copies too) write them once, the first of them; a tensor group gathers its slices whole.
+    splits = mesh_splits(args)
+    split = mesh.tp if "tp" in splits else mesh.pp if "pp" in splits else None
+    layout = snapshot.layout_of(gpt, mesh.dp_cp, split, experts)
     start = snapshot.resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
-    mesh, micro_batches = run_shape(args, data_size)
+    shape, micro_batches = run_shape(args, data_size)
     if getattr(args, "advice", None):
         say(f"--strategy auto (advisor.py's flow chart, --mem-budget {args.mem_budget or 'free GPU memory'}): "
             f"{args.advice}")
-    say(f"{args.strategy} on {world_size}{mesh} x {device.type} ({dist.get_backend()}) | model "
-        f"{args.model} {n_params / 1e6:.2f}M params{' per rank' if mesh else ''} | {args.precision} | "
+    say(f"{args.strategy} on {world_size}{shape} x {device.type} ({dist.get_backend()}) | model "
+        f"{args.model} {n_params / 1e6:.2f}M params{' per rank' if shape else ''} | {args.precision} | "
         f"global batch {args.batch_size} x {args.seq_len} tokens, "
         f"{micro_batches} | {args.collectives} collectives"
         + ((" (bytes sent: the ring volume of the calls made)" if args.collectives == "native"
@@ -310,6 +379,7 @@ def main(argv=None, live_bytes: bool = False) -> dict:
     schedule = lr_scheduler(optimizer, args, start)
     for step in range(start, args.steps):
         comm.bytes_sent.clear()
+        mesh.clear()
         x, y = data.batch(step, args.batch_size, args.seq_len, args.seed,
                           rank=data_rank, world_size=data_size)      # (B/D, T)
         logged = step % args.log_every == 0 or step == args.steps - 1
@@ -339,14 +409,19 @@ def main(argv=None, live_bytes: bool = False) -> dict:
             history["losses"][step] = loss
             if live_bytes and device.type == "cpu":
                 history["live_bytes"][step] = live_tensor_bytes()
+            sent = {**mesh.sent(), "world": sum(comm.bytes_sent.values())}
+            if splits:                                    # each dimension beside its formula
+                history.setdefault("sent", {})[step] = {d: (sent[d], predicted[d]) for d in predicted}
+                say(f"step {step:5d} | sent by dimension, MiB/step (formula): " + " | ".join(
+                    f"{d} {sent[d] / 2**20:.3f} ({predicted[d] / 2**20:.3f})" for d in predicted))
             elapsed = time.perf_counter() - began         # this run's steps, evals and saves
             left = elapsed / (step + 1 - start) * (args.steps - step - 1)
             say(f"step {step:5d} | loss {loss:.4f} | lr {learning_rate(step, args):.2e} | "
                 f"{tokens_per_s / 1e3:7.1f}k tok/s | mem {peak / 2**20:.1f} MiB (params "
                 f"{held['params'] / 2**20:.1f}, grads {held['grads'] / 2**20:.1f}, optim "
                 f"{held['optimizer'] / 2**20:.1f}" + (f", host {host / 2**20:.1f}" if host else "") + ")"
-                + (f" | sent {sum(comm.bytes_sent.values()) / 2**20:.2f} MiB/step (ring formula "
-                   f"{predicted / 2**20:.2f})" if world_size > 1 else "")
+                + (f" | sent {sum(sent.values()) / 2**20:.2f} MiB/step (ring formula "
+                   f"{sum(predicted.values()) / 2**20:.2f})" if world_size > 1 else "")
                 + (f" | skipped {skipped}" if skipped else "")
                 + f" | {step + 1}/{args.steps} in {clock(elapsed)}, about {clock(left)} left")
             if gpt.cfg.experts:                  # moe.py's routing, rank 0's last micro-batch
@@ -355,7 +430,7 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                 exchanged = ""
                 if args.ep > 1:                  # the all-to-alls alone, beside their formula
                     formula = exchange_bytes(gpt, args, data_size)
-                    exchanged = (f" | all-to-all {comm.bytes_sent['all_to_all'] / 2**20:.2f} MiB/step "
+                    exchanged = (f" | all-to-all {mesh.dp_cp.bytes_sent['all_to_all'] / 2**20:.2f} MiB/step "
                                  + (f"(formula {formula / 2**20:.2f})" if formula
                                     else "(dropless: as routed, no formula)"))
                 say(f"step {step:5d} | experts: tokens per expert min/mean/max {low:.0f}/{mean:.1f}/"
@@ -368,14 +443,14 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                     f"{' '.join(f'{b:.2f}' for b in bubbles)} | formula {formula} "
                     f"{predicted_bubble:.2f} | activations held at most {model.peak_activations} "
                     f"micro-batch{' chunks' if model.v > 1 else 'es'} on stage {model.stage}")
-            context = getattr(model, "module", model)            # DDP(ContextParallelGPT)
-            if hasattr(context, "idle_shares"):
+            if context is not None:
                 idle, predicted_idle = context.idle_shares()
                 history.setdefault("cp", {})[step] = cp = {
                     "activation_bytes": context.activation_bytes, "kv_sent": context.kv_bytes_sent(),
                     "kv_formula": context.kv_formula, "idle": idle, "predicted_idle": predicted_idle}
-                say(f"step {step:5d} | context parallel: activations kept {cp['activation_bytes'] / 2**20:.2f} "
-                    f"MiB per rank | K/V sent {cp['kv_sent'] / 2**20:.2f} MiB/step (formula "
+                kept = (f"activations kept {cp['activation_bytes'] / 2**20:.2f} MiB per rank | "
+                        if cp["activation_bytes"] is not None else "")
+                say(f"step {step:5d} | context parallel: {kept}K/V sent {cp['kv_sent'] / 2**20:.2f} MiB/step (formula "
                     f"{cp['kv_formula'] / 2**20:.2f}) | idle share of attention per rank "
                     f"{' '.join(f'{x:.2f}' for x in idle)} (causal mask's blocks: "
                     f"{' '.join(f'{x:.2f}' for x in predicted_idle)})")

@@ -3,10 +3,12 @@
 run_ranks(fn, N, *args) starts N fresh processes (forked from a server that has already
 imported torch, so a launch costs about a second, not five), joins them with a FileStore
 (no ports to pick, so parallel tests never collide), runs fn(*args) on each with one
-thread (two cores), and returns every rank's result. A rank that raises fails the test
+thread (two cores), and returns every rank's result; run_ranks(train_logged, N, argv) runs
+train.py in them. A rank that raises fails the test
 with that rank's traceback; a rank that does not finish in `timeout` seconds (a hang)
 fails it too, and every process is killed: a broken collective never hangs the suite.
 """
+import contextlib
 import io
 import multiprocessing
 import os
@@ -65,6 +67,16 @@ def _rank_main(fn, rank, world_size, store_path, args, results):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def train_logged(argv):
+    """train.main(argv) on this rank: its history (full-precision losses) and what it printed."""
+    import train
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())       # what torchrun would set
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        history = train.main(argv)
+    return history, printed.getvalue()
 
 
 def assert_tensors_close(actual: dict, expected: dict, rtol: float, atol: float, what: str = ""):

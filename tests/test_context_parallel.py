@@ -330,7 +330,7 @@ def test_cp_resume_is_bit_exact_and_resumes_on_one_process(runs):
 
 def _bad_cp_inputs():
     return _usage_errors({"world": ["--strategy", "cp", "--cp", "3"],
-                          "no_strategy": ["--strategy", "ddp", "--cp", "2"],
+                          "no_strategy": ["--strategy", "zero2", "--cp", "2"],
                           "attention_alone": ["--strategy", "ddp", "--cp-attention", "allgather"],
                           "zigzag": ["--strategy", "cp", "--cp", "2", "--seq-len", "30"],
                           "none": ["--strategy", "cp", "--cp", "2", "--cp-balance", "none",
@@ -346,13 +346,14 @@ def bad_cp():
 
 @pytest.mark.parametrize("case, fix", [
     ("world", "world size 2 is not --cp 3 x a data-parallel size: launch a multiple of 3"),
-    ("no_strategy", "--cp, --cp-attention and --cp-balance split sequences over ranks: add --strategy cp"),
-    ("attention_alone", "add --strategy cp (--strategy ddp gives every rank whole sequences)"),
+    ("no_strategy", "--cp 2 with --strategy zero2: the data dimension beside a tensor, context or "
+                    "pipeline split runs ddp in this version; use --strategy ddp"),
+    ("attention_alone", "add --cp N (--strategy ddp without it gives every rank whole sequences)"),
     ("zigzag", "--cp 2 with --cp-balance zigzag cuts each sequence into 4 equal chunks (two chunks per "
                "rank): use a --seq-len divisible by 4, e.g. 28"),
     ("none", "use a --seq-len divisible by 2, e.g. 30"),
-    ("dropout", "use --dropout 0 with --strategy cp"),
-    ("experts", "--strategy cp does not split expert layers"),
+    ("dropout", "use --dropout 0 with --cp"),
+    ("experts", "--cp 2 --strategy cp does not split expert layers yet"),
 ])
 def test_bad_cp_input_stops_every_rank_with_the_same_message(bad_cp, case, fix):
     assert bad_cp[0][case] == bad_cp[1][case], bad_cp

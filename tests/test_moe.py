@@ -1,9 +1,6 @@
 """The mixture-of-experts layer (moe.py) against a dense MLP and a plain loop over tokens;
 expert parallelism against one process."""
-import contextlib
-import io
 import math
-import os
 import re
 
 import pytest
@@ -12,7 +9,7 @@ import torch.distributed as dist
 
 from model import MLP, GPTConfig
 from moe import MoE, routing_summary
-from multiprocess import run_ranks
+from multiprocess import run_ranks, train_logged
 
 CFG = GPTConfig(n_embd=16)
 # fp32, one process: the layer and the loop do the same products, added in another order (a
@@ -228,7 +225,7 @@ def test_data_parallel_equals_one_process_with_the_same_routing_groups(capacity_
     loss.backward()
     expected = {name: p.grad for name, p in gpt.named_parameters() if p.grad is not None}
     assert capacity_factor is None or routing_summary(gpt)["dropped"] > 0
-    from multiprocess import run_ranks
+    from multiprocess import run_ranks, train_logged
     for rank, (rank_loss, grads) in enumerate(run_ranks(_data_parallel_gradients, 2, capacity_factor)):
         assert rank_loss == pytest.approx(loss.item(), rel=1e-6)
         assert grads.keys() == expected.keys(), rank
@@ -243,7 +240,7 @@ def test_data_parallel_equals_one_process_with_the_same_routing_groups(capacity_
 def test_tiny_moe_trains_under_each_data_parallel_strategy(strategy):
     """2 ranks, 30 steps: the loss falls, and the log shows the routing every logged step."""
     from test_train import QUICK
-    _, out = run_ranks(_train_logged, 2, [*QUICK, "--steps", "30", "--model", "tiny-moe",
+    _, out = run_ranks(train_logged, 2, [*QUICK, "--steps", "30", "--model", "tiny-moe",
                                           "--strategy", strategy])[0]
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
     assert losses[-1] < losses[0] - 1.0, out
@@ -361,21 +358,11 @@ EP_RUN = ["--model", "tiny-moe", "--steps", "4", "--log-every", "1", "--eval-eve
           "--seq-len", "32", "--batch-size", "8", "--warmup", "2", "--routing-group", "64"]
 
 
-def _train_logged(argv):
-    """train.main(argv) on this rank: its history (full-precision losses) and what it printed."""
-    import train
-    os.environ["WORLD_SIZE"] = str(dist.get_world_size())       # what torchrun would set
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        history = train.main(argv)
-    return history, printed.getvalue()
-
-
 def _run_ep(tmp_path, ranks, *flags):
     """train.py's losses at every step, its exported weights, and what its log says it sent and
     held."""
     export = tmp_path / f"model-{ranks}-{'-'.join(flags)}.pt"
-    history, out = run_ranks(_train_logged, ranks, [*EP_RUN, *flags, "--export", str(export)])[0]
+    history, out = run_ranks(train_logged, ranks, [*EP_RUN, *flags, "--export", str(export)])[0]
     losses = [history["losses"][step] for step in sorted(history["losses"])]
     sent = [line.split("| sent ")[1].split(" MiB/step (ring formula ")
             for line in out.splitlines() if "| sent " in line]

@@ -484,7 +484,7 @@ def test_interleaved_checkpoint_holds_whole_model_names_and_resumes_on_one_proce
 
 def _bad_pipeline_inputs():
     return _usage_errors({"world": ["--strategy", "pipeline", "--pp", "3"],
-                          "no_strategy": ["--strategy", "ddp", "--pp", "2"],
+                          "no_strategy": ["--strategy", "ddp", "--schedule", "gpipe"],
                           "batch": ["--strategy", "pipeline", "--pp", "2", "--microbatches", "3"],
                           "grad_accum": ["--strategy", "pipeline", "--pp", "2", "--grad-accum", "2"],
                           "split": ["--strategy", "pipeline", "--pp", "2", "--stage-layers", "3,2"],
@@ -502,8 +502,8 @@ def bad_pp():
 
 @pytest.mark.parametrize("case, fix", [
     ("world", "world size 2 is not --pp 3 x a data-parallel size: launch a multiple of 3"),
-    ("no_strategy", "--pp, --microbatches, --schedule, --virtual-stages and --stage-layers cut the model "
-                    "into stages: add --strategy pipeline"),
+    ("no_strategy", "--microbatches, --schedule, --virtual-stages and --stage-layers cut the model "
+                    "into stages: add --pp N (--strategy ddp without it runs the whole model"),
     ("batch", "--batch-size 8 does not divide into 1 data-parallel ranks x --microbatches 3 = 3 equal "
               "micro-batches: use a multiple of 3, e.g. --batch-size 9"),
     ("grad_accum", "use --microbatches instead"),

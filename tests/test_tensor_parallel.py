@@ -355,11 +355,11 @@ def test_sequence_parallelism_keeps_fewer_activations(traffic):
 
 
 def test_a_rank_holds_its_share_of_the_parameters(traffic):
-    from memory import model_params, tp_params
+    from memory import mesh_params, model_params
     cfg = GPTConfig(**{**CFG.__dict__, "n_layer": 2})
-    assert traffic[False][2]["params"] == tp_params(cfg, 2)
-    assert tp_params(cfg, 1) == model_params(cfg)
-    block = (tp_params(cfg, 2) - traffic[False][1]["params"])     # one block's share
+    assert traffic[False][2]["params"] == mesh_params(cfg, tp=2)
+    assert mesh_params(cfg) == model_params(cfg)
+    block = (mesh_params(cfg, tp=2) - traffic[False][1]["params"])     # one block's share
     assert block == (12 * 32 * 32 + 6 * 32) // 2 + 6 * 32        # matrices halved, norms and row biases whole
 
 
@@ -506,14 +506,15 @@ def _usage_errors(cases):
 
 def _bad_tp_inputs():
     return _usage_errors({"world": ["--strategy", "tp", "--tp", "3"],
-                          "no_strategy": ["--strategy", "ddp", "--tp", "2"],
+                          "no_strategy": ["--strategy", "fsdp", "--tp", "2"],
                           "sequence": ["--strategy", "tp", "--tp", "2", "--sequence-parallel",
                                        "--seq-len", "33"]})
 
 
 @pytest.mark.parametrize("case, fix", [
     ("world", "world size 2 is not --tp 3 x a data-parallel size: launch a multiple of 3"),
-    ("no_strategy", "--tp and --sequence-parallel split layers: add --strategy tp"),
+    ("no_strategy", "--tp 2 with --strategy fsdp: the data dimension beside a tensor, context or "
+                    "pipeline split runs ddp in this version; use --strategy ddp"),
     ("sequence", "use a --seq-len divisible by 2, e.g. 32"),
 ])
 def test_bad_tp_input_stops_every_rank_with_the_same_message(bad_tp, case, fix):

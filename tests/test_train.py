@@ -6,6 +6,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from multiprocess import assert_tensors_close, run_ranks, train_logged
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--steps", "25", "--log-every", "4", "--eval-every", "0", "--seq-len", "32",
@@ -325,7 +328,17 @@ def _one_error_line(stderr):
     (["--model", "tiny-moe", "--z-loss-weight=-1"], "--z-loss-weight must be 0 (off) or positive"),
     (["--top-k", "2"], "configure experts, and model tiny has none: add --experts E"),
     (["--experts=-1"], "--experts must be 0 (a dense model) or more, got -1"),
-    (["--model", "tiny-moe", "--strategy", "tp"], "--strategy tp does not split expert layers"),
+    (["--model", "tiny-moe", "--strategy", "tp"], "--strategy tp does not split expert layers yet"),
+    (["--strategy", "ddp", "--sequence-parallel"], "--sequence-parallel splits the tokens of a "
+                                                    "tensor-parallel group: add --tp N"),
+    (["--pp", "0"], "--pp must be at least 1, got 0"),
+    (["--tp", "2", "--pp", "2"], "world size 1 is not --tp 2 x --pp 2 x a data-parallel size: launch "
+                                 "a multiple of 4 processes"),
+    (["--tp", "2", "--cp", "2", "--sequence-parallel"], "--sequence-parallel with --cp or --pp"),
+    (["--tp", "2", "--pp", "2", "--lora"], "--lora with --tp 2 --pp 2: LoRA under tensor parallelism "
+                                           "runs with --tp alone"),
+    (["--tp", "2", "--strategy", "zero1"], "--tp 2 with --strategy zero1: the data dimension beside a "
+                                           "tensor, context or pipeline split runs ddp in this version"),
     (["--strategy", "fsdp", "--shard-group", "2"], "--shard-group 2 must divide the world size 1"),
     (["--strategy", "zero2", "--shard-group", "1"], "use --strategy fsdp (--strategy zero2 has none)"),
     (["--strategy", "zero2", "--offload", "params"], "--offload params keeps the parameter shards in "
@@ -428,3 +441,82 @@ def test_a_diverged_run_lists_its_checkpoints_and_resumes_from_one(tmp_path):
                 "--keep", "10").stdout
     assert "resumed from" in again and "ckpt-0000003 at step 3" in again, again
     assert all(math.isfinite(v) for v in losses(again)), again
+
+
+# ---- one mesh: tensor x context x pipeline x data parallel (train.parallelize) -----------------
+
+MESH_RUN = ["--steps", "4", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
+            "--batch-size", "8", "--seq-len", "32", "--warmup", "2", "--lr", "1e-3"]
+
+
+def _run_mesh(directory, ranks: int, *flags):
+    """train.py on `ranks` ranks (in-process): its loss at every step, its exported whole-model
+    weights, and the bytes it sent by dimension beside their formulas at every step."""
+    export = directory / f"mesh-{ranks}-{'-'.join(flags)}.pt"
+    history, out = run_ranks(train_logged, ranks, [*MESH_RUN, *flags, "--export", str(export)])[0]
+    losses = [history["losses"][step] for step in sorted(history["losses"])]
+    return losses, torch.load(export, weights_only=True)["state_dict"], history.get("sent", {}), out
+
+
+def _held(out: str):
+    """memory.py's prediction and rank 0's measure, as the log prints them: params, grads, optim."""
+    return (re.search(r"napkin math per rank \(memory.py\): params ([\d.]+) MiB, grads ([\d.]+), "
+                      r"optim ([\d.]+)", out).groups(),
+            re.findall(r"\(params ([\d.]+), grads ([\d.]+), optim ([\d.]+)\)", out)[-1])
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    return _run_mesh(tmp_path_factory.mktemp("one"), 1)
+
+
+@pytest.mark.parametrize("ranks, flags", [
+    (4, ("--tp", "2", "--pp", "2")),
+    (4, ("--tp", "2", "--cp", "2")),
+    (4, ("--pp", "2", "--cp", "2", "--schedule", "gpipe")),
+])
+def test_a_mesh_trains_as_one_process(tmp_path, one_process_run, ranks, flags):
+    """Two splits at once on 4 ranks, the data dimension ddp: every step's loss and the weights
+    after 4 AdamW steps equal one process's; every dimension sends what its formula says."""
+    losses, weights, sent, out = _run_mesh(tmp_path, ranks, *flags)
+    expected_losses, expected_weights, _, _ = one_process_run
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+    assert_tensors_close(weights, expected_weights, rtol=0, atol=1e-5, what=" ".join(flags))
+    assert sent and all(measured == formula for step in sent.values()
+                        for measured, formula in step.values()), sent
+    assert "sent by dimension" in out, out
+    predicted, measured = _held(out)
+    assert predicted == measured, out
+
+
+@pytest.mark.eight_ranks
+@pytest.mark.parametrize("flags", [("--tp", "2", "--pp", "2"), ("--tp", "2", "--cp", "2"),
+                                   ("--pp", "2", "--cp", "2")])
+def test_a_3d_mesh_on_8_ranks_trains_as_one_process(tmp_path, one_process_run, flags):
+    """Three dimensions at once, the third data parallel (2 replicas, each half the batch)."""
+    losses, weights, sent, out = _run_mesh(tmp_path, 8, *flags)
+    expected_losses, expected_weights, _, _ = one_process_run
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+    assert_tensors_close(weights, expected_weights, rtol=0, atol=1e-5, what=" ".join(flags))
+    assert all(measured == formula for step in sent.values() for measured, formula in step.values()), sent
+    assert all("dp" in step for step in sent.values()), sent
+    predicted, measured = _held(out)
+    assert predicted == measured, out
+
+
+@pytest.mark.parametrize("ranks", [4, pytest.param(8, marks=pytest.mark.eight_ranks)])
+def test_a_tp_pp_checkpoint_resumes_on_one_process(tmp_path, one_process_run, ranks):
+    """tp 2 x pp 2 (x dp 2 on 8 ranks) saves at step 2 under whole-parameter names; one process
+    resumes that checkpoint and trains on as the uninterrupted single process did."""
+    out = tmp_path / "run"
+    run_ranks(train_logged, ranks, [*MESH_RUN, "--tp", "2", "--pp", "2", "--out", str(out),
+                                    "--save-every", "2"])
+    export = tmp_path / "resumed.pt"
+    history, log = run_ranks(train_logged, 1, [*MESH_RUN, "--out", str(out), "--resume",
+                                               str(out / "ckpt-0000002"), "--export", str(export)])[0]
+    assert "resumed from" in log and "resharded from" in log, log
+    expected_losses, expected_weights, _, _ = one_process_run
+    resumed = [history["losses"][step] for step in sorted(history["losses"])]        # steps 2, 3
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected_losses[2:]), rtol=1e-5, atol=0)
+    assert_tensors_close(torch.load(export, weights_only=True)["state_dict"], expected_weights,
+                         rtol=0, atol=1e-5, what=f"tp 2 x pp 2 on {ranks} ranks, resumed on one")
