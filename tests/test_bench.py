@@ -377,3 +377,29 @@ def test_scaling_counts_what_a_rank_holds_beside_memory_py(tmp_path):
     whole = build_model("tiny").num_parameters() * 16 / 2**20            # fp32 AdamW, MiB
     assert sum(row["held"]) == pytest.approx(whole / 2, abs=0.15), row
     assert "| fsdp | " in result.stdout and "world 2: held | sent" in result.stdout
+
+
+def test_profile_puts_each_sides_operators_side_by_side_and_report_compares_sizes(tmp_path):
+    """--profile: one more run of each side under torch.profiler, a table of the operators' self
+    time per step (the matmuls on both sides). --report of two runs adds ddp by model size,
+    smallest model first."""
+    output, data = run_bench(tmp_path, 2, "ddp", "--profile")
+    header, rows = table(output, "operator")
+    assert header == ["operator", "ours ms/step", "torch ms/step", "ours - torch"]
+    by_op = {row[0]: row for row in rows}
+    assert float(by_op["aten::mm"][1]) > 0 and float(by_op["aten::mm"][2]) > 0, rows
+    profile = data["strategies"][0]["profile"]
+    assert rows[-1] == ["every operator", f"{sum(profile['ours'].values()):.1f}",
+                        f"{sum(profile['torch'].values()):.1f}",
+                        f"{sum(profile['ours'].values()) - sum(profile['torch'].values()):+.1f}"]
+    bigger = json.loads(json.dumps(data))
+    bigger["machine"].update(model="medium", n_params=10 * data["machine"]["n_params"])
+    paths = [tmp_path / "bigger.json", tmp_path / "small.json"]
+    for path, run in zip(paths, (bigger, data)):
+        path.write_text(json.dumps(run))
+    result = subprocess.run([sys.executable, "bench.py", "--report", *map(str, paths)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    _, sizes = table(result.stdout, "model")
+    assert [row[0] for row in sizes] == ["tiny", "medium"]
+    assert all(row[5] == f"{data['strategies'][0]['ratio']:.2f}" for row in sizes), sizes
