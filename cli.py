@@ -193,8 +193,7 @@ def parse_args(argv=None):
 
 
 # --strategy tp, pipeline and cp: ddp over the data dimension, with that dimension split even at
-# size 1. The strategies whose data dimension runs beside --tp, --pp and --cp:
-MESH_DATA = ("single", "ddp", "tp", "pipeline", "cp")
+# size 1.
 SPLIT_BY = {"tp": "tp", "pipeline": "pp", "cp": "cp"}
 
 
@@ -427,9 +426,22 @@ def check_mesh(parser, args, world_size):
     splits = mesh_splits(args)
     if not splits:
         return
-    if args.strategy not in MESH_DATA:
-        parser.error(f"{mesh_flags(args)} with --strategy {args.strategy}: the data dimension beside a "
-                     f"tensor, context or pipeline split runs ddp in this version; use --strategy ddp")
+    sharded = args.strategy in ("zero1", "zero2", "fsdp", "zero3")
+    if sharded and "pp" in splits and (args.strategy in ("fsdp", "zero3") or PRESETS[args.model].tie_embeddings
+                                       or args.strategy == "zero2" and args.schedule == "zb"):
+        parser.error(f"{mesh_flags(args)} with --strategy {args.strategy}: in this version a pipeline's "
+                     f"data dimension runs ddp, or ZeRO (zero1, zero2) for a model without a tied head "
+                     f"and, under zero2, a schedule other than zb (whose weight gradients come after "
+                     f"ZeRO-2's hooks); use --strategy ddp or one of those")
+    if sharded and (args.offload or args.shard_group or args.lora):
+        parser.error(f"{mesh_flags(args)} with --strategy {args.strategy} and --offload, --shard-group or "
+                     f"--lora: not built in one mesh yet; use --strategy ddp, or leave them out")
+    if args.sequence_parallel and args.strategy in ("zero2", "fsdp", "zero3"):
+        # The norms' gradients are partial sums over the tensor group until its end-of-backward
+        # all-reduce; ZeRO-2's and FSDP's hooks shard them before it.
+        parser.error(f"--sequence-parallel with --strategy {args.strategy}: the sequence-split weights' "
+                     f"gradients are summed over the tensor group after backward, and {args.strategy} "
+                     f"reduces gradients during it; use --strategy ddp or zero1")
     if args.sequence_parallel and ("cp" in splits or "pp" in splits):
         parser.error("--sequence-parallel with --cp or --pp: both would place the tokens a rank holds "
                      "(and a stage would send 1/tp of them); leave --sequence-parallel out")

@@ -482,6 +482,51 @@ def mesh_params(name_or_config, tp: int = 1, blocks: int | None = None, first: b
     return embeddings + (cfg.n_layer if blocks is None else blocks) * block + (2 * C + head if last else 0)
 
 
+def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 1, pp: int = 1,
+               dp: int = 1, micro_batches: int = 1, precision: str = "fp32", stage: int = 0,
+               schedule: str = "1f1b", virtual_stages: int = 1, attention: str = "ring",
+               strategy: str = "ddp") -> dict:
+    """Bytes one rank of a tp x cp x pp x dp mesh (train.parallelize) sends per step, by
+    dimension, in closed form, for pipeline stage `stage` (the balanced split of the blocks):
+    batch rows per data-parallel rank (B/D), seq_len tokens per whole sequence, micro_batches
+    per step (--grad-accum, or a pipeline's --microbatches). A dimension of size 1 sends nothing.
+
+    tp: per micro-batch, two all-reduces of the (m, C) activations per block forward and two
+    backward, one for the embedding (first stage) and one for the head (last), 3 of m fp32 for
+    the vocabulary-parallel loss (last stage), m = its tokens; one fp32 for the norm.
+    cp: cp_kv_bytes per block and micro-batch, K and V C/tp wide.
+    pp: one (b, T/cp, C) activation or gradient per send in the stage's schedule, a norm fp32.
+    dp: comm_bytes of this rank's parameters (mesh_params) over dp x cp ranks, in the padding-free
+    napkin form (real buckets pad each message to dp x cp chunks: a few elements more); ZeRO-2
+    reduce-scatters every micro-batch.
+    """
+    cfg = _config(name_or_config)
+    size, C = _element_size(precision), cfg.n_embd
+    chunks = make_schedule(schedule, pp, micro_batches, virtual_stages)[stage] if pp > 1 else []
+    # schedules' balanced split (pipeline.split_layers): the first n_layer % (pp v) chunks one more
+    n, k = divmod(cfg.n_layer, pp * virtual_stages)
+    blocks = sum(n + (chunk < k) for chunk in range(stage, pp * virtual_stages, pp))
+    first, last = stage == 0, stage == pp - 1
+    m = batch // micro_batches * seq_len // cp                     # a micro-batch's tokens here
+    sent = {}
+    if tp > 1:
+        activations = (4 * blocks + first + last) * ring_bytes("all_reduce", m * C, size, tp)
+        loss = 3 * ring_bytes("all_reduce", m, 4, tp) if last else 0
+        sent["tp"] = micro_batches * (activations + loss) + ring_bytes("all_reduce", 1, 4, tp)
+    if cp > 1:
+        layer = cp_kv_bytes(seq_len, batch // micro_batches, C // tp, cp, attention, size)
+        sent["cp"] = micro_batches * blocks * (layer["forward"] + layer["backward"])
+    if pp > 1:
+        sends = sum(action.kind.startswith("send") for action in chunks)
+        sent["pp"] = sends * m * C * size + ring_bytes("all_reduce", 1, 4, pp)
+    if dp * cp > 1:
+        n_params = mesh_params(cfg, tp, blocks, first, last)
+        sent["dp"] = sum(comm_bytes(n_params, strategy, precision, dp * cp).values())
+        if strategy == "zero2":               # every micro-batch's reduce-scatter
+            sent["dp"] += (micro_batches - 1) * ring_bytes("reduce_scatter", n_params, size, dp * cp)
+    return sent
+
+
 # ---- measured on a live rank -----------------------------------------------------------------
 
 
@@ -567,6 +612,8 @@ def _parse_args(argv=None):
     p.add_argument("--offload", choices=("optimizer", "params"), default=None,
                    help="ZeRO-Offload: the sharded optimizer (fp32 master, moments) in host memory; "
                         "params (zero3/fsdp): the parameter shards too (other strategies: optimizer)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism: with --model and --world, "
+                   "beside --cp and --pp, what each rank of the mesh holds and sends by dimension")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages: with --model, each schedule's "
                    "bubble and activations per stage")
     p.add_argument("--microbatches", type=int, default=None, help="with --pp: per step (default 2 x pp)")
@@ -608,7 +655,7 @@ def _parse_args(argv=None):
         if args.model is None or args.pp < 1:
             p.error("--pp needs --model (the layers and activation shapes) and a count of at least 1")
         args.microbatches = args.microbatches or 2 * args.pp
-        args.batch_size = args.batch_size or args.microbatches
+        args.batch_size = args.batch_size or args.microbatches * (args.world // (args.tp * args.cp * args.pp) or 1)
         if args.microbatches < 1 or args.batch_size % args.microbatches:
             p.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                     f"{args.microbatches} equal micro-batches: use a multiple of it")
@@ -617,6 +664,14 @@ def _parse_args(argv=None):
                     f"{args.pp} stages")
     if args.cp != 1 and (args.model is None or args.cp < 1):
         p.error("--cp needs --model (the layers and activation shapes) and a count of at least 1")
+    args.mesh = args.tp != 1 or (args.cp > 1) + (args.pp > 1) > 1
+    if args.mesh:
+        split = args.tp * args.cp * args.pp
+        if args.model is None or args.tp < 1 or args.world % split:
+            p.error(f"--tp {args.tp} x --cp {args.cp} x --pp {args.pp} is a mesh: give --model and a "
+                    f"--world that is a multiple of {split}")
+        if args.strategy in ("zero3", "fsdp") and args.pp > 1:
+            p.error("--pp with --strategy fsdp: train.py's pipelines run ddp, zero1 or zero2")
     if args.offload and args.strategy in ("ddp", "single"):
         p.error(f"--offload optimizer moves a sharded optimizer to the host, and --strategy "
                 f"{args.strategy} keeps it whole: use --strategy zero1, zero2 or fsdp")
@@ -629,12 +684,14 @@ def _parse_args(argv=None):
         if not 1 <= args.seq_len <= cfg.block_size:
             p.error(f"--seq-len must be between 1 and model {args.model}'s block size "
                     f"{cfg.block_size}, got {args.seq_len}")
-        per_step = args.world * args.grad_accum
+        # micro-batches per step: each rank's, or in a mesh each data-parallel rank's (its --pp
+        # pipeline's --microbatches)
+        per_step = (args.world // (args.tp * args.cp * args.pp) * (args.microbatches or args.grad_accum)
+                    if args.mesh else args.world * args.grad_accum)
         args.batch_size = per_step if args.batch_size is None else args.batch_size
         if args.batch_size < 1 or args.batch_size % per_step:
-            p.error(f"--batch-size {args.batch_size} does not divide into {args.world} ranks x "
-                    f"--grad-accum {args.grad_accum} = {per_step} equal micro-batches: "
-                    f"use a multiple of {per_step}")
+            p.error(f"--batch-size {args.batch_size} does not divide into the data-parallel ranks x "
+                    f"micro-batches = {per_step} equal micro-batches: use a multiple of {per_step}")
     return args
 
 
@@ -834,11 +891,34 @@ def _cp_table(args):
         print(f"{cp:>4}{kept[0] / MiB:18.1f}{kept[1] / MiB:12.1f}{sent[0] / MiB:15.2f}{sent[1] / MiB:12.2f}")
 
 
+def _mesh_table(args):
+    """--tp, --cp, --pp over --world: each pipeline stage's rank 0, what it holds and what it sends
+    per step by dimension (mesh_params, state_bytes over dp x cp, mesh_bytes)."""
+    cfg, tp, cp, pp = PRESETS[args.model], args.tp, args.cp, args.pp
+    dp = args.world // (tp * cp * pp)
+    strategy = {"fsdp": "zero3"}.get(args.strategy or "ddp", args.strategy or "ddp")
+    micro = args.microbatches if pp > 1 else args.grad_accum
+    print(f"{args.model} on {args.world} ranks = tp {tp} x cp {cp} x pp {pp} x dp {dp}, {strategy} over "
+          f"dp x cp = {dp * cp}, global batch {args.batch_size} x {args.seq_len}, {micro} micro-batches, "
+          f"{args.precision}; per rank, MiB: held (parameters + gradients + optimizer) and sent per step")
+    print(f"{'stage':>5}{'params':>12}{'held':>10}" + "".join(f"{d + ' sent':>11}" for d in ("tp", "cp", "pp", "dp")))
+    n, k = divmod(cfg.n_layer, pp)
+    for stage in range(pp):
+        n_params = mesh_params(cfg, tp, n + (stage < k), stage == 0, stage == pp - 1)
+        held = state_bytes(n_params, strategy, args.precision, dp * cp)["total"]
+        sent = mesh_bytes(cfg, args.batch_size // dp, args.seq_len, tp, cp, pp, dp, micro,
+                          args.precision, stage, strategy=strategy)
+        print(f"{stage:>5}{n_params:>12,}{held / MiB:10.1f}"
+              + "".join(f"{sent.get(d, 0) / MiB:11.2f}" for d in ("tp", "cp", "pp", "dp")))
+
+
 def main(argv=None):
     args = _parse_args(argv)
     if args.advise:
         import advisor
         return advisor.print_advice(args)
+    if args.mesh:
+        return _mesh_table(args)
     if args.pp > 1:
         return _pipeline_table(args)
     if args.cp > 1:

@@ -101,7 +101,7 @@ class MasterOptimizer(torch.optim.Optimizer):
     a look at the Adam moments works as on any torch optimizer. A subclass says where things are:
         _gradients() -> (grads, masters): this rank's gradients of the scaled loss and the
                         masters they update, only those that have one
-        _total_norm(grads) -> the whole model's gradient norm, the same on every rank
+        _total_norm(grads, masters) -> the whole model's gradient norm, the same on every rank
         _unused() -> [(master, start, stop)]: elements no rank computed a gradient for
         _write_back(): after the update, the model's parameters follow their masters
         _release(): drop what this step's gradients held
@@ -134,7 +134,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         if self._unscaled is None:
             grads, masters = self._gradients()
             grads = unscale_grads(grads, masters, self.scaler.scale)
-            self._unscaled = masters, self._total_norm(grads)
+            self._unscaled = masters, self._total_norm(grads, masters)
         return self._unscaled
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -292,7 +292,7 @@ class MixedPrecisionOptimizer(MasterOptimizer):
         pairs = self._with_grad()
         return [p.grad for p, _ in pairs], [m for _, m in pairs]
 
-    def _total_norm(self, grads):
+    def _total_norm(self, grads, masters):
         # (Finite gradients whose norm overflows fp32 are skipped too: no sane update there.)
         norm = (self.grad_norm([p for p, _ in self._with_grad()], grads) if self.grad_norm
                 else get_total_norm(grads))

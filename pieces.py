@@ -11,6 +11,8 @@ Test: python -m pytest tests/test_snapshot.py
 import torch
 import torch.distributed as dist
 
+from process_groups import gather_objects
+
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used, with the fix in the message; train.py prints it plainly."""
@@ -123,6 +125,19 @@ def load_pieces(optimizer, names: dict, model: torch.nn.Module, pieces: Pieces, 
 # matrix is not one range. So a save gathers each split parameter (and its optimizer state)
 # over the tensor group into one whole piece, and a load reads the whole piece and keeps this
 # rank's slice: tp checkpoints are plain full-model checkpoints, loadable at any --tp.
+
+def join_shards(pieces: list[dict], params: dict, comm, device) -> list[dict]:
+    """A sharded optimizer's pieces of a tensor-parallel rank's slices (ZeRO's, FSDP's), joined
+    into one whole-slice piece per parameter on comm's first rank (the data group's; the others
+    get []): a row-split slice's flat range is not one range of the whole matrix, so the tensor
+    group gathers whole slices only. Collective over comm."""
+    every = gather_objects(pieces, comm, device, dst=0)
+    if every is None:
+        return []
+    joined = Pieces([piece for part in every for piece in part])
+    return [{"name": name, "start": 0, "stop": params[name].numel(), "scalars": joined.scalars(name),
+             "tensors": joined.read(name, 0, params[name].numel())} for name in joined.by_name]
+
 
 def gather_pieces(pieces: list[dict], params: dict, comm) -> list[dict]:
     """Whole-parameter pieces from this rank's pieces of tensor_parallel.py's split parameters

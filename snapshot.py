@@ -33,7 +33,7 @@ from collectives import Comm
 from model import GPT, GPTConfig
 from moe import is_expert
 from pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
-                    gather_pieces, load_pieces, optimizer_pieces)
+                    gather_pieces, join_shards, load_pieces, optimizer_pieces)
 from process_groups import gather_objects
 
 CHECKPOINT = re.compile(r"ckpt-(\d{7})$")
@@ -181,11 +181,12 @@ class Layout(NamedTuple):
     split: Comm | None
     tensor: bool
     experts: Comm | None = None     # expert parallelism: the ranks holding this rank's experts
+    data: Comm | None = None        # the data-parallel group (a sharded optimizer's shards)
 
 
 def layout_of(gpt, data_comm, split, experts=None) -> Layout:
     return Layout(data_comm.rank, split, any(hasattr(p, "tp_dim") for p in gpt.parameters()),
-                  experts)
+                  experts, data_comm)
 
 
 def rank_pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
@@ -207,7 +208,10 @@ def rank_pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
         with frozen_whole(optimizer):                  # collective where FSDP shards them
             pieces += frozen_pieces(gpt) if layout.data_rank == 0 else []
     if layout.tensor:                                  # collective: the whole tensor group
-        pieces = gather_pieces(pieces, dict(gpt.named_parameters()), layout.split)
+        params = dict(gpt.named_parameters())
+        if optimizer.sharded:          # each slice's shards joined on the data group's first rank
+            pieces = join_shards(pieces, params, layout.data, next(gpt.parameters()).device)
+        pieces = gather_pieces(pieces, params, layout.split)
         pieces = pieces if layout.split.rank == 0 else []
     return pieces
 

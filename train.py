@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
 
+import ddp
 import fsdp
 import lora
 import snapshot
@@ -40,6 +41,7 @@ from collectives import Comm
 from context_parallel import ContextParallelGPT
 from data import TextData
 from ddp import DDP
+from fsdp import FSDP, FSDPOptimizer
 from memory import held_bytes, live_numel, live_tensor_bytes, mesh_params, run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model
@@ -48,6 +50,7 @@ from pipeline import GPTStage, Pipeline, stage_layers
 from process_groups import exit_distributed, init_distributed, make_device_mesh
 from snapshot import RunError, load_weights
 from tensor_parallel import TensorParallelGPT
+from zero import ZeroOptimizer
 
 def learning_rate(step, args):
     """Linear warmup to --lr, then cosine decay to --min-lr at the last step."""
@@ -154,12 +157,12 @@ def build(args, device, mesh):
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     if mesh_splits(args):
-        return gpt, *parallelize(gpt, args, mesh, adamw)
+        return gpt, *parallelize(gpt, args, mesh, device, adamw)
     model, optimizer, sent, held = STRATEGIES[args.strategy].build(gpt, args, mesh.dp, None, device, adamw)
     return gpt, model, optimizer, {"dp": sent}, held, None
 
 
-def parallelize(gpt, args, mesh, adamw: dict):
+def parallelize(gpt, args, mesh, device, adamw: dict):
     """--tp, --cp and --pp over the mesh, then data parallelism over what is left, each step
     its own file's (in torchtitan's order: split the matrices, split the sequences, cut the
     stages, wrap for data parallelism): (model, optimizer, {dimension: bytes sent per step
@@ -178,24 +181,39 @@ def parallelize(gpt, args, mesh, adamw: dict):
         stage = mesh.pp.rank
         layers = stage_layers(args.stage_layers, gpt.cfg.n_layer, args.pp, args.virtual_stages)[stage]
         module = GPTStage(gpt, layers, first=stage == 0, last=stage == args.pp - 1)
-    # 4. Data parallelism over the ranks holding the same slice of the same stage: dp x cp (a
-    # cp group's ranks hold whole copies too; their gradients, from other tokens, are summed).
-    replicas = (DDP(module, mesh.dp_cp, bucket_mb=args.bucket_mb) if mesh.dp_cp.world_size > 1
-                else module)
+    held_blocks = [i for i, block in enumerate(gpt.blocks) if not isinstance(block, nn.Identity)]
+    first, last = gpt.pos_emb is not None, gpt.head is not None
+    # 4. Data parallelism over the ranks holding the same slice of the same stage, dp x cp (a
+    # cp group's ranks hold whole copies too; their gradients, from other tokens, are summed):
+    # ddp's replicas, ZeRO's optimizer shards or FSDP's units, as --strategy says.
+    data, strategy = mesh.dp_cp, STRATEGIES[args.strategy]
+    if strategy is fsdp:
+        replicas = FSDP(module, compute_dtype=DTYPES[args.precision], group=data,
+                        prefetch=args.prefetch, device=device)
+    elif strategy is ddp and data.world_size > 1:
+        replicas = DDP(module, data, bucket_mb=args.bucket_mb)
+    else:
+        replicas = module                          # ZeRO's optimizer reduces the gradients
     model, grad_norm = replicas, tp.grad_norm if tp else None
     if "pp" in splits:         # the executor runs the stage's micro-batches over send/recv
         model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches, gpt.cfg.n_embd,
                          DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
                          stage_norm=grad_norm, local_tokens=cp.local_tokens if cp else None)
         grad_norm = model.grad_norm
-    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=args.precision,
-                                        grad_norm=grad_norm, **adamw)
+    if strategy is ddp:
+        optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
+                                            precision=args.precision, grad_norm=grad_norm, **adamw)
+    else:                      # sharded over dp x cp; the norm adds the tensor and stage splits
+        optimizer = (FSDPOptimizer(replicas, torch.optim.AdamW, **adamw) if strategy is fsdp else
+                     ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]), group=data,
+                                   bucket_mb=args.bucket_mb, **adamw))
+        optimizer.split_model(tensor=mesh.tp if tp else None,
+                              stages=mesh.pp if "pp" in splits else None)
 
     # The formulas, per dimension, for this rank's rows (B/D) and tokens of each (T/cp).
     rows, tokens = args.batch_size // mesh.dp.world_size, args.seq_len // mesh.cp.world_size
     micro = args.microbatches if "pp" in splits else args.grad_accum
     every = args.checkpoint_activations               # checkpoint_blocks: blocks 0, K, 2K, ...
-    held_blocks = [i for i, block in enumerate(gpt.blocks) if not isinstance(block, nn.Identity)]
     recomputed = sum(i % every == 0 for i in held_blocks) if every else 0
     sent = {}
     if tp:
@@ -206,14 +224,16 @@ def parallelize(gpt, args, mesh, adamw: dict):
         cp.kv_formula = sent["cp"] = cp.kv_bytes_per_step(rows, args.seq_len, micro, recomputed)
     if "pp" in splits:
         sent["pp"] = model.bytes_per_step(rows, tokens)
-    if replicas is not module:
-        sent["dp"] = replicas.bytes_per_step()
-    # memory.py: this rank's share of its stage (all of it without pp), replicated over dp x cp
-    # (with LoRA: the frozen slices, plus the adapters, which alone train).
-    n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks), first=gpt.pos_emb is not None,
-                           last=gpt.head is not None)
+    if data.world_size > 1:
+        sent["dp"] = (replicas.bytes_per_step() if strategy is ddp else
+                      replicas.bytes_per_step(micro_batches=micro) if strategy is fsdp else
+                      optimizer.bytes_per_step(micro_batches=micro))
+    # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
+    # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train).
+    n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks), first, last)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else 0
-    held = run_state_bytes(gpt, "ddp", args, mesh.dp_cp.world_size, n_params=n_params + trainable)
+    held = run_state_bytes(gpt, {fsdp: "zero3", ddp: "ddp"}.get(strategy, args.strategy), args,
+                           data.world_size, n_params=n_params + trainable)
     return model, optimizer, sent, held, cp
 
 

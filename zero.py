@@ -20,7 +20,7 @@ import itertools
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, ring_bytes, split_norm
+from collectives import Comm, as_comm, ring_bytes, split_norm
 from ddp import FlatParams, InOrder, hook_gradient, split_into_buckets
 from memory import run_state_bytes
 from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
@@ -56,9 +56,41 @@ class ShardedOptimizer(MasterOptimizer):
     this rank compute a gradient for it since zero_grad()? The step is stage 2's whatever the
     stage: each rank updates its shards only, with one global norm for clipping and the
     inf/NaN skip.
+    Inside a mesh (train.parallelize), split_model() names the groups whose ranks hold the other
+    parts of the model beside these shards (tensor slices, pipeline stages): the norm adds the
+    squares over them too.
     """
 
-    def _total_norm(self, grads):
+    model_split = ()
+
+    def split_model(self, tensor: Comm | None = None, stages: Comm | None = None):
+        """The norm over a model split further: tensor, the tensor-parallel group (a parameter
+        without tp_dim is whole on each of its T ranks, so its squares count 1/T on each);
+        stages, the pipeline (each stage's squares added). Call once, before the first step."""
+        self.model_split = [comm for comm in (tensor, stages) if comm is not None and comm.world_size > 1]
+        copies = tensor.world_size if tensor is not None else 1
+        for flat in self.flats:
+            # (start, stop, weight) runs of this rank's shard, consecutive equal weights merged
+            flat.norm_weights = []
+            for i, start, stop, offset in flat.shard_ranges(flat.comm.rank):
+                weight = 1.0 if hasattr(flat.params[i], "tp_dim") else 1 / copies
+                if flat.norm_weights and flat.norm_weights[-1][1:] == (offset, weight):
+                    flat.norm_weights[-1] = (flat.norm_weights[-1][0], offset + stop - start, weight)
+                else:
+                    flat.norm_weights.append((offset, offset + stop - start, weight))
+
+    def _mesh_norm(self, grads, masters, device) -> torch.Tensor:
+        """split_model's norm: weighted squares, summed over the shards and every split."""
+        flat_of = {id(flat.master): flat for flat in self.flats}
+        squares = torch.zeros(1, device=device)
+        for grad, master in zip(grads, masters):
+            for start, stop, weight in flat_of[id(master)].norm_weights:
+                squares += grad[start:stop].float().pow(2).sum() * weight
+        for comm in (self.comm, *self.model_split):
+            comm.all_reduce(squares, op="sum")
+        return squares.sqrt()[0]
+
+    def _total_norm(self, grads, masters):
         device = self.flats[0].params[0].device
         # A parameter no rank used keeps its values and moments (keep_unchanged), as torch's
         # optimizers skip a .grad of None: OR the flags over the ranks that hold it, a P-byte
@@ -73,7 +105,8 @@ class ShardedOptimizer(MasterOptimizer):
         # The shards are disjoint slices of the one gradient (an expert's shards, over the world,
         # cover every expert once): every rank gets the same global norm, so every rank takes
         # the same skip decision.
-        norm = split_norm(grads, self.comm, device)
+        norm = (self._mesh_norm(grads, masters, device) if self.model_split
+                else split_norm(grads, self.comm, device))
         for handle in handles:
             handle.wait()
         # Read only where this rank missed a gradient: if it computed every one, every parameter

@@ -10,8 +10,8 @@ import torch
 
 from collectives import ring_bytes
 from memory import (STRATEGIES, active_params, activation_bytes, bytes_per_param, comm_bytes,
-                    ep_comm_bytes, ep_params, ep_state_bytes, expert_params, main, model_params,
-                    moe_exchange_bytes, moe_mlp_bytes, nf4_bytes, state_bytes)
+                    ep_comm_bytes, ep_params, ep_state_bytes, expert_params, main, mesh_params,
+                    model_params, moe_exchange_bytes, moe_mlp_bytes, nf4_bytes, state_bytes)
 from model import PRESETS, GPTConfig, build_model
 from multiprocess import run_ranks
 
@@ -483,6 +483,24 @@ def test_pipeline_table_prints_every_schedule(capsys):
     for row in ("1f1b               0.273  (P-1)/(M+P-1)", "interleaved v=2    0.158  (P-1)/(vM+P-1)",
                 "zb                 0.111  (P-1)/(3M+P-1)", "interleaved v=4   12 blocks, fewer than 16"):
         assert row in out, out
+
+
+def test_mesh_table_splits_the_model_over_its_stages_and_the_data_dimension(capsys):
+    """python memory.py --tp --pp --world: one row per stage; the stages' parameters add up to
+    the tp-split model, ZeRO-2 over dp 2 holds less than ddp, and ddp's dp column is the
+    all-reduce of the stage's parameters (fp32, 2 ranks: one stage's bytes)."""
+    argv = ["--model", "tiny", "--world", "8", "--tp", "2", "--pp", "2", "--precision", "fp32",
+            "--batch-size", "8", "--seq-len", "32", "--strategy"]
+    tables = {}
+    for strategy in ("ddp", "zero2"):
+        main([*argv, strategy])
+        tables[strategy] = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    ddp, zero2 = tables["ddp"], tables["zero2"]
+    assert [int(row[0]) for row in ddp] == [0, 1]
+    params = [int(row[1].replace(",", "")) for row in ddp]
+    assert sum(params) == mesh_params("tiny", tp=2)
+    assert all(float(z[2]) < float(d[2]) for z, d in zip(zero2, ddp)), (zero2, ddp)
+    assert float(ddp[0][6]) == round(ring_bytes("all_reduce", params[0], 4, 2) / 2**20, 2)
 
 
 def test_offloaded_parameters_leave_the_device_with_the_optimizer():

@@ -506,15 +506,15 @@ def _usage_errors(cases):
 
 def _bad_tp_inputs():
     return _usage_errors({"world": ["--strategy", "tp", "--tp", "3"],
-                          "no_strategy": ["--strategy", "fsdp", "--tp", "2"],
+                          "mesh_world": ["--strategy", "zero1", "--tp", "2", "--pp", "2"],
                           "sequence": ["--strategy", "tp", "--tp", "2", "--sequence-parallel",
                                        "--seq-len", "33"]})
 
 
 @pytest.mark.parametrize("case, fix", [
     ("world", "world size 2 is not --tp 3 x a data-parallel size: launch a multiple of 3"),
-    ("no_strategy", "--tp 2 with --strategy fsdp: the data dimension beside a tensor, context or "
-                    "pipeline split runs ddp in this version; use --strategy ddp"),
+    ("mesh_world", "world size 2 is not --tp 2 x --pp 2 x a data-parallel size: launch a multiple "
+                    "of 4 processes"),
     ("sequence", "use a --seq-len divisible by 2, e.g. 32"),
 ])
 def test_bad_tp_input_stops_every_rank_with_the_same_message(bad_tp, case, fix):

@@ -337,8 +337,11 @@ def _one_error_line(stderr):
     (["--tp", "2", "--cp", "2", "--sequence-parallel"], "--sequence-parallel with --cp or --pp"),
     (["--tp", "2", "--pp", "2", "--lora"], "--lora with --tp 2 --pp 2: LoRA under tensor parallelism "
                                            "runs with --tp alone"),
-    (["--tp", "2", "--strategy", "zero1"], "--tp 2 with --strategy zero1: the data dimension beside a "
-                                           "tensor, context or pipeline split runs ddp in this version"),
+    (["--pp", "2", "--strategy", "fsdp"], "--pp 2 with --strategy fsdp: in this version a pipeline's "
+                                          "data dimension runs ddp, or ZeRO (zero1, zero2)"),
+    (["--tp", "2", "--strategy", "zero2", "--offload", "optimizer"], "not built in one mesh yet"),
+    (["--tp", "2", "--strategy", "fsdp", "--sequence-parallel"], "--sequence-parallel with --strategy "
+                                                                  "fsdp: the sequence-split weights'"),
     (["--strategy", "fsdp", "--shard-group", "2"], "--shard-group 2 must divide the world size 1"),
     (["--strategy", "zero2", "--shard-group", "1"], "use --strategy fsdp (--strategy zero2 has none)"),
     (["--strategy", "zero2", "--offload", "params"], "--offload params keeps the parameter shards in "
@@ -474,10 +477,15 @@ def one_process_run(tmp_path_factory):
     (4, ("--tp", "2", "--pp", "2")),
     (4, ("--tp", "2", "--cp", "2")),
     (4, ("--pp", "2", "--cp", "2", "--schedule", "gpipe")),
+    (4, ("--tp", "2", "--pp", "2", "--strategy", "zero1")),
+    (4, ("--tp", "2", "--cp", "2", "--strategy", "fsdp")),
+    (4, ("--pp", "2", "--cp", "2", "--strategy", "zero2")),
+    (4, ("--pp", "2", "--strategy", "zero1", "--schedule", "zb")),
 ])
 def test_a_mesh_trains_as_one_process(tmp_path, one_process_run, ranks, flags):
-    """Two splits at once on 4 ranks, the data dimension ddp: every step's loss and the weights
-    after 4 AdamW steps equal one process's; every dimension sends what its formula says."""
+    """Two splits at once on 4 ranks, the data dimension (over the cp ranks, or 1) ddp, ZeRO or
+    FSDP: every step's loss and the weights after 4 AdamW steps equal one process's; every
+    dimension sends what its formula says; rank 0 holds what memory.py says."""
     losses, weights, sent, out = _run_mesh(tmp_path, ranks, *flags)
     expected_losses, expected_weights, _, _ = one_process_run
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
@@ -487,13 +495,36 @@ def test_a_mesh_trains_as_one_process(tmp_path, one_process_run, ranks, flags):
     assert "sent by dimension" in out, out
     predicted, measured = _held(out)
     assert predicted == measured, out
+    _assert_memory_py_agrees(ranks, flags, sent)
+
+
+def _assert_memory_py_agrees(ranks: int, flags: tuple, sent: dict):
+    """memory.mesh_bytes' closed forms for rank 0 (stage 0) equal the formulas the live run
+    logged: tp, cp and pp to the byte; dp, its padding-free napkin form, within 0.1% (the buckets
+    pad each message, the used-flags and the norm add a few bytes); FSDP's dp is 1.5x ddp's less
+    the root unit's second gather (it stays gathered), which memory.comm_bytes counts."""
+    from memory import mesh_bytes
+    option = lambda name, default: flags[flags.index(name) + 1] if name in flags else default
+    sizes = {d: int(option(f"--{d}", 1)) for d in ("tp", "cp", "pp")}
+    dp = ranks // (sizes["tp"] * sizes["cp"] * sizes["pp"])
+    strategy = option("--strategy", "ddp")
+    napkin = mesh_bytes("tiny", 8 // dp, 32, **sizes, dp=dp, micro_batches=2 * sizes["pp"] if sizes["pp"] > 1 else 1,
+                        schedule=option("--schedule", "1f1b"), strategy={"fsdp": "zero3"}.get(strategy, strategy))
+    logged = {d: formula for d, (_, formula) in sent[max(sent)].items()}
+    assert napkin.keys() == logged.keys(), (napkin, logged)
+    for d, formula in logged.items():
+        if d != "dp":
+            assert napkin[d] == formula, (d, napkin, logged)
+        elif strategy != "fsdp":
+            assert abs(napkin[d] - formula) <= 1e-3 * formula, (d, napkin, logged)
 
 
 @pytest.mark.eight_ranks
-@pytest.mark.parametrize("flags", [("--tp", "2", "--pp", "2"), ("--tp", "2", "--cp", "2"),
-                                   ("--pp", "2", "--cp", "2")])
+@pytest.mark.parametrize("flags", [("--tp", "2", "--pp", "2"), ("--tp", "2", "--cp", "2", "--strategy", "fsdp"),
+                                   ("--pp", "2", "--cp", "2", "--strategy", "zero2")])
 def test_a_3d_mesh_on_8_ranks_trains_as_one_process(tmp_path, one_process_run, flags):
-    """Three dimensions at once, the third data parallel (2 replicas, each half the batch)."""
+    """Three dimensions at once, the third data parallel (2 replicas, each half the batch): ddp,
+    FSDP sharding over dp x cp, ZeRO-2 sharding each stage's optimizer over it."""
     losses, weights, sent, out = _run_mesh(tmp_path, 8, *flags)
     expected_losses, expected_weights, _, _ = one_process_run
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
@@ -502,15 +533,19 @@ def test_a_3d_mesh_on_8_ranks_trains_as_one_process(tmp_path, one_process_run, f
     assert all("dp" in step for step in sent.values()), sent
     predicted, measured = _held(out)
     assert predicted == measured, out
+    _assert_memory_py_agrees(8, flags, sent)
 
 
-@pytest.mark.parametrize("ranks", [4, pytest.param(8, marks=pytest.mark.eight_ranks)])
-def test_a_tp_pp_checkpoint_resumes_on_one_process(tmp_path, one_process_run, ranks):
-    """tp 2 x pp 2 (x dp 2 on 8 ranks) saves at step 2 under whole-parameter names; one process
-    resumes that checkpoint and trains on as the uninterrupted single process did."""
+@pytest.mark.parametrize("ranks, flags", [
+    (4, ("--tp", "2", "--pp", "2")),
+    (4, ("--tp", "2", "--cp", "2", "--strategy", "fsdp")),
+    pytest.param(8, ("--tp", "2", "--pp", "2"), marks=pytest.mark.eight_ranks)])
+def test_a_mesh_checkpoint_resumes_on_one_process(tmp_path, one_process_run, ranks, flags):
+    """tp 2 x pp 2 (x dp 2 on 8 ranks), and tp 2 x cp 2 under FSDP (each tensor slice sharded
+    over the cp ranks), save at step 2 under whole-parameter names; one process resumes that
+    checkpoint and trains on as the uninterrupted single process did."""
     out = tmp_path / "run"
-    run_ranks(train_logged, ranks, [*MESH_RUN, "--tp", "2", "--pp", "2", "--out", str(out),
-                                    "--save-every", "2"])
+    run_ranks(train_logged, ranks, [*MESH_RUN, *flags, "--out", str(out), "--save-every", "2"])
     export = tmp_path / "resumed.pt"
     history, log = run_ranks(train_logged, 1, [*MESH_RUN, "--out", str(out), "--resume",
                                                str(out / "ckpt-0000002"), "--export", str(export)])[0]
@@ -519,4 +554,4 @@ def test_a_tp_pp_checkpoint_resumes_on_one_process(tmp_path, one_process_run, ra
     resumed = [history["losses"][step] for step in sorted(history["losses"])]        # steps 2, 3
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected_losses[2:]), rtol=1e-5, atol=0)
     assert_tensors_close(torch.load(export, weights_only=True)["state_dict"], expected_weights,
-                         rtol=0, atol=1e-5, what=f"tp 2 x pp 2 on {ranks} ranks, resumed on one")
+                         rtol=0, atol=1e-5, what=f"{' '.join(flags)} on {ranks} ranks, resumed on one")
