@@ -302,13 +302,13 @@ class Comm:
         for s, (_, recv, add, out) in enumerate(split):
             # avg: divide once, where a chunk's sum is complete (the reduce-scatter's last step)
             divide = op == "avg" and add is not None and (s + 1 == len(steps) or steps[s + 1].add is None)
-            for j, works in enumerate(in_flight):
-                for work in works:
-                    work.wait()
+            for j, (sent, received) in enumerate(in_flight):
+                received.wait()
                 if add is not None:
                     _combine(out[j], add[j], recv[j], op)
                     if divide:
                         out[j].div_(n)
+                sent.wait()          # reduced while the send completed; its chunk may be reused
                 if s + 1 < len(steps):
                     in_flight[j] = post(s + 1, j)
 
