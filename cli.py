@@ -433,9 +433,9 @@ def check_mesh(parser, args, world_size):
                      f"data dimension runs ddp, or ZeRO (zero1, zero2) for a model without a tied head "
                      f"and, under zero2, a schedule other than zb (whose weight gradients come after "
                      f"ZeRO-2's hooks); use --strategy ddp or one of those")
-    if sharded and (args.offload or args.shard_group or args.lora):
-        parser.error(f"{mesh_flags(args)} with --strategy {args.strategy} and --offload, --shard-group or "
-                     f"--lora: not built in one mesh yet; use --strategy ddp, or leave them out")
+    if sharded and (args.offload or args.lora):
+        parser.error(f"{mesh_flags(args)} with --strategy {args.strategy} and --offload or --lora: not "
+                     f"built in one mesh yet; use --strategy ddp, or leave them out")
     if args.sequence_parallel and args.strategy in ("zero2", "fsdp", "zero3"):
         # The norms' gradients are partial sums over the tensor group until its end-of-backward
         # all-reduce; ZeRO-2's and FSDP's hooks shard them before it.
@@ -480,9 +480,13 @@ def check_shard_group(parser, args, world_size):
     if args.strategy not in ("fsdp", "zero3"):
         parser.error(f"--shard-group {args.shard_group} is hybrid sharding, a layout of FSDP's shards: "
                      f"use --strategy fsdp (--strategy {args.strategy} has none)")
-    if args.shard_group < 1 or world_size % args.shard_group:
-        parser.error(f"--shard-group {args.shard_group} must divide the world size {world_size} into "
-                     f"equal groups: use a divisor of {world_size} (the ranks of one node, e.g.)")
+    # Beside --tp and --pp, FSDP shards over the dp x cp ranks holding the same slice of a stage.
+    ranks = world_size // (args.tp * args.pp) if mesh_splits(args) else world_size
+    if args.shard_group < 1 or ranks % args.shard_group:
+        where = (f"the world size {world_size}" if ranks == world_size else
+                 f"the {ranks} data x context ranks (world {world_size} / --tp {args.tp} / --pp {args.pp})")
+        parser.error(f"--shard-group {args.shard_group} must divide {where} into equal groups: use a "
+                     f"divisor of {ranks} (the ranks of one node, e.g.)")
     if args.ep > 1:
         parser.error(f"--shard-group with --ep {args.ep}: hybrid sharding of experts is not built; "
                      f"use one of them")

@@ -485,7 +485,7 @@ def mesh_params(name_or_config, tp: int = 1, blocks: int | None = None, first: b
 def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 1, pp: int = 1,
                dp: int = 1, micro_batches: int = 1, precision: str = "fp32", stage: int = 0,
                schedule: str = "1f1b", virtual_stages: int = 1, attention: str = "ring",
-               strategy: str = "ddp") -> dict:
+               strategy: str = "ddp", shard_group: int | None = None) -> dict:
     """Bytes one rank of a tp x cp x pp x dp mesh (train.parallelize) sends per step, by
     dimension, in closed form, for pipeline stage `stage` (the balanced split of the blocks):
     batch rows per data-parallel rank (B/D), seq_len tokens per whole sequence, micro_batches
@@ -498,7 +498,7 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
     pp: one (b, T/cp, C) activation or gradient per send in the stage's schedule, a norm fp32.
     dp: comm_bytes of this rank's parameters (mesh_params) over dp x cp ranks, in the padding-free
     napkin form (real buckets pad each message to dp x cp chunks: a few elements more); ZeRO-2
-    reduce-scatters every micro-batch.
+    reduce-scatters every micro-batch; shard_group (zero3): HSDP's groups inside dp x cp.
     """
     cfg = _config(name_or_config)
     size, C = _element_size(precision), cfg.n_embd
@@ -521,7 +521,8 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
         sent["pp"] = sends * m * C * size + ring_bytes("all_reduce", 1, 4, pp)
     if dp * cp > 1:
         n_params = mesh_params(cfg, tp, blocks, first, last)
-        sent["dp"] = sum(comm_bytes(n_params, strategy, precision, dp * cp).values())
+        sent["dp"] = sum(comm_bytes(n_params, strategy, precision, dp * cp,
+                                    shard_group=shard_group).values())
         if strategy == "zero2":               # every micro-batch's reduce-scatter
             sent["dp"] += (micro_batches - 1) * ring_bytes("reduce_scatter", n_params, size, dp * cp)
     return sent
@@ -721,9 +722,12 @@ def _check_shard_group(p, args):
     if args.strategy not in ("fsdp", "zero3"):
         p.error(f"--shard-group {args.shard_group} is hybrid sharding, a layout of FSDP's shards: "
                 f"give --strategy fsdp")
-    if args.shard_group < 1 or args.world % args.shard_group:
-        p.error(f"--shard-group {args.shard_group} must divide --world {args.world} into equal "
-                f"groups: use a divisor of {args.world} (the ranks of one node, e.g.)")
+    # beside --tp and --pp, FSDP shards over the dp x cp ranks holding one slice of a stage
+    ranks = args.world // (args.tp * args.pp) if args.tp * args.pp > 1 else args.world
+    if args.shard_group < 1 or ranks % args.shard_group:
+        p.error(f"--shard-group {args.shard_group} must divide the {ranks} ranks that shard (--world "
+                f"{args.world} / --tp {args.tp} / --pp {args.pp}) into equal groups: use a divisor "
+                f"of {ranks} (the ranks of one node, e.g.)")
     if args.ep > 1:
         p.error(f"--shard-group with --ep {args.ep}: hybrid sharding of experts is not built "
                 f"(train.py refuses it too); use one of them")
@@ -898,16 +902,18 @@ def _mesh_table(args):
     dp = args.world // (tp * cp * pp)
     strategy = {"fsdp": "zero3"}.get(args.strategy or "ddp", args.strategy or "ddp")
     micro = args.microbatches if pp > 1 else args.grad_accum
+    over = (f"groups of {args.shard_group} of dp x cp = {dp * cp} (HSDP)" if args.shard_group
+            else f"dp x cp = {dp * cp}")
     print(f"{args.model} on {args.world} ranks = tp {tp} x cp {cp} x pp {pp} x dp {dp}, {strategy} over "
-          f"dp x cp = {dp * cp}, global batch {args.batch_size} x {args.seq_len}, {micro} micro-batches, "
+          f"{over}, global batch {args.batch_size} x {args.seq_len}, {micro} micro-batches, "
           f"{args.precision}; per rank, MiB: held (parameters + gradients + optimizer) and sent per step")
     print(f"{'stage':>5}{'params':>12}{'held':>10}" + "".join(f"{d + ' sent':>11}" for d in ("tp", "cp", "pp", "dp")))
     n, k = divmod(cfg.n_layer, pp)
     for stage in range(pp):
         n_params = mesh_params(cfg, tp, n + (stage < k), stage == 0, stage == pp - 1)
-        held = state_bytes(n_params, strategy, args.precision, dp * cp)["total"]
+        held = state_bytes(n_params, strategy, args.precision, args.shard_group or dp * cp)["total"]
         sent = mesh_bytes(cfg, args.batch_size // dp, args.seq_len, tp, cp, pp, dp, micro,
-                          args.precision, stage, strategy=strategy)
+                          args.precision, stage, strategy=strategy, shard_group=args.shard_group)
         print(f"{stage:>5}{n_params:>12,}{held / MiB:10.1f}"
               + "".join(f"{sent.get(d, 0) / MiB:11.2f}" for d in ("tp", "cp", "pp", "dp")))
 

@@ -129,7 +129,9 @@ def make_mesh(comm: Comm, inner: int) -> tuple[Comm, Comm]:
 # Experts (ep) fold into the D x C ranks that hold the same tensor and pipeline slice, as
 # torchtitan does: consecutive runs of ep of them split the experts (an all-to-all per MoE
 # layer stays on near ranks), and the ranks at the same place in each run hold the same experts
-# (their expert gradients are reduced over them).
+# (their expert gradients are reduced over them). Hybrid sharding (HSDP, --shard-group S) cuts
+# the same D x C ranks the same way: FSDP shards over a run of S neighbours, and the ranks at
+# the same place in each run hold copies of the same shards.
 
 DIMENSIONS = ("pp", "dp", "cp", "tp")            # outermost first, as in the rank formula
 
@@ -146,6 +148,8 @@ class Mesh(NamedTuple):
     dp_cp: Comm
     ep: Comm | None
     expert_dp: Comm | None
+    shard: Comm | None = None        # HSDP: the run of dp x cp ranks FSDP shards over
+    replicate: Comm | None = None    # HSDP: the ranks holding copies of this rank's shards
 
     def sent(self) -> dict:
         """{dimension: bytes this rank sent along it since clear()}: each dimension counts on its
@@ -159,9 +163,11 @@ class Mesh(NamedTuple):
                 comm.bytes_sent.clear()
 
 
-def mesh_shape(world: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> dict:
+def mesh_shape(world: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
+               shard: int | None = None) -> dict:
     """{dimension: size} of the mesh over `world` ranks, data parallel over what is left; a
-    ValueError naming the flags when the sizes do not fit the world (or ep the data x context)."""
+    ValueError naming the flags when the sizes do not fit the world (or ep or the HSDP shard
+    group the data x context)."""
     sizes = {"tp": tp, "cp": cp, "pp": pp, "ep": ep}
     if any(size < 1 for size in sizes.values()):
         raise ValueError(f"mesh sizes must be at least 1, got {sizes}")
@@ -172,13 +178,17 @@ def mesh_shape(world: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -
     if (dp * cp) % ep:
         raise ValueError(f"--ep {ep} must divide the data x context ranks that hold the same tensor "
                          f"and pipeline slice, dp {dp} x cp {cp} = {dp * cp}")
+    if shard is not None and (shard < 1 or (dp * cp) % shard):
+        raise ValueError(f"--shard-group {shard} must divide the data x context ranks that hold the "
+                         f"same tensor and pipeline slice, dp {dp} x cp {cp} = {dp * cp}")
     return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
 
 
-def mesh_rank_lists(world: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> dict:
+def mesh_rank_lists(world: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
+                    shard: int | None = None) -> dict:
     """{group name: [rank list, ...]}: every group of the mesh, in one order (every rank creates
     them all). A group varies along its dimensions and keeps the others fixed."""
-    shape = mesh_shape(world, tp, cp, pp, ep)
+    shape = mesh_shape(world, tp, cp, pp, ep, shard)
 
     def along(dims):                             # dims in DIMENSIONS' order
         fixed = [d for d in DIMENSIONS if d not in dims]
@@ -192,9 +202,14 @@ def mesh_rank_lists(world: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int =
         return groups
     lists = {d: along([d]) for d in DIMENSIONS}
     lists["dp_cp"] = along(["dp", "cp"])                      # ranks ordered dp-major: dp C + cp
+
+    def runs(size):           # each dp x cp group: runs of `size` neighbours, and across the runs
+        return ([g[start: start + size] for g in lists["dp_cp"] for start in range(0, len(g), size)],
+                [g[offset::size] for g in lists["dp_cp"] for offset in range(size)])
     if ep > 1:
-        lists["ep"] = [g[start: start + ep] for g in lists["dp_cp"] for start in range(0, len(g), ep)]
-        lists["expert_dp"] = [g[offset::ep] for g in lists["dp_cp"] for offset in range(ep)]
+        lists["ep"], lists["expert_dp"] = runs(ep)
+    if shard is not None and shard < shape["dp"] * shape["cp"]:
+        lists["shard"], lists["replicate"] = runs(shard)
     return lists
 
 
@@ -207,18 +222,20 @@ def _flatten(coords: list, sizes: list) -> int:
     return r
 
 
-def make_device_mesh(comm: Comm, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> Mesh:
-    """This rank's Mesh over comm's ranks (the world), a byte counter per dimension (Mesh.sent).
+def make_device_mesh(comm: Comm, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
+                     shard: int | None = None) -> Mesh:
+    """This rank's Mesh over comm's ranks (the world), a byte counter per dimension (Mesh.sent);
+    shard: HSDP's shard group size within dp x cp (None: FSDP shards over all of it).
     Collective: every rank creates every group, dimension by dimension, in mesh_rank_lists' order."""
     ranks = dist.get_process_group_ranks(comm.group)
-    lists = mesh_rank_lists(len(ranks), tp, cp, pp, ep)
-    data = Counter()                            # dp, dp x cp and expert_dp: the gradients' reductions
-    counters = {"dp": data, "dp_cp": data, "expert_dp": data}
+    lists = mesh_rank_lists(len(ranks), tp, cp, pp, ep, shard)
+    data = Counter()              # dp, dp x cp, expert_dp and HSDP's: the gradients' reductions
+    counters = {"dp": data, "dp_cp": data, "expert_dp": data, "shard": data, "replicate": data}
     groups = {name: subgroups(comm, [[ranks[r] for r in group] for group in rank_lists],
                               bytes_sent=counters.get(name, Counter()))
               for name, rank_lists in lists.items()}
     return Mesh(groups["tp"], groups["cp"], groups["dp"], groups["pp"], groups["dp_cp"],
-                groups.get("ep"), groups.get("expert_dp"))
+                groups.get("ep"), groups.get("expert_dp"), groups.get("shard"), groups.get("replicate"))
 
 
 # ---- agreeing before the first step ----------------------------------------------------------

@@ -185,11 +185,12 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     first, last = gpt.pos_emb is not None, gpt.head is not None
     # 4. Data parallelism over the ranks holding the same slice of the same stage, dp x cp (a
     # cp group's ranks hold whole copies too; their gradients, from other tokens, are summed):
-    # ddp's replicas, ZeRO's optimizer shards or FSDP's units, as --strategy says.
+    # ddp's replicas, ZeRO's optimizer shards or FSDP's units (with --shard-group, HSDP: sharded
+    # over a run of dp x cp ranks, copied across the runs), as --strategy says.
     data, strategy = mesh.dp_cp, STRATEGIES[args.strategy]
     if strategy is fsdp:
-        replicas = FSDP(module, compute_dtype=DTYPES[args.precision], group=data,
-                        prefetch=args.prefetch, device=device)
+        replicas = FSDP(module, compute_dtype=DTYPES[args.precision], group=mesh.shard or data,
+                        replicate_group=mesh.replicate, prefetch=args.prefetch, device=device)
     elif strategy is ddp and data.world_size > 1:
         replicas = DDP(module, data, bucket_mb=args.bucket_mb)
     else:
@@ -233,7 +234,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks), first, last)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else 0
     held = run_state_bytes(gpt, {fsdp: "zero3", ddp: "ddp"}.get(strategy, args.strategy), args,
-                           data.world_size, n_params=n_params + trainable)
+                           (mesh.shard or data).world_size, n_params=n_params + trainable)
     return model, optimizer, sent, held, cp
 
 
@@ -338,7 +339,9 @@ def main(argv=None, live_bytes: bool = False) -> dict:
     comm = Comm(ring=args.collectives == "ring")
     # One mesh: tensor x context x data x pipeline (check_args made sure the sizes divide the
     # world). The ranks of one tensor, context or pipeline group read the same rows: dp's.
-    mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp)
+    # (--shard-group beside a split: HSDP's groups inside dp x cp, made here with the rest.)
+    mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp,
+                            shard=args.shard_group if mesh_splits(args) else None)
     data_rank, data_size = mesh.dp.rank, mesh.dp.world_size
     try:
         gpt, model, optimizer, predicted, napkin, context = build(args, device, mesh)

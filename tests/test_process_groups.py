@@ -38,10 +38,11 @@ def test_gather_objects_without_numpy(world_size):
             assert at_one is None
 
 
-# ---- the N-D mesh (issue 28's first piece: the groups; train.py does not compose them yet) ----
+# ---- the N-D mesh: its groups (train.py composes them: tests/test_train.py) ----
 
 MESHES = [dict(world=8, tp=2, pp=2), dict(world=8, tp=2, cp=2), dict(world=8, pp=2, cp=2),
-          dict(world=16, tp=2, cp=2, pp=2, ep=2), dict(world=8, ep=4), dict(world=4)]
+          dict(world=16, tp=2, cp=2, pp=2, ep=2), dict(world=8, ep=4), dict(world=4),
+          dict(world=16, tp=2, cp=2, shard=2)]
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "-".join(f"{k}{v}" for k, v in m.items()))
@@ -52,8 +53,10 @@ def test_every_dimension_cuts_the_world_once_and_the_dimensions_cross_at_one_ran
     assert shape["pp"] * shape["dp"] * shape["cp"] * shape["tp"] == world
     for name, groups in lists.items():
         assert sorted(r for g in groups for r in g) == list(range(world)), name     # a partition
-        size = {"dp_cp": shape["dp"] * shape["cp"], "ep": shape["ep"],
-                "expert_dp": shape["dp"] * shape["cp"] // shape["ep"]}.get(name, shape.get(name))
+        data = shape["dp"] * shape["cp"]
+        size = {"dp_cp": data, "ep": shape["ep"], "expert_dp": data // shape["ep"],
+                "shard": sizes.get("shard"), "replicate": data // sizes.get("shard", 1)
+                }.get(name, shape.get(name))
         assert all(len(g) == size for g in groups), name
     # tp innermost: a tensor group is consecutive ranks (one node's links); pp outermost.
     assert all(g == list(range(g[0], g[0] + shape["tp"])) for g in lists["tp"])
@@ -68,12 +71,18 @@ def test_every_dimension_cuts_the_world_once_and_the_dimensions_cross_at_one_ran
             runs = [e for e in lists["ep"] if set(e) <= set(g)]
             assert len(runs) == len(g) // shape["ep"]
             assert [e for e in lists["expert_dp"] if set(e) <= set(g)] == [list(x) for x in zip(*runs)]
+    if "shard" in sizes:       # HSDP: runs of S neighbours of each data x context group shard,
+        for g in lists["dp_cp"]:                  # the ranks at one place in each run hold copies
+            runs = [s for s in lists["shard"] if set(s) <= set(g)]
+            assert runs == [g[i: i + sizes["shard"]] for i in range(0, len(g), sizes["shard"])]
+            assert [c for c in lists["replicate"] if set(c) <= set(g)] == [list(x) for x in zip(*runs)]
 
 
 @pytest.mark.parametrize("sizes, message", [
     (dict(world=8, tp=3), "world size 8 is not --tp 3 x --cp 1 x --pp 1 x a data-parallel size"),
     (dict(world=8, tp=2, pp=2, ep=3), "--ep 3 must divide the data x context ranks"),
-    (dict(world=8, cp=0), "mesh sizes must be at least 1")])
+    (dict(world=8, cp=0), "mesh sizes must be at least 1"),
+    (dict(world=8, tp=2, shard=3), "--shard-group 3 must divide the data x context ranks")])
 def test_a_mesh_that_does_not_fit_names_the_flags(sizes, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         mesh_shape(**sizes)

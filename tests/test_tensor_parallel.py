@@ -507,6 +507,7 @@ def _usage_errors(cases):
 def _bad_tp_inputs():
     return _usage_errors({"world": ["--strategy", "tp", "--tp", "3"],
                           "mesh_world": ["--strategy", "zero1", "--tp", "2", "--pp", "2"],
+                          "shard_group": ["--strategy", "fsdp", "--tp", "2", "--shard-group", "2"],
                           "sequence": ["--strategy", "tp", "--tp", "2", "--sequence-parallel",
                                        "--seq-len", "33"]})
 
@@ -516,6 +517,7 @@ def _bad_tp_inputs():
     ("mesh_world", "world size 2 is not --tp 2 x --pp 2 x a data-parallel size: launch a multiple "
                     "of 4 processes"),
     ("sequence", "use a --seq-len divisible by 2, e.g. 32"),
+    ("shard_group", "--shard-group 2 must divide the 1 data x context ranks (world 2 / --tp 2 / --pp 1)"),
 ])
 def test_bad_tp_input_stops_every_rank_with_the_same_message(bad_tp, case, fix):
     assert bad_tp[0][case] == bad_tp[1][case], bad_tp

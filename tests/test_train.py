@@ -481,6 +481,7 @@ def one_process_run(tmp_path_factory):
     (4, ("--tp", "2", "--cp", "2", "--strategy", "fsdp")),
     (4, ("--pp", "2", "--cp", "2", "--strategy", "zero2")),
     (4, ("--pp", "2", "--strategy", "zero1", "--schedule", "zb")),
+    (4, ("--cp", "2", "--strategy", "fsdp", "--shard-group", "2")),
 ])
 def test_a_mesh_trains_as_one_process(tmp_path, one_process_run, ranks, flags):
     """Two splits at once on 4 ranks, the data dimension (over the cp ranks, or 1) ddp, ZeRO or
@@ -539,11 +540,13 @@ def test_a_3d_mesh_on_8_ranks_trains_as_one_process(tmp_path, one_process_run, f
 @pytest.mark.parametrize("ranks, flags", [
     (4, ("--tp", "2", "--pp", "2")),
     (4, ("--tp", "2", "--cp", "2", "--strategy", "fsdp")),
+    (4, ("--cp", "2", "--strategy", "fsdp", "--shard-group", "2")),
     pytest.param(8, ("--tp", "2", "--pp", "2"), marks=pytest.mark.eight_ranks)])
 def test_a_mesh_checkpoint_resumes_on_one_process(tmp_path, one_process_run, ranks, flags):
-    """tp 2 x pp 2 (x dp 2 on 8 ranks), and tp 2 x cp 2 under FSDP (each tensor slice sharded
-    over the cp ranks), save at step 2 under whole-parameter names; one process resumes that
-    checkpoint and trains on as the uninterrupted single process did."""
+    """tp 2 x pp 2 (x dp 2 on 8 ranks), tp 2 x cp 2 under FSDP (each tensor slice sharded over
+    the cp ranks) and cp 2 x dp 2 under HSDP (shards over each pair, copied across the pairs: the
+    first copy writes them), save at step 2 under whole-parameter names; one process resumes
+    that checkpoint and trains on as the uninterrupted single process did."""
     out = tmp_path / "run"
     run_ranks(train_logged, ranks, [*MESH_RUN, *flags, "--out", str(out), "--save-every", "2"])
     export = tmp_path / "resumed.pt"
