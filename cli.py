@@ -433,9 +433,9 @@ def check_mesh(parser, args, world_size):
                      f"data dimension runs ddp, or ZeRO (zero1, zero2) for a model without a tied head "
                      f"and, under zero2, a schedule other than zb (whose weight gradients come after "
                      f"ZeRO-2's hooks); use --strategy ddp or one of those")
-    if sharded and (args.offload or args.lora):
-        parser.error(f"{mesh_flags(args)} with --strategy {args.strategy} and --offload or --lora: not "
-                     f"built in one mesh yet; use --strategy ddp, or leave them out")
+    if sharded and args.lora:
+        parser.error(f"{mesh_flags(args)} with --strategy {args.strategy} and --lora: not built in one "
+                     f"mesh yet; use --strategy ddp, or leave --lora out")
     if args.sequence_parallel and args.strategy in ("zero2", "fsdp", "zero3"):
         # The norms' gradients are partial sums over the tensor group until its end-of-backward
         # all-reduce; ZeRO-2's and FSDP's hooks shard them before it.

@@ -190,7 +190,8 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     data, strategy = mesh.dp_cp, STRATEGIES[args.strategy]
     if strategy is fsdp:
         replicas = FSDP(module, compute_dtype=DTYPES[args.precision], group=mesh.shard or data,
-                        replicate_group=mesh.replicate, prefetch=args.prefetch, device=device)
+                        replicate_group=mesh.replicate, prefetch=args.prefetch, device=device,
+                        offload_params=args.offload == "params")
     elif strategy is ddp and data.world_size > 1:
         replicas = DDP(module, data, bucket_mb=args.bucket_mb)
     else:
@@ -205,9 +206,11 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
         optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
                                             precision=args.precision, grad_norm=grad_norm, **adamw)
     else:                      # sharded over dp x cp; the norm adds the tensor and stage splits
-        optimizer = (FSDPOptimizer(replicas, torch.optim.AdamW, **adamw) if strategy is fsdp else
+        offload = bool(args.offload)           # ZeRO-Offload: the shards' optimizer on the host
+        optimizer = (FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)
+                     if strategy is fsdp else
                      ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]), group=data,
-                                   bucket_mb=args.bucket_mb, **adamw))
+                                   bucket_mb=args.bucket_mb, offload=offload, **adamw))
         optimizer.split_model(tensor=mesh.tp if tp else None,
                               stages=mesh.pp if "pp" in splits else None)
 

@@ -339,7 +339,8 @@ def _one_error_line(stderr):
                                            "runs with --tp alone"),
     (["--pp", "2", "--strategy", "fsdp"], "--pp 2 with --strategy fsdp: in this version a pipeline's "
                                           "data dimension runs ddp, or ZeRO (zero1, zero2)"),
-    (["--tp", "2", "--strategy", "zero2", "--offload", "optimizer"], "not built in one mesh yet"),
+    (["--cp", "2", "--strategy", "zero2", "--lora"], "--cp 2 with --strategy zero2 and --lora: not built "
+                                                      "in one mesh yet"),
     (["--tp", "2", "--strategy", "fsdp", "--sequence-parallel"], "--sequence-parallel with --strategy "
                                                                   "fsdp: the sequence-split weights'"),
     (["--strategy", "fsdp", "--shard-group", "2"], "--shard-group 2 must divide the world size 1"),
@@ -465,7 +466,7 @@ def _held(out: str):
     """memory.py's prediction and rank 0's measure, as the log prints them: params, grads, optim."""
     return (re.search(r"napkin math per rank \(memory.py\): params ([\d.]+) MiB, grads ([\d.]+), "
                       r"optim ([\d.]+)", out).groups(),
-            re.findall(r"\(params ([\d.]+), grads ([\d.]+), optim ([\d.]+)\)", out)[-1])
+            re.findall(r"\(params ([\d.]+), grads ([\d.]+), optim ([\d.]+)[,)]", out)[-1])
 
 
 @pytest.fixture(scope="module")
@@ -482,11 +483,14 @@ def one_process_run(tmp_path_factory):
     (4, ("--pp", "2", "--cp", "2", "--strategy", "zero2")),
     (4, ("--pp", "2", "--strategy", "zero1", "--schedule", "zb")),
     (4, ("--cp", "2", "--strategy", "fsdp", "--shard-group", "2")),
+    (4, ("--pp", "2", "--strategy", "zero2", "--offload", "optimizer")),
+    (4, ("--tp", "2", "--cp", "2", "--strategy", "fsdp", "--offload", "params")),
 ])
 def test_a_mesh_trains_as_one_process(tmp_path, one_process_run, ranks, flags):
-    """Two splits at once on 4 ranks, the data dimension (over the cp ranks, or 1) ddp, ZeRO or
-    FSDP: every step's loss and the weights after 4 AdamW steps equal one process's; every
-    dimension sends what its formula says; rank 0 holds what memory.py says."""
+    """Two splits at once on 4 ranks, the data dimension (over the cp ranks, or 1) ddp, ZeRO,
+    FSDP or HSDP, with or without offload: every step's loss and the weights after 4 AdamW steps
+    equal one process's; every dimension sends what its formula says; rank 0 holds, on the
+    device and the host, what memory.py says."""
     losses, weights, sent, out = _run_mesh(tmp_path, ranks, *flags)
     expected_losses, expected_weights, _, _ = one_process_run
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
@@ -496,6 +500,9 @@ def test_a_mesh_trains_as_one_process(tmp_path, one_process_run, ranks, flags):
     assert "sent by dimension" in out, out
     predicted, measured = _held(out)
     assert predicted == measured, out
+    if "--offload" in flags:       # ZeRO-Offload's host bytes (masters, moments, gradient copy)
+        host = re.search(r"([\d.]+) in CPU memory \(--offload\)", out).group(1)
+        assert re.findall(r", host ([\d.]+)\)", out)[-1] == host, out
     _assert_memory_py_agrees(ranks, flags, sent)
 
 
