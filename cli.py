@@ -409,9 +409,9 @@ def check_experts(parser, args, world_size):
         parser.error(f"--aux-loss-weight must be 0 (off) or positive, got {args.aux_loss_weight}")
     if args.z_loss_weight is not None and not 0 <= args.z_loss_weight < math.inf:
         parser.error(f"--z-loss-weight must be 0 (off) or positive, got {args.z_loss_weight}")
-    if mesh_splits(args):
+    if set(mesh_splits(args)) - {"cp"}:
         parser.error(f"{mesh_flags(args)} does not split expert layers yet: train a model with "
-                     f"experts under --strategy ddp, zero1, zero2 or fsdp, with --ep")
+                     f"experts under --strategy ddp, zero1, zero2 or fsdp, with --ep and --cp")
 
 
 def mesh_flags(args) -> str:
@@ -545,3 +545,10 @@ def check_context_parallel(parser, args, world_size):
     if args.dropout:
         parser.error("--dropout: context-parallel attention has no dropout (its masks would have to "
                      "be drawn again block by block in backward): use --dropout 0 with --cp")
+    # A router sees this rank's tokens only: groups inside one chunk of a sequence are the same
+    # tokens one process routes together, so the routing (capacity, balance loss) is its own.
+    cfg, chunk = dataclasses.replace(PRESETS[args.model], **moe_config(args)), args.seq_len // chunks
+    if cfg.experts and (cfg.routing_group is None or chunk % cfg.routing_group):
+        parser.error(f"--cp {args.cp} with experts: each rank routes its own tokens, so route them in "
+                     f"groups inside one chunk of a sequence: give a --routing-group dividing the "
+                     f"{chunk} tokens of a chunk (--seq-len / {chunks}), e.g. --routing-group {chunk}")

@@ -323,10 +323,11 @@ class ContextParallelGPT(nn.Module):
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown context-parallel attention {attention!r}: choose "
                              f"{' or '.join(ATTENTIONS)}")
-        if gpt.cfg.dropout or gpt.cfg.experts:
-            raise ValueError("context parallelism here runs a dense model without dropout: its "
-                             "attention has no dropout masks to regenerate block by block, and a "
-                             "router would see one rank's tokens only; use dropout 0 and no experts")
+        if gpt.cfg.dropout or gpt.cfg.experts and gpt.cfg.routing_group is None:
+            raise ValueError("context parallelism here runs a model without dropout, and experts "
+                             "routed in groups: its attention has no dropout masks to regenerate "
+                             "block by block, and a router sees one rank's tokens only; use dropout 0 "
+                             "and a routing group inside one chunk of a sequence")
         self.gpt, self.comm, self.attention = gpt, as_comm(group), attention
         self.split = SequenceSplit(self.comm.world_size, zigzag)
         self.clock = BusyClock()

@@ -219,12 +219,13 @@ def layer_exchange_bytes(tokens: int, channels: int, experts: int, top_k: int,
     return 4 * (ep - 1) * rows * channels * element_size // ep
 
 
-def expert_parallel(gpt: nn.Module, comm: Comm, ep: int):
+def expert_parallel(gpt: nn.Module, comm: Comm, ep: int, groups: tuple | None = None):
     """Split every MoE layer of gpt over groups of ep consecutive ranks of comm (E/ep experts
     each); returns (the group of ranks that hold the same experts, over which their gradients
-    are reduced, and mixed_precision's grad_norm hook). Collective: every rank of comm."""
+    are reduced, and mixed_precision's grad_norm hook). Collective: every rank of comm.
+    groups: (ep group, the ranks holding the same experts), made already (a device mesh's)."""
     from process_groups import make_mesh
-    ep_group, replicas = make_mesh(comm, ep)
+    ep_group, replicas = groups or make_mesh(comm, ep)
     for module in gpt.modules():
         if isinstance(module, MoE):
             module.shard_experts(ep_group)
@@ -268,10 +269,11 @@ def reduction_groups(tensors: list, comm: Comm, expert_group: Comm | None) -> li
     return [(reduction(expert, comm, expert_group), part) for expert, part in parts if part]
 
 
-def exchange_bytes(gpt: nn.Module, options, data_size: int) -> int:
+def exchange_bytes(gpt: nn.Module, options, data_size: int, context_size: int = 1) -> int:
     """What every MoE layer of gpt sends per training step under train.py's options (each of
-    data_size ranks a micro-batch of --batch-size / data_size / --grad-accum rows at a time)."""
-    tokens = options.batch_size // data_size // options.grad_accum * options.seq_len
+    data_size ranks a micro-batch of --batch-size / data_size / --grad-accum rows at a time, of
+    --seq-len / context_size tokens each under context parallelism)."""
+    tokens = options.batch_size // data_size // options.grad_accum * (options.seq_len // context_size)
     size = next(gpt.parameters()).element_size()
     return options.grad_accum * sum(m.exchange_bytes(tokens, size) for m in gpt.modules()
                                     if isinstance(m, MoE))

@@ -45,7 +45,7 @@ from fsdp import FSDP, FSDPOptimizer
 from memory import held_bytes, live_numel, live_tensor_bytes, mesh_params, run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model
-from moe import exchange_bytes, routing_summary
+from moe import exchange_bytes, expert_parallel, routing_summary
 from pipeline import GPTStage, Pipeline, stage_layers
 from process_groups import exit_distributed, init_distributed, make_device_mesh
 from snapshot import RunError, load_weights
@@ -175,7 +175,12 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     # 2. Split the sequences (context_parallel.py): this rank's chunks of each; attention over cp.
     cp = (ContextParallelGPT(gpt, mesh.cp, args.cp_attention, args.cp_balance == "zigzag")
           if "cp" in splits else None)
-    # 3. Cut the stages (pipeline.py): this rank keeps its stage's blocks, the rest are dropped.
+    # 3. Route the experts (moe.py): E/ep of each MoE layer's experts on this rank, the tokens
+    # sent to them over the mesh's ep group (a run of ep dp x cp ranks), their gradients
+    # reduced over the ranks holding the same ones (expert_dp).
+    experts, expert_norm = (expert_parallel(gpt, mesh.dp_cp, args.ep, (mesh.ep, mesh.expert_dp))
+                            if mesh.ep is not None else (None, None))
+    # 4. Cut the stages (pipeline.py): this rank keeps its stage's blocks, the rest are dropped.
     module = cp or tp or gpt
     if "pp" in splits:
         stage = mesh.pp.rank
@@ -183,7 +188,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
         module = GPTStage(gpt, layers, first=stage == 0, last=stage == args.pp - 1)
     held_blocks = [i for i, block in enumerate(gpt.blocks) if not isinstance(block, nn.Identity)]
     first, last = gpt.pos_emb is not None, gpt.head is not None
-    # 4. Data parallelism over the ranks holding the same slice of the same stage, dp x cp (a
+    # 5. Data parallelism over the ranks holding the same slice of the same stage, dp x cp (a
     # cp group's ranks hold whole copies too; their gradients, from other tokens, are summed):
     # ddp's replicas, ZeRO's optimizer shards or FSDP's units (with --shard-group, HSDP: sharded
     # over a run of dp x cp ranks, copied across the runs), as --strategy says.
@@ -191,12 +196,12 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     if strategy is fsdp:
         replicas = FSDP(module, compute_dtype=DTYPES[args.precision], group=mesh.shard or data,
                         replicate_group=mesh.replicate, prefetch=args.prefetch, device=device,
-                        offload_params=args.offload == "params")
+                        offload_params=args.offload == "params", expert_group=experts)
     elif strategy is ddp and data.world_size > 1:
-        replicas = DDP(module, data, bucket_mb=args.bucket_mb)
+        replicas = DDP(module, data, bucket_mb=args.bucket_mb, expert_group=experts)
     else:
         replicas = module                          # ZeRO's optimizer reduces the gradients
-    model, grad_norm = replicas, tp.grad_norm if tp else None
+    model, grad_norm = replicas, tp.grad_norm if tp else expert_norm
     if "pp" in splits:         # the executor runs the stage's micro-batches over send/recv
         model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches, gpt.cfg.n_embd,
                          DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
@@ -210,7 +215,8 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
         optimizer = (FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)
                      if strategy is fsdp else
                      ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]), group=data,
-                                   bucket_mb=args.bucket_mb, offload=offload, **adamw))
+                                   bucket_mb=args.bucket_mb, offload=offload, expert_group=experts,
+                                   **adamw))
         optimizer.split_model(tensor=mesh.tp if tp else None,
                               stages=mesh.pp if "pp" in splits else None)
 
@@ -228,16 +234,20 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
         cp.kv_formula = sent["cp"] = cp.kv_bytes_per_step(rows, args.seq_len, micro, recomputed)
     if "pp" in splits:
         sent["pp"] = model.bytes_per_step(rows, tokens)
+    if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
+        sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, mesh.cp.world_size)
     if data.world_size > 1:
         sent["dp"] = (replicas.bytes_per_step() if strategy is ddp else
                       replicas.bytes_per_step(micro_batches=micro) if strategy is fsdp else
                       optimizer.bytes_per_step(micro_batches=micro))
     # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
-    # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train).
+    # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
+    # with experts, which split no matrix: what this rank holds, its experts among it).
     n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks), first, last)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else 0
     held = run_state_bytes(gpt, {fsdp: "zero3", ddp: "ddp"}.get(strategy, args.strategy), args,
-                           (mesh.shard or data).world_size, n_params=n_params + trainable)
+                           (mesh.shard or data).world_size,
+                           n_params=None if experts is not None else n_params + trainable)
     return model, optimizer, sent, held, cp
 
 
@@ -343,8 +353,9 @@ def main(argv=None, live_bytes: bool = False) -> dict:
     # One mesh: tensor x context x data x pipeline (check_args made sure the sizes divide the
     # world). The ranks of one tensor, context or pipeline group read the same rows: dp's.
     # (--shard-group beside a split: HSDP's groups inside dp x cp, made here with the rest.)
-    mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp,
-                            shard=args.shard_group if mesh_splits(args) else None)
+    split = bool(mesh_splits(args))          # else each strategy's build() makes ep's, HSDP's groups
+    mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep if split else 1,
+                            shard=args.shard_group if split else None)
     data_rank, data_size = mesh.dp.rank, mesh.dp.world_size
     try:
         gpt, model, optimizer, predicted, napkin, context = build(args, device, mesh)
@@ -455,8 +466,9 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                 low, mean, high = routing["tokens_per_expert"]
                 exchanged = ""
                 if args.ep > 1:                  # the all-to-alls alone, beside their formula
-                    formula = exchange_bytes(gpt, args, data_size)
-                    exchanged = (f" | all-to-all {mesh.dp_cp.bytes_sent['all_to_all'] / 2**20:.2f} MiB/step "
+                    formula = exchange_bytes(gpt, args, data_size, mesh.cp.world_size)
+                    a2a = (mesh.ep or mesh.dp_cp).bytes_sent["all_to_all"]    # the mesh's ep, or dp's
+                    exchanged = (f" | all-to-all {a2a / 2**20:.2f} MiB/step "
                                  + (f"(formula {formula / 2**20:.2f})" if formula
                                     else "(dropless: as routed, no formula)"))
                 say(f"step {step:5d} | experts: tokens per expert min/mean/max {low:.0f}/{mean:.1f}/"

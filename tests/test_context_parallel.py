@@ -352,7 +352,8 @@ def bad_cp():
                "rank): use a --seq-len divisible by 4, e.g. 28"),
     ("none", "use a --seq-len divisible by 2, e.g. 30"),
     ("dropout", "use --dropout 0 with --cp"),
-    ("experts", "--cp 2 --strategy cp does not split expert layers yet"),
+    ("experts", "--cp 2 with experts: each rank routes its own tokens, so route them in groups inside "
+                "one chunk of a sequence: give a --routing-group dividing the 8 tokens"),
 ])
 def test_bad_cp_input_stops_every_rank_with_the_same_message(bad_cp, case, fix):
     assert bad_cp[0][case] == bad_cp[1][case], bad_cp
