@@ -163,11 +163,12 @@ def build(args, device, mesh):
 
 
 def parallelize(gpt, args, mesh, device, adamw: dict):
-    """--tp, --cp and --pp over the mesh, then data parallelism over what is left, each step
-    its own file's (in torchtitan's order: split the matrices, split the sequences, cut the
-    stages, wrap for data parallelism): (model, optimizer, {dimension: bytes sent per step
-    predicted}, bytes held predicted, the context-parallel wrapper or None). gpt keeps its whole-model parameter names throughout
-    (this rank's slices of its stage's), so checkpoints read the same on any mesh.
+    """--tp, --cp and --pp (and --ep beside --cp) over the mesh, then data parallelism over
+    what is left, each step its own file's (in torchtitan's order: split the matrices, split the
+    sequences, route the experts, cut the stages, wrap for data parallelism): (model, optimizer,
+    {dimension: bytes sent per step predicted}, bytes held predicted, the context-parallel
+    wrapper or None). gpt keeps its whole-model parameter names throughout (this rank's slices
+    of its stage's), so checkpoints read the same on any mesh.
     """
     splits = mesh_splits(args)
     # 1. Split the matrices (tensor_parallel.py): each block's heads and MLP columns over tp.
@@ -352,8 +353,9 @@ def main(argv=None, live_bytes: bool = False) -> dict:
     comm = Comm(ring=args.collectives == "ring")
     # One mesh: tensor x context x data x pipeline (check_args made sure the sizes divide the
     # world). The ranks of one tensor, context or pipeline group read the same rows: dp's.
-    # (--shard-group beside a split: HSDP's groups inside dp x cp, made here with the rest.)
-    split = bool(mesh_splits(args))          # else each strategy's build() makes ep's, HSDP's groups
+    # With a split, the experts' groups and HSDP's (--ep, --shard-group: runs inside dp x cp) are
+    # the mesh's too; without one, the strategy's build() cuts them from the data group.
+    split = bool(mesh_splits(args))
     mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep if split else 1,
                             shard=args.shard_group if split else None)
     data_rank, data_size = mesh.dp.rank, mesh.dp.world_size
