@@ -427,8 +427,9 @@ def check_mesh(parser, args, world_size):
     if not splits:
         return
     sharded = args.strategy in ("zero1", "zero2", "fsdp", "zero3")
-    if sharded and "pp" in splits and (args.strategy in ("fsdp", "zero3") or PRESETS[args.model].tie_embeddings
-                                       or args.strategy == "zero2" and args.schedule == "zb"):
+    pipeline_unbuilt = (args.strategy in ("fsdp", "zero3") or PRESETS[args.model].tie_embeddings
+                        or args.strategy == "zero2" and args.schedule == "zb")
+    if sharded and "pp" in splits and pipeline_unbuilt:
         parser.error(f"{mesh_flags(args)} with --strategy {args.strategy}: in this version a pipeline's "
                      f"data dimension runs ddp, or ZeRO (zero1, zero2) for a model without a tied head "
                      f"and, under zero2, a schedule other than zb (whose weight gradients come after "
@@ -481,7 +482,7 @@ def check_shard_group(parser, args, world_size):
         parser.error(f"--shard-group {args.shard_group} is hybrid sharding, a layout of FSDP's shards: "
                      f"use --strategy fsdp (--strategy {args.strategy} has none)")
     # Beside --tp and --pp, FSDP shards over the dp x cp ranks holding the same slice of a stage.
-    ranks = world_size // (args.tp * args.pp) if mesh_splits(args) else world_size
+    ranks = world_size // (args.tp * args.pp)
     if args.shard_group < 1 or ranks % args.shard_group:
         where = (f"the world size {world_size}" if ranks == world_size else
                  f"the {ranks} data x context ranks (world {world_size} / --tp {args.tp} / --pp {args.pp})")

@@ -27,6 +27,7 @@ from collectives import ring_bytes
 from mixed_precision import DTYPES
 from model import PRESETS, GPTConfig
 from moe import expert_capacity, is_expert, layer_exchange_bytes
+from pipeline import split_layers
 from schedules import BUBBLE_FORMULAS, SCHEDULES, bubble_formula, make_schedule
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -308,7 +309,7 @@ def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, mic
     V = P * v
     if cfg.n_layer < V:
         raise ValueError(f"{cfg.n_layer} blocks, fewer than {V} chunks: every chunk needs a block")
-    layers = [cfg.n_layer // V + (i < cfg.n_layer % V) for i in range(V)]      # blocks per chunk
+    layers = [len(chunk) for chunk in split_layers(cfg.n_layer, P, v=v)]        # blocks per chunk
     peaks = []
     for s, actions in enumerate(make_schedule(schedule, P, M, v)):
         release = "W" if any(a.kind == "W" for a in actions) else "B"
@@ -482,6 +483,11 @@ def mesh_params(name_or_config, tp: int = 1, blocks: int | None = None, first: b
     return embeddings + (cfg.n_layer if blocks is None else blocks) * block + (2 * C + head if last else 0)
 
 
+def stage_blocks(n_layer: int, pp: int, stage: int, virtual_stages: int = 1) -> int:
+    """Blocks pipeline stage `stage` holds under the balanced split (pipeline.split_layers)."""
+    return sum(len(chunk) for chunk in split_layers(n_layer, pp, v=virtual_stages)[stage::pp])
+
+
 def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 1, pp: int = 1,
                dp: int = 1, micro_batches: int = 1, precision: str = "fp32", stage: int = 0,
                schedule: str = "1f1b", virtual_stages: int = 1, attention: str = "ring",
@@ -503,9 +509,7 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
     cfg = _config(name_or_config)
     size, C = _element_size(precision), cfg.n_embd
     chunks = make_schedule(schedule, pp, micro_batches, virtual_stages)[stage] if pp > 1 else []
-    # schedules' balanced split (pipeline.split_layers): the first n_layer % (pp v) chunks one more
-    n, k = divmod(cfg.n_layer, pp * virtual_stages)
-    blocks = sum(n + (chunk < k) for chunk in range(stage, pp * virtual_stages, pp))
+    blocks = stage_blocks(cfg.n_layer, pp, stage, virtual_stages)
     first, last = stage == 0, stage == pp - 1
     m = batch // micro_batches * seq_len // cp                     # a micro-batch's tokens here
     sent = {}
@@ -652,11 +656,13 @@ def _parse_args(argv=None):
                 f"use --strategy ddp, or drop --world")
     if args.grad_accum < 1:
         p.error("--grad-accum must be at least 1")
+    args.mesh = args.tp != 1 or (args.cp > 1) + (args.pp > 1) > 1     # two or more splits, or tp
     if args.pp != 1 or args.microbatches is not None:
         if args.model is None or args.pp < 1:
             p.error("--pp needs --model (the layers and activation shapes) and a count of at least 1")
         args.microbatches = args.microbatches or 2 * args.pp
-        args.batch_size = args.batch_size or args.microbatches * (args.world // (args.tp * args.cp * args.pp) or 1)
+        data_parallel = args.world // (args.tp * args.cp * args.pp) if args.mesh else 1
+        args.batch_size = args.batch_size or args.microbatches * max(1, data_parallel)
         if args.microbatches < 1 or args.batch_size % args.microbatches:
             p.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                     f"{args.microbatches} equal micro-batches: use a multiple of it")
@@ -665,7 +671,6 @@ def _parse_args(argv=None):
                     f"{args.pp} stages")
     if args.cp != 1 and (args.model is None or args.cp < 1):
         p.error("--cp needs --model (the layers and activation shapes) and a count of at least 1")
-    args.mesh = args.tp != 1 or (args.cp > 1) + (args.pp > 1) > 1
     if args.mesh:
         split = args.tp * args.cp * args.pp
         if args.model is None or args.tp < 1 or args.world % split:
@@ -722,8 +727,7 @@ def _check_shard_group(p, args):
     if args.strategy not in ("fsdp", "zero3"):
         p.error(f"--shard-group {args.shard_group} is hybrid sharding, a layout of FSDP's shards: "
                 f"give --strategy fsdp")
-    # beside --tp and --pp, FSDP shards over the dp x cp ranks holding one slice of a stage
-    ranks = args.world // (args.tp * args.pp) if args.tp * args.pp > 1 else args.world
+    ranks = args.world // (args.tp * args.pp)    # FSDP shards over dp x cp: one slice of a stage
     if args.shard_group < 1 or ranks % args.shard_group:
         p.error(f"--shard-group {args.shard_group} must divide the {ranks} ranks that shard (--world "
                 f"{args.world} / --tp {args.tp} / --pp {args.pp}) into equal groups: use a divisor "
@@ -908,9 +912,9 @@ def _mesh_table(args):
           f"{over}, global batch {args.batch_size} x {args.seq_len}, {micro} micro-batches, "
           f"{args.precision}; per rank, MiB: held (parameters + gradients + optimizer) and sent per step")
     print(f"{'stage':>5}{'params':>12}{'held':>10}" + "".join(f"{d + ' sent':>11}" for d in ("tp", "cp", "pp", "dp")))
-    n, k = divmod(cfg.n_layer, pp)
     for stage in range(pp):
-        n_params = mesh_params(cfg, tp, n + (stage < k), stage == 0, stage == pp - 1)
+        blocks = stage_blocks(cfg.n_layer, pp, stage)
+        n_params = mesh_params(cfg, tp, blocks, first=stage == 0, last=stage == pp - 1)
         held = state_bytes(n_params, strategy, args.precision, args.shard_group or dp * cp)["total"]
         sent = mesh_bytes(cfg, args.batch_size // dp, args.seq_len, tp, cp, pp, dp, micro,
                           args.precision, stage, strategy=strategy, shard_group=args.shard_group)
