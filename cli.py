@@ -390,16 +390,26 @@ def check_experts(parser, args, world_size):
                          f"configure experts, and model {args.model} has none: add --experts E or "
                          f"use --model tiny-moe")
         return
-    if args.ep < 1 or world_size % args.ep or cfg.experts % args.ep:
+    # Beside --tp and --pp, the experts split over the data x context ranks holding the same
+    # slice of the same stage (process_groups.make_device_mesh).
+    ranks = max(1, world_size // (args.tp * args.pp))
+    where = (f"the {world_size} ranks" if ranks == world_size else
+             f"the {ranks} data x context ranks (world {world_size} / --tp {args.tp} / --pp {args.pp})")
+    if args.ep < 1 or ranks % args.ep or cfg.experts % args.ep:
         parser.error(f"--ep {args.ep} splits the {cfg.experts} experts over groups of {args.ep} of "
-                     f"the {world_size} ranks: use an --ep (1 or more) dividing both")
+                     f"{where}: use an --ep (1 or more) dividing both")
     if args.ep > 1 and (args.strategy not in ("ddp", "zero1", "zero2", "fsdp", "zero3") or args.lora):
         parser.error(f"--ep {args.ep}: expert parallelism runs under --strategy ddp, zero1, zero2 "
                      f"or fsdp, without --lora (the experts stay whole, frozen or not)")
-    tokens = args.batch_size // (world_size * args.grad_accum) * args.seq_len    # a micro-batch's
+    # A micro-batch's tokens: its rows (a data rank's share, per --grad-accum or pipeline
+    # micro-batch) x --seq-len; context parallelism checks its chunks of a sequence itself.
+    rows = args.batch_size // max(1, world_size // (args.tp * args.pp * args.cp))
+    micro, flag = ((args.microbatches or 2 * args.pp, "--microbatches") if "pp" in mesh_splits(args)
+                   else (args.grad_accum, "--grad-accum"))
+    tokens = rows // micro * args.seq_len
     if args.routing_group is not None and not (1 <= args.routing_group and tokens % args.routing_group == 0):
         parser.error(f"--routing-group {args.routing_group} must divide the {tokens} tokens of a "
-                     f"rank's micro-batch (--batch-size / ranks / --grad-accum x --seq-len)")
+                     f"rank's micro-batch (--batch-size / data-parallel ranks / {flag} x --seq-len)")
     if not 1 <= cfg.top_k <= cfg.experts:
         parser.error(f"--top-k {cfg.top_k} must be between 1 and the {cfg.experts} experts")
     if args.capacity_factor is not None and not args.capacity_factor >= 0:
@@ -409,9 +419,10 @@ def check_experts(parser, args, world_size):
         parser.error(f"--aux-loss-weight must be 0 (off) or positive, got {args.aux_loss_weight}")
     if args.z_loss_weight is not None and not 0 <= args.z_loss_weight < math.inf:
         parser.error(f"--z-loss-weight must be 0 (off) or positive, got {args.z_loss_weight}")
-    if set(mesh_splits(args)) - {"cp"}:
-        parser.error(f"{mesh_flags(args)} does not split expert layers yet: train a model with "
-                     f"experts under --strategy ddp, zero1, zero2 or fsdp, with --ep and --cp")
+    if args.sequence_parallel:
+        parser.error("--sequence-parallel with experts: each tensor rank would route 1/tp of the "
+                     "tokens and hold a partial balance loss; leave --sequence-parallel out (the "
+                     "experts stay whole on each tensor rank)")
 
 
 def mesh_flags(args) -> str:
@@ -427,13 +438,13 @@ def check_mesh(parser, args, world_size):
     if not splits:
         return
     sharded = args.strategy in ("zero1", "zero2", "fsdp", "zero3")
-    pipeline_unbuilt = (args.strategy in ("fsdp", "zero3") or PRESETS[args.model].tie_embeddings
-                        or args.strategy == "zero2" and args.schedule == "zb")
+    pipeline_unbuilt = (PRESETS[args.model].tie_embeddings
+                        or args.strategy in ("zero2", "fsdp", "zero3") and args.schedule == "zb")
     if sharded and "pp" in splits and pipeline_unbuilt:
         parser.error(f"{mesh_flags(args)} with --strategy {args.strategy}: in this version a pipeline's "
-                     f"data dimension runs ddp, or ZeRO (zero1, zero2) for a model without a tied head "
-                     f"and, under zero2, a schedule other than zb (whose weight gradients come after "
-                     f"ZeRO-2's hooks); use --strategy ddp or one of those")
+                     f"data dimension runs ddp, or ZeRO or FSDP (zero1, zero2, fsdp) for a model without "
+                     f"a tied head and, under zero2 and fsdp, a schedule other than zb (whose weight "
+                     f"gradients come after their gradient hooks); use --strategy ddp or one of those")
     if sharded and args.lora:
         parser.error(f"{mesh_flags(args)} with --strategy {args.strategy} and --lora: not built in one "
                      f"mesh yet; use --strategy ddp, or leave --lora out")

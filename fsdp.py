@@ -283,6 +283,7 @@ class FSDP(nn.Module):
                 hook_gradient(p, self._gradient_ready, k)
         self._backward_hooked = False
         self._sync = True
+        self._whole_step = False         # inside gathered_for_step(): nothing freed until its end
         self._used_agreed = False        # HSDP: this backward's used-flags OR'ed over the copies
         self.events = []                 # this step's order of collectives and computation
         self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
@@ -306,7 +307,7 @@ class FSDP(nn.Module):
         out = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():
             for root in self.roots:
-                root.free()                          # no backward will come to free it
+                self._free(root)                     # no backward will come to free it
         return out
 
     def _next(self, unit, step):
@@ -358,7 +359,7 @@ class FSDP(nn.Module):
 
     def _after_forward(self, unit, output):
         self.events.append(("forward done", unit.index))
-        unit.free()
+        self._free(unit)
         if torch.is_grad_enabled():
             # The gradient of the unit's output arrives just before its backward starts.
             outputs = output if isinstance(output, (tuple, list)) else (output,)
@@ -377,7 +378,7 @@ class FSDP(nn.Module):
         self._hook_end_of_backward()
         after = self._next(unit, +1)
         if after is not None and after.frozen is not None:
-            after.free()       # its backward is over: its frozen bytes go (see _gradient_ready)
+            self._free(after)  # its backward is over: its frozen bytes go (see _gradient_ready)
         self._gather(unit)
         unit.wait()
         self.events.append(("backward", unit.index))
@@ -397,7 +398,7 @@ class FSDP(nn.Module):
             # The gradients are out: the gathered parameters can go. Not the frozen ones: the
             # unit's backward may still need them (LoRA's dx = dy W0 can come after the adapters'
             # gradients), so they go when the unit before it starts its backward, or at the end.
-            unit.free(frozen=False)
+            self._free(unit, frozen=False)
             # In reduce_order on every rank (ddp.InOrder): a unit unused here waits for
             # the end of backward, and the units after it with it.
             self._order.ready(unit)
@@ -418,7 +419,7 @@ class FSDP(nn.Module):
             output = grad.new_empty(unit.master.shape)                          # (S,)
             started = unit.comm.reduce_scatter(output, grad, op=unit.op, async_op=True), output
             self.events.append(("reduce-scatter", unit.index))
-        unit.free(frozen=False)
+        self._free(unit, frozen=False)
         return started
 
     def _retire(self, unit, started):
@@ -440,7 +441,7 @@ class FSDP(nn.Module):
             unit.pending = len(unit.params)
         for unit in self.units + self.frozen_units:
             if unit.frozen is not None:
-                unit.free()
+                self._free(unit)
         self._backward_hooked = False
         self._used_agreed = False
 
@@ -488,6 +489,29 @@ class FSDP(nn.Module):
         finally:
             self._sync = True
 
+    def _free(self, unit, frozen: bool = True):
+        if not self._whole_step:
+            unit.free(frozen)
+
+    @contextlib.contextmanager
+    def gathered_for_step(self):
+        """Inside, a unit stays gathered from its first use to the end of the block: nothing is
+        freed after a forward or a backward, so nothing is gathered twice. For a pipeline stage
+        (pipeline.Pipeline enters it around each step), whose schedule runs several micro-batches'
+        forwards before their backwards (GPipe: all of them), so a unit freed after one backward
+        would be missing from the next: each unit is all-gathered once per step, not twice per
+        micro-batch, and reduce-scattered once, at the last backward (the others run under
+        no_sync), as torchtitan runs FSDP under pipeline parallelism (reshard_after_forward off).
+        The price: the stage's whole parameters, and under no_sync its whole gradients, during
+        the step; between steps everything is sharded as always."""
+        self._whole_step = True
+        try:
+            yield
+        finally:
+            self._whole_step = False
+            for unit in self.units + self.frozen_units:
+                unit.free()
+
     # ---- state ------------------------------------------------------------------------------
 
     def gradient_buffers(self) -> list[torch.Tensor]:
@@ -510,24 +534,27 @@ class FSDP(nn.Module):
             return []
         return [u.host_shard for u in self.units if u.host_shard is not None] + self.frozen_shards()
 
-    def bytes_per_step(self, micro_batches: int = 1) -> int:
+    def bytes_per_step(self, micro_batches: int = 1, gathered_for_step: bool = False) -> int:
         """Bytes this rank sends per step (ring): per micro-batch one all-gather per unit for
         forward, one more for backward except the root's (it stays gathered), of its trained flat
         and of its frozen bytes; one reduce-scatter per unit with something to train (HSDP: and
         the shard's all-reduce over the copies); plus FSDPOptimizer's used-flags (HSDP: OR'ed over
-        the copies too) and norm (zero.py). 3 (N-1)/N of the trained model: 1.5x DDP."""
+        the copies too) and norm (zero.py). 3 (N-1)/N of the trained model: 1.5x DDP.
+        gathered_for_step (a pipeline's step): one all-gather and one reduce-scatter per unit
+        for all the micro-batches, 2 (N-1)/N of the stage, DDP's volume."""
         size = torch.finfo(self.compute_dtype).bits // 8
-        gathers = lambda u: 1 if u in self.roots else 2
+        gathers = lambda u: 1 if gathered_for_step else micro_batches * (1 if u in self.roots else 2)
+        reductions = 1 if gathered_for_step else micro_batches
         trained = sum(gathers(u) * ring_bytes("all_gather", u.flat.numel(), size, u.comm.world_size)
-                      + ring_bytes("reduce_scatter", u.flat.numel(), size, u.comm.world_size)
-                      + (ring_bytes("all_reduce", u.shard_numel, size, self.replicas.world_size)
-                         if self.replicas is not None else 0)
+                      + reductions * ring_bytes("reduce_scatter", u.flat.numel(), size, u.comm.world_size)
+                      + reductions * (ring_bytes("all_reduce", u.shard_numel, size, self.replicas.world_size)
+                                      if self.replicas is not None else 0)
                       for u in self.units)
         frozen = sum(gathers(u) * ring_bytes("all_gather", u.frozen.flat.numel(), 1, u.comm.world_size)
                      for u in self.units + self.frozen_units if u.frozen is not None)
         flags = (ring_bytes("all_reduce", sum(len(u.params) for u in self.units), 1,
                             self.replicas.world_size) if self.replicas is not None else 0)
-        return micro_batches * (trained + frozen) + flags_and_norm_bytes(self.units, self.comm) + flags
+        return trained + frozen + flags_and_norm_bytes(self.units, self.comm) + flags
 
     @contextlib.contextmanager
     def frozen_gathered(self):

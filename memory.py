@@ -504,7 +504,8 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
     pp: one (b, T/cp, C) activation or gradient per send in the stage's schedule, a norm fp32.
     dp: comm_bytes of this rank's parameters (mesh_params) over dp x cp ranks, in the padding-free
     napkin form (real buckets pad each message to dp x cp chunks: a few elements more); ZeRO-2
-    reduce-scatters every micro-batch; shard_group (zero3): HSDP's groups inside dp x cp.
+    reduce-scatters every micro-batch; zero3 in a pipeline gathers once a step (2 (N-1)/N);
+    shard_group (zero3): HSDP's groups inside dp x cp.
     """
     cfg = _config(name_or_config)
     size, C = _element_size(precision), cfg.n_embd
@@ -529,6 +530,9 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
                                     shard_group=shard_group).values())
         if strategy == "zero2":               # every micro-batch's reduce-scatter
             sent["dp"] += (micro_batches - 1) * ring_bytes("reduce_scatter", n_params, size, dp * cp)
+        if strategy == "zero3" and pp > 1:    # gathered once for the step's micro-batches, not
+            # once for forward and again for backward (fsdp.FSDP.gathered_for_step)
+            sent["dp"] -= ring_bytes("all_gather", n_params, size, shard_group or dp * cp)
     return sent
 
 
@@ -676,8 +680,6 @@ def _parse_args(argv=None):
         if args.model is None or args.tp < 1 or args.world % split:
             p.error(f"--tp {args.tp} x --cp {args.cp} x --pp {args.pp} is a mesh: give --model and a "
                     f"--world that is a multiple of {split}")
-        if args.strategy in ("zero3", "fsdp") and args.pp > 1:
-            p.error("--pp with --strategy fsdp: train.py's pipelines run ddp, zero1 or zero2")
     if args.offload and args.strategy in ("ddp", "single"):
         p.error(f"--offload optimizer moves a sharded optimizer to the host, and --strategy "
                 f"{args.strategy} keeps it whole: use --strategy zero1, zero2 or fsdp")

@@ -219,11 +219,13 @@ def layer_exchange_bytes(tokens: int, channels: int, experts: int, top_k: int,
     return 4 * (ep - 1) * rows * channels * element_size // ep
 
 
-def expert_parallel(gpt: nn.Module, comm: Comm, ep: int, groups: tuple | None = None):
+def expert_parallel(gpt: nn.Module, comm: Comm, ep: int, groups: tuple | None = None,
+                    rest_norm=None):
     """Split every MoE layer of gpt over groups of ep consecutive ranks of comm (E/ep experts
     each); returns (the group of ranks that hold the same experts, over which their gradients
     are reduced, and mixed_precision's grad_norm hook). Collective: every rank of comm.
-    groups: (ep group, the ranks holding the same experts), made already (a device mesh's)."""
+    groups: (ep group, the ranks holding the same experts), made already (a device mesh's).
+    rest_norm: the norm hook of the other weights if they are split too (tensor parallelism's)."""
     from process_groups import make_mesh
     ep_group, replicas = groups or make_mesh(comm, ep)
     for module in gpt.modules():
@@ -231,13 +233,16 @@ def expert_parallel(gpt: nn.Module, comm: Comm, ep: int, groups: tuple | None = 
             module.shard_experts(ep_group)
 
     def grad_norm(params, grads) -> torch.Tensor:
-        """Every rank holds the replicated weights' gradient, and its own experts': the experts'
-        squares add up over the expert-parallel group."""
-        device = grads[0].device
-        experts, rest = torch.zeros(1, device=device), torch.zeros(1, device=device)
+        """Every rank holds its own experts' gradients, whose squares add up over the
+        expert-parallel group, and the other weights' (whole: counted once; else rest_norm's)."""
+        experts = torch.zeros(1, device=grads[0].device)
         for p, g in zip(params, grads):
-            (experts if is_expert(p) else rest).add_(g.float().pow(2).sum())
+            if is_expert(p):
+                experts.add_(g.float().pow(2).sum())
         ep_group.all_reduce(experts)
+        params, grads = zip(*[(p, g) for p, g in zip(params, grads) if not is_expert(p)])
+        rest = (sum(g.float().pow(2).sum() for g in grads) if rest_norm is None
+                else rest_norm(list(params), list(grads)).pow(2))
         return (experts + rest).sqrt()[0]
     return replicas, grad_norm
 
@@ -269,14 +274,16 @@ def reduction_groups(tensors: list, comm: Comm, expert_group: Comm | None) -> li
     return [(reduction(expert, comm, expert_group), part) for expert, part in parts if part]
 
 
-def exchange_bytes(gpt: nn.Module, options, data_size: int, context_size: int = 1) -> int:
-    """What every MoE layer of gpt sends per training step under train.py's options (each of
-    data_size ranks a micro-batch of --batch-size / data_size / --grad-accum rows at a time, of
-    --seq-len / context_size tokens each under context parallelism)."""
-    tokens = options.batch_size // data_size // options.grad_accum * (options.seq_len // context_size)
+def exchange_bytes(gpt: nn.Module, options, data_size: int, context_size: int = 1,
+                   micro_batches: int | None = None) -> int:
+    """What every MoE layer of gpt (a pipeline stage: its own) sends per training step under
+    train.py's options (each of data_size ranks a micro-batch of --batch-size / data_size /
+    micro_batches rows at a time, of --seq-len / context_size tokens each under context
+    parallelism; micro_batches: --grad-accum's, or a pipeline's --microbatches)."""
+    micro = micro_batches or options.grad_accum
+    tokens = options.batch_size // data_size // micro * (options.seq_len // context_size)
     size = next(gpt.parameters()).element_size()
-    return options.grad_accum * sum(m.exchange_bytes(tokens, size) for m in gpt.modules()
-                                    if isinstance(m, MoE))
+    return micro * sum(m.exchange_bytes(tokens, size) for m in gpt.modules() if isinstance(m, MoE))
 
 
 class _AllToAll(torch.autograd.Function):

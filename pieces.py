@@ -126,17 +126,19 @@ def load_pieces(optimizer, names: dict, model: torch.nn.Module, pieces: Pieces, 
 # over the tensor group into one whole piece, and a load reads the whole piece and keeps this
 # rank's slice: tp checkpoints are plain full-model checkpoints, loadable at any --tp.
 
-def join_shards(pieces: list[dict], params: dict, comm, device) -> list[dict]:
+def join_shards(pieces: list[dict], comm, device) -> list[dict]:
     """A sharded optimizer's pieces of a tensor-parallel rank's slices (ZeRO's, FSDP's), joined
     into one whole-slice piece per parameter on comm's first rank (the data group's; the others
     get []): a row-split slice's flat range is not one range of the whole matrix, so the tensor
-    group gathers whole slices only. Collective over comm."""
+    group gathers whole slices only. A slice's shards end where it does (their last stop is its
+    size), also for the experts other ranks hold (expert parallelism). Collective over comm."""
     every = gather_objects(pieces, comm, device, dst=0)
     if every is None:
         return []
     joined = Pieces([piece for part in every for piece in part])
-    return [{"name": name, "start": 0, "stop": params[name].numel(), "scalars": joined.scalars(name),
-             "tensors": joined.read(name, 0, params[name].numel())} for name in joined.by_name]
+    sizes = {name: max(piece["stop"] for piece in parts) for name, parts in joined.by_name.items()}
+    return [{"name": name, "start": 0, "stop": size, "scalars": joined.scalars(name),
+             "tensors": joined.read(name, 0, size)} for name, size in sizes.items()]
 
 
 def gather_pieces(pieces: list[dict], params: dict, comm) -> list[dict]:
@@ -144,7 +146,7 @@ def gather_pieces(pieces: list[dict], params: dict, comm) -> list[dict]:
     (those with a tp_dim); params: {name: parameter}; comm: the tensor group. Collective."""
     whole = []
     for piece in pieces:
-        p = params[piece["name"]]
+        p = params.get(piece["name"])              # None: experts another rank holds (whole)
         if not hasattr(p, "tp_dim"):
             whole.append(piece)
             continue

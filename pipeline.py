@@ -90,10 +90,17 @@ class GPTStage(nn.Module):
         if self.first and chunk == 0:
             x = gpt.embed(x)                             # (b, T) token ids -> (b, T, C)
         x = gpt.run_blocks(x, self.chunks[chunk])        # (b, T, C)
+        # With experts (moe.py), the routers' losses of this chunk's blocks: part of the model's
+        # loss, so a chunk before the last returns them beside its activation (Pipeline adds
+        # their gradient in its backward), and the last adds them to the loss.
+        aux = sum(gpt.blocks[i].mlp.aux_loss for i in self.chunks[chunk]) if gpt.cfg.experts else None
         if not (self.last and chunk == len(self.chunks) - 1):
-            return x
+            return x if aux is None else (x, aux)
         logits = gpt.logits(x)                           # (b, T, V) (tensor parallel: V/tp)
-        return logits if targets is None else gpt.loss_fn(logits, targets)
+        if targets is None:
+            return logits
+        loss = gpt.loss_fn(logits, targets)
+        return loss if aux is None else loss + aux
 
 
 # ---- zero bubble: a backward in two halves ------------------------------------------------------
@@ -234,7 +241,8 @@ class Pipeline:
         measure: synchronize CUDA around each compute, so busy and wall time are exact."""
         if self.local_tokens:
             x, y = self.local_tokens(x, y)                        # (B, t) each
-        loss = self._run(self.actions, x, y, scale_loss, measure)
+        with self._gathered():
+            loss = self._run(self.actions, x, y, scale_loss, measure)
         if hasattr(self.module, "finish_gradient_sync"):
             self.module.finish_gradient_sync()
         if self.tied is not None:         # the embedding's gradient + the head's: one weight's
@@ -246,7 +254,13 @@ class Pipeline:
         """The mean loss over x, y (B, T), forwards only; on every stage."""
         if self.local_tokens:
             x, y = self.local_tokens(x, y)
-        return self._run(self.forward_actions, x, y)
+        with self._gathered():
+            return self._run(self.forward_actions, x, y)
+
+    def _gathered(self):
+        """FSDP's units stay gathered through the step (fsdp.FSDP.gathered_for_step): a schedule
+        runs several micro-batches' forwards before their backwards."""
+        return getattr(self.module, "gathered_for_step", contextlib.nullcontext)()
 
     def __call__(self, x, y):
         """(None, evaluate(x, y)): called as a GPT is, for the loss (no stage holds all logits)."""
@@ -301,8 +315,9 @@ class Pipeline:
         xs, ys = x.chunk(self.M), y.chunk(self.M)                 # M x (b, T)
         shape = (B // self.M, T, self.hidden)
         device = x.device
-        # By (micro-batch, chunk): received activations, computed outputs, received gradients.
-        inputs, outputs, grads = {}, {}, {}
+        # By (micro-batch, chunk): received activations, computed outputs, received gradients,
+        # and with experts a chunk's routers' losses.
+        inputs, outputs, grads, auxes = {}, {}, {}, {}
         held = set()                             # F run, B (or W, if the backward is split) not
         posted, sends, loss = {}, [], torch.zeros((), device=device)
         split = self.weight_grads is not None
@@ -318,6 +333,11 @@ class Pipeline:
             if a.kind == "F":
                 inp = xs[a.m] if first else inputs[key]
                 outputs[key] = self.module(inp, ys[a.m], chunk=a.chunk) if last else self.module(inp, chunk=a.chunk)
+                if isinstance(outputs[key], tuple):    # (activation, routers' losses): GPTStage
+                    outputs[key], auxes[key] = outputs[key]
+                    loss += auxes[key].detach().float() / self.M
+                    if not torch.is_grad_enabled():
+                        del auxes[key]
                 if last:
                     loss += outputs[key].detach().float() / self.M
                     if not torch.is_grad_enabled():
@@ -332,6 +352,9 @@ class Pipeline:
                         (self.weight_grads.collect(key) if split else contextlib.nullcontext()):
                     if last:        # the step's loss is the mean over micro-batches: 1/M each
                         scale_loss(outputs.pop(key) / self.M).backward()
+                    elif key in auxes:  # the routers' losses join the loss here, 1/M each too
+                        torch.autograd.backward([outputs.pop(key), scale_loss(auxes.pop(key) / self.M)],
+                                                [grads.pop(key), None])
                     else:
                         outputs.pop(key).backward(grads.pop(key))
                 if not split:
@@ -343,8 +366,9 @@ class Pipeline:
         for handle in sends:
             handle.wait()
         self.wall = self._clock(measure) - start
-        # The loss lives on the last stage; every stage returns it (a metric: not counted).
-        dist.broadcast(loss, group=self.comm.group, group_src=self.P - 1)
+        # The loss lives on the last stage (with experts, each stage holds its routers' part):
+        # every stage returns the sum (a metric: not counted).
+        dist.all_reduce(loss, group=self.comm.group)
         return loss
 
     def _communicate(self, item, inputs, outputs, grads, posted, sends, shape, device):

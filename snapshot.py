@@ -210,7 +210,7 @@ def rank_pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
     if layout.tensor:                                  # collective: the whole tensor group
         params = dict(gpt.named_parameters())
         if optimizer.sharded:          # each slice's shards joined on the data group's first rank
-            pieces = join_shards(pieces, params, layout.data, next(gpt.parameters()).device)
+            pieces = join_shards(pieces, layout.data, next(gpt.parameters()).device)
         pieces = gather_pieces(pieces, params, layout.split)
         pieces = pieces if layout.split.rank == 0 else []
     return pieces

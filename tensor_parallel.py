@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from collectives import Comm, as_comm, ring_bytes
 from lora import add_adapter, split_adapter
+from moe import MoE
 
 # ---- the conjugate pair f and g, and their sequence-parallel forms -------------------------
 #
@@ -304,17 +305,28 @@ class TensorParallelGPT(nn.Module):
         check_divisible(gpt.cfg, comm.world_size)
         self.gpt, self.sequence_parallel = gpt, sequence_parallel
         sp = dict(group=comm, sequence_parallel=sequence_parallel)
+        if sequence_parallel and gpt.cfg.experts:
+            raise ValueError("sequence parallelism with experts: each rank would route 1/N of the "
+                             "tokens, its balance loss a partial one; use tensor parallelism without it")
         for block in gpt.blocks:
             attn, mlp = block.attn, block.mlp
             for name in ("query", "key", "value"):
                 setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), comm, enter=False))
             attn.output = RowParallelLinear.from_linear(attn.output, **sp)
             attn.n_head //= comm.world_size                       # H/N heads per rank, same code
-            mlp.up = ColumnParallelLinear.from_linear(mlp.up, comm, enter=False)
-            mlp.down = RowParallelLinear.from_linear(mlp.down, **sp)
+            split = [attn]
+            # A mixture of experts (moe.py) stays whole on every rank of the group (Megatron's
+            # expert tensor-parallel size 1): its input, the residual after attention's
+            # all-reduce, is the same on all N, so each routes the same tokens to the same
+            # experts and gets the same gradients, no collective needed; expert parallelism
+            # splits the experts over the data ranks instead. The price: N copies compute them.
+            if not isinstance(mlp, MoE):
+                mlp.up = ColumnParallelLinear.from_linear(mlp.up, comm, enter=False)
+                mlp.down = RowParallelLinear.from_linear(mlp.down, **sp)
+                split.append(mlp)
             # Query, key and value read one input: enter the region once for all three, so
             # backward sums their input gradients in one all-reduce, not three.
-            for sublayer in (attn, mlp):
+            for sublayer in split:
                 sublayer.register_forward_pre_hook(
                     lambda _, args: (enter_region(args[0], comm, sequence_parallel),))
         gpt.token_emb = VocabParallelEmbedding.from_embedding(gpt.token_emb, **sp)
@@ -366,17 +378,20 @@ class TensorParallelGPT(nn.Module):
         """Bytes this rank sends per step for the activations (ring formula), batch rows per rank
         (seq_len: its tokens of each, under context parallelism).
 
-        Each block sends 2 all-reduces forward and 2 backward of (B, T, C); embedding and head
+        Each block sends 2 all-reduces forward and 2 backward of (B, T, C) (a block of experts,
+        whose MLP is whole, half of them); embedding and head
         one each; with sequence parallelism each all-reduce is a reduce-scatter + all-gather pair
         of the same volume. The loss adds 3 x M fp32 numbers; the gradient norm one. A pipeline
         stage (pipeline.GPTStage) counts its own blocks, and the embedding or head if it has them.
         """
         gpt, n = self.gpt, self.comm.world_size
-        blocks = sum(not isinstance(block, nn.Identity) for block in gpt.blocks)
+        # 2 all-reduces (forward and backward) per split sublayer: attention, and a dense MLP
+        sublayers = sum(1 + (not isinstance(block.mlp, MoE)) for block in gpt.blocks
+                        if not isinstance(block, nn.Identity))
         first, last = gpt.pos_emb is not None, gpt.head is not None
         size = next(gpt.parameters()).element_size()
         m = batch // micro_batches * seq_len
-        per_micro = (4 * blocks + first + last) * ring_bytes("all_reduce", m * gpt.cfg.n_embd, size, n)
+        per_micro = (2 * sublayers + first + last) * ring_bytes("all_reduce", m * gpt.cfg.n_embd, size, n)
         per_micro += 3 * ring_bytes("all_reduce", m, 4, n) if last else 0
         sync = ring_bytes("all_reduce", sum(p.numel() for p in self.partial), size, n) if self.partial else 0
         return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, 4, n)

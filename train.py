@@ -8,8 +8,8 @@ With --out the run is a directory: log, config and checkpoints (snapshot.py) tha
 continues bit for bit, on the same or another world size and strategy. One mesh
 (process_groups.make_device_mesh) splits each layer's matrices over --tp ranks
 (tensor_parallel.py), each sequence over --cp ranks (context_parallel.py) and the blocks into
---pp stages fed --microbatches at a time (pipeline.py), in any combination (parallelize), and
-data-parallelizes the rest; --strategy tp, cp and pipeline are ddp with their split.
+--pp stages fed --microbatches at a time (pipeline.py), and a mixture's experts over --ep ranks
+(moe.py), in any combination (parallelize), and data-parallelizes the rest; --strategy tp, cp and pipeline are ddp with their split.
 Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero2
      torchrun --nproc_per_node 8 train.py --tp 2 --pp 2   (tp 2 x pp 2 x dp 2)
 Test: python -m pytest tests/test_train.py tests/test_snapshot.py
@@ -163,7 +163,7 @@ def build(args, device, mesh):
 
 
 def parallelize(gpt, args, mesh, device, adamw: dict):
-    """--tp, --cp and --pp (and --ep beside --cp) over the mesh, then data parallelism over
+    """--tp, --cp, --pp and --ep over the mesh, then data parallelism over
     what is left, each step its own file's (in torchtitan's order: split the matrices, split the
     sequences, route the experts, cut the stages, wrap for data parallelism): (model, optimizer,
     {dimension: bytes sent per step predicted}, bytes held predicted, the context-parallel
@@ -179,7 +179,8 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     # 3. Route the experts (moe.py): E/ep of each MoE layer's experts on this rank, the tokens
     # sent to them over the mesh's ep group (a run of ep dp x cp ranks), their gradients
     # reduced over the ranks holding the same ones (expert_dp).
-    experts, expert_norm = (expert_parallel(gpt, mesh.dp_cp, args.ep, (mesh.ep, mesh.expert_dp))
+    experts, expert_norm = (expert_parallel(gpt, mesh.dp_cp, args.ep, (mesh.ep, mesh.expert_dp),
+                                            rest_norm=tp.grad_norm if tp else None)
                             if mesh.ep is not None else (None, None))
     # 4. Cut the stages (pipeline.py): this rank keeps its stage's blocks, the rest are dropped.
     module = cp or tp or gpt
@@ -202,7 +203,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
         replicas = DDP(module, data, bucket_mb=args.bucket_mb, expert_group=experts)
     else:
         replicas = module                          # ZeRO's optimizer reduces the gradients
-    model, grad_norm = replicas, tp.grad_norm if tp else expert_norm
+    model, grad_norm = replicas, expert_norm or (tp.grad_norm if tp else None)
     if "pp" in splits:         # the executor runs the stage's micro-batches over send/recv
         model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches, gpt.cfg.n_embd,
                          DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
@@ -236,10 +237,10 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     if "pp" in splits:
         sent["pp"] = model.bytes_per_step(rows, tokens)
     if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
-        sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, mesh.cp.world_size)
+        sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, mesh.cp.world_size, micro)
     if data.world_size > 1:
         sent["dp"] = (replicas.bytes_per_step() if strategy is ddp else
-                      replicas.bytes_per_step(micro_batches=micro) if strategy is fsdp else
+                      replicas.bytes_per_step(micro, gathered_for_step="pp" in splits) if strategy is fsdp else
                       optimizer.bytes_per_step(micro_batches=micro))
     # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
     # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
@@ -468,7 +469,8 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                 low, mean, high = routing["tokens_per_expert"]
                 exchanged = ""
                 if args.ep > 1:                  # the all-to-alls alone, beside their formula
-                    formula = exchange_bytes(gpt, args, data_size, mesh.cp.world_size)
+                    formula = exchange_bytes(gpt, args, data_size, mesh.cp.world_size,
+                                             args.microbatches if "pp" in splits else None)
                     a2a = (mesh.ep or mesh.dp_cp).bytes_sent["all_to_all"]    # the mesh's ep, or dp's
                     exchanged = (f" | all-to-all {a2a / 2**20:.2f} MiB/step "
                                  + (f"(formula {formula / 2**20:.2f})" if formula

@@ -368,6 +368,9 @@ def _run_ep(tmp_path, ranks, *flags):
             for line in out.splitlines() if "(ring formula " in line]
     # the all-to-alls on their own, on each step's experts line: (measured, formula) MiB
     sent += re.findall(r"all-to-all ([\d.]+) MiB/step \(formula ([\d.]+)\)", out)
+    # a mesh's bytes by dimension (tp, cp, pp, ep, dp), each beside its formula
+    for line in re.findall(r"sent by dimension, MiB/step \(formula\): (.*)", out):
+        sent += re.findall(r"\w+ ([\d.]+) \(([\d.]+)\)", line)
     # memory.py's prediction and the measure, as the log prints them: params, grads, optim (MiB)
     held = (re.search(r"napkin math per rank \(memory.py\): params ([\d.]+) MiB, grads ([\d.]+), "
                       r"optim ([\d.]+)", out).groups(),
@@ -442,6 +445,34 @@ def test_experts_beside_context_parallelism_train_as_one_process(tmp_path, ranks
         assert all(measured == predicted.split(")")[0] for measured, predicted in sent), sent
 
 
+@pytest.mark.parametrize("capacity, flags", [
+    ("1.25", ("--tp", "2", "--ep", "2")),
+    ("0", ("--tp", "2", "--ep", "2", "--strategy", "fsdp")),
+    ("1.25", ("--pp", "2", "--ep", "2", "--strategy", "zero1", "--microbatches", "2", "--schedule", "zb"))])
+def test_experts_beside_tensor_and_pipeline_parallelism_train_as_one_process(tmp_path, one_process,
+                                                                               capacity, flags):
+    """tp 2 x dp 2 (ddp, capacity 1.25; fsdp, dropless) and pp 2 x dp 2 (ZeRO-1 under the
+    zero-bubble schedule, whose split backward defers the experts' weight gradients) with ep 2
+    on 4 ranks: each tensor rank holds its experts whole (the same tokens reach them), each stage
+    hands its routers' balance losses to the step's loss. Every step's loss equals one process's
+    to 1e-6 relative (the pipeline's micro-batches of 2 rows are one routing group of 64), every
+    weight after 4 steps to EP_WEIGHT_ATOL (the gradient norm DDP clips by adds the tensor
+    group's split squares and the expert group's); the bytes held equal memory.py's, and the
+    bytes sent by dimension (capacity mode: the all-to-alls too) their formulas."""
+    single, weights, _, _ = one_process(capacity)
+    losses, got, sent, (predicted, measured) = _run_ep(tmp_path, 4, "--capacity-factor", capacity, *flags)
+    assert predicted == measured, (predicted, measured)
+    assert losses == pytest.approx(single, rel=1e-6), (losses, single)
+    assert got.keys() == weights.keys()
+    worst = max((got[k] - weights[k]).abs().max().item() for k in weights)
+    assert worst < EP_WEIGHT_ATOL, worst
+    by_dimension = sent[2 * len(losses) if capacity != "0" else len(losses):]
+    assert len(by_dimension) >= 2 * (len(losses) - 1), sent        # tp or pp, dp (and ep)
+    assert all(measured == formula for measured, formula in by_dimension), by_dimension
+    if capacity != "0":
+        assert all(measured == predicted.split(")")[0] for measured, predicted in sent), sent
+
+
 BAD_EP = ["--model", "tiny-moe", "--strategy", "ddp", "--batch-size", "8", "--seq-len", "32"]
 
 
@@ -454,6 +485,8 @@ def _bad_expert_parallel_inputs():
                           "routing_group": [*BAD_EP, "--ep", "2", "--routing-group", "100"],
                           "cp_routing": [*BAD_EP, "--ep", "2", "--cp", "2"],
                           "cp_group": [*BAD_EP, "--cp", "2", "--routing-group", "16"],
+                          "tp_ranks": [*BAD_EP, "--tp", "2", "--ep", "2"],
+                          "sequence_parallel": [*BAD_EP, "--tp", "2", "--sequence-parallel"],
                           "dense": ["--strategy", "ddp", "--ep", "2"]})
 
 
@@ -472,6 +505,10 @@ def bad_expert_parallel_inputs():
                    "inside one chunk of a sequence: give a --routing-group dividing the 8 tokens"),
     ("cp_group", "--routing-group dividing the 8 tokens of a chunk (--seq-len / 4), e.g. --routing-group 8"),
     ("dense", "configure experts, and model tiny has none"),
+    ("tp_ranks", "--ep 2 splits the 8 experts over groups of 2 of the 1 data x context ranks (world 2 "
+                 "/ --tp 2 / --pp 1): use an --ep"),
+    ("sequence_parallel", "--sequence-parallel with experts: each tensor rank would route 1/tp of the "
+                          "tokens"),
 ])
 def test_bad_expert_parallel_options_are_one_clear_error_on_every_rank(bad_expert_parallel_inputs, case, says):
     """Each refused on both ranks alike, as argparse's one line (exit 2), before any work: an
