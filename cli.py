@@ -445,9 +445,12 @@ def check_mesh(parser, args, world_size):
                      f"data dimension runs ddp, or ZeRO or FSDP (zero1, zero2, fsdp) for a model without "
                      f"a tied head and, under zero2 and fsdp, a schedule other than zb (whose weight "
                      f"gradients come after their gradient hooks); use --strategy ddp or one of those")
-    if sharded and args.lora:
-        parser.error(f"{mesh_flags(args)} with --strategy {args.strategy} and --lora: not built in one "
-                     f"mesh yet; use --strategy ddp, or leave --lora out")
+    if args.lora and "tp" in splits and args.strategy in ("zero2", "fsdp", "zero3"):
+        # An adapter factor inside a split layer is a partial sum over the tensor group until its
+        # end-of-backward all-reduce (tensor_parallel.py); ZeRO-2's and FSDP's hooks shard it before.
+        parser.error(f"--lora with {mesh_flags(args)} and --strategy {args.strategy}: the split layers' "
+                     f"adapter gradients are summed over the tensor group after backward, and "
+                     f"{args.strategy} reduces gradients during it; use --strategy ddp or zero1")
     if args.sequence_parallel and args.strategy in ("zero2", "fsdp", "zero3"):
         # The norms' gradients are partial sums over the tensor group until its end-of-backward
         # all-reduce; ZeRO-2's and FSDP's hooks shard them before it.

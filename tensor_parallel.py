@@ -389,9 +389,13 @@ class TensorParallelGPT(nn.Module):
         sublayers = sum(1 + (not isinstance(block.mlp, MoE)) for block in gpt.blocks
                         if not isinstance(block, nn.Identity))
         first, last = gpt.pos_emb is not None, gpt.head is not None
+        # With the embeddings frozen (LoRA) nothing before the first block needs its input's
+        # gradient: autograd never computes it, nor the first sublayer's backward all-reduce.
+        skipped = first and not (gpt.token_emb.weight.requires_grad or gpt.pos_emb.weight.requires_grad)
         size = next(gpt.parameters()).element_size()
         m = batch // micro_batches * seq_len
-        per_micro = (2 * sublayers + first + last) * ring_bytes("all_reduce", m * gpt.cfg.n_embd, size, n)
+        per_micro = (2 * sublayers + first + last - skipped) * ring_bytes("all_reduce", m * gpt.cfg.n_embd,
+                                                                         size, n)
         per_micro += 3 * ring_bytes("all_reduce", m, 4, n) if last else 0
         sync = ring_bytes("all_reduce", sum(p.numel() for p in self.partial), size, n) if self.partial else 0
         return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, 4, n)

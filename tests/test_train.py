@@ -340,8 +340,8 @@ def _one_error_line(stderr):
                                            "runs with --tp alone"),
     (["--pp", "2", "--strategy", "fsdp", "--schedule", "zb"], "--pp 2 with --strategy fsdp: in this "
                                                               "version a pipeline's data dimension runs ddp"),
-    (["--cp", "2", "--strategy", "zero2", "--lora"], "--cp 2 with --strategy zero2 and --lora: not built "
-                                                      "in one mesh yet"),
+    (["--tp", "2", "--strategy", "fsdp", "--lora"], "--lora with --tp 2 and --strategy fsdp: the split "
+                                                     "layers' adapter gradients are summed"),
     (["--tp", "2", "--strategy", "fsdp", "--sequence-parallel"], "--sequence-parallel with --strategy "
                                                                   "fsdp: the sequence-split weights'"),
     (["--strategy", "fsdp", "--shard-group", "2"], "--shard-group 2 must divide the world size 1"),
@@ -533,6 +533,31 @@ def _assert_memory_py_agrees(ranks: int, flags: tuple, sent: dict):
             assert napkin[d] == formula, (d, napkin, logged)
         elif strategy != "fsdp" or sizes["pp"] > 1:
             assert abs(napkin[d] - formula) <= 1e-3 * formula, (d, napkin, logged)
+
+
+@pytest.fixture(scope="module")
+def one_process_lora(tmp_path_factory):
+    return _run_mesh(tmp_path_factory.mktemp("one-lora"), 1, "--lora")
+
+
+@pytest.mark.parametrize("ranks, flags", [
+    (2, ("--cp", "2", "--strategy", "fsdp")),
+    (4, ("--pp", "2", "--strategy", "zero2")),
+    (2, ("--tp", "2", "--strategy", "zero1"))])
+def test_lora_beside_a_sharded_mesh_trains_as_one_process(tmp_path, one_process_lora, ranks, flags):
+    """LoRA's adapters, the only weights that train, sharded over the data dimension of a split
+    run: FSDP over cp 2 (the frozen base sharded too), ZeRO-2 over a pipeline's dp 2, ZeRO-1 beside
+    tp 2 (its adapter factors summed over the tensor group before the step reads them). Every
+    step's loss and the weights after 4 steps equal one process's LoRA run; every dimension sends
+    its formula; rank 0 holds what memory.py says."""
+    losses, weights, sent, out = _run_mesh(tmp_path, ranks, "--lora", *flags)
+    expected_losses, expected_weights, _, _ = one_process_lora
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+    assert_tensors_close(weights, expected_weights, rtol=0, atol=1e-5, what=" ".join(flags))
+    assert sent and all(measured == formula for step in sent.values()
+                        for measured, formula in step.values()), sent
+    predicted, measured = _held(out)
+    assert predicted == measured, out
 
 
 @pytest.mark.eight_ranks
