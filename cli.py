@@ -437,14 +437,15 @@ def check_mesh(parser, args, world_size):
     splits = mesh_splits(args)
     if not splits:
         return
-    sharded = args.strategy in ("zero1", "zero2", "fsdp", "zero3")
-    pipeline_unbuilt = (PRESETS[args.model].tie_embeddings
-                        or args.strategy in ("zero2", "fsdp", "zero3") and args.schedule == "zb")
-    if sharded and "pp" in splits and pipeline_unbuilt:
+    # ZeRO-2's and FSDP's hooks reduce gradients during backward: before the pipeline's ends sum
+    # a tied head's two gradients (after it), and before zb's weight gradients come (W, after it).
+    reduces_in_backward = args.strategy in ("zero2", "fsdp", "zero3")
+    if reduces_in_backward and "pp" in splits and (PRESETS[args.model].tie_embeddings or args.schedule == "zb"):
         parser.error(f"{mesh_flags(args)} with --strategy {args.strategy}: in this version a pipeline's "
-                     f"data dimension runs ddp, or ZeRO or FSDP (zero1, zero2, fsdp) for a model without "
-                     f"a tied head and, under zero2 and fsdp, a schedule other than zb (whose weight "
-                     f"gradients come after their gradient hooks); use --strategy ddp or one of those")
+                     f"zero2 and fsdp reduce gradients during backward, before "
+                     f"{'a tied head' if PRESETS[args.model].tie_embeddings else 'zb'}'s gradients are "
+                     f"complete; use --strategy ddp or zero1"
+                     + ("" if PRESETS[args.model].tie_embeddings else ", or another --schedule"))
     if args.lora and "tp" in splits and args.strategy in ("zero2", "fsdp", "zero3"):
         # An adapter factor inside a split layer is a partial sum over the tensor group until its
         # end-of-backward all-reduce (tensor_parallel.py); ZeRO-2's and FSDP's hooks shard it before.

@@ -219,8 +219,9 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                      ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]), group=data,
                                    bucket_mb=args.bucket_mb, offload=offload, expert_group=experts,
                                    **adamw))
+        tied_copy = [module.tied] if "pp" in splits and module.tied is not None and module.last else []
         optimizer.split_model(tensor=mesh.tp if tp else None,
-                              stages=mesh.pp if "pp" in splits else None)
+                              stages=mesh.pp if "pp" in splits else None, counted_elsewhere=tied_copy)
 
     # The formulas, per dimension, for this rank's rows (B/D) and tokens of each (T/cp).
     rows, tokens = args.batch_size // mesh.dp.world_size, args.seq_len // mesh.cp.world_size

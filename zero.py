@@ -63,17 +63,21 @@ class ShardedOptimizer(MasterOptimizer):
 
     model_split = ()
 
-    def split_model(self, tensor: Comm | None = None, stages: Comm | None = None):
+    def split_model(self, tensor: Comm | None = None, stages: Comm | None = None, counted_elsewhere=()):
         """The norm over a model split further: tensor, the tensor-parallel group (a parameter
         without tp_dim is whole on each of its T ranks, so its squares count 1/T on each);
-        stages, the pipeline (each stage's squares added). Call once, before the first step."""
+        stages, the pipeline (each stage's squares added); counted_elsewhere, parameters another
+        stage holds a copy of and counts (the last stage's copy of a tied head: not counted
+        here). Call once, before the first step."""
         self.model_split = [comm for comm in (tensor, stages) if comm is not None and comm.world_size > 1]
         copies = tensor.world_size if tensor is not None else 1
         for flat in self.flats:
             # (start, stop, weight) runs of this rank's shard, consecutive equal weights merged
             flat.norm_weights = []
             for i, start, stop, offset in flat.shard_ranges(flat.comm.rank):
-                weight = 1.0 if hasattr(flat.params[i], "tp_dim") else 1 / copies
+                p = flat.params[i]
+                weight = (0.0 if any(p is q for q in counted_elsewhere) else
+                          1.0 if hasattr(p, "tp_dim") else 1 / copies)
                 if flat.norm_weights and flat.norm_weights[-1][1:] == (offset, weight):
                     flat.norm_weights[-1] = (flat.norm_weights[-1][0], offset + stop - start, weight)
                 else:

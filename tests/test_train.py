@@ -339,7 +339,10 @@ def _one_error_line(stderr):
     (["--tp", "2", "--pp", "2", "--lora"], "--lora with --tp 2 --pp 2: LoRA under tensor parallelism "
                                            "runs with --tp alone"),
     (["--pp", "2", "--strategy", "fsdp", "--schedule", "zb"], "--pp 2 with --strategy fsdp: in this "
-                                                              "version a pipeline's data dimension runs ddp"),
+                                                              "version a pipeline's zero2 and fsdp reduce "
+                                                              "gradients during backward, before zb's"),
+    (["--pp", "2", "--strategy", "zero2", "--model", "gpt2-small"], "before a tied head's gradients are "
+                                                                    "complete; use --strategy ddp or zero1"),
     (["--tp", "2", "--strategy", "fsdp", "--lora"], "--lora with --tp 2 and --strategy fsdp: the split "
                                                      "layers' adapter gradients are summed"),
     (["--tp", "2", "--strategy", "fsdp", "--sequence-parallel"], "--sequence-parallel with --strategy "
