@@ -458,12 +458,12 @@ def check_mesh(parser, args, world_size):
         parser.error(f"--sequence-parallel with --strategy {args.strategy}: the sequence-split weights' "
                      f"gradients are summed over the tensor group after backward, and {args.strategy} "
                      f"reduces gradients during it; use --strategy ddp or zero1")
-    if args.sequence_parallel and ("cp" in splits or "pp" in splits):
-        parser.error("--sequence-parallel with --cp or --pp: both would place the tokens a rank holds "
-                     "(and a stage would send 1/tp of them); leave --sequence-parallel out")
-    if args.lora and "tp" in splits and len(splits) > 1:
+    if args.sequence_parallel and "cp" in splits:
+        parser.error("--sequence-parallel with --cp: both would place the tokens a rank holds; leave "
+                     "--sequence-parallel out")
+    if args.lora and "tp" in splits and "cp" in splits:
         parser.error(f"--lora with {mesh_flags(args)}: LoRA under tensor parallelism runs with --tp "
-                     f"alone; fine-tune with --tp, or with --cp or --pp without --tp")
+                     f"alone or beside --pp; fine-tune with those, or with --cp without --tp")
     product = math.prod(max(1, getattr(args, d)) for d in ("tp", "cp", "pp"))
     if len(splits) > 1 and world_size % product:
         parser.error(f"world size {world_size} is not {' x '.join(f'--{d} {n}' for d, n in splits.items())}"

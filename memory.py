@@ -491,7 +491,8 @@ def stage_blocks(n_layer: int, pp: int, stage: int, virtual_stages: int = 1) -> 
 def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 1, pp: int = 1,
                dp: int = 1, micro_batches: int = 1, precision: str = "fp32", stage: int = 0,
                schedule: str = "1f1b", virtual_stages: int = 1, attention: str = "ring",
-               strategy: str = "ddp", shard_group: int | None = None) -> dict:
+               strategy: str = "ddp", shard_group: int | None = None,
+               sequence_parallel: bool = False) -> dict:
     """Bytes one rank of a tp x cp x pp x dp mesh (train.parallelize) sends per step, by
     dimension, in closed form, for pipeline stage `stage` (the balanced split of the blocks):
     batch rows per data-parallel rank (B/D), seq_len tokens per whole sequence, micro_batches
@@ -499,9 +500,13 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
 
     tp: per micro-batch, two all-reduces of the (m, C) activations per block forward and two
     backward, one for the embedding (first stage) and one for the head (last), 3 of m fp32 for
-    the vocabulary-parallel loss (last stage), m = its tokens; one fp32 for the norm.
+    the vocabulary-parallel loss (last stage), m = its tokens; one fp32 for the norm. With
+    sequence_parallel each all-reduce is a reduce-scatter and an all-gather of the same volume,
+    and the weights that stay whole (norms, row biases, positions: their gradients partial sums)
+    are all-reduced once a step.
     cp: cp_kv_bytes per block and micro-batch, K and V C/tp wide.
-    pp: one (b, T/cp, C) activation or gradient per send in the stage's schedule, a norm fp32.
+    pp: one (b, T/cp, C) activation or gradient per send in the stage's schedule (sequence
+    parallel: T/cp/tp), a norm fp32.
     dp: comm_bytes of this rank's parameters (mesh_params) over dp x cp ranks, in the padding-free
     napkin form (real buckets pad each message to dp x cp chunks: a few elements more); ZeRO-2
     reduce-scatters every micro-batch; zero3 in a pipeline gathers once a step (2 (N-1)/N);
@@ -518,12 +523,15 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
         activations = (4 * blocks + first + last) * ring_bytes("all_reduce", m * C, size, tp)
         loss = 3 * ring_bytes("all_reduce", m, 4, tp) if last else 0
         sent["tp"] = micro_batches * (activations + loss) + ring_bytes("all_reduce", 1, 4, tp)
+        if sequence_parallel:               # 6C a block (mesh_params), positions, final norm
+            whole = 6 * C * blocks + (cfg.block_size * C if first else 0) + (2 * C if last else 0)
+            sent["tp"] += ring_bytes("all_reduce", whole, size, tp)
     if cp > 1:
         layer = cp_kv_bytes(seq_len, batch // micro_batches, C // tp, cp, attention, size)
         sent["cp"] = micro_batches * blocks * (layer["forward"] + layer["backward"])
     if pp > 1:
         sends = sum(action.kind.startswith("send") for action in chunks)
-        sent["pp"] = sends * m * C * size + ring_bytes("all_reduce", 1, 4, pp)
+        sent["pp"] = sends * (m // tp if sequence_parallel else m) * C * size + ring_bytes("all_reduce", 1, 4, pp)
     if dp * cp > 1:
         n_params = mesh_params(cfg, tp, blocks, first, last)
         sent["dp"] = sum(comm_bytes(n_params, strategy, precision, dp * cp,
@@ -623,6 +631,8 @@ def _parse_args(argv=None):
                         "params (zero3/fsdp): the parameter shards too (other strategies: optimizer)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism: with --model and --world, "
                    "beside --cp and --pp, what each rank of the mesh holds and sends by dimension")
+    p.add_argument("--sequence-parallel", action="store_true", help="with --tp in a mesh: norms and "
+                   "dropout on 1/tp of the tokens, a pipeline stage sending 1/tp of each activation")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages: with --model, each schedule's "
                    "bubble and activations per stage")
     p.add_argument("--microbatches", type=int, default=None, help="with --pp: per step (default 2 x pp)")
@@ -680,6 +690,9 @@ def _parse_args(argv=None):
         if args.model is None or args.tp < 1 or args.world % split:
             p.error(f"--tp {args.tp} x --cp {args.cp} x --pp {args.pp} is a mesh: give --model and a "
                     f"--world that is a multiple of {split}")
+    if args.sequence_parallel and not (args.mesh and args.tp > 1 and args.cp == 1):
+        p.error("--sequence-parallel splits a tensor group's tokens in a mesh: give --tp N (without "
+                "--cp), --model and --world")
     if args.offload and args.strategy in ("ddp", "single"):
         p.error(f"--offload optimizer moves a sharded optimizer to the host, and --strategy "
                 f"{args.strategy} keeps it whole: use --strategy zero1, zero2 or fsdp")
@@ -919,7 +932,8 @@ def _mesh_table(args):
         n_params = mesh_params(cfg, tp, blocks, first=stage == 0, last=stage == pp - 1)
         held = state_bytes(n_params, strategy, args.precision, args.shard_group or dp * cp)["total"]
         sent = mesh_bytes(cfg, args.batch_size // dp, args.seq_len, tp, cp, pp, dp, micro,
-                          args.precision, stage, strategy=strategy, shard_group=args.shard_group)
+                          args.precision, stage, strategy=strategy, shard_group=args.shard_group,
+                          sequence_parallel=args.sequence_parallel)
         print(f"{stage:>5}{n_params:>12,}{held / MiB:10.1f}"
               + "".join(f"{sent.get(d, 0) / MiB:11.2f}" for d in ("tp", "cp", "pp", "dp")))
 

@@ -186,14 +186,19 @@ class Pipeline:
     by run_under_nccl() (check_schedule) before the first message.
     Inside a mesh (train.py): stage_norm, the norm of a stage whose parameters are split
     further (a tensor-parallel stage's grad_norm), summed in squares over the stages; local_tokens,
-    context parallelism's (x, y) -> this rank's tokens of them, applied before the micro-batches.
+    context parallelism's (x, y) -> this rank's tokens of them, applied before the micro-batches;
+    stage_sync, called after the module's finish_gradient_sync (a tensor-parallel stage's, which
+    sums its partial gradients over the tensor group); sequence_split, the parts each activation
+    is cut into along T (sequence parallelism: a stage sends its rank's (b, T/tp, hidden)).
     """
 
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
                  hidden: int, dtype: torch.dtype, tied: nn.Parameter | None = None,
-                 virtual_stages: int = 1, stage_norm=None, local_tokens=None):
+                 virtual_stages: int = 1, stage_norm=None, local_tokens=None, stage_sync=None,
+                 sequence_split: int = 1):
         self.module, self.comm, self.M = module, comm, microbatches
         self.stage_norm, self.local_tokens = stage_norm, local_tokens
+        self.stage_sync, self.sequence_split = stage_sync, sequence_split
         self.stage, self.P = comm.rank, comm.world_size
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
         stages = make_schedule(schedule, self.P, self.M, virtual_stages)
@@ -245,6 +250,8 @@ class Pipeline:
             loss = self._run(self.actions, x, y, scale_loss, measure)
         if hasattr(self.module, "finish_gradient_sync"):
             self.module.finish_gradient_sync()
+        if self.stage_sync is not None:
+            self.stage_sync()
         if self.tied is not None:         # the embedding's gradient + the head's: one weight's
             self.ends.all_reduce(self.tied.grad)
         return loss
@@ -313,7 +320,7 @@ class Pipeline:
             raise ValueError(f"a batch of {B} rows does not split into {self.M} equal micro-batches: "
                              f"use a batch that is a multiple of {self.M}")
         xs, ys = x.chunk(self.M), y.chunk(self.M)                 # M x (b, T)
-        shape = (B // self.M, T, self.hidden)
+        shape = (B // self.M, T // self.sequence_split, self.hidden)   # what a stage sends
         device = x.device
         # By (micro-batch, chunk): received activations, computed outputs, received gradients,
         # and with experts a chunk's routers' losses.

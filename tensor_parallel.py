@@ -397,5 +397,7 @@ class TensorParallelGPT(nn.Module):
         per_micro = (2 * sublayers + first + last - skipped) * ring_bytes("all_reduce", m * gpt.cfg.n_embd,
                                                                          size, n)
         per_micro += 3 * ring_bytes("all_reduce", m, 4, n) if last else 0
-        sync = ring_bytes("all_reduce", sum(p.numel() for p in self.partial), size, n) if self.partial else 0
+        held = {id(p) for p in gpt.parameters()}        # a pipeline stage's: its own parts only
+        partial = sum(p.numel() for p in self.partial if id(p) in held)
+        sync = ring_bytes("all_reduce", partial, size, n) if partial else 0
         return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, 4, n)

@@ -207,7 +207,9 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     if "pp" in splits:         # the executor runs the stage's micro-batches over send/recv
         model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches, gpt.cfg.n_embd,
                          DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
-                         stage_norm=grad_norm, local_tokens=cp.local_tokens if cp else None)
+                         stage_norm=grad_norm, local_tokens=cp.local_tokens if cp else None,
+                         stage_sync=tp.finish_gradient_sync if tp and tp.partial else None,
+                         sequence_split=args.tp if args.sequence_parallel else 1)
         grad_norm = model.grad_norm
     if strategy is ddp:
         optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
@@ -236,7 +238,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                                                       # forwards run in the pipeline's schedule)
         cp.kv_formula = sent["cp"] = cp.kv_bytes_per_step(rows, args.seq_len, micro, recomputed)
     if "pp" in splits:
-        sent["pp"] = model.bytes_per_step(rows, tokens)
+        sent["pp"] = model.bytes_per_step(rows, tokens // model.sequence_split)
     if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
         sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, mesh.cp.world_size, micro)
     if data.world_size > 1:

@@ -346,7 +346,7 @@ def bad_cp():
 
 @pytest.mark.parametrize("case, fix", [
     ("world", "world size 2 is not --cp 3 x a data-parallel size: launch a multiple of 3"),
-    ("mesh_options", "--sequence-parallel with --cp or --pp: both would place the tokens a rank holds"),
+    ("mesh_options", "--sequence-parallel with --cp: both would place the tokens a rank holds"),
     ("attention_alone", "add --cp N (--strategy ddp without it gives every rank whole sequences)"),
     ("zigzag", "--cp 2 with --cp-balance zigzag cuts each sequence into 4 equal chunks (two chunks per "
                "rank): use a --seq-len divisible by 4, e.g. 28"),
