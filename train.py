@@ -9,7 +9,8 @@ continues bit for bit, on the same or another world size and strategy. One mesh
 (process_groups.make_device_mesh) splits each layer's matrices over --tp ranks
 (tensor_parallel.py), each sequence over --cp ranks (context_parallel.py) and the blocks into
 --pp stages fed --microbatches at a time (pipeline.py), and a mixture's experts over --ep ranks
-(moe.py), in any combination (parallelize), and data-parallelizes the rest; --strategy tp, cp and pipeline are ddp with their split.
+(moe.py), in any combination (parallelize), and data-parallelizes the rest; --strategy tp, cp
+and pipeline are ddp with their split.
 Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero2
      torchrun --nproc_per_node 8 train.py --tp 2 --pp 2   (tp 2 x pp 2 x dp 2)
 Test: python -m pytest tests/test_train.py tests/test_snapshot.py
@@ -163,15 +164,15 @@ def build(args, device, mesh):
 
 
 def parallelize(gpt, args, mesh, device, adamw: dict):
-    """--tp, --cp, --pp and --ep over the mesh, then data parallelism over
-    what is left, each step its own file's (in torchtitan's order: split the matrices, split the
-    sequences, route the experts, cut the stages, wrap for data parallelism): (model, optimizer,
-    {dimension: bytes sent per step predicted}, bytes held predicted, the context-parallel
-    wrapper or None). gpt keeps its whole-model parameter names throughout (this rank's slices
+    """--tp, --cp, --pp and --ep over the mesh, then data parallelism over what is left, each
+    step its own file's (in torchtitan's order: split the matrices, split the sequences, route
+    the experts, cut the stages, wrap for data parallelism): (model, optimizer, {dimension:
+    bytes sent per step predicted}, bytes held predicted, the context-parallel wrapper or None). gpt keeps its whole-model parameter names throughout (this rank's slices
     of its stage's), so checkpoints read the same on any mesh.
     """
     splits = mesh_splits(args)
-    # 1. Split the matrices (tensor_parallel.py): each block's heads and MLP columns over tp.
+    # 1. Split the matrices (tensor_parallel.py): each block's heads and MLP columns over tp
+    # (a mixture of experts stays whole on every tensor rank).
     tp = TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel) if "tp" in splits else None
     # 2. Split the sequences (context_parallel.py): this rank's chunks of each; attention over cp.
     cp = (ContextParallelGPT(gpt, mesh.cp, args.cp_attention, args.cp_balance == "zigzag")
