@@ -490,7 +490,8 @@ def check_tensor_parallel(parser, args, world_size):
 
 
 def check_shard_group(parser, args, world_size):
-    """--shard-group S: fsdp only, S dividing the world, no expert parallelism beside it."""
+    """--shard-group S: fsdp only, S dividing the data x context ranks (experts beside it are
+    sharded over the ranks holding each, not copied)."""
     if args.shard_group is None:
         return
     if args.strategy not in ("fsdp", "zero3"):
@@ -503,9 +504,6 @@ def check_shard_group(parser, args, world_size):
                  f"the {ranks} data x context ranks (world {world_size} / --tp {args.tp} / --pp {args.pp})")
         parser.error(f"--shard-group {args.shard_group} must divide {where} into equal groups: use a "
                      f"divisor of {ranks} (the ranks of one node, e.g.)")
-    if args.ep > 1:
-        parser.error(f"--shard-group with --ep {args.ep}: hybrid sharding of experts is not built; "
-                     f"use one of them")
 
 
 def check_pipeline(parser, args, world_size):

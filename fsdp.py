@@ -127,6 +127,7 @@ class Unit(FlatParams, Gathered):
     def __init__(self, index, module, params, comm, compute_dtype, device, frozen=None, replicas=None):
         super().__init__(params, comm.world_size)          # self.flat: (N*S,) fp32, params view it
         self.index, self.module, self.comm, self.frozen = index, module, comm, frozen
+        self.replicas = replicas                 # HSDP: the ranks holding copies of this shard
         flat = self.flat.to(device)              # one unit at a time on the device, never the model
         for group in (comm, replicas):                       # every copy starts as rank 0's
             if group is not None:
@@ -188,7 +189,8 @@ class FSDP(nn.Module):
     one: each expert's unit is sharded over them, its gradient reduced as moe.reduction says.
     replicate_group: hybrid sharding (HSDP): group shards the model, and the ranks holding the
     same shard in the other groups (process_groups.make_mesh's outer group) keep copies: each
-    reduce-scattered gradient shard is then all-reduced over them (the mean over both).
+    reduce-scattered gradient shard is then all-reduced over them (the mean over both). An
+    expert's unit is not copied: it stays sharded over expert_group, the ranks holding it.
     offload_params: the shards (trained ones rounded to compute_dtype, frozen ones) live in host
     memory, copied to the device just before each all-gather; the optimizer must step on the
     host too (FSDPOptimizer(offload=True)).
@@ -214,9 +216,6 @@ class FSDP(nn.Module):
         self.comm = as_comm(group)
         self.expert_group = None if expert_group is None else as_comm(expert_group)
         self.replicas = None if replicate_group is None else as_comm(replicate_group)
-        if self.replicas is not None and self.expert_group is not None:
-            raise ValueError("FSDP: hybrid sharding (replicate_group) with expert parallelism "
-                             "(expert_group) is not built; use one of them")
         device = torch.device(device) if device is not None else trainable[0].device
         for comm in (self.comm, self.replicas):             # the same model on every rank
             if comm is not None:
@@ -243,6 +242,7 @@ class FSDP(nn.Module):
                 if not p.requires_grad:
                     p.data = p.data.to(dtype=compute_dtype)
         units = [None] + [m for m in module.modules() if m is not module and wrap(m)]
+        data_world = self.comm.world_size * (self.replicas.world_size if self.replicas is not None else 1)
         self.units, self.frozen_units, self.root, frozen_root, in_order = [], [], None, None, []
         for m in units:
             params = [p for p in trainable if owner[p] is m]
@@ -250,9 +250,11 @@ class FSDP(nn.Module):
             frozen = FrozenBytes(kept, self.comm, device, self.replicas) if kept else None
             index = len(self.units) + len(self.frozen_units)
             if params:
-                comm, op, divide = reduction(is_expert(m), self.comm, self.expert_group)
+                # HSDP with experts: an expert's unit is sharded over the ranks holding that
+                # expert, each holding a different part (no copies); the rest as HSDP says.
+                comm, op, divide = reduction(is_expert(m), self.comm, self.expert_group, data_world)
                 self.units.append(Unit(index, m or module, params, comm, compute_dtype, device,
-                                       frozen, self.replicas))
+                                       frozen, None if is_expert(m) else self.replicas))
                 self.units[-1].op, self.units[-1].divide = op, divide
                 self.root = self.units[-1] if m is None else self.root
                 in_order.append(self.units[-1])
@@ -425,8 +427,8 @@ class FSDP(nn.Module):
     def _retire(self, unit, started):
         handle, output = started
         handle.wait()
-        if self.replicas is not None:            # HSDP: the shard's mean over the copies too
-            self.replicas.all_reduce(output, op=unit.op)
+        if unit.replicas is not None:            # HSDP: the shard's mean over the copies too
+            unit.replicas.all_reduce(output, op=unit.op)
         # Upcast after the wire: accumulation and the update are fp32, whatever was sent.
         grad = output.float()
         if unit.divide != 1:
@@ -454,11 +456,12 @@ class FSDP(nn.Module):
             # each unit's "used" flags are OR'ed over the copies (one small message, one read),
             # or the copies would step differently (zero.py's keep_unchanged). Once per
             # backward: train.py calls this, and FSDPOptimizer calls it again.
-            used = torch.tensor([u for unit in self.units for u in unit.used], dtype=torch.uint8,
+            copied = [unit for unit in self.units if unit.replicas is not None]       # not experts
+            used = torch.tensor([u for unit in copied for u in unit.used], dtype=torch.uint8,
                                 device=self.device)
             self.replicas.all_reduce(used, op="max")
             flags = iter(used.bool().tolist())
-            for unit in self.units:
+            for unit in copied:
                 unit.used = [next(flags) for _ in unit.params]
             self._used_agreed = True
 
@@ -547,14 +550,18 @@ class FSDP(nn.Module):
         reductions = 1 if gathered_for_step else micro_batches
         trained = sum(gathers(u) * ring_bytes("all_gather", u.flat.numel(), size, u.comm.world_size)
                       + reductions * ring_bytes("reduce_scatter", u.flat.numel(), size, u.comm.world_size)
-                      + reductions * (ring_bytes("all_reduce", u.shard_numel, size, self.replicas.world_size)
-                                      if self.replicas is not None else 0)
+                      + reductions * (ring_bytes("all_reduce", u.shard_numel, size, u.replicas.world_size)
+                                      if u.replicas is not None else 0)
                       for u in self.units)
         frozen = sum(gathers(u) * ring_bytes("all_gather", u.frozen.flat.numel(), 1, u.comm.world_size)
                      for u in self.units + self.frozen_units if u.frozen is not None)
-        flags = (ring_bytes("all_reduce", sum(len(u.params) for u in self.units), 1,
-                            self.replicas.world_size) if self.replicas is not None else 0)
-        return trained + frozen + flags_and_norm_bytes(self.units, self.comm) + flags
+        flags = norm = 0
+        if self.replicas is not None:
+            flags = ring_bytes("all_reduce", sum(len(u.params) for u in self.units if u.replicas), 1,
+                               self.replicas.world_size)
+            if self.expert_group is not None:      # the experts' squares summed over the copies
+                norm = ring_bytes("all_reduce", 1, 4, self.replicas.world_size)
+        return trained + frozen + flags_and_norm_bytes(self.units, self.comm) + flags + norm
 
     @contextlib.contextmanager
     def frozen_gathered(self):
@@ -633,6 +640,11 @@ class FSDPOptimizer(ShardedOptimizer):
         self.flats, self.masters = fsdp.units, [u.master for u in fsdp.units]
         super().__init__(self.masters, optimizer_cls, optimizer_kwargs,
                          scaler or DynamicLossScaler(enabled=fsdp.compute_dtype == torch.float16))
+        if fsdp.replicas is not None and fsdp.expert_group is not None:
+            # HSDP with experts: the copies hold the same shards of the rest, but different
+            # parts of the experts; the norm sums over both groups, the rest counted once.
+            self.copies = fsdp.replicas
+            self.split_model()
 
     def _gradients(self):
         self.fsdp.finish_gradient_sync()
@@ -690,4 +702,4 @@ def build(gpt, options, data, split, device, adamw: dict):
     optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(options.offload), **adamw)
     return (model, optimizer, model.bytes_per_step(micro_batches=options.grad_accum)
             + exchange_bytes(gpt, options, data.world_size),
-            run_state_bytes(gpt, "zero3", options, S))
+            run_state_bytes(gpt, "zero3", options, data.world_size, shard_group=S))

@@ -199,13 +199,14 @@ def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int,
 # ---- expert parallelism: experts over ep ranks, the rest over all -----------------------------
 
 def ep_state_bytes(n_params: int, experts: int, strategy: str, precision: str, world_size: int,
-                   ep: int, optimizer: str = "adamw", offload: bool | str = False, **rest) -> dict:
+                   ep: int, optimizer: str = "adamw", offload: bool | str = False,
+                   shard_group: int | None = None, **rest) -> dict:
     """state_bytes under expert parallelism (moe.py): `experts` of the n_params a rank holds are
     its E/ep experts of each MoE layer, kept (whole or sharded, as the strategy says) over the
-    world_size / ep ranks holding the same ones; the others over all world_size ranks. rest:
-    state_bytes' trainable, quantized and double_quant, which concern the others (LoRA never
-    runs with split experts)."""
-    held = state_bytes(n_params - experts, strategy, precision, world_size, optimizer,
+    world_size / ep ranks holding the same ones; the others over all world_size ranks (HSDP:
+    over its shard_group). rest: state_bytes' trainable, quantized and double_quant, which
+    concern the others (LoRA never runs with split experts)."""
+    held = state_bytes(n_params - experts, strategy, precision, shard_group or world_size, optimizer,
                        offload=offload, **rest)
     if experts:
         split = state_bytes(experts, strategy, precision, world_size // ep, optimizer, offload=offload)
@@ -447,18 +448,21 @@ def live_numel(gpt) -> tuple[int, int]:
     return sum(p.numel() for p in gpt.parameters()) + quantized, quantized
 
 
-def run_state_bytes(gpt, strategy: str, options, world_size: int, n_params: int | None = None) -> dict:
+def run_state_bytes(gpt, strategy: str, options, world_size: int, n_params: int | None = None,
+                    shard_group: int | None = None) -> dict:
     """state_bytes of a built model under train.py's options (--precision, --double-quant,
     --offload): the parameters this rank holds, of which those that train, over world_size
-    data-parallel ranks. n_params: count that many instead (tp: whole-matrix slices in closed
-    form). Each strategy's build() calls it: the prediction train.py logs beside the measure.
-    Under expert parallelism (--ep) this rank's experts are held over the world / ep ranks
-    that hold the same ones, the rest over all: two predictions, added."""
+    data-parallel ranks (HSDP: over its shard_group). n_params: count that many instead (tp:
+    whole-matrix slices in closed form). Each strategy's build() calls it: the prediction
+    train.py logs beside the measure. Under expert parallelism (--ep) this rank's experts are
+    held over the world / ep ranks that hold the same ones, the rest as said: two predictions,
+    added."""
     numel, quantized = live_numel(gpt)
     experts = sum(p.numel() for p in gpt.parameters() if is_expert(p))
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) - experts
     return ep_state_bytes(numel if n_params is None else n_params, experts, strategy,
-                          options.precision, world_size, options.ep, trainable=trainable,
+                          options.precision, world_size, options.ep, shard_group=shard_group,
+                          trainable=trainable,
                           quantized=quantized, double_quant=options.double_quant,
                           offload=options.offload or False)
 
@@ -736,7 +740,8 @@ def _check_ep(p, args):
 
 
 def _check_shard_group(p, args):
-    """--shard-group S: one fsdp breakdown, S dividing the world, no expert parallelism beside it."""
+    """--shard-group S: one fsdp breakdown, S dividing the ranks that shard (beside --ep, the
+    experts are sharded over the ranks holding each, not copied)."""
     if args.shard_group is None:
         return
     if args.strategy not in ("fsdp", "zero3"):
@@ -747,9 +752,6 @@ def _check_shard_group(p, args):
         p.error(f"--shard-group {args.shard_group} must divide the {ranks} ranks that shard (--world "
                 f"{args.world} / --tp {args.tp} / --pp {args.pp}) into equal groups: use a divisor "
                 f"of {ranks} (the ranks of one node, e.g.)")
-    if args.ep > 1:
-        p.error(f"--shard-group with --ep {args.ep}: hybrid sharding of experts is not built "
-                f"(train.py refuses it too); use one of them")
 
 
 def _predict(n_params, strategy, args):
@@ -764,8 +766,8 @@ def _predict(n_params, strategy, args):
     if args.ep > 1:
         n_params, experts = ep_params(args.model, args.ep)
     frozen = dict(trainable=trainable, quantized=quantized, double_quant=args.double_quant)
-    held = ep_state_bytes(n_params, experts, strategy, args.precision, args.shard_group or args.world,
-                          args.ep, args.optimizer, **frozen,
+    held = ep_state_bytes(n_params, experts, strategy, args.precision, args.world, args.ep,
+                          args.optimizer, shard_group=args.shard_group, **frozen,
                           offload=(False if canonical == "ddp" else args.offload if canonical == "zero3"
                                    else bool(args.offload)))
     sent = ep_comm_bytes(n_params, experts, strategy, args.precision, args.world, args.ep, **frozen,

@@ -253,18 +253,20 @@ def is_expert(t) -> bool:
     return getattr(t, "expert_parallel", False)
 
 
-def reduction(expert: bool, comm: Comm, expert_group: Comm | None) -> tuple[Comm, str, int]:
+def reduction(expert: bool, comm: Comm, expert_group: Comm | None,
+              world: int | None = None) -> tuple[Comm, str, int]:
     """(group, op, divisor) that make a gradient the mean over comm's whole world, as data
     parallelism needs: comm's average for everything but an expert. An expert's gradient already
     sums the tokens of its expert-parallel group (the all-to-all brought them), so it is summed
     over the ranks holding the same expert (expert_group) and divided by the world: the same
-    mean. ddp.py, zero.py and fsdp.py reduce by it."""
+    mean. ddp.py, zero.py and fsdp.py reduce by it. world: the data-parallel ranks, where comm
+    is only part of them (HSDP's shard group: the copies' all-reduce averages the rest)."""
     if not expert:
         return comm, "avg", 1
     if expert_group is None:
         raise ValueError("the model's experts are split over ranks (moe.py): pass expert_group, "
                          "the ranks holding the same ones")
-    return expert_group, "sum", comm.world_size
+    return expert_group, "sum", world or comm.world_size
 
 
 def reduction_groups(tensors: list, comm: Comm, expert_group: Comm | None) -> list:

@@ -198,11 +198,13 @@ def rank_pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
     experts = layout.experts is not None and layout.experts.rank == 0     # first holder of these
     if not (optimizer.sharded or replicas or experts):
         return []
-    # HSDP's copies hold the same shards: the first copy's ranks write them.
-    first_copy = getattr(optimizer, "replica_rank", 0) == 0
-    pieces = optimizer_pieces(optimizer, names(gpt)) if first_copy else []
+    pieces = optimizer_pieces(optimizer, names(gpt))
+    held = {name for name, p in gpt.named_parameters() if is_expert(p)}
+    # HSDP's copies hold the same shards: the first copy's ranks write them, every rank its
+    # experts' (sharded over the ranks holding them, not copied).
+    if getattr(optimizer, "replica_rank", 0) != 0:
+        pieces = [piece for piece in pieces if piece["name"] in held]
     if layout.experts is not None and not optimizer.sharded:   # each rank its own experts
-        held = {name for name, p in gpt.named_parameters() if is_expert(p)}
         pieces = [piece for piece in pieces if (experts if piece["name"] in held else replicas)]
     if frozen:
         with frozen_whole(optimizer):                  # collective where FSDP shards them

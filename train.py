@@ -252,8 +252,8 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks), first, last)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else 0
     held = run_state_bytes(gpt, {fsdp: "zero3", ddp: "ddp"}.get(strategy, args.strategy), args,
-                           (mesh.shard or data).world_size,
-                           n_params=None if experts is not None else n_params + trainable)
+                           data.world_size, n_params=None if experts is not None else n_params + trainable,
+                           shard_group=mesh.shard.world_size if mesh.shard else None)
     return model, optimizer, sent, held, cp
 
 

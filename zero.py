@@ -24,7 +24,7 @@ from collectives import Comm, as_comm, ring_bytes, split_norm
 from ddp import FlatParams, InOrder, hook_gradient, split_into_buckets
 from memory import run_state_bytes
 from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
-from moe import exchange_bytes, expert_parallel, reduction_groups
+from moe import exchange_bytes, expert_parallel, is_expert, reduction_groups
 from process_groups import check_same_parameters
 
 # Stage 2 (and FSDP) keeps at most this many full gradients in flight, buckets or units: when a
@@ -62,22 +62,26 @@ class ShardedOptimizer(MasterOptimizer):
     """
 
     model_split = ()
+    copies = None      # HSDP with experts (FSDPOptimizer): the ranks holding copies of the shards
 
     def split_model(self, tensor: Comm | None = None, stages: Comm | None = None, counted_elsewhere=()):
         """The norm over a model split further: tensor, the tensor-parallel group (a parameter
         without tp_dim is whole on each of its T ranks, so its squares count 1/T on each);
         stages, the pipeline (each stage's squares added); counted_elsewhere, parameters another
         stage holds a copy of and counts (the last stage's copy of a tied head: not counted
-        here). Call once, before the first step."""
-        self.model_split = [comm for comm in (tensor, stages) if comm is not None and comm.world_size > 1]
-        copies = tensor.world_size if tensor is not None else 1
+        here); and self.copies, HSDP's R copies of every shard but the experts' (1/R each).
+        Call once, before the first step."""
+        self.model_split = [comm for comm in (tensor, stages, self.copies)
+                            if comm is not None and comm.world_size > 1]
+        whole = tensor.world_size if tensor is not None else 1
+        copies = self.copies.world_size if self.copies is not None else 1
         for flat in self.flats:
             # (start, stop, weight) runs of this rank's shard, consecutive equal weights merged
             flat.norm_weights = []
             for i, start, stop, offset in flat.shard_ranges(flat.comm.rank):
                 p = flat.params[i]
                 weight = (0.0 if any(p is q for q in counted_elsewhere) else
-                          1.0 if hasattr(p, "tp_dim") else 1 / copies)
+                          (1.0 if hasattr(p, "tp_dim") else 1 / whole) / (1 if is_expert(p) else copies))
                 if flat.norm_weights and flat.norm_weights[-1][1:] == (offset, weight):
                     flat.norm_weights[-1] = (flat.norm_weights[-1][0], offset + stop - start, weight)
                 else:

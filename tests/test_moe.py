@@ -423,10 +423,12 @@ CP_ROUTING = ("--routing-group", "8")
 @pytest.mark.parametrize("ranks, capacity, flags", [
     (2, "1.25", ("--cp", "2", "--ep", "2")),
     (4, "0", ("--cp", "2", "--ep", "4", "--strategy", "zero2")),
-    (4, "1.25", ("--cp", "2", "--ep", "2", "--strategy", "fsdp"))])
+    (4, "1.25", ("--cp", "2", "--ep", "2", "--strategy", "fsdp")),
+    (4, "0", ("--cp", "2", "--ep", "2", "--strategy", "fsdp", "--shard-group", "2"))])
 def test_experts_beside_context_parallelism_train_as_one_process(tmp_path, ranks, capacity, flags):
     """--ep folded into a mesh's dp x cp ranks (process_groups.make_device_mesh): cp 2 with ep 2
-    on 2 ranks, cp 2 x dp 2 with ep 4 (ZeRO-2, dropless) and with ep 2 (FSDP, capacity) on 4.
+    on 2 ranks, cp 2 x dp 2 with ep 4 (ZeRO-2, dropless) and with ep 2 (FSDP, capacity; HSDP over
+    pairs, dropless: the experts sharded over their holders, the rest copied) on 4.
     Every step's loss and every weight after 4 steps equal one process's to context
     parallelism's own tolerances (test_context_parallel's TRAIN_*: its attention's fp32 sums in
     another order, Adam-amplified; measured here 2.9e-7 relative on the losses, 2.6e-5 at most
@@ -471,6 +473,24 @@ def test_experts_beside_tensor_and_pipeline_parallelism_train_as_one_process(tmp
     assert all(measured == formula for measured, formula in by_dimension), by_dimension
     if capacity != "0":
         assert all(measured == predicted.split(")")[0] for measured, predicted in sent), sent
+
+
+def test_experts_beside_hybrid_sharding_train_as_one_process(tmp_path, one_process):
+    """FSDP --shard-group 2 (HSDP: 2 copies of shards over pairs) with --ep 2 on 4 ranks: each
+    expert's unit is sharded over the 2 ranks holding that expert, every other unit over a pair
+    and copied across the pairs; the experts' gradient divided by all 4 ranks, the norm summing
+    the experts' squares over both groups and the rest once. Losses equal one process's to 1e-6,
+    weights (the export: every copy writes its experts' shards, the first copy the rest) to
+    EP_WEIGHT_ATOL; held = memory.py (the rest over 2, the experts over 4 / ep), sent = formula."""
+    single, weights, _, _ = one_process("1.25")
+    losses, got, sent, (predicted, measured) = _run_ep(tmp_path, 4, "--capacity-factor", "1.25",
+                                                       "--strategy", "fsdp", "--shard-group", "2", "--ep", "2")
+    assert predicted == measured, (predicted, measured)
+    assert losses == pytest.approx(single, rel=1e-6), (losses, single)
+    assert got.keys() == weights.keys()
+    worst = max((got[k] - weights[k]).abs().max().item() for k in weights)
+    assert worst < EP_WEIGHT_ATOL, worst
+    assert sent and all(measured == predicted.split(")")[0] for measured, predicted in sent), sent
 
 
 BAD_EP = ["--model", "tiny-moe", "--strategy", "ddp", "--batch-size", "8", "--seq-len", "32"]
