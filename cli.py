@@ -446,18 +446,6 @@ def check_mesh(parser, args, world_size):
                      f"{'a tied head' if PRESETS[args.model].tie_embeddings else 'zb'}'s gradients are "
                      f"complete; use --strategy ddp or zero1"
                      + ("" if PRESETS[args.model].tie_embeddings else ", or another --schedule"))
-    if args.lora and "tp" in splits and args.strategy in ("zero2", "fsdp", "zero3"):
-        # An adapter factor inside a split layer is a partial sum over the tensor group until its
-        # end-of-backward all-reduce (tensor_parallel.py); ZeRO-2's and FSDP's hooks shard it before.
-        parser.error(f"--lora with {mesh_flags(args)} and --strategy {args.strategy}: the split layers' "
-                     f"adapter gradients are summed over the tensor group after backward, and "
-                     f"{args.strategy} reduces gradients during it; use --strategy ddp or zero1")
-    if args.sequence_parallel and args.strategy in ("zero2", "fsdp", "zero3"):
-        # The norms' gradients are partial sums over the tensor group until its end-of-backward
-        # all-reduce; ZeRO-2's and FSDP's hooks shard them before it.
-        parser.error(f"--sequence-parallel with --strategy {args.strategy}: the sequence-split weights' "
-                     f"gradients are summed over the tensor group after backward, and {args.strategy} "
-                     f"reduces gradients during it; use --strategy ddp or zero1")
     if args.sequence_parallel and "cp" in splits:
         parser.error("--sequence-parallel with --cp: both would place the tokens a rank holds; leave "
                      "--sequence-parallel out")

@@ -355,9 +355,28 @@ class TensorParallelGPT(nn.Module):
     def forward(self, idx, targets=None):                        # idx: (B, T), the same on the group
         return self.gpt(idx, targets)
 
+    def sum_partial_in_backward(self):
+        """For a data dimension that reduces gradients during backward (ZeRO-2's buckets, FSDP's
+        units: their hooks read .grad as soon as it is accumulated): sum each partial gradient
+        over the group as autograd computes it, before those hooks, one all-reduce per weight
+        and micro-batch, instead of once after backward. Every rank of the group runs the same
+        graph, so the all-reduces come in the same order on all of them."""
+        for p in self.partial:
+            p.register_hook(self._summed)
+        self.summed_in_backward = True
+
+    def _summed(self, grad):
+        total = grad.contiguous().clone()
+        self.comm.all_reduce(total)
+        return total
+
+    summed_in_backward = False
+
     def finish_gradient_sync(self):
         """After backward: sum the partial gradients of replicated weights (sequence parallelism,
-        LoRA factors)."""
+        LoRA factors), unless backward did (sum_partial_in_backward)."""
+        if self.summed_in_backward:
+            return
         grads = [p.grad for p in self.partial if p.grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])     # one message, not one per tensor
@@ -381,7 +400,8 @@ class TensorParallelGPT(nn.Module):
         Each block sends 2 all-reduces forward and 2 backward of (B, T, C) (a block of experts,
         whose MLP is whole, half of them); embedding and head
         one each; with sequence parallelism each all-reduce is a reduce-scatter + all-gather pair
-        of the same volume. The loss adds 3 x M fp32 numbers; the gradient norm one. A pipeline
+        of the same volume. The loss adds 3 x M fp32 numbers; the gradient norm one; the partial
+        gradients one all-reduce a step (summed in backward: one per weight and micro-batch). A pipeline
         stage (pipeline.GPTStage) counts its own blocks, and the embedding or head if it has them.
         """
         gpt, n = self.gpt, self.comm.world_size
@@ -398,6 +418,7 @@ class TensorParallelGPT(nn.Module):
                                                                          size, n)
         per_micro += 3 * ring_bytes("all_reduce", m, 4, n) if last else 0
         held = {id(p) for p in gpt.parameters()}        # a pipeline stage's: its own parts only
-        partial = sum(p.numel() for p in self.partial if id(p) in held)
-        sync = ring_bytes("all_reduce", partial, size, n) if partial else 0
+        partial = [p.numel() for p in self.partial if id(p) in held]
+        sync = (micro_batches * sum(ring_bytes("all_reduce", numel, size, n) for numel in partial)
+                if self.summed_in_backward else ring_bytes("all_reduce", sum(partial), size, n))
         return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, 4, n)

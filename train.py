@@ -196,6 +196,8 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     # ddp's replicas, ZeRO's optimizer shards or FSDP's units (with --shard-group, HSDP: sharded
     # over a run of dp x cp ranks, copied across the runs), as --strategy says.
     data, strategy = mesh.dp_cp, STRATEGIES[args.strategy]
+    if tp and tp.partial and args.strategy in ("zero2", "fsdp", "zero3"):
+        tp.sum_partial_in_backward()           # before their hooks shard the partial gradients
     if strategy is fsdp:
         replicas = FSDP(module, compute_dtype=DTYPES[args.precision], group=mesh.shard or data,
                         replicate_group=mesh.replicate, prefetch=args.prefetch, device=device,

@@ -343,10 +343,6 @@ def _one_error_line(stderr):
                                                               "gradients during backward, before zb's"),
     (["--pp", "2", "--strategy", "zero2", "--model", "gpt2-small"], "before a tied head's gradients are "
                                                                     "complete; use --strategy ddp or zero1"),
-    (["--tp", "2", "--strategy", "fsdp", "--lora"], "--lora with --tp 2 and --strategy fsdp: the split "
-                                                     "layers' adapter gradients are summed"),
-    (["--tp", "2", "--strategy", "fsdp", "--sequence-parallel"], "--sequence-parallel with --strategy "
-                                                                  "fsdp: the sequence-split weights'"),
     (["--strategy", "fsdp", "--shard-group", "2"], "--shard-group 2 must divide the world size 1"),
     (["--strategy", "zero2", "--shard-group", "1"], "use --strategy fsdp (--strategy zero2 has none)"),
     (["--strategy", "zero2", "--offload", "params"], "--offload params keeps the parameter shards in "
@@ -489,6 +485,8 @@ def one_process_run(tmp_path_factory):
     (4, ("--pp", "2", "--strategy", "fsdp", "--schedule", "gpipe")),
     (4, ("--tp", "2", "--pp", "2", "--strategy", "fsdp", "--schedule", "interleaved", "--microbatches", "2")),
     (4, ("--tp", "2", "--pp", "2", "--sequence-parallel", "--schedule", "gpipe")),
+    (4, ("--tp", "2", "--pp", "2", "--sequence-parallel", "--strategy", "zero2")),
+    (4, ("--tp", "2", "--sequence-parallel", "--strategy", "fsdp")),
     (4, ("--cp", "2", "--strategy", "fsdp", "--shard-group", "2")),
     (4, ("--pp", "2", "--strategy", "zero2", "--offload", "optimizer")),
     (4, ("--tp", "2", "--cp", "2", "--strategy", "fsdp", "--offload", "params")),
@@ -548,7 +546,8 @@ def one_process_lora(tmp_path_factory):
 @pytest.mark.parametrize("ranks, flags", [
     (2, ("--cp", "2", "--strategy", "fsdp")),
     (4, ("--pp", "2", "--strategy", "zero2")),
-    (4, ("--tp", "2", "--pp", "2", "--strategy", "zero1"))])
+    (4, ("--tp", "2", "--pp", "2", "--strategy", "zero1")),
+    (2, ("--tp", "2", "--strategy", "fsdp"))])
 def test_lora_beside_a_sharded_mesh_trains_as_one_process(tmp_path, one_process_lora, ranks, flags):
     """LoRA's adapters, the only weights that train, sharded over the data dimension of a split
     run: FSDP over cp 2 (the frozen base sharded too), ZeRO-2 over a pipeline's dp 2, ZeRO-1 beside
