@@ -446,12 +446,10 @@ def check_mesh(parser, args, world_size):
                      f"{'a tied head' if PRESETS[args.model].tie_embeddings else 'zb'}'s gradients are "
                      f"complete; use --strategy ddp or zero1"
                      + ("" if PRESETS[args.model].tie_embeddings else ", or another --schedule"))
-    if args.sequence_parallel and "cp" in splits:
-        parser.error("--sequence-parallel with --cp: both would place the tokens a rank holds; leave "
-                     "--sequence-parallel out")
-    if args.lora and "tp" in splits and "cp" in splits:
-        parser.error(f"--lora with {mesh_flags(args)}: LoRA under tensor parallelism runs with --tp "
-                     f"alone or beside --pp; fine-tune with those, or with --cp without --tp")
+    if args.sequence_parallel and "cp" in splits and args.seq_len // args.cp % args.tp:
+        parser.error(f"--sequence-parallel with --cp {args.cp}: each rank's {args.seq_len // args.cp} "
+                     f"tokens of a sequence split further into --tp {args.tp} equal parts: use a "
+                     f"--seq-len divisible by {args.cp * args.tp}")
     product = math.prod(max(1, getattr(args, d)) for d in ("tp", "cp", "pp"))
     if len(splits) > 1 and world_size % product:
         parser.error(f"world size {world_size} is not {' x '.join(f'--{d} {n}' for d, n in splits.items())}"

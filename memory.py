@@ -507,7 +507,7 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
     the vocabulary-parallel loss (last stage), m = its tokens; one fp32 for the norm. With
     sequence_parallel each all-reduce is a reduce-scatter and an all-gather of the same volume,
     and the weights that stay whole (norms, row biases, positions: their gradients partial sums)
-    are all-reduced once a step (zero2, zero3: every micro-batch).
+    are all-reduced once a step (zero2, zero3 or beside cp: every micro-batch).
     cp: cp_kv_bytes per block and micro-batch, K and V C/tp wide.
     pp: one (b, T/cp, C) activation or gradient per send in the stage's schedule (sequence
     parallel: T/cp/tp), a norm fp32.
@@ -529,9 +529,10 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
         sent["tp"] = micro_batches * (activations + loss) + ring_bytes("all_reduce", 1, 4, tp)
         if sequence_parallel:               # 6C a block (mesh_params), positions, final norm
             whole = 6 * C * blocks + (cfg.block_size * C if first else 0) + (2 * C if last else 0)
-            # ZeRO-2 and FSDP read gradients during backward: summed there, every micro-batch
+            # ZeRO-2 and FSDP read gradients during backward, and context parallelism wraps the
+            # tensor-parallel model: summed in backward there, every micro-batch
             # (tensor_parallel.sum_partial_in_backward; C divides by tp, so no padding)
-            times = micro_batches if strategy in ("zero2", "zero3") else 1
+            times = micro_batches if strategy in ("zero2", "zero3") or cp > 1 else 1
             sent["tp"] += times * ring_bytes("all_reduce", whole, size, tp)
     if cp > 1:
         layer = cp_kv_bytes(seq_len, batch // micro_batches, C // tp, cp, attention, size)
@@ -697,9 +698,9 @@ def _parse_args(argv=None):
         if args.model is None or args.tp < 1 or args.world % split:
             p.error(f"--tp {args.tp} x --cp {args.cp} x --pp {args.pp} is a mesh: give --model and a "
                     f"--world that is a multiple of {split}")
-    if args.sequence_parallel and not (args.mesh and args.tp > 1 and args.cp == 1):
-        p.error("--sequence-parallel splits a tensor group's tokens in a mesh: give --tp N (without "
-                "--cp), --model and --world")
+    if args.sequence_parallel and not (args.mesh and args.tp > 1):
+        p.error("--sequence-parallel splits a tensor group's tokens in a mesh: give --tp N, --model "
+                "and --world")
     if args.offload and args.strategy in ("ddp", "single"):
         p.error(f"--offload optimizer moves a sharded optimizer to the host, and --strategy "
                 f"{args.strategy} keeps it whole: use --strategy zero1, zero2 or fsdp")

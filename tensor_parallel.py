@@ -343,6 +343,10 @@ class TensorParallelGPT(nn.Module):
         gpt.loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(
             logits.float().flatten(0, 1), targets.flatten(), comm)
         if sequence_parallel:
+            # The positions of the T tokens this rank's group holds (whole sequences, or with
+            # context parallelism its chunks of them: train.parallelize sets it), of which this
+            # rank embeds 1/N.
+            self.group_positions = gpt.positions_of
             gpt.positions_of = self._my_positions
 
     def _my_positions(self, T: int, device) -> torch.Tensor:        # sequence parallelism: (T/N,)
@@ -350,7 +354,7 @@ class TensorParallelGPT(nn.Module):
         if T % n:
             raise ValueError(f"sequence parallelism splits the sequence ({T} tokens) into "
                              f"{n} equal parts: use a --seq-len divisible by {n}")
-        return torch.arange(T, device=device).chunk(n)[self.comm.rank]
+        return self.group_positions(T, device).chunk(n)[self.comm.rank]
 
     def forward(self, idx, targets=None):                        # idx: (B, T), the same on the group
         return self.gpt(idx, targets)

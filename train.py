@@ -177,6 +177,8 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     # 2. Split the sequences (context_parallel.py): this rank's chunks of each; attention over cp.
     cp = (ContextParallelGPT(gpt, mesh.cp, args.cp_attention, args.cp_balance == "zigzag")
           if "cp" in splits else None)
+    if cp and args.sequence_parallel:     # this rank's 1/tp of the tokens of its chunks
+        tp.group_positions, gpt.positions_of = gpt.positions_of, tp._my_positions
     # 3. Route the experts (moe.py): E/ep of each MoE layer's experts on this rank, the tokens
     # sent to them over the mesh's ep group (a run of ep dp x cp ranks), their gradients
     # reduced over the ranks holding the same ones (expert_dp).
@@ -196,8 +198,11 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     # ddp's replicas, ZeRO's optimizer shards or FSDP's units (with --shard-group, HSDP: sharded
     # over a run of dp x cp ranks, copied across the runs), as --strategy says.
     data, strategy = mesh.dp_cp, STRATEGIES[args.strategy]
-    if tp and tp.partial and args.strategy in ("zero2", "fsdp", "zero3"):
-        tp.sum_partial_in_backward()           # before their hooks shard the partial gradients
+    # Partial gradients over the tensor group (tensor_parallel.py) are summed after backward by
+    # the tensor-parallel model's finish, which a context-parallel model wrapping it hides from
+    # the loop; and ZeRO-2's and FSDP's hooks would shard them first: there, in backward.
+    if tp and tp.partial and (args.strategy in ("zero2", "fsdp", "zero3") or cp):
+        tp.sum_partial_in_backward()
     if strategy is fsdp:
         replicas = FSDP(module, compute_dtype=DTYPES[args.precision], group=mesh.shard or data,
                         replicate_group=mesh.replicate, prefetch=args.prefetch, device=device,

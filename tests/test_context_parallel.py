@@ -330,7 +330,8 @@ def test_cp_resume_is_bit_exact_and_resumes_on_one_process(runs):
 
 def _bad_cp_inputs():
     return _usage_errors({"world": ["--strategy", "cp", "--cp", "3"],
-                          "mesh_options": ["--strategy", "ddp", "--cp", "2", "--tp", "2", "--sequence-parallel"],
+                          "mesh_options": ["--strategy", "ddp", "--cp", "2", "--tp", "2", "--sequence-parallel",
+                                           "--cp-balance", "none", "--seq-len", "30"],
                           "attention_alone": ["--strategy", "ddp", "--cp-attention", "allgather"],
                           "zigzag": ["--strategy", "cp", "--cp", "2", "--seq-len", "30"],
                           "none": ["--strategy", "cp", "--cp", "2", "--cp-balance", "none",
@@ -346,7 +347,8 @@ def bad_cp():
 
 @pytest.mark.parametrize("case, fix", [
     ("world", "world size 2 is not --cp 3 x a data-parallel size: launch a multiple of 3"),
-    ("mesh_options", "--sequence-parallel with --cp: both would place the tokens a rank holds"),
+    ("mesh_options", "--sequence-parallel with --cp 2: each rank's 15 tokens of a sequence split "
+                     "further into --tp 2 equal parts: use a --seq-len divisible by 4"),
     ("attention_alone", "add --cp N (--strategy ddp without it gives every rank whole sequences)"),
     ("zigzag", "--cp 2 with --cp-balance zigzag cuts each sequence into 4 equal chunks (two chunks per "
                "rank): use a --seq-len divisible by 4, e.g. 28"),

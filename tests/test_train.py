@@ -335,9 +335,8 @@ def _one_error_line(stderr):
     (["--pp", "0"], "--pp must be at least 1, got 0"),
     (["--tp", "2", "--pp", "2"], "world size 1 is not --tp 2 x --pp 2 x a data-parallel size: launch "
                                  "a multiple of 4 processes"),
-    (["--tp", "2", "--cp", "2", "--sequence-parallel"], "--sequence-parallel with --cp: both would place"),
-    (["--tp", "2", "--cp", "2", "--lora"], "--lora with --tp 2 --cp 2: LoRA under tensor parallelism "
-                                           "runs with --tp alone or beside --pp"),
+    (["--tp", "2", "--cp", "2", "--sequence-parallel", "--cp-balance", "none", "--seq-len", "30"],
+     "--sequence-parallel with --cp 2: each rank's 15 tokens"),
     (["--pp", "2", "--strategy", "fsdp", "--schedule", "zb"], "--pp 2 with --strategy fsdp: in this "
                                                               "version a pipeline's zero2 and fsdp reduce "
                                                               "gradients during backward, before zb's"),
@@ -487,6 +486,7 @@ def one_process_run(tmp_path_factory):
     (4, ("--tp", "2", "--pp", "2", "--sequence-parallel", "--schedule", "gpipe")),
     (4, ("--tp", "2", "--pp", "2", "--sequence-parallel", "--strategy", "zero2")),
     (4, ("--tp", "2", "--sequence-parallel", "--strategy", "fsdp")),
+    (4, ("--tp", "2", "--cp", "2", "--sequence-parallel", "--strategy", "fsdp")),
     (4, ("--cp", "2", "--strategy", "fsdp", "--shard-group", "2")),
     (4, ("--pp", "2", "--strategy", "zero2", "--offload", "optimizer")),
     (4, ("--tp", "2", "--cp", "2", "--strategy", "fsdp", "--offload", "params")),
@@ -547,12 +547,14 @@ def one_process_lora(tmp_path_factory):
     (2, ("--cp", "2", "--strategy", "fsdp")),
     (4, ("--pp", "2", "--strategy", "zero2")),
     (4, ("--tp", "2", "--pp", "2", "--strategy", "zero1")),
-    (2, ("--tp", "2", "--strategy", "fsdp"))])
+    (2, ("--tp", "2", "--strategy", "fsdp")),
+    (4, ("--tp", "2", "--cp", "2", "--strategy", "zero2"))])
 def test_lora_beside_a_sharded_mesh_trains_as_one_process(tmp_path, one_process_lora, ranks, flags):
     """LoRA's adapters, the only weights that train, sharded over the data dimension of a split
     run: FSDP over cp 2 (the frozen base sharded too), ZeRO-2 over a pipeline's dp 2, ZeRO-1 beside
     tp 2 x pp 2 (each stage's adapter factors summed over its tensor group, by the pipeline's
-    stage_sync, before the step reads them). Every
+    stage_sync, before the step reads them), FSDP beside tp 2 and ZeRO-2 beside tp 2 x cp 2 (the
+    factors summed in backward, before the hooks). Every
     step's loss and the weights after 4 steps equal one process's LoRA run; every dimension sends
     its formula; rank 0 holds what memory.py says."""
     losses, weights, sent, out = _run_mesh(tmp_path, ranks, "--lora", *flags)
