@@ -437,15 +437,19 @@ def check_mesh(parser, args, world_size):
     splits = mesh_splits(args)
     if not splits:
         return
-    # ZeRO-2's and FSDP's hooks reduce gradients during backward: before the pipeline's ends sum
-    # a tied head's two gradients (after it), and before zb's weight gradients come (W, after it).
-    reduces_in_backward = args.strategy in ("zero2", "fsdp", "zero3")
-    if reduces_in_backward and "pp" in splits and (PRESETS[args.model].tie_embeddings or args.schedule == "zb"):
-        parser.error(f"{mesh_flags(args)} with --strategy {args.strategy}: in this version a pipeline's "
-                     f"zero2 and fsdp reduce gradients during backward, before "
-                     f"{'a tied head' if PRESETS[args.model].tie_embeddings else 'zb'}'s gradients are "
-                     f"complete; use --strategy ddp or zero1"
-                     + ("" if PRESETS[args.model].tie_embeddings else ", or another --schedule"))
+    # ZeRO-2's and FSDP's hooks reduce gradients during backward, before the pipeline's two ends
+    # sum a tied head's gradients (after it). And zb computes the weight gradients after
+    # backward (W): ZeRO-2, whose point is to free each gradient as backward fills it, would
+    # hold them all through the step, which is ZeRO-1 (FSDP in a pipeline holds them anyway).
+    tied = PRESETS[args.model].tie_embeddings
+    if "pp" in splits and (tied and args.strategy in ("zero2", "fsdp", "zero3")
+                           or args.schedule == "zb" and args.strategy == "zero2"):
+        why = ("zero2 and fsdp reduce gradients during backward, before a tied head's two gradients "
+               "are summed after it" if tied else
+               "zb computes the weight gradients after backward, so zero2 would hold them all "
+               "through the step, as zero1 does")
+        parser.error(f"{mesh_flags(args)} with --strategy {args.strategy}: in a pipeline {why}; use "
+                     f"--strategy ddp or zero1" + ("" if tied else " (or zero2 with another --schedule)"))
     if args.sequence_parallel and "cp" in splits and args.seq_len // args.cp % args.tp:
         parser.error(f"--sequence-parallel with --cp {args.cp}: each rank's {args.seq_len // args.cp} "
                      f"tokens of a sequence split further into --tp {args.tp} equal parts: use a "

@@ -286,6 +286,7 @@ class FSDP(nn.Module):
         self._backward_hooked = False
         self._sync = True
         self._whole_step = False         # inside gathered_for_step(): nothing freed until its end
+        self._unreduced = False          # the last backward ran under no_sync: gradients to reduce
         self._used_agreed = False        # HSDP: this backward's used-flags OR'ed over the copies
         self.events = []                 # this step's order of collectives and computation
         self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
@@ -409,6 +410,7 @@ class FSDP(nn.Module):
         """The unit's backward is over: reduce-scatter its gradient (unless no_sync), free it all.
         Returns (handle, output) of the reduce-scatter in flight, or None under no_sync."""
         started = None
+        self._unreduced = not self._sync
         if self._sync:
             grad = torch.zeros_like(unit.flat)                                   # (N*S,)
             for i, (p, view) in enumerate(zip(unit.params, unit.views(grad))):
@@ -449,7 +451,11 @@ class FSDP(nn.Module):
 
     def finish_gradient_sync(self):
         """Wait for the outstanding reduce-scatters: each shard in FSDP.parameters() then holds its
-        fp32 averaged gradient in .grad, so a plain torch.optim optimizer can step on them."""
+        fp32 averaged gradient in .grad, so a plain torch.optim optimizer can step on them. If
+        the backwards since the last reduction all ran under no_sync (a zero-bubble pipeline's:
+        its weight gradients come after autograd, W), their accumulated gradients go now."""
+        if self._unreduced:
+            self._order.launch_rest()
         self._order.wait_all()
         if self.replicas is not None and self._sync and not self._used_agreed:
             # HSDP: a parameter used by any copy's batch has a gradient on every copy now, so

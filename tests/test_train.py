@@ -337,11 +337,10 @@ def _one_error_line(stderr):
                                  "a multiple of 4 processes"),
     (["--tp", "2", "--cp", "2", "--sequence-parallel", "--cp-balance", "none", "--seq-len", "30"],
      "--sequence-parallel with --cp 2: each rank's 15 tokens"),
-    (["--pp", "2", "--strategy", "fsdp", "--schedule", "zb"], "--pp 2 with --strategy fsdp: in this "
-                                                              "version a pipeline's zero2 and fsdp reduce "
-                                                              "gradients during backward, before zb's"),
-    (["--pp", "2", "--strategy", "zero2", "--model", "gpt2-small"], "before a tied head's gradients are "
-                                                                    "complete; use --strategy ddp or zero1"),
+    (["--pp", "2", "--strategy", "zero2", "--schedule", "zb"], "--pp 2 with --strategy zero2: in a pipeline zb "
+                                                               "computes the weight gradients after backward"),
+    (["--pp", "2", "--strategy", "fsdp", "--model", "gpt2-small"], "before a tied head's two gradients are "
+                                                                   "summed after it; use --strategy ddp or zero1"),
     (["--strategy", "fsdp", "--shard-group", "2"], "--shard-group 2 must divide the world size 1"),
     (["--strategy", "zero2", "--shard-group", "1"], "use --strategy fsdp (--strategy zero2 has none)"),
     (["--strategy", "zero2", "--offload", "params"], "--offload params keeps the parameter shards in "
@@ -482,6 +481,7 @@ def one_process_run(tmp_path_factory):
     (4, ("--pp", "2", "--cp", "2", "--strategy", "zero2")),
     (4, ("--pp", "2", "--strategy", "zero1", "--schedule", "zb")),
     (4, ("--pp", "2", "--strategy", "fsdp", "--schedule", "gpipe")),
+    (4, ("--pp", "2", "--strategy", "fsdp", "--schedule", "zb")),
     (4, ("--tp", "2", "--pp", "2", "--strategy", "fsdp", "--schedule", "interleaved", "--microbatches", "2")),
     (4, ("--tp", "2", "--pp", "2", "--sequence-parallel", "--schedule", "gpipe")),
     (4, ("--tp", "2", "--pp", "2", "--sequence-parallel", "--strategy", "zero2")),
