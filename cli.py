@@ -437,15 +437,14 @@ def check_mesh(parser, args, world_size):
     splits = mesh_splits(args)
     if not splits:
         return
-    # ZeRO-2's and FSDP's hooks reduce gradients during backward, before the pipeline's two ends
-    # sum a tied head's gradients (after it). And zb computes the weight gradients after
-    # backward (W): ZeRO-2, whose point is to free each gradient as backward fills it, would
-    # hold them all through the step, which is ZeRO-1 (FSDP in a pipeline holds them anyway).
+    # ZeRO-2's hooks reduce gradients during backward, before the pipeline's two ends sum a tied
+    # head's gradients (after it). And zb computes the weight gradients after backward (W):
+    # ZeRO-2, whose point is to free each gradient as backward fills it, would hold them all
+    # through the step, which is ZeRO-1. (FSDP in a pipeline holds them through the step anyway.)
     tied = PRESETS[args.model].tie_embeddings
-    if "pp" in splits and (tied and args.strategy in ("zero2", "fsdp", "zero3")
-                           or args.schedule == "zb" and args.strategy == "zero2"):
-        why = ("zero2 and fsdp reduce gradients during backward, before a tied head's two gradients "
-               "are summed after it" if tied else
+    if "pp" in splits and args.strategy == "zero2" and (tied or args.schedule == "zb"):
+        why = ("zero2 reduces gradients during backward, before a tied head's two gradients are "
+               "summed after it" if tied else
                "zb computes the weight gradients after backward, so zero2 would hold them all "
                "through the step, as zero1 does")
         parser.error(f"{mesh_flags(args)} with --strategy {args.strategy}: in a pipeline {why}; use "

@@ -217,6 +217,10 @@ class Pipeline:
         dist.all_reduce(torch.zeros(1, device=device), group=comm.group)
         self.hidden, self.dtype = hidden, dtype
         self.tied = tied if self.P > 1 else None
+        # FSDP (gathered_for_step) moves .grad into its shards at finish_gradient_sync: a tied
+        # weight's two gradients are summed before, every backward under no_sync (DDP's finish
+        # only averages, and the sum comes after it).
+        self.sum_tied_first = self.tied is not None and hasattr(module, "gathered_for_step")
         if self.P > 1:
             self.ends = self._ends_group(comm, device)
         self.peak_activations = 0         # most micro-batch chunks held at once (F run, B or W not)
@@ -248,11 +252,13 @@ class Pipeline:
             x, y = self.local_tokens(x, y)                        # (B, t) each
         with self._gathered():
             loss = self._run(self.actions, x, y, scale_loss, measure)
+        if self.sum_tied_first:
+            self.ends.all_reduce(self.tied.grad)
         if hasattr(self.module, "finish_gradient_sync"):
             self.module.finish_gradient_sync()
         if self.stage_sync is not None:
             self.stage_sync()
-        if self.tied is not None:         # the embedding's gradient + the head's: one weight's
+        if self.tied is not None and not self.sum_tied_first:   # embedding's + head's gradient
             self.ends.all_reduce(self.tied.grad)
         return loss
 
@@ -355,7 +361,8 @@ class Pipeline:
             elif a.kind == "B":
                 # One gradient average per step: the last backward's, for the sum of all M
                 # (split: none; the W's after it still add to the gradients).
-                with (no_sync() if split or [a] != last_backward else contextlib.nullcontext()), \
+                with (no_sync() if split or self.sum_tied_first or [a] != last_backward
+                      else contextlib.nullcontext()), \
                         (self.weight_grads.collect(key) if split else contextlib.nullcontext()):
                     if last:        # the step's loss is the mean over micro-batches: 1/M each
                         scale_loss(outputs.pop(key) / self.M).backward()

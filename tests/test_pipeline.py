@@ -330,18 +330,21 @@ def test_executor_posts_the_groups_the_nccl_check_played(P):
                 assert posted == expected, (schedule, s)
 
 
-def _zero1_pipeline_trains(P, cfg):
+def _sharded_pipeline_trains(P, cfg, strategy):
     """On P x 2 ranks: a 1F1B pipeline whose data dimension is ZeRO-1 (each stage's optimizer
-    state sharded over its 2 replicas), as train.parallelize builds it; this rank's averaged
-    losses, clipped norms, and its copy of a tied weight after the steps."""
+    state sharded over its 2 replicas) or FSDP (its units too), as train.parallelize builds it;
+    this rank's averaged losses, clipped norms, and its copy of a tied weight after the steps."""
+    from fsdp import FSDP, FSDPOptimizer
     from zero import ZeroOptimizer
     pipe, data = make_mesh(Comm(), P)
     torch.manual_seed(0)
     gpt = GPT(cfg)
     stage = pipeline.GPTStage(gpt, pipeline.stage_layers(None, cfg.n_layer, P)[pipe.rank],
                               first=pipe.rank == 0, last=pipe.rank == P - 1)
-    runner = pipeline.Pipeline(stage, pipe, "1f1b", 4, cfg.n_embd, torch.float32, stage.tied)
-    optimizer = ZeroOptimizer(gpt.parameters(), stage=1, group=data, lr=1e-2, weight_decay=0.1)
+    module = FSDP(stage, group=data) if strategy == "fsdp" else stage
+    runner = pipeline.Pipeline(module, pipe, "1f1b", 4, cfg.n_embd, torch.float32, stage.tied)
+    optimizer = (FSDPOptimizer(module, lr=1e-2, weight_decay=0.1) if strategy == "fsdp" else
+                 ZeroOptimizer(gpt.parameters(), stage=1, group=data, lr=1e-2, weight_decay=0.1))
     last_copy = [stage.tied] if stage.last and stage.tied is not None else []
     optimizer.split_model(stages=pipe, counted_elsewhere=last_copy)
     losses, norms = [], []
@@ -353,19 +356,24 @@ def _zero1_pipeline_trains(P, cfg):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    tied = stage.tied.detach().clone() if stage.tied is not None else None
+    if strategy == "fsdp":                    # the tied copy's shards, whole: collective
+        tied = module.full_state_dict(all_ranks=True).get("gpt.token_emb.weight")
+    else:
+        tied = stage.tied.detach().clone() if stage.tied is not None else None
     return {"losses": losses, "norms": norms, "tied": tied}
 
 
-def test_zero1_pipeline_with_a_tied_head_equals_one_process():
-    """ZeRO-1 over each stage's 2 replicas, the head tied to the token embedding on 2 stages
-    (world 4): the ends sum the two gradients before ZeRO reduce-scatters them at the step, the
-    last stage's copy is left out of the sharded norm (counted_elsewhere), so every step's loss
-    and the first step's clipped norm equal one process's (1e-6 relative; the tied weight counted
-    twice would add its squares again), and the copies stay equal. The later norms read weights
-    that Adam's first steps moved by amplified fp32 noise (see the test above): measured 5.4e-6
-    relative, allowed 1e-5."""
-    ranks = run_ranks(_zero1_pipeline_trains, 4, 2, TIED)
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_sharded_pipeline_with_a_tied_head_equals_one_process(strategy):
+    """ZeRO-1 or FSDP over each stage's 2 replicas, the head tied to the token embedding on 2
+    stages (world 4): the ends sum the two gradients before they are reduce-scattered (ZeRO-1 at
+    the step; FSDP, every backward under no_sync, at the pipeline's finish), the last stage's
+    copy is left out of the sharded norm (counted_elsewhere), so every step's loss and the first
+    step's clipped norm equal one process's (1e-6 relative; the tied weight counted twice would
+    add its squares again), and the copies stay equal. The later norms read weights that Adam's
+    first steps moved by amplified fp32 noise (see the test above): measured 5.4e-6 relative,
+    allowed 1e-5."""
+    ranks = run_ranks(_sharded_pipeline_trains, 4, 2, TIED, strategy)
     single = _single(TIED)
     for rank in ranks:
         assert rank["losses"] == pytest.approx(single["losses"], rel=RTOL), rank["losses"]

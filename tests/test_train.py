@@ -339,8 +339,8 @@ def _one_error_line(stderr):
      "--sequence-parallel with --cp 2: each rank's 15 tokens"),
     (["--pp", "2", "--strategy", "zero2", "--schedule", "zb"], "--pp 2 with --strategy zero2: in a pipeline zb "
                                                                "computes the weight gradients after backward"),
-    (["--pp", "2", "--strategy", "fsdp", "--model", "gpt2-small"], "before a tied head's two gradients are "
-                                                                   "summed after it; use --strategy ddp or zero1"),
+    (["--pp", "2", "--strategy", "zero2", "--model", "gpt2-small"], "before a tied head's two gradients are "
+                                                                    "summed after it; use --strategy ddp or zero1"),
     (["--strategy", "fsdp", "--shard-group", "2"], "--shard-group 2 must divide the world size 1"),
     (["--strategy", "zero2", "--shard-group", "1"], "use --strategy fsdp (--strategy zero2 has none)"),
     (["--strategy", "zero2", "--offload", "params"], "--offload params keeps the parameter shards in "
