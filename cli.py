@@ -419,10 +419,13 @@ def check_experts(parser, args, world_size):
         parser.error(f"--aux-loss-weight must be 0 (off) or positive, got {args.aux_loss_weight}")
     if args.z_loss_weight is not None and not 0 <= args.z_loss_weight < math.inf:
         parser.error(f"--z-loss-weight must be 0 (off) or positive, got {args.z_loss_weight}")
-    if args.sequence_parallel:
-        parser.error("--sequence-parallel with experts: each tensor rank would route 1/tp of the "
-                     "tokens and hold a partial balance loss; leave --sequence-parallel out (the "
-                     "experts stay whole on each tensor rank)")
+    # Sequence parallelism: each tensor rank routes its own --seq-len / cp / tp tokens of each
+    # sequence (tensor_parallel.py), in groups inside them, the groups one process routes.
+    part = args.seq_len // args.cp // args.tp
+    if args.sequence_parallel and (cfg.routing_group is None or part % cfg.routing_group):
+        parser.error(f"--sequence-parallel with experts: each tensor rank routes its own {part} tokens "
+                     f"of a sequence, so route them in groups inside those: give a --routing-group "
+                     f"dividing {part}, e.g. --routing-group {part}")
 
 
 def mesh_flags(args) -> str:
@@ -437,18 +440,6 @@ def check_mesh(parser, args, world_size):
     splits = mesh_splits(args)
     if not splits:
         return
-    # ZeRO-2's hooks reduce gradients during backward, before the pipeline's two ends sum a tied
-    # head's gradients (after it). And zb computes the weight gradients after backward (W):
-    # ZeRO-2, whose point is to free each gradient as backward fills it, would hold them all
-    # through the step, which is ZeRO-1. (FSDP in a pipeline holds them through the step anyway.)
-    tied = PRESETS[args.model].tie_embeddings
-    if "pp" in splits and args.strategy == "zero2" and (tied or args.schedule == "zb"):
-        why = ("zero2 reduces gradients during backward, before a tied head's two gradients are "
-               "summed after it" if tied else
-               "zb computes the weight gradients after backward, so zero2 would hold them all "
-               "through the step, as zero1 does")
-        parser.error(f"{mesh_flags(args)} with --strategy {args.strategy}: in a pipeline {why}; use "
-                     f"--strategy ddp or zero1" + ("" if tied else " (or zero2 with another --schedule)"))
     if args.sequence_parallel and "cp" in splits and args.seq_len // args.cp % args.tp:
         parser.error(f"--sequence-parallel with --cp {args.cp}: each rank's {args.seq_len // args.cp} "
                      f"tokens of a sequence split further into --tp {args.tp} equal parts: use a "

@@ -280,8 +280,9 @@ def exchange_bytes(gpt: nn.Module, options, data_size: int, context_size: int = 
                    micro_batches: int | None = None) -> int:
     """What every MoE layer of gpt (a pipeline stage: its own) sends per training step under
     train.py's options (each of data_size ranks a micro-batch of --batch-size / data_size /
-    micro_batches rows at a time, of --seq-len / context_size tokens each under context
-    parallelism; micro_batches: --grad-accum's, or a pipeline's --microbatches)."""
+    micro_batches rows at a time, of --seq-len / context_size tokens each: context
+    parallelism's cp, times tp under sequence parallelism; micro_batches: --grad-accum's, or a
+    pipeline's --microbatches)."""
     micro = micro_batches or options.grad_accum
     tokens = options.batch_size // data_size // micro * (options.seq_len // context_size)
     size = next(gpt.parameters()).element_size()

@@ -220,11 +220,20 @@ class Pipeline:
         # FSDP (gathered_for_step) moves .grad into its shards at finish_gradient_sync: a tied
         # weight's two gradients are summed before, every backward under no_sync (DDP's finish
         # only averages, and the sum comes after it).
-        self.sum_tied_first = self.tied is not None and hasattr(module, "gathered_for_step")
+        self.no_sync = getattr(module, "no_sync", None)
+        self.sum_tied_first = self.hold_every_backward = (self.tied is not None
+                                                          and hasattr(module, "gathered_for_step"))
         if self.P > 1:
             self.ends = self._ends_group(comm, device)
         self.peak_activations = 0         # most micro-batch chunks held at once (F run, B or W not)
         self.busy = self.wall = 0.0       # seconds computing, seconds in all, in the last step
+
+    def reduce_after_backward(self, no_sync):
+        """For a data dimension whose optimizer, not the module, reduces during backward (ZeRO-2):
+        its no_sync, so that with a tied head every backward runs under it and the ends' sum
+        comes before the step's reductions (zero bubble's backwards run under it anyway)."""
+        self.no_sync = no_sync
+        self.hold_every_backward = self.tied is not None
 
     def _ends_group(self, comm: Comm, device) -> Comm | None:
         """A Comm over this pipeline's first and last stage if they share a tied weight.
@@ -335,7 +344,7 @@ class Pipeline:
         posted, sends, loss = {}, [], torch.zeros((), device=device)
         split = self.weight_grads is not None
         last_backward = [a for a in actions if a.kind == "B"][-1:]
-        no_sync = getattr(self.module, "no_sync", contextlib.nullcontext)
+        no_sync = self.no_sync or contextlib.nullcontext
         self.busy, start = 0.0, self._clock(measure)
         for item in nccl_program(actions):
             if not isinstance(item, Action):
@@ -361,7 +370,7 @@ class Pipeline:
             elif a.kind == "B":
                 # One gradient average per step: the last backward's, for the sum of all M
                 # (split: none; the W's after it still add to the gradients).
-                with (no_sync() if split or self.sum_tied_first or [a] != last_backward
+                with (no_sync() if split or self.hold_every_backward or [a] != last_backward
                       else contextlib.nullcontext()), \
                         (self.weight_grads.collect(key) if split else contextlib.nullcontext()):
                     if last:        # the step's loss is the mean over micro-batches: 1/M each

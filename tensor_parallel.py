@@ -305,9 +305,6 @@ class TensorParallelGPT(nn.Module):
         check_divisible(gpt.cfg, comm.world_size)
         self.gpt, self.sequence_parallel = gpt, sequence_parallel
         sp = dict(group=comm, sequence_parallel=sequence_parallel)
-        if sequence_parallel and gpt.cfg.experts:
-            raise ValueError("sequence parallelism with experts: each rank would route 1/N of the "
-                             "tokens, its balance loss a partial one; use tensor parallelism without it")
         for block in gpt.blocks:
             attn, mlp = block.attn, block.mlp
             for name in ("query", "key", "value"):
@@ -319,11 +316,18 @@ class TensorParallelGPT(nn.Module):
             # expert tensor-parallel size 1): its input, the residual after attention's
             # all-reduce, is the same on all N, so each routes the same tokens to the same
             # experts and gets the same gradients, no collective needed; expert parallelism
-            # splits the experts over the data ranks instead. The price: N copies compute them.
+            # splits the experts over the data ranks instead. The price: N copies compute them
+            # (with sequence parallelism each rank computes its own tokens).
             if not isinstance(mlp, MoE):
                 mlp.up = ColumnParallelLinear.from_linear(mlp.up, comm, enter=False)
                 mlp.down = RowParallelLinear.from_linear(mlp.down, **sp)
                 split.append(mlp)
+            elif sequence_parallel:
+                # With sequence parallelism the layer sees this rank's T/N tokens and routes them
+                # (in groups inside them: cli.py), so its balance loss is this rank's part: g
+                # makes the loss the group's mean on every rank, and backward hands each rank
+                # 1/N of its own part, summed over the group with the experts' partial gradients.
+                mlp.register_forward_hook(self._group_balance_loss)
             # Query, key and value read one input: enter the region once for all three, so
             # backward sums their input gradients in one all-reduce, not three.
             for sublayer in split:
@@ -348,6 +352,9 @@ class TensorParallelGPT(nn.Module):
             # rank embeds 1/N.
             self.group_positions = gpt.positions_of
             gpt.positions_of = self._my_positions
+
+    def _group_balance_loss(self, moe, args, output):
+        moe.aux_loss = _g(moe.aux_loss / self.comm.world_size, self.comm)
 
     def _my_positions(self, T: int, device) -> torch.Tensor:        # sequence parallelism: (T/N,)
         n = self.comm.world_size

@@ -232,9 +232,16 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
         tied_copy = [module.tied] if "pp" in splits and module.tied is not None and module.last else []
         optimizer.split_model(tensor=mesh.tp if tp else None,
                               stages=mesh.pp if "pp" in splits else None, counted_elsewhere=tied_copy)
+    # ZeRO-2 reduces in backward; a tied head's sum and zb's W come after it: it waits for them
+    held_through = ("pp" in splits and args.strategy == "zero2"
+                    and (module.tied is not None or args.schedule == "zb"))
+    if held_through:
+        model.reduce_after_backward(optimizer.no_sync)
 
-    # The formulas, per dimension, for this rank's rows (B/D) and tokens of each (T/cp).
+    # The formulas, per dimension, for this rank's rows (B/D) and tokens of each (T/cp; its
+    # MoE layers see T/cp/tp of them under sequence parallelism).
     rows, tokens = args.batch_size // mesh.dp.world_size, args.seq_len // mesh.cp.world_size
+    tokens_split = mesh.cp.world_size * (args.tp if args.sequence_parallel else 1)
     micro = args.microbatches if "pp" in splits else args.grad_accum
     every = args.checkpoint_activations               # checkpoint_blocks: blocks 0, K, 2K, ...
     recomputed = sum(i % every == 0 for i in held_blocks) if every else 0
@@ -248,18 +255,18 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     if "pp" in splits:
         sent["pp"] = model.bytes_per_step(rows, tokens // model.sequence_split)
     if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
-        sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, mesh.cp.world_size, micro)
+        sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, tokens_split, micro)
     if data.world_size > 1:
         sent["dp"] = (replicas.bytes_per_step() if strategy is ddp else
                       replicas.bytes_per_step(micro, gathered_for_step="pp" in splits) if strategy is fsdp else
-                      optimizer.bytes_per_step(micro_batches=micro))
+                      optimizer.bytes_per_step(micro_batches=1 if held_through else micro))
     # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
     # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
-    # with experts, which split no matrix: what this rank holds, its experts among it).
+    # with experts, whose layers mesh_params does not price: what this rank holds, its experts).
     n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks), first, last)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else 0
     held = run_state_bytes(gpt, {fsdp: "zero3", ddp: "ddp"}.get(strategy, args.strategy), args,
-                           data.world_size, n_params=None if experts is not None else n_params + trainable,
+                           data.world_size, n_params=None if gpt.cfg.experts else n_params + trainable,
                            shard_group=mesh.shard.world_size if mesh.shard else None)
     return model, optimizer, sent, held, cp
 
@@ -480,7 +487,8 @@ def main(argv=None, live_bytes: bool = False) -> dict:
                 low, mean, high = routing["tokens_per_expert"]
                 exchanged = ""
                 if args.ep > 1:                  # the all-to-alls alone, beside their formula
-                    formula = exchange_bytes(gpt, args, data_size, mesh.cp.world_size,
+                    formula = exchange_bytes(gpt, args, data_size,
+                                             mesh.cp.world_size * (args.tp if args.sequence_parallel else 1),
                                              args.microbatches if "pp" in splits else None)
                     a2a = (mesh.ep or mesh.dp_cp).bytes_sent["all_to_all"]    # the mesh's ep, or dp's
                     exchanged = (f" | all-to-all {a2a / 2**20:.2f} MiB/step "

@@ -15,6 +15,7 @@ Run: torchrun --nproc_per_node 2 train.py --strategy zero2; test: python -m pyte
 Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements per shard.
 """
 
+import contextlib
 import itertools
 
 import torch
@@ -350,13 +351,32 @@ class Zero2Optimizer(ZeroOptimizer):
             for i, p in enumerate(bucket.params):
                 hook_gradient(p, self._gradient_ready, b, i)
 
+    syncing = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside leave each gradient whole in .grad, as ZeRO-1 keeps it, and step()
+        reduce-scatters them. For a pipeline whose gradients are complete only after backward:
+        zero bubble's weight gradients (W), a tied head's two ends summed (pipeline.py)."""
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
     def _gradient_ready(self, b: int, i: int):
-        bucket = self.buckets[b]
-        param = bucket.params[i]
+        if not self.syncing:
+            return                                     # under no_sync: it waits in .grad
         if not self._backward_hooked:
             # Runs once backward is over: launch what never filled (unused parameters), wait.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._backward_hooked = True
+        self._take(b, i)
+
+    def _take(self, b: int, i: int):
+        """Parameter i's gradient into bucket b's buffer; the bucket goes once it is full."""
+        bucket = self.buckets[b]
+        param = bucket.params[i]
         if bucket.grad_flat is None:
             bucket.grad_flat = torch.zeros_like(bucket.flat)         # (N*S,) lives while in flight
         bucket.view(bucket.grad_flat, i).copy_(param.grad)
@@ -389,7 +409,14 @@ class Zero2Optimizer(ZeroOptimizer):
         self._backward_hooked = False
 
     def _reduce_gradients(self):
-        """Nothing left to reduce at step(): backward did it, bucket by bucket."""
+        """At step(), nothing left to reduce (backward did it, bucket by bucket), unless the
+        backwards ran under no_sync: then what they left in .grad goes now, in bucket order."""
+        left = [(b, i) for b, bucket in enumerate(self.buckets)
+                for i, p in enumerate(bucket.params) if p.grad is not None]
+        if left:
+            for b, i in left:
+                self._take(b, i)
+            self._finish_backward()
 
     def _release(self):
         # The shard is all that is left of the gradient: it stays until zero_grad(), as a .grad.

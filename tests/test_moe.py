@@ -475,6 +475,26 @@ def test_experts_beside_tensor_and_pipeline_parallelism_train_as_one_process(tmp
         assert all(measured == predicted.split(")")[0] for measured, predicted in sent), sent
 
 
+@pytest.mark.parametrize("flags", [("--tp", "2", "--sequence-parallel", "--ep", "2"),
+                                   ("--tp", "2", "--pp", "2", "--sequence-parallel", "--strategy", "zero2",
+                                    "--microbatches", "2")])
+def test_experts_beside_sequence_parallelism_train_as_one_process(tmp_path, flags):
+    """--sequence-parallel: each tensor rank routes its own 16 tokens of a 32-token sequence, in
+    groups of 16 (those one process routes together), its balance loss made the group's mean (g)
+    and its experts' gradients partial sums over the tensor group: tp 2 x dp 2 with ep 2 (ddp) and
+    tp 2 x pp 2 (ZeRO-2, the sums in backward) on 4 ranks. Losses equal one process's to 1e-6,
+    weights to EP_WEIGHT_ATOL; held = memory.py; sent (tp, pp, ep, dp, the all-to-alls) = formula."""
+    routing = ("--routing-group", "16", "--capacity-factor", "1.25")
+    single, weights, _, _ = _run_ep(tmp_path, 1, *routing)
+    losses, got, sent, (predicted, measured) = _run_ep(tmp_path, 4, *routing, *flags)
+    assert predicted == measured, (predicted, measured)
+    assert losses == pytest.approx(single, rel=1e-6), (losses, single)
+    assert got.keys() == weights.keys()
+    worst = max((got[k] - weights[k]).abs().max().item() for k in weights)
+    assert worst < EP_WEIGHT_ATOL, worst
+    assert sent and all(measured == predicted.split(")")[0] for measured, predicted in sent), sent
+
+
 def test_experts_beside_hybrid_sharding_train_as_one_process(tmp_path, one_process):
     """FSDP --shard-group 2 (HSDP: 2 copies of shards over pairs) with --ep 2 on 4 ranks: each
     expert's unit is sharded over the 2 ranks holding that expert, every other unit over a pair
@@ -506,7 +526,8 @@ def _bad_expert_parallel_inputs():
                           "cp_routing": [*BAD_EP, "--ep", "2", "--cp", "2"],
                           "cp_group": [*BAD_EP, "--cp", "2", "--routing-group", "16"],
                           "tp_ranks": [*BAD_EP, "--tp", "2", "--ep", "2"],
-                          "sequence_parallel": [*BAD_EP, "--tp", "2", "--sequence-parallel"],
+                          "sequence_parallel": [*BAD_EP, "--tp", "2", "--sequence-parallel",
+                                                "--routing-group", "32"],
                           "dense": ["--strategy", "ddp", "--ep", "2"]})
 
 
@@ -527,8 +548,9 @@ def bad_expert_parallel_inputs():
     ("dense", "configure experts, and model tiny has none"),
     ("tp_ranks", "--ep 2 splits the 8 experts over groups of 2 of the 1 data x context ranks (world 2 "
                  "/ --tp 2 / --pp 1): use an --ep"),
-    ("sequence_parallel", "--sequence-parallel with experts: each tensor rank would route 1/tp of the "
-                          "tokens"),
+    ("sequence_parallel", "--sequence-parallel with experts: each tensor rank routes its own 16 tokens "
+                          "of a sequence, so route them in groups inside those: give a --routing-group "
+                          "dividing 16"),
 ])
 def test_bad_expert_parallel_options_are_one_clear_error_on_every_rank(bad_expert_parallel_inputs, case, says):
     """Each refused on both ranks alike, as argparse's one line (exit 2), before any work: an

@@ -332,7 +332,8 @@ def test_executor_posts_the_groups_the_nccl_check_played(P):
 
 def _sharded_pipeline_trains(P, cfg, strategy):
     """On P x 2 ranks: a 1F1B pipeline whose data dimension is ZeRO-1 (each stage's optimizer
-    state sharded over its 2 replicas) or FSDP (its units too), as train.parallelize builds it;
+    state sharded over its 2 replicas), ZeRO-2 (its gradients too) or FSDP (its units too), as
+    train.parallelize builds it;
     this rank's averaged losses, clipped norms, and its copy of a tied weight after the steps."""
     from fsdp import FSDP, FSDPOptimizer
     from zero import ZeroOptimizer
@@ -344,7 +345,10 @@ def _sharded_pipeline_trains(P, cfg, strategy):
     module = FSDP(stage, group=data) if strategy == "fsdp" else stage
     runner = pipeline.Pipeline(module, pipe, "1f1b", 4, cfg.n_embd, torch.float32, stage.tied)
     optimizer = (FSDPOptimizer(module, lr=1e-2, weight_decay=0.1) if strategy == "fsdp" else
-                 ZeroOptimizer(gpt.parameters(), stage=1, group=data, lr=1e-2, weight_decay=0.1))
+                 ZeroOptimizer(gpt.parameters(), stage=int(strategy[-1]), group=data, lr=1e-2,
+                               weight_decay=0.1))
+    if strategy == "zero2":                   # it waits for the ends' sum (train.parallelize)
+        runner.reduce_after_backward(optimizer.no_sync)
     last_copy = [stage.tied] if stage.last and stage.tied is not None else []
     optimizer.split_model(stages=pipe, counted_elsewhere=last_copy)
     losses, norms = [], []
@@ -363,11 +367,12 @@ def _sharded_pipeline_trains(P, cfg, strategy):
     return {"losses": losses, "norms": norms, "tied": tied}
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
 def test_sharded_pipeline_with_a_tied_head_equals_one_process(strategy):
-    """ZeRO-1 or FSDP over each stage's 2 replicas, the head tied to the token embedding on 2
-    stages (world 4): the ends sum the two gradients before they are reduce-scattered (ZeRO-1 at
-    the step; FSDP, every backward under no_sync, at the pipeline's finish), the last stage's
+    """ZeRO-1, ZeRO-2 or FSDP over each stage's 2 replicas, the head tied to the token embedding
+    on 2 stages (world 4): the ends sum the two gradients before they are reduce-scattered (ZeRO-1
+    at the step; ZeRO-2, every backward under its no_sync, at the step too; FSDP, likewise, at the
+    pipeline's finish), the last stage's
     copy is left out of the sharded norm (counted_elsewhere), so every step's loss and the first
     step's clipped norm equal one process's (1e-6 relative; the tied weight counted twice would
     add its squares again), and the copies stay equal. The later norms read weights that Adam's
