@@ -447,6 +447,19 @@ def test_experts_beside_context_parallelism_train_as_one_process(tmp_path, ranks
         assert all(measured == predicted.split(")")[0] for measured, predicted in sent), sent
 
 
+def _assert_trains_as(one, run) -> tuple[list, list]:
+    """A multi-rank _run_ep equals the one-process one: held = memory.py, losses to 1e-6
+    relative, every exported weight to EP_WEIGHT_ATOL. Returns its (losses, sent)."""
+    single, weights, _, _ = one
+    losses, got, sent, (predicted, measured) = run
+    assert predicted == measured, (predicted, measured)
+    assert losses == pytest.approx(single, rel=1e-6), (losses, single)
+    assert got.keys() == weights.keys()
+    worst = max((got[k] - weights[k]).abs().max().item() for k in weights)
+    assert worst < EP_WEIGHT_ATOL, worst
+    return losses, sent
+
+
 @pytest.mark.parametrize("capacity, flags", [
     ("1.25", ("--tp", "2", "--ep", "2")),
     ("0", ("--tp", "2", "--ep", "2", "--strategy", "fsdp")),
@@ -461,13 +474,8 @@ def test_experts_beside_tensor_and_pipeline_parallelism_train_as_one_process(tmp
     weight after 4 steps to EP_WEIGHT_ATOL (the gradient norm DDP clips by adds the tensor
     group's split squares and the expert group's); the bytes held equal memory.py's, and the
     bytes sent by dimension (capacity mode: the all-to-alls too) their formulas."""
-    single, weights, _, _ = one_process(capacity)
-    losses, got, sent, (predicted, measured) = _run_ep(tmp_path, 4, "--capacity-factor", capacity, *flags)
-    assert predicted == measured, (predicted, measured)
-    assert losses == pytest.approx(single, rel=1e-6), (losses, single)
-    assert got.keys() == weights.keys()
-    worst = max((got[k] - weights[k]).abs().max().item() for k in weights)
-    assert worst < EP_WEIGHT_ATOL, worst
+    losses, sent = _assert_trains_as(one_process(capacity), _run_ep(tmp_path, 4, "--capacity-factor",
+                                                                     capacity, *flags))
     by_dimension = sent[2 * len(losses) if capacity != "0" else len(losses):]
     assert len(by_dimension) >= 2 * (len(losses) - 1), sent        # tp or pp, dp (and ep)
     assert all(measured == formula for measured, formula in by_dimension), by_dimension
@@ -485,13 +493,7 @@ def test_experts_beside_sequence_parallelism_train_as_one_process(tmp_path, flag
     tp 2 x pp 2 (ZeRO-2, the sums in backward) on 4 ranks. Losses equal one process's to 1e-6,
     weights to EP_WEIGHT_ATOL; held = memory.py; sent (tp, pp, ep, dp, the all-to-alls) = formula."""
     routing = ("--routing-group", "16", "--capacity-factor", "1.25")
-    single, weights, _, _ = _run_ep(tmp_path, 1, *routing)
-    losses, got, sent, (predicted, measured) = _run_ep(tmp_path, 4, *routing, *flags)
-    assert predicted == measured, (predicted, measured)
-    assert losses == pytest.approx(single, rel=1e-6), (losses, single)
-    assert got.keys() == weights.keys()
-    worst = max((got[k] - weights[k]).abs().max().item() for k in weights)
-    assert worst < EP_WEIGHT_ATOL, worst
+    _, sent = _assert_trains_as(_run_ep(tmp_path, 1, *routing), _run_ep(tmp_path, 4, *routing, *flags))
     assert sent and all(measured == predicted.split(")")[0] for measured, predicted in sent), sent
 
 
@@ -502,14 +504,9 @@ def test_experts_beside_hybrid_sharding_train_as_one_process(tmp_path, one_proce
     the experts' squares over both groups and the rest once. Losses equal one process's to 1e-6,
     weights (the export: every copy writes its experts' shards, the first copy the rest) to
     EP_WEIGHT_ATOL; held = memory.py (the rest over 2, the experts over 4 / ep), sent = formula."""
-    single, weights, _, _ = one_process("1.25")
-    losses, got, sent, (predicted, measured) = _run_ep(tmp_path, 4, "--capacity-factor", "1.25",
-                                                       "--strategy", "fsdp", "--shard-group", "2", "--ep", "2")
-    assert predicted == measured, (predicted, measured)
-    assert losses == pytest.approx(single, rel=1e-6), (losses, single)
-    assert got.keys() == weights.keys()
-    worst = max((got[k] - weights[k]).abs().max().item() for k in weights)
-    assert worst < EP_WEIGHT_ATOL, worst
+    _, sent = _assert_trains_as(one_process("1.25"), _run_ep(tmp_path, 4, "--capacity-factor", "1.25",
+                                                              "--strategy", "fsdp", "--shard-group", "2",
+                                                              "--ep", "2"))
     assert sent and all(measured == predicted.split(")")[0] for measured, predicted in sent), sent
 
 
