@@ -544,11 +544,12 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
         n_params = mesh_params(cfg, tp, blocks, first, last)
         sent["dp"] = sum(comm_bytes(n_params, strategy, precision, dp * cp,
                                     shard_group=shard_group).values())
-        # ZeRO-2 reduce-scatters every micro-batch, unless it waits for a tied head's sum (the
-        # ends) or zb's W: once a step then
+        # ZeRO-2 reduce-scatters every backward (a micro-batch's, or a chunk's of one), unless it
+        # waits for a tied head's sum (the ends) or zb's W: once a step then
         waits = pp > 1 and (schedule == "zb" or cfg.tie_embeddings and (first or last))
-        if strategy == "zero2" and not waits:
-            sent["dp"] += (micro_batches - 1) * ring_bytes("reduce_scatter", n_params, size, dp * cp)
+        if strategy == "zero2" and not waits:           # one per backward: per chunk interleaved
+            sent["dp"] += (micro_batches * virtual_stages - 1) * ring_bytes("reduce_scatter", n_params,
+                                                                            size, dp * cp)
         if strategy == "zero3" and pp > 1:    # gathered once for the step's micro-batches, not
             # once for forward and again for backward (fsdp.FSDP.gathered_for_step)
             sent["dp"] -= ring_bytes("all_gather", n_params, size, shard_group or dp * cp)

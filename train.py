@@ -243,6 +243,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     rows, tokens = args.batch_size // mesh.dp.world_size, args.seq_len // mesh.cp.world_size
     tokens_split = mesh.cp.world_size * (args.tp if args.sequence_parallel else 1)
     micro = args.microbatches if "pp" in splits else args.grad_accum
+    backwards = micro * (args.virtual_stages if "pp" in splits else 1)     # interleaved: one a chunk
     every = args.checkpoint_activations               # checkpoint_blocks: blocks 0, K, 2K, ...
     recomputed = sum(i % every == 0 for i in held_blocks) if every else 0
     sent = {}
@@ -259,7 +260,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     if data.world_size > 1:
         sent["dp"] = (replicas.bytes_per_step() if strategy is ddp else
                       replicas.bytes_per_step(micro, gathered_for_step="pp" in splits) if strategy is fsdp else
-                      optimizer.bytes_per_step(micro_batches=1 if held_through else micro))
+                      optimizer.bytes_per_step(micro_batches=1 if held_through else backwards))
     # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
     # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
     # with experts, whose layers mesh_params does not price: what this rank holds, its experts).

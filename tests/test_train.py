@@ -479,6 +479,7 @@ def one_process_run(tmp_path_factory):
     (4, ("--pp", "2", "--strategy", "fsdp", "--schedule", "gpipe")),
     (4, ("--pp", "2", "--strategy", "fsdp", "--schedule", "zb")),
     (4, ("--pp", "2", "--strategy", "zero2", "--schedule", "zb")),
+    (4, ("--pp", "2", "--strategy", "zero2", "--schedule", "interleaved", "--microbatches", "2")),
     (4, ("--tp", "2", "--pp", "2", "--strategy", "fsdp", "--schedule", "interleaved", "--microbatches", "2")),
     (4, ("--tp", "2", "--pp", "2", "--sequence-parallel", "--schedule", "gpipe")),
     (4, ("--tp", "2", "--pp", "2", "--sequence-parallel", "--strategy", "zero2")),
