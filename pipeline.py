@@ -217,10 +217,10 @@ class Pipeline:
         dist.all_reduce(torch.zeros(1, device=device), group=comm.group)
         self.hidden, self.dtype = hidden, dtype
         self.tied = tied if self.P > 1 else None
+        self.no_sync = getattr(module, "no_sync", None)      # DDP's, FSDP's (ZeRO-2: see below)
         # FSDP (gathered_for_step) moves .grad into its shards at finish_gradient_sync: a tied
         # weight's two gradients are summed before, every backward under no_sync (DDP's finish
         # only averages, and the sum comes after it).
-        self.no_sync = getattr(module, "no_sync", None)
         self.sum_tied_first = self.hold_every_backward = (self.tied is not None
                                                           and hasattr(module, "gathered_for_step"))
         if self.P > 1:
