@@ -351,14 +351,14 @@ class Zero2Optimizer(ZeroOptimizer):
             for i, p in enumerate(bucket.params):
                 hook_gradient(p, self._gradient_ready, b, i)
 
-    syncing = True
+    syncing, _unreduced = True, False
 
     @contextlib.contextmanager
     def no_sync(self):
         """Backwards inside leave each gradient whole in .grad, as ZeRO-1 keeps it, and step()
         reduce-scatters them. For a pipeline whose gradients are complete only after backward:
         zero bubble's weight gradients (W), a tied head's two ends summed (pipeline.py)."""
-        self.syncing = False
+        self.syncing, self._unreduced = False, True
         try:
             yield
         finally:
@@ -411,12 +411,14 @@ class Zero2Optimizer(ZeroOptimizer):
     def _reduce_gradients(self):
         """At step(), nothing left to reduce (backward did it, bucket by bucket), unless the
         backwards ran under no_sync: then what they left in .grad goes now, in bucket order."""
-        left = [(b, i) for b, bucket in enumerate(self.buckets)
-                for i, p in enumerate(bucket.params) if p.grad is not None]
-        if left:
-            for b, i in left:
-                self._take(b, i)
-            self._finish_backward()
+        if not self._unreduced:        # a flag, the same on every rank: they all reduce, or none
+            return
+        for b, bucket in enumerate(self.buckets):
+            for i, p in enumerate(bucket.params):
+                if p.grad is not None:
+                    self._take(b, i)
+        self._finish_backward()
+        self._unreduced = False
 
     def _release(self):
         # The shard is all that is left of the gradient: it stays until zero_grad(), as a .grad.
