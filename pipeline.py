@@ -221,8 +221,7 @@ class Pipeline:
         # FSDP (gathered_for_step) moves .grad into its shards at finish_gradient_sync: a tied
         # weight's two gradients are summed before, every backward under no_sync (DDP's finish
         # only averages, and the sum comes after it).
-        self.sum_tied_first = self.hold_every_backward = (self.tied is not None
-                                                          and hasattr(module, "gathered_for_step"))
+        self.hold_every_backward = self.tied is not None and hasattr(module, "gathered_for_step")
         if self.P > 1:
             self.ends = self._ends_group(comm, device)
         self.peak_activations = 0         # most micro-batch chunks held at once (F run, B or W not)
@@ -261,13 +260,14 @@ class Pipeline:
             x, y = self.local_tokens(x, y)                        # (B, t) each
         with self._gathered():
             loss = self._run(self.actions, x, y, scale_loss, measure)
-        if self.sum_tied_first:
+        sum_tied_first = self.tied is not None and self.hold_every_backward   # nothing reduced yet
+        if sum_tied_first:
             self.ends.all_reduce(self.tied.grad)
         if hasattr(self.module, "finish_gradient_sync"):
             self.module.finish_gradient_sync()
         if self.stage_sync is not None:
             self.stage_sync()
-        if self.tied is not None and not self.sum_tied_first:   # embedding's + head's gradient
+        if self.tied is not None and not sum_tied_first:   # the embedding's + the head's gradient
             self.ends.all_reduce(self.tied.grad)
         return loss
 
