@@ -17,6 +17,7 @@ Layout:  OUT/ckpt-0000100/{meta.json, rank00000.pt, ...}   written as ckpt-00001
 """
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import io
 import json
@@ -73,6 +74,8 @@ def clear(out_dir: str):
             shutil.rmtree(os.path.join(out_dir, entry))
 
 
+# ---- saving and loading a checkpoint ---------------------------------------------------------
+
 def _sha256(data) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -88,42 +91,90 @@ def _file_sha256(path: str) -> str:
 def save(out_dir: str, step: int, part: dict, meta: dict, keep: int) -> str:
     """Write this rank's part; the checkpoint appears, renamed from .tmp, once every rank's is on disk.
 
-    Collective: every rank calls it. A crash at any point leaves the previous checkpoint whole.
+    Collective: every rank calls it. A crash at any point leaves the previous checkpoint whole;
+    a write that fails on any rank (a full disk) stops every rank with one RunError, and the
+    partial .tmp is removed.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     final = os.path.join(out_dir, f"ckpt-{step:07d}")
     tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)          # left by a save that crashed
-        os.makedirs(tmp)
-    dist.barrier()
     # Serialized in memory first, so its checksum costs no second read of the file; load()
     # verifies it: flipped bits inside a tensor would otherwise load as silently wrong weights.
     data = io.BytesIO()
     torch.save(part, data)
     name = f"rank{rank:05d}.pt"
-    with open(os.path.join(tmp, name), "wb") as f:
-        f.write(data.getbuffer())
-        f.flush()
-        os.fsync(f.fileno())
-    with open(os.path.join(tmp, name + ".sha256"), "w") as f:
-        f.write(_sha256(data.getbuffer()))
-    dist.barrier()                                     # every part is on disk ...
+
+    def start():
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)          # left by a save that crashed
+            os.makedirs(tmp)
+
+    def write_part():
+        write_file(os.path.join(tmp, name), data.getbuffer())
+        with open(os.path.join(tmp, name + ".sha256"), "w") as f:
+            f.write(_sha256(data.getbuffer()))
+
+    def finish():                                  # every part is on disk ...
+        if rank == 0:
+            checksums = {}
+            for r in range(world_size):
+                with open(os.path.join(tmp, f"rank{r:05d}.pt.sha256")) as f:
+                    checksums[f"rank{r:05d}.pt"] = f.read()
+                os.remove(os.path.join(tmp, f"rank{r:05d}.pt.sha256"))
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump({**meta, "step": step, "world_size": world_size, "sha256": checksums}, f,
+                          indent=1)
+            shutil.rmtree(final, ignore_errors=True)   # the same step saved again after a resume
+            os.rename(tmp, final)                      # ... before the checkpoint exists at all
+
+    for write in (start, write_part, finish):
+        _written_by_every_rank(write, tmp, data.getbuffer().nbytes)
     if rank == 0:
-        checksums = {}
-        for r in range(world_size):
-            with open(os.path.join(tmp, f"rank{r:05d}.pt.sha256")) as f:
-                checksums[f"rank{r:05d}.pt"] = f.read()
-            os.remove(os.path.join(tmp, f"rank{r:05d}.pt.sha256"))
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({**meta, "step": step, "world_size": world_size, "sha256": checksums}, f, indent=1)
-        shutil.rmtree(final, ignore_errors=True)       # the same step saved again after a resume
-        os.rename(tmp, final)                          # ... before the checkpoint exists at all
         older = sorted(e for e in os.listdir(out_dir) if CHECKPOINT.match(e))[:-keep]
         for entry in older:
             shutil.rmtree(os.path.join(out_dir, entry))
     dist.barrier()
     return final
+
+
+def write_file(path: str, data):
+    """data on disk (fsync: in the file, not only in the page cache) before the checkpoint counts."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _written_by_every_rank(write, tmp: str, part_bytes: int):
+    """write() on this rank, then every rank learns whether every rank's succeeded: a rank whose
+    write failed still joins the exchange, so no rank waits for it in a barrier until --timeout.
+    On a failure the partial .tmp goes (its bytes would keep the disk full) and every rank stops
+    with the same line: the error, where, and the bytes the checkpoint needs (every rank's part)."""
+    try:
+        write()
+        failure = 0
+    except OSError as e:
+        failure = e.errno or errno.EIO
+    # NCCL moves only device tensors (init_distributed set this rank's device).
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    every = gather_objects((failure, part_bytes), Comm(), torch.device(device))
+    failed = {rank: code for rank, (code, _) in enumerate(every) if code}
+    if not failed:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    needed = sum(size for _, size in every)
+    code = max(failed.values())              # ranks may differ: the same choice on every rank
+    full = code in (errno.ENOSPC, errno.EDQUOT)
+    out_dir, last = os.path.dirname(tmp), latest(os.path.dirname(tmp))
+    raise RunError(f"saving {tmp.removesuffix('.tmp')} failed on rank{'s' if len(failed) > 1 else ''} "
+                   f"{','.join(map(str, failed))}: {os.strerror(code)}"
+                   + (f" (the disk or quota of {out_dir} is full)" if full else "")
+                   + f"; the checkpoint needs {needed:,} bytes ({needed / 2**20:.1f} MiB; a save "
+                   f"holds one more than --keep at once). Its partial write was removed; the last "
+                   f"complete checkpoint is {last or 'none yet'}: "
+                   + ("free space there" if full else "fix that") + f" and rerun"
+                   + (" with --resume" if last else ""))
 
 
 def load(path: str) -> tuple[dict, list[dict]]:

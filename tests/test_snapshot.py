@@ -5,6 +5,7 @@ tiny GPT. Resuming at the same world size must be bit for bit; resuming on anoth
 or strategy reorders sums, so it matches within fp32's noise. Faults are real: a rank is
 SIGKILLed, a save is cut off between writing and renaming, torchrun restarts a killed job.
 """
+import errno
 import os
 import re
 import shutil
@@ -199,6 +200,44 @@ def test_crash_during_save_keeps_the_previous_checkpoint(resumed, tmp_path):
     assert again["losses"] == {s: straight["straight"]["losses"][s] for s in (3, 4, 5)}
     _same_weights(_weights(str(tmp_path / "final.pt")), _weights(path + "/straight.pt"))
     assert sorted(os.listdir(out)) == ["ckpt-0000003", "ckpt-0000006", "config.json", "log.txt"]
+
+
+# ---- a full disk -----------------------------------------------------------------------------
+
+def _disk_full_at_step_6(out):
+    """Rank 1's fsync of its part of the checkpoint after step 6 finds the disk full (the
+    bytes were written, the file system could not keep them). Returns (the RunError's
+    message, the bytes of this rank's part of that checkpoint)."""
+    rank, fsync, part_bytes = torch.distributed.get_rank(), os.fsync, []
+
+    def full(fd):
+        if os.fstat(fd).st_size and len(part_bytes) < 2:     # the parts of checkpoints 3 and 6
+            part_bytes.append(os.fstat(fd).st_size)
+            if rank == 1 and len(part_bytes) == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fsync(fd)
+    snapshot.os.fsync = full                # this rank's process only (a fresh one per rank)
+    try:
+        _train(["--strategy", "zero2", "--out", out, "--save-every", str(SAVE_AT)])
+        return None, part_bytes[-1]
+    except train.RunError as e:
+        return str(e), part_bytes[-1]
+
+
+def test_a_full_disk_stops_every_rank_with_one_line_and_frees_the_partial_save(tmp_path):
+    out = str(tmp_path / "run")
+    ranks = run_ranks(_disk_full_at_step_6, 2, out)
+    messages, parts = [m for m, _ in ranks], [b for _, b in ranks]
+    assert messages[0] == messages[1] and messages[0] is not None, messages
+    needed = sum(parts)                               # both ranks' shards: what the save needs
+    assert messages[0].startswith(f"saving {out}/ckpt-0000006 failed on rank 1: No space left on "
+                                  f"device (the disk or quota of {out} is full); the checkpoint "
+                                  f"needs {needed:,} bytes"), messages[0]
+    assert f"the last complete checkpoint is {out}/ckpt-0000003" in messages[0]
+    assert "\n" not in messages[0]
+    assert sorted(os.listdir(out)) == ["ckpt-0000003", "config.json", "log.txt"]   # no .tmp
+    meta, parts = snapshot.load(os.path.join(out, "ckpt-0000003"))    # every checksum still matches
+    assert meta["step"] == 3 and len(parts) == 2
 
 
 # ---- a rank dies ----------------------------------------------------------------------------
