@@ -151,7 +151,8 @@ def parse_args(argv=None):
     tune.add_argument("--double-quant", action="store_true",
                       help="with --quantize-base: quantize the 4-bit weights' scales to 8 bits too")
     run = p.add_argument_group("run directory, checkpoints and faults")
-    run.add_argument("--out", default=None, help="run directory: log.txt, config.json, checkpoints")
+    run.add_argument("--out", default=None, help="run directory: log.txt, config.json, checkpoints; "
+                                                 "OUT/lock keeps a second run out while one runs")
     run.add_argument("--save-every", type=int, default=0,
                      help="checkpoint every K steps into --out (0: only at the end)")
     run.add_argument("--keep", type=int, default=3, help="checkpoints kept in --out, newest first")

@@ -14,6 +14,7 @@ Left out: asynchronous saving, object stores, fsync of the directory entries.
 Test: python -m pytest tests/test_snapshot.py
 
 Layout:  OUT/ckpt-0000100/{meta.json, rank00000.pt, ...}   written as ckpt-0000100.tmp first
+         OUT/lock                     the run writing OUT: host, pid, start time
 """
 import contextlib
 import dataclasses
@@ -24,6 +25,8 @@ import json
 import os
 import re
 import shutil
+import socket
+import time
 from typing import NamedTuple
 
 import torch
@@ -72,6 +75,104 @@ def clear(out_dir: str):
     for entry in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
         if CHECKPOINT.match(entry.removesuffix(".tmp")):
             shutil.rmtree(os.path.join(out_dir, entry))
+
+
+# ---- the run directory's owner ----------------------------------------------------------------
+# Two runs writing one --out replace each other's checkpoints and interleave one log. The run
+# writing OUT holds OUT/lock, created atomically (O_EXCL: the second creator fails), and
+# removes it when it ends. A run killed outright leaves it behind: stale once its process is
+# gone, which only its own host can see.
+
+LOCK = "lock"
+
+
+def lock(out_dir: str) -> str:
+    """Make this process out_dir's owner (rank 0, before any work): "" or a line for the log
+    when it takes over a stale lock. Another run's live lock: RunError naming it and the fix.
+
+    A stale lock is taken over, not refused: torchrun --max-restarts restarts a killed job on
+    the same --out, and its lock holds the pid of a worker that is gone.
+    """
+    path, note = os.path.join(out_dir, LOCK), ""
+    for _ in range(3):       # each pass takes the lock, or finds it held (a stale one is removed)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            held = _read(path)
+            if held is not None:                     # None: released since open() saw it
+                note = _stale_lock(out_dir, path, held)
+                _remove_if_unchanged(path, held)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid(),
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+        return note
+    raise RunError(f"--out {out_dir}: other runs keep taking and releasing {path}: run one at a time")
+
+
+def unlock(out_dir: str):
+    """Remove out_dir's lock if this process holds it (a run that took over holds it now)."""
+    path = os.path.join(out_dir, LOCK)
+    holder = _holder(_read(path))
+    if holder and (holder["host"], holder["pid"]) == (socket.gethostname(), os.getpid()):
+        os.remove(path)
+
+
+def _stale_lock(out_dir: str, path: str, held: str) -> str:
+    """The log's line for a lock whose process is gone; RunError if it may still be running."""
+    holder = _holder(held)
+    if holder is None:          # empty: a run that started this instant has not written it yet
+        raise RunError(f"--out {out_dir}: {path} exists but names no run (another run starting "
+                       f"now, or a damaged file): if no run uses {out_dir}, delete {path}")
+    who = f"pid {holder['pid']} on {holder['host']}, started {holder.get('started', '?')}"
+    if holder["host"] != socket.gethostname():
+        raise RunError(f"--out {out_dir} is in use by another run ({who}; {path}); a pid on "
+                       f"another host cannot be checked from {socket.gethostname()}: if that run "
+                       f"has ended, delete {path}, or give another --out")
+    if _alive(holder["pid"]):
+        raise RunError(f"--out {out_dir} is in use by another run ({who}; {path}): wait for it "
+                       f"to end, or give another --out")
+    return (f"--out {out_dir}: took over {path} from a run that is no longer running ({who}: "
+            f"killed, or crashed before it could remove it)")
+
+
+def _remove_if_unchanged(path: str, held: str):
+    """Remove a stale lock, unless another run took it over between our read and now."""
+    aside = f"{path}.stale-{os.getpid()}"
+    try:
+        os.rename(path, aside)                # atomic: of two runs taking over, one moves it
+    except FileNotFoundError:
+        return
+    if _read(aside) == held:
+        os.remove(aside)
+    else:                                     # a live run's new lock: put it back
+        os.rename(aside, path)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _holder(text: str | None) -> dict | None:
+    try:
+        holder = json.loads(text)
+        return holder if isinstance(holder.get("pid"), int) and "host" in holder else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)                       # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:                   # another user's process: it exists
+        pass
+    return True
 
 
 # ---- saving and loading a checkpoint ---------------------------------------------------------
@@ -334,6 +435,25 @@ def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
                "step) is rebuilt for the new length, so the rate from here on differs from the "
                "first run's" if name == "steps" else ""))
     return meta["step"]
+
+
+def check_export(path: str):
+    """--export's file can be written: no directory, in a directory that exists and takes a
+    file there. Checked before any work, so trained weights are never lost to a bad path at
+    the end: RunError naming the fix otherwise."""
+    if os.path.isdir(path):
+        raise RunError(f"--export {path} is a directory: give the file to write, e.g. "
+                       f"{os.path.join(path, 'model.pt')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise RunError(f"--export {path}: no directory {parent}: create it, or export elsewhere")
+    try:                 # by writing, not by os.access: root passes that even on a read-only mount
+        with open(path + ".tmp", "wb"):
+            pass
+        os.remove(path + ".tmp")
+    except OSError as e:
+        raise RunError(f"--export {path}: cannot write there ({e.strerror}): choose a directory "
+                       f"rank 0 can write to") from None
 
 
 def export(path, gpt, optimizer, layout: Layout, rank, lora_config=None):

@@ -48,7 +48,7 @@ from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model
 from moe import exchange_bytes, expert_parallel, routing_summary
 from pipeline import GPTStage, Pipeline, stage_layers
-from process_groups import exit_distributed, init_distributed, make_device_mesh
+from process_groups import exit_distributed, gather_objects, init_distributed, make_device_mesh
 from snapshot import RunError, load_weights
 from tensor_parallel import TensorParallelGPT
 from zero import ZeroOptimizer
@@ -348,6 +348,38 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         return sample(args)
     timeout = args.timeout or (600 if torch.cuda.is_available() else 120)
     device = init_distributed(timeout=timeout)
+    with own_outputs(args, dist.get_rank(), device) as took_over:
+        return run(args, device, took_over, live_bytes)
+
+
+@contextlib.contextmanager
+def own_outputs(args, rank, device):
+    """Rank 0 checks --export's path and takes --out's lock (snapshot.lock) before any work;
+    every rank stops with rank 0's verdict (those files are rank 0's: another node may not even
+    see their paths). Yields the log's line on a stale lock taken over ("" if none); the lock
+    goes when the run ends: done, failed or interrupted (a killed run's stays, stale)."""
+    problem, took_over = None, ""
+    try:
+        if rank == 0:
+            try:
+                if args.export:
+                    snapshot.check_export(args.export)
+                took_over = snapshot.lock(args.out) if args.out else ""
+            except RunError as e:
+                problem = str(e)
+            except OSError as e:             # the lock file itself cannot be written or moved
+                problem = f"--out {args.out}: cannot take its lock {e.filename} ({e.strerror})"
+        verdict = gather_objects(problem, Comm(), device)[0]       # rank 0's, on every rank
+        if verdict:
+            raise RunError(verdict)
+        yield took_over
+    finally:
+        if rank == 0 and args.out:
+            snapshot.unlock(args.out)          # only if this process holds it
+
+
+def run(args, device, took_over: str, live_bytes: bool) -> dict:
+    """main's run, once this process owns its outputs (own_outputs)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if args.offload and device.type == "cuda":
         # The offloaded Adam step runs on the host, where torchrun leaves each rank one thread
@@ -369,6 +401,9 @@ def main(argv=None, live_bytes: bool = False) -> dict:
             print(line, flush=True)
             if log_file:
                 print(line, file=log_file, flush=True)
+
+    if took_over:
+        say(took_over)
 
     comm = Comm(ring=args.collectives == "ring")
     # One mesh: tensor x context x data x pipeline (check_args made sure the sizes divide the

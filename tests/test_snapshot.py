@@ -6,6 +6,7 @@ or strategy reorders sums, so it matches within fp32's noise. Faults are real: a
 SIGKILLed, a save is cut off between writing and renaming, torchrun restarts a killed job.
 """
 import errno
+import json
 import os
 import re
 import shutil
@@ -20,7 +21,7 @@ import torch
 
 import snapshot
 import train
-from multiprocess import run_ranks
+from multiprocess import run_ranks, train_logged
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--steps", "6", "--log-every", "1", "--eval-every", "0", "--seq-len", "32",
@@ -193,7 +194,8 @@ def test_crash_during_save_keeps_the_previous_checkpoint(resumed, tmp_path):
     crashed = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
     assert crashed.returncode == 9, crashed.stderr
-    assert sorted(os.listdir(out)) == ["ckpt-0000003", "ckpt-0000006.tmp", "config.json", "log.txt"]
+    # The killed run's lock stays behind, stale: the resumed run below takes it over.
+    assert sorted(os.listdir(out)) == ["ckpt-0000003", "ckpt-0000006.tmp", "config.json", "lock", "log.txt"]
     assert snapshot.latest(out).endswith("ckpt-0000003")     # the partial one never counts
     again = run_ranks(_resume_single, 1, out, str(tmp_path / "final.pt"))[0]
     path, straight = resumed["single"]
@@ -202,7 +204,77 @@ def test_crash_during_save_keeps_the_previous_checkpoint(resumed, tmp_path):
     assert sorted(os.listdir(out)) == ["ckpt-0000003", "ckpt-0000006", "config.json", "log.txt"]
 
 
-# ---- a full disk -----------------------------------------------------------------------------
+# ---- the run directory: one owner, one branch, outputs checked first, a full disk -------------
+
+def _listing(directory):
+    """{name: bytes} of the files directly in directory (its subdirectories by name only)."""
+    return {e: open(os.path.join(directory, e), "rb").read() if os.path.isfile(os.path.join(directory, e))
+            else None for e in os.listdir(directory)}
+
+
+def _write_lock(out, host, pid):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "lock"), "w") as f:
+        json.dump({"host": host, "pid": pid, "started": "2025-01-01 00:00:00"}, f)
+
+
+def _refusals(runs):
+    """train.main for each argv on this rank: its RunError's message (None: it ran)."""
+    messages = []
+    for argv in runs:
+        try:
+            _train(argv)
+            messages.append(None)
+        except train.RunError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_a_run_directory_in_use_is_refused_on_every_rank_and_left_as_it_was(tmp_path):
+    here, there = str(tmp_path / "here"), str(tmp_path / "there")
+    _write_lock(here, socket.gethostname(), os.getpid())        # this test's process: alive
+    _write_lock(there, "another-node", 1)                        # a pid this host cannot check
+    before = {d: _listing(d) for d in (here, there)}
+    ranks = run_ranks(_refusals, 2, [["--strategy", "ddp", "--out", here],
+                                     ["--strategy", "ddp", "--out", there, "--overwrite"]])
+    assert ranks[0] == ranks[1], ranks                         # every rank, the same words
+    live, elsewhere = ranks[0]
+    assert live.startswith(f"--out {here} is in use by another run (pid {os.getpid()} on "
+                           f"{socket.gethostname()}, started 2025-01-01 00:00:00; {here}/lock)"), live
+    assert "another --out" in live and "\n" not in live
+    assert f"pid 1 on another-node" in elsewhere and "cannot be checked" in elsewhere, elsewhere
+    assert f"delete {there}/lock" in elsewhere and "\n" not in elsewhere
+    # Nothing started: no log, no config, --overwrite deleted nothing, the lock is the owner's.
+    assert {d: _listing(d) for d in (here, there)} == before
+
+
+def test_a_stale_lock_is_named_and_taken_over(tmp_path):
+    out = str(tmp_path / "run")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()                                       # its pid names no running process now
+    _write_lock(out, socket.gethostname(), gone.pid)
+    _, printed = run_ranks(train_logged, 1, [*RUN, "--steps", "1", "--out", out])[0]
+    assert (f"--out {out}: took over {out}/lock from a run that is no longer running (pid "
+            f"{gone.pid} on {socket.gethostname()}") in printed, printed
+    assert "took over" in open(os.path.join(out, "log.txt")).read()
+    assert not os.path.exists(os.path.join(out, "lock"))        # released when the run ended
+
+
+def test_export_path_is_checked_before_any_work(tmp_path):
+    missing, directory = str(tmp_path / "no" / "model.pt"), str(tmp_path / "exports")
+    os.makedirs(directory)
+    outs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    ranks = run_ranks(_refusals, 2, [["--strategy", "ddp", "--out", outs[0], "--export", missing],
+                                     ["--strategy", "ddp", "--out", outs[1], "--export", directory]])
+    assert ranks[0] == ranks[1], ranks
+    no_dir, is_dir = ranks[0]
+    assert no_dir == f"--export {missing}: no directory {tmp_path / 'no'}: create it, or export elsewhere"
+    assert is_dir.startswith(f"--export {directory} is a directory: give the file to write, e.g. "
+                             f"{directory}/model.pt"), is_dir
+    for out in outs:                        # refused before any work: no log, no checkpoint
+        assert os.listdir(out) == [], os.listdir(out)
+    assert os.listdir(directory) == [] and not os.path.exists(missing + ".tmp")
+
 
 def _disk_full_at_step_6(out):
     """Rank 1's fsync of its part of the checkpoint after step 6 finds the disk full (the
@@ -235,7 +307,7 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_frees_the_partial_save(t
                                   f"needs {needed:,} bytes"), messages[0]
     assert f"the last complete checkpoint is {out}/ckpt-0000003" in messages[0]
     assert "\n" not in messages[0]
-    assert sorted(os.listdir(out)) == ["ckpt-0000003", "config.json", "log.txt"]   # no .tmp
+    assert sorted(os.listdir(out)) == ["ckpt-0000003", "config.json", "log.txt"]   # no .tmp, no lock
     meta, parts = snapshot.load(os.path.join(out, "ckpt-0000003"))    # every checksum still matches
     assert meta["step"] == 3 and len(parts) == 2
 
