@@ -15,6 +15,7 @@ Test: python -m pytest tests/test_snapshot.py
 
 Layout:  OUT/ckpt-0000100/{meta.json, rank00000.pt, ...}   written as ckpt-0000100.tmp first
          OUT/lock                     the run writing OUT: host, pid, start time
+         OUT/abandoned-TIME/ckpt-...  a branch left behind by --resume OUT/ckpt-NNNNNNN
 """
 import contextlib
 import dataclasses
@@ -75,6 +76,21 @@ def clear(out_dir: str):
     for entry in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
         if CHECKPOINT.match(entry.removesuffix(".tmp")):
             shutil.rmtree(os.path.join(out_dir, entry))
+
+
+def set_aside_after(out_dir: str, step: int) -> tuple[str, list[str]] | None:
+    """Move the checkpoints saved after `step` into OUT/abandoned-TIME/: a run resumed from
+    `step` is a new branch, and the old branch's later checkpoints would be taken for its own
+    (--resume picks the newest, --keep prunes the oldest by step). A .tmp stays: a save that
+    crashed, which the next save of that step replaces. Rank 0. (where, names) or None."""
+    later = [path for path in checkpoints(out_dir) if int(CHECKPOINT.search(path).group(1)) > step]
+    if not later:
+        return None
+    aside = os.path.join(out_dir, "abandoned-" + time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(aside, exist_ok=True)
+    for path in later:
+        os.rename(path, os.path.join(aside, os.path.basename(path)))
+    return aside, [os.path.basename(path) for path in later]
 
 
 # ---- the run directory's owner ----------------------------------------------------------------
@@ -398,7 +414,8 @@ def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_
 
 def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
     """Load the newest checkpoint in --out (or the one --resume names) into this run; the step
-    to continue from."""
+    to continue from. Checkpoints in --out saved after that step are another branch's: once
+    the load succeeded, they are set aside (set_aside_after)."""
     path = args.resume if args.resume not in ("must", "auto") else latest(args.out)
     if path is None:
         if args.resume == "auto":
@@ -429,6 +446,11 @@ def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
         torch.manual_seed(args.seed + meta["step"] * 1000 + rank)
         resharded = f", resharded from {meta['world_size']} to {world_size} ranks"
     say(f"resumed from {path} at step {meta['step']} ({meta['args']['strategy']}{resharded})")
+    moved = set_aside_after(args.out, meta["step"]) if rank == 0 else None    # rank 0 prunes too
+    if moved:
+        say(f"resumed from step {meta['step']}: this run is a new branch, so the checkpoints the "
+            f"old one saved after it ({', '.join(moved[1])}) are moved to {moved[0]}; --resume "
+            f"and --keep see this run's only")
     for name, before, now in changed:
         say(f"resumed with --{name.replace('_', '-')} {now} (the run was started with {before})"
             + ("; the learning-rate schedule (warmup, then cosine decay to --min-lr at the last "

@@ -260,6 +260,41 @@ def test_a_stale_lock_is_named_and_taken_over(tmp_path):
     assert not os.path.exists(os.path.join(out, "lock"))        # released when the run ended
 
 
+def _branching_runs(out):
+    """The issue's case: a run saves 8, 10, 12; resumed from 8 at another --lr, it saves 9, 10,
+    11 (--keep 3); then a plain --resume. Returns what each run printed."""
+    first = train_logged([*RUN, "--out", out, "--steps", "12", "--save-every", "2"])[1]
+    branch = train_logged([*RUN, "--out", out, "--steps", "11", "--save-every", "1", "--lr", "1e-3",
+                           "--resume", os.path.join(out, "ckpt-0000008")])[1]
+    latest = train_logged([*RUN, "--out", out, "--steps", "12", "--save-every", "1", "--lr", "1e-3",
+                           "--resume"])[1]
+    return first, branch, latest
+
+
+def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path):
+    out = str(tmp_path / "run")
+    first, branch, latest = run_ranks(_branching_runs, 1, out)[0]
+    assert "saved " + os.path.join(out, "ckpt-0000012") in first
+    aside = [e for e in os.listdir(out) if e.startswith("abandoned-")]
+    assert len(aside) == 1, os.listdir(out)
+    aside = os.path.join(out, aside[0])
+    # The old branch's checkpoints after 8 went aside whole, named in the log; --keep 3 kept
+    # the new branch's 9, 10, 11 (then 10, 11, 12 after the last run's save at 12).
+    assert f"(ckpt-0000010, ckpt-0000012) are moved to {aside}" in branch, branch
+    assert sorted(os.listdir(aside)) == ["ckpt-0000010", "ckpt-0000012"]
+    for name, step in (("ckpt-0000010", 10), ("ckpt-0000012", 12)):
+        meta, _ = snapshot.load(os.path.join(aside, name))           # complete, checksums intact
+        assert meta["step"] == step and meta["args"]["lr"] == 2e-3   # the old branch's rate
+    assert re.findall(r"saved \S+/(ckpt-\d+)", branch) == ["ckpt-0000009", "ckpt-0000010", "ckpt-0000011"]
+    # "latest" is the new branch's: 11, not the abandoned 12.
+    assert f"resumed from {os.path.join(out, 'ckpt-0000011')} at step 11" in latest, latest
+    kept = [os.path.basename(p) for p in snapshot.checkpoints(out)]
+    assert kept == ["ckpt-0000010", "ckpt-0000011", "ckpt-0000012"]
+    for name in kept:
+        meta, _ = snapshot.load(os.path.join(out, name))
+        assert meta["args"]["lr"] == 1e-3, name                       # every one the new branch's
+
+
 def test_export_path_is_checked_before_any_work(tmp_path):
     missing, directory = str(tmp_path / "no" / "model.pt"), str(tmp_path / "exports")
     os.makedirs(directory)
