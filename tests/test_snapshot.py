@@ -234,6 +234,8 @@ def test_a_run_directory_in_use_is_refused_on_every_rank_and_left_as_it_was(tmp_
     here, there = str(tmp_path / "here"), str(tmp_path / "there")
     _write_lock(here, socket.gethostname(), os.getpid())        # this test's process: alive
     _write_lock(there, "another-node", 1)                        # a pid this host cannot check
+    os.makedirs(os.path.join(there, "ckpt-0000001"))             # what --overwrite would delete
+    open(os.path.join(there, "ckpt-0000001", "meta.json"), "w").write("{}")
     before = {d: _listing(d) for d in (here, there)}
     ranks = run_ranks(_refusals, 2, [["--strategy", "ddp", "--out", here],
                                      ["--strategy", "ddp", "--out", there, "--overwrite"]])
