@@ -227,18 +227,7 @@ def check_args(parser, args, world_size):
     stops with the same message: no rank is left waiting in a collective.
     """
     if args.sample:
-        if not args.init_from:
-            parser.error("--sample needs a trained model: add --init-from RUN_DIR (or a checkpoint)")
-        if not args.temperature >= 0:                                  # NaN fails too
-            parser.error(f"--temperature must be 0 (greedy: the likeliest byte each time) or "
-                         f"positive, got {args.temperature}")
-        if not args.prompt:
-            parser.error("--prompt is empty: the model continues a text, so give it at least one "
-                         "byte, e.g. --prompt 'def ' (the default)")
-        if args.sample_tokens < 1:
-            parser.error(f"--sample-tokens is how many bytes to generate: give 1 or more, got "
-                         f"{args.sample_tokens}")
-        check_paths(parser, args)
+        check_sample(parser, args)
         return
     if args.strategy is None:
         args.strategy = "single" if world_size == 1 else "ddp"
@@ -344,6 +333,22 @@ def check_args(parser, args, world_size):
         parser.error(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
     if args.profile:
         check_writable_directory(parser, "--profile", args.profile, "each rank's trace goes in it")
+    check_paths(parser, args)
+
+
+def check_sample(parser, args):
+    """--sample's flags: a model to sample, then what to sample (its values before its files)."""
+    if not args.init_from:
+        parser.error("--sample needs a trained model: add --init-from RUN_DIR (or a checkpoint)")
+    if not args.temperature >= 0:                                      # NaN fails too
+        parser.error(f"--temperature must be 0 (greedy: the likeliest byte each time) or "
+                     f"positive, got {args.temperature}")
+    if not args.prompt:
+        parser.error("--prompt is empty: the model continues a text, so give it at least one "
+                     "byte, e.g. --prompt 'def ' (the default)")
+    if args.sample_tokens < 1:
+        parser.error(f"--sample-tokens is how many bytes to generate: give 1 or more, got "
+                     f"{args.sample_tokens}")
     check_paths(parser, args)
 
 
