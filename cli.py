@@ -229,12 +229,7 @@ def check_args(parser, args, world_size):
     stops with the same message: no rank is left waiting in a collective.
     """
     if args.sample:
-        if not args.init_from:
-            parser.error("--sample needs a trained model: add --init-from RUN_DIR (or a checkpoint)")
-        check_paths(parser, args)
-        if not args.temperature >= 0:                                  # NaN fails too
-            parser.error(f"--temperature must be 0 (greedy: the likeliest byte each time) or "
-                         f"positive, got {args.temperature}")
+        check_sample(parser, args)
         return
     if args.strategy is None:
         args.strategy = "single" if world_size == 1 else "ddp"
@@ -263,6 +258,13 @@ def check_args(parser, args, world_size):
         if not 0 <= getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} is the probability of zeroing an activation: "
                          f"give a number from 0 (off) up to, not including, 1; got {getattr(args, name)}")
+    # data.py seeds each batch's generator with (2 seed + 1) x 1_000_000_007 + step, a 64-bit
+    # integer: a 32-bit seed keeps it in range for any number of steps.
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed must be from 0 to {2**32 - 1}, got {args.seed}")
+    if not 0 < args.bucket_mb < math.inf:
+        parser.error(f"--bucket-mb is the size of each gradient message in MiB: give a positive "
+                     f"number (e.g. 25, the default), got {args.bucket_mb}")
     if not 0 < args.lora_alpha < math.inf:
         parser.error(f"--lora-alpha must be positive (the update is scaled by alpha / rank: at 0 "
                      f"the adapter never changes the model), got {args.lora_alpha}")
@@ -287,8 +289,10 @@ def check_args(parser, args, world_size):
                      f"{block_size}: use --seq-len {block_size} or less, or a larger --model")
     if args.data is not None:
         if not os.path.isfile(args.data):
-            parser.error(f"--data {args.data}: no such file; give a text file's path, or leave "
-                         f"--data out to train on the embedded standard-library text")
+            what = ("a directory, not a text file" if os.path.isdir(args.data) else
+                    "a device or a pipe, not a text file" if os.path.exists(args.data) else "no such file")
+            parser.error(f"--data {args.data}: {what}; give a text file's path, or leave --data out "
+                         f"to train on the embedded standard-library text")
         # Both the training part and the held-out tail must fit one window of seq_len + 1 bytes.
         need = math.ceil((args.seq_len + 1) / EVAL_FRACTION)
         size = os.path.getsize(args.data)
@@ -300,12 +304,12 @@ def check_args(parser, args, world_size):
     if args.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         parser.error("--precision bf16: this GPU has no bf16 arithmetic (it needs compute "
                      "capability 8.0 or newer): use --precision fp16 (with loss scaling)")
-    if args.offload and args.strategy not in ("zero1", "zero2", "fsdp", "zero3"):
-        parser.error(f"--offload optimizer moves a sharded optimizer to the CPU: use --strategy zero1, "
-                     f"zero2 or fsdp (--strategy {args.strategy} keeps no optimizer shard to move)")
     if args.offload == "params" and args.strategy not in ("fsdp", "zero3"):
         parser.error(f"--offload params keeps the parameter shards in CPU memory between uses: use "
                      f"--strategy fsdp (--strategy {args.strategy} keeps whole parameters on the device)")
+    if args.offload == "optimizer" and args.strategy not in ("zero1", "zero2", "fsdp", "zero3"):
+        parser.error(f"--offload optimizer moves a sharded optimizer to the CPU: use --strategy zero1, "
+                     f"zero2 or fsdp (--strategy {args.strategy} keeps no optimizer shard to move)")
     check_shard_group(parser, args, world_size)
     if (args.resume or args.save_every) and not args.out:
         parser.error("--resume and --save-every need a run directory: add --out DIR")
@@ -327,34 +331,48 @@ def check_args(parser, args, world_size):
                      "CPU use --profile DIR (its trace has the memory events too)")
     if args.prefetch < 0:
         parser.error(f"--prefetch must be 0 (no prefetch) or more units, got {args.prefetch}")
-    if args.timeout is not None and args.timeout <= 0:
-        parser.error(f"--timeout must be positive seconds, got {args.timeout}")
+    if args.timeout is not None and not 0 < args.timeout < math.inf:       # NaN fails too
+        parser.error(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
+    if args.profile:
+        check_writable_directory(parser, "--profile", args.profile, "each rank's trace goes in it")
+    check_paths(parser, args)
+
+
+def check_sample(parser, args):
+    """--sample's flags: a model to sample, then what to sample (its values before its files)."""
+    if not args.init_from:
+        parser.error("--sample needs a trained model: add --init-from RUN_DIR (or a checkpoint)")
+    if not args.temperature >= 0:                                      # NaN fails too
+        parser.error(f"--temperature must be 0 (greedy: the likeliest byte each time) or "
+                     f"positive, got {args.temperature}")
+    if not args.prompt:
+        parser.error("--prompt is empty: the model continues a text, so give it at least one "
+                     "byte, e.g. --prompt 'def ' (the default)")
+    if args.sample_tokens < 1:
+        parser.error(f"--sample-tokens is how many bytes to generate: give 1 or more, got "
+                     f"{args.sample_tokens}")
     check_paths(parser, args)
 
 
 def check_paths(parser, args):
-    """--init-from must exist; --out must be a directory this rank can write, and one that
-    holds no other run's checkpoints unless --resume continues it or --overwrite starts over.
-    Every rank checks (each writes its part of every checkpoint), before any work."""
-    if args.init_from and not os.path.exists(args.init_from):
-        parser.error(f"--init-from {args.init_from}: no such file or directory; give a run directory, "
-                     f"a checkpoint directory or an --export file")
+    """--init-from must be weights load_weights reads; --out must be a directory this rank can
+    write, and one that holds no other run's checkpoints unless --resume continues it or
+    --overwrite starts over; --resume's checkpoint must be one this run can continue. Every
+    rank checks (each writes its part of every checkpoint), before any work."""
+    if args.init_from:
+        if not os.path.exists(args.init_from):
+            parser.error(f"--init-from {args.init_from}: no such file or directory; give a run "
+                         f"directory, a checkpoint directory or an --export file")
+        try:
+            snapshot.check_source(args.init_from)
+        except snapshot.CheckpointError as e:
+            parser.error(f"--init-from: {e}")
     if not args.out:
         if args.overwrite:
             parser.error("--overwrite starts a run directory over: add --out DIR")
         return
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        parser.error(f"--out {args.out} is a file: give a directory (the run's log, configuration "
-                     f"and checkpoints go in it)")
-    try:                 # by writing, not by os.access: root passes that even on a read-only mount
-        os.makedirs(args.out, exist_ok=True)
-        probe = os.path.join(args.out, f".writable-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        parser.error(f"--out {args.out}: this rank cannot write there ({e.strerror}): choose a "
-                     f"directory every rank can write to")
+    check_writable_directory(parser, "--out", args.out, "the run's log, configuration and "
+                                                        "checkpoints go in it")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out, --overwrite deletes it: use one")
     chosen = args.resume not in (None, "must", "auto")              # --resume CHECKPOINT
@@ -366,6 +384,47 @@ def check_paths(parser, args):
         parser.error(f"--out {args.out} holds another run's checkpoints (newest "
                      f"{os.path.basename(saved[-1])}): continue it with --resume, or start over with "
                      f"--overwrite (which deletes them), or give a new --out")
+    if args.resume and (chosen or saved):        # none to continue: snapshot.resume says so
+        check_resume(parser, args, args.resume if chosen else saved[-1])
+
+
+def check_writable_directory(parser, flag: str, path: str, holds: str):
+    """flag's path is a directory this rank can write (made if missing); holds: what goes in it."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        parser.error(f"{flag} {path} is a file: give a directory ({holds})")
+    try:                 # by writing, not by os.access: root passes that even on a read-only mount
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".writable-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        parser.error(f"{flag} {path}: this rank cannot write there ({e.strerror}): choose a "
+                     f"directory every rank can write to")
+
+
+def check_resume(parser, args, path: str):
+    """--resume against the checkpoint it continues (path): its meta.json whole, a --steps that
+    leaves something to train, and the run's LoRA flags, which the checkpoint's pieces need."""
+    try:
+        meta = snapshot.read_meta(path)
+    except snapshot.CheckpointError as e:
+        parser.error(f"--resume: {e}")
+    step = meta["step"]
+    if args.steps < step:
+        parser.error(f"--steps {args.steps} is below step {step} of {path}, where --resume continues: "
+                     f"nothing would train; give --steps above {step} (a resumed run trains up to "
+                     f"--steps in all), or --resume a checkpoint of step {args.steps} or before")
+    lora_run, base = meta.get("lora"), meta.get("base")
+    if lora_run and not args.lora:
+        parser.error(f"--resume {path}: the run trains LoRA adapters (its checkpoints hold them): "
+                     f"add --lora, with the run's --lora-* flags" + (f" and --init-from {base}" if base else ""))
+    if args.lora and not lora_run:
+        parser.error(f"--lora: {path} is a run trained without LoRA (whole weights): resume it without "
+                     f"--lora, or fine-tune it with --lora --init-from {path} and a new --out")
+    if base and not args.init_from:
+        parser.error(f"--resume {path}: the run's adapters fine-tune the frozen base {base}: add "
+                     f"--init-from {base}")
 
 
 def moe_config(args) -> dict:
@@ -414,9 +473,9 @@ def check_experts(parser, args, world_size):
                      f"rank's micro-batch (--batch-size / data-parallel ranks / {flag} x --seq-len)")
     if not 1 <= cfg.top_k <= cfg.experts:
         parser.error(f"--top-k {cfg.top_k} must be between 1 and the {cfg.experts} experts")
-    if args.capacity_factor is not None and not args.capacity_factor >= 0:
+    if args.capacity_factor is not None and not 0 <= args.capacity_factor < math.inf:
         parser.error(f"--capacity-factor must be positive, or 0 for dropless routing; got "
-                     f"{args.capacity_factor}")
+                     f"{args.capacity_factor}: give a finite factor such as 1.25 (the default), or 0")
     if args.aux_loss_weight is not None and not 0 <= args.aux_loss_weight < math.inf:
         parser.error(f"--aux-loss-weight must be 0 (off) or positive, got {args.aux_loss_weight}")
     if args.z_loss_weight is not None and not 0 <= args.z_loss_weight < math.inf:

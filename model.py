@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moe import MoE
+from moe import MoE, one_routing_group
 
 
 @dataclass
@@ -193,18 +193,20 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, new_tokens: int, temperature: float = 0.8, top_k: int | None = 50):
         """Append new_tokens sampled one at a time to idx (B, T); the window slides past block_size.
-        temperature 0: greedy, the most likely token every time."""
-        for _ in range(new_tokens):
-            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :].float()               # (B, V)
-            if temperature == 0:
-                idx = torch.cat([idx, logits.argmax(dim=-1, keepdim=True)], dim=1)
-                continue
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]     # (B, 1)
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1)               # (B, 1)
-            idx = torch.cat([idx, next_token], dim=1)
+        temperature 0: greedy, the most likely token every time. A mixture of experts routes each
+        window's tokens together, whatever routing group it trained with (moe.one_routing_group)."""
+        with one_routing_group(self):
+            for _ in range(new_tokens):
+                logits = self(idx[:, -self.cfg.block_size:])[:, -1, :].float()           # (B, V)
+                if temperature == 0:
+                    idx = torch.cat([idx, logits.argmax(dim=-1, keepdim=True)], dim=1)
+                    continue
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1)           # (B, 1)
+                idx = torch.cat([idx, next_token], dim=1)
         return idx
 
     def num_parameters(self) -> int:

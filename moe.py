@@ -12,6 +12,7 @@ shared experts, expert-choice routing, jitter noise. Test: python -m pytest test
 Shapes: S tokens in a routing group (B*T by default), C channels, E experts, k choices per token,
 A = k*S assignments (token, choice), K = ceil(capacity_factor * k * S / E) slots per expert.
 """
+import contextlib
 import math
 from typing import Callable
 
@@ -197,6 +198,22 @@ class MoE(nn.Module):
         z = logits.logsumexp(dim=-1).pow(2).mean()
         self.aux_loss = self.aux_loss_weight * balance + self.z_loss_weight * z
         self.stats = {"per_expert": per_expert, "assignments": A, "balance_loss": balance.detach()}
+
+
+@contextlib.contextmanager
+def one_routing_group(model: nn.Module):
+    """Inside, every MoE layer of model routes each forward's tokens as one group. Routing
+    groups are a training choice (a capacity and a balancing loss for each group of a batch's
+    tokens); generating, a forward has the tokens its window holds, which a group need not divide."""
+    layers = [module for module in model.modules() if isinstance(module, MoE)]
+    sizes = [layer.group_size for layer in layers]
+    for layer in layers:
+        layer.group_size = None
+    try:
+        yield
+    finally:
+        for layer, size in zip(layers, sizes):
+            layer.group_size = size
 
 
 def expert_capacity(group_size: int, experts: int, top_k: int, capacity_factor: float) -> int:

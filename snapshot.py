@@ -302,11 +302,7 @@ def load(path: str) -> tuple[dict, list[dict]]:
     the same message.
     """
     fix = f"delete {path} to resume from the checkpoint before it"
-    try:
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a complete checkpoint ({e}); {fix}") from None
+    meta = read_meta(path)
     parts = []
     for rank in range(meta["world_size"]):
         file = os.path.join(path, f"rank{rank:05d}.pt")
@@ -322,6 +318,48 @@ def load(path: str) -> tuple[dict, list[dict]]:
             raise CheckpointError(f"{file} is corrupt or truncated (it does not read back as a "
                                   f"checkpoint part: {type(e).__name__}); {fix}") from None
     return meta, parts
+
+
+# What a checkpoint's meta.json must hold for load() and resume(); save() writes them all.
+META_FIELDS = ("step", "world_size", "model", "args")
+
+
+def read_meta(path: str) -> dict:
+    """A checkpoint's meta.json, or one CheckpointError naming what is missing and the fix."""
+    fix = f"delete {path} to fall back on the checkpoint before it"
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a complete checkpoint ({e}); {fix}") from None
+    missing = [field for field in META_FIELDS if not isinstance(meta, dict) or field not in meta]
+    if missing:
+        raise CheckpointError(f"{path}/meta.json lacks {', '.join(missing)} (it was not written by a "
+                              f"save of this program, or was cut short); {fix}")
+    return meta
+
+
+def check_source(path: str):
+    """One CheckpointError, in words naming the fix, unless load_weights can read `path`: an
+    --export file, a checkpoint directory, or a run directory holding one. It reads a file
+    memory-mapped (its tensors stay on disk) and of a directory only meta.json, so every rank
+    can check it before any work."""
+    kinds = "give a run directory, a checkpoint directory (RUN/ckpt-NNNNNNN) or an --export file"
+    if os.path.isfile(path):
+        try:
+            saved = torch.load(path, mmap=True, weights_only=True)
+        except Exception as e:            # not torch's format at all: our words, not the unpickler's
+            raise CheckpointError(f"{path} is not a model file torch can read ({type(e).__name__}); "
+                                  f"{kinds}") from None
+        if not (isinstance(saved, dict) and {"model", "state_dict"} <= saved.keys()):
+            raise CheckpointError(f"{path} is a torch file, but not one --export wrote (it has no "
+                                  f"'model' and 'state_dict'); {kinds}")
+        return
+    checkpoint = latest(path) or path
+    if not os.path.isfile(os.path.join(checkpoint, "meta.json")):
+        raise CheckpointError(f"{path} holds no checkpoint (no ckpt-NNNNNNN directory with a "
+                              f"meta.json in it, and no meta.json of its own); {kinds}")
+    read_meta(checkpoint)
 
 
 def check_same_model(saved: dict, current: dict, path: str, ignore: tuple = ()):
@@ -456,6 +494,10 @@ def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
             + ("; the learning-rate schedule (warmup, then cosine decay to --min-lr at the last "
                "step) is rebuilt for the new length, so the rate from here on differs from the "
                "first run's" if name == "steps" else ""))
+    if meta["step"] == args.steps:            # cli.check_resume refused a --steps below it
+        say(f"the run is complete: {path} is step {meta['step']} of --steps {args.steps}, so nothing "
+            f"is left to train (the final eval and --export still run); give a larger --steps to "
+            f"train on")
     return meta["step"]
 
 

@@ -172,6 +172,25 @@ def test_lora_leaves_the_experts_alone():
         apply_lora(build_model("tiny-moe", n_layer=1), targets=("up",))
 
 
+def test_generation_routes_each_window_as_one_group():
+    """Routing groups are a training choice: a model trained in groups of 32 tokens samples from
+    a 2-byte prompt, each window's tokens routed together (the greedy loop below, with the
+    groups off), and keeps its groups for training after."""
+    from model import build_model
+    torch.manual_seed(0)
+    gpt = build_model("tiny-moe", routing_group=32).eval()
+    prompt = torch.tensor([list(b"ab")])
+    tokens = gpt.generate(prompt, 6, temperature=0)
+    layers = [module for module in gpt.modules() if isinstance(module, MoE)]
+    assert layers and all(layer.group_size == 32 for layer in layers)
+    for layer in layers:
+        layer.group_size = None
+    expected = prompt
+    for _ in range(6):                                  # the likeliest byte, one at a time
+        expected = torch.cat([expected, gpt(expected)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(tokens, expected)
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(experts=4, top_k=5), "top_k must be between 1 and the 4 experts"),
     (dict(experts=4, capacity_factor=0), "capacity_factor must be > 0"),

@@ -341,10 +341,32 @@ def _one_error_line(stderr):
     (["--strategy", "zero2", "--shard-group", "1"], "use --strategy fsdp (--strategy zero2 has none)"),
     (["--strategy", "zero2", "--offload", "params"], "--offload params keeps the parameter shards in "
                                                      "CPU memory between uses: use --strategy fsdp"),
+    (["--strategy", "ddp", "--offload", "params"], "--offload params keeps the parameter shards in "
+                                                   "CPU memory between uses: use --strategy fsdp"),
+    (["--timeout", "nan"], "--timeout must be a positive, finite number of seconds, got nan"),
+    (["--timeout", "inf"], "--timeout must be a positive, finite number of seconds, got inf"),
+    (["--seed", "10000000000"], "--seed must be from 0 to 4294967295, got 10000000000"),
+    (["--model", "tiny-moe", "--capacity-factor", "inf"], "--capacity-factor must be positive, or 0 for "
+                                                          "dropless routing; got inf: give a finite factor"),
+    (["--bucket-mb", "0"], "--bucket-mb is the size of each gradient message in MiB: give a positive"),
+    (["--bucket-mb", "-1"], "--bucket-mb is the size of each gradient message in MiB: give a positive"),
+    (["--bucket-mb", "nan"], "--bucket-mb is the size of each gradient message in MiB: give a positive"),
+    (["--data", "DIR"], "DIR: a directory, not a text file; give a text file's path"),
+    (["--data", "/dev/null"], "--data /dev/null: a device or a pipe, not a text file; give a text file's"),
+    (["--profile", "FILE"], "FILE is a file: give a directory (each rank's trace goes in it)"),
+    (["--profile", "FILE/trace"], "FILE/trace: this rank cannot write there (Not a directory)"),
+    (["--init-from", "README.md"], "--init-from: README.md is not a model file torch can read"),
+    (["--init-from", "DIR"], "DIR holds no checkpoint (no ckpt-NNNNNNN directory with a meta.json in it"),
+    (["--sample", "--init-from", "README.md", "--prompt", ""], "--prompt is empty: the model continues "
+                                                               "a text, so give it at least one byte"),
+    (["--sample", "--init-from", "README.md", "--sample-tokens", "-5"],
+     "--sample-tokens is how many bytes to generate: give 1 or more, got -5"),
 ])
 def test_bad_value_stops_with_one_line_naming_the_flag(argv, says, tmp_path, capsys):
     (tmp_path / "FILE").write_text("a file, not a directory")
-    argv = [a.replace("OUT", str(tmp_path / "out")).replace("FILE", str(tmp_path / "FILE")) for a in argv]
+    (tmp_path / "DIR").mkdir()                                   # empty
+    argv = [a.replace("OUT", str(tmp_path / "out")).replace("FILE", str(tmp_path / "FILE"))
+            .replace("DIR", str(tmp_path / "DIR")) for a in argv]
     code, stderr = _usage_error(argv, capsys)
     assert code == 2 and says in _one_error_line(stderr), stderr
 
@@ -390,6 +412,76 @@ def test_a_run_directory_is_not_reused_without_resume_or_overwrite(saved_run, tm
     out = run(*QUICK, "--steps", "2", "--out", str(root), "--overwrite").stdout
     assert "saved" in out
     assert sorted(os.path.basename(p) for p in __import__("snapshot").checkpoints(str(root))) == ["ckpt-0000002"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(saved_run, tmp_path_factory):
+    """A LoRA run fine-tuning saved_run (its frozen base), with a checkpoint after step 2."""
+    root = tmp_path_factory.mktemp("lora") / "run"
+    run(*QUICK, "--steps", "2", "--lora", "--init-from", str(saved_run), "--out", str(root))
+    return root
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--out", "RUN", "--resume", "--steps", "3"], "--steps 3 is below step 4 of RUN/ckpt-0000004, where "
+                                                   "--resume continues: nothing would train; give --steps "
+                                                   "above 4"),
+    (["--out", "RUN", "--resume", "--lora"], "--lora: RUN/ckpt-0000004 is a run trained without LoRA "
+                                             "(whole weights): resume it without --lora"),
+    (["--out", "LORA", "--resume"], "the run trains LoRA adapters (its checkpoints hold them): add --lora, "
+                                    "with the run's --lora-* flags and --init-from RUN"),
+    (["--out", "LORA", "--resume", "--lora"], "the run's adapters fine-tune the frozen base RUN: add "
+                                              "--init-from RUN"),
+    (["--out", "BROKEN", "--resume"], "--resume: BROKEN/ckpt-0000004/meta.json lacks step, world_size, "
+                                      "model, args"),
+    (["--init-from", "BROKEN"], "--init-from: BROKEN/ckpt-0000004/meta.json lacks step, world_size, "
+                                "model, args"),
+    (["--sample", "--init-from", "BROKEN"], "--init-from: BROKEN/ckpt-0000004/meta.json lacks step"),
+])
+def test_a_checkpoint_the_run_cannot_use_stops_with_one_line(argv, says, saved_run, lora_run, tmp_path,
+                                                             capsys):
+    import shutil
+    broken = tmp_path / "broken"                       # a checkpoint whose meta.json is {}
+    shutil.copytree(saved_run, broken)
+    (broken / "ckpt-0000004" / "meta.json").write_text("{}")
+    paths = {"RUN": str(saved_run), "LORA": str(lora_run), "BROKEN": str(broken)}
+    fill = lambda text: re.sub("RUN|LORA|BROKEN", lambda found: paths[found.group()], text)
+    before = _files(broken)
+    code, stderr = _usage_error([fill(a) for a in argv], capsys)
+    line = _one_error_line(stderr)
+    assert code == 2 and fill(says) in line, stderr
+    assert _files(broken) == before                             # nothing on disk changed
+
+
+def test_a_checkpoint_without_its_fields_stops_every_rank(saved_run, tmp_path):
+    import shutil
+    root = tmp_path / "run"
+    shutil.copytree(saved_run, root)
+    (root / "ckpt-0000004" / "meta.json").write_text("{}")
+    for code, stderr in usage_errors(*QUICK, "--out", str(root), "--resume", "--strategy", "ddp"):
+        line = _one_error_line(stderr)
+        assert code == 2 and f"{root}/ckpt-0000004/meta.json lacks step, world_size, model, args" in line
+        assert f"delete {root}/ckpt-0000004" in line, line
+
+
+def test_resuming_a_finished_run_says_so_and_trains_nothing(saved_run, tmp_path):
+    import shutil
+    root = tmp_path / "run"
+    shutil.copytree(saved_run, root)
+    before = _files(root / "ckpt-0000004")
+    result = run(*QUICK, "--steps", "4", "--out", str(root), "--resume", "--export", str(tmp_path / "m.pt"))
+    assert (f"the run is complete: {root}/ckpt-0000004 is step 4 of --steps 4, so nothing is left to "
+            f"train" in result.stdout and "give a larger --steps" in result.stdout), result.stdout
+    assert losses(result.stdout) == [] and "saved" not in result.stdout, result.stdout
+    assert _files(root / "ckpt-0000004") == before and (tmp_path / "m.pt").exists()
+
+
+def test_sample_of_a_run_trained_in_routing_groups_larger_than_the_prompt(tmp_path):
+    out = tmp_path / "moe"
+    run(*QUICK, "--steps", "1", "--model", "tiny-moe", "--routing-group", "32", "--out", str(out))
+    # 2 bytes of prompt, windows of 2 to 21: none a multiple of the trained routing group, 32.
+    result = run("--sample", "--init-from", str(out), "--prompt", "ab", "--sample-tokens", "20")
+    assert result.stdout.startswith("ab") and len(result.stdout.encode()) >= 22, result.stdout
 
 
 def test_flipped_bytes_in_a_checkpoint_are_found_and_named(saved_run, tmp_path):
