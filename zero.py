@@ -17,6 +17,7 @@ Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements p
 
 import contextlib
 import itertools
+import weakref
 
 import torch
 import torch.nn as nn
@@ -63,6 +64,7 @@ class ShardedOptimizer(MasterOptimizer):
     """
 
     model_split = ()
+    _decision_host = None   # offload: the norm and flags land here, beside the gradients
     copies = None      # HSDP with experts (FSDPOptimizer): the ranks holding copies of the shards
 
     def split_model(self, tensor: Comm | None = None, stages: Comm | None = None, counted_elsewhere=()):
@@ -154,7 +156,11 @@ class ShardedOptimizer(MasterOptimizer):
             decision = torch.cat([decision, self._used_anywhere.float()])
         host_grad = {id(flat.master): flat.host_grad for flat in self.flats}
         buffers = [host_grad[id(m)] for m in masters]
-        *grads, decision = gradients_to_host([*grads, decision], [*buffers, host_buffer(decision)])
+        if self._decision_host is None:           # (1 + P,) fp32, pinned once for the run
+            flags = sum(len(flat.params) for flat in self.flats)
+            self._decision_host = host_buffer(decision.new_empty(1 + flags))
+        *grads, decision = gradients_to_host([*grads, decision],
+                                             [*buffers, self._decision_host[: decision.numel()]])
         unscale_grads(grads, masters, scale)
         self._used_anywhere = decision[1:] if self._used_anywhere is not None else None
         self._unscaled = masters, decision[0]
@@ -476,7 +482,23 @@ def step_message_bytes(n_params: int, world_size: int) -> int:
 def host_buffer(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """An empty (fp32) host tensor shaped like `like`, pinned when `like` is on a GPU: only from
     pinned (page-locked) memory can a copy run as a DMA transfer that does not block the CPU."""
-    return torch.empty(like.shape, dtype=dtype, pin_memory=like.is_cuda)
+    buffer = torch.empty(like.shape, dtype=dtype)
+    if like.is_cuda:
+        lock_pages(buffer)
+    return buffer
+
+
+def lock_pages(t: torch.Tensor):
+    """Pin t's own memory where it is (cudaHostRegister), until its storage is freed: exactly its
+    bytes, as memory.py counts them. torch.empty(..., pin_memory=True) would take a block of
+    torch's caching host allocator, rounded up to a power of two: up to twice the bytes, for
+    buffers held the whole run. (Copies from registered memory run asynchronously too.)"""
+    if t.nbytes == 0:
+        return
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0))
+    # The storage outlives this tensor object (a parameter's .data, views): unpin when it goes.
+    weakref.finalize(t.untyped_storage(), cudart.cudaHostUnregister, t.data_ptr())
 
 
 def host_copy(t: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
