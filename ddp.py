@@ -255,6 +255,7 @@ class DDP(nn.Module):
         self._order = InOrder(self.buckets, launch=lambda bucket: bucket.comm.all_reduce(
             bucket.grad_flat, op=bucket.op, async_op=True), retire=self._retire)
         self._syncing = True                                     # False inside no_sync()
+        self._hooked = [False] * len(self.params)                # hook has fired: .grad is its slot
         self._reset()
 
     def forward(self, *args, **kwargs):
@@ -264,18 +265,21 @@ class DDP(nn.Module):
 
     def _gradients_into_buckets(self):
         """Each parameter whose .grad was set to None (zero_grad(set_to_none=True)) gets its zeroed
-        slot back as .grad, so autograd adds the coming gradient into the bucket in place."""
+        slot back as .grad, so autograd adds the coming gradient into the bucket in place. Only
+        those whose hook has fired before: a gradient written outside autograd (a zero-bubble
+        pipeline's W) fires none, and only its arrival as a .grad says it was used."""
         start = 0
         for bucket in self.buckets:
             params, slots = bucket.params, self._slot[start: start + len(bucket.params)]
+            hooked = self._hooked[start: start + len(bucket.params)]
             start += len(params)
-            if all(p.grad is None for p in params):
+            if all(hooked) and all(p.grad is None for p in params):
                 bucket.grad_flat.zero_()                         # one kernel for the bucket
                 for p, slot in zip(params, slots):
                     p.grad = slot
                 continue
-            for p, slot in zip(params, slots):
-                if p.grad is None:
+            for p, slot, fired in zip(params, slots, hooked):
+                if fired and p.grad is None:
                     slot.zero_()
                     p.grad = slot
 
@@ -314,7 +318,7 @@ class DDP(nn.Module):
 
     def _grad_ready(self, i: int):
         """Post-accumulate hook of self.params[i]: its .grad holds this backward's gradient."""
-        self._used[i] = True
+        self._used[i] = self._hooked[i] = True
         if not self._syncing:
             return                                               # accumulate locally in .grad
         if self._ready[i]:
@@ -356,7 +360,9 @@ class DDP(nn.Module):
         # it (AdamW would otherwise decay it): OR the local "used" flags over the ranks, a P-byte
         # message launched after every bucket (the same position on every rank) so it overlaps.
         # (An expert's flag over the ranks holding that expert: a second, shorter message.)
-        local = self._used                                       # hooks fired, no_sync's too
+        # Used here: its hook fired (no_sync's too), or a gradient came as a .grad of its own.
+        local = [used or (p.grad is not None and p.grad.data_ptr() != slot.data_ptr())
+                 for used, p, slot in zip(self._used, self.params, self._slot)]
         used = flags_to_device(local, self.params[0].device)                              # (P,)
         flags, start = [], 0
         for comm, params in self._by_group(self.params):
