@@ -386,6 +386,19 @@ def split_norm(grads: list, comm: Comm, device) -> torch.Tensor:
     return squares.sqrt()[0]
 
 
+def flags_to_device(flags: list[bool], device) -> torch.Tensor:
+    """Python booleans as a (len,) uint8 tensor on `device`, for a collective to OR them.
+
+    torch.tensor(flags, device=cuda) would copy from pageable memory, and the host waits for
+    that copy to finish: a host sync. From pinned memory the copy is queued on the stream and
+    the host runs on (the caching host allocator keeps the pinned block until the copy is done).
+    Pinned memory exists only beside a GPU: on the CPU the tensor is made where it is used."""
+    host = torch.tensor(flags, dtype=torch.uint8)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _no_grad(fn, *args):
     """fn(*args) with autograd off in this thread (grad mode is per thread: the ring's worker
     does not inherit a caller's no_grad, and a collective's in-place writes are no graph)."""

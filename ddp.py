@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, ring_bytes
+from collectives import as_comm, flags_to_device, ring_bytes
 from memory import run_state_bytes
 from mixed_precision import MixedPrecisionOptimizer
 from moe import exchange_bytes, expert_parallel, reduction_groups
@@ -233,10 +233,10 @@ class DDP(nn.Module):
         self._broadcast_from_rank0()
         # Consecutive parameters in gradient-arrival order, one dtype and device per bucket.
         # Each bucket is a FlatParams of one shard (this rank owns all of it), and beside it a
-        # gradient buffer of the same layout. Memory: once a gradient is copied into its slot,
-        # param.grad becomes that slot (a view, as PyTorch's gradient_as_bucket_view=True), so
-        # the buckets are the gradients, not a second copy. A fresh .grad (after
-        # zero_grad(set_to_none=True)) lives only until its hook copies it in.
+        # gradient buffer of the same layout. Memory: param.grad is its slot in the buffer (a
+        # view, as PyTorch's gradient_as_bucket_view=True), pointed there by forward, so backward
+        # accumulates into the bucket itself: the buckets are the gradients, with no fresh .grad
+        # allocated and copied in each step after zero_grad(set_to_none=True).
         # Experts (moe.py's expert parallelism) go in buckets of their own: moe.reduction says how.
         self.buckets = []
         for how, params in reduction_groups(self.params, self.comm, self.expert_group):
@@ -255,10 +255,33 @@ class DDP(nn.Module):
         self._order = InOrder(self.buckets, launch=lambda bucket: bucket.comm.all_reduce(
             bucket.grad_flat, op=bucket.op, async_op=True), retire=self._retire)
         self._syncing = True                                     # False inside no_sync()
+        self._hooked = [False] * len(self.params)                # hook has fired: .grad is its slot
         self._reset()
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self._gradients_into_buckets()
         return self.module(*args, **kwargs)
+
+    def _gradients_into_buckets(self):
+        """Each parameter whose .grad was set to None (zero_grad(set_to_none=True)) gets its zeroed
+        slot back as .grad, so autograd adds the coming gradient into the bucket in place. Only
+        those whose hook has fired before: a gradient written outside autograd (a zero-bubble
+        pipeline's W) fires none, and only its arrival as a .grad says it was used."""
+        start = 0
+        for bucket in self.buckets:
+            params, slots = bucket.params, self._slot[start: start + len(bucket.params)]
+            hooked = self._hooked[start: start + len(bucket.params)]
+            start += len(params)
+            if all(hooked) and all(p.grad is None for p in params):
+                bucket.grad_flat.zero_()                         # one kernel for the bucket
+                for p, slot in zip(params, slots):
+                    p.grad = slot
+                continue
+            for p, slot, fired in zip(params, slots, hooked):
+                if fired and p.grad is None:
+                    slot.zero_()
+                    p.grad = slot
 
     def _by_group(self, tensors) -> list:
         """[(the group tensors are reduced over, tensors)]: moe.reduction_groups' groups."""
@@ -287,6 +310,7 @@ class DDP(nn.Module):
 
     def _reset(self):
         self._ready = [False] * len(self.params)
+        self._used = [False] * len(self.params)                  # got a gradient since the last sync
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
 
@@ -294,6 +318,7 @@ class DDP(nn.Module):
 
     def _grad_ready(self, i: int):
         """Post-accumulate hook of self.params[i]: its .grad holds this backward's gradient."""
+        self._used[i] = self._hooked[i] = True
         if not self._syncing:
             return                                               # accumulate locally in .grad
         if self._ready[i]:
@@ -328,15 +353,17 @@ class DDP(nn.Module):
             if not self._ready[i]:
                 if p.grad is None:
                     self._slot[i].zero_()
-                else:
+                elif p.grad.data_ptr() != self._slot[i].data_ptr():
                     self._slot[i].copy_(p.grad)
                 self._mark_ready(i)
         # A parameter that no rank used must keep grad None, as a single process would leave
         # it (AdamW would otherwise decay it): OR the local "used" flags over the ranks, a P-byte
         # message launched after every bucket (the same position on every rank) so it overlaps.
         # (An expert's flag over the ranks holding that expert: a second, shorter message.)
-        local = [p.grad is not None for p in self.params]
-        used = torch.tensor(local, dtype=torch.uint8, device=self.params[0].device)      # (P,)
+        # Used here: its hook fired (no_sync's too), or a gradient came as a .grad of its own.
+        local = [used or (p.grad is not None and p.grad.data_ptr() != slot.data_ptr())
+                 for used, p, slot in zip(self._used, self.params, self._slot)]
+        used = flags_to_device(local, self.params[0].device)                              # (P,)
         flags, start = [], 0
         for comm, params in self._by_group(self.params):
             flags.append(comm.all_reduce(used[start: start + len(params)], op="max", async_op=True))
@@ -348,8 +375,7 @@ class DDP(nn.Module):
         # Read (a host sync on a GPU) only if this rank missed one: else every one was used.
         everywhere = local if all(local) else used.tolist()
         for p, slot, used_anywhere in zip(self.params, self._slot, everywhere):
-            if used_anywhere:
-                p.grad = slot                                    # averaged in place
+            p.grad = slot if used_anywhere else None             # averaged in place
         self._reset()
 
     @contextmanager

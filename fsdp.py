@@ -33,8 +33,8 @@ from model import Block
 from moe import exchange_bytes, expert_parallel, is_expert, reduction
 from quantization import NF4Weight
 from process_groups import check_same_parameters, make_mesh
-from zero import (MAX_REDUCTIONS_IN_FLIGHT, ShardedOptimizer, gradients_to_host,
-                  flags_and_norm_bytes, host_buffer, host_copy)
+from zero import (MAX_REDUCTIONS_IN_FLIGHT, ShardedOptimizer, flags_and_norm_bytes, host_buffer,
+                  host_copy, host_to_device)
 
 
 def gpt_blocks(module: nn.Module) -> bool:
@@ -166,7 +166,7 @@ class Unit(FlatParams, Gathered):
         parameters offloaded, host -> host)."""
         for copy in (self.device_shard, self.host_shard):
             if copy is not None:
-                copy.copy_(self.master.detach(), non_blocking=True)
+                host_to_device(copy, self.master.detach())
         self.free()
 
 
@@ -287,7 +287,6 @@ class FSDP(nn.Module):
         self._sync = True
         self._whole_step = False         # inside gathered_for_step(): nothing freed until its end
         self._unreduced = False          # the last backward ran under no_sync: gradients to reduce
-        self._used_agreed = False        # HSDP: this backward's used-flags OR'ed over the copies
         self.events = []                 # this step's order of collectives and computation
         self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
 
@@ -447,7 +446,6 @@ class FSDP(nn.Module):
             if unit.frozen is not None:
                 self._free(unit)
         self._backward_hooked = False
-        self._used_agreed = False
 
     def finish_gradient_sync(self):
         """Wait for the outstanding reduce-scatters: each shard in FSDP.parameters() then holds its
@@ -457,19 +455,6 @@ class FSDP(nn.Module):
         if self._unreduced:
             self._order.launch_rest()
         self._order.wait_all()
-        if self.replicas is not None and self._sync and not self._used_agreed:
-            # HSDP: a parameter used by any copy's batch has a gradient on every copy now, so
-            # each unit's "used" flags are OR'ed over the copies (one small message, one read),
-            # or the copies would step differently (zero.py's keep_unchanged). Once per
-            # backward: train.py calls this, and FSDPOptimizer calls it again.
-            copied = [unit for unit in self.units if unit.replicas is not None]       # not experts
-            used = torch.tensor([u for unit in copied for u in unit.used], dtype=torch.uint8,
-                                device=self.device)
-            self.replicas.all_reduce(used, op="max")
-            flags = iter(used.bool().tolist())
-            for unit in copied:
-                unit.used = [next(flags) for _ in unit.params]
-            self._used_agreed = True
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -654,13 +639,10 @@ class FSDPOptimizer(ShardedOptimizer):
 
     def _gradients(self):
         self.fsdp.finish_gradient_sync()
+        # Offloaded, zero.py's ShardedOptimizer._unscale copies them out, Adam steps on the CPU,
+        # the updated shards go back in (Unit.refresh), where the next forward's all-gathers wait.
         units = [u for u in self.fsdp.units if u.grad is not None]
-        grads = [u.grad for u in units]                                  # (S,) each, on the device
-        if self.offload:
-            # Gradients out, Adam on the CPU, the updated shards back in (Unit.refresh), where
-            # the next forward's all-gathers wait for them; zero.py says where it could overlap more.
-            grads = gradients_to_host(grads, [u.host_grad for u in units])
-        return grads, [u.master for u in units]
+        return [u.grad for u in units], [u.master for u in units]        # (S,) each, on the device
 
     def _write_back(self):
         if self.offload:

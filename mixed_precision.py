@@ -159,7 +159,7 @@ class MasterOptimizer(torch.optim.Optimizer):
         # One non-finite element makes the norm non-finite: the norm doubles as the overflow
         # check, and as it is global, every rank takes the same decision without a message.
         # Reading it is the step's one device-to-host copy (a host sync on a GPU).
-        self.last_grad_norm = norm.item()
+        self.last_grad_norm, self._flags_read = self._read_decision(norm)
         skip = self.last_step_skipped = not math.isfinite(self.last_grad_norm)
         if not skip:
             with keep_unchanged(self._unused(), self.optimizer.state):
@@ -169,6 +169,18 @@ class MasterOptimizer(torch.optim.Optimizer):
         self._unscaled = None
         self.scaler.update(skip)
         return loss
+
+    def _read_decision(self, norm: torch.Tensor) -> tuple[float, list | None]:
+        """The step's one device-to-host read: the norm, and in the same copy the flags a
+        subclass wants on the host (_flags_to_read(), a device tensor, or None)."""
+        flags = self._flags_to_read()
+        if flags is None:
+            return norm.item(), None
+        norm, *flags = torch.cat([norm.reshape(1).float(), flags.float()]).tolist()
+        return norm, flags
+
+    def _flags_to_read(self):
+        return None
 
     def _unused(self) -> list:
         return []

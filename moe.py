@@ -75,20 +75,44 @@ class MoE(nn.Module):
 
     def forward(self, x):                                     # (B, T, C)
         tokens = x.reshape(-1, x.shape[-1])                   # (S, C)
+        if self.capacity_factor is not None:
+            return self._forward_static(tokens).view_as(x)
         route = self.route(tokens)
-        # Dispatch: the kept assignments' tokens, expert by expert (route sorted them so), each
+        # Dispatch: the assignments' tokens, expert by expert (route sorted them so), each
         # expert's run through it, and combine: every output back to its token, times its gate.
-        inputs = tokens[route["token"]]                                     # (kept, C)
+        inputs = tokens[route["token"]]                                     # (A, C)
         if self.ep is None:
+            # Dropless, the rows per expert follow the routing: their count is read on the host
+            # to cut the rows (the layer's one host sync; a static shape would run every token
+            # through every expert).
             outputs = torch.cat([expert(chunk) for expert, chunk in
-                                 zip(self.experts, inputs.split(route["per_expert"]))])
-        elif self.capacity_factor is not None:
-            outputs = self._exchange_static(inputs, route)
+                                 zip(self.experts, inputs.split(route["per_expert"].tolist()))])
         else:
             outputs = self._exchange_dropless(inputs, route)
-        weighted = outputs * route["gate"].unsqueeze(1).to(outputs.dtype)  # (kept, C)
+        weighted = outputs * route["gate"].unsqueeze(1).to(outputs.dtype)  # (A, C)
         y = torch.zeros_like(tokens).index_add_(0, route["token"], weighted)  # (S, C)
         return y.view_as(x)
+
+    def _forward_static(self, tokens):
+        """Capacity mode in shapes fixed by the options alone, so the host never reads the
+        routing: every assignment is written into an (E, G*K, C) buffer of slots (a dropped one
+        into a last row, thrown away), each expert runs on its G*K slots (empty ones are zeros,
+        computed and thrown away: the price of no host sync), and each assignment reads its
+        output back (a dropped one a slot of no matter: its gate is zeroed)."""
+        a = self._assign(tokens)
+        E, C, slots = len(self.experts), tokens.shape[1], a["groups"] * a["capacity"]   # G*K
+        row = torch.where(a["keep"], a["expert"] * slots + a["group"] * a["capacity"] + a["position"],
+                          E * slots)                                                # (A,)
+        buffer = tokens.new_zeros(E * slots + 1, C).index_put((row,), tokens[a["token"]])
+        dispatched = buffer[: E * slots].view(E, slots, C)                         # (E, G*K, C)
+        if self.ep is None:
+            outputs = torch.stack([expert(chunk) for expert, chunk in zip(self.experts, dispatched)])
+        else:
+            outputs = self._exchange_static(dispatched)                             # (E, G*K, C)
+        # A dropped assignment adds nothing, and its gate gets no gradient: times keep (0 or 1).
+        gate = (a["gate"] * a["keep"]).unsqueeze(1).to(outputs.dtype)             # (A, 1)
+        weighted = outputs.view(E * slots, C)[torch.where(a["keep"], row, 0)] * gate   # (A, C)
+        return torch.zeros_like(tokens).index_add_(0, a["token"], weighted)        # (S, C)
 
     def exchange_bytes(self, tokens: int, element_size: int) -> int:
         """Bytes this rank sends under expert parallelism per forward and backward of `tokens`
@@ -107,33 +131,32 @@ class MoE(nn.Module):
     #   on rank p's tokens for rank q's experts go to q; the outputs come back by the mirror
     #   all-to-all, and backward runs the same two exchanges the other way round.
 
-    def _exchange_static(self, inputs, route):
-        """Capacity mode: a (P, E/P, G*K, C) buffer of fixed shape (G routing groups, K slots
-        each), so both all-to-alls send equal blocks, whatever the routing: no sizes to agree on
-        first, and the bytes never change. Empty slots are zeros, computed and thrown away."""
-        E, C, P = len(self.experts), inputs.shape[1], self.ep.world_size
-        slots = route["groups"] * route["capacity"]                          # G*K per expert
-        slot = route["group"] * route["capacity"] + route["position"]        # (kept,)
-        buffer = inputs.new_zeros(E, slots, C)
-        buffer = buffer.index_put((route["expert"], slot), inputs)           # (E, G*K, C)
-        received = all_to_all(buffer.view(E * slots, C), self.ep)           # (P*E/P*G*K, C)
+    def _exchange_static(self, dispatched):
+        """Capacity mode: the (E, G*K, C) buffer of fixed shape (G routing groups, K slots each),
+        so both all-to-alls send equal blocks, whatever the routing: no sizes to agree on first,
+        and the bytes never change. Empty slots are zeros, computed and thrown away."""
+        E, slots, C = dispatched.shape
+        P = self.ep.world_size
+        received = all_to_all(dispatched.reshape(E * slots, C), self.ep)         # (P*E/P*G*K, C)
         # From each source rank, its slots for each of my experts: run expert by expert.
         mine = received.view(P, len(self.local), slots, C).transpose(0, 1)  # (E/P, P, G*K, C)
         outputs = torch.stack([self.experts[e](chunk.reshape(P * slots, C))
                                for e, chunk in zip(self.local, mine)])      # (E/P, P*G*K, C)
         back = outputs.view(len(self.local), P, slots, C).transpose(0, 1)   # (P, E/P, G*K, C)
-        returned = all_to_all(back.reshape(E * slots, C), self.ep).view(E, slots, C)
-        return returned[route["expert"], slot]                               # (kept, C)
+        return all_to_all(back.reshape(E * slots, C), self.ep).view(E, slots, C)
 
     def _exchange_dropless(self, inputs, route):
         """Dropless: each rank sends exactly its kept tokens, so the block sizes vary; the ranks
         first swap their counts per expert (E numbers) to size the receiving buffers."""
         P, L = self.ep.world_size, len(self.local)
-        counts = torch.tensor(route["per_expert"], device=inputs.device)    # (E,)
+        counts = route["per_expert"]                                         # (E,) on the device
         incoming = torch.empty_like(counts)
         self.ep.all_to_all(incoming, counts)                                 # (P*L,) for my experts
-        incoming = incoming.view(P, L).tolist()                              # [source][local expert]
-        send_splits = counts.view(P, L).sum(dim=1).tolist()
+        # Both sizes in one read (the layer's one host sync): NCCL's all-to-all takes its splits
+        # as host integers, and the receiving buffer's size must be known to allocate it.
+        sizes = torch.cat([incoming, counts.view(P, L).sum(dim=1)]).tolist()
+        incoming = [sizes[p * L: (p + 1) * L] for p in range(P)]             # [source][local expert]
+        send_splits = sizes[P * L:]
         receive_splits = [sum(row) for row in incoming]
         received = all_to_all(inputs, self.ep, receive_splits, send_splits)  # [source][expert] rows
         # Regroup by expert: expert l's rows from source 0, from source 1, ...; run; put back.
@@ -148,9 +171,24 @@ class MoE(nn.Module):
         """Which expert each token goes to, in which slot, with which gate; the losses.
 
         Returns the kept assignments sorted by expert (then by priority): "token" (kept,)
-        indices into tokens, "gate" (kept,) fp32, "per_expert" counts (E numbers), and
-        "expert" and "position" (kept,) for a dispatch buffer (E, K, C) of static shape.
+        indices into tokens, "gate" (kept,) fp32, "per_expert" (E,) counts, and "expert" and
+        "position" (kept,) for a dispatch buffer (E, K, C) of static shape. In capacity mode
+        the kept ones' number is read on the host (a boolean mask): forward does without it.
         """
+        a = self._assign(tokens)
+        order = a["order"]                                                # by queue, then priority
+        kept = order if self.capacity_factor is None else order[a["keep"][order]]
+        # Sorted by expert across groups for the dispatch (a stable sort: priority order stays).
+        kept = kept[torch.argsort(a["expert"][kept], stable=True)]
+        return {"token": a["token"][kept], "gate": a["gate"][kept], "expert": a["expert"][kept],
+                "position": a["position"][kept], "group": a["group"][kept], "groups": a["groups"],
+                "per_expert": a["per_expert"], "capacity": a["capacity"]}
+
+    def _assign(self, tokens: torch.Tensor) -> dict:
+        """Every one of the A assignments (token, choice), choice-major, with its expert, gate,
+        routing group, position in its (group, expert) queue and whether it fits the capacity
+        ("keep"); "order" sorts them by queue, then priority. Shapes fixed by S, E and k alone:
+        nothing here waits for the device (counts by index_add_: bincount reads its max)."""
         S, E, k = tokens.shape[0], len(self.experts), self.top_k
         logits = self.router(tokens).float()                              # (S, E), fp32 softmax
         probs = logits.softmax(dim=-1)
@@ -169,21 +207,18 @@ class MoE(nn.Module):
         # that queue's assignments come before it in priority order (a stable sort keeps it).
         queue = (token // group_size) * E + expert                        # (A,)
         order = torch.argsort(queue, stable=True)                         # by queue, then priority
-        per_queue = torch.bincount(queue, minlength=groups * E)           # (groups*E,)
+        per_queue = _count(queue, groups * E)                             # (groups*E,)
         starts = per_queue.cumsum(0) - per_queue
         position = torch.empty_like(order)
         position[order] = torch.arange(order.numel(), device=order.device) - starts[queue[order]]
         capacity = (expert_capacity(group_size, E, k, self.capacity_factor)
                     if self.capacity_factor is not None else group_size * k)   # K
-        kept = order[position[order] < capacity]                          # sorted by queue
-        # Sorted by expert across groups for the dispatch (a stable sort: priority order stays).
-        kept = kept[torch.argsort(expert[kept], stable=True)]
-        per_expert = torch.bincount(expert[kept], minlength=E)
+        keep = position < capacity                                        # (A,)
+        per_expert = _count(expert, E, keep)                              # (E,) kept
         self._losses(logits, probs, per_queue.view(groups, E), per_expert, A=k * S)
-        # The split sizes are read on the host: the step's one sync per layer.
-        return {"token": token[kept], "gate": gate[kept], "expert": expert[kept],
-                "position": position[kept], "group": token[kept] // group_size, "groups": groups,
-                "per_expert": per_expert.tolist(), "capacity": capacity}
+        return {"expert": expert, "token": token, "gate": gate, "group": token // group_size,
+                "position": position, "keep": keep, "order": order, "per_expert": per_expert,
+                "groups": groups, "capacity": capacity}
 
     def _losses(self, logits, probs, per_queue, per_expert, A):
         """Switch's load balancing, E * sum_e f_e P_e with f_e the share of a routing group's
@@ -214,6 +249,14 @@ def one_routing_group(model: nn.Module):
     finally:
         for layer, size in zip(layers, sizes):
             layer.group_size = size
+
+
+def _count(index: torch.Tensor, bins: int, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """(bins,) how many of index's entries (counted where weight is True) fall in each bin:
+    torch.bincount's answer without its host sync (on CUDA it reads index's max to size the
+    output)."""
+    ones = torch.ones_like(index) if weight is None else weight.to(index.dtype)
+    return torch.zeros(bins, dtype=index.dtype, device=index.device).index_add_(0, index, ones)
 
 
 def expert_capacity(group_size: int, experts: int, top_k: int, capacity_factor: float) -> int:

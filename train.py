@@ -122,6 +122,16 @@ def train_step(model, optimizer, x, y, args, measure=False):
     return step_loss, update(optimizer, args)
 
 
+def to_device(batch: torch.Tensor, device) -> torch.Tensor:
+    """The batch (built in host memory) onto the device without the host waiting for the copy.
+    From pageable memory a host-to-device copy blocks the host; from pinned memory it is queued
+    on the stream behind the step's kernels (the caching host allocator keeps the pinned block
+    until it is done). Pinned memory exists only beside a GPU: on the CPU this is the batch."""
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
+
+
 def update(optimizer, args) -> bool:
     """Clip to --clip-grad (the global norm over every rank's share), step; False if skipped."""
     if args.clip_grad:
@@ -477,7 +487,8 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
         x, y = data.batch(step, args.batch_size, args.seq_len, args.seed,
                           rank=data_rank, world_size=data_size)      # (B/D, T)
         logged = step % args.log_every == 0 or step == args.steps - 1
-        loss, applied = train_step(model, optimizer, x.to(device), y.to(device), args, measure=logged)
+        loss, applied = train_step(model, optimizer, to_device(x, device), to_device(y, device), args,
+                                   measure=logged)
         if not applied and args.precision != "fp16":
             # fp16 overflow is the loss scaler's business; in fp32 and bf16 inf/NaN means the
             # run diverged. The decision came from the global norm: every rank stops here.

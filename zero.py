@@ -17,14 +17,15 @@ Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements p
 
 import contextlib
 import itertools
+import weakref
 
 import torch
 import torch.nn as nn
 
-from collectives import Comm, as_comm, ring_bytes, split_norm
+from collectives import Comm, as_comm, flags_to_device, ring_bytes, split_norm
 from ddp import FlatParams, InOrder, hook_gradient, split_into_buckets
 from memory import run_state_bytes
-from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only
+from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only, unscale_grads
 from moe import exchange_bytes, expert_parallel, is_expert, reduction_groups
 from process_groups import check_same_parameters
 
@@ -63,6 +64,7 @@ class ShardedOptimizer(MasterOptimizer):
     """
 
     model_split = ()
+    _decision_host = None   # offload: the norm and flags land here, beside the gradients
     copies = None      # HSDP with experts (FSDPOptimizer): the ranks holding copies of the shards
 
     def split_model(self, tensor: Comm | None = None, stages: Comm | None = None, counted_elsewhere=()):
@@ -103,35 +105,66 @@ class ShardedOptimizer(MasterOptimizer):
         device = self.flats[0].params[0].device
         # A parameter no rank used keeps its values and moments (keep_unchanged), as torch's
         # optimizers skip a .grad of None: OR the flags over the ranks that hold it, a P-byte
-        # message as DDP's, sent beside the norm's.
-        used = torch.tensor([u for flat in self.flats for u in flat.used], dtype=torch.uint8,
-                            device=device)                                      # (P,)
-        handles, start = [], 0
+        # message as DDP's, sent beside the norm's (HSDP: then over the copies of the shard).
+        local = [u for flat in self.flats for u in flat.used]
+        used = flags_to_device(local, device)                                   # (P,)
+        handles, start = [], []
         for comm, flats in itertools.groupby(self.flats, key=lambda flat: flat.comm):
-            count = sum(len(flat.params) for flat in flats)
-            handles.append(comm.all_reduce(used[start: start + count], op="max", async_op=True))
-            start += count
+            flats = list(flats)
+            first = start[-1][1] if start else 0
+            start.append((flats, first, first + sum(len(flat.params) for flat in flats)))
+            handles.append(comm.all_reduce(used[first: start[-1][2]], op="max", async_op=True))
         # The shards are disjoint slices of the one gradient (an expert's shards, over the world,
         # cover every expert once): every rank gets the same global norm, so every rank takes
         # the same skip decision.
         norm = (self._mesh_norm(grads, masters, device) if self.model_split
                 else split_norm(grads, self.comm, device))
-        for handle in handles:
-            handle.wait()
+        for handle, (flats, first, stop) in zip(handles, start):
+            handle.wait()           # (before the copies' all-reduce: NCCL orders no two groups)
+            copies = getattr(flats[0], "replicas", None)
+            if copies is not None:
+                copies.all_reduce(used[first: stop], op="max")
         # Read only where this rank missed a gradient: if it computed every one, every parameter
-        # was used somewhere, and the step keeps its one host read (the norm's).
-        self._used_anywhere = used if not all(u for flat in self.flats for u in flat.used) else None
+        # was used somewhere. Read or not, it rides in the step's one host read, the norm's.
+        self._used_anywhere = used if not all(local) else None
         return norm
 
+    def _flags_to_read(self):
+        return self._used_anywhere
+
     def _unused(self):
-        if self._used_anywhere is None:
+        if self._flags_read is None:
             return []
-        used, ranges = iter(self._used_anywhere.tolist()), []
+        used, ranges = iter(self._flags_read), []
         for flat in self.flats:
             unused = {i for i in range(len(flat.params)) if not next(used)}
             ranges += [(flat.master, offset, offset + stop - start)
                        for i, start, stop, offset in flat.shard_ranges(flat.comm.rank) if i in unused]
         return ranges
+
+    def _unscale(self):
+        """Offloaded, the norm is taken on the device, where the gradient shards are (and NCCL
+        reduces), and copied to the host with them: one wait for all, the step's one host sync,
+        then clipping and the inf/NaN check read host memory only."""
+        if not self.offload or self._unscaled is not None:
+            return super()._unscale()
+        grads, masters = self._gradients()                               # (S,) each, on the device
+        scale = self.scaler.scale
+        norm = self._total_norm(grads, masters) / scale         # a power of two: exact division
+        decision = norm.reshape(1).float()                               # (1,) or (1 + P,)
+        if self._used_anywhere is not None:
+            decision = torch.cat([decision, self._used_anywhere.float()])
+        host_grad = {id(flat.master): flat.host_grad for flat in self.flats}
+        buffers = [host_grad[id(m)] for m in masters]
+        if self._decision_host is None:           # (1 + P,) fp32, pinned once for the run
+            flags = sum(len(flat.params) for flat in self.flats)
+            self._decision_host = host_buffer(decision.new_empty(1 + flags))
+        *grads, decision = gradients_to_host([*grads, decision],
+                                             [*buffers, self._decision_host[: decision.numel()]])
+        unscale_grads(grads, masters, scale)
+        self._used_anywhere = decision[1:] if self._used_anywhere is not None else None
+        self._unscaled = masters, decision[0]
+        return self._unscaled
 
     def master_ranges(self) -> list[tuple]:
         """(param, start, stop, master, offset): elements start:stop of param (flattened) have
@@ -258,14 +291,12 @@ class ZeroOptimizer(ShardedOptimizer):
         """This rank's gradient shards (reduced now, or in backward by stage 2), its masters."""
         self._reduce_gradients()
         buckets = [b for b in self.buckets if b.grad_shard is not None]
-        grads = [b.grad_shard for b in buckets]                          # (S,) each, on the device
-        if self.offload:
-            # ZeRO-Offload's step: gradients out, Adam on the CPU, parameters back in. It could
-            # overlap more: copy each shard out as its reduce-scatter retires in backward, step
-            # bucket i on the CPU while bucket i+1 is still on its way, or (the paper's delayed
-            # update) run the whole CPU step beside the next forward, the weights one step stale.
-            grads = gradients_to_host(grads, [b.host_grad for b in buckets])
-        return grads, [b.master for b in buckets]
+        # Offloaded (ZeRO-Offload), ShardedOptimizer._unscale copies them out, Adam steps on the
+        # CPU, and the parameters go back in. It could overlap more: copy each shard out as its
+        # reduce-scatter retires in backward, step bucket i on the CPU while bucket i+1 is still
+        # on its way, or (the paper's delayed update) run the whole CPU step beside the next
+        # forward, the weights one step stale.
+        return [b.grad_shard for b in buckets], [b.master for b in buckets]      # (S,) each
 
     def _write_back(self):
         self._all_gather_parameters()
@@ -283,7 +314,7 @@ class ZeroOptimizer(ShardedOptimizer):
                 # Round the fp32 master into the model. Offloaded, this is the host -> device copy:
                 # from pinned memory it is asynchronous, and the stream runs it before the
                 # clone below, so bucket i's all-gather overlaps bucket i+1's copy.
-                shard.copy_(bucket.master, non_blocking=True)
+                host_to_device(shard, bucket.master)
             # The input is a copy: it must not alias the buffer being gathered into.
             gathers.append(bucket.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
         for handle in gathers:
@@ -451,12 +482,38 @@ def step_message_bytes(n_params: int, world_size: int) -> int:
 def host_buffer(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """An empty (fp32) host tensor shaped like `like`, pinned when `like` is on a GPU: only from
     pinned (page-locked) memory can a copy run as a DMA transfer that does not block the CPU."""
-    return torch.empty(like.shape, dtype=dtype, pin_memory=like.is_cuda)
+    buffer = torch.empty(like.shape, dtype=dtype)
+    if like.is_cuda:
+        lock_pages(buffer)
+    return buffer
+
+
+def lock_pages(t: torch.Tensor):
+    """Pin t's own memory where it is (cudaHostRegister), until its storage is freed: exactly its
+    bytes, as memory.py counts them. torch.empty(..., pin_memory=True) would take a block of
+    torch's caching host allocator, rounded up to a power of two: up to twice the bytes, for
+    buffers held the whole run. (Copies from registered memory run asynchronously too.)"""
+    if t.nbytes == 0:
+        return
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0))
+    # The storage outlives this tensor object (a parameter's .data, views): unpin when it goes.
+    weakref.finalize(t.untyped_storage(), cudart.cudaHostUnregister, t.data_ptr())
 
 
 def host_copy(t: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """An (fp32) copy of `t` in (pinned) host memory."""
     return host_buffer(t, dtype).copy_(t.detach())
+
+
+def host_to_device(device_tensor: torch.Tensor, host: torch.Tensor):
+    """Copy a pinned host tensor into a device tensor (of another dtype: the fp32 master into a
+    16-bit shard) without the host waiting. torch converts a dtype on the source's side, and a
+    converted host tensor is pageable memory, which the host copies out itself: so the bytes
+    cross in the host's dtype, from pinned memory, and are rounded on the device."""
+    if host.dtype != device_tensor.dtype:
+        host = host.to(device_tensor.device, non_blocking=True)
+    device_tensor.copy_(host, non_blocking=True)
 
 
 def gradients_to_host(grads: list, buffers: list) -> list:

@@ -376,3 +376,60 @@ def _wrappers_freed():
 def test_wrappers_and_their_models_are_freed_when_dropped():
     for name, (wrapper, model) in run_ranks(_wrappers_freed, 1)[0].items():
         assert not wrapper and not model, f"{name}: wrapper alive {wrapper}, model alive {model}"
+
+
+# ---- gradient_as_bucket_view: backward writes into the buckets, no copy -------------------------
+
+def _grads_in_buckets():
+    import sys
+    import torch.distributed as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = _gpt()
+    ddp = DDP(model, bucket_mb=BUCKET_MB)
+    reference = _gpt({k: v.clone() for k, v in model.state_dict().items()})
+    batch = _batches(1, GLOBAL_BATCH)[0]
+    b = GLOBAL_BATCH // n
+    x, y = batch[rank * b:(rank + 1) * b, :-1], batch[rank * b:(rank + 1) * b, 1:]
+    opt = _adamw(model)
+    copies, copy_ = [], torch.Tensor.copy_
+
+    def counted_copy(self, *args, **kwargs):       # a copy made by ddp.py: a gradient copied in
+        if sys._getframe(1).f_code.co_filename.endswith("ddp.py"):
+            copies.append(self.numel())
+        return copy_(self, *args, **kwargs)
+    out = {"storage_before_backward": [], "storage_after_sync": [], "copied": []}
+    for step in range(2):          # the second after the first's zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+        loss = ddp(x, y)[1]
+        slots = {id(p): slot for p, slot in zip(ddp.params, ddp._slot)}
+        out["storage_before_backward"].append(all(
+            p.grad is not None and p.grad.data_ptr() == slots[id(p)].data_ptr() for p in ddp.params))
+        torch.Tensor.copy_ = counted_copy
+        try:
+            loss.backward()
+            ddp.finish_gradient_sync()
+        finally:
+            torch.Tensor.copy_ = copy_
+        out["copied"].append(sum(copies))
+        buffers = {bucket.grad_flat.untyped_storage().data_ptr() for bucket in ddp.buckets}
+        out["storage_after_sync"].append(all(p.grad.untyped_storage().data_ptr() in buffers
+                                             for p in ddp.params))
+        if step == 0:
+            out["grads"] = _grads(model)
+            opt.step()
+    reference(batch[:, :-1], batch[:, 1:])[1].backward()        # one process, the whole batch
+    out["reference"] = _grads(reference)
+    return out
+
+
+def test_gradients_are_views_into_the_buckets_and_never_copied():
+    """As PyTorch's gradient_as_bucket_view: after zero_grad(set_to_none=True) forward points
+    every .grad back at its slot, so the second step's backward accumulates into the bucket (0
+    elements copied by ddp.py; the first step, before any hook has fired, copies each gradient
+    in once), every .grad shares the bucket's storage after the sync, and the gradients equal
+    one process's on the whole batch (GRAD_TOL: the average's other order)."""
+    for out in run_ranks(_grads_in_buckets, 2):
+        assert out["storage_before_backward"] == [False, True]
+        assert out["storage_after_sync"] == [True, True]
+        assert out["copied"][0] > 0 and out["copied"][1] == out["copied"][0], out["copied"]
+        _assert_grads_close(out["grads"], out["reference"], "bucket-view gradients")

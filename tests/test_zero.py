@@ -935,3 +935,32 @@ def test_offload_equals_the_optimizer_on_the_device(launch, variant):
         assert off["masters_apart"] and off["inner_numels"] == off["shard_numels"], what
         assert off["inner_dtypes"] == [torch.float32] * len(off["shard_numels"]), what
         assert off["host_bytes"] == 16 * sum(off["shard_numels"]), what
+
+
+def test_offload_pins_exactly_the_bytes_it_holds(monkeypatch):
+    """Offload's host buffers are page-locked where they lie (cudaHostRegister, faked here: no
+    GPU), exactly their bytes, so the host holds what memory.py predicts; pin_memory=True would
+    round 12 MiB + 20 bytes up to a 16 MiB block. Unpinned once the storage is freed, not while
+    a parameter's .data still holds it."""
+    import gc
+    import types
+    import zero
+    calls = []
+    fake = types.SimpleNamespace(
+        cudaHostRegister=lambda ptr, size, flags: calls.append(("register", ptr, size)) or 0,
+        cudaHostUnregister=lambda ptr: calls.append(("unregister", ptr)) or 0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "check_error", lambda result: calls.append(("checked", result)))
+    numel = 3 * 2**20 + 5
+    buffer = zero.host_buffer(types.SimpleNamespace(shape=(numel,), is_cuda=True))   # a GPU's shard
+    ptr = buffer.data_ptr()
+    assert calls == [("register", ptr, 4 * numel), ("checked", 0)]
+    holder = torch.nn.Parameter(torch.zeros(1))
+    holder.data = buffer[1:]                     # FSDP's offloaded master: the storage lives on
+    del buffer
+    gc.collect()
+    assert ("unregister", ptr) not in calls
+    del holder
+    gc.collect()
+    assert calls[-1] == ("unregister", ptr)
+    assert zero.host_buffer(torch.zeros(4)).data_ptr() and len(calls) == 3    # CPU: nothing pinned
