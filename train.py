@@ -217,7 +217,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                          DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
                          stage_norm=grad_norm, local_tokens=cp.local_tokens if cp else None,
                          stage_sync=tp.finish_gradient_sync if tp and tp.partial else None,
-                         sequence_split=args.tp if args.sequence_parallel else 1)
+                         sequence_split=args.tp if args.sequence_parallel else 1, device=device)
         grad_norm = model.grad_norm
     if strategy is ddp:
         optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
