@@ -16,6 +16,7 @@ Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero
 Test: python -m pytest tests/test_train.py tests/test_snapshot.py
 """
 import contextlib
+import dis
 import json
 import math
 import os
@@ -272,6 +273,19 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     return model, optimizer, sent, held, cp
 
 
+def refused(error: ValueError) -> bool:
+    """Whether `error` is this project's refusal of its input: raised by a `raise` statement in one
+    of its files, which checked the input and names the fix. A ValueError that Python or torch
+    raised on the way (an unpacking that failed, a bad argument to a torch call) is a bug, whose
+    traceback must stay."""
+    last = error.__traceback__
+    while last.tb_next is not None:                   # the frame the error left from
+        last = last.tb_next
+    code = last.tb_frame.f_code
+    return (os.path.dirname(os.path.abspath(code.co_filename)) == os.path.dirname(os.path.abspath(__file__))
+            and dis.opname[code.co_code[last.tb_lasti]] == "RAISE_VARARGS")
+
+
 def _lora_config(args) -> dict | None:
     return dict(targets=args.lora_targets.split(","), rank=args.lora_rank, alpha=args.lora_alpha,
                 dropout=args.lora_dropout, quantize=args.quantize_base,
@@ -381,8 +395,10 @@ def main(argv=None, live_bytes: bool = False) -> dict:
     data_rank, data_size = mesh.dp.rank, mesh.dp.world_size
     try:
         gpt, model, optimizer, predicted, napkin, context = build(args, device, mesh)
-    except ValueError as e:                    # a strategy refused its input: same on every rank
-        raise RunError(str(e)) from None
+    except ValueError as e:
+        if not refused(e):
+            raise                              # a bug on the way: its traceback says where
+        raise RunError(str(e)) from None       # a strategy refused its input: same on every rank
     # Expert parallelism's groups: DDP's (it reduces the experts), or ZeRO's optimizer's.
     experts = getattr(model, "expert_group", None) or getattr(optimizer, "expert_group", None)
     # The ranks holding copies of the same parameters (dp x cp: a cp group's ranks hold whole
