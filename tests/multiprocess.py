@@ -4,9 +4,10 @@ run_ranks(fn, N, *args) starts N fresh processes (forked from a server that has 
 imported torch, so a launch costs about a second, not five), joins them with a FileStore
 (no ports to pick, so parallel tests never collide), runs fn(*args) on each with one
 thread (two cores), and returns every rank's result; run_ranks(train_logged, N, argv) runs
-train.py in them. A rank that raises fails the test
-with that rank's traceback; a rank that does not finish in `timeout` seconds (a hang)
-fails it too, and every process is killed: a broken collective never hangs the suite.
+train.py in them; with nccl=True each rank keeps NCCL's rules that gloo lets pass
+(nccl_rules, below). A rank that raises fails the test with that rank's traceback; a rank
+that does not finish in `timeout` seconds (a hang) fails it too, and every process is killed:
+a broken collective never hangs the suite.
 """
 import contextlib
 import io
@@ -110,6 +111,7 @@ def assert_mean_close(actual: dict, expected: dict, atol: float, what: str = "")
 # a tensor made on a device read from a host tensor (`device=master.device`) is host memory too.
 
 HOST = torch.device("cpu", 0)       # a "cpu" that is not the compute device's "cpu"
+_DEVICE_OF = torch.Tensor.device.__get__                     # what `tensor.device` calls
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor",
                "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "broadcast",
                "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv")
@@ -139,7 +141,7 @@ class _HostMemory(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if func == torch.Tensor.device.__get__:
+        if func == _DEVICE_OF:
             return HOST if self.holds(args[0]) else result
         inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         devices = [d for d in (*args, *kwargs.values()) if isinstance(d, torch.device)]
@@ -196,7 +198,7 @@ def nccl_rules(device=torch.device("cpu")):
 
     # Every module that imported host_buffer by name (fsdp.py does) gets the recording one too.
     holders = [m for m in list(sys.modules.values())
-               if vars(m).get("host_buffer") is original_host_buffer]
+               if m is not None and vars(m).get("host_buffer") is original_host_buffer]
     original = {name: getattr(dist, name) for name in (*COLLECTIVES, "batch_isend_irecv")}
     for name in COLLECTIVES:
         setattr(dist, name, checked(name, original[name]))

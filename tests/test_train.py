@@ -448,8 +448,9 @@ MESH_RUN = ["--steps", "4", "--log-every", "1", "--eval-every", "0", "--eval-bat
 
 
 def _run_mesh(directory, ranks: int, *flags):
-    """train.py on `ranks` ranks (in-process): its loss at every step, its exported whole-model
-    weights, and the bytes it sent by dimension beside their formulas at every step."""
+    """train.py on `ranks` ranks (in-process, under NCCL's rules: multiprocess.nccl_rules): its
+    loss at every step, its exported whole-model weights, and the bytes it sent by dimension
+    beside their formulas at every step."""
     export = directory / f"mesh-{ranks}-{'-'.join(flags)}.pt"
     history, out = run_ranks(train_logged, ranks, [*MESH_RUN, *flags, "--export", str(export)],
                              nccl=True)[0]
