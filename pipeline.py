@@ -280,7 +280,8 @@ class Pipeline:
         if self.local_tokens:
             x, y = self.local_tokens(x, y)
         with self._gathered():
-            return self._sum_over_stages(self._run(self.forward_actions, x, y))
+            loss = self._run(self.forward_actions, x, y)
+        return self._sum_over_stages(loss)
 
     def _sum_over_stages(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss lives on the last stage (with experts, each stage holds its routers' part):

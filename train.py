@@ -281,8 +281,8 @@ def refused(error: ValueError) -> bool:
     last = error.__traceback__
     while last.tb_next is not None:                   # the frame the error left from
         last = last.tb_next
-    code = last.tb_frame.f_code
-    return (os.path.dirname(os.path.abspath(code.co_filename)) == os.path.dirname(os.path.abspath(__file__))
+    code, here = last.tb_frame.f_code, os.path.dirname(os.path.abspath(__file__))
+    return (os.path.dirname(os.path.abspath(code.co_filename)) == here
             and dis.opname[code.co_code[last.tb_lasti]] == "RAISE_VARARGS")
 
 

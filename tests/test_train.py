@@ -609,22 +609,24 @@ def test_a_mesh_checkpoint_resumes_on_one_process(tmp_path, one_process_run, ran
 
 # ---- NCCL's rules on the CPU (multiprocess.nccl_rules), and bugs that keep their traceback -------
 
-def _offloaded_pipelines():
+def _offloaded_pipelines(root):
     """FSDP with --offload optimizer, then params (ring collectives), in a 2-stage pipeline, under
     NCCL's rules: every tensor a collective is given is on the device (the bubbles' metric took
-    its device from FSDP's masters, on the host when offloaded), and each batch of the ring's
-    messages is one work. Losses (every step: its bubbles measured) and one process's."""
+    its device from FSDP's masters, on the host when offloaded; a checkpoint's checks read the
+    offloaded masters), and each batch of the ring's messages is one work. Per run: its losses
+    and the bubbles measured at every step."""
     import train
     runs = {}
     for offload, collectives in (("optimizer", "native"), ("params", "ring")):
         history = train.main([*MESH_RUN, "--pp", "2", "--strategy", "fsdp", "--offload", offload,
-                              "--collectives", collectives])
+                              "--collectives", collectives, "--out", os.path.join(root, offload),
+                              "--save-every", "2"])
         runs[offload] = [history["losses"][s] for s in sorted(history["losses"])], history["bubble"]
     return runs
 
 
-def test_offloaded_fsdp_pipeline_keeps_nccl_rules(one_process_run):
-    runs = run_ranks(_offloaded_pipelines, 2, nccl=True)[0]
+def test_offloaded_fsdp_pipeline_keeps_nccl_rules(one_process_run, tmp_path):
+    runs = run_ranks(_offloaded_pipelines, 2, str(tmp_path), nccl=True)[0]
     for offload, (losses, bubbles) in runs.items():
         # fp32: the pipeline's sums reordered against one process's, as the mesh tests
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_process_run[0]), rtol=1e-5,
