@@ -15,6 +15,7 @@ Test: python -m pytest tests/test_collectives.py
 Shapes: N ranks in the group, r this rank, L elements in the tensor, c = ceil(L / N)
 elements per chunk; rank r's neighbours on the ring are r - 1 (left) and r + 1 (right).
 """
+import functools
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -79,8 +80,8 @@ class Comm:
         self.bytes_sent = bytes_sent if bytes_sent is not None else Counter()
         if ring:
             # Ring messages get a private communicator, so they never interleave with native
-            # collectives on the same group, and one worker thread, so every rank runs its
-            # ring collectives in the order they were issued (the order the peers expect).
+            # collectives on the same group; they are launched by the process's one launcher
+            # thread (_launcher), in the order they were issued (the order the peers expect).
             # Creating a group is collective over the whole world (new_group's rule; NCCL
             # with a bound device splits it from the world's communicator, every rank
             # joining), so only the world's Comm makes its own here; subgroups() makes the rest.
@@ -91,8 +92,6 @@ class Comm:
                                      "rank's groups on every rank")
                 p2p_group = dist.new_group(dist.get_process_group_ranks(self.group))
             self._p2p_group = p2p_group
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ring")
-            self._ring_streams = {}               # CUDA: the worker's stream, per device
             self._workspaces = {}                 # (dtype, device) -> the ring's scratch buffer
             self.segment_bytes = segment_bytes
 
@@ -164,10 +163,12 @@ class Comm:
         """Post sends and receives together: ops is a list of ("send" | "recv", tensor, peer),
         peer a rank of this group; wait() before reading a receive's tensor or reusing a send's.
 
-        One dist.batch_isend_irecv: under NCCL one group of p2p calls, which run together.
-        Separate calls would run one after another on the p2p stream (schedules.py's
-        run_under_nccl says why that can deadlock). Messages between two ranks are matched in
-        the order they were posted, so shape and dtype of each receive must match its send.
+        One dist.batch_isend_irecv: under NCCL one group of p2p calls, which run together
+        (and one work for all of them). Separate calls would run one after another on the p2p
+        stream (schedules.py's run_under_nccl says why that can deadlock). Messages between two
+        ranks are matched in the order they were posted, so shape and dtype of each receive
+        must match its send. With ring collectives the launcher thread posts them, after every
+        ring message issued before (_launcher says why).
         """
         p2p = []
         for kind, tensor, peer in ops:
@@ -175,7 +176,12 @@ class Comm:
                 self.bytes_sent["send"] += tensor.nbytes
             p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor,
                                   group=self.group, group_peer=peer))
-        works = dist.batch_isend_irecv(p2p) if p2p else []
+        if not p2p:
+            return Handle(lambda: None)
+        if self.ring:
+            posted = _launcher().submit(dist.batch_isend_irecv, [op.tensor for op in p2p], p2p)
+            return Handle(lambda: [work.wait() for work in posted()])
+        works = dist.batch_isend_irecv(p2p)
         return Handle(lambda: [work.wait() for work in works])
 
     # ---- the ring versions, from send/recv --------------------------------------------
@@ -285,6 +291,8 @@ class Comm:
         posts in one order, (step 0, segment 0), (0, 1), ..., (1, 0), ..., each segment's send
         and receive in one batch_isend_irecv: under NCCL two ranks' p2p calls run in the order
         posted, and a ring whose sends went out alone would wait for receives not yet posted.
+        NCCL coalesces the batch and returns one work for both (gloo one each): every work
+        the batch returns is waited on.
         """
         n = self.world_size
         if not steps:                                      # a world of one: nothing to send
@@ -302,13 +310,13 @@ class Comm:
         for s, (_, recv, add, out) in enumerate(split):
             # avg: divide once, where a chunk's sum is complete (the reduce-scatter's last step)
             divide = op == "avg" and add is not None and (s + 1 == len(steps) or steps[s + 1].add is None)
-            for j, (sent, received) in enumerate(in_flight):
-                received.wait()
+            for j, works in enumerate(in_flight):
+                for work in works:   # the segment arrived, and the one sent may be overwritten
+                    work.wait()
                 if add is not None:
                     _combine(out[j], add[j], recv[j], op)
                     if divide:
                         out[j].div_(n)
-                sent.wait()          # reduced while the send completed; its chunk may be reused
                 if s + 1 < len(steps):
                     in_flight[j] = post(s + 1, j)
 
@@ -327,8 +335,8 @@ class Comm:
     def _workspace(self, like: torch.Tensor, *sizes: int) -> list:
         """Buffers of these sizes (like's dtype and device), carved from one buffer this Comm
         keeps and reuses call after call, grown when a call needs more: no allocation per
-        call or step. Sharing it is safe because one worker thread (on CUDA, its one stream)
-        runs this Comm's ring collectives one after another."""
+        call or step. Sharing it is safe because one thread (on CUDA, its one stream), the
+        launcher's, runs the ring collectives one after another."""
         key = (like.dtype, like.device)
         if key not in self._workspaces or self._workspaces[key].numel() < sum(sizes):
             self._workspaces[key] = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
@@ -338,32 +346,7 @@ class Comm:
         return dist.P2POp(fn, tensor, group=self._p2p_group, group_peer=group_peer)
 
     def _run_ring(self, fn, async_op, *args):
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not tensors or not tensors[0].is_cuda:
-            future = self._worker.submit(_no_grad, fn, *args)
-            wait = future.result
-        else:
-            # No host synchronize (it would end all overlap): the worker's stream waits for the
-            # caller's with an event, and waiting on the handle makes the caller's stream wait
-            # for the worker's in turn.
-            ready, device = torch.cuda.Event(), tensors[0].device
-            ready.record()
-
-            def run():
-                torch.cuda.set_device(device)              # a new thread starts on GPU 0
-                stream = self._ring_streams.setdefault(device, torch.cuda.Stream(device))
-                stream.wait_event(ready)
-                with torch.cuda.stream(stream):
-                    for t in tensors:                      # freed by the caller: not reused early
-                        t.record_stream(stream)
-                    _no_grad(fn, *args)
-                    done = torch.cuda.Event()
-                    done.record(stream)
-                return done
-            future = self._worker.submit(run)
-
-            def wait():
-                torch.cuda.current_stream().wait_event(future.result())
+        wait = _launcher().submit(fn, [a for a in args if isinstance(a, torch.Tensor)], *args)
         if async_op:
             return Handle(wait)
         wait()
@@ -372,6 +355,62 @@ class Comm:
         # The native library does not report what it sent: count what the ring sends.
         self.bytes_sent[name] += ring_bytes(name, numel, element_size, self.world_size,
                                             self.rank, root)
+
+
+class _Launcher:
+    """The one thread of this process that launches ring messages: every ring Comm's collectives
+    (each run to its end before the next starts) and, with ring collectives, every exchange().
+
+    NCCL requires every rank to launch on its communicators in one order: two ranks that launch
+    on communicators A and B in opposite orders can each wait in one for the other. One thread
+    per Comm would race its messages against other Comms' threads and the caller's own launches
+    differently on each rank. Here they leave in the order they were submitted, and they are
+    submitted by the main thread, or by autograd's while the main thread waits in backward()
+    (the hooks of DDP, ZeRO-2, FSDP, context parallelism's backward): one sequence, the same
+    program order on every rank. A native call made apart (a set-up's, a metric's) comes when
+    nothing submitted here is still unfinished: after a blocking collective or a step's waits.
+    """
+
+    def __init__(self):
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ring")
+        self._streams = {}                         # CUDA: the thread's own stream, per device
+
+    def submit(self, fn, tensors: list, *args):
+        """Run fn(*args) on the thread, after everything submitted before, autograd off; return
+        wait(), which blocks until it is done and returns fn's result. tensors: those fn reads
+        and writes (CUDA: the thread's stream starts after the caller's work on them, and
+        wait() makes the caller's stream wait for the thread's, with no host synchronize)."""
+        if not tensors or not tensors[0].is_cuda:
+            return self._thread.submit(_no_grad, fn, *args).result
+        ready, device = torch.cuda.Event(), tensors[0].device
+        ready.record()
+
+        def run():
+            torch.cuda.set_device(device)                  # a new thread starts on GPU 0
+            if device not in self._streams:                # one stream, made once
+                self._streams[device] = torch.cuda.Stream(device)
+            stream = self._streams[device]
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                for t in tensors:                          # freed by the caller: not reused early
+                    t.record_stream(stream)
+                result = _no_grad(fn, *args)
+                done = torch.cuda.Event()
+                done.record(stream)
+            return result, done
+        future = self._thread.submit(run)
+
+        def wait():
+            result, done = future.result()
+            torch.cuda.current_stream().wait_event(done)
+            return result
+        return wait
+
+
+@functools.cache
+def _launcher() -> _Launcher:
+    """This process's launcher, made at its first use (a thread does not survive a fork)."""
+    return _Launcher()
 
 
 def split_norm(grads: list, comm: Comm, device) -> torch.Tensor:

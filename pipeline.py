@@ -190,12 +190,15 @@ class Pipeline:
     stage_sync, called after the module's finish_gradient_sync (a tensor-parallel stage's, which
     sums its partial gradients over the tensor group); sequence_split, the parts each activation
     is cut into along T (sequence parallelism: a stage sends its rank's (b, T/tp, hidden)).
+    device: where the stage computes, and so where every tensor it hands a collective lives
+    (NCCL moves device memory only); default: where the module's first parameter is, which is
+    the host for FSDP's offloaded masters: pass it then.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
                  hidden: int, dtype: torch.dtype, tied: nn.Parameter | None = None,
                  virtual_stages: int = 1, stage_norm=None, local_tokens=None, stage_sync=None,
-                 sequence_split: int = 1):
+                 sequence_split: int = 1, device=None):
         self.module, self.comm, self.M = module, comm, microbatches
         self.stage_norm, self.local_tokens = stage_norm, local_tokens
         self.stage_sync, self.sequence_split = stage_sync, sequence_split
@@ -213,7 +216,7 @@ class Pipeline:
         # NCCL: a batch_isend_irecv may be a group's first call only if every rank of the group
         # joins it (torch's documentation); the stages' first groups differ, so one small
         # all-reduce creates the communicator on every stage first (a set-up call, not counted).
-        device = next(module.parameters()).device
+        self.device = device = device or next(module.parameters()).device
         dist.all_reduce(torch.zeros(1, device=device), group=comm.group)
         self.hidden, self.dtype = hidden, dtype
         self.tied = tied if self.P > 1 else None
@@ -269,7 +272,7 @@ class Pipeline:
             self.stage_sync()
         if self.tied is not None and not sum_tied_first:   # the embedding's + the head's gradient
             self.ends.all_reduce(self.tied.grad)
-        return loss
+        return self._sum_over_stages(loss)
 
     @torch.no_grad()
     def evaluate(self, x, y) -> torch.Tensor:
@@ -277,7 +280,16 @@ class Pipeline:
         if self.local_tokens:
             x, y = self.local_tokens(x, y)
         with self._gathered():
-            return self._run(self.forward_actions, x, y)
+            loss = self._run(self.forward_actions, x, y)
+        return self._sum_over_stages(loss)
+
+    def _sum_over_stages(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss lives on the last stage (with experts, each stage holds its routers' part):
+        every stage returns the sum (a metric: not counted). Called once the step's reductions
+        are over: with ring collectives none is then still to be launched, so this native call
+        keeps every rank's one launch order (collectives._Launcher)."""
+        dist.all_reduce(loss, group=self.comm.group)
+        return loss
 
     def _gathered(self):
         """FSDP's units stay gathered through the step (fsdp.FSDP.gathered_for_step): a schedule
@@ -307,8 +319,7 @@ class Pipeline:
 
     def measured_bubbles(self) -> list[float]:
         """Each stage's idle share of its last step, 1 - busy / wall (collective: every stage)."""
-        times = torch.tensor([self.busy, self.wall], dtype=torch.float64,
-                             device=next(self.module.parameters()).device)
+        times = torch.tensor([self.busy, self.wall], dtype=torch.float64, device=self.device)
         every = [torch.zeros_like(times) for _ in range(self.P)]
         dist.all_gather(every, times, group=self.comm.group)      # a metric: not counted
         return [1 - (busy / wall).item() for busy, wall in every]
@@ -389,10 +400,7 @@ class Pipeline:
         for handle in sends:
             handle.wait()
         self.wall = self._clock(measure) - start
-        # The loss lives on the last stage (with experts, each stage holds its routers' part):
-        # every stage returns the sum (a metric: not counted).
-        dist.all_reduce(loss, group=self.comm.group)
-        return loss
+        return loss                                   # this stage's part: _sum_over_stages
 
     def _communicate(self, item, inputs, outputs, grads, posted, sends, shape, device):
         """A ("post", group) of nccl_program: one exchange() of the group's sends and receives;

@@ -16,6 +16,7 @@ Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero
 Test: python -m pytest tests/test_train.py tests/test_snapshot.py
 """
 import contextlib
+import dis
 import json
 import math
 import os
@@ -227,7 +228,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                          DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
                          stage_norm=grad_norm, local_tokens=cp.local_tokens if cp else None,
                          stage_sync=tp.finish_gradient_sync if tp and tp.partial else None,
-                         sequence_split=args.tp if args.sequence_parallel else 1)
+                         sequence_split=args.tp if args.sequence_parallel else 1, device=device)
         grad_norm = model.grad_norm
     if strategy is ddp:
         optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
@@ -280,6 +281,19 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                            data.world_size, n_params=None if gpt.cfg.experts else n_params + trainable,
                            shard_group=mesh.shard.world_size if mesh.shard else None)
     return model, optimizer, sent, held, cp
+
+
+def refused(error: ValueError) -> bool:
+    """Whether `error` is this project's refusal of its input: raised by a `raise` statement in one
+    of its files, which checked the input and names the fix. A ValueError that Python or torch
+    raised on the way (an unpacking that failed, a bad argument to a torch call) is a bug, whose
+    traceback must stay."""
+    last = error.__traceback__
+    while last.tb_next is not None:                   # the frame the error left from
+        last = last.tb_next
+    code, here = last.tb_frame.f_code, os.path.dirname(os.path.abspath(__file__))
+    return (os.path.dirname(os.path.abspath(code.co_filename)) == here
+            and dis.opname[code.co_code[last.tb_lasti]] == "RAISE_VARARGS")
 
 
 def _lora_config(args) -> dict | None:
@@ -426,8 +440,10 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
     data_rank, data_size = mesh.dp.rank, mesh.dp.world_size
     try:
         gpt, model, optimizer, predicted, napkin, context = build(args, device, mesh)
-    except ValueError as e:                    # a strategy refused its input: same on every rank
-        raise RunError(str(e)) from None
+    except ValueError as e:
+        if not refused(e):
+            raise                              # a bug on the way: its traceback says where
+        raise RunError(str(e)) from None       # a strategy refused its input: same on every rank
     # Expert parallelism's groups: DDP's (it reduces the experts), or ZeRO's optimizer's.
     experts = getattr(model, "expert_group", None) or getattr(optimizer, "expert_group", None)
     # The ranks holding copies of the same parameters (dp x cp: a cp group's ranks hold whole

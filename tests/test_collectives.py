@@ -211,3 +211,17 @@ def test_all_to_all_ring_equals_native_and_bytes_equal_formula(world_size):
         sent_rows = sum(_rows_for(rank, dest) for dest in range(world_size) if dest != rank)
         assert out["formula"] == sent_rows * 3 * 4, what
         assert out["ring bytes"] == out["native bytes"] == out["formula"], what
+
+
+# ---- NCCL's rules on the CPU (multiprocess.nccl_rules) -----------------------------------------
+
+@pytest.mark.parametrize("world_size", [3])
+def test_ring_runs_under_nccl_rules(world_size):
+    """Under NCCL a batch of p2p messages is coalesced into one work: the ring waits on whatever
+    works a batch returns (it unpacked two, a send's and a receive's, and died at its first
+    collective). Every collective, async included, equals the native one exactly (integers)."""
+    for rank, results in enumerate(run_ranks(_all_collectives, world_size, "float32", True, nccl=True)):
+        for what, (ring, native) in results.items():
+            assert torch.equal(ring, native), f"N={world_size} rank {rank} {what}"
+    for rank, out in enumerate(run_ranks(_all_to_alls, world_size, nccl=True)):
+        assert torch.equal(out["ring"], out["expected"]) and torch.equal(out["equal ring"], out["equal native"])

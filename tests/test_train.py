@@ -540,10 +540,12 @@ MESH_RUN = ["--steps", "4", "--log-every", "1", "--eval-every", "0", "--eval-bat
 
 
 def _run_mesh(directory, ranks: int, *flags):
-    """train.py on `ranks` ranks (in-process): its loss at every step, its exported whole-model
-    weights, and the bytes it sent by dimension beside their formulas at every step."""
+    """train.py on `ranks` ranks (in-process, under NCCL's rules: multiprocess.nccl_rules): its
+    loss at every step, its exported whole-model weights, and the bytes it sent by dimension
+    beside their formulas at every step."""
     export = directory / f"mesh-{ranks}-{'-'.join(flags)}.pt"
-    history, out = run_ranks(train_logged, ranks, [*MESH_RUN, *flags, "--export", str(export)])[0]
+    history, out = run_ranks(train_logged, ranks, [*MESH_RUN, *flags, "--export", str(export)],
+                             nccl=True)[0]
     losses = [history["losses"][step] for step in sorted(history["losses"])]
     return losses, torch.load(export, weights_only=True)["state_dict"], history.get("sent", {}), out
 
@@ -695,3 +697,62 @@ def test_a_mesh_checkpoint_resumes_on_one_process(tmp_path, one_process_run, ran
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected_losses[2:]), rtol=1e-5, atol=0)
     assert_tensors_close(torch.load(export, weights_only=True)["state_dict"], expected_weights,
                          rtol=0, atol=1e-5, what=f"{' '.join(flags)} on {ranks} ranks, resumed on one")
+
+
+# ---- NCCL's rules on the CPU (multiprocess.nccl_rules), and bugs that keep their traceback -------
+
+def _offloaded_pipelines(root):
+    """FSDP with --offload optimizer, then params (ring collectives), in a 2-stage pipeline, under
+    NCCL's rules: every tensor a collective is given is on the device (the bubbles' metric took
+    its device from FSDP's masters, on the host when offloaded; a checkpoint's checks read the
+    offloaded masters), and each batch of the ring's messages is one work. Per run: its losses
+    and the bubbles measured at every step."""
+    import train
+    runs = {}
+    for offload, collectives in (("optimizer", "native"), ("params", "ring")):
+        history = train.main([*MESH_RUN, "--pp", "2", "--strategy", "fsdp", "--offload", offload,
+                              "--collectives", collectives, "--out", os.path.join(root, offload),
+                              "--save-every", "2"])
+        runs[offload] = [history["losses"][s] for s in sorted(history["losses"])], history["bubble"]
+    return runs
+
+
+def test_offloaded_fsdp_pipeline_keeps_nccl_rules(one_process_run, tmp_path):
+    runs = run_ranks(_offloaded_pipelines, 2, str(tmp_path), nccl=True)[0]
+    for offload, (losses, bubbles) in runs.items():
+        # fp32: the pipeline's sums reordered against one process's, as the mesh tests
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_process_run[0]), rtol=1e-5,
+                                   atol=0, msg=lambda m: f"--offload {offload}: {m}")
+        assert sorted(bubbles) == [0, 1, 2, 3] and all(len(b) == 2 for b in bubbles.values()), bubbles
+
+
+def _build_failures():
+    """train.main's error when building fails by a refusal (a LoRA rank the model cannot take)
+    and by a bug on the way (a strategy's builder that returns too little: Python's own
+    ValueError, from an unpacking in train.py): (type, message, traceback) of each."""
+    import traceback
+    import fsdp
+    import train
+    out = {}
+    for name, argv in (("refusal", ["--lora", "--lora-rank", "1000"]), ("bug", ["--strategy", "fsdp"])):
+        if name == "bug":
+            fsdp.build = lambda *args: (None, None)
+        try:
+            train.main([*MESH_RUN, *argv])
+        except ValueError as e:
+            out[name] = type(e).__name__, str(e), "".join(traceback.format_exception(e))
+        except train.RunError as e:
+            out[name] = type(e).__name__, str(e), "".join(traceback.format_exception(e))
+    return out
+
+
+def test_only_a_refusal_reads_as_a_usage_error():
+    """A strategy's refusal stops the run as a RunError (one line: train.py's main prints it with
+    no traceback); a ValueError of a bug while building stays itself, traceback and all."""
+    out = run_ranks(_build_failures, 1)[0]
+    kind, message, trace = out["refusal"]
+    assert kind == "RunError" and message.startswith("LoRA rank 1000 must be between 1"), out
+    assert "lora.py" not in trace, trace               # raised from None: no chain to print
+    kind, message, trace = out["bug"]
+    assert kind == "ValueError" and "not enough values to unpack" in message, out
+    assert 'train.py", line' in trace and "in build" in trace, trace
