@@ -16,12 +16,12 @@ Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero
 Test: python -m pytest tests/test_train.py tests/test_snapshot.py
 """
 import contextlib
-import dis
 import json
 import math
 import os
 import sys
 import time
+import traceback
 import warnings
 
 # torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy, and
@@ -284,16 +284,13 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
 
 
 def refused(error: ValueError) -> bool:
-    """Whether `error` is this project's refusal of its input: raised by a `raise` statement in one
-    of its files, which checked the input and names the fix. A ValueError that Python or torch
-    raised on the way (an unpacking that failed, a bad argument to a torch call) is a bug, whose
+    """Whether `error` is this project's refusal of its input: a `raise` statement in one of its
+    files, which checked the input and names the fix. A ValueError that Python or torch raised
+    on the way (an unpacking that failed, a bad argument to a torch call) is a bug, whose
     traceback must stay."""
-    last = error.__traceback__
-    while last.tb_next is not None:                   # the frame the error left from
-        last = last.tb_next
-    code, here = last.tb_frame.f_code, os.path.dirname(os.path.abspath(__file__))
-    return (os.path.dirname(os.path.abspath(code.co_filename)) == here
-            and dis.opname[code.co_code[last.tb_lasti]] == "RAISE_VARARGS")
+    where = traceback.extract_tb(error.__traceback__)[-1]          # the frame it left from
+    ours = os.path.dirname(os.path.abspath(where.filename)) == os.path.dirname(os.path.abspath(__file__))
+    return ours and where.line.startswith("raise ")
 
 
 def _lora_config(args) -> dict | None:
