@@ -92,6 +92,9 @@ def test_one_expert_top_1_dropless_is_the_dense_mlp_exactly():
     dict(experts=4, top_k=2, capacity_factor=1.0),                 # drops second choices
     dict(experts=4, top_k=2, capacity_factor=0.5),                 # drops first choices too
     dict(experts=4, top_k=2, capacity_factor=1.0, group_size=6),   # 4 routing groups of 6 tokens
+    # Fractional capacities, where rounding down (or to nearest) keeps one fewer than ceil:
+    dict(experts=4, top_k=2, capacity_factor=1.1),                 # K = ceil(13.2) = 14, a queue of 15
+    dict(experts=4, top_k=2, capacity_factor=1.1, group_size=6),   # K = ceil(3.3) = 4, queues of 5, 6
 ])
 def test_equals_a_loop_over_tokens(options):
     """Outputs, input gradients, router and expert gradients equal the loop's (fp32, 1e-6), and
