@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from collectives import Comm, Handle
 from ddp import DDP, all_reduce_gradients
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
@@ -376,3 +377,102 @@ def _wrappers_freed():
 def test_wrappers_and_their_models_are_freed_when_dropped():
     for name, (wrapper, model) in run_ranks(_wrappers_freed, 1)[0].items():
         assert not wrapper and not model, f"{name}: wrapper alive {wrapper}, model alive {model}"
+
+
+# ---- overlap, from below: the reductions each strategy promises to keep in flight ----------------
+
+class _CountingComm(Comm):
+    """The world's native Comm, counting its async collectives launched and not yet waited for,
+    by name: what a strategy has on the wire while backward computes on."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_flight = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+
+    def _counted(self, name, handle):
+        self.in_flight[name] += 1
+
+        def wait():
+            handle.wait()
+            self.in_flight[name] -= 1
+        return Handle(wait)
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        handle = super().all_reduce(tensor, op, async_op)
+        return self._counted("all_reduce", handle) if async_op else handle
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        handle = super().reduce_scatter(output, input, op, async_op)
+        return self._counted("reduce_scatter", handle) if async_op else handle
+
+    def all_gather(self, output, input, async_op=False):
+        handle = super().all_gather(output, input, async_op)
+        return self._counted("all_gather", handle) if async_op else handle
+
+
+def _in_flight_during_backward():
+    """One backward of the GPT under DDP, ZeRO-2 and FSDP (prefetch 1), sampling the reductions
+    in flight as each gradient arrives (a hook registered after the strategy's, so it sees what
+    the strategy did with that gradient) and, for FSDP, the all-gathers in flight while each
+    unit computes (a forward pre-hook after FSDP's, and the backward's gradient hooks)."""
+    from fsdp import FSDP
+    from zero import ZeroOptimizer
+    rows = _batches(1, 2)[0]                                             # (2, T+1)
+    x, y = rows[:, :-1], rows[:, 1:]
+    out = {}
+
+    def sample(model, params, name, key):
+        out[key] = []
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda _: out[key].append(comm.in_flight[name]))
+        model(x, y)[1].backward()
+
+    comm = _CountingComm()
+    ddp = DDP(_gpt(), comm, bucket_mb=BUCKET_MB)
+    sample(ddp, ddp.module.parameters(), "all_reduce", "ddp")
+    out["ddp_after_backward"], out["ddp_buckets"] = comm.in_flight["all_reduce"], len(ddp.buckets)
+    ddp.finish_gradient_sync()
+
+    comm = _CountingComm()
+    gpt = _gpt()
+    zero2 = ZeroOptimizer(gpt.parameters(), stage=2, group=comm, bucket_mb=BUCKET_MB)
+    sample(gpt, gpt.parameters(), "reduce_scatter", "zero2")
+    out["zero2_buckets"] = len(zero2.buckets)
+
+    comm = _CountingComm()
+    fsdp = FSDP(_gpt(), group=comm, prefetch=1)
+    out["fsdp_gathers_forward"] = []
+    for unit in fsdp.order:
+        unit.module.register_forward_pre_hook(
+            lambda *_: out["fsdp_gathers_forward"].append(comm.in_flight["all_gather"]))
+    gathers_backward = out["fsdp_gathers_backward"] = []
+    for unit in fsdp.order:
+        for p in unit.params:
+            p.register_post_accumulate_grad_hook(
+                lambda _, u=unit.index: gathers_backward.append((u, comm.in_flight["all_gather"])))
+    sample(fsdp, fsdp.module.parameters(), "reduce_scatter", "fsdp")
+    out["fsdp_units"], out["fsdp_order"] = len(fsdp.reduce_order), [u.index for u in fsdp.order]
+    return out
+
+
+def test_reductions_in_flight_reach_what_each_strategy_promises():
+    """Overlap bounded from below (the memory tests bound it from above): DDP keeps every
+    bucket's all-reduce in flight until finish_gradient_sync (none waited during backward);
+    ZeRO-2 and FSDP keep MAX_REDUCTIONS_IN_FLIGHT reduce-scatters in flight once that many have
+    launched, never fewer; FSDP with prefetch 1 has the next unit's all-gather in flight while
+    each unit but the last computes, in forward and in backward."""
+    from zero import MAX_REDUCTIONS_IN_FLIGHT
+    for rank, out in enumerate(run_ranks(_in_flight_during_backward, 2)):
+        # DDP: in flight at each gradient = buckets launched so far, all of them after backward
+        assert out["ddp"] == sorted(out["ddp"]) and out["ddp_buckets"] >= 3, out["ddp"]
+        assert out["ddp_after_backward"] == out["ddp_buckets"], (rank, out["ddp_after_backward"])
+        for name in ("zero2", "fsdp"):
+            assert out[f"{name}_{'buckets' if name == 'zero2' else 'units'}"] > MAX_REDUCTIONS_IN_FLIGHT
+            assert max(out[name]) == MAX_REDUCTIONS_IN_FLIGHT, (rank, name, out[name])
+            # once K are in flight, each later launch retires the oldest: K stay in flight
+            reached = out[name].index(MAX_REDUCTIONS_IN_FLIGHT)
+            assert min(out[name][reached:]) == MAX_REDUCTIONS_IN_FLIGHT, (rank, name, out[name])
+        # FSDP's prefetch: forward order 0, 1, ..., last; backward the reverse
+        assert out["fsdp_gathers_forward"] == [1] * (len(out["fsdp_order"]) - 1) + [0], out
+        first = out["fsdp_order"][0]
+        assert all(n == (0 if unit == first else 1) for unit, n in out["fsdp_gathers_backward"]), out
