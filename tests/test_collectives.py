@@ -180,7 +180,7 @@ def dist_world_size():
     return dist.get_world_size()
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ring_reuses_one_workspace(world_size):
     for first, later in run_ranks(_workspace_after_calls, world_size):
         assert list(first) == [(torch.float32, torch.device("cpu"))] and later == first
