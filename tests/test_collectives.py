@@ -112,7 +112,8 @@ def test_reduce_scatter_every_op_and_all_gather_equal_the_reference():
                                       for i in range(n)])                 # (N, L): chunk r of each rank
                 total = chunks.sum(0)
                 expected = {"sum": total, "avg": total / n, "max": chunks.max(0).values}
-                whole = torch.cat([_inputs(i, length * n, torch.float32, integers)[:length] for i in range(n)])
+                whole = torch.cat([_inputs(i, length * n, torch.float32, integers)[:length]
+                                   for i in range(n)])                    # (N*L,)
                 for name in ("native", "ring"):
                     # integers: exact in any order; random fp32: three terms summed in another order
                     tol = 0 if integers else 1e-6

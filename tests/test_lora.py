@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 import train
-from lora import (LoRALinear, QLoRALinear, adapter_bytes, apply_lora, fold_adapters, load_lora, lora_state_dict,
-                  merge_lora, unmerge_lora)
+from lora import (LoRALinear, QLoRALinear, adapter_bytes, apply_lora, fold_adapters, load_lora,
+                  lora_state_dict, merge_lora, unmerge_lora)
 from memory import held_bytes, state_bytes
 from mixed_precision import MixedPrecisionOptimizer
 from model import GPT, PRESETS

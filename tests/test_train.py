@@ -584,7 +584,8 @@ def test_memory_py_predicts_every_stage_with_a_tied_head(tmp_path, flags):
     from model import PRESETS
     histories = _run_mesh(tmp_path, 4, *flags, "--steps", "2", train=_train_tied)[4]
     _assert_every_rank_holds_and_sends_its_formulas(histories)
-    _assert_memory_py_agrees(4, flags, histories, cfg=dataclasses.replace(PRESETS["tiny"], tie_embeddings=True))
+    tied = dataclasses.replace(PRESETS["tiny"], tie_embeddings=True)
+    _assert_memory_py_agrees(4, flags, histories, cfg=tied)
 
 
 @pytest.fixture(scope="module")
