@@ -510,7 +510,8 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
     are all-reduced once a step (zero2, zero3 or beside cp: every micro-batch).
     cp: cp_kv_bytes per block and micro-batch, K and V C/tp wide.
     pp: one (b, T/cp, C) activation or gradient per send in the stage's schedule (sequence
-    parallel: T/cp/tp), a norm fp32.
+    parallel: T/cp/tp), a norm fp32; at the two ends of a tied head, the tied weight's gradient
+    (V C / tp) summed between them, one all-reduce of 2 ranks.
     dp: comm_bytes of this rank's parameters (mesh_params) over dp x cp ranks, in the padding-free
     napkin form (real buckets pad each message to dp x cp chunks: a few elements more); ZeRO-2
     reduce-scatters every micro-batch; zero3 in a pipeline gathers once a step (2 (N-1)/N);
@@ -540,6 +541,8 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
     if pp > 1:
         sends = sum(action.kind.startswith("send") for action in chunks)
         sent["pp"] = sends * (m // tp if sequence_parallel else m) * C * size + ring_bytes("all_reduce", 1, 4, pp)
+        if cfg.tie_embeddings and (first or last):          # pipeline.Pipeline's ends group
+            sent["pp"] += ring_bytes("all_reduce", cfg.vocab_size * C // tp, size, 2)
     if dp * cp > 1:
         n_params = mesh_params(cfg, tp, blocks, first, last)
         sent["dp"] = sum(comm_bytes(n_params, strategy, precision, dp * cp,

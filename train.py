@@ -481,7 +481,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
         f"{napkin['total'] / 2**20:.1f}" + (f" on the device, {napkin['host'] / 2**20:.1f} in CPU "
                                             f"memory (--offload)" if args.offload else ""))
 
-    history = {"losses": {}, "live_bytes": {}}
+    history = {"losses": {}, "live_bytes": {}, "napkin": napkin, "held": {}}     # this rank's
     if device.type == "cuda":
         # Set-up held more than training does (the whole fp32 model before ZeRO or FSDP
         # sharded it): the logged peak starts here, and again after each logged step.
@@ -525,6 +525,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
             host = held.pop("host", None)                           # --offload: CPU memory
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else sum(held.values())
             history["losses"][step] = loss
+            history["held"][step] = {**held, **({"host": host} if host else {})}
             if live_bytes and device.type == "cpu":
                 history["live_bytes"][step] = live_tensor_bytes()
             sent = {**mesh.sent(), "world": sum(comm.bytes_sent.values())}

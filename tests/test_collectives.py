@@ -81,6 +81,49 @@ def test_ring_equals_native(world_size):
                         msg=lambda m: f"N={world_size} rank {rank} {dtype} {what}: {m}")
 
 
+def _shard_collectives(integers):
+    """Every op of reduce-scatter, and all-gather (async), native and ring: this rank's results,
+    which the test checks against a reference built from every rank's inputs."""
+    native, ring = Comm(), Comm(ring=True, segment_bytes=SEGMENT)
+    n, r = native.world_size, native.rank
+    out = {}
+    for length in LENGTHS:
+        full = _inputs(r, length * n, torch.float32, integers)          # (N*L,) -> shard (L,)
+        for name, comm in (("native", native), ("ring", ring)):
+            for op in ("sum", "avg", "max"):
+                shard = torch.empty(length)
+                comm.reduce_scatter(shard, full, op=op)
+                out[f"{name} reduce_scatter {op} L={length}"] = shard
+            gathered = torch.empty(length * n)
+            comm.all_gather(gathered, full[:length], async_op=True).wait()
+            out[f"{name} all_gather L={length}"] = gathered
+    return out
+
+
+def test_reduce_scatter_every_op_and_all_gather_equal_the_reference():
+    """N = 3 (an odd ring: an index off by one that 2 ranks hide shows): rank r's shard of a
+    reduce-scatter is op over the ranks' r-th chunks, computed here from every rank's input,
+    for sum, avg and max; all-gather is the ranks' inputs end to end; ring and native."""
+    n = 3
+    for integers in (True, False):
+        for rank, out in enumerate(run_ranks(_shard_collectives, n, integers)):
+            for length in LENGTHS:
+                chunks = torch.stack([_inputs(i, length * n, torch.float32, integers).view(n, length)[rank]
+                                      for i in range(n)])                 # (N, L): chunk r of each rank
+                total = chunks.sum(0)
+                expected = {"sum": total, "avg": total / n, "max": chunks.max(0).values}
+                whole = torch.cat([_inputs(i, length * n, torch.float32, integers)[:length]
+                                   for i in range(n)])                    # (N*L,)
+                for name in ("native", "ring"):
+                    # integers: exact in any order; random fp32: three terms summed in another order
+                    tol = 0 if integers else 1e-6
+                    for op, value in expected.items():
+                        torch.testing.assert_close(out[f"{name} reduce_scatter {op} L={length}"], value,
+                                                   rtol=tol, atol=tol,
+                                                   msg=lambda m: f"rank {rank} {name} {op} L={length}: {m}")
+                    assert torch.equal(out[f"{name} all_gather L={length}"], whole), (rank, name, length)
+
+
 def _bytes_per_collective(length):
     ring = Comm(ring=True, segment_bytes=1000)               # 4 KiB chunks in 5 segments
     n = ring.world_size
@@ -138,7 +181,7 @@ def dist_world_size():
     return dist.get_world_size()
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ring_reuses_one_workspace(world_size):
     for first, later in run_ranks(_workspace_after_calls, world_size):
         assert list(first) == [(torch.float32, torch.device("cpu"))] and later == first

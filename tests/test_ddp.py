@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from collectives import Comm, Handle
 from ddp import DDP, all_reduce_gradients
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
@@ -199,6 +200,7 @@ def test_bytes_per_step_match_formula(gpt):
 # ---- launch 2: accumulation, frozen / unused / tied parameters, misuse -------------------------
 
 V, C = 11, 7                                    # odd sizes: buckets need padding to N chunks
+AWKWARD_N = 3                                   # odd: a ring index or padding bug 2 ranks hide shows
 MICRO, ACCUM = 2, 2                             # sequences per micro-batch, micro-batches per step
 
 
@@ -295,13 +297,13 @@ def _awkward_cases():
 
 @pytest.fixture(scope="module")
 def awkward():
-    return run_ranks(_awkward_cases, 2)
+    return run_ranks(_awkward_cases, AWKWARD_N)
 
 
 def test_no_sync_accumulation_equals_big_batch(awkward):
     torch.manual_seed(0)
     model = _gpt()
-    big = _batches(1, 2 * ACCUM * MICRO, seed=99)[0]                        # (N*ACCUM*MICRO, T+1)
+    big = _batches(1, AWKWARD_N * ACCUM * MICRO, seed=99)[0]                # (N*ACCUM*MICRO, T+1)
     model(big[:, :-1], big[:, 1:])[1].backward()
     for rank, out in enumerate(awkward):
         # As for one step above: only the order in which the partial gradients are summed differs.
@@ -321,7 +323,7 @@ def test_frozen_unused_tied(awkward):
         for step, (grads, single) in enumerate(zip(out["grads"], out["single_grads"])):
             # No rank used `unused`: its grad stays None, as in the single process (same names).
             assert "unused.weight" not in grads and "frozen.weight" not in grads
-            # The same four micro-batch gradients, added in another order: as for the GPT.
+            # The same N x ACCUM micro-batch gradients, added in another order: as for the GPT.
             _assert_grads_close(grads, single, f"rank {rank} step {step} gradient")
         assert_tensors_close(out["params"], out["single_params"], rtol=0, atol=PARAM_TOL,
                              what=f"rank {rank} parameters")
@@ -330,8 +332,9 @@ def test_frozen_unused_tied(awkward):
 
 
 def test_padded_bytes_match_formula(awkward):
-    # Odd bucket sizes and 5 flags, each padded to N = 2 chunks before the ring sends them.
-    formula = sum(2 * (2 - 1) * math.ceil(L / 2) * 4 for L in [63, 49, 77]) + 2 * math.ceil(5 / 2)
+    # Odd bucket sizes and 5 flags, each padded to N = 3 chunks before the ring sends them.
+    n = AWKWARD_N
+    formula = sum(2 * (n - 1) * math.ceil(L / n) * 4 for L in [63, 49, 77]) + 2 * (n - 1) * math.ceil(5 / n)
     for out in awkward:
         assert out["bucket_numels"] == [63, 49, 77]
         assert out["bytes_per_step"] == formula
@@ -433,3 +436,102 @@ def test_gradients_are_views_into_the_buckets_and_never_copied():
         assert out["storage_after_sync"] == [True, True]
         assert out["copied"][0] > 0 and out["copied"][1] == out["copied"][0], out["copied"]
         _assert_grads_close(out["grads"], out["reference"], "bucket-view gradients")
+
+
+# ---- overlap, from below: the reductions each strategy promises to keep in flight ----------------
+
+class _CountingComm(Comm):
+    """The world's native Comm, counting its async collectives launched and not yet waited for,
+    by name: what a strategy has on the wire while backward computes on."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_flight = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+
+    def _counted(self, name, handle):
+        self.in_flight[name] += 1
+
+        def wait():
+            handle.wait()
+            self.in_flight[name] -= 1
+        return Handle(wait)
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        handle = super().all_reduce(tensor, op, async_op)
+        return self._counted("all_reduce", handle) if async_op else handle
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        handle = super().reduce_scatter(output, input, op, async_op)
+        return self._counted("reduce_scatter", handle) if async_op else handle
+
+    def all_gather(self, output, input, async_op=False):
+        handle = super().all_gather(output, input, async_op)
+        return self._counted("all_gather", handle) if async_op else handle
+
+
+def _in_flight_during_backward():
+    """One backward of the GPT under DDP, ZeRO-2 and FSDP (prefetch 1), sampling the reductions
+    in flight as each gradient arrives (a hook registered after the strategy's, so it sees what
+    the strategy did with that gradient) and, for FSDP, the all-gathers in flight while each
+    unit computes (a forward pre-hook after FSDP's, and the backward's gradient hooks)."""
+    from fsdp import FSDP
+    from zero import ZeroOptimizer
+    rows = _batches(1, 2)[0]                                             # (2, T+1)
+    x, y = rows[:, :-1], rows[:, 1:]
+    out = {}
+
+    def sample(model, params, name, key):
+        out[key] = []
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda _: out[key].append(comm.in_flight[name]))
+        model(x, y)[1].backward()
+
+    comm = _CountingComm()
+    ddp = DDP(_gpt(), comm, bucket_mb=BUCKET_MB)
+    sample(ddp, ddp.module.parameters(), "all_reduce", "ddp")
+    out["ddp_after_backward"], out["ddp_buckets"] = comm.in_flight["all_reduce"], len(ddp.buckets)
+    ddp.finish_gradient_sync()
+
+    comm = _CountingComm()
+    gpt = _gpt()
+    zero2 = ZeroOptimizer(gpt.parameters(), stage=2, group=comm, bucket_mb=BUCKET_MB)
+    sample(gpt, gpt.parameters(), "reduce_scatter", "zero2")
+    out["zero2_buckets"] = len(zero2.buckets)
+
+    comm = _CountingComm()
+    fsdp = FSDP(_gpt(), group=comm, prefetch=1)
+    out["fsdp_gathers_forward"] = []
+    for unit in fsdp.order:
+        unit.module.register_forward_pre_hook(
+            lambda *_: out["fsdp_gathers_forward"].append(comm.in_flight["all_gather"]))
+    gathers_backward = out["fsdp_gathers_backward"] = []
+    for unit in fsdp.order:
+        for p in unit.params:
+            p.register_post_accumulate_grad_hook(
+                lambda _, u=unit.index: gathers_backward.append((u, comm.in_flight["all_gather"])))
+    sample(fsdp, fsdp.module.parameters(), "reduce_scatter", "fsdp")
+    out["fsdp_units"], out["fsdp_order"] = len(fsdp.reduce_order), [u.index for u in fsdp.order]
+    return out
+
+
+def test_reductions_in_flight_reach_what_each_strategy_promises():
+    """Overlap bounded from below (the memory tests bound it from above): DDP keeps every
+    bucket's all-reduce in flight until finish_gradient_sync (none waited during backward);
+    ZeRO-2 and FSDP keep MAX_REDUCTIONS_IN_FLIGHT reduce-scatters in flight once that many have
+    launched, never fewer; FSDP with prefetch 1 has the next unit's all-gather in flight while
+    each unit but the last computes, in forward and in backward."""
+    from zero import MAX_REDUCTIONS_IN_FLIGHT
+    for rank, out in enumerate(run_ranks(_in_flight_during_backward, 2)):
+        # DDP: in flight at each gradient = buckets launched so far, all of them after backward
+        assert out["ddp"] == sorted(out["ddp"]) and out["ddp_buckets"] >= 3, out["ddp"]
+        assert out["ddp_after_backward"] == out["ddp_buckets"], (rank, out["ddp_after_backward"])
+        for name in ("zero2", "fsdp"):
+            assert out[f"{name}_{'buckets' if name == 'zero2' else 'units'}"] > MAX_REDUCTIONS_IN_FLIGHT
+            assert max(out[name]) == MAX_REDUCTIONS_IN_FLIGHT, (rank, name, out[name])
+            # once K are in flight, each later launch retires the oldest: K stay in flight
+            reached = out[name].index(MAX_REDUCTIONS_IN_FLIGHT)
+            assert min(out[name][reached:]) == MAX_REDUCTIONS_IN_FLIGHT, (rank, name, out[name])
+        # FSDP's prefetch: forward order 0, 1, ..., last; backward the reverse
+        assert out["fsdp_gathers_forward"] == [1] * (len(out["fsdp_order"]) - 1) + [0], out
+        first = out["fsdp_order"][0]
+        assert all(n == (0 if unit == first else 1) for unit, n in out["fsdp_gathers_backward"]), out

@@ -11,10 +11,11 @@ import pydoc
 
 import pytest
 import torch
+import torch.nn as nn
 
 import train
-from lora import (LoRALinear, adapter_bytes, apply_lora, fold_adapters, load_lora, lora_state_dict,
-                  merge_lora, unmerge_lora)
+from lora import (LoRALinear, QLoRALinear, adapter_bytes, apply_lora, fold_adapters, load_lora,
+                  lora_state_dict, merge_lora, unmerge_lora)
 from memory import held_bytes, state_bytes
 from mixed_precision import MixedPrecisionOptimizer
 from model import GPT, PRESETS
@@ -65,6 +66,46 @@ def test_trainable_parameters_match_the_formula():
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trainable == CFG.n_layer * per_block
     assert adapter_bytes(model) == 4 * trainable              # fp32
+
+
+def _by_hand(x, W0, b, A, B, alpha, r):
+    """The paper's h = W0 x + b + (alpha / r) B A x, written out: (..., k) -> (..., d)."""
+    return x @ W0.T + b + (alpha / r) * ((x @ A.T) @ B.T)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_output_and_gradients_are_the_formula_written_out(quantized):
+    """alpha 16, rank 4 (alpha / r = 4, so a scale of 1, r or 1/r shows), B nonzero: the unmerged
+    forward, the adapters' gradients, the merged weight and the folded export all equal
+    W0 x + b + (alpha / r) B A x computed here; QLoRA's W0 is its dequantized 4-bit copy."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(32, 24))                     # k 32 -> d 24
+    W0, b = layers[0].weight.detach().clone(), layers[0].bias.detach().clone()
+    apply_lora(layers, targets=("0",), rank=4, alpha=16, quantize="nf4" if quantized else None)
+    layer = layers[0]
+    with torch.no_grad():
+        layer.lora_B.normal_()                                    # (24, 4): B A x is not zero
+    if quantized:
+        assert isinstance(layer, QLoRALinear)
+        W0 = layer.base.dequantize()
+    A, B = (layer.lora_A.detach().clone().requires_grad_(), layer.lora_B.detach().clone().requires_grad_())
+    x = torch.randn(3, 5, 32)
+    expected = _by_hand(x, W0, b, A, B, alpha=16, r=4)
+    assert (expected - _by_hand(x, W0, b, A, B, alpha=4, r=4)).abs().max() > 1  # the scale shows
+    # fp32: the same products, the low-rank one grouped as (x A^T) B^T both here and in the layer
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=1e-5)
+    layer(x).square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(layer.lora_A.grad, A.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.lora_B.grad, B.grad, rtol=1e-5, atol=1e-5)
+    # The folded export: W0 + (alpha / r) B A, loaded into a plain nn.Linear.
+    update = 16 / 4 * B.detach() @ A.detach()                     # (24, 32)
+    folded = fold_adapters(layers.state_dict(), layers)
+    torch.testing.assert_close(folded["0.weight"], W0 + update, rtol=0, atol=1e-5)
+    if not quantized:                                             # a 4-bit W0 does not merge
+        merge_lora(layers)
+        torch.testing.assert_close(layer.weight, W0 + update, rtol=0, atol=1e-5)
+        torch.testing.assert_close(layer(x), expected.detach(), rtol=0, atol=1e-5)
 
 
 def test_merged_unmerged_and_folded_outputs_agree():

@@ -168,6 +168,57 @@ def test_resharded_resume_matches_within_fp32_noise(resharded, pair):
                   _weights(os.path.join(root, saved_by + ".pt")), atol=WEIGHT_ATOL)
 
 
+# ---- tensor-parallel slices: gathered whole into the file, cut again on load -----------------
+
+WHOLE = torch.arange(6 * 9, dtype=torch.float32).view(6, 9)     # a matrix 3 ranks split either way
+
+
+def _tensor_parallel_pieces():
+    """On 3 ranks: each holds its slice of WHOLE split along dim 0 (a column layer's) and dim 1
+    (a row layer's: its flat range is no range of the whole), with a moment beside it; what
+    gather_pieces writes, this rank's slice read back from that (TensorParallelReader), and a
+    data group's shards of one 11-element slice (4, 4 and 3 elements) joined by join_shards."""
+    from collectives import Comm
+    from pieces import Pieces, TensorParallelReader, gather_pieces, join_shards
+    comm = Comm()
+    r, n = comm.rank, comm.world_size
+    params, pieces = {}, []
+    for dim in (0, 1):
+        name = f"split{dim}.weight"
+        params[name] = p = WHOLE.chunk(n, dim)[r].clone()       # (2, 9) or (6, 3)
+        p.tp_dim = dim
+        pieces.append({"name": name, "start": 0, "stop": p.numel(), "scalars": {"step": 3},
+                       "tensors": {"param": p.reshape(-1).clone(), "exp_avg": -p.reshape(-1)}})
+    whole = gather_pieces(pieces, params, comm)
+    reader = TensorParallelReader(Pieces(whole), params, comm)
+    back = {name: reader.read(name, 0, p.numel()) for name, p in params.items()}
+    start, stop = 4 * r, min(4 * r + 4, 11)
+    shard = {"name": "slice", "start": start, "stop": stop, "scalars": {"step": 3},
+             "tensors": {"param": torch.arange(start, stop, dtype=torch.float32)}}
+    return {"whole": whole, "back": back, "joined": join_shards([shard], comm, torch.device("cpu"))}
+
+
+def test_tensor_parallel_slices_save_whole_and_load_as_each_rank_slice():
+    """N = 3 (an odd group: a slice index off by one that 2 ranks hide shows): the pieces a
+    checkpoint holds are WHOLE, values and moment, for either split; each rank reads back exactly
+    its own slice; a data group's shards of a slice join into the whole slice on its first rank."""
+    for rank, out in enumerate(run_ranks(_tensor_parallel_pieces, 3)):
+        assert [piece["name"] for piece in out["whole"]] == ["split0.weight", "split1.weight"]
+        for dim, piece in enumerate(out["whole"]):
+            assert (piece["start"], piece["stop"]) == (0, WHOLE.numel()), (rank, dim)
+            assert torch.equal(piece["tensors"]["param"], WHOLE.reshape(-1)), (rank, dim)
+            assert torch.equal(piece["tensors"]["exp_avg"], -WHOLE.reshape(-1)), (rank, dim)
+            mine = WHOLE.chunk(3, dim)[rank].reshape(-1)
+            back = out["back"][f"split{dim}.weight"]
+            assert torch.equal(back["param"], mine) and torch.equal(back["exp_avg"], -mine), (rank, dim)
+        if rank == 0:
+            [joined] = out["joined"]
+            assert (joined["name"], joined["start"], joined["stop"]) == ("slice", 0, 11)
+            assert torch.equal(joined["tensors"]["param"], torch.arange(11.0))
+        else:
+            assert out["joined"] == [], rank
+
+
 # ---- a save cut off between writing and renaming --------------------------------------------
 
 CRASH_IN_RENAME = """

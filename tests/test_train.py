@@ -539,15 +539,27 @@ MESH_RUN = ["--steps", "4", "--log-every", "1", "--eval-every", "0", "--eval-bat
             "--batch-size", "8", "--seq-len", "32", "--warmup", "2", "--lr", "1e-3"]
 
 
-def _run_mesh(directory, ranks: int, *flags):
+def _run_mesh(directory, ranks: int, *flags, train=train_logged):
     """train.py on `ranks` ranks (in-process, under NCCL's rules: multiprocess.nccl_rules): its
     loss at every step, its exported whole-model weights, and the bytes it sent by dimension
-    beside their formulas at every step."""
+    beside their formulas at every step, what rank 0 printed, and every rank's history (what it
+    sent and held, and memory.py's prediction)."""
     export = directory / f"mesh-{ranks}-{'-'.join(flags)}.pt"
-    history, out = run_ranks(train_logged, ranks, [*MESH_RUN, *flags, "--export", str(export)],
-                             nccl=True)[0]
+    every_rank = run_ranks(train, ranks, [*MESH_RUN, *flags, "--export", str(export)], nccl=True)
+    history, out = every_rank[0]
     losses = [history["losses"][step] for step in sorted(history["losses"])]
-    return losses, torch.load(export, weights_only=True)["state_dict"], history.get("sent", {}), out
+    return (losses, torch.load(export, weights_only=True)["state_dict"], history.get("sent", {}), out,
+            [history for history, _ in every_rank])
+
+
+def _train_tied(argv):
+    """train_logged with tiny's head tied to its token embedding, as GPT-2's is (no small preset
+    ties it): in this rank's process only, which ends with the run."""
+    import dataclasses
+
+    import model
+    model.PRESETS["tiny"] = dataclasses.replace(model.PRESETS["tiny"], tie_embeddings=True)
+    return train_logged(argv)
 
 
 def _held(out: str):
@@ -559,7 +571,7 @@ def _held(out: str):
 
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
-    return _run_mesh(tmp_path_factory.mktemp("one"), 1)
+    return _run_mesh(tmp_path_factory.mktemp("one"), 1)[:4]
 
 
 @pytest.mark.parametrize("ranks, flags", [
@@ -587,9 +599,9 @@ def test_a_mesh_trains_as_one_process(tmp_path, one_process_run, ranks, flags):
     """Two splits at once on 4 ranks, the data dimension (over the cp ranks, or 1) ddp, ZeRO,
     FSDP or HSDP, with or without offload (FSDP inside a pipeline: GPipe's forwards all before
     the backwards, interleaved's chunks): every step's loss and the weights after 4 AdamW steps
-    equal one process's; every dimension sends what its formula says; rank 0 holds, on the
-    device and the host, what memory.py says."""
-    losses, weights, sent, out = _run_mesh(tmp_path, ranks, *flags)
+    equal one process's; every dimension sends what its formula says; every rank holds, on the
+    device and the host, what memory.py says, and memory.mesh_bytes gives its stage's formulas."""
+    losses, weights, sent, out, histories = _run_mesh(tmp_path, ranks, *flags)
     expected_losses, expected_weights, _, _ = one_process_run
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
     assert_tensors_close(weights, expected_weights, rtol=0, atol=1e-5, what=" ".join(flags))
@@ -601,38 +613,77 @@ def test_a_mesh_trains_as_one_process(tmp_path, one_process_run, ranks, flags):
     if "--offload" in flags:       # ZeRO-Offload's host bytes (masters, moments, gradient copy)
         host = re.search(r"([\d.]+) in CPU memory \(--offload\)", out).group(1)
         assert re.findall(r", host ([\d.]+)\)", out)[-1] == host, out
-    _assert_memory_py_agrees(ranks, flags, sent)
+    _assert_every_rank_holds_and_sends_its_formulas(histories)
+    _assert_memory_py_agrees(ranks, flags, histories)
 
 
-def _assert_memory_py_agrees(ranks: int, flags: tuple, sent: dict):
-    """memory.mesh_bytes' closed forms for rank 0 (stage 0) equal the formulas the live run
-    logged: tp, cp and pp to the byte; dp, its padding-free napkin form, within 0.1% (the buckets
-    pad each message, the used-flags and the norm add a few bytes); FSDP's dp is 1.5x ddp's less
-    the root unit's second gather (it stays gathered), which memory.comm_bytes counts, except in
-    a pipeline (every unit gathered once a step, the root too: within 0.1% again)."""
+def _assert_every_rank_holds_and_sends_its_formulas(histories: list):
+    """Every rank (every pipeline stage, not only rank 0's), at every logged step: the bytes it
+    sent by dimension equal its formulas, and the bytes it holds (params, grads, optimizer; the
+    host's with --offload) equal memory.py's prediction for it, byte for byte."""
+    for rank, history in enumerate(histories):
+        assert history["sent"] and all(measured == formula for step in history["sent"].values()
+                                       for measured, formula in step.values()), (rank, history["sent"])
+        for step, held in history["held"].items():
+            assert held == {k: history["napkin"][k] for k in held}, (rank, step, held, history["napkin"])
+
+
+def _assert_memory_py_agrees(ranks: int, flags: tuple, histories: list, cfg="tiny"):
+    """memory.mesh_bytes' closed forms for each rank's pipeline stage equal the formulas that
+    rank's live run logged: tp, cp and pp to the byte; dp, its padding-free napkin form, within
+    0.1% (the buckets pad each message, the used-flags and the norm add a few bytes); FSDP's dp
+    is 1.5x ddp's less the root unit's second gather (it stays gathered), which
+    memory.comm_bytes counts, except in a pipeline (every unit gathered once a step, the root
+    too: within 0.1% again)."""
     from memory import mesh_bytes
+    from process_groups import mesh_rank_lists
     option = lambda name, default: flags[flags.index(name) + 1] if name in flags else default
     sizes = {d: int(option(f"--{d}", 1)) for d in ("tp", "cp", "pp")}
     dp = ranks // (sizes["tp"] * sizes["cp"] * sizes["pp"])
     strategy = option("--strategy", "ddp")
     schedule = option("--schedule", "1f1b")
     micro = int(option("--microbatches", 2 * sizes["pp"])) if sizes["pp"] > 1 else 1
-    napkin = mesh_bytes("tiny", 8 // dp, 32, **sizes, dp=dp, micro_batches=micro, schedule=schedule,
-                        virtual_stages=2 if schedule == "interleaved" else 1,
-                        strategy={"fsdp": "zero3"}.get(strategy, strategy),
-                        sequence_parallel="--sequence-parallel" in flags)
-    logged = {d: formula for d, (_, formula) in sent[max(sent)].items()}
-    assert napkin.keys() == logged.keys(), (napkin, logged)
-    for d, formula in logged.items():
-        if d != "dp":
-            assert napkin[d] == formula, (d, napkin, logged)
-        elif strategy != "fsdp" or sizes["pp"] > 1:
-            assert abs(napkin[d] - formula) <= 1e-3 * formula, (d, napkin, logged)
+    pipelines = mesh_rank_lists(ranks, **sizes)["pp"]          # each a rank list, stage by stage
+    for rank, history in enumerate(histories):
+        stage = next(pipeline.index(rank) for pipeline in pipelines if rank in pipeline)
+        napkin = mesh_bytes(cfg, 8 // dp, 32, **sizes, dp=dp, micro_batches=micro, stage=stage,
+                            schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1,
+                            strategy={"fsdp": "zero3"}.get(strategy, strategy),
+                            sequence_parallel="--sequence-parallel" in flags)
+        sent = history["sent"]
+        logged = {d: formula for d, (_, formula) in sent[max(sent)].items()}
+        what = (f"rank {rank} stage {stage}", napkin, logged)
+        assert napkin.keys() == logged.keys(), what
+        for d, formula in logged.items():
+            if d != "dp":
+                assert napkin[d] == formula, (d, *what)
+            elif strategy != "fsdp" or sizes["pp"] > 1:
+                assert abs(napkin[d] - formula) <= 1e-3 * formula, (d, *what)
+
+
+TIED_MESHES = [("--pp", "2", "--strategy", "zero2"), ("--tp", "2", "--pp", "2"),
+               ("--pp", "2", "--strategy", "fsdp", "--schedule", "gpipe")]
+
+
+@pytest.mark.parametrize("flags", TIED_MESHES)
+def test_memory_py_predicts_every_stage_with_a_tied_head(tmp_path, flags):
+    """The head tied to the token embedding (GPT-2's way): the first and the last stage each hold
+    a copy and sum its gradient between them after backward (pipeline.py), ZeRO-2 then reduces
+    once a step, after that sum. Every rank holds what memory.py predicts for it and sends its
+    formulas, and memory.mesh_bytes gives each stage's formulas (pp: the ends' all-reduce of the
+    tied gradient, V C / tp)."""
+    import dataclasses
+
+    from model import PRESETS
+    histories = _run_mesh(tmp_path, 4, *flags, "--steps", "2", train=_train_tied)[4]
+    _assert_every_rank_holds_and_sends_its_formulas(histories)
+    tied = dataclasses.replace(PRESETS["tiny"], tie_embeddings=True)
+    _assert_memory_py_agrees(4, flags, histories, cfg=tied)
 
 
 @pytest.fixture(scope="module")
 def one_process_lora(tmp_path_factory):
-    return _run_mesh(tmp_path_factory.mktemp("one-lora"), 1, "--lora")
+    return _run_mesh(tmp_path_factory.mktemp("one-lora"), 1, "--lora")[:4]
 
 
 @pytest.mark.parametrize("ranks, flags", [
@@ -649,7 +700,7 @@ def test_lora_beside_a_sharded_mesh_trains_as_one_process(tmp_path, one_process_
     factors summed in backward, before the hooks). Every
     step's loss and the weights after 4 steps equal one process's LoRA run; every dimension sends
     its formula; rank 0 holds what memory.py says."""
-    losses, weights, sent, out = _run_mesh(tmp_path, ranks, "--lora", *flags)
+    losses, weights, sent, out, histories = _run_mesh(tmp_path, ranks, "--lora", *flags)
     expected_losses, expected_weights, _, _ = one_process_lora
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
     assert_tensors_close(weights, expected_weights, rtol=0, atol=1e-5, what=" ".join(flags))
@@ -657,6 +708,7 @@ def test_lora_beside_a_sharded_mesh_trains_as_one_process(tmp_path, one_process_
                         for measured, formula in step.values()), sent
     predicted, measured = _held(out)
     assert predicted == measured, out
+    _assert_every_rank_holds_and_sends_its_formulas(histories)
 
 
 @pytest.mark.eight_ranks
@@ -665,7 +717,7 @@ def test_lora_beside_a_sharded_mesh_trains_as_one_process(tmp_path, one_process_
 def test_a_3d_mesh_on_8_ranks_trains_as_one_process(tmp_path, one_process_run, flags):
     """Three dimensions at once, the third data parallel (2 replicas, each half the batch): ddp,
     FSDP sharding over dp x cp, ZeRO-2 sharding each stage's optimizer over it."""
-    losses, weights, sent, out = _run_mesh(tmp_path, 8, *flags)
+    losses, weights, sent, out, histories = _run_mesh(tmp_path, 8, *flags)
     expected_losses, expected_weights, _, _ = one_process_run
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
     assert_tensors_close(weights, expected_weights, rtol=0, atol=1e-5, what=" ".join(flags))
@@ -673,7 +725,8 @@ def test_a_3d_mesh_on_8_ranks_trains_as_one_process(tmp_path, one_process_run, f
     assert all("dp" in step for step in sent.values()), sent
     predicted, measured = _held(out)
     assert predicted == measured, out
-    _assert_memory_py_agrees(8, flags, sent)
+    _assert_every_rank_holds_and_sends_its_formulas(histories)
+    _assert_memory_py_agrees(8, flags, histories)
 
 
 @pytest.mark.parametrize("ranks, flags", [
