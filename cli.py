@@ -510,11 +510,27 @@ def check_pipeline(parser, args, world_size):
         parser.error("--grad-accum: a pipeline accumulates its gradients over its micro-batches "
                      "already; use --microbatches instead")
     cfg = PRESETS[args.model]
+    check_zero_bubble(parser, args)
     try:
         schedules.make_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
         pipeline.stage_layers(args.stage_layers, cfg.n_layer, args.pp, args.virtual_stages)
     except ValueError as e:
         parser.error(f"--model {args.model}: {e}" if "blocks" in str(e) else str(e))
+
+
+def check_zero_bubble(parser, args):
+    """--schedule zb splits each backward: B now, W (the trained weights' gradients) later, on
+    every stage. Every stage holds blocks, whose linears train, unless --lora freezes them: then
+    some adapter must sit in every block (experts are never adapted, so up and down adapt none
+    in a mixture's blocks)."""
+    if args.schedule != "zb" or not args.lora:
+        return
+    experts = dataclasses.replace(PRESETS[args.model], **moe_config(args)).experts
+    in_every_block = {"query", "key", "value", "output"} | (set() if experts else {"up", "down"})
+    if not in_every_block & set(args.lora_targets.split(",")):
+        parser.error(f"--schedule zb with --lora: W computes the adapters' gradients, and --lora-targets "
+                     f"{args.lora_targets} leaves some stage without one; add a linear of every block "
+                     f"to --lora-targets ({', '.join(sorted(in_every_block))}), or use --schedule 1f1b")
 
 
 def check_context_parallel(parser, args, world_size):

@@ -88,11 +88,12 @@ class Gathered:
         return ([self.flat] if self.params else []) + ([self.frozen.flat] if self.frozen and frozen else [])
 
     def free(self, frozen: bool = True):
-        """Drop the gathered copies; frozen=False keeps the frozen bytes (still gathered)."""
+        """Drop the gathered copies; frozen=False keeps the frozen bytes (still gathered, if they
+        were: a zero-bubble pipeline's reductions come after its step freed everything)."""
         self.wait()
         for flat in self.flats(frozen):
             flat.untyped_storage().resize_(0)
-        self.gathered = self.frozen is not None and not frozen
+        self.gathered = self.gathered and self.frozen is not None and not frozen
 
     def wait(self):
         for handle, _ in self.gathering:       # (handle, the shard it sends: kept alive till then)

@@ -201,7 +201,10 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     # Partial gradients over the tensor group (tensor_parallel.py) are summed after backward by
     # the tensor-parallel model's finish, which a context-parallel model wrapping it hides from
     # the loop; and ZeRO-2's and FSDP's hooks would shard them first: there, in backward.
-    if tp and tp.partial and (args.strategy in ("zero2", "fsdp", "zero3") or cp):
+    # A zero-bubble pipeline holds every backward's reductions until its finish, where it sums
+    # them first (W's gradients come after autograd, where no hook would see them).
+    zb = "pp" in splits and args.schedule == "zb"
+    if tp and tp.partial and (args.strategy in ("zero2", "fsdp", "zero3") or cp) and not zb:
         tp.sum_partial_in_backward()
     if strategy is fsdp:
         replicas = FSDP(module, compute_dtype=DTYPES[args.precision], group=mesh.shard or data,
@@ -501,10 +504,13 @@ def main(argv=None, live_bytes: bool = False) -> dict:
             if hasattr(model, "measured_bubbles"):
                 bubbles = history.setdefault("bubble", {})[step] = model.measured_bubbles()
                 formula, predicted_bubble = model.predicted_bubble()
+                # zb: the weights whose gradients W computed here (its share of the bubble's fill)
+                deferred = history.setdefault("deferred", {})[step] = model.deferred_weights()
                 say(f"step {step:5d} | bubble (idle share of the step) per stage "
                     f"{' '.join(f'{b:.2f}' for b in bubbles)} | formula {formula} "
                     f"{predicted_bubble:.2f} | activations held at most {model.peak_activations} "
-                    f"micro-batch{' chunks' if model.v > 1 else 'es'} on stage {model.stage}")
+                    f"micro-batch{' chunks' if model.v > 1 else 'es'} on stage {model.stage}"
+                    + (f" | W computed {deferred} weights' gradients" if args.schedule == "zb" else ""))
             if context is not None:
                 idle, predicted_idle = context.idle_shares()
                 history.setdefault("cp", {})[step] = cp = {
