@@ -98,6 +98,11 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability in the model")
     p.add_argument("--precision", choices=list(DTYPES), default="fp32",
                    help="dtype of the model; bf16 and fp16 keep fp32 master weights, fp16 scales the loss")
+    p.add_argument("--reduce-dtype", choices=list(DTYPES), default=None,
+                   help="dtype the gradients are averaged in across ranks: fp32 (the default: a "
+                        "bf16/fp16 gradient is upcast before the collective, FSDP2's reduce_dtype), "
+                        "or the --precision's own (half the bytes, but rounded at every step of the "
+                        "ring, an error that grows with the ranks)")
     p.add_argument("--collectives", choices=("native", "ring"), default="native",
                    help="torch.distributed's collectives (the log's bytes sent are then the ring volume "
                         "of the calls made), or ours from send/recv (bytes measured as they are sent)")
@@ -298,6 +303,10 @@ def check_args(parser, args, world_size):
     if args.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         parser.error("--precision bf16: this GPU has no bf16 arithmetic (it needs compute "
                      "capability 8.0 or newer): use --precision fp16 (with loss scaling)")
+    args.reduce_dtype = args.reduce_dtype or "fp32"
+    if args.reduce_dtype not in ("fp32", args.precision):
+        parser.error(f"--reduce-dtype {args.reduce_dtype} with --precision {args.precision}: reduce in "
+                     f"fp32 (the default) or in the gradients' own dtype, {args.precision}")
     if args.offload and args.strategy not in ("zero1", "zero2", "fsdp", "zero3"):
         parser.error(f"--offload optimizer moves a sharded optimizer to the CPU: use --strategy zero1, "
                      f"zero2 or fsdp (--strategy {args.strategy} keeps no optimizer shard to move)")

@@ -206,12 +206,14 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     zb = "pp" in splits and args.schedule == "zb"
     if tp and tp.partial and (args.strategy in ("zero2", "fsdp", "zero3") or cp) and not zb:
         tp.sum_partial_in_backward()
+    reduce_dtype = DTYPES[args.reduce_dtype]      # the gradients' averages, in fp32 by default
     if strategy is fsdp:
         replicas = FSDP(module, compute_dtype=DTYPES[args.precision], group=mesh.shard or data,
                         replicate_group=mesh.replicate, prefetch=args.prefetch, device=device,
-                        offload_params=args.offload == "params", expert_group=experts)
+                        offload_params=args.offload == "params", expert_group=experts,
+                        reduce_dtype=reduce_dtype)
     elif strategy is ddp and data.world_size > 1:
-        replicas = DDP(module, data, bucket_mb=args.bucket_mb, expert_group=experts)
+        replicas = DDP(module, data, bucket_mb=args.bucket_mb, expert_group=experts, reduce_dtype=reduce_dtype)
     else:
         replicas = module                          # ZeRO's optimizer reduces the gradients
     model, grad_norm = replicas, expert_norm or (tp.grad_norm if tp else None)
@@ -231,7 +233,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                      if strategy is fsdp else
                      ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]), group=data,
                                    bucket_mb=args.bucket_mb, offload=offload, expert_group=experts,
-                                   **adamw))
+                                   reduce_dtype=reduce_dtype, **adamw))
         tied_copy = [module.tied] if "pp" in splits and module.tied is not None and module.last else []
         optimizer.split_model(tensor=mesh.tp if tp else None,
                               stages=mesh.pp if "pp" in splits else None, counted_elsewhere=tied_copy)

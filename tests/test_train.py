@@ -678,3 +678,23 @@ def test_zero_bubble_refuses_a_stage_with_nothing_for_w(argv, capsys, monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "2")                     # as torchrun would set it
     code, stderr = _usage_error(argv, capsys)
     assert code == 2 and "--schedule zb with --lora: W computes the adapters' gradients" in _one_error_line(stderr), stderr
+
+
+def test_reduce_dtype_other_than_fp32_or_the_runs_own_is_refused(capsys):
+    code, stderr = _usage_error(["--precision", "fp16", "--reduce-dtype", "bf16"], capsys)
+    assert code == 2 and "--reduce-dtype bf16 with --precision fp16: reduce in fp32" in _one_error_line(stderr), stderr
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_bf16_gradients_reduced_in_fp32_by_default_send_their_formula(strategy):
+    """bf16 on 2 ranks: by default the gradients are averaged in fp32, and the log's measured
+    bytes equal the strategy's formula, and so with --reduce-dtype bf16; the fp32 run sends
+    more (the gradients' part twice over)."""
+    sent = {}
+    for reduce in ([], ["--reduce-dtype", "bf16"]):
+        history, out = run_ranks(train_logged, 2, [*MESH_RUN, "--steps", "2", "--precision", "bf16",
+                                                   "--strategy", strategy, "--grad-accum", "2", *reduce])[0]
+        lines = re.findall(r"\| sent ([\d.]+) MiB/step \(ring formula ([\d.]+)\)", out)
+        assert lines and all(measured == formula for measured, formula in lines), out
+        sent[bool(reduce)] = float(lines[-1][0])
+    assert sent[False] > sent[True], sent
