@@ -207,8 +207,8 @@ class Pipeline:
     Inside a mesh (train.py): stage_norm, the norm of a stage whose parameters are split
     further (a tensor-parallel stage's grad_norm), summed in squares over the stages; local_tokens,
     context parallelism's (x, y) -> this rank's tokens of them, applied before the micro-batches;
-    stage_sync, called after the module's finish_gradient_sync (a tensor-parallel stage's, which
-    sums its partial gradients over the tensor group); sequence_split, the parts each activation
+    stage_sync, called after the module's finish_gradient_sync, or before it when every backward
+    was held (a tensor-parallel stage's, which sums its partial gradients over the tensor group); sequence_split, the parts each activation
     is cut into along T (sequence parallelism: a stage sends its rank's (b, T/tp, hidden)).
     """
 
