@@ -208,8 +208,9 @@ class Pipeline:
     further (a tensor-parallel stage's grad_norm), summed in squares over the stages; local_tokens,
     context parallelism's (x, y) -> this rank's tokens of them, applied before the micro-batches;
     stage_sync, called after the module's finish_gradient_sync, or before it when every backward
-    was held (a tensor-parallel stage's, which sums its partial gradients over the tensor group); sequence_split, the parts each activation
-    is cut into along T (sequence parallelism: a stage sends its rank's (b, T/tp, hidden)).
+    was held (a tensor-parallel stage's, which sums its partial gradients over the tensor group);
+    sequence_split, the parts each activation is cut into along T (sequence parallelism: a stage
+    sends its rank's (b, T/tp, hidden)).
     """
 
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
