@@ -250,9 +250,10 @@ class ZeroOptimizer(ShardedOptimizer):
         for bucket in self.buckets:
             wire = on_the_wire(bucket.grad_flat, self.reduce_dtype)                  # (N*S,)
             output = wire.new_empty(bucket.shard_numel)                              # (S,)
-            reductions.append((bucket, output, bucket.comm.reduce_scatter(
+            # wire, an upcast copy, is kept until its reduce-scatter is waited for
+            reductions.append((bucket, output, wire, bucket.comm.reduce_scatter(
                 output, wire, op=bucket.op, async_op=True)))
-        for bucket, output, handle in reductions:
+        for bucket, output, _, handle in reductions:
             handle.wait()
             bucket.grad_shard = output.div_(bucket.divide) if bucket.divide != 1 else output
 
