@@ -98,6 +98,11 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability in the model")
     p.add_argument("--precision", choices=list(DTYPES), default="fp32",
                    help="dtype of the model; bf16 and fp16 keep fp32 master weights, fp16 scales the loss")
+    p.add_argument("--reduce-dtype", choices=list(DTYPES), default=None,
+                   help="dtype the gradients are averaged in across ranks: fp32 (the default: a "
+                        "bf16/fp16 gradient is upcast before the collective, FSDP2's reduce_dtype), "
+                        "or the --precision's own (half the bytes, but rounded at every step of the "
+                        "ring, an error that grows with the ranks)")
     p.add_argument("--collectives", choices=("native", "ring"), default="native",
                    help="torch.distributed's collectives (the log's bytes sent are then the ring volume "
                         "of the calls made), or ours from send/recv (bytes measured as they are sent)")
@@ -304,6 +309,10 @@ def check_args(parser, args, world_size):
     if args.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         parser.error("--precision bf16: this GPU has no bf16 arithmetic (it needs compute "
                      "capability 8.0 or newer): use --precision fp16 (with loss scaling)")
+    args.reduce_dtype = args.reduce_dtype or "fp32"
+    if args.reduce_dtype not in ("fp32", args.precision):
+        parser.error(f"--reduce-dtype {args.reduce_dtype} with --precision {args.precision}: reduce in "
+                     f"fp32 (the default) or in the gradients' own dtype, {args.precision}")
     if args.offload == "params" and args.strategy not in ("fsdp", "zero3"):
         parser.error(f"--offload params keeps the parameter shards in CPU memory between uses: use "
                      f"--strategy fsdp (--strategy {args.strategy} keeps whole parameters on the device)")
@@ -571,11 +580,27 @@ def check_pipeline(parser, args, world_size):
         parser.error("--grad-accum: a pipeline accumulates its gradients over its micro-batches "
                      "already; use --microbatches instead")
     cfg = PRESETS[args.model]
+    check_zero_bubble(parser, args)
     try:
         schedules.make_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
         pipeline.stage_layers(args.stage_layers, cfg.n_layer, args.pp, args.virtual_stages)
     except ValueError as e:
         parser.error(f"--model {args.model}: {e}" if "blocks" in str(e) else str(e))
+
+
+def check_zero_bubble(parser, args):
+    """--schedule zb splits each backward: B now, W (the trained weights' gradients) later, on
+    every stage. Every stage holds blocks, whose linears train, unless --lora freezes them: then
+    some adapter must sit in every block (experts are never adapted, so up and down adapt none
+    in a mixture's blocks)."""
+    if args.schedule != "zb" or not args.lora:
+        return
+    experts = dataclasses.replace(PRESETS[args.model], **moe_config(args)).experts
+    in_every_block = {"query", "key", "value", "output"} | (set() if experts else {"up", "down"})
+    if not in_every_block & set(args.lora_targets.split(",")):
+        parser.error(f"--schedule zb with --lora: W computes the adapters' gradients, and --lora-targets "
+                     f"{args.lora_targets} leaves some stage without one; add a linear of every block "
+                     f"to --lora-targets ({', '.join(sorted(in_every_block))}), or use --schedule 1f1b")
 
 
 def check_context_parallel(parser, args, world_size):

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from collectives import as_comm, flags_to_device, ring_bytes
 from memory import run_state_bytes
-from mixed_precision import MixedPrecisionOptimizer
+from mixed_precision import MixedPrecisionOptimizer, on_the_wire, reduce_dtype_of
 from moe import exchange_bytes, expert_parallel, reduction_groups
 from process_groups import check_same_parameters
 
@@ -213,11 +213,15 @@ class DDP(nn.Module):
     accumulation, run the backwards of all but the last micro-batch inside `with ddp.no_sync():`.
     expert_group: with expert parallelism (moe.py), the ranks that hold the same experts as this
     one: the experts' parameters (marked expert_parallel) start from and are reduced over it.
+    reduce_dtype: the dtype each bucket is averaged in (None: the gradients' own, as torch's DDP;
+    torch.float32 for bf16/fp16 gradients: upcast before the all-reduce, the mean rounded back
+    into the bucket once, where torch's DDP would need a communication hook).
     """
 
-    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25, expert_group=None):
+    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25, expert_group=None,
+                 reduce_dtype: torch.dtype | None = None):
         super().__init__()
-        self.module = module
+        self.module, self.reduce_dtype = module, reduce_dtype
         self.comm = as_comm(group)
         self.expert_group = None if expert_group is None else as_comm(expert_group)
         # Trainable parameters only: a frozen one gets no gradient, so it needs no hook, no slot
@@ -252,8 +256,7 @@ class DDP(nn.Module):
         for i, p in enumerate(self.params):
             hook_gradient(p, self._grad_ready, i)
         # Each full bucket's all-reduce starts at once, in bucket order on every rank.
-        self._order = InOrder(self.buckets, launch=lambda bucket: bucket.comm.all_reduce(
-            bucket.grad_flat, op=bucket.op, async_op=True), retire=self._retire)
+        self._order = InOrder(self.buckets, launch=self._launch, retire=self._retire)
         self._syncing = True                                     # False inside no_sync()
         self._hooked = [False] * len(self.params)                # hook has fired: .grad is its slot
         self._reset()
@@ -302,11 +305,18 @@ class DDP(nn.Module):
                     for t, value in zip(group, flat.split([t.numel() for t in group])):
                         t.copy_(value.view_as(t))
 
+    def _launch(self, bucket):
+        wire = on_the_wire(bucket.grad_flat, self.reduce_dtype)          # (L_b,) the reduce dtype
+        return bucket.comm.all_reduce(wire, op=bucket.op, async_op=True), wire
+
     @staticmethod
-    def _retire(bucket, handle):
+    def _retire(bucket, started):
+        handle, wire = started
         handle.wait()
         if bucket.divide != 1:
-            bucket.grad_flat.div_(bucket.divide)
+            wire.div_(bucket.divide)
+        if wire is not bucket.grad_flat:
+            bucket.grad_flat.copy_(wire)                     # the mean, rounded once
 
     def _reset(self):
         self._ready = [False] * len(self.params)
@@ -396,10 +406,11 @@ class DDP(nn.Module):
     def bytes_per_step(self) -> int:
         """Bytes this rank sends per synchronised step, as the ring schedule sends them.
 
-        2(N-1)/N x each bucket (padded to N equal chunks), plus the P-byte used-flag vector:
-        about twice the gradients' bytes, nearly independent of N.
+        2(N-1)/N x each bucket (padded to N equal chunks) in the reduce dtype, plus the P-byte
+        used-flag vector: about twice the gradients' bytes, nearly independent of N.
         """
-        grads = sum(ring_bytes("all_reduce", b.grad_flat.numel(), b.grad_flat.element_size(),
+        grads = sum(ring_bytes("all_reduce", b.grad_flat.numel(),
+                               (self.reduce_dtype or b.grad_flat.dtype).itemsize,
                                b.comm.world_size) for b in self.buckets)
         flags = sum(ring_bytes("all_reduce", len(params), 1, comm.world_size)
                     for comm, params in self._by_group(self.params))
@@ -421,7 +432,8 @@ def build(gpt, options, data, split, device, adamw: dict):
     if options.ep > 1:                          # moe.py: E/ep experts per rank, each rank its rows
         experts, grad_norm = expert_parallel(gpt, data, options.ep)
     model = (gpt if options.strategy == "single" else
-             DDP(gpt, data, bucket_mb=options.bucket_mb, expert_group=experts))
+             DDP(gpt, data, bucket_mb=options.bucket_mb, expert_group=experts,
+                 reduce_dtype=reduce_dtype_of(options)))
     # After DDP's broadcast: fp16/bf16 masters copy rank 0's weights.
     optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, grad_norm=grad_norm,
                                         precision=options.precision, **adamw)

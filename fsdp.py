@@ -28,7 +28,7 @@ import torch.nn as nn
 from collectives import as_comm, ring_bytes, split_norm
 from ddp import FlatParams, InOrder, hook_gradient
 from memory import run_state_bytes
-from mixed_precision import DTYPES, DynamicLossScaler
+from mixed_precision import DTYPES, DynamicLossScaler, reduce_dtype_of
 from model import Block
 from moe import exchange_bytes, expert_parallel, is_expert, reduction
 from quantization import NF4Weight
@@ -88,11 +88,12 @@ class Gathered:
         return ([self.flat] if self.params else []) + ([self.frozen.flat] if self.frozen and frozen else [])
 
     def free(self, frozen: bool = True):
-        """Drop the gathered copies; frozen=False keeps the frozen bytes (still gathered)."""
+        """Drop the gathered copies; frozen=False keeps the frozen bytes (still gathered, if they
+        were: a zero-bubble pipeline's reductions come after its step freed everything)."""
         self.wait()
         for flat in self.flats(frozen):
             flat.untyped_storage().resize_(0)
-        self.gathered = self.frozen is not None and not frozen
+        self.gathered = self.gathered and self.frozen is not None and not frozen
 
     def wait(self):
         for handle, _ in self.gathering:       # (handle, the shard it sends: kept alive till then)
@@ -179,7 +180,10 @@ class FSDP(nn.Module):
     start of forward to the end of its backward, as in PyTorch. Frozen parameters
     (requires_grad=False, cast to compute_dtype) and QLoRA's 4-bit weights are sharded too, as
     each unit's FrozenBytes (a module with nothing to train is a FrozenUnit).
-    compute_dtype: what forward and backward run in and what is on the wire (default fp32).
+    compute_dtype: what forward and backward run in and what the all-gathers send (default fp32).
+    reduce_dtype: what the gradients are reduce-scattered in (default: compute_dtype, as FSDP2's
+    MixedPrecisionPolicy; torch.float32 under bf16/fp16: upcast before the collective, fewer
+    roundings for twice the bytes); the shard is fp32 after the wire either way.
     prefetch: units all-gathered ahead of the one computing (0: none), at most 1 + prefetch
     non-root units gathered at once. group: a collectives.Comm, a process group or None.
     device: where the shards, the gathered units and the rest of the module live (default: where
@@ -198,7 +202,7 @@ class FSDP(nn.Module):
 
     def __init__(self, module: nn.Module, wrap=gpt_blocks, compute_dtype=None, group=None,
                  prefetch: int = 1, device=None, expert_group=None, replicate_group=None,
-                 offload_params: bool = False):
+                 offload_params: bool = False, reduce_dtype=None):
         super().__init__()
         compute_dtype = compute_dtype or torch.float32
         if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -222,6 +226,7 @@ class FSDP(nn.Module):
                 check_same_parameters(list(module.parameters()), comm, device)
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
         self.compute_dtype, self.prefetch, self.offload_params = compute_dtype, prefetch, offload_params
+        self.reduce_dtype = reduce_dtype or compute_dtype
         self.device = device
         # Owner of each parameter (and 4-bit buffer): the nearest wrapped module above it, or the
         # root (None).
@@ -411,7 +416,7 @@ class FSDP(nn.Module):
         started = None
         self._unreduced = not self._sync
         if self._sync:
-            grad = torch.zeros_like(unit.flat)                                   # (N*S,)
+            grad = torch.zeros_like(unit.flat, dtype=self.reduce_dtype)          # (N*S,)
             for i, (p, view) in enumerate(zip(unit.params, unit.views(grad))):
                 if p.grad is not None:
                     view.copy_(p.grad)
@@ -536,12 +541,12 @@ class FSDP(nn.Module):
         the copies too) and norm (zero.py). 3 (N-1)/N of the trained model: 1.5x DDP.
         gathered_for_step (a pipeline's step): one all-gather and one reduce-scatter per unit
         for all the micro-batches, 2 (N-1)/N of the stage, DDP's volume."""
-        size = torch.finfo(self.compute_dtype).bits // 8
+        size, wire = self.compute_dtype.itemsize, self.reduce_dtype.itemsize     # gathered, reduced
         gathers = lambda u: 1 if gathered_for_step else micro_batches * (1 if u in self.roots else 2)
         reductions = 1 if gathered_for_step else micro_batches
         trained = sum(gathers(u) * ring_bytes("all_gather", u.flat.numel(), size, u.comm.world_size)
-                      + reductions * ring_bytes("reduce_scatter", u.flat.numel(), size, u.comm.world_size)
-                      + reductions * (ring_bytes("all_reduce", u.shard_numel, size, u.replicas.world_size)
+                      + reductions * ring_bytes("reduce_scatter", u.flat.numel(), wire, u.comm.world_size)
+                      + reductions * (ring_bytes("all_reduce", u.shard_numel, wire, u.replicas.world_size)
                                       if u.replicas is not None else 0)
                       for u in self.units)
         frozen = sum(gathers(u) * ring_bytes("all_gather", u.frozen.flat.numel(), 1, u.comm.world_size)
@@ -686,7 +691,7 @@ def build(gpt, options, data, split, device, adamw: dict):
     shard, copies = make_mesh(data, S) if S < data.world_size else (data, None)
     model = FSDP(gpt, compute_dtype=DTYPES[options.precision], group=shard, prefetch=options.prefetch,
                  device=device, expert_group=experts, replicate_group=copies,
-                 offload_params=options.offload == "params")
+                 offload_params=options.offload == "params", reduce_dtype=reduce_dtype_of(options))
     optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(options.offload), **adamw)
     return (model, optimizer, model.bytes_per_step(micro_batches=options.grad_accum)
             + exchange_bytes(gpt, options, data.world_size),

@@ -46,6 +46,10 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.merged = False
 
+    # The adapter's two thin products (a zero-bubble pipeline swaps in one that defers their
+    # weights' gradients: pipeline.WeightGradients' protocol).
+    linear = staticmethod(F.linear)
+
     def delta(self) -> torch.Tensor:
         """The update the adapter adds to W0: (alpha / r) B A, (d, k)."""
         return self.scale * self.lora_B @ self.lora_A
@@ -59,7 +63,7 @@ class LoRALinear(nn.Module):
             return h
         x = F.dropout(x, self.dropout, self.training)
         # Two thin products, (..., k) -> (..., r) -> (..., d): the d x k update is never built.
-        return h + self.scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
+        return h + self.scale * self.linear(self.linear(x, self.lora_A), self.lora_B)
 
     @torch.no_grad()
     def merge(self):
@@ -220,4 +224,4 @@ def add_adapter(layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     if layer.lora_A is None:
         return y
     x = F.dropout(x, layer.lora_dropout, layer.training)
-    return y + layer.lora_scale * F.linear(F.linear(x, layer.lora_A), layer.lora_B)
+    return y + layer.lora_scale * layer.linear(layer.linear(x, layer.lora_A), layer.lora_B)

@@ -100,7 +100,8 @@ def nf4_bytes(numel: int, double_quant: bool = False) -> int:
 
 def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
                 optimizer: str = "adamw", trainable: int | None = None, quantized: int = 0,
-                double_quant: bool = False, offload: bool | str = False) -> dict:
+                double_quant: bool = False, offload: bool | str = False,
+                reduce_precision: str | None = None) -> dict:
     """Bytes one rank holds in parameters, gradients and optimizer state, and their total.
 
     A sharded quantity is one padded shard, c = ceil(P / N) elements: the implementation pads
@@ -117,6 +118,9 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     device keeps the parameters), moments, and an fp32 buffer the gradient shard lands in.
     offload="params" (zero3 only): the parameter shards (trained and frozen) move to the host
     too, visiting the device only for their all-gathers. "total" stays the device's bytes.
+    reduce_precision (train.py's --reduce-dtype): the gradient shard as the strategies keep it
+    after the reduce-scatter, zero2's in that dtype, zero3's in fp32 (fsdp.py upcasts after the
+    wire); None: in the parameters' dtype, the table's simplification.
     """
     strategy = _strategy(strategy, world_size)
     if offload and strategy == "ddp":
@@ -128,6 +132,8 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     trainable = n_params if trainable is None else trainable
     shard = -(-trainable // world_size)                             # c = ceil(P / N)
     whole = trainable if strategy == "ddp" else shard * world_size  # P, or N * c (padded)
+    if reduce_precision is not None and strategy in ("zero2", "zero3"):
+        per_param["grads"] = _element_size(reduce_precision) if strategy == "zero2" else 4
     held = {name: per_param[name] * (shard if sharded else whole)
             for name, sharded in zip(("params", "grads", "optimizer"), SHARDED[strategy])}
     frozen = n_params - trainable - quantized
@@ -151,7 +157,7 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
 
 def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int,
                trainable: int | None = None, quantized: int = 0, double_quant: bool = False,
-               shard_group: int | None = None) -> dict:
+               shard_group: int | None = None, reduce_precision: str | None = None) -> dict:
     """Bytes one rank sends per optimizer step, by collective, with the ring algorithm.
 
     Keys are collectives.Comm's counter names, so a measured comm.bytes_sent compares
@@ -162,13 +168,14 @@ def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     trainable parameters have gradients to reduce (and, under zero1/2, updates to gather);
     zero3 all-gathers the frozen ones too, a quantized weight as its packed NF4 bytes (4.5
     bits, fsdp.FrozenBytes). shard_group S (zero3, HSDP): all-gathers and reduce-scatter among
-    S ranks, then each 1/S gradient shard all-reduced over the world / S copies.
+    S ranks, then each 1/S gradient shard all-reduced over the world / S copies. reduce_precision
+    (train.py's --reduce-dtype, default: the parameters'): the dtype the gradients travel in.
     """
     if strategy == "single":
         _strategy(strategy, world_size)
         return {}
     strategy = _strategy(strategy, world_size)
-    size = _element_size(precision)
+    size, wire = _element_size(precision), _element_size(reduce_precision or precision)
     trainable = n_params if trainable is None else trainable
     S = shard_group or world_size
     if S != world_size and (strategy != "zero3" or S < 1 or world_size % S):
@@ -177,8 +184,8 @@ def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     padded = -(-trainable // S) * S                                  # S * c (S = N unless HSDP)
     if strategy == "ddp":
         # Every rank needs the whole averaged gradient: one all-reduce, 2 (N-1)/N x its size.
-        return {"all_reduce": ring_bytes("all_reduce", trainable, size, world_size)}
-    reduce_scatter = ring_bytes("reduce_scatter", padded, size, S)
+        return {"all_reduce": ring_bytes("all_reduce", trainable, wire, world_size)}
+    reduce_scatter = ring_bytes("reduce_scatter", padded, wire, S)
     if strategy in ("zero1", "zero2"):
         # Rank r needs only the averaged gradient of the shard it updates (reduce-scatter),
         # then everyone needs everyone's updated shard (all-gather). All-reduce is exactly
@@ -192,7 +199,7 @@ def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int,
                   + ring_bytes("all_gather", nf4_bytes(quantized, double_quant), 1, S))
     sent = {"all_gather": 2 * all_gather, "reduce_scatter": reduce_scatter}
     if S < world_size:               # HSDP: the shard's mean over the copies, 2 (G-1)/G of it
-        sent["all_reduce"] = ring_bytes("all_reduce", padded // S, size, world_size // S)
+        sent["all_reduce"] = ring_bytes("all_reduce", padded // S, wire, world_size // S)
     return sent
 
 
@@ -200,29 +207,32 @@ def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int,
 
 def ep_state_bytes(n_params: int, experts: int, strategy: str, precision: str, world_size: int,
                    ep: int, optimizer: str = "adamw", offload: bool | str = False,
-                   shard_group: int | None = None, **rest) -> dict:
+                   shard_group: int | None = None, reduce_precision: str | None = None, **rest) -> dict:
     """state_bytes under expert parallelism (moe.py): `experts` of the n_params a rank holds are
     its E/ep experts of each MoE layer, kept (whole or sharded, as the strategy says) over the
     world_size / ep ranks holding the same ones; the others over all world_size ranks (HSDP:
     over its shard_group). rest: state_bytes' trainable, quantized and double_quant, which
     concern the others (LoRA never runs with split experts)."""
     held = state_bytes(n_params - experts, strategy, precision, shard_group or world_size, optimizer,
-                       offload=offload, **rest)
+                       offload=offload, reduce_precision=reduce_precision, **rest)
     if experts:
-        split = state_bytes(experts, strategy, precision, world_size // ep, optimizer, offload=offload)
+        split = state_bytes(experts, strategy, precision, world_size // ep, optimizer, offload=offload,
+                            reduce_precision=reduce_precision)
         held = {key: held[key] + split[key] for key in held}
     return held
 
 
 def ep_comm_bytes(n_params: int, experts: int, strategy: str, precision: str, world_size: int,
-                  ep: int, **rest) -> dict:
+                  ep: int, reduce_precision: str | None = None, **rest) -> dict:
     """comm_bytes under expert parallelism: the gradients (and under ZeRO and FSDP the parameters)
     of a rank's `experts` travel among the world_size / ep ranks holding the same ones (nowhere
     when ep is the world), the others' among all. The all-to-alls: moe_exchange_bytes. rest:
     comm_bytes' trainable, quantized, double_quant and shard_group, which concern the others."""
-    sent = comm_bytes(n_params - experts, strategy, precision, world_size, **rest)
+    sent = comm_bytes(n_params - experts, strategy, precision, world_size,
+                      reduce_precision=reduce_precision, **rest)
     if experts:
-        for name, value in comm_bytes(experts, strategy, precision, world_size // ep).items():
+        for name, value in comm_bytes(experts, strategy, precision, world_size // ep,
+                                      reduce_precision=reduce_precision).items():
             sent[name] = sent.get(name, 0) + value
     return sent
 
@@ -464,7 +474,8 @@ def run_state_bytes(gpt, strategy: str, options, world_size: int, n_params: int 
                           options.precision, world_size, options.ep, shard_group=shard_group,
                           trainable=trainable,
                           quantized=quantized, double_quant=options.double_quant,
-                          offload=options.offload or False)
+                          offload=options.offload or False,
+                          reduce_precision=getattr(options, "reduce_dtype", None))
 
 
 def mesh_params(name_or_config, tp: int = 1, blocks: int | None = None, first: bool = True,
@@ -496,7 +507,7 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
                dp: int = 1, micro_batches: int = 1, precision: str = "fp32", stage: int = 0,
                schedule: str = "1f1b", virtual_stages: int = 1, attention: str = "ring",
                strategy: str = "ddp", shard_group: int | None = None,
-               sequence_parallel: bool = False) -> dict:
+               sequence_parallel: bool = False, reduce_precision: str | None = None) -> dict:
     """Bytes one rank of a tp x cp x pp x dp mesh (train.parallelize) sends per step, by
     dimension, in closed form, for pipeline stage `stage` (the balanced split of the blocks):
     batch rows per data-parallel rank (B/D), seq_len tokens per whole sequence, micro_batches
@@ -515,7 +526,8 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
     dp: comm_bytes of this rank's parameters (mesh_params) over dp x cp ranks, in the padding-free
     napkin form (real buckets pad each message to dp x cp chunks: a few elements more); ZeRO-2
     reduce-scatters every micro-batch; zero3 in a pipeline gathers once a step (2 (N-1)/N);
-    shard_group (zero3): HSDP's groups inside dp x cp.
+    shard_group (zero3): HSDP's groups inside dp x cp; reduce_precision: the gradients' dtype
+    on the wire (comm_bytes').
     """
     cfg = _config(name_or_config)
     size, C = _element_size(precision), cfg.n_embd
@@ -532,8 +544,10 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
             whole = 6 * C * blocks + (cfg.block_size * C if first else 0) + (2 * C if last else 0)
             # ZeRO-2 and FSDP read gradients during backward, and context parallelism wraps the
             # tensor-parallel model: summed in backward there, every micro-batch
-            # (tensor_parallel.sum_partial_in_backward; C divides by tp, so no padding)
-            times = micro_batches if strategy in ("zero2", "zero3") or cp > 1 else 1
+            # (tensor_parallel.sum_partial_in_backward; C divides by tp, so no padding), unless a
+            # zero-bubble pipeline holds the backwards' reductions: once, at its finish
+            zb = pp > 1 and schedule == "zb"
+            times = micro_batches if (strategy in ("zero2", "zero3") or cp > 1) and not zb else 1
             sent["tp"] += times * ring_bytes("all_reduce", whole, size, tp)
     if cp > 1:
         layer = cp_kv_bytes(seq_len, batch // micro_batches, C // tp, cp, attention, size)
@@ -545,14 +559,14 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
             sent["pp"] += ring_bytes("all_reduce", cfg.vocab_size * C // tp, size, 2)
     if dp * cp > 1:
         n_params = mesh_params(cfg, tp, blocks, first, last)
-        sent["dp"] = sum(comm_bytes(n_params, strategy, precision, dp * cp,
-                                    shard_group=shard_group).values())
+        sent["dp"] = sum(comm_bytes(n_params, strategy, precision, dp * cp, shard_group=shard_group,
+                                    reduce_precision=reduce_precision).values())
         # ZeRO-2 reduce-scatters every backward (a micro-batch's, or a chunk's of one), unless it
         # waits for a tied head's sum (the ends) or zb's W: once a step then
         waits = pp > 1 and (schedule == "zb" or cfg.tie_embeddings and (first or last))
         if strategy == "zero2" and not waits:           # one per backward: per chunk interleaved
-            sent["dp"] += (micro_batches * virtual_stages - 1) * ring_bytes("reduce_scatter", n_params,
-                                                                            size, dp * cp)
+            sent["dp"] += (micro_batches * virtual_stages - 1) * ring_bytes(
+                "reduce_scatter", n_params, _element_size(reduce_precision or precision), dp * cp)
         if strategy == "zero3" and pp > 1:    # gathered once for the step's micro-batches, not
             # once for forward and again for backward (fsdp.FSDP.gathered_for_step)
             sent["dp"] -= ring_bytes("all_gather", n_params, size, shard_group or dp * cp)
@@ -630,6 +644,9 @@ def _parse_args(argv=None):
     p.add_argument("--world", type=int, default=1, help="N, the number of ranks")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
                    help="parameter and gradient dtype (bf16 and fp16 cost the same bytes)")
+    p.add_argument("--reduce-dtype", choices=PRECISIONS, default=None,
+                   help="dtype the gradients travel and their shards stay in (train.py reduces in "
+                        "fp32 by default; default here: the --precision's, the table's simple form)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--batch-size", type=int, default=None,
                    help="global batch in sequences, as train.py takes it (default: one per rank)")
@@ -779,10 +796,10 @@ def _predict(n_params, strategy, args):
     frozen = dict(trainable=trainable, quantized=quantized, double_quant=args.double_quant)
     held = ep_state_bytes(n_params, experts, strategy, args.precision, args.world, args.ep,
                           args.optimizer, shard_group=args.shard_group, **frozen,
-                          offload=(False if canonical == "ddp" else args.offload if canonical == "zero3"
+                          reduce_precision=args.reduce_dtype, offload=(False if canonical == "ddp" else args.offload if canonical == "zero3"
                                    else bool(args.offload)))
     sent = ep_comm_bytes(n_params, experts, strategy, args.precision, args.world, args.ep, **frozen,
-                         shard_group=args.shard_group)
+                         shard_group=args.shard_group, reduce_precision=args.reduce_dtype)
     if args.ep > 1:
         sent["all_to_all"] = moe_exchange_bytes(PRESETS[args.model], _micro_batch_tokens(args),
                                                 args.ep, args.precision, args.grad_accum)

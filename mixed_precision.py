@@ -350,6 +350,21 @@ class MixedPrecisionOptimizer(MasterOptimizer):
                 p.copy_(m)
 
 
+def reduce_dtype_of(options) -> torch.dtype | None:
+    """The dtype train.py's --reduce-dtype averages gradients in across ranks; None (an options
+    object without it): the gradients' own dtype."""
+    name = getattr(options, "reduce_dtype", None)
+    return DTYPES[name] if name else None
+
+
+def on_the_wire(grad: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Tensor:
+    """What a collective reduces for a gradient buffer: the buffer itself, or an upcast copy.
+    Averaged in bf16, every step of the ring rounds a partial sum to 8 bits of mantissa, an error
+    that grows with the ranks; in fp32 only the finished mean is rounded, once (FSDP2's
+    MixedPrecisionPolicy(reduce_dtype=torch.float32)), for twice the bytes."""
+    return grad if reduce_dtype in (None, grad.dtype) else grad.to(reduce_dtype)
+
+
 def parameters_only(params, who: str) -> list:
     """params as a list of tensors; our optimizers lay out their masters themselves, so they
     take one group of parameters (settings are keyword arguments), not group dicts."""

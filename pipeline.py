@@ -107,10 +107,15 @@ class GPTStage(nn.Module):
 #
 # A linear layer y = x W^T + b has three gradients: dx = dy W (the previous layer, and the
 # previous stage, wait for it), dW = dy^T x and db = sum(dy) (nothing waits for them until the
-# optimizer). B runs autograd's backward with every trainable nn.Linear swapped for
+# optimizer). B runs autograd's backward with every trainable weight's product swapped for
 # DeferredLinear, whose backward returns dx only and leaves (x, dy) in a list; W runs that
-# list's two matmuls later. The other parameters (norms, embeddings, LoRA's thin factors) are
-# small: their gradients come in B, as usual.
+# list's two matmuls later. Which products: every nn.Linear's, and those of any module that
+# computes them as self.linear(x, weight, bias) (the protocol: tensor_parallel's split layers,
+# whose f and g collectives stay in B around the product, and LoRA's thin factors); W swaps
+# its own function in. The other parameters (norms, embeddings) are small: their gradients come
+# in B, as usual. Under FSDP the module is not a submodule (FSDP.module) and the weights are
+# views of a gathered unit (the pipeline keeps it gathered through the step): W writes .grad as
+# autograd would, and the unit's reduce-scatter, held until the step's finish, takes it.
 
 class DeferredLinear(torch.autograd.Function):
     """F.linear whose backward computes the input's gradient and defers the weight's and bias's:
@@ -130,16 +135,30 @@ class DeferredLinear(torch.autograd.Function):
 
 
 class WeightGradients:
-    """The deferred halves of a stage's backwards, by micro-batch and chunk."""
+    """The deferred halves of a stage's backwards, by micro-batch and chunk.
+    module: the stage, or a wrapper holding it as .module (DDP, FSDP)."""
 
     def __init__(self, module: nn.Module):
         self.pending, self.by_pass = [], {}
-        for layer in module.modules():
+        self.layers = 0                  # layers whose products defer a trained weight's gradient
+        self.computed = set()            # the weights W gave a gradient, since clear()
+        for layer in getattr(module, "module", module).modules():
             if isinstance(layer, nn.Linear) and layer.weight.requires_grad:
-                layer.forward = partial(self._linear, layer)
+                layer.forward = partial(self._nn_linear, layer)
+                self.layers += 1
+            elif hasattr(layer, "linear"):
+                layer.linear = self.linear
+                self.layers += any(p.requires_grad for p in layer.parameters(recurse=False))
 
-    def _linear(self, layer, x):
+    def _nn_linear(self, layer, x):
         return DeferredLinear.apply(x, layer.weight, layer.bias, self)
+
+    def linear(self, x, weight, bias=None):
+        """The protocol's F.linear: the weight's gradient waits for W if it trains (a frozen
+        weight has none to compute)."""
+        if not weight.requires_grad:
+            return F.linear(x, weight, bias)
+        return DeferredLinear.apply(x, weight, bias, self)
 
     @contextlib.contextmanager
     def collect(self, key):
@@ -155,6 +174,7 @@ class WeightGradients:
         for weight, bias, x, dy in self.by_pass.pop(key):
             x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # (rows, k), (rows, d)
             _accumulate(weight, x2.t().mm(dy2).t())                                # (d, k)
+            self.computed.add(weight)
             if bias is not None and bias.requires_grad:
                 _accumulate(bias, dy2.sum(0))                                      # (d,)
 
@@ -187,12 +207,12 @@ class Pipeline:
     Inside a mesh (train.py): stage_norm, the norm of a stage whose parameters are split
     further (a tensor-parallel stage's grad_norm), summed in squares over the stages; local_tokens,
     context parallelism's (x, y) -> this rank's tokens of them, applied before the micro-batches;
-    stage_sync, called after the module's finish_gradient_sync (a tensor-parallel stage's, which
-    sums its partial gradients over the tensor group); sequence_split, the parts each activation
-    is cut into along T (sequence parallelism: a stage sends its rank's (b, T/tp, hidden)).
-    device: where the stage computes, and so where every tensor it hands a collective lives
-    (NCCL moves device memory only); default: where the module's first parameter is, which is
-    the host for FSDP's offloaded masters: pass it then.
+    stage_sync, called after the module's finish_gradient_sync, or before it when every backward
+    was held (a tensor-parallel stage's, which sums its partial gradients over the tensor group);
+    sequence_split, the parts each activation is cut into along T (sequence parallelism: a stage
+    sends its rank's (b, T/tp, hidden)). device: where the stage computes, and so where every
+    tensor it hands a collective lives (NCCL moves device memory only); default: where the
+    module's first parameter is, which is the host for FSDP's offloaded masters: pass it then.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
@@ -216,8 +236,16 @@ class Pipeline:
         # NCCL: a batch_isend_irecv may be a group's first call only if every rank of the group
         # joins it (torch's documentation); the stages' first groups differ, so one small
         # all-reduce creates the communicator on every stage first (a set-up call, not counted).
+        # It carries how many stages would run a W with nothing to compute, so that every stage
+        # stops alike (cli.py refuses such a run first).
         self.device = device = device or next(module.parameters()).device
-        dist.all_reduce(torch.zeros(1, device=device), group=comm.group)
+        idle = torch.tensor([float(self.weight_grads is not None and not self.weight_grads.layers)],
+                            device=device)
+        dist.all_reduce(idle, group=comm.group)
+        if idle.item():
+            raise ValueError(f"--schedule zb: {int(idle.item())} of the {self.P} stages hold no trained "
+                             f"weight whose gradient W could compute (no trained nn.Linear or split "
+                             f"or LoRA product): use --schedule 1f1b")
         self.hidden, self.dtype = hidden, dtype
         self.tied = tied if self.P > 1 else None
         self.no_sync = getattr(module, "no_sync", None)      # DDP's, FSDP's (ZeRO-2: see below)
@@ -261,18 +289,27 @@ class Pipeline:
         measure: synchronize CUDA around each compute, so busy and wall time are exact."""
         if self.local_tokens:
             x, y = self.local_tokens(x, y)                        # (B, t) each
+        if self.weight_grads is not None:
+            self.weight_grads.computed.clear()
         with self._gathered():
             loss = self._run(self.actions, x, y, scale_loss, measure)
-        sum_tied_first = self.tied is not None and self.hold_every_backward   # nothing reduced yet
-        if sum_tied_first:
-            self.ends.all_reduce(self.tied.grad)
+        # Every backward held (zero bubble's, or for a tied weight): nothing is reduced over the
+        # data dimension yet, so the stage's own sums (the tied copies, the tensor group's partial
+        # gradients, W's among them) come first, while every .grad is still whole.
+        sums_first = self.hold_every_backward or self.weight_grads is not None
+        if sums_first:
+            self._stage_sums()
         if hasattr(self.module, "finish_gradient_sync"):
             self.module.finish_gradient_sync()
+        if not sums_first:
+            self._stage_sums()
+        return self._sum_over_stages(loss)
+
+    def _stage_sums(self):
         if self.stage_sync is not None:
             self.stage_sync()
-        if self.tied is not None and not sum_tied_first:   # the embedding's + the head's gradient
+        if self.tied is not None:                          # the embedding's + the head's gradient
             self.ends.all_reduce(self.tied.grad)
-        return self._sum_over_stages(loss)
 
     @torch.no_grad()
     def evaluate(self, x, y) -> torch.Tensor:
@@ -323,6 +360,11 @@ class Pipeline:
         every = [torch.zeros_like(times) for _ in range(self.P)]
         dist.all_gather(every, times, group=self.comm.group)      # a metric: not counted
         return [1 - (busy / wall).item() for busy, wall in every]
+
+    def deferred_weights(self) -> int:
+        """How many of this stage's weights got their gradient from W in the last step (zero
+        bubble; 0 for a schedule whose backward is whole)."""
+        return len(self.weight_grads.computed) if self.weight_grads is not None else 0
 
     def predicted_bubble(self) -> tuple[str, float]:
         """The schedule's idle share on schedules.py's clock: (formula, value)."""

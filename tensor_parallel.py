@@ -154,6 +154,11 @@ class _SplitLinear(nn.Module):
     input features (a row layer). linear: an existing nn.Linear to split (from_linear; default:
     a fresh one, initialised as on one rank). Its LoRA adapter, if any, splits with it (lora.py)."""
 
+    # The local product x W_r^T, a plain matmul on this rank's shard: its weight gradient needs
+    # no collective (f and g move the activations around it), so a zero-bubble pipeline may
+    # swap in one that defers it (pipeline.WeightGradients' protocol).
+    linear = staticmethod(F.linear)
+
     def __init__(self, in_features, out_features, group, bias, linear, dim):
         super().__init__()
         self.comm = as_comm(group)
@@ -187,7 +192,7 @@ class ColumnParallelLinear(_SplitLinear):
     def forward(self, x):                                        # (B, T, in), or (B, T/N, in) with SP
         if self.enter:
             x = enter_region(x, self.comm, self.sequence_parallel)          # (B, T, in)
-        y = add_adapter(self, x, F.linear(x, self.weight, self.bias))  # (B, T, out/N)
+        y = add_adapter(self, x, self.linear(x, self.weight, self.bias))  # (B, T, out/N)
         return _gather_features(y, self.comm) if self.gather_output else y
 
 
@@ -207,7 +212,7 @@ class RowParallelLinear(_SplitLinear):
     def forward(self, y):                                        # (B, T, in/N), or (B, T, in)
         if not self.input_is_parallel:
             y = _split_features(y, self.comm)                   # (B, T, in/N)
-        partial = add_adapter(self, y, F.linear(y, self.weight))  # (B, T, out): this rank's share
+        partial = add_adapter(self, y, self.linear(y, self.weight))  # (B, T, out): this rank's share
         z = leave_region(partial, self.comm, self.sequence_parallel)  # (B, T or T/N, out)
         return z + self.bias if self.bias is not None else z
 
@@ -411,7 +416,8 @@ class TensorParallelGPT(nn.Module):
         Each block sends 2 all-reduces forward and 2 backward of (B, T, C) (a block of experts,
         whose MLP is whole, half of them); embedding and head
         one each; with sequence parallelism each all-reduce is a reduce-scatter + all-gather pair
-        of the same volume. The loss adds 3 x M fp32 numbers; the gradient norm one; the partial
+        of the same volume (and a block of experts one fp32, its balance loss). The loss adds 3 x M
+        fp32 numbers; the gradient norm one; the partial
         gradients one all-reduce a step (summed in backward: one per weight and micro-batch). A pipeline
         stage (pipeline.GPTStage) counts its own blocks, and the embedding or head if it has them.
         """
@@ -428,6 +434,9 @@ class TensorParallelGPT(nn.Module):
         per_micro = (2 * sublayers + first + last - skipped) * ring_bytes("all_reduce", m * gpt.cfg.n_embd,
                                                                          size, n)
         per_micro += 3 * ring_bytes("all_reduce", m, 4, n) if last else 0
+        if self.sequence_parallel:         # each mixture's balance loss made the group's mean (g)
+            mixtures = sum(isinstance(block.mlp, MoE) for block in gpt.blocks if not isinstance(block, nn.Identity))
+            per_micro += mixtures * ring_bytes("all_reduce", 1, 4, n)
         held = {id(p) for p in gpt.parameters()}        # a pipeline stage's: its own parts only
         partial = [p.numel() for p in self.partial if id(p) in held]
         sync = (micro_batches * sum(ring_bytes("all_reduce", numel, size, n) for numel in partial)

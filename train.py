@@ -212,14 +212,19 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     # Partial gradients over the tensor group (tensor_parallel.py) are summed after backward by
     # the tensor-parallel model's finish, which a context-parallel model wrapping it hides from
     # the loop; and ZeRO-2's and FSDP's hooks would shard them first: there, in backward.
-    if tp and tp.partial and (args.strategy in ("zero2", "fsdp", "zero3") or cp):
+    # A zero-bubble pipeline holds every backward's reductions until its finish, where it sums
+    # them first (W's gradients come after autograd, where no hook would see them).
+    zb = "pp" in splits and args.schedule == "zb"
+    if tp and tp.partial and (args.strategy in ("zero2", "fsdp", "zero3") or cp) and not zb:
         tp.sum_partial_in_backward()
+    reduce_dtype = DTYPES[args.reduce_dtype]      # the gradients' averages, in fp32 by default
     if strategy is fsdp:
         replicas = FSDP(module, compute_dtype=DTYPES[args.precision], group=mesh.shard or data,
                         replicate_group=mesh.replicate, prefetch=args.prefetch, device=device,
-                        offload_params=args.offload == "params", expert_group=experts)
+                        offload_params=args.offload == "params", expert_group=experts,
+                        reduce_dtype=reduce_dtype)
     elif strategy is ddp and data.world_size > 1:
-        replicas = DDP(module, data, bucket_mb=args.bucket_mb, expert_group=experts)
+        replicas = DDP(module, data, bucket_mb=args.bucket_mb, expert_group=experts, reduce_dtype=reduce_dtype)
     else:
         replicas = module                          # ZeRO's optimizer reduces the gradients
     model, grad_norm = replicas, expert_norm or (tp.grad_norm if tp else None)
@@ -239,7 +244,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                      if strategy is fsdp else
                      ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]), group=data,
                                    bucket_mb=args.bucket_mb, offload=offload, expert_group=experts,
-                                   **adamw))
+                                   reduce_dtype=reduce_dtype, **adamw))
         tied_copy = [module.tied] if "pp" in splits and module.tied is not None and module.last else []
         optimizer.split_model(tensor=mesh.tp if tp else None,
                               stages=mesh.pp if "pp" in splits else None, counted_elsewhere=tied_copy)
@@ -561,10 +566,13 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
             if hasattr(model, "measured_bubbles"):
                 bubbles = history.setdefault("bubble", {})[step] = model.measured_bubbles()
                 formula, predicted_bubble = model.predicted_bubble()
+                # zb: the weights whose gradients W computed here (its share of the bubble's fill)
+                deferred = history.setdefault("deferred", {})[step] = model.deferred_weights()
                 say(f"step {step:5d} | bubble (idle share of the step) per stage "
                     f"{' '.join(f'{b:.2f}' for b in bubbles)} | formula {formula} "
                     f"{predicted_bubble:.2f} | activations held at most {model.peak_activations} "
-                    f"micro-batch{' chunks' if model.v > 1 else 'es'} on stage {model.stage}")
+                    f"micro-batch{' chunks' if model.v > 1 else 'es'} on stage {model.stage}"
+                    + (f" | W computed {deferred} weights' gradients" if args.schedule == "zb" else ""))
             if context is not None:
                 idle, predicted_idle = context.idle_shares()
                 history.setdefault("cp", {})[step] = cp = {

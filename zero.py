@@ -25,7 +25,8 @@ import torch.nn as nn
 from collectives import Comm, as_comm, flags_to_device, ring_bytes, split_norm
 from ddp import FlatParams, InOrder, hook_gradient, split_into_buckets
 from memory import run_state_bytes
-from mixed_precision import DynamicLossScaler, MasterOptimizer, parameters_only, unscale_grads
+from mixed_precision import (DynamicLossScaler, MasterOptimizer, on_the_wire, parameters_only,
+                             reduce_dtype_of, unscale_grads)
 from moe import exchange_bytes, expert_parallel, is_expert, reduction_groups
 from process_groups import check_same_parameters
 
@@ -43,7 +44,7 @@ class Bucket(FlatParams):
         super().__init__(params, comm.world_size)
         self.comm = comm
         self.master = None        # (S,) fp32: the shard the inner optimizer updates
-        self.grad_shard = None    # (S,) this rank's reduced gradient, in the parameters' dtype
+        self.grad_shard = None    # (S,) this rank's reduced gradient, in the reduce dtype
         # grad_flat (FlatParams): stage 1 keeps it always, stage 2 only while in flight
         self.host_grad = None     # offload: (S,) fp32 host buffer the reduced gradient lands in
         self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
@@ -194,7 +195,9 @@ class ZeroOptimizer(ShardedOptimizer):
     each flat buffer; stage 2 reduces one bucket while backward computes the next.
     offload: keep the fp32 masters and the optimizer state on the host and step there (the
     device then holds only the parameters and the gradient shards). expert_group: with expert
-    parallelism (moe.py), the ranks holding the same experts as this one.
+    parallelism (moe.py), the ranks holding the same experts as this one. reduce_dtype: the dtype
+    the gradients are reduce-scattered in, and the shard kept (None: the parameters'; torch.float32
+    for bf16/fp16 parameters: upcast before the collective, as FSDP2's reduce_dtype).
     Training loop: zero_grad(); scale_loss(loss).backward() per micro-batch;
     clip_grad_norm_(max_norm) if clipping (the global norm: torch.nn.utils' would see stage 2's
     freed .grad as nothing to clip); step(). A torch.optim.Optimizer: schedulers drive it.
@@ -211,7 +214,8 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def __init__(self, params, stage: int = 1, optimizer_cls=torch.optim.AdamW, group=None,
                  bucket_mb: float = 25, scaler: DynamicLossScaler | None = None,
-                 offload: bool = False, expert_group=None, **optimizer_kwargs):
+                 offload: bool = False, expert_group=None, reduce_dtype: torch.dtype | None = None,
+                 **optimizer_kwargs):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}; stage 3 shards the "
                              f"parameters too: that is FSDP (fsdp.py)")
@@ -228,7 +232,7 @@ class ZeroOptimizer(ShardedOptimizer):
         if offload not in (True, False):
             raise ValueError(f"ZeroOptimizer offload must be True (the optimizer on the CPU) or "
                              f"False, got {offload!r}")
-        self.offload = offload
+        self.offload, self.reduce_dtype = offload, reduce_dtype
         # Reverse registration order is roughly the order backward produces gradients (stage 2
         # reduces buckets as they fill); each bucket is sharded N ways, so rank r's share of
         # the optimizer state is shard r of every bucket: 1/N of the whole, plus padding.
@@ -278,10 +282,12 @@ class ZeroOptimizer(ShardedOptimizer):
                 p.grad = view
         reductions = []
         for bucket in self.buckets:
-            output = torch.empty_like(bucket.flat[: bucket.shard_numel])            # (S,)
-            reductions.append((bucket, output, bucket.comm.reduce_scatter(
-                output, bucket.grad_flat, op=bucket.op, async_op=True)))
-        for bucket, output, handle in reductions:
+            wire = on_the_wire(bucket.grad_flat, self.reduce_dtype)                  # (N*S,)
+            output = wire.new_empty(bucket.shard_numel)                              # (S,)
+            # wire, an upcast copy, is kept until its reduce-scatter is waited for
+            reductions.append((bucket, output, wire, bucket.comm.reduce_scatter(
+                output, wire, op=bucket.op, async_op=True)))
+        for bucket, output, _, handle in reductions:
             handle.wait()
             bucket.grad_shard = output.div_(bucket.divide) if bucket.divide != 1 else output
 
@@ -351,8 +357,9 @@ class ZeroOptimizer(ShardedOptimizer):
         than DDP (plus the gradient norm's one fp32 number and the used-flags).
         """
         reductions = self.reductions_per_step(micro_batches)
+        wire = lambda b: (self.reduce_dtype or b.flat.dtype).itemsize        # the gradient's bytes
         return flags_and_norm_bytes(self.buckets, self.comm) + sum(
-            reductions * ring_bytes("reduce_scatter", b.flat.numel(), b.flat.element_size(), b.comm.world_size)
+            reductions * ring_bytes("reduce_scatter", b.flat.numel(), wire(b), b.comm.world_size)
             + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), b.comm.world_size)
             for b in self.buckets)
 
@@ -408,8 +415,8 @@ class Zero2Optimizer(ZeroOptimizer):
         """Parameter i's gradient into bucket b's buffer; the bucket goes once it is full."""
         bucket = self.buckets[b]
         param = bucket.params[i]
-        if bucket.grad_flat is None:
-            bucket.grad_flat = torch.zeros_like(bucket.flat)         # (N*S,) lives while in flight
+        if bucket.grad_flat is None:                  # (N*S,) lives while in flight, in the reduce dtype
+            bucket.grad_flat = torch.zeros_like(bucket.flat, dtype=self.reduce_dtype)
         bucket.view(bucket.grad_flat, i).copy_(param.grad)
         param.grad = None                                            # the full gradient is gone
         bucket.used[i] = True
@@ -419,8 +426,8 @@ class Zero2Optimizer(ZeroOptimizer):
 
     def _launch_reduction(self, bucket: Bucket):
         if bucket.grad_flat is None:                                     # no gradient came
-            bucket.grad_flat = torch.zeros_like(bucket.flat)
-        output = torch.empty_like(bucket.flat[: bucket.shard_numel])      # (S,)
+            bucket.grad_flat = torch.zeros_like(bucket.flat, dtype=self.reduce_dtype)
+        output = bucket.grad_flat.new_empty(bucket.shard_numel)          # (S,)
         return bucket.comm.reduce_scatter(output, bucket.grad_flat, op=bucket.op, async_op=True), output
 
     def _retire(self, bucket: Bucket, started):
@@ -541,7 +548,8 @@ def build(gpt, options, data, split, device, adamw: dict):
     experts = expert_parallel(gpt, data, options.ep)[0] if options.ep > 1 else None
     optimizer = ZeroOptimizer(gpt.parameters(), stage=int(options.strategy[-1]),
                               optimizer_cls=torch.optim.AdamW, group=data, bucket_mb=options.bucket_mb,
-                              offload=bool(options.offload), expert_group=experts, **adamw)
+                              offload=bool(options.offload), expert_group=experts,
+                              reduce_dtype=reduce_dtype_of(options), **adamw)
     return (gpt, optimizer, optimizer.bytes_per_step(micro_batches=options.grad_accum)
             + exchange_bytes(gpt, options, data.world_size),
             run_state_bytes(gpt, options.strategy, options, data.world_size))

@@ -187,7 +187,7 @@ def test_lora_under_every_strategy_equals_one_process(pretrained):
     """ddp and zero2 communicate only the adapters' gradients, fsdp shards only them (the base
     stays whole), tp splits A or B with the layer they adapt, a pipeline stage trains the
     adapters of its own blocks (in two chunks each, interleaved; zero bubble: the adapters' thin
-    products are not nn.Linear layers, so their gradients come whole in B): the same model."""
+    products defer their gradients to W): the same model."""
     root, other = pretrained
     single = run_ranks(_fine_tune, 1, root, other, "single", "single", ALL_LINEARS)[0]
     assert single["eval_loss"] < single["eval_loss_before"]          # it learns the new text

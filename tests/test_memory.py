@@ -514,3 +514,22 @@ def test_offloaded_parameters_leave_the_device_with_the_optimizer():
     assert both["total"] == optimizer_only["total"] - optimizer_only["params"]
     with pytest.raises(ValueError, match="zero3/fsdp only"):
         state_bytes(n, "zero2", "bf16", 4, offload="params")
+
+
+def test_a_reduction_in_fp32_doubles_the_gradients_bytes_and_zero2s_shard():
+    """--reduce-dtype fp32 under bf16 (train.py's default): the gradients' collective moves 4-byte
+    elements, the parameters' all-gathers stay 2-byte; ZeRO-2 keeps its shard in fp32 and
+    FSDP in fp32 after the wire. Written out with the ring formula for 1000 elements on 4 ranks."""
+    n, N = 1000, 4
+    assert comm_bytes(n, "ddp", "bf16", N, reduce_precision="fp32") == {
+        "all_reduce": ring_bytes("all_reduce", n, 4, N)}
+    for strategy in ("zero1", "zero2"):
+        assert comm_bytes(n, strategy, "bf16", N, reduce_precision="fp32") == {
+            "reduce_scatter": ring_bytes("reduce_scatter", n, 4, N), "all_gather": ring_bytes("all_gather", n, 2, N)}
+    assert comm_bytes(n, "zero3", "bf16", N, reduce_precision="fp32") == {
+        "reduce_scatter": ring_bytes("reduce_scatter", n, 4, N), "all_gather": 2 * ring_bytes("all_gather", n, 2, N)}
+    assert comm_bytes(n, "zero3", "bf16", N, reduce_precision="bf16") == comm_bytes(n, "zero3", "bf16", N)
+    assert state_bytes(n, "zero2", "bf16", N, reduce_precision="fp32")["grads"] == 4 * 250
+    assert state_bytes(n, "zero2", "bf16", N, reduce_precision="bf16")["grads"] == 2 * 250
+    assert state_bytes(n, "zero3", "bf16", N, reduce_precision="bf16")["grads"] == 4 * 250
+    assert state_bytes(n, "zero1", "bf16", N, reduce_precision="fp32")["grads"] == 2 * n

@@ -809,3 +809,98 @@ def test_only_a_refusal_reads_as_a_usage_error():
     kind, message, trace = out["bug"]
     assert kind == "ValueError" and "not enough values to unpack" in message, out
     assert 'train.py", line' in trace and "in build" in trace, trace
+
+
+# ---- zero bubble: W has work on every stage, in every combination the command line takes ------
+
+MOE = ("--model", "tiny-moe", "--routing-group", "16")      # 16 tokens: a tensor rank's half of 32
+
+
+@pytest.fixture(scope="module")
+def one_process_moe(tmp_path_factory):
+    return _run_mesh(tmp_path_factory.mktemp("one-moe"), 1, *MOE)
+
+
+def _deferred_by_hand(flags: tuple, stage: int) -> int:
+    """The trained weights whose gradient W computes on `stage` of tiny(-moe) in 2 stages of 2
+    blocks, counted from the model's layout: a block's attention has 4 linears, a dense MLP 2, a
+    mixture a router and 2 per expert this rank holds (8 / --ep); the last stage adds the head.
+    LoRA trains only its adapters: 2 factors per adapted linear (query and value, 2 a block)."""
+    if "--lora" in flags:
+        return 2 * 2 * 2
+    experts = 8 // int(flags[flags.index("--ep") + 1]) if "--ep" in flags else 8
+    per_block = 4 + (1 + 2 * experts if "tiny-moe" in flags else 2)
+    return 2 * per_block + (stage == 1)
+
+
+@pytest.mark.parametrize("flags", [
+    ("--strategy", "ddp"),
+    ("--strategy", "zero1"),
+    ("--strategy", "zero2"),
+    ("--strategy", "fsdp"),
+    ("--tp", "2", "--strategy", "fsdp"),
+    ("--tp", "2", "--sequence-parallel", "--strategy", "zero2"),
+    ("--cp", "2", "--strategy", "zero2"),
+    ("--lora", "--tp", "2", "--sequence-parallel", "--strategy", "fsdp"),
+    ("--lora", "--cp", "2", "--strategy", "zero2"),
+    (*MOE, "--ep", "2", "--strategy", "fsdp"),
+    (*MOE, "--tp", "2", "--sequence-parallel", "--strategy", "zero2"),
+])
+def test_zero_bubble_defers_weight_gradients_on_every_stage(tmp_path, one_process_run, one_process_lora,
+                                                           one_process_moe, flags):
+    """--pp 2 --schedule zb beside each data-parallel strategy, tensor parallelism (split linears:
+    their weight gradient is local, the input's collectives stay in B), context parallelism, LoRA
+    (the adapters' thin factors; under tp the whole ones partial sums, summed at the pipeline's
+    finish) and experts (FSDP's expert units; tp's partial router and experts under sequence
+    parallelism), on 4 ranks: on every rank W computes the gradients of every trained weight of
+    its stage's linear products (counted by hand), and the run still equals one process's
+    (losses to 1e-5, weights to 1e-5 as the mesh runs above), every dimension sending its formula."""
+    export = tmp_path / "zb.pt"
+    ranks = run_ranks(train_logged, 4, [*MESH_RUN, "--pp", "2", "--schedule", "zb", *flags,
+                                        "--export", str(export)])
+    for rank, (history, _) in enumerate(ranks):
+        stage = rank // 2                                      # pp is the mesh's outermost dimension
+        assert set(history["deferred"].values()) == {_deferred_by_hand(flags, stage)}, (rank, history["deferred"])
+    history, out = ranks[0]
+    reference = one_process_lora if "--lora" in flags else one_process_moe if "tiny-moe" in flags else one_process_run
+    expected_losses, expected_weights, _, _ = reference
+    losses = [history["losses"][step] for step in sorted(history["losses"])]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+    assert_tensors_close(torch.load(export, weights_only=True)["state_dict"], expected_weights,
+                         rtol=0, atol=1e-5, what=" ".join(flags))
+    sent = history["sent"]
+    assert sent and all(measured == formula for step in sent.values()
+                        for measured, formula in step.values()), sent
+    assert "W computed" in out, out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--pp", "2", "--strategy", "pipeline", "--schedule", "zb", "--lora", "--lora-targets", "head"],
+    ["--pp", "2", "--strategy", "pipeline", "--schedule", "zb", "--lora", "--model", "tiny-moe",
+     "--lora-targets", "up,down,head"]])
+def test_zero_bubble_refuses_a_stage_with_nothing_for_w(argv, capsys, monkeypatch):
+    """--schedule zb where some stage holds no trained linear product (LoRA adapting the head only,
+    or a mixture's up and down, which are experts and never adapted): one line, naming the fix."""
+    monkeypatch.setenv("WORLD_SIZE", "2")                     # as torchrun would set it
+    code, stderr = _usage_error(argv, capsys)
+    assert code == 2 and "--schedule zb with --lora: W computes the adapters' gradients" in _one_error_line(stderr), stderr
+
+
+def test_reduce_dtype_other_than_fp32_or_the_runs_own_is_refused(capsys):
+    code, stderr = _usage_error(["--precision", "fp16", "--reduce-dtype", "bf16"], capsys)
+    assert code == 2 and "--reduce-dtype bf16 with --precision fp16: reduce in fp32" in _one_error_line(stderr), stderr
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_bf16_gradients_reduced_in_fp32_by_default_send_their_formula(strategy):
+    """bf16 on 2 ranks: by default the gradients are averaged in fp32, and the log's measured
+    bytes equal the strategy's formula, and so with --reduce-dtype bf16; the fp32 run sends
+    more (the gradients' part twice over)."""
+    sent = {}
+    for reduce in ([], ["--reduce-dtype", "bf16"]):
+        history, out = run_ranks(train_logged, 2, [*MESH_RUN, "--steps", "2", "--precision", "bf16",
+                                                   "--strategy", strategy, "--grad-accum", "2", *reduce])[0]
+        lines = re.findall(r"\| sent ([\d.]+) MiB/step \(ring formula ([\d.]+)\)", out)
+        assert lines and all(measured == formula for measured, formula in lines), out
+        sent[bool(reduce)] = float(lines[-1][0])
+    assert sent[False] > sent[True], sent
