@@ -101,16 +101,7 @@ class ShardedOptimizer(MasterOptimizer):
 
     def _total_norm(self, grads, masters):
         device = self.flats[0].params[0].device
-        # A parameter no rank used keeps its values and moments (keep_unchanged), as torch's
-        # optimizers skip a .grad of None: OR the flags over the ranks that hold it, a P-byte
-        # message as DDP's, sent beside the norm's.
-        used = torch.tensor([u for flat in self.flats for u in flat.used], dtype=torch.uint8,
-                            device=device)                                      # (P,)
-        handles, start = [], 0
-        for comm, flats in itertools.groupby(self.flats, key=lambda flat: flat.comm):
-            count = sum(len(flat.params) for flat in flats)
-            handles.append(comm.all_reduce(used[start: start + count], op="max", async_op=True))
-            start += count
+        used, handles = self._used_anywhere_flags(device)
         # The shards are disjoint slices of the one gradient (an expert's shards, over the world,
         # cover every expert once): every rank gets the same global norm, so every rank takes
         # the same skip decision.
@@ -122,6 +113,11 @@ class ShardedOptimizer(MasterOptimizer):
         # was used somewhere, and the step keeps its one host read (the norm's).
         self._used_anywhere = used if not all(u for flat in self.flats for u in flat.used) else None
         return norm
+
+    def _used_anywhere_flags(self, device) -> tuple:
+        # A parameter no rank used keeps its values and moments (keep_unchanged), as torch's
+        # optimizers skip a .grad of None: the flags OR'ed over the ranks, sent beside the norm.
+        return or_used_flags(self.flats, device)
 
     def _unused(self):
         if self._used_anywhere is None:
@@ -429,6 +425,20 @@ class Zero2Optimizer(ZeroOptimizer):
     def reductions_per_step(self, micro_batches: int) -> int:
         """One reduce-scatter per micro-batch: ZeRO-2 sends more than DDP under accumulation."""
         return micro_batches
+
+
+def or_used_flags(flats: list, device) -> tuple:
+    """The flats' "used" flags OR'ed over the ranks holding each (its comm): did any rank compute
+    a gradient for each parameter? Returns the (P,) uint8 flags, on device, and the handles of
+    the all-reduces filling them (a P-byte message, as DDP's; one per run of flats on one comm).
+    """
+    used = torch.tensor([u for flat in flats for u in flat.used], dtype=torch.uint8, device=device)
+    handles, start = [], 0
+    for comm, run in itertools.groupby(flats, key=lambda flat: flat.comm):
+        count = sum(len(flat.params) for flat in run)
+        handles.append(comm.all_reduce(used[start: start + count], op="max", async_op=True))
+        start += count
+    return used, handles
 
 
 def flags_and_norm_bytes(flats: list, comm) -> int:
