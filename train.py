@@ -423,7 +423,8 @@ def main(argv=None, live_bytes: bool = False) -> dict:
             if log_file:
                 print(line, file=log_file, flush=True)
 
-    comm = Comm(ring=args.collectives == "ring")
+    # The world's Comm carries the run's timeout to every group the mesh and the strategies cut.
+    comm = Comm(ring=args.collectives == "ring", timeout=timeout)
     # One mesh: tensor x context x data x pipeline (check_args made sure the sizes divide the
     # world). The ranks of one tensor, context or pipeline group read the same rows: dp's.
     # With a split, the experts' groups and HSDP's (--ep, --shard-group: runs inside dp x cp) are
