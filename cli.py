@@ -176,6 +176,13 @@ def parse_args(argv=None):
     run.add_argument("--timeout", type=float, default=None,
                      help="seconds a collective waits for a dead or stuck rank before the run stops "
                           "(default: 120 on CPU, 600 on GPU)")
+    # A diverged run stops with one line (train.Divergence): inf/NaN in any precision, and these.
+    run.add_argument("--max-skipped", type=int, default=20, metavar="N",
+                     help="stop, diverged, when the fp16 loss scaler skips N steps in a row (0: never)")
+    run.add_argument("--max-loss-growth", type=float, default=4.0, metavar="K",
+                     help="stop, diverged, when a logged or saved loss exceeds K x the larger of the "
+                          "run's first one and ln(vocab), a uniform guess's loss (0: never; an inf or "
+                          "NaN loss always stops)")
     prof = p.add_argument_group("profiling")
     prof.add_argument("--profile", metavar="DIR", default=None,
                       help="write a torch.profiler trace of steps 2-4 per rank into DIR, for "
@@ -342,6 +349,11 @@ def check_args(parser, args, world_size):
         parser.error(f"--prefetch must be 0 (no prefetch) or more units, got {args.prefetch}")
     if args.timeout is not None and not 0 < args.timeout < math.inf:       # NaN fails too
         parser.error(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
+    if args.max_skipped < 0:
+        parser.error(f"--max-skipped must be 0 (never stop) or more steps, got {args.max_skipped}")
+    if not (args.max_loss_growth == 0 or 1 < args.max_loss_growth < math.inf):
+        parser.error(f"--max-loss-growth must be 0 (never stop) or a factor over 1, got "
+                     f"{args.max_loss_growth}")
     if args.profile:
         check_writable_directory(parser, "--profile", args.profile, "each rank's trace goes in it")
     check_paths(parser, args)

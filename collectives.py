@@ -15,6 +15,7 @@ Test: python -m pytest tests/test_collectives.py
 Shapes: N ranks in the group, r this rank, L elements in the tensor, c = ceil(L / N)
 elements per chunk; rank r's neighbours on the ring are r - 1 (left) and r + 1 (right).
 """
+import datetime
 import functools
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -69,14 +70,18 @@ class Comm:
     Constructing a Comm over the world with ring=True is collective: every rank does it;
     over a subgroup, process_groups.subgroups() builds it (with p2p_group, its private twin).
     segment_bytes: the ring's pipelining grain (SEGMENT_BYTES).
+    timeout: seconds a collective on a group made from this Comm (its ring twin, its subgroups)
+    waits for a stalled rank before it raises: the run's, as the world's was joined with
+    (process_groups.init_distributed). None: torch's default, 30 minutes on gloo, 10 on NCCL.
     """
 
     def __init__(self, group=None, ring: bool = False, bytes_sent: Counter | None = None,
-                 p2p_group=None, segment_bytes: int = SEGMENT_BYTES):
+                 p2p_group=None, segment_bytes: int = SEGMENT_BYTES, timeout: float | None = None):
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.ring = ring
+        self.timeout = timeout
         self.bytes_sent = bytes_sent if bytes_sent is not None else Counter()
         if ring:
             # Ring messages get a private communicator, so they never interleave with native
@@ -90,10 +95,15 @@ class Comm:
                     raise ValueError("Comm(group, ring=True) over part of the world: build it with "
                                      "process_groups.subgroups (or make_mesh), which create every "
                                      "rank's groups on every rank")
-                p2p_group = dist.new_group(dist.get_process_group_ranks(self.group))
+                p2p_group = dist.new_group(dist.get_process_group_ranks(self.group),
+                                           timeout=self.group_timeout())
             self._p2p_group = p2p_group
             self._workspaces = {}                 # (dtype, device) -> the ring's scratch buffer
             self.segment_bytes = segment_bytes
+
+    def group_timeout(self) -> "datetime.timedelta | None":
+        """timeout as new_group takes it (every group creation passes it)."""
+        return None if self.timeout is None else datetime.timedelta(seconds=self.timeout)
 
     # ---- the public collectives -------------------------------------------------------
 

@@ -25,7 +25,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, ring_bytes, split_norm
+from collectives import as_comm, flags_to_device, ring_bytes, split_norm
 from ddp import FlatParams, InOrder, hook_gradient
 from memory import run_state_bytes
 from mixed_precision import DTYPES, DynamicLossScaler, reduce_dtype_of
@@ -34,7 +34,7 @@ from moe import exchange_bytes, expert_parallel, is_expert, reduction
 from quantization import NF4Weight
 from process_groups import check_same_parameters, make_mesh
 from zero import (MAX_REDUCTIONS_IN_FLIGHT, ShardedOptimizer, flags_and_norm_bytes, host_buffer,
-                  host_copy, host_to_device)
+                  host_copy, host_to_device, or_used_flags)
 
 
 def gpt_blocks(module: nn.Module) -> bool:
@@ -143,7 +143,9 @@ class Unit(FlatParams, Gathered):
         self.device_shard = self.host_shard = None
         self._device_grad = None     # offload: the reduced gradient, on the device
         self.host_grad = None        # offload: (S,) fp32 host buffer the gradient is copied into
-        self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
+        # Which got a gradient here since the shard's .grad was last None (zero_grad); after
+        # FSDP.finish_gradient_sync, on any rank.
+        self.used = [False] * len(self.params)
 
     @property
     def offloaded(self) -> bool:
@@ -292,6 +294,7 @@ class FSDP(nn.Module):
         self._sync = True
         self._whole_step = False         # inside gathered_for_step(): nothing freed until its end
         self._unreduced = False          # the last backward ran under no_sync: gradients to reduce
+        self._used_agreed = False        # this backward's used-flags OR'ed over the ranks
         self.events = []                 # this step's order of collectives and computation
         self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
 
@@ -417,21 +420,21 @@ class FSDP(nn.Module):
         self._unreduced = not self._sync
         if self._sync:
             grad = torch.zeros_like(unit.flat, dtype=self.reduce_dtype)          # (N*S,)
-            for i, (p, view) in enumerate(zip(unit.params, unit.views(grad))):
+            used = [p.grad is not None for p in unit.params]
+            for p, view in zip(unit.params, unit.views(grad)):
                 if p.grad is not None:
                     view.copy_(p.grad)
-                    unit.used[i] = True
                 p.grad = None
             # On the gradient's device, not the master's: offloaded, the master lives on the
             # host, and NCCL reads and writes device memory only.
             output = grad.new_empty(unit.master.shape)                          # (S,)
-            started = unit.comm.reduce_scatter(output, grad, op=unit.op, async_op=True), output
+            started = unit.comm.reduce_scatter(output, grad, op=unit.op, async_op=True), output, used
             self.events.append(("reduce-scatter", unit.index))
         self._free(unit, frozen=False)
         return started
 
     def _retire(self, unit, started):
-        handle, output = started
+        handle, output, used = started
         handle.wait()
         if unit.replicas is not None:            # HSDP: the shard's mean over the copies too
             unit.replicas.all_reduce(output, op=unit.op)
@@ -439,6 +442,9 @@ class FSDP(nn.Module):
         grad = output.float()
         if unit.divide != 1:
             grad.div_(unit.divide)
+        # The first reduction since .grad was None (a plain optimizer's zero_grad too) starts
+        # the flags afresh; a later one (accumulation) adds its own. Retired in launch order.
+        unit.used = used if unit.grad is None else [a or b for a, b in zip(unit.used, used)]
         unit.grad = grad if unit.grad is None else unit.grad.add_(grad)
 
     def _finish_backward(self):
@@ -451,6 +457,7 @@ class FSDP(nn.Module):
             if unit.frozen is not None:
                 self._free(unit)
         self._backward_hooked = False
+        self._used_agreed = False
 
     def finish_gradient_sync(self):
         """Wait for the outstanding reduce-scatters: each shard in FSDP.parameters() then holds its
@@ -460,6 +467,28 @@ class FSDP(nn.Module):
         if self._unreduced:
             self._order.launch_rest()
         self._order.wait_all()
+        if self._sync and not self._used_agreed:
+            # Once per backward: train.py calls this, and FSDPOptimizer calls it again.
+            self._agree_used()
+            self._used_agreed = True
+
+    def _agree_used(self):
+        """OR each unit's "used" flags over the ranks holding its shards (and HSDP's copies); a
+        unit no rank used then has no gradient, .grad None, as in one process: a plain torch
+        optimizer skips it, where a zero gradient would still be decayed by AdamW (and moved by
+        its moments). A parameter unused inside a used unit keeps a zero slice of the shard's
+        gradient: FSDPOptimizer keeps it unchanged (zero.py's keep_unchanged), a plain optimizer
+        does not. Sent after every reduce-scatter is launched (the same place on every rank)."""
+        local = [u for unit in self.units for u in unit.used]
+        used, agree = or_used_flags(self.units, self.device)                    # (P,) uint8
+        agree()
+        if all(local):
+            return               # every parameter was used here: no read (a host sync on a GPU)
+        flags = iter(used.bool().tolist())
+        for unit in self.units:
+            unit.used = [next(flags) for _ in unit.params]
+            if not any(unit.used):
+                unit.grad = None
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -537,8 +566,8 @@ class FSDP(nn.Module):
         """Bytes this rank sends per step (ring): per micro-batch one all-gather per unit for
         forward, one more for backward except the root's (it stays gathered), of its trained flat
         and of its frozen bytes; one reduce-scatter per unit with something to train (HSDP: and
-        the shard's all-reduce over the copies); plus FSDPOptimizer's used-flags (HSDP: OR'ed over
-        the copies too) and norm (zero.py). 3 (N-1)/N of the trained model: 1.5x DDP.
+        the shard's all-reduce over the copies); plus the used-flags (HSDP: OR'ed over the copies
+        too) and FSDPOptimizer's norm (zero.py). 3 (N-1)/N of the trained model: 1.5x DDP.
         gathered_for_step (a pipeline's step): one all-gather and one reduce-scatter per unit
         for all the micro-batches, 2 (N-1)/N of the stage, DDP's volume."""
         size, wire = self.compute_dtype.itemsize, self.reduce_dtype.itemsize     # gathered, reduced
@@ -648,6 +677,11 @@ class FSDPOptimizer(ShardedOptimizer):
         # the updated shards go back in (Unit.refresh), where the next forward's all-gathers wait.
         units = [u for u in self.fsdp.units if u.grad is not None]
         return [u.grad for u in units], [u.master for u in units]        # (S,) each, on the device
+
+    def _used_anywhere_flags(self, device) -> tuple:
+        # FSDP.finish_gradient_sync (in _gradients) OR'ed the flags over the ranks already.
+        used = flags_to_device([u for unit in self.fsdp.units for u in unit.used], device)
+        return used, lambda: None
 
     def _write_back(self):
         if self.offload:

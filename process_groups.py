@@ -87,7 +87,8 @@ def exit_distributed(code: int = 0, peer_lost: bool = False):
 def subgroups(comm: Comm, rank_lists: list[list[int]], bytes_sent=None) -> "Comm | None":
     """Create a group for each list of (world) ranks, on every rank, in the given order; return
     a Comm over the one holding this rank (None if none does), sharing comm's counter (or
-    counting into bytes_sent) and its ring switch.
+    counting into bytes_sent), its ring switch and its timeout (each group waits that long for a
+    stalled rank, as the world does: new_group's default would be torch's, 30 minutes on gloo).
 
     Every rank must call it with the same lists: new_group is collective over the whole world
     (with NCCL and a bound device it splits the world's communicator, which every rank joins),
@@ -96,10 +97,10 @@ def subgroups(comm: Comm, rank_lists: list[list[int]], bytes_sent=None) -> "Comm
     """
     me, mine = dist.get_rank(), None
     for ranks in rank_lists:
-        group = dist.new_group(list(ranks))
-        p2p_group = dist.new_group(list(ranks)) if comm.ring else None
+        group = dist.new_group(list(ranks), timeout=comm.group_timeout())
+        p2p_group = dist.new_group(list(ranks), timeout=comm.group_timeout()) if comm.ring else None
         if me in ranks:
-            mine = Comm(group, ring=comm.ring, p2p_group=p2p_group,
+            mine = Comm(group, ring=comm.ring, p2p_group=p2p_group, timeout=comm.timeout,
                         bytes_sent=comm.bytes_sent if bytes_sent is None else bytes_sent)
     return mine
 

@@ -141,6 +141,59 @@ def update(optimizer, args) -> bool:
     return not optimizer.last_step_skipped
 
 
+class Divergence:
+    """The rules that stop a diverged run (exit 2, one line, the checkpoints and their losses):
+      - fp32, bf16: a step whose gradients hold inf or NaN (in fp16 the loss scaler skips those)
+      - fp16: --max-skipped steps skipped in a row: the scale has then fallen 2^N-fold (a
+        healthy run skips a few at its start while the scale settles), so the gradients
+        overflow at any scale
+      - a logged or saved loss that is inf or NaN, in any precision
+      - a logged or saved loss over --max-loss-growth K x the larger of the run's first one and
+        ln V, a uniform guess's loss: from scratch (the loss starts at ln V) or fine-tuning
+        (below it) the limit is K ln V, 22 for bytes at K = 4, where a healthy run only falls
+        from its start and a diverged one climbs to hundreds (fp32 at --lr 10: 6970 at step 1)
+    Each is decided from values every rank holds alike (the skip decision, from the global
+    norm; the global mean loss), where the loop has them on the host already: no extra sync,
+    every rank stops at the same step, and no checkpoint of a diverged run is saved.
+    """
+
+    def __init__(self, args, vocab_size: int):
+        self.args, self.floor = args, math.log(vocab_size)
+        self.first_loss = None
+        self.skipped_in_a_row = 0
+
+    def after_step(self, step: int, applied: bool, loss: torch.Tensor, scale: float):
+        args = self.args
+        self.skipped_in_a_row = 0 if applied else self.skipped_in_a_row + 1
+        if not applied and args.precision != "fp16":
+            self.stop(step, f"the loss ({global_mean(loss):.4g}) or the gradients are inf/NaN in "
+                            f"{args.precision}")
+        if args.max_skipped and self.skipped_in_a_row >= args.max_skipped:
+            self.stop(step, f"the fp16 loss scaler skipped {self.skipped_in_a_row} steps in a row "
+                            f"(--max-skipped {args.max_skipped}), the scale now {scale:.3g}: the "
+                            f"gradients overflow at any scale")
+
+    def check_loss(self, step: int, loss: float):
+        """loss: the global mean, at a logged step or before a save."""
+        if not math.isfinite(loss):
+            self.stop(step, f"the loss is {loss} in {self.args.precision}")
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        limit = self.args.max_loss_growth * max(self.first_loss, self.floor)
+        if self.args.max_loss_growth and loss > limit:
+            self.stop(step, f"the loss {loss:.4g} is over --max-loss-growth "
+                            f"{self.args.max_loss_growth:g} x {max(self.first_loss, self.floor):.4g} "
+                            f"(the larger of the run's first loss and ln V, a uniform guess's)")
+
+    def stop(self, step: int, why: str):
+        saved = snapshot.losses(self.args.out) if self.args.out else []
+        back = ("; the checkpoints and the loss each was saved at: " + ", ".join(
+            f"{os.path.basename(p)} ({'?' if v is None else f'{v:.4g}'})" for p, v in saved)
+            + f". Resume from one saved before the loss climbed: --resume {saved[0][0]}"
+            if saved else "")
+        raise RunError(f"step {step}: {why}: the run diverged: lower --lr, keep --clip-grad on, "
+                       f"check --data{back}")
+
+
 # ---- building the run ------------------------------------------------------------------------
 
 def build(args, device, mesh):
@@ -372,8 +425,8 @@ def main(argv=None, live_bytes: bool = False) -> dict:
     args = parse_args(argv)
     if args.sample:
         return sample(args)
-    timeout = args.timeout or (600 if torch.cuda.is_available() else 120)
-    device = init_distributed(timeout=timeout)
+    args.timeout = args.timeout or (600 if torch.cuda.is_available() else 120)    # seconds
+    device = init_distributed(timeout=args.timeout)
     with own_outputs(args, dist.get_rank(), device) as took_over:
         return run(args, device, took_over, live_bytes)
 
@@ -431,7 +484,8 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
     if took_over:
         say(took_over)
 
-    comm = Comm(ring=args.collectives == "ring")
+    # The world's Comm carries the run's timeout to every group the mesh and the strategies cut.
+    comm = Comm(ring=args.collectives == "ring", timeout=args.timeout)
     # One mesh: tensor x context x data x pipeline (check_args made sure the sizes divide the
     # world). The ranks of one tensor, context or pipeline group read the same rows: dp's.
     # With a split, the experts' groups and HSDP's (--ep, --shard-group: runs inside dp x cp) are
@@ -499,6 +553,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
     timer, last_timed, skipped = time.perf_counter(), start - 1, 0
     began = timer
     schedule = lr_scheduler(optimizer, args, start)
+    divergence = Divergence(args, gpt.cfg.vocab_size)
     for step in range(start, args.steps):
         comm.bytes_sent.clear()
         mesh.clear()
@@ -507,22 +562,13 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
         logged = step % args.log_every == 0 or step == args.steps - 1
         loss, applied = train_step(model, optimizer, to_device(x, device), to_device(y, device), args,
                                    measure=logged)
-        if not applied and args.precision != "fp16":
-            # fp16 overflow is the loss scaler's business; in fp32 and bf16 inf/NaN means the
-            # run diverged. The decision came from the global norm: every rank stops here.
-            saved = snapshot.losses(args.out) if args.out else []
-            back = ("; the checkpoints and the loss each was saved at: " + ", ".join(
-                f"{os.path.basename(p)} ({'?' if v is None else f'{v:.4g}'})" for p, v in saved)
-                + f". Resume from one saved before the loss climbed: --resume {saved[0][0]}"
-                if saved else "")
-            raise RunError(f"step {step}: the loss ({global_mean(loss):.4g}) or the gradients are "
-                           f"inf/NaN in {args.precision}: lower --lr, keep --clip-grad on, check "
-                           f"--data{back}")
+        divergence.after_step(step, applied, loss, optimizer.scaler.scale)
         skipped += not applied
         schedule.step()                                              # the next step's lr
 
         if logged:
             loss = global_mean(loss)                                 # the global batch's mean
+            divergence.check_loss(step, loss)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             tokens_per_s = tokens_per_step * (step - last_timed) / (time.perf_counter() - timer)
@@ -594,6 +640,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
         step_done(last=done == args.steps)
         if args.out and (done == args.steps or args.save_every and done % args.save_every == 0):
             step_loss = loss if isinstance(loss, float) else global_mean(loss)
+            divergence.check_loss(step, step_loss)                   # never save a diverged run
             saved = snapshot.save_checkpoint(args, done, gpt, optimizer, layout, step_loss,
                                              _lora_config(args))
             say(f"step {step:5d} | saved {saved}: named by the steps done ({done}), so --resume "

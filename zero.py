@@ -104,31 +104,23 @@ class ShardedOptimizer(MasterOptimizer):
 
     def _total_norm(self, grads, masters):
         device = self.flats[0].params[0].device
-        # A parameter no rank used keeps its values and moments (keep_unchanged), as torch's
-        # optimizers skip a .grad of None: OR the flags over the ranks that hold it, a P-byte
-        # message as DDP's, sent beside the norm's (HSDP: then over the copies of the shard).
         local = [u for flat in self.flats for u in flat.used]
-        used = flags_to_device(local, device)                                   # (P,)
-        handles, start = [], []
-        for comm, flats in itertools.groupby(self.flats, key=lambda flat: flat.comm):
-            flats = list(flats)
-            first = start[-1][1] if start else 0
-            start.append((flats, first, first + sum(len(flat.params) for flat in flats)))
-            handles.append(comm.all_reduce(used[first: start[-1][2]], op="max", async_op=True))
+        used, agree = self._used_anywhere_flags(device)                          # (P,), launched
         # The shards are disjoint slices of the one gradient (an expert's shards, over the world,
         # cover every expert once): every rank gets the same global norm, so every rank takes
         # the same skip decision.
         norm = (self._mesh_norm(grads, masters, device) if self.model_split
                 else split_norm(grads, self.comm, device))
-        for handle, (flats, first, stop) in zip(handles, start):
-            handle.wait()           # (before the copies' all-reduce: NCCL orders no two groups)
-            copies = getattr(flats[0], "replicas", None)
-            if copies is not None:
-                copies.all_reduce(used[first: stop], op="max")
+        agree()
         # Read only where this rank missed a gradient: if it computed every one, every parameter
         # was used somewhere. Read or not, it rides in the step's one host read, the norm's.
         self._used_anywhere = used if not all(local) else None
         return norm
+
+    def _used_anywhere_flags(self, device) -> tuple:
+        # A parameter no rank used keeps its values and moments (keep_unchanged), as torch's
+        # optimizers skip a .grad of None: the flags OR'ed over the ranks, sent beside the norm.
+        return or_used_flags(self.flats, device)
 
     def _flags_to_read(self):
         return self._used_anywhere
@@ -467,6 +459,28 @@ class Zero2Optimizer(ZeroOptimizer):
     def reductions_per_step(self, micro_batches: int) -> int:
         """One reduce-scatter per micro-batch: ZeRO-2 sends more than DDP under accumulation."""
         return micro_batches
+
+
+def or_used_flags(flats: list, device) -> tuple:
+    """The flats' "used" flags OR'ed over the ranks holding each (its comm), then over HSDP's
+    copies of the shard (a flat's `replicas`): did any rank compute a gradient for each
+    parameter? Returns the (P,) uint8 flags on device, their all-reduces launched (a P-byte
+    message, as DDP's; one per run of flats on one comm), and agree(), which waits for them."""
+    used = flags_to_device([u for flat in flats for u in flat.used], device)         # (P,)
+    launched, first = [], 0
+    for comm, run in itertools.groupby(flats, key=lambda flat: flat.comm):
+        run = list(run)
+        stop = first + sum(len(flat.params) for flat in run)
+        handle = comm.all_reduce(used[first: stop], op="max", async_op=True)
+        launched.append((handle, getattr(run[0], "replicas", None), first, stop))
+        first = stop
+
+    def agree():
+        for handle, copies, start, stop in launched:
+            handle.wait()           # (before the copies' all-reduce: NCCL orders no two groups)
+            if copies is not None:
+                copies.all_reduce(used[start: stop], op="max")
+    return used, agree
 
 
 def flags_and_norm_bytes(flats: list, comm) -> int:

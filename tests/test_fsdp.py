@@ -627,6 +627,85 @@ def test_unit_used_on_one_rank_reduces_in_the_same_order_everywhere():
         assert_tensors_close(grads, expected, rtol=0, atol=1e-7, what=f"rank {r}")
 
 
+class _Unused(nn.Module):
+    """Four same-sized units: `never` no rank runs; `once` every rank runs, but its output is
+    used at the first step only (by every rank: a unit some ranks use in backward and others
+    not gathers on some ranks only, which FSDP's backward cannot match)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.once, self.never, self.last = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x, use_once):
+        h = torch.tanh(self.first(x))
+        once = torch.tanh(self.once(h))
+        return self.last(once if use_once else h).pow(2).mean()
+
+
+DECAY = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _unused_units(inputs):
+    """Plain torch AdamW and FSDPOptimizer over our FSDP, and AdamW over torch's fully_shard:
+    the weights after the steps, and at each step which units' shards had no .grad (ours)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    r, out = dist.get_rank(), {}
+    for how in ("torch.optim", "FSDPOptimizer", "fully_shard"):
+        torch.manual_seed(0)
+        model = _Unused()
+        if how == "fully_shard":
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for m in (model.first, model.once, model.never, model.last, model):
+                fully_shard(m, mesh=mesh)
+            wrapped, opt = model, torch.optim.AdamW(model.parameters(), **DECAY)
+        else:
+            wrapped = FSDP(model, wrap=lambda m: isinstance(m, nn.Linear))
+            opt = (torch.optim.AdamW(wrapped.parameters(), **DECAY) if how == "torch.optim"
+                   else FSDPOptimizer(wrapped, torch.optim.AdamW, **DECAY))
+        without_grad = []
+        for step, x in enumerate(inputs):
+            opt.zero_grad(set_to_none=True)
+            wrapped(x[r], use_once=step == 0).backward()
+            if how != "fully_shard":
+                wrapped.finish_gradient_sync()
+                names = {id(p): name for name, p in model.named_parameters()}
+                without_grad.append(sorted(names[id(u.params[0])].split(".")[0] for u in wrapped.units
+                                           if u.grad is None))
+            opt.step()
+        out[how] = ({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+                    if how == "fully_shard" else wrapped.full_state_dict(all_ranks=True)), without_grad
+    return out
+
+
+def test_a_unit_no_rank_used_keeps_no_gradient_and_a_plain_adamw_leaves_it():
+    steps = 4
+    inputs = torch.randn(steps, 2, 4, 8, generator=torch.Generator().manual_seed(5))
+    ranks = run_ranks(_unused_units, 2, inputs)
+    torch.manual_seed(0)
+    model = _Unused()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), **DECAY)
+    for step, x in enumerate(inputs):                # one process: the average of both ranks' losses
+        opt.zero_grad(set_to_none=True)
+        ((model(x[0], step == 0) + model(x[1], step == 0)) / 2).backward()
+        opt.step()
+    single = {n: p.detach().clone() for n, p in model.named_parameters()}
+    unused = [n for n in initial if n.startswith("never.")]
+    # One process leaves a parameter without a gradient alone: no decay, no moment.
+    assert all(torch.equal(single[n], initial[n]) for n in unused)
+    assert not torch.equal(single["once.weight"], initial["once.weight"])    # moved at step 0
+    for r, out in enumerate(ranks):
+        for how, (weights, without_grad) in out.items():
+            # Exactly as one process where no rank had a gradient; fp32 reduction order elsewhere.
+            assert_tensors_close({n: weights[n] for n in unused}, {n: initial[n] for n in unused},
+                                 rtol=0, atol=0, what=f"{how}, rank {r}, the unit no rank used")
+            assert_tensors_close(weights, single, rtol=0, atol=1e-6, what=f"{how}, rank {r}")
+            if how != "fully_shard":
+                # `once` was used at step 0 only: from step 1 its shard has no .grad either.
+                assert without_grad == [["never"]] + [["never", "once"]] * (steps - 1), (how, without_grad)
+
+
 # ---- bf16 and fp16: the same arithmetic as one process in the same precision ---------------------
 
 def _same_precision_single(model, batches, dtype, n, make_optimizer, scaler=None):

@@ -2,12 +2,18 @@
 the N-D mesh cuts the world once per dimension, its groups crossing at one rank, created by
 every rank in one order.
 
-Joining the job runs in every spawned test; the groups every rank creates and the 2-D meshes
+A rank that stalls stops the others within the run's --timeout, on every group. Joining the job
+runs in every spawned test; the groups every rank creates and the 2-D meshes
 are checked in tests/test_pipeline.py and tests/test_tensor_parallel.py, and the same-model
 check at start-up in tests/test_snapshot.py.
 """
 import itertools
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -115,3 +121,52 @@ def test_the_mesh_groups_are_created_everywhere_and_reduce_over_their_ranks():
         assert calls == ranks[0][1]                          # every rank, every group, one order
         for name, total in sums.items():
             assert total == sum(next(g for g in lists[name] if r in g)), (r, name)
+
+
+# ---- a stalled rank: every group honours --timeout -------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 10             # seconds: spare for a loaded CPU's start-up, whose collectives wait too
+
+
+def _stall_last_rank(world: int, flags: list) -> list:
+    """train.py on `world` plain processes (the environment torchrun gives its workers); once
+    rank 0 logged step 0, the last rank is SIGSTOPped (alive, silent: no connection closes).
+    Logged again only at the end, so every later collective is on the mesh's subgroups. Returns
+    each other rank's (exit code, seconds from the stop to its exit, stderr)."""
+    from test_snapshot import _free_port
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+    argv = [sys.executable, "train.py", *flags, "--steps", "100000", "--log-every", "100000",
+            "--eval-every", "0", "--seq-len", "32", "--batch-size", "8", "--timeout", str(TIMEOUT)]
+    ranks = [subprocess.Popen(argv, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    try:
+        for line in ranks[0].stdout:                        # training is under way ...
+            if line.startswith("step     0 |"):
+                break
+        ranks[-1].send_signal(signal.SIGSTOP)               # ... when the last rank stalls
+        stopped, exited = time.monotonic(), {}
+        while len(exited) < world - 1 and time.monotonic() < stopped + 4 * TIMEOUT:   # not minutes
+            for r, p in enumerate(ranks[:-1]):
+                if r not in exited and p.poll() is not None:
+                    exited[r] = time.monotonic() - stopped
+            time.sleep(0.1)
+        return [(p.returncode, exited.get(r), p.stderr.read() if r in exited else "")
+                for r, p in enumerate(ranks[:-1])]
+    finally:
+        for p in ranks:
+            p.kill()                                        # SIGKILL ends a stopped process too
+            p.wait()
+
+
+@pytest.mark.parametrize("world, flags", [(2, ["--strategy", "ddp"]), (4, ["--tp", "2", "--pp", "2"])])
+def test_a_stalled_rank_stops_the_others_within_the_timeout(world, flags):
+    for r, (code, waited, stderr) in enumerate(_stall_last_rank(world, flags)):
+        # A rank waiting on the stalled one raises at --timeout; one waiting on a rank that then
+        # exited raises at once (its connection closed): 2 x the timeout bounds both.
+        assert waited is not None and waited < 2 * TIMEOUT and code == 1, (r, code, waited, stderr)
+        lines = [line for line in stderr.splitlines() if "error:" in line]
+        assert len(lines) == 1 and "Traceback" not in stderr, (r, stderr)
+        assert f"rank {r} lost contact with the other ranks" in lines[0] and "--timeout" in lines[0], stderr

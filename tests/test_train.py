@@ -311,6 +311,9 @@ def _one_error_line(stderr):
     (["--min-lr", "nan"], "--min-lr (the end of the cosine decay) must be between 0 and --lr"),
     (["--min-lr=-1e-3"], "--min-lr (the end of the cosine decay) must be between 0 and --lr"),
     (["--warmup", "-5"], "--warmup must be 0 (none) or more steps, got -5"),
+    (["--max-skipped", "-1"], "--max-skipped must be 0 (never stop) or more steps, got -1"),
+    (["--max-loss-growth", "1"], "--max-loss-growth must be 0 (never stop) or a factor over 1, got 1.0"),
+    (["--max-loss-growth", "nan"], "--max-loss-growth must be 0 (never stop) or a factor over 1"),
     (["--save-every", "-1", "--out", "OUT"], "--save-every must be 0 (none) or more steps, got -1"),
     (["--weight-decay=-0.1"], "--weight-decay must be 0 (off) or positive"),
     (["--lora", "--lora-alpha", "0"], "--lora-alpha must be positive"),
@@ -531,6 +534,44 @@ def test_a_diverged_run_lists_its_checkpoints_and_resumes_from_one(tmp_path):
                 "--keep", "10").stdout
     assert "resumed from" in again and "ckpt-0000003 at step 3" in again, again
     assert all(math.isfinite(v) for v in losses(again)), again
+
+
+# At --lr 10 without warmup the tiny model diverges at once: fp16's loss is 5.57, 5.54, then NaN
+# from step 2 (every step skipped from there); fp32's is 5.57, then 6970 at step 1.
+DIVERGING = ["--lr", "10", "--warmup", "0", "--steps", "6", "--eval-every", "0", "--eval-batches", "1",
+             "--seq-len", "16", "--batch-size", "4"]
+
+
+@pytest.mark.parametrize("flags, says", [
+    # Logged only at the end: the loss is read before each save, and a NaN one stops the run.
+    (["--precision", "fp16", "--log-every", "100", "--save-every", "1"], "step 2: the loss is nan in fp16"),
+    (["--precision", "fp16", "--log-every", "100", "--max-skipped", "2"],
+     "the fp16 loss scaler skipped 2 steps in a row (--max-skipped 2)"),
+    (["--precision", "fp32", "--log-every", "1"], "step 1: the loss 6970 is over --max-loss-growth 4 x 5.573"),
+])
+def test_a_diverged_run_stops_with_one_line_and_saves_no_nan_checkpoint(flags, says, tmp_path):
+    root = str(tmp_path / "run")
+    result = run(*DIVERGING, *flags, "--out", root, check=False)
+    line = _one_error_line(result.stderr)
+    assert result.returncode == 2 and says in line and "the run diverged: lower --lr" in line, result.stderr
+    saved = __import__("snapshot").losses(root)
+    assert all(loss is not None and math.isfinite(loss) for _, loss in saved), saved
+    if "--save-every" in flags:                  # ckpt-0000003 would hold the NaN step's
+        assert [os.path.basename(path) for path, _ in saved] == ["ckpt-0000001", "ckpt-0000002"], saved
+
+
+def _diverge_on_two_ranks(argv):
+    try:
+        train_logged(argv)
+    except __import__("snapshot").RunError as e:
+        return str(e)
+
+
+def test_every_rank_stops_a_diverged_run_at_the_same_step():
+    # Each rank's loss is its half of the batch's; the rule reads their mean: one decision.
+    messages = run_ranks(_diverge_on_two_ranks, 2, [*DIVERGING, "--strategy", "ddp", "--log-every", "1"])
+    assert messages[0] is not None and messages[0].startswith("step 1: the loss ") and messages == [
+        messages[0]] * 2, messages
 
 
 # ---- one mesh: tensor x context x pipeline x data parallel (train.parallelize) -----------------
