@@ -291,23 +291,22 @@ def moe_mlp_bytes(tokens: int, cfg: GPTConfig, ep: int = 1, bytes_per_value: int
         router       8 tE    fp32 logits and softmax probabilities, whatever the dtype
         expert rows 19 Rh    each row an expert runs: its gathered input, the 4h-wide GeLU
                              input and output, the dropout mask (the dense MLP's 19 per token)
-        kept         4 Ah    each kept assignment's expert output (for its gate's product) and
-                             gated output (for the scatter back to its token)
-    A: the k t assignments (dropless); in capacity mode at most E x K x G of them, the buffer's
-    slots (K per expert in each of G routing groups). R = A, except under expert parallelism:
-    in capacity mode each expert runs on its whole static buffer, empty slots too, so R = E K G
-    on every rank (about capacity_factor x k t, above A when capacity_factor > 1); dropless, a
-    rank runs what the routing sends its experts, A when balanced. Left out: a few int64
-    indices and fp32 gates per assignment (about 1% of the total at h = 128 in fp32).
+        assigned     4 Ah    each assignment's token gathered for dispatch and its expert's
+                             output gathered back (for its gate's product)
+    A: the k t assignments. R: the rows the experts run. Dropless, R = A on one rank (under
+    expert parallelism what the routing sends a rank's experts, A when balanced). In capacity
+    mode every expert runs on its whole static buffer of K slots in each of G routing groups,
+    empty ones too (fixed shapes: the host never reads the routing), so R = E K G, about
+    capacity_factor x k t, with or without expert parallelism; a dropped assignment is still
+    gathered (its gate zeroed). Left out: a few int64 indices and fp32 gates per assignment
+    (about 1% of the total at h = 128 in fp32).
     """
     E, k, h = cfg.experts, cfg.top_k, cfg.n_embd
-    kept = rows = k * tokens                                # A, R
+    assigned = rows = k * tokens                            # A, R
     if cfg.capacity_factor is not None:
         group = cfg.routing_group or tokens
-        slots = tokens // group * E * expert_capacity(group, E, k, cfg.capacity_factor)   # E K G
-        kept = min(kept, slots)
-        rows = slots if ep > 1 else kept
-    return (2 * tokens + 19 * rows + 4 * kept) * h * bytes_per_value // 2 + 8 * tokens * E
+        rows = tokens // group * E * expert_capacity(group, E, k, cfg.capacity_factor)   # E K G
+    return (2 * tokens + 19 * rows + 4 * assigned) * h * bytes_per_value // 2 + 8 * tokens * E
 
 
 def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, micro_batch: int,

@@ -198,13 +198,15 @@ def test_moe_activation_formula_by_hand():
     # router logits and probabilities.
     cfg = GPTConfig(n_embd=8, n_head=2, experts=4, top_k=2, capacity_factor=None)
     assert moe_mlp_bytes(16, cfg) == (2 * 16 + 19 * 32 + 4 * 32) * 8 + 8 * 16 * 4 == 6656
-    # capacity 0.5: K = ceil(0.5 x 2 x 16 / 4) = 4 slots per expert, 16 assignments at most
+    # capacity 0.5: K = ceil(0.5 x 2 x 16 / 4) = 4 slots per expert, 16 rows run; all 32
+    # assignments gathered (the 16 dropped with their gates zeroed: shapes fixed)
     half = dataclasses.replace(cfg, capacity_factor=0.5)
-    assert moe_mlp_bytes(16, half) == (2 * 16 + 19 * 16 + 4 * 16) * 8 + 512
-    # expert parallelism in capacity mode: every expert runs its K = 10 slots, empty or not
+    assert moe_mlp_bytes(16, half) == (2 * 16 + 19 * 16 + 4 * 32) * 8 + 512
+    # capacity 1.25: every expert runs its K = 10 slots, empty or not, with or without expert
+    # parallelism (32 of the 40 slots used)
     ep = dataclasses.replace(cfg, capacity_factor=1.25)
     assert moe_mlp_bytes(16, ep, ep=2) == (2 * 16 + 19 * 40 + 4 * 32) * 8 + 512
-    assert moe_mlp_bytes(16, ep, ep=1) == moe_mlp_bytes(16, cfg)          # 32 of 40 slots used
+    assert moe_mlp_bytes(16, ep, ep=1) == moe_mlp_bytes(16, ep, ep=2)
     # A block: attention and norms as the dense one, the MLP's 19 sbh replaced (s=4, b=4).
     dense = activation_bytes(seq_len=4, batch=4, hidden=8, heads=2)
     assert activation_bytes(4, 4, 8, 2, moe=cfg) == dense - 19 * 16 * 8 + 6656
@@ -230,11 +232,12 @@ def _moe_layer_saves(capacity_factor, ep):
 @pytest.mark.parametrize("capacity_factor, ep", [(None, 1), (0.5, 1), (1.25, 2)])
 def test_an_moe_layer_keeps_what_the_formula_says(capacity_factor, ep):
     """Measured with saved-tensor hooks, as the dense block in test_checkpointing.py: dropless
-    (every token's 2 copies run), capacity 0.5 (every expert full, K = 32) and ep 2 in capacity
-    mode on 2 ranks (each expert runs all its K = 80 slots, empty ones too). Between 95% and
-    100% of moe_mlp_bytes: the formula counts dropout masks, at most 1/19 of it, that dropout 0
-    does not keep, and leaves out the int64 indices and fp32 gates, about 1% (measured: 96.4%,
-    96.8%, 96.4%). Forgetting the buffer's empty slots, or counting them as kept outputs too,
+    (every token's 2 copies run), capacity 0.5 (every expert full, K = 32; the dropped
+    assignments gathered too) and ep 2 in capacity mode on 2 ranks (each expert runs all its
+    K = 80 slots, empty ones too). Between 95% and 100% of moe_mlp_bytes: the formula counts
+    dropout masks, at most 1/19 of it, that dropout 0 does not keep, and leaves out the int64
+    indices and fp32 gates, about 1% (measured: 96.4% dropless, 97.8% at capacity 0.5).
+    Forgetting the buffer's empty slots, or counting them as kept outputs too,
     falls outside."""
     cfg = dataclasses.replace(PRESETS["tiny-moe"], capacity_factor=capacity_factor)
     formula = moe_mlp_bytes(4 * 64, cfg, ep, bytes_per_value=4)
