@@ -416,7 +416,9 @@ def test_every_rank_creates_the_same_groups_in_the_same_order(P, world):
     ranks = run_ranks(_groups_created, world, P)
     for r, calls in enumerate(ranks):
         assert calls == ranks[0], f"rank {r} created other groups than rank 0"
-    assert all(kwargs == [] for _, kwargs in ranks[0])         # no use_local_synchronization
+    # Each with the run's timeout (issue 37: a stalled rank must not block a subgroup for
+    # torch's default), and no use_local_synchronization.
+    assert all(kwargs == ["timeout"] for _, kwargs in ranks[0]), ranks[0]
     assert [0, P - 1] in [r for r, _ in ranks[0]]               # the first pipeline's tied ends
 
 
