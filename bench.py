@@ -50,7 +50,7 @@ from bench_scaling import STRATEGIES as SCALED, bench_scaling, scaling_report
 from bench_measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report,
                            report, size_report, spread, summary, time_training)
 from checkpointing import checkpoint_blocks
-from collectives import Comm, split_norm
+from collectives import Comm
 from data import TextData
 from ddp import DDP, build as build_ddp
 from fsdp import FSDP, FSDPOptimizer
@@ -224,9 +224,9 @@ def ours_tp(model, args):
     # The whole world is one tensor group: every rank computes the same rows (WHOLE_BATCH).
     comm = Comm()
     tp = tensor_parallel.TensorParallelGPT(model, comm)
-    return Run(tp, MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
-                                           grad_norm=tp.grad_norm, **ADAMW), comm,
-               napkin_sent=tp.bytes_per_step(args.batch_size, args.seq_len))
+    optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
+    optimizer.split_model({"tp": comm})             # the norm sums the slices over the group
+    return Run(tp, optimizer, comm, napkin_sent=tp.bytes_per_step(args.batch_size, args.seq_len))
 
 
 def clip_mixed(params, max_norm):
@@ -291,8 +291,8 @@ def ours_pipeline(schedule, model, args):
     stage, comm = _stage(model, v), Comm()
     runner = pipeline.Pipeline(stage, comm, schedule, args.microbatches, model.cfg.n_embd,
                                DTYPES[args.precision], virtual_stages=v)
-    optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
-                                        grad_norm=runner.grad_norm, **ADAMW)
+    optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
+    optimizer.split_model({"pp": comm})             # the norm sums the stages
     return Run(stage, optimizer, comm, label=f"pipeline.Pipeline({schedule}" + (f", v={v})" if v > 1 else ")"),
                napkin_sent=runner.bytes_per_step(args.batch_size, args.seq_len),
                forward_backward=partial(runner.train_step, scale_loss=optimizer.scale_loss),
@@ -355,10 +355,8 @@ def torch_pipelining(schedule, model, args):
         dist.broadcast(loss, src=P - 1)                       # reported by every rank, as ours
         return loss
     # torch clips nothing across stages: the same MixedPrecisionOptimizer and norm as ours.
-    stages = Comm()                                           # the world is the pipeline
-    optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
-                                        grad_norm=lambda params, grads: split_norm(
-                                            grads, stages, grads[0].device), **ADAMW)
+    optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
+    optimizer.split_model({"pp": Comm()})                     # the world is the pipeline
     return Run(stage, optimizer, label=f"torch.distributed.pipelining.{schedule_class.__name__}"
                f"(n_microbatches={args.microbatches}) + our MixedPrecisionOptimizer(AdamW)",
                forward_backward=forward_backward)

@@ -423,18 +423,6 @@ def _launcher() -> _Launcher:
     return _Launcher()
 
 
-def split_norm(grads: list, comm: Comm, device) -> torch.Tensor:
-    """The 2-norm of one gradient held in disjoint pieces by comm's ranks (ZeRO's and FSDP's
-    shards, a pipeline's stages): each rank's squares, summed over the ranks by one 4-byte
-    all-reduce (padding is zero), then the root. Every rank gets the same norm. device: the
-    group's (NCCL reduces device memory only)."""
-    squares = torch.zeros(1, device=device)
-    for g in grads:
-        squares += g.float().pow(2).sum()
-    comm.all_reduce(squares, op="sum")
-    return squares.sqrt()[0]
-
-
 def flags_to_device(flags: list[bool], device) -> torch.Tensor:
     """Python booleans as a (len,) uint8 tensor on `device`, for a collective to OR them.
 

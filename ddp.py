@@ -20,7 +20,8 @@ import torch.nn as nn
 from collectives import as_comm, flags_to_device, ring_bytes
 from memory import run_state_bytes
 from mixed_precision import MixedPrecisionOptimizer, on_the_wire, reduce_dtype_of
-from moe import exchange_bytes, expert_parallel, reduction_groups
+from moe import exchange_bytes, expert_parallel
+from placements import by_reduction
 from process_groups import check_same_parameters
 
 
@@ -211,19 +212,18 @@ class DDP(nn.Module):
     Per step: forward and backward as usual (gradient hooks launch the buckets' all-reduces as
     backward runs), then finish_gradient_sync() before optimizer.step(). For gradient
     accumulation, run the backwards of all but the last micro-batch inside `with ddp.no_sync():`.
-    expert_group: with expert parallelism (moe.py), the ranks that hold the same experts as this
-    one: the experts' parameters (marked expert_parallel) start from and are reduced over it.
+    A parameter only some ranks hold (an expert, placements.py's holders) starts from and is
+    reduced over its holders.
     reduce_dtype: the dtype each bucket is averaged in (None: the gradients' own, as torch's DDP;
     torch.float32 for bf16/fp16 gradients: upcast before the all-reduce, the mean rounded back
     into the bucket once, where torch's DDP would need a communication hook).
     """
 
-    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25, expert_group=None,
+    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25,
                  reduce_dtype: torch.dtype | None = None):
         super().__init__()
         self.module, self.reduce_dtype = module, reduce_dtype
         self.comm = as_comm(group)
-        self.expert_group = None if expert_group is None else as_comm(expert_group)
         # Trainable parameters only: a frozen one gets no gradient, so it needs no hook, no slot
         # and no bytes. named_parameters() lists a tied (shared) weight once, and autograd
         # accumulates all its uses into one .grad before the post-accumulate hook fires once.
@@ -241,9 +241,9 @@ class DDP(nn.Module):
         # view, as PyTorch's gradient_as_bucket_view=True), pointed there by forward, so backward
         # accumulates into the bucket itself: the buckets are the gradients, with no fresh .grad
         # allocated and copied in each step after zero_grad(set_to_none=True).
-        # Experts (moe.py's expert parallelism) go in buckets of their own: moe.reduction says how.
+        # Experts (moe.py's expert parallelism) go in buckets of their own: their placements say how.
         self.buckets = []
-        for how, params in reduction_groups(self.params, self.comm, self.expert_group):
+        for how, params in by_reduction(self.params, self.comm):
             for chunk in split_into_buckets(params, bucket_mb):
                 bucket = FlatParams(chunk, world_size=1)
                 bucket.comm, bucket.op, bucket.divide = how
@@ -287,9 +287,8 @@ class DDP(nn.Module):
                     p.grad = slot
 
     def _by_group(self, tensors) -> list:
-        """[(the group tensors are reduced over, tensors)]: moe.reduction_groups' groups."""
-        return [(comm, part) for (comm, _, _), part in
-                reduction_groups(tensors, self.comm, self.expert_group)]
+        """[(the group tensors are reduced over, tensors)]: placements.by_reduction's groups."""
+        return [(comm, part) for (comm, _, _), part in by_reduction(tensors, self.comm)]
 
     def _broadcast_from_rank0(self):
         # Ranks may have been seeded differently: rank 0's initial weights (and buffers) become
@@ -428,14 +427,13 @@ def build(gpt, options, data, split, device, adamw: dict):
     No comm for the optimizer's overflow decision: after the all-reduce every rank holds the
     same averaged gradients, so every rank decides the same way.
     """
-    experts, grad_norm = None, None
-    if options.ep > 1:                          # moe.py: E/ep experts per rank, each rank its rows
-        experts, grad_norm = expert_parallel(gpt, data, options.ep)
+    # moe.py: E/ep experts per rank, each rank its rows; their squares add up over ep in the norm
+    experts = expert_parallel(gpt, data, options.ep) if options.ep > 1 else None
     model = (gpt if options.strategy == "single" else
-             DDP(gpt, data, bucket_mb=options.bucket_mb, expert_group=experts,
-                 reduce_dtype=reduce_dtype_of(options)))
+             DDP(gpt, data, bucket_mb=options.bucket_mb, reduce_dtype=reduce_dtype_of(options)))
     # After DDP's broadcast: fp16/bf16 masters copy rank 0's weights.
-    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, grad_norm=grad_norm,
+    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
                                         precision=options.precision, **adamw)
+    optimizer.split_model({"ep": experts})
     sent = (0 if model is gpt else model.bytes_per_step()) + exchange_bytes(gpt, options, data.world_size)
     return model, optimizer, sent, run_state_bytes(gpt, "ddp", options, data.world_size)

@@ -25,23 +25,23 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, flags_to_device, ring_bytes, split_norm
+from collectives import as_comm, flags_to_device, ring_bytes
 from ddp import FlatParams, InOrder, hook_gradient
 from memory import run_state_bytes
 from mixed_precision import DTYPES, DynamicLossScaler, reduce_dtype_of
 from model import Block
-from moe import exchange_bytes, expert_parallel, is_expert, reduction
+from moe import exchange_bytes, expert_parallel, held_experts
+from placements import data_reduction, placement
 from quantization import NF4Weight
 from process_groups import check_same_parameters, make_mesh
 from zero import (MAX_REDUCTIONS_IN_FLIGHT, ShardedOptimizer, flags_and_norm_bytes, host_buffer,
-                  host_copy, host_to_device, or_used_flags)
+                  host_copy, host_to_device, or_used_flags, shards_norm)
 
 
 def gpt_blocks(module: nn.Module) -> bool:
-    """The default wrap policy: one unit per transformer block, and one per expert a rank holds
-    under expert parallelism (moe.py: it is sharded over the ranks holding that expert); the
-    rest is the root unit."""
-    return isinstance(module, Block) or is_expert(module)
+    """The default wrap policy: one unit per transformer block; the rest is the root unit.
+    (Under expert parallelism train.py wraps each expert a rank holds as a unit of its own too.)"""
+    return isinstance(module, Block)
 
 
 class FrozenBytes:
@@ -191,19 +191,20 @@ class FSDP(nn.Module):
     device: where the shards, the gathered units and the rest of the module live (default: where
     the module is). Build the module on the CPU and name the GPU here, and a model that fits
     only sharded can start: each unit visits the device alone, then only its shard stays.
-    expert_group: with expert parallelism (moe.py), the ranks holding the same experts as this
-    one: each expert's unit is sharded over them, its gradient reduced as moe.reduction says.
+    A unit whose parameters only some ranks hold (an expert: placements.py's holders; wrap it
+    as a unit of its own) is sharded over its holders, its gradient reduced as
+    placements.data_reduction says.
     replicate_group: hybrid sharding (HSDP): group shards the model, and the ranks holding the
     same shard in the other groups (process_groups.make_mesh's outer group) keep copies: each
     reduce-scattered gradient shard is then all-reduced over them (the mean over both). An
-    expert's unit is not copied: it stays sharded over expert_group, the ranks holding it.
+    expert's unit is not copied: it stays sharded over its holders.
     offload_params: the shards (trained ones rounded to compute_dtype, frozen ones) live in host
     memory, copied to the device just before each all-gather; the optimizer must step on the
     host too (FSDPOptimizer(offload=True)).
     """
 
     def __init__(self, module: nn.Module, wrap=gpt_blocks, compute_dtype=None, group=None,
-                 prefetch: int = 1, device=None, expert_group=None, replicate_group=None,
+                 prefetch: int = 1, device=None, replicate_group=None,
                  offload_params: bool = False, reduce_dtype=None):
         super().__init__()
         compute_dtype = compute_dtype or torch.float32
@@ -220,7 +221,6 @@ class FSDP(nn.Module):
                              "compute precision with compute_dtype (e.g. torch.bfloat16), do not "
                              "cast the model first")
         self.comm = as_comm(group)
-        self.expert_group = None if expert_group is None else as_comm(expert_group)
         self.replicas = None if replicate_group is None else as_comm(replicate_group)
         device = torch.device(device) if device is not None else trainable[0].device
         for comm in (self.comm, self.replicas):             # the same model on every rank
@@ -259,9 +259,13 @@ class FSDP(nn.Module):
             if params:
                 # HSDP with experts: an expert's unit is sharded over the ranks holding that
                 # expert, each holding a different part (no copies); the rest as HSDP says.
-                comm, op, divide = reduction(is_expert(m), self.comm, self.expert_group, data_world)
+                holders = {placement(p).holders for p in params}
+                if len(holders) > 1:
+                    raise ValueError("FSDP: a unit mixes parameters held by different ranks (an "
+                                     "expert beside shared weights): wrap each expert as a unit")
+                comm, op, divide = data_reduction(params[0], self.comm, data_world)
                 self.units.append(Unit(index, m or module, params, comm, compute_dtype, device,
-                                       frozen, None if is_expert(m) else self.replicas))
+                                       frozen, self.replicas if holders == {None} else None))
                 self.units[-1].op, self.units[-1].divide = op, divide
                 self.root = self.units[-1] if m is None else self.root
                 in_order.append(self.units[-1])
@@ -499,8 +503,8 @@ class FSDP(nn.Module):
         FSDPOptimizer has its own, which also unscales fp16's loss scale first."""
         if max_norm <= 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+        norm = shards_norm(self.units, [u.grad for u in self.units], self.comm, {})
         grads = self.gradient_buffers()                                     # (S,) each, fp32
-        norm = split_norm(grads, self.comm, self.units[0].flat.device)
         # torch's rule (clip_grad_norm_): scale by max_norm / norm when that is below 1.
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -584,7 +588,7 @@ class FSDP(nn.Module):
         if self.replicas is not None:
             flags = ring_bytes("all_reduce", sum(len(u.params) for u in self.units if u.replicas), 1,
                                self.replicas.world_size)
-            if self.expert_group is not None:      # the experts' squares summed over the copies
+            if any(u.replicas is None for u in self.units):   # experts: squares over the copies
                 norm = ring_bytes("all_reduce", 1, 4, self.replicas.world_size)
         return trained + frozen + flags_and_norm_bytes(self.units, self.comm) + flags + norm
 
@@ -665,11 +669,6 @@ class FSDPOptimizer(ShardedOptimizer):
         self.flats, self.masters = fsdp.units, [u.master for u in fsdp.units]
         super().__init__(self.masters, optimizer_cls, optimizer_kwargs,
                          scaler or DynamicLossScaler(enabled=fsdp.compute_dtype == torch.float16))
-        if fsdp.replicas is not None and fsdp.expert_group is not None:
-            # HSDP with experts: the copies hold the same shards of the rest, but different
-            # parts of the experts; the norm sums over both groups, the rest counted once.
-            self.copies = fsdp.replicas
-            self.split_model()
 
     def _gradients(self):
         self.fsdp.finish_gradient_sync()
@@ -719,12 +718,15 @@ def build(gpt, options, data, split, device, adamw: dict):
     gpt: fp32, on the CPU (train.py leaves it there: see FSDP's device).
     """
     # Expert parallelism (moe.py): E/ep experts per rank, each its own unit over their holders.
-    experts = expert_parallel(gpt, data, options.ep)[0] if options.ep > 1 else None
+    if options.ep > 1:
+        expert_parallel(gpt, data, options.ep)
+    experts = held_experts(gpt)
     # --shard-group S: shards over S neighbouring ranks (one node), a copy per group of them.
     S = options.shard_group or data.world_size
     shard, copies = make_mesh(data, S) if S < data.world_size else (data, None)
-    model = FSDP(gpt, compute_dtype=DTYPES[options.precision], group=shard, prefetch=options.prefetch,
-                 device=device, expert_group=experts, replicate_group=copies,
+    model = FSDP(gpt, wrap=lambda m: gpt_blocks(m) or m in experts,
+                 compute_dtype=DTYPES[options.precision], group=shard, prefetch=options.prefetch,
+                 device=device, replicate_group=copies,
                  offload_params=options.offload == "params", reduce_dtype=reduce_dtype_of(options))
     optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(options.offload), **adamw)
     return (model, optimizer, model.bytes_per_step(micro_batches=options.grad_accum)

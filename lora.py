@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from placements import place
 from quantization import NF4Linear, NF4Weight
 
 
@@ -198,7 +199,7 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
 #   row (W0 columns split):  A's columns split with W0's, B whole: z_r = W0_r y_r + s B (A_r y_r),
 #                            and the g that sums W0_r y_r sums B (A_r y_r) into B A y as well.
 # The whole factor (A of a column layer, B of a row layer) gets only this rank's part of its
-# gradient: TensorParallelGPT sums those over the group after backward (tp_partial).
+# gradient, a partial sum (placements.py): TensorParallelGPT sums those over the group after backward.
 
 def split_adapter(layer: nn.Module, linear: nn.Module, dim: int, shard):
     """Copy linear's LoRA factors, if any, onto layer, the tensor-parallel layer made from it.
@@ -212,10 +213,10 @@ def split_adapter(layer: nn.Module, linear: nn.Module, dim: int, shard):
                          "fine-tune in 4 bits with --strategy ddp, zero1, zero2 or fsdp")
     if dim == 0:
         layer.lora_A, layer.lora_B = shard(linear.lora_A, None), shard(linear.lora_B, 0)
-        layer.lora_A.tp_partial = True                           # (r, k) whole, (d/N, r)
+        place(layer.lora_A, partial="tp")                        # (r, k) whole, (d/N, r)
     else:
         layer.lora_A, layer.lora_B = shard(linear.lora_A, 1), shard(linear.lora_B, None)
-        layer.lora_B.tp_partial = True                           # (r, k/N), (d, r) whole
+        place(layer.lora_B, partial="tp")                        # (r, k/N), (d, r) whole
     layer.lora_scale, layer.lora_dropout = linear.scale, linear.dropout
 
 

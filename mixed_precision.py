@@ -16,6 +16,7 @@ import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from collectives import as_comm
+from placements import grad_norm, norm_weight
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -119,6 +120,15 @@ class MasterOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None     # before clipping; inf/NaN on a skipped step
         self.last_step_skipped = False               # the last step found inf/NaN and did nothing
         self._unscaled = None                        # (masters, norm) between clipping and step
+        self.split = {}                              # split_model()'s {mesh dim: group}
+
+    def split_model(self, split: dict):
+        """Where the model is split further than this optimizer's own ranks: {mesh dimension:
+        its group} ("tp" tensor, "pp" pipeline, "ep" experts; None or one rank: not split). The
+        global norm sums the pieces over them, each value counted once (placements.py's records
+        say which parameter is sharded along which). Call once, before the first step."""
+        self.split = {dim: group for dim, group in split.items()
+                      if group is not None and group.world_size > 1}
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale_loss(loss)
@@ -266,8 +276,8 @@ class MixedPrecisionOptimizer(MasterOptimizer):
     comm: a collectives.Comm or process group over ranks whose gradients may differ, to
     agree on skipping; None when there is one rank or the gradients are already averaged.
     scaler: default DynamicLossScaler, enabled only for fp16.
-    grad_norm: grad_norm(params, grads) -> the global norm, when the parameters are slices of
-    larger ones (tensor parallelism) or one stage of a pipeline; default: these gradients' norm.
+    split_model(): the mesh dimensions the parameters are split over (tensor parallelism's
+    slices, a pipeline's stages, the experts), for the global norm; default: these gradients'.
 
     Per step:  loss -> scale_loss -> backward (16-bit grads) -> [clip_grad_norm_] -> step():
         master.grad = grad.float() / scale -> inf/NaN? skip, back off -> clip -> inner step
@@ -275,8 +285,7 @@ class MixedPrecisionOptimizer(MasterOptimizer):
     """
 
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, precision: str = "fp32",
-                 comm=None, scaler: DynamicLossScaler | None = None, grad_norm=None,
-                 **optimizer_kwargs):
+                 comm=None, scaler: DynamicLossScaler | None = None, **optimizer_kwargs):
         if precision not in DTYPES:
             raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[precision]
@@ -291,7 +300,6 @@ class MixedPrecisionOptimizer(MasterOptimizer):
                         for p in self.params]
         self.precision = precision
         self.comm = as_comm(comm) if comm is not None else None
-        self.grad_norm = grad_norm
         super().__init__(self.masters, optimizer_cls, optimizer_kwargs,
                          scaler or DynamicLossScaler(enabled=precision == "fp16"))
 
@@ -306,7 +314,8 @@ class MixedPrecisionOptimizer(MasterOptimizer):
 
     def _total_norm(self, grads, masters):
         # (Finite gradients whose norm overflows fp32 are skipped too: no sane update there.)
-        norm = (self.grad_norm([p for p, _ in self._with_grad()], grads) if self.grad_norm
+        pieces = [(g, norm_weight(p, self.split)) for (p, _), g in zip(self._with_grad(), grads)]
+        norm = (grad_norm(pieces, self.split.values(), self.params[0].device) if self.split
                 else get_total_norm(grads))
         if self.comm is not None:
             # Skipped on some rank: skipped here too. The flag's max over the ranks stays on the

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from collectives import Comm
+from placements import place, placement
 
 
 class MoE(nn.Module):
@@ -54,11 +55,12 @@ class MoE(nn.Module):
         self.aux_loss, self.stats = None, {}
         self.ep, self.local = None, range(experts)     # expert parallelism: shard_experts()
 
-    def shard_experts(self, ep: Comm):
+    def shard_experts(self, ep: Comm, holders: Comm | None = None):
         """Expert parallelism over the ep group's P ranks: rank r keeps experts r*E/P to
         (r+1)*E/P - 1 and drops the others (an nn.Identity keeps each index, so parameters keep
         their names: experts.5.up.weight on whichever rank holds expert 5). Every rank must
-        hold the same model before (the same seed), as tensor parallelism's split."""
+        hold the same model before (the same seed), as tensor parallelism's split.
+        holders: the data-parallel ranks holding the same experts as this one (expert_parallel)."""
         E, P = len(self.experts), ep.world_size
         if E % P:
             raise ValueError(f"{E} experts do not split over --ep {P} ranks: use an --ep dividing {E}")
@@ -67,11 +69,10 @@ class MoE(nn.Module):
             if e not in self.local:
                 self.experts[e] = nn.Identity()
         for e in self.local:
-            # Reduced over the ranks holding expert e: ddp.py and zero.py read the parameters'
-            # mark, fsdp.py the module's (one unit per expert).
-            self.experts[e].expert_parallel = True
+            # Sharded over ep (each rank its own experts), reduced over the ranks holding
+            # expert e: placements.py's record, which the data-parallel wrappers and the norm read.
             for p in self.experts[e].parameters():
-                p.expert_parallel = True
+                place(p, shard={"ep": None}, holders=holders)
 
     def forward(self, x):                                     # (B, T, C)
         tokens = x.reshape(-1, x.shape[-1])                   # (S, C)
@@ -279,61 +280,29 @@ def layer_exchange_bytes(tokens: int, channels: int, experts: int, top_k: int,
     return 4 * (ep - 1) * rows * channels * element_size // ep
 
 
-def expert_parallel(gpt: nn.Module, comm: Comm, ep: int, groups: tuple | None = None,
-                    rest_norm=None):
+def expert_parallel(gpt: nn.Module, comm: Comm, ep: int, groups: tuple | None = None) -> Comm:
     """Split every MoE layer of gpt over groups of ep consecutive ranks of comm (E/ep experts
-    each); returns (the group of ranks that hold the same experts, over which their gradients
-    are reduced, and mixed_precision's grad_norm hook). Collective: every rank of comm.
-    groups: (ep group, the ranks holding the same experts), made already (a device mesh's).
-    rest_norm: the norm hook of the other weights if they are split too (tensor parallelism's)."""
+    each); returns the ep group, over which the experts' squares add up in the norm (their
+    reduction over the ranks holding the same experts is in their placements).
+    Collective: every rank of comm. groups: (ep group, the ranks holding the same experts),
+    made already (a device mesh's)."""
     from process_groups import make_mesh
     ep_group, replicas = groups or make_mesh(comm, ep)
     for module in gpt.modules():
         if isinstance(module, MoE):
-            module.shard_experts(ep_group)
-
-    def grad_norm(params, grads) -> torch.Tensor:
-        """Every rank holds its own experts' gradients, whose squares add up over the
-        expert-parallel group, and the other weights' (whole: counted once; else rest_norm's)."""
-        experts = torch.zeros(1, device=grads[0].device)
-        for p, g in zip(params, grads):
-            if is_expert(p):
-                experts.add_(g.float().pow(2).sum())
-        ep_group.all_reduce(experts)
-        params, grads = zip(*[(p, g) for p, g in zip(params, grads) if not is_expert(p)])
-        rest = (sum(g.float().pow(2).sum() for g in grads) if rest_norm is None
-                else rest_norm(list(params), list(grads)).pow(2))
-        return (experts + rest).sqrt()[0]
-    return replicas, grad_norm
+            module.shard_experts(ep_group, replicas)
+    return ep_group
 
 
-def is_expert(t) -> bool:
-    """Is t (a parameter, or an expert module) one of the experts this rank holds under expert
-    parallelism? shard_experts marks them."""
-    return getattr(t, "expert_parallel", False)
+def held_experts(gpt: nn.Module) -> list[nn.Module]:
+    """The expert modules this rank holds under expert parallelism (FSDP makes each a unit)."""
+    return [module.experts[e] for module in gpt.modules()
+            if isinstance(module, MoE) and module.ep is not None for e in module.local]
 
 
-def reduction(expert: bool, comm: Comm, expert_group: Comm | None,
-              world: int | None = None) -> tuple[Comm, str, int]:
-    """(group, op, divisor) that make a gradient the mean over comm's whole world, as data
-    parallelism needs: comm's average for everything but an expert. An expert's gradient already
-    sums the tokens of its expert-parallel group (the all-to-all brought them), so it is summed
-    over the ranks holding the same expert (expert_group) and divided by the world: the same
-    mean. ddp.py, zero.py and fsdp.py reduce by it. world: the data-parallel ranks, where comm
-    is only part of them (HSDP's shard group: the copies' all-reduce averages the rest)."""
-    if not expert:
-        return comm, "avg", 1
-    if expert_group is None:
-        raise ValueError("the model's experts are split over ranks (moe.py): pass expert_group, "
-                         "the ranks holding the same ones")
-    return expert_group, "sum", world or comm.world_size
-
-
-def reduction_groups(tensors: list, comm: Comm, expert_group: Comm | None) -> list:
-    """[(reduction(), tensors)]: everything but this rank's experts first, then its experts;
-    order kept within each, an empty part left out. The same on every rank."""
-    parts = [(False, [t for t in tensors if not is_expert(t)]), (True, [t for t in tensors if is_expert(t)])]
-    return [(reduction(expert, comm, expert_group), part) for expert, part in parts if part]
+def is_expert(p) -> bool:
+    """Is parameter p one of the experts this rank holds under expert parallelism?"""
+    return "ep" in placement(p).shard
 
 
 def exchange_bytes(gpt: nn.Module, options, data_size: int, context_size: int = 1,

@@ -11,6 +11,7 @@ Test: python -m pytest tests/test_snapshot.py
 import torch
 import torch.distributed as dist
 
+from placements import tensor_dim
 from process_groups import gather_objects
 
 
@@ -143,11 +144,11 @@ def join_shards(pieces: list[dict], comm, device) -> list[dict]:
 
 def gather_pieces(pieces: list[dict], params: dict, comm) -> list[dict]:
     """Whole-parameter pieces from this rank's pieces of tensor_parallel.py's split parameters
-    (those with a tp_dim); params: {name: parameter}; comm: the tensor group. Collective."""
+    (those sharded along "tp"); params: {name: parameter}; comm: the tensor group. Collective."""
     whole = []
     for piece in pieces:
         p = params.get(piece["name"])              # None: experts another rank holds (whole)
-        if not hasattr(p, "tp_dim"):
+        if tensor_dim(p) is None:
             whole.append(piece)
             continue
         tensors = {}
@@ -157,7 +158,7 @@ def gather_pieces(pieces: list[dict], params: dict, comm) -> list[dict]:
             local = t.to(p.device)
             parts = [torch.empty_like(local) for _ in range(comm.world_size)]
             dist.all_gather(parts, local, group=comm.group)      # a checkpoint, not a training step
-            tensors[key] = torch.cat([x.view(p.shape) for x in parts], p.tp_dim).reshape(-1).cpu()
+            tensors[key] = torch.cat([x.view(p.shape) for x in parts], tensor_dim(p)).reshape(-1).cpu()
         whole.append({**piece, "start": 0, "stop": p.numel() * comm.world_size, "tensors": tensors})
     return whole
 
@@ -170,12 +171,13 @@ class TensorParallelReader:
 
     def read(self, name: str, start: int, stop: int) -> dict:
         p = self.params[name]
-        if not hasattr(p, "tp_dim"):
+        dim = tensor_dim(p)
+        if dim is None:
             return self.pieces.read(name, start, stop)
         full_shape = list(p.shape)
-        full_shape[p.tp_dim] *= self.comm.world_size
+        full_shape[dim] *= self.comm.world_size
         whole = self.pieces.read(name, 0, p.numel() * self.comm.world_size)
-        return {key: t.view(full_shape).chunk(self.comm.world_size, p.tp_dim)[self.comm.rank]
+        return {key: t.view(full_shape).chunk(self.comm.world_size, dim)[self.comm.rank]
                 .reshape(-1)[start:stop] for key, t in whole.items()}
 
     def scalars(self, name: str) -> dict:

@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from collectives import Comm, ring_bytes, split_norm
+from collectives import Comm, ring_bytes
+from placements import place
 from process_groups import subgroups
 from schedules import (BUBBLE_FORMULAS, Action, bubble_formula, check_schedule, chunks_of, forwards_only, main, make_schedule,
                        nccl_program, run_under_nccl)
@@ -79,6 +80,12 @@ class GPTStage(nn.Module):
         if not last:
             gpt.norm = gpt.head = None
         self.gpt, self.first, self.last, self._tied = gpt, first, last, tied
+        # Each stage holds its own parameters (sharded along "pp": their squares add up over the
+        # stages in the norm); the last stage's tied copy is the first's, counted there.
+        for p in self.parameters():
+            place(p, shard={"pp": None})
+        if tied and last:
+            place(self.tied, counted=False)
 
     @property
     def tied(self) -> nn.Parameter | None:
@@ -204,8 +211,7 @@ class Pipeline:
     Deadlock-free under gloo's rules and NCCL's: each stage runs nccl_program(its list), the
     sends and receives between two computations posted together, and the programs are played
     by run_under_nccl() (check_schedule) before the first message.
-    Inside a mesh (train.py): stage_norm, the norm of a stage whose parameters are split
-    further (a tensor-parallel stage's grad_norm), summed in squares over the stages; local_tokens,
+    Inside a mesh (train.py): local_tokens,
     context parallelism's (x, y) -> this rank's tokens of them, applied before the micro-batches;
     stage_sync, called after the module's finish_gradient_sync, or before it when every backward
     was held (a tensor-parallel stage's, which sums its partial gradients over the tensor group);
@@ -217,10 +223,10 @@ class Pipeline:
 
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
                  hidden: int, dtype: torch.dtype, tied: nn.Parameter | None = None,
-                 virtual_stages: int = 1, stage_norm=None, local_tokens=None, stage_sync=None,
+                 virtual_stages: int = 1, local_tokens=None, stage_sync=None,
                  sequence_split: int = 1, device=None):
         self.module, self.comm, self.M = module, comm, microbatches
-        self.stage_norm, self.local_tokens = stage_norm, local_tokens
+        self.local_tokens = local_tokens
         self.stage_sync, self.sequence_split = stage_sync, sequence_split
         self.stage, self.P = comm.rank, comm.world_size
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
@@ -342,17 +348,6 @@ class Pipeline:
 
     def train(self):
         self.module.train()
-
-    def grad_norm(self, params, grads) -> torch.Tensor:
-        """mixed_precision's norm hook: each stage holds its own parameters, so the squares add up
-        over the stages (a data group holds copies: not summed); a tied weight counts once, on
-        the first stage. A stage split further (stage_norm) gives its own norm, squared here."""
-        kept = [(p, g) for p, g in zip(params, grads) if not (p is self.tied and self.last)]
-        if self.stage_norm is None:
-            return split_norm([g for _, g in kept], self.comm, grads[0].device)
-        squares = self.stage_norm(*map(list, zip(*kept))).pow(2).reshape(1)
-        self.comm.all_reduce(squares, op="sum")
-        return squares.sqrt()[0]
 
     def measured_bubbles(self) -> list[float]:
         """Each stage's idle share of its last step, 1 - busy / wall (collective: every stage)."""

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import lora
 from collectives import Comm
 from model import GPT, GPTConfig
-from moe import is_expert
+from placements import placement
 from pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
                     gather_pieces, join_shards, load_pieces, optimizer_pieces)
 from process_groups import gather_objects
@@ -381,7 +381,7 @@ class Layout(NamedTuple):
     """Where this rank's weights sit, as checkpoints need it: its rank in the data-parallel
     group (replica 0 writes replicated weights), and the group that splits one model (tp's
     tensor group or a pipeline, else None). `tensor` says the split is by matrix (parameters
-    marked tp_dim, tensor_parallel.py): whole pieces are gathered over `split`, and its first
+    sharded along "tp", placements.py): whole pieces are gathered over `split`, and its first
     rank writes them; a pipeline stage writes its own parameters."""
     data_rank: int
     split: Comm | None
@@ -390,9 +390,11 @@ class Layout(NamedTuple):
     data: Comm | None = None        # the data-parallel group (a sharded optimizer's shards)
 
 
-def layout_of(gpt, data_comm, split, experts=None) -> Layout:
-    return Layout(data_comm.rank, split, any(hasattr(p, "tp_dim") for p in gpt.parameters()),
-                  experts, data_comm)
+def layout_of(gpt, data_comm, split) -> Layout:
+    """gpt's layout from its parameters' placements (the experts' holders, the tensor split)."""
+    where = [placement(p) for p in gpt.parameters()]
+    experts = next((w.holders for w in where if w.holders is not None), None)
+    return Layout(data_comm.rank, split, any("tp" in w.shard for w in where), experts, data_comm)
 
 
 def rank_pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
@@ -405,7 +407,7 @@ def rank_pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
     if not (optimizer.sharded or replicas or experts):
         return []
     pieces = optimizer_pieces(optimizer, names(gpt))
-    held = {name for name, p in gpt.named_parameters() if is_expert(p)}
+    held = {name for name, p in gpt.named_parameters() if placement(p).holders is not None}
     # HSDP's copies hold the same shards: the first copy's ranks write them, every rank its
     # experts' (sharded over the ranks holding them, not copied).
     if getattr(optimizer, "replica_rank", 0) != 0:

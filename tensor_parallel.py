@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from collectives import Comm, as_comm, ring_bytes
 from lora import add_adapter, split_adapter
 from moe import MoE
+from placements import place, placement
 
 # ---- the conjugate pair f and g, and their sequence-parallel forms -------------------------
 #
@@ -145,8 +146,7 @@ def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
     if dim is None:
         return nn.Parameter(param.detach().clone(), param.requires_grad)
     shard = nn.Parameter(_my_piece(param.detach(), comm, dim).clone(), param.requires_grad)
-    shard.tp_dim = dim
-    return shard
+    return place(shard, shard={"tp": dim})
 
 
 class _SplitLinear(nn.Module):
@@ -345,8 +345,11 @@ class TensorParallelGPT(nn.Module):
         # With sequence parallelism a replicated weight (norms, position embedding, the row
         # layers' biases) sees only this rank's tokens: its gradient is a partial sum. So is
         # the whole factor of a LoRA adapter inside a split layer, with or without it.
-        self.partial = [p for p in gpt.parameters() if p.requires_grad and (
-            getattr(p, "tp_partial", False) or sequence_parallel and not hasattr(p, "tp_dim"))]
+        if sequence_parallel:
+            for p in gpt.parameters():
+                if "tp" not in placement(p).shard:
+                    place(p, partial="tp")
+        self.partial = [p for p in gpt.parameters() if p.requires_grad and placement(p).partial == "tp"]
         # model.py's own forward runs on the split layers: (B, T or T/N, C) through the blocks,
         # then logits (B, T, V/N), never gathered, into the loss over the split vocabulary.
         gpt.loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(
@@ -399,15 +402,6 @@ class TensorParallelGPT(nn.Module):
             self.comm.all_reduce(flat)
             for g, total in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(total.view_as(g))
-
-    def grad_norm(self, params, grads) -> torch.Tensor:
-        """The global gradient norm: split weights' squares summed over the group, replicated once."""
-        split = torch.zeros(1, device=grads[0].device)
-        replicated = torch.zeros(1, device=grads[0].device)
-        for p, g in zip(params, grads):
-            (split if hasattr(p, "tp_dim") else replicated).add_(g.float().pow(2).sum())
-        self.comm.all_reduce(split)
-        return (split + replicated).sqrt()[0]
 
     def bytes_per_step(self, batch: int, seq_len: int, micro_batches: int = 1) -> int:
         """Bytes this rank sends per step for the activations (ring formula), batch rows per rank

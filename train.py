@@ -43,11 +43,11 @@ from collectives import Comm
 from context_parallel import ContextParallelGPT
 from data import TextData
 from ddp import DDP
-from fsdp import FSDP, FSDPOptimizer
+from fsdp import FSDP, FSDPOptimizer, gpt_blocks
 from memory import held_bytes, live_numel, live_tensor_bytes, mesh_params, run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model
-from moe import exchange_bytes, expert_parallel, routing_summary
+from moe import exchange_bytes, expert_parallel, held_experts, routing_summary
 from pipeline import GPTStage, Pipeline, stage_layers
 from process_groups import exit_distributed, gather_objects, init_distributed, make_device_mesh
 from snapshot import RunError, load_weights
@@ -246,9 +246,8 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     # 3. Route the experts (moe.py): E/ep of each MoE layer's experts on this rank, the tokens
     # sent to them over the mesh's ep group (a run of ep dp x cp ranks), their gradients
     # reduced over the ranks holding the same ones (expert_dp).
-    experts, expert_norm = (expert_parallel(gpt, mesh.dp_cp, args.ep, (mesh.ep, mesh.expert_dp),
-                                            rest_norm=tp.grad_norm if tp else None)
-                            if mesh.ep is not None else (None, None))
+    experts = (expert_parallel(gpt, mesh.dp_cp, args.ep, (mesh.ep, mesh.expert_dp))
+               if mesh.ep is not None else None)
     # 4. Cut the stages (pipeline.py): this rank keeps its stage's blocks, the rest are dropped.
     module = cp or tp or gpt
     if "pp" in splits:
@@ -272,35 +271,36 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
         tp.sum_partial_in_backward()
     reduce_dtype = DTYPES[args.reduce_dtype]      # the gradients' averages, in fp32 by default
     if strategy is fsdp:
-        replicas = FSDP(module, compute_dtype=DTYPES[args.precision], group=mesh.shard or data,
+        units = held_experts(gpt)              # each expert a unit, sharded over its holders
+        replicas = FSDP(module, wrap=lambda m: gpt_blocks(m) or m in units,
+                        compute_dtype=DTYPES[args.precision], group=mesh.shard or data,
                         replicate_group=mesh.replicate, prefetch=args.prefetch, device=device,
-                        offload_params=args.offload == "params", expert_group=experts,
-                        reduce_dtype=reduce_dtype)
+                        offload_params=args.offload == "params", reduce_dtype=reduce_dtype)
     elif strategy is ddp and data.world_size > 1:
-        replicas = DDP(module, data, bucket_mb=args.bucket_mb, expert_group=experts, reduce_dtype=reduce_dtype)
+        replicas = DDP(module, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype)
     else:
         replicas = module                          # ZeRO's optimizer reduces the gradients
-    model, grad_norm = replicas, expert_norm or (tp.grad_norm if tp else None)
+    model = replicas
     if "pp" in splits:         # the executor runs the stage's micro-batches over send/recv
         model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches, gpt.cfg.n_embd,
                          DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
-                         stage_norm=grad_norm, local_tokens=cp.local_tokens if cp else None,
+                         local_tokens=cp.local_tokens if cp else None,
                          stage_sync=tp.finish_gradient_sync if tp and tp.partial else None,
                          sequence_split=args.tp if args.sequence_parallel else 1, device=device)
-        grad_norm = model.grad_norm
     if strategy is ddp:
         optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
-                                            precision=args.precision, grad_norm=grad_norm, **adamw)
-    else:                      # sharded over dp x cp; the norm adds the tensor and stage splits
+                                            precision=args.precision, **adamw)
+    else:                      # sharded over dp x cp (the experts' ep inside it)
         offload = bool(args.offload)           # ZeRO-Offload: the shards' optimizer on the host
         optimizer = (FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)
                      if strategy is fsdp else
                      ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]), group=data,
-                                   bucket_mb=args.bucket_mb, offload=offload, expert_group=experts,
+                                   bucket_mb=args.bucket_mb, offload=offload,
                                    reduce_dtype=reduce_dtype, **adamw))
-        tied_copy = [module.tied] if "pp" in splits and module.tied is not None and module.last else []
-        optimizer.split_model(tensor=mesh.tp if tp else None,
-                              stages=mesh.pp if "pp" in splits else None, counted_elsewhere=tied_copy)
+    # The global norm sums each value once over the dimensions that split the model beside the
+    # optimizer's own ranks (placements.py): a replicated optimizer's experts differ over ep.
+    optimizer.split_model({"ep": experts if strategy is ddp else None,
+                           "tp": mesh.tp if tp else None, "pp": mesh.pp if "pp" in splits else None})
     # ZeRO-2 reduces in backward; a tied head's sum and zb's W come after it: it waits for them
     held_through = ("pp" in splits and args.strategy == "zero2"
                     and (module.tied is not None or args.schedule == "zb"))
@@ -500,13 +500,11 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
         if not refused(e):
             raise                              # a bug on the way: its traceback says where
         raise RunError(str(e)) from None       # a strategy refused its input: same on every rank
-    # Expert parallelism's groups: DDP's (it reduces the experts), or ZeRO's optimizer's.
-    experts = getattr(model, "expert_group", None) or getattr(optimizer, "expert_group", None)
     # The ranks holding copies of the same parameters (dp x cp: a cp group's ranks hold whole
     # copies too) write them once, the first of them; a tensor group gathers its slices whole.
     splits = mesh_splits(args)
     split = mesh.tp if "tp" in splits else mesh.pp if "pp" in splits else None
-    layout = snapshot.layout_of(gpt, mesh.dp_cp, split, experts)
+    layout = snapshot.layout_of(gpt, mesh.dp_cp, split)
     start = snapshot.resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit

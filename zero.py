@@ -22,12 +22,13 @@ import weakref
 import torch
 import torch.nn as nn
 
-from collectives import Comm, as_comm, flags_to_device, ring_bytes, split_norm
+from collectives import Comm, as_comm, flags_to_device, ring_bytes
 from ddp import FlatParams, InOrder, hook_gradient, split_into_buckets
 from memory import run_state_bytes
 from mixed_precision import (DynamicLossScaler, MasterOptimizer, on_the_wire, parameters_only,
                              reduce_dtype_of, unscale_grads)
-from moe import exchange_bytes, expert_parallel, is_expert, reduction_groups
+from moe import exchange_bytes, expert_parallel
+from placements import by_reduction, grad_norm, norm_weight
 from process_groups import check_same_parameters
 
 # Stage 2 (and FSDP) keeps at most this many full gradients in flight, buckets or units: when a
@@ -47,7 +48,32 @@ class Bucket(FlatParams):
         self.grad_shard = None    # (S,) this rank's reduced gradient, in the reduce dtype
         # grad_flat (FlatParams): stage 1 keeps it always, stage 2 only while in flight
         self.host_grad = None     # offload: (S,) fp32 host buffer the reduced gradient lands in
+        self.replicas = None      # ranks holding copies of this shard (FSDP's HSDP; ZeRO: none)
         self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
+
+
+def shards_norm(flats: list, grads: list, comm: Comm, split: dict) -> torch.Tensor:
+    """The global gradient norm from this rank's shards of flats (grads: each flat's (S,)
+    gradient shard, or None), summed over comm, the groups the model is split over beside it
+    (split, {mesh dim: group}), and HSDP's copies where some shard is not copied (an expert's
+    unit spans them; with every shard copied, one copy's squares are the whole). Each run of a
+    shard counts as placements.norm_weight says: every value once. Collective."""
+    copied = [flat.replicas is not None for flat in flats]
+    copies_summed = any(copied) and not all(copied)
+    runs = []                   # (grad, first, last, weight): equal neighbours merged, one kernel
+    for flat, grad in zip(flats, grads):
+        if grad is None:
+            continue
+        copies = flat.replicas.world_size if copies_summed and flat.replicas else 1
+        for i, start, stop, offset in flat.shard_ranges(flat.comm.rank):
+            weight, last = norm_weight(flat.params[i], split, copies), offset + stop - start
+            if runs and runs[-1][0] is grad and runs[-1][2:] == (offset, weight):
+                runs[-1] = (grad, runs[-1][1], last, weight)
+            else:
+                runs.append((grad, offset, last, weight))
+    pieces = [(grad[first:last], weight) for grad, first, last, weight in runs]
+    groups = [comm, *split.values(), *([flats[copied.index(True)].replicas] if copies_summed else [])]
+    return grad_norm(pieces, groups, flats[0].params[0].device)
 
 
 class ShardedOptimizer(MasterOptimizer):
@@ -61,46 +87,10 @@ class ShardedOptimizer(MasterOptimizer):
     inf/NaN skip.
     Inside a mesh (train.parallelize), split_model() names the groups whose ranks hold the other
     parts of the model beside these shards (tensor slices, pipeline stages): the norm adds the
-    squares over them too.
+    squares over them too (shards_norm).
     """
 
-    model_split = ()
     _decision_host = None   # offload: the norm and flags land here, beside the gradients
-    copies = None      # HSDP with experts (FSDPOptimizer): the ranks holding copies of the shards
-
-    def split_model(self, tensor: Comm | None = None, stages: Comm | None = None, counted_elsewhere=()):
-        """The norm over a model split further: tensor, the tensor-parallel group (a parameter
-        without tp_dim is whole on each of its T ranks, so its squares count 1/T on each);
-        stages, the pipeline (each stage's squares added); counted_elsewhere, parameters another
-        stage holds a copy of and counts (the last stage's copy of a tied head: not counted
-        here); and self.copies, HSDP's R copies of every shard but the experts' (1/R each).
-        Call once, before the first step."""
-        self.model_split = [comm for comm in (tensor, stages, self.copies)
-                            if comm is not None and comm.world_size > 1]
-        whole = tensor.world_size if tensor is not None else 1
-        copies = self.copies.world_size if self.copies is not None else 1
-        for flat in self.flats:
-            # (start, stop, weight) runs of this rank's shard, consecutive equal weights merged
-            flat.norm_weights = []
-            for i, start, stop, offset in flat.shard_ranges(flat.comm.rank):
-                p = flat.params[i]
-                weight = (0.0 if any(p is q for q in counted_elsewhere) else
-                          (1.0 if hasattr(p, "tp_dim") else 1 / whole) / (1 if is_expert(p) else copies))
-                if flat.norm_weights and flat.norm_weights[-1][1:] == (offset, weight):
-                    flat.norm_weights[-1] = (flat.norm_weights[-1][0], offset + stop - start, weight)
-                else:
-                    flat.norm_weights.append((offset, offset + stop - start, weight))
-
-    def _mesh_norm(self, grads, masters, device) -> torch.Tensor:
-        """split_model's norm: weighted squares, summed over the shards and every split."""
-        flat_of = {id(flat.master): flat for flat in self.flats}
-        squares = torch.zeros(1, device=device)
-        for grad, master in zip(grads, masters):
-            for start, stop, weight in flat_of[id(master)].norm_weights:
-                squares += grad[start:stop].float().pow(2).sum() * weight
-        for comm in (self.comm, *self.model_split):
-            comm.all_reduce(squares, op="sum")
-        return squares.sqrt()[0]
 
     def _total_norm(self, grads, masters):
         device = self.flats[0].params[0].device
@@ -109,8 +99,9 @@ class ShardedOptimizer(MasterOptimizer):
         # The shards are disjoint slices of the one gradient (an expert's shards, over the world,
         # cover every expert once): every rank gets the same global norm, so every rank takes
         # the same skip decision.
-        norm = (self._mesh_norm(grads, masters, device) if self.model_split
-                else split_norm(grads, self.comm, device))
+        grad_of = {id(master): grad for grad, master in zip(grads, masters)}
+        norm = shards_norm(self.flats, [grad_of.get(id(f.master)) for f in self.flats], self.comm,
+                           self.split)
         agree()
         # Read only where this rank missed a gradient: if it computed every one, every parameter
         # was used somewhere. Read or not, it rides in the step's one host read, the norm's.
@@ -186,8 +177,7 @@ class ZeroOptimizer(ShardedOptimizer):
     group: a collectives.Comm, a process group or None (the world). bucket_mb: the size of
     each flat buffer; stage 2 reduces one bucket while backward computes the next.
     offload: keep the fp32 masters and the optimizer state on the host and step there (the
-    device then holds only the parameters and the gradient shards). expert_group: with expert
-    parallelism (moe.py), the ranks holding the same experts as this one. reduce_dtype: the dtype
+    device then holds only the parameters and the gradient shards). reduce_dtype: the dtype
     the gradients are reduce-scattered in, and the shard kept (None: the parameters'; torch.float32
     for bf16/fp16 parameters: upcast before the collective, as FSDP2's reduce_dtype).
     Training loop: zero_grad(); scale_loss(loss).backward() per micro-batch;
@@ -206,7 +196,7 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def __init__(self, params, stage: int = 1, optimizer_cls=torch.optim.AdamW, group=None,
                  bucket_mb: float = 25, scaler: DynamicLossScaler | None = None,
-                 offload: bool = False, expert_group=None, reduce_dtype: torch.dtype | None = None,
+                 offload: bool = False, reduce_dtype: torch.dtype | None = None,
                  **optimizer_kwargs):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}; stage 3 shards the "
@@ -228,11 +218,10 @@ class ZeroOptimizer(ShardedOptimizer):
         # Reverse registration order is roughly the order backward produces gradients (stage 2
         # reduces buckets as they fill); each bucket is sharded N ways, so rank r's share of
         # the optimizer state is shard r of every bucket: 1/N of the whole, plus padding.
-        # Experts (moe.py's expert parallelism) are sharded over the ranks holding the same
-        # ones, in buckets of their own: moe.reduction says how their gradient is reduced.
-        self.expert_group = None if expert_group is None else as_comm(expert_group)
+        # A parameter only some data ranks hold (an expert: placements.py's holders) is sharded
+        # over its holders, in buckets of its own: placements.data_reduction says how.
         self.buckets = []
-        for (comm, op, divide), part in reduction_groups(trainable, self.comm, self.expert_group):
+        for (comm, op, divide), part in by_reduction(trainable, self.comm):
             for chunk in split_into_buckets(part[::-1], bucket_mb):
                 bucket = Bucket(chunk, comm)
                 bucket.op, bucket.divide = op, divide
@@ -559,11 +548,12 @@ def build(gpt, options, data, split, device, adamw: dict):
     group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
     """
     # Expert parallelism (moe.py): E/ep experts per rank, sharded over the ranks holding them.
-    experts = expert_parallel(gpt, data, options.ep)[0] if options.ep > 1 else None
+    if options.ep > 1:
+        expert_parallel(gpt, data, options.ep)
     optimizer = ZeroOptimizer(gpt.parameters(), stage=int(options.strategy[-1]),
                               optimizer_cls=torch.optim.AdamW, group=data, bucket_mb=options.bucket_mb,
-                              offload=bool(options.offload), expert_group=experts,
-                              reduce_dtype=reduce_dtype_of(options), **adamw)
+                              offload=bool(options.offload), reduce_dtype=reduce_dtype_of(options),
+                              **adamw)
     return (gpt, optimizer, optimizer.bytes_per_step(micro_batches=options.grad_accum)
             + exchange_bytes(gpt, options, data.world_size),
             run_state_bytes(gpt, options.strategy, options, data.world_size))

@@ -150,7 +150,8 @@ def test_expert_parallelism_halves_the_experts_and_sends_the_formula(bench):
         assert r["expert_bytes"] == r["napkin_expert_bytes"]
         assert r["all_to_all_per_step"] == r["napkin_all_to_all_per_step"]
         # ddp's buckets and flags exactly; at ep 2 the clip's norm adds the experts' squares over
-        # the expert group (moe.expert_parallel's grad_norm): one fp32 all-reduce, not in ddp's formula
+        # the expert group (the optimizer split over "ep", placements.grad_norm): one fp32 all-reduce,
+        # not in ddp's formula
         norm = ring_bytes("all_reduce", 1, 4, 2) if r["ep"] > 1 else 0
         assert r["sent_per_step"] - r["napkin_sent_per_step"] == norm, r
         assert r["peak_bytes"] == pytest.approx(r["napkin_held_bytes"], rel=0.01)

@@ -35,11 +35,13 @@ def _batches():
     return [torch.randint(0, CFG.vocab_size, (B, T + 1)) for _ in range(STEPS)]
 
 
-def _optimizer(params, grad_norm=None, precision="fp32"):
+def _optimizer(params, stages=None, precision="fp32"):
     # fp16: the scale starts low enough for every stage and grows every 2 clean steps, so it moves.
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2) if precision == "fp16" else None
-    return MixedPrecisionOptimizer(params, torch.optim.AdamW, precision=precision, grad_norm=grad_norm,
-                                   scaler=scaler, lr=1e-2, weight_decay=0.1)
+    optimizer = MixedPrecisionOptimizer(params, torch.optim.AdamW, precision=precision,
+                                        scaler=scaler, lr=1e-2, weight_decay=0.1)
+    optimizer.split_model({"pp": stages})          # the norm sums the stages' squares
+    return optimizer
 
 
 def _masters(gpt, optimizer):
@@ -84,7 +86,7 @@ def _pipeline_trains(P, runs, cfg=CFG, precision="fp32"):
         stage = pipeline.GPTStage(gpt, layers, first=pipe.rank == 0, last=pipe.rank == P - 1)
         module = DDP(stage, data) if data.world_size > 1 else stage
         runner = pipeline.Pipeline(module, pipe, schedule, M, cfg.n_embd, DTYPES[precision], stage.tied, v)
-        optimizer = _optimizer(gpt.parameters(), runner.grad_norm, precision)
+        optimizer = _optimizer(gpt.parameters(), pipe, precision)
         losses, grads, scales = [], None, []
         for batch in _batches():
             rows = batch.chunk(data.world_size)[data.rank]                # (B/D, T+1)
@@ -349,8 +351,7 @@ def _sharded_pipeline_trains(P, cfg, strategy):
                                weight_decay=0.1))
     if strategy == "zero2":                   # it waits for the ends' sum (train.parallelize)
         runner.reduce_after_backward(optimizer.no_sync)
-    last_copy = [stage.tied] if stage.last and stage.tied is not None else []
-    optimizer.split_model(stages=pipe, counted_elsewhere=last_copy)
+    optimizer.split_model({"pp": pipe})        # the last stage's tied copy: not counted (GPTStage)
     losses, norms = [], []
     for batch in _batches():
         rows = batch.chunk(data.world_size)[data.rank]                # (B/2, T+1)
@@ -373,7 +374,7 @@ def test_sharded_pipeline_with_a_tied_head_equals_one_process(strategy):
     on 2 stages (world 4): the ends sum the two gradients before they are reduce-scattered (ZeRO-1
     at the step; ZeRO-2, every backward under its no_sync, at the step too; FSDP, likewise, at the
     pipeline's finish), the last stage's
-    copy is left out of the sharded norm (counted_elsewhere), so every step's loss and the first
+    copy is left out of the sharded norm (its placement), so every step's loss and the first
     step's clipped norm equal one process's (1e-6 relative; the tied weight counted twice would
     add its squares again), and the copies stay equal. The later norms read weights that Adam's
     first steps moved by amplified fp32 noise (see the test above): measured 5.4e-6 relative,

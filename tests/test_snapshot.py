@@ -180,13 +180,14 @@ def _tensor_parallel_pieces():
     data group's shards of one 11-element slice (4, 4 and 3 elements) joined by join_shards."""
     from collectives import Comm
     from pieces import Pieces, TensorParallelReader, gather_pieces, join_shards
+    from placements import place
     comm = Comm()
     r, n = comm.rank, comm.world_size
     params, pieces = {}, []
     for dim in (0, 1):
         name = f"split{dim}.weight"
         params[name] = p = WHOLE.chunk(n, dim)[r].clone()       # (2, 9) or (6, 3)
-        p.tp_dim = dim
+        place(p, shard={"tp": dim})
         pieces.append({"name": name, "start": 0, "stop": p.numel(), "scalars": {"step": 3},
                        "tensors": {"param": p.reshape(-1).clone(), "exp_avg": -p.reshape(-1)}})
     whole = gather_pieces(pieces, params, comm)

@@ -21,6 +21,7 @@ from collectives import Comm
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
+from placements import grad_norm, norm_weight, tensor_dim
 from process_groups import make_mesh
 
 # A split matmul sums over in/N features per rank and adds the N partial sums: the same
@@ -155,11 +156,13 @@ def _batches():
     return torch.randint(0, CFG.vocab_size, (STEPS, B, T + 1))   # the global batch of each step
 
 
-def _optimizer(gpt, grad_norm=None, precision="fp32"):
+def _optimizer(gpt, tensor=None, precision="fp32"):
     # fp16: the scale starts low enough for every rank and grows every 2 clean steps, so it moves.
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2) if precision == "fp16" else None
-    return MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, grad_norm=grad_norm,
-                                   precision=precision, scaler=scaler, lr=1e-2, weight_decay=0.1)
+    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=precision,
+                                        scaler=scaler, lr=1e-2, weight_decay=0.1)
+    optimizer.split_model({"tp": tensor})          # the norm sums the slices over the group
+    return optimizer
 
 
 def _gpt(tied=False, precision="fp32"):
@@ -185,7 +188,7 @@ def _gpt_train(tp_size, sequence_parallel, tied=False, precision="fp32"):
     gpt = _gpt(tied, precision)
     tp_model = tp.TensorParallelGPT(gpt, tensor, sequence_parallel)
     model = DDP(tp_model, data) if data.world_size > 1 else tp_model
-    optimizer = _optimizer(gpt, tp_model.grad_norm, precision)
+    optimizer = _optimizer(gpt, tensor, precision)
     losses, scales = [], []
     for batch in _batches():
         rows = batch.chunk(data.world_size)[data.rank]           # (B/D, T+1)
@@ -202,7 +205,7 @@ def _gpt_train(tp_size, sequence_parallel, tied=False, precision="fp32"):
         loss = loss.detach().float()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         losses.append(loss.item())
-    params = {name: (m.detach(), getattr(p, "tp_dim", None))          # the fp32 masters
+    params = {name: (m.detach(), tensor_dim(p))                        # the fp32 masters
               for (name, p), m in zip(gpt.named_parameters(), optimizer.masters)}
     return {"losses": losses, "params": params, "norm": optimizer.last_grad_norm, "scales": scales}
 
@@ -312,7 +315,7 @@ def _traffic(sequence_parallel):
         loss.backward()
         model.finish_gradient_sync()
         params = list(gpt.parameters())
-        model.grad_norm(params, [p.grad for p in params])
+        grad_norm([(p.grad, norm_weight(p, {"tp": comm})) for p in params], [comm], "cpu")
         out[layers] = {"forward": forward, "step": sum(comm.bytes_sent.values()),
                        "predicted": model.bytes_per_step(B, T), "activations": sum(saved.values()),
                        "params": sum(p.numel() for p in params)}
