@@ -203,6 +203,8 @@ class FSDP(nn.Module):
     host too (FSDPOptimizer(offload=True)).
     """
 
+    keeps_whole_gradients = False       # ddp.GradientSyncs: each unit's reduced, then freed
+
     def __init__(self, module: nn.Module, wrap=gpt_blocks, compute_dtype=None, group=None,
                  prefetch: int = 1, device=None, replicate_group=None,
                  offload_params: bool = False, reduce_dtype=None):
@@ -532,15 +534,15 @@ class FSDP(nn.Module):
         (pipeline.Pipeline enters it around each step), whose schedule runs several micro-batches'
         forwards before their backwards (GPipe: all of them), so a unit freed after one backward
         would be missing from the next: each unit is all-gathered once per step, not twice per
-        micro-batch, and reduce-scattered once, at the last backward (the others run under
-        no_sync), as torchtitan runs FSDP under pipeline parallelism (reshard_after_forward off).
-        The price: the stage's whole parameters, and under no_sync its whole gradients, during
-        the step; between steps everything is sharded as always."""
-        self._whole_step = True
+        micro-batch, and reduce-scattered once, at finish_gradient_sync() after the block (every
+        backward inside runs as under no_sync), as torchtitan runs FSDP under pipeline
+        parallelism (reshard_after_forward off). The price: the stage's whole parameters and
+        gradients during the step; between steps everything is sharded as always."""
+        self._whole_step, outer, self._sync = True, self._sync, False
         try:
             yield
         finally:
-            self._whole_step = False
+            self._whole_step, self._sync = False, outer
             for unit in self.units + self.frozen_units:
                 unit.free()
 

@@ -198,10 +198,12 @@ def _accumulate(param: nn.Parameter, grad: torch.Tensor):
 class Pipeline:
     """Runs this rank's action list each step: the rank is stage comm.rank of comm.world_size.
 
-    module: this rank's GPTStage, or DDP(stage) over the stage's data-parallel group; then the
-    backwards of all but the last micro-batch run under its no_sync(), and train_step ends with
-    its finish_gradient_sync(): the gradients are averaged once per step (zero bubble: all of
-    them under no_sync(), W's gradients come outside autograd, and the finish averages them).
+    module: this rank's GPTStage, or DDP(stage) or FSDP(stage) over the stage's data-parallel
+    group. sync: the gradient-sync protocol (ddp.GradientSyncs) the backwards run under; default
+    the module's (DDP's, FSDP's). The backwards of all but the last micro-batch run under its
+    no_sync() where the gradients are whole anyway (DDP), every backward where the stage has
+    sums of its own first (zero bubble's W, after autograd; a tied weight's two ends), and
+    train_step ends with its finish_gradient_sync(): the gradients are reduced once per step.
     schedule, virtual_stages: schedules.make_schedule's; interleaved, module holds one chunk of
     blocks per virtual stage (GPTStage(layers=[...]), called with chunk=c).
     hidden, dtype: the activation a stage sends is (b, T, hidden) of dtype, known before it
@@ -213,8 +215,6 @@ class Pipeline:
     by run_under_nccl() (check_schedule) before the first message.
     Inside a mesh (train.py): local_tokens,
     context parallelism's (x, y) -> this rank's tokens of them, applied before the micro-batches;
-    stage_sync, called after the module's finish_gradient_sync, or before it when every backward
-    was held (a tensor-parallel stage's, which sums its partial gradients over the tensor group);
     sequence_split, the parts each activation is cut into along T (sequence parallelism: a stage
     sends its rank's (b, T/tp, hidden)). device: where the stage computes, and so where every
     tensor it hands a collective lives (NCCL moves device memory only); default: where the
@@ -223,11 +223,11 @@ class Pipeline:
 
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
                  hidden: int, dtype: torch.dtype, tied: nn.Parameter | None = None,
-                 virtual_stages: int = 1, local_tokens=None, stage_sync=None,
+                 virtual_stages: int = 1, local_tokens=None, sync=None,
                  sequence_split: int = 1, device=None):
         self.module, self.comm, self.M = module, comm, microbatches
         self.local_tokens = local_tokens
-        self.stage_sync, self.sequence_split = stage_sync, sequence_split
+        self.sequence_split = sequence_split
         self.stage, self.P = comm.rank, comm.world_size
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
         stages = make_schedule(schedule, self.P, self.M, virtual_stages)
@@ -254,22 +254,13 @@ class Pipeline:
                              f"or LoRA product): use --schedule 1f1b")
         self.hidden, self.dtype = hidden, dtype
         self.tied = tied if self.P > 1 else None
-        self.no_sync = getattr(module, "no_sync", None)      # DDP's, FSDP's (ZeRO-2: see below)
-        # FSDP (gathered_for_step) moves .grad into its shards at finish_gradient_sync: a tied
-        # weight's two gradients are summed before, every backward under no_sync (DDP's finish
-        # only averages, and the sum comes after it).
-        self.hold_every_backward = self.tied is not None and hasattr(module, "gathered_for_step")
+        # The gradient-sync protocol around the backwards (ddp.GradientSyncs): given, or the
+        # module's own (DDP's, FSDP's), or none (one replica per stage).
+        self.sync = sync or (module if hasattr(module, "finish_gradient_sync") else None)
         if self.P > 1:
             self.ends = self._ends_group(comm, device)
         self.peak_activations = 0         # most micro-batch chunks held at once (F run, B or W not)
         self.busy = self.wall = 0.0       # seconds computing, seconds in all, in the last step
-
-    def reduce_after_backward(self, no_sync):
-        """For a data dimension whose optimizer, not the module, reduces during backward (ZeRO-2):
-        its no_sync, so that with a tied head every backward runs under it and the ends' sum
-        comes before the step's reductions (zero bubble's backwards run under it anyway)."""
-        self.no_sync = no_sync
-        self.hold_every_backward = self.tied is not None
 
     def _ends_group(self, comm: Comm, device) -> Comm | None:
         """A Comm over this pipeline's first and last stage if they share a tied weight.
@@ -299,23 +290,17 @@ class Pipeline:
             self.weight_grads.computed.clear()
         with self._gathered():
             loss = self._run(self.actions, x, y, scale_loss, measure)
-        # Every backward held (zero bubble's, or for a tied weight): nothing is reduced over the
-        # data dimension yet, so the stage's own sums (the tied copies, the tensor group's partial
-        # gradients, W's among them) come first, while every .grad is still whole.
-        sums_first = self.hold_every_backward or self.weight_grads is not None
-        if sums_first:
-            self._stage_sums()
-        if hasattr(self.module, "finish_gradient_sync"):
-            self.module.finish_gradient_sync()
-        if not sums_first:
-            self._stage_sums()
-        return self._sum_over_stages(loss)
-
-    def _stage_sums(self):
-        if self.stage_sync is not None:
-            self.stage_sync()
+        # A tied weight's two ends add up first, while every .grad is whole (its backwards were
+        # all held); then the sync protocol's finish: the tensor group's partial sums (W's among
+        # them), the data dimension's reduction.
         if self.tied is not None:                          # the embedding's + the head's gradient
             self.ends.all_reduce(self.tied.grad)
+        if self.sync is not None:
+            self.sync.finish_gradient_sync()
+        return self._sum_over_stages(loss)
+
+    def _no_sync(self):
+        return self.sync.no_sync() if self.sync is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def evaluate(self, x, y) -> torch.Tensor:
@@ -392,7 +377,11 @@ class Pipeline:
         posted, sends, loss = {}, [], torch.zeros((), device=device)
         split = self.weight_grads is not None
         last_backward = [a for a in actions if a.kind == "B"][-1:]
-        no_sync = self.no_sync or contextlib.nullcontext
+        # Every backward is held when the stage has sums of its own to make before the data
+        # dimension reduces (W's gradients after autograd, a tied weight's two ends); else all
+        # but the last, where the gradients are whole anyway (DDP's: GradientSyncs).
+        held_all = split or self.tied is not None
+        accumulate = getattr(self.sync, "keeps_whole_gradients", False)
         self.busy, start = 0.0, self._clock(measure)
         for item in nccl_program(actions):
             if not isinstance(item, Action):
@@ -417,8 +406,8 @@ class Pipeline:
                     self.peak_activations = max(self.peak_activations, len(held))
             elif a.kind == "B":
                 # One gradient average per step: the last backward's, for the sum of all M
-                # (split: none; the W's after it still add to the gradients).
-                with (no_sync() if split or self.hold_every_backward or [a] != last_backward
+                # (held: none; the finish reduces them all).
+                with (self._no_sync() if held_all or ([a] != last_backward and accumulate)
                       else contextlib.nullcontext()), \
                         (self.weight_grads.collect(key) if split else contextlib.nullcontext()):
                     if last:        # the step's loss is the mean over micro-batches: 1/M each

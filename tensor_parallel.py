@@ -12,6 +12,8 @@ Run: torchrun --nproc_per_node 2 train.py --strategy tp --tp 2; test: pytest tes
 Shapes: B batch, T sequence, C channels, H heads, V vocabulary, N tensor-parallel size, r rank
 in the tensor group; M = B x T tokens. "/N" marks this rank's part of a split dimension.
 """
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -390,6 +392,13 @@ class TensorParallelGPT(nn.Module):
         return total
 
     summed_in_backward = False
+
+    keeps_whole_gradients = True        # ddp.GradientSyncs: partial sums add up unreduced
+
+    def no_sync(self):
+        """Partial gradients of several backwards add up where they are and are summed once, at
+        the finish (or each in its own backward: sum_partial_in_backward): nothing to hold."""
+        return contextlib.nullcontext()
 
     def finish_gradient_sync(self):
         """After backward: sum the partial gradients of replicated weights (sequence parallelism,

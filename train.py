@@ -42,7 +42,7 @@ from cli import STRATEGIES, mesh_splits, moe_config, parse_args, run_shape
 from collectives import Comm
 from context_parallel import ContextParallelGPT
 from data import TextData
-from ddp import DDP
+from ddp import DDP, GradientSyncs
 from fsdp import FSDP, FSDPOptimizer, gpt_blocks
 from memory import held_bytes, live_numel, live_tensor_bytes, mesh_params, run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
@@ -90,21 +90,21 @@ def global_mean(value: torch.Tensor) -> float:
     return value.item()
 
 
-def train_step(model, optimizer, x, y, args, measure=False):
+def train_step(model, optimizer, sync, x, y, args, measure=False):
     """One optimizer step on this rank's rows x, y (B/N, T), in --grad-accum micro-batches.
 
-    Returns this rank's mean loss (a tensor) and whether the update was applied (a step
-    whose gradients hold inf or NaN is skipped on every rank). measure: time a pipeline's
-    compute exactly (on CUDA, synchronizing).
+    sync: the run's gradient syncs (ddp.GradientSyncs). Returns this rank's mean loss (a
+    tensor) and whether the update was applied (a step whose gradients hold inf or NaN is
+    skipped on every rank). measure: time a pipeline's compute exactly (on CUDA, synchronizing).
     """
     optimizer.zero_grad(set_to_none=True)
     if hasattr(model, "train_step"):
         # A pipeline runs the --microbatches by its schedule; replicas average once per step.
         loss = model.train_step(x, y, optimizer.scale_loss, measure)
         return loss, update(optimizer, args)
-    # DDP reduces once per step (no_sync); FSDP reduce-scatters every micro-batch's gradient
-    # into its shards, so that no rank ever holds a full gradient (its no_sync would keep one).
-    no_sync = model.no_sync if isinstance(model, DDP) else contextlib.nullcontext
+    # DDP reduces once per step (no_sync); ZeRO-2 and FSDP reduce-scatter every micro-batch's
+    # gradient into shards, so that no rank ever holds a full gradient (no_sync would keep one).
+    no_sync = sync.no_sync if sync.keeps_whole_gradients else contextlib.nullcontext
     step_loss = torch.zeros((), device=x.device)
     for micro, (mx, my) in enumerate(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum))):
         last = micro == args.grad_accum - 1
@@ -113,13 +113,7 @@ def train_step(model, optimizer, x, y, args, measure=False):
             _, loss = model(mx, my)                                  # mean over (B/N/k, T)
             optimizer.scale_loss(loss / args.grad_accum).backward()
         step_loss += loss.detach() / args.grad_accum
-    # Each wrapper finishes its own sync, outermost first: DDP's average (or FSDP's shards),
-    # then a tensor-parallel model's partial sums (sequence parallelism, LoRA factors).
-    wrapper = model
-    while wrapper is not None:
-        if hasattr(wrapper, "finish_gradient_sync"):
-            wrapper.finish_gradient_sync()
-        wrapper = getattr(wrapper, "module", None)
+    sync.finish_gradient_sync()
     return step_loss, update(optimizer, args)
 
 
@@ -197,9 +191,10 @@ class Divergence:
 # ---- building the run ------------------------------------------------------------------------
 
 def build(args, device, mesh):
-    """The model, its parallelisms and data-parallel wrapper, the optimizer, the bytes the run
-    predicts it sends per step ({dimension: bytes}, each its formula) and holds (memory.py), and
-    the context-parallel wrapper (None without --cp), whose attention the log reports.
+    """The model, its parallelisms and data-parallel wrapper, the optimizer, the gradient syncs
+    (ddp.GradientSyncs), the bytes the run predicts it sends per step ({dimension: bytes}, each
+    its formula) and holds (memory.py), and the context-parallel wrapper (None without --cp),
+    whose attention the log reports.
 
     mesh: this rank's groups (process_groups.make_device_mesh). Without a tensor, context or
     pipeline split the strategy's own build() wraps the whole model over the data dimension;
@@ -224,14 +219,17 @@ def build(args, device, mesh):
     if mesh_splits(args):
         return gpt, *parallelize(gpt, args, mesh, device, adamw)
     model, optimizer, sent, held = STRATEGIES[args.strategy].build(gpt, args, mesh.dp, None, device, adamw)
-    return gpt, model, optimizer, {"dp": sent}, held, None
+    # The strategy's gradient sync: DDP's or FSDP's (the model), or ZeRO's (the optimizer).
+    sync = GradientSyncs(*(o for o in (model, optimizer) if hasattr(o, "finish_gradient_sync")))
+    return gpt, model, optimizer, sync, {"dp": sent}, held, None
 
 
 def parallelize(gpt, args, mesh, device, adamw: dict):
     """--tp, --cp, --pp and --ep over the mesh, then data parallelism over what is left, each
     step its own file's (in torchtitan's order: split the matrices, split the sequences, route
-    the experts, cut the stages, wrap for data parallelism): (model, optimizer, {dimension:
-    bytes sent per step predicted}, bytes held predicted, the context-parallel wrapper or None). gpt keeps its whole-model parameter names throughout (this rank's slices
+    the experts, cut the stages, wrap for data parallelism): (model, optimizer, gradient syncs,
+    {dimension: bytes sent per step predicted}, bytes held predicted, the context-parallel
+    wrapper or None). gpt keeps its whole-model parameter names throughout (this rank's slices
     of its stage's), so checkpoints read the same on any mesh.
     """
     splits = mesh_splits(args)
@@ -261,13 +259,14 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     # ddp's replicas, ZeRO's optimizer shards or FSDP's units (with --shard-group, HSDP: sharded
     # over a run of dp x cp ranks, copied across the runs), as --strategy says.
     data, strategy = mesh.dp_cp, STRATEGIES[args.strategy]
-    # Partial gradients over the tensor group (tensor_parallel.py) are summed after backward by
-    # the tensor-parallel model's finish, which a context-parallel model wrapping it hides from
-    # the loop; and ZeRO-2's and FSDP's hooks would shard them first: there, in backward.
-    # A zero-bubble pipeline holds every backward's reductions until its finish, where it sums
-    # them first (W's gradients come after autograd, where no hook would see them).
-    zb = "pp" in splits and args.schedule == "zb"
-    if tp and tp.partial and (args.strategy in ("zero2", "fsdp", "zero3") or cp) and not zb:
+    # Partial gradients over the tensor group (tensor_parallel.py) are summed at the sync's
+    # finish, before the data dimension's; where the data dimension reduces during backward
+    # (DDP's last backward, ZeRO-2's and FSDP's hooks) they are summed in backward, before it
+    # reads them. A pipeline with a tied head or zero bubble's W holds every backward instead.
+    held_all = "pp" in splits and (args.schedule == "zb" or module.tied is not None)
+    in_backward = (strategy is ddp and data.world_size > 1 or args.strategy == "zero2"
+                   or strategy is fsdp and "pp" not in splits)
+    if tp and tp.partial and in_backward and not held_all:
         tp.sum_partial_in_backward()
     reduce_dtype = DTYPES[args.reduce_dtype]      # the gradients' averages, in fp32 by default
     if strategy is fsdp:
@@ -280,13 +279,6 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
         replicas = DDP(module, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype)
     else:
         replicas = module                          # ZeRO's optimizer reduces the gradients
-    model = replicas
-    if "pp" in splits:         # the executor runs the stage's micro-batches over send/recv
-        model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches, gpt.cfg.n_embd,
-                         DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
-                         local_tokens=cp.local_tokens if cp else None,
-                         stage_sync=tp.finish_gradient_sync if tp and tp.partial else None,
-                         sequence_split=args.tp if args.sequence_parallel else 1, device=device)
     if strategy is ddp:
         optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
                                             precision=args.precision, **adamw)
@@ -301,11 +293,16 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     # optimizer's own ranks (placements.py): a replicated optimizer's experts differ over ep.
     optimizer.split_model({"ep": experts if strategy is ddp else None,
                            "tp": mesh.tp if tp else None, "pp": mesh.pp if "pp" in splits else None})
-    # ZeRO-2 reduces in backward; a tied head's sum and zb's W come after it: it waits for them
-    held_through = ("pp" in splits and args.strategy == "zero2"
-                    and (module.tied is not None or args.schedule == "zb"))
-    if held_through:
-        model.reduce_after_backward(optimizer.no_sync)
+    # The gradient syncs in order: the tensor group's partial sums, then the data dimension's
+    # reduction (DDP's, FSDP's, or ZeRO's optimizer's).
+    sync = GradientSyncs(tp, replicas if replicas is not module else
+                         optimizer if isinstance(optimizer, ZeroOptimizer) else None)
+    model = replicas
+    if "pp" in splits:         # the executor runs the stage's micro-batches over send/recv
+        model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches, gpt.cfg.n_embd,
+                         DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
+                         local_tokens=cp.local_tokens if cp else None, sync=sync,
+                         sequence_split=args.tp if args.sequence_parallel else 1, device=device)
 
     # The formulas, per dimension, for this rank's rows (B/D) and tokens of each (T/cp; its
     # MoE layers see T/cp/tp of them under sequence parallelism).
@@ -329,7 +326,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     if data.world_size > 1:
         sent["dp"] = (replicas.bytes_per_step() if strategy is ddp else
                       replicas.bytes_per_step(micro, gathered_for_step="pp" in splits) if strategy is fsdp else
-                      optimizer.bytes_per_step(micro_batches=1 if held_through else backwards))
+                      optimizer.bytes_per_step(micro_batches=1 if held_all else backwards))
     # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
     # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
     # with experts, whose layers mesh_params does not price: what this rank holds, its experts).
@@ -338,7 +335,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     held = run_state_bytes(gpt, {fsdp: "zero3", ddp: "ddp"}.get(strategy, args.strategy), args,
                            data.world_size, n_params=None if gpt.cfg.experts else n_params + trainable,
                            shard_group=mesh.shard.world_size if mesh.shard else None)
-    return model, optimizer, sent, held, cp
+    return model, optimizer, sync, sent, held, cp
 
 
 def refused(error: ValueError) -> bool:
@@ -495,7 +492,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
                             shard=args.shard_group if split else None)
     data_rank, data_size = mesh.dp.rank, mesh.dp.world_size
     try:
-        gpt, model, optimizer, predicted, napkin, context = build(args, device, mesh)
+        gpt, model, optimizer, sync, predicted, napkin, context = build(args, device, mesh)
     except ValueError as e:
         if not refused(e):
             raise                              # a bug on the way: its traceback says where
@@ -558,7 +555,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
         x, y = data.batch(step, args.batch_size, args.seq_len, args.seed,
                           rank=data_rank, world_size=data_size)      # (B/D, T)
         logged = step % args.log_every == 0 or step == args.steps - 1
-        loss, applied = train_step(model, optimizer, to_device(x, device), to_device(y, device), args,
+        loss, applied = train_step(model, optimizer, sync, to_device(x, device), to_device(y, device), args,
                                    measure=logged)
         divergence.after_step(step, applied, loss, optimizer.scaler.scale)
         skipped += not applied

@@ -189,6 +189,8 @@ class ZeroOptimizer(ShardedOptimizer):
     """
 
     stage = 1
+    keeps_whole_gradients = True        # ddp.GradientSyncs: full buffers until the finish
+    _synced = False                     # finish_gradient_sync() ran since the last gradient
 
     def __new__(cls, params, stage: int = 1, *args, **kwargs):
         # ZeroOptimizer(params, stage=2) is a Zero2Optimizer: one class per stage, one argument.
@@ -249,9 +251,18 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def _mark_used(self, b: int, i: int):
         self.buckets[b].used[i] = True
+        self._synced = False                                   # a gradient came: reduce again
 
-    def _reduce_gradients(self):
-        """At step(): reduce-scatter every bucket's full gradient; keep this rank's shard."""
+    def no_sync(self):
+        """Stage 1 keeps whole gradients until its finish anyway: nothing to hold back."""
+        return contextlib.nullcontext()
+
+    def finish_gradient_sync(self):
+        """Reduce-scatter every bucket's full gradient; keep this rank's shard. After the last
+        backward (the loop's, a pipeline's) or at step(), whichever comes first: once a step."""
+        if self._synced:
+            return
+        self._synced = True
         for bucket in self.buckets:
             # A parameter that the user's zero_grad(set_to_none=True) or autograd re-created is
             # copied back into the flat buffer once, and becomes a view again.
@@ -276,7 +287,7 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def _gradients(self):
         """This rank's gradient shards (reduced now, or in backward by stage 2), its masters."""
-        self._reduce_gradients()
+        self.finish_gradient_sync()
         buckets = [b for b in self.buckets if b.grad_shard is not None]
         # Offloaded (ZeRO-Offload), ShardedOptimizer._unscale copies them out, Adam steps on the
         # CPU, and the parameters go back in. It could overlap more: copy each shard out as its
@@ -292,6 +303,7 @@ class ZeroOptimizer(ShardedOptimizer):
         # The shard goes too: it is recomputed from the full gradient, which stays until zero_grad().
         for bucket in self.buckets:
             bucket.grad_shard = bucket.master.grad = None
+        self._synced = False
 
     def _all_gather_parameters(self):
         gathers = []
@@ -320,6 +332,7 @@ class ZeroOptimizer(ShardedOptimizer):
             bucket.used = [False] * len(bucket.params)
             if bucket.grad_flat is not None:
                 bucket.grad_flat.zero_()
+        self._synced = False
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
@@ -355,6 +368,7 @@ class Zero2Optimizer(ZeroOptimizer):
     """
 
     stage = 2
+    keeps_whole_gradients = False       # each bucket reduced and freed as backward fills it
 
     #   backward   | grads of bucket 0 | grads of bucket 1 | grads of bucket 2 |
     #   network                        |= reduce-scatter 0 =|= reduce-scatter 1 =|= 2 =|
@@ -427,9 +441,9 @@ class Zero2Optimizer(ZeroOptimizer):
         self._order.wait_all()
         self._backward_hooked = False
 
-    def _reduce_gradients(self):
-        """At step(), nothing left to reduce (backward did it, bucket by bucket), unless the
-        backwards ran under no_sync: then what they left in .grad goes now, in bucket order."""
+    def finish_gradient_sync(self):
+        """Nothing left to reduce (backward did it, bucket by bucket), unless the backwards ran
+        under no_sync: then what they left in .grad goes now, in bucket order."""
         if not self._unreduced:        # a flag, the same on every rank: they all reduce, or none
             return
         for b, bucket in enumerate(self.buckets):

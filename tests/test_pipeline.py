@@ -345,12 +345,12 @@ def _sharded_pipeline_trains(P, cfg, strategy):
     stage = pipeline.GPTStage(gpt, pipeline.stage_layers(None, cfg.n_layer, P)[pipe.rank],
                               first=pipe.rank == 0, last=pipe.rank == P - 1)
     module = FSDP(stage, group=data) if strategy == "fsdp" else stage
-    runner = pipeline.Pipeline(module, pipe, "1f1b", 4, cfg.n_embd, torch.float32, stage.tied)
     optimizer = (FSDPOptimizer(module, lr=1e-2, weight_decay=0.1) if strategy == "fsdp" else
                  ZeroOptimizer(gpt.parameters(), stage=int(strategy[-1]), group=data, lr=1e-2,
                                weight_decay=0.1))
-    if strategy == "zero2":                   # it waits for the ends' sum (train.parallelize)
-        runner.reduce_after_backward(optimizer.no_sync)
+    # ZeRO's optimizer speaks the gradient-sync protocol (FSDP's module does, the default)
+    runner = pipeline.Pipeline(module, pipe, "1f1b", 4, cfg.n_embd, torch.float32, stage.tied,
+                               sync=None if strategy == "fsdp" else optimizer)
     optimizer.split_model({"pp": pipe})        # the last stage's tied copy: not counted (GPTStage)
     losses, norms = [], []
     for batch in _batches():

@@ -737,7 +737,7 @@ def test_lora_beside_a_sharded_mesh_trains_as_one_process(tmp_path, one_process_
     """LoRA's adapters, the only weights that train, sharded over the data dimension of a split
     run: FSDP over cp 2 (the frozen base sharded too), ZeRO-2 over a pipeline's dp 2, ZeRO-1 beside
     tp 2 x pp 2 (each stage's adapter factors summed over its tensor group, by the pipeline's
-    stage_sync, before the step reads them), FSDP beside tp 2 and ZeRO-2 beside tp 2 x cp 2 (the
+    gradient syncs, before the step reads them), FSDP beside tp 2 and ZeRO-2 beside tp 2 x cp 2 (the
     factors summed in backward, before the hooks). Every
     step's loss and the weights after 4 steps equal one process's LoRA run; every dimension sends
     its formula; rank 0 holds what memory.py says."""
