@@ -52,12 +52,13 @@ from bench_measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_
 from checkpointing import checkpoint_blocks
 from collectives import Comm
 from data import TextData
-from ddp import DDP, build as build_ddp
+from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer
 from lora import apply_lora
 from memory import run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS, build_model
+from parallelize import data_parallel
 from process_groups import exit_distributed, init_distributed, make_mesh
 from zero import ZeroOptimizer
 
@@ -363,14 +364,15 @@ def torch_pipelining(schedule, model, args):
 
 
 def ours_moe(ep, model, args):
-    """Our DDP on a mixture of experts, as train.py --strategy ddp --ep builds it (ddp.build):
+    """Our DDP on a mixture of experts, as train.py --strategy ddp --ep builds it
+    (parallelize.data_parallel):
     each rank holds E/ep of every MoE layer's experts and sends its tokens to them by all-to-all;
     ep 1 keeps every expert on every rank, plain data parallelism."""
     comm = Comm()
     options = SimpleNamespace(strategy="ddp", ep=ep, bucket_mb=args.bucket_mb, precision=args.precision,
                               batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=1,
                               double_quant=False, offload=None)
-    wrapped, optimizer, sent, _ = build_ddp(model, options, comm, None, None, ADAMW)
+    wrapped, optimizer, sent, _ = data_parallel(model, options, comm, None, ADAMW)
     return Run(wrapped, optimizer, comm, label=f"our DDP --ep {ep}", napkin_sent=sent)
 
 

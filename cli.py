@@ -30,7 +30,7 @@ from model import PRESETS
 # --strategy -> the module whose build(gpt, options, data, split, device, adamw) wraps the model
 # and makes its optimizer: (model, optimizer, bytes sent per step its formula predicts, bytes held
 # memory.py's napkin math predicts). "auto" picks one of them (advisor.advise). tp, pipeline and cp
-# are ddp over the data dimension, with their split (train.parallelize).
+# are ddp over the data dimension, with their split (parallelize.py).
 STRATEGIES = {"single": ddp, "ddp": ddp, "zero1": zero, "zero2": zero, "fsdp": fsdp, "zero3": fsdp,
               "tp": ddp, "pipeline": ddp, "cp": ddp}
 EVAL_FRACTION = 0.05                      # data.py's held-out tail

@@ -18,9 +18,7 @@ import torch
 import torch.nn as nn
 
 from collectives import as_comm, flags_to_device, ring_bytes
-from memory import run_state_bytes
-from mixed_precision import MixedPrecisionOptimizer, on_the_wire, reduce_dtype_of
-from moe import exchange_bytes, expert_parallel
+from mixed_precision import on_the_wire
 from placements import by_reduction
 from process_groups import check_same_parameters
 
@@ -443,26 +441,3 @@ class DDP(nn.Module):
         flags = sum(ring_bytes("all_reduce", len(params), 1, comm.world_size)
                     for comm, params in self._by_group(self.params))
         return grads + flags
-
-
-# ---- train.py's row ---------------------------------------------------------------------------
-
-def build(gpt, options, data, split, device, adamw: dict):
-    """--strategy single and ddp: (model, optimizer, bytes per step the ring formula predicts,
-    bytes held the napkin math predicts).
-
-    options: train.py's parsed command line; data, split: the data-parallel group and the
-    group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
-    No comm for the optimizer's overflow decision: after the all-reduce every rank holds the
-    same averaged gradients, so every rank decides the same way.
-    """
-    # moe.py: E/ep experts per rank, each rank its rows; their squares add up over ep in the norm
-    experts = expert_parallel(gpt, data, options.ep) if options.ep > 1 else None
-    model = (gpt if options.strategy == "single" else
-             DDP(gpt, data, bucket_mb=options.bucket_mb, reduce_dtype=reduce_dtype_of(options)))
-    # After DDP's broadcast: fp16/bf16 masters copy rank 0's weights.
-    optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
-                                        precision=options.precision, **adamw)
-    optimizer.split_model({"ep": experts})
-    sent = (0 if model is gpt else model.bytes_per_step()) + exchange_bytes(gpt, options, data.world_size)
-    return model, optimizer, sent, run_state_bytes(gpt, "ddp", options, data.world_size)

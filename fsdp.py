@@ -27,13 +27,11 @@ import torch.nn as nn
 
 from collectives import as_comm, flags_to_device, ring_bytes
 from ddp import FlatParams, InOrder, hook_gradient
-from memory import run_state_bytes
-from mixed_precision import DTYPES, DynamicLossScaler, reduce_dtype_of
+from mixed_precision import DynamicLossScaler
 from model import Block
-from moe import exchange_bytes, expert_parallel, held_experts
 from placements import data_reduction, placement
 from quantization import NF4Weight
-from process_groups import check_same_parameters, make_mesh
+from process_groups import check_same_parameters
 from zero import (MAX_REDUCTIONS_IN_FLIGHT, ShardedOptimizer, flags_and_norm_bytes, host_buffer,
                   host_copy, host_to_device, or_used_flags, shards_norm)
 
@@ -707,30 +705,3 @@ class FSDPOptimizer(ShardedOptimizer):
         """After the masters were written: drop any gathered copy; the next forward gathers."""
         for unit in self.fsdp.units:
             unit.refresh()
-
-
-# ---- train.py's row ---------------------------------------------------------------------------
-
-def build(gpt, options, data, split, device, adamw: dict):
-    """--strategy fsdp (= zero3): (FSDP(gpt), FSDPOptimizer(AdamW), bytes sent per step and
-    bytes held predicted).
-
-    options: train.py's parsed command line; data, split: the data-parallel group and the
-    group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
-    gpt: fp32, on the CPU (train.py leaves it there: see FSDP's device).
-    """
-    # Expert parallelism (moe.py): E/ep experts per rank, each its own unit over their holders.
-    if options.ep > 1:
-        expert_parallel(gpt, data, options.ep)
-    experts = held_experts(gpt)
-    # --shard-group S: shards over S neighbouring ranks (one node), a copy per group of them.
-    S = options.shard_group or data.world_size
-    shard, copies = make_mesh(data, S) if S < data.world_size else (data, None)
-    model = FSDP(gpt, wrap=lambda m: gpt_blocks(m) or m in experts,
-                 compute_dtype=DTYPES[options.precision], group=shard, prefetch=options.prefetch,
-                 device=device, replicate_group=copies,
-                 offload_params=options.offload == "params", reduce_dtype=reduce_dtype_of(options))
-    optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(options.offload), **adamw)
-    return (model, optimizer, model.bytes_per_step(micro_batches=options.grad_accum)
-            + exchange_bytes(gpt, options, data.world_size),
-            run_state_bytes(gpt, "zero3", options, data.world_size, shard_group=S))

@@ -507,7 +507,7 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
                schedule: str = "1f1b", virtual_stages: int = 1, attention: str = "ring",
                strategy: str = "ddp", shard_group: int | None = None,
                sequence_parallel: bool = False, reduce_precision: str | None = None) -> dict:
-    """Bytes one rank of a tp x cp x pp x dp mesh (train.parallelize) sends per step, by
+    """Bytes one rank of a tp x cp x pp x dp mesh (parallelize.py) sends per step, by
     dimension, in closed form, for pipeline stage `stage` (the balanced split of the blocks):
     batch rows per data-parallel rank (B/D), seq_len tokens per whole sequence, micro_batches
     per step (--grad-accum, or a pipeline's --microbatches). A dimension of size 1 sends nothing.

@@ -359,13 +359,6 @@ class MixedPrecisionOptimizer(MasterOptimizer):
                 p.copy_(m)
 
 
-def reduce_dtype_of(options) -> torch.dtype | None:
-    """The dtype train.py's --reduce-dtype averages gradients in across ranks; None (an options
-    object without it): the gradients' own dtype."""
-    name = getattr(options, "reduce_dtype", None)
-    return DTYPES[name] if name else None
-
-
 def on_the_wire(grad: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Tensor:
     """What a collective reduces for a gradient buffer: the buffer itself, or an upcast copy.
     Averaged in bf16, every step of the ring rounds a partial sum to 8 bits of mantissa, an error

@@ -358,7 +358,7 @@ class TensorParallelGPT(nn.Module):
             logits.float().flatten(0, 1), targets.flatten(), comm)
         if sequence_parallel:
             # The positions of the T tokens this rank's group holds (whole sequences, or with
-            # context parallelism its chunks of them: train.parallelize sets it), of which this
+            # context parallelism its chunks of them: parallelize.py sets it), of which this
             # rank embeds 1/N.
             self.group_positions = gpt.positions_of
             gpt.positions_of = self._my_positions

@@ -20,14 +20,11 @@ import itertools
 import weakref
 
 import torch
-import torch.nn as nn
 
 from collectives import Comm, as_comm, flags_to_device, ring_bytes
 from ddp import FlatParams, InOrder, hook_gradient, split_into_buckets
-from memory import run_state_bytes
 from mixed_precision import (DynamicLossScaler, MasterOptimizer, on_the_wire, parameters_only,
-                             reduce_dtype_of, unscale_grads)
-from moe import exchange_bytes, expert_parallel
+                             unscale_grads)
 from placements import by_reduction, grad_norm, norm_weight
 from process_groups import check_same_parameters
 
@@ -85,7 +82,7 @@ class ShardedOptimizer(MasterOptimizer):
     this rank compute a gradient for it since zero_grad()? The step is stage 2's whatever the
     stage: each rank updates its shards only, with one global norm for clipping and the
     inf/NaN skip.
-    Inside a mesh (train.parallelize), split_model() names the groups whose ranks hold the other
+    Inside a mesh (parallelize.py), split_model() names the groups whose ranks hold the other
     parts of the model beside these shards (tensor slices, pipeline stages): the norm adds the
     squares over them too (shards_norm).
     """
@@ -549,25 +546,3 @@ def gradients_to_host(grads: list, buffers: list) -> list:
         # buffer before its bytes have landed.
         torch.cuda.current_stream(grads[0].device).synchronize()
     return buffers
-
-
-# ---- train.py's row ---------------------------------------------------------------------------
-
-def build(gpt, options, data, split, device, adamw: dict):
-    """--strategy zero1 and zero2: (the model, unwrapped: the optimizer does the
-    communication, ZeroOptimizer(AdamW), bytes per step the ring formula predicts, bytes
-    held the napkin math predicts).
-
-    options: train.py's parsed command line; data, split: the data-parallel group and the
-    group that splits one model (None unless tp or pipeline); adamw: the optimizer's settings.
-    """
-    # Expert parallelism (moe.py): E/ep experts per rank, sharded over the ranks holding them.
-    if options.ep > 1:
-        expert_parallel(gpt, data, options.ep)
-    optimizer = ZeroOptimizer(gpt.parameters(), stage=int(options.strategy[-1]),
-                              optimizer_cls=torch.optim.AdamW, group=data, bucket_mb=options.bucket_mb,
-                              offload=bool(options.offload), reduce_dtype=reduce_dtype_of(options),
-                              **adamw)
-    return (gpt, optimizer, optimizer.bytes_per_step(micro_batches=options.grad_accum)
-            + exchange_bytes(gpt, options, data.world_size),
-            run_state_bytes(gpt, options.strategy, options, data.world_size))

@@ -335,7 +335,7 @@ def test_executor_posts_the_groups_the_nccl_check_played(P):
 def _sharded_pipeline_trains(P, cfg, strategy):
     """On P x 2 ranks: a 1F1B pipeline whose data dimension is ZeRO-1 (each stage's optimizer
     state sharded over its 2 replicas), ZeRO-2 (its gradients too) or FSDP (its units too), as
-    train.parallelize builds it;
+    parallelize.py builds it;
     this rank's averaged losses, clipped norms, and its copy of a tied weight after the steps."""
     from fsdp import FSDP, FSDPOptimizer
     from zero import ZeroOptimizer

@@ -574,7 +574,7 @@ def test_every_rank_stops_a_diverged_run_at_the_same_step():
         messages[0]] * 2, messages
 
 
-# ---- one mesh: tensor x context x pipeline x data parallel (train.parallelize) -----------------
+# ---- one mesh: tensor x context x pipeline x data parallel (parallelize.py) -----------------
 
 MESH_RUN = ["--steps", "4", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
             "--batch-size", "8", "--seq-len", "32", "--warmup", "2", "--lr", "1e-3"]

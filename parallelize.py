@@ -1,0 +1,235 @@
+"""Where the strategies meet: one model laid out over the mesh, one apply step per concept file.
+
+Each concept file teaches one idea on its own (ddp.py, zero.py, fsdp.py, tensor_parallel.py,
+context_parallel.py, moe.py, pipeline.py, lora.py); this file composes them into one run, in
+torchtitan's order (parallelize_llama, without its indirection): split the matrices, split the
+sequences, route the experts, cut the stages, then wrap what is left for data parallelism. The
+splits write each parameter's placement (placements.py), from which the optimizer's one global
+norm and the data dimension's reductions follow; the wrappers' gradient syncs are chained in
+the one protocol (ddp.GradientSyncs) that the loop and the pipeline drive. Beside each step,
+the bytes it predicts it sends, each its own file's formula.
+Used by: train.py (build). Test: python -m pytest tests/test_train.py -k mesh
+"""
+import torch
+import torch.nn as nn
+
+import ddp
+import fsdp
+import lora
+from checkpointing import checkpoint_blocks
+from cli import STRATEGIES, mesh_splits, moe_config
+from context_parallel import ContextParallelGPT
+from ddp import DDP, GradientSyncs
+from fsdp import FSDP, FSDPOptimizer, gpt_blocks
+from memory import mesh_params, run_state_bytes
+from mixed_precision import DTYPES, MixedPrecisionOptimizer
+from model import build_model
+from moe import exchange_bytes, expert_parallel, held_experts
+from pipeline import GPTStage, Pipeline, stage_layers
+from process_groups import make_mesh
+from snapshot import load_weights
+from tensor_parallel import TensorParallelGPT
+from zero import ZeroOptimizer
+
+
+def build(args, device, mesh):
+    """The model, its parallelisms and data-parallel wrapper, the optimizer, the gradient syncs
+    (ddp.GradientSyncs), the bytes the run predicts it sends per step ({dimension: bytes}, each
+    its formula) and holds (memory.py), and the context-parallel wrapper (None without --cp),
+    whose attention the log reports.
+
+    mesh: this rank's groups (process_groups.make_device_mesh). Without a tensor, context or
+    pipeline split data_parallel() wraps the whole model over the data dimension; with one,
+    parallelize() applies them in turn.
+    """
+    torch.manual_seed(args.seed)
+    gpt = build_model(args.model, dropout=args.dropout, **moe_config(args))     # fp32
+    if args.init_from:
+        load_weights(args.init_from, gpt)
+    # FSDP keeps the fp32 weights as master shards and computes in --precision itself; the
+    # model stays on the CPU until FSDP moves each rank's shards (a model that fits only
+    # sharded must never be whole on the GPU).
+    if STRATEGIES[args.strategy] is fsdp:
+        gpt.to(dtype=torch.float32)
+    else:
+        gpt.to(device=device, dtype=DTYPES[args.precision])
+    if args.lora:         # after the cast: a 4-bit base keeps its scales in fp32
+        lora.apply_lora(gpt, **lora_config(args))
+    if args.checkpoint_activations:
+        checkpoint_blocks(gpt, every=args.checkpoint_activations)
+    adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if mesh_splits(args):
+        return gpt, *parallelize(gpt, args, mesh, device, adamw)
+    model, optimizer, sent, held = data_parallel(gpt, args, mesh.dp, device, adamw)
+    # The strategy's gradient sync: DDP's or FSDP's (the model), or ZeRO's (the optimizer).
+    sync = GradientSyncs(*(o for o in (model, optimizer) if hasattr(o, "finish_gradient_sync")))
+    return gpt, model, optimizer, sync, {"dp": sent}, held, None
+
+
+def data_parallel(gpt, args, data, device, adamw: dict):
+    """--strategy over the whole model, the data group its only dimension: (model, optimizer,
+    bytes per step the ring formulas predict, bytes held the napkin math predicts).
+    single and ddp: DDP's replicas (single: none) under MixedPrecisionOptimizer, which needs no
+    comm for its overflow decision (after the all-reduce every rank holds the same gradients);
+    zero1, zero2: the model unwrapped, ZeroOptimizer does the communication; fsdp (zero3): FSDP's
+    units (gpt fp32 on the CPU: see FSDP's device), with --shard-group S HSDP's copies.
+    --ep (moe.py): E/ep experts per rank; FSDP makes each a unit over the ranks holding it."""
+    experts = expert_parallel(gpt, data, args.ep) if args.ep > 1 else None
+    strategy, reduce_dtype = STRATEGIES[args.strategy], reduce_dtype_of(args)
+    if strategy is ddp:
+        model = (gpt if args.strategy == "single" else
+                 DDP(gpt, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype))
+        # After DDP's broadcast: fp16/bf16 masters copy rank 0's weights.
+        optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
+                                            precision=args.precision, **adamw)
+        optimizer.split_model({"ep": experts})       # the experts' squares add up over ep
+        sent, held = 0 if model is gpt else model.bytes_per_step(), run_state_bytes(
+            gpt, "ddp", args, data.world_size)
+    elif strategy is fsdp:
+        units = held_experts(gpt)
+        S = args.shard_group or data.world_size     # shards over S neighbouring ranks (one node)
+        shard, copies = make_mesh(data, S) if S < data.world_size else (data, None)
+        model = FSDP(gpt, wrap=lambda m: gpt_blocks(m) or m in units,
+                     compute_dtype=DTYPES[args.precision], group=shard, prefetch=args.prefetch,
+                     device=device, replicate_group=copies,
+                     offload_params=args.offload == "params", reduce_dtype=reduce_dtype)
+        optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(args.offload), **adamw)
+        sent = model.bytes_per_step(micro_batches=args.grad_accum)
+        held = run_state_bytes(gpt, "zero3", args, data.world_size, shard_group=S)
+    else:
+        model = gpt
+        optimizer = ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]),
+                                  optimizer_cls=torch.optim.AdamW, group=data, bucket_mb=args.bucket_mb,
+                                  offload=bool(args.offload), reduce_dtype=reduce_dtype, **adamw)
+        sent = optimizer.bytes_per_step(micro_batches=args.grad_accum)
+        held = run_state_bytes(gpt, args.strategy, args, data.world_size)
+    return model, optimizer, sent + exchange_bytes(gpt, args, data.world_size), held
+
+
+def reduce_dtype_of(args) -> torch.dtype | None:
+    """The dtype --reduce-dtype averages gradients in across ranks; None (an options object
+    without it): the gradients' own dtype."""
+    name = getattr(args, "reduce_dtype", None)
+    return DTYPES[name] if name else None
+
+
+def parallelize(gpt, args, mesh, device, adamw: dict):
+    """--tp, --cp, --pp and --ep over the mesh, then data parallelism over what is left, each
+    step its own file's (in torchtitan's order: split the matrices, split the sequences, route
+    the experts, cut the stages, wrap for data parallelism): (model, optimizer, gradient syncs,
+    {dimension: bytes sent per step predicted}, bytes held predicted, the context-parallel
+    wrapper or None). gpt keeps its whole-model parameter names throughout (this rank's slices
+    of its stage's), so checkpoints read the same on any mesh.
+    """
+    splits = mesh_splits(args)
+    # 1. Split the matrices (tensor_parallel.py): each block's heads and MLP columns over tp
+    # (a mixture of experts stays whole on every tensor rank).
+    tp = TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel) if "tp" in splits else None
+    # 2. Split the sequences (context_parallel.py): this rank's chunks of each; attention over cp.
+    cp = (ContextParallelGPT(gpt, mesh.cp, args.cp_attention, args.cp_balance == "zigzag")
+          if "cp" in splits else None)
+    if cp and args.sequence_parallel:     # this rank's 1/tp of the tokens of its chunks
+        tp.group_positions, gpt.positions_of = gpt.positions_of, tp._my_positions
+    # 3. Route the experts (moe.py): E/ep of each MoE layer's experts on this rank, the tokens
+    # sent to them over the mesh's ep group (a run of ep dp x cp ranks), their gradients
+    # reduced over the ranks holding the same ones (expert_dp).
+    experts = (expert_parallel(gpt, mesh.dp_cp, args.ep, (mesh.ep, mesh.expert_dp))
+               if mesh.ep is not None else None)
+    # 4. Cut the stages (pipeline.py): this rank keeps its stage's blocks, the rest are dropped.
+    module = cp or tp or gpt
+    if "pp" in splits:
+        stage = mesh.pp.rank
+        layers = stage_layers(args.stage_layers, gpt.cfg.n_layer, args.pp, args.virtual_stages)[stage]
+        module = GPTStage(gpt, layers, first=stage == 0, last=stage == args.pp - 1)
+    held_blocks = [i for i, block in enumerate(gpt.blocks) if not isinstance(block, nn.Identity)]
+    first, last = gpt.pos_emb is not None, gpt.head is not None
+    # 5. Data parallelism over the ranks holding the same slice of the same stage, dp x cp (a
+    # cp group's ranks hold whole copies too; their gradients, from other tokens, are summed):
+    # ddp's replicas, ZeRO's optimizer shards or FSDP's units (with --shard-group, HSDP: sharded
+    # over a run of dp x cp ranks, copied across the runs), as --strategy says.
+    data, strategy = mesh.dp_cp, STRATEGIES[args.strategy]
+    # Partial gradients over the tensor group (tensor_parallel.py) are summed at the sync's
+    # finish, before the data dimension's; where the data dimension reduces during backward
+    # (DDP's last backward, ZeRO-2's and FSDP's hooks) they are summed in backward, before it
+    # reads them. A pipeline with a tied head or zero bubble's W holds every backward instead.
+    held_all = "pp" in splits and (args.schedule == "zb" or module.tied is not None)
+    in_backward = (strategy is ddp and data.world_size > 1 or args.strategy == "zero2"
+                   or strategy is fsdp and "pp" not in splits)
+    if tp and tp.partial and in_backward and not held_all:
+        tp.sum_partial_in_backward()
+    reduce_dtype = reduce_dtype_of(args)          # the gradients' averages, in fp32 by default
+    if strategy is fsdp:
+        units = held_experts(gpt)              # each expert a unit, sharded over its holders
+        replicas = FSDP(module, wrap=lambda m: gpt_blocks(m) or m in units,
+                        compute_dtype=DTYPES[args.precision], group=mesh.shard or data,
+                        replicate_group=mesh.replicate, prefetch=args.prefetch, device=device,
+                        offload_params=args.offload == "params", reduce_dtype=reduce_dtype)
+    elif strategy is ddp and data.world_size > 1:
+        replicas = DDP(module, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype)
+    else:
+        replicas = module                          # ZeRO's optimizer reduces the gradients
+    if strategy is ddp:
+        optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
+                                            precision=args.precision, **adamw)
+    else:                      # sharded over dp x cp (the experts' ep inside it)
+        offload = bool(args.offload)           # ZeRO-Offload: the shards' optimizer on the host
+        optimizer = (FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)
+                     if strategy is fsdp else
+                     ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]), group=data,
+                                   bucket_mb=args.bucket_mb, offload=offload,
+                                   reduce_dtype=reduce_dtype, **adamw))
+    # The global norm sums each value once over the dimensions that split the model beside the
+    # optimizer's own ranks (placements.py): a replicated optimizer's experts differ over ep.
+    optimizer.split_model({"ep": experts if strategy is ddp else None,
+                           "tp": mesh.tp if tp else None, "pp": mesh.pp if "pp" in splits else None})
+    # The gradient syncs in order: the tensor group's partial sums, then the data dimension's
+    # reduction (DDP's, FSDP's, or ZeRO's optimizer's).
+    sync = GradientSyncs(tp, replicas if replicas is not module else
+                         optimizer if isinstance(optimizer, ZeroOptimizer) else None)
+    model = replicas
+    if "pp" in splits:         # the executor runs the stage's micro-batches over send/recv
+        model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches, gpt.cfg.n_embd,
+                         DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
+                         local_tokens=cp.local_tokens if cp else None, sync=sync,
+                         sequence_split=args.tp if args.sequence_parallel else 1, device=device)
+
+    # The formulas, per dimension, for this rank's rows (B/D) and tokens of each (T/cp; its
+    # MoE layers see T/cp/tp of them under sequence parallelism).
+    rows, tokens = args.batch_size // mesh.dp.world_size, args.seq_len // mesh.cp.world_size
+    tokens_split = mesh.cp.world_size * (args.tp if args.sequence_parallel else 1)
+    micro = args.microbatches if "pp" in splits else args.grad_accum
+    backwards = micro * (args.virtual_stages if "pp" in splits else 1)     # interleaved: one a chunk
+    every = args.checkpoint_activations               # checkpoint_blocks: blocks 0, K, 2K, ...
+    recomputed = sum(i % every == 0 for i in held_blocks) if every else 0
+    sent = {}
+    if tp:
+        sent["tp"] = tp.bytes_per_step(rows, tokens, micro)
+    if cp:
+        cp.count_activations = "pp" not in splits     # the first step's, for the log (a stage's
+                                                      # forwards run in the pipeline's schedule)
+        cp.kv_formula = sent["cp"] = cp.kv_bytes_per_step(rows, args.seq_len, micro, recomputed)
+    if "pp" in splits:
+        sent["pp"] = model.bytes_per_step(rows, tokens // model.sequence_split)
+    if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
+        sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, tokens_split, micro)
+    if data.world_size > 1:
+        sent["dp"] = (replicas.bytes_per_step() if strategy is ddp else
+                      replicas.bytes_per_step(micro, gathered_for_step="pp" in splits) if strategy is fsdp else
+                      optimizer.bytes_per_step(micro_batches=1 if held_all else backwards))
+    # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
+    # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
+    # with experts, whose layers mesh_params does not price: what this rank holds, its experts).
+    n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks), first, last)
+    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else 0
+    held = run_state_bytes(gpt, {fsdp: "zero3", ddp: "ddp"}.get(strategy, args.strategy), args,
+                           data.world_size, n_params=None if gpt.cfg.experts else n_params + trainable,
+                           shard_group=mesh.shard.world_size if mesh.shard else None)
+    return model, optimizer, sync, sent, held, cp
+
+
+
+def lora_config(args) -> dict | None:
+    """--lora's settings for lora.apply_lora (and a checkpoint's export), or None."""
+    return dict(targets=args.lora_targets.split(","), rank=args.lora_rank, alpha=args.lora_alpha,
+                dropout=args.lora_dropout, quantize=args.quantize_base,
+                double_quant=args.double_quant) if args.lora else None
