@@ -6,7 +6,8 @@ the bytes one forward keeps for backward (saved-tensor hooks) and, on a GPU, MFU
 card's datasheet peak. Ours and PyTorch's runs alternate; so do a mixture of experts' runs at
 ep 1 and ep P, with the expert weights a rank holds and the all-to-all bytes beside memory.py's.
 With --profile, one more untimed run of each side under torch.profiler says where a step's time
-goes, operator by operator, side by side. Left out: a CPU allocator's peak (none is kept: bytes
+goes, operator by operator, side by side (start_profiling: train.py's --profile and
+--memory-snapshot, the same tools on a training run). Left out: a CPU allocator's peak (none is kept: bytes
 held between steps instead).
 Run: torchrun --nproc_per_node 2 bench.py --quick (bench.py imports this file)
 Test: python -m pytest tests/test_bench.py
@@ -523,3 +524,42 @@ def moe_report(row: dict | None) -> list:
               f"ddp's bucket formula plus moe.exchange_bytes (at ep > 1 the clip adds a 4-byte "
               f"norm all-reduce). Peak as in the strategy table."]
     return lines
+
+
+def start_profiling(args, rank, world_size):
+    """torch.profiler over steps 2-4 (after two warm-up steps), and CUDA's allocation history.
+
+    Returns a function to call after every step: it advances the profiler's schedule and
+    writes the memory snapshot once its steps are done.
+    """
+    profiler = None
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        trace = os.path.join(args.profile, f"trace-rank{rank}.json")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(
+            activities=activities, profile_memory=True,
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+            on_trace_ready=lambda p: p.export_chrome_trace(trace))
+        profiler.start()
+    snapshot_file, snapshot_steps = args.memory_snapshot, [0]
+    if snapshot_file:
+        if world_size > 1:                        # one file per rank: model.pickle -> model-rank1.pickle
+            root, ext = os.path.splitext(snapshot_file)
+            snapshot_file = f"{root}-rank{rank}{ext}"
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def step_done(last: bool):
+        if profiler:
+            profiler.step()
+            if last:
+                profiler.stop()
+        if snapshot_file and snapshot_steps[0] >= 0:
+            snapshot_steps[0] += 1
+            if snapshot_steps[0] == 5 or last:
+                torch.cuda.memory._dump_snapshot(snapshot_file)
+                torch.cuda.memory._record_memory_history(enabled=None)
+                snapshot_steps[0] = -1
+    return step_done

@@ -234,6 +234,32 @@ def run_shape(args, data_size: int) -> tuple[str, str]:
             f"{args.microbatches} micro-batch(es) per pipeline")
 
 
+def describe_run(args, world_size: int, data_size: int, device: str, n_params: int) -> list[str]:
+    """The log's first lines: the run as the command line chose it (and the advisor, with
+    --strategy auto), and a note where an option does less than a newcomer may expect."""
+    shape, micro_batches = run_shape(args, data_size)
+    lines = []
+    if getattr(args, "advice", None):
+        lines.append(f"--strategy auto (advisor.py's flow chart, --mem-budget "
+                     f"{args.mem_budget or 'free GPU memory'}): {args.advice}")
+    lines.append(f"{args.strategy} on {world_size}{shape} x {device} | model {args.model} "
+                 f"{n_params / 1e6:.2f}M params{' per rank' if shape else ''} | {args.precision} | "
+                 f"global batch {args.batch_size} x {args.seq_len} tokens, {micro_batches} | "
+                 f"{args.collectives} collectives"
+                 + ((" (bytes sent: the ring volume of the calls made)" if args.collectives == "native"
+                     else " (bytes sent: measured)") if world_size > 1 else "")
+                 + f" | {args.steps} steps")
+    if world_size == 1 and args.strategy != "single":
+        lines.append(f"note: --strategy {args.strategy} on one process is a world of 1 rank: nothing "
+                     f"to average or shard, the same training as --strategy single; launch more "
+                     f"ranks with torchrun --nproc_per_node N")
+    if args.lora and not args.init_from:
+        lines.append("note: --lora without --init-from trains the adapters on a randomly initialised "
+                     "frozen model, which cannot learn much; fine-tune a trained one with "
+                     "--init-from RUN_DIR")
+    return lines
+
+
 def check_args(parser, args, world_size):
     """Stop a wrong configuration with one message naming the fix, before any work.
 

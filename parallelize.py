@@ -10,6 +10,8 @@ the one protocol (ddp.GradientSyncs) that the loop and the pipeline drive. Besid
 the bytes it predicts it sends, each its own file's formula.
 Used by: train.py (build). Test: python -m pytest tests/test_train.py -k mesh
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 
@@ -18,21 +20,54 @@ import fsdp
 import lora
 from checkpointing import checkpoint_blocks
 from cli import STRATEGIES, mesh_splits, moe_config
+from collectives import Comm
 from context_parallel import ContextParallelGPT
 from ddp import DDP, GradientSyncs
 from fsdp import FSDP, FSDPOptimizer, gpt_blocks
 from memory import mesh_params, run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model
-from moe import exchange_bytes, expert_parallel, held_experts
+from moe import exchange_bytes, expert_parallel, held_experts, routing_summary
 from pipeline import GPTStage, Pipeline, stage_layers
-from process_groups import make_mesh
-from snapshot import load_weights
+from process_groups import make_device_mesh, make_mesh
+from snapshot import RunError, load_weights, refused
 from tensor_parallel import TensorParallelGPT
 from zero import ZeroOptimizer
 
 
-def build(args, device, mesh):
+class Run(NamedTuple):
+    gpt: nn.Module               # the model, this rank's part of it, with its whole-model names
+    model: object                # what the loop calls: the wrapper, or the pipeline's executor
+    optimizer: object
+    sync: GradientSyncs          # the gradient syncs the loop drives
+    predicted: dict              # {dimension: bytes sent per step, its formula}
+    napkin: dict                 # memory.py's bytes held per rank
+    context: object              # context parallelism's wrapper (its attention reports), or None
+    comm: Comm                   # the world
+    mesh: object                 # this rank's groups (process_groups.make_device_mesh)
+
+
+def build(args, device) -> Run:
+    """The run the command line describes, on this rank: the mesh, then the model laid out on
+    it (model_on_mesh). A strategy's refusal of its input (a ValueError raised by this project's
+    code) becomes a RunError, the same on every rank; any other error is a bug and keeps its
+    traceback. The world's Comm carries the run's timeout to every group the mesh and the
+    strategies cut. One mesh: tensor x context x data x pipeline (cli.py made sure the sizes
+    divide the world); with a split, the experts' groups and HSDP's (--ep, --shard-group: runs
+    inside dp x cp) are the mesh's too; without one, data_parallel cuts them from the data group."""
+    comm = Comm(ring=args.collectives == "ring", timeout=args.timeout)
+    split = bool(mesh_splits(args))
+    mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep if split else 1,
+                            shard=args.shard_group if split else None)
+    try:
+        return Run(*model_on_mesh(args, device, mesh), comm, mesh)
+    except ValueError as e:
+        if not refused(e):
+            raise                              # a bug on the way: its traceback says where
+        raise RunError(str(e)) from None       # a strategy refused its input: same on every rank
+
+
+def model_on_mesh(args, device, mesh):
     """The model, its parallelisms and data-parallel wrapper, the optimizer, the gradient syncs
     (ddp.GradientSyncs), the bytes the run predicts it sends per step ({dimension: bytes}, each
     its formula) and holds (memory.py), and the context-parallel wrapper (None without --cp),
@@ -233,3 +268,48 @@ def lora_config(args) -> dict | None:
     return dict(targets=args.lora_targets.split(","), rank=args.lora_rank, alpha=args.lora_alpha,
                 dropout=args.lora_dropout, quantize=args.quantize_base,
                 double_quant=args.double_quant) if args.lora else None
+
+
+def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) -> list[str]:
+    """The log's lines, at a logged step, for each dimension that measures itself beside its
+    formula: the experts' routing and all-to-alls (moe.py), the pipeline's bubble (pipeline.py)
+    and context parallelism's K/V and idle attention (context_parallel.py). Each also goes into
+    history. Collective where a measurement is (the pipeline's bubbles): every rank calls it."""
+    lines, splits = [], mesh_splits(args)
+    if gpt.cfg.experts:                  # moe.py's routing, rank 0's last micro-batch
+        routing = routing_summary(gpt)
+        low, mean, high = routing["tokens_per_expert"]
+        exchanged = ""
+        if args.ep > 1:                  # the all-to-alls alone, beside their formula
+            formula = exchange_bytes(gpt, args, mesh.dp.world_size,
+                                     mesh.cp.world_size * (args.tp if args.sequence_parallel else 1),
+                                     args.microbatches if "pp" in splits else None)
+            a2a = (mesh.ep or mesh.dp_cp).bytes_sent["all_to_all"]    # the mesh's ep, or dp's
+            exchanged = (f" | all-to-all {a2a / 2**20:.2f} MiB/step "
+                         + (f"(formula {formula / 2**20:.2f})" if formula
+                            else "(dropless: as routed, no formula)"))
+        lines.append(f"experts: tokens per expert min/mean/max {low:.0f}/{mean:.1f}/{high:.0f} | "
+                     f"dropped {routing['dropped']:.1%} | balance loss {routing['balance_loss']:.3f} "
+                     f"(1: balanced)" + exchanged)
+    if hasattr(model, "measured_bubbles"):
+        bubbles = history.setdefault("bubble", {})[step] = model.measured_bubbles()
+        formula, predicted_bubble = model.predicted_bubble()
+        # zb: the weights whose gradients W computed here (its share of the bubble's fill)
+        deferred = history.setdefault("deferred", {})[step] = model.deferred_weights()
+        lines.append(f"bubble (idle share of the step) per stage {' '.join(f'{b:.2f}' for b in bubbles)} "
+                     f"| formula {formula} {predicted_bubble:.2f} | activations held at most "
+                     f"{model.peak_activations} micro-batch{' chunks' if model.v > 1 else 'es'} on "
+                     f"stage {model.stage}"
+                     + (f" | W computed {deferred} weights' gradients" if args.schedule == "zb" else ""))
+    if context is not None:
+        idle, predicted_idle = context.idle_shares()
+        history.setdefault("cp", {})[step] = cp = {
+            "activation_bytes": context.activation_bytes, "kv_sent": context.kv_bytes_sent(),
+            "kv_formula": context.kv_formula, "idle": idle, "predicted_idle": predicted_idle}
+        kept = (f"activations kept {cp['activation_bytes'] / 2**20:.2f} MiB per rank | "
+                if cp["activation_bytes"] is not None else "")
+        lines.append(f"context parallel: {kept}K/V sent {cp['kv_sent'] / 2**20:.2f} MiB/step (formula "
+                     f"{cp['kv_formula'] / 2**20:.2f}) | idle share of attention per rank "
+                     f"{' '.join(f'{x:.2f}' for x in idle)} (causal mask's blocks: "
+                     f"{' '.join(f'{x:.2f}' for x in predicted_idle)})")
+    return lines

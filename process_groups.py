@@ -295,3 +295,10 @@ def check_same_parameters(params: list[torch.Tensor], comm: Comm, device=None):
                              f"{count(every[0]):,} parameters in {len(every[0])} tensors, rank "
                              f"{rank} has {count(other):,} in {len(other)} (tensor {i}: {first[0]} "
                              f"vs {first[1]}); start every rank with the same model configuration")
+
+
+def global_mean(value: torch.Tensor) -> float:
+    """The mean over ranks of a per-rank scalar: a metric, outside the byte counter."""
+    value = value.detach().float().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.AVG)
+    return value.item()

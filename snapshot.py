@@ -23,11 +23,13 @@ import errno
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
 import socket
 import time
+import traceback
 from typing import NamedTuple
 
 import torch
@@ -39,7 +41,7 @@ from model import GPT, GPTConfig
 from placements import placement
 from pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
                     gather_pieces, join_shards, load_pieces, optimizer_pieces)
-from process_groups import gather_objects
+from process_groups import gather_objects, global_mean
 
 CHECKPOINT = re.compile(r"ckpt-(\d{7})$")
 
@@ -584,3 +586,107 @@ def model_config(gpt: GPT) -> dict:
 
 def names(gpt: GPT) -> dict:
     return {p: name for name, p in gpt.named_parameters()}
+
+
+# ---- a run's guards: one run per directory, refusals as usage errors, divergence stops ------
+
+def open_run(args, world_size: int):
+    """Rank 0's run directory (--out): cleared first under --overwrite, its config.json written
+    unless a resume finds one, its log.txt opened for appending (returned)."""
+    if args.overwrite:
+        clear(args.out)                          # asked for: the old run's checkpoints go
+    os.makedirs(args.out, exist_ok=True)
+    config = os.path.join(args.out, "config.json")
+    if not (args.resume and os.path.exists(config)):        # the run's own, not a resume's
+        with open(config, "w") as f:
+            json.dump({**vars(args), "world_size": world_size}, f, indent=1)
+    return open(os.path.join(args.out, "log.txt"), "a")
+
+
+@contextlib.contextmanager
+def own_outputs(args, rank, device):
+    """Rank 0 checks --export's path and takes --out's lock (snapshot.lock) before any work;
+    every rank stops with rank 0's verdict (those files are rank 0's: another node may not even
+    see their paths). Yields the log's line on a stale lock taken over ("" if none); the lock
+    goes when the run ends: done, failed or interrupted (a killed run's stays, stale)."""
+    problem, took_over = None, ""
+    try:
+        if rank == 0:
+            try:
+                if args.export:
+                    check_export(args.export)
+                took_over = lock(args.out) if args.out else ""
+            except RunError as e:
+                problem = str(e)
+            except OSError as e:             # the lock file itself cannot be written or moved
+                problem = f"--out {args.out}: cannot take its lock {e.filename} ({e.strerror})"
+        verdict = gather_objects(problem, Comm(), device)[0]       # rank 0's, on every rank
+        if verdict:
+            raise RunError(verdict)
+        yield took_over
+    finally:
+        if rank == 0 and args.out:
+            unlock(args.out)          # only if this process holds it
+
+
+def refused(error: ValueError) -> bool:
+    """Whether `error` is this project's refusal of its input: a `raise` statement in one of its
+    files, which checked the input and names the fix. A ValueError that Python or torch raised
+    on the way (an unpacking that failed, a bad argument to a torch call) is a bug, whose
+    traceback must stay."""
+    where = traceback.extract_tb(error.__traceback__)[-1]          # the frame it left from
+    ours = os.path.dirname(os.path.abspath(where.filename)) == os.path.dirname(os.path.abspath(__file__))
+    return ours and where.line.startswith("raise ")
+
+
+class Divergence:
+    """The rules that stop a diverged run (exit 2, one line, the checkpoints and their losses):
+      - fp32, bf16: a step whose gradients hold inf or NaN (in fp16 the loss scaler skips those)
+      - fp16: --max-skipped steps skipped in a row: the scale has then fallen 2^N-fold (a
+        healthy run skips a few at its start while the scale settles), so the gradients
+        overflow at any scale
+      - a logged or saved loss that is inf or NaN, in any precision
+      - a logged or saved loss over --max-loss-growth K x the larger of the run's first one and
+        ln V, a uniform guess's loss: from scratch (the loss starts at ln V) or fine-tuning
+        (below it) the limit is K ln V, 22 for bytes at K = 4, where a healthy run only falls
+        from its start and a diverged one climbs to hundreds (fp32 at --lr 10: 6970 at step 1)
+    Each is decided from values every rank holds alike (the skip decision, from the global
+    norm; the global mean loss), where the loop has them on the host already: no extra sync,
+    every rank stops at the same step, and no checkpoint of a diverged run is saved.
+    """
+
+    def __init__(self, args, vocab_size: int):
+        self.args, self.floor = args, math.log(vocab_size)
+        self.first_loss = None
+        self.skipped_in_a_row = 0
+
+    def after_step(self, step: int, applied: bool, loss: torch.Tensor, scale: float):
+        args = self.args
+        self.skipped_in_a_row = 0 if applied else self.skipped_in_a_row + 1
+        if not applied and args.precision != "fp16":
+            self.stop(step, f"the loss ({global_mean(loss):.4g}) or the gradients are inf/NaN in "
+                            f"{args.precision}")
+        if args.max_skipped and self.skipped_in_a_row >= args.max_skipped:
+            self.stop(step, f"the fp16 loss scaler skipped {self.skipped_in_a_row} steps in a row "
+                            f"(--max-skipped {args.max_skipped}), the scale now {scale:.3g}: the "
+                            f"gradients overflow at any scale")
+
+    def check_loss(self, step: int, loss: float):
+        """loss: the global mean, at a logged step or before a save."""
+        if not math.isfinite(loss):
+            self.stop(step, f"the loss is {loss} in {self.args.precision}")
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        limit = self.args.max_loss_growth * max(self.first_loss, self.floor)
+        if self.args.max_loss_growth and loss > limit:
+            self.stop(step, f"the loss {loss:.4g} is over --max-loss-growth "
+                            f"{self.args.max_loss_growth:g} x {max(self.first_loss, self.floor):.4g} "
+                            f"(the larger of the run's first loss and ln V, a uniform guess's)")
+
+    def stop(self, step: int, why: str):
+        saved = losses(self.args.out) if self.args.out else []
+        back = ("; the checkpoints and the loss each was saved at: " + ", ".join(
+            f"{os.path.basename(p)} ({'?' if v is None else f'{v:.4g}'})" for p, v in saved)
+            + f". Resume from one saved before the loss climbed: --resume {saved[0][0]}"
+            if saved else "")
+        raise RunError(f"step {step}: {why}: the run diverged: lower --lr, keep --clip-grad on, "
+                       f"check --data{back}")

@@ -16,12 +16,10 @@ Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero
 Test: python -m pytest tests/test_train.py tests/test_snapshot.py
 """
 import contextlib
-import json
 import math
 import os
 import sys
 import time
-import traceback
 import warnings
 
 # torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy, and
@@ -34,14 +32,13 @@ from torch.optim.lr_scheduler import LambdaLR
 
 import lora
 import snapshot
-from cli import mesh_splits, parse_args, run_shape
-from collectives import Comm
+from bench_measure import start_profiling
+from cli import describe_run, mesh_splits, parse_args
 from data import TextData
 from memory import held_bytes, live_numel, live_tensor_bytes
-from moe import exchange_bytes, routing_summary
-from parallelize import build, lora_config
-from process_groups import exit_distributed, gather_objects, init_distributed, make_device_mesh
-from snapshot import RunError, load_weights
+from parallelize import build, dimension_report, lora_config
+from process_groups import exit_distributed, global_mean, init_distributed
+from snapshot import Divergence, RunError, load_weights, own_outputs
 
 
 def learning_rate(step, args):
@@ -71,13 +68,6 @@ def eval_loss(model, data, args, rank, world_size, device):
         losses.append(loss)
     model.train()
     return global_mean(torch.stack(losses).mean())
-
-
-def global_mean(value: torch.Tensor) -> float:
-    """The mean over ranks of a per-rank scalar: a metric, outside the byte counter."""
-    value = value.detach().float().clone()
-    dist.all_reduce(value, op=dist.ReduceOp.AVG)
-    return value.item()
 
 
 def train_step(model, optimizer, sync, x, y, args, measure=False):
@@ -125,69 +115,6 @@ def update(optimizer, args) -> bool:
     return not optimizer.last_step_skipped
 
 
-class Divergence:
-    """The rules that stop a diverged run (exit 2, one line, the checkpoints and their losses):
-      - fp32, bf16: a step whose gradients hold inf or NaN (in fp16 the loss scaler skips those)
-      - fp16: --max-skipped steps skipped in a row: the scale has then fallen 2^N-fold (a
-        healthy run skips a few at its start while the scale settles), so the gradients
-        overflow at any scale
-      - a logged or saved loss that is inf or NaN, in any precision
-      - a logged or saved loss over --max-loss-growth K x the larger of the run's first one and
-        ln V, a uniform guess's loss: from scratch (the loss starts at ln V) or fine-tuning
-        (below it) the limit is K ln V, 22 for bytes at K = 4, where a healthy run only falls
-        from its start and a diverged one climbs to hundreds (fp32 at --lr 10: 6970 at step 1)
-    Each is decided from values every rank holds alike (the skip decision, from the global
-    norm; the global mean loss), where the loop has them on the host already: no extra sync,
-    every rank stops at the same step, and no checkpoint of a diverged run is saved.
-    """
-
-    def __init__(self, args, vocab_size: int):
-        self.args, self.floor = args, math.log(vocab_size)
-        self.first_loss = None
-        self.skipped_in_a_row = 0
-
-    def after_step(self, step: int, applied: bool, loss: torch.Tensor, scale: float):
-        args = self.args
-        self.skipped_in_a_row = 0 if applied else self.skipped_in_a_row + 1
-        if not applied and args.precision != "fp16":
-            self.stop(step, f"the loss ({global_mean(loss):.4g}) or the gradients are inf/NaN in "
-                            f"{args.precision}")
-        if args.max_skipped and self.skipped_in_a_row >= args.max_skipped:
-            self.stop(step, f"the fp16 loss scaler skipped {self.skipped_in_a_row} steps in a row "
-                            f"(--max-skipped {args.max_skipped}), the scale now {scale:.3g}: the "
-                            f"gradients overflow at any scale")
-
-    def check_loss(self, step: int, loss: float):
-        """loss: the global mean, at a logged step or before a save."""
-        if not math.isfinite(loss):
-            self.stop(step, f"the loss is {loss} in {self.args.precision}")
-        self.first_loss = loss if self.first_loss is None else self.first_loss
-        limit = self.args.max_loss_growth * max(self.first_loss, self.floor)
-        if self.args.max_loss_growth and loss > limit:
-            self.stop(step, f"the loss {loss:.4g} is over --max-loss-growth "
-                            f"{self.args.max_loss_growth:g} x {max(self.first_loss, self.floor):.4g} "
-                            f"(the larger of the run's first loss and ln V, a uniform guess's)")
-
-    def stop(self, step: int, why: str):
-        saved = snapshot.losses(self.args.out) if self.args.out else []
-        back = ("; the checkpoints and the loss each was saved at: " + ", ".join(
-            f"{os.path.basename(p)} ({'?' if v is None else f'{v:.4g}'})" for p, v in saved)
-            + f". Resume from one saved before the loss climbed: --resume {saved[0][0]}"
-            if saved else "")
-        raise RunError(f"step {step}: {why}: the run diverged: lower --lr, keep --clip-grad on, "
-                       f"check --data{back}")
-
-
-def refused(error: ValueError) -> bool:
-    """Whether `error` is this project's refusal of its input: a `raise` statement in one of its
-    files, which checked the input and names the fix. A ValueError that Python or torch raised
-    on the way (an unpacking that failed, a bad argument to a torch call) is a bug, whose
-    traceback must stay."""
-    where = traceback.extract_tb(error.__traceback__)[-1]          # the frame it left from
-    ours = os.path.dirname(os.path.abspath(where.filename)) == os.path.dirname(os.path.abspath(__file__))
-    return ours and where.line.startswith("raise ")
-
-
 def sample(args):
     """Text from a trained model, on one process: no torch.distributed."""
     gpt = load_weights(args.init_from).eval()
@@ -204,45 +131,6 @@ def clock(seconds: float) -> str:
     minutes, seconds = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
-
-
-def start_profiling(args, rank, world_size):
-    """torch.profiler over steps 2-4 (after two warm-up steps), and CUDA's allocation history.
-
-    Returns a function to call after every step: it advances the profiler's schedule and
-    writes the memory snapshot once its steps are done.
-    """
-    profiler = None
-    if args.profile:
-        os.makedirs(args.profile, exist_ok=True)
-        trace = os.path.join(args.profile, f"trace-rank{rank}.json")
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profiler = torch.profiler.profile(
-            activities=activities, profile_memory=True,
-            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
-            on_trace_ready=lambda p: p.export_chrome_trace(trace))
-        profiler.start()
-    snapshot_file, snapshot_steps = args.memory_snapshot, [0]
-    if snapshot_file:
-        if world_size > 1:                        # one file per rank: model.pickle -> model-rank1.pickle
-            root, ext = os.path.splitext(snapshot_file)
-            snapshot_file = f"{root}-rank{rank}{ext}"
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
-
-    def step_done(last: bool):
-        if profiler:
-            profiler.step()
-            if last:
-                profiler.stop()
-        if snapshot_file and snapshot_steps[0] >= 0:
-            snapshot_steps[0] += 1
-            if snapshot_steps[0] == 5 or last:
-                torch.cuda.memory._dump_snapshot(snapshot_file)
-                torch.cuda.memory._record_memory_history(enabled=None)
-                snapshot_steps[0] = -1
-    return step_done
 
 
 def main(argv=None, live_bytes: bool = False) -> dict:
@@ -262,32 +150,6 @@ def main(argv=None, live_bytes: bool = False) -> dict:
         return run(args, device, took_over, live_bytes)
 
 
-@contextlib.contextmanager
-def own_outputs(args, rank, device):
-    """Rank 0 checks --export's path and takes --out's lock (snapshot.lock) before any work;
-    every rank stops with rank 0's verdict (those files are rank 0's: another node may not even
-    see their paths). Yields the log's line on a stale lock taken over ("" if none); the lock
-    goes when the run ends: done, failed or interrupted (a killed run's stays, stale)."""
-    problem, took_over = None, ""
-    try:
-        if rank == 0:
-            try:
-                if args.export:
-                    snapshot.check_export(args.export)
-                took_over = snapshot.lock(args.out) if args.out else ""
-            except RunError as e:
-                problem = str(e)
-            except OSError as e:             # the lock file itself cannot be written or moved
-                problem = f"--out {args.out}: cannot take its lock {e.filename} ({e.strerror})"
-        verdict = gather_objects(problem, Comm(), device)[0]       # rank 0's, on every rank
-        if verdict:
-            raise RunError(verdict)
-        yield took_over
-    finally:
-        if rank == 0 and args.out:
-            snapshot.unlock(args.out)          # only if this process holds it
-
-
 def run(args, device, took_over: str, live_bytes: bool) -> dict:
     """main's run, once this process owns its outputs (own_outputs)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -295,16 +157,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
         # The offloaded Adam step runs on the host, where torchrun leaves each rank one thread
         # (OMP_NUM_THREADS=1): share the cores among this node's ranks instead.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    log_file = None
-    if args.out and rank == 0:
-        if args.overwrite:
-            snapshot.clear(args.out)             # asked for: the old run's checkpoints go
-        os.makedirs(args.out, exist_ok=True)
-        log_file = open(os.path.join(args.out, "log.txt"), "a")
-        config = os.path.join(args.out, "config.json")
-        if not (args.resume and os.path.exists(config)):     # the run's own, not a resume's
-            with open(config, "w") as f:
-                json.dump({**vars(args), "world_size": world_size}, f, indent=1)
+    log_file = snapshot.open_run(args, world_size) if args.out and rank == 0 else None
 
     def say(line):
         if rank == 0:
@@ -315,22 +168,8 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
     if took_over:
         say(took_over)
 
-    # The world's Comm carries the run's timeout to every group the mesh and the strategies cut.
-    comm = Comm(ring=args.collectives == "ring", timeout=args.timeout)
-    # One mesh: tensor x context x data x pipeline (check_args made sure the sizes divide the
-    # world). The ranks of one tensor, context or pipeline group read the same rows: dp's.
-    # With a split, the experts' groups and HSDP's (--ep, --shard-group: runs inside dp x cp) are
-    # the mesh's too; without one, the strategy's build() cuts them from the data group.
-    split = bool(mesh_splits(args))
-    mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep if split else 1,
-                            shard=args.shard_group if split else None)
+    gpt, model, optimizer, sync, predicted, napkin, context, comm, mesh = build(args, device)
     data_rank, data_size = mesh.dp.rank, mesh.dp.world_size
-    try:
-        gpt, model, optimizer, sync, predicted, napkin, context = build(args, device, mesh)
-    except ValueError as e:
-        if not refused(e):
-            raise                              # a bug on the way: its traceback says where
-        raise RunError(str(e)) from None       # a strategy refused its input: same on every rank
     # The ranks holding copies of the same parameters (dp x cp: a cp group's ranks hold whole
     # copies too) write them once, the first of them; a tensor group gathers its slices whole.
     splits = mesh_splits(args)
@@ -339,24 +178,8 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
     start = snapshot.resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
-    shape, micro_batches = run_shape(args, data_size)
-    if getattr(args, "advice", None):
-        say(f"--strategy auto (advisor.py's flow chart, --mem-budget {args.mem_budget or 'free GPU memory'}): "
-            f"{args.advice}")
-    say(f"{args.strategy} on {world_size}{shape} x {device.type} ({dist.get_backend()}) | model "
-        f"{args.model} {n_params / 1e6:.2f}M params{' per rank' if shape else ''} | {args.precision} | "
-        f"global batch {args.batch_size} x {args.seq_len} tokens, "
-        f"{micro_batches} | {args.collectives} collectives"
-        + ((" (bytes sent: the ring volume of the calls made)" if args.collectives == "native"
-            else " (bytes sent: measured)") if world_size > 1 else "")
-        + f" | {args.steps} steps")
-    if world_size == 1 and args.strategy != "single":
-        say(f"note: --strategy {args.strategy} on one process is a world of 1 rank: nothing to average "
-            f"or shard, the same training as --strategy single; launch more ranks with "
-            f"torchrun --nproc_per_node N")
-    if args.lora and not args.init_from:
-        say("note: --lora without --init-from trains the adapters on a randomly initialised frozen "
-            "model, which cannot learn much; fine-tune a trained one with --init-from RUN_DIR")
+    for line in describe_run(args, world_size, data_size, f"{device.type} ({dist.get_backend()})", n_params):
+        say(line)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
     if args.lora:
         say(f"LoRA rank {args.lora_rank} on {args.lora_targets}: {trainable:,} trainable parameters "
@@ -423,42 +246,8 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
                    f"{sum(predicted.values()) / 2**20:.2f})" if world_size > 1 else "")
                 + (f" | skipped {skipped}" if skipped else "")
                 + f" | {step + 1}/{args.steps} in {clock(elapsed)}, about {clock(left)} left")
-            if gpt.cfg.experts:                  # moe.py's routing, rank 0's last micro-batch
-                routing = routing_summary(gpt)
-                low, mean, high = routing["tokens_per_expert"]
-                exchanged = ""
-                if args.ep > 1:                  # the all-to-alls alone, beside their formula
-                    formula = exchange_bytes(gpt, args, data_size,
-                                             mesh.cp.world_size * (args.tp if args.sequence_parallel else 1),
-                                             args.microbatches if "pp" in splits else None)
-                    a2a = (mesh.ep or mesh.dp_cp).bytes_sent["all_to_all"]    # the mesh's ep, or dp's
-                    exchanged = (f" | all-to-all {a2a / 2**20:.2f} MiB/step "
-                                 + (f"(formula {formula / 2**20:.2f})" if formula
-                                    else "(dropless: as routed, no formula)"))
-                say(f"step {step:5d} | experts: tokens per expert min/mean/max {low:.0f}/{mean:.1f}/"
-                    f"{high:.0f} | dropped {routing['dropped']:.1%} | balance loss "
-                    f"{routing['balance_loss']:.3f} (1: balanced)" + exchanged)
-            if hasattr(model, "measured_bubbles"):
-                bubbles = history.setdefault("bubble", {})[step] = model.measured_bubbles()
-                formula, predicted_bubble = model.predicted_bubble()
-                # zb: the weights whose gradients W computed here (its share of the bubble's fill)
-                deferred = history.setdefault("deferred", {})[step] = model.deferred_weights()
-                say(f"step {step:5d} | bubble (idle share of the step) per stage "
-                    f"{' '.join(f'{b:.2f}' for b in bubbles)} | formula {formula} "
-                    f"{predicted_bubble:.2f} | activations held at most {model.peak_activations} "
-                    f"micro-batch{' chunks' if model.v > 1 else 'es'} on stage {model.stage}"
-                    + (f" | W computed {deferred} weights' gradients" if args.schedule == "zb" else ""))
-            if context is not None:
-                idle, predicted_idle = context.idle_shares()
-                history.setdefault("cp", {})[step] = cp = {
-                    "activation_bytes": context.activation_bytes, "kv_sent": context.kv_bytes_sent(),
-                    "kv_formula": context.kv_formula, "idle": idle, "predicted_idle": predicted_idle}
-                kept = (f"activations kept {cp['activation_bytes'] / 2**20:.2f} MiB per rank | "
-                        if cp["activation_bytes"] is not None else "")
-                say(f"step {step:5d} | context parallel: {kept}K/V sent {cp['kv_sent'] / 2**20:.2f} MiB/step (formula "
-                    f"{cp['kv_formula'] / 2**20:.2f}) | idle share of attention per rank "
-                    f"{' '.join(f'{x:.2f}' for x in idle)} (causal mask's blocks: "
-                    f"{' '.join(f'{x:.2f}' for x in predicted_idle)})")
+            for line in dimension_report(args, gpt, model, mesh, context, step, history):
+                say(f"step {step:5d} | {line}")
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)         # the next line's peak: its steps'
             timer, last_timed = time.perf_counter(), step
