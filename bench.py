@@ -449,9 +449,10 @@ def context_parallel_report(m: dict, rows: list) -> list:
     lines += [f"| {r['attention']} | {spread(r['ms_per_step'])} | {r['tokens_per_s']:,.0f} | "
               f"{r['activation_bytes'] / MiB:.2f} | {r['sent_per_step'] / MiB:.2f} / "
               f"{r['napkin_sent'] / MiB:.2f} | {' '.join(f'{x:.2f}' for x in r['idle'])} |" for r in rows]
-    return lines + ["", "Context parallelism: the whole world is one cp group; sent = K/V (memory.cp_kv_bytes) "
-                    "+ DDP's gradient all-reduce; idle: 1 - a rank's seconds computing attention's "
-                    "blocks (forward) / the busiest rank's, over every step of the last run; loss "
+    return lines + ["", "Context parallelism: the whole world is one cp group; sent = K/V "
+                    "(context_parallel.cp_kv_bytes) + DDP's gradient all-reduce; idle: 1 - a rank's "
+                    "seconds computing attention's blocks (forward) / the busiest rank's, over every "
+                    "step of the last run; loss "
                     + " / ".join(f"{r['last_loss']:.5f}" for r in rows) + f". {TORCH_CONTEXT_PARALLEL}."]
 
 

@@ -172,7 +172,7 @@ def expert_bytes(model) -> int:
 def activation_bytes(run: Run, x, y) -> int:
     """Bytes one forward keeps for backward (saved-tensor hooks), each storage once, untimed.
 
-    checkpointing.saved_activation_bytes fixes the parameters' storages before forward; FSDP
+    meters.saved_activation_bytes fixes the parameters' storages before forward; FSDP
     gathers them during forward, and a DTensor has none: so the parameters' storages are
     read again at each save. DDP wrappers only add gradient hooks: their module is run.
     """

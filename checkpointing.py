@@ -92,22 +92,3 @@ def checkpoint_blocks(model: nn.Module, every: int = 1) -> int:
             return checkpoint(_forward, x, parameters=_block.parameters())
         block.forward = forward
     return len(chosen)
-
-
-def saved_activation_bytes(run, exclude=()):
-    """Bytes autograd keeps for backward while run() executes, each storage counted once.
-
-    Counted with saved-tensor hooks (every tensor an op or a Function saves passes through
-    pack); `exclude` (the parameters) are not activations.
-    """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    storages = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = run()
-    return sum(storages.values()), result

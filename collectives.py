@@ -9,20 +9,22 @@ next, and the scratch it reduces into is allocated once, not per call. The same 
 on torch.distributed's native calls (the default); one switch picks ring or native, and a
 byte counter records what each rank sends.
 Left out: tree and hierarchical algorithms, latency tuning for small messages. Joining the
-job, its groups and meshes: process_groups.py.
+job, its groups and meshes: process_groups.py; the thread, stream, private group and scratch
+the ring is launched with (one launch order on every rank, as NCCL requires): launch.py.
 Test: python -m pytest tests/test_collectives.py
 
 Shapes: N ranks in the group, r this rank, L elements in the tensor, c = ceil(L / N)
 elements per chunk; rank r's neighbours on the ring are r - 1 (left) and r + 1 (right).
 """
 import datetime
-import functools
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from launch import Workspaces, check_shards, copy_back, launcher, ring_group, send_recv
+from launch import flags_to_device  # noqa: F401  (ddp, zero and fsdp import it from here)
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 # A ring step's chunk travels in segments of this size, so that reducing one overlaps sending
@@ -84,21 +86,11 @@ class Comm:
         self.timeout = timeout
         self.bytes_sent = bytes_sent if bytes_sent is not None else Counter()
         if ring:
-            # Ring messages get a private communicator, so they never interleave with native
-            # collectives on the same group; they are launched by the process's one launcher
-            # thread (_launcher), in the order they were issued (the order the peers expect).
-            # Creating a group is collective over the whole world (new_group's rule; NCCL
-            # with a bound device splits it from the world's communicator, every rank
-            # joining), so only the world's Comm makes its own here; subgroups() makes the rest.
-            if p2p_group is None:
-                if self.world_size != dist.get_world_size():
-                    raise ValueError("Comm(group, ring=True) over part of the world: build it with "
-                                     "process_groups.subgroups (or make_mesh), which create every "
-                                     "rank's groups on every rank")
-                p2p_group = dist.new_group(dist.get_process_group_ranks(self.group),
-                                           timeout=self.group_timeout())
-            self._p2p_group = p2p_group
-            self._workspaces = {}                 # (dtype, device) -> the ring's scratch buffer
+            # Ring messages go on a private communicator, the world's made here (launch.ring_group
+            # says why only the world's), and leave from the process's one launcher thread.
+            self._p2p_group = p2p_group if p2p_group is not None else ring_group(
+                self.group, self.group_timeout())
+            self._workspaces = Workspaces()       # (dtype, device) -> the ring's scratch buffer
             self.segment_bytes = segment_bytes
 
     def group_timeout(self) -> "datetime.timedelta | None":
@@ -118,7 +110,7 @@ class Comm:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                        async_op: bool = False):
         """input (N*c,) on every rank -> output (c,) on rank r = op over ranks of input chunk r."""
-        _check_shards("reduce_scatter", output, input, self.world_size)
+        check_shards("reduce_scatter", output, input, self.world_size)
         if self.ring:
             return self._run_ring(self._ring_reduce_scatter, async_op, output, input, op)
         self._count("reduce_scatter", input.numel(), input.element_size())
@@ -128,7 +120,7 @@ class Comm:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """input (c,) on rank r -> output (N*c,) on every rank, chunk r = rank r's input."""
-        _check_shards("all_gather", input, output, self.world_size)
+        check_shards("all_gather", input, output, self.world_size)
         if self.ring:
             return self._run_ring(self._ring_all_gather, async_op, output, input)
         self._count("all_gather", output.numel(), output.element_size())
@@ -178,7 +170,7 @@ class Comm:
         stream (schedules.py's run_under_nccl says why that can deadlock). Messages between two
         ranks are matched in the order they were posted, so shape and dtype of each receive
         must match its send. With ring collectives the launcher thread posts them, after every
-        ring message issued before (_launcher says why).
+        ring message issued before (launch.Launcher says why).
         """
         p2p = []
         for kind, tensor, peer in ops:
@@ -189,7 +181,7 @@ class Comm:
         if not p2p:
             return Handle(lambda: None)
         if self.ring:
-            posted = _launcher().submit(dist.batch_isend_irecv, [op.tensor for op in p2p], p2p)
+            posted = launcher().submit(dist.batch_isend_irecv, [op.tensor for op in p2p], p2p)
             return Handle(lambda: [work.wait() for work in posted()])
         works = dist.batch_isend_irecv(p2p)
         return Handle(lambda: [work.wait() for work in works])
@@ -206,7 +198,7 @@ class Comm:
         if n == 1:
             return output.copy_(input.view(-1))
         chunks = input.view(n, -1)                         # (N, c)
-        recv, *partial = self._workspace(output, *[output.numel()] * (1 + min(2, n - 2)))
+        recv, *partial = self._workspaces.take(output, *[output.numel()] * (1 + min(2, n - 2)))
         steps, send = [], chunks[(r - 1) % n]
         for step in range(n - 1):
             out = output if step == n - 2 else partial[step % 2]
@@ -223,32 +215,32 @@ class Comm:
         # The lecture's identity: all-reduce = reduce-scatter + all-gather, 2(N-1)/N x bytes,
         # in place: rank r reduces chunk r where it lies, then passes it round. One run of
         # 2(N-1) steps, so the all-gather's first segment leaves as soon as it is reduced.
-        flat, recv = self._in_place(tensor)                # (N*c,), (c,)
+        flat, recv = self._workspaces.in_place(tensor, self.world_size)   # (N*c,), (c,)
         chunks = flat.view(self.world_size, -1)            # (N, c)
         steps = self._reduce_scatter_steps(chunks, recv) + self._all_gather_steps(chunks)
         self._run_steps(steps, op, "all_reduce")
-        _copy_back(tensor, flat)
+        copy_back(tensor, flat)
 
     def _ring_broadcast(self, tensor, src):
         # Scatter (the root sends chunk i to rank i), then ring all-gather: the root sends
         # about 2x the tensor, every other rank about 1x, instead of the root sending N-1 copies.
         n, r = self.world_size, self.rank
-        flat, _ = self._in_place(tensor)                   # (N*c,)
+        flat, _ = self._workspaces.in_place(tensor, n)     # (N*c,)
         chunks = flat.view(n, -1)                          # (N, c)
         if r == src:
             ops = [self._p2p(dist.isend, chunks[i], i) for i in range(n) if i != src]
             self.bytes_sent["broadcast"] += chunks[0].nbytes * (n - 1)
         else:
             ops = [self._p2p(dist.irecv, chunks[r], src)]
-        _send_recv(ops)
+        send_recv(ops)
         self._run_steps(self._all_gather_steps(chunks), None, "broadcast")
-        _copy_back(tensor, flat)
+        copy_back(tensor, flat)
 
     def _ring_reduce(self, tensor, dst, op):
         # Mirror image of broadcast: ring reduce-scatter in place (the other ranks' tensors
         # are left unspecified), then every rank sends its reduced chunk to the root (a gather).
         n, r = self.world_size, self.rank
-        flat, recv = self._in_place(tensor)                # (N*c,), (c,)
+        flat, recv = self._workspaces.in_place(tensor, n)  # (N*c,), (c,)
         chunks = flat.view(n, -1)                          # (N, c)
         self._run_steps(self._reduce_scatter_steps(chunks, recv), op, "reduce")
         if r == dst:
@@ -256,9 +248,9 @@ class Comm:
         else:
             ops = [self._p2p(dist.isend, chunks[r], dst)]
             self.bytes_sent["reduce"] += chunks[r].nbytes
-        _send_recv(ops)
+        send_recv(ops)
         if r == dst:
-            _copy_back(tensor, flat)
+            copy_back(tensor, flat)
 
     def _ring_all_to_all(self, output, input, output_splits, input_splits):
         # Not a ring: every pair of ranks exchanges once. At step s rank r sends its block for
@@ -274,7 +266,7 @@ class Comm:
             ops = [self._p2p(dist.isend, sends[to], to)] if sends[to].numel() else []
             if receives[source].numel():                 # an empty block is never sent
                 ops.append(self._p2p(dist.irecv, receives[source], source))
-            _send_recv(ops)
+            send_recv(ops)
             self.bytes_sent["all_to_all"] += sends[to].nbytes
 
     # ---- the ring's steps, run as a pipeline of segments --------------------------------
@@ -330,33 +322,11 @@ class Comm:
                 if s + 1 < len(steps):
                     in_flight[j] = post(s + 1, j)
 
-    def _in_place(self, tensor: torch.Tensor):
-        """(the tensor as N chunks, flat (N*c,); a (c,) receive buffer). The tensor itself when
-        it is contiguous and splits into N equal chunks, else a zero-padded copy of it."""
-        n = self.world_size
-        c = -(-tensor.numel() // n)
-        if tensor.is_contiguous() and tensor.numel() == n * c:
-            return tensor.view(-1), self._workspace(tensor, c)[0]
-        flat, recv = self._workspace(tensor, n * c, c)
-        flat[tensor.numel():].zero_()
-        flat[: tensor.numel()].copy_(tensor.reshape(-1))
-        return flat, recv
-
-    def _workspace(self, like: torch.Tensor, *sizes: int) -> list:
-        """Buffers of these sizes (like's dtype and device), carved from one buffer this Comm
-        keeps and reuses call after call, grown when a call needs more: no allocation per
-        call or step. Sharing it is safe because one thread (on CUDA, its one stream), the
-        launcher's, runs the ring collectives one after another."""
-        key = (like.dtype, like.device)
-        if key not in self._workspaces or self._workspaces[key].numel() < sum(sizes):
-            self._workspaces[key] = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
-        return list(self._workspaces[key][: sum(sizes)].split(sizes))
-
     def _p2p(self, fn, tensor, group_peer):
         return dist.P2POp(fn, tensor, group=self._p2p_group, group_peer=group_peer)
 
     def _run_ring(self, fn, async_op, *args):
-        wait = _launcher().submit(fn, [a for a in args if isinstance(a, torch.Tensor)], *args)
+        wait = launcher().submit(fn, [a for a in args if isinstance(a, torch.Tensor)], *args)
         if async_op:
             return Handle(wait)
         wait()
@@ -365,82 +335,6 @@ class Comm:
         # The native library does not report what it sent: count what the ring sends.
         self.bytes_sent[name] += ring_bytes(name, numel, element_size, self.world_size,
                                             self.rank, root)
-
-
-class _Launcher:
-    """The one thread of this process that launches ring messages: every ring Comm's collectives
-    (each run to its end before the next starts) and, with ring collectives, every exchange().
-
-    NCCL requires every rank to launch on its communicators in one order: two ranks that launch
-    on communicators A and B in opposite orders can each wait in one for the other. One thread
-    per Comm would race its messages against other Comms' threads and the caller's own launches
-    differently on each rank. Here they leave in the order they were submitted, and they are
-    submitted by the main thread, or by autograd's while the main thread waits in backward()
-    (the hooks of DDP, ZeRO-2, FSDP, context parallelism's backward): one sequence, the same
-    program order on every rank. A native call made apart (a set-up's, a metric's) comes when
-    nothing submitted here is still unfinished: after a blocking collective or a step's waits.
-    """
-
-    def __init__(self):
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ring")
-        self._streams = {}                         # CUDA: the thread's own stream, per device
-
-    def submit(self, fn, tensors: list, *args):
-        """Run fn(*args) on the thread, after everything submitted before, autograd off; return
-        wait(), which blocks until it is done and returns fn's result. tensors: those fn reads
-        and writes (CUDA: the thread's stream starts after the caller's work on them, and
-        wait() makes the caller's stream wait for the thread's, with no host synchronize)."""
-        if not tensors or not tensors[0].is_cuda:
-            return self._thread.submit(_no_grad, fn, *args).result
-        ready, device = torch.cuda.Event(), tensors[0].device
-        ready.record()
-
-        def run():
-            torch.cuda.set_device(device)                  # a new thread starts on GPU 0
-            if device not in self._streams:                # one stream, made once
-                self._streams[device] = torch.cuda.Stream(device)
-            stream = self._streams[device]
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                for t in tensors:                          # freed by the caller: not reused early
-                    t.record_stream(stream)
-                result = _no_grad(fn, *args)
-                done = torch.cuda.Event()
-                done.record(stream)
-            return result, done
-        future = self._thread.submit(run)
-
-        def wait():
-            result, done = future.result()
-            torch.cuda.current_stream().wait_event(done)
-            return result
-        return wait
-
-
-@functools.cache
-def _launcher() -> _Launcher:
-    """This process's launcher, made at its first use (a thread does not survive a fork)."""
-    return _Launcher()
-
-
-def flags_to_device(flags: list[bool], device) -> torch.Tensor:
-    """Python booleans as a (len,) uint8 tensor on `device`, for a collective to OR them.
-
-    torch.tensor(flags, device=cuda) would copy from pageable memory, and the host waits for
-    that copy to finish: a host sync. From pinned memory the copy is queued on the stream and
-    the host runs on (the caching host allocator keeps the pinned block until the copy is done).
-    Pinned memory exists only beside a GPU: on the CPU the tensor is made where it is used."""
-    host = torch.tensor(flags, dtype=torch.uint8)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
-def _no_grad(fn, *args):
-    """fn(*args) with autograd off in this thread (grad mode is per thread: the ring's worker
-    does not inherit a caller's no_grad, and a collective's in-place writes are no graph)."""
-    with torch.no_grad():
-        return fn(*args)
 
 
 def all_to_all_bytes(input: torch.Tensor, input_splits, rank: int, world_size: int) -> int:
@@ -467,13 +361,6 @@ def as_comm(group) -> Comm:
     return group if isinstance(group, Comm) else Comm(group)
 
 
-def _check_shards(name, shard, full, world_size):
-    if full.numel() != shard.numel() * world_size or full.dtype != shard.dtype:
-        raise ValueError(f"{name}: the full tensor must hold exactly N={world_size} shards of the "
-                         f"same dtype, got {full.numel()} {full.dtype} elements for shards of "
-                         f"{shard.numel()} {shard.dtype}; pad the full tensor to a multiple of N")
-
-
 class _Step(NamedTuple):
     """One ring step of one rank, (c,) views: send goes right, recv comes from the left;
     a reduction's step also sets out = add (op) recv."""
@@ -488,16 +375,3 @@ def _combine(out, a, b, op):
         torch.maximum(a, b, out=out)
     else:                                                  # sum, and avg (divided at the end)
         torch.add(a, b, out=out)
-
-
-def _copy_back(tensor, flat):
-    """The result into the caller's tensor, when the ring worked on a padded copy of it."""
-    if flat.data_ptr() != tensor.data_ptr():
-        tensor.copy_(flat[: tensor.numel()].view_as(tensor))
-
-
-def _send_recv(ops):
-    """Post a list of sends and receives together and wait for all of them."""
-    if ops:                                                # a world of one has nothing to post
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()

@@ -19,20 +19,16 @@ Test: python -m pytest tests/test_context_parallel.py
 Shapes: B batch, T sequence, H heads, D channels per head, C = H x D, cp ranks in the group, r
 this rank, t = T/cp tokens per rank, c tokens per chunk (t, or t/2 under zigzag).
 """
-import contextlib
-import time
 from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpointing import saved_activation_bytes
-from collectives import Comm, as_comm
-from memory import cp_kv_bytes
-from tensor_parallel import enter_region
+from collectives import Comm, as_comm, ring_bytes
+from conjugates import enter_region
+from meters import BusyClock, saved_activation_bytes
 
 # ---- the split: which tokens a rank holds -------------------------------------------------------
 #
@@ -147,36 +143,6 @@ def _block_grads(q, k, v, dout, lse, delta, causal: bool):
     return ds @ _wide(k) * scale, ds.transpose(-2, -1) @ _wide(q) * scale, dv
 
 
-class BusyClock:
-    """Seconds this rank spent computing attention's blocks in forward, summed until read(): the
-    CPU's clock, or CUDA events on the compute stream, read (one synchronize) only when asked,
-    on a logged step, so no step waits for the device."""
-
-    def __init__(self):
-        self.seconds, self.events = 0.0, []
-
-    @contextlib.contextmanager
-    def timing(self, cuda: bool):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.events.append((start, end))
-        else:
-            began = time.perf_counter()
-            yield
-            self.seconds += time.perf_counter() - began
-
-    def read(self) -> float:
-        """The seconds since the last read; the count starts again."""
-        if self.events:
-            self.events[-1][1].synchronize()
-        seconds = self.seconds + sum(start.elapsed_time(end) for start, end in self.events) / 1e3
-        self.seconds, self.events = 0.0, []
-        return seconds
-
-
 # ---- all-gather K/V (Llama 3): the naive one ---------------------------------------------------
 
 def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock: BusyClock):
@@ -184,7 +150,7 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock: BusyCl
 
     Every rank gathers every rank's K and V, and each query chunk attends to the keys up to its
     own end. Gathering forward and reduce-scattering backward is sequence parallelism's conjugate
-    pair (tensor_parallel.enter_region): the gradient of this rank's keys is the sum of what every
+    pair (conjugates.enter_region): the gradient of this rank's keys is the sum of what every
     rank's queries put into it. Autograd keeps the gathered K/V of the whole sequence per layer:
     the memory this naive version pays, where the ring keeps only its own block.
     """
@@ -300,14 +266,29 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, comm: Comm, split: SequenceSplit, clock: BusyClock):
-    """RingAttention.apply: (B, H, t, D) each -> (B, H, t, D)."""
-    return RingAttention.apply(q, k, v, comm, split, clock)
-
-
+ring_attention = RingAttention.apply       # (q, k, v, comm, split, clock), as allgather_attention
 ATTENTIONS = {"ring": ring_attention, "allgather": allgather_attention}
 # What the attention sends, by the byte counter's names (the gradient average is an all_reduce).
 KV_COLLECTIVES = ("send", "all_gather", "reduce_scatter")
+
+
+def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str = "ring",
+                bytes_per_value: int = 2) -> dict:
+    """Bytes one of cp context-parallel ranks sends per layer and micro-batch so that its queries
+    meet every key: {"forward": ..., "backward": ...}. A rank's K and V are kv = 2 (s/cp) b h values.
+
+    All-gather K/V: forward, the all-gather of every rank's K/V, (cp-1) kv; backward, the
+    reduce-scatter of dK and dV, the same volume. Ring attention: forward, cp-1 steps of one K/V
+    block; backward, the blocks go round again ((cp-1) kv) and dK, dV travel beside them cp-1
+    steps in fp32, or wider (they add up over the ranks). In fp32 the ring sends 1.5x the all-gather's,
+    as FSDP sends 1.5x DDP's: both send again in backward what they would not keep.
+    """
+    kv = 2 * (seq_len // cp) * batch * hidden
+    if attention == "allgather":
+        return {"forward": ring_bytes("all_gather", cp * kv, bytes_per_value, cp),
+                "backward": ring_bytes("reduce_scatter", cp * kv, bytes_per_value, cp)}
+    return {"forward": (cp - 1) * kv * bytes_per_value,
+            "backward": (cp - 1) * kv * (bytes_per_value + max(bytes_per_value, 4))}
 
 
 # ---- the GPT, context parallel -------------------------------------------------------------------
@@ -375,14 +356,10 @@ class ContextParallelGPT(nn.Module):
 
     def idle_shares(self) -> tuple[list[float], list[float]]:
         """(measured, predicted) idle share of each rank of the group in attention's forward compute
-        since the last call: 1 - its busy seconds / the busiest rank's; predicted by counting the
+        since the last call: measured by the clock (BusyClock.idle_shares), predicted by counting the
         causal mask's blocks (SequenceSplit.predicted_idle). Collective over the group."""
-        busy = torch.tensor([self.clock.read()], dtype=torch.float64,
-                            device=next(self.gpt.parameters()).device)
-        every = [torch.zeros_like(busy) for _ in range(self.comm.world_size)]
-        dist.all_gather(every, busy, group=self.comm.group)                   # a metric: not counted
-        busiest = max(b.item() for b in every)
-        return [1 - b.item() / busiest if busiest else 0.0 for b in every], self.split.predicted_idle()
+        device = next(self.gpt.parameters()).device
+        return self.clock.idle_shares(self.comm.group, device), self.split.predicted_idle()
 
     def kv_bytes_sent(self) -> int:
         """What the attention sent since the byte counter was last cleared."""
@@ -390,7 +367,7 @@ class ContextParallelGPT(nn.Module):
 
     def kv_bytes_per_step(self, batch: int, seq_len: int, micro_batches: int = 1,
                           recomputed: int = 0) -> int:
-        """K/V bytes this rank sends per step (memory.cp_kv_bytes for every layer and micro-batch):
+        """K/V bytes this rank sends per step (cp_kv_bytes for every layer and micro-batch):
         batch rows per rank; recomputed: checkpointed blocks, whose forward runs again in backward.
         A pipeline stage counts its own blocks; a tensor-parallel rank its own heads' K/V."""
         cfg = self.gpt.cfg

@@ -24,6 +24,7 @@ import gc
 import torch
 
 from collectives import ring_bytes
+from context_parallel import cp_kv_bytes
 from mixed_precision import DTYPES
 from model import PRESETS, GPTConfig
 from moe import expert_capacity, is_expert, layer_exchange_bytes
@@ -352,25 +353,6 @@ def cp_activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layer
     full_layers = 1 if checkpointing else layers            # checkpointed: one layer's, recomputed
     return (activation_bytes(local, b, h, a, layers, checkpointing, bytes_per_value)
             + full_layers * extra * bytes_per_value // 2)
-
-
-def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str = "ring",
-                bytes_per_value: int = 2) -> dict:
-    """Bytes one of cp context-parallel ranks sends per layer and micro-batch so that its queries
-    meet every key: {"forward": ..., "backward": ...}. A rank's K and V are kv = 2 (s/cp) b h values.
-
-    All-gather K/V: forward, the all-gather of every rank's K/V, (cp-1) kv; backward, the
-    reduce-scatter of dK and dV, the same volume. Ring attention: forward, cp-1 steps of one K/V
-    block; backward, the blocks go round again ((cp-1) kv) and dK, dV travel beside them cp-1
-    steps in fp32, or wider (they add up over the ranks). In fp32 the ring sends 1.5x the all-gather's,
-    as FSDP sends 1.5x DDP's: both send again in backward what they would not keep.
-    """
-    kv = 2 * (seq_len // cp) * batch * hidden
-    if attention == "allgather":
-        return {"forward": ring_bytes("all_gather", cp * kv, bytes_per_value, cp),
-                "backward": ring_bytes("reduce_scatter", cp * kv, bytes_per_value, cp)}
-    return {"forward": (cp - 1) * kv * bytes_per_value,
-            "backward": (cp - 1) * kv * (bytes_per_value + max(bytes_per_value, 4))}
 
 
 def logits_bytes(seq_len: int, batch: int, vocab: int) -> int:
@@ -933,7 +915,7 @@ def _cp_table(args):
     print(f"{args.model}: {cfg.n_layer} layers, micro-batch {b} x {s} tokens split over cp ranks, "
           f"{value}-byte activations; per rank, MiB: activations kept (sbh(34 + 5as/h) at s/cp "
           f"tokens, memory.cp_activation_bytes) and K/V sent per layer and micro-batch, forward + "
-          f"backward (memory.cp_kv_bytes)")
+          f"backward (context_parallel.cp_kv_bytes)")
     print(f"{'cp':>4}{'activations ring':>18}{'all-gather':>12}{'K/V sent ring':>15}{'all-gather':>12}")
     for cp in sorted({2 ** i for i in range(args.cp.bit_length()) if 2 ** i <= args.cp} | {args.cp}):
         shape = dict(seq_len=s, batch=b, hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer, cp=cp,

@@ -2,7 +2,7 @@
 
 Both attentions (all-gather K/V, ring) at cp 2, 3 and 4, zigzag and not, against PyTorch's causal
 attention on the whole sequence: outputs and q/k/v gradients separately, fp32 and bf16, and fp64 at
-a second length; the bytes they send against memory.cp_kv_bytes; the messages paired the way
+a second length; the bytes they send against context_parallel.cp_kv_bytes; the messages paired the way
 NCCL pairs them; the blocks each rank computes (counted) against the split's causal count, so
 zigzag's balance is measured without a clock; the activations a rank keeps falling as 1/cp.
 train.py --strategy cp trains the one-process model step by step: the all-gather at cp 2, the ring
@@ -23,9 +23,10 @@ import torch.nn.functional as F
 
 import context_parallel as cp_module
 import memory
-from checkpointing import saved_activation_bytes
 from collectives import Comm
-from memory import cp_activation_bytes, cp_kv_bytes
+from context_parallel import cp_kv_bytes
+from memory import cp_activation_bytes
+from meters import saved_activation_bytes
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
 from snapshot import load_weights

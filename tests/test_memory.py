@@ -218,7 +218,7 @@ def test_moe_activation_formula_by_hand():
 def _moe_layer_saves(capacity_factor, ep):
     """Bytes tiny-moe's first MoE layer keeps for backward on 4 x 64 fp32 tokens (saved-tensor
     hooks, each storage once), this rank's experts split over the world when ep."""
-    from checkpointing import saved_activation_bytes
+    from meters import saved_activation_bytes
     from collectives import Comm
     torch.manual_seed(0)
     moe = build_model("tiny-moe", capacity_factor=capacity_factor).blocks[0].mlp

@@ -1,0 +1,156 @@
+"""Launch: what runs under collectives.py's ring, so that every rank launches in one order.
+
+NCCL requires every rank to launch on its communicators in one order. The ring's messages get a
+private communicator and leave from one thread per process, in the order they were submitted; on
+CUDA that thread has its own stream, ordered against the caller's by events, never by a host
+synchronize. Also here, the ring's low-level helpers: its scratch, kept call after call, and
+padded copies; sends and receives posted together; the shard check; and booleans copied to the
+device without a host sync. Left out: CUDA graphs, more than one launching thread.
+Test: python -m pytest tests/test_collectives.py
+
+Shapes: N ranks in the group, L elements in the tensor, c = ceil(L / N) elements per chunk.
+"""
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+
+def ring_group(group, timeout):
+    """The private twin of the world's `group` that a ring Comm sends its messages on.
+
+    Ring messages get a private communicator, so they never interleave with native
+    collectives on the same group; they are launched by the process's one launcher
+    thread (launcher), in the order they were issued (the order the peers expect).
+    Creating a group is collective over the whole world (new_group's rule; NCCL
+    with a bound device splits it from the world's communicator, every rank
+    joining), so only the world's Comm makes its own here; subgroups() makes the rest.
+    timeout: a datetime.timedelta, or None for torch's default.
+    """
+    if dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError("Comm(group, ring=True) over part of the world: build it with "
+                         "process_groups.subgroups (or make_mesh), which create every "
+                         "rank's groups on every rank")
+    return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout)
+
+
+class Launcher:
+    """The one thread of this process that launches ring messages: every ring Comm's collectives
+    (each run to its end before the next starts) and, with ring collectives, every exchange().
+
+    NCCL requires every rank to launch on its communicators in one order: two ranks that launch
+    on communicators A and B in opposite orders can each wait in one for the other. One thread
+    per Comm would race its messages against other Comms' threads and the caller's own launches
+    differently on each rank. Here they leave in the order they were submitted, and they are
+    submitted by the main thread, or by autograd's while the main thread waits in backward()
+    (the hooks of DDP, ZeRO-2, FSDP, context parallelism's backward): one sequence, the same
+    program order on every rank. A native call made apart (a set-up's, a metric's) comes when
+    nothing submitted here is still unfinished: after a blocking collective or a step's waits.
+    """
+
+    def __init__(self):
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ring")
+        self._streams = {}                         # CUDA: the thread's own stream, per device
+
+    def submit(self, fn, tensors: list, *args):
+        """Run fn(*args) on the thread, after everything submitted before, autograd off; return
+        wait(), which blocks until it is done and returns fn's result. tensors: those fn reads
+        and writes (CUDA: the thread's stream starts after the caller's work on them, and
+        wait() makes the caller's stream wait for the thread's, with no host synchronize)."""
+        if not tensors or not tensors[0].is_cuda:
+            return self._thread.submit(_no_grad, fn, *args).result
+        ready, device = torch.cuda.Event(), tensors[0].device
+        ready.record()
+
+        def run():
+            torch.cuda.set_device(device)                  # a new thread starts on GPU 0
+            if device not in self._streams:                # one stream, made once
+                self._streams[device] = torch.cuda.Stream(device)
+            stream = self._streams[device]
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                for t in tensors:                          # freed by the caller: not reused early
+                    t.record_stream(stream)
+                result = _no_grad(fn, *args)
+                done = torch.cuda.Event()
+                done.record(stream)
+            return result, done
+        future = self._thread.submit(run)
+
+        def wait():
+            result, done = future.result()
+            torch.cuda.current_stream().wait_event(done)
+            return result
+        return wait
+
+
+@functools.cache
+def launcher() -> Launcher:
+    """This process's launcher, made at its first use (a thread does not survive a fork)."""
+    return Launcher()
+
+
+def _no_grad(fn, *args):
+    """fn(*args) with autograd off in this thread (grad mode is per thread: the ring's worker
+    does not inherit a caller's no_grad, and a collective's in-place writes are no graph)."""
+    with torch.no_grad():
+        return fn(*args)
+
+
+class Workspaces(dict):
+    """The ring's scratch, {(dtype, device): one buffer}, kept and reused call after call, grown
+    when a call needs more: no allocation per call or step. Sharing it is safe because one
+    thread (on CUDA, its one stream), the launcher's, runs the ring collectives one after another."""
+
+    def take(self, like: torch.Tensor, *sizes: int) -> list:
+        """Buffers of these sizes (like's dtype and device), carved from the one buffer."""
+        key = (like.dtype, like.device)
+        if key not in self or self[key].numel() < sum(sizes):
+            self[key] = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
+        return list(self[key][: sum(sizes)].split(sizes))
+
+    def in_place(self, tensor: torch.Tensor, n: int):
+        """(the tensor as N chunks, flat (N*c,); a (c,) receive buffer). The tensor itself when
+        it is contiguous and splits into N equal chunks, else a zero-padded copy of it."""
+        c = -(-tensor.numel() // n)
+        if tensor.is_contiguous() and tensor.numel() == n * c:
+            return tensor.view(-1), self.take(tensor, c)[0]
+        flat, recv = self.take(tensor, n * c, c)
+        flat[tensor.numel():].zero_()
+        flat[: tensor.numel()].copy_(tensor.reshape(-1))
+        return flat, recv
+
+
+def copy_back(tensor, flat):
+    """The result into the caller's tensor, when the ring worked on a padded copy of it."""
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat[: tensor.numel()].view_as(tensor))
+
+
+def send_recv(ops):
+    """Post a list of sends and receives together and wait for all of them."""
+    if ops:                                                # a world of one has nothing to post
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def check_shards(name, shard, full, world_size):
+    """A reduce-scatter's or an all-gather's tensors, checked before anything is launched."""
+    if full.numel() != shard.numel() * world_size or full.dtype != shard.dtype:
+        raise ValueError(f"{name}: the full tensor must hold exactly N={world_size} shards of the "
+                         f"same dtype, got {full.numel()} {full.dtype} elements for shards of "
+                         f"{shard.numel()} {shard.dtype}; pad the full tensor to a multiple of N")
+
+
+def flags_to_device(flags: list[bool], device) -> torch.Tensor:
+    """Python booleans as a (len,) uint8 tensor on `device`, for a collective to OR them.
+
+    torch.tensor(flags, device=cuda) would copy from pageable memory, and the host waits for
+    that copy to finish: a host sync. From pinned memory the copy is queued on the stream and
+    the host runs on (the caching host allocator keeps the pinned block until the copy is done).
+    Pinned memory exists only beside a GPU: on the CPU the tensor is made where it is used."""
+    host = torch.tensor(flags, dtype=torch.uint8)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

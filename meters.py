@@ -1,0 +1,72 @@
+"""Meters: what a run measures of itself, without making a step wait for the device.
+
+Two instruments the strategies carry for train.py's log and the tests: the bytes autograd keeps
+for backward while a forward runs (saved-tensor hooks, each storage once: what checkpointing and
+context parallelism cut, against memory.py's formulas), and the seconds a rank spends computing
+(the CPU's clock, or CUDA events on the compute stream, read with one synchronize when asked:
+context parallelism's idle share per rank). Left out: the allocator's peak, profiling (bench.py).
+Test: python -m pytest tests/test_checkpointing.py tests/test_context_parallel.py
+"""
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def saved_activation_bytes(run, exclude=()):
+    """Bytes autograd keeps for backward while run() executes, each storage counted once.
+
+    Counted with saved-tensor hooks (every tensor an op or a Function saves passes through
+    pack); `exclude` (the parameters) are not activations.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = run()
+    return sum(storages.values()), result
+
+
+class BusyClock:
+    """Seconds this rank spent computing inside timing() (context parallelism: attention's blocks
+    in forward), summed until read(): the CPU's clock, or CUDA events on the compute stream, read
+    (one synchronize) only when asked, on a logged step, so no step waits for the device."""
+
+    def __init__(self):
+        self.seconds, self.events = 0.0, []
+
+    @contextlib.contextmanager
+    def timing(self, cuda: bool):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+        else:
+            began = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - began
+
+    def read(self) -> float:
+        """The seconds since the last read; the count starts again."""
+        if self.events:
+            self.events[-1][1].synchronize()
+        seconds = self.seconds + sum(start.elapsed_time(end) for start, end in self.events) / 1e3
+        self.seconds, self.events = 0.0, []
+        return seconds
+
+    def idle_shares(self, group, device) -> list[float]:
+        """Each rank of the group's idle share since the last read: 1 - its busy seconds / the
+        busiest rank's. Collective over the group; device: where its collective's tensor lives."""
+        busy = torch.tensor([self.read()], dtype=torch.float64, device=device)
+        every = [torch.zeros_like(busy) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, busy, group=group)                   # a metric: not counted
+        busiest = max(b.item() for b in every)
+        return [1 - b.item() / busiest if busiest else 0.0 for b in every]
