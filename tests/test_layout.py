@@ -1,0 +1,69 @@
+"""The layout is the architecture (DESIGN.md): each concept file reads in one sitting and imports
+only the foundations, never the napkin math, another strategy, the command line or the loop."""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# What every concept file may build on: the collectives and their machinery, the placements,
+# the flat buffer, mixed precision, the model, the groups.
+FOUNDATIONS = {"collectives", "launch", "conjugates", "meters", "placements", "flat",
+               "mixed_precision", "model", "process_groups"}
+# The lecture's concepts, in reading order; beside each, the files that are its own (a
+# sub-file, or an extension that reads as a delta after its core).
+CONCEPTS = {"mixed_precision": set(), "collectives": set(), "ddp": set(), "zero": {"offload"},
+            "fsdp": {"offload", "fsdp_hybrid", "fsdp_frozen"}, "pipeline": {"schedules", "zero_bubble"},
+            "tensor_parallel": set(), "context_parallel": set(), "moe": set(), "lora": set(),
+            "quantization": set(), "checkpointing": set()}
+LIMITS = {"lines": 380, "function": 60, "constructor": 6}
+
+
+def _project_imports(path: pathlib.Path) -> set:
+    project = {p.stem for p in ROOT.glob("*.py")}
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names & project - {path.stem}
+
+
+@pytest.mark.parametrize("concept", CONCEPTS)
+def test_a_concept_file_imports_only_the_foundations(concept):
+    own = CONCEPTS[concept]
+    for name in {concept} | {f for f in own if (ROOT / f"{f}.py").exists()}:
+        wrong = _project_imports(ROOT / f"{name}.py") - FOUNDATIONS - own - {concept}
+        assert not wrong, f"{name}.py imports {sorted(wrong)}: a concept file builds on the " \
+                          f"foundations {sorted(FOUNDATIONS)} only (the composition is parallelize.py)"
+
+
+def _functions(tree):
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+@pytest.mark.parametrize("concept", CONCEPTS)
+def test_a_concept_file_reads_in_one_sitting(concept):
+    path = ROOT / f"{concept}.py"
+    lines = len(path.read_text().splitlines())
+    assert lines <= LIMITS["lines"], f"{concept}.py is {lines} lines, over {LIMITS['lines']}"
+    for f in _functions(ast.parse(path.read_text())):
+        length = f.end_lineno - f.lineno + 1
+        assert length <= LIMITS["function"], f"{concept}.py: {f.name} is {length} lines"
+
+
+@pytest.mark.parametrize("module, cls", [("pipeline", "Pipeline"), ("fsdp", "FSDP"),
+                                         ("zero", "ZeroOptimizer")])
+def test_a_main_class_takes_the_few_arguments_its_idea_needs(module, cls):
+    tree = ast.parse((ROOT / f"{module}.py").read_text())
+    init = next(f for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == cls
+                for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    arguments = init.args.args[1:] + init.args.kwonlyargs + [a for a in (init.args.vararg,) if a]
+    assert len(arguments) <= LIMITS["constructor"], \
+        f"{cls} takes {len(arguments)}: {[a.arg for a in arguments]}"
+
+
+def test_train_py_is_the_loop_and_its_log():
+    assert len((ROOT / "train.py").read_text().splitlines()) <= 300
