@@ -17,7 +17,7 @@ import ddp
 import fsdp
 import lora
 from checkpointing import checkpoint_blocks
-from cli import STRATEGIES, mesh_splits, moe_config
+from cli import STRATEGIES, mesh_splits, moe_config, stage_layers
 from context_parallel import ContextParallelGPT
 from ddp import DDP, GradientSyncs
 from fsdp import FSDP, FSDPOptimizer, gpt_blocks
@@ -25,7 +25,7 @@ from memory import mesh_params, run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model
 from moe import exchange_bytes, expert_parallel, held_experts
-from pipeline import GPTStage, Pipeline, stage_layers
+from pipeline import GPTStage, Pipeline
 from process_groups import make_mesh
 from snapshot import load_weights
 from tensor_parallel import TensorParallelGPT
@@ -188,10 +188,10 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                          optimizer if isinstance(optimizer, ZeroOptimizer) else None)
     model = replicas
     if "pp" in splits:         # the executor runs the stage's micro-batches over send/recv
-        model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches, gpt.cfg.n_embd,
-                         DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
-                         local_tokens=cp.local_tokens if cp else None, sync=sync,
-                         sequence_split=args.tp if args.sequence_parallel else 1, device=device)
+        sp = args.tp if args.sequence_parallel else 1      # a rank sends its 1/tp of the tokens
+        model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches,
+                         lambda b, t: (b, t // sp, gpt.cfg.n_embd), DTYPES[args.precision])
+        model.sync = sync
 
     # The formulas, per dimension, for this rank's rows (B/D) and tokens of each (T/cp; its
     # MoE layers see T/cp/tp of them under sequence parallelism).
@@ -209,7 +209,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                                                       # forwards run in the pipeline's schedule)
         cp.kv_formula = sent["cp"] = cp.kv_bytes_per_step(rows, args.seq_len, micro, recomputed)
     if "pp" in splits:
-        sent["pp"] = model.bytes_per_step(rows, tokens // model.sequence_split)
+        sent["pp"] = model.bytes_per_step(rows, tokens)
     if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
         sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, tokens_split, micro)
     if data.world_size > 1:

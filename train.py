@@ -338,6 +338,12 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
     layout = snapshot.layout_of(gpt, mesh.dp_cp, split)
     start = snapshot.resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
     data = TextData.from_file(args.data)
+    if context is not None and hasattr(model, "train_step"):
+        # Under context parallelism a pipeline is fed this rank's tokens of each sequence, (B, T)
+        # -> (B, T/cp) (without one, ContextParallelGPT's forward cuts its own): every batch, the
+        # training loop's and eval_loss's.
+        whole_rows = data.batch
+        data.batch = lambda *a, **kw: context.local_tokens(*whole_rows(*a, **kw))
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
     shape, micro_batches = run_shape(args, data_size)
     if getattr(args, "advice", None):
