@@ -126,7 +126,7 @@ class Pipeline:
     a function (b, t) -> its shape where that differs (sequence parallelism: (b, t/tp, C)).
     The rows it is given are this rank's: under context parallelism the caller keeps this
     rank's tokens of each sequence first (ContextParallelGPT.local_tokens), so t = T/cp.
-    sync, an attribute: the gradient-sync protocol the backwards run under (_sync_around) and
+    sync, an attribute: the gradient-sync protocol the backwards run under (_run says which) and
     train_step finishes once a step; the module's by default (DDP's, FSDP's), None with one
     replica per stage; a composition assigns its chain (parallelize.py: ddp.GradientSyncs).
     Deadlock-free under gloo's rules and NCCL's: each stage runs nccl_program(its list), the
@@ -149,13 +149,12 @@ class Pipeline:
         run_under_nccl([nccl_program(actions) for actions in forwards])
         self.forward_actions = forwards[self.stage]
         self.weight_grads = WeightGradients(gpt_stage) if any(a.kind == "W" for a in self.actions) else None
+        self.device = next(gpt_stage.parameters()).device     # under FSDP too: its units' views
         # NCCL: a batch_isend_irecv may be a group's first call only if every rank of the group
         # joins it (torch's documentation); the stages' first groups differ, so one small
         # all-reduce creates the communicator on every stage first (a set-up call, not counted).
         # It carries how many stages would run a W with nothing to compute, so that every stage
-        # stops alike (cli.py refuses such a run first). The stage's parameters are on the
-        # compute device under FSDP too (views of its gathered units; the masters may be offloaded).
-        self.device = next(gpt_stage.parameters()).device
+        # stops alike (cli.py refuses such a run first).
         idle = torch.tensor([float(self.weight_grads is not None and not self.weight_grads.layers)],
                             device=self.device)
         dist.all_reduce(idle, group=comm.group)
@@ -204,17 +203,6 @@ class Pipeline:
         if self.sync is not None:
             self.sync.finish_gradient_sync()
         return self._sum_over_stages(loss)
-
-    def _sync_around(self, a: Action, last_backward: list[Action]):
-        """One gradient average per step, the last backward's, for the sum of all M. Every
-        backward is held (the finish reduces them all) when the stage has sums of its own to make
-        before the data dimension reduces: W's gradients after autograd, a tied weight's two
-        ends; else all but the last, where the gradients are whole anyway (DDP's: GradientSyncs)."""
-        held_all = self.weight_grads is not None or self.tied is not None
-        accumulate = getattr(self.sync, "keeps_whole_gradients", False)
-        if self.sync is not None and (held_all or ([a] != last_backward and accumulate)):
-            return self.sync.no_sync()
-        return contextlib.nullcontext()
 
     @torch.no_grad()
     def evaluate(self, x, y) -> torch.Tensor:
@@ -287,6 +275,12 @@ class Pipeline:
         flight = SimpleNamespace(inputs={}, outputs={}, grads={}, auxes={}, held=set(), posted={},
                                  sends=[], loss=torch.zeros((), device=x.device))
         split = self.weight_grads is not None
+        # One gradient average per step, the last backward's, for the sum of all M. Every
+        # backward is held (the finish reduces them all) when the stage has sums of its own to
+        # make before the data dimension reduces: W's gradients after autograd, a tied weight's
+        # two ends; else all but the last, where the gradients are whole anyway (DDP's).
+        held_all = split or self.tied is not None
+        accumulate = getattr(self.sync, "keeps_whole_gradients", False)
         last_backward = [a for a in actions if a.kind == "B"][-1:]
         self.busy, start = 0.0, self._clock(measure)
         for item in nccl_program(actions):
@@ -297,7 +291,8 @@ class Pipeline:
             if a.kind == "F":
                 self._forward(a, xs[a.m], ys[a.m], flight)
             elif a.kind == "B":
-                with self._sync_around(a, last_backward), \
+                hold = self.sync is not None and (held_all or ([a] != last_backward and accumulate))
+                with (self.sync.no_sync() if hold else contextlib.nullcontext()), \
                         (self.weight_grads.collect((a.m, a.chunk)) if split else contextlib.nullcontext()):
                     self._backward(a, flight, scale_loss)
                 if not split:
@@ -312,9 +307,8 @@ class Pipeline:
         return flight.loss                            # this stage's part: _sum_over_stages
 
     def _forward(self, a: Action, x, y, flight):
-        """F: chunk a.chunk on micro-batch a.m, from its tokens x (b, T) on the first chunk, else
-        from the activation received; its loss (the last chunk) and its routers' losses (with
-        experts) join the step's, 1/M each."""
+        """F: chunk a.chunk on micro-batch a.m (its tokens x (b, T) on the first chunk, else the
+        activation received); the loss (last chunk) and routers' losses join the step's, 1/M each."""
         key, last = (a.m, a.chunk), self.last and a.chunk == self.v - 1      # computes the loss
         inp = x if self.first and a.chunk == 0 else flight.inputs[key]
         out = self.module(inp, y, chunk=a.chunk) if last else self.module(inp, chunk=a.chunk)
@@ -332,8 +326,7 @@ class Pipeline:
             self.peak_activations = max(self.peak_activations, len(flight.held))
 
     def _backward(self, a: Action, flight, scale_loss):
-        """B: the backward of chunk a.chunk on micro-batch a.m, from the loss (the last chunk)
-        or from the gradient received for its output."""
+        """B: chunk a.chunk's backward on micro-batch a.m, from the loss or the gradient received."""
         key = a.m, a.chunk
         if self.last and a.chunk == self.v - 1:       # the loss's: the mean over micro-batches, 1/M each
             scale_loss(flight.outputs.pop(key) / self.M).backward()
