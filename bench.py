@@ -284,14 +284,14 @@ def _stage(model, v: int = 1):
     """This rank's pipeline.GPTStage (v chunks of blocks): the whole world is one pipeline, a
     stage per rank."""
     s, P = dist.get_rank(), dist.get_world_size()
-    return pipeline.GPTStage(model, pipeline.stage_layers(None, model.cfg.n_layer, P, v)[s], s == 0, s == P - 1)
+    return pipeline.GPTStage(model, pipeline.split_layers(model.cfg.n_layer, P, v=v)[s::P], s == 0, s == P - 1)
 
 
 def ours_pipeline(schedule, model, args):
     v = VIRTUAL_STAGES.get(schedule, 1)
     stage, comm = _stage(model, v), Comm()
     runner = pipeline.Pipeline(stage, comm, schedule, args.microbatches, model.cfg.n_embd,
-                               DTYPES[args.precision], virtual_stages=v)
+                               DTYPES[args.precision])
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
     optimizer.split_model({"pp": comm})             # the norm sums the stages
     return Run(stage, optimizer, comm, label=f"pipeline.Pipeline({schedule}" + (f", v={v})" if v > 1 else ")"),

@@ -18,7 +18,6 @@ import torch.distributed as dist
 import context_parallel
 import ddp
 import fsdp
-import pipeline
 import schedules
 import snapshot
 import tensor_parallel
@@ -26,6 +25,7 @@ import zero
 from advisor import auto_strategy
 from mixed_precision import DTYPES
 from model import PRESETS
+from pipeline import split_layers
 
 # --strategy -> the module whose build(gpt, options, data, split, device, adamw) wraps the model
 # and makes its optimizer: (model, optimizer, bytes sent per step its formula predicts, bytes held
@@ -621,9 +621,21 @@ def check_pipeline(parser, args, world_size):
     check_zero_bubble(parser, args)
     try:
         schedules.make_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
-        pipeline.stage_layers(args.stage_layers, cfg.n_layer, args.pp, args.virtual_stages)
+        stage_layers(args.stage_layers, cfg.n_layer, args.pp, args.virtual_stages)
     except ValueError as e:
         parser.error(f"--model {args.model}: {e}" if "blocks" in str(e) else str(e))
+
+
+def stage_layers(option: str | None, n_layer: int, P: int, v: int = 1) -> list[list[range]]:
+    """Each stage's chunks of blocks (one chunk unless interleaved: stage s holds chunks s, s + P,
+    ...) from --stage-layers "N,N,..." (blocks per chunk; None: balanced, pipeline.split_layers)."""
+    try:
+        sizes = [int(n) for n in option.split(",")] if option else None
+    except ValueError:
+        raise ValueError(f"--stage-layers {option}: give whole numbers separated by commas, one "
+                         f"per {'chunk' if v > 1 else 'stage'}") from None
+    chunks = split_layers(n_layer, P, sizes, v)
+    return [chunks[s::P] for s in range(P)]
 
 
 def check_zero_bubble(parser, args):

@@ -10,7 +10,7 @@ the one protocol (ddp.GradientSyncs) that the loop and the pipeline drive. Besid
 the bytes it predicts it sends, each its own file's formula.
 Used by: train.py (build). Test: python -m pytest tests/test_train.py -k mesh
 """
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -19,7 +19,7 @@ import ddp
 import fsdp
 import lora
 from checkpointing import checkpoint_blocks
-from cli import STRATEGIES, mesh_splits, moe_config
+from cli import STRATEGIES, mesh_splits, moe_config, stage_layers
 from collectives import Comm
 from context_parallel import ContextParallelGPT
 from ddp import DDP, GradientSyncs
@@ -28,7 +28,7 @@ from memory import mesh_params, run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model
 from moe import exchange_bytes, expert_parallel, held_experts, routing_summary
-from pipeline import GPTStage, Pipeline, stage_layers
+from pipeline import GPTStage, Pipeline
 from process_groups import make_device_mesh, make_mesh
 from snapshot import RunError, load_weights, refused
 from tensor_parallel import TensorParallelGPT
@@ -45,6 +45,7 @@ class Run(NamedTuple):
     context: object              # context parallelism's wrapper (its attention reports), or None
     comm: Comm                   # the world
     mesh: object                 # this rank's groups (process_groups.make_device_mesh)
+    my_tokens: Callable          # (x, y) of whole sequences -> the tokens this rank computes
 
 
 def build(args, device) -> Run:
@@ -60,11 +61,16 @@ def build(args, device) -> Run:
     mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep if split else 1,
                             shard=args.shard_group if split else None)
     try:
-        return Run(*model_on_mesh(args, device, mesh), comm, mesh)
+        gpt, model, optimizer, sync, predicted, napkin, context = model_on_mesh(args, device, mesh)
     except ValueError as e:
         if not refused(e):
             raise                              # a bug on the way: its traceback says where
         raise RunError(str(e)) from None       # a strategy refused its input: same on every rank
+    # A pipeline is fed this rank's tokens of each sequence under context parallelism, (B, T) ->
+    # (B, T/cp); without one, ContextParallelGPT's forward cuts its own.
+    pipelined = context is not None and hasattr(model, "train_step")
+    return Run(gpt, model, optimizer, sync, predicted, napkin, context, comm, mesh,
+               context.local_tokens if pipelined else lambda x, y: (x, y))
 
 
 def model_on_mesh(args, device, mesh):
@@ -223,10 +229,10 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                          optimizer if isinstance(optimizer, ZeroOptimizer) else None)
     model = replicas
     if "pp" in splits:         # the executor runs the stage's micro-batches over send/recv
-        model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches, gpt.cfg.n_embd,
-                         DTYPES[args.precision], tied=module.tied, virtual_stages=args.virtual_stages,
-                         local_tokens=cp.local_tokens if cp else None, sync=sync,
-                         sequence_split=args.tp if args.sequence_parallel else 1, device=device)
+        sp = args.tp if args.sequence_parallel else 1      # a rank sends its 1/tp of the tokens
+        model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches,
+                         lambda b, t: (b, t // sp, gpt.cfg.n_embd), DTYPES[args.precision])
+        model.sync = sync
 
     # The formulas, per dimension, for this rank's rows (B/D) and tokens of each (T/cp; its
     # MoE layers see T/cp/tp of them under sequence parallelism).
@@ -244,7 +250,7 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                                                       # forwards run in the pipeline's schedule)
         cp.kv_formula = sent["cp"] = cp.kv_bytes_per_step(rows, args.seq_len, micro, recomputed)
     if "pp" in splits:
-        sent["pp"] = model.bytes_per_step(rows, tokens // model.sequence_split)
+        sent["pp"] = model.bytes_per_step(rows, tokens)
     if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
         sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, tokens_split, micro)
     if data.world_size > 1:

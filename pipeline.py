@@ -6,8 +6,7 @@ messages. The order of each stage's forwards, backwards, sends and receives is a
 data built and checked in schedules.py (GPipe, 1F1B, interleaved 1F1B, zero bubble ZB-H1; their
 bubble and memory are worked out there); here one executor runs any such list on a stage of a
 GPT: a stage may hold several chunks of blocks (interleaved), and a backward may be split in two
-(zero bubble: B, the input's gradient now, W, the weights' gradient later; how below, at
-DeferredLinear).
+(zero bubble: B, the input's gradient now, W, the weights' gradient later; how: zero_bubble.py).
 Run: python pipeline.py --stages 4 --microbatches 8 --schedule 1f1b (draws it: schedules.main);
      torchrun --nproc_per_node 4 train.py --strategy pipeline --pp 4 --microbatches 8
      (--schedule interleaved --virtual-stages 2, --schedule zb)
@@ -17,19 +16,20 @@ Shapes: P stages, M micro-batches, s stage, m micro-batch, v chunks per stage, B
 pipeline, b = B / M rows per micro-batch, T sequence, C channels.
 """
 import contextlib
+import math
 import time
-from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from collectives import Comm, ring_bytes
 from placements import place
 from process_groups import subgroups
-from schedules import (BUBBLE_FORMULAS, Action, bubble_formula, check_schedule, chunks_of, forwards_only, main, make_schedule,
+from schedules import (BUBBLE_FORMULAS, Action, bubble_formula, check_schedule, forwards_only, main, make_schedule,
                        nccl_program, run_under_nccl)
+from zero_bubble import WeightGradients
 
 
 # ---- the model, cut into stages ----------------------------------------------------------
@@ -110,155 +110,62 @@ class GPTStage(nn.Module):
         return loss if aux is None else loss + aux
 
 
-# ---- zero bubble: a backward in two halves ------------------------------------------------------
-#
-# A linear layer y = x W^T + b has three gradients: dx = dy W (the previous layer, and the
-# previous stage, wait for it), dW = dy^T x and db = sum(dy) (nothing waits for them until the
-# optimizer). B runs autograd's backward with every trainable weight's product swapped for
-# DeferredLinear, whose backward returns dx only and leaves (x, dy) in a list; W runs that
-# list's two matmuls later. Which products: every nn.Linear's, and those of any module that
-# computes them as self.linear(x, weight, bias) (the protocol: tensor_parallel's split layers,
-# whose f and g collectives stay in B around the product, and LoRA's thin factors); W swaps
-# its own function in. The other parameters (norms, embeddings) are small: their gradients come
-# in B, as usual. Under FSDP the module is not a submodule (FSDP.module) and the weights are
-# views of a gathered unit (the pipeline keeps it gathered through the step): W writes .grad as
-# autograd would, and the unit's reduce-scatter, held until the step's finish, takes it.
-
-class DeferredLinear(torch.autograd.Function):
-    """F.linear whose backward computes the input's gradient and defers the weight's and bias's:
-    (weight, bias, x, dy) goes into later.pending, the list of the backward now running."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, later):
-        ctx.save_for_backward(x, weight)
-        ctx.bias, ctx.later = bias, later
-        return F.linear(x, weight, bias)                            # (..., k) -> (..., d)
-
-    @staticmethod
-    def backward(ctx, dy):                                          # dy: (..., d)
-        x, weight = ctx.saved_tensors
-        ctx.later.pending.append((weight, ctx.bias, x, dy))
-        return dy @ weight, None, None, None                        # dx: (..., k)
-
-
-class WeightGradients:
-    """The deferred halves of a stage's backwards, by micro-batch and chunk.
-    module: the stage, or a wrapper holding it as .module (DDP, FSDP)."""
-
-    def __init__(self, module: nn.Module):
-        self.pending, self.by_pass = [], {}
-        self.layers = 0                  # layers whose products defer a trained weight's gradient
-        self.computed = set()            # the weights W gave a gradient, since clear()
-        for layer in getattr(module, "module", module).modules():
-            if isinstance(layer, nn.Linear) and layer.weight.requires_grad:
-                layer.forward = partial(self._nn_linear, layer)
-                self.layers += 1
-            elif hasattr(layer, "linear"):
-                layer.linear = self.linear
-                self.layers += any(p.requires_grad for p in layer.parameters(recurse=False))
-
-    def _nn_linear(self, layer, x):
-        return DeferredLinear.apply(x, layer.weight, layer.bias, self)
-
-    def linear(self, x, weight, bias=None):
-        """The protocol's F.linear: the weight's gradient waits for W if it trains (a frozen
-        weight has none to compute)."""
-        if not weight.requires_grad:
-            return F.linear(x, weight, bias)
-        return DeferredLinear.apply(x, weight, bias, self)
-
-    @contextlib.contextmanager
-    def collect(self, key):
-        """Inside: a backward (B) whose deferred halves are filed under key."""
-        self.pending = self.by_pass[key] = []
-        yield
-        self.pending = []
-
-    @torch.no_grad()
-    def run(self, key):
-        """W: the weight and bias gradients of the backward filed under key, accumulated in .grad
-        as autograd would (the same products: dW = (x^T dy)^T over the folded rows)."""
-        for weight, bias, x, dy in self.by_pass.pop(key):
-            x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # (rows, k), (rows, d)
-            _accumulate(weight, x2.t().mm(dy2).t())                                # (d, k)
-            self.computed.add(weight)
-            if bias is not None and bias.requires_grad:
-                _accumulate(bias, dy2.sum(0))                                      # (d,)
-
-
-def _accumulate(param: nn.Parameter, grad: torch.Tensor):
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad += grad
-
-
 # ---- the executor: one stage's list, run over send/recv --------------------------------------
 
 class Pipeline:
     """Runs this rank's action list each step: the rank is stage comm.rank of comm.world_size.
 
     module: this rank's GPTStage, or DDP(stage) or FSDP(stage) over the stage's data-parallel
-    group. sync: the gradient-sync protocol (ddp.GradientSyncs) the backwards run under; default
-    the module's (DDP's, FSDP's). The backwards of all but the last micro-batch run under its
-    no_sync() where the gradients are whole anyway (DDP), every backward where the stage has
-    sums of its own first (zero bubble's W, after autograd; a tied weight's two ends), and
-    train_step ends with its finish_gradient_sync(): the gradients are reduced once per step.
-    schedule, virtual_stages: schedules.make_schedule's; interleaved, module holds one chunk of
-    blocks per virtual stage (GPTStage(layers=[...]), called with chunk=c).
-    hidden, dtype: the activation a stage sends is (b, T, hidden) of dtype, known before it
-    arrives, so a receive is posted into a buffer of the right size with no message about sizes.
-    tied: the stage's copy of a weight the first and the last stage share (GPTStage.tied);
-    after each step's backward the two copies' gradients are summed, so both take one step.
+    group. The stage says the rest: its chunks of blocks (interleaved: one per virtual stage),
+    its copy of a weight the first and the last stage share (GPTStage.tied: the two copies'
+    gradients are summed after each step's backward, so both take one step), and the device
+    it computes on, where every tensor it hands a collective lives (NCCL moves device memory).
+    schedule, microbatches: schedules.make_schedule's name, and M.
+    activation, dtype: what a stage sends, known before it arrives, so a receive is posted into
+    a buffer of the right size with no message about sizes: C, the channels of a (b, t, C), or
+    a function (b, t) -> its shape where that differs (sequence parallelism: (b, t/tp, C)).
+    The rows it is given are this rank's: under context parallelism the caller keeps this
+    rank's tokens of each sequence first (ContextParallelGPT.local_tokens), so t = T/cp.
+    sync, an attribute: the gradient-sync protocol the backwards run under (_run says which) and
+    train_step finishes once a step; the module's by default (DDP's, FSDP's), None with one
+    replica per stage; a composition assigns its chain (parallelize.py: ddp.GradientSyncs).
     Deadlock-free under gloo's rules and NCCL's: each stage runs nccl_program(its list), the
     sends and receives between two computations posted together, and the programs are played
     by run_under_nccl() (check_schedule) before the first message.
-    Inside a mesh (train.py): local_tokens,
-    context parallelism's (x, y) -> this rank's tokens of them, applied before the micro-batches;
-    sequence_split, the parts each activation is cut into along T (sequence parallelism: a stage
-    sends its rank's (b, T/tp, hidden)). device: where the stage computes, and so where every
-    tensor it hands a collective lives (NCCL moves device memory only); default: where the
-    module's first parameter is, which is the host for FSDP's offloaded masters: pass it then.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
-                 hidden: int, dtype: torch.dtype, tied: nn.Parameter | None = None,
-                 virtual_stages: int = 1, local_tokens=None, sync=None,
-                 sequence_split: int = 1, device=None):
-        self.module, self.comm, self.M = module, comm, microbatches
-        self.local_tokens = local_tokens
-        self.sequence_split = sequence_split
-        self.stage, self.P = comm.rank, comm.world_size
+                 activation, dtype: torch.dtype):
+        gpt_stage = getattr(module, "module", module)             # the GPTStage, inside DDP or FSDP
+        self.module, self.comm, self.M, self.dtype = module, comm, microbatches, dtype
+        self.activation = activation if callable(activation) else lambda b, t: (b, t, activation)
+        self.stage, self.P, self.v = comm.rank, comm.world_size, len(gpt_stage.chunks)
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
-        stages = make_schedule(schedule, self.P, self.M, virtual_stages)
+        stages = make_schedule(schedule, self.P, self.M, self.v)
         check_schedule(stages, self.M)           # NCCL's rules included (run_under_nccl)
-        self.actions, self.v, self.schedule = stages[self.stage], chunks_of(stages), schedule
+        self.actions, self.schedule = stages[self.stage], schedule
         # Evaluation: every chunk's forwards (and their messages), no backward.
         forwards = forwards_only(self.P, self.M, self.v)
         run_under_nccl([nccl_program(actions) for actions in forwards])
         self.forward_actions = forwards[self.stage]
-        self.weight_grads = (WeightGradients(module) if any(a.kind == "W" for a in self.actions)
-                             else None)
+        self.weight_grads = WeightGradients(gpt_stage) if any(a.kind == "W" for a in self.actions) else None
+        self.device = next(gpt_stage.parameters()).device     # under FSDP too: its units' views
         # NCCL: a batch_isend_irecv may be a group's first call only if every rank of the group
         # joins it (torch's documentation); the stages' first groups differ, so one small
         # all-reduce creates the communicator on every stage first (a set-up call, not counted).
         # It carries how many stages would run a W with nothing to compute, so that every stage
         # stops alike (cli.py refuses such a run first).
-        self.device = device = device or next(module.parameters()).device
         idle = torch.tensor([float(self.weight_grads is not None and not self.weight_grads.layers)],
-                            device=device)
+                            device=self.device)
         dist.all_reduce(idle, group=comm.group)
         if idle.item():
             raise ValueError(f"--schedule zb: {int(idle.item())} of the {self.P} stages hold no trained "
                              f"weight whose gradient W could compute (no trained nn.Linear or split "
                              f"or LoRA product): use --schedule 1f1b")
-        self.hidden, self.dtype = hidden, dtype
-        self.tied = tied if self.P > 1 else None
-        # The gradient-sync protocol around the backwards (ddp.GradientSyncs): given, or the
-        # module's own (DDP's, FSDP's), or none (one replica per stage).
-        self.sync = sync or (module if hasattr(module, "finish_gradient_sync") else None)
+        self.tied = gpt_stage.tied                  # None unless this stage is an end of a tied pair
+        self.sync = module if hasattr(module, "finish_gradient_sync") else None
         if self.P > 1:
-            self.ends = self._ends_group(comm, device)
+            self.ends = self._ends_group(comm, self.device)
         self.peak_activations = 0         # most micro-batch chunks held at once (F run, B or W not)
         self.busy = self.wall = 0.0       # seconds computing, seconds in all, in the last step
 
@@ -280,12 +187,10 @@ class Pipeline:
         return group if self.tied is not None else None
 
     def train_step(self, x, y, scale_loss=lambda loss: loss, measure=False) -> torch.Tensor:
-        """Forwards and backwards of the M micro-batches of x, y (B, T); the gradients of the
+        """Forwards and backwards of the M micro-batches of x, y (B, t); the gradients of the
         mean loss over B accumulate in the stage's .grad (averaged over replicas, if any).
         Returns that loss on every stage.
         measure: synchronize CUDA around each compute, so busy and wall time are exact."""
-        if self.local_tokens:
-            x, y = self.local_tokens(x, y)                        # (B, t) each
         if self.weight_grads is not None:
             self.weight_grads.computed.clear()
         with self._gathered():
@@ -299,14 +204,9 @@ class Pipeline:
             self.sync.finish_gradient_sync()
         return self._sum_over_stages(loss)
 
-    def _no_sync(self):
-        return self.sync.no_sync() if self.sync is not None else contextlib.nullcontext()
-
     @torch.no_grad()
     def evaluate(self, x, y) -> torch.Tensor:
-        """The mean loss over x, y (B, T), forwards only; on every stage."""
-        if self.local_tokens:
-            x, y = self.local_tokens(x, y)
+        """The mean loss over x, y (B, t), forwards only; on every stage."""
         with self._gathered():
             loss = self._run(self.forward_actions, x, y)
         return self._sum_over_stages(loss)
@@ -315,7 +215,7 @@ class Pipeline:
         """The loss lives on the last stage (with experts, each stage holds its routers' part):
         every stage returns the sum (a metric: not counted). Called once the step's reductions
         are over: with ring collectives none is then still to be launched, so this native call
-        keeps every rank's one launch order (collectives._Launcher)."""
+        keeps every rank's one launch order (launch.Launcher)."""
         dist.all_reduce(loss, group=self.comm.group)
         return loss
 
@@ -351,11 +251,11 @@ class Pipeline:
         return BUBBLE_FORMULAS[self.schedule], bubble_formula(self.schedule, self.P, self.M, self.v)
 
     def bytes_per_step(self, batch: int, seq_len: int) -> int:
-        """Bytes this stage sends per step: one (b, T, hidden) activation or gradient per send in
-        its list (1F1B: M forward unless it is the last stage, M back unless the first;
-        interleaved: v times as many), the gradient norm's all-reduce, and at the two ends a
-        tied weight's gradient (ring formulas)."""
-        message = batch // self.M * seq_len * self.hidden * torch.finfo(self.dtype).bits // 8
+        """Bytes this stage sends per step for batch rows of seq_len tokens: one activation or
+        gradient (the shape `activation` gives) per send in its list (1F1B: M forward unless it
+        is the last stage, M back unless the first; interleaved: v times as many), the gradient
+        norm's all-reduce, and at the two ends a tied weight's gradient (ring formulas)."""
+        message = math.prod(self.activation(batch // self.M, seq_len)) * torch.finfo(self.dtype).bits // 8
         sends = sum(a.kind.startswith("send") for a in self.actions)
         norm = ring_bytes("all_reduce", 1, 4, self.P)                  # 1 fp32
         tied = (ring_bytes("all_reduce", self.tied.numel(), self.tied.element_size(), 2)
@@ -368,95 +268,103 @@ class Pipeline:
             raise ValueError(f"a batch of {B} rows does not split into {self.M} equal micro-batches: "
                              f"use a batch that is a multiple of {self.M}")
         xs, ys = x.chunk(self.M), y.chunk(self.M)                 # M x (b, T)
-        shape = (B // self.M, T // self.sequence_split, self.hidden)   # what a stage sends
-        device = x.device
+        shape = self.activation(B // self.M, T)                   # what a stage sends: (b, T, C)
         # By (micro-batch, chunk): received activations, computed outputs, received gradients,
-        # and with experts a chunk's routers' losses.
-        inputs, outputs, grads, auxes = {}, {}, {}, {}
-        held = set()                             # F run, B (or W, if the backward is split) not
-        posted, sends, loss = {}, [], torch.zeros((), device=device)
+        # with experts a chunk's routers' losses; the chunks whose F ran and B (or W) not yet;
+        # posted receives, the sends to wait for at the end; this stage's part of the loss.
+        flight = SimpleNamespace(inputs={}, outputs={}, grads={}, auxes={}, held=set(), posted={},
+                                 sends=[], loss=torch.zeros((), device=x.device))
         split = self.weight_grads is not None
-        last_backward = [a for a in actions if a.kind == "B"][-1:]
-        # Every backward is held when the stage has sums of its own to make before the data
-        # dimension reduces (W's gradients after autograd, a tied weight's two ends); else all
-        # but the last, where the gradients are whole anyway (DDP's: GradientSyncs).
+        # One gradient average per step, the last backward's, for the sum of all M. Every
+        # backward is held (the finish reduces them all) when the stage has sums of its own to
+        # make before the data dimension reduces: W's gradients after autograd, a tied weight's
+        # two ends; else all but the last, where the gradients are whole anyway (DDP's).
         held_all = split or self.tied is not None
         accumulate = getattr(self.sync, "keeps_whole_gradients", False)
+        last_backward = [a for a in actions if a.kind == "B"][-1:]
         self.busy, start = 0.0, self._clock(measure)
         for item in nccl_program(actions):
             if not isinstance(item, Action):
-                self._communicate(item, inputs, outputs, grads, posted, sends, shape, device)
+                self._communicate(item, flight, shape, x.device)
                 continue
             a, began = item, self._clock(measure)
-            key, first, last = (a.m, a.chunk), self.first and a.chunk == 0, self.last and a.chunk == self.v - 1
             if a.kind == "F":
-                inp = xs[a.m] if first else inputs[key]
-                outputs[key] = self.module(inp, ys[a.m], chunk=a.chunk) if last else self.module(inp, chunk=a.chunk)
-                if isinstance(outputs[key], tuple):    # (activation, routers' losses): GPTStage
-                    outputs[key], auxes[key] = outputs[key]
-                    loss += auxes[key].detach().float() / self.M
-                    if not torch.is_grad_enabled():
-                        del auxes[key]
-                if last:
-                    loss += outputs[key].detach().float() / self.M
-                    if not torch.is_grad_enabled():
-                        del outputs[key]
-                if torch.is_grad_enabled():
-                    held.add(key)
-                    self.peak_activations = max(self.peak_activations, len(held))
+                self._forward(a, xs[a.m], ys[a.m], flight)
             elif a.kind == "B":
-                # One gradient average per step: the last backward's, for the sum of all M
-                # (held: none; the finish reduces them all).
-                with (self._no_sync() if held_all or ([a] != last_backward and accumulate)
-                      else contextlib.nullcontext()), \
-                        (self.weight_grads.collect(key) if split else contextlib.nullcontext()):
-                    if last:        # the step's loss is the mean over micro-batches: 1/M each
-                        scale_loss(outputs.pop(key) / self.M).backward()
-                    elif key in auxes:  # the routers' losses join the loss here, 1/M each too
-                        torch.autograd.backward([outputs.pop(key), scale_loss(auxes.pop(key) / self.M)],
-                                                [grads.pop(key), None])
-                    else:
-                        outputs.pop(key).backward(grads.pop(key))
+                hold = self.sync is not None and (held_all or ([a] != last_backward and accumulate))
+                with (self.sync.no_sync() if hold else contextlib.nullcontext()), \
+                        (self.weight_grads.collect((a.m, a.chunk)) if split else contextlib.nullcontext()):
+                    self._backward(a, flight, scale_loss)
                 if not split:
-                    held.discard(key)
+                    flight.held.discard((a.m, a.chunk))
             else:                                                  # "W"
-                self.weight_grads.run(key)
-                held.discard(key)
+                self.weight_grads.run((a.m, a.chunk))
+                flight.held.discard((a.m, a.chunk))
             self.busy += self._clock(measure) - began
-        for handle in sends:
+        for handle in flight.sends:
             handle.wait()
         self.wall = self._clock(measure) - start
-        return loss                                   # this stage's part: _sum_over_stages
+        return flight.loss                            # this stage's part: _sum_over_stages
 
-    def _communicate(self, item, inputs, outputs, grads, posted, sends, shape, device):
+    def _forward(self, a: Action, x, y, flight):
+        """F: chunk a.chunk on micro-batch a.m (its tokens x (b, T) on the first chunk, else the
+        activation received); the loss (last chunk) and routers' losses join the step's, 1/M each."""
+        key, last = (a.m, a.chunk), self.last and a.chunk == self.v - 1      # computes the loss
+        inp = x if self.first and a.chunk == 0 else flight.inputs[key]
+        out = self.module(inp, y, chunk=a.chunk) if last else self.module(inp, chunk=a.chunk)
+        if isinstance(out, tuple):                 # (activation, routers' losses): GPTStage
+            out, aux = out
+            flight.loss += aux.detach().float() / self.M
+            if torch.is_grad_enabled():
+                flight.auxes[key] = aux
+        if last:
+            flight.loss += out.detach().float() / self.M
+        if torch.is_grad_enabled() or not last:    # B's, or the send's (evaluation keeps no graph)
+            flight.outputs[key] = out
+        if torch.is_grad_enabled():
+            flight.held.add(key)
+            self.peak_activations = max(self.peak_activations, len(flight.held))
+
+    def _backward(self, a: Action, flight, scale_loss):
+        """B: chunk a.chunk's backward on micro-batch a.m, from the loss or the gradient received."""
+        key = a.m, a.chunk
+        if self.last and a.chunk == self.v - 1:       # the loss's: the mean over micro-batches, 1/M each
+            scale_loss(flight.outputs.pop(key) / self.M).backward()
+        elif key in flight.auxes:   # the routers' losses join the loss here, 1/M each too
+            torch.autograd.backward([flight.outputs.pop(key), scale_loss(flight.auxes.pop(key) / self.M)],
+                                    [flight.grads.pop(key), None])
+        else:
+            flight.outputs.pop(key).backward(flight.grads.pop(key))
+
+    def _communicate(self, item, flight, shape, device):
         """A ("post", group) of nccl_program: one exchange() of the group's sends and receives;
         ("wait", group): wait for it and file what arrived."""
         if item[0] == "wait":
-            handle, received = posted.pop(item[1])
+            handle, received = flight.posted.pop(item[1])
             handle.wait()
             for a, buffer in received.items():
                 if a.kind == "recv_act":
-                    inputs[a.m, a.chunk] = buffer.requires_grad_(torch.is_grad_enabled())
+                    flight.inputs[a.m, a.chunk] = buffer.requires_grad_(torch.is_grad_enabled())
                 else:
-                    grads[a.m, a.chunk] = buffer
+                    flight.grads[a.m, a.chunk] = buffer
             return
         ops, received = [], {}
         after, before = (self.stage + 1) % self.P, (self.stage - 1) % self.P   # the ring's neighbours
         for a in item[1]:
             key = (a.m, a.chunk)
             if a.kind == "send_act":         # (evaluation keeps no graph: nothing to hold for B)
-                out = outputs[key] if torch.is_grad_enabled() else outputs.pop(key)
+                out = flight.outputs[key] if torch.is_grad_enabled() else flight.outputs.pop(key)
                 ops.append(("send", out.detach(), after))
             elif a.kind == "send_grad":
-                ops.append(("send", inputs.pop(key).grad, before))
-            else:                            # a fresh buffer of the known shape: (b, T, hidden)
+                ops.append(("send", flight.inputs.pop(key).grad, before))
+            else:                            # a fresh buffer of the known shape: (b, T, C)
                 received[a] = torch.empty(shape, dtype=self.dtype, device=device)
                 ops.append(("recv", received[a], before if a.kind == "recv_act" else after))
         handle = self.comm.exchange(ops)
         if received:
-            posted[item[1]] = handle, received
+            flight.posted[item[1]] = handle, received
         else:
-            sends.append(handle)             # waited at the end: nothing here reads them
+            flight.sends.append(handle)      # waited at the end: nothing here reads them
 
     @staticmethod
     def _clock(synchronize: bool) -> float:
@@ -466,20 +374,6 @@ class Pipeline:
             # stage's next send (run_under_nccl lets computation run on meanwhile).
             torch.cuda.current_stream().synchronize()
         return time.perf_counter()
-
-
-# ---- train.py's row ---------------------------------------------------------------------------
-
-def stage_layers(option: str | None, n_layer: int, P: int, v: int = 1) -> list[list[range]]:
-    """Each stage's chunks of blocks (one chunk unless interleaved: stage s holds chunks s, s + P,
-    ...) from --stage-layers "N,N,..." (blocks per chunk; None: balanced)."""
-    try:
-        sizes = [int(n) for n in option.split(",")] if option else None
-    except ValueError:
-        raise ValueError(f"--stage-layers {option}: give whole numbers separated by commas, one "
-                         f"per {'chunk' if v > 1 else 'stage'}") from None
-    chunks = split_layers(n_layer, P, sizes, v)
-    return [chunks[s::P] for s in range(P)]
 
 
 if __name__ == "__main__":

@@ -59,11 +59,12 @@ def lr_scheduler(optimizer, args, start: int) -> LambdaLR:
 
 
 @torch.no_grad()
-def eval_loss(model, data, args, rank, world_size, device):
+def eval_loss(model, data, args, rank, world_size, device, my_tokens):
+    """The mean loss over --eval-batches held-out batches (my_tokens: build's Run.my_tokens)."""
     model.eval()
     losses = []
     for i in range(args.eval_batches):
-        x, y = data.batch(i, args.batch_size, args.seq_len, args.seed, "eval", rank, world_size)
+        x, y = my_tokens(*data.batch(i, args.batch_size, args.seq_len, args.seed, "eval", rank, world_size))
         _, loss = model(x.to(device), y.to(device))      # a pipeline forwards through every stage
         losses.append(loss)
     model.train()
@@ -168,7 +169,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
     if took_over:
         say(took_over)
 
-    gpt, model, optimizer, sync, predicted, napkin, context, comm, mesh = build(args, device)
+    gpt, model, optimizer, sync, predicted, napkin, context, comm, mesh, my_tokens = build(args, device)
     data_rank, data_size = mesh.dp.rank, mesh.dp.world_size
     # The ranks holding copies of the same parameters (dp x cp: a cp group's ranks hold whole
     # copies too) write them once, the first of them; a tensor group gathers its slices whole.
@@ -199,7 +200,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     step_done = start_profiling(args, rank, world_size)
     if args.init_from and start == 0:          # fine-tuning: where the new text starts from
-        history["eval_loss_before"] = eval_loss(model, data, args, data_rank, data_size, device)
+        history["eval_loss_before"] = eval_loss(model, data, args, data_rank, data_size, device, my_tokens)
         say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
     tokens_per_step = args.batch_size * args.seq_len
     timer, last_timed, skipped = time.perf_counter(), start - 1, 0
@@ -211,6 +212,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
         mesh.clear()
         x, y = data.batch(step, args.batch_size, args.seq_len, args.seed,
                           rank=data_rank, world_size=data_size)      # (B/D, T)
+        x, y = my_tokens(x, y)                                       # cp pipeline: (B/D, T/cp)
         logged = step % args.log_every == 0 or step == args.steps - 1
         loss, applied = train_step(model, optimizer, sync, to_device(x, device), to_device(y, device), args,
                                    measure=logged)
@@ -252,7 +254,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
                 torch.cuda.reset_peak_memory_stats(device)         # the next line's peak: its steps'
             timer, last_timed = time.perf_counter(), step
         if args.eval_every and step and step % args.eval_every == 0:
-            say(f"step {step:5d} | eval loss {eval_loss(model, data, args, data_rank, data_size, device):.4f}")
+            say(f"step {step:5d} | eval loss {eval_loss(model, data, args, data_rank, data_size, device, my_tokens):.4f}")
             timer, last_timed = time.perf_counter(), step            # time training steps only
         done = step + 1
         step_done(last=done == args.steps)
@@ -264,7 +266,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
             say(f"step {step:5d} | saved {saved}: named by the steps done ({done}), so --resume "
                 f"continues at step {done} | loss {step_loss:.4f}")
             timer, last_timed = time.perf_counter(), step
-    history["eval_loss"] = eval_loss(model, data, args, data_rank, data_size, device)
+    history["eval_loss"] = eval_loss(model, data, args, data_rank, data_size, device, my_tokens)
     say(f"done | eval loss {history['eval_loss']:.4f}")
     if args.export:
         snapshot.export(args.export, gpt, optimizer, layout, rank, lora_config(args))

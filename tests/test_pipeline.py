@@ -82,10 +82,10 @@ def _pipeline_trains(P, runs, cfg=CFG, precision="fp32"):
         v = v[0] if v else 1
         torch.manual_seed(0)
         gpt = GPT(cfg).to(DTYPES[precision])
-        layers = pipeline.stage_layers(None, cfg.n_layer, P, v)[pipe.rank]
+        layers = pipeline.split_layers(cfg.n_layer, P, v=v)[pipe.rank::P]
         stage = pipeline.GPTStage(gpt, layers, first=pipe.rank == 0, last=pipe.rank == P - 1)
         module = DDP(stage, data) if data.world_size > 1 else stage
-        runner = pipeline.Pipeline(module, pipe, schedule, M, cfg.n_embd, DTYPES[precision], stage.tied, v)
+        runner = pipeline.Pipeline(module, pipe, schedule, M, cfg.n_embd, DTYPES[precision])
         optimizer = _optimizer(gpt.parameters(), pipe, precision)
         losses, grads, scales = [], None, []
         for batch in _batches():
@@ -209,10 +209,9 @@ def _ours_and_torchs(P, runs, cfg=CFG):
         for whose in ("ours", "torch"):
             torch.manual_seed(0)
             gpt = GPT(cfg)
-            stage = pipeline.GPTStage(gpt, pipeline.stage_layers(None, cfg.n_layer, P, v)[s], s == 0, s == P - 1)
+            stage = pipeline.GPTStage(gpt, pipeline.split_layers(cfg.n_layer, P, v=v)[s::P], s == 0, s == P - 1)
             if whose == "ours":
-                pipeline.Pipeline(stage, Comm(), schedule, M, cfg.n_embd, torch.float32,
-                                  virtual_stages=v).train_step(x, y)
+                pipeline.Pipeline(stage, Comm(), schedule, M, cfg.n_embd, torch.float32).train_step(x, y)
             else:
                 # torch's last stage returns logits and applies loss_fn itself, then divides the
                 # gradients by M; ours divides each micro-batch's loss by M: the same mean.
@@ -342,15 +341,16 @@ def _sharded_pipeline_trains(P, cfg, strategy):
     pipe, data = make_mesh(Comm(), P)
     torch.manual_seed(0)
     gpt = GPT(cfg)
-    stage = pipeline.GPTStage(gpt, pipeline.stage_layers(None, cfg.n_layer, P)[pipe.rank],
+    stage = pipeline.GPTStage(gpt, pipeline.split_layers(cfg.n_layer, P)[pipe.rank],
                               first=pipe.rank == 0, last=pipe.rank == P - 1)
     module = FSDP(stage, group=data) if strategy == "fsdp" else stage
     optimizer = (FSDPOptimizer(module, lr=1e-2, weight_decay=0.1) if strategy == "fsdp" else
                  ZeroOptimizer(gpt.parameters(), stage=int(strategy[-1]), group=data, lr=1e-2,
                                weight_decay=0.1))
     # ZeRO's optimizer speaks the gradient-sync protocol (FSDP's module does, the default)
-    runner = pipeline.Pipeline(module, pipe, "1f1b", 4, cfg.n_embd, torch.float32, stage.tied,
-                               sync=None if strategy == "fsdp" else optimizer)
+    runner = pipeline.Pipeline(module, pipe, "1f1b", 4, cfg.n_embd, torch.float32)
+    if strategy != "fsdp":
+        runner.sync = optimizer
     optimizer.split_model({"pp": pipe})        # the last stage's tied copy: not counted (GPTStage)
     losses, norms = [], []
     for batch in _batches():
@@ -405,7 +405,7 @@ def _groups_created(P):
     torch.manual_seed(0)
     s = pipe.rank
     stage = pipeline.GPTStage(GPT(TIED), pipeline.split_layers(TIED.n_layer, P)[s], s == 0, s == P - 1)
-    pipeline.Pipeline(stage, pipe, "1f1b", 4, TIED.n_embd, torch.float32, stage.tied)
+    pipeline.Pipeline(stage, pipe, "1f1b", 4, TIED.n_embd, torch.float32)
     return calls
 
 
