@@ -612,7 +612,7 @@ def main(argv=None):
     args = parse_args(argv)
     # What is imported lives as long as the process: frozen, the garbage collector's full passes
     # (time_training's gc.collect between runs, the automatic ones during them) skip torch's
-    # objects. On 2 CPU ranks that halves the tests' quick run (74-85 s -> 38-40 s).
+    # objects (the tests' quick run: about 10% less CPU).
     gc.freeze()
     if args.report:                             # finished runs' tables: no ranks, no run
         runs = []
