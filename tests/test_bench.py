@@ -31,13 +31,13 @@ MOE_COLUMNS = ["expert parallelism", "ms/step", "tokens/s",
 NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?%?")
 
 
-def run_bench(directory, ranks: int, strategies: str, *extra):
-    """bench.py --quick on `ranks` CPU ranks, 1 warm-up + 2 timed steps x 2 repetitions:
+def run_bench(directory, ranks: int, strategies: str, *extra, repeats: int = 2):
+    """bench.py --quick on `ranks` CPU ranks, 1 warm-up + 2 timed steps x `repeats` repetitions:
     (what it printed, its JSON)."""
     path = directory / "bench.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                "bench.py", "--quick", "--strategies", strategies, "--warmup", "1", "--steps", "2",
-               "--repeats", "2", *extra, "--json", str(path)]
+               "--repeats", str(repeats), *extra, "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -58,8 +58,9 @@ def bench(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    """The FSDP rows that need more: hsdp (2 shard groups of 2) and fsdp-lora on 4 ranks."""
-    output, data = run_bench(tmp_path_factory.mktemp("sharded"), 4, "hsdp,fsdp-lora")
+    """The FSDP rows that need more: hsdp (2 shard groups of 2) and fsdp-lora on 4 ranks. One
+    repetition: their tests read the last run's loss, bytes and peak, no timing statistics."""
+    output, data = run_bench(tmp_path_factory.mktemp("sharded"), 4, "hsdp,fsdp-lora", repeats=1)
     return output, {r["strategy"]: r for r in data["strategies"]}
 
 
@@ -385,7 +386,7 @@ def test_profile_puts_each_sides_operators_side_by_side_and_report_compares_size
     """--profile: one more run of each side under torch.profiler, a table of the operators' self
     time per step (the matmuls on both sides). --report of two runs adds ddp by model size,
     smallest model first."""
-    output, data = run_bench(tmp_path, 2, "ddp", "--profile")
+    output, data = run_bench(tmp_path, 2, "ddp", "--profile", repeats=1)     # no timing statistics read
     header, rows = table(output, "operator")
     assert header == ["operator", "ours ms/step", "torch ms/step", "ours - torch"]
     by_op = {row[0]: row for row in rows}
