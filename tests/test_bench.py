@@ -3,6 +3,8 @@
 A smoke test only: it checks that the benchmark runs and reports what it promises, never how
 fast anything is (timings on a shared CPU say nothing a test could rely on).
 """
+import contextlib
+import io
 import json
 import math
 import os
@@ -13,9 +15,10 @@ import sys
 import pytest
 import torch
 
-from bench import parse_args
+from bench import main as bench_main, parse_args
 from collectives import ring_bytes
 from model import build_model
+from multiprocess import run_ranks
 from zero import step_message_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,11 +59,27 @@ def bench(tmp_path_factory):
                      "--max-mb", "0.004")
 
 
+def _bench_main(argv):
+    """bench.main(argv) on a run_ranks rank, in the environment torchrun gives its workers:
+    what it printed (rank 0 writes the JSON)."""
+    world = str(torch.distributed.get_world_size())
+    os.environ.update(WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        bench_main(argv)
+    return printed.getvalue()
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    """The FSDP rows that need more: hsdp (2 shard groups of 2) and fsdp-lora on 4 ranks. One
-    repetition: their tests read the last run's loss, bytes and peak, no timing statistics."""
-    output, data = run_bench(tmp_path_factory.mktemp("sharded"), 4, "hsdp,fsdp-lora", repeats=1)
+    """The FSDP rows that need more: hsdp (2 shard groups of 2) and fsdp-lora on 4 ranks, in
+    forked ranks (run_ranks: 4 torchrun workers would each import torch again; the fixture above
+    is bench.py's torchrun launch). One repetition: their tests read the last run's loss, bytes
+    and peak, no timing statistics."""
+    path = tmp_path_factory.mktemp("sharded") / "bench.json"
+    output = run_ranks(_bench_main, 4, ["--quick", "--strategies", "hsdp,fsdp-lora", "--warmup", "1",
+                                        "--steps", "2", "--repeats", "1", "--json", str(path)])[0]
+    data = json.loads(path.read_text())
     return output, {r["strategy"]: r for r in data["strategies"]}
 
 
