@@ -109,6 +109,18 @@ def train_logged(argv):
     return history, printed.getvalue()
 
 
+def bench_logged(argv):
+    """bench.main(argv) on this rank, in the environment torchrun gives its workers: what it
+    printed (rank 0 writes the JSON)."""
+    from bench import main
+    world = str(dist.get_world_size())
+    os.environ.update(WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)        # what torchrun would set
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(argv)
+    return printed.getvalue()
+
+
 def assert_tensors_close(actual: dict, expected: dict, rtol: float, atol: float, what: str = ""):
     """Compare two {name: tensor} dicts; a failure names the tensor, the largest difference and where."""
     assert actual.keys() == expected.keys(), f"{what}: different names {set(actual) ^ set(expected)}"

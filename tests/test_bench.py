@@ -3,8 +3,6 @@
 A smoke test only: it checks that the benchmark runs and reports what it promises, never how
 fast anything is (timings on a shared CPU say nothing a test could rely on).
 """
-import contextlib
-import io
 import json
 import math
 import os
@@ -15,10 +13,10 @@ import sys
 import pytest
 import torch
 
-from bench import main as bench_main, parse_args
+from bench import parse_args
 from collectives import ring_bytes
 from model import build_model
-from multiprocess import run_ranks
+from multiprocess import bench_logged, run_ranks
 from zero import step_message_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,13 +32,13 @@ MOE_COLUMNS = ["expert parallelism", "ms/step", "tokens/s",
 NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?%?")
 
 
-def run_bench(directory, ranks: int, strategies: str, *extra, repeats: int = 2):
-    """bench.py --quick on `ranks` CPU ranks, 1 warm-up + 2 timed steps x `repeats` repetitions:
+def run_bench(directory, ranks: int, strategies: str, *extra):
+    """bench.py --quick on `ranks` CPU ranks, 1 warm-up + 2 timed steps x 2 repetitions:
     (what it printed, its JSON)."""
     path = directory / "bench.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                "bench.py", "--quick", "--strategies", strategies, "--warmup", "1", "--steps", "2",
-               "--repeats", str(repeats), *extra, "--json", str(path)]
+               "--repeats", "2", *extra, "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -59,27 +57,20 @@ def bench(tmp_path_factory):
                      "--max-mb", "0.004")
 
 
-def _bench_main(argv):
-    """bench.main(argv) on a run_ranks rank, in the environment torchrun gives its workers:
-    what it printed (rank 0 writes the JSON)."""
-    world = str(torch.distributed.get_world_size())
-    os.environ.update(WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        bench_main(argv)
-    return printed.getvalue()
+def bench_in_ranks(directory, ranks: int, strategies: str, *extra, repeats: int):
+    """run_bench's run, x `repeats` repetitions, in forked ranks (run_ranks: torchrun's workers would each import torch, bench's
+    torch parts and torch._dynamo again; the quick fixture is bench.py's torchrun launch)."""
+    path = directory / "bench.json"
+    output = run_ranks(bench_logged, ranks, ["--quick", "--strategies", strategies, "--warmup", "1", "--steps",
+                                             "2", "--repeats", str(repeats), *extra, "--json", str(path)])[0]
+    return output, json.loads(path.read_text())
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    """The FSDP rows that need more: hsdp (2 shard groups of 2) and fsdp-lora on 4 ranks, in
-    forked ranks (run_ranks: 4 torchrun workers would each import torch again; the fixture above
-    is bench.py's torchrun launch). One repetition: their tests read the last run's loss, bytes
-    and peak, no timing statistics."""
-    path = tmp_path_factory.mktemp("sharded") / "bench.json"
-    output = run_ranks(_bench_main, 4, ["--quick", "--strategies", "hsdp,fsdp-lora", "--warmup", "1",
-                                        "--steps", "2", "--repeats", "1", "--json", str(path)])[0]
-    data = json.loads(path.read_text())
+    """The FSDP rows that need more: hsdp (2 shard groups of 2) and fsdp-lora on 4 ranks. One
+    repetition: their tests read the last run's loss, bytes and peak, no timing statistics."""
+    output, data = bench_in_ranks(tmp_path_factory.mktemp("sharded"), 4, "hsdp,fsdp-lora", repeats=1)
     return output, {r["strategy"]: r for r in data["strategies"]}
 
 
@@ -405,7 +396,7 @@ def test_profile_puts_each_sides_operators_side_by_side_and_report_compares_size
     """--profile: one more run of each side under torch.profiler, a table of the operators' self
     time per step (the matmuls on both sides). --report of two runs adds ddp by model size,
     smallest model first."""
-    output, data = run_bench(tmp_path, 2, "ddp", "--profile", repeats=1)     # no timing statistics read
+    output, data = bench_in_ranks(tmp_path, 2, "ddp", "--profile", repeats=1)   # no timing statistics read
     header, rows = table(output, "operator")
     assert header == ["operator", "ours ms/step", "torch ms/step", "ours - torch"]
     by_op = {row[0]: row for row in rows}
