@@ -1,7 +1,7 @@
 """Run a test function on N CPU processes joined in one gloo group, as torchrun would.
 
 run_ranks(fn, N, *args) starts N fresh processes (forked from a server that has already
-imported torch, so a launch costs about a second, not five), joins them with a FileStore
+imported torch and the repository, so a launch costs a tenth of a second, not five), joins them with a FileStore
 (no ports to pick, so parallel tests never collide), runs fn(*args) on each with one
 thread (two cores), and returns every rank's result; run_ranks(train_logged, N, argv) runs
 train.py in them; with nccl=True each rank keeps NCCL's rules that gloo lets pass
@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 _context = multiprocessing.get_context("forkserver")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What every rank imports, imported once by the server: torch._dynamo is what the first
-# torch.optim optimizer imports (with sympy), nearly 2 s a process.
+# torch.optim optimizer imports (with sympy), nearly 2 s a process; pytest every test file.
 TORCH_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest"]
 
 
