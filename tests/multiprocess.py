@@ -1,10 +1,10 @@
 """Run a test function on N CPU processes joined in one gloo group, as torchrun would.
 
 run_ranks(fn, N, *args) starts N fresh processes (forked from a server that has already
-imported torch and the repository, so a launch costs a tenth of a second, not five), joins them with a FileStore
-(no ports to pick, so parallel tests never collide), runs fn(*args) on each with one
-thread (two cores), and returns every rank's result; run_ranks(train_logged, N, argv) runs
-train.py in them; with nccl=True each rank keeps NCCL's rules that gloo lets pass
+imported torch and the repository, so a launch costs a tenth of a second, not five), joins
+them with a FileStore (no ports to pick, so parallel tests never collide), runs fn(*args) on
+each with one thread (two cores), and returns every rank's result; run_ranks(train_logged, N,
+argv) runs train.py in them; with nccl=True each rank keeps NCCL's rules that gloo lets pass
 (nccl_rules, below). A rank that raises fails the test with that rank's traceback; a rank
 that does not finish in `timeout` seconds (a hang) fails it too, and every process is killed:
 a broken collective never hangs the suite.
