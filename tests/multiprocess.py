@@ -1,18 +1,20 @@
 """Run a test function on N CPU processes joined in one gloo group, as torchrun would.
 
 run_ranks(fn, N, *args) starts N fresh processes (forked from a server that has already
-imported torch, so a launch costs about a second, not five), joins them with a FileStore
-(no ports to pick, so parallel tests never collide), runs fn(*args) on each with one
-thread (two cores), and returns every rank's result; run_ranks(train_logged, N, argv) runs
-train.py in them; with nccl=True each rank keeps NCCL's rules that gloo lets pass
+imported torch and the repository, so a launch costs a tenth of a second, not five), joins
+them with a FileStore (no ports to pick, so parallel tests never collide), runs fn(*args) on
+each with one thread (two cores), and returns every rank's result; run_ranks(train_logged, N,
+argv) runs train.py in them; with nccl=True each rank keeps NCCL's rules that gloo lets pass
 (nccl_rules, below). A rank that raises fails the test with that rank's traceback; a rank
 that does not finish in `timeout` seconds (a hang) fails it too, and every process is killed:
 a broken collective never hangs the suite.
 """
 import contextlib
+import gc
 import io
 import multiprocessing
 import os
+import pickle
 import queue
 import sys
 import tempfile
@@ -24,18 +26,34 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _context = multiprocessing.get_context("forkserver")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What every rank imports, imported once by the server: torch._dynamo is what the first
-# torch.optim optimizer imports (with sympy), nearly 2 s a process.
-_context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+# torch.optim optimizer imports (with sympy), nearly 2 s a process; pytest every test file.
+TORCH_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest"]
+
+
+def _preload() -> list:
+    """torch, and the repository's modules the tests imported (all of them once pytest has
+    collected): a rank unpickles fn by importing its test file, which then finds train, bench,
+    fsdp and the torch parts they pull in (pipelining, FSDP2, the profiler) already imported,
+    not 0.2-1 s of imports per rank. The server imports them by name from its working directory
+    (Python 3.11's forkserver keeps no sys.path of ours): run from the repository root, as the
+    README's test command is; from elsewhere, each rank imports them itself, as before."""
+    ours = [name for name, module in list(sys.modules.items())
+            if not name.startswith("__") and os.path.dirname(getattr(module, "__file__", None) or "") == ROOT]
+    return TORCH_PRELOAD + sorted(ours)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, nccl: bool = False) -> list:
     """fn(*args) on world_size ranks; returns [result of rank 0, ..., rank N-1].
     nccl: each rank runs fn under nccl_rules(), NCCL's rules that gloo lets pass."""
+    _context.set_forkserver_preload(_preload())      # read once, when the server starts
     with tempfile.TemporaryDirectory() as tmp:
         results = _context.Queue()
-        procs = [_context.Process(target=_rank_main, args=(fn, rank, world_size, os.path.join(
-                     tmp, "store"), args, results, nccl))
+        # fn and args as bytes, unpickled by the rank after its gc.freeze() (_rank_main)
+        work = pickle.dumps((fn, args))
+        procs = [_context.Process(target=_rank_main, args=(work, rank, world_size, os.path.join(
+                     tmp, "store"), results, nccl))
                  for rank in range(world_size)]
         for p in procs:
             p.start()
@@ -59,9 +77,14 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, nccl: bool = F
     return [outputs[rank] for rank in range(world_size)]
 
 
-def _rank_main(fn, rank, world_size, store_path, args, results, nccl):
+def _rank_main(work, rank, world_size, store_path, results, nccl):
+    # What the server imported (torch, the repository) is frozen: never garbage, so collections,
+    # and memory.live_tensor_bytes's walk over every object, skip it (0.3 s a count otherwise).
+    # Tensors made from here on, the test's own arguments included, are counted as before.
+    gc.freeze()
     torch.set_num_threads(1)
     try:
+        fn, args = pickle.loads(work)
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size),
                                 rank=rank, world_size=world_size)
         buffer = io.BytesIO()                 # tensors travel as bytes: no shared-memory handles
@@ -84,6 +107,18 @@ def train_logged(argv):
     with contextlib.redirect_stdout(printed):
         history = train.main(argv)
     return history, printed.getvalue()
+
+
+def bench_logged(argv):
+    """bench.main(argv) on this rank, in the environment torchrun gives its workers: what it
+    printed (rank 0 writes the JSON)."""
+    from bench import main
+    world = str(dist.get_world_size())
+    os.environ.update(WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)        # what torchrun would set
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(argv)
+    return printed.getvalue()
 
 
 def assert_tensors_close(actual: dict, expected: dict, rtol: float, atol: float, what: str = ""):

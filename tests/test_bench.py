@@ -16,6 +16,7 @@ import torch
 from bench import parse_args
 from collectives import ring_bytes
 from model import build_model
+from multiprocess import bench_logged, run_ranks
 from zero import step_message_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,10 +57,20 @@ def bench(tmp_path_factory):
                      "--max-mb", "0.004")
 
 
+def bench_in_ranks(directory, ranks: int, strategies: str, *extra, repeats: int):
+    """run_bench's run, x `repeats` repetitions, in forked ranks (run_ranks: torchrun's workers would each import torch, bench's
+    torch parts and torch._dynamo again; the quick fixture is bench.py's torchrun launch)."""
+    path = directory / "bench.json"
+    output = run_ranks(bench_logged, ranks, ["--quick", "--strategies", strategies, "--warmup", "1", "--steps",
+                                             "2", "--repeats", str(repeats), *extra, "--json", str(path)])[0]
+    return output, json.loads(path.read_text())
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    """The FSDP rows that need more: hsdp (2 shard groups of 2) and fsdp-lora on 4 ranks."""
-    output, data = run_bench(tmp_path_factory.mktemp("sharded"), 4, "hsdp,fsdp-lora")
+    """The FSDP rows that need more: hsdp (2 shard groups of 2) and fsdp-lora on 4 ranks. One
+    repetition: their tests read the last run's loss, bytes and peak, no timing statistics."""
+    output, data = bench_in_ranks(tmp_path_factory.mktemp("sharded"), 4, "hsdp,fsdp-lora", repeats=1)
     return output, {r["strategy"]: r for r in data["strategies"]}
 
 
@@ -386,7 +397,7 @@ def test_profile_puts_each_sides_operators_side_by_side_and_report_compares_size
     """--profile: one more run of each side under torch.profiler, a table of the operators' self
     time per step (the matmuls on both sides). --report of two runs adds ddp by model size,
     smallest model first."""
-    output, data = run_bench(tmp_path, 2, "ddp", "--profile")
+    output, data = bench_in_ranks(tmp_path, 2, "ddp", "--profile", repeats=1)   # no timing statistics read
     header, rows = table(output, "operator")
     assert header == ["operator", "ours ms/step", "torch ms/step", "ours - torch"]
     by_op = {row[0]: row for row in rows}

@@ -12,8 +12,6 @@ bad command lines stop every rank with one message.
 import contextlib
 import json
 import os
-import subprocess
-import sys
 from collections import Counter
 from unittest import mock
 
@@ -28,7 +26,7 @@ from context_parallel import cp_kv_bytes
 from memory import cp_activation_bytes
 from meters import saved_activation_bytes
 from model import GPT, GPTConfig
-from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
+from multiprocess import assert_mean_close, assert_tensors_close, bench_logged, run_ranks
 from snapshot import load_weights
 from test_tensor_parallel import (RUN, _single_runs, _straight_and_resumed, _train, _usage_errors,
                                   _weights)
@@ -377,15 +375,11 @@ def test_memory_cp_table_halves_a_ranks_activations(capsys):
 
 
 def test_bench_times_ring_beside_allgather(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node", "2", "bench.py", "--quick", "--strategies", "cp",
-                             "--warmup", "1", "--steps", "2", "--repeats", "1", "--json", str(path)],
-                            cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "| cp attention (cp 2, zigzag) |" in result.stdout and "context_parallel not run" in result.stdout
+    # bench.py's run on 2 forked ranks (test_bench.py's quick fixture is its torchrun launch)
+    output = run_ranks(bench_logged, 2, ["--quick", "--strategies", "cp", "--warmup", "1", "--steps", "2",
+                                         "--repeats", "1", "--json", str(path)])[0]
+    assert "| cp attention (cp 2, zigzag) |" in output and "context_parallel not run" in output
     rows = {r["attention"]: r for r in json.loads(path.read_text())["context_parallel"]}
     assert set(rows) == {"ring", "allgather"}
     for r in rows.values():

@@ -126,7 +126,7 @@ def test_the_mesh_groups_are_created_everywhere_and_reduce_over_their_ranks():
 # ---- a stalled rank: every group honours --timeout -------------------------------------------
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMEOUT = 10             # seconds: spare for a loaded CPU's start-up, whose collectives wait too
+TIMEOUT = 6              # seconds: spare for a loaded CPU's start-up, whose collectives wait too
 
 
 def _stall_last_rank(world: int, flags: list) -> list:
