@@ -328,7 +328,7 @@ class Zero2Optimizer(ZeroOptimizer):
 class ZeroOffload(OffloadedOptimizer):
     """ZeRO-Offload (Ren et al. 2021, section 4) on a ZeRO stage: each bucket's master shard and
     its Adam moments in host memory, the step on the CPU (offload.py's); the device keeps the
-    parameters and the gradient shards, stage 1's or stage 2's, as without it."""
+    parameters and the gradients (stage 1's full buffers, stage 2's shards), as without it."""
 
     def _new_master(self, bucket: Bucket, shard: torch.Tensor) -> torch.Tensor:
         return self._host_master(bucket, shard)                          # (S,) fp32, on the host

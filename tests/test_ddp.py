@@ -351,7 +351,7 @@ def test_clear_errors(awkward):
 def _wrappers_freed():
     """Each wrapper that hooks gradients (DDP, ZeRO-1, ZeRO-2, FSDP), after one backward, dropped:
     is it, and its model, freed? torch keeps post-accumulate hooks where Python's gc does not look,
-    so a hook holding its wrapper kept both alive (ddp.hook_gradient holds it weakly)."""
+    so a hook holding its wrapper kept both alive (flat.hook_gradient holds it weakly)."""
     import gc
     import weakref
     from fsdp import FSDP
