@@ -61,7 +61,7 @@ from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS, build_model
 from parallelize import data_parallel
 from process_groups import exit_distributed, init_distributed, make_mesh
-from zero import ZeroOptimizer
+from zero import zero_optimizer
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -107,8 +107,8 @@ def ours_ddp(model, args):
 
 def ours_zero(stage, model, args):
     comm = Comm()
-    return Run(model, ZeroOptimizer(model.parameters(), stage=stage, optimizer_cls=torch.optim.AdamW,
-                                    group=comm, bucket_mb=args.bucket_mb, **ADAMW), comm)
+    return Run(model, zero_optimizer(model.parameters(), stage=stage, optimizer_cls=torch.optim.AdamW,
+                                     group=comm, bucket_mb=args.bucket_mb, **ADAMW), comm)
 
 
 def torch_ddp_model(model, args):

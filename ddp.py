@@ -10,14 +10,13 @@ Run: torchrun --nproc_per_node 2 train.py --strategy ddp; test: python -m pytest
 
 Shapes: N ranks in the group, P trainable parameters, L_b elements in bucket b's flat buffer.
 """
-import weakref
-from collections import deque
 from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.nn as nn
 
 from collectives import as_comm, flags_to_device, ring_bytes
+from flat import FlatParams, InOrder, hook_gradient, split_into_buckets
 from mixed_precision import on_the_wire
 from placements import by_reduction
 from process_groups import check_same_parameters
@@ -37,171 +36,6 @@ def all_reduce_gradients(module: nn.Module, group=None):
     for p in module.parameters():
         if p.grad is not None:
             comm.all_reduce(p.grad, op="avg")
-
-
-# ---- bucketed and overlapped, as PyTorch's reducer does it -------------------------------------
-#
-#   registration order:  p0  p1  p2  p3  p4  p5     forward runs roughly left to right,
-#   gradients arrive:    p5  p4  p3  p2  p1  p0     so backward produces them right to left
-#
-#   buckets (at most bucket_mb MiB, one flat buffer each, filled in arrival order):
-#      bucket 0: [p5 | p4]   bucket 1: [p3 | p2 | p1]   bucket 2: [p0]
-#
-#   time ->  backward  | p5 p4 | p3 p2 p1 | p0 |
-#            network           |== all-reduce b0 ==|== b1 ==|== b2 ==|   finish_gradient_sync()
-#
-# A bucket's all-reduce starts the moment its last gradient lands, while backward goes on
-# computing the next layers: for a model whose backward takes longer than its communication,
-# only the last bucket's all-reduce is exposed. Few large messages instead of one per tensor
-# reach the link's bandwidth; too large a bucket would start its message too late to overlap.
-
-def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
-    """Consecutive tensors grouped into messages of at most bucket_mb MiB, one dtype and device each.
-
-    One message per tensor pays the network's latency hundreds of times; one message for
-    everything can only start when the last gradient exists. Buckets of a few MiB reach the
-    link's bandwidth and can still start early. A tensor larger than the cap gets its own.
-    """
-    cap = bucket_mb * 2**20
-    buckets, size = [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if not buckets or size + nbytes > cap or (t.dtype, t.device) != (buckets[-1][-1].dtype,
-                                                                        buckets[-1][-1].device):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(t)
-        size += nbytes
-    return buckets
-
-
-def hook_gradient(param: nn.Parameter, method, *indices: int):
-    """Call method(*indices), a bound method of a wrapper (DDP, ZeRO-2, FSDP), each time backward
-    has accumulated param's gradient into param.grad.
-
-    The hook holds the wrapper weakly and gets plain indices, never a bucket or unit: torch keeps
-    post-accumulate hooks where Python's gc does not look (torch 2.13), so a hook reaching the
-    wrapper, which holds the parameter, would be a cycle never freed, every model wrapped kept.
-    Once the wrapper is gone, the hook does nothing.
-    """
-    wrapper, function = weakref.ref(method.__self__), method.__func__
-
-    def hook(_):
-        if (alive := wrapper()) is not None:
-            function(alive, *indices)
-    param.register_post_accumulate_grad_hook(hook)
-
-
-class InOrder:
-    """The backward side of DDP, ZeRO-2 and FSDP, written once: launch one reduction per bucket
-    (or unit) in a fixed order that every rank agrees on, whatever order the gradients arrive in,
-    with at most max_in_flight unfinished.
-
-    Collectives are matched by call order, not by name: a rank whose backward fills bucket 2
-    before bucket 1 (data-dependent control flow, a unit only some ranks use) must still launch
-    1 first, or it pairs its buffers with another rank's wrong ones. So a full bucket waits for
-    every earlier one, then all consecutive full ones go. launch(bucket) starts its reduction
-    and returns what retire(bucket, started) needs to finish it (wait, keep the result, free the
-    buffer); None when nothing was started (FSDP under no_sync). The strategy calls ready() from
-    its gradient hooks and, at the end of backward, launch_rest() (buckets whose gradients never
-    came still reduce: every rank must launch every bucket) and wait_all().
-    """
-
-    def __init__(self, buckets: list, launch, retire, max_in_flight: int | None = None):
-        self.buckets, self.launch, self.retire = list(buckets), launch, retire
-        self.max_in_flight = max_in_flight
-        self._ready = set()                    # indices of full buckets not yet launched
-        self._next = 0                         # the first bucket not launched in this backward
-        self._in_flight = deque()              # (bucket, what launch returned), oldest first
-        self._index = {id(b): i for i, b in enumerate(self.buckets)}
-
-    @property
-    def launched(self) -> int:
-        """Buckets launched so far in this backward."""
-        return self._next
-
-    def ready(self, bucket):
-        """All of bucket's gradients are in: launch it, and every full one after it, in order."""
-        self._ready.add(self._index[id(bucket)])
-        while self._next in self._ready:
-            self._ready.discard(self._next)
-            self._start(self.buckets[self._next])
-            self._next += 1
-
-    def launch_rest(self):
-        """End of backward: launch every bucket not launched yet, full or not, in order."""
-        for bucket in self.buckets[self._next:]:
-            self._start(bucket)
-        self._next, self._ready = 0, set()
-
-    def wait_all(self):
-        while self._in_flight:
-            self.retire(*self._in_flight.popleft())
-
-    def _start(self, bucket):
-        started = self.launch(bucket)
-        if started is not None:
-            self._in_flight.append((bucket, started))
-        # Memory stays bounded whatever the network's speed: wait for the oldest.
-        while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
-            self.retire(*self._in_flight.popleft())
-
-
-class FlatParams:
-    """Parameters laid end to end in one flat buffer, zero-padded to N equal shards: the one
-    buffer of the whole ladder. DDP's rank owns every shard (N = 1, no padding); ZeRO's rank r
-    owns shard r of the optimizer state and the gradient (zero.py); FSDP's of the parameters too.
-
-        params   [ w0: 6 elements | w1: 3 | b1: 2 ]              P = 11, N = 3, S = 4
-        flat     [ w0 w0 w0 w0 | w0 w0 w1 w1 | w1 b1 b1 pad ]
-                      shard 0       shard 1       shard 2        rank r owns shard r
-
-    After construction every parameter is a view into `flat`: the model runs unchanged, and
-    whatever is written into `flat` (an all-gather) is written into the parameters. Any other
-    flat tensor of the same layout (a gradient buffer) is cut the same way by views() and shard().
-    """
-
-    def __init__(self, params: list[nn.Parameter], world_size: int):
-        self.params = list(params)
-        first = self.params[0]
-        self.numel = sum(p.numel() for p in self.params)                 # P
-        self.shard_numel = -(-self.numel // world_size)                  # S = ceil(P / N)
-        self.offsets = [0]
-        for p in self.params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        self.flat = torch.zeros(world_size * self.shard_numel, dtype=first.dtype,
-                                device=first.device)                     # (N*S,)
-        with torch.no_grad():
-            for p, view in zip(self.params, self.views(self.flat)):
-                view.copy_(p)
-                p.data = view
-        # The gradient side, filled by the strategies as backward runs:
-        self.grad_flat = None     # (N*S,) the full gradient in the same layout (DDP: always)
-        self.pending = len(self.params)   # gradients not yet in, this backward
-
-    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        """The slice of `flat` that belongs to params[i], shaped like it."""
-        return flat[self.offsets[i]: self.offsets[i + 1]].view_as(self.params[i])
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [self.view(flat, i) for i in range(len(self.params))]
-
-    def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
-        """Rank `rank`'s shard of `flat`: (N*S,) -> (S,)."""
-        return flat[rank * self.shard_numel: (rank + 1) * self.shard_numel]
-
-    def shard_ranges(self, rank: int) -> list[tuple[int, int, int, int]]:
-        """What shard `rank` holds, parameter by parameter: (i, start, stop, offset) says that
-        elements start:stop of params[i] (flattened) sit at shard[offset : offset + stop - start].
-        In the picture above, shard 1 is (0, 4, 6, 0), (1, 0, 2, 2). Checkpoints save this map
-        beside each shard, so another world size can cut the same values differently."""
-        low, high = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        ranges = []
-        for i in range(len(self.params)):
-            first, last = max(self.offsets[i], low), min(self.offsets[i + 1], high)
-            if first < last:
-                ranges.append((i, first - self.offsets[i], last - self.offsets[i], first - low))
-        return ranges
 
 
 class GradientSyncs:
@@ -230,6 +64,24 @@ class GradientSyncs:
         for sync in self.syncs:
             sync.finish_gradient_sync()
 
+
+# ---- bucketed and overlapped, as PyTorch's reducer does it -------------------------------------
+#
+#   registration order:  p0  p1  p2  p3  p4  p5     forward runs roughly left to right,
+#   gradients arrive:    p5  p4  p3  p2  p1  p0     so backward produces them right to left
+#
+#   buckets (at most bucket_mb MiB, one flat buffer each, filled in arrival order):
+#      bucket 0: [p5 | p4]   bucket 1: [p3 | p2 | p1]   bucket 2: [p0]
+#
+#   time ->  backward  | p5 p4 | p3 p2 p1 | p0 |
+#            network           |== all-reduce b0 ==|== b1 ==|== b2 ==|   finish_gradient_sync()
+#
+# A bucket's all-reduce starts the moment its last gradient lands, while backward goes on
+# computing the next layers: for a model whose backward takes longer than its communication,
+# only the last bucket's all-reduce is exposed. Few large messages instead of one per tensor
+# reach the link's bandwidth; too large a bucket would start its message too late to overlap.
+# The pieces are flat.py's, shared with ZeRO and FSDP: split_into_buckets, a FlatParams per
+# bucket, hook_gradient, and InOrder, which launches the buckets in one order on every rank.
 
 class DDP(nn.Module):
     """Wrap `module` for data parallel training over `group` (a Comm, a ProcessGroup or None).

@@ -26,14 +26,14 @@ import torch
 import torch.nn as nn
 
 from collectives import as_comm, flags_to_device, ring_bytes
-from ddp import FlatParams, InOrder, hook_gradient
+from flat import (MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, flags_and_norm_bytes, hook_gradient,
+                  or_used_flags, shards_norm)
 from mixed_precision import DynamicLossScaler
 from model import Block
+from offload import OffloadedOptimizer as ShardedOptimizer, host_buffer, host_copy, host_to_device
 from placements import data_reduction, placement
 from quantization import NF4Weight
 from process_groups import check_same_parameters
-from zero import (MAX_REDUCTIONS_IN_FLIGHT, ShardedOptimizer, flags_and_norm_bytes, host_buffer,
-                  host_copy, host_to_device, or_used_flags, shards_norm)
 
 
 def gpt_blocks(module: nn.Module) -> bool:

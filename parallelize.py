@@ -32,7 +32,7 @@ from pipeline import GPTStage, Pipeline
 from process_groups import make_device_mesh, make_mesh
 from snapshot import RunError, load_weights, refused
 from tensor_parallel import TensorParallelGPT
-from zero import ZeroOptimizer
+from zero import ZeroOptimizer, zero_optimizer
 
 
 class Run(NamedTuple):
@@ -139,9 +139,9 @@ def data_parallel(gpt, args, data, device, adamw: dict):
         held = run_state_bytes(gpt, "zero3", args, data.world_size, shard_group=S)
     else:
         model = gpt
-        optimizer = ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]),
-                                  optimizer_cls=torch.optim.AdamW, group=data, bucket_mb=args.bucket_mb,
-                                  offload=bool(args.offload), reduce_dtype=reduce_dtype, **adamw)
+        optimizer = zero_optimizer(gpt.parameters(), stage=int(args.strategy[-1]),
+                                   optimizer_cls=torch.optim.AdamW, group=data, bucket_mb=args.bucket_mb,
+                                   offload=bool(args.offload), reduce_dtype=reduce_dtype, **adamw)
         sent = optimizer.bytes_per_step(micro_batches=args.grad_accum)
         held = run_state_bytes(gpt, args.strategy, args, data.world_size)
     return model, optimizer, sent + exchange_bytes(gpt, args, data.world_size), held
@@ -216,9 +216,9 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
         offload = bool(args.offload)           # ZeRO-Offload: the shards' optimizer on the host
         optimizer = (FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)
                      if strategy is fsdp else
-                     ZeroOptimizer(gpt.parameters(), stage=int(args.strategy[-1]), group=data,
-                                   bucket_mb=args.bucket_mb, offload=offload,
-                                   reduce_dtype=reduce_dtype, **adamw))
+                     zero_optimizer(gpt.parameters(), stage=int(args.strategy[-1]), group=data,
+                                    bucket_mb=args.bucket_mb, offload=offload,
+                                    reduce_dtype=reduce_dtype, **adamw))
     # The global norm sums each value once over the dimensions that split the model beside the
     # optimizer's own ranks (placements.py): a replicated optimizer's experts differ over ep.
     optimizer.split_model({"ep": experts if strategy is ddp else None,

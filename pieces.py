@@ -28,7 +28,7 @@ class CheckpointError(Exception):
 # the ranges their shards cover, which may cut a parameter in two.
 
 def optimizer_pieces(optimizer, names: dict) -> list[dict]:
-    """This rank's pieces, from an optimizer with master_ranges() (mixed_precision.py, zero.py)."""
+    """This rank's pieces, from an optimizer with master_ranges() (mixed_precision.py, flat.py)."""
     pieces = []
     for param, start, stop, master, offset in optimizer.master_ranges():
         ranged = {"param": master}

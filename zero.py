@@ -2,36 +2,30 @@
 
 Under DDP every rank holds the whole Adam state: 12 of the 16 bytes per parameter in mixed
 precision. ZeRO (Rajbhandari et al. 2020, sections 5.1 and 5.2) lays the parameters in a flat
-buffer split into N equal shards; rank r keeps the optimizer state (stage 1) and the reduced
-gradient (stage 2) of shard r only, updates that shard, and all-gathers the parameters. A
-reduce-scatter plus an all-gather move what DDP's all-reduce moves: the memory is free (with
-gradient accumulation stage 2 reduce-scatters every micro-batch, DDP all-reduces once a step).
-offload=True is ZeRO-Offload (Ren et al. 2021, section 4): the shard's fp32 master and Adam
-moments live in host memory and the step runs on the CPU; parameters and gradients stay put.
-Left out: stage 3 (fsdp.py: the same FlatParams, ddp.py's), ZeRO++'s quantised messages, offload's
-one-step delayed update and a vectorised CPU Adam (torch's own runs on the host).
+buffer split into N equal shards (flat.py's FlatParams, DDP's buckets too); rank r keeps the
+optimizer state (stage 1) and the reduced gradient (stage 2) of shard r only, updates that
+shard, and all-gathers the parameters. A reduce-scatter plus an all-gather move what DDP's
+all-reduce moves: the memory is free (with gradient accumulation stage 2 reduce-scatters every
+micro-batch, DDP all-reduces once a step). Stage 1, then stage 2 as its delta, then
+ZeRO-Offload (Ren et al. 2021, section 4) as a delta on either: the shard's fp32 master and Adam
+moments in host memory, the step on the CPU (offload.py); parameters and gradients stay put.
+Left out: stage 3 (fsdp.py: the same FlatParams), ZeRO++'s quantised messages.
 Run: torchrun --nproc_per_node 2 train.py --strategy zero2; test: python -m pytest tests/test_zero.py
 
 Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements per shard.
 """
 
 import contextlib
-import itertools
-import weakref
 
 import torch
 
-from collectives import Comm, as_comm, flags_to_device, ring_bytes
-from ddp import FlatParams, InOrder, hook_gradient, split_into_buckets
-from mixed_precision import (DynamicLossScaler, MasterOptimizer, on_the_wire, parameters_only,
-                             unscale_grads)
-from placements import by_reduction, grad_norm, norm_weight
+from collectives import as_comm, ring_bytes
+from flat import (MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, ShardedOptimizer,
+                  flags_and_norm_bytes, hook_gradient, split_into_buckets)
+from mixed_precision import DynamicLossScaler, on_the_wire, parameters_only
+from offload import OffloadedOptimizer, host_to_device
+from placements import by_reduction
 from process_groups import check_same_parameters
-
-# Stage 2 (and FSDP) keeps at most this many full gradients in flight, buckets or units: when a
-# third fills, backward waits for the oldest reduce-scatter and frees its buffer. Memory stays
-# bounded whatever the network's speed; two in flight are enough to keep the link busy.
-MAX_REDUCTIONS_IN_FLIGHT = 2
 
 
 class Bucket(FlatParams):
@@ -44,124 +38,9 @@ class Bucket(FlatParams):
         self.master = None        # (S,) fp32: the shard the inner optimizer updates
         self.grad_shard = None    # (S,) this rank's reduced gradient, in the reduce dtype
         # grad_flat (FlatParams): stage 1 keeps it always, stage 2 only while in flight
-        self.host_grad = None     # offload: (S,) fp32 host buffer the reduced gradient lands in
+        self.host_grad = None     # ZeRO-Offload (below): (S,) fp32, the gradient copied to the host
         self.replicas = None      # ranks holding copies of this shard (FSDP's HSDP; ZeRO: none)
         self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
-
-
-def shards_norm(flats: list, grads: list, comm: Comm, split: dict) -> torch.Tensor:
-    """The global gradient norm from this rank's shards of flats (grads: each flat's (S,)
-    gradient shard, or None), summed over comm, the groups the model is split over beside it
-    (split, {mesh dim: group}), and HSDP's copies where some shard is not copied (an expert's
-    unit spans them; with every shard copied, one copy's squares are the whole). Each run of a
-    shard counts as placements.norm_weight says: every value once. Collective."""
-    copied = [flat.replicas is not None for flat in flats]
-    copies_summed = any(copied) and not all(copied)
-    runs = []                   # (grad, first, last, weight): equal neighbours merged, one kernel
-    for flat, grad in zip(flats, grads):
-        if grad is None:
-            continue
-        copies = flat.replicas.world_size if copies_summed and flat.replicas else 1
-        for i, start, stop, offset in flat.shard_ranges(flat.comm.rank):
-            weight, last = norm_weight(flat.params[i], split, copies), offset + stop - start
-            if runs and runs[-1][0] is grad and runs[-1][2:] == (offset, weight):
-                runs[-1] = (grad, runs[-1][1], last, weight)
-            else:
-                runs.append((grad, offset, last, weight))
-    pieces = [(grad[first:last], weight) for grad, first, last, weight in runs]
-    groups = [comm, *split.values(), *([flats[copied.index(True)].replicas] if copies_summed else [])]
-    return grad_norm(pieces, groups, flats[0].params[0].device)
-
-
-class ShardedOptimizer(MasterOptimizer):
-    """What ZeRO's optimizer and FSDP's share once the gradients are shards (the base of both).
-
-    self.flats: the flat buffers (zero.py's buckets, fsdp.py's units), each with `master`, this
-    rank's (S,) fp32 shard, `comm`, the ranks it is sharded over (self.comm, or with expert
-    parallelism the ranks holding the same experts), and `used`, one flag per parameter: did
-    this rank compute a gradient for it since zero_grad()? The step is stage 2's whatever the
-    stage: each rank updates its shards only, with one global norm for clipping and the
-    inf/NaN skip.
-    Inside a mesh (parallelize.py), split_model() names the groups whose ranks hold the other
-    parts of the model beside these shards (tensor slices, pipeline stages): the norm adds the
-    squares over them too (shards_norm).
-    """
-
-    _decision_host = None   # offload: the norm and flags land here, beside the gradients
-
-    def _total_norm(self, grads, masters):
-        device = self.flats[0].params[0].device
-        local = [u for flat in self.flats for u in flat.used]
-        used, agree = self._used_anywhere_flags(device)                          # (P,), launched
-        # The shards are disjoint slices of the one gradient (an expert's shards, over the world,
-        # cover every expert once): every rank gets the same global norm, so every rank takes
-        # the same skip decision.
-        grad_of = {id(master): grad for grad, master in zip(grads, masters)}
-        norm = shards_norm(self.flats, [grad_of.get(id(f.master)) for f in self.flats], self.comm,
-                           self.split)
-        agree()
-        # Read only where this rank missed a gradient: if it computed every one, every parameter
-        # was used somewhere. Read or not, it rides in the step's one host read, the norm's.
-        self._used_anywhere = used if not all(local) else None
-        return norm
-
-    def _used_anywhere_flags(self, device) -> tuple:
-        # A parameter no rank used keeps its values and moments (keep_unchanged), as torch's
-        # optimizers skip a .grad of None: the flags OR'ed over the ranks, sent beside the norm.
-        return or_used_flags(self.flats, device)
-
-    def _flags_to_read(self):
-        return self._used_anywhere
-
-    def _unused(self):
-        if self._flags_read is None:
-            return []
-        used, ranges = iter(self._flags_read), []
-        for flat in self.flats:
-            unused = {i for i in range(len(flat.params)) if not next(used)}
-            ranges += [(flat.master, offset, offset + stop - start)
-                       for i, start, stop, offset in flat.shard_ranges(flat.comm.rank) if i in unused]
-        return ranges
-
-    def _unscale(self):
-        """Offloaded, the norm is taken on the device, where the gradient shards are (and NCCL
-        reduces), and copied to the host with them: one wait for all, the step's one host sync,
-        then clipping and the inf/NaN check read host memory only."""
-        if not self.offload or self._unscaled is not None:
-            return super()._unscale()
-        grads, masters = self._gradients()                               # (S,) each, on the device
-        scale = self.scaler.scale
-        norm = self._total_norm(grads, masters) / scale         # a power of two: exact division
-        decision = norm.reshape(1).float()                               # (1,) or (1 + P,)
-        if self._used_anywhere is not None:
-            decision = torch.cat([decision, self._used_anywhere.float()])
-        host_grad = {id(flat.master): flat.host_grad for flat in self.flats}
-        buffers = [host_grad[id(m)] for m in masters]
-        if self._decision_host is None:           # (1 + P,) fp32, pinned once for the run
-            flags = sum(len(flat.params) for flat in self.flats)
-            self._decision_host = host_buffer(decision.new_empty(1 + flags))
-        *grads, decision = gradients_to_host([*grads, decision],
-                                             [*buffers, self._decision_host[: decision.numel()]])
-        unscale_grads(grads, masters, scale)
-        self._used_anywhere = decision[1:] if self._used_anywhere is not None else None
-        self._unscaled = masters, decision[0]
-        return self._unscaled
-
-    def master_ranges(self) -> list[tuple]:
-        """(param, start, stop, master, offset): elements start:stop of param (flattened) have
-        their fp32 master, and their optimizer state, at master[offset : offset + stop - start].
-        Only this rank's shards: a checkpoint saves every rank's and joins them by name."""
-        return [(flat.params[i], start, stop, flat.master, offset) for flat in self.flats
-                for i, start, stop, offset in flat.shard_ranges(flat.comm.rank)]
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        """What offload keeps in host memory: fp32 masters, optimizer state, gradient buffers."""
-        if not self.offload:
-            return []
-        return [*self.state_tensors(), *(flat.host_grad for flat in self.flats)]
-
-    def _shard_id(self) -> dict:
-        return {"rank": self.comm.rank, "world_size": self.comm.world_size}
 
 
 class ZeroOptimizer(ShardedOptimizer):
@@ -169,17 +48,17 @@ class ZeroOptimizer(ShardedOptimizer):
 
     params: the model's parameters; frozen ones (requires_grad=False) are left alone. Their
     dtype picks the precision: fp32 updates the parameters' own shard in place (it is its own
-    master), bf16 and fp16 keep an fp32 master shard, fp16 also scales the loss (scaler).
-    stage: 1, or 2 for ZeRO-2 (the constructor then builds a Zero2Optimizer, below).
+    master), bf16 and fp16 keep an fp32 master shard, fp16 also scales the loss (.scaler, a
+    DynamicLossScaler: replace it before the first step for other settings).
     group: a collectives.Comm, a process group or None (the world). bucket_mb: the size of
     each flat buffer; stage 2 reduces one bucket while backward computes the next.
-    offload: keep the fp32 masters and the optimizer state on the host and step there (the
-    device then holds only the parameters and the gradient shards). reduce_dtype: the dtype
-    the gradients are reduce-scattered in, and the shard kept (None: the parameters'; torch.float32
-    for bf16/fp16 parameters: upcast before the collective, as FSDP2's reduce_dtype).
+    reduce_dtype: the dtype the gradients are reduce-scattered in, and the shard kept (None:
+    the parameters'; torch.float32 for bf16/fp16 parameters: upcast before the collective, as
+    FSDP2's reduce_dtype). optimizer_cls(masters, **optimizer_kwargs): the inner optimizer.
     Training loop: zero_grad(); scale_loss(loss).backward() per micro-batch;
     clip_grad_norm_(max_norm) if clipping (the global norm: torch.nn.utils' would see stage 2's
     freed .grad as nothing to clip); step(). A torch.optim.Optimizer: schedulers drive it.
+    zero_optimizer(params, stage, offload) below picks the class of a stage, offloaded or not.
 
     Stage 1 keeps every full gradient in the buckets' flat buffers (param.grad is a view, as
     DDP's) and reduce-scatters them once, at step(): the gradients stay whole until then.
@@ -189,17 +68,8 @@ class ZeroOptimizer(ShardedOptimizer):
     keeps_whole_gradients = True        # ddp.GradientSyncs: full buffers until the finish
     _synced = False                     # finish_gradient_sync() ran since the last gradient
 
-    def __new__(cls, params, stage: int = 1, *args, **kwargs):
-        # ZeroOptimizer(params, stage=2) is a Zero2Optimizer: one class per stage, one argument.
-        return super().__new__(Zero2Optimizer if stage == 2 else cls)
-
-    def __init__(self, params, stage: int = 1, optimizer_cls=torch.optim.AdamW, group=None,
-                 bucket_mb: float = 25, scaler: DynamicLossScaler | None = None,
-                 offload: bool = False, reduce_dtype: torch.dtype | None = None,
-                 **optimizer_kwargs):
-        if stage not in (1, 2):
-            raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}; stage 3 shards the "
-                             f"parameters too: that is FSDP (fsdp.py)")
+    def __init__(self, params, optimizer_cls=torch.optim.AdamW, group=None, bucket_mb: float = 25,
+                 reduce_dtype: torch.dtype | None = None, **optimizer_kwargs):
         trainable = [p for p in parameters_only(params, "ZeroOptimizer") if p.requires_grad]
         if not trainable:
             raise ValueError("ZeroOptimizer: no trainable parameters (requires_grad=True) to shard")
@@ -208,12 +78,8 @@ class ZeroOptimizer(ShardedOptimizer):
             raise ValueError(f"ZeroOptimizer needs all trainable parameters in one of fp32, bf16, "
                              f"fp16, got {sorted(map(str, dtypes))}: cast the model first, e.g. "
                              f"model.to(torch.bfloat16)")
-        self.comm = as_comm(group)
+        self.comm, self.reduce_dtype = as_comm(group), reduce_dtype
         check_same_parameters(trainable, self.comm)
-        if offload not in (True, False):
-            raise ValueError(f"ZeroOptimizer offload must be True (the optimizer on the CPU) or "
-                             f"False, got {offload!r}")
-        self.offload, self.reduce_dtype = offload, reduce_dtype
         # Reverse registration order is roughly the order backward produces gradients (stage 2
         # reduces buckets as they fill); each bucket is sharded N ways, so rank r's share of
         # the optimizer state is shard r of every bucket: 1/N of the whole, plus padding.
@@ -228,15 +94,15 @@ class ZeroOptimizer(ShardedOptimizer):
         for bucket in self.buckets:
             bucket.comm.broadcast(bucket.flat, src=0)                # ranks start identical
             shard = bucket.shard(bucket.flat, bucket.comm.rank)      # (S,) a view of the parameters
-            if offload:
-                # Even in fp32 the host needs its own copy: the CPU cannot update device memory.
-                bucket.master, bucket.host_grad = host_copy(shard), host_buffer(shard)
-            else:
-                bucket.master = shard if shard.dtype == torch.float32 else shard.float()
+            bucket.master = self._new_master(bucket, shard)
         self.flats, self.masters = self.buckets, [b.master for b in self.buckets]
         super().__init__(self.masters, optimizer_cls, optimizer_kwargs,
-                         scaler or DynamicLossScaler(enabled=trainable[0].dtype == torch.float16))
+                         DynamicLossScaler(enabled=trainable[0].dtype == torch.float16))
         self._hook_gradients()
+
+    def _new_master(self, bucket: Bucket, shard: torch.Tensor) -> torch.Tensor:
+        """The (S,) fp32 tensor the inner optimizer updates: in fp32 the parameters' own shard."""
+        return shard if shard.dtype == torch.float32 else shard.float()
 
     def _hook_gradients(self):
         """Gradients accumulate straight into each bucket's flat buffer: param.grad is a view."""
@@ -286,11 +152,6 @@ class ZeroOptimizer(ShardedOptimizer):
         """This rank's gradient shards (reduced now, or in backward by stage 2), its masters."""
         self.finish_gradient_sync()
         buckets = [b for b in self.buckets if b.grad_shard is not None]
-        # Offloaded (ZeRO-Offload), ShardedOptimizer._unscale copies them out, Adam steps on the
-        # CPU, and the parameters go back in. It could overlap more: copy each shard out as its
-        # reduce-scatter retires in backward, step bucket i on the CPU while bucket i+1 is still
-        # on its way, or (the paper's delayed update) run the whole CPU step beside the next
-        # forward, the weights one step stale.
         return [b.grad_shard for b in buckets], [b.master for b in buckets]      # (S,) each
 
     def _write_back(self):
@@ -307,14 +168,15 @@ class ZeroOptimizer(ShardedOptimizer):
         for bucket in self.buckets:
             shard = bucket.shard(bucket.flat, bucket.comm.rank)
             if bucket.master is not shard:
-                # Round the fp32 master into the model. Offloaded, this is the host -> device copy:
-                # from pinned memory it is asynchronous, and the stream runs it before the
-                # clone below, so bucket i's all-gather overlaps bucket i+1's copy.
-                host_to_device(shard, bucket.master)
+                self._master_into_model(shard, bucket.master)          # (S,) rounded
             # The input is a copy: it must not alias the buffer being gathered into.
             gathers.append(bucket.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
         for handle in gathers:
             handle.wait()
+
+    def _master_into_model(self, shard: torch.Tensor, master: torch.Tensor):
+        """Round the fp32 master into the model's (16-bit) shard, before its all-gather."""
+        shard.copy_(master)
 
     def refresh_params(self):
         """After the masters were written (a loaded checkpoint): the model's parameters follow."""
@@ -461,88 +323,47 @@ class Zero2Optimizer(ZeroOptimizer):
         return micro_batches
 
 
-def or_used_flags(flats: list, device) -> tuple:
-    """The flats' "used" flags OR'ed over the ranks holding each (its comm), then over HSDP's
-    copies of the shard (a flat's `replicas`): did any rank compute a gradient for each
-    parameter? Returns the (P,) uint8 flags on device, their all-reduces launched (a P-byte
-    message, as DDP's; one per run of flats on one comm), and agree(), which waits for them."""
-    used = flags_to_device([u for flat in flats for u in flat.used], device)         # (P,)
-    launched, first = [], 0
-    for comm, run in itertools.groupby(flats, key=lambda flat: flat.comm):
-        run = list(run)
-        stop = first + sum(len(flat.params) for flat in run)
-        handle = comm.all_reduce(used[first: stop], op="max", async_op=True)
-        launched.append((handle, getattr(run[0], "replicas", None), first, stop))
-        first = stop
+# ---- ZeRO-Offload: a delta on either stage ------------------------------------------------------
 
-    def agree():
-        for handle, copies, start, stop in launched:
-            handle.wait()           # (before the copies' all-reduce: NCCL orders no two groups)
-            if copies is not None:
-                copies.all_reduce(used[start: stop], op="max")
-    return used, agree
+class ZeroOffload(OffloadedOptimizer):
+    """ZeRO-Offload (Ren et al. 2021, section 4) on a ZeRO stage: each bucket's master shard and
+    its Adam moments in host memory, the step on the CPU (offload.py's); the device keeps the
+    parameters and the gradients (stage 1's full buffers, stage 2's shards), as without it."""
 
+    def _new_master(self, bucket: Bucket, shard: torch.Tensor) -> torch.Tensor:
+        return self._host_master(bucket, shard)                          # (S,) fp32, on the host
 
-def flags_and_norm_bytes(flats: list, comm) -> int:
-    """step_message_bytes when the flats are sharded over groups of their own (expert
-    parallelism's): each run of flats sends its flags to its ranks; the norm goes to comm's."""
-    return sum(ring_bytes("all_reduce", sum(len(flat.params) for flat in run), 1, group.world_size)
-               for group, run in itertools.groupby(flats, key=lambda flat: flat.comm)
-               ) + ring_bytes("all_reduce", 1, 4, comm.world_size)
+    # The step: OffloadedOptimizer._unscale copies the gradient shards out, Adam steps on the
+    # CPU, and the parameters go back in. It could overlap more: copy each shard out as its
+    # reduce-scatter retires in backward, step bucket i on the CPU while bucket i+1 is still
+    # on its way, or (the paper's delayed update) run the whole CPU step beside the next
+    # forward, the weights one step stale.
+
+    def _master_into_model(self, shard: torch.Tensor, master: torch.Tensor):
+        # The host -> device copy: from pinned memory it is asynchronous, and the stream runs it
+        # before the all-gather's clone, so bucket i's all-gather overlaps bucket i+1's copy.
+        host_to_device(shard, master)
 
 
-def step_message_bytes(n_params: int, world_size: int) -> int:
-    """What a sharded step sends besides the shards (ring): the P used-flags, one byte each,
-    as DDP sends them, and the global norm's one fp32 number."""
-    return (ring_bytes("all_reduce", n_params, 1, world_size)
-            + ring_bytes("all_reduce", 1, 4, world_size))
+class ZeroOffloadOptimizer(ZeroOffload, ZeroOptimizer):
+    """ZeRO-1 with ZeRO-Offload: the full gradients on the device, the step on the host."""
 
 
-# ---- CPU offload (ZeRO-Offload), shared with fsdp.py -------------------------------------------
-
-def host_buffer(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """An empty (fp32) host tensor shaped like `like`, pinned when `like` is on a GPU: only from
-    pinned (page-locked) memory can a copy run as a DMA transfer that does not block the CPU."""
-    buffer = torch.empty(like.shape, dtype=dtype)
-    if like.is_cuda:
-        lock_pages(buffer)
-    return buffer
+class Zero2OffloadOptimizer(ZeroOffload, Zero2Optimizer):
+    """ZeRO-2 with ZeRO-Offload: the gradient shards on the device, the step on the host."""
 
 
-def lock_pages(t: torch.Tensor):
-    """Pin t's own memory where it is (cudaHostRegister), until its storage is freed: exactly its
-    bytes, as memory.py counts them. torch.empty(..., pin_memory=True) would take a block of
-    torch's caching host allocator, rounded up to a power of two: up to twice the bytes, for
-    buffers held the whole run. (Copies from registered memory run asynchronously too.)"""
-    if t.nbytes == 0:
-        return
-    cudart = torch.cuda.cudart()
-    torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0))
-    # The storage outlives this tensor object (a parameter's .data, views): unpin when it goes.
-    weakref.finalize(t.untyped_storage(), cudart.cudaHostUnregister, t.data_ptr())
+ZERO = {(1, False): ZeroOptimizer, (2, False): Zero2Optimizer,
+        (1, True): ZeroOffloadOptimizer, (2, True): Zero2OffloadOptimizer}
 
 
-def host_copy(t: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """An (fp32) copy of `t` in (pinned) host memory."""
-    return host_buffer(t, dtype).copy_(t.detach())
-
-
-def host_to_device(device_tensor: torch.Tensor, host: torch.Tensor):
-    """Copy a pinned host tensor into a device tensor (of another dtype: the fp32 master into a
-    16-bit shard) without the host waiting. torch converts a dtype on the source's side, and a
-    converted host tensor is pageable memory, which the host copies out itself: so the bytes
-    cross in the host's dtype, from pinned memory, and are rounded on the device."""
-    if host.dtype != device_tensor.dtype:
-        host = host.to(device_tensor.device, non_blocking=True)
-    device_tensor.copy_(host, non_blocking=True)
-
-
-def gradients_to_host(grads: list, buffers: list) -> list:
-    """Copy each device gradient shard (S,) into its fp32 host buffer (S,); return the buffers."""
-    for grad, buffer in zip(grads, buffers):
-        buffer.copy_(grad, non_blocking=True)    # queued behind the reduce-scatter that made grad
-    if grads and grads[0].is_cuda:
-        # One wait for all of them (the copies run back to back): the CPU step must not read a
-        # buffer before its bytes have landed.
-        torch.cuda.current_stream(grads[0].device).synchronize()
-    return buffers
+def zero_optimizer(params, stage: int = 1, offload: bool = False, **kwargs) -> ZeroOptimizer:
+    """ZeRO as the command line names it: the optimizer of `stage` (1 or 2), with ZeRO-Offload
+    when `offload`; kwargs go to its constructor (ZeroOptimizer's)."""
+    if stage not in (1, 2):
+        raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}; stage 3 shards the "
+                         f"parameters too: that is FSDP (fsdp.py)")
+    if offload not in (True, False):
+        raise ValueError(f"ZeroOptimizer offload must be True (the optimizer on the CPU) or "
+                         f"False, got {offload!r}")
+    return ZERO[stage, offload](params, **kwargs)

@@ -141,7 +141,7 @@ def assert_mean_close(actual: dict, expected: dict, atol: float, what: str = "")
 # Two rules gloo lets pass: a coalesced batch_isend_irecv returns ONE work for the whole batch
 # (gloo: one per message), and every tensor a collective or p2p message is given lives on the
 # compute device (gloo takes host memory too). On a CPU rank host and device are both "cpu", so
-# host memory is tracked: what zero.host_buffer allocates (the one helper offload allocates its
+# host memory is tracked: what offload.host_buffer allocates (the one helper offload allocates its
 # host buffers through), and what is made from it. Such a tensor answers .device with HOST, so
 # a tensor made on a device read from a host tensor (`device=master.device`) is host memory too.
 
@@ -206,9 +206,9 @@ def nccl_rules(device=torch.device("cpu")):
     and a collective or a p2p message given a tensor that is not on `device`, or is host memory,
     raises. For CPU tests; the ring's launcher thread is outside the mode (it is per thread), so
     its messages are checked against the recorded host storages alone."""
-    import zero
+    import offload
     host = _HostMemory()
-    original_host_buffer = zero.host_buffer
+    original_host_buffer = offload.host_buffer
 
     def host_buffer(*args, **kwargs):
         return host.add(original_host_buffer(*args, **kwargs))

@@ -15,9 +15,9 @@ import torch
 
 from bench import parse_args
 from collectives import ring_bytes
+from flat import step_message_bytes
 from model import build_model
 from multiprocess import bench_logged, run_ranks
-from zero import step_message_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGY_COLUMNS = ["strategy", "ours ms/step", "torch ms/step", "ours/torch", "ours tokens/s",

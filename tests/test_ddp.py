@@ -351,14 +351,14 @@ def test_clear_errors(awkward):
 def _wrappers_freed():
     """Each wrapper that hooks gradients (DDP, ZeRO-1, ZeRO-2, FSDP), after one backward, dropped:
     is it, and its model, freed? torch keeps post-accumulate hooks where Python's gc does not look,
-    so a hook holding its wrapper kept both alive (ddp.hook_gradient holds it weakly)."""
+    so a hook holding its wrapper kept both alive (flat.hook_gradient holds it weakly)."""
     import gc
     import weakref
     from fsdp import FSDP
-    from zero import ZeroOptimizer
+    from zero import Zero2Optimizer, ZeroOptimizer
     builds = {"ddp": lambda m: DDP(m, bucket_mb=BUCKET_MB),
-              "zero1": lambda m: ZeroOptimizer(m.parameters(), stage=1, bucket_mb=BUCKET_MB),
-              "zero2": lambda m: ZeroOptimizer(m.parameters(), stage=2, bucket_mb=BUCKET_MB),
+              "zero1": lambda m: ZeroOptimizer(m.parameters(), bucket_mb=BUCKET_MB),
+              "zero2": lambda m: Zero2Optimizer(m.parameters(), bucket_mb=BUCKET_MB),
               "fsdp": lambda m: FSDP(m)}
     alive = {}
     for name, wrap in builds.items():
@@ -475,7 +475,7 @@ def _in_flight_during_backward():
     the strategy did with that gradient) and, for FSDP, the all-gathers in flight while each
     unit computes (a forward pre-hook after FSDP's, and the backward's gradient hooks)."""
     from fsdp import FSDP
-    from zero import ZeroOptimizer
+    from zero import Zero2Optimizer
     rows = _batches(1, 2)[0]                                             # (2, T+1)
     x, y = rows[:, :-1], rows[:, 1:]
     out = {}
@@ -494,7 +494,7 @@ def _in_flight_during_backward():
 
     comm = _CountingComm()
     gpt = _gpt()
-    zero2 = ZeroOptimizer(gpt.parameters(), stage=2, group=comm, bucket_mb=BUCKET_MB)
+    zero2 = Zero2Optimizer(gpt.parameters(), group=comm, bucket_mb=BUCKET_MB)
     sample(gpt, gpt.parameters(), "reduce_scatter", "zero2")
     out["zero2_buckets"] = len(zero2.buckets)
 
@@ -520,7 +520,7 @@ def test_reductions_in_flight_reach_what_each_strategy_promises():
     ZeRO-2 and FSDP keep MAX_REDUCTIONS_IN_FLIGHT reduce-scatters in flight once that many have
     launched, never fewer; FSDP with prefetch 1 has the next unit's all-gather in flight while
     each unit but the last computes, in forward and in backward."""
-    from zero import MAX_REDUCTIONS_IN_FLIGHT
+    from flat import MAX_REDUCTIONS_IN_FLIGHT
     for rank, out in enumerate(run_ranks(_in_flight_during_backward, 2)):
         # DDP: in flight at each gradient = buckets launched so far, all of them after backward
         assert out["ddp"] == sorted(out["ddp"]) and out["ddp_buckets"] >= 3, out["ddp"]

@@ -61,8 +61,8 @@ class SyncCounter:
     """Patches the blocking calls; while `on`, records each made from the project's files.
 
     Offload's copy of the gradients to the host ends in a wait for the stream (on CUDA; on the
-    CPU there is nothing to wait for): each call of zero.gradients_to_host counts one, and a
-    read of the pinned host buffers it filled (zero.host_buffer's) waits for nothing more."""
+    CPU there is nothing to wait for): each call of offload.gradients_to_host counts one, and a
+    read of the pinned host buffers it filled (offload.host_buffer's) waits for nothing more."""
 
     def __init__(self):
         self.on, self.calls, self.host = False, collections.Counter(), set()
@@ -84,12 +84,12 @@ class SyncCounter:
         return call
 
     def install(self):
-        import zero
+        import offload
         for name in TENSOR_METHODS:
             setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
         for name in TORCH_FUNCTIONS:
             setattr(torch, name, self._wrap(name, getattr(torch, name)))
-        to_host, host_buffer = zero.gradients_to_host, zero.host_buffer
+        to_host, host_buffer = offload.gradients_to_host, offload.host_buffer
 
         def gradients_to_host(grads, buffers):
             if self.on:
@@ -100,7 +100,7 @@ class SyncCounter:
             buffer = host_buffer(*args, **kwargs)
             self.host.add(buffer.untyped_storage().data_ptr())
             return buffer
-        zero.gradients_to_host, zero.host_buffer = gradients_to_host, counted_host_buffer
+        offload.gradients_to_host, offload.host_buffer = gradients_to_host, counted_host_buffer
 
 
 def _count_step(argv):

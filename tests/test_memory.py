@@ -423,7 +423,7 @@ def _measured_after_one_step():
     from ddp import DDP
     from memory import held_bytes
     from mixed_precision import DTYPES, MixedPrecisionOptimizer
-    from zero import ZeroOptimizer
+    from zero import zero_optimizer
     measured = {}
     for strategy, offload in (("ddp", False), ("zero1", False), ("zero2", False), ("zero1", True),
                               ("zero2", True)):
@@ -434,7 +434,7 @@ def _measured_after_one_step():
                 model = DDP(model)
                 optimizer = MixedPrecisionOptimizer(model.parameters(), precision=precision)
             else:
-                optimizer = ZeroOptimizer(model.parameters(), stage=int(strategy[-1]), offload=offload)
+                optimizer = zero_optimizer(model.parameters(), stage=int(strategy[-1]), offload=offload)
             idx = torch.randint(0, 256, (2, 33))
             _, loss = model(idx[:, :-1], idx[:, 1:])
             optimizer.scale_loss(loss).backward()

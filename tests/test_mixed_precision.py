@@ -17,7 +17,7 @@ from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer, 
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
 from test_fsdp import _Plain
-from zero import ZeroOptimizer
+from zero import Zero2Optimizer, zero_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -285,7 +285,7 @@ def _wrap(how, model):
     if how == "ddp":
         wrapped = DDP(model)
         return wrapped, MixedPrecisionOptimizer(wrapped.parameters(), torch.optim.AdamW, **DROP_IN_ADAMW)
-    return model, ZeroOptimizer(model.parameters(), stage=int(how[-1]), bucket_mb=0.002, **DROP_IN_ADAMW)
+    return model, zero_optimizer(model.parameters(), stage=int(how[-1]), bucket_mb=0.002, **DROP_IN_ADAMW)
 
 
 def _drop_in_loops(batches):
@@ -480,7 +480,7 @@ def _reduced_gradients():
                 optimizer = MixedPrecisionOptimizer(gpt.parameters(), precision="bf16")
             else:
                 model = gpt.to(torch.bfloat16)
-                optimizer = ZeroOptimizer(gpt.parameters(), stage=2, group=comm, reduce_dtype=reduce_dtype)
+                optimizer = Zero2Optimizer(gpt.parameters(), group=comm, reduce_dtype=reduce_dtype)
             comm.bytes_sent.clear()                                   # the step's bytes only
             model(x[mine], y[mine])[1].backward()
             if strategy != "zero2":

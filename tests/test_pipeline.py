@@ -337,7 +337,7 @@ def _sharded_pipeline_trains(P, cfg, strategy):
     parallelize.py builds it;
     this rank's averaged losses, clipped norms, and its copy of a tied weight after the steps."""
     from fsdp import FSDP, FSDPOptimizer
-    from zero import ZeroOptimizer
+    from zero import zero_optimizer
     pipe, data = make_mesh(Comm(), P)
     torch.manual_seed(0)
     gpt = GPT(cfg)
@@ -345,8 +345,8 @@ def _sharded_pipeline_trains(P, cfg, strategy):
                               first=pipe.rank == 0, last=pipe.rank == P - 1)
     module = FSDP(stage, group=data) if strategy == "fsdp" else stage
     optimizer = (FSDPOptimizer(module, lr=1e-2, weight_decay=0.1) if strategy == "fsdp" else
-                 ZeroOptimizer(gpt.parameters(), stage=int(strategy[-1]), group=data, lr=1e-2,
-                               weight_decay=0.1))
+                 zero_optimizer(gpt.parameters(), stage=int(strategy[-1]), group=data, lr=1e-2,
+                                weight_decay=0.1))
     # ZeRO's optimizer speaks the gradient-sync protocol (FSDP's module does, the default)
     runner = pipeline.Pipeline(module, pipe, "1f1b", 4, cfg.n_embd, torch.float32)
     if strategy != "fsdp":

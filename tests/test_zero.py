@@ -22,8 +22,9 @@ from collectives import ring_bytes
 from mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
-import zero as zero_module
-from zero import FlatParams, ZeroOptimizer, step_message_bytes
+import flat as flat_module
+from flat import FlatParams, step_message_bytes
+from zero import zero_optimizer
 
 MODEL = dict(n_layer=2, n_embd=64, n_head=4, block_size=32)
 GLOBAL_BATCH, SEQ, STEPS, LR, WD = 8, 16, 5, 1e-3, 0.1  # 8 sequences split over N = 2 or 4 ranks
@@ -308,9 +309,10 @@ def _zero_launch():
             if dtype is not None:
                 m = m.to(dtype)
             before = _params(m)
-            opt = ZeroOptimizer(m.parameters(), stage=stage, optimizer_cls=optimizer_cls,
-                                group=comm, bucket_mb=bucket_mb, scaler=scaler, offload=offload,
-                                **kwargs)
+            opt = zero_optimizer(m.parameters(), stage=stage, optimizer_cls=optimizer_cls,
+                                 group=comm, bucket_mb=bucket_mb, offload=offload, **kwargs)
+            if scaler is not None:
+                opt.scaler = scaler
             init = _params(m)
             if comm is not None:
                 comm.bytes_sent.clear()                          # drop the construction broadcast
@@ -453,7 +455,7 @@ def _zero_launch():
             def make(seed):
                 m = _gpt(seed=seed)
                 m = m.to(dtype)
-                return m, ZeroOptimizer(m.parameters(), stage=stage, bucket_mb=BUCKET_MB, **ADAMW)
+                return m, zero_optimizer(m.parameters(), stage=stage, bucket_mb=BUCKET_MB, **ADAMW)
             model, opt = make(rank)
             _train_zero(model, opt, data[:3])
             checkpoint = copy.deepcopy((model.state_dict(), opt.state_dict()))
@@ -473,8 +475,9 @@ def _zero_launch():
         def run():
             m = _gpt(seed=rank).to(dtype)
             scaler = DynamicLossScaler(init_scale=2.0**10) if dtype == torch.float16 else None
-            opt = ZeroOptimizer(m.parameters(), stage=stage, bucket_mb=BUCKET_MB, scaler=scaler,
-                                **ADAMW)
+            opt = zero_optimizer(m.parameters(), stage=stage, bucket_mb=BUCKET_MB, **ADAMW)
+            if scaler is not None:
+                opt.scaler = scaler
             target = opt.buckets[0].params[0]                    # flat element 0: shard 0's
             res = {"stepped": [], "scales": []}
 
@@ -507,12 +510,12 @@ def _zero_launch():
     # 11: bad input, on every rank, before any collective
     def errors():
         res = {}
-        for key, make in [("stage3", lambda: ZeroOptimizer(_gpt().parameters(), stage=3)),
-                          ("stage0", lambda: ZeroOptimizer(_gpt().parameters(), stage=0)),
-                          ("frozen", lambda: ZeroOptimizer(
+        for key, make in [("stage3", lambda: zero_optimizer(_gpt().parameters(), stage=3)),
+                          ("stage0", lambda: zero_optimizer(_gpt().parameters(), stage=0)),
+                          ("frozen", lambda: zero_optimizer(
                               nn.Linear(2, 2).requires_grad_(False).parameters())),
-                          ("empty", lambda: ZeroOptimizer([])),
-                          ("offload", lambda: ZeroOptimizer(_gpt().parameters(), offload="cpu"))]:
+                          ("empty", lambda: zero_optimizer([])),
+                          ("offload", lambda: zero_optimizer(_gpt().parameters(), offload="cpu"))]:
             try:
                 make()
                 res[key] = None
@@ -818,7 +821,7 @@ def test_zero2_gradient_memory(launch, variant):
     n, ranks = launch
     # Buckets whose full gradient may exist at once: those launched and not yet waited for,
     # plus the one backward is filling.
-    alive = zero_module.MAX_REDUCTIONS_IN_FLIGHT + 1
+    alive = flat_module.MAX_REDUCTIONS_IN_FLIGHT + 1
     for rank, out in enumerate(_get(ranks, variant)):
         what = f"N={n} rank {rank} {variant}"
         shards = 4 * sum(out["shard_numels"])                    # fp32 gradient shards
@@ -944,7 +947,7 @@ def test_offload_pins_exactly_the_bytes_it_holds(monkeypatch):
     a parameter's .data still holds it."""
     import gc
     import types
-    import zero
+    import offload
     calls = []
     fake = types.SimpleNamespace(
         cudaHostRegister=lambda ptr, size, flags: calls.append(("register", ptr, size)) or 0,
@@ -952,7 +955,7 @@ def test_offload_pins_exactly_the_bytes_it_holds(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "check_error", lambda result: calls.append(("checked", result)))
     numel = 3 * 2**20 + 5
-    buffer = zero.host_buffer(types.SimpleNamespace(shape=(numel,), is_cuda=True))   # a GPU's shard
+    buffer = offload.host_buffer(types.SimpleNamespace(shape=(numel,), is_cuda=True))   # a GPU's shard
     ptr = buffer.data_ptr()
     assert calls == [("register", ptr, 4 * numel), ("checked", 0)]
     holder = torch.nn.Parameter(torch.zeros(1))
@@ -963,4 +966,4 @@ def test_offload_pins_exactly_the_bytes_it_holds(monkeypatch):
     del holder
     gc.collect()
     assert calls[-1] == ("unregister", ptr)
-    assert zero.host_buffer(torch.zeros(4)).data_ptr() and len(calls) == 3    # CPU: nothing pinned
+    assert offload.host_buffer(torch.zeros(4)).data_ptr() and len(calls) == 3    # CPU: nothing pinned

@@ -1,0 +1,116 @@
+"""ZeRO-Offload's host memory: the sharded optimizer's fp32 masters and Adam moments on the CPU.
+
+ZeRO-Offload (Ren et al. 2021, section 4) keeps each rank's shard of the fp32 master and the
+optimizer state in host memory and runs the step there: the device holds only the parameters
+and the gradient shards; each step a gradient shard crosses to the host and its updated master
+back. This file is that delta on the sharded step (flat.py's ShardedOptimizer): pinned host
+buffers, the copies between host and device, and a step whose norm, used-flags and gradients
+reach the host in one wait. zero.py (ZeRO-Offload on stage 1 or 2) and fsdp.py (FSDPOptimizer's
+offload, and its parameters') use it.
+Left out: the paper's one-step delayed update and its vectorised CPU Adam (torch's own runs).
+Test: python -m pytest tests/test_zero.py -k offload
+
+Shapes: S elements per shard, P parameters of the sharded flats.
+"""
+import weakref
+
+import torch
+
+from flat import ShardedOptimizer
+from mixed_precision import unscale_grads
+
+
+def host_buffer(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """An empty (fp32) host tensor shaped like `like`, pinned when `like` is on a GPU: only from
+    pinned (page-locked) memory can a copy run as a DMA transfer that does not block the CPU."""
+    buffer = torch.empty(like.shape, dtype=dtype)
+    if like.is_cuda:
+        lock_pages(buffer)
+    return buffer
+
+
+def lock_pages(t: torch.Tensor):
+    """Pin t's own memory where it is (cudaHostRegister), until its storage is freed: exactly its
+    bytes, as memory.py counts them. torch.empty(..., pin_memory=True) would take a block of
+    torch's caching host allocator, rounded up to a power of two: up to twice the bytes, for
+    buffers held the whole run. (Copies from registered memory run asynchronously too.)"""
+    if t.nbytes == 0:
+        return
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0))
+    # The storage outlives this tensor object (a parameter's .data, views): unpin when it goes.
+    weakref.finalize(t.untyped_storage(), cudart.cudaHostUnregister, t.data_ptr())
+
+
+def host_copy(t: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """An (fp32) copy of `t` in (pinned) host memory."""
+    return host_buffer(t, dtype).copy_(t.detach())
+
+
+def host_to_device(device_tensor: torch.Tensor, host: torch.Tensor):
+    """Copy a pinned host tensor into a device tensor (of another dtype: the fp32 master into a
+    16-bit shard) without the host waiting. torch converts a dtype on the source's side, and a
+    converted host tensor is pageable memory, which the host copies out itself: so the bytes
+    cross in the host's dtype, from pinned memory, and are rounded on the device."""
+    if host.dtype != device_tensor.dtype:
+        host = host.to(device_tensor.device, non_blocking=True)
+    device_tensor.copy_(host, non_blocking=True)
+
+
+def gradients_to_host(grads: list, buffers: list) -> list:
+    """Copy each device gradient shard (S,) into its fp32 host buffer (S,); return the buffers."""
+    for grad, buffer in zip(grads, buffers):
+        buffer.copy_(grad, non_blocking=True)    # queued behind the reduce-scatter that made grad
+    if grads and grads[0].is_cuda:
+        # One wait for all of them (the copies run back to back): the CPU step must not read a
+        # buffer before its bytes have landed.
+        torch.cuda.current_stream(grads[0].device).synchronize()
+    return buffers
+
+
+class OffloadedOptimizer(ShardedOptimizer):
+    """The sharded step with its masters in host memory: each flat's `master` (S,) fp32 and the
+    inner optimizer's state live on the host, beside `host_grad`, the (S,) fp32 host buffer its
+    reduced gradient is copied into; the inner optimizer (torch's) steps there on the CPU.
+    offload: True for ZeRO-Offload (zero.py); FSDPOptimizer decides per instance."""
+
+    offload = True
+    _decision_host = None   # the norm and flags land here, beside the gradients
+
+    def _unscale(self):
+        """Offloaded, the norm is taken on the device, where the gradient shards are (and NCCL
+        reduces), and copied to the host with them: one wait for all, the step's one host sync,
+        then clipping and the inf/NaN check read host memory only."""
+        if not self.offload or self._unscaled is not None:
+            return super()._unscale()
+        grads, masters = self._gradients()                               # (S,) each, on the device
+        scale = self.scaler.scale
+        norm = self._total_norm(grads, masters) / scale         # a power of two: exact division
+        decision = norm.reshape(1).float()                               # (1,) or (1 + P,)
+        if self._used_anywhere is not None:
+            decision = torch.cat([decision, self._used_anywhere.float()])
+        host_grad = {id(flat.master): flat.host_grad for flat in self.flats}
+        buffers = [host_grad[id(m)] for m in masters]
+        if self._decision_host is None:           # (1 + P,) fp32, pinned once for the run
+            flags = sum(len(flat.params) for flat in self.flats)
+            self._decision_host = host_buffer(decision.new_empty(1 + flags))
+        *grads, decision = gradients_to_host([*grads, decision],
+                                             [*buffers, self._decision_host[: decision.numel()]])
+        unscale_grads(grads, masters, scale)
+        self._used_anywhere = decision[1:] if self._used_anywhere is not None else None
+        self._unscaled = masters, decision[0]
+        return self._unscaled
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What offload keeps in host memory: fp32 masters, optimizer state, gradient buffers."""
+        if not self.offload:
+            return []
+        return [*self.state_tensors(), *(flat.host_grad for flat in self.flats)]
+
+    @staticmethod
+    def _host_master(flat, shard: torch.Tensor) -> torch.Tensor:
+        """An (S,) fp32 host copy of `shard` for flat's master, and flat.host_grad, the (S,) fp32
+        host buffer its reduced gradient is copied into. Even in fp32 the host needs its own
+        copy: the CPU cannot update device memory."""
+        flat.host_grad = host_buffer(shard)
+        return host_copy(shard)
