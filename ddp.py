@@ -10,7 +10,7 @@ Run: torchrun --nproc_per_node 2 train.py --strategy ddp; test: python -m pytest
 
 Shapes: N ranks in the group, P trainable parameters, L_b elements in bucket b's flat buffer.
 """
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -36,33 +36,6 @@ def all_reduce_gradients(module: nn.Module, group=None):
     for p in module.parameters():
         if p.grad is not None:
             comm.all_reduce(p.grad, op="avg")
-
-
-class GradientSyncs:
-    """The one gradient-sync protocol, spoken by every reducer in the project (DDP, ZeRO's
-    optimizers, FSDP, a tensor-parallel model's partial sums), and several of them driven as one:
-        with sync.no_sync(): backward     gradients wait where they are, nothing reduced
-        sync.finish_gradient_sync()       after the step's last backward: every reduction done
-    keeps_whole_gradients: True when every member holds whole gradients until the step anyway
-    (DDP, ZeRO-1): running all micro-batches but the last under no_sync() then saves their
-    reductions at no memory cost (ZeRO-2 and FSDP reduce each one, so no rank holds a whole
-    gradient). The loop and the pipeline drive this, in this order: a tensor group's partial
-    sums before the data dimension's reduction, which shards or frees what they read."""
-
-    def __init__(self, *syncs):
-        self.syncs = [s for s in syncs if s is not None]
-        self.keeps_whole_gradients = all(s.keeps_whole_gradients for s in self.syncs)
-
-    @contextmanager
-    def no_sync(self):
-        with ExitStack() as stack:
-            for sync in self.syncs:
-                stack.enter_context(sync.no_sync())
-            yield
-
-    def finish_gradient_sync(self):
-        for sync in self.syncs:
-            sync.finish_gradient_sync()
 
 
 # ---- bucketed and overlapped, as PyTorch's reducer does it -------------------------------------

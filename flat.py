@@ -7,8 +7,9 @@ section 5; FSDP's FlatParameter, Zhao et al. 2023, section 3). Written here once
 foundation of ddp.py, zero.py and fsdp.py: the buffer, buckets of a few MiB, the gradient hook,
 one reduction per bucket in an order every rank agrees on, and the sharded optimizer's step
 (ShardedOptimizer, the base of ZeRO's and FSDP's: one global norm, the used-flags; offload.py
-moves it to the host). Left out: FSDP2's per-parameter sharding (each tensor cut along its
-first dim, not laid in one flat buffer).
+moves it to the host), and the gradient-sync protocol they all speak (GradientSyncs).
+Left out: FSDP2's per-parameter sharding (each tensor cut along its first dim, not laid in one
+flat buffer).
 Test: python -m pytest tests/test_ddp.py tests/test_zero.py
 
 Shapes: N ranks, r this rank, P elements in a flat buffer, S = ceil(P / N) elements per shard.
@@ -16,6 +17,7 @@ Shapes: N ranks, r this rank, P elements in a flat buffer, S = ceil(P / N) eleme
 import itertools
 import weakref
 from collections import deque
+from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.nn as nn
@@ -308,3 +310,32 @@ def step_message_bytes(n_params: int, world_size: int) -> int:
     as DDP sends them, and the global norm's one fp32 number."""
     return (ring_bytes("all_reduce", n_params, 1, world_size)
             + ring_bytes("all_reduce", 1, 4, world_size))
+
+
+# ---- the gradient-sync protocol every reducer speaks --------------------------------------
+
+class GradientSyncs:
+    """The one gradient-sync protocol, spoken by every reducer in the project (DDP, ZeRO's
+    optimizers, FSDP, a tensor-parallel model's partial sums), and several of them driven as one:
+        with sync.no_sync(): backward     gradients wait where they are, nothing reduced
+        sync.finish_gradient_sync()       after the step's last backward: every reduction done
+    keeps_whole_gradients: True when every member holds whole gradients until the step anyway
+    (DDP, ZeRO-1): running all micro-batches but the last under no_sync() then saves their
+    reductions at no memory cost (ZeRO-2 and FSDP reduce each one, so no rank holds a whole
+    gradient). The loop and the pipeline drive this, in this order: a tensor group's partial
+    sums before the data dimension's reduction, which shards or frees what they read."""
+
+    def __init__(self, *syncs):
+        self.syncs = [s for s in syncs if s is not None]
+        self.keeps_whole_gradients = all(s.keeps_whole_gradients for s in self.syncs)
+
+    @contextmanager
+    def no_sync(self):
+        with ExitStack() as stack:
+            for sync in self.syncs:
+                stack.enter_context(sync.no_sync())
+            yield
+
+    def finish_gradient_sync(self):
+        for sync in self.syncs:
+            sync.finish_gradient_sync()

@@ -201,7 +201,7 @@ class FSDP(nn.Module):
     host too (FSDPOptimizer(offload=True)).
     """
 
-    keeps_whole_gradients = False       # ddp.GradientSyncs: each unit's reduced, then freed
+    keeps_whole_gradients = False       # flat.GradientSyncs: each unit's reduced, then freed
 
     def __init__(self, module: nn.Module, wrap=gpt_blocks, compute_dtype=None, group=None,
                  prefetch: int = 1, device=None, replicate_group=None,

@@ -6,7 +6,7 @@ torchtitan's order (parallelize_llama, without its indirection): split the matri
 sequences, route the experts, cut the stages, then wrap what is left for data parallelism. The
 splits write each parameter's placement (placements.py), from which the optimizer's one global
 norm and the data dimension's reductions follow; the wrappers' gradient syncs are chained in
-the one protocol (ddp.GradientSyncs) that the loop and the pipeline drive. Beside each step,
+the one protocol (flat.GradientSyncs) that the loop and the pipeline drive. Beside each step,
 the bytes it predicts it sends, each its own file's formula.
 Used by: train.py (build). Test: python -m pytest tests/test_train.py -k mesh
 """
@@ -22,7 +22,8 @@ from checkpointing import checkpoint_blocks
 from cli import STRATEGIES, mesh_splits, moe_config, stage_layers
 from collectives import Comm
 from context_parallel import ContextParallelGPT
-from ddp import DDP, GradientSyncs
+from ddp import DDP
+from flat import GradientSyncs
 from fsdp import FSDP, FSDPOptimizer, gpt_blocks
 from memory import mesh_params, run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
@@ -75,7 +76,7 @@ def build(args, device) -> Run:
 
 def model_on_mesh(args, device, mesh):
     """The model, its parallelisms and data-parallel wrapper, the optimizer, the gradient syncs
-    (ddp.GradientSyncs), the bytes the run predicts it sends per step ({dimension: bytes}, each
+    (flat.GradientSyncs), the bytes the run predicts it sends per step ({dimension: bytes}, each
     its formula) and holds (memory.py), and the context-parallel wrapper (None without --cp),
     whose attention the log reports.
 

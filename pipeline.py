@@ -128,7 +128,7 @@ class Pipeline:
     rank's tokens of each sequence first (ContextParallelGPT.local_tokens), so t = T/cp.
     sync, an attribute: the gradient-sync protocol the backwards run under (_run says which) and
     train_step finishes once a step; the module's by default (DDP's, FSDP's), None with one
-    replica per stage; a composition assigns its chain (parallelize.py: ddp.GradientSyncs).
+    replica per stage; a composition assigns its chain (parallelize.py: flat.GradientSyncs).
     Deadlock-free under gloo's rules and NCCL's: each stage runs nccl_program(its list), the
     sends and receives between two computations posted together, and the programs are played
     by run_under_nccl() (check_schedule) before the first message.

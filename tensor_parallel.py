@@ -287,7 +287,7 @@ class TensorParallelGPT(nn.Module):
 
     summed_in_backward = False
 
-    keeps_whole_gradients = True        # ddp.GradientSyncs: partial sums add up unreduced
+    keeps_whole_gradients = True        # flat.GradientSyncs: partial sums add up unreduced
 
     def no_sync(self):
         """Partial gradients of several backwards add up where they are and are summed once, at

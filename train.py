@@ -74,7 +74,7 @@ def eval_loss(model, data, args, rank, world_size, device, my_tokens):
 def train_step(model, optimizer, sync, x, y, args, measure=False):
     """One optimizer step on this rank's rows x, y (B/N, T), in --grad-accum micro-batches.
 
-    sync: the run's gradient syncs (ddp.GradientSyncs). Returns this rank's mean loss (a
+    sync: the run's gradient syncs (flat.GradientSyncs). Returns this rank's mean loss (a
     tensor) and whether the update was applied (a step whose gradients hold inf or NaN is
     skipped on every rank). measure: time a pipeline's compute exactly (on CUDA, synchronizing).
     """

@@ -65,7 +65,7 @@ class ZeroOptimizer(ShardedOptimizer):
     """
 
     stage = 1
-    keeps_whole_gradients = True        # ddp.GradientSyncs: full buffers until the finish
+    keeps_whole_gradients = True        # flat.GradientSyncs: full buffers until the finish
     _synced = False                     # finish_gradient_sync() ran since the last gradient
 
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, group=None, bucket_mb: float = 25,
