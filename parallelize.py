@@ -235,14 +235,16 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
 
 
 def group_balance_losses(gpt, tensor: Comm):
-    """A mixture of experts (moe.py) stays whole on every rank of the tensor group (Megatron's
-    expert tensor-parallel size 1): its input, the residual after attention's all-reduce, is the
-    same on all N, so each routes the same tokens to the same experts and gets the same
-    gradients, no collective needed; expert parallelism splits the experts over the data ranks
-    instead. The price: N copies compute them. With sequence parallelism each rank computes its
-    own T/N tokens and routes them (in groups inside them: cli.py), so a layer's balance loss is
-    this rank's part: g makes the loss the group's mean on every rank, and backward hands each
-    rank 1/N of its own part, summed over the group with the experts' partial gradients."""
+    """Under sequence parallelism, each mixture of experts' balance loss made the tensor group's
+    mean. A mixture (moe.py) stays whole on every rank of the tensor group (tensor_parallel.py
+    splits model.py's MLP only; Megatron's expert tensor-parallel size 1): its input, the residual
+    after attention's all-reduce, is the same on all N, so each routes the same tokens to the
+    same experts and gets the same gradients, no collective needed; expert parallelism splits the
+    experts over the data ranks instead. The price: N copies compute them. With sequence
+    parallelism each rank computes its own T/N tokens and routes them (in groups inside them:
+    cli.py), so a layer's balance loss is this rank's part: g makes the loss the group's mean on
+    every rank, and backward hands each rank 1/N of its own part, summed over the group with the
+    experts' partial gradients."""
     def group_mean(moe, args, output):
         moe.aux_loss = leave_region(moe.aux_loss / tensor.world_size, tensor)         # g
     for block in gpt.blocks:
