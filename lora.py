@@ -14,6 +14,7 @@ Run: python train.py --init-from RUN --lora --data OTHER.txt; test: python -m py
 Shapes: B batch, T sequence, k in features, d out features, r rank.
 """
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -80,23 +81,6 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scale={self.scale:g}"
-
-
-class QLoRALinear(LoRALinear):
-    """LoRA over a 4-bit NormalFloat W0: the full-precision weight is replaced by its NF4 copy."""
-
-    def __init__(self, base: nn.Linear, rank: int = 8, alpha: float | None = None,
-                 dropout: float = 0.0, double_quant: bool = False):
-        super().__init__(base, rank, alpha, dropout)
-        self.base = NF4Weight(base.weight, double_quant)        # codes and scales: 4.5 bits/value
-        del self.weight                                         # only the 4-bit copy stays
-
-    def frozen_forward(self, x):
-        return NF4Linear.apply(x, self.base, self.bias)         # W0 dequantized, used, dropped
-
-    def merge(self):
-        raise ValueError("a 4-bit base cannot absorb the update without losing it to rounding: "
-                         "use fold_adapters (train.py --export) for a merged full-precision model")
 
 
 def apply_lora(model: nn.Module, targets=("query", "value"), rank: int = 8,
@@ -191,6 +175,28 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
     return folded
 
 
+# ---- QLoRA: the same adapters over a 4-bit base (quantization.py) ------------------------------
+#
+# Dettmers et al. 2023: W0 kept as NF4 codes and scales (4.5 bits a value), dequantized in each
+# forward and backward and dropped again; the adapters train as above, in full precision.
+
+class QLoRALinear(LoRALinear):
+    """LoRA over a 4-bit NormalFloat W0: the full-precision weight is replaced by its NF4 copy."""
+
+    def __init__(self, base: nn.Linear, rank: int = 8, alpha: float | None = None,
+                 dropout: float = 0.0, double_quant: bool = False):
+        super().__init__(base, rank, alpha, dropout)
+        self.base = NF4Weight(base.weight, double_quant)        # codes and scales: 4.5 bits/value
+        del self.weight                                         # only the 4-bit copy stays
+
+    def frozen_forward(self, x):
+        return NF4Linear.apply(x, self.base, self.bias)         # W0 dequantized, used, dropped
+
+    def merge(self):
+        raise ValueError("a 4-bit base cannot absorb the update without losing it to rounding: "
+                         "use fold_adapters (train.py --export) for a merged full-precision model")
+
+
 # ---- LoRA inside a tensor-parallel layer (tensor_parallel.py) -----------------------------------
 #
 # A layer split over tensor-parallel ranks adds s B A x (s = alpha / r) too. Split A and B the way
@@ -201,28 +207,24 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
 # The whole factor (A of a column layer, B of a row layer) gets only this rank's part of its
 # gradient, a partial sum (placements.py): TensorParallelGPT sums those over the group after backward.
 
-def split_adapter(layer: nn.Module, linear: nn.Module, dim: int, shard):
-    """Copy linear's LoRA factors, if any, onto layer, the tensor-parallel layer made from it.
-    dim: the dimension W0 (d, k) is split along, 0 (column) or 1 (row); shard(param, dim):
-    this rank's slice of param along dim, or with dim None a whole copy."""
-    layer.lora_A = layer.lora_B = None
-    if getattr(linear, "lora_A", None) is None:
-        return
-    if isinstance(linear, QLoRALinear):
-        raise ValueError("a 4-bit (QLoRA) base weight cannot be split over tensor-parallel ranks: "
-                         "fine-tune in 4 bits with --strategy ddp, zero1, zero2 or fsdp")
+def _split_alongside(linear: LoRALinear, layer: nn.Module, dim: int, shard):
+    """tensor_parallel's hook: linear's factors onto layer, the split layer made from it, and the
+    term layer adds to its product. dim: the dimension W0 (d, k) is split along, 0 (column) or
+    1 (row); shard(param, dim): this rank's slice of param along dim, or with dim None a whole copy."""
     if dim == 0:
         layer.lora_A, layer.lora_B = shard(linear.lora_A, None), shard(linear.lora_B, 0)
         place(layer.lora_A, partial="tp")                        # (r, k) whole, (d/N, r)
     else:
         layer.lora_A, layer.lora_B = shard(linear.lora_A, 1), shard(linear.lora_B, None)
         place(layer.lora_B, partial="tp")                        # (r, k/N), (d, r) whole
-    layer.lora_scale, layer.lora_dropout = linear.scale, linear.dropout
+    return partial(_split_term, scale=linear.scale, dropout=linear.dropout)
 
 
-def add_adapter(layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y plus a split layer's local low-rank term (alpha/r) B A x, if it has an adapter."""
-    if layer.lora_A is None:
-        return y
-    x = F.dropout(x, layer.lora_dropout, layer.training)
-    return y + layer.lora_scale * layer.linear(layer.linear(x, layer.lora_A), layer.lora_B)
+def _split_term(layer: nn.Module, x: torch.Tensor, scale: float, dropout: float) -> torch.Tensor:
+    """A split layer's local low-rank term (alpha/r) B A x, through the layer's own products
+    (layer.linear: a zero-bubble pipeline's swap reaches these too)."""
+    x = F.dropout(x, dropout, layer.training)
+    return scale * layer.linear(layer.linear(x, layer.lora_A), layer.lora_B)
+
+
+LoRALinear.split_alongside = _split_alongside       # the hook tensor_parallel's layers look for

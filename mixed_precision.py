@@ -6,7 +6,8 @@ range is stretched by a dynamic loss scale that backs off on overflow (3.2). bf1
 fp32's exponent and needs no scaling (Kalamkar et al. 2019). MasterOptimizer, the base of every
 optimizer in the project (ZeRO's and FSDP's too), is a torch.optim.Optimizer around any torch
 optimizer on the masters: unscale, one global norm for clipping and the inf/NaN skip, the step.
-Left out: autocast's per-op casting (the whole model is in one dtype) and fp8.
+Left out: autocast's per-op casting (the whole model is in one dtype) and fp8. The formats'
+facts, and why fp16 needs a loss scale, are in dtypes.py (read first).
 Run: python mixed_precision.py; test: python -m pytest tests/test_mixed_precision.py
 """
 import contextlib
@@ -16,16 +17,8 @@ import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from collectives import as_comm
+from dtypes import DTYPES, demonstrate
 from placements import grad_norm, norm_weight
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def dtype_facts(dtype: torch.dtype) -> dict:
-    """Bits, eps (the gap above 1.0), smallest normal number and largest finite number."""
-    info = torch.finfo(dtype)
-    return {"bits": info.bits, "eps": info.eps, "smallest_normal": info.smallest_normal,
-            "max": info.max}
 
 
 class DynamicLossScaler:
@@ -377,27 +370,5 @@ def parameters_only(params, who: str) -> list:
     return params
 
 
-def _show(x: torch.Tensor) -> str:
-    return f"{x.float().item():.4g}"
-
-
-def main():
-    print(f"{'dtype':6} {'bits':>4} {'eps':>10} {'smallest normal':>16} {'max':>10}")
-    for name in ("fp32", "fp16", "bf16"):
-        f = dtype_facts(DTYPES[name])
-        print(f"{name:6} {f['bits']:>4} {f['eps']:>10.3e} {f['smallest_normal']:>16.3e} {f['max']:>10.3e}")
-    fp16, bf16 = torch.float16, torch.bfloat16
-    print("\nprecision: 1.0001 is 1 + 1e-4, and 1e-4 is less than half of fp16's eps")
-    print(f"  1.0001 in fp16 -> {_show(torch.tensor(1.0001, dtype=fp16))}")
-    grad = torch.tensor(1e-8)
-    print("range: a gradient of 1e-8 is under half of fp16's smallest subnormal (2**-24), "
-          "far above bf16's")
-    print(f"  1e-8 in fp16 -> {_show(grad.to(fp16))}")
-    print(f"  1e-8 in bf16 -> {_show(grad.to(bf16))}")
-    scaled = (grad * 2**16).to(fp16)                       # what backward computes with scaling
-    print("loss scaling: multiply by 2**16 before fp16, divide in fp32 after")
-    print(f"  1e-8 * 2**16 in fp16 -> {_show(scaled)}, / 2**16 in fp32 -> {_show(scaled.float() / 2**16)}")
-
-
 if __name__ == "__main__":
-    main()
+    demonstrate()          # dtypes.py: what fp16 loses, and what a loss scale gets back

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from collectives import Comm
 from placements import place, placement
+from process_groups import make_mesh
 
 
 class MoE(nn.Module):
@@ -286,7 +287,6 @@ def expert_parallel(gpt: nn.Module, comm: Comm, ep: int, groups: tuple | None = 
     reduction over the ranks holding the same experts is in their placements).
     Collective: every rank of comm. groups: (ep group, the ranks holding the same experts),
     made already (a device mesh's)."""
-    from process_groups import make_mesh
     ep_group, replicas = groups or make_mesh(comm, ep)
     for module in gpt.modules():
         if isinstance(module, MoE):

@@ -20,7 +20,8 @@ import fsdp
 import lora
 from checkpointing import checkpoint_blocks
 from cli import STRATEGIES, mesh_splits, moe_config, stage_layers
-from collectives import Comm
+from collectives import Comm, ring_bytes
+from conjugates import leave_region
 from context_parallel import ContextParallelGPT
 from ddp import DDP
 from flat import GradientSyncs
@@ -28,7 +29,7 @@ from fsdp import FSDP, FSDPOptimizer, gpt_blocks
 from memory import mesh_params, run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model
-from moe import exchange_bytes, expert_parallel, held_experts, routing_summary
+from moe import MoE, exchange_bytes, expert_parallel, held_experts, routing_summary
 from pipeline import GPTStage, Pipeline
 from process_groups import make_device_mesh, make_mesh
 from snapshot import RunError, load_weights, refused
@@ -165,8 +166,10 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     """
     splits = mesh_splits(args)
     # 1. Split the matrices (tensor_parallel.py): each block's heads and MLP columns over tp
-    # (a mixture of experts stays whole on every tensor rank).
+    # (a mixture of experts stays whole on every tensor rank: group_balance_losses).
     tp = TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel) if "tp" in splits else None
+    if tp and args.sequence_parallel:
+        group_balance_losses(gpt, tp.comm)
     # 2. Split the sequences (context_parallel.py): this rank's chunks of each; attention over cp.
     cp = (ContextParallelGPT(gpt, mesh.cp, args.cp_attention, args.cp_balance == "zigzag")
           if "cp" in splits else None)
@@ -246,6 +249,9 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     sent = {}
     if tp:
         sent["tp"] = tp.bytes_per_step(rows, tokens, micro)
+        if args.sequence_parallel:         # each mixture's balance loss made the group's mean (g)
+            mixtures = sum(isinstance(gpt.blocks[i].mlp, MoE) for i in held_blocks)
+            sent["tp"] += micro * mixtures * ring_bytes("all_reduce", 1, 4, args.tp)
     if cp:
         cp.count_activations = "pp" not in splits     # the first step's, for the log (a stage's
                                                       # forwards run in the pipeline's schedule)
@@ -268,6 +274,23 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                            shard_group=mesh.shard.world_size if mesh.shard else None)
     return model, optimizer, sync, sent, held, cp
 
+
+def group_balance_losses(gpt, tensor: Comm):
+    """Under sequence parallelism, each mixture of experts' balance loss made the tensor group's
+    mean. A mixture (moe.py) stays whole on every rank of the tensor group (tensor_parallel.py
+    splits model.py's MLP only; Megatron's expert tensor-parallel size 1): its input, the residual
+    after attention's all-reduce, is the same on all N, so each routes the same tokens to the
+    same experts and gets the same gradients, no collective needed; expert parallelism splits the
+    experts over the data ranks instead. The price: N copies compute them. With sequence
+    parallelism each rank computes its own T/N tokens and routes them (in groups inside them:
+    cli.py), so a layer's balance loss is this rank's part: g makes the loss the group's mean on
+    every rank, and backward hands each rank 1/N of its own part, summed over the group with the
+    experts' partial gradients."""
+    def group_mean(moe, args, output):
+        moe.aux_loss = leave_region(moe.aux_loss / tensor.world_size, tensor)         # g
+    for block in gpt.blocks:
+        if isinstance(block.mlp, MoE):
+            block.mlp.register_forward_hook(group_mean)
 
 
 def lora_config(args) -> dict | None:

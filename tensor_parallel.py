@@ -6,7 +6,9 @@ local and the pair costs one all-reduce forward (g) and one backward (f). Embedd
 loss are split over the vocabulary (section 3, "input embedding"), and sequence parallelism
 (Korthikanti et al. 2022, section 4.2.2) turns each all-reduce into a reduce-scatter and an
 all-gather so norms and dropout work on 1/N of the tokens. Left out: fused QKV, an RNG tracker
-for dropout inside the split region, overlapping these collectives with the matmuls.
+for dropout inside the split region, overlapping these collectives with the matmuls. f and g
+and their sequence-parallel forms (enter_region, leave_region), which the layers call, are in
+conjugates.py: read it first.
 Run: torchrun --nproc_per_node 2 train.py --strategy tp --tp 2; test: pytest tests/test_tensor_parallel.py
 
 Shapes: B batch, T sequence, C channels, H heads, V vocabulary, N tensor-parallel size, r rank
@@ -20,9 +22,8 @@ import torch.nn.functional as F
 
 from collectives import Comm, as_comm, ring_bytes
 # Megatron's f and g and their sequence-parallel forms, shared with context parallelism:
-from conjugates import _g, _gather_features, _my_piece, _split_features, enter_region, leave_region
-from lora import add_adapter, split_adapter
-from moe import MoE
+from conjugates import _gather_features, _my_piece, _split_features, enter_region, leave_region
+from model import MLP
 from placements import place, placement
 
 # ---- the layers ---------------------------------------------------------------------------------
@@ -34,6 +35,11 @@ from placements import place, placement
 # nn.Linear stores weight as (out, in): column r is weight rows r*out/N..., row r is weight
 # columns r*in/N... Every rank draws the same full init and keeps its slice, so the ranks'
 # slices put together are exactly the matrix one rank would have had.
+#
+# A linear may add a term of its own beside x W^T (LoRA's low-rank update, lora.py). It then
+# carries split_alongside(layer, dim, shard): it puts its parameters on the split layer, sliced
+# to match W's split (shard(param, dim), dim None: whole), and returns term(layer, x), which the
+# layer adds to its local product, inside the region: g sums it with the partial products.
 
 def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
     """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms;
@@ -48,7 +54,7 @@ def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
 class _SplitLinear(nn.Module):
     """An nn.Linear split over the group along dim: 0 the output features (a column layer), 1 the
     input features (a row layer). linear: an existing nn.Linear to split (from_linear; default:
-    a fresh one, initialised as on one rank). Its LoRA adapter, if any, splits with it (lora.py)."""
+    a fresh one, initialised as on one rank), with its own term, if any (split_alongside)."""
 
     # The local product x W_r^T, a plain matmul on this rank's shard: its weight gradient needs
     # no collective (f and g move the activations around it), so a zero-bubble pipeline may
@@ -64,7 +70,13 @@ class _SplitLinear(nn.Module):
         # layer, which adds it once, after the partial products are summed.
         bias_dim = 0 if dim == 0 else None
         self.bias = _shard(linear.bias, self.comm, bias_dim) if linear.bias is not None else None
-        split_adapter(self, linear, dim, lambda param, d: _shard(param, self.comm, d))
+        split = getattr(linear, "split_alongside", None)
+        self.term = split(self, dim, lambda param, d: _shard(param, self.comm, d)) if split else None
+
+    def local_product(self, x, bias=None):
+        """This rank's product x W_r^T (+ b), plus the linear's own term if it brought one."""
+        y = self.linear(x, self.weight, bias)
+        return y if self.term is None else y + self.term(self, x)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **options):
@@ -88,7 +100,7 @@ class ColumnParallelLinear(_SplitLinear):
     def forward(self, x):                                        # (B, T, in), or (B, T/N, in) with SP
         if self.enter:
             x = enter_region(x, self.comm, self.sequence_parallel)          # (B, T, in)
-        y = add_adapter(self, x, self.linear(x, self.weight, self.bias))  # (B, T, out/N)
+        y = self.local_product(x, self.bias)                                  # (B, T, out/N)
         return _gather_features(y, self.comm) if self.gather_output else y
 
 
@@ -108,7 +120,7 @@ class RowParallelLinear(_SplitLinear):
     def forward(self, y):                                        # (B, T, in/N), or (B, T, in)
         if not self.input_is_parallel:
             y = _split_features(y, self.comm)                   # (B, T, in/N)
-        partial = add_adapter(self, y, self.linear(y, self.weight))  # (B, T, out): this rank's share
+        partial = self.local_product(y)                           # (B, T, out): this rank's share
         z = leave_region(partial, self.comm, self.sequence_parallel)  # (B, T or T/N, out)
         return z + self.bias if self.bias is not None else z
 
@@ -207,40 +219,14 @@ class TensorParallelGPT(nn.Module):
         self.gpt, self.sequence_parallel = gpt, sequence_parallel
         sp = dict(group=comm, sequence_parallel=sequence_parallel)
         for block in gpt.blocks:
-            attn, mlp = block.attn, block.mlp
-            for name in ("query", "key", "value"):
-                setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), comm, enter=False))
-            attn.output = RowParallelLinear.from_linear(attn.output, **sp)
-            attn.n_head //= comm.world_size                       # H/N heads per rank, same code
-            split = [attn]
-            # A mixture of experts (moe.py) stays whole on every rank of the group (Megatron's
-            # expert tensor-parallel size 1): its input, the residual after attention's
-            # all-reduce, is the same on all N, so each routes the same tokens to the same
-            # experts and gets the same gradients, no collective needed; expert parallelism
-            # splits the experts over the data ranks instead. The price: N copies compute them
-            # (with sequence parallelism each rank computes its own tokens).
-            if not isinstance(mlp, MoE):
-                mlp.up = ColumnParallelLinear.from_linear(mlp.up, comm, enter=False)
-                mlp.down = RowParallelLinear.from_linear(mlp.down, **sp)
-                split.append(mlp)
-            elif sequence_parallel:
-                # With sequence parallelism the layer sees this rank's T/N tokens and routes them
-                # (in groups inside them: cli.py), so its balance loss is this rank's part: g
-                # makes the loss the group's mean on every rank, and backward hands each rank
-                # 1/N of its own part, summed over the group with the experts' partial gradients.
-                mlp.register_forward_hook(self._group_balance_loss)
-            # Query, key and value read one input: enter the region once for all three, so
-            # backward sums their input gradients in one all-reduce, not three.
-            for sublayer in split:
-                sublayer.register_forward_pre_hook(
-                    lambda _, args: (enter_region(args[0], comm, sequence_parallel),))
+            self._split_block(block)
         gpt.token_emb = VocabParallelEmbedding.from_embedding(gpt.token_emb, **sp)
         gpt.head = ColumnParallelLinear.from_linear(gpt.head, **sp)  # logits (B, T, V/N)
         if gpt.cfg.tie_embeddings:
             gpt.head.weight = gpt.token_emb.weight               # the same (V/N, C) rows
         # With sequence parallelism a replicated weight (norms, position embedding, the row
-        # layers' biases) sees only this rank's tokens: its gradient is a partial sum. So is
-        # the whole factor of a LoRA adapter inside a split layer, with or without it.
+        # layers' biases) sees only this rank's tokens: its gradient is a partial sum. So is a
+        # whole parameter of a split layer's own term (split_alongside: LoRA's), with or without it.
         if sequence_parallel:
             for p in gpt.parameters():
                 if "tp" not in placement(p).shard:
@@ -257,8 +243,26 @@ class TensorParallelGPT(nn.Module):
             self.group_positions = gpt.positions_of
             gpt.positions_of = self._my_positions
 
-    def _group_balance_loss(self, moe, args, output):
-        moe.aux_loss = _g(moe.aux_loss / self.comm.world_size, self.comm)
+    def _split_block(self, block):
+        """Attention's heads over the group, and the MLP's columns if it is model.py's pair of
+        linears; any other MLP (a mixture of experts: parallelize.py) stays whole on every rank."""
+        comm, sequence_parallel = self.comm, self.sequence_parallel
+        sp = dict(group=comm, sequence_parallel=sequence_parallel)
+        attn, mlp = block.attn, block.mlp
+        for name in ("query", "key", "value"):
+            setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), comm, enter=False))
+        attn.output = RowParallelLinear.from_linear(attn.output, **sp)
+        attn.n_head //= comm.world_size                           # H/N heads per rank, same code
+        split = [attn]
+        if isinstance(mlp, MLP):
+            mlp.up = ColumnParallelLinear.from_linear(mlp.up, comm, enter=False)
+            mlp.down = RowParallelLinear.from_linear(mlp.down, **sp)
+            split.append(mlp)
+        # Query, key and value read one input: enter the region once for all three, so
+        # backward sums their input gradients in one all-reduce, not three.
+        for sublayer in split:
+            sublayer.register_forward_pre_hook(
+                lambda _, args: (enter_region(args[0], comm, sequence_parallel),))
 
     def _my_positions(self, T: int, device) -> torch.Tensor:        # sequence parallelism: (T/N,)
         n = self.comm.world_size
@@ -310,18 +314,16 @@ class TensorParallelGPT(nn.Module):
         """Bytes this rank sends per step for the activations (ring formula), batch rows per rank
         (seq_len: its tokens of each, under context parallelism).
 
-        Each block sends 2 all-reduces forward and 2 backward of (B, T, C) (a block of experts,
-        whose MLP is whole, half of them); embedding and head
-        one each; with sequence parallelism each all-reduce is a reduce-scatter + all-gather pair
-        of the same volume (and a block of experts one fp32, its balance loss). The loss adds 3 x M
-        fp32 numbers; the gradient norm one; the partial
-        gradients one all-reduce a step (summed in backward: one per weight and micro-batch). A pipeline
-        stage (pipeline.GPTStage) counts its own blocks, and the embedding or head if it has them.
+        Each split sublayer (attention, and model.py's MLP) sends 1 all-reduce forward and 1
+        backward of (B, T, C); embedding and head one each; with sequence parallelism each
+        all-reduce is a reduce-scatter + all-gather pair of the same volume. The loss adds 3 x M
+        fp32 numbers; the gradient norm one; the partial gradients one all-reduce a step (summed
+        in backward: one per weight and micro-batch). A pipeline stage (pipeline.GPTStage) counts
+        its own blocks, and the embedding or head if it has them.
         """
         gpt, n = self.gpt, self.comm.world_size
-        # 2 all-reduces (forward and backward) per split sublayer: attention, and a dense MLP
-        sublayers = sum(1 + (not isinstance(block.mlp, MoE)) for block in gpt.blocks
-                        if not isinstance(block, nn.Identity))
+        # Each split sublayer ends in one row layer: its g (attention's output, the MLP's down).
+        sublayers = sum(isinstance(m, RowParallelLinear) for m in gpt.modules())
         first, last = gpt.pos_emb is not None, gpt.head is not None
         # With the embeddings frozen (LoRA) nothing before the first block needs its input's
         # gradient: autograd never computes it, nor the first sublayer's backward all-reduce.
@@ -331,9 +333,6 @@ class TensorParallelGPT(nn.Module):
         per_micro = (2 * sublayers + first + last - skipped) * ring_bytes("all_reduce", m * gpt.cfg.n_embd,
                                                                          size, n)
         per_micro += 3 * ring_bytes("all_reduce", m, 4, n) if last else 0
-        if self.sequence_parallel:         # each mixture's balance loss made the group's mean (g)
-            mixtures = sum(isinstance(block.mlp, MoE) for block in gpt.blocks if not isinstance(block, nn.Identity))
-            per_micro += mixtures * ring_bytes("all_reduce", 1, 4, n)
         held = {id(p) for p in gpt.parameters()}        # a pipeline stage's: its own parts only
         partial = [p.numel() for p in self.partial if id(p) in held]
         sync = (micro_batches * sum(ring_bytes("all_reduce", numel, size, n) for numel in partial)

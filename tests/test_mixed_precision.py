@@ -12,8 +12,9 @@ import torch.nn as nn
 
 from collectives import Comm
 from ddp import DDP
+from dtypes import dtype_facts
 from fsdp import FSDP, FSDPOptimizer
-from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer, dtype_facts
+from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
 from test_fsdp import _Plain
