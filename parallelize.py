@@ -186,13 +186,25 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
         stage = mesh.pp.rank
         layers = stage_layers(args.stage_layers, gpt.cfg.n_layer, args.pp, args.virtual_stages)[stage]
         module = GPTStage(gpt, layers, first=stage == 0, last=stage == args.pp - 1)
-    held_blocks = [i for i, block in enumerate(gpt.blocks) if not isinstance(block, nn.Identity)]
-    first, last = gpt.pos_emb is not None, gpt.head is not None
-    # 5. Data parallelism over the ranks holding the same slice of the same stage, dp x cp (a
-    # cp group's ranks hold whole copies too; their gradients, from other tokens, are summed):
-    # ddp's replicas, ZeRO's optimizer shards or FSDP's units (with --shard-group, HSDP: sharded
-    # over a run of dp x cp ranks, copied across the runs), as --strategy says.
-    data, strategy = mesh.dp_cp, STRATEGIES[args.strategy]
+    # 5. Data parallelism over what is left; the pipeline's executor runs a stage's micro-batches.
+    replicas, optimizer, sync, held_all = wrap_data(gpt, module, tp, experts, args, mesh, device, adamw)
+    model = replicas
+    if "pp" in splits:
+        sp = args.tp if args.sequence_parallel else 1      # a rank sends its 1/tp of the tokens
+        model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches,
+                         lambda b, t: (b, t // sp, gpt.cfg.n_embd), DTYPES[args.precision])
+        model.sync = sync
+    sent, held = predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer, held_all)
+    return model, optimizer, sync, sent, held, cp
+
+
+def wrap_data(gpt, module, tp, experts, args, mesh, device, adamw: dict):
+    """Step 5: data parallelism over the ranks holding the same slice of the same stage, dp x cp
+    (a cp group's ranks hold whole copies too; their gradients, from other tokens, are summed):
+    ddp's replicas, ZeRO's optimizer shards or FSDP's units (with --shard-group, HSDP: sharded
+    over a run of dp x cp ranks, copied across the runs), as --strategy says. Returns (the
+    wrapped module, the optimizer, the gradient syncs, whether a pipeline holds every backward)."""
+    data, strategy, splits = mesh.dp_cp, STRATEGIES[args.strategy], mesh_splits(args)
     # Partial gradients over the tensor group (tensor_parallel.py) are summed at the sync's
     # finish, before the data dimension's; where the data dimension reduces during backward
     # (DDP's last backward, ZeRO-2's and FSDP's hooks) they are summed in backward, before it
@@ -231,15 +243,15 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     # reduction (DDP's, FSDP's, or ZeRO's optimizer's).
     sync = GradientSyncs(tp, replicas if replicas is not module else
                          optimizer if isinstance(optimizer, ZeroOptimizer) else None)
-    model = replicas
-    if "pp" in splits:         # the executor runs the stage's micro-batches over send/recv
-        sp = args.tp if args.sequence_parallel else 1      # a rank sends its 1/tp of the tokens
-        model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches,
-                         lambda b, t: (b, t // sp, gpt.cfg.n_embd), DTYPES[args.precision])
-        model.sync = sync
+    return replicas, optimizer, sync, held_all
 
-    # The formulas, per dimension, for this rank's rows (B/D) and tokens of each (T/cp; its
-    # MoE layers see T/cp/tp of them under sequence parallelism).
+
+def predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer, held_all):
+    """({dimension: bytes this rank sends per step}, each its own file's formula, and the bytes
+    it holds, memory.py's napkin math), for this rank's rows (B/D) and tokens of each (T/cp; its
+    MoE layers see T/cp/tp of them under sequence parallelism)."""
+    splits, data, strategy = mesh_splits(args), mesh.dp_cp, STRATEGIES[args.strategy]
+    held_blocks = [i for i, block in enumerate(gpt.blocks) if not isinstance(block, nn.Identity)]
     rows, tokens = args.batch_size // mesh.dp.world_size, args.seq_len // mesh.cp.world_size
     tokens_split = mesh.cp.world_size * (args.tp if args.sequence_parallel else 1)
     micro = args.microbatches if "pp" in splits else args.grad_accum
@@ -267,12 +279,13 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
     # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
     # with experts, whose layers mesh_params does not price: what this rank holds, its experts).
-    n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks), first, last)
+    n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks),
+                           gpt.pos_emb is not None, gpt.head is not None)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else 0
     held = run_state_bytes(gpt, {fsdp: "zero3", ddp: "ddp"}.get(strategy, args.strategy), args,
                            data.world_size, n_params=None if gpt.cfg.experts else n_params + trainable,
                            shard_group=mesh.shard.world_size if mesh.shard else None)
-    return model, optimizer, sync, sent, held, cp
+    return sent, held
 
 
 def group_balance_losses(gpt, tensor: Comm):
