@@ -54,12 +54,12 @@ from checkpointing import checkpoint_blocks
 from collectives import Comm
 from data import TextData
 from ddp import DDP
-from fsdp import FSDP, FSDPOptimizer
+from fsdp import FSDPOptimizer, MixedPrecisionPolicy as FSDPPrecision
 from lora import apply_lora
 from memory import run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS, build_model
-from parallelize import data_parallel
+from parallelize import data_parallel, fsdp_with
 from process_groups import exit_distributed, init_distributed, make_mesh
 from zero import zero_optimizer
 
@@ -177,7 +177,7 @@ def ours_fsdp(model, args, shard_group=None):
                                                                      shard.world_size)["total"]}
     if frozen:
         napkin_held["ddp (the base whole)"] = run_state_bytes(model, "ddp", options, comm.world_size)["total"]
-    fsdp = FSDP(model.float(), compute_dtype=DTYPES[args.precision], group=shard, replicate_group=copies)
+    fsdp = fsdp_with(model.float(), copies, group=shard, mp_policy=FSDPPrecision(DTYPES[args.precision]))
     hybrid = f", shard group {shard.world_size} x {copies.world_size} copies" if copies else ""
     return Run(fsdp, FSDPOptimizer(fsdp, torch.optim.AdamW, **ADAMW), comm,
                label=f"our FSDP(prefetch=1{hybrid}) + FSDPOptimizer(AdamW)",

@@ -25,7 +25,10 @@ from conjugates import leave_region
 from context_parallel import ContextParallelGPT
 from ddp import DDP
 from flat import GradientSyncs
-from fsdp import FSDP, FSDPOptimizer, gpt_blocks
+from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy, gpt_blocks
+from fsdp_frozen import FrozenBaseFSDP
+from fsdp_hybrid import HSDP
+from fsdp_offload import OffloadedFSDP
 from memory import mesh_params, run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model
@@ -132,10 +135,10 @@ def data_parallel(gpt, args, data, device, adamw: dict):
         units = held_experts(gpt)
         S = args.shard_group or data.world_size     # shards over S neighbouring ranks (one node)
         shard, copies = make_mesh(data, S) if S < data.world_size else (data, None)
-        model = FSDP(gpt, wrap=lambda m: gpt_blocks(m) or m in units,
-                     compute_dtype=DTYPES[args.precision], group=shard, prefetch=args.prefetch,
-                     device=device, replicate_group=copies,
-                     offload_params=args.offload == "params", reduce_dtype=reduce_dtype)
+        model = fsdp_with(gpt, copies, args.offload == "params",
+                          wrap=lambda m: gpt_blocks(m) or m in units, group=shard,
+                          mp_policy=MixedPrecisionPolicy(DTYPES[args.precision], reduce_dtype),
+                          prefetch=args.prefetch, device=device)
         optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(args.offload), **adamw)
         sent = model.bytes_per_step(micro_batches=args.grad_accum)
         held = run_state_bytes(gpt, "zero3", args, data.world_size, shard_group=S)
@@ -147,6 +150,21 @@ def data_parallel(gpt, args, data, device, adamw: dict):
         sent = optimizer.bytes_per_step(micro_batches=args.grad_accum)
         held = run_state_bytes(gpt, args.strategy, args, data.world_size)
     return model, optimizer, sent + exchange_bytes(gpt, args, data.world_size), held
+
+
+def fsdp_with(module, replicate_group=None, offload_params: bool = False, **options) -> FSDP:
+    """fsdp.FSDP(module, **options) with the talk's extensions a run asks for, each a subclass of
+    FSDP that calls super(), stacked into one class: HSDP's copies across replicate_group
+    (fsdp_hybrid.py), the parameter shards in host memory (fsdp_offload.py), and, when the module
+    has frozen parameters (LoRA's base), those sharded too (fsdp_frozen.py)."""
+    frozen = not all(p.requires_grad for p in module.parameters())
+    chosen = [kind for kind, wanted in ((HSDP, replicate_group is not None),
+                                        (OffloadedFSDP, offload_params), (FrozenBaseFSDP, frozen))
+              if wanted]
+    kind = chosen[0] if len(chosen) == 1 else type("FSDP", tuple(chosen), {}) if chosen else FSDP
+    if replicate_group is not None:
+        options["replicate_group"] = replicate_group
+    return kind(module, **options)
 
 
 def reduce_dtype_of(args) -> torch.dtype | None:
@@ -217,10 +235,10 @@ def wrap_data(gpt, module, tp, experts, args, mesh, device, adamw: dict):
     reduce_dtype = reduce_dtype_of(args)          # the gradients' averages, in fp32 by default
     if strategy is fsdp:
         units = held_experts(gpt)              # each expert a unit, sharded over its holders
-        replicas = FSDP(module, wrap=lambda m: gpt_blocks(m) or m in units,
-                        compute_dtype=DTYPES[args.precision], group=mesh.shard or data,
-                        replicate_group=mesh.replicate, prefetch=args.prefetch, device=device,
-                        offload_params=args.offload == "params", reduce_dtype=reduce_dtype)
+        replicas = fsdp_with(module, mesh.replicate, args.offload == "params",
+                             wrap=lambda m: gpt_blocks(m) or m in units, group=mesh.shard or data,
+                             mp_policy=MixedPrecisionPolicy(DTYPES[args.precision], reduce_dtype),
+                             prefetch=args.prefetch, device=device)
     elif strategy is ddp and data.world_size > 1:
         replicas = DDP(module, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype)
     else:

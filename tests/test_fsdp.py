@@ -20,7 +20,8 @@ import torch.nn.functional as F
 import train
 from collectives import Comm
 from ddp import DDP
-from fsdp import FSDP, FSDPOptimizer
+from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy
+from fsdp_frozen import FrozenBaseFSDP
 from memory import held_bytes, live_tensor_bytes, state_bytes
 from mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
@@ -220,9 +221,10 @@ def _errors():
     """Each bad input's ValueError message, on this rank."""
     r, errors = dist.get_rank(), {}
     cases = {"bf16_model": lambda: FSDP(_gpt().to(torch.bfloat16)),
-             "int_dtype": lambda: FSDP(_gpt(), compute_dtype=torch.int8),
+             "int_dtype": lambda: FSDP(_gpt(), mp_policy=MixedPrecisionPolicy(torch.int8)),
              "prefetch": lambda: FSDP(_gpt(), prefetch=-1),
              "frozen_all": lambda: FSDP(_gpt().requires_grad_(False)),
+             "frozen_part": lambda: FSDP(_tied()),
              "different_ranks": lambda: FSDP(_gpt() if r == 0 else _tied())}
     for name, make in cases.items():
         try:
@@ -297,7 +299,9 @@ def _launch(full):
 
 
 def _wrap(model, dtype=None, scaler=None, wrap=None, offload=False):
-    wrapped = FSDP(model, compute_dtype=dtype, **({"wrap": wrap} if wrap else {}))
+    # _Tied's frozen layer is sharded as LoRA's base is (fsdp_frozen.py).
+    kind = FSDP if all(p.requires_grad for p in model.parameters()) else FrozenBaseFSDP
+    wrapped = kind(model, mp_policy=MixedPrecisionPolicy(dtype), **({"wrap": wrap} if wrap else {}))
     return wrapped, FSDPOptimizer(wrapped, scaler=scaler, offload=offload, **ADAMW)
 
 
@@ -444,7 +448,8 @@ def test_prefetch_overlaps(two):
 
 def test_bad_input_stops_every_rank(two):
     fixes = {"bf16_model": "compute_dtype", "int_dtype": "float16", "prefetch": ">= 0",
-             "frozen_all": "no trainable", "different_ranks": "same model configuration"}
+             "frozen_all": "no trainable", "frozen_part": "fsdp_frozen.FrozenBaseFSDP",
+             "different_ranks": "same model configuration"}
     for name, fix in fixes.items():
         assert all(fix in o["errors"][name] for o in two), (name, [o["errors"][name] for o in two])
 
@@ -756,7 +761,7 @@ MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _plain_mixed(batches):
-    """_plain_loops in bf16 and fp16: FSDP(compute_dtype=...) under torch's SGD and AdamW and
+    """_plain_loops in bf16 and fp16: FSDP(mp_policy=...) under torch's SGD and AdamW and
     under FSDPOptimizer; in bf16 also torch's fully_shard with MixedPrecisionPolicy(bf16, bf16)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -777,7 +782,7 @@ def _plain_mixed(batches):
                         fully_shard(m, mesh=mesh, mp_policy=policy)
                     wrapped, opt = model, optimizer_cls(model.parameters(), **kwargs)
                 else:
-                    wrapped = FSDP(model, wrap=units, compute_dtype=dtype)
+                    wrapped = FSDP(model, wrap=units, mp_policy=MixedPrecisionPolicy(dtype))
                     opt = (optimizer_cls(wrapped.parameters(), **kwargs) if how == "torch.optim"
                            else FSDPOptimizer(wrapped, optimizer_cls, **kwargs,  # no loss scale: as torch.optim
                                               scaler=DynamicLossScaler(enabled=False)))

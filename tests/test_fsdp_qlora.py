@@ -14,9 +14,10 @@ import torch.distributed as dist
 
 import lora
 from collectives import Comm, ring_bytes
-from fsdp import FSDP, FSDPOptimizer
+from fsdp import FSDPOptimizer
 from memory import comm_bytes, held_bytes, live_numel, live_tensor_bytes, run_state_bytes
 from multiprocess import assert_tensors_close, run_ranks
+from parallelize import fsdp_with
 from process_groups import make_mesh
 from quantization import NF4Weight
 from test_fsdp import _check, _load_full_state_dict, _single, _train_fsdp
@@ -52,7 +53,7 @@ def _frozen(model) -> list[torch.Tensor]:
 
 
 def _wrap(model, group=None, replicas=None, offload_params=False):
-    wrapped = FSDP(model, group=group, replicate_group=replicas, offload_params=offload_params)
+    wrapped = fsdp_with(model, replicas, offload_params, group=group)
     return wrapped, FSDPOptimizer(wrapped, offload=offload_params, **ADAMW)
 
 
@@ -80,7 +81,7 @@ def _device_parameter_bytes(wrapped, opt) -> int:
     units = wrapped.units + wrapped.frozen_units
     tensors = [*wrapped.module.parameters(), *(f for u in units for f in u.flats()),
                *(u.master for u in wrapped.units), *wrapped.frozen_shards(),
-               *(t for u in wrapped.units for t in (u.device_shard, u.host_shard) if t is not None)]
+               *(u.compute_shard for u in wrapped.units if u.compute_shard is not None)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
                 if t.untyped_storage().nbytes()}
     return sum(nbytes for ptr, nbytes in storages.items() if ptr not in host)

@@ -13,7 +13,7 @@ import torch.nn as nn
 from collectives import Comm
 from ddp import DDP
 from dtypes import dtype_facts
-from fsdp import FSDP, FSDPOptimizer
+from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
@@ -474,7 +474,7 @@ def _reduced_gradients():
             gpt.load_state_dict(state)
             names = {p: n for n, p in gpt.named_parameters()}
             if strategy == "fsdp":
-                model = FSDP(gpt, compute_dtype=torch.bfloat16, group=comm, reduce_dtype=reduce_dtype)
+                model = FSDP(gpt, mp_policy=MixedPrecisionPolicy(torch.bfloat16, reduce_dtype), group=comm)
                 optimizer = FSDPOptimizer(model)
             elif strategy == "ddp":
                 model = DDP(gpt.to(torch.bfloat16), comm, reduce_dtype=reduce_dtype)

@@ -1,0 +1,60 @@
+"""Hybrid sharding (HSDP): FSDP within a group of ranks, copies of its shards across the groups.
+
+FSDP over a whole cluster all-gathers every unit over every rank, across the slow links between
+nodes. HSDP (Zhao et al. 2023, 3.2.1, FSDP's HYBRID_SHARD; FSDP2's 2-D mesh) shards each unit
+within a group (one node's fast links) and keeps one copy of the sharded model per group: the
+all-gathers and reduce-scatters stay inside the group, and only the reduced gradient shard, 1/S
+of the model, is all-reduced across the copies. Memory: 1/S of the training state, S the group's
+size. This file is a delta on fsdp.py: read that first.
+Left out: ZeRO++'s hierarchical partitioning (a secondary shard per node for the backward gather).
+Run: torchrun --nproc_per_node 4 train.py --strategy fsdp --shard-group 2;
+test: python -m pytest tests/test_fsdp_qlora.py -k hybrid
+"""
+import torch
+
+from collectives import as_comm, ring_bytes
+from fsdp import FSDP
+
+
+class HSDP(FSDP):
+    """FSDP(module, group=shard group, **options), each shard copied over replicate_group.
+
+    replicate_group: the ranks holding the same shard in the other groups (process_groups.make_mesh's
+    outer group). Each reduce-scattered gradient shard is then all-reduced over them (the mean
+    over both), with the used-flags, and every copy starts as the first group's. An expert's unit
+    is not copied: it stays sharded over its holders (placements.py), its gradient summed there.
+    """
+
+    def __init__(self, module, replicate_group, **options):
+        self.replicas = as_comm(replicate_group)     # before FSDP builds its units over them
+        super().__init__(module, **options)
+
+    def _model_groups(self) -> list:
+        return [self.comm, self.replicas]
+
+    def _same_start(self, comm, flat: torch.Tensor):
+        super()._same_start(comm, flat)
+        if comm is self.comm:                       # (an expert's group is not copied)
+            self.replicas.broadcast(flat, src=0)    # every copy starts as the first group's
+
+    def _make_unit(self, index, module, tensors):
+        unit = super()._make_unit(index, module, tensors)
+        if unit is not None and unit.params and unit.comm is self.comm:
+            unit.replicas = self.replicas            # zero.py's norm and used-flags read them too
+        return unit
+
+    def _add_gradient(self, unit, output, used):
+        if unit.replicas is not None:                # the shard's mean over the copies too
+            unit.replicas.all_reduce(output, op=unit.op)
+        super()._add_gradient(unit, output, used)
+
+    def bytes_per_step(self, micro_batches: int = 1, gathered_for_step: bool = False) -> int:
+        """FSDP's, plus the copies' all-reduce of each reduced shard, of the used-flags, and,
+        where some units are not copied (experts), of the norm's squares."""
+        reductions = 1 if gathered_for_step else micro_batches
+        copies, wire = self.replicas.world_size, self.reduce_dtype.itemsize
+        copied = [u for u in self.units if u.replicas is not None]
+        shards = reductions * sum(ring_bytes("all_reduce", u.shard_numel, wire, copies) for u in copied)
+        flags = ring_bytes("all_reduce", sum(len(u.params) for u in copied), 1, copies)
+        norm = ring_bytes("all_reduce", 1, 4, copies) if len(copied) < len(self.units) else 0
+        return super().bytes_per_step(micro_batches, gathered_for_step) + shards + flags + norm
