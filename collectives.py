@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from launch import Workspaces, check_shards, copy_back, launcher, ring_group, send_recv
-from launch import flags_to_device  # noqa: F401  (ddp, zero and fsdp import it from here)
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 # A ring step's chunk travels in segments of this size, so that reducing one overlaps sending

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, flags_to_device, ring_bytes
+from collectives import as_comm, ring_bytes
+from launch import flags_to_device
 from flat import FlatParams, InOrder, hook_gradient, split_into_buckets
 from mixed_precision import on_the_wire
 from placements import by_reduction

@@ -22,7 +22,8 @@ from contextlib import ExitStack, contextmanager
 import torch
 import torch.nn as nn
 
-from collectives import Comm, flags_to_device, ring_bytes
+from collectives import Comm, ring_bytes
+from launch import flags_to_device
 from mixed_precision import MasterOptimizer
 from placements import grad_norm, norm_weight
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, flags_to_device, ring_bytes
+from collectives import as_comm, ring_bytes
+from launch import flags_to_device
 from flat import (MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, flags_and_norm_bytes, hook_gradient,
                   or_used_flags, shards_norm)
 from mixed_precision import DynamicLossScaler

@@ -14,7 +14,7 @@ test: python -m pytest tests/test_fsdp_qlora.py -k offload
 import torch
 
 from fsdp import FSDP
-from zero import host_copy
+from offload import host_copy
 
 
 class OffloadedFSDP(FSDP):
