@@ -19,7 +19,7 @@ import ddp
 import fsdp
 import lora
 from checkpointing import checkpoint_blocks
-from cli import STRATEGIES, mesh_splits, moe_config, stage_layers
+from cli import STRATEGIES
 from collectives import Comm, ring_bytes
 from conjugates import leave_region
 from context_parallel import ContextParallelGPT
@@ -30,6 +30,7 @@ from fsdp_frozen import FrozenBaseFSDP
 from fsdp_hybrid import HSDP
 from fsdp_offload import OffloadedFSDP
 from memory import mesh_params, run_state_bytes
+from mesh_checks import mesh_splits, moe_config, stage_layers
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model
 from moe import MoE, exchange_bytes, expert_parallel, held_experts, routing_summary

@@ -33,9 +33,10 @@ from torch.optim.lr_scheduler import LambdaLR
 import lora
 import snapshot
 from bench_measure import start_profiling
-from cli import describe_run, mesh_splits, parse_args
+from cli import describe_run, parse_args
 from data import TextData
 from memory import held_bytes, live_numel, live_tensor_bytes
+from mesh_checks import mesh_splits
 from parallelize import build, dimension_report, lora_config
 from process_groups import exit_distributed, global_mean, init_distributed
 from snapshot import Divergence, RunError, load_weights, own_outputs
