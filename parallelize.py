@@ -122,35 +122,50 @@ def data_parallel(gpt, args, data, device, adamw: dict):
     units (gpt fp32 on the CPU: see FSDP's device), with --shard-group S HSDP's copies.
     --ep (moe.py): E/ep experts per rank; FSDP makes each a unit over the ranks holding it."""
     experts = expert_parallel(gpt, data, args.ep) if args.ep > 1 else None
-    strategy, reduce_dtype = STRATEGIES[args.strategy], reduce_dtype_of(args)
+    strategy = STRATEGIES[args.strategy]
+    S = args.shard_group or data.world_size     # FSDP shards over S neighbouring ranks (one node)
+    shard, copies = make_mesh(data, S) if strategy is fsdp and S < data.world_size else (data, None)
+    model, optimizer = wrap(gpt, gpt, args, (data, shard, copies), device, adamw,
+                           replicate=args.strategy != "single")
     if strategy is ddp:
-        model = (gpt if args.strategy == "single" else
-                 DDP(gpt, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype))
-        # After DDP's broadcast: fp16/bf16 masters copy rank 0's weights.
-        optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
-                                            precision=args.precision, **adamw)
         optimizer.split_model({"ep": experts})       # the experts' squares add up over ep
-        sent, held = 0 if model is gpt else model.bytes_per_step(), run_state_bytes(
-            gpt, "ddp", args, data.world_size)
+        sent = 0 if model is gpt else model.bytes_per_step()
+        held = run_state_bytes(gpt, "ddp", args, data.world_size)
     elif strategy is fsdp:
-        units = held_experts(gpt)
-        S = args.shard_group or data.world_size     # shards over S neighbouring ranks (one node)
-        shard, copies = make_mesh(data, S) if S < data.world_size else (data, None)
-        model = fsdp_with(gpt, copies, args.offload == "params",
-                          wrap=lambda m: gpt_blocks(m) or m in units, group=shard,
-                          mp_policy=MixedPrecisionPolicy(DTYPES[args.precision], reduce_dtype),
-                          prefetch=args.prefetch, device=device)
-        optimizer = FSDPOptimizer(model, torch.optim.AdamW, offload=bool(args.offload), **adamw)
         sent = model.bytes_per_step(micro_batches=args.grad_accum)
         held = run_state_bytes(gpt, "zero3", args, data.world_size, shard_group=S)
     else:
-        model = gpt
-        optimizer = zero_optimizer(gpt.parameters(), stage=int(args.strategy[-1]),
-                                   optimizer_cls=torch.optim.AdamW, group=data, bucket_mb=args.bucket_mb,
-                                   offload=bool(args.offload), reduce_dtype=reduce_dtype, **adamw)
         sent = optimizer.bytes_per_step(micro_batches=args.grad_accum)
         held = run_state_bytes(gpt, args.strategy, args, data.world_size)
     return model, optimizer, sent + exchange_bytes(gpt, args, data.world_size), held
+
+
+def wrap(gpt, module, args, groups: tuple, device, adamw: dict, replicate: bool):
+    """module wrapped over the data dimension as --strategy says, and gpt's optimizer: (wrapped,
+    optimizer). groups: (the data group, FSDP's shard group, HSDP's copies or None).
+    ddp: DDP's replicas if replicate (else module itself) under MixedPrecisionOptimizer, made
+    after DDP's broadcast so that fp16/bf16 masters copy rank 0's weights; fsdp: FSDP's units
+    (each expert a unit of its own, sharded over its holders) under FSDPOptimizer; zero1, zero2:
+    module unwrapped, ZeRO's optimizer reduces the gradients (with --offload, ZeRO-Offload)."""
+    data, shard, copies = groups
+    strategy, reduce_dtype = STRATEGIES[args.strategy], reduce_dtype_of(args)
+    offload = bool(args.offload)                  # ZeRO-Offload: the shards' optimizer on the host
+    if strategy is fsdp:
+        units = held_experts(gpt)
+        replicas = fsdp_with(module, copies, args.offload == "params",
+                             wrap=lambda m: gpt_blocks(m) or m in units, group=shard,
+                             mp_policy=MixedPrecisionPolicy(DTYPES[args.precision], reduce_dtype),
+                             prefetch=args.prefetch, device=device)
+        return replicas, FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)
+    if strategy is ddp:
+        replicas = (DDP(module, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype)
+                    if replicate else module)
+        return replicas, MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
+                                                 precision=args.precision, **adamw)
+    return module, zero_optimizer(gpt.parameters(), stage=int(args.strategy[-1]),
+                                  optimizer_cls=torch.optim.AdamW, group=data,
+                                  bucket_mb=args.bucket_mb, offload=offload,
+                                  reduce_dtype=reduce_dtype, **adamw)
 
 
 def fsdp_with(module, replicate_group=None, offload_params: bool = False, **options) -> FSDP:
@@ -233,27 +248,8 @@ def wrap_data(gpt, module, tp, experts, args, mesh, device, adamw: dict):
                    or strategy is fsdp and "pp" not in splits)
     if tp and tp.partial and in_backward and not held_all:
         tp.sum_partial_in_backward()
-    reduce_dtype = reduce_dtype_of(args)          # the gradients' averages, in fp32 by default
-    if strategy is fsdp:
-        units = held_experts(gpt)              # each expert a unit, sharded over its holders
-        replicas = fsdp_with(module, mesh.replicate, args.offload == "params",
-                             wrap=lambda m: gpt_blocks(m) or m in units, group=mesh.shard or data,
-                             mp_policy=MixedPrecisionPolicy(DTYPES[args.precision], reduce_dtype),
-                             prefetch=args.prefetch, device=device)
-    elif strategy is ddp and data.world_size > 1:
-        replicas = DDP(module, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype)
-    else:
-        replicas = module                          # ZeRO's optimizer reduces the gradients
-    if strategy is ddp:
-        optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
-                                            precision=args.precision, **adamw)
-    else:                      # sharded over dp x cp (the experts' ep inside it)
-        offload = bool(args.offload)           # ZeRO-Offload: the shards' optimizer on the host
-        optimizer = (FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)
-                     if strategy is fsdp else
-                     zero_optimizer(gpt.parameters(), stage=int(args.strategy[-1]), group=data,
-                                    bucket_mb=args.bucket_mb, offload=offload,
-                                    reduce_dtype=reduce_dtype, **adamw))
+    replicas, optimizer = wrap(gpt, module, args, (data, mesh.shard or data, mesh.replicate), device,
+                               adamw, replicate=data.world_size > 1)
     # The global norm sums each value once over the dimensions that split the model beside the
     # optimizer's own ranks (placements.py): a replicated optimizer's experts differ over ep.
     optimizer.split_model({"ep": experts if strategy is ddp else None,
