@@ -517,7 +517,7 @@ def moe_report(row: dict | None) -> list:
     lines += ["", f"ep {P} / ep 1: {row['ratio']:.2f}x the time per step. Model {row['model']} "
               f"({cfg.experts} experts per block, top-{cfg.top_k}, {capacity}), each rank routing its "
               f"own {row['tokens_per_rank']} tokens; both sides our DDP as train.py --strategy ddp "
-              f"--ep N builds it (ddp.build), AdamW. ep 1 keeps every expert on every rank and "
+              f"--ep N builds it (parallelize.data_parallel), AdamW. ep 1 keeps every expert on every rank and "
               f"all-reduces their gradients over the world; ep {P} holds {cfg.experts // P} per rank "
               f"and sends each block's tokens to their experts and back (4 all-to-alls per block). "
               f"Napkin: memory.py's expert_params, ep_state_bytes (ddp), moe_exchange_bytes; sent: "

@@ -4,7 +4,7 @@ ZeRO stage 3 (Rajbhandari et al. 2020, 5.3), built as PyTorch's FSDP (Zhao et al
 each unit of the model is one flat parameter sharded 1/N, all-gathered just before its forward
 and again before its backward, freed after each, its gradient reduce-scattered: 3 (N-1)/N of
 the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state.
-FSDPOptimizer steps on the shards with zero.py's sharded step (offload=True: ZeRO-Offload).
+FSDPOptimizer steps on the shards with ZeRO's sharded step (flat.py; offload=True: offload.py).
 The talk's additions build on this file, each a subclass read after it: fsdp_hybrid.py (HSDP:
 shard within a group, copies across groups), fsdp_offload.py (the parameter shards in host
 memory between uses), fsdp_frozen.py (a frozen base, QLoRA's 4-bit one too, sharded as bytes).
@@ -338,7 +338,7 @@ class FSDP(nn.Module):
         if unit.pending == 0:
             unit.pending = len(unit.params)
             self._gradients_done(unit)
-            # In reduce_order on every rank (ddp.InOrder): a unit unused here waits for
+            # In reduce_order on every rank (flat.InOrder): a unit unused here waits for
             # the end of backward, and the units after it with it.
             self._order.ready(unit)
 
@@ -409,7 +409,7 @@ class FSDP(nn.Module):
         unit no rank used then has no gradient, .grad None, as in one process: a plain torch
         optimizer skips it, where a zero gradient would still be decayed by AdamW (and moved by
         its moments). A parameter unused inside a used unit keeps a zero slice of the shard's
-        gradient: FSDPOptimizer keeps it unchanged (zero.py's keep_unchanged), a plain optimizer
+        gradient: FSDPOptimizer keeps it unchanged (mixed_precision.keep_unchanged), a plain optimizer
         does not. Sent after every reduce-scatter is launched (the same place on every rank)."""
         local = [u for unit in self.units for u in unit.used]
         used, agree = or_used_flags(self.units, self.device)                    # (P,) uint8
@@ -505,7 +505,7 @@ class FSDP(nn.Module):
 
     def bytes_per_step(self, micro_batches: int = 1, gathered_for_step: bool = False) -> int:
         """Bytes this rank sends per step (ring): each unit's all-gathers, and per micro-batch one
-        reduce-scatter per unit; plus the used-flags and FSDPOptimizer's norm (zero.py).
+        reduce-scatter per unit; plus the used-flags and FSDPOptimizer's norm (flat.py).
         3 (N-1)/N of the model: 1.5x DDP. gathered_for_step (a pipeline's step): one
         all-gather and one reduce-scatter per unit for all the micro-batches, 2 (N-1)/N of the
         stage, DDP's volume."""
@@ -558,7 +558,7 @@ class FSDPOptimizer(ShardedOptimizer):
     """Any element-wise torch optimizer on the FSDP shards, with ZeRO's sharded step.
 
     The gradients arrive as fp32 shards (the reduce-scatter did ZeRO-2's work), so the update is
-    zero.py's: unscale (fp16 loss scale), one global norm across ranks for clipping and for the
+    flat.py's: unscale (fp16 loss scale), one global norm across ranks for clipping and for the
     inf/NaN skip that every rank agrees on, the inner step. No all-gather after it: the next
     forward gathers. Loop: zero_grad(); scale_loss(loss).backward() per micro-batch;
     clip_grad_norm_(max_norm) if clipping; step(). A torch.optim.Optimizer: schedulers drive it.
@@ -583,7 +583,7 @@ class FSDPOptimizer(ShardedOptimizer):
 
     def _gradients(self):
         self.fsdp.finish_gradient_sync()
-        # Offloaded, zero.py's ShardedOptimizer._unscale copies them out, Adam steps on the CPU,
+        # Offloaded, offload.OffloadedOptimizer._unscale copies them out, Adam steps on the CPU,
         # the updated shards go back in (Unit.refresh), where the next forward's all-gathers wait.
         units = [u for u in self.fsdp.units if u.grad is not None]
         return [u.grad for u in units], [u.master for u in units]        # (S,) each, on the device

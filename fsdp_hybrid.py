@@ -40,7 +40,7 @@ class HSDP(FSDP):
     def _make_unit(self, index, module, tensors):
         unit = super()._make_unit(index, module, tensors)
         if unit is not None and unit.params and unit.comm is self.comm:
-            unit.replicas = self.replicas            # zero.py's norm and used-flags read them too
+            unit.replicas = self.replicas            # flat.py's norm and used-flags read them too
         return unit
 
     def _add_gradient(self, unit, output, used):
