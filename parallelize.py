@@ -123,8 +123,9 @@ def data_parallel(gpt, args, data, device, adamw: dict):
     --ep (moe.py): E/ep experts per rank; FSDP makes each a unit over the ranks holding it."""
     experts = expert_parallel(gpt, data, args.ep) if args.ep > 1 else None
     strategy = STRATEGIES[args.strategy]
-    S = args.shard_group or data.world_size     # FSDP shards over S neighbouring ranks (one node)
-    shard, copies = make_mesh(data, S) if strategy is fsdp and S < data.world_size else (data, None)
+    # FSDP shards over S neighbouring ranks (one node), a copy per group of them
+    S = (args.shard_group or data.world_size) if strategy is fsdp else data.world_size
+    shard, copies = make_mesh(data, S) if S < data.world_size else (data, None)
     model, optimizer = wrap(gpt, gpt, args, (data, shard, copies), device, adamw,
                            replicate=args.strategy != "single")
     if strategy is ddp:
