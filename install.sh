@@ -10,6 +10,7 @@ cd "$(dirname "$0")"
 if command -v nvidia-smi >/dev/null 2>&1 || [ "$(uname)" = Darwin ]; then
     .venv/bin/python -m pip install -q torch==2.13.0
 else
-    .venv/bin/python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    .venv/bin/python -m pip install -q torch==2.13.0 --no-deps --index-url https://download.pytorch.org/whl/cpu
 fi
+# torch's own dependencies (sympy, jinja2, ...) come with the rest, from PyPI.
 .venv/bin/python -m pip install -q -r requirements.txt

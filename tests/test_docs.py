@@ -27,7 +27,7 @@ def test_install_pins_the_tested_torch_and_the_cpu_build_without_a_gpu():
     requirements = (ROOT / "requirements.txt").read_text()
     install = (ROOT / "install.sh").read_text()
     assert re.search(r"^torch==2\.13\.0$", requirements, re.M), requirements
-    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in install
+    assert "torch==2.13.0 --no-deps --index-url https://download.pytorch.org/whl/cpu" in install
     assert subprocess.run(["sh", "-n", str(ROOT / "install.sh")]).returncode == 0   # it parses
 
 
