@@ -4,7 +4,10 @@ ZeRO stage 3 (Rajbhandari et al. 2020, 5.3), built as PyTorch's FSDP (Zhao et al
 each unit of the model is one flat parameter sharded 1/N, all-gathered just before its forward
 and again before its backward, freed after each, its gradient reduce-scattered: 3 (N-1)/N of
 the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state.
-FSDPOptimizer steps on the shards with ZeRO's sharded step (flat.py; offload=True: offload.py).
+This file is that: the unit, then FSDP's forward and backward. Three parts a reader can skip
+complete it: fsdp_wrap.py (the wrap and mixed-precision policies, the walk that makes the
+units), fsdp_state.py (what memory.py, clipping and checkpoints read of the shards) and
+fsdp_optimizer.py (FSDPOptimizer: ZeRO's sharded step on the shards; offload=True: offload.py).
 The talk's additions build on this file, each a subclass read after it: fsdp_hybrid.py (HSDP:
 shard within a group, copies across groups), fsdp_offload.py (the parameter shards in host
 memory between uses), fsdp_frozen.py (a frozen base, QLoRA's 4-bit one too, sharded as bytes).
@@ -17,7 +20,6 @@ per shard.
 """
 import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -26,26 +28,9 @@ from collectives import as_comm
 from flat import MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, agree_used, hook_gradient
 from fsdp_optimizer import FSDPOptimizer  # noqa: F401  (re-exported: it steps on FSDP's shards)
 from fsdp_state import FSDPState
-from model import Block
+from fsdp_wrap import MixedPrecisionPolicy, Wrapping, check_input, gpt_blocks
 from offload import host_to_device
-from placements import data_reduction, placement
 from process_groups import check_same_parameters
-
-
-def gpt_blocks(module: nn.Module) -> bool:
-    """The default wrap policy: one unit per transformer block; the rest is the root unit.
-    (Under expert parallelism parallelize.py wraps each expert a rank holds as a unit of its own.)"""
-    return isinstance(module, Block)
-
-
-@dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """FSDP2's mp_policy, its two dtypes: param_dtype, what forward and backward compute in and
-    the all-gathers send (None: fp32); reduce_dtype, what the gradients are reduce-scattered in
-    (None: param_dtype; torch.float32 under bf16/fp16 upcasts before the collective, fewer
-    roundings for twice the bytes). The shards stay fp32 either way."""
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
 
 
 class Gathered:
@@ -135,14 +120,14 @@ class Unit(FlatParams, Gathered):
         self.free()
 
 
-class FSDP(FSDPState, nn.Module):
+class FSDP(Wrapping, FSDPState, nn.Module):
     """Wrap `module` in FSDP units; `.module` runs unchanged, `.parameters()` are the shards.
 
     module: fp32 parameters, every one trained (they become the fp32 master shards; a frozen
     base is fsdp_frozen.FrozenBaseFSDP's). wrap: a predicate over submodules, True for each that
     becomes a unit (default: the GPT's blocks); everything else, and any parameter two units
     share (tied weights), is the root unit, gathered from the start of forward to the end of its
-    backward, as in PyTorch. mp_policy: a MixedPrecisionPolicy (default: all fp32).
+    backward, as in PyTorch. mp_policy: a fsdp_wrap.MixedPrecisionPolicy (default: all fp32).
     group: a collectives.Comm, a process group or None. prefetch: units all-gathered ahead of the
     one computing (0: none), at most 1 + prefetch non-root units gathered at once.
     device: where the shards, the gathered units and the rest of the module live (default: where
@@ -162,7 +147,7 @@ class FSDP(FSDPState, nn.Module):
         policy = mp_policy or MixedPrecisionPolicy()
         self.compute_dtype = policy.param_dtype or torch.float32
         self.reduce_dtype = policy.reduce_dtype or self.compute_dtype
-        trainable = _check_input(module, self.compute_dtype, prefetch)
+        trainable = check_input(module, self.compute_dtype, prefetch)
         self.comm, self.prefetch = as_comm(group), prefetch
         self.device = torch.device(device) if device is not None else trainable[0].device
         for comm in self._model_groups():                   # the same model on every rank
@@ -170,7 +155,7 @@ class FSDP(FSDPState, nn.Module):
         # The data dimension's ranks (an expert's gradient is divided by all of them).
         self.data_world = math.prod(comm.world_size for comm in self._model_groups())
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
-        self._make_units(module, wrap)
+        self._make_units(module, wrap)       # fsdp_wrap.py: self.roots, self.order, self.units
         # Backward's order, the root last: every rank launches its reduce-scatters in this order.
         self.reduce_order = [u for u in self.order[::-1] if u.params] + ([self.root] if self.root else [])
         self._order = InOrder(self.reduce_order, self._reduce, self._retire,
@@ -190,56 +175,6 @@ class FSDP(FSDPState, nn.Module):
         self._used_agreed = False        # this backward's used-flags OR'ed over the ranks
         self.events = []                 # this step's order of collectives and computation
         self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
-
-    def _model_groups(self) -> list:
-        """The groups whose ranks start from the same model (HSDP adds its copies')."""
-        return [self.comm]
-
-    def _same_start(self, comm, flat: torch.Tensor):
-        """Ranks may have been seeded differently: every rank's flat starts as comm's rank 0's."""
-        comm.broadcast(flat, src=0)
-
-    def _tensors_of(self, m: nn.Module) -> list[torch.Tensor]:
-        """The tensors of m (not its children's) that its unit shards: its parameters."""
-        return list(m.parameters(recurse=False))
-
-    def _make_units(self, module, wrap):
-        """self.roots (the root unit, gathered from forward's start to backward's end), self.order
-        (every other unit, in forward order, each gathered around each use), self.units (those
-        with something to train) and self.root (the trained root, or None)."""
-        owner = {}          # each tensor's unit: the nearest wrapped module above it, None: root
-
-        def visit(m, unit):
-            unit = m if m is not module and wrap(m) else unit
-            for t in self._tensors_of(m):
-                if owner.setdefault(t, unit) is not unit:
-                    owner[t] = None                          # shared by two units: the root's
-            for child in m.children():
-                visit(child, unit)
-        visit(module, None)
-        self.roots, self.order = [], []
-        for m in [None] + [m for m in module.modules() if m is not module and wrap(m)]:
-            tensors = [t for t, o in owner.items() if o is m]
-            unit = self._make_unit(len(self.roots) + len(self.order), module if m is None else m,
-                                   tensors) if tensors else None
-            if unit is not None:
-                (self.roots if m is None else self.order).append(unit)
-        self.units = [u for u in self.roots + self.order if u.params]
-        self.root = next((u for u in self.roots if u.params), None)
-
-    def _make_unit(self, index, module, params):
-        """The unit of params, module's (a tensor list in module order), or None."""
-        if not all(p.requires_grad for p in params):
-            raise ValueError("FSDP shards trained parameters only: for a frozen base (LoRA's, "
-                             "requires_grad=False) use fsdp_frozen.FrozenBaseFSDP, which shards it too")
-        # With experts: an expert's unit is sharded over the ranks holding that expert.
-        if len({placement(p).holders for p in params}) > 1:
-            raise ValueError("FSDP: a unit mixes parameters held by different ranks (an "
-                             "expert beside shared weights): wrap each expert as a unit")
-        comm, op, divide = data_reduction(params[0], self.comm, self.data_world)
-        unit = self.unit_type(index, module, params, comm, self)
-        unit.op, unit.divide = op, divide
-        return unit
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -437,19 +372,3 @@ class FSDP(FSDPState, nn.Module):
             for unit in self.roots + self.order:
                 unit.free()
 
-
-def _check_input(module, compute_dtype, prefetch) -> list:
-    """FSDP's arguments, checked before any work: its trainable parameters."""
-    if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"FSDP compute_dtype (mp_policy's param_dtype) must be torch.float32, "
-                         f"bfloat16 or float16, got {compute_dtype}")
-    if not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"FSDP prefetch must be a whole number of units >= 0, got {prefetch!r}")
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    if not trainable:
-        raise ValueError("FSDP: the module has no trainable parameters (requires_grad=True)")
-    if any(p.dtype != torch.float32 for p in trainable):
-        raise ValueError("FSDP keeps fp32 master shards: pass the fp32 model and pick the "
-                         "compute_dtype with mp_policy=MixedPrecisionPolicy(param_dtype="
-                         "torch.bfloat16), do not cast the model first")
-    return trainable
