@@ -298,6 +298,25 @@ def or_used_flags(flats: list, device) -> tuple:
     return used, agree
 
 
+def agree_used(flats: list, device):
+    """or_used_flags, waited for and read, for flats whose gradient the reducer owns (FSDP's
+    units): a flat no rank used then has no gradient, .grad None, as in one process, so a plain
+    torch optimizer skips it where a zero gradient would still be decayed by AdamW (and moved by
+    its moments). A parameter unused inside a used flat keeps a zero slice of the shard's
+    gradient: ShardedOptimizer keeps it unchanged (mixed_precision.keep_unchanged), a plain
+    optimizer does not. Collective: call it at the same place on every rank."""
+    local = [u for flat in flats for u in flat.used]
+    used, agree = or_used_flags(flats, device)                                  # (P,) uint8
+    agree()
+    if all(local):
+        return               # every parameter was used here: no read (a host sync on a GPU)
+    flags = iter(used.bool().tolist())
+    for flat in flats:
+        flat.used = [next(flags) for _ in flat.params]
+        if not any(flat.used):
+            flat.grad = None
+
+
 def flags_and_norm_bytes(flats: list, comm) -> int:
     """step_message_bytes when the flats are sharded over groups of their own (expert
     parallelism's): each run of flats sends its flags to its ranks; the norm goes to comm's."""

@@ -4,7 +4,10 @@ ZeRO stage 3 (Rajbhandari et al. 2020, 5.3), built as PyTorch's FSDP (Zhao et al
 each unit of the model is one flat parameter sharded 1/N, all-gathered just before its forward
 and again before its backward, freed after each, its gradient reduce-scattered: 3 (N-1)/N of
 the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state.
-FSDPOptimizer steps on the shards with ZeRO's sharded step (flat.py; offload=True: offload.py).
+This file is that: the unit, then FSDP's forward and backward. Three parts a reader can skip
+complete it: fsdp_wrap.py (the wrap and mixed-precision policies, the walk that makes the
+units), fsdp_state.py (what memory.py, clipping and checkpoints read of the shards) and
+fsdp_optimizer.py (FSDPOptimizer: ZeRO's sharded step on the shards; offload=True: offload.py).
 The talk's additions build on this file, each a subclass read after it: fsdp_hybrid.py (HSDP:
 shard within a group, copies across groups), fsdp_offload.py (the parameter shards in host
 memory between uses), fsdp_frozen.py (a frozen base, QLoRA's 4-bit one too, sharded as bytes).
@@ -17,36 +20,17 @@ per shard.
 """
 import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, ring_bytes
-from launch import flags_to_device
-from flat import (MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, flags_and_norm_bytes, hook_gradient,
-                  or_used_flags, shards_norm)
-from mixed_precision import DynamicLossScaler
-from model import Block
-from offload import OffloadedOptimizer as ShardedOptimizer, host_buffer, host_copy, host_to_device
-from placements import data_reduction, placement
+from collectives import as_comm
+from flat import MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, agree_used, hook_gradient
+from fsdp_optimizer import FSDPOptimizer  # noqa: F401  (re-exported: it steps on FSDP's shards)
+from fsdp_state import FSDPState
+from fsdp_wrap import MixedPrecisionPolicy, Wrapping, check_input, gpt_blocks
+from offload import host_to_device
 from process_groups import check_same_parameters
-
-
-def gpt_blocks(module: nn.Module) -> bool:
-    """The default wrap policy: one unit per transformer block; the rest is the root unit.
-    (Under expert parallelism parallelize.py wraps each expert a rank holds as a unit of its own.)"""
-    return isinstance(module, Block)
-
-
-@dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """FSDP2's mp_policy, its two dtypes: param_dtype, what forward and backward compute in and
-    the all-gathers send (None: fp32); reduce_dtype, what the gradients are reduce-scattered in
-    (None: param_dtype; torch.float32 under bf16/fp16 upcasts before the collective, fewer
-    roundings for twice the bytes). The shards stay fp32 either way."""
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
 
 
 class Gathered:
@@ -136,14 +120,14 @@ class Unit(FlatParams, Gathered):
         self.free()
 
 
-class FSDP(nn.Module):
+class FSDP(Wrapping, FSDPState, nn.Module):
     """Wrap `module` in FSDP units; `.module` runs unchanged, `.parameters()` are the shards.
 
     module: fp32 parameters, every one trained (they become the fp32 master shards; a frozen
     base is fsdp_frozen.FrozenBaseFSDP's). wrap: a predicate over submodules, True for each that
     becomes a unit (default: the GPT's blocks); everything else, and any parameter two units
     share (tied weights), is the root unit, gathered from the start of forward to the end of its
-    backward, as in PyTorch. mp_policy: a MixedPrecisionPolicy (default: all fp32).
+    backward, as in PyTorch. mp_policy: a fsdp_wrap.MixedPrecisionPolicy (default: all fp32).
     group: a collectives.Comm, a process group or None. prefetch: units all-gathered ahead of the
     one computing (0: none), at most 1 + prefetch non-root units gathered at once.
     device: where the shards, the gathered units and the rest of the module live (default: where
@@ -163,7 +147,7 @@ class FSDP(nn.Module):
         policy = mp_policy or MixedPrecisionPolicy()
         self.compute_dtype = policy.param_dtype or torch.float32
         self.reduce_dtype = policy.reduce_dtype or self.compute_dtype
-        trainable = _check_input(module, self.compute_dtype, prefetch)
+        trainable = check_input(module, self.compute_dtype, prefetch)
         self.comm, self.prefetch = as_comm(group), prefetch
         self.device = torch.device(device) if device is not None else trainable[0].device
         for comm in self._model_groups():                   # the same model on every rank
@@ -171,7 +155,7 @@ class FSDP(nn.Module):
         # The data dimension's ranks (an expert's gradient is divided by all of them).
         self.data_world = math.prod(comm.world_size for comm in self._model_groups())
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
-        self._make_units(module, wrap)
+        self._make_units(module, wrap)       # fsdp_wrap.py: self.roots, self.order, self.units
         # Backward's order, the root last: every rank launches its reduce-scatters in this order.
         self.reduce_order = [u for u in self.order[::-1] if u.params] + ([self.root] if self.root else [])
         self._order = InOrder(self.reduce_order, self._reduce, self._retire,
@@ -191,56 +175,6 @@ class FSDP(nn.Module):
         self._used_agreed = False        # this backward's used-flags OR'ed over the ranks
         self.events = []                 # this step's order of collectives and computation
         self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
-
-    def _model_groups(self) -> list:
-        """The groups whose ranks start from the same model (HSDP adds its copies')."""
-        return [self.comm]
-
-    def _same_start(self, comm, flat: torch.Tensor):
-        """Ranks may have been seeded differently: every rank's flat starts as comm's rank 0's."""
-        comm.broadcast(flat, src=0)
-
-    def _tensors_of(self, m: nn.Module) -> list[torch.Tensor]:
-        """The tensors of m (not its children's) that its unit shards: its parameters."""
-        return list(m.parameters(recurse=False))
-
-    def _make_units(self, module, wrap):
-        """self.roots (the root unit, gathered from forward's start to backward's end), self.order
-        (every other unit, in forward order, each gathered around each use), self.units (those
-        with something to train) and self.root (the trained root, or None)."""
-        owner = {}          # each tensor's unit: the nearest wrapped module above it, None: root
-
-        def visit(m, unit):
-            unit = m if m is not module and wrap(m) else unit
-            for t in self._tensors_of(m):
-                if owner.setdefault(t, unit) is not unit:
-                    owner[t] = None                          # shared by two units: the root's
-            for child in m.children():
-                visit(child, unit)
-        visit(module, None)
-        self.roots, self.order = [], []
-        for m in [None] + [m for m in module.modules() if m is not module and wrap(m)]:
-            tensors = [t for t, o in owner.items() if o is m]
-            unit = self._make_unit(len(self.roots) + len(self.order), module if m is None else m,
-                                   tensors) if tensors else None
-            if unit is not None:
-                (self.roots if m is None else self.order).append(unit)
-        self.units = [u for u in self.roots + self.order if u.params]
-        self.root = next((u for u in self.roots if u.params), None)
-
-    def _make_unit(self, index, module, params):
-        """The unit of params, module's (a tensor list in module order), or None."""
-        if not all(p.requires_grad for p in params):
-            raise ValueError("FSDP shards trained parameters only: for a frozen base (LoRA's, "
-                             "requires_grad=False) use fsdp_frozen.FrozenBaseFSDP, which shards it too")
-        # With experts: an expert's unit is sharded over the ranks holding that expert.
-        if len({placement(p).holders for p in params}) > 1:
-            raise ValueError("FSDP: a unit mixes parameters held by different ranks (an "
-                             "expert beside shared weights): wrap each expert as a unit")
-        comm, op, divide = data_reduction(params[0], self.comm, self.data_world)
-        unit = self.unit_type(index, module, params, comm, self)
-        unit.op, unit.divide = op, divide
-        return unit
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -400,43 +334,10 @@ class FSDP(nn.Module):
             self._order.launch_rest()
         self._order.wait_all()
         if self._sync and not self._used_agreed:
-            # Once per backward: train.py calls this, and FSDPOptimizer calls it again.
-            self._agree_used()
+            # Once per backward (train.py calls this, and FSDPOptimizer again), after every
+            # reduce-scatter is launched: a unit no rank used gets .grad None (flat.py).
+            agree_used(self.units, self.device)
             self._used_agreed = True
-
-    def _agree_used(self):
-        """OR each unit's "used" flags over the ranks holding its shards (and HSDP's copies); a
-        unit no rank used then has no gradient, .grad None, as in one process: a plain torch
-        optimizer skips it, where a zero gradient would still be decayed by AdamW (and moved by
-        its moments). A parameter unused inside a used unit keeps a zero slice of the shard's
-        gradient: FSDPOptimizer keeps it unchanged (mixed_precision.keep_unchanged), a plain optimizer
-        does not. Sent after every reduce-scatter is launched (the same place on every rank)."""
-        local = [u for unit in self.units for u in unit.used]
-        used, agree = or_used_flags(self.units, self.device)                    # (P,) uint8
-        agree()
-        if all(local):
-            return               # every parameter was used here: no read (a host sync on a GPU)
-        flags = iter(used.bool().tolist())
-        for unit in self.units:
-            unit.used = [next(flags) for _ in unit.params]
-            if not any(unit.used):
-                unit.grad = None
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """For a plain torch optimizer over FSDP.parameters(): scale the shards' gradients so the
-        whole model's gradient has 2-norm at most max_norm; returns the norm before clipping.
-        Collective (an all-reduce of the squares): call on every rank, after
-        finish_gradient_sync(). torch.nn.utils.clip_grad_norm_ would see this rank's shards only.
-        FSDPOptimizer has its own, which also unscales fp16's loss scale first."""
-        if max_norm <= 0:
-            raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
-        norm = shards_norm(self.units, [u.grad for u in self.units], self.comm, {})
-        # torch's rule (clip_grad_norm_): scale by max_norm / norm when that is below 1.
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in self.gradient_buffers():                                   # (S,) each, fp32
-            g.mul_(scale)
-        return norm
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -471,148 +372,3 @@ class FSDP(nn.Module):
             for unit in self.roots + self.order:
                 unit.free()
 
-    # ---- state ------------------------------------------------------------------------------
-
-    def gradient_buffers(self) -> list[torch.Tensor]:
-        """The gradient shards this rank holds (fp32, on the device)."""
-        return [u.grad for u in self.units if u.grad is not None]
-
-    def kept_shards(self) -> list[torch.Tensor]:
-        """The shards every unit keeps besides FSDP.parameters() (the compute-dtype copies when
-        the masters are offloaded)."""
-        return [shard for unit in self.roots + self.order for shard in unit.kept()]
-
-    def device_shards(self) -> list[torch.Tensor]:
-        """The kept shards that live on the device (memory.py counts them): all of them here."""
-        return self.kept_shards()
-
-    def host_shards(self) -> list[torch.Tensor]:
-        """The kept shards that wait in host memory: none here (fsdp_offload.py's)."""
-        return []
-
-    def offload_masters(self):
-        """ZeRO-Offload (FSDPOptimizer(offload=True)): each fp32 master shard moves to the host,
-        where the optimizer steps; the device keeps it rounded, for the all-gathers."""
-        for unit in self.units:
-            unit.compute_shard = unit.master.detach().to(self.compute_dtype, copy=True)    # (S,)
-            unit.host_grad = host_buffer(unit.compute_shard)
-            unit.master.data = host_copy(unit.master)          # the device's fp32 copy is freed
-
-    def _gathers_per_step(self, unit, micro_batches: int, gathered_for_step: bool) -> int:
-        """All-gathers of unit per step: per micro-batch one for forward, one more for backward
-        except the root's (it stays gathered); under gathered_for_step, one."""
-        return 1 if gathered_for_step else micro_batches * (1 if unit in self.roots else 2)
-
-    def bytes_per_step(self, micro_batches: int = 1, gathered_for_step: bool = False) -> int:
-        """Bytes this rank sends per step (ring): each unit's all-gathers, and per micro-batch one
-        reduce-scatter per unit; plus the used-flags and FSDPOptimizer's norm (flat.py).
-        3 (N-1)/N of the model: 1.5x DDP. gathered_for_step (a pipeline's step): one
-        all-gather and one reduce-scatter per unit for all the micro-batches, 2 (N-1)/N of the
-        stage, DDP's volume."""
-        size, wire = self.compute_dtype.itemsize, self.reduce_dtype.itemsize     # gathered, reduced
-        reductions = 1 if gathered_for_step else micro_batches
-        return sum(self._gathers_per_step(u, micro_batches, gathered_for_step)
-                   * ring_bytes("all_gather", u.flat.numel(), size, u.comm.world_size)
-                   + reductions * ring_bytes("reduce_scatter", u.flat.numel(), wire, u.comm.world_size)
-                   for u in self.units) + flags_and_norm_bytes(self.units, self.comm)
-
-    def frozen_gathered(self):
-        """A checkpoint reads and writes the frozen weights inside this (collective): whole here,
-        as there are none (fsdp_frozen.py gathers its sharded base)."""
-        return contextlib.nullcontext()
-
-    def names(self) -> dict:
-        """{original parameter: its name in .module}."""
-        return {p: name for name, p in self.module.named_parameters()}
-
-    @torch.no_grad()
-    def full_state_dict(self, all_ranks: bool = False) -> dict:
-        """{name: fp32 tensor of its original shape}, on rank 0 (empty elsewhere) or all_ranks.
-        Collective: every rank calls it. Under expert parallelism, only this rank's experts."""
-        names, out = self.names(), {}
-        for unit in self.units:
-            flat = torch.empty(unit.flat.numel(), device=unit.flat.device)    # (N*S,) fp32
-            unit.comm.all_gather(flat, unit.master.detach().to(flat.device, copy=True))
-            out.update({names[p]: view.clone() for p, view in zip(unit.params, unit.views(flat))})
-        return out if all_ranks or self.comm.rank == 0 else {}
-
-
-def _check_input(module, compute_dtype, prefetch) -> list:
-    """FSDP's arguments, checked before any work: its trainable parameters."""
-    if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"FSDP compute_dtype (mp_policy's param_dtype) must be torch.float32, "
-                         f"bfloat16 or float16, got {compute_dtype}")
-    if not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"FSDP prefetch must be a whole number of units >= 0, got {prefetch!r}")
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    if not trainable:
-        raise ValueError("FSDP: the module has no trainable parameters (requires_grad=True)")
-    if any(p.dtype != torch.float32 for p in trainable):
-        raise ValueError("FSDP keeps fp32 master shards: pass the fp32 model and pick the "
-                         "compute_dtype with mp_policy=MixedPrecisionPolicy(param_dtype="
-                         "torch.bfloat16), do not cast the model first")
-    return trainable
-
-
-class FSDPOptimizer(ShardedOptimizer):
-    """Any element-wise torch optimizer on the FSDP shards, with ZeRO's sharded step.
-
-    The gradients arrive as fp32 shards (the reduce-scatter did ZeRO-2's work), so the update is
-    flat.py's: unscale (fp16 loss scale), one global norm across ranks for clipping and for the
-    inf/NaN skip that every rank agrees on, the inner step. No all-gather after it: the next
-    forward gathers. Loop: zero_grad(); scale_loss(loss).backward() per micro-batch;
-    clip_grad_norm_(max_norm) if clipping; step(). A torch.optim.Optimizer: schedulers drive it.
-    offload: ZeRO-Offload, as ZeroOptimizer's: the fp32 master shards (FSDP's parameters) and
-    the optimizer state move to the host and the step runs there; the device keeps each shard
-    in the compute dtype for the all-gathers, and the gradient shards.
-    """
-
-    def __init__(self, fsdp: FSDP, optimizer_cls=torch.optim.AdamW,
-                 scaler: DynamicLossScaler | None = None, offload: bool = False, **optimizer_kwargs):
-        if offload not in (True, False):
-            raise ValueError(f"FSDPOptimizer offload must be True (the optimizer on the CPU) or "
-                             f"False, got {offload!r}")
-        self.fsdp, self.offload, self.comm = fsdp, offload, fsdp.comm
-        # HSDP's copies hold the same shards: the first copy's ranks write checkpoints.
-        self.replica_rank = next((u.replicas.rank for u in fsdp.units if u.replicas is not None), 0)
-        if offload:
-            fsdp.offload_masters()
-        self.flats, self.masters = fsdp.units, [u.master for u in fsdp.units]
-        super().__init__(self.masters, optimizer_cls, optimizer_kwargs,
-                         scaler or DynamicLossScaler(enabled=fsdp.compute_dtype == torch.float16))
-
-    def _gradients(self):
-        self.fsdp.finish_gradient_sync()
-        # Offloaded, offload.OffloadedOptimizer._unscale copies them out, Adam steps on the CPU,
-        # the updated shards go back in (Unit.refresh), where the next forward's all-gathers wait.
-        units = [u for u in self.fsdp.units if u.grad is not None]
-        return [u.grad for u in units], [u.master for u in units]        # (S,) each, on the device
-
-    def _used_anywhere_flags(self, device) -> tuple:
-        # FSDP.finish_gradient_sync (in _gradients) OR'ed the flags over the ranks already.
-        used = flags_to_device([u for unit in self.fsdp.units for u in unit.used], device)
-        return used, lambda: None
-
-    def _write_back(self):
-        if self.offload:
-            self.refresh_params()
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        return super().host_tensors() + self.fsdp.host_shards()
-
-    def frozen_gathered(self):
-        """FSDP.frozen_gathered: the frozen weights whole, for a checkpoint (collective)."""
-        return self.fsdp.frozen_gathered()
-
-    def zero_grad(self, set_to_none: bool = True):
-        for unit in self.fsdp.units:
-            unit.used = [False] * len(unit.params)
-            if set_to_none:
-                unit.grad = unit.master.grad = None
-            elif unit.grad is not None:
-                unit.grad.zero_()
-
-    def refresh_params(self):
-        """After the masters were written: drop any gathered copy; the next forward gathers."""
-        for unit in self.fsdp.units:
-            unit.refresh()

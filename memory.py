@@ -168,7 +168,7 @@ def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     twice). single sends nothing. trainable, quantized, double_quant: as state_bytes. Only
     trainable parameters have gradients to reduce (and, under zero1/2, updates to gather);
     zero3 all-gathers the frozen ones too, a quantized weight as its packed NF4 bytes (4.5
-    bits, fsdp.FrozenBytes). shard_group S (zero3, HSDP): all-gathers and reduce-scatter among
+    bits, fsdp_frozen.FrozenBytes). shard_group S (zero3, HSDP): all-gathers and reduce-scatter among
     S ranks, then each 1/S gradient shard all-reduced over the world / S copies. reduce_precision
     (train.py's --reduce-dtype, default: the parameters'): the dtype the gradients travel in.
     """

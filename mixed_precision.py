@@ -90,7 +90,7 @@ class MasterOptimizer(torch.optim.Optimizer):
 
     The base of every optimizer in this project: MixedPrecisionOptimizer below (one master
     per parameter), ZeroOptimizer and FSDPOptimizer (one master shard per flat buffer, zero.py
-    and fsdp.py). `.optimizer`, the inner optimizer, only ever sees the masters; its
+    and fsdp_optimizer.py). `.optimizer`, the inner optimizer, only ever sees the masters; its
     param_groups and state are this optimizer's own, so an lr scheduler, a param-group edit or
     a look at the Adam moments works as on any torch optimizer. A subclass says where things are:
         _gradients() -> (grads, masters): this rank's gradients of the scaled loss and the

@@ -5,8 +5,8 @@ optimizer state in host memory and runs the step there: the device holds only th
 and the gradient shards; each step a gradient shard crosses to the host and its updated master
 back. This file is that delta on the sharded step (flat.py's ShardedOptimizer): pinned host
 buffers, the copies between host and device, and a step whose norm, used-flags and gradients
-reach the host in one wait. zero.py (ZeRO-Offload on stage 1 or 2) and fsdp.py (FSDPOptimizer's
-offload, and its parameters') use it.
+reach the host in one wait. zero.py (ZeRO-Offload on stage 1 or 2) and FSDP (fsdp_optimizer.py's
+offload, fsdp_offload.py's of its parameters) use it.
 Left out: the paper's one-step delayed update and its vectorised CPU Adam (torch's own runs).
 Test: python -m pytest tests/test_zero.py -k offload
 

@@ -430,7 +430,7 @@ def rank_pieces(gpt, optimizer, layout: Layout, frozen=True) -> list[dict]:
 
 def frozen_whole(optimizer):
     """A context in which the frozen weights are whole on every rank: FSDP shards them
-    (fsdp.FSDPOptimizer.frozen_gathered), the other strategies keep them whole already."""
+    (fsdp_optimizer.FSDPOptimizer.frozen_gathered), the other strategies keep them whole already."""
     return getattr(optimizer, "frozen_gathered", contextlib.nullcontext)()
 
 

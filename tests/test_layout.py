@@ -15,15 +15,15 @@ FOUNDATIONS = {"collectives", "launch", "conjugates", "meters", "placements", "f
 # The lecture's concepts, in reading order; beside each, the files that are its own (a
 # sub-file, or an extension that reads as a delta after its core).
 CONCEPTS = {"mixed_precision": set(), "collectives": set(), "ddp": set(), "zero": {"offload"},
-            "fsdp": {"offload", "fsdp_hybrid", "fsdp_offload", "fsdp_frozen"},
+            "fsdp": {"offload", "fsdp_wrap", "fsdp_state", "fsdp_optimizer", "fsdp_hybrid",
+                     "fsdp_offload", "fsdp_frozen"},
             "pipeline": {"schedules", "zero_bubble"},
             "tensor_parallel": set(), "context_parallel": set(), "moe": set(), "lora": set(),
             "quantization": set(), "checkpointing": set()}
 LIMITS = {"lines": 380, "function": 60, "constructor": 6}
 # Still over the line limit, held where it stands so that it can only shrink (issue 38 is open
-# for it: FSDP's class alone is about 390 lines; its state accessors and FSDPOptimizer move next).
-NOT_YET = {"fsdp": 618,
-           "schedules": 423}   # pipeline's schedules as data, drawn and simulated: next to split
+# for it).
+NOT_YET = {"schedules": 423}   # pipeline's schedules as data, drawn and simulated: next to split
 
 
 def _project_imports(path: pathlib.Path) -> set:

@@ -319,7 +319,7 @@ def _printed(out, label) -> int:
 
 def test_fsdp_gathers_a_4_bit_base_as_its_packed_bytes(capsys):
     """zero3 all-gathers the frozen base too, for forward and again for backward, and a 4-bit
-    one as its codes and scales, one byte each (fsdp.FrozenBytes: 4.13 bits a weight with double
+    one as its codes and scales, one byte each (fsdp_frozen.FrozenBytes: 4.13 bits a weight with double
     quantization), not in the compute dtype; only the adapters' gradients are reduce-scattered.
     tests/test_fsdp_qlora.py compares the napkin with FSDP's counter on the tiny GPT."""
     n, trainable = 7_000_000_000, 4_200_000
