@@ -31,14 +31,19 @@ LOSS_LINE = re.compile(r"^step\s+(\d+) \| loss (\S+) \|")
 
 
 def logged_losses(run_dir: str) -> dict[int, float]:
-    """{step: loss} of the lines `step N | loss X | ...` of RUN_DIR/log.txt (train.py --out):
-    a run resumed over a step it had logged (its later checkpoints set aside) logs the step
-    again, and the later line is the run that continued."""
+    """{step: loss} of the lines `step N | loss X | ...` of RUN_DIR/log.txt (train.py --out).
+    The log is appended to: a run resumed from an earlier checkpoint, or started again with
+    --overwrite, logs from an earlier step on, and what it logs replaces every later step of
+    the run before it."""
     path = os.path.join(run_dir, "log.txt")
     if not os.path.isfile(path):
         raise ValueError(f"{run_dir}: no log.txt in it; give a directory train.py --out wrote")
+    losses = {}
     with open(path) as f:
-        losses = {int(m[1]): float(m[2]) for m in map(LOSS_LINE.match, f) if m}
+        for step, loss in (((int(m[1]), float(m[2])) for m in map(LOSS_LINE.match, f) if m)):
+            if losses and step <= max(losses):
+                losses = {s: v for s, v in losses.items() if s < step}
+            losses[step] = loss
     if not losses:
         raise ValueError(f"{path} holds no 'step N | loss X' line: did the run log a step?")
     return dict(sorted(losses.items()))
@@ -49,7 +54,8 @@ def run_label(run_dir: str) -> str:
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
             config = json.load(f)
-        return f"{config['strategy']} x {config['world_size']} ({os.path.basename(os.path.normpath(run_dir))})"
+        name = os.path.basename(os.path.normpath(run_dir))
+        return f"{config['strategy']} x {config['world_size']} ({name})"
     except (OSError, KeyError, ValueError):
         return os.path.basename(os.path.normpath(run_dir))
 
@@ -123,11 +129,12 @@ class _Saved:
 class MemoryTrace:
     """Bytes this rank holds, by category, at the events of a step: before and after each
     block's attention and MLP in forward, as the gradient of each reaches them in backward, as
-    each parameter's gradient lands, and around the gradient sync and the optimizer's step. Parameters, gradients and optimizer state
-    as memory.held_bytes counts them (FSDP's gathered units and ZeRO-2's buckets in flight
-    included: their storage is empty when freed); activations: every storage autograd saved
-    for backward (saved-tensor hooks, as meters.saved_activation_bytes counts them) and holds
-    still, parameters left out. On a GPU also torch.cuda.memory_allocated() (no host sync)."""
+    each parameter's gradient lands, and around the gradient sync and the optimizer's step.
+    Parameters, gradients and optimizer state as memory.held_bytes counts them (FSDP's gathered
+    units and ZeRO-2's buckets in flight included: their storage is empty when freed);
+    activations: every storage autograd saved for backward (saved-tensor hooks, as
+    meters.saved_activation_bytes counts them) and holds still, parameters left out. On a GPU
+    also torch.cuda.memory_allocated() (the allocator's count: no host sync)."""
 
     def __init__(self, gpt, model, optimizer, device):
         self.gpt, self.model, self.optimizer, self.device = gpt, model, optimizer, device
@@ -165,10 +172,15 @@ class MemoryTrace:
     def saving(self):
         """Inside, every tensor autograd saves is counted until the graph lets it go."""
         def pack(t):
+            # Weights are not activations (FSDP's: views of the unit gathered now, looked up
+            # at each save); nor is a storage already freed.
             ptr = t.untyped_storage().data_ptr()
             weights = {w.untyped_storage().data_ptr() for w in (*self.gpt.parameters(), *self.gpt.buffers())}
             return t if ptr in weights or not t.untyped_storage().nbytes() else _Saved(t, ptr, self)
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s.tensor if isinstance(s, _Saved) else s)
+
+        def unpack(saved):
+            return saved.tensor if isinstance(saved, _Saved) else saved
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def remove(self):
         for handle in self.handles:

@@ -55,6 +55,17 @@ def test_the_loss_curve_reads_the_numbers_the_log_holds(tmp_path):
         pictures.draw_loss([("run a", logged)])                               # deterministic
 
 
+def test_a_log_appended_to_keeps_the_run_that_continued(tmp_path):
+    # A 6-step run, then one resumed from step 2's checkpoint with another learning rate: its
+    # lines replace steps 2 on; a run started over (--overwrite) replaces everything.
+    lines = [f"step {s:5d} | loss {5 - s / 10:.4f} | lr 1e-3" for s in range(6)]
+    lines += ["ddp on 2 x cpu (gloo) | model tiny"] + [f"step {s:5d} | loss {9 - s:.4f} |" for s in (2, 3)]
+    (tmp_path / "log.txt").write_text("\n".join(lines) + "\n")
+    assert traces.logged_losses(str(tmp_path)) == {0: 5.0, 1: 4.9, 2: 7.0, 3: 6.0}
+    (tmp_path / "log.txt").write_text("\n".join(lines + ["step     0 | loss 1.0000 |"]) + "\n")
+    assert traces.logged_losses(str(tmp_path)) == {0: 1.0}
+
+
 def test_a_missing_log_is_one_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no log.txt"):
         traces.logged_losses(str(tmp_path))
