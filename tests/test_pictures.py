@@ -36,7 +36,8 @@ def points(polyline) -> list[tuple[float, float]]:
 
 def test_the_loss_curve_reads_the_numbers_the_log_holds(tmp_path):
     history, _ = run_ranks(train_logged, 1, ["--steps", "4", "--log-every", "1", "--batch-size", "4",
-                                             "--seq-len", "32", "--out", str(tmp_path)])[0]
+                                             "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1",
+                                             "--out", str(tmp_path)])[0]
     logged = traces.logged_losses(str(tmp_path))
     assert list(logged) == [0, 1, 2, 3] == list(history["losses"])
     for step, loss in logged.items():       # the log prints 4 decimals: half a unit of the last
