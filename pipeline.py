@@ -189,8 +189,8 @@ class Pipeline:
     def train_step(self, x, y, scale_loss=lambda loss: loss, measure=False) -> torch.Tensor:
         """Forwards and backwards of the M micro-batches of x, y (B, t); the gradients of the
         mean loss over B accumulate in the stage's .grad (averaged over replicas, if any).
-        Returns that loss on every stage.
-        measure: synchronize CUDA around each compute, so busy and wall time are exact."""
+        Returns that loss on every stage. measure: synchronize CUDA around each compute, so busy
+        and wall time, and timeline (each compute action's start and end) are exact."""
         if self.weight_grads is not None:
             self.weight_grads.computed.clear()
         with self._gathered():
@@ -282,7 +282,7 @@ class Pipeline:
         held_all = split or self.tied is not None
         accumulate = getattr(self.sync, "keeps_whole_gradients", False)
         last_backward = [a for a in actions if a.kind == "B"][-1:]
-        self.busy, start = 0.0, self._clock(measure)
+        self.timeline, start = [], self._clock(measure)       # (Action, start, end) per compute
         for item in nccl_program(actions):
             if not isinstance(item, Action):
                 self._communicate(item, flight, shape, x.device)
@@ -300,10 +300,10 @@ class Pipeline:
             else:                                                  # "W"
                 self.weight_grads.run((a.m, a.chunk))
                 flight.held.discard((a.m, a.chunk))
-            self.busy += self._clock(measure) - began
+            self.timeline.append((a, began, self._clock(measure)))   # exact only if measure (CUDA)
         for handle in flight.sends:
             handle.wait()
-        self.wall = self._clock(measure) - start
+        self.wall, self.busy = self._clock(measure) - start, sum(e - b for _, b, e in self.timeline)
         return flight.loss                            # this stage's part: _sum_over_stages
 
     def _forward(self, a: Action, x, y, flight):
