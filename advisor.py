@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from memory import (GB, activation_bytes, active_params, bytes_per_param, ep_comm_bytes, ep_params,
                     ep_state_bytes, logits_bytes, model_params, moe_exchange_bytes, nf4_bytes,
-                    root_params)
+                    quantized_params, root_params)
 from model import PRESETS, GPTConfig
 from process_groups import init_distributed
 
@@ -33,7 +33,8 @@ from process_groups import init_distributed
 # Gradient accumulation fills the rest of the target batch at every rung.
 
 LORA_RANK, LORA_TARGETS = 8, ("query", "value")
-# QLoRA quantizes the base's linear layers (the ones it adapts): all of them, as QLoRA does.
+# QLoRA adapts every linear of a block, as the paper does, and stores the whole frozen base's
+# linears in 4 bits whichever it adapts (memory.quantized_params).
 QLORA_TARGETS = ("query", "key", "value", "output", "up", "down")
 HEADROOM = 0.1                  # of the memory left free: a rung fits under 90% of it
 
@@ -81,23 +82,17 @@ def rung_bytes(cfg: GPTConfig, strategy: str, precision: str, world: int, seq_le
             **({"host": states["host"]} if offload else {})}
 
 
-def _linear_shapes(cfg: GPTConfig) -> dict:
-    """(in + out, in x out) of each linear layer a block has, by name; an MoE block's up and
-    down are its experts', E of each."""
+def _linear_sides(cfg: GPTConfig) -> dict:
+    """in + out features of each linear layer a block has, by name; an MoE block's up and down
+    are its experts', E of each."""
     C, copies = cfg.n_embd, max(1, cfg.experts)
-    return {"query": (2 * C, C * C), "key": (2 * C, C * C), "value": (2 * C, C * C),
-            "output": (2 * C, C * C), "up": (5 * C * copies, 4 * C * C * copies),
-            "down": (5 * C * copies, 4 * C * C * copies)}
+    return {"query": 2 * C, "key": 2 * C, "value": 2 * C, "output": 2 * C,
+            "up": 5 * C * copies, "down": 5 * C * copies}
 
 
 def lora_params(cfg: GPTConfig, rank: int = LORA_RANK, targets=LORA_TARGETS) -> int:
     """Trainable parameters of LoRA on the named linears of each block: A (r x in), B (out x r)."""
-    return cfg.n_layer * rank * sum(_linear_shapes(cfg)[t][0] for t in targets)
-
-
-def adapted_weights(cfg: GPTConfig, targets=LORA_TARGETS) -> int:
-    """Weights of the linears LoRA wraps (QLoRA stores them in 4 bits)."""
-    return cfg.n_layer * sum(_linear_shapes(cfg)[t][1] for t in targets)
+    return cfg.n_layer * rank * sum(_linear_sides(cfg)[t] for t in targets)
 
 
 def parse_bytes(text: str) -> int:
@@ -140,7 +135,7 @@ def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int
     lora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(LORA_TARGETS)]
     qlora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(QLORA_TARGETS),
              "--quantize-base", "nf4"]
-    trained, quantized = lora_params(cfg, targets=QLORA_TARGETS), adapted_weights(cfg, QLORA_TARGETS)
+    trained, quantized = lora_params(cfg, targets=QLORA_TARGETS), quantized_params(cfg)
     rungs = [  # (name, strategy, checkpointing, offload, trainable (None: all), quantized, flags)
         ("ddp, micro-batch 1", "ddp" if world > 1 else "single", False, False, None, 0, []),
         ("zero3 (fsdp)", "fsdp", False, False, None, 0, []),

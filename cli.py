@@ -155,7 +155,8 @@ def parse_args(argv=None):
                       help="comma-separated linear layers to adapt (query, key, value, output, up, down, head)")
     tune.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
     tune.add_argument("--quantize-base", choices=("nf4",), default=None,
-                      help="QLoRA: store the adapted layers' frozen weights in 4-bit NormalFloat")
+                      help="QLoRA: store the frozen base's linear layers (every block's, adapted "
+                           "or not) in 4-bit NormalFloat")
     tune.add_argument("--double-quant", action="store_true",
                       help="with --quantize-base: quantize the 4-bit weights' scales to 8 bits too")
     run = p.add_argument_group("run directory, checkpoints and faults")

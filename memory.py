@@ -413,6 +413,15 @@ def root_params(name_or_config) -> int:
     return V * C + cfg.block_size * C + 2 * C + (0 if cfg.tie_embeddings else V * C)
 
 
+def quantized_params(name_or_config) -> int:
+    """Weights QLoRA stores in 4 bits (lora.QUANTIZED): every block's attention and MLP matrices,
+    each expert's, 4 C^2 + 8 C^2 E (E = 1 dense). The embeddings, norms, biases, routers and the
+    head stay in the compute dtype (the head unless LoRA adapts it)."""
+    cfg = _config(name_or_config)
+    C = cfg.n_embd
+    return cfg.n_layer * (4 * C * C + 8 * C * C * max(1, cfg.experts))
+
+
 def _shared_params(cfg: GPTConfig) -> int:
     """Every parameter but the experts': an MoE block keeps its router (E C) instead of the MLP."""
     C = cfg.n_embd
@@ -637,7 +646,8 @@ def _parse_args(argv=None):
                    help="parameters that train, e.g. 4.2e6 for LoRA adapters (default: all); the "
                         "rest is frozen: no gradient, no optimizer state")
     p.add_argument("--quantize-base", choices=("nf4",), default=None,
-                   help="QLoRA: the frozen parameters in 4-bit NormalFloat (with --trainable)")
+                   help="QLoRA: the frozen base in 4-bit NormalFloat (with --trainable): a --model's "
+                        "blocks' linear layers, or with --params every frozen parameter")
     p.add_argument("--double-quant", action="store_true", help="with --quantize-base: 8-bit scales")
     p.add_argument("--offload", choices=("optimizer", "params"), default=None,
                    help="ZeRO-Offload: the sharded optimizer (fp32 master, moments) in host memory; "
@@ -769,7 +779,11 @@ def _predict(n_params, strategy, args):
     Under --ep a rank holds E/ep of each MoE layer's experts (ep_state_bytes, ep_comm_bytes)
     and sends its micro-batches' tokens to them and back (moe_exchange_bytes)."""
     trainable = None if args.trainable is None else int(args.trainable)
-    quantized = n_params - trainable if args.quantize_base else 0
+    # A preset's frozen base in 4 bits is its blocks' matrices (quantized_params); --params has no
+    # shape: every frozen parameter counted as 4-bit, an upper bound on the saving.
+    untrained = n_params - (trainable or 0)
+    quantized = (0 if not args.quantize_base else untrained if args.model is None
+                 else min(untrained, quantized_params(args.model)))
     canonical = _strategy(strategy, args.world)
     experts = 0
     if args.ep > 1:
