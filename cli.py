@@ -42,12 +42,12 @@ EVAL_FRACTION = 0.05                      # data.py's held-out tail
 
 class HelpFormatter(argparse.HelpFormatter):
     """--help shows each option's default once: appended unless the help already says it, and
-    left out where there is none (None, a flag's False)."""
+    left out where there is none (None, a flag's: on when given, off when not)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         if ("(default" in text or action.default in (None, False, argparse.SUPPRESS)
-                or not action.option_strings):
+                or action.nargs == 0 or not action.option_strings):
             return text
         return f"{text} (default: %(default)s)".lstrip()
 

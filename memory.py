@@ -20,7 +20,9 @@ tokens on a rank, E experts per layer, k of them per token, split over ep ranks.
 """
 import argparse
 import gc
+import sys
 
+import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 
 from collectives import ring_bytes
@@ -622,11 +624,30 @@ def live_tensor_bytes() -> int:
 GB, MiB = 1e9, 2**20    # GB as in the ZeRO paper; MiB as train.py logs what it measures
 
 
+def human_bytes(n: float) -> str:
+    """n bytes in a unit that shows them: GB (1e9, the ZeRO paper's) from 1 GB up, below that MiB
+    or KiB (2**20, 2**10, as train.py logs), under 1 KiB bytes."""
+    for unit, size in (("GB", GB), ("MiB", MiB), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} bytes"
+
+
+def parse_count(text: str) -> float:
+    """'7e9', '7B', '7.5e9', '350M', '1.2T' -> a parameter count (B: billion, not bytes)."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(text.strip()[-1:].upper(), 1)
+    try:
+        return float(text.strip()[:-1] if scale != 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count: write it like 7e9, "
+                                         f"7B or 350M") from None
+
+
 def _parse_args(argv=None):
     import advisor    # it imports this file's napkin math: imported here, not at the top
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--params", type=float, default=None, help="parameter count, e.g. 7.5e9")
+    from cli import HelpFormatter                  # train.py's: each default shown once, or none
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--params", type=parse_count, default=None, help="parameter count, e.g. 7.5e9 or 7B")
     p.add_argument("--model", choices=list(PRESETS), default=None,
                    help="a model preset (gives the parameter count and the activation shapes)")
     p.add_argument("--strategy", choices=STRATEGIES + tuple(ALIASES) + ("single",), default=None,
@@ -637,7 +658,8 @@ def _parse_args(argv=None):
     p.add_argument("--reduce-dtype", choices=PRECISIONS, default=None,
                    help="dtype the gradients travel and their shards stay in (train.py reduces in "
                         "fp32 by default; default here: the --precision's, the table's simple form)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="whose state counts: AdamW's two fp32 moments, or plain SGD's none")
     p.add_argument("--batch-size", type=int, default=None,
                    help="global batch in sequences, as train.py takes it (default: one per rank)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
@@ -670,10 +692,13 @@ def _parse_args(argv=None):
                         "across the copies")
     advisor.add_arguments(p)
     args = p.parse_args(argv)
+    given = {dest for dest, value in vars(args).items() if value != p.get_default(dest)}
     _check_ep(p, args)
     _check_shard_group(p, args)
     if args.advise:
         advisor.check_args(p, args)
+        _warn_ignored(given - advisor.ADVISE_READS, "--advise walks every rung itself and reads only "
+                      "--model or --params, --world, --seq-len, --gpu-mem, --target-batch, --no-bf16")
         return args
 
     if args.quantize_base and args.trainable is None:
@@ -736,7 +761,26 @@ def _parse_args(argv=None):
         if args.batch_size < 1 or args.batch_size % per_step:
             p.error(f"--batch-size {args.batch_size} does not divide into the data-parallel ranks x "
                     f"micro-batches = {per_step} equal micro-batches: use a multiple of {per_step}")
+    _warn_ignored(given & ADVISE_OPTIONS, "only --advise reads them")
+    if args.model is None:
+        _warn_ignored(given & SHAPE_OPTIONS, "activations need a shape: give --model (e.g. --model 7b) "
+                      "instead of --params")
+    elif args.strategy is None and not args.mesh and args.pp == args.cp == args.ep == 1:
+        _warn_ignored(given & SHAPE_OPTIONS, "the table of strategies shows no activations: add "
+                      "--strategy S for them")
     return args
+
+
+# Options only some modes read: given where they are not, memory.py says so (_warn_ignored).
+ADVISE_OPTIONS = {"gpu_mem", "target_batch", "bf16"}
+SHAPE_OPTIONS = {"batch_size", "seq_len", "grad_accum"}        # a micro-batch's activations
+
+
+def _warn_ignored(dests: set, why: str):
+    """One line on stderr naming the options given (dests) that this run does not read."""
+    if dests:
+        flags = sorted("--no-bf16" if d == "bf16" else "--" + d.replace("_", "-") for d in dests)
+        print(f"memory.py: warning: {', '.join(flags)} ignored: {why}", file=sys.stderr)
 
 
 def _check_ep(p, args):
