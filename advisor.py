@@ -221,6 +221,8 @@ def check_args(p, args):
     if (args.model is None) == (args.params is None):
         p.error("--advise needs a shape: give --model (a preset, e.g. 7b) or --params N (e.g. 7B: "
                 "a shape of about N parameters)")
+    if args.params is not None and args.params < 1:
+        p.error(f"--params must be at least 1 parameter, got {args.params:g}")
     args.shape = PRESETS[args.model] if args.model else params_shape(args.params)
     args.target_batch = args.target_batch or 8 * args.world
     try:

@@ -637,10 +637,13 @@ def parse_count(text: str) -> float:
     """'7e9', '7B', '7.5e9', '350M', '1.2T' -> a parameter count (B: billion, not bytes)."""
     scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(text.strip()[-1:].upper(), 1)
     try:
-        return float(text.strip()[:-1] if scale != 1 else text) * scale
+        count = float(text.strip()[:-1] if scale != 1 else text) * scale
     except ValueError:
+        count = float("nan")
+    if not abs(count) < float("inf"):                # nan, inf (under 1: the callers' checks)
         raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count: write it like 7e9, "
-                                         f"7B or 350M") from None
+                                         f"7B or 350M")
+    return count
 
 
 def _parse_args(argv=None):

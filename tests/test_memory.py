@@ -381,6 +381,8 @@ def test_hsdp_holds_zero3_over_its_group_and_all_reduces_the_shard_across_copies
     (["--model", "tiny-moe", "--world", "2", "--ep", "2", "--trainable", "1e4"], "LoRA keeps the experts whole"),
     (["--advise", "--model", "tiny-moe", "--world", "2", "--ep", "2"], "drop --ep"),
     (["--params", "seven"], "write it like 7e9, 7B or 350M"),
+    (["--advise", "--params", "inf"], "write it like 7e9, 7B or 350M"),
+    (["--advise", "--params", "0"], "--params must be at least 1"),
     (["--advise"], "--advise needs a shape: give --model (a preset, e.g. 7b) or --params N"),
     (["--advise", "--model", "7b", "--params", "7e9"], "--advise needs a shape: give --model"),
 ])
