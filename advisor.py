@@ -10,16 +10,18 @@ train.py --strategy auto takes it. For a model with experts, the advice is also 
 time), pipeline and tensor parallelism, and what memory.py leaves out (transient buffers, the CUDA
 context).
 Run: python memory.py --advise --model gpt2-small --gpu-mem 24GB --world 4 --target-batch 64
+     python memory.py --advise --params 7B --gpu-mem 24GB   (a shape of about 7B: params_shape)
 Test: python -m pytest tests/test_advisor.py
 """
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from memory import (GB, activation_bytes, active_params, bytes_per_param, ep_comm_bytes, ep_params,
-                    ep_state_bytes, logits_bytes, model_params, moe_exchange_bytes, nf4_bytes,
-                    root_params)
+from memory import (GB, MiB, activation_bytes, active_params, bytes_per_param, ep_comm_bytes,
+                    ep_params, ep_state_bytes, human_bytes, logits_bytes, model_params,
+                    moe_exchange_bytes, nf4_bytes, quantized_params, root_params)
 from model import PRESETS, GPTConfig
 from process_groups import init_distributed
 
@@ -33,7 +35,8 @@ from process_groups import init_distributed
 # Gradient accumulation fills the rest of the target batch at every rung.
 
 LORA_RANK, LORA_TARGETS = 8, ("query", "value")
-# QLoRA quantizes the base's linear layers (the ones it adapts): all of them, as QLoRA does.
+# QLoRA adapts every linear of a block, as the paper does, and stores the whole frozen base's
+# linears in 4 bits whichever it adapts (memory.quantized_params).
 QLORA_TARGETS = ("query", "key", "value", "output", "up", "down")
 HEADROOM = 0.1                  # of the memory left free: a rung fits under 90% of it
 
@@ -81,23 +84,17 @@ def rung_bytes(cfg: GPTConfig, strategy: str, precision: str, world: int, seq_le
             **({"host": states["host"]} if offload else {})}
 
 
-def _linear_shapes(cfg: GPTConfig) -> dict:
-    """(in + out, in x out) of each linear layer a block has, by name; an MoE block's up and
-    down are its experts', E of each."""
+def _linear_sides(cfg: GPTConfig) -> dict:
+    """in + out features of each linear layer a block has, by name; an MoE block's up and down
+    are its experts', E of each."""
     C, copies = cfg.n_embd, max(1, cfg.experts)
-    return {"query": (2 * C, C * C), "key": (2 * C, C * C), "value": (2 * C, C * C),
-            "output": (2 * C, C * C), "up": (5 * C * copies, 4 * C * C * copies),
-            "down": (5 * C * copies, 4 * C * C * copies)}
+    return {"query": 2 * C, "key": 2 * C, "value": 2 * C, "output": 2 * C,
+            "up": 5 * C * copies, "down": 5 * C * copies}
 
 
 def lora_params(cfg: GPTConfig, rank: int = LORA_RANK, targets=LORA_TARGETS) -> int:
     """Trainable parameters of LoRA on the named linears of each block: A (r x in), B (out x r)."""
-    return cfg.n_layer * rank * sum(_linear_shapes(cfg)[t][0] for t in targets)
-
-
-def adapted_weights(cfg: GPTConfig, targets=LORA_TARGETS) -> int:
-    """Weights of the linears LoRA wraps (QLoRA stores them in 4 bits)."""
-    return cfg.n_layer * sum(_linear_shapes(cfg)[t][1] for t in targets)
+    return cfg.n_layer * rank * sum(_linear_sides(cfg)[t] for t in targets)
 
 
 def parse_bytes(text: str) -> int:
@@ -115,32 +112,34 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
-def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int,
+def advise(model: str | GPTConfig, gpu_mem: int, world: int, seq_len: int, target_batch: int,
            precision: str = "bf16", headroom: float = HEADROOM) -> list[Advice]:
     """Walk the flow chart; every rung tried, the last one the first that fits (if any does).
 
-    A rung fits when its per-rank bytes (states + one micro-batch's activations and logits)
-    stay under (1 - headroom) x gpu_mem. target_batch: the global batch in sequences.
-    Activations are per micro-batch: gradient accumulation reaches the target batch without
-    holding more of them, so it costs steps, not memory.
+    model: a preset's name, or a shape (params_shape). A rung fits when its per-rank bytes
+    (states + one micro-batch's activations and logits) stay under (1 - headroom) x gpu_mem.
+    target_batch: the global batch in sequences. Activations are per micro-batch: gradient
+    accumulation reaches the target batch without holding more of them, so it costs steps, not
+    memory.
     """
-    if model not in PRESETS:
+    if not isinstance(model, GPTConfig) and model not in PRESETS:
         raise ValueError(f"unknown model {model!r}: choose one of {', '.join(PRESETS)}")
+    cfg = model if isinstance(model, GPTConfig) else PRESETS[model]
     if world < 1:
         raise ValueError(f"the world must be at least 1 GPU, got {world}")
-    if not 1 <= seq_len <= PRESETS[model].block_size:
-        raise ValueError(f"--seq-len must be between 1 and model {model}'s block size "
-                         f"{PRESETS[model].block_size}, got {seq_len}")
+    if not 1 <= seq_len <= cfg.block_size:
+        name = "the assumed shape" if isinstance(model, GPTConfig) else f"model {model}"
+        raise ValueError(f"--seq-len must be between 1 and {name}'s block size "
+                         f"{cfg.block_size}, got {seq_len}")
     if target_batch < 1 or target_batch % world:
         raise ValueError(f"--target-batch {target_batch} does not split over {world} ranks: "
                          f"use a multiple of {world}")
-    cfg = PRESETS[model]
     per_rank = target_batch // world
     budget = (1 - headroom) * gpu_mem
     lora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(LORA_TARGETS)]
     qlora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(QLORA_TARGETS),
              "--quantize-base", "nf4"]
-    trained, quantized = lora_params(cfg, targets=QLORA_TARGETS), adapted_weights(cfg, QLORA_TARGETS)
+    trained, quantized = lora_params(cfg, targets=QLORA_TARGETS), quantized_params(cfg)
     rungs = [  # (name, strategy, checkpointing, offload, trainable (None: all), quantized, flags)
         ("ddp, micro-batch 1", "ddp" if world > 1 else "single", False, False, None, 0, []),
         ("zero3 (fsdp)", "fsdp", False, False, None, 0, []),
@@ -174,10 +173,34 @@ def advise(model: str, gpu_mem: int, world: int, seq_len: int, target_batch: int
 
 
 # ---- memory.py --advise ----------------------------------------------------------------------
+#
+# --params N names no shape, and the flow chart needs one (activations, the blocks FSDP gathers):
+# it takes one of the 7b preset's family (Llama 2 7B's proportions): heads of 128 dimensions, as
+# many layers as heads, 7b's vocabulary and positions; the width is the one nearest N parameters.
+
+HEAD_DIM = 128
+
+
+def params_shape(n: float) -> GPTConfig:
+    """The shape of the 7b preset's family whose parameter count is nearest n: k layers of k heads
+    of 128, d_model 128 k, about 12 L d^2 = 12 128^2 k^3 parameters in the blocks."""
+    def shape(k):
+        return dataclasses.replace(PRESETS["7b"], n_layer=k, n_head=k, n_embd=HEAD_DIM * k)
+    k = 1
+    while model_params(shape(k + 1)) <= n:                    # a few hundred steps up to 10^13
+        k += 1
+    return min(shape(k), shape(k + 1), key=lambda cfg: abs(model_params(cfg) - n))
+
+
+def describe_shape(cfg: GPTConfig) -> str:
+    return (f"{cfg.n_layer} layers, d_model {cfg.n_embd}, {cfg.n_head} heads, vocabulary "
+            f"{cfg.vocab_size}, {cfg.block_size} positions, {model_params(cfg):,} parameters")
+
 
 def add_arguments(p):
     """The flow chart's options, a group of memory.py's command line."""
-    advice = p.add_argument_group("the flow chart (memory.py --advise --model M --gpu-mem 24GB --world N)")
+    advice = p.add_argument_group("the flow chart (memory.py --advise --model M or --params N "
+                                  "--gpu-mem 24GB --world N)")
     advice.add_argument("--advise", action="store_true",
                         help="walk the lecture's flow chart and print the first train.py command that fits")
     advice.add_argument("--gpu-mem", default="24GB", help="memory per GPU, e.g. 24GB, 80GB, 512MiB")
@@ -188,48 +211,64 @@ def add_arguments(p):
                         help="the GPU has no bf16 (before Ampere): fp16 with loss scaling")
 
 
+# What --advise reads of memory.py's options; any other given is ignored (memory.py warns).
+ADVISE_READS = {"advise", "model", "params", "world", "seq_len", "gpu_mem", "target_batch", "bf16"}
+
+
 def check_args(p, args):
-    """The default target batch, then advise's own checks as one usage message."""
+    """The shape (a preset's, or params_shape's for --params), the default target batch, then
+    advise's own checks as one usage message."""
+    if (args.model is None) == (args.params is None):
+        p.error("--advise needs a shape: give --model (a preset, e.g. 7b) or --params N (e.g. 7B: "
+                "a shape of about N parameters)")
+    if args.params is not None and args.params < 1:
+        p.error(f"--params must be at least 1 parameter, got {args.params:g}")
+    args.shape = PRESETS[args.model] if args.model else params_shape(args.params)
     args.target_batch = args.target_batch or 8 * args.world
-    if args.model is None:
-        raise SystemExit("memory.py: error: --advise needs --model (a preset: the flow chart needs its shape)")
     try:
-        advise(args.model, parse_bytes(args.gpu_mem), args.world,
-               args.seq_len or PRESETS[args.model].block_size, args.target_batch)
+        advise(args.model or args.shape, parse_bytes(args.gpu_mem), args.world,
+               args.seq_len or args.shape.block_size, args.target_batch)
     except ValueError as e:
         p.error(str(e))
 
 
 def print_advice(args):
     """Every rung tried, bytes per rank, and the train.py command of the first that fits."""
-    gpu_mem = parse_bytes(args.gpu_mem)
-    seq_len = args.seq_len or PRESETS[args.model].block_size
+    gpu_mem, cfg = parse_bytes(args.gpu_mem), args.shape
+    seq_len = args.seq_len or cfg.block_size
     precision = "bf16" if args.bf16 else "fp16"
-    rungs = advise(args.model, gpu_mem, args.world, seq_len, args.target_batch, precision)
-    cfg = PRESETS[args.model]
+    rungs = advise(args.model or cfg, gpu_mem, args.world, seq_len, args.target_batch, precision)
+    name = args.model or next((n for n, preset in PRESETS.items() if preset == cfg), None)
+    if args.params is not None:
+        print(f"--params {int(args.params):,} names no shape: assuming the 7b preset's proportions "
+              f"(heads of {HEAD_DIM}, as many layers as heads) at the nearest count: "
+              f"{describe_shape(cfg)}" + (f" (preset {name})" if name else ""))
     active = (f", {active_params(cfg):,} of them active per token: top-{cfg.top_k} of "
               f"{cfg.experts} experts" if cfg.experts else "")
-    print(f"{args.model} ({model_params(cfg):,} parameters{active}) on {args.world} GPU(s) of "
-          f"{gpu_mem / GB:.0f} GB, seq len {seq_len}, target batch {args.target_batch}, {precision} "
-          f"(mixed precision, fp32 masters); fits = under 90% of the memory")
+    print(f"{name or 'the assumed shape'} ({model_params(cfg):,} parameters{active}) on {args.world} GPU(s) "
+          f"of {human_bytes(gpu_mem)}, seq len {seq_len}, target batch {args.target_batch}, "
+          f"{precision} (mixed precision, fp32 masters); fits = under 90% of the memory")
     print("activations are one micro-batch's (b sequences per rank): --grad-accum adds none")
-    print(f"{'rung':<55}{'b':>4}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'total GB':>10}")
+    # GB for what the lecture's GPUs hold; a laptop-sized model reads better in MiB.
+    unit, label = (GB, "GB") if rungs[0].held["total"] >= GB else (MiB, "MiB")
+    print(f"{'rung':<55}{'b':>4}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'total ' + label:>10}")
     for a in rungs:
         h = a.held
-        print(f"{a.rung:<55}{a.micro_batch:>4}{h['params'] / GB:9.2f}{h['grads'] / GB:9.2f}"
-              f"{h['optimizer'] / GB:9.2f}{h['activations'] / GB:9.2f}{h['total'] / GB:10.2f}  "
-              + ("fits" + (f" (+{h['host'] / GB:.2f} GB in CPU memory)" if "host" in h else "")
+        print(f"{a.rung:<55}{a.micro_batch:>4}{h['params'] / unit:9.2f}{h['grads'] / unit:9.2f}"
+              f"{h['optimizer'] / unit:9.2f}{h['activations'] / unit:9.2f}{h['total'] / unit:10.2f}  "
+              + ("fits" + (f" (+{human_bytes(h['host'])} in CPU memory)" if "host" in h else "")
                  if a.fits else "too big"))
     chosen = rungs[-1]
     if not chosen.fits:
         print("nothing fits: more GPUs, a smaller --seq-len, or a smaller model")
         return
     launch = "python" if args.world == 1 else f"torchrun --nproc_per_node {args.world}"
-    argv = chosen.argv(args.model, precision, seq_len, args.target_batch)
+    argv = chosen.argv(name or "SHAPE", precision, seq_len, args.target_batch)
     print(f"\n{launch} train.py {' '.join(argv)}"
+          + ("" if name else "   # train.py builds presets only: add this shape to model.PRESETS")
           + ("   # LoRA fine-tunes a trained model: add --init-from RUN_DIR" if "--lora" in argv else ""))
     if cfg.experts:
-        print_expert_parallel(cfg, chosen, args.world, seq_len, precision, gpu_mem)
+        print_expert_parallel(cfg, chosen, args.world, seq_len, precision, gpu_mem, unit)
 
 
 def expert_parallel_options(cfg: GPTConfig, chosen: Advice, world: int, seq_len: int,
@@ -250,7 +289,7 @@ def expert_parallel_options(cfg: GPTConfig, chosen: Advice, world: int, seq_len:
 
 
 def print_expert_parallel(cfg: GPTConfig, chosen: Advice, world: int, seq_len: int, precision: str,
-                          gpu_mem: int):
+                          gpu_mem: int, unit: float = GB):
     """The advice under each --ep: fewer experts held per rank, against the all-to-all bytes."""
     if not chosen.fits or "--lora" in chosen.flags or world == 1:
         why = ("one GPU holds every expert" if world == 1 else "nothing fits" if not chosen.fits
@@ -260,11 +299,11 @@ def print_expert_parallel(cfg: GPTConfig, chosen: Advice, world: int, seq_len: i
     print(f"\nexpert parallelism, {chosen.strategy} with micro-batch {chosen.micro_batch} x "
           f"{chosen.grad_accum}: --ep N holds {cfg.experts}/N experts per block on each rank, and each "
           f"block sends a micro-batch's tokens to them and back (4 all-to-alls, capacity buffer)")
-    print(f"{'--ep':>5}{'experts':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'total GB':>10}"
-          f"{'all-to-all MB':>15}{'sent MB/step':>14}")
+    print(f"{'--ep':>5}{'experts':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}"
+          f"{'total ' + ('GB' if unit == GB else 'MiB'):>10}{'all-to-all MB':>15}{'sent MB/step':>14}")
     for ep, h, sent in expert_parallel_options(cfg, chosen, world, seq_len, precision):
-        print(f"{ep:>5}{cfg.experts // ep:>9}{h['params'] / GB:9.2f}{h['grads'] / GB:9.2f}"
-              f"{h['optimizer'] / GB:9.2f}{h['activations'] / GB:9.2f}{h['total'] / GB:10.2f}"
+        print(f"{ep:>5}{cfg.experts // ep:>9}{h['params'] / unit:9.2f}{h['grads'] / unit:9.2f}"
+              f"{h['optimizer'] / unit:9.2f}{h['activations'] / unit:9.2f}{h['total'] / unit:10.2f}"
               f"{sent['all_to_all'] / 1e6:15.1f}{sum(sent.values()) / 1e6:14.1f}  "
               + ("fits" if h["total"] <= (1 - HEADROOM) * gpu_mem else "too big"))
 
@@ -295,10 +334,10 @@ def auto_strategy(parser, args, world_size) -> list[str]:
         parser.error(f"--strategy auto: {e}")
     chosen = rungs[-1]
     if not chosen.fits:
-        parser.error(f"--strategy auto: model {args.model} does not fit in {budget / 1e9:.2f} GB per "
-                     f"rank on any rung (QLoRA needs {chosen.held['total'] / 1e9:.2f}): more ranks, "
+        parser.error(f"--strategy auto: model {args.model} does not fit in {human_bytes(budget)} per "
+                     f"rank on any rung (QLoRA needs {human_bytes(chosen.held['total'])}): more ranks, "
                      f"a smaller --seq-len or --model")
     if "--lora" in chosen.flags and not args.init_from:
-        parser.error(f"--strategy auto: model {args.model} fits in {budget / 1e9:.2f} GB per rank "
+        parser.error(f"--strategy auto: model {args.model} fits in {human_bytes(budget)} per rank "
                      f"only as {chosen.rung}, which fine-tunes a trained model: add --init-from RUN_DIR")
     return ["--strategy", chosen.strategy, "--grad-accum", str(chosen.grad_accum), *chosen.flags]

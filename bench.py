@@ -20,14 +20,10 @@ import gc
 import json
 import os
 import time
-import warnings
 from functools import partial
 from types import SimpleNamespace
 
-# torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy, and
-# requirements.txt does not install it.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
+import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

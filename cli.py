@@ -42,12 +42,12 @@ EVAL_FRACTION = 0.05                      # data.py's held-out tail
 
 class HelpFormatter(argparse.HelpFormatter):
     """--help shows each option's default once: appended unless the help already says it, and
-    left out where there is none (None, a flag's False)."""
+    left out where there is none (None, a flag's: on when given, off when not)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         if ("(default" in text or action.default in (None, False, argparse.SUPPRESS)
-                or not action.option_strings):
+                or action.nargs == 0 or not action.option_strings):
             return text
         return f"{text} (default: %(default)s)".lstrip()
 
@@ -155,7 +155,8 @@ def parse_args(argv=None):
                       help="comma-separated linear layers to adapt (query, key, value, output, up, down, head)")
     tune.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
     tune.add_argument("--quantize-base", choices=("nf4",), default=None,
-                      help="QLoRA: store the adapted layers' frozen weights in 4-bit NormalFloat")
+                      help="QLoRA: store the frozen base's linear layers (every block's, adapted "
+                           "or not) in 4-bit NormalFloat")
     tune.add_argument("--double-quant", action="store_true",
                       help="with --quantize-base: quantize the 4-bit weights' scales to 8 bits too")
     run = p.add_argument_group("run directory, checkpoints and faults")

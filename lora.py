@@ -8,7 +8,8 @@ the trainable parameters (weights, gradients, Adam's two moments), not 4x the wh
 (the talk's rule of thumb; memory.py counts it). Merging adds (alpha / r) B A into W0: no
 extra latency at inference, and subtracting it back restores the base, so adapters for
 several tasks share one base model. QLoRA keeps W0 in 4 bits (quantization.py) under the
-same adapters (Dettmers et al. 2023). Left out: LoRA on embeddings.
+same adapters, and the blocks' other frozen linears in 4 bits too (Dettmers et al. 2023).
+Left out: LoRA on embeddings.
 Run: python train.py --init-from RUN --lora --data OTHER.txt; test: python -m pytest tests/test_lora.py
 
 Shapes: B batch, T sequence, k in features, d out features, r rank.
@@ -21,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from placements import place
-from quantization import NF4Linear, NF4Weight
+from quantization import FrozenNF4Linear, NF4Linear, NF4Weight
 
 
 class LoRALinear(nn.Module):
@@ -92,8 +93,9 @@ def apply_lora(model: nn.Module, targets=("query", "value"), rank: int = 8,
     experts' experts (moe.py, under an "experts" list) are never adapted: a token reaches an
     expert only when routed there, so each adapter would learn from a few tokens, and the
     experts stay plain weights that expert parallelism can split. Parameter names of the base
-    stay as they were, so base checkpoints still load. quantize="nf4" stores the targeted
-    weights in 4 bits (QLoRA); double_quant quantizes their scales too.
+    stay as they were, so base checkpoints still load. quantize="nf4" is QLoRA: the targeted
+    weights and every other linear named in QUANTIZED stored in 4 bits; double_quant quantizes
+    their scales too.
     """
     if quantize not in (None, "nf4"):
         raise ValueError(f"--quantize-base {quantize}: the one 4-bit format here is nf4")
@@ -107,11 +109,18 @@ def apply_lora(model: nn.Module, targets=("query", "value"), rank: int = 8,
         raise ValueError(f"--lora-targets {','.join(targets)} names no linear layer; choose "
                          f"among {','.join(choices)}")
     for name, module in found:
-        parent_name, _, child = name.rpartition(".")
-        wrapped = (QLoRALinear(module, rank, alpha, dropout, double_quant) if quantize
-                   else LoRALinear(module, rank=rank, alpha=alpha, dropout=dropout))
-        setattr(model.get_submodule(parent_name), child, wrapped)
+        _replace(model, name, QLoRALinear(module, rank, alpha, dropout, double_quant) if quantize
+                 else LoRALinear(module, rank=rank, alpha=alpha, dropout=dropout))
+    if quantize:                       # the rest of the base: a LoRA layer is no nn.Linear now
+        for name, module in list(model.named_modules()):
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in QUANTIZED:
+                _replace(model, name, FrozenNF4Linear(module, double_quant))
     return model
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module):
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, module)
 
 
 def lora_layers(model: nn.Module) -> list[LoRALinear]:
@@ -165,13 +174,14 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
     the result loads into the base architecture with no LoRA code at all.
     """
     layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, LoRALinear)}
+    four_bit = {name: m for name, m in model.named_modules() if isinstance(m, (QLoRALinear, FrozenNF4Linear))}
     folded = {key: t for key, t in state_dict.items()
-              if ".lora_" not in key and key.rsplit(".base.", 1)[0] not in layers}   # NF4 buffers out
+              if ".lora_" not in key and key.rsplit(".base.", 1)[0] not in four_bit}  # NF4 buffers out
+    for name, m in four_bit.items():                 # a 4-bit W0 (d, k) as the run computed with it
+        folded[name + ".weight"] = m.base.dequantize(torch.float32)
     for name, layer in layers.items():
         B, A = state_dict[name + ".lora_B"], state_dict[name + ".lora_A"]       # (d, r), (r, k)
-        W0 = (layer.base.dequantize(B.dtype) if isinstance(layer, QLoRALinear)
-              else state_dict[name + ".weight"])                                # (d, k)
-        folded[name + ".weight"] = W0 + layer.scale * B @ A
+        folded[name + ".weight"] = folded[name + ".weight"] + layer.scale * B @ A
     return folded
 
 
@@ -179,6 +189,13 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
 #
 # Dettmers et al. 2023: W0 kept as NF4 codes and scales (4.5 bits a value), dequantized in each
 # forward and backward and dropped again; the adapters train as above, in full precision.
+# The paper stores the whole pretrained model so, adapted or not: here every block's attention
+# query, key, value and output and MLP up and down (each expert's too). The embeddings, norms and
+# biases stay in the compute dtype (its code quantizes linear layers only), and so do a mixture's
+# routers (small, and a rounded score flips a token's expert); the head too unless it is adapted:
+# Hugging Face's 4-bit loading, which the paper's code uses, keeps the output layer in 16 bits,
+# and a tied head is the embedding's table.
+QUANTIZED = ("query", "key", "value", "output", "up", "down")
 
 class QLoRALinear(LoRALinear):
     """LoRA over a 4-bit NormalFloat W0: the full-precision weight is replaced by its NF4 copy."""

@@ -20,7 +20,9 @@ tokens on a rank, E experts per layer, k of them per token, split over ep ranks.
 """
 import argparse
 import gc
+import sys
 
+import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 
 from collectives import ring_bytes
@@ -413,6 +415,15 @@ def root_params(name_or_config) -> int:
     return V * C + cfg.block_size * C + 2 * C + (0 if cfg.tie_embeddings else V * C)
 
 
+def quantized_params(name_or_config) -> int:
+    """Weights QLoRA stores in 4 bits (lora.QUANTIZED): every block's attention and MLP matrices,
+    each expert's, 4 C^2 + 8 C^2 E (E = 1 dense). The embeddings, norms, biases, routers and the
+    head stay in the compute dtype (the head unless LoRA adapts it)."""
+    cfg = _config(name_or_config)
+    C = cfg.n_embd
+    return cfg.n_layer * (4 * C * C + 8 * C * C * max(1, cfg.experts))
+
+
 def _shared_params(cfg: GPTConfig) -> int:
     """Every parameter but the experts': an MoE block keeps its router (E C) instead of the MLP."""
     C = cfg.n_embd
@@ -613,11 +624,33 @@ def live_tensor_bytes() -> int:
 GB, MiB = 1e9, 2**20    # GB as in the ZeRO paper; MiB as train.py logs what it measures
 
 
+def human_bytes(n: float) -> str:
+    """n bytes in a unit that shows them: GB (1e9, the ZeRO paper's) from 1 GB up, below that MiB
+    or KiB (2**20, 2**10, as train.py logs), under 1 KiB bytes."""
+    for unit, size in (("GB", GB), ("MiB", MiB), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} bytes"
+
+
+def parse_count(text: str) -> float:
+    """'7e9', '7B', '7.5e9', '350M', '1.2T' -> a parameter count (B: billion, not bytes)."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(text.strip()[-1:].upper(), 1)
+    try:
+        count = float(text.strip()[:-1] if scale != 1 else text) * scale
+    except ValueError:
+        count = float("nan")
+    if not abs(count) < float("inf"):                # nan, inf (under 1: the callers' checks)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count: write it like 7e9, "
+                                         f"7B or 350M")
+    return count
+
+
 def _parse_args(argv=None):
     import advisor    # it imports this file's napkin math: imported here, not at the top
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--params", type=float, default=None, help="parameter count, e.g. 7.5e9")
+    from cli import HelpFormatter                  # train.py's: each default shown once, or none
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--params", type=parse_count, default=None, help="parameter count, e.g. 7.5e9 or 7B")
     p.add_argument("--model", choices=list(PRESETS), default=None,
                    help="a model preset (gives the parameter count and the activation shapes)")
     p.add_argument("--strategy", choices=STRATEGIES + tuple(ALIASES) + ("single",), default=None,
@@ -628,7 +661,8 @@ def _parse_args(argv=None):
     p.add_argument("--reduce-dtype", choices=PRECISIONS, default=None,
                    help="dtype the gradients travel and their shards stay in (train.py reduces in "
                         "fp32 by default; default here: the --precision's, the table's simple form)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="whose state counts: AdamW's two fp32 moments, or plain SGD's none")
     p.add_argument("--batch-size", type=int, default=None,
                    help="global batch in sequences, as train.py takes it (default: one per rank)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
@@ -637,7 +671,8 @@ def _parse_args(argv=None):
                    help="parameters that train, e.g. 4.2e6 for LoRA adapters (default: all); the "
                         "rest is frozen: no gradient, no optimizer state")
     p.add_argument("--quantize-base", choices=("nf4",), default=None,
-                   help="QLoRA: the frozen parameters in 4-bit NormalFloat (with --trainable)")
+                   help="QLoRA: the frozen base in 4-bit NormalFloat (with --trainable): a --model's "
+                        "blocks' linear layers, or with --params every frozen parameter")
     p.add_argument("--double-quant", action="store_true", help="with --quantize-base: 8-bit scales")
     p.add_argument("--offload", choices=("optimizer", "params"), default=None,
                    help="ZeRO-Offload: the sharded optimizer (fp32 master, moments) in host memory; "
@@ -660,10 +695,13 @@ def _parse_args(argv=None):
                         "across the copies")
     advisor.add_arguments(p)
     args = p.parse_args(argv)
+    given = {dest for dest, value in vars(args).items() if value != p.get_default(dest)}
     _check_ep(p, args)
     _check_shard_group(p, args)
     if args.advise:
         advisor.check_args(p, args)
+        _warn_ignored(given - advisor.ADVISE_READS, "--advise walks every rung itself and reads only "
+                      "--model or --params, --world, --seq-len, --gpu-mem, --target-batch, --no-bf16")
         return args
 
     if args.quantize_base and args.trainable is None:
@@ -726,7 +764,26 @@ def _parse_args(argv=None):
         if args.batch_size < 1 or args.batch_size % per_step:
             p.error(f"--batch-size {args.batch_size} does not divide into the data-parallel ranks x "
                     f"micro-batches = {per_step} equal micro-batches: use a multiple of {per_step}")
+    _warn_ignored(given & ADVISE_OPTIONS, "only --advise reads them")
+    if args.model is None:
+        _warn_ignored(given & SHAPE_OPTIONS, "activations need a shape: give --model (e.g. --model 7b) "
+                      "instead of --params")
+    elif args.strategy is None and not args.mesh and args.pp == args.cp == args.ep == 1:
+        _warn_ignored(given & SHAPE_OPTIONS, "the table of strategies shows no activations: add "
+                      "--strategy S for them")
     return args
+
+
+# Options only some modes read: given where they are not, memory.py says so (_warn_ignored).
+ADVISE_OPTIONS = {"gpu_mem", "target_batch", "bf16"}
+SHAPE_OPTIONS = {"batch_size", "seq_len", "grad_accum"}        # a micro-batch's activations
+
+
+def _warn_ignored(dests: set, why: str):
+    """One line on stderr naming the options given (dests) that this run does not read."""
+    if dests:
+        flags = sorted("--no-bf16" if d == "bf16" else "--" + d.replace("_", "-") for d in dests)
+        print(f"memory.py: warning: {', '.join(flags)} ignored: {why}", file=sys.stderr)
 
 
 def _check_ep(p, args):
@@ -769,7 +826,11 @@ def _predict(n_params, strategy, args):
     Under --ep a rank holds E/ep of each MoE layer's experts (ep_state_bytes, ep_comm_bytes)
     and sends its micro-batches' tokens to them and back (moe_exchange_bytes)."""
     trainable = None if args.trainable is None else int(args.trainable)
-    quantized = n_params - trainable if args.quantize_base else 0
+    # A preset's frozen base in 4 bits is its blocks' matrices (quantized_params); --params has no
+    # shape: every frozen parameter counted as 4-bit, an upper bound on the saving.
+    untrained = n_params - (trainable or 0)
+    quantized = (0 if not args.quantize_base else untrained if args.model is None
+                 else min(untrained, quantized_params(args.model)))
     canonical = _strategy(strategy, args.world)
     experts = 0
     if args.ep > 1:

@@ -6,7 +6,7 @@ section 3). Each block of 64 weights is divided by its largest magnitude (its sc
 value stored as the nearest level's index; double quantization stores those fp32 scales in 8
 bits too, blocks of 256, taking the overhead from 0.5 to about 0.13 bits per weight.
 Dequantization (level x scale) happens on the fly, in forward and again in backward, so the
-full-precision weight never stays alive. Left out: 8-bit float scales (ours are int8 linear),
+full-precision weight never stays alive. FrozenNF4Linear is a frozen nn.Linear stored so. Left out: 8-bit float scales (ours are int8 linear),
 paged optimizers, fused dequantizing matmul kernels.
 Run: python train.py --init-from RUN --lora --quantize-base nf4; test: python -m pytest tests/test_quantization.py
 
@@ -101,3 +101,22 @@ class NF4Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         return grad_y @ ctx.weight.dequantize(grad_y.dtype), None, None         # (..., k)
+
+
+class FrozenNF4Linear(nn.Module):
+    """A frozen nn.Linear kept as its NF4 copy (QLoRA's base beside the adapted layers): the
+    weight becomes base.codes and base.scales, as in a QLoRA layer; the bias stays as it was."""
+
+    def __init__(self, linear: nn.Linear, double_quant: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.base = NF4Weight(linear.weight, double_quant)     # 4.5 bits a weight (4.13 double)
+        self.bias = linear.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    def forward(self, x):                                       # (..., k) -> (..., d)
+        return NF4Linear.apply(x, self.base, self.bias)         # W dequantized, used, dropped
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}"

@@ -20,12 +20,8 @@ import math
 import os
 import sys
 import time
-import warnings
 
-# torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy, and
-# requirements.txt does not install it.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
+import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR

@@ -1,8 +1,8 @@
 """advisor.py: the lecture's flow chart rung by rung, memory.py --advise, train.py --strategy auto."""
 import pytest
 
-from advisor import advise, expert_parallel_options, parse_bytes
-from memory import GB, ep_params, expert_params, main, moe_exchange_bytes, root_params
+from advisor import advise, expert_parallel_options, params_shape, parse_bytes
+from memory import GB, ep_params, expert_params, main, model_params, moe_exchange_bytes, root_params
 from model import PRESETS
 from multiprocess import run_ranks
 
@@ -103,7 +103,7 @@ def test_strategy_auto_names_the_fix(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     for argv, fix in ((["--strategy", "auto"], "needs --mem-budget"),
                       (["--strategy", "auto", "--mem-budget", "4MB"], "add --init-from RUN_DIR"),
-                      (["--strategy", "auto", "--mem-budget", "1MB"], "does not fit in 0.00 GB"),
+                      (["--strategy", "auto", "--mem-budget", "1MB"], "does not fit in 976.56 KiB"),
                       (["--strategy", "auto", "--mem-budget", "abc"], "write it like 24GB")):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
@@ -132,3 +132,42 @@ def test_the_talks_70b_case_fits_two_24_gb_gpus_only_with_the_parameters_offload
           "--target-batch", "2"])
     out = capsys.readouterr().out
     assert "64,990,232,576 parameters" in out and "--offload params" in out.splitlines()[-1]
+
+
+def _family_count(k: int) -> int:
+    """Parameters of k layers of k heads of 128 (d = 128 k), vocabulary 32000, 4096 positions:
+    L (12 d^2 + 12 d) + 2 V d + T d + 2 d (test_memory's 7b formula)."""
+    d = 128 * k
+    return k * (12 * d * d + 12 * d) + 2 * 32000 * d + 4096 * d + 2 * d
+
+
+def test_advise_takes_a_parameter_count_and_says_the_shape_it_assumes(capsys):
+    """--params 7B: the 7b preset's family (Llama 2 7B's proportions) at the nearest count, which
+    is the 7b preset itself; on one 24 GB GPU full fine-tuning does not fit even with the
+    optimizer offloaded (31.7 GB), LoRA does (18.4 GB). --params 70e9 has no preset: the nearest
+    of the family is 71 layers of width 9088, and the command says train.py needs it as a preset."""
+    main(["--advise", "--params", "7B", "--gpu-mem", "24GB"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("32 layers, d_model 4096, 32 heads, vocabulary 32000, 4096 positions, "
+                             "6,722,953,216 parameters (preset 7b)"), lines[0]
+    assert "LoRA (fsdp + checkpointing)" in lines[-3] and "fits" in lines[-3]
+    assert " --model 7b " in lines[-1] and " --lora " in lines[-1]
+    for n in (7e9, 70e9, 1e8):
+        shape = params_shape(n)
+        k = shape.n_layer
+        assert (shape.n_head, shape.n_embd) == (k, 128 * k) and model_params(shape) == _family_count(k)
+        assert all(abs(_family_count(k) - n) <= abs(_family_count(j) - n) for j in (k - 1, k + 1) if j)
+    assert (params_shape(70e9).n_layer, params_shape(70e9).n_embd) == (71, 9088)
+    main(["--advise", "--params", "70e9", "--world", "2", "--seq-len", "2048", "--target-batch", "2"])
+    out = capsys.readouterr().out
+    assert "71 layers, d_model 9088, 71 heads" in out and "(preset" not in out
+    assert "--model SHAPE" in out.splitlines()[-1] and "add this shape to model.PRESETS" in out
+
+
+def test_advise_prints_a_small_model_in_mib(capsys):
+    """The tiny GPT's rungs in MiB, not rows of 0.00 GB."""
+    main(["--advise", "--model", "tiny", "--world", "2"])
+    text = capsys.readouterr().out
+    assert "GPU(s) of 24.00 GB" in text and "total MiB" in text and "total GB" not in text
+    row = next(l for l in text.splitlines() if l.startswith("zero2"))
+    assert float(row.split()[-2]) > 1                               # 35.51 MiB, not 0.04 GB

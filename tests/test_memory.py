@@ -1,5 +1,6 @@
 """memory.py: the ZeRO paper's numbers, the lecture's claims about bytes, and the command line."""
 import dataclasses
+import importlib.util
 import os
 import re
 import subprocess
@@ -10,8 +11,9 @@ import torch
 
 from collectives import ring_bytes
 from memory import (STRATEGIES, active_params, activation_bytes, bytes_per_param, comm_bytes,
-                    ep_comm_bytes, ep_params, ep_state_bytes, expert_params, main, mesh_params,
-                    model_params, moe_exchange_bytes, moe_mlp_bytes, nf4_bytes, state_bytes)
+                    ep_comm_bytes, ep_params, ep_state_bytes, expert_params, human_bytes, main,
+                    mesh_params, model_params, moe_exchange_bytes, moe_mlp_bytes, nf4_bytes,
+                    parse_count, state_bytes)
 from model import PRESETS, GPTConfig, build_model
 from multiprocess import run_ranks
 
@@ -378,6 +380,11 @@ def test_hsdp_holds_zero3_over_its_group_and_all_reduces_the_shard_across_copies
     (["--model", "tiny-moe", "--world", "2", "--ep", "4"], "use an --ep dividing both"),
     (["--model", "tiny-moe", "--world", "2", "--ep", "2", "--trainable", "1e4"], "LoRA keeps the experts whole"),
     (["--advise", "--model", "tiny-moe", "--world", "2", "--ep", "2"], "drop --ep"),
+    (["--params", "seven"], "write it like 7e9, 7B or 350M"),
+    (["--advise", "--params", "inf"], "write it like 7e9, 7B or 350M"),
+    (["--advise", "--params", "0"], "--params must be at least 1"),
+    (["--advise"], "--advise needs a shape: give --model (a preset, e.g. 7b) or --params N"),
+    (["--advise", "--model", "7b", "--params", "7e9"], "--advise needs a shape: give --model"),
 ])
 def test_bad_input_stops_with_one_clear_message(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -536,3 +543,70 @@ def test_a_reduction_in_fp32_doubles_the_gradients_bytes_and_zero2s_shard():
     assert state_bytes(n, "zero2", "bf16", N, reduce_precision="bf16")["grads"] == 2 * 250
     assert state_bytes(n, "zero3", "bf16", N, reduce_precision="bf16")["grads"] == 4 * 250
     assert state_bytes(n, "zero1", "bf16", N, reduce_precision="fp32")["grads"] == 2 * n
+
+
+# ---- the command line's manners: units, help, warnings ---------------------------------------
+
+def test_the_7b_preset_has_llama_2_7b_shape_and_its_count():
+    """32 layers of width d = 4096, 32 heads, vocabulary V = 32000, T = 4096 positions. Per block:
+    query, value and output d^2 + d, key d^2 (no bias), MLP 4d^2 + 4d and 4d^2 + d, two norms 2d
+    each = 12 d^2 + 12 d; around them the token embedding and the untied head V d each, the
+    positions T d and the final norm 2d."""
+    cfg, (L, d, V, T) = PRESETS["7b"], (32, 4096, 32000, 4096)
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.block_size) == (L, d, 32, V, T)
+    assert not cfg.tie_embeddings and not cfg.experts
+    assert model_params("7b") == L * (12 * d * d + 12 * d) + 2 * V * d + T * d + 2 * d == 6_722_953_216
+
+
+def test_counts_and_sizes_read_as_people_write_them():
+    assert [parse_count(t) for t in ("7e9", "7B", "7b", "350M", "1.2T", "4.2e6")] == \
+           [7e9, 7e9, 7e9, 350e6, 1.2e12, 4.2e6]
+    # GB (1e9) from 1 GB up, as the ZeRO paper counts; below, MiB and KiB as train.py logs: never 0.00
+    assert [human_bytes(n) for n in (24e9, 1e9, 999e6, 2**20, 1e6, 1536, 100)] == \
+           ["24.00 GB", "1.00 GB", "952.72 MiB", "1.00 MiB", "976.56 KiB", "1.50 KiB", "100 bytes"]
+
+
+def test_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())           # argparse's line breaks undone
+    for none in ("(default: None)", "(default: True)", "(default: False)"):
+        assert none not in text
+    options = re.split(r" (?=--[a-z])", text.split("options:", 1)[1])   # one piece per option
+    assert len(options) > 20
+    for option in options:
+        assert option.count("default:") <= 1, option
+    assert "--world WORLD N, the number of ranks (default: 1)" in text
+
+
+@pytest.mark.parametrize("argv, warning", [
+    (["--params", "7e9", "--seq-len", "2048", "--batch-size", "8"],
+     "memory.py: warning: --batch-size, --seq-len ignored: activations need a shape: give --model"),
+    (["--model", "tiny", "--grad-accum", "2"],
+     "memory.py: warning: --grad-accum ignored: the table of strategies shows no activations"),
+    (["--params", "1e9", "--gpu-mem", "80GB"], "memory.py: warning: --gpu-mem ignored: only --advise"),
+    (["--advise", "--model", "tiny", "--batch-size", "16", "--precision", "fp32"],
+     "memory.py: warning: --batch-size, --precision ignored: --advise walks every rung itself"),
+    (["--model", "tiny", "--strategy", "zero2", "--seq-len", "64"], None),     # read: no warning
+    (["--advise", "--params", "7B", "--seq-len", "2048"], None),
+])
+def test_an_option_given_but_not_read_is_named_in_one_line(argv, warning, capsys):
+    main(argv)
+    err = capsys.readouterr().err
+    if warning is None:
+        assert err == ""
+    else:
+        assert err.startswith(warning) and err.count("\n") == 1, err
+
+
+def test_memory_py_prints_no_numpy_warning():
+    """torch warns as it is imported when numpy is absent (the dev venv has none); memory.py
+    imports no_numpy first, as train.py and bench.py do, which filters that one warning."""
+    runs = {name: subprocess.Popen([sys.executable, *argv], cwd=REPO, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for name, argv in (("torch", ["-c", "import torch"]), ("memory", ["memory.py", "--model", "tiny"]))}
+    err = {name: proc.communicate(timeout=120)[1] for name, proc in runs.items()}
+    if importlib.util.find_spec("numpy") is None:                 # the warning exists to filter
+        assert "Failed to initialize NumPy" in err["torch"]
+    assert err["memory"] == "", err["memory"]

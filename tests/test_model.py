@@ -30,7 +30,7 @@ def test_attention_is_causal():
 
 
 def test_presets():
-    assert set(PRESETS) == {"tiny", "tiny-moe", "medium", "gpt2-small", "gpt2-small-moe", "70b"}
+    assert set(PRESETS) == {"tiny", "tiny-moe", "medium", "gpt2-small", "gpt2-small-moe", "7b", "70b"}
     assert build_model("tiny").num_parameters() < 2_000_000
     # GPT-2 small's 124M parameters, with its 50257-token vocabulary padded to 50304.
     assert round(build_model("gpt2-small").num_parameters() / 1e6) == 124

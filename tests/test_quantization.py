@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import train
 from lora import LoRALinear, QLoRALinear, apply_lora, fold_adapters
-from memory import nf4_bytes
+from memory import live_numel, model_params, nf4_bytes, quantized_params, state_bytes
 from model import GPT, PRESETS
 from multiprocess import run_ranks
 from quantization import BLOCK, LEVELS, NF4Weight
@@ -94,6 +94,35 @@ def test_folded_export_is_the_dequantized_base_plus_the_update():
     torch.testing.assert_close(plain(x), model(x), rtol=0, atol=1e-5)   # one fp32 rounding of W0 + BA
 
 
+def test_qlora_stores_the_whole_frozen_base_in_4_bits():
+    """QLoRA on the default targets (query and value): every linear of every block is stored in
+    NF4, adapted or not, and nothing else. The bytes of the stored model equal the formula written
+    here, 0.5 byte a weight and a 4-byte scale per 64 for each 4-bit matrix, the rest (embeddings,
+    norms, biases, the head, the adapters) in fp32; and memory.py's napkin predicts them."""
+    cfg, r = PRESETS["tiny"], 8
+    C, L, V, T = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size
+    model = apply_lora(GPT(cfg), targets=("query", "value"), rank=r, quantize="nf4")
+    four_bit = {n.rsplit(".", 1)[0] for n, m in model.named_modules() if isinstance(m, NF4Weight)}
+    assert four_bit == {f"blocks.{i}.{name}" for i in range(L) for name in
+                        ("attn.query", "attn.key", "attn.value", "attn.output", "mlp.up", "mlp.down")}
+    assert model.head.weight.dtype == torch.float32                    # the head stays as it was
+    weights = [C * C] * 4 + [4 * C * C] * 2                            # a block's matrices
+    nf4 = L * sum(w // 2 + 4 * (w // BLOCK) for w in weights)
+    plain = 2 * V * C + T * C + 2 * C + L * 12 * C   # embeddings, head, final norm; norms, biases
+    adapters = L * 2 * r * (C + C)                   # A (r, C) and B (C, r) on query and value
+    stored = (sum(p.numel() * p.element_size() for p in model.parameters())
+              + sum(m.nbytes() for m in model.modules() if isinstance(m, NF4Weight)))
+    assert stored == nf4 + 4 * (plain + adapters) == 861_184           # 0.82 MiB; fp32: 3.40 MiB
+    assert live_numel(model)[1] == quantized_params(cfg) == L * sum(weights)
+    napkin = state_bytes(model_params(cfg) + adapters, "ddp", "fp32", 1, trainable=adapters,
+                         quantized=quantized_params(cfg))
+    assert napkin["params"] == stored
+    # A mixture: every expert's matrices in 4 bits too, the routers not (memory.quantized_params).
+    moe = apply_lora(GPT(PRESETS["tiny-moe"]), quantize="nf4")
+    assert live_numel(moe)[1] == quantized_params("tiny-moe")
+    assert all(block.mlp.router.weight.dtype == torch.float32 for block in moe.blocks)
+
+
 def _qlora(root, other):
     return train.main([*RUN, *LORA, "--quantize-base", "nf4", "--double-quant",
                        "--init-from", str(root / "base.pt"), "--data", other, "--steps", "12"])
@@ -108,18 +137,20 @@ def test_qlora_fine_tuning_lowers_the_loss(pretrained):    # noqa: F811
 # ---- QLoRA through training ---------------------------------------------------------------------
 
 def test_qlora_trains_exactly_as_lora_on_the_dequantized_weights():
-    """Five AdamW steps of a QLoRA GPT and of a LoRA GPT whose targeted weights are the
-    dequantized 4-bit ones: the same numbers, step by step (the same F.linear on the same W0,
-    the same adapter gradients)."""
+    """Five AdamW steps of a QLoRA GPT and of a LoRA GPT whose weights QLoRA stores in 4 bits
+    (the targeted ones and every other linear of the blocks) are the dequantized ones: the same
+    numbers, step by step (the same F.linear on the same W0, the same adapter gradients)."""
     torch.manual_seed(0)
     qlora = apply_lora(GPT(PRESETS["tiny"]), rank=4, alpha=8, quantize="nf4", double_quant=True)
     torch.manual_seed(0)
     lora = apply_lora(GPT(PRESETS["tiny"]), rank=4, alpha=8)
     quantized = {n: m for n, m in qlora.named_modules() if isinstance(m, QLoRALinear)}
     assert len(quantized) == 2 * PRESETS["tiny"].n_layer                # query and value per block
+    four_bit = {n.rsplit(".", 1)[0]: m for n, m in qlora.named_modules() if isinstance(m, NF4Weight)}
+    assert len(four_bit) == 6 * PRESETS["tiny"].n_layer                 # every linear of a block
     with torch.no_grad():
-        for name, layer in quantized.items():
-            lora.get_submodule(name).weight.copy_(layer.base.dequantize())
+        for name, base in four_bit.items():
+            lora.get_submodule(name).weight.copy_(base.dequantize())
     trainable = [[p for p in m.parameters() if p.requires_grad] for m in (qlora, lora)]
     for q, p in zip(*trainable):
         assert torch.equal(q, p)                                         # the same adapters to start
