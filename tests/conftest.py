@@ -4,7 +4,7 @@ import gc
 import pytest
 
 # The quick tier, `python -m pytest -m quick`: for each concept file (and the model, the data,
-# the loop and the README's example) the one test that checks its central claim against one
+# train.py and the README's loop, examples/loop.py) the one test that checks its central claim against one
 # process or a reference written in the test, in a few seconds; under two minutes in all on two
 # cores. Named here rather than marked at each test because most are one case of a
 # parametrized test (two ranks, not four). `python -m pytest` runs these and everything else;
@@ -23,10 +23,12 @@ QUICK = {
     "moe": "test_moe.py::test_expert_parallel_equals_one_process[2-options1-False]",   # capacity 1.0
     "lora": "test_lora.py::test_output_and_gradients_are_the_formula_written_out[False]",
     "quantization": "test_quantization.py::test_round_trip_error_is_within_half_a_level_gap[False]",
-    "checkpointing": "test_checkpointing.py::test_gradients_are_bit_exact_with_dropout_and_equal_torch_checkpoint",
+    "checkpointing":
+        "test_checkpointing.py::test_gradients_are_bit_exact_with_dropout_and_equal_torch_checkpoint",
     "model": "test_model.py::test_shapes_and_initial_loss_is_uniform_guess",
     "data": "test_data.py::test_rank_slices_make_up_the_global_batch[2]",
     "train": "test_train.py::test_single_process_loss_falls",
+    "examples": "test_examples.py::test_loop_trains_one_model_the_same_under_ddp_zero2_and_fsdp",
 }
 
 

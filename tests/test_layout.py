@@ -79,11 +79,11 @@ def test_train_py_is_the_loop_and_its_log():
 
 
 def test_every_concept_file_has_a_test_in_the_quick_tier():
-    """`python -m pytest -m quick` (conftest.QUICK) checks each concept file once, pipeline's
-    schedules, the model, the data and the loop too, each with a test from that file's own test
-    file; and every test QUICK names is still there: collected under -m quick, one each."""
+    """`python -m pytest -m quick` (conftest.QUICK) checks each concept file once, and pipeline's
+    schedules, the model, the data, train.py and the README's loop, each with a test from its own
+    test file; and every test QUICK names is still there: collected under -m quick, one each."""
     from conftest import QUICK
-    missing = (set(CONCEPTS) | {"schedules", "model", "data", "train"}) - QUICK.keys()
+    missing = (set(CONCEPTS) | {"schedules", "model", "data", "train", "examples"}) - QUICK.keys()
     assert not missing, f"no quick test for {sorted(missing)}: name one in tests/conftest.py's QUICK"
     for name, test in QUICK.items():
         assert test.startswith(f"test_{name}.py::"), f"QUICK[{name!r}] = {test}: not in test_{name}.py"
