@@ -2,6 +2,8 @@
 only the foundations, never the napkin math, another strategy, the command line or the loop."""
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -74,3 +76,22 @@ def test_a_main_class_takes_the_few_arguments_its_idea_needs(module, cls):
 
 def test_train_py_is_the_loop_and_its_log():
     assert len((ROOT / "train.py").read_text().splitlines()) <= 300
+
+
+def test_every_concept_file_has_a_test_in_the_quick_tier():
+    """`python -m pytest -m quick` (conftest.QUICK) checks each concept file once, and pipeline's
+    schedules, the model, the data, train.py and the README's loop, each with a test from its own
+    test file; and every test QUICK names is still there: collected under -m quick, one each."""
+    from conftest import QUICK
+    missing = (set(CONCEPTS) | {"schedules", "model", "data", "train", "examples"}) - QUICK.keys()
+    assert not missing, f"no quick test for {sorted(missing)}: name one in tests/conftest.py's QUICK"
+    for name, test in QUICK.items():
+        assert test.startswith(f"test_{name}.py::"), f"QUICK[{name!r}] = {test}: not in test_{name}.py"
+    files = sorted({f"tests/{test.split('::')[0]}" for test in QUICK.values()})
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "quick", *files],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    collected = [line.removeprefix("tests/") for line in result.stdout.splitlines()
+                 if line.startswith("tests/")]
+    assert sorted(collected) == sorted(QUICK.values()), \
+        f"QUICK names tests that were not collected (renamed?): {set(QUICK.values()) - set(collected)}" \
+        f"\n{result.stdout[-2000:]}{result.stderr[-2000:]}"

@@ -589,6 +589,32 @@ def test_ranks_start_identical(launch, single):
                                  what=f"N={n} rank {rank} {variant} initial")
 
 
+def _both_stages():
+    """ZeRO-1 and ZeRO-2 alone, AdamW on this rank's slice of the global batches: the quick
+    tier's launch (the full one above trains some forty variants)."""
+    import torch.distributed as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    b = GLOBAL_BATCH // n
+    data = _batches(STEPS, GLOBAL_BATCH)[:, rank * b:(rank + 1) * b]       # (STEPS, B/N, T+1)
+    out = {}
+    for stage in (1, 2):
+        model = _gpt(seed=rank)                                  # ranks differ until the broadcast
+        opt = zero_optimizer(model.parameters(), stage=stage, bucket_mb=BUCKET_MB, **ADAMW)
+        out[stage] = _train_zero(model, opt, data)
+    return out
+
+
+def test_both_stages_on_two_ranks_equal_one_process():
+    """The quick tier's ZeRO check: each stage's losses, first gradient and parameters after
+    STEPS AdamW steps are one process's on the whole batch (tolerances: _check_against's)."""
+    model = _gpt()
+    expected = _single_train(model, torch.optim.AdamW(model.parameters(), **ADAMW),
+                             _batches(STEPS, GLOBAL_BATCH))
+    ranks = run_ranks(_both_stages, 2)
+    for stage in (1, 2):
+        _check_against(2, [out[stage] for out in ranks], expected, f"zero{stage}")
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_matches_single_process_and_ddp(launch, single, stage):
     n, ranks = launch
