@@ -47,3 +47,10 @@ def test_measured_tables_are_what_their_json_says():
         assert generate.regenerate(text) == text, \
             f"docs/{page.name} differs from its JSON: run python docs/generate.py"
     assert generate.BLOCK.search((ROOT / "docs" / "measured.md").read_text())
+
+
+def test_every_python_program_the_readme_shows_is_an_example_that_a_test_runs():
+    examples = "".join(p.read_text() for p in (ROOT / "examples").glob("*.py"))
+    for block in re.findall(r"```python\n(.*?)```", README, re.S):
+        assert block.strip() in examples, "a README program not in examples/: " + block[:80]
+    assert "examples/loop.py" in README
