@@ -20,9 +20,10 @@ from model import PRESETS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "tp", "pipeline")
-NAPKIN = re.compile(r"napkin math per rank \(memory.py\): params ([\d.]+) MiB, grads ([\d.]+), optim ([\d.]+)")
-STEP = re.compile(r"\(params ([\d.]+), grads ([\d.]+), optim ([\d.]+)\)"
-                  r"(?: \| sent ([\d.]+) MiB/step \(ring formula ([\d.]+)\))?")
+# train.py's log (run_log.py): memory.py's prediction, the measure, and the bytes sent
+NAPKIN = re.compile(r"predicted \(memory.py's napkin math\): params ([\d.]+) MiB, grads ([\d.]+), optim ([\d.]+)")
+HELD = re.compile(r"measured: params ([\d.]+) MiB, grads ([\d.]+), optim ([\d.]+)")
+SENT = re.compile(r"\| sent ([\d.]+) MiB/step \(ring formula ([\d.]+)\)")
 
 
 def split_flags(strategy: str, world: int, model: str) -> list[str]:
@@ -49,11 +50,10 @@ def scaling_run(strategy: str, world: int, args) -> dict:
     if out.returncode:
         raise RuntimeError(f"{' '.join(argv[3:])} failed:\n{out.stderr[-2000:]}")
     napkin = [float(v) for v in NAPKIN.search(out.stdout).groups()]
-    last = STEP.findall(out.stdout)[-1]                          # the last step's line
-    held = [float(v) for v in last[:3]]
+    held = [float(v) for v in HELD.findall(out.stdout)[-1]]     # the last one (said when it changes)
+    sent, formula = SENT.findall(out.stdout)[-1] if world > 1 else (0.0, 0.0)     # the last step's
     return {"strategy": strategy, "world": world, "split": " ".join(flags[:2]),
-            "held": held, "napkin_held": napkin,
-            "sent": float(last[3]) if last[3] else 0.0, "formula_sent": float(last[4]) if last[4] else 0.0}
+            "held": held, "napkin_held": napkin, "sent": float(sent), "formula_sent": float(formula)}
 
 
 def bench_scaling(args) -> list[dict]:

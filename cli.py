@@ -12,6 +12,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,43 @@ EVAL_FRACTION = 0.05                      # data.py's held-out tail
 
 
 
+def reports_errors() -> bool:
+    """Whether this process prints the job's one-line errors. torchrun merges its workers'
+    output into one stream: every rank still refuses, but only local rank 0 (from the
+    environment, before any process group) says why, once per node. Processes started
+    otherwise (by hand, or a test) each print their own."""
+    return "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+QUIET_WAIT = 10      # seconds a quiet rank leaves local rank 0 to print a refusal both reached
+
+
+def say_error(line: str, refusal: bool = True):
+    """Print one error line to stderr, once per job (reports_errors). torchrun stops the other
+    workers when the first fails: a quiet rank that exited at once could stop local rank 0
+    before it printed. So a quiet rank's refusal waits QUIET_WAIT s for torchrun to stop it,
+    and says its line itself if still running (a refusal local rank 0 did not reach). Not a
+    refusal (Ctrl-C, which every rank got): a quiet rank says nothing and leaves at once."""
+    if not reports_errors():
+        if not refusal:
+            return
+        time.sleep(QUIET_WAIT)
+    print(line, file=sys.stderr, flush=True)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, a refused command line said in one line ("train.py: error: ... (see --help)",
+    exit 2) without the usage dump before it, once under torchrun (say_error); --help, once."""
+
+    def error(self, message):
+        say_error(f"{self.prog}: error: {message} (see --help)")
+        sys.exit(2)
+
+    def print_help(self, file=None):
+        if reports_errors():
+            super().print_help(file)
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """--help shows each option's default once: appended unless the help already says it, and
     left out where there is none (None, a flag's: on when given, off when not)."""
@@ -53,8 +91,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="train.py: the command line that composes the concept "
-                                "files into one training run.", formatter_class=HelpFormatter)
+    p = Parser(prog="train.py", description="train.py: the command line that composes the concept "
+               "files into one training run.", formatter_class=HelpFormatter)
     p.add_argument("--strategy", choices=[*STRATEGIES, "auto"], default=None,
                    help="how ranks share the work (default: single for one process, ddp under "
                         "torchrun); fsdp and zero3 are one engine (fsdp.py): ZeRO stage 3 is FSDP; "
@@ -121,6 +159,9 @@ def parse_args(argv=None):
     p.add_argument("--prefetch", type=int, default=1,
                    help="fsdp/zero3: units all-gathered ahead of the one computing (0: none)")
     p.add_argument("--seed", type=int, default=0, help="initial weights, batches and dropout masks")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads each rank computes with (default: OMP_NUM_THREADS if you set "
+                        "it, else this node's cores / its ranks)")
     p.add_argument("--log-every", type=int, default=10, help="log a line every N steps (and the last)")
     p.add_argument("--eval-every", type=int, default=100, help="eval loss every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per eval loss")
@@ -363,6 +404,8 @@ def check_args(parser, args, world_size):
     if args.memory_snapshot and not torch.cuda.is_available():
         parser.error("--memory-snapshot records CUDA's allocator and there is no GPU here: on the "
                      "CPU use --profile DIR (its trace has the memory events too)")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be 1 or more, got {args.threads}")
     if args.prefetch < 0:
         parser.error(f"--prefetch must be 0 (no prefetch) or more units, got {args.prefetch}")
     if args.timeout is not None and not 0 < args.timeout < math.inf:       # NaN fails too

@@ -3,7 +3,8 @@
 A step: every rank takes its slice of the global batch (data.py), runs forward and backward
 over --grad-accum micro-batches, the strategy averages the gradients (ddp.py, zero.py, fsdp.py,
 over collectives.py), and the mixed-precision optimizer updates fp32 master weights
-(mixed_precision.py). The log shows loss, tokens/s, per-rank memory and bytes sent per step.
+(mixed_precision.py). The log (run_log.py) shows loss, tokens/s and bytes sent per step, and
+memory per rank measured beside memory.py's prediction; Ctrl-C or a refusal ends in one line.
 With --out the run is a directory: log, config and checkpoints (snapshot.py) that --resume
 continues bit for bit, on the same or another world size and strategy. One mesh
 (process_groups.make_device_mesh) splits each layer's matrices over --tp ranks
@@ -13,13 +14,17 @@ continues bit for bit, on the same or another world size and strategy. One mesh
 and pipeline are ddp with their split.
 Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero2
      torchrun --nproc_per_node 8 train.py --tp 2 --pp 2   (tp 2 x pp 2 x dp 2)
-Test: python -m pytest tests/test_train.py tests/test_snapshot.py
+Test: python -m pytest tests/test_train.py tests/test_snapshot.py tests/test_run_log.py
 """
 import contextlib
 import math
 import os
-import sys
 import time
+
+# OpenMP's threads spin between parallel regions by default: on a busy CPU (other ranks, other
+# programs) a spinning thread holds a core the others wait for, and a step takes 20x longer
+# (measured on 2 shared cores). Passive threads sleep instead. Read when torch loads OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
@@ -33,9 +38,12 @@ from cli import describe_run, parse_args
 from data import TextData
 from memory import held_bytes, live_numel, live_tensor_bytes
 from mesh_checks import mesh_splits
+from meters import saved_activation_bytes
 from parallelize import build, dimension_report, lora_config
-from process_groups import exit_distributed, global_mean, init_distributed
-from snapshot import Divergence, RunError, load_weights, own_outputs
+from process_groups import cpu_threads, exit_distributed, global_mean, init_distributed
+from run_log import (Clock, RunLog, finish, measured_memory, predicted_activations, predicted_memory,
+                     step_line)
+from snapshot import Divergence, RunError, load_weights, own_outputs  # noqa: F401 (train.RunError)
 
 
 def learning_rate(step, args):
@@ -68,12 +76,13 @@ def eval_loss(model, data, args, rank, world_size, device, my_tokens):
     return global_mean(torch.stack(losses).mean())
 
 
-def train_step(model, optimizer, sync, x, y, args, measure=False):
+def train_step(model, optimizer, sync, x, y, args, measure=False, kept: dict | None = None):
     """One optimizer step on this rank's rows x, y (B/N, T), in --grad-accum micro-batches.
 
     sync: the run's gradient syncs (flat.GradientSyncs). Returns this rank's mean loss (a
     tensor) and whether the update was applied (a step whose gradients hold inf or NaN is
     skipped on every rank). measure: time a pipeline's compute exactly (on CUDA, synchronizing).
+    kept: gets "bytes", what the first micro-batch's forward keeps for backward (the activations).
     """
     optimizer.zero_grad(set_to_none=True)
     if hasattr(model, "train_step"):
@@ -88,7 +97,10 @@ def train_step(model, optimizer, sync, x, y, args, measure=False):
         last = micro == args.grad_accum - 1
         # Gradients of all but the last micro-batch accumulate locally: one sync per step.
         with contextlib.nullcontext() if last else no_sync():
-            _, loss = model(mx, my)                                  # mean over (B/N/k, T)
+            if kept is not None and micro == 0:     # each micro-batch's are freed by its backward
+                kept["bytes"], (_, loss) = saved_activation_bytes(lambda: model(mx, my), list(model.parameters()))
+            else:
+                _, loss = model(mx, my)                              # mean over (B/N/k, T)
             optimizer.scale_loss(loss / args.grad_accum).backward()
         step_loss += loss.detach() / args.grad_accum
     sync.finish_gradient_sync()
@@ -124,170 +136,143 @@ def sample(args):
 
 # ---- the run ---------------------------------------------------------------------------------
 
-def clock(seconds: float) -> str:
-    """12.3 -> '0:12', 3725 -> '1:02:05'."""
-    minutes, seconds = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
-
-
-def main(argv=None, live_bytes: bool = False) -> dict:
+def main(argv=None, live_bytes: bool = False, logs: list | None = None) -> dict:
     """Train as the command line says (argv: its words; None: sys.argv) and return the history:
     {"losses": {step: global mean loss} at logged steps, "live_bytes": {step: bytes} (only with
     live_bytes), "eval_loss"; "eval_loss_before" with --init-from, "bubble" under --strategy
     pipeline}. --sample prints text instead and returns None.
 
     live_bytes (CPU): also count every live tensor's bytes at each logged step, for leak tests;
-    each count is a full garbage-collector pass, so it is off unless asked for."""
+    each count is a full garbage-collector pass, so it is off unless asked for. logs: the run's
+    RunLog is appended to it (the command line reads where a Ctrl-C stopped the run)."""
     args = parse_args(argv)
     if args.sample:
         return sample(args)
     args.timeout = args.timeout or (600 if torch.cuda.is_available() else 120)    # seconds
     device = init_distributed(timeout=args.timeout)
+    # The command line shares this node's cores among its ranks; a caller in Python (a test's
+    # ranks, one thread each) keeps its own count unless --threads says otherwise.
+    threads = cpu_threads(args.threads, device, bool(args.offload)) if argv is None or args.threads else ""
     with own_outputs(args, dist.get_rank(), device) as took_over:
-        return run(args, device, took_over, live_bytes)
+        log = RunLog(args, dist.get_rank(), dist.get_world_size())
+        if logs is not None:
+            logs.append(log)
+        for line in [took_over] if took_over else []:
+            log.say(line)
+        return run(args, device, log, threads, live_bytes)
 
 
-def run(args, device, took_over: str, live_bytes: bool) -> dict:
-    """main's run, once this process owns its outputs (own_outputs)."""
+def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
+    """main's run, once this process owns its outputs (own_outputs), saying each step in log."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if args.offload and device.type == "cuda":
-        # The offloaded Adam step runs on the host, where torchrun leaves each rank one thread
-        # (OMP_NUM_THREADS=1): share the cores among this node's ranks instead.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    log_file = snapshot.open_run(args, world_size) if args.out and rank == 0 else None
-
-    def say(line):
-        if rank == 0:
-            print(line, flush=True)
-            if log_file:
-                print(line, file=log_file, flush=True)
-
-    if took_over:
-        say(took_over)
-
-    gpt, model, optimizer, sync, predicted, napkin, context, comm, mesh, my_tokens = build(args, device)
-    data_rank, data_size = mesh.dp.rank, mesh.dp.world_size
+    job = build(args, device)
+    gpt, model, optimizer, mesh = job.gpt, job.model, job.optimizer, job.mesh
     # The ranks holding copies of the same parameters (dp x cp: a cp group's ranks hold whole
     # copies too) write them once, the first of them; a tensor group gathers its slices whole.
     splits = mesh_splits(args)
     split = mesh.tp if "tp" in splits else mesh.pp if "pp" in splits else None
     layout = snapshot.layout_of(gpt, mesh.dp_cp, split)
-    start = snapshot.resume(args, gpt, optimizer, layout, world_size, rank, say) if args.resume else 0
+    start = snapshot.resume(args, gpt, optimizer, layout, world_size, rank, log.say) if args.resume else 0
     data = TextData.from_file(args.data)
-    n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
-    for line in describe_run(args, world_size, data_size, f"{device.type} ({dist.get_backend()})", n_params):
-        say(line)
-    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
-    if args.lora:
-        say(f"LoRA rank {args.lora_rank} on {args.lora_targets}: {trainable:,} trainable parameters "
-            f"({trainable / n_params:.2%} of the model); the adapter is "
-            f"{lora.adapter_bytes(gpt) / 2**10:.1f} KiB, the model {n_params * 4 / 2**20:.1f} MiB in fp32"
-            + (f"; {quantized:,} frozen weights in 4-bit {args.quantize_base}" if quantized else ""))
-    # The strategy's napkin math (memory.py), to read beside the measured bytes in the log.
-    say(f"napkin math per rank (memory.py): params {napkin['params'] / 2**20:.1f} MiB, grads "
-        f"{napkin['grads'] / 2**20:.1f}, optim {napkin['optimizer'] / 2**20:.1f}, total "
-        f"{napkin['total'] / 2**20:.1f}" + (f" on the device, {napkin['host'] / 2**20:.1f} in CPU "
-                                            f"memory (--offload)" if args.offload else ""))
-
-    history = {"losses": {}, "live_bytes": {}, "napkin": napkin, "held": {}}     # this rank's
-    if device.type == "cuda":
-        # Set-up held more than training does (the whole fp32 model before ZeRO or FSDP
-        # sharded it): the logged peak starts here, and again after each logged step.
-        torch.cuda.reset_peak_memory_stats(device)
+    say_header(args, gpt, job.napkin, log, mesh.dp.world_size, threads, device)
+    history = {"losses": {}, "live_bytes": {}, "napkin": job.napkin, "held": {}}     # this rank's
     step_done = start_profiling(args, rank, world_size)
+    evaluate = lambda: eval_loss(model, data, args, mesh.dp.rank, mesh.dp.world_size, device, job.my_tokens)
     if args.init_from and start == 0:          # fine-tuning: where the new text starts from
-        history["eval_loss_before"] = eval_loss(model, data, args, data_rank, data_size, device, my_tokens)
-        say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
-    tokens_per_step = args.batch_size * args.seq_len
-    timer, last_timed, skipped = time.perf_counter(), start - 1, 0
-    began = timer
+        history["eval_loss_before"] = evaluate()
+        log.say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
+    clock = Clock(start, device)
     schedule = lr_scheduler(optimizer, args, start)
     divergence = Divergence(args, gpt.cfg.vocab_size)
     for step in range(start, args.steps):
-        comm.bytes_sent.clear()
+        log.step = step
+        job.comm.bytes_sent.clear()
         mesh.clear()
         x, y = data.batch(step, args.batch_size, args.seq_len, args.seed,
-                          rank=data_rank, world_size=data_size)      # (B/D, T)
-        x, y = my_tokens(x, y)                                       # cp pipeline: (B/D, T/cp)
+                          rank=mesh.dp.rank, world_size=mesh.dp.world_size)      # (B/D, T)
+        x, y = job.my_tokens(x, y)                                   # cp pipeline: (B/D, T/cp)
         logged = step % args.log_every == 0 or step == args.steps - 1
-        loss, applied = train_step(model, optimizer, sync, to_device(x, device), to_device(y, device), args,
-                                   measure=logged)
+        kept = {} if logged and not {"pp", "cp"} & splits.keys() else None
+        loss, applied = train_step(model, optimizer, job.sync, to_device(x, device), to_device(y, device), args,
+                                   measure=logged, kept=kept)
         divergence.after_step(step, applied, loss, optimizer.scaler.scale)
-        skipped += not applied
+        clock.skipped += not applied
         schedule.step()                                              # the next step's lr
-
         if logged:
             loss = global_mean(loss)                                 # the global batch's mean
             divergence.check_loss(step, loss)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            tokens_per_s = tokens_per_step * (step - last_timed) / (time.perf_counter() - timer)
-            held = held_bytes(model, optimizer)
-            host = held.pop("host", None)                           # --offload: CPU memory
-            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else sum(held.values())
-            history["losses"][step] = loss
-            history["held"][step] = {**held, **({"host": host} if host else {})}
-            if live_bytes and device.type == "cpu":
-                history["live_bytes"][step] = live_tensor_bytes()
-            sent = {**mesh.sent(), "world": sum(comm.bytes_sent.values())}
-            if splits:                                    # each dimension beside its formula
-                history.setdefault("sent", {})[step] = {d: (sent[d], predicted[d]) for d in predicted}
-                say(f"step {step:5d} | sent by dimension, MiB/step (formula): " + " | ".join(
-                    f"{d} {sent[d] / 2**20:.3f} ({predicted[d] / 2**20:.3f})" for d in predicted))
-            elapsed = time.perf_counter() - began         # this run's steps, evals and saves
-            left = elapsed / (step + 1 - start) * (args.steps - step - 1)
-            say(f"step {step:5d} | loss {loss:.4f} | lr {learning_rate(step, args):.2e} | "
-                f"{tokens_per_s / 1e3:7.1f}k tok/s | mem {peak / 2**20:.1f} MiB (params "
-                f"{held['params'] / 2**20:.1f}, grads {held['grads'] / 2**20:.1f}, optim "
-                f"{held['optimizer'] / 2**20:.1f}" + (f", host {host / 2**20:.1f}" if host else "") + ")"
-                + (f" | sent {sum(sent.values()) / 2**20:.2f} MiB/step (ring formula "
-                   f"{sum(predicted.values()) / 2**20:.2f})" if world_size > 1 else "")
-                + (f" | skipped {skipped}" if skipped else "")
-                + f" | {step + 1}/{args.steps} in {clock(elapsed)}, about {clock(left)} left")
-            for line in dimension_report(args, gpt, model, mesh, context, step, history):
-                say(f"step {step:5d} | {line}")
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)         # the next line's peak: its steps'
-            timer, last_timed = time.perf_counter(), step
+            say_step(args, job, log, clock, step, loss, kept, history, live_bytes)
         if args.eval_every and step and step % args.eval_every == 0:
-            say(f"step {step:5d} | eval loss {eval_loss(model, data, args, data_rank, data_size, device, my_tokens):.4f}")
-            timer, last_timed = time.perf_counter(), step            # time training steps only
-        done = step + 1
-        step_done(last=done == args.steps)
-        if args.out and (done == args.steps or args.save_every and done % args.save_every == 0):
-            step_loss = loss if isinstance(loss, float) else global_mean(loss)
-            divergence.check_loss(step, step_loss)                   # never save a diverged run
-            saved = snapshot.save_checkpoint(args, done, gpt, optimizer, layout, step_loss,
-                                             lora_config(args))
-            say(f"step {step:5d} | saved {saved}: named by the steps done ({done}), so --resume "
-                f"continues at step {done} | loss {step_loss:.4f}")
-            timer, last_timed = time.perf_counter(), step
-    history["eval_loss"] = eval_loss(model, data, args, data_rank, data_size, device, my_tokens)
-    say(f"done | eval loss {history['eval_loss']:.4f}")
+            log.say(f"step {step:5d} | eval loss {evaluate():.4f}")
+            clock.restart(step)                                      # time training steps only
+        step_done(last=step + 1 == args.steps)
+        if args.out and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
+            save(args, job, layout, log, divergence, step, loss)
+            clock.restart(step)
+    history["eval_loss"] = evaluate()
+    log.say(f"done | eval loss {history['eval_loss']:.4f}")
     if args.export:
         snapshot.export(args.export, gpt, optimizer, layout, rank, lora_config(args))
-        say(f"exported {args.export}: fp32 weights; train.load_weights({args.export!r}) loads them")
-    if log_file:
-        log_file.close()
+        log.say(f"exported {args.export}: fp32 weights; train.load_weights({args.export!r}) loads them")
+    log.close()
     return history
 
 
+def say_header(args, gpt, napkin, log, data_size, threads, device):
+    """The log's first lines: the run (cli.describe_run), LoRA's share, memory.py's prediction."""
+    n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
+    where = f"{device.type} ({dist.get_backend()})" + (f" | {threads}" if threads else "")
+    for line in describe_run(args, dist.get_world_size(), data_size, where, n_params):
+        log.say(line)
+    if args.lora:
+        trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
+        log.say(f"LoRA rank {args.lora_rank} on {args.lora_targets}: {trainable:,} trainable parameters "
+                f"({trainable / n_params:.2%} of the model); the adapter is "
+                f"{lora.adapter_bytes(gpt) / 2**10:.1f} KiB, the model {n_params * 4 / 2**20:.1f} MiB in fp32"
+                + (f"; {quantized:,} frozen weights in 4-bit {args.quantize_base}" if quantized else ""))
+    log.say(predicted_memory(napkin, predicted_activations(args, gpt.cfg, data_size)))
+
+
+def say_step(args, job, log, clock, step, loss, kept, history, live_bytes):
+    """A logged step: measure what this rank holds and sent, record it in history, say it."""
+    device = clock.device
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    tokens_per_s = args.batch_size * args.seq_len * (step - clock.last_timed) / (time.perf_counter() - clock.timer)
+    held = held_bytes(job.model, job.optimizer)          # "host": --offload's CPU memory
+    if not held.get("host"):
+        held.pop("host", None)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    history["losses"][step], history["held"][step] = loss, held
+    if live_bytes and device.type == "cpu":
+        history["live_bytes"][step] = live_tensor_bytes()
+    log.say_if_changed(step, "memory", measured_memory(held, kept.get("bytes") if kept else None, peak))
+    sent, predicted = {**job.mesh.sent(), "world": sum(job.comm.bytes_sent.values())}, job.predicted
+    if mesh_splits(args):                                 # each dimension beside its formula
+        history.setdefault("sent", {})[step] = {d: (sent[d], predicted[d]) for d in predicted}
+        log.say(f"step {step:5d} | sent by dimension, MiB/step (formula): " + " | ".join(
+            f"{d} {sent[d] / 2**20:.3f} ({predicted[d] / 2**20:.3f})" for d in predicted))
+    log.say(step_line(step, loss, learning_rate(step, args), tokens_per_s, sum(sent.values()),
+                      sum(predicted.values()), dist.get_world_size(), clock.skipped, step + 1 - clock.start,
+                      args.steps, time.perf_counter() - clock.began))
+    for line in dimension_report(args, job.gpt, job.model, job.mesh, job.context, step, history):
+        log.say(f"step {step:5d} | {line}")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)         # the next line's peak: its steps'
+    clock.restart(step)
+
+
+def save(args, job, layout, log, divergence, step, loss):
+    """Checkpoint after step: never a diverged run (its loss is checked first)."""
+    step_loss = loss if isinstance(loss, float) else global_mean(loss)
+    divergence.check_loss(step, step_loss)
+    saved = snapshot.save_checkpoint(args, step + 1, job.gpt, job.optimizer, layout, step_loss,
+                                     lora_config(args))
+    log.say(f"step {step:5d} | saved {saved}: named by the steps done ({step + 1}), so --resume "
+            f"continues at step {step + 1} | loss {step_loss:.4f}")
+
+
 if __name__ == "__main__":
-    try:
-        main()
-    except (RunError, snapshot.CheckpointError) as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
-        exit_distributed(2)               # destroys the process group: NCCL's are not left behind
-    except (dist.DistError, RuntimeError) as e:
-        if not isinstance(e, dist.DistError) and "gloo" not in str(e):
-            raise                              # a bug, not a lost peer: keep the traceback
-        # A peer died (its connection closed) or stalled past --timeout: stop, never hang.
-        # NCCL raises DistBackendError; gloo a RuntimeError that names its own source file.
-        where = f"rank {dist.get_rank()}" if dist.is_initialized() else "this rank"
-        print(f"train.py: error: {where} lost contact with the other ranks ({type(e).__name__}: "
-              f"{str(e).splitlines()[0][:200]}); one of them died or stalled past --timeout. Its own "
-              f"log says why; rerun the same command with --resume to continue from the last "
-              f"checkpoint", file=sys.stderr)
-        exit_distributed(1, peer_lost=True)
-    exit_distributed()
+    code = finish(main)
+    # 1 (a peer lost) and 130 (Ctrl-C: the peers may be gone): the group is left as it is.
+    exit_distributed(code, peer_lost=code not in (0, 2))

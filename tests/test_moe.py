@@ -431,9 +431,9 @@ def _run_ep(tmp_path, ranks, *flags):
     for line in re.findall(r"sent by dimension, MiB/step \(formula\): (.*)", out):
         sent += re.findall(r"\w+ ([\d.]+) \(([\d.]+)\)", line)
     # memory.py's prediction and the measure, as the log prints them: params, grads, optim (MiB)
-    held = (re.search(r"napkin math per rank \(memory.py\): params ([\d.]+) MiB, grads ([\d.]+), "
+    held = (re.search(r"predicted \(memory.py's napkin math\): params ([\d.]+) MiB, grads ([\d.]+), "
                       r"optim ([\d.]+)", out).groups(),
-            re.findall(r"\(params ([\d.]+), grads ([\d.]+), optim ([\d.]+)\)", out)[-1])
+            re.findall(r"measured: params ([\d.]+) MiB, grads ([\d.]+), optim ([\d.]+)", out)[-1])
     return losses, torch.load(export, weights_only=True)["state_dict"], sent, held, denominators
 
 

@@ -581,9 +581,9 @@ def _train_tied(argv):
 
 def _held(out: str):
     """memory.py's prediction and rank 0's measure, as the log prints them: params, grads, optim."""
-    return (re.search(r"napkin math per rank \(memory.py\): params ([\d.]+) MiB, grads ([\d.]+), "
+    return (re.search(r"predicted \(memory.py's napkin math\): params ([\d.]+) MiB, grads ([\d.]+), "
                       r"optim ([\d.]+)", out).groups(),
-            re.findall(r"\(params ([\d.]+), grads ([\d.]+), optim ([\d.]+)[,)]", out)[-1])
+            re.findall(r"measured: params ([\d.]+) MiB, grads ([\d.]+), optim ([\d.]+)", out)[-1])
 
 
 @pytest.fixture(scope="module")
@@ -629,7 +629,7 @@ def test_a_mesh_trains_as_one_process(tmp_path, one_process_run, ranks, flags):
     assert predicted == measured, out
     if "--offload" in flags:       # ZeRO-Offload's host bytes (masters, moments, gradient copy)
         host = re.search(r"([\d.]+) in CPU memory \(--offload\)", out).group(1)
-        assert re.findall(r", host ([\d.]+)\)", out)[-1] == host, out
+        assert re.findall(r"measured: .*, host ([\d.]+) in CPU memory", out)[-1] == host, out
     _assert_every_rank_holds_and_sends_its_formulas(histories)
     _assert_memory_py_agrees(ranks, flags, histories)
 

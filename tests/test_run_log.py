@@ -1,0 +1,169 @@
+"""What a student meets on the command line: the log says what each number is, a refused command
+line is one line once (under torchrun too), Ctrl-C is one line and exit 130, the CPU threads are
+a share of the cores (run_log.py, cli.py, process_groups.cpu_threads)."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from multiprocess import run_ranks, train_logged
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = ["--steps", "6", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
+         "--seq-len", "32", "--batch-size", "8", "--warmup", "2"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+
+
+# ---- the log: each number says what it is, a line that does not change is said once ----------
+
+def test_memory_is_said_once_measured_beside_predicted_with_activations():
+    history, out = run_ranks(train_logged, 1, [*QUICK, "--strategy", "single"])[0]
+    steps = re.findall(r"^step +\d+ \| loss", out, re.M)
+    measured = re.findall(r"^step +(\d+) \| memory per rank, measured: (.*)$", out, re.M)
+    # The state held between steps does not change from step to step: said once, at step 0.
+    assert len(steps) == 6 and [step for step, _ in measured] == ["0"], out
+    predicted = re.search(r"^memory per rank, predicted \(memory.py's napkin math\): (.*)$", out, re.M).group(1)
+    state = r"params ([\d.]+) MiB, grads ([\d.]+), optim ([\d.]+) = ([\d.]+) on the device"
+    assert re.match(state, predicted).groups() == re.match(state, measured[0][1]).groups(), out
+    # tiny, 8 x 32 tokens on one rank, fp32: L = 4 blocks of C = 128.
+    kept = float(re.search(r"activations ([\d.]+) MiB kept for backward \(autograd", out).group(1)) * 2**20
+    formula = float(re.search(r"activations ([\d.]+) MiB kept for backward \(Korth", out).group(1)) * 2**20
+    tokens, C, L, V = 8 * 32, 128, 4, 256
+    # Korthikanti et al.'s sbh(34 + 5as/h) per block in 16-bit values (x2 in fp32), the fp32
+    # log-probabilities 4 sbV: without dropout an upper bound (no masks, no s x s scores kept).
+    by_hand = L * tokens * C * (34 + 5 * 4 * 32 / C) * 2 + 4 * tokens * V
+    assert abs(formula - by_hand) <= 0.05 * 2**20, (formula, by_hand)       # the log's 0.1 MiB
+    # At least each block's linear layers' inputs (q/k/v and the projection: C each, the MLP's
+    # C and 4C) in fp32, which backward needs for the weights' gradients.
+    assert L * tokens * 7 * C * 4 <= kept <= formula, (kept, formula)
+
+
+def test_interrupted_line_says_where_to_continue_from(tmp_path):
+    from run_log import interrupted_line
+    log = type("Log", (), {"step": 7, "out": str(tmp_path)})()
+    assert interrupted_line(log) == (f"train.py: interrupted at step 7; no checkpoint in {tmp_path} yet "
+                                     f"(--save-every K writes one every K steps)")
+    (tmp_path / "ckpt-0000004").mkdir()                     # not complete: no metadata yet
+    assert "no checkpoint in" in interrupted_line(log)
+    assert interrupted_line(None).startswith("train.py: interrupted before the first step; nothing was saved")
+
+
+# ---- Ctrl-C: one line, exit 130, every rank -----------------------------------------------------
+
+def _interrupt(argv, when: str, timeout=240):
+    """Run argv, send SIGINT (what Ctrl-C sends the terminal's foreground process) once a stdout
+    line starts with `when`: (exit code, stdout, stderr, seconds from SIGINT to exit)."""
+    # A test run in the background inherits SIGINT ignored (train.py keeps it so): not here.
+    job = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines, sent = [], None
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if line.startswith(when):
+                job.send_signal(signal.SIGINT)
+                sent = time.monotonic()
+                break
+        out, err = job.communicate(timeout=timeout)
+    finally:
+        job.kill()
+    assert sent is not None, ("".join(lines), err)            # the run reached `when`
+    return job.returncode, "".join(lines) + out, err, time.monotonic() - sent
+
+
+def test_ctrl_c_says_one_line_naming_the_checkpoint_and_exits_130(tmp_path):
+    from snapshot import latest
+    out_dir = tmp_path / "run"
+    code, out, err, _ = _interrupt([sys.executable, "train.py", *QUICK, "--steps", "100000", "--out",
+                                    str(out_dir), "--save-every", "2", "--threads", "1"], "step     2 | loss")
+    said = [line for line in (out + err).splitlines() if "interrupted" in line]
+    assert code == 130 and len(said) == 1 and "Traceback" not in out + err, (code, out, err)
+    step, saved = re.match(r"train.py: interrupted at step (\d+); the last checkpoint is (\S+): rerun "
+                           r"the same command with --resume to continue from it$", said[0]).groups()
+    # the newest complete checkpoint on disk (--resume's), saved every 2 steps, at least ckpt-2
+    assert int(step) >= 2 and saved == latest(str(out_dir)) and int(saved[-7:]) >= 2, said
+    assert "| 1 CPU thread per rank: --threads |" in out.splitlines()[0], out
+
+
+def test_ctrl_c_under_torchrun_is_one_line_from_rank_0():
+    """torchrun forwards SIGINT to its workers: each stops, rank 0 alone says so; torchrun then
+    raises its own SignalException (its traceback, not a worker's) and exits 1."""
+    code, out, err, waited = _interrupt([*TORCHRUN, *QUICK, "--steps", "100000", "--strategy", "zero2"],
+                                        "step     1 | loss")
+    said = [line for line in (out + err).splitlines() if "interrupted" in line]
+    assert said == [said[0]] and said[0].startswith("train.py: interrupted at step "), (out, err)
+    assert "nothing was saved" in said[0], said
+    assert "KeyboardInterrupt" not in err and 'train.py", line' not in err, err      # no worker's traceback
+    assert code != 0 and waited < 60, (code, waited)      # the workers left at once (torchrun waits 30 s)
+
+
+# ---- a refused command line: one line, once, every rank refusing ---------------------------------
+
+@pytest.mark.parametrize("argv, says", [
+    (["--bogus"], "train.py: error: unrecognized arguments: --bogus (see --help)"),
+    (["--strategy", "ddp", "--batch-size", "10", "--grad-accum", "2"],     # cli.check_args
+     "train.py: error: --batch-size 10 does not divide into 2 "),
+])
+def test_a_refused_command_line_under_torchrun_is_one_line_once(argv, says):
+    began = time.monotonic()
+    result = subprocess.run([*TORCHRUN, *argv], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    output = result.stdout + result.stderr
+    said = [line for line in output.splitlines() if "train.py: error:" in line]
+    assert len(said) == 1 and said[0].startswith(says) and said[0].endswith(" (see --help)"), output
+    assert "usage:" not in output and result.returncode != 0, output
+    # local rank 0 refused with exit 2, rank 1 refused too, quietly, and was stopped by torchrun
+    assert "exitcode  : 2" in output and "rank      : 0 (local_rank: 0)" in output, output
+    assert time.monotonic() - began < 200                 # bounded: no rank waits in a collective
+
+
+def test_a_quiet_rank_still_refuses_and_speaks_if_left_running(monkeypatch, capsys):
+    """Under torchrun a rank other than local rank 0 waits (cli.QUIET_WAIT) for torchrun to stop
+    it, then says its line itself: a refusal local rank 0 did not share is never lost."""
+    import cli
+    waits = []
+    monkeypatch.setattr(cli.time, "sleep", waits.append)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit) as stop:
+        cli.parse_args(["--bogus"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and waits == [cli.QUIET_WAIT], waits
+    assert err == "train.py: error: unrecognized arguments: --bogus (see --help)\n", err
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--steps", "0"])
+    assert capsys.readouterr().err == "train.py: error: --steps must be at least 1, got 0 (see --help)\n"
+    assert waits == [cli.QUIET_WAIT]                      # local rank 0 speaks at once
+
+
+# ---- CPU threads: a share of the cores ------------------------------------------------------------
+
+def test_cpu_threads_share_the_cores_among_the_ranks(monkeypatch):
+    from process_groups import cpu_threads
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    cpu = torch.device("cpu")
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        share = max(1, cores // 2)
+        assert cpu_threads(None, cpu) == f"{share} CPU thread{'s' * (share > 1)} per rank: {cores} core" \
+            f"{'s' * (cores > 1)} / 2 ranks on this node" and torch.get_num_threads() == share
+        # torchrun's own OMP_NUM_THREADS=1 (set when the user set none) is not a choice ...
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+        assert cpu_threads(None, cpu).endswith("2 ranks on this node")
+        # ... the user's is, and --threads is
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+        assert cpu_threads(None, cpu).endswith(": OMP_NUM_THREADS")
+        assert cpu_threads(3, cpu) == "3 CPU threads per rank: --threads" and torch.get_num_threads() == 3
+        assert cpu_threads(None, torch.device("cuda", 0)) == ""         # the host only launches kernels
+    finally:
+        torch.set_num_threads(before)
