@@ -17,6 +17,7 @@ Test: python -m pytest tests/test_bench.py
 """
 import argparse
 import gc
+import inspect
 import json
 import os
 import time
@@ -110,8 +111,11 @@ def ours_zero(stage, model, args):
 def torch_ddp_model(model, args):
     # gradient_as_bucket_view: .grad is a view of the bucket, as in ddp.py (no second copy of the
     # gradients; held_bytes sees the buckets through .grad). Neither side re-syncs buffers per step.
-    return DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, forward_sync_buffers=False,
-                                   gradient_as_bucket_view=True)
+    # (torch 2.13 renamed broadcast_buffers forward_sync_buffers: a GPU image may hold an older torch)
+    sync = ("forward_sync_buffers" if "forward_sync_buffers" in
+            inspect.signature(DistributedDataParallel).parameters else "broadcast_buffers")
+    return DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True,
+                                   **{sync: False})
 
 
 def torch_ddp(model, args):

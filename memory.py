@@ -123,7 +123,8 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     too, visiting the device only for their all-gathers. "total" stays the device's bytes.
     reduce_precision (train.py's --reduce-dtype): the gradient shard as the strategies keep it
     after the reduce-scatter, zero2's in that dtype, zero3's in fp32 (fsdp.py upcasts after the
-    wire); None: in the parameters' dtype, the table's simplification.
+    wire), and zero3's 16-bit shards as fsdp.py keeps them (fp32, the masters); None: in the
+    parameters' dtype, the table's simplification.
     """
     strategy = _strategy(strategy, world_size)
     if offload and strategy == "ddp":
@@ -135,12 +136,18 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     trainable = n_params if trainable is None else trainable
     shard = -(-trainable // world_size)                             # c = ceil(P / N)
     whole = trainable if strategy == "ddp" else shard * world_size  # P, or N * c (padded)
+    frozen_size = per_param["params"]
     if reduce_precision is not None and strategy in ("zero2", "zero3"):
         per_param["grads"] = _element_size(reduce_precision) if strategy == "zero2" else 4
+    if reduce_precision is not None and strategy == "zero3" and frozen_size == 2 and not offload:
+        # fsdp.py, as FSDP2: a trained shard stays fp32 and is itself the master (cast to the
+        # compute dtype as it is gathered), so the optimizer holds only its moments.
+        per_param["optimizer"] -= 4
+        per_param["params"] = 4
     held = {name: per_param[name] * (shard if sharded else whole)
             for name, sharded in zip(("params", "grads", "optimizer"), SHARDED[strategy])}
     frozen = n_params - trainable - quantized
-    held["params"] += per_param["params"] * (-(-frozen // world_size) if SHARDED[strategy][0] else frozen)
+    held["params"] += frozen_size * (-(-frozen // world_size) if SHARDED[strategy][0] else frozen)
     held["params"] += nf4_bytes(-(-quantized // world_size) if SHARDED[strategy][0] else quantized,
                                 double_quant)
     held["total"] = sum(held.values())

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from collectives import Comm
+from collectives import Comm, all_gather_single
 
 
 # ---- joining and leaving the job -------------------------------------------------------------
@@ -286,7 +286,7 @@ def gather_objects(obj, comm: Comm, device: torch.device, dst: int | None = None
     receives = dst is None or comm.rank == dst
     every = torch.empty(n * max(lengths), dtype=torch.uint8, device=device) if receives else None
     if dst is None:                                                       # (N * longest,)
-        dist.all_gather_single(every, padded, group=comm.group)
+        all_gather_single(every, padded, group=comm.group)
     else:
         dist.gather(padded, list(every.view(n, -1)) if receives else None, group=comm.group,
                     group_dst=dst)

@@ -921,3 +921,18 @@ def test_bf16_gradients_reduced_in_fp32_by_default_send_their_formula(strategy):
         assert lines and all(measured == formula for measured, formula in lines), out
         sent[bool(reduce)] = float(lines[-1][0])
     assert sent[False] > sent[True], sent
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fsdp_in_16_bits_holds_what_memory_py_predicts(precision):
+    """Found on an H200 (one rank, NCCL): fsdp.py keeps each trained shard in fp32, as FSDP2 does,
+    and that shard is the optimizer's master, so a rank holds 4 + 4 + 8 bytes a parameter over N
+    (shard, fp32 gradient shard, Adam's two moments), where the napkin had 2 + 4 + 12."""
+    out = run(*QUICK, "--steps", "2", "--log-every", "1", "--strategy", "fsdp",
+              "--precision", precision, ranks=2).stdout
+    predicted, measured = _held(out)
+    assert predicted == measured, out
+    from memory import model_params
+    shard = -(-model_params("tiny") // 2) / 2**20                    # MiB of one fp32 shard / 4
+    assert [float(x) for x in measured] == [round(4 * shard, 1), round(4 * shard, 1),
+                                            round(8 * shard, 1)], out
