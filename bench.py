@@ -56,11 +56,13 @@ from data import TextData
 from ddp import DDP
 from fsdp import FSDPOptimizer, MixedPrecisionPolicy as FSDPPrecision
 from lora import apply_lora
+from machines import this
 from memory import run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS, build_model
 from parallelize import data_parallel, fsdp_with
 from process_groups import exit_distributed, init_distributed, make_mesh
+from step_time import Shape, Step, predict
 from zero import zero_optimizer
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -392,6 +394,27 @@ STRATEGIES = {
     "pipeline-interleaved": (partial(ours_pipeline, "interleaved"), partial(torch_pipelining, "interleaved")),
     "pipeline-zb": (partial(ours_pipeline, "zb"), partial(torch_pipelining, "zb")),
 }
+
+
+def predicted_ms(name: str, args, device, cache: str) -> float:
+    """step_time.py's napkin for a strategy row, on this machine as machines.this measures it
+    (every rank at once) at the rows a rank's blocks compute at a time: its share of the batch,
+    the whole batch under tp, a micro-batch in a pipeline. Never fitted to the row's runs.
+    hsdp is priced as fsdp over the whole world (the napkin has no copies' all-reduce)."""
+    cfg, N = PRESETS[args.model], dist.get_world_size()
+    pipelined = name.startswith("pipeline-")
+    rows = args.batch_size // (args.microbatches if pipelined else 1 if name == "tp" else N)
+    shape, lora = Shape.of(cfg), None
+    if name == "fsdp-lora":        # A (r x C) and B (C x r) on each target of every block; all else frozen
+        adapters = cfg.n_layer * len(LORA["targets"]) * 2 * LORA["rank"] * cfg.n_embd
+        lora = (adapters, cfg.n_layer * shape.block_params() + cfg.vocab_size * cfg.n_embd)
+    step = Step(shape, {"checkpointing": "ddp", "hsdp": "fsdp", "fsdp-lora": "fsdp"}.get(name, name), N,
+                args.batch_size, args.seq_len, args.precision, args.microbatches,
+                VIRTUAL_STAGES.get(name.removeprefix("pipeline-"), 1), float(name == "checkpointing"), lora,
+                bucket_mb=args.bucket_mb)
+    return 1e3 * predict(step, this(cfg, rows, args.seq_len, args.precision, device=device, cache=cache))["seconds"]
+
+
 # A tensor group or a pipeline computes one model: its ranks read the same rows.
 WHOLE_BATCH = {"tp", *(name for name in STRATEGIES if name.startswith("pipeline-"))}
 BENCHMARKS = (*STRATEGIES, "moe", "cp", "collectives")
@@ -651,6 +674,14 @@ def main(argv=None):
     rows = [bench_strategy(name, STRATEGIES[name], args, whole if name in WHOLE_BATCH else rows_of_rank,
                            device, n_params, peak_flops)
             for name in args.strategies if name in STRATEGIES]
+    # This machine measured afresh for this run (machines.this, every rank at once: a shared
+    # machine's speed drifts), into a file beside the JSON that every row's prediction reads.
+    machine_file = os.path.splitext(args.json)[0] + "-this.json"
+    if rank == 0 and os.path.exists(machine_file):
+        os.remove(machine_file)
+    dist.barrier()
+    for row in rows:
+        row["predicted_ms"] = predicted_ms(row["strategy"], args, device, machine_file)
     # The moe rows' model: time_training builds args.model.
     moe_args = argparse.Namespace(**{**vars(args), "model": args.moe_model})
     moe_row = (bench_moe({ep: partial(ours_moe, ep) for ep in (1, args.ep)}, moe_args, rows_of_rank, device)

@@ -20,7 +20,7 @@ from model import build_model
 from multiprocess import bench_logged, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STRATEGY_COLUMNS = ["strategy", "ours ms/step", "torch ms/step", "ours/torch", "ours tokens/s",
+STRATEGY_COLUMNS = ["strategy", "ours ms/step", "torch ms/step", "predicted ms", "ours/torch", "ours tokens/s",
                     "ours peak MiB", "torch peak MiB", "activations MiB (ours / torch)",
                     "ours sent MiB/step (ring volume of the calls / napkin)",
                     "torch sent MiB/step", "ours MFU"]
