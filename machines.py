@@ -15,7 +15,11 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
+
+# torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch
 import torch.distributed as dist

@@ -32,6 +32,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 import lora
 import snapshot
+import step_time
 from bench_measure import start_profiling
 from cli import describe_run, parse_args
 from data import TextData
@@ -204,6 +205,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
         history["eval_loss_before"] = eval_loss(model, data, args, data_rank, data_size, device, my_tokens)
         say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
     tokens_per_step = args.batch_size * args.seq_len
+    napkin_seconds = step_time.for_run(args, gpt, world_size, device)     # this machine, measured
     timer, last_timed, skipped = time.perf_counter(), start - 1, 0
     began = timer
     schedule = lr_scheduler(optimizer, args, start)
@@ -242,7 +244,7 @@ def run(args, device, took_over: str, live_bytes: bool) -> dict:
             elapsed = time.perf_counter() - began         # this run's steps, evals and saves
             left = elapsed / (step + 1 - start) * (args.steps - step - 1)
             say(f"step {step:5d} | loss {loss:.4f} | lr {learning_rate(step, args):.2e} | "
-                f"{tokens_per_s / 1e3:7.1f}k tok/s | mem {peak / 2**20:.1f} MiB (params "
+                f"{tokens_per_s / 1e3:7.1f}k tok/s{step_time.beside(tokens_per_step / tokens_per_s, napkin_seconds)} | mem {peak / 2**20:.1f} MiB (params "
                 f"{held['params'] / 2**20:.1f}, grads {held['grads'] / 2**20:.1f}, optim "
                 f"{held['optimizer'] / 2**20:.1f}" + (f", host {host / 2**20:.1f}" if host else "") + ")"
                 + (f" | sent {sum(sent.values()) / 2**20:.2f} MiB/step (ring formula "
