@@ -396,11 +396,12 @@ STRATEGIES = {
 }
 
 
-def predicted_ms(name: str, args, device, cache: str) -> float:
+def predicted_step(name: str, args, device, cache: str) -> dict:
     """step_time.py's napkin for a strategy row, on this machine as machines.this measures it
     (every rank at once) at the rows a rank's blocks compute at a time: its share of the batch,
     the whole batch under tp, a micro-batch in a pipeline. Never fitted to the row's runs.
-    hsdp is priced as fsdp over the whole world (the napkin has no copies' all-reduce)."""
+    hsdp is priced as fsdp over the whole world (the napkin has no copies' all-reduce).
+    Returns {part: ms} (step_time.predict's parts) and "step", their sum."""
     cfg, N = PRESETS[args.model], dist.get_world_size()
     pipelined = name.startswith("pipeline-")
     rows = args.batch_size // (args.microbatches if pipelined else 1 if name == "tp" else N)
@@ -412,7 +413,8 @@ def predicted_ms(name: str, args, device, cache: str) -> float:
                 args.batch_size, args.seq_len, args.precision, args.microbatches,
                 VIRTUAL_STAGES.get(name.removeprefix("pipeline-"), 1), float(name == "checkpointing"), lora,
                 bucket_mb=args.bucket_mb)
-    return 1e3 * predict(step, this(cfg, rows, args.seq_len, args.precision, device=device, cache=cache))["seconds"]
+    result = predict(step, this(cfg, rows, args.seq_len, args.precision, device=device, cache=cache))
+    return {**{part: 1e3 * s for part, s in result["parts"].items()}, "step": 1e3 * result["seconds"]}
 
 
 # A tensor group or a pipeline computes one model: its ranks read the same rows.
@@ -671,17 +673,17 @@ def main(argv=None):
     rows_of_rank, whole = batches(rank, world_size), batches(0, 1)       # (B/N, T), (B, T) each
     n_params = build_model(args.model).num_parameters()
     peak_flops = matmul_peak_flops(device) if device.type == "cuda" else None
-    rows = [bench_strategy(name, STRATEGIES[name], args, whole if name in WHOLE_BATCH else rows_of_rank,
-                           device, n_params, peak_flops)
-            for name in args.strategies if name in STRATEGIES]
-    # This machine measured afresh for this run (machines.this, every rank at once: a shared
-    # machine's speed drifts), into a file beside the JSON that every row's prediction reads.
-    machine_file = os.path.splitext(args.json)[0] + "-this.json"
-    if rank == 0 and os.path.exists(machine_file):
-        os.remove(machine_file)
-    dist.barrier()
-    for row in rows:
-        row["predicted_ms"] = predicted_ms(row["strategy"], args, device, machine_file)
+    # Each row's prediction: this machine measured afresh just before the row runs (machines.this,
+    # every rank at once, into a file beside the JSON): a shared machine's speed drifts.
+    machine_file, rows = os.path.splitext(args.json)[0] + "-this.json", []
+    for name in (name for name in args.strategies if name in STRATEGIES):
+        if rank == 0 and os.path.exists(machine_file):
+            os.remove(machine_file)
+        dist.barrier()
+        predicted = predicted_step(name, args, device, machine_file)
+        rows.append({**bench_strategy(name, STRATEGIES[name], args, whole if name in WHOLE_BATCH else rows_of_rank,
+                                      device, n_params, peak_flops),
+                     "predicted_ms": predicted["step"], "predicted": predicted})
     # The moe rows' model: time_training builds args.model.
     moe_args = argparse.Namespace(**{**vars(args), "model": args.moe_model})
     moe_row = (bench_moe({ep: partial(ours_moe, ep) for ep in (1, args.ep)}, moe_args, rows_of_rank, device)
