@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -97,18 +96,21 @@ PRESETS = {
 
 # ---- `this`: measured on the spot -----------------------------------------------------------
 
-def _seconds(fn, device=None, repeats: int = 3) -> float:
-    """The median of `repeats` calls after one warm-up (bench.py reports its runs' medians too:
-    on a shared machine both see the same neighbours). On a GPU the clock waits for the queued
-    kernels (synchronize) before it stops."""
-    def timed():
-        start = time.perf_counter()
+def _seconds(fn, device=None, calls: int = 3, window: float = 0.0) -> float:
+    """Mean seconds of a call, after one warm-up: `calls` calls, and more until `window` seconds
+    have passed. A mean over a window, as a run's time is its steps' sum: on a shared machine both
+    then see the neighbours' share of the cores. (A collective needs the same count on every
+    rank: window 0.) On a GPU the clock waits for the queued kernels (synchronize)."""
+    def run():
         fn()
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-    timed()
-    return statistics.median(timed() for _ in range(repeats))
+    run()
+    start, done = time.perf_counter(), 0
+    while done < calls or time.perf_counter() - start < window:
+        run()
+        done += 1
+    return (time.perf_counter() - start) / done
 
 
 def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: str, device) -> float:
@@ -127,7 +129,7 @@ def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: s
 
         def step():
             block(x).float().square().mean().backward()
-        seconds = _seconds(step, device)
+        seconds = _seconds(step, device, window=1.0)
     return 3 * block_flops(Shape.of(cfg), seq_len) * rows * seq_len / seconds
 
 
@@ -140,7 +142,7 @@ def optimizer_bandwidth(device) -> float:
     p = torch.nn.Parameter(torch.ones(n, device=device))
     p.grad = torch.ones(n, device=device)
     adamw = torch.optim.AdamW([p], lr=1e-4)
-    return ADAMW_BYTES["unfused"] * n / _seconds(adamw.step, device)
+    return ADAMW_BYTES["unfused"] * n / _seconds(adamw.step, device, window=1.0)
 
 
 def collective_link(comm: Comm, device, sizes=(2**14, 2**18, 2**21)) -> Link:
@@ -149,7 +151,7 @@ def collective_link(comm: Comm, device, sizes=(2**14, 2**18, 2**21)) -> Link:
     n, points = comm.world_size, []
     for numel in sizes:
         t = torch.ones(numel, device=device)
-        seconds = torch.tensor([_seconds(lambda: comm.all_reduce(t), device)], dtype=torch.float64,
+        seconds = torch.tensor([_seconds(lambda: comm.all_reduce(t), device, calls=5)], dtype=torch.float64,
                                device=device)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=comm.group)     # the slowest rank's
         points.append((ring_bytes("all_reduce", numel, 4, n), seconds.item()))
@@ -183,9 +185,9 @@ def _measured(cache: str | None, key: str, measure, comm: Comm, device) -> dict:
 def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm: Comm | None = None,
          device=None, cache: str | None = CACHE) -> Machine:
     """This machine, measured by every rank at once (as the run will share it): a block's FLOP/s
-    at the run's (rows, seq_len), the optimizer's memory bandwidth, the all-reduce's link. A
-    second or two; read from `cache` when measured before with the same threads and ranks (and
-    shape, for the FLOP/s)."""
+    at the run's (rows, seq_len), the optimizer's memory bandwidth, the all-reduce's link: a few
+    seconds (a second's window each for the block and AdamW). Read from `cache` when measured
+    before with the same threads and ranks (and shape, for the FLOP/s)."""
     comm, device = comm or Comm(), device or torch.device("cpu")
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{platform.processor() or platform.machine()} x {os.cpu_count()}")
