@@ -634,6 +634,22 @@ def print_report(data: dict):
                     + scaling_report(m, data.get("scaling", []))))
 
 
+def strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops) -> list:
+    """bench_strategy's row for each strategy asked for, and step_time.py's prediction beside it:
+    this machine measured afresh just before the row runs (machines.this, every rank at once, into
+    a file beside the JSON), since a shared machine's speed drifts."""
+    machine_file, rows = os.path.splitext(args.json)[0] + "-this.json", []
+    for name in (name for name in args.strategies if name in STRATEGIES):
+        if dist.get_rank() == 0 and os.path.exists(machine_file):
+            os.remove(machine_file)
+        dist.barrier()
+        predicted = predicted_step(name, args, device, machine_file)
+        rows.append({**bench_strategy(name, STRATEGIES[name], args, whole if name in WHOLE_BATCH else rows_of_rank,
+                                      device, n_params, peak_flops),
+                     "predicted_ms": predicted["step"], "predicted": predicted})
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
     # What is imported lives as long as the process: frozen, the garbage collector's full passes
@@ -673,17 +689,7 @@ def main(argv=None):
     rows_of_rank, whole = batches(rank, world_size), batches(0, 1)       # (B/N, T), (B, T) each
     n_params = build_model(args.model).num_parameters()
     peak_flops = matmul_peak_flops(device) if device.type == "cuda" else None
-    # Each row's prediction: this machine measured afresh just before the row runs (machines.this,
-    # every rank at once, into a file beside the JSON): a shared machine's speed drifts.
-    machine_file, rows = os.path.splitext(args.json)[0] + "-this.json", []
-    for name in (name for name in args.strategies if name in STRATEGIES):
-        if rank == 0 and os.path.exists(machine_file):
-            os.remove(machine_file)
-        dist.barrier()
-        predicted = predicted_step(name, args, device, machine_file)
-        rows.append({**bench_strategy(name, STRATEGIES[name], args, whole if name in WHOLE_BATCH else rows_of_rank,
-                                      device, n_params, peak_flops),
-                     "predicted_ms": predicted["step"], "predicted": predicted})
+    rows = strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops)
     # The moe rows' model: time_training builds args.model.
     moe_args = argparse.Namespace(**{**vars(args), "model": args.moe_model})
     moe_row = (bench_moe({ep: partial(ours_moe, ep) for ep in (1, args.ep)}, moe_args, rows_of_rank, device)

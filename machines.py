@@ -47,7 +47,9 @@ class Machine:
     """One rank's device and its links. flops: what a training step's matmuls reach, per
     precision (presets: ACHIEVABLE x the datasheet's peak); peak_flops: the datasheet's dense
     peak, MFU's denominator. links: "node" between the ranks of one node, "network" between
-    nodes (a ring is as slow as its slowest hop); per_node: ranks on one node."""
+    nodes (a ring is as slow as its slowest hop); per_node: ranks on one node. The host's memory:
+    a server's DDR5 (8 channels, about 300 GB/s) shared by 8 GPUs' offloaded steps, 50 GB/s each
+    as a round figure; on a CPU `this` measures it (it is the memory)."""
     name: str
     flops: dict
     peak_flops: dict
@@ -55,6 +57,7 @@ class Machine:
     host_link: Link               # device <-> host memory (PCIe)
     links: dict = field(default_factory=dict)
     per_node: int = 8
+    host_memory_bandwidth: float = 50e9     # bytes/s of host memory a rank's offloaded Adam streams
 
     def link(self, world: int) -> Link:
         """The link a ring over `world` ranks waits on: the node's, or the network's beyond it."""
@@ -201,7 +204,8 @@ def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm:
                       comm, device)["flops"]
     link = Link(**m["link"])
     return Machine(f"this ({where})", {precision: flops}, {precision: flops}, m["memory_bandwidth"],
-                   Link(m["memory_bandwidth"], 0.0), {"node": link, "network": link}, per_node=comm.world_size)
+                   Link(m["memory_bandwidth"], 0.0), {"node": link, "network": link}, per_node=comm.world_size,
+                   host_memory_bandwidth=m["memory_bandwidth"])
 
 
 def measure_this(args):

@@ -277,7 +277,8 @@ def predict(step: Step, machine: Machine) -> dict:
     per_param = ADAMW_BYTES[step.adamw] + CLIP_BYTES + (MASTER_BYTES if size < 4 else 0)
     if step.offload:        # the gradient shard down and the parameter shard up, then the host's Adam
         parts["offload"] = machine.host_link.seconds(updated * (size + size), 2)
-    parts["optimizer"] = updated * per_param / machine.memory_bandwidth
+    memory = machine.host_memory_bandwidth if step.offload else machine.memory_bandwidth
+    parts["optimizer"] = updated * per_param / memory
     total = sum(v for k, v in parts.items() if k != "communication")
     global_tokens = step.batch * step.seq_len
     mfu = model_flops_per_token(s, step.seq_len) * global_tokens / total / (machine.peak_flops[step.precision] * N)

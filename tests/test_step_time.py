@@ -129,6 +129,17 @@ def test_a_step_adds_compute_exposed_communication_and_the_optimizer():
     assert result["mfu"] == pytest.approx(flops / result["seconds"] / (2e12 * 2))
 
 
+def test_offload_adds_its_pcie_transfers_and_the_hosts_adam():
+    machine = Machine("made up", {"fp32": 1e12}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK},
+                      host_memory_bandwidth=1e10)
+    step = Step(SMALL, "zero2", 2, batch=8, seq_len=32, offload=True)
+    parts = predict(step, machine)["parts"]
+    shard = PARAMS // 2                                    # 55552 parameters a rank updates
+    # the gradient shard down and the parameter shard up, fp32, 2 messages over the host link
+    assert parts["offload"] == pytest.approx(2 * 4 * shard / 1e9 + 2 * 1e-5)
+    assert parts["optimizer"] == pytest.approx(shard * (80 + 12) / 1e10)
+
+
 def test_presets_are_in_bytes_seconds_and_flops():
     for name, m in PRESETS.items():
         assert m.peak_flops["bf16"] >= m.peak_flops["fp32"] > 1e13, name               # FLOP/s
