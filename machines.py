@@ -49,7 +49,8 @@ class Machine:
     peak, MFU's denominator. links: "node" between the ranks of one node, "network" between
     nodes (a ring is as slow as its slowest hop); per_node: ranks on one node. The host's memory:
     a server's DDR5 (8 channels, about 300 GB/s) shared by 8 GPUs' offloaded steps, 50 GB/s each
-    as a round figure; on a CPU `this` measures it (it is the memory)."""
+    as a round figure; on a CPU `this` measures it (it is the memory). overlaps: False on a CPU,
+    where gloo's thread sums and copies the messages on the cores the compute runs on."""
     name: str
     flops: dict
     peak_flops: dict
@@ -58,6 +59,7 @@ class Machine:
     links: dict = field(default_factory=dict)
     per_node: int = 8
     host_memory_bandwidth: float = 50e9     # bytes/s of host memory a rank's offloaded Adam streams
+    overlaps: bool = True         # communication can run beside compute (a GPU's copy engines, NICs)
 
     def link(self, world: int) -> Link:
         """The link a ring over `world` ranks waits on: the node's, or the network's beyond it."""
@@ -205,7 +207,7 @@ def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm:
     link = Link(**m["link"])
     return Machine(f"this ({where})", {precision: flops}, {precision: flops}, m["memory_bandwidth"],
                    Link(m["memory_bandwidth"], 0.0), {"node": link, "network": link}, per_node=comm.world_size,
-                   host_memory_bandwidth=m["memory_bandwidth"])
+                   host_memory_bandwidth=m["memory_bandwidth"], overlaps=device.type == "cuda")
 
 
 def measure_this(args):

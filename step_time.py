@@ -3,11 +3,11 @@
 memory.py prices a step's bytes; this file its seconds, in closed form. compute = FLOPs / the
 FLOP/s the machine reaches (6 per parameter per token, 8 with activation checkpointing, 4 for a
 frozen weight, plus attention's; Kaplan et al. 2020 section 2.1, PaLM appendix B); a collective =
-messages x latency + bytes sent / bandwidth (memory.py's ring volumes); and only what compute
-cannot hide counts: DDP and ZeRO-2 the last bucket, ZeRO-1 all of it (it reduces after
-backward), FSDP its first gather and last reduce-scatter (prefetch hides the rest), tensor
-parallelism all of it (on the critical path), a pipeline its bubble by schedule (schedules.py),
-offload its PCIe transfers, the optimizer step its memory traffic.
+messages x latency + bytes sent / bandwidth (the ring volumes memory.py counts); and only what
+compute cannot hide counts (on a GPU; a CPU hides nothing): DDP and ZeRO-2 the last bucket, ZeRO-1
+all of it (it reduces after backward), FSDP its first gather and last reduce-scatter (prefetch
+hides the rest), tensor parallelism all of it (on the critical path), a pipeline its bubble by
+schedule (schedules.py), offload its PCIe transfers, the optimizer step its memory traffic.
 Left out: launch gaps, the data loader, stragglers, a GPU's non-matmul kernels (CPU `this`
 measures them in: machines.block_flops_per_second). Machines: machines.py.
 Run: python step_time.py --model medium --strategy ddp --world 2 --batch 16 --seq-len 64 --machine a100
@@ -274,6 +274,8 @@ def predict(step: Step, machine: Machine) -> dict:
     else:
         raise ValueError(f"unknown strategy {step.strategy!r}: choose one of {', '.join(DATA_PARALLEL)}, "
                          f"tp, pipeline-<schedule>")
+    if not machine.overlaps:           # a CPU: the collectives' work takes the compute's cores
+        parts["exposed"] = parts["communication"]
     per_param = ADAMW_BYTES[step.adamw] + CLIP_BYTES + (MASTER_BYTES if size < 4 else 0)
     if step.offload:        # the gradient shard down and the parameter shard up, then the host's Adam
         parts["offload"] = machine.host_link.seconds(updated * (size + size), 2)

@@ -129,6 +129,14 @@ def test_a_step_adds_compute_exposed_communication_and_the_optimizer():
     assert result["mfu"] == pytest.approx(flops / result["seconds"] / (2e12 * 2))
 
 
+def test_nothing_hides_on_a_machine_that_cannot_overlap():
+    gpu = Machine("made up", {"fp32": 1e12}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK})
+    cpu = Machine("made up", {"fp32": 1e12}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK}, overlaps=False)
+    step = Step(SMALL, "ddp", 2, batch=8, seq_len=32, bucket_mb=0.05)
+    hidden, whole = predict(step, gpu)["parts"], predict(step, cpu)["parts"]
+    assert hidden["exposed"] < hidden["communication"] == whole["communication"] == whole["exposed"]
+
+
 def test_offload_adds_its_pcie_transfers_and_the_hosts_adam():
     machine = Machine("made up", {"fp32": 1e12}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK},
                       host_memory_bandwidth=1e10)
