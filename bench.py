@@ -53,11 +53,13 @@ from data import TextData
 from ddp import DDP
 from fsdp import FSDPOptimizer, MixedPrecisionPolicy as FSDPPrecision
 from lora import apply_lora
+from machines import this
 from memory import run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS, build_model
 from parallelize import data_parallel, fsdp_with
 from process_groups import exit_distributed, init_distributed, make_mesh
+from step_time import Shape, Step, predict
 from zero import zero_optimizer
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -392,6 +394,29 @@ STRATEGIES = {
     "pipeline-interleaved": (partial(ours_pipeline, "interleaved"), partial(torch_pipelining, "interleaved")),
     "pipeline-zb": (partial(ours_pipeline, "zb"), partial(torch_pipelining, "zb")),
 }
+
+
+def predicted_step(name: str, args, device, cache: str) -> dict:
+    """step_time.py's napkin for a strategy row, on this machine as machines.this measures it
+    (every rank at once) at the rows a rank's blocks compute at a time: its share of the batch,
+    the whole batch under tp, a micro-batch in a pipeline. Never fitted to the row's runs.
+    hsdp is priced as fsdp over the whole world (the napkin has no copies' all-reduce).
+    Returns {part: ms} (step_time.predict's parts) and "step", their sum."""
+    cfg, N = PRESETS[args.model], dist.get_world_size()
+    pipelined = name.startswith("pipeline-")
+    rows = args.batch_size // (args.microbatches if pipelined else 1 if name == "tp" else N)
+    shape, lora = Shape.of(cfg), None
+    if name == "fsdp-lora":        # A (r x C) and B (C x r) on each target of every block; all else frozen
+        adapters = cfg.n_layer * len(LORA["targets"]) * 2 * LORA["rank"] * cfg.n_embd
+        lora = (adapters, cfg.n_layer * shape.block_params() + cfg.vocab_size * cfg.n_embd)
+    step = Step(shape, {"checkpointing": "ddp", "hsdp": "fsdp", "fsdp-lora": "fsdp"}.get(name, name), N,
+                args.batch_size, args.seq_len, args.precision, args.microbatches,
+                VIRTUAL_STAGES.get(name.removeprefix("pipeline-"), 1), float(name == "checkpointing"), lora,
+                bucket_mb=args.bucket_mb)
+    result = predict(step, this(cfg, rows, args.seq_len, args.precision, device=device, cache=cache))
+    return {**{part: 1e3 * s for part, s in result["parts"].items()}, "step": 1e3 * result["seconds"]}
+
+
 # A tensor group or a pipeline computes one model: its ranks read the same rows.
 WHOLE_BATCH = {"tp", *(name for name in STRATEGIES if name.startswith("pipeline-"))}
 BENCHMARKS = (*STRATEGIES, "moe", "cp", "collectives")
@@ -609,6 +634,22 @@ def print_report(data: dict):
                     + scaling_report(m, data.get("scaling", []))))
 
 
+def strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops) -> list:
+    """bench_strategy's row for each strategy asked for, and step_time.py's prediction beside it:
+    this machine measured afresh just before the row runs (machines.this, every rank at once, into
+    a file beside the JSON), since a shared machine's speed drifts."""
+    machine_file, rows = os.path.splitext(args.json)[0] + "-this.json", []
+    for name in (name for name in args.strategies if name in STRATEGIES):
+        if dist.get_rank() == 0 and os.path.exists(machine_file):
+            os.remove(machine_file)
+        dist.barrier()
+        predicted = predicted_step(name, args, device, machine_file)
+        rows.append({**bench_strategy(name, STRATEGIES[name], args, whole if name in WHOLE_BATCH else rows_of_rank,
+                                      device, n_params, peak_flops),
+                     "predicted_ms": predicted["step"], "predicted": predicted})
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
     # What is imported lives as long as the process: frozen, the garbage collector's full passes
@@ -648,9 +689,7 @@ def main(argv=None):
     rows_of_rank, whole = batches(rank, world_size), batches(0, 1)       # (B/N, T), (B, T) each
     n_params = build_model(args.model).num_parameters()
     peak_flops = matmul_peak_flops(device) if device.type == "cuda" else None
-    rows = [bench_strategy(name, STRATEGIES[name], args, whole if name in WHOLE_BATCH else rows_of_rank,
-                           device, n_params, peak_flops)
-            for name in args.strategies if name in STRATEGIES]
+    rows = strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops)
     # The moe rows' model: time_training builds args.model.
     moe_args = argparse.Namespace(**{**vars(args), "model": args.moe_model})
     moe_row = (bench_moe({ep: partial(ours_moe, ep) for ep in (1, args.ep)}, moe_args, rows_of_rank, device)

@@ -417,6 +417,13 @@ def _held_note(row: dict) -> str:
     return note
 
 
+def _predicted(row: dict) -> str:
+    """step_time.py's napkin for the row, and its ratio to our measured median."""
+    if row.get("predicted_ms") is None:                      # a run from before the column
+        return "n/a"
+    return f"{row['predicted_ms']:.1f} ({row['predicted_ms'] / row['ours']['ms_per_step']['median']:.2f})"
+
+
 def report(m: dict, rows: list) -> list:
     """The report's lines: the machine and the run, the strategy table, its notes, what was skipped."""
     lines = [f"{m['cpu']}, {m['cores']} cores ({m['threads_per_rank']} thread(s) per rank), GPU: "
@@ -426,14 +433,14 @@ def report(m: dict, rows: list) -> list:
              f"{m['global_batch']} x seq len {m['seq_len']}, {m['warmup']} warm-up + {m['steps']} "
              f"timed steps x {m['repeats']} repetitions", ""]
     if rows:
-        lines += ["| strategy | ours ms/step | torch ms/step | ours/torch | ours tokens/s | "
+        lines += ["| strategy | ours ms/step | torch ms/step | predicted ms | ours/torch | ours tokens/s | "
                   "ours peak MiB | torch peak MiB | activations MiB (ours / torch) | "
                   "ours sent MiB/step (ring volume of the calls / napkin) | torch sent MiB/step | ours MFU |",
-                  "|" + "---|" * 11]
+                  "|" + "---|" * 12]
         for r in rows:
             ours, theirs = r["ours"], r["torch"]
             lines.append(f"| {r['strategy']} | {spread(ours['ms_per_step'])} | "
-                         f"{spread(theirs['ms_per_step'])} | {r['ratio']:.2f} | "
+                         f"{spread(theirs['ms_per_step'])} | {_predicted(r)} | {r['ratio']:.2f} | "
                          f"{ours['tokens_per_s']:,.0f} | {ours['peak_bytes'] / MiB:.1f} | "
                          f"{theirs['peak_bytes'] / MiB:.1f} | {ours['activation_bytes'] / MiB:.1f} / "
                          f"{theirs['activation_bytes'] / MiB:.1f} | {ours['sent_per_step'] / MiB:.2f} / "
@@ -454,7 +461,10 @@ def report(m: dict, rows: list) -> list:
                   f"tensor_parallel's bytes_per_step, activation traffic memory.py does not model; hsdp, "
                   f"fsdp-lora: FSDP.bytes_per_step, with the copies' all-reduce and the frozen base's "
                   f"gathers memory.comm_bytes has no row for); "
-                  f"PyTorch's collectives count nothing. Activations: bytes one forward keeps for "
+                  f"PyTorch's collectives count nothing. Predicted: step_time.py's napkin on this "
+                  f"machine as machines.this measured it (a block's forward + backward at the row's "
+                  f"shape, AdamW's memory traffic, an all-reduce's latency and bandwidth), in brackets "
+                  f"predicted / ours. Activations: bytes one forward keeps for "
                   f"backward (saved-tensor hooks), max over ranks. MFU: {mfu}. Both sides: AdamW, "
                   f"gradient-norm clip {m['clip_grad']}. PyTorch's side, and the loss after the last "
                   f"step (ours / torch: the same work gives the same loss):"]

@@ -33,6 +33,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 import lora
 import snapshot
+import step_time
 from bench_measure import start_profiling
 from cli import describe_run, parse_args
 from data import TextData
@@ -182,6 +183,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
         history["eval_loss_before"] = evaluate()
         log.say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
     clock = Clock(start, device)
+    napkin_seconds = step_time.for_run(args, gpt, world_size, device)     # this machine, measured
     schedule = lr_scheduler(optimizer, args, start)
     divergence = Divergence(args, gpt.cfg.vocab_size)
     for step in range(start, args.steps):
@@ -201,7 +203,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
         if logged:
             loss = global_mean(loss)                                 # the global batch's mean
             divergence.check_loss(step, loss)
-            say_step(args, job, log, clock, step, loss, kept, history, live_bytes)
+            say_step(args, job, log, clock, step, loss, kept, history, live_bytes, napkin_seconds)
         if args.eval_every and step and step % args.eval_every == 0:
             log.say(f"step {step:5d} | eval loss {evaluate():.4f}")
             clock.restart(step)                                      # time training steps only
@@ -233,8 +235,9 @@ def say_header(args, gpt, napkin, log, data_size, threads, device):
     log.say(predicted_memory(napkin, predicted_activations(args, gpt.cfg, data_size)))
 
 
-def say_step(args, job, log, clock, step, loss, kept, history, live_bytes):
-    """A logged step: measure what this rank holds and sent, record it in history, say it."""
+def say_step(args, job, log, clock, step, loss, kept, history, live_bytes, napkin_seconds):
+    """A logged step: measure what this rank holds and sent, record it in history, say it, its time
+    beside the napkin's (step_time.py, priced on this machine) where there is one."""
     device = clock.device
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -252,9 +255,10 @@ def say_step(args, job, log, clock, step, loss, kept, history, live_bytes):
         history.setdefault("sent", {})[step] = {d: (sent[d], predicted[d]) for d in predicted}
         log.say(f"step {step:5d} | sent by dimension, MiB/step (formula): " + " | ".join(
             f"{d} {sent[d] / 2**20:.3f} ({predicted[d] / 2**20:.3f})" for d in predicted))
+    napkin = step_time.beside(args.batch_size * args.seq_len / tokens_per_s, napkin_seconds)
     log.say(step_line(step, loss, learning_rate(step, args), tokens_per_s, sum(sent.values()),
                       sum(predicted.values()), dist.get_world_size(), clock.skipped, step + 1 - clock.start,
-                      args.steps, time.perf_counter() - clock.began))
+                      args.steps, time.perf_counter() - clock.began, napkin))
     for line in dimension_report(args, job.gpt, job.model, job.mesh, job.context, step, history):
         log.say(f"step {step:5d} | {line}")
     if device.type == "cuda":

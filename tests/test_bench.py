@@ -20,7 +20,7 @@ from model import build_model
 from multiprocess import bench_logged, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STRATEGY_COLUMNS = ["strategy", "ours ms/step", "torch ms/step", "ours/torch", "ours tokens/s",
+STRATEGY_COLUMNS = ["strategy", "ours ms/step", "torch ms/step", "predicted ms", "ours/torch", "ours tokens/s",
                     "ours peak MiB", "torch peak MiB", "activations MiB (ours / torch)",
                     "ours sent MiB/step (ring volume of the calls / napkin)",
                     "torch sent MiB/step", "ours MFU"]
@@ -214,7 +214,20 @@ def test_json_holds_the_same_numbers(bench):
     assert ours["peak_bytes"] < row["torch"]["peak_bytes"]
     # The table prints the JSON's numbers (zero2 is the first row).
     _, rows = table(output, "strategy")
-    assert rows[0][3] == f"{row['ratio']:.2f}"
+    assert rows[0][STRATEGY_COLUMNS.index("ours/torch")] == f"{row['ratio']:.2f}"
+
+
+def test_every_row_has_the_napkins_step_time(bench):
+    """step_time.py's prediction for every strategy row: the parts add up to the step, and the
+    table prints it beside its ratio to our measured median."""
+    output, data = bench
+    _, printed = table(output, "strategy")
+    for row, cells in zip(data["strategies"], printed):
+        parts = {k: v for k, v in row["predicted"].items() if k not in ("step", "communication")}
+        assert row["predicted_ms"] == row["predicted"]["step"] > 0 and math.isfinite(row["predicted_ms"])
+        assert math.isclose(sum(parts.values()), row["predicted_ms"])
+        ratio = row["predicted_ms"] / row["ours"]["ms_per_step"]["median"]
+        assert cells[STRATEGY_COLUMNS.index("predicted ms")] == f"{row['predicted_ms']:.1f} ({ratio:.2f})"
 
 
 def test_report_from_the_json_prints_the_runs_tables(bench, tmp_path):

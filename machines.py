@@ -1,0 +1,247 @@
+"""machines.py: the machines step_time.py prices a training step on, as data.
+
+A step's time needs four numbers of a machine: the FLOP/s its matmuls reach, the bytes/s its
+memory streams (the optimizer step reads and writes every parameter's state), the host link
+(ZeRO-Offload's transfers) and, between ranks, each link's bandwidth and per-message latency.
+The presets hold datasheet figures (dense peaks, no sparsity; links one direction per GPU).
+`this` is measured on the spot by small benchmarks, never fitted to the runs it predicts, and
+cached in .cache/this-machine.json (repo-local, git-ignored; delete it to measure again).
+Run: python machines.py (the presets); torchrun --nproc_per_node 2 machines.py --this
+Test: python -m pytest tests/test_step_time.py
+"""
+import argparse
+import json
+import os
+import platform
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+
+# torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+import torch
+import torch.distributed as dist
+
+from collectives import Comm, ring_bytes
+from mixed_precision import DTYPES
+from model import Block, GPTConfig
+
+GB = 1e9
+CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "this-machine.json")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between ranks: what one rank sends per second in one direction, and the fixed cost
+    of one message (a ring step: an all-reduce of N ranks is 2 (N-1) of them)."""
+    bandwidth: float              # bytes/s
+    latency: float                # seconds per message
+
+    def seconds(self, nbytes: float, messages: int = 1) -> float:
+        return messages * self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One rank's device and its links. flops: what a training step's matmuls reach, per
+    precision (presets: ACHIEVABLE x the datasheet's peak); peak_flops: the datasheet's dense
+    peak, MFU's denominator. links: "node" between the ranks of one node, "network" between
+    nodes (a ring is as slow as its slowest hop); per_node: ranks on one node. The host's memory:
+    a server's DDR5 (8 channels, about 300 GB/s) shared by 8 GPUs' offloaded steps, 50 GB/s each
+    as a round figure; on a CPU `this` measures it (it is the memory). overlaps: False on a CPU,
+    where gloo's thread sums and copies the messages on the cores the compute runs on."""
+    name: str
+    flops: dict
+    peak_flops: dict
+    memory_bandwidth: float       # bytes/s a large elementwise kernel streams
+    host_link: Link               # device <-> host memory (PCIe)
+    links: dict = field(default_factory=dict)
+    per_node: int = 8
+    host_memory_bandwidth: float = 50e9     # bytes/s of host memory a rank's offloaded Adam streams
+    overlaps: bool = True         # communication can run beside compute (a GPU's copy engines, NICs)
+
+    def link(self, world: int) -> Link:
+        """The link a ring over `world` ranks waits on: the node's, or the network's beyond it."""
+        return self.links["node"] if world <= self.per_node else self.links["network"]
+
+
+# A large bf16 matmul reaches about this share of the datasheet's peak on Hopper and Ampere
+# (cuBLAS, 8192^3: about 750 of H100 SXM's 989 TFLOP/s); a training step's matmuls, shaped by
+# the model, rarely more.
+ACHIEVABLE = 0.75
+# Per-message latency of a collective's ring step, an order of magnitude (no datasheet gives it):
+# NVLink and PCIe a few microseconds, a network hop through the NICs a few more.
+NVLINK_LATENCY, PCIE_LATENCY, NETWORK_LATENCY = 5e-6, 5e-6, 10e-6
+PCIE4, PCIE5 = Link(32 * GB, PCIE_LATENCY), Link(64 * GB, PCIE_LATENCY)        # x16, one direction
+NETWORKS = {f"{gbit}gbit": Link(gbit / 8 * GB, NETWORK_LATENCY) for gbit in (100, 200, 400)}
+
+
+def gpu(name, peaks_tflops, memory_gbs, host, node, per_node=8, network="400gbit") -> Machine:
+    peaks = {precision: tflops * 1e12 for precision, tflops in peaks_tflops.items()}
+    return Machine(name, {p: ACHIEVABLE * f for p, f in peaks.items()}, peaks, memory_gbs * GB, host,
+                   {"node": node, "network": NETWORKS[network]}, per_node)
+
+
+# Datasheets: NVIDIA A100 (SXM4 80GB), H100 (SXM5 and PCIe), GeForce RTX 3090 (GA102 whitepaper)
+# and RTX 4090 (Ada whitepaper; tensor cores with fp32 accumulation, what PyTorch's matmuls use).
+# NVLink 3 is 600 GB/s and NVLink 4 900 GB/s both directions together: 300 and 450 one way.
+PRESETS = {
+    "a100": gpu("A100 SXM4 80GB", {"bf16": 312, "fp16": 312, "fp32": 19.5}, 2039, PCIE4,
+                Link(300 * GB, NVLINK_LATENCY)),
+    "h100-sxm": gpu("H100 SXM5", {"bf16": 989, "fp16": 989, "fp32": 67}, 3350, PCIE5,
+                    Link(450 * GB, NVLINK_LATENCY)),
+    "h100-pcie": gpu("H100 PCIe", {"bf16": 756, "fp16": 756, "fp32": 51}, 2000, PCIE5, PCIE5),
+    "rtx3090": gpu("GeForce RTX 3090", {"bf16": 71, "fp16": 71, "fp32": 35.6}, 936, PCIE4, PCIE4,
+                   per_node=4, network="100gbit"),
+    "rtx4090": gpu("GeForce RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}, 1008, PCIE4, PCIE4,
+                   per_node=4, network="100gbit"),
+}
+
+
+# ---- `this`: measured on the spot -----------------------------------------------------------
+
+def _seconds(fn, device=None, calls: int = 3, window: float = 0.0) -> float:
+    """Mean seconds of a call, after one warm-up: `calls` calls, and more until `window` seconds
+    have passed. A mean over a window, as a run's time is its steps' sum: on a shared machine both
+    then see the neighbours' share of the cores. (A collective needs the same count on every
+    rank: window 0.) On a GPU the clock waits for the queued kernels (synchronize)."""
+    def run():
+        fn()
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+    run()
+    start, done = time.perf_counter(), 0
+    while done < calls or time.perf_counter() - start < window:
+        run()
+        done += 1
+    return (time.perf_counter() - start) / done
+
+
+def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: str, device) -> float:
+    """FLOP/s of one forward + backward of one of the model's blocks on (rows, seq_len, C).
+
+    Not a bare matmul's: on a CPU at these sizes the layer norms, softmax, GELU and Python's
+    dispatch take a large share of a block's time, and a bare matmul would miss it. This is a
+    measurement of the machine on the model's shape (one block, random inputs), not of a run:
+    no strategy, no collective, no optimizer. FLOPs as step_time.block_flops counts them."""
+    from step_time import Shape, block_flops           # step_time imports this file at its top
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)                           # the run's random stream stays untouched
+        block = Block(cfg).to(device=device, dtype=DTYPES[precision])
+        x = torch.randn(rows, seq_len, cfg.n_embd, dtype=DTYPES[precision], device=device,
+                        requires_grad=True)
+
+        def step():
+            block(x).float().square().mean().backward()
+        seconds = _seconds(step, device, window=1.0)
+    return 3 * block_flops(Shape.of(cfg), seq_len) * rows * seq_len / seconds
+
+
+def optimizer_bandwidth(device) -> float:
+    """Bytes/s torch's AdamW streams (its default kernel on this device, 4M fp32 parameters):
+    step_time.ADAMW_BYTES per parameter. Its own passes, not a copy's: each pass allocates a
+    temporary and writes fresh memory, which a bare a + b does not (here a + b reads 1.3x this)."""
+    from step_time import ADAMW_BYTES
+    n = 4 * 2**20
+    p = torch.nn.Parameter(torch.ones(n, device=device))
+    p.grad = torch.ones(n, device=device)
+    adamw = torch.optim.AdamW([p], lr=1e-4)
+    return ADAMW_BYTES["unfused"] * n / _seconds(adamw.step, device, window=1.0)
+
+
+def collective_link(comm: Comm, device, sizes=(2**14, 2**18, 2**21)) -> Link:
+    """Latency and bandwidth of an all-reduce between this run's ranks, fitted (least squares)
+    to seconds = 2 (N-1) latency + bytes sent / bandwidth at three message sizes (fp32 elements)."""
+    n, points = comm.world_size, []
+    for numel in sizes:
+        t = torch.ones(numel, device=device)
+        seconds = torch.tensor([_seconds(lambda: comm.all_reduce(t), device, calls=5)], dtype=torch.float64,
+                               device=device)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=comm.group)     # the slowest rank's
+        points.append((ring_bytes("all_reduce", numel, 4, n), seconds.item()))
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
+             / sum((x - mean_x) ** 2 for x, _ in points))
+    intercept = max(mean_y - slope * mean_x, 0.0)
+    return Link(1 / slope, intercept / (2 * (n - 1)))
+
+
+def _measured(cache: str | None, key: str, measure, comm: Comm, device) -> dict:
+    """cache[key], measured now (every rank at once) unless every rank finds it there."""
+    saved = {}
+    if cache and os.path.exists(cache):
+        with open(cache) as f:
+            saved = json.load(f)
+    have = torch.tensor([float(key in saved)], device=device)
+    dist.all_reduce(have, op=dist.ReduceOp.MIN, group=comm.group)       # all measure, or none
+    if have.item():
+        return saved[key]
+    saved[key] = {**measure(), "measured": time.strftime("%Y-%m-%d %H:%M")}
+    if cache and comm.rank == 0:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        with open(cache + ".tmp", "w") as f:
+            json.dump(saved, f, indent=1)
+        os.replace(cache + ".tmp", cache)                   # a reader never sees half a file
+    return saved[key]
+
+
+def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm: Comm | None = None,
+         device=None, cache: str | None = CACHE) -> Machine:
+    """This machine, measured by every rank at once (as the run will share it): a block's FLOP/s
+    at the run's (rows, seq_len), the optimizer's memory bandwidth, the all-reduce's link: a few
+    seconds (a second's window each for the block and AdamW). Read from `cache` when measured
+    before with the same threads and ranks (and shape, for the FLOP/s)."""
+    comm, device = comm or Comm(), device or torch.device("cpu")
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{platform.processor() or platform.machine()} x {os.cpu_count()}")
+    key = f"{where}, {torch.get_num_threads()} threads, {comm.world_size} ranks"
+    m = _measured(cache, key, lambda: {
+        "memory_bandwidth": optimizer_bandwidth(device),
+        "link": asdict(collective_link(comm, device) if comm.world_size > 1 else Link(float("inf"), 0.0))},
+        comm, device)
+    flops = _measured(cache, f"{key}, {precision} block C{cfg.n_embd} H{cfg.n_head} at {rows} x {seq_len}",
+                      lambda: {"flops": block_flops_per_second(cfg, rows, seq_len, precision, device)},
+                      comm, device)["flops"]
+    link = Link(**m["link"])
+    return Machine(f"this ({where})", {precision: flops}, {precision: flops}, m["memory_bandwidth"],
+                   Link(m["memory_bandwidth"], 0.0), {"node": link, "network": link}, per_node=comm.world_size,
+                   host_memory_bandwidth=m["memory_bandwidth"], overlaps=device.type == "cuda")
+
+
+def measure_this(args):
+    """--this: measure, print on rank 0 (under torchrun the links too)."""
+    from model import PRESETS as MODELS
+    from process_groups import exit_distributed, init_distributed
+    device = init_distributed()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    m = this(MODELS[args.model], args.rows, args.seq_len, device=device)
+    link = m.links["node"]
+    if dist.get_rank() == 0:
+        print(f"this: a {args.model} block at {args.rows} x {args.seq_len}: {m.flops['fp32'] / 1e9:.1f} "
+              f"GFLOP/s fp32; AdamW streams {m.memory_bandwidth / GB:.1f} GB/s; all-reduce link "
+              f"{link.bandwidth / GB:.2f} GB/s, {link.latency * 1e6:.0f} us per message (cached in {CACHE})")
+    exit_distributed()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--this", action="store_true", help="measure this machine (torchrun: its links too)")
+    p.add_argument("--model", default="medium", help="the shape `this` measures a block of")
+    p.add_argument("--rows", type=int, default=8, help="sequences per rank; default 8")
+    p.add_argument("--seq-len", type=int, default=256)
+    args = p.parse_args(argv)
+    if args.this:
+        return measure_this(args)
+    print(f"{'machine':<18}{'TFLOP/s bf16 (peak)':>21}{'fp32 (peak)':>14}{'memory GB/s':>13}"
+          f"{'host GB/s':>11}{'node GB/s':>11}{'network GB/s':>14}")
+    for name, m in PRESETS.items():
+        print(f"{name:<18}{m.flops['bf16'] / 1e12:>11.0f} ({m.peak_flops['bf16'] / 1e12:.0f})"
+              f"{m.flops['fp32'] / 1e12:>7.1f} ({m.peak_flops['fp32'] / 1e12:.1f})"
+              f"{m.memory_bandwidth / GB:>13.0f}{m.host_link.bandwidth / GB:>11.0f}"
+              f"{m.links['node'].bandwidth / GB:>11.0f}{m.links['network'].bandwidth / GB:>14.1f}")
+
+
+if __name__ == "__main__":
+    main()

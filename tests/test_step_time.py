@@ -1,0 +1,178 @@
+"""step_time.py's closed forms against hand computations, and machines.py's data and `this`.
+
+Every expected number is written out here from the formula in words (no call into the code
+under test computes it); times are of a made-up link, so no test depends on this machine's speed.
+"""
+import json
+import math
+
+import pytest
+from machines import PRESETS, Link, Machine, this
+from model import PRESETS as MODELS, build_model
+from multiprocess import run_ranks
+from schedules import bubble_formula
+from step_time import (LLAMA_3_1_8B, Shape, Step, block_flops, data_parallel_seconds, model_flops_per_token,
+                       pipeline_seconds, predict, step_flops, tensor_parallel_seconds)
+
+# A shape small enough to price by hand: 2 blocks of width 64, MLP 256, vocabulary 100.
+# A block's matrices: Q, K, V, O 4 x 64^2 = 16384, MLP up and down 2 x 64 x 256 = 32768.
+SMALL = Shape(layers=2, width=64, heads=4, kv_heads=4, ffn=256, vocab=100)
+BLOCK = 4 * 64 * 64 + 2 * 64 * 256                      # 49152
+PARAMS = 2 * BLOCK + 2 * 100 * 64                       # + token embedding and head: 111104
+LINK = Link(bandwidth=1e9, latency=1e-5)                # 1 GB/s, 10 us a message
+
+
+def test_block_flops_by_hand():
+    # medium: 12 C^2 matrix elements, 2 FLOPs each, plus scores and weighted sum 2 T C each.
+    C, T = 384, 64
+    assert block_flops(Shape.of(MODELS["medium"]), T) == 2 * 12 * C * C + 4 * T * C == 3_637_248
+    # Llama-3.1-8B: Q and O 4096^2, K and V 4096 x 1024 (8 of 32 heads), SwiGLU 3 x 4096 x 14336.
+    llama_block = 2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    assert LLAMA_3_1_8B.block_params() == llama_block == 218_103_808
+    # Its published 8,030,261,248 parameters, less the 65 RMSNorm weights of 4096 we do not count.
+    assert LLAMA_3_1_8B.params() == 32 * llama_block + 2 * 128256 * 4096 == 8_030_261_248 - 65 * 4096
+
+
+def test_model_shape_counts_every_parameter_of_our_models():
+    for name in ("tiny", "medium", "tiny-moe"):
+        assert Shape.of(MODELS[name]).params() == build_model(name).num_parameters()
+
+
+def test_six_flops_per_parameter_and_eight_with_checkpointing():
+    T = 32
+    N = 2 * BLOCK + 100 * 64                              # the matrices a token meets: blocks and head
+    attention = 2 * 4 * T * 64                            # per token, both blocks, forward
+    dense = step_flops(SMALL, T)
+    assert dense["forward"] == 2 * N + attention
+    assert dense["backward"] == 4 * N + 2 * attention
+    assert model_flops_per_token(SMALL, T) == 6 * N + 12 * 2 * T * 64          # PaLM's 6N + 12 L C T
+    redone = step_flops(SMALL, T, checkpointing=1.0)
+    assert redone["backward"] - dense["backward"] == 2 * 2 * BLOCK + attention  # 8 per block element
+    half = step_flops(SMALL, T, checkpointing=0.5)        # every other block (--checkpoint-activations 2)
+    assert half["backward"] - dense["backward"] == BLOCK * 2 + attention // 2
+
+
+def test_lora_frozen_weights_need_no_weight_gradient():
+    T, frozen, adapters = 32, 2 * BLOCK + 100 * 64, 2 * 2 * 2 * 8 * 64   # rank 8 on 2 targets, 2 blocks
+    full, lora = step_flops(SMALL, T), step_flops(SMALL, T, frozen=frozen, adapters=adapters)
+    assert lora["forward"] - full["forward"] == 2 * adapters
+    # frozen: 4 per element (forward, input gradient), adapters 6
+    assert sum(lora.values()) - sum(full.values()) == -2 * frozen + 6 * adapters
+
+
+def test_a_mixture_of_experts_computes_with_its_active_parameters():
+    moe = Shape(layers=1, width=64, heads=4, kv_heads=4, ffn=256, vocab=100, experts=8, top_k=2)
+    attention, expert = 4 * 64 * 64, 2 * 64 * 256
+    assert moe.block_params() == attention + 2 * expert + 8 * 64                 # top 2, router
+    assert moe.block_params(active=False) == attention + 8 * expert + 8 * 64     # all 8 held
+
+
+def test_ddp_and_zero_expose_the_last_bucket_or_all():
+    bucket = 40_000                               # 3 buckets: 40000, 40000, 31104
+    # all-reduce of 2 ranks: each sends half of it twice (4 bytes x numel); 2 messages a bucket
+    all_reduce = 4 * PARAMS / 1e9 + 3 * 2 * 1e-5                   # 504.416 us
+    last = 4 * 31104 / 1e9 + 2 * 1e-5                              # 144.416 us
+    args = (SMALL, 2, 4, 4, LINK, bucket, 1e-3)
+    for backward, exposed in ((1e-3, last), (0.2e-3, all_reduce - 0.2e-3)):
+        total, hidden = data_parallel_seconds("ddp", *args, backward, PARAMS)
+        assert total == pytest.approx(all_reduce) and hidden == pytest.approx(exposed)
+    # reduce-scatter and all-gather: each half of the all-reduce's bytes, 1 message a bucket
+    half = 2 * PARAMS / 1e9 + 3 * 1e-5                             # 252.208 us
+    assert data_parallel_seconds("zero1", *args, 1e-3, PARAMS) == pytest.approx((2 * half, 2 * half))
+    last_scatter = 2 * 31104 / 1e9 + 1e-5
+    assert data_parallel_seconds("zero2", *args, 1e-3, PARAMS) == pytest.approx((2 * half, last_scatter + half))
+    assert data_parallel_seconds("zero2", *args, 0.1e-3, PARAMS)[1] == pytest.approx(half - 0.1e-3 + half)
+
+
+def test_fsdp_exposes_the_first_gather_and_the_last_reduce_scatter():
+    root = PARAMS - 2 * BLOCK                                      # 12800: embedding and head
+    unit = lambda numel: 2 * numel / 1e9 + 1e-5                    # a unit's gather or reduce-scatter
+    first, last = unit(root) + unit(BLOCK), unit(root) + unit(BLOCK)
+    forward_rest, backward_rest = unit(BLOCK), 2 * unit(BLOCK) + unit(BLOCK)
+    total = first + forward_rest + last + backward_rest
+    hidden = data_parallel_seconds("fsdp", SMALL, 2, 4, 4, LINK, 40_000, 1e-3, 2e-3, PARAMS)
+    assert hidden == pytest.approx((total, first + last))
+    slow = data_parallel_seconds("fsdp", SMALL, 2, 4, 4, LINK, 40_000, 50e-6, 100e-6, PARAMS)[1]
+    assert slow == pytest.approx(first + last + forward_rest - 50e-6 + backward_rest - 100e-6)
+
+
+def test_tensor_parallelism_exposes_every_all_reduce():
+    tokens = 512
+    activation = 4 * tokens * 64 / 1e9 + 2 * 1e-5     # all-reduce of (m, C) fp32 on 2 ranks
+    loss, norm = 4 * tokens / 1e9 + 2e-5, 4 * 2 / 1e9 + 2e-5          # (one padded to 2 chunks)
+    expected = (4 * 2 + 2) * activation + 3 * loss + norm
+    assert tensor_parallel_seconds(SMALL, tokens, 1, 2, 4, LINK) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("schedule, P, M, v, share", [("gpipe", 2, 4, 1, 1 / 5), ("1f1b", 4, 8, 1, 3 / 11),
+                                                      ("interleaved", 2, 4, 2, 1 / 9), ("zb", 2, 4, 1, 1 / 13)])
+def test_the_bubble_is_the_schedules_formula(schedule, P, M, v, share):
+    assert bubble_formula(schedule, P, M, v) == pytest.approx(share)
+    pipe = pipeline_seconds(SMALL, schedule, P, M, v, 512, 4, LINK, stage_compute=1.0)
+    # the stage computes 1 s of a step of which `share` is idle: the step is 1 / (1 - share)
+    assert pipe["bubble"] == pytest.approx(share / (1 - share))
+    assert pipe["bubble_share"] == share
+
+
+def test_a_step_adds_compute_exposed_communication_and_the_optimizer():
+    machine = Machine("made up", {"fp32": 1e12}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK})
+    step = Step(SMALL, "ddp", 2, batch=8, seq_len=32, bucket_mb=1)
+    result = predict(step, machine)
+    tokens = 4 * 32                                                   # a rank's share of 8 x 32
+    compute = tokens * sum(step_flops(SMALL, 32).values()) / 1e12
+    optimizer = PARAMS * (80 + 12) / 1e11                             # AdamW's passes and the clip
+    parts = result["parts"]
+    assert parts["forward"] + parts["backward"] == pytest.approx(compute)
+    assert parts["optimizer"] == pytest.approx(optimizer)
+    assert result["seconds"] == pytest.approx(compute + parts["exposed"] + optimizer)
+    flops = model_flops_per_token(SMALL, 32) * 8 * 32
+    assert result["mfu"] == pytest.approx(flops / result["seconds"] / (2e12 * 2))
+
+
+def test_nothing_hides_on_a_machine_that_cannot_overlap():
+    gpu = Machine("made up", {"fp32": 1e12}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK})
+    cpu = Machine("made up", {"fp32": 1e12}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK}, overlaps=False)
+    step = Step(SMALL, "ddp", 2, batch=8, seq_len=32, bucket_mb=0.05)
+    hidden, whole = predict(step, gpu)["parts"], predict(step, cpu)["parts"]
+    assert hidden["exposed"] < hidden["communication"] == whole["communication"] == whole["exposed"]
+
+
+def test_offload_adds_its_pcie_transfers_and_the_hosts_adam():
+    machine = Machine("made up", {"fp32": 1e12}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK},
+                      host_memory_bandwidth=1e10)
+    step = Step(SMALL, "zero2", 2, batch=8, seq_len=32, offload=True)
+    parts = predict(step, machine)["parts"]
+    shard = PARAMS // 2                                    # 55552 parameters a rank updates
+    # the gradient shard down and the parameter shard up, fp32, 2 messages over the host link
+    assert parts["offload"] == pytest.approx(2 * 4 * shard / 1e9 + 2 * 1e-5)
+    assert parts["optimizer"] == pytest.approx(shard * (80 + 12) / 1e10)
+
+
+def test_presets_are_in_bytes_seconds_and_flops():
+    for name, m in PRESETS.items():
+        assert m.peak_flops["bf16"] >= m.peak_flops["fp32"] > 1e13, name               # FLOP/s
+        assert all(m.flops[p] <= m.peak_flops[p] for p in m.peak_flops), name
+        assert 5e11 < m.memory_bandwidth < 5e12, name                                   # bytes/s
+        for link in (m.host_link, *m.links.values()):
+            assert 1e10 <= link.bandwidth <= m.memory_bandwidth and 0 < link.latency < 1e-3, name
+    assert PRESETS["h100-sxm"].links["node"].bandwidth == 450e9          # NVLink 4: 900 GB/s both ways
+    assert PRESETS["h100-sxm"].link(16) is PRESETS["h100-sxm"].links["network"]
+
+
+def _measure_twice(cache):
+    """`this` on every rank: measured into cache, then read back without measuring."""
+    import machines
+    first = this(MODELS["tiny"], 2, 16, comm=None, cache=cache)
+    machines.block_flops_per_second = machines.optimizer_bandwidth = None     # a re-measure would fail
+    second = this(MODELS["tiny"], 2, 16, comm=None, cache=cache)
+    return first, second
+
+
+def test_this_is_measured_once_and_cached(tmp_path):
+    cache = str(tmp_path / "this.json")
+    (first, second), _ = run_ranks(_measure_twice, 2, cache)
+    assert first == second
+    link = first.links["node"]
+    assert first.flops["fp32"] > 0 and first.memory_bandwidth > 0 and link.bandwidth > 0
+    assert math.isfinite(link.latency) and link.latency >= 0
+    assert len(json.load(open(cache))) == 2               # the machine's figures, and the shape's
