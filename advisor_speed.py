@@ -95,12 +95,16 @@ def fine_tunes(a: Advice) -> bool:
 def why(winner: tuple, runner_up: tuple) -> str:
     """One line: what the winner buys against the next full-training rung, part by part."""
     (w, ws), (r, rs) = winner, runner_up
-    bought = (f"it fits micro-batch {w.micro_batch} where {r.rung} fits {r.micro_batch} ({r.grad_accum}x "
-              f"accumulation against {w.grad_accum}x); " if w.micro_batch > r.micro_batch else "")
+    if w.micro_batch > r.micro_batch:
+        bought = (f"it fits micro-batch {w.micro_batch} where {r.rung} fits {r.micro_batch} ({r.grad_accum}x "
+                  f"accumulation against {w.grad_accum}x); against it: ")
+    elif r.micro_batch > w.micro_batch:
+        bought = f"{r.rung} fits micro-batch {r.micro_batch} where it fits {w.micro_batch}, but against it: "
+    else:
+        bought = f"against {r.rung}: "
     diffs = sorted(((ws["parts"][p] - rs["parts"][p]) * 1e3, p) for p in ws["parts"])
     said = ", ".join(f"{p} {abs(d):.1f} ms {'less' if d < 0 else 'more'}" for d, p in diffs if abs(d) >= 0.05)
-    return (f"why: {bought}against {r.rung}: {said or 'the same parts'}, "
-            f"{(rs['seconds'] - ws['seconds']) * 1e3:.1f} ms a step faster")
+    return f"why: {bought}{said or 'the same parts'}, {(rs['seconds'] - ws['seconds']) * 1e3:.1f} ms a step faster"
 
 
 def print_ranking(cfg: GPTConfig, machine: Machine, world: int, seq_len: int, target_batch: int,
