@@ -6,11 +6,14 @@ QLoRA with the parameters offloaded too (the talk's 70B on two 24 GB GPUs: pytho
 --advise --model 70b --gpu-mem 24GB --world 2 --seq-len 2048). Each is priced per rank (training
 state plus one micro-batch's activations and logits); the first that fits is the advice, and
 train.py --strategy auto takes it. For a model with experts, the advice is also priced under each
---ep: bytes held against all-to-all bytes sent. Left out: speed (it chooses by bytes, not step
-time), pipeline and tensor parallelism, and what memory.py leaves out (transient buffers, the CUDA
-context).
+--ep: bytes held against all-to-all bytes sent. It chooses by bytes; --gpu NAME also ranks every
+rung that fits by its step time on that machine (advisor_speed.py), and --measure runs them here
+(experiment.py). Left out: pipeline and tensor parallelism, and what memory.py leaves out
+(transient buffers, the CUDA context).
 Run: python memory.py --advise --model gpt2-small --gpu-mem 24GB --world 4 --target-batch 64
      python memory.py --advise --params 7B --gpu-mem 24GB   (a shape of about 7B: params_shape)
+     python memory.py --advise --model 7b --world 8 --seq-len 2048 --target-batch 64 --gpu rtx3090 --link pcie
+     python memory.py --advise --model tiny --world 2 --seq-len 64 --measure
 Test: python -m pytest tests/test_advisor.py
 """
 import dataclasses
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from machines import LINKS, PRESETS as MACHINES, joined_by
 from memory import (GB, MiB, activation_bytes, active_params, bytes_per_param, ep_comm_bytes,
                     ep_params, ep_state_bytes, human_bytes, logits_bytes, model_params,
                     moe_exchange_bytes, nf4_bytes, quantized_params, root_params)
@@ -134,13 +138,34 @@ def advise(model: str | GPTConfig, gpu_mem: int, world: int, seq_len: int, targe
     if target_batch < 1 or target_batch % world:
         raise ValueError(f"--target-batch {target_batch} does not split over {world} ranks: "
                          f"use a multiple of {world}")
-    per_rank = target_batch // world
-    budget = (1 - headroom) * gpu_mem
+    per_rank, budget = target_batch // world, (1 - headroom) * gpu_mem
+    tried = []
+    for name, strategy, checkpointing, offload, trainable, quantized, flags in rungs(cfg, world):
+        def need(b, strategy=strategy):
+            return rung_bytes(cfg, strategy, precision, world, seq_len, b, checkpointing, offload,
+                              trainable, quantized)
+        held = need(1)
+        if held["total"] > budget:
+            tried.append(Advice(name, strategy, 1, per_rank, flags, held, False))
+            continue
+        if strategy == "ddp":                  # it fits: shard gradients and optimizer, grow b
+            name, strategy = "zero2, the largest micro-batch that fits", "zero2"
+        elif strategy == "single":             # one GPU: nothing to shard, grow b
+            name = "one GPU, the largest micro-batch that fits"
+        b = largest_micro_batch(per_rank, budget, lambda d: need(d, strategy))
+        tried.append(Advice(name, strategy, b, per_rank // b, flags, need(b, strategy), True))
+        break
+    return tried
+
+
+def rungs(cfg: GPTConfig, world: int) -> list[tuple]:
+    """The flow chart's rungs: (name, strategy, checkpointing, offload, trainable (None: all),
+    quantized parameters, train.py flags)."""
     lora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(LORA_TARGETS)]
     qlora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(QLORA_TARGETS),
              "--quantize-base", "nf4"]
     trained, quantized = lora_params(cfg, targets=QLORA_TARGETS), quantized_params(cfg)
-    rungs = [  # (name, strategy, checkpointing, offload, trainable (None: all), quantized, flags)
+    return [
         ("ddp, micro-batch 1", "ddp" if world > 1 else "single", False, False, None, 0, []),
         ("zero3 (fsdp)", "fsdp", False, False, None, 0, []),
         ("fsdp + activation checkpointing", "fsdp", True, False, None, 0, ["--checkpoint-activations"]),
@@ -153,23 +178,13 @@ def advise(model: str | GPTConfig, gpu_mem: int, world: int, seq_len: int, targe
         ("QLoRA + the parameters offloaded to the CPU", "fsdp", True, "params", trained, quantized,
          ["--checkpoint-activations", *qlora, "--offload", "params"]),
     ]
-    tried = []
-    for name, strategy, checkpointing, offload, trainable, quantized, flags in rungs:
-        def need(b, strategy=strategy):
-            return rung_bytes(cfg, strategy, precision, world, seq_len, b, checkpointing, offload,
-                              trainable, quantized)
-        held = need(1)
-        if held["total"] > budget:
-            tried.append(Advice(name, strategy, 1, per_rank, flags, held, False))
-            continue
-        if strategy == "ddp":                  # it fits: shard gradients and optimizer, grow b
-            name, strategy = "zero2, the largest micro-batch that fits", "zero2"
-        elif strategy == "single":             # one GPU: nothing to shard, grow b
-            name = "one GPU, the largest micro-batch that fits"
-        b = max(d for d in range(1, per_rank + 1) if per_rank % d == 0 and need(d, strategy)["total"] <= budget)
-        tried.append(Advice(name, strategy, b, per_rank // b, flags, need(b, strategy), True))
-        break
-    return tried
+
+
+def largest_micro_batch(per_rank: int, budget: float, need) -> int:
+    """The largest micro-batch dividing a rank's share of the batch whose bytes (need(b)["total"])
+    fit the budget; 1 if none does."""
+    return max([d for d in range(1, per_rank + 1) if per_rank % d == 0 and need(d)["total"] <= budget],
+               default=1)
 
 
 # ---- memory.py --advise ----------------------------------------------------------------------
@@ -203,7 +218,14 @@ def add_arguments(p):
                                   "--gpu-mem 24GB --world N)")
     advice.add_argument("--advise", action="store_true",
                         help="walk the lecture's flow chart and print the first train.py command that fits")
-    advice.add_argument("--gpu-mem", default="24GB", help="memory per GPU, e.g. 24GB, 80GB, 512MiB")
+    advice.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 24GB, 80GB, 512MiB; default "
+                        "--gpu's, else 24GB")
+    advice.add_argument("--gpu", choices=list(MACHINES), default=None,
+                        help="a machine (machines.py): also rank every rung that fits by its speed")
+    advice.add_argument("--link", choices=LINKS, default=None, help="with --gpu: the link between "
+                        "its ranks (default: the preset's)")
+    advice.add_argument("--measure", action="store_true", help="run each rung that fits for a few steps "
+                        "on this machine (experiment.py) and print predicted beside measured")
     advice.add_argument("--target-batch", type=int, default=None,
                         help="global batch in sequences to reach (gradient accumulation fills it); "
                              "default 8 per GPU")
@@ -212,7 +234,8 @@ def add_arguments(p):
 
 
 # What --advise reads of memory.py's options; any other given is ignored (memory.py warns).
-ADVISE_READS = {"advise", "model", "params", "world", "seq_len", "gpu_mem", "target_batch", "bf16"}
+ADVISE_READS = {"advise", "model", "params", "world", "seq_len", "gpu_mem", "target_batch", "bf16", "gpu",
+                "link", "measure"}
 
 
 def check_args(p, args):
@@ -225,7 +248,13 @@ def check_args(p, args):
         p.error(f"--params must be at least 1 parameter, got {args.params:g}")
     args.shape = PRESETS[args.model] if args.model else params_shape(args.params)
     args.target_batch = args.target_batch or 8 * args.world
+    args.gpu_mem = args.gpu_mem or (f"{MACHINES[args.gpu].memory:.0f}B" if args.gpu else "24GB")
+    if args.link and not args.gpu:
+        p.error("--link names the link between the ranks of a --gpu: add --gpu (e.g. --gpu h100-sxm)")
     try:
+        args.machine = MACHINES.get(args.gpu)
+        if args.link:
+            args.machine = joined_by(args.machine, args.link)
         advise(args.model or args.shape, parse_bytes(args.gpu_mem), args.world,
                args.seq_len or args.shape.block_size, args.target_batch)
     except ValueError as e:
@@ -269,6 +298,12 @@ def print_advice(args):
           + ("   # LoRA fine-tunes a trained model: add --init-from RUN_DIR" if "--lora" in argv else ""))
     if cfg.experts:
         print_expert_parallel(cfg, chosen, args.world, seq_len, precision, gpu_mem, unit)
+    if args.machine:                # advisor_speed and experiment import this file: imported here
+        from advisor_speed import print_ranking
+        print_ranking(cfg, args.machine, args.world, seq_len, args.target_batch, precision, gpu_mem)
+    if args.measure:
+        from experiment import measure
+        return measure(args)
 
 
 def expert_parallel_options(cfg: GPTConfig, chosen: Advice, world: int, seq_len: int,

@@ -15,7 +15,7 @@ import os
 import platform
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 # torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -60,6 +60,7 @@ class Machine:
     per_node: int = 8
     host_memory_bandwidth: float = 50e9     # bytes/s of host memory a rank's offloaded Adam streams
     overlaps: bool = True         # communication can run beside compute (a GPU's copy engines, NICs)
+    memory: float = 0.0           # bytes of device memory (the datasheet's; 0: not known, `this`)
 
     def link(self, world: int) -> Link:
         """The link a ring over `world` ranks waits on: the node's, or the network's beyond it."""
@@ -77,10 +78,10 @@ PCIE4, PCIE5 = Link(32 * GB, PCIE_LATENCY), Link(64 * GB, PCIE_LATENCY)        #
 NETWORKS = {f"{gbit}gbit": Link(gbit / 8 * GB, NETWORK_LATENCY) for gbit in (100, 200, 400)}
 
 
-def gpu(name, peaks_tflops, memory_gbs, host, node, per_node=8, network="400gbit") -> Machine:
+def gpu(name, peaks_tflops, memory_gbs, host, node, memory_gb, per_node=8, network="400gbit") -> Machine:
     peaks = {precision: tflops * 1e12 for precision, tflops in peaks_tflops.items()}
     return Machine(name, {p: ACHIEVABLE * f for p, f in peaks.items()}, peaks, memory_gbs * GB, host,
-                   {"node": node, "network": NETWORKS[network]}, per_node)
+                   {"node": node, "network": NETWORKS[network]}, per_node, memory=memory_gb * GB)
 
 
 # Datasheets: NVIDIA A100 (SXM4 80GB), H100 (SXM5 and PCIe), GeForce RTX 3090 (GA102 whitepaper)
@@ -88,15 +89,31 @@ def gpu(name, peaks_tflops, memory_gbs, host, node, per_node=8, network="400gbit
 # NVLink 3 is 600 GB/s and NVLink 4 900 GB/s both directions together: 300 and 450 one way.
 PRESETS = {
     "a100": gpu("A100 SXM4 80GB", {"bf16": 312, "fp16": 312, "fp32": 19.5}, 2039, PCIE4,
-                Link(300 * GB, NVLINK_LATENCY)),
+                Link(300 * GB, NVLINK_LATENCY), 80),
     "h100-sxm": gpu("H100 SXM5", {"bf16": 989, "fp16": 989, "fp32": 67}, 3350, PCIE5,
-                    Link(450 * GB, NVLINK_LATENCY)),
-    "h100-pcie": gpu("H100 PCIe", {"bf16": 756, "fp16": 756, "fp32": 51}, 2000, PCIE5, PCIE5),
-    "rtx3090": gpu("GeForce RTX 3090", {"bf16": 71, "fp16": 71, "fp32": 35.6}, 936, PCIE4, PCIE4,
+                    Link(450 * GB, NVLINK_LATENCY), 80),
+    "h100-pcie": gpu("H100 PCIe", {"bf16": 756, "fp16": 756, "fp32": 51}, 2000, PCIE5, PCIE5, 80),
+    "rtx3090": gpu("GeForce RTX 3090", {"bf16": 71, "fp16": 71, "fp32": 35.6}, 936, PCIE4, PCIE4, 24,
                    per_node=4, network="100gbit"),
-    "rtx4090": gpu("GeForce RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}, 1008, PCIE4, PCIE4,
+    "rtx4090": gpu("GeForce RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}, 1008, PCIE4, PCIE4, 24,
                    per_node=4, network="100gbit"),
 }
+
+LINKS = ("nvlink", "pcie", "network")
+
+
+def joined_by(machine: Machine, link: str) -> Machine:
+    """The machine with every ring between its ranks on one kind of link: nvlink (the node's,
+    on a preset whose node link is not its host's PCIe), pcie (the host link's generation, GPU
+    to GPU through the host) or network (each rank on a node of its own)."""
+    if link not in LINKS:
+        raise ValueError(f"--link {link!r}: choose one of {', '.join(LINKS)}")
+    if link == "nvlink" and machine.links["node"] == machine.host_link:
+        raise ValueError(f"--link nvlink: {machine.name} has no NVLink here (its ranks talk over "
+                         f"PCIe): use --link pcie or network")
+    ring = {"nvlink": machine.links["node"], "pcie": machine.host_link,
+            "network": machine.links["network"]}[link]
+    return replace(machine, name=f"{machine.name} over {link}", links={"node": ring, "network": ring})
 
 
 # ---- `this`: measured on the spot -----------------------------------------------------------

@@ -708,7 +708,8 @@ def _parse_args(argv=None):
     if args.advise:
         advisor.check_args(p, args)
         _warn_ignored(given - advisor.ADVISE_READS, "--advise walks every rung itself and reads only "
-                      "--model or --params, --world, --seq-len, --gpu-mem, --target-batch, --no-bf16")
+                      "--model or --params, --world, --seq-len, --gpu-mem, --target-batch, --no-bf16, "
+                      "--gpu, --link, --measure")
         return args
 
     if args.quantize_base and args.trainable is None:
@@ -782,7 +783,7 @@ def _parse_args(argv=None):
 
 
 # Options only some modes read: given where they are not, memory.py says so (_warn_ignored).
-ADVISE_OPTIONS = {"gpu_mem", "target_batch", "bf16"}
+ADVISE_OPTIONS = {"gpu_mem", "target_batch", "bf16", "gpu", "link", "measure"}
 SHAPE_OPTIONS = {"batch_size", "seq_len", "grad_accum"}        # a micro-batch's activations
 
 

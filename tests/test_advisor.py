@@ -1,4 +1,6 @@
 """advisor.py: the lecture's flow chart rung by rung, memory.py --advise, train.py --strategy auto."""
+import re
+
 import pytest
 
 from advisor import advise, expert_parallel_options, params_shape, parse_bytes
@@ -73,6 +75,8 @@ def test_advise_prices_a_mixture_of_experts_under_every_ep(capsys):
     (["--gpu-mem", "0GB"], "write it like 24GB"),
     (["--seq-len", "4096"], "between 1 and model gpt2-small's block size 1024"),
     (["--world", "3", "--target-batch", "64"], "use a multiple of 3"),
+    (["--link", "pcie"], "add --gpu"),
+    (["--gpu", "rtx3090", "--link", "nvlink"], "has no NVLink here"),
 ])
 def test_advise_bad_input_stops_with_one_clear_message(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -171,3 +175,93 @@ def test_advise_prints_a_small_model_in_mib(capsys):
     assert "GPU(s) of 24.00 GB" in text and "total MiB" in text and "total GB" not in text
     row = next(l for l in text.splitlines() if l.startswith("zero2"))
     assert float(row.split()[-2]) > 1                               # 35.51 MiB, not 0.04 GB
+
+
+def _reference_seconds(cfg, a, world, seq_len, machine) -> float:
+    """A rung's step from step_time.predict of one micro-batch of world x b sequences, built
+    here: k micro-batches of forward, backward and exposed communication (DDP's once, as
+    no_sync does; ZeRO-2's all-gather once: (N-1)/N of the bf16 parameters sent, N-1 messages per
+    25 MiB bucket), once the optimizer and the offload transfers; parameter offload: each
+    micro-batch copies the rank's stored shards (4-bit base) to the device twice."""
+    import math
+    from memory import nf4_bytes, quantized_params
+    from step_time import Shape, Step, predict
+    shape = Shape.of(cfg)
+    frozen = shape.layers * shape.block_params() + shape.vocab * shape.width
+    lora = None
+    if "--lora" in a.flags:
+        targets = ("query", "key", "value", "output", "up", "down") if "--quantize-base" in a.flags else ("query", "value")
+        lora = (8 * cfg.n_layer * sum({"query": 2, "key": 2, "value": 2, "output": 2, "up": 5, "down": 5}[t]
+                                      * cfg.n_embd for t in targets), frozen)
+    step = Step(shape, a.strategy, world, world * a.micro_batch, seq_len, "bf16", lora=lora,
+                checkpointing=float("--checkpoint-activations" in a.flags), offload="--offload" in a.flags)
+    p, k, P = predict(step, machine)["parts"], a.grad_accum, shape.params()
+    once = p["optimizer"] + p.get("offload", 0.0)
+    per_micro = p["forward"] + p["backward"] + p["exposed"]
+    if a.strategy == "zero2":
+        link = machine.links["node"]
+        gather = (world - 1) * math.ceil(P / (25 * 2**19)) * link.latency + (world - 1) / world * 2 * P / link.bandwidth
+        per_micro, once = per_micro - gather, once + gather
+    if "params" in a.flags:
+        stored = nf4_bytes(quantized_params(cfg)) + 2 * (model_params(cfg) - quantized_params(cfg))
+        per_micro += machine.host_link.seconds(2 * stored / world, 2 * (cfg.n_layer + 1))
+    return k * per_micro + once
+
+
+@pytest.mark.parametrize("gpu, link, fits, winner", [
+    # 7b, 8 GPUs, sequences of 2048, 64 a step. 80 GB: zero2 and fsdp fit a micro-batch of 1 and
+    # NVLink hides their gathers; checkpointing's micro-batch of 8 costs a third more compute.
+    ("h100-sxm", "nvlink", 7, "zero3 (fsdp)"),
+    # 24 GB: only checkpointing (micro-batch 4) and the rungs after it fit; the offloaded
+    # optimizer's micro-batch of 8 does not pay for its PCIe transfers and host Adam.
+    ("rtx3090", "pcie", 5, "fsdp + activation checkpointing"),
+])
+def test_advise_ranks_the_rungs_that_fit_by_speed(gpu, link, fits, winner, capsys):
+    from advisor_speed import every_rung
+    from machines import PRESETS as MACHINES, joined_by
+    main(["--advise", "--model", "7b", "--world", "8", "--seq-len", "2048", "--target-batch", "64",
+          "--gpu", gpu, "--link", link])
+    out = capsys.readouterr().out
+    lines = out[out.index("by speed on 8 x "):].splitlines()
+    machine, cfg = joined_by(MACHINES[gpu], link), PRESETS["7b"]
+    fitting = [a for a in every_rung(cfg, MACHINES[gpu].memory, 8, 2048, 64) if a.fits]
+    assert len(fitting) == fits
+    reference = sorted((_reference_seconds(cfg, a, 8, 2048, machine), a) for a in fitting)
+    for i, (seconds, a) in enumerate(reference, 1):
+        row = lines[1 + i]
+        assert row.split()[0] == str(i) and a.rung in row, (row, a.rung)        # fastest first
+        assert row.split()[-1] == f"{64 * 2048 / seconds:,.0f}", row
+        assert row.split()[-2] == f"{seconds * 1e3:.1f}", row
+    full = [a for _, a in reference if "--lora" not in a.flags]
+    assert f"fastest full training: {winner}," in out and full[0].rung == winner
+    assert out.splitlines()[-1].startswith("why: ") and full[1].rung in out.splitlines()[-1]
+
+
+MEASURED = re.compile(r"memory per rank, measured: params [\d.]+ MiB, grads [\d.]+, optim [\d.]+ = ([\d.]+) on the device")
+
+
+def test_measure_runs_every_rung_that_fits_and_prints_measured_beside_predicted(capsys):
+    """The tiny GPT on 2 CPU ranks, 16 x 64: the eight rungs, ddp to QLoRA with the parameters
+    offloaded, one torchrun; each row's measured state is its log's line, its tokens/s the log's
+    last step's, and its predicted state memory.py's napkin."""
+    from advisor_speed import every_rung
+    from memory import MiB
+    rows = main(["--advise", "--model", "tiny", "--world", "2", "--seq-len", "64", "--measure"])
+    out = capsys.readouterr().out
+    table = out[out.index("the experiment:"):].splitlines()
+    fitting = [a for a in every_rung(PRESETS["tiny"], parse_bytes("24GB"), 2, 64, 16, "fp32") if a.fits]
+    assert len(fitting) == len(rows) == 8 and fitting[0].rung == "ddp"
+    kept = None
+    for a, row in zip(fitting, rows):
+        line = next(l for l in table if l.startswith(a.rung + " "))
+        state = float(MEASURED.search(row["log"]).group(1))
+        speed = 1e3 * float(re.findall(r"([\d.]+)k tok/s", row["log"])[-1])
+        assert "6/6 in" in row["log"] and state == row["state_mib"] and speed == row["tokens_per_s"] > 0
+        predicted = (a.held["params"] + a.held["grads"] + a.held["optimizer"]) / MiB
+        numbers = line[len(a.rung):].replace(",", "").replace("/", " ").split()
+        assert numbers[:3] == [str(a.micro_batch), "x", "1"], line
+        assert [float(x) for x in numbers[3:7]] == [round(predicted, 1), state,
+                                                    round(row["predicted_tokens_per_s"]), round(speed)], line
+        keep = kept is None or speed > kept
+        kept = speed if keep else kept
+        assert line.endswith("kept" if keep else "not"), line

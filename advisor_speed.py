@@ -1,0 +1,130 @@
+"""The flow chart's rungs ranked by speed: each that fits, at its largest micro-batch, priced by
+step_time.py on a named machine (memory.py --advise --gpu h100-sxm --link nvlink).
+
+advisor.advise takes the first rung that fits; a later rung can be faster: sharding or
+offloading frees memory for a larger micro-batch, and fewer micro-batches per step mean fewer
+of the per-micro-batch costs that accumulation repeats (ZeRO-2's and FSDP's reduce-scatters
+every micro-batch, FSDP's gathers, a small micro-batch's compute too short to hide them).
+A rung's step: grad_accum micro-batches of world x b sequences, each its forward, backward and
+what of its communication compute does not hide, then once per step DDP's all-reduce (no_sync),
+ZeRO-2's all-gather, the optimizer and ZeRO-Offload's transfers (step_time.predict prices one
+micro-batch and the step's once-only parts). Parameter offload adds each micro-batch's copies
+of the rank's stored shards to the device, for the forward's and the backward's gathers.
+Left out: QLoRA's 4-bit gathers (priced as LoRA's, in the compute dtype) and its dequantization.
+Test: python -m pytest tests/test_advisor.py -k speed
+"""
+import math
+
+from advisor import (HEADROOM, LORA_TARGETS, QLORA_TARGETS, Advice, largest_micro_batch, lora_params,
+                     rung_bytes, rungs)
+from machines import Machine
+from memory import _element_size, model_params, nf4_bytes, quantized_params
+from model import GPTConfig
+from step_time import Shape, Step, collective_seconds, predict
+
+
+def every_rung(cfg: GPTConfig, gpu_mem: int, world: int, seq_len: int, target_batch: int,
+               precision: str = "bf16", headroom: float = HEADROOM) -> list[Advice]:
+    """Every rung at its largest micro-batch that fits, plain ddp and zero2 each a rung of its own
+    (advise stops at the first that fits; the speed ranking and --measure compare them all)."""
+    per_rank, budget, tried = target_batch // world, (1 - headroom) * gpu_mem, []
+    ladder = rungs(cfg, world)
+    if world > 1:
+        ladder.insert(1, ("zero2", "zero2", *ladder[0][2:]))
+    for name, strategy, checkpointing, offload, trainable, quantized, flags in ladder:
+        def need(b, strategy=strategy):
+            return rung_bytes(cfg, strategy, precision, world, seq_len, b, checkpointing, offload,
+                              trainable, quantized)
+        b = largest_micro_batch(per_rank, budget, need)
+        name = name.replace(", micro-batch 1", "")
+        tried.append(Advice(name, strategy, b, per_rank // b, flags, need(b), need(b)["total"] <= budget))
+    return tried
+
+
+def rung_step(cfg: GPTConfig, a: Advice, world: int, seq_len: int, precision: str) -> Step:
+    """One micro-batch of the rung as step_time's Step: LoRA's frozen matrices need no weight
+    gradient (the matrices and the head, as step_time.for_run counts them)."""
+    shape, lora = Shape.of(cfg), None
+    if "--lora" in a.flags:
+        targets = QLORA_TARGETS if "--quantize-base" in a.flags else LORA_TARGETS
+        lora = (lora_params(cfg, targets=targets), shape.layers * shape.block_params() + shape.vocab * shape.width)
+    return Step(shape, a.strategy, world, world * a.micro_batch, seq_len, precision,
+                checkpointing=1.0 if "--checkpoint-activations" in a.flags else 0.0, lora=lora,
+                offload="--offload" in a.flags)
+
+
+def rung_seconds(cfg: GPTConfig, a: Advice, world: int, seq_len: int, precision: str,
+                 machine: Machine) -> dict:
+    """A rung's step on `machine`, by part (compute, exposed communication, host transfers,
+    optimizer; seconds per step), its total and tokens/s."""
+    step = rung_step(cfg, a, world, seq_len, precision)
+    parts, size = predict(step, machine)["parts"], _element_size(precision)
+    exposed, once = parts["exposed"], 0.0
+    if a.strategy in ("ddp", "single"):          # no_sync: the all-reduce in the last micro-batch only
+        exposed, once = 0.0, exposed
+    elif a.strategy == "zero2":                  # the updated shards gathered once, after the step
+        P, bucket = step.shape.params(), int(step.bucket_mb * 2**20) // size
+        once = collective_seconds("all_gather", P, size, world, machine.link(world), math.ceil(P / bucket))
+        exposed -= once
+    transfers = parts.get("offload", 0.0)
+    if "params" in a.flags:       # the stored shards to the device for each forward and backward gather
+        n, quantized = model_params(cfg), quantized_params(cfg) if "--quantize-base" in a.flags else 0
+        stored = nf4_bytes(quantized) + (n - quantized) * size
+        transfers += a.grad_accum * machine.host_link.seconds(2 * stored / world, 2 * (cfg.n_layer + 1))
+    k = a.grad_accum
+    split = {"compute": k * (parts["forward"] + parts["backward"]), "communication": k * exposed + once,
+             "transfers": transfers, "optimizer": parts["optimizer"]}
+    seconds = sum(split.values())
+    return {"parts": split, "seconds": seconds, "tokens_per_s": world * a.micro_batch * k * seq_len / seconds}
+
+
+def ranking(cfg: GPTConfig, machine: Machine, world: int, seq_len: int, target_batch: int,
+            precision: str = "bf16", gpu_mem: float | None = None) -> list[tuple[Advice, dict]]:
+    """Every rung that fits machine's memory (or gpu_mem), with its rung_seconds, fastest first."""
+    fitting = [a for a in every_rung(cfg, gpu_mem or machine.memory, world, seq_len, target_batch, precision)
+               if a.fits]
+    priced = [(a, rung_seconds(cfg, a, world, seq_len, precision, machine)) for a in fitting]
+    return sorted(priced, key=lambda pair: pair[1]["seconds"])
+
+
+def fine_tunes(a: Advice) -> bool:
+    """LoRA's rungs train adapters on a frozen base: a fine-tune, not the same training."""
+    return "--lora" in a.flags
+
+
+def why(winner: tuple, runner_up: tuple) -> str:
+    """One line: what the winner buys against the next full-training rung, part by part."""
+    (w, ws), (r, rs) = winner, runner_up
+    if w.micro_batch > r.micro_batch:
+        bought = (f"it fits micro-batch {w.micro_batch} where {r.rung} fits {r.micro_batch} ({r.grad_accum}x "
+                  f"accumulation against {w.grad_accum}x); against it: ")
+    elif r.micro_batch > w.micro_batch:
+        bought = f"{r.rung} fits micro-batch {r.micro_batch} where it fits {w.micro_batch}, but against it: "
+    else:
+        bought = f"against {r.rung}: "
+    diffs = sorted(((ws["parts"][p] - rs["parts"][p]) * 1e3, p) for p in ws["parts"])
+    said = ", ".join(f"{p} {abs(d):.1f} ms {'less' if d < 0 else 'more'}" for d, p in diffs if abs(d) >= 0.05)
+    return f"why: {bought}{said or 'the same parts'}, {(rs['seconds'] - ws['seconds']) * 1e3:.1f} ms a step faster"
+
+
+def print_ranking(cfg: GPTConfig, machine: Machine, world: int, seq_len: int, target_batch: int,
+                  precision: str, gpu_mem: float):
+    """The ranking's table, the winner among full training, and why."""
+    ranked = ranking(cfg, machine, world, seq_len, target_batch, precision, gpu_mem)
+    print(f"\nby speed on {world} x {machine.name} ({gpu_mem / 1e9:.0f} GB each), {precision}: step_time.py's "
+          f"napkin per step of {target_batch} x {seq_len} (ms; communication: what compute does not hide)")
+    print(f"{'':>3} {'rung':<60}{'b x k':>8}{'compute':>9}{'comm.':>8}{'transf.':>8}{'optim':>7}"
+          f"{'step ms':>9}{'tokens/s':>11}")
+    for i, (a, s) in enumerate(ranked, 1):
+        p = s["parts"]
+        print(f"{i:>3} {a.rung + (' (fine-tune)' if fine_tunes(a) else ''):<60}"
+              f"{f'{a.micro_batch} x {a.grad_accum}':>8}{p['compute'] * 1e3:9.1f}"
+              f"{p['communication'] * 1e3:8.1f}{p['transfers'] * 1e3:8.1f}{p['optimizer'] * 1e3:7.1f}"
+              f"{s['seconds'] * 1e3:9.1f}{s['tokens_per_s']:11,.0f}")
+    full = [pair for pair in ranked if not fine_tunes(pair[0])]
+    if not full:
+        print("no full-training rung fits: only a fine-tune (LoRA) does")
+        return
+    print(f"fastest full training: {full[0][0].rung}, {full[0][1]['tokens_per_s']:,.0f} tokens/s")
+    if len(full) > 1:
+        print(why(full[0], full[1]))
