@@ -77,7 +77,9 @@ class SyncCounter:
                 caller = sys._getframe(1).f_code.co_filename
                 on_host = (isinstance(args[0], torch.Tensor) and name != "to"
                            and args[0].untyped_storage().data_ptr() in self.host) if args else False
-                if (caller.startswith(ROOT) and not caller.startswith(HOST_ONLY) and not on_host
+                # The project's files sit at the top level; a virtual environment inside the
+                # clone (install.sh's .venv) holds torch's own, which are not the project's.
+                if (os.path.dirname(caller) == ROOT and not caller.startswith(HOST_ONLY) and not on_host
                         and _blocks(name, args, kwargs)):
                     self._record(name)
             return original(*args, **kwargs)
