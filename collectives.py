@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from launch import (Workspaces, all_gather_single, check_shards, copy_back, launcher, ring_group,
-                    send_recv)
+from launch import (Workspaces, all_gather_single, check_shards, copy_back, launcher,
+                    reduce_scatter_single, ring_group, send_recv)
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 # A ring step's chunk travels in segments of this size, so that reducing one overlaps sending
@@ -114,9 +114,8 @@ class Comm:
         if self.ring:
             return self._run_ring(self._ring_reduce_scatter, async_op, output, input, op)
         self._count("reduce_scatter", input.numel(), input.element_size())
-        # torch 2.13's name, or the one before it (a GPU image's older torch)
-        reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        work = reduce_scatter_single(output, input, op=REDUCE_OPS[op], group=self.group, async_op=async_op)
+        work = reduce_scatter_single(output, input, op=REDUCE_OPS[op], group=self.group,
+                                     async_op=async_op)
         return Handle(work.wait) if async_op else None
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):

@@ -18,10 +18,15 @@ import torch.distributed as dist
 
 
 
+# torch 2.13's one-tensor collectives, or their names before it (a GPU image's older torch);
+# looked up at each call, so a test that wraps torch's collective sees every call.
 def all_gather_single(*args, **kwargs):
-    """torch 2.13's all_gather_single, or all_gather_into_tensor before it (a GPU image's older
-    torch); looked up at each call, so a test that wraps torch's collective sees every call."""
     return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def reduce_scatter_single(*args, **kwargs):
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(*args, **kwargs)
+
 
 def ring_group(group, timeout):
     """The private twin of the world's `group` that a ring Comm sends its messages on.
