@@ -141,7 +141,8 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
         per_param["grads"] = _element_size(reduce_precision) if strategy == "zero2" else 4
     if reduce_precision is not None and strategy == "zero3" and frozen_size == 2 and not offload:
         # fsdp.py, as FSDP2: a trained shard stays fp32 and is itself the master (cast to the
-        # compute dtype as it is gathered), so the optimizer holds only its moments.
+        # compute dtype as it is gathered), so the optimizer holds only its moments. Offloaded,
+        # the master moves to the host and the device keeps a 16-bit shard: the table's layout.
         per_param["optimizer"] -= 4
         per_param["params"] = 4
     held = {name: per_param[name] * (shard if sharded else whole)
