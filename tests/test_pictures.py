@@ -5,7 +5,6 @@ import math
 import xml.etree.ElementTree as ET
 
 import pytest
-import torch
 
 import pictures
 import traces
