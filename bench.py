@@ -413,7 +413,8 @@ def predicted_step(name: str, args, device, cache: str) -> dict:
                 args.batch_size, args.seq_len, args.precision, args.microbatches,
                 VIRTUAL_STAGES.get(name.removeprefix("pipeline-"), 1), float(name == "checkpointing"), lora,
                 bucket_mb=args.bucket_mb)
-    result = predict(step, this(cfg, rows, args.seq_len, args.precision, device=device, cache=cache))
+    split = N if name == "tp" else 1              # a tp rank computes 1/N of each block
+    result = predict(step, this(cfg, rows, args.seq_len, args.precision, device=device, cache=cache, split=split))
     return {**{part: 1e3 * s for part, s in result["parts"].items()}, "step": 1e3 * result["seconds"]}
 
 
@@ -636,13 +637,14 @@ def print_report(data: dict):
 
 def strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops) -> list:
     """bench_strategy's row for each strategy asked for, and step_time.py's prediction beside it:
-    this machine measured afresh just before the row runs (machines.this, every rank at once, into
-    a file beside the JSON), since a shared machine's speed drifts."""
+    this machine measured afresh for this run (machines.this, every rank at once, into a file
+    beside the JSON), once per shape a row computes: rows of one shape read one measurement, so
+    their predictions differ only by their formulas."""
     machine_file, rows = os.path.splitext(args.json)[0] + "-this.json", []
+    if dist.get_rank() == 0 and os.path.exists(machine_file):
+        os.remove(machine_file)
+    dist.barrier()
     for name in (name for name in args.strategies if name in STRATEGIES):
-        if dist.get_rank() == 0 and os.path.exists(machine_file):
-            os.remove(machine_file)
-        dist.barrier()
         predicted = predicted_step(name, args, device, machine_file)
         rows.append({**bench_strategy(name, STRATEGIES[name], args, whole if name in WHOLE_BATCH else rows_of_rank,
                                       device, n_params, peak_flops),

@@ -22,6 +22,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from collectives import Comm, ring_bytes
 from mixed_precision import DTYPES
@@ -135,24 +136,40 @@ def _seconds(fn, device=None, calls: int = 3, window: float = 0.0) -> float:
     return (time.perf_counter() - start) / done
 
 
-def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: str, device) -> float:
-    """FLOP/s of one forward + backward of one of the model's blocks on (rows, seq_len, C).
+def split_block(cfg: GPTConfig, ways: int) -> Block:
+    """A block as one of `ways` tensor-parallel ranks computes it: H/ways heads, query, key and
+    value C -> C/ways, output C/ways -> C, the MLP C -> 4C/ways -> C; the norms and the residual
+    whole (every rank of the group repeats them). Its shapes only: no collective."""
+    block, C, F = Block(cfg), cfg.n_embd, 4 * cfg.n_embd
+    attn, mlp = block.attn, block.mlp
+    for name in ("query", "key", "value"):
+        setattr(attn, name, nn.Linear(C, C // ways, bias=getattr(attn, name).bias is not None))
+    attn.output, attn.n_head = nn.Linear(C // ways, C), attn.n_head // ways
+    mlp.up, mlp.down = nn.Linear(C, F // ways), nn.Linear(F // ways, C)
+    return block
+
+
+def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: str, device,
+                           split: int = 1) -> float:
+    """FLOP/s of one forward + backward of one of the model's blocks on (rows, seq_len, C); with
+    split N, of the 1/N of it a tensor-parallel rank computes (split_block).
 
     Not a bare matmul's: on a CPU at these sizes the layer norms, softmax, GELU and Python's
-    dispatch take a large share of a block's time, and a bare matmul would miss it. This is a
+    dispatch take a large share of a block's time, and a bare matmul would miss it; a split
+    block's narrower matmuls run slower still, and its norms are not split. This is a
     measurement of the machine on the model's shape (one block, random inputs), not of a run:
-    no strategy, no collective, no optimizer. FLOPs as step_time.block_flops counts them."""
+    no strategy, no collective, no optimizer. FLOPs as step_time.block_flops counts them (/ N)."""
     from step_time import Shape, block_flops           # step_time imports this file at its top
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)                           # the run's random stream stays untouched
-        block = Block(cfg).to(device=device, dtype=DTYPES[precision])
+        block = (split_block(cfg, split) if split > 1 else Block(cfg)).to(device=device, dtype=DTYPES[precision])
         x = torch.randn(rows, seq_len, cfg.n_embd, dtype=DTYPES[precision], device=device,
                         requires_grad=True)
 
         def step():
             block(x).float().square().mean().backward()
         seconds = _seconds(step, device, window=1.0)
-    return 3 * block_flops(Shape.of(cfg), seq_len) * rows * seq_len / seconds
+    return 3 * block_flops(Shape.of(cfg), seq_len) * rows * seq_len / split / seconds
 
 
 def optimizer_bandwidth(device) -> float:
@@ -205,9 +222,9 @@ def _measured(cache: str | None, key: str, measure, comm: Comm, device) -> dict:
 
 
 def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm: Comm | None = None,
-         device=None, cache: str | None = CACHE) -> Machine:
+         device=None, cache: str | None = CACHE, split: int = 1) -> Machine:
     """This machine, measured by every rank at once (as the run will share it): a block's FLOP/s
-    at the run's (rows, seq_len), the optimizer's memory bandwidth, the all-reduce's link: a few
+    at the run's (rows, seq_len) (split: a tensor-parallel rank's 1/N of it), the optimizer's memory bandwidth, the all-reduce's link: a few
     seconds (a second's window each for the block and AdamW). Read from `cache` when measured
     before with the same threads and ranks (and shape, for the FLOP/s)."""
     comm, device = comm or Comm(), device or torch.device("cpu")
@@ -218,8 +235,9 @@ def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm:
         "memory_bandwidth": optimizer_bandwidth(device),
         "link": asdict(collective_link(comm, device) if comm.world_size > 1 else Link(float("inf"), 0.0))},
         comm, device)
-    flops = _measured(cache, f"{key}, {precision} block C{cfg.n_embd} H{cfg.n_head} at {rows} x {seq_len}",
-                      lambda: {"flops": block_flops_per_second(cfg, rows, seq_len, precision, device)},
+    block = f"{precision} block C{cfg.n_embd} H{cfg.n_head}" + (f" split {split} ways" if split > 1 else "")
+    flops = _measured(cache, f"{key}, {block} at {rows} x {seq_len}",
+                      lambda: {"flops": block_flops_per_second(cfg, rows, seq_len, precision, device, split)},
                       comm, device)["flops"]
     link = Link(**m["link"])
     return Machine(f"this ({where})", {precision: flops}, {precision: flops}, m["memory_bandwidth"],

@@ -303,7 +303,7 @@ def for_run(args, gpt, world_size: int, device) -> float | None:
         return None
     M = args.microbatches or 1 if pipelined else 1
     rows = args.batch_size // (M if pipelined else 1 if strategy == "tp" else world_size)
-    machine = this(cfg, rows, args.seq_len, args.precision, device=device)
+    machine = this(cfg, rows, args.seq_len, args.precision, device=device, split=world_size if strategy == "tp" else 1)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
     shape = Shape.of(cfg)
     lora = (trainable, shape.layers * shape.block_params() + shape.vocab * shape.width) if args.lora else None

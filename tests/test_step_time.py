@@ -176,3 +176,23 @@ def test_this_is_measured_once_and_cached(tmp_path):
     assert first.flops["fp32"] > 0 and first.memory_bandwidth > 0 and link.bandwidth > 0
     assert math.isfinite(link.latency) and link.latency >= 0
     assert len(json.load(open(cache))) == 2               # the machine's figures, and the shape's
+
+
+def test_a_split_block_is_one_tensor_parallel_ranks_share():
+    # machines.this prices tp at the block a rank computes: each matrix 1/N of the block's, the
+    # heads H/N, the norms whole; its matmul FLOPs (torch's own counter) are the block's / N.
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from machines import split_block
+    from model import Block
+    cfg, x = MODELS["medium"], torch.randn(2, 16, 384)
+
+    def matmul_flops(block):
+        with FlopCounterMode(display=False) as counter:
+            block(x).sum().backward()
+        return counter.get_total_flops()
+    half = split_block(cfg, 2)
+    assert half.attn.query.weight.shape == (192, 384) and half.attn.output.weight.shape == (384, 192)
+    assert half.mlp.up.weight.shape == (768, 384) and half.attn.n_head == 3
+    assert half.norm1.weight.shape == (384,)
+    assert 2 * matmul_flops(half) == matmul_flops(Block(cfg)) == 3 * 2 * 12 * 384 * 384 * 2 * 16
