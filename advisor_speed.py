@@ -9,8 +9,8 @@ A rung's step: grad_accum micro-batches of world x b sequences, each its forward
 what of its communication compute does not hide, then once per step DDP's all-reduce (no_sync),
 ZeRO-2's all-gather, the optimizer and ZeRO-Offload's transfers (step_time.predict prices one
 micro-batch and the step's once-only parts). Parameter offload adds each micro-batch's copies
-of the rank's stored shards to the device, for the forward's and the backward's gathers.
-Left out: QLoRA's 4-bit gathers (priced as LoRA's, in the compute dtype) and its dequantization.
+of the rank's stored shards to the device, for the forward's and the backward's gathers; QLoRA
+gathers its base as stored, in 4 bits. Left out: QLoRA's dequantization.
 Test: python -m pytest tests/test_advisor.py -k speed
 """
 import math
@@ -44,13 +44,13 @@ def every_rung(cfg: GPTConfig, gpu_mem: int, world: int, seq_len: int, target_ba
 def rung_step(cfg: GPTConfig, a: Advice, world: int, seq_len: int, precision: str) -> Step:
     """One micro-batch of the rung as step_time's Step: LoRA's frozen matrices need no weight
     gradient (the matrices and the head, as step_time.for_run counts them)."""
-    shape, lora = Shape.of(cfg), None
+    shape, lora, qlora = Shape.of(cfg), None, "--quantize-base" in a.flags
     if "--lora" in a.flags:
-        targets = QLORA_TARGETS if "--quantize-base" in a.flags else LORA_TARGETS
+        targets = QLORA_TARGETS if qlora else LORA_TARGETS
         lora = (lora_params(cfg, targets=targets), shape.layers * shape.block_params() + shape.vocab * shape.width)
     return Step(shape, a.strategy, world, world * a.micro_batch, seq_len, precision,
                 checkpointing=1.0 if "--checkpoint-activations" in a.flags else 0.0, lora=lora,
-                offload="--offload" in a.flags)
+                offload="--offload" in a.flags, quantized=quantized_params(cfg) if qlora else 0)
 
 
 def rung_seconds(cfg: GPTConfig, a: Advice, world: int, seq_len: int, precision: str,
@@ -93,7 +93,7 @@ def fine_tunes(a: Advice) -> bool:
 
 
 def why(winner: tuple, runner_up: tuple) -> str:
-    """One line: what the winner buys against the next full-training rung, part by part."""
+    """One line: what the winner buys against another rung of its kind, part by part."""
     (w, ws), (r, rs) = winner, runner_up
     if w.micro_batch > r.micro_batch:
         bought = (f"it fits micro-batch {w.micro_batch} where {r.rung} fits {r.micro_batch} ({r.grad_accum}x "
@@ -111,20 +111,26 @@ def print_ranking(cfg: GPTConfig, machine: Machine, world: int, seq_len: int, ta
                   precision: str, gpu_mem: float):
     """The ranking's table, the winner among full training, and why."""
     ranked = ranking(cfg, machine, world, seq_len, target_batch, precision, gpu_mem)
+    ladder = [a.rung for a in every_rung(cfg, gpu_mem, world, seq_len, target_batch, precision)]
     print(f"\nby speed on {world} x {machine.name} ({gpu_mem / 1e9:.0f} GB each), {precision}: step_time.py's "
           f"napkin per step of {target_batch} x {seq_len} (ms; communication: what compute does not hide)")
-    print(f"{'':>3} {'rung':<60}{'b x k':>8}{'compute':>9}{'comm.':>8}{'transf.':>8}{'optim':>7}"
+    print(f"{'':>3} {'rung':<60}{'b x k':>8}{'compute':>9}{'comm.':>8}{'transf.':>8}{'optim':>9}"
           f"{'step ms':>9}{'tokens/s':>11}")
     for i, (a, s) in enumerate(ranked, 1):
         p = s["parts"]
         print(f"{i:>3} {a.rung + (' (fine-tune)' if fine_tunes(a) else ''):<60}"
               f"{f'{a.micro_batch} x {a.grad_accum}':>8}{p['compute'] * 1e3:9.1f}"
-              f"{p['communication'] * 1e3:8.1f}{p['transfers'] * 1e3:8.1f}{p['optimizer'] * 1e3:7.1f}"
+              f"{p['communication'] * 1e3:8.1f}{p['transfers'] * 1e3:8.1f}{p['optimizer'] * 1e3:9.1f}"
               f"{s['seconds'] * 1e3:9.1f}{s['tokens_per_s']:11,.0f}")
-    full = [pair for pair in ranked if not fine_tunes(pair[0])]
-    if not full:
-        print("no full-training rung fits: only a fine-tune (LoRA) does")
-        return
-    print(f"fastest full training: {full[0][0].rung}, {full[0][1]['tokens_per_s']:,.0f} tokens/s")
-    if len(full) > 1:
-        print(why(full[0], full[1]))
+    # A fine-tune trains other weights than full training: each kind has its own winner, said
+    # against the plainest rung of its kind that fits (the talk's experiment starts there and
+    # turns one knob at a time), or against the runner-up if the winner is that rung.
+    for kind, tuning in (("fine-tune", True), ("full training", False)):
+        group = [pair for pair in ranked if fine_tunes(pair[0]) == tuning]
+        if not group:
+            print(f"no {kind} rung fits")
+            continue
+        print(f"fastest {kind}: {group[0][0].rung}, {group[0][1]['tokens_per_s']:,.0f} tokens/s")
+        plainest = min(group, key=lambda pair: ladder.index(pair[0].rung))
+        if len(group) > 1:
+            print(why(group[0], plainest if plainest is not group[0] else group[1]))

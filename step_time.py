@@ -27,7 +27,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from collectives import ring_bytes
 from machines import PRESETS as MACHINES, Link, Machine
-from memory import _element_size, model_params
+from memory import _element_size, model_params, nf4_bytes, quantized_params
 from model import PRESETS as MODELS, GPTConfig
 from pipeline import split_layers
 from schedules import bubble_formula, make_schedule
@@ -143,7 +143,8 @@ def overlapped(kind: str, numel: int, element_size: int, world: int, link: Link,
 
 
 def data_parallel_seconds(strategy: str, shape: Shape, world: int, size: int, wire: int, link: Link,
-                          bucket: int, forward: float, backward: float, trainable: int) -> tuple:
+                          bucket: int, forward: float, backward: float, trainable: int,
+                          quantized: int = 0) -> tuple:
     """(seconds, exposed) of the gradient sync of DDP, ZeRO-1/2 and FSDP, per step.
 
     ddp: one bucketed all-reduce in backward. zero1: reduce-scatter of every bucket after
@@ -151,7 +152,8 @@ def data_parallel_seconds(strategy: str, shape: Shape, world: int, size: int, wi
     reduce-scatter in backward (as ddp), the all-gather exposed. fsdp: a unit per block plus the
     root (embeddings, head): gathered in forward (the root before block 0, with nothing to hide
     under), gathered again in backward (blocks; the root stays), reduce-scattered in backward
-    (the root's last): prefetch hides each behind the previous unit's compute."""
+    (the root's last): prefetch hides each behind the previous unit's compute. quantized: the
+    blocks' matrix elements QLoRA stores in NF4, gathered as they are stored (4 bits and scales)."""
     P = shape.params()
     if strategy == "single" or world == 1:
         return 0.0, 0.0
@@ -166,16 +168,19 @@ def data_parallel_seconds(strategy: str, shape: Shape, world: int, size: int, wi
         return scatter + gather, exposed + gather
     block = shape.block_params(active=False)
     root = P - shape.layers * block                       # embeddings, head, and the small rest
+    four_bit = quantized // shape.layers                  # a block's NF4 share
+    block_bytes = nf4_bytes(four_bit) + (block - four_bit) * size
 
-    def unit(kind, numel, units=1):        # gradients: only the trainable share (LoRA's adapters)
-        if kind == "all_gather":
-            return collective_seconds(kind, numel, size, world, link, units)
-        return collective_seconds(kind, numel * trainable // P, wire, world, link, units)
-    first = unit("all_gather", root) + unit("all_gather", block)
-    rest_forward = unit("all_gather", (shape.layers - 1) * block, shape.layers - 1)
-    last = unit("reduce_scatter", root) + unit("reduce_scatter", block)
-    rest_backward = (unit("all_gather", shape.layers * block, shape.layers)
-                     + unit("reduce_scatter", (shape.layers - 1) * block, shape.layers - 1))
+    def gather(nbytes, units=1):
+        return collective_seconds("all_gather", nbytes, 1, world, link, units)
+
+    def scatter(numel, units=1):           # gradients: only the trainable share (LoRA's adapters)
+        return collective_seconds("reduce_scatter", numel * trainable // P, wire, world, link, units)
+    first = gather(root * size) + gather(block_bytes)
+    rest_forward = gather((shape.layers - 1) * block_bytes, shape.layers - 1)
+    last = scatter(root) + scatter(block)
+    rest_backward = (gather(shape.layers * block_bytes, shape.layers)
+                     + scatter((shape.layers - 1) * block, shape.layers - 1))
     total = first + rest_forward + last + rest_backward
     return total, first + last + max(0.0, rest_forward - forward) + max(0.0, rest_backward - backward)
 
@@ -214,7 +219,8 @@ class Step:
     """One training step: the model's shape, the strategy over `world` ranks, the global batch
     (sequences of seq_len tokens). strategy: single, ddp, zero1, zero2, fsdp, tp or a pipeline
     ("pipeline-1f1b", ...: every rank a stage, micro_batches M, v chunks if interleaved).
-    lora: (trainable adapter elements, frozen matrix elements); offload: ZeRO-Offload's step."""
+    lora: (trainable adapter elements, frozen matrix elements); quantized: of those, the ones
+    QLoRA stores in NF4 (FSDP gathers them so); offload: ZeRO-Offload's step."""
     shape: Shape
     strategy: str
     world: int
@@ -228,6 +234,7 @@ class Step:
     offload: bool = False
     bucket_mb: float = 25
     adamw: str = "unfused"
+    quantized: int = 0
 
 
 def _compute(step: Step, machine: Machine) -> tuple[dict, int, int]:
@@ -263,7 +270,8 @@ def predict(step: Step, machine: Machine) -> dict:
     if step.strategy in DATA_PARALLEL:
         bucket = int(step.bucket_mb * 2**20) // size
         parts["communication"], parts["exposed"] = data_parallel_seconds(
-            step.strategy, s, N, size, size, link, bucket, compute["forward"], compute["backward"], trainable)
+            step.strategy, s, N, size, size, link, bucket, compute["forward"], compute["backward"], trainable,
+            step.quantized)
     elif step.strategy == "tp":
         parts["communication"] = parts["exposed"] = tensor_parallel_seconds(s, tokens, 1, N, size, link)
     elif step.strategy.startswith("pipeline"):
@@ -309,7 +317,8 @@ def for_run(args, gpt, world_size: int, device) -> float | None:
     lora = (trainable, shape.layers * shape.block_params() + shape.vocab * shape.width) if args.lora else None
     step = Step(shape, strategy, world_size, args.batch_size, args.seq_len, args.precision, M,
                 args.virtual_stages or 1, 1 / args.checkpoint_activations if args.checkpoint_activations else 0.0,
-                lora, bool(args.offload), args.bucket_mb)
+                lora, bool(args.offload), args.bucket_mb,
+                quantized=quantized_params(cfg) if args.quantize_base and strategy == "fsdp" else 0)
     return predict(step, machine)["seconds"]
 
 

@@ -182,7 +182,8 @@ def _reference_seconds(cfg, a, world, seq_len, machine) -> float:
     here: k micro-batches of forward, backward and exposed communication (DDP's once, as
     no_sync does; ZeRO-2's all-gather once: (N-1)/N of the bf16 parameters sent, N-1 messages per
     25 MiB bucket), once the optimizer and the offload transfers; parameter offload: each
-    micro-batch copies the rank's stored shards (4-bit base) to the device twice."""
+    micro-batch copies the rank's stored shards (4-bit base) to the device twice; QLoRA's FSDP
+    gathers the 4-bit base (step_time's test prices that by hand)."""
     import math
     from memory import nf4_bytes, quantized_params
     from step_time import Shape, Step, predict
@@ -194,7 +195,8 @@ def _reference_seconds(cfg, a, world, seq_len, machine) -> float:
         lora = (8 * cfg.n_layer * sum({"query": 2, "key": 2, "value": 2, "output": 2, "up": 5, "down": 5}[t]
                                       * cfg.n_embd for t in targets), frozen)
     step = Step(shape, a.strategy, world, world * a.micro_batch, seq_len, "bf16", lora=lora,
-                checkpointing=float("--checkpoint-activations" in a.flags), offload="--offload" in a.flags)
+                checkpointing=float("--checkpoint-activations" in a.flags), offload="--offload" in a.flags,
+                quantized=quantized_params(cfg) if "--quantize-base" in a.flags else 0)
     p, k, P = predict(step, machine)["parts"], a.grad_accum, shape.params()
     once = p["optimizer"] + p.get("offload", 0.0)
     per_micro = p["forward"] + p["backward"] + p["exposed"]
@@ -235,6 +237,32 @@ def test_advise_ranks_the_rungs_that_fit_by_speed(gpu, link, fits, winner, capsy
     full = [a for _, a in reference if "--lora" not in a.flags]
     assert f"fastest full training: {winner}," in out and full[0].rung == winner
     assert out.splitlines()[-1].startswith("why: ") and full[1].rung in out.splitlines()[-1]
+
+
+def test_the_talks_slow_link_case_quantization_buys_a_batch_that_pays(capsys):
+    """70b fine-tuned on 8 GPUs, 64 x 512 a step. Over a 100 Gb/s network between RTX 3090s,
+    QLoRA's 4-bit base leaves room for micro-batch 8 where LoRA's bf16 base fits 4, so FSDP
+    gathers the base once a step instead of twice, and in 4 bits: QLoRA wins. Over H100 SXM's
+    NVLink the gathers hide under compute either way and the micro-batches are equal: QLoRA buys
+    nothing. Each step against the test's own reference."""
+    from advisor_speed import every_rung
+    from machines import PRESETS as MACHINES, joined_by
+    cfg, found = PRESETS["70b"], {}
+    for gpu, link in (("rtx3090", "network"), ("h100-sxm", "nvlink")):
+        main(["--advise", "--model", "70b", "--world", "8", "--seq-len", "512", "--target-batch", "64",
+              "--gpu", gpu, "--link", link])
+        rungs = {a.rung: a for a in every_rung(cfg, MACHINES[gpu].memory, 8, 512, 64) if a.fits}
+        pair = rungs["QLoRA: the frozen base in 4-bit NF4, sharded"], rungs["LoRA (fsdp + checkpointing)"]
+        step = [_reference_seconds(cfg, a, 8, 512, joined_by(MACHINES[gpu], link)) for a in pair]
+        found[gpu] = [a.micro_batch for a in pair], step, capsys.readouterr().out
+    batches, (quantized, plain), out = found["rtx3090"]
+    assert batches == [8, 4] and plain / quantized > 1.2               # 38.4 s against 30.4 s a step
+    assert "fastest fine-tune: QLoRA: the frozen base in 4-bit NF4, sharded," in out
+    assert ("why: it fits micro-batch 8 where LoRA (fsdp + checkpointing) fits 4 (2x accumulation "
+            "against 1x); against it: communication") in out
+    batches, (quantized, plain), out = found["h100-sxm"]
+    assert batches == [8, 8] and abs(plain / quantized - 1) < 0.001    # 2176.2 ms against 2176.7
+    assert "fastest fine-tune: LoRA (fsdp + checkpointing)," in out
 
 
 MEASURED = re.compile(r"memory per rank, measured: params [\d.]+ MiB, grads [\d.]+, optim [\d.]+ = ([\d.]+) on the device")

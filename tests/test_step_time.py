@@ -96,6 +96,22 @@ def test_fsdp_exposes_the_first_gather_and_the_last_reduce_scatter():
     assert slow == pytest.approx(first + last + forward_rest - 50e-6 + backward_rest - 100e-6)
 
 
+def test_qlora_gathers_its_base_as_stored_in_four_bits():
+    # Each block's 49152 matrix elements in NF4: half a byte each plus an fp32 scale per 64
+    # (768 blocks of 64): 24576 + 3072 B, against 4 x 49152 in fp32. Two ranks: each unit's gather
+    # sends half its bytes at 1 GB/s and one message; the root (embeddings) stays fp32; the
+    # reduce-scatters carry the adapters' share of each unit's gradient.
+    gather = lambda nbytes: nbytes / 2 / 1e9 + 1e-5
+    scatter = lambda numel: 4 * math.ceil(numel / 2) / 1e9 + 1e-5      # a ring pads to 2 chunks
+    adapters, block_nf4 = 1000, 24576 + 3072
+    root = PARAMS - 2 * BLOCK
+    total, _ = data_parallel_seconds("fsdp", SMALL, 2, 4, 4, LINK, 40_000, 1.0, 1.0, adapters,
+                                     quantized=2 * BLOCK)
+    gathers = gather(4 * root) + 2 * gather(block_nf4) + 2 * gather(block_nf4)   # forward, then backward
+    scatters = scatter(root * adapters // PARAMS) + 2 * scatter(BLOCK * adapters // PARAMS)
+    assert total == pytest.approx(gathers + scatters)
+
+
 def test_tensor_parallelism_exposes_every_all_reduce():
     tokens = 512
     activation = 4 * tokens * 64 / 1e9 + 2 * 1e-5     # all-reduce of (m, C) fp32 on 2 ranks
