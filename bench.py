@@ -414,7 +414,10 @@ def predicted_step(name: str, args, device, cache: str) -> dict:
                 VIRTUAL_STAGES.get(name.removeprefix("pipeline-"), 1), float(name == "checkpointing"), lora,
                 bucket_mb=args.bucket_mb)
     split = N if name == "tp" else 1              # a tp rank computes 1/N of each block
-    result = predict(step, this(cfg, rows, args.seq_len, args.precision, device=device, cache=cache, split=split))
+    # Once per shape and run: a 3 s window, where a train.py run takes 1 s at its start.
+    machine = this(cfg, rows, args.seq_len, args.precision, device=device, cache=cache, split=split,
+                   window=3.0)
+    result = predict(step, machine)
     return {**{part: 1e3 * s for part, s in result["parts"].items()}, "step": 1e3 * result["seconds"]}
 
 

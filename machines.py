@@ -150,7 +150,7 @@ def split_block(cfg: GPTConfig, ways: int) -> Block:
 
 
 def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: str, device,
-                           split: int = 1) -> float:
+                           split: int = 1, window: float = 1.0) -> float:
     """FLOP/s of one forward + backward of one of the model's blocks on (rows, seq_len, C); with
     split N, of the 1/N of it a tensor-parallel rank computes (split_block).
 
@@ -168,7 +168,7 @@ def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: s
 
         def step():
             block(x).float().square().mean().backward()
-        seconds = _seconds(step, device, window=1.0)
+        seconds = _seconds(step, device, window=window)
     return 3 * block_flops(Shape.of(cfg), seq_len) * rows * seq_len / split / seconds
 
 
@@ -222,11 +222,12 @@ def _measured(cache: str | None, key: str, measure, comm: Comm, device) -> dict:
 
 
 def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm: Comm | None = None,
-         device=None, cache: str | None = CACHE, split: int = 1) -> Machine:
+         device=None, cache: str | None = CACHE, split: int = 1, window: float = 1.0) -> Machine:
     """This machine, measured by every rank at once (as the run will share it): a block's FLOP/s
-    at the run's (rows, seq_len) (split: a tensor-parallel rank's 1/N of it), the optimizer's memory bandwidth, the all-reduce's link: a few
-    seconds (a second's window each for the block and AdamW). Read from `cache` when measured
-    before with the same threads and ranks (and shape, for the FLOP/s)."""
+    at the run's (rows, seq_len) (split: a tensor-parallel rank's 1/N of it), the optimizer's
+    memory bandwidth, the all-reduce's link: a few seconds (a `window` of seconds for the block,
+    a second for AdamW; a longer window averages out more of a shared machine's drift). Read
+    from `cache` when measured before with the same threads and ranks (and shape, for the FLOP/s)."""
     comm, device = comm or Comm(), device or torch.device("cpu")
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{platform.processor() or platform.machine()} x {os.cpu_count()}")
@@ -237,7 +238,8 @@ def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm:
         comm, device)
     block = f"{precision} block C{cfg.n_embd} H{cfg.n_head}" + (f" split {split} ways" if split > 1 else "")
     flops = _measured(cache, f"{key}, {block} at {rows} x {seq_len}",
-                      lambda: {"flops": block_flops_per_second(cfg, rows, seq_len, precision, device, split)},
+                      lambda: {"flops": block_flops_per_second(cfg, rows, seq_len, precision, device, split,
+                                                               window)},
                       comm, device)["flops"]
     link = Link(**m["link"])
     return Machine(f"this ({where})", {precision: flops}, {precision: flops}, m["memory_bandwidth"],
