@@ -440,7 +440,8 @@ def report(m: dict, rows: list) -> list:
         for r in rows:
             ours, theirs = r["ours"], r["torch"]
             lines.append(f"| {r['strategy']} | {spread(ours['ms_per_step'])} | "
-                         f"{spread(theirs['ms_per_step'])} | {predicted_cell(r, ours['ms_per_step'])} | {r['ratio']:.2f} | "
+                         f"{spread(theirs['ms_per_step'])} | {predicted_cell(r, ours['ms_per_step'])} | "
+                         f"{r['ratio']:.2f} | "
                          f"{ours['tokens_per_s']:,.0f} | {ours['peak_bytes'] / MiB:.1f} | "
                          f"{theirs['peak_bytes'] / MiB:.1f} | {ours['activation_bytes'] / MiB:.1f} / "
                          f"{theirs['activation_bytes'] / MiB:.1f} | {ours['sent_per_step'] / MiB:.2f} / "

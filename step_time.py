@@ -9,7 +9,8 @@ all of it (it reduces after backward), FSDP its first gather and last reduce-sca
 hides the rest), tensor parallelism all of it (on the critical path), a pipeline its bubble by
 schedule (schedules.py), offload its PCIe transfers, the optimizer step its memory traffic.
 Left out: launch gaps, the data loader, stragglers, a GPU's non-matmul kernels (CPU `this`
-measures them in: machines.block_flops_per_second). Machines: machines.py.
+measures them in: machines.block_flops_per_second). Machines: machines.py. Expert and context
+parallelism (all-to-alls, K/V exchange): step_time_parallel.py.
 Run: python step_time.py --model medium --strategy ddp --world 2 --batch 16 --seq-len 64 --machine a100
      python step_time.py --llama-8b (torchtitan's Llama-3.1-8B FSDP run on 8 H100s)
 Test: python -m pytest tests/test_step_time.py
