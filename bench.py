@@ -46,7 +46,7 @@ import tensor_parallel
 from bench_collectives import bench_collectives, collectives_report
 from bench_scaling import STRATEGIES as SCALED, bench_scaling, scaling_report
 from bench_measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report,
-                           report, size_report, spread, summary, time_training)
+                           predicted_cell, report, size_report, spread, summary, time_training)
 from checkpointing import checkpoint_blocks
 from collectives import Comm
 from data import TextData
@@ -421,6 +421,24 @@ def predicted_step(name: str, args, device, cache: str) -> dict:
     return {**{part: 1e3 * s for part, s in result["parts"].items()}, "step": 1e3 * result["seconds"]}
 
 
+def predicted_inside(model: str, args, device, cache: str, ep: int = 1, cp: int = 1,
+                     attention: str = "ring") -> dict:
+    """predicted_step's napkin for a moe row (ep) or a cp row (the whole world one cp group),
+    both our DDP (step_time_parallel.py), on `model`'s block as machines.this measures it: at a
+    rank's B/N rows of T tokens (a cp rank's B rows of T/cp: the same matmuls and products)."""
+    cfg, N = PRESETS[model], dist.get_world_size()
+    step = Step(Shape.of(cfg), "ddp", N, args.batch_size, args.seq_len, args.precision,
+                bucket_mb=args.bucket_mb, ep=ep, cp=cp, attention=attention)
+    result = predict(step, this(cfg, args.batch_size // N, args.seq_len, args.precision, device=device,
+                                cache=cache, window=3.0))
+    return {**{part: 1e3 * s for part, s in result["parts"].items()}, "step": 1e3 * result["seconds"]}
+
+
+def with_predicted(rows: list, predicted: list) -> list:
+    """Each row with its napkin beside it: "predicted" ({part: ms}, "step") and "predicted_ms"."""
+    return [{**row, "predicted_ms": p["step"], "predicted": p} for row, p in zip(rows, predicted)]
+
+
 # A tensor group or a pipeline computes one model: its ranks read the same rows.
 WHOLE_BATCH = {"tp", *(name for name in STRATEGIES if name.startswith("pipeline-"))}
 BENCHMARKS = (*STRATEGIES, "moe", "cp", "collectives")
@@ -473,16 +491,19 @@ def context_parallel_report(m: dict, rows: list) -> list:
     """The ring-vs-all-gather table's lines; none when cp was not asked for."""
     if not rows:
         return []
-    lines = ["", f"| cp attention (cp {m['world_size']}, zigzag) | ms/step | tokens/s | activations MiB "
-             f"per rank | sent MiB/step (measured / formula) | idle share of attention per rank |",
-             "|" + "---|" * 6]
-    lines += [f"| {r['attention']} | {spread(r['ms_per_step'])} | {r['tokens_per_s']:,.0f} | "
+    lines = ["", f"| cp attention (cp {m['world_size']}, zigzag) | ms/step | predicted ms | tokens/s | "
+             f"activations MiB per rank | sent MiB/step (measured / formula) | idle share of attention "
+             f"per rank |", "|" + "---|" * 7]
+    lines += [f"| {r['attention']} | {spread(r['ms_per_step'])} | {predicted_cell(r, r['ms_per_step'])} | "
+              f"{r['tokens_per_s']:,.0f} | "
               f"{r['activation_bytes'] / MiB:.2f} | {r['sent_per_step'] / MiB:.2f} / "
               f"{r['napkin_sent'] / MiB:.2f} | {' '.join(f'{x:.2f}' for x in r['idle'])} |" for r in rows]
     return lines + ["", "Context parallelism: the whole world is one cp group; sent = K/V "
                     "(context_parallel.cp_kv_bytes) + DDP's gradient all-reduce; idle: 1 - a rank's "
                     "seconds computing attention's blocks (forward) / the busiest rank's, over every "
-                    "step of the last run; loss "
+                    "step of the last run; predicted: step_time.py's napkin (step_time_parallel: 1/cp of "
+                    "the sequence's compute, the K/V exchange, DDP's all-reduce, the optimizer) on "
+                    "machines.this, in brackets predicted / measured; loss "
                     + " / ".join(f"{r['last_loss']:.5f}" for r in rows) + f". {TORCH_CONTEXT_PARALLEL}."]
 
 
@@ -638,12 +659,17 @@ def print_report(data: dict):
                     + scaling_report(m, data.get("scaling", []))))
 
 
+def this_file(args) -> str:
+    """Where this run keeps machines.this's measurements: beside its JSON."""
+    return os.path.splitext(args.json)[0] + "-this.json"
+
+
 def strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops) -> list:
     """bench_strategy's row for each strategy asked for, and step_time.py's prediction beside it:
     this machine measured afresh for this run (machines.this, every rank at once, into a file
     beside the JSON), once per shape a row computes: rows of one shape read one measurement, so
     their predictions differ only by their formulas."""
-    machine_file, rows = os.path.splitext(args.json)[0] + "-this.json", []
+    machine_file, rows = this_file(args), []
     if dist.get_rank() == 0 and os.path.exists(machine_file):
         os.remove(machine_file)
     dist.barrier()
@@ -653,6 +679,23 @@ def strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops) -> li
                                       device, n_params, peak_flops),
                      "predicted_ms": predicted["step"], "predicted": predicted})
     return rows
+
+
+def moe_and_cp_rows(args, rows_of_rank, whole, device) -> tuple:
+    """bench_moe's row and bench_context_parallel's rows (None and [] when not asked for), each
+    run with step_time.py's napkin beside it, priced first (machines.this measures between runs,
+    never inside one; strategy_rows has emptied the run's file of measurements)."""
+    moe_row, cp_rows, N = None, [], dist.get_world_size()
+    if "moe" in args.strategies:
+        predicted = [predicted_inside(args.moe_model, args, device, this_file(args), ep=ep) for ep in (1, args.ep)]
+        moe_args = argparse.Namespace(**{**vars(args), "model": args.moe_model})   # time_training builds it
+        moe_row = bench_moe({ep: partial(ours_moe, ep) for ep in (1, args.ep)}, moe_args, rows_of_rank, device)
+        moe_row["runs"] = with_predicted(moe_row["runs"], predicted)
+    if "cp" in args.strategies:
+        predicted = [predicted_inside(args.model, args, device, this_file(args), cp=N, attention=attention)
+                     for attention in context_parallel.ATTENTIONS]
+        cp_rows = with_predicted(bench_context_parallel(args, whole, device), predicted)
+    return moe_row, cp_rows
 
 
 def main(argv=None):
@@ -695,11 +738,7 @@ def main(argv=None):
     n_params = build_model(args.model).num_parameters()
     peak_flops = matmul_peak_flops(device) if device.type == "cuda" else None
     rows = strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops)
-    # The moe rows' model: time_training builds args.model.
-    moe_args = argparse.Namespace(**{**vars(args), "model": args.moe_model})
-    moe_row = (bench_moe({ep: partial(ours_moe, ep) for ep in (1, args.ep)}, moe_args, rows_of_rank, device)
-               if "moe" in args.strategies else None)
-    cp_rows = bench_context_parallel(args, whole, device) if "cp" in args.strategies else []
+    moe_row, cp_rows = moe_and_cp_rows(args, rows_of_rank, whole, device)
     collective_rows = (bench_collectives(args, device)
                        if "collectives" in args.strategies and world_size > 1 else {})
 

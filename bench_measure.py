@@ -417,11 +417,11 @@ def _held_note(row: dict) -> str:
     return note
 
 
-def _predicted(row: dict) -> str:
-    """step_time.py's napkin for the row, and its ratio to our measured median."""
+def predicted_cell(row: dict, ms_per_step: dict) -> str:
+    """step_time.py's napkin for the row, and its ratio to the measured median (ours)."""
     if row.get("predicted_ms") is None:                      # a run from before the column
         return "n/a"
-    return f"{row['predicted_ms']:.1f} ({row['predicted_ms'] / row['ours']['ms_per_step']['median']:.2f})"
+    return f"{row['predicted_ms']:.1f} ({row['predicted_ms'] / ms_per_step['median']:.2f})"
 
 
 def report(m: dict, rows: list) -> list:
@@ -440,7 +440,8 @@ def report(m: dict, rows: list) -> list:
         for r in rows:
             ours, theirs = r["ours"], r["torch"]
             lines.append(f"| {r['strategy']} | {spread(ours['ms_per_step'])} | "
-                         f"{spread(theirs['ms_per_step'])} | {_predicted(r)} | {r['ratio']:.2f} | "
+                         f"{spread(theirs['ms_per_step'])} | {predicted_cell(r, ours['ms_per_step'])} | "
+                         f"{r['ratio']:.2f} | "
                          f"{ours['tokens_per_s']:,.0f} | {ours['peak_bytes'] / MiB:.1f} | "
                          f"{theirs['peak_bytes'] / MiB:.1f} | {ours['activation_bytes'] / MiB:.1f} / "
                          f"{theirs['activation_bytes'] / MiB:.1f} | {ours['sent_per_step'] / MiB:.2f} / "
@@ -513,12 +514,13 @@ def moe_report(row: dict | None) -> list:
         return []
     cfg = PRESETS[row["model"]]
     both = lambda r, key: f"{r[key] / MiB:.2f} / {r['napkin_' + key] / MiB:.2f}"
-    lines = ["", "| expert parallelism | ms/step | tokens/s | expert weights MiB per rank (measured / "
-             "napkin) | peak MiB per rank (measured / napkin) | all-to-all MiB/step (counter / napkin) | "
-             "sent MiB/step (counter / napkin) | loss |", "|" + "---|" * 8]
+    lines = ["", "| expert parallelism | ms/step | predicted ms | tokens/s | expert weights MiB per rank "
+             "(measured / napkin) | peak MiB per rank (measured / napkin) | all-to-all MiB/step (counter / "
+             "napkin) | sent MiB/step (counter / napkin) | loss |", "|" + "---|" * 9]
     for r in row["runs"]:
         lines.append(f"| ep {r['ep']}: {cfg.experts // r['ep']} of {cfg.experts} experts per rank | "
-                     f"{spread(r['ms_per_step'])} | {r['tokens_per_s']:,.0f} | {both(r, 'expert_bytes')} | "
+                     f"{spread(r['ms_per_step'])} | {predicted_cell(r, r['ms_per_step'])} | "
+                     f"{r['tokens_per_s']:,.0f} | {both(r, 'expert_bytes')} | "
                      f"{r['peak_bytes'] / MiB:.2f} / {r['napkin_held_bytes'] / MiB:.2f} | "
                      f"{both(r, 'all_to_all_per_step')} | {both(r, 'sent_per_step')} | "
                      f"{r['last_loss']:.5f} |")
@@ -532,7 +534,10 @@ def moe_report(row: dict | None) -> list:
               f"and sends each block's tokens to their experts and back (4 all-to-alls per block). "
               f"Napkin: memory.py's expert_params, ep_state_bytes (ddp), moe_exchange_bytes; sent: "
               f"ddp's bucket formula plus moe.exchange_bytes (at ep > 1 the clip adds a 4-byte "
-              f"norm all-reduce). Peak as in the strategy table."]
+              f"norm all-reduce). Peak as in the strategy table. Predicted: step_time.py's napkin "
+              f"(step_time_parallel: the active experts' compute, the all-to-alls, DDP's all-reduce, "
+              f"the optimizer) on machines.this measured at model {row['model']}'s block, in brackets "
+              f"predicted / measured."]
     return lines
 
 

@@ -158,7 +158,9 @@ def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: s
     dispatch take a large share of a block's time, and a bare matmul would miss it; a split
     block's narrower matmuls run slower still, and its norms are not split. This is a
     measurement of the machine on the model's shape (one block, random inputs), not of a run:
-    no strategy, no collective, no optimizer. FLOPs as step_time.block_flops counts them (/ N)."""
+    no strategy, no collective, no optimizer. FLOPs as step_time.block_flops counts them (/ N):
+    an MoE block's with its top_k experts (its capacity mode runs capacity_factor times as many
+    expert rows, empty slots included: the rate measured so prices that too)."""
     from step_time import Shape, block_flops           # step_time imports this file at its top
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)                           # the run's random stream stays untouched
@@ -236,7 +238,8 @@ def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm:
         "memory_bandwidth": optimizer_bandwidth(device),
         "link": asdict(collective_link(comm, device) if comm.world_size > 1 else Link(float("inf"), 0.0))},
         comm, device)
-    block = f"{precision} block C{cfg.n_embd} H{cfg.n_head}" + (f" split {split} ways" if split > 1 else "")
+    block = (f"{precision} block C{cfg.n_embd} H{cfg.n_head}" + (f" split {split} ways" if split > 1 else "")
+             + (f" E{cfg.experts} top-{cfg.top_k} capacity {cfg.capacity_factor}" if cfg.experts else ""))
     flops = _measured(cache, f"{key}, {block} at {rows} x {seq_len}",
                       lambda: {"flops": block_flops_per_second(cfg, rows, seq_len, precision, device, split,
                                                                window)},

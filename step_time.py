@@ -9,7 +9,8 @@ all of it (it reduces after backward), FSDP its first gather and last reduce-sca
 hides the rest), tensor parallelism all of it (on the critical path), a pipeline its bubble by
 schedule (schedules.py), offload its PCIe transfers, the optimizer step its memory traffic.
 Left out: launch gaps, the data loader, stragglers, a GPU's non-matmul kernels (CPU `this`
-measures them in: machines.block_flops_per_second). Machines: machines.py.
+measures them in: machines.block_flops_per_second). Machines: machines.py. Expert and context
+parallelism (all-to-alls, K/V exchange): step_time_parallel.py.
 Run: python step_time.py --model medium --strategy ddp --world 2 --batch 16 --seq-len 64 --machine a100
      python step_time.py --llama-8b (torchtitan's Llama-3.1-8B FSDP run on 8 H100s)
 Test: python -m pytest tests/test_step_time.py
@@ -59,12 +60,15 @@ class Shape:
     tied: bool = False
     experts: int = 0
     top_k: int = 0
+    capacity_factor: float | None = None
+    routing_group: int | None = None
     other_params: int = 0
 
     @classmethod
     def of(cls, cfg: GPTConfig) -> "Shape":
         shape = cls(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head, 4 * cfg.n_embd, cfg.vocab_size,
-                    tied=cfg.tie_embeddings, experts=cfg.experts, top_k=cfg.top_k if cfg.experts else 0)
+                    tied=cfg.tie_embeddings, experts=cfg.experts, top_k=cfg.top_k if cfg.experts else 0,
+                    capacity_factor=cfg.capacity_factor, routing_group=cfg.routing_group)
         return cls(**{**shape.__dict__, "other_params": model_params(cfg) - shape.params()})
 
     def block_params(self, active: bool = True) -> int:
@@ -81,6 +85,18 @@ class Shape:
         """Every parameter: the blocks' matrices, token embedding, head (once if tied), the rest."""
         embeddings = self.vocab * self.width * (1 if self.tied else 2)
         return self.layers * self.block_params(active=False) + embeddings + self.other_params
+
+    def expert_matrices(self, experts: int | None = None) -> int:
+        """The experts' C x F matrices over all blocks: every one of each MoE layer's E, or
+        `experts` of them (a rank's E/ep). Their biases (F + C each) stay in other_params."""
+        per_expert = (3 if self.gated else 2) * self.width * self.ffn
+        return self.layers * (self.experts if experts is None else experts) * per_expert
+
+    def held_params(self, ep: int = 1) -> int:
+        """The parameters a rank holds with each MoE layer's experts split over ep ranks."""
+        if ep == 1:
+            return self.params()
+        return self.params() - self.expert_matrices() + self.expert_matrices(self.experts // ep)
 
 
 LLAMA_3_1_8B = Shape(layers=32, width=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, gated=True)
@@ -220,7 +236,10 @@ class Step:
     (sequences of seq_len tokens). strategy: single, ddp, zero1, zero2, fsdp, tp or a pipeline
     ("pipeline-1f1b", ...: every rank a stage, micro_batches M, v chunks if interleaved).
     lora: (trainable adapter elements, frozen matrix elements); quantized: of those, the ones
-    QLoRA stores in NF4 (FSDP gathers them so); offload: ZeRO-Offload's step."""
+    QLoRA stores in NF4 (FSDP gathers them so); offload: ZeRO-Offload's step.
+    Under ddp, the splits inside a block (step_time_parallel.py): ep, each MoE layer's experts
+    over groups of ep ranks; cp, every sequence over groups of cp ranks (zigzag), `attention`
+    ring or allgather; world = the data-parallel ranks x cp."""
     shape: Shape
     strategy: str
     world: int
@@ -235,6 +254,9 @@ class Step:
     bucket_mb: float = 25
     adamw: str = "unfused"
     quantized: int = 0
+    ep: int = 1
+    cp: int = 1
+    attention: str = "ring"
 
 
 def _compute(step: Step, machine: Machine) -> tuple[dict, int, int]:
@@ -253,7 +275,7 @@ def _compute(step: Step, machine: Machine) -> tuple[dict, int, int]:
         share = forward / flops["forward"]
     rate = machine.flops[step.precision]
     seconds = {phase: tokens * f * share / rate for phase, f in flops.items()}
-    trained = adapters or s.params()
+    trained = adapters or s.held_params(step.ep)
     updated = trained if step.strategy in ("single", "ddp") else math.ceil(trained / N)
     return seconds, tokens, updated
 
@@ -267,7 +289,10 @@ def predict(step: Step, machine: Machine) -> dict:
     compute, tokens, updated = _compute(step, machine)
     parts = {**compute, "communication": 0.0, "exposed": 0.0}
     trainable = step.lora[0] if step.lora else s.params()
-    if step.strategy in DATA_PARALLEL:
+    if step.ep > 1 or step.cp > 1:
+        from step_time_parallel import inside_blocks        # it builds on this file's helpers
+        parts.update(inside_blocks(step, machine, compute, tokens))
+    elif step.strategy in DATA_PARALLEL:
         bucket = int(step.bucket_mb * 2**20) // size
         parts["communication"], parts["exposed"] = data_parallel_seconds(
             step.strategy, s, N, size, size, link, bucket, compute["forward"], compute["backward"], trainable,
@@ -298,18 +323,22 @@ def predict(step: Step, machine: Machine) -> dict:
 def for_run(args, gpt, world_size: int, device) -> float | None:
     """train.py's run priced on this machine (machines.this, measured by every rank at its first
     call: call it on every rank): seconds per step, or None for what this napkin does not compose
-    (a mesh of two splits, context or expert parallelism, gradient accumulation, HSDP)."""
+    (a mesh of two splits, expert parallelism beside a split or outside ddp, context parallelism
+    over less than the world, unbalanced or checkpointed, gradient accumulation, HSDP)."""
     from machines import this
     from mesh_checks import mesh_splits
     splits, cfg = mesh_splits(args), gpt.cfg
     pipelined = splits.get("pp") == world_size and len(splits) == 1
+    cp = world_size if splits == {"cp": world_size} and args.strategy in ("cp", "ddp") else 1
     strategy = ("tp" if splits.get("tp") == world_size and len(splits) == 1 else
-                f"pipeline-{args.schedule or '1f1b'}" if pipelined else
+                f"pipeline-{args.schedule or '1f1b'}" if pipelined else "ddp" if cp > 1 else
                 {"zero3": "fsdp"}.get(args.strategy, args.strategy) if not splits else None)
     known = strategy in (*DATA_PARALLEL, "tp") or str(strategy).startswith("pipeline-")
-    if not known or args.ep > 1 or args.grad_accum > 1 or args.shard_group:
+    if (not known or args.grad_accum > 1 or args.shard_group or args.ep > 1 and (strategy != "ddp" or cp > 1)
+            or cp > 1 and (args.cp_balance != "zigzag" or args.checkpoint_activations)):
         return None
     M = args.microbatches or 1 if pipelined else 1
+    # a cp rank's B rows of T/cp tokens: the matmuls and attention products of B/N rows of T
     rows = args.batch_size // (M if pipelined else 1 if strategy == "tp" else world_size)
     machine = this(cfg, rows, args.seq_len, args.precision, device=device, split=world_size if strategy == "tp" else 1)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
@@ -317,7 +346,7 @@ def for_run(args, gpt, world_size: int, device) -> float | None:
     lora = (trainable, shape.layers * shape.block_params() + shape.vocab * shape.width) if args.lora else None
     step = Step(shape, strategy, world_size, args.batch_size, args.seq_len, args.precision, M,
                 args.virtual_stages or 1, 1 / args.checkpoint_activations if args.checkpoint_activations else 0.0,
-                lora, bool(args.offload), args.bucket_mb,
+                lora, bool(args.offload), args.bucket_mb, ep=args.ep, cp=cp, attention=args.cp_attention or "ring",
                 quantized=quantized_params(cfg) if args.quantize_base and strategy == "fsdp" else 0)
     return predict(step, machine)["seconds"]
 

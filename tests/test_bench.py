@@ -26,7 +26,7 @@ STRATEGY_COLUMNS = ["strategy", "ours ms/step", "torch ms/step", "predicted ms",
                     "torch sent MiB/step", "ours MFU"]
 COLLECTIVE_COLUMNS = ["ring us", "native us", "ring/native", "ring busbw GB/s", "native busbw GB/s",
                       "sent per rank, B (ring counter / formula)"]
-MOE_COLUMNS = ["expert parallelism", "ms/step", "tokens/s",
+MOE_COLUMNS = ["expert parallelism", "ms/step", "predicted ms", "tokens/s",
                "expert weights MiB per rank (measured / napkin)", "peak MiB per rank (measured / napkin)",
                "all-to-all MiB/step (counter / napkin)", "sent MiB/step (counter / napkin)", "loss"]
 NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?%?")
@@ -175,7 +175,31 @@ def test_expert_parallelism_halves_the_experts_and_sends_the_formula(bench):
     assert [r[0] for r in rows] == ["ep 1: 8 of 8 experts per rank", "ep 2: 4 of 8 experts per rank"]
     for cells in rows:
         assert_finite_cells(cells[1:], allowed_text=())
-    assert rows[1][5] == f"{ep2['all_to_all_per_step'] / 2**20:.2f} / {ep2['all_to_all_per_step'] / 2**20:.2f}"
+    assert rows[1][MOE_COLUMNS.index("all-to-all MiB/step (counter / napkin)")] == \
+        f"{ep2['all_to_all_per_step'] / 2**20:.2f} / {ep2['all_to_all_per_step'] / 2**20:.2f}"
+    # step_time.py's napkin on every row: its parts add up, ep 2 prices its all-to-alls, ep 1 none
+    assert "all_to_all" not in ep1["predicted"] and ep2["predicted"]["all_to_all"] > 0
+    for r, cells in zip(row["runs"], rows):
+        assert_napkin_beside(r, r["ms_per_step"], cells[MOE_COLUMNS.index("predicted ms")])
+
+
+def assert_napkin_beside(row: dict, ms_per_step: dict, cell: str):
+    """A row's step_time.py prediction: positive, its parts (all but the communication, of
+    which they hold the exposed share) add up to it, printed beside its ratio to the median."""
+    parts = {k: v for k, v in row["predicted"].items() if k not in ("step", "communication")}
+    assert row["predicted_ms"] == row["predicted"]["step"] > 0 and math.isfinite(row["predicted_ms"])
+    assert math.isclose(sum(parts.values()), row["predicted_ms"])
+    assert cell == f"{row['predicted_ms']:.1f} ({row['predicted_ms'] / ms_per_step['median']:.2f})"
+
+
+def test_a_run_from_before_the_napkin_prints_n_a(bench):
+    """docs/generate.py renders committed JSON again: a moe row without "predicted_ms" prints n/a."""
+    from bench_measure import moe_report
+    _, data = bench
+    old = {**data["moe"], "runs": [{k: v for k, v in r.items() if not k.startswith("predicted")}
+                                   for r in data["moe"]["runs"]]}
+    _, rows = table("\n".join(moe_report(old)), "expert parallelism")
+    assert [cells[MOE_COLUMNS.index("predicted ms")] for cells in rows] == ["n/a", "n/a"]
 
 
 def test_moe_rows_need_a_world_the_experts_split_over(monkeypatch, capsys):

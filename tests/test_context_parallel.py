@@ -388,5 +388,13 @@ def test_bench_times_ring_beside_allgather(tmp_path):
     assert rows["ring"]["last_loss"] == pytest.approx(rows["allgather"]["last_loss"], rel=1e-5)
     assert rows["ring"]["activation_bytes"] < rows["allgather"]["activation_bytes"]
     assert rows["ring"]["sent_per_step"] > rows["allgather"]["sent_per_step"]
+    # step_time.py's napkin beside each (test_bench's check): its K/V exchange among its parts
+    from test_bench import assert_napkin_beside, table
+    columns, printed = table(output, "cp attention (cp 2, zigzag)")
+    assert [cells[0] for cells in printed] == ["ring", "allgather"]
+    for cells in printed:
+        row = rows[cells[0]]
+        assert row["predicted"]["kv_exchange"] > 0
+        assert_napkin_beside(row, row["ms_per_step"], cells[columns.index("predicted ms")])
 
 

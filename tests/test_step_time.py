@@ -212,3 +212,93 @@ def test_a_split_block_is_one_tensor_parallel_ranks_share():
     assert half.mlp.up.weight.shape == (768, 384) and half.attn.n_head == 3
     assert half.norm1.weight.shape == (384,)
     assert 2 * matmul_flops(half) == matmul_flops(Block(cfg)) == 3 * 2 * 12 * 384 * 384 * 2 * 16
+
+
+# ---- the splits inside a block: expert and context parallelism (step_time_parallel.py) ------------
+
+# SMALL with each MLP 8 experts, top-2, capacity factor 1.25: a block holds Q, K, V, O 16384, 8
+# experts' 2 x 64 x 256 = 8 x 32768 and the router 8 x 64.
+SMALL_MOE = Shape(layers=2, width=64, heads=4, kv_heads=4, ffn=256, vocab=100, experts=8, top_k=2,
+                  capacity_factor=1.25)
+MOE_PARAMS = 2 * (16384 + 8 * 32768 + 8 * 64) + 2 * 100 * 64            # 570880
+SLOW_CPU = Machine("made up", {"fp32": 1e12}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK}, overlaps=False)
+
+
+def test_an_all_to_all_sends_the_dispatch_buffer_it_needs():
+    from step_time_parallel import all_to_all_seconds
+    # 128 tokens: K = ceil(1.25 x 2 x 128 / 8) = 40 slots per expert, 8 x 40 = 320 rows of 64 fp32;
+    # 4 all-to-alls per layer each send half of them (ep 2), 2 layers, one message each.
+    sent = 2 * 4 * (320 * 64 * 4) // 2                                           # 327680 bytes
+    assert all_to_all_seconds(SMALL_MOE, 128, 2, 4, LINK) == pytest.approx(sent / 1e9 + 8 * 1e-5)
+    # dropless: the k x tokens assignments, (ep-1)/ep of them leaving (balanced routing)
+    dropless = Shape(**{**SMALL_MOE.__dict__, "capacity_factor": None})
+    sent = 2 * 4 * (2 * 128 * 64 * 4) // 2
+    assert all_to_all_seconds(dropless, 128, 2, 4, LINK) == pytest.approx(sent / 1e9 + 8 * 1e-5)
+    # ep 4: 3 of 4 parts leave, to 3 ranks: 3 messages per all-to-all
+    sent = 2 * 4 * 3 * (320 * 64 * 4) // 4
+    assert all_to_all_seconds(SMALL_MOE, 128, 4, 4, LINK) == pytest.approx(sent / 1e9 + 2 * 4 * 3 * 1e-5)
+
+
+def test_a_moe_step_prices_its_all_to_alls_and_the_shared_all_reduce():
+    # 2 ranks, 8 x 32 tokens: a rank's 128. ep 1: every expert everywhere, all-reduced, no all-to-all.
+    one = predict(Step(SMALL_MOE, "ddp", 2, batch=8, seq_len=32), SLOW_CPU)["parts"]
+    assert "all_to_all" not in one
+    assert one["communication"] == pytest.approx(4 * MOE_PARAMS / 1e9 + 2e-5)     # one bucket
+    two = predict(Step(SMALL_MOE, "ddp", 2, batch=8, seq_len=32, ep=2), SLOW_CPU)["parts"]
+    assert two["all_to_all"] == pytest.approx(2 * 4 * (320 * 64 * 4) // 2 / 1e9 + 8 * 1e-5)
+    # ep 2 = the world: the experts (4 per rank) have no copy to average with; the shared
+    # parameters (attention, routers, embeddings) all-reduced, and the clip's fp32 norm over ep
+    shared = 2 * (16384 + 8 * 64) + 2 * 100 * 64                                  # 46592
+    norm = 4 * 2 / 1e9 + 2e-5                                                     # one, padded to 2
+    assert two["communication"] == two["exposed"] == pytest.approx(4 * shared / 1e9 + 2e-5 + norm)
+    held = shared + 2 * 4 * 32768                                                 # 308736
+    assert two["optimizer"] == pytest.approx(held * (80 + 12) / 1e11)
+    assert two["forward"] == one["forward"]         # the same tokens, the same active experts
+
+
+def test_the_ring_passes_one_kv_block_per_step_and_its_gradient_back():
+    from step_time_parallel import kv_seconds
+    # a cp rank of 4 rows, T = 32 over cp 2: kv = 2 x 16 x 4 x 64 values, 32768 bytes in fp32
+    ring = kv_seconds(SMALL, 4, 32, 2, "ring", 4, LINK)
+    assert ring["forward"] == pytest.approx(2 * (1 * 32768 / 1e9 + 1e-5))          # 2 layers, 1 pass
+    # backward: the block again and its dK, dV (fp32) beside it, a message each
+    assert ring["backward"] == pytest.approx(2 * (1 * (32768 + 32768) / 1e9 + 2 * 1e-5))
+    # cp 4, bf16: kv = 2 x 8 x 4 x 64 values; 3 passes; dK, dV travel in fp32
+    ring = kv_seconds(SMALL, 4, 32, 4, "ring", 2, LINK)
+    kv = 2 * 8 * 4 * 64
+    assert ring["forward"] == pytest.approx(2 * (3 * kv * 2 / 1e9 + 3 * 1e-5))
+    assert ring["backward"] == pytest.approx(2 * (3 * kv * (2 + 4) / 1e9 + 6 * 1e-5))
+    # all-gather: (cp-1)/cp of the cp blocks' bytes, cp-1 ring steps; the reduce-scatter the same
+    gathered = kv_seconds(SMALL, 4, 32, 4, "allgather", 2, LINK)
+    assert gathered["forward"] == gathered["backward"] == pytest.approx(2 * (3 * kv * 2 / 1e9 + 3 * 1e-5))
+
+
+def test_a_cp_rank_computes_one_cp_th_of_the_sequence():
+    from context_parallel import SequenceSplit
+    # The napkin counts attention 4 T C per query and layer, each query against the whole
+    # sequence (causal or not: block_flops' count); a cp rank has T/cp of the queries, so its
+    # compute is 1/cp of one rank computing the whole sequence. That share is the causal truth
+    # too under zigzag: rank r's chunks r and 2cp-1-r meet 2cp+1 of the cp (2cp+1) causal blocks.
+    for cp in (2, 4):
+        split = SequenceSplit(cp)
+        blocks = [sum(len(split.blocks(r, s)) for s in range(cp)) for r in range(cp)]
+        assert blocks == [2 * cp + 1] * cp and sum(blocks) == cp * (2 * cp + 1)
+    machine = Machine("made up", {"fp32": 1e12}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK})
+    whole = 8 * 32 * (3 * (2 * (2 * BLOCK + 100 * 64) + 2 * 4 * 32 * 64)) / 1e12    # 8 x 32 tokens
+    for cp in (2, 4):
+        parts = predict(Step(SMALL, "ddp", cp, batch=8, seq_len=32, cp=cp), machine)["parts"]
+        assert parts["forward"] + parts["backward"] == pytest.approx(whole / cp)
+
+
+def test_the_ring_hides_under_attention_where_the_machine_overlaps():
+    from step_time_parallel import kv_seconds
+    gpu = Machine("made up", {"fp32": 1e9}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK})   # slow compute
+    kv = kv_seconds(SMALL, 8, 32, 2, "ring", 4, LINK)
+    step = dict(batch=8, seq_len=32, cp=2)
+    # 128 tokens x 2 layers x 4 x 32 x 64 FLOPs at 1 GFLOP/s forward: 2.1 ms, far above the K/V
+    assert predict(Step(SMALL, "ddp", 2, **step), gpu)["parts"]["kv_exchange"] == 0
+    assert predict(Step(SMALL, "ddp", 2, **step), SLOW_CPU)["parts"]["kv_exchange"] == pytest.approx(
+        kv["forward"] + kv["backward"])
+    gathered = kv_seconds(SMALL, 8, 32, 2, "allgather", 4, LINK)       # needed before attention starts
+    assert predict(Step(SMALL, "ddp", 2, attention="allgather", **step), gpu)["parts"]["kv_exchange"] == \
+        pytest.approx(gathered["forward"] + gathered["backward"])
