@@ -186,6 +186,16 @@ def optimizer_bandwidth(device) -> float:
     return ADAMW_BYTES["unfused"] * n / _seconds(adamw.step, device, window=1.0)
 
 
+def host_copy_bandwidth(device) -> float:
+    """Bytes/s of a 64 MiB fp32 copy from host memory to the device, as offload's copies run it:
+    from page-locked memory on a GPU (offload.lock_pages), host to host on CPU ranks."""
+    from offload import host_buffer                    # offload imports this project's foundations
+    n = 16 * 2**20
+    source = host_buffer(torch.empty(n, device=device)).fill_(1.0)
+    target = torch.empty(n, device=device)
+    return 4 * n / _seconds(lambda: target.copy_(source, non_blocking=True), device, window=0.5)
+
+
 def collective_link(comm: Comm, device, sizes=(2**14, 2**18, 2**21)) -> Link:
     """Latency and bandwidth of an all-reduce between this run's ranks, fitted (least squares)
     to seconds = 2 (N-1) latency + bytes sent / bandwidth at three message sizes (fp32 elements)."""
@@ -204,13 +214,14 @@ def collective_link(comm: Comm, device, sizes=(2**14, 2**18, 2**21)) -> Link:
     return Link(1 / slope, intercept / (2 * (n - 1)))
 
 
-def _measured(cache: str | None, key: str, measure, comm: Comm, device) -> dict:
-    """cache[key], measured now (every rank at once) unless every rank finds it there."""
+def _measured(cache: str | None, key: str, measure, comm: Comm, device, fields=()) -> dict:
+    """cache[key], measured now (every rank at once) unless every rank finds it there, with
+    every one of `fields` (an entry an older version wrote without one is measured again)."""
     saved = {}
     if cache and os.path.exists(cache):
         with open(cache) as f:
             saved = json.load(f)
-    have = torch.tensor([float(key in saved)], device=device)
+    have = torch.tensor([float(key in saved and all(f in saved[key] for f in fields))], device=device)
     dist.all_reduce(have, op=dist.ReduceOp.MIN, group=comm.group)       # all measure, or none
     if have.item():
         return saved[key]
@@ -227,7 +238,7 @@ def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm:
          device=None, cache: str | None = CACHE, split: int = 1, window: float = 1.0) -> Machine:
     """This machine, measured by every rank at once (as the run will share it): a block's FLOP/s
     at the run's (rows, seq_len) (split: a tensor-parallel rank's 1/N of it), the optimizer's
-    memory bandwidth, the all-reduce's link: a few seconds (a `window` of seconds for the block,
+    memory bandwidth, the host-to-device copy's (offload's link), the all-reduce's link: a few seconds (a `window` of seconds for the block,
     a second for AdamW; a longer window averages out more of a shared machine's drift). Read
     from `cache` when measured before with the same threads and ranks (and shape, for the FLOP/s)."""
     comm, device = comm or Comm(), device or torch.device("cpu")
@@ -235,9 +246,9 @@ def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm:
              else f"{platform.processor() or platform.machine()} x {os.cpu_count()}")
     key = f"{where}, {torch.get_num_threads()} threads, {comm.world_size} ranks"
     m = _measured(cache, key, lambda: {
-        "memory_bandwidth": optimizer_bandwidth(device),
+        "memory_bandwidth": optimizer_bandwidth(device), "host_copy": host_copy_bandwidth(device),
         "link": asdict(collective_link(comm, device) if comm.world_size > 1 else Link(float("inf"), 0.0))},
-        comm, device)
+        comm, device, fields=("memory_bandwidth", "host_copy", "link"))
     block = (f"{precision} block C{cfg.n_embd} H{cfg.n_head}" + (f" split {split} ways" if split > 1 else "")
              + (f" E{cfg.experts} top-{cfg.top_k} capacity {cfg.capacity_factor}" if cfg.experts else ""))
     flops = _measured(cache, f"{key}, {block} at {rows} x {seq_len}",
@@ -246,7 +257,7 @@ def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm:
                       comm, device)["flops"]
     link = Link(**m["link"])
     return Machine(f"this ({where})", {precision: flops}, {precision: flops}, m["memory_bandwidth"],
-                   Link(m["memory_bandwidth"], 0.0), {"node": link, "network": link}, per_node=comm.world_size,
+                   Link(m["host_copy"], 0.0), {"node": link, "network": link}, per_node=comm.world_size,
                    host_memory_bandwidth=m["memory_bandwidth"], overlaps=device.type == "cuda")
 
 
@@ -260,7 +271,8 @@ def measure_this(args):
     link = m.links["node"]
     if dist.get_rank() == 0:
         print(f"this: a {args.model} block at {args.rows} x {args.seq_len}: {m.flops['fp32'] / 1e9:.1f} "
-              f"GFLOP/s fp32; AdamW streams {m.memory_bandwidth / GB:.1f} GB/s; all-reduce link "
+              f"GFLOP/s fp32; AdamW streams {m.memory_bandwidth / GB:.1f} GB/s; host to device "
+              f"{m.host_link.bandwidth / GB:.1f} GB/s; all-reduce link "
               f"{link.bandwidth / GB:.2f} GB/s, {link.latency * 1e6:.0f} us per message (cached in {CACHE})")
     exit_distributed()
 

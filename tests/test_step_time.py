@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 from machines import PRESETS, Link, Machine, this
 from model import PRESETS as MODELS, build_model
 from multiprocess import run_ranks
@@ -179,9 +180,23 @@ def _measure_twice(cache):
     """`this` on every rank: measured into cache, then read back without measuring."""
     import machines
     first = this(MODELS["tiny"], 2, 16, comm=None, cache=cache)
-    machines.block_flops_per_second = machines.optimizer_bandwidth = None     # a re-measure would fail
-    second = this(MODELS["tiny"], 2, 16, comm=None, cache=cache)
+    measure = machines.block_flops_per_second, machines.optimizer_bandwidth, machines.host_copy_bandwidth
+    machines.block_flops_per_second = machines.optimizer_bandwidth = machines.host_copy_bandwidth = None
+    second = this(MODELS["tiny"], 2, 16, comm=None, cache=cache)         # a re-measure would fail
+    machines.block_flops_per_second, machines.optimizer_bandwidth, machines.host_copy_bandwidth = measure
     return first, second
+
+
+def _measure_an_old_entry_again(cache):
+    """An entry written before `this` measured the host copy: measured again, not read."""
+    saved = json.load(open(cache))
+    for entry in saved.values():
+        entry.pop("host_copy", None)
+    torch.distributed.barrier()                      # every rank has read it before rank 0 writes
+    if torch.distributed.get_rank() == 0:
+        json.dump(saved, open(cache, "w"))
+    torch.distributed.barrier()
+    return this(MODELS["tiny"], 2, 16, comm=None, cache=cache).host_link.bandwidth
 
 
 def test_this_is_measured_once_and_cached(tmp_path):
@@ -190,8 +205,12 @@ def test_this_is_measured_once_and_cached(tmp_path):
     assert first == second
     link = first.links["node"]
     assert first.flops["fp32"] > 0 and first.memory_bandwidth > 0 and link.bandwidth > 0
+    assert first.host_link.bandwidth > 0                  # host to device: offload's copies
     assert math.isfinite(link.latency) and link.latency >= 0
     assert len(json.load(open(cache))) == 2               # the machine's figures, and the shape's
+    bandwidth, _ = run_ranks(_measure_an_old_entry_again, 2, cache)
+    assert bandwidth > 0
+    assert all("host_copy" in entry for entry in json.load(open(cache)).values() if "link" in entry)
 
 
 def test_a_split_block_is_one_tensor_parallel_ranks_share():
