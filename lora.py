@@ -185,6 +185,13 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
     return folded
 
 
+def dequantized_weights(model: nn.Module) -> dict:
+    """{name.weight: W0 (d, k), fp32} of every 4-bit layer of model, as the run computed with it:
+    an export of a model split over ranks takes them where the codes live (a pipeline stage)."""
+    return {name + ".weight": m.base.dequantize(torch.float32) for name, m in model.named_modules()
+            if isinstance(m, (QLoRALinear, FrozenNF4Linear))}
+
+
 # ---- QLoRA: the same adapters over a 4-bit base (quantization.py) ------------------------------
 #
 # Dettmers et al. 2023: W0 kept as NF4 codes and scales (4.5 bits a value), dequantized in each

@@ -534,14 +534,21 @@ def export(path, gpt, optimizer, layout: Layout, rank, lora_config=None):
 def _export(path, gpt, optimizer, layout: Layout, rank, lora_config):
     pieces = [{**p, "tensors": {"param": p["tensors"]["param"]}, "scalars": {}}
               for p in rank_pieces(gpt, optimizer, layout)]
+    split = layout.split is not None or layout.experts is not None
+    four_bit = bool(lora_config and lora_config["quantize"])
+    if split and four_bit and layout.data_rank == 0:
+        # A 4-bit W0 is buffers, not a parameter: dequantized here, where its codes live, and
+        # gathered as the plain weight it stands for (the whole shapes below are meta).
+        pieces += [{"name": name, "start": 0, "stop": w.numel(), "scalars": {},
+                    "tensors": {"param": w.reshape(-1).cpu()}} for name, w in lora.dequantized_weights(gpt).items()]
     gathered = gather_objects(pieces, Comm(), next(gpt.parameters()).device, dst=0)
     if rank == 0:
         shapes = gpt
-        if layout.split is not None or layout.experts is not None:
+        if split:
             with torch.device("meta"):     # whole shapes (a rank holds slices or a stage), no memory
                 shapes = GPT(gpt.cfg)
-                if lora_config:
-                    lora.apply_lora(shapes, **lora_config)
+                if lora_config:            # a 4-bit W0 as the plain weight the pieces above hold
+                    lora.apply_lora(shapes, **{**lora_config, "quantize": None, "double_quant": False})
         weights = Pieces([p for part in gathered for p in part]).full_state_dict(shapes)
         weights = lora.fold_adapters(weights, shapes)         # LoRA: merged into W0; else as is
         torch.save({"model": model_config(gpt), "state_dict": weights}, path + ".tmp")

@@ -171,22 +171,23 @@ def test_qlora_trains_exactly_as_lora_on_the_dequantized_weights():
     assert any(p.abs().sum() > 0 for n, p in qlora.named_parameters() if "lora_B" in n)   # it trained
 
 
-def _qlora_run(root, other, strategy):
+def _qlora_run(root, other, strategy, extra=()):
     return train.main([*RUN, *LORA, "--quantize-base", "nf4", "--strategy", strategy,
                        "--init-from", str(root / "base.pt"), "--data", other,
-                       "--export", str(root / f"qlora-{strategy}.pt")])
+                       "--export", str(root / f"qlora-{strategy}.pt"), *extra])
 
 
-def test_qlora_under_zero2_and_fsdp_equals_one_process(pretrained):    # noqa: F811
+def test_qlora_under_zero2_fsdp_and_a_pipeline_equals_one_process(pretrained):    # noqa: F811
     """zero2 keeps the 4-bit base whole on every rank, fsdp shards it (its packed codes and
     scales, all-gathered as bytes: tests/test_fsdp_qlora.py); both shard and average the
-    adapters' gradients only: one process's fine-tuning, to fp32 noise (test_snapshot's
-    LOSS_RTOL and WEIGHT_ATOL, as LoRA under every strategy)."""
+    adapters' gradients only. A pipeline stage keeps its own blocks' 4-bit weights, and its
+    export dequantizes them there. Each: one process's fine-tuning and its exported (folded)
+    weights, to fp32 noise (test_snapshot's LOSS_RTOL and WEIGHT_ATOL, as LoRA under every strategy)."""
     from test_snapshot import LOSS_RTOL, WEIGHT_ATOL, _same_weights, _weights
     root, other = pretrained
     single = run_ranks(_qlora_run, 1, root, other, "single")[0]
-    for strategy in ("zero2", "fsdp"):
-        out = run_ranks(_qlora_run, 2, root, other, strategy)[0]
+    for strategy, extra in (("zero2", ()), ("fsdp", ()), ("pipeline", ("--pp", "2", "--microbatches", "4"))):
+        out = run_ranks(_qlora_run, 2, root, other, strategy, extra)[0]
         assert out["losses"].keys() == single["losses"].keys()
         for step, loss in single["losses"].items():
             assert out["losses"][step] == pytest.approx(loss, rel=LOSS_RTOL), (strategy, step)
