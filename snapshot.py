@@ -292,7 +292,7 @@ def _written_by_every_rank(write, tmp: str, part_bytes: int):
                    + f"; the checkpoint needs {needed:,} bytes ({needed / 2**20:.1f} MiB; a save "
                    f"holds one more than --keep at once). Its partial write was removed; the last "
                    f"complete checkpoint is {last or 'none yet'}: "
-                   + ("free space there" if full else "fix that") + f" and rerun"
+                   + ("free space there" if full else "fix that") + " and rerun"
                    + (" with --resume" if last else ""))
 
 
