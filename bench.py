@@ -417,7 +417,11 @@ def predicted_step(name: str, args, device, cache: str) -> dict:
     # Once per shape and run: a 3 s window, where a train.py run takes 1 s at its start.
     machine = this(cfg, rows, args.seq_len, args.precision, device=device, cache=cache, split=split,
                    window=3.0)
-    result = predict(step, machine)
+    return in_ms(predict(step, machine))
+
+
+def in_ms(result: dict) -> dict:
+    """step_time.predict's result as the bench keeps it: {part: ms} and "step", their sum."""
     return {**{part: 1e3 * s for part, s in result["parts"].items()}, "step": 1e3 * result["seconds"]}
 
 
@@ -429,9 +433,8 @@ def predicted_inside(model: str, args, device, cache: str, ep: int = 1, cp: int 
     cfg, N = PRESETS[model], dist.get_world_size()
     step = Step(Shape.of(cfg), "ddp", N, args.batch_size, args.seq_len, args.precision,
                 bucket_mb=args.bucket_mb, ep=ep, cp=cp, attention=attention)
-    result = predict(step, this(cfg, args.batch_size // N, args.seq_len, args.precision, device=device,
-                                cache=cache, window=3.0))
-    return {**{part: 1e3 * s for part, s in result["parts"].items()}, "step": 1e3 * result["seconds"]}
+    return in_ms(predict(step, this(cfg, args.batch_size // N, args.seq_len, args.precision, device=device,
+                                    cache=cache, window=3.0)))
 
 
 def with_predicted(rows: list, predicted: list) -> list:
