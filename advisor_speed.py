@@ -109,7 +109,7 @@ def why(winner: tuple, runner_up: tuple) -> str:
 
 def print_ranking(cfg: GPTConfig, machine: Machine, world: int, seq_len: int, target_batch: int,
                   precision: str, gpu_mem: float):
-    """The ranking's table, the winner among full training, and why."""
+    """The ranking's table, then the fastest fine-tune and the fastest full training, and why."""
     ranked = ranking(cfg, machine, world, seq_len, target_batch, precision, gpu_mem)
     ladder = [a.rung for a in every_rung(cfg, gpu_mem, world, seq_len, target_batch, precision)]
     print(f"\nby speed on {world} x {machine.name} ({gpu_mem / 1e9:.0f} GB each), {precision}: step_time.py's "
