@@ -27,6 +27,7 @@ from torch import nn
 from collectives import Comm, ring_bytes
 from mixed_precision import DTYPES
 from model import Block, GPTConfig
+from offload import host_buffer
 
 GB = 1e9
 CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "this-machine.json")
@@ -189,10 +190,9 @@ def optimizer_bandwidth(device) -> float:
 def host_copy_bandwidth(device) -> float:
     """Bytes/s of a 64 MiB fp32 copy from host memory to the device, as offload's copies run it:
     from page-locked memory on a GPU (offload.lock_pages), host to host on CPU ranks."""
-    from offload import host_buffer                    # offload imports this project's foundations
     n = 16 * 2**20
-    source = host_buffer(torch.empty(n, device=device)).fill_(1.0)
     target = torch.empty(n, device=device)
+    source = host_buffer(target).fill_(1.0)              # pinned where target is on a GPU
     return 4 * n / _seconds(lambda: target.copy_(source, non_blocking=True), device, window=0.5)
 
 
