@@ -46,11 +46,15 @@ def optimizer_pieces(optimizer, names: dict) -> list[dict]:
     return pieces
 
 
+def whole_piece(name: str, t: torch.Tensor) -> dict:
+    """A whole tensor as one piece: its fp32 values, flat, on the host."""
+    return {"name": name, "start": 0, "stop": t.numel(), "scalars": {},
+            "tensors": {"param": t.detach().reshape(-1).float().cpu().clone()}}
+
+
 def frozen_pieces(model: torch.nn.Module) -> list[dict]:
     """Parameters no optimizer owns (requires_grad=False), whole: saved by rank 0."""
-    return [{"name": name, "start": 0, "stop": p.numel(), "scalars": {},
-             "tensors": {"param": p.detach().reshape(-1).float().cpu().clone()}}
-            for name, p in model.named_parameters() if not p.requires_grad]
+    return [whole_piece(name, p) for name, p in model.named_parameters() if not p.requires_grad]
 
 
 class Pieces:

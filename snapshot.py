@@ -40,7 +40,7 @@ from collectives import Comm
 from model import GPT, GPTConfig
 from placements import placement
 from pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
-                    gather_pieces, join_shards, load_pieces, optimizer_pieces)
+                    gather_pieces, join_shards, load_pieces, optimizer_pieces, whole_piece)
 from process_groups import gather_objects, global_mean
 
 CHECKPOINT = re.compile(r"ckpt-(\d{7})$")
@@ -539,8 +539,7 @@ def _export(path, gpt, optimizer, layout: Layout, rank, lora_config):
     if split and four_bit and layout.data_rank == 0:
         # A 4-bit W0 is buffers, not a parameter: dequantized here, where its codes live, and
         # gathered as the plain weight it stands for (the whole shapes below are meta).
-        pieces += [{"name": name, "start": 0, "stop": w.numel(), "scalars": {},
-                    "tensors": {"param": w.reshape(-1).cpu()}} for name, w in lora.dequantized_weights(gpt).items()]
+        pieces += [whole_piece(name, w) for name, w in lora.dequantized_weights(gpt).items()]
     gathered = gather_objects(pieces, Comm(), next(gpt.parameters()).device, dst=0)
     if rank == 0:
         shapes = gpt
