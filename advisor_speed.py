@@ -78,13 +78,13 @@ def rung_seconds(cfg: GPTConfig, a: Advice, world: int, seq_len: int, precision:
     return {"parts": split, "seconds": seconds, "tokens_per_s": world * a.micro_batch * k * seq_len / seconds}
 
 
-def ranking(cfg: GPTConfig, machine: Machine, world: int, seq_len: int, target_batch: int,
+def priced_rungs(cfg: GPTConfig, machine: Machine, world: int, seq_len: int, target_batch: int,
             precision: str = "bf16", gpu_mem: float | None = None) -> list[tuple[Advice, dict]]:
-    """Every rung that fits machine's memory (or gpu_mem), with its rung_seconds, fastest first."""
+    """Every rung that fits machine's memory (or gpu_mem), with its rung_seconds, in the ladder's
+    order: the plainest first."""
     fitting = [a for a in every_rung(cfg, gpu_mem or machine.memory, world, seq_len, target_batch, precision)
                if a.fits]
-    priced = [(a, rung_seconds(cfg, a, world, seq_len, precision, machine)) for a in fitting]
-    return sorted(priced, key=lambda pair: pair[1]["seconds"])
+    return [(a, rung_seconds(cfg, a, world, seq_len, precision, machine)) for a in fitting]
 
 
 def fine_tunes(a: Advice) -> bool:
@@ -110,8 +110,8 @@ def why(winner: tuple, runner_up: tuple) -> str:
 def print_ranking(cfg: GPTConfig, machine: Machine, world: int, seq_len: int, target_batch: int,
                   precision: str, gpu_mem: float):
     """The ranking's table, then the fastest fine-tune and the fastest full training, and why."""
-    ranked = ranking(cfg, machine, world, seq_len, target_batch, precision, gpu_mem)
-    ladder = [a.rung for a in every_rung(cfg, gpu_mem, world, seq_len, target_batch, precision)]
+    ladder = priced_rungs(cfg, machine, world, seq_len, target_batch, precision, gpu_mem)
+    ranked = sorted(ladder, key=lambda pair: pair[1]["seconds"])                 # fastest first
     print(f"\nby speed on {world} x {machine.name} ({gpu_mem / 1e9:.0f} GB each), {precision}: step_time.py's "
           f"napkin per step of {target_batch} x {seq_len} (ms; communication: what compute does not hide)")
     print(f"{'':>3} {'rung':<60}{'b x k':>8}{'compute':>9}{'comm.':>8}{'transf.':>8}{'optim':>9}"
@@ -131,6 +131,6 @@ def print_ranking(cfg: GPTConfig, machine: Machine, world: int, seq_len: int, ta
             print(f"no {kind} rung fits")
             continue
         print(f"fastest {kind}: {group[0][0].rung}, {group[0][1]['tokens_per_s']:,.0f} tokens/s")
-        plainest = min(group, key=lambda pair: ladder.index(pair[0].rung))
+        plainest = next(pair for pair in ladder if fine_tunes(pair[0]) == tuning)
         if len(group) > 1:
             print(why(group[0], plainest if plainest is not group[0] else group[1]))
