@@ -79,7 +79,7 @@ def rung_seconds(cfg: GPTConfig, a: Advice, world: int, seq_len: int, precision:
 
 
 def priced_rungs(cfg: GPTConfig, machine: Machine, world: int, seq_len: int, target_batch: int,
-            precision: str = "bf16", gpu_mem: float | None = None) -> list[tuple[Advice, dict]]:
+                 precision: str = "bf16", gpu_mem: float | None = None) -> list[tuple[Advice, dict]]:
     """Every rung that fits machine's memory (or gpu_mem), with its rung_seconds, in the ladder's
     order: the plainest first."""
     fitting = [a for a in every_rung(cfg, gpu_mem or machine.memory, world, seq_len, target_batch, precision)
