@@ -396,6 +396,11 @@ STRATEGIES = {
 }
 
 
+# Seconds machines.this times a row's block for: once per shape and run, so longer than the 1 s a
+# train.py run spends at its start (a shared machine's drift averages out more).
+THIS_WINDOW = 3.0
+
+
 def predicted_step(name: str, args, device, cache: str) -> dict:
     """step_time.py's napkin for a strategy row, on this machine as machines.this measures it
     (every rank at once) at the rows a rank's blocks compute at a time: its share of the batch,
@@ -414,9 +419,8 @@ def predicted_step(name: str, args, device, cache: str) -> dict:
                 VIRTUAL_STAGES.get(name.removeprefix("pipeline-"), 1), float(name == "checkpointing"), lora,
                 bucket_mb=args.bucket_mb)
     split = N if name == "tp" else 1              # a tp rank computes 1/N of each block
-    # Once per shape and run: a 3 s window, where a train.py run takes 1 s at its start.
     machine = this(cfg, rows, args.seq_len, args.precision, device=device, cache=cache, split=split,
-                   window=3.0)
+                   window=THIS_WINDOW)
     return in_ms(predict(step, machine))
 
 
@@ -434,7 +438,7 @@ def predicted_inside(model: str, args, device, cache: str, ep: int = 1, cp: int 
     step = Step(Shape.of(cfg), "ddp", N, args.batch_size, args.seq_len, args.precision,
                 bucket_mb=args.bucket_mb, ep=ep, cp=cp, attention=attention)
     return in_ms(predict(step, this(cfg, args.batch_size // N, args.seq_len, args.precision, device=device,
-                                    cache=cache, window=3.0)))
+                                    cache=cache, window=THIS_WINDOW)))
 
 
 def with_predicted(rows: list, predicted: list) -> list:
