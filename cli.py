@@ -212,8 +212,8 @@ def parse_args(argv=None):
                      help="continue from the newest complete checkpoint in --out; 'auto' starts "
                           "fresh when there is none (for torchrun --max-restarts); a checkpoint "
                           "directory (OUT/ckpt-NNNNNNN) continues from that one, e.g. one saved "
-                          "before a run diverged: a new branch, so the checkpoints saved after it "
-                          "are moved to OUT/abandoned-TIME/")
+                          "before a run diverged: a new branch, so --out's checkpoints off its line "
+                          "(saved after it; all, for one from elsewhere) are moved to OUT/abandoned-TIME/")
     run.add_argument("--init-from", default=None,
                      help="weights only (fine-tuning): a run directory, a checkpoint or an --export file")
     run.add_argument("--export", default=None,

@@ -15,7 +15,7 @@ Test: python -m pytest tests/test_snapshot.py
 
 Layout:  OUT/ckpt-0000100/{meta.json, rank00000.pt, ...}   written as ckpt-0000100.tmp first
          OUT/lock                     the run writing OUT: host, pid, start time
-         OUT/abandoned-TIME/ckpt-...  a branch left behind by --resume OUT/ckpt-NNNNNNN
+         OUT/abandoned-TIME/ckpt-...  a branch left behind by --resume of another checkpoint
 """
 import contextlib
 import dataclasses
@@ -80,19 +80,42 @@ def clear(out_dir: str):
             shutil.rmtree(os.path.join(out_dir, entry))
 
 
-def set_aside_after(out_dir: str, step: int) -> tuple[str, list[str]] | None:
-    """Move the checkpoints saved after `step` into OUT/abandoned-TIME/: a run resumed from
-    `step` is a new branch, and the old branch's later checkpoints would be taken for its own
-    (--resume picks the newest, --keep prunes the oldest by step). A .tmp stays: a save that
-    crashed, which the next save of that step replaces. Rank 0. (where, names) or None."""
-    later = [path for path in checkpoints(out_dir) if int(CHECKPOINT.search(path).group(1)) > step]
-    if not later:
+def set_aside_other_lines(out_dir: str, resumed: str, step: int) -> str | None:
+    """Move the checkpoints in out_dir that are not on the line of the run resumed from `resumed`
+    (a checkpoint of `step`) into OUT/abandoned-TIME/: --resume picks the newest in out_dir and
+    --keep prunes the oldest, so another line's would be taken for this run's, or deleted. On
+    the line: out_dir's own checkpoints up to `step`, when `resumed` is one of them (out_dir then
+    holds one line, as every resume leaves it). Resumed from anywhere else (another run's
+    directory, an abandoned branch), none of out_dir's is: they go aside whatever their steps.
+    A .tmp stays: a save that crashed, which the next save of that step replaces. Rank 0.
+    Returns the log's line naming what moved where, or None."""
+    own = os.path.dirname(os.path.realpath(resumed)) == os.path.realpath(out_dir)
+    others = [entry for entry in sorted(os.listdir(out_dir)) if CHECKPOINT.match(entry)
+              and not (own and int(CHECKPOINT.match(entry).group(1)) <= step)]
+    if not others:
         return None
-    aside = os.path.join(out_dir, "abandoned-" + time.strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(aside, exist_ok=True)
-    for path in later:
-        os.rename(path, os.path.join(aside, os.path.basename(path)))
-    return aside, [os.path.basename(path) for path in later]
+    aside = _new_directory(os.path.join(out_dir, "abandoned-" + time.strftime("%Y%m%d-%H%M%S")))
+    for entry in others:
+        os.rename(os.path.join(out_dir, entry), os.path.join(aside, entry))
+    moved = f"({', '.join(others)}) are moved to {aside}; --resume and --keep see this run's only"
+    if own:
+        return (f"resumed from step {step}: this run is a new branch, so the checkpoints the old "
+                f"one saved after it {moved}")
+    return (f"resumed from {resumed}, not one of {out_dir}'s own checkpoints: this run is a new "
+            f"branch, so the checkpoints {out_dir} held, another run's or branch's, {moved}")
+
+
+def _new_directory(path: str) -> str:
+    """A directory made now at path, or at path-2, path-3, ... where one exists: two set-asides
+    in one second never mix their checkpoints (or move one onto another of the same step)."""
+    candidate, n = path, 1
+    while True:
+        try:
+            os.mkdir(candidate)
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = f"{path}-{n}"
 
 
 # ---- the run directory's owner ----------------------------------------------------------------
@@ -456,8 +479,8 @@ def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_
 
 def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
     """Load the newest checkpoint in --out (or the one --resume names) into this run; the step
-    to continue from. Checkpoints in --out saved after that step are another branch's: once
-    the load succeeded, they are set aside (set_aside_after)."""
+    to continue from. Checkpoints in --out not on its line (saved after that step, or another
+    run's) are another branch's: once the load succeeded, they are set aside (set_aside_other_lines)."""
     path = args.resume if args.resume not in ("must", "auto") else latest(args.out)
     if path is None:
         if args.resume == "auto":
@@ -488,11 +511,9 @@ def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
         torch.manual_seed(args.seed + meta["step"] * 1000 + rank)
         resharded = f", resharded from {meta['world_size']} to {world_size} ranks"
     say(f"resumed from {path} at step {meta['step']} ({meta['args']['strategy']}{resharded})")
-    moved = set_aside_after(args.out, meta["step"]) if rank == 0 else None    # rank 0 prunes too
+    moved = set_aside_other_lines(args.out, path, meta["step"]) if rank == 0 else None  # as it prunes
     if moved:
-        say(f"resumed from step {meta['step']}: this run is a new branch, so the checkpoints the "
-            f"old one saved after it ({', '.join(moved[1])}) are moved to {moved[0]}; --resume "
-            f"and --keep see this run's only")
+        say(moved)
     for name, before, now in changed:
         say(f"resumed with --{name.replace('_', '-')} {now} (the run was started with {before})"
             + ("; the learning-rate schedule (warmup, then cosine decay to --min-lr at the last "
