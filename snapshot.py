@@ -332,6 +332,11 @@ def load(path: str) -> tuple[dict, list[dict]]:
     for rank in range(meta["world_size"]):
         file = os.path.join(path, f"rank{rank:05d}.pt")
         expected = meta.get("sha256", {}).get(f"rank{rank:05d}.pt")    # older checkpoints: none
+        if not os.path.isfile(file):            # a copy that left it out: nothing to call corrupt
+            raise CheckpointError(f"{file} is missing: {path} was saved by {meta['world_size']} "
+                                  f"ranks, one file each (rank00000.pt to rank"
+                                  f"{meta['world_size'] - 1:05d}.pt); copy the checkpoint directory "
+                                  f"whole, or {fix}")
         try:
             if expected is not None and _file_sha256(file) != expected:
                 raise CheckpointError(f"{file} is corrupt or truncated (its bytes no longer match "
