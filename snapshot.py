@@ -462,9 +462,11 @@ def frozen_whole(optimizer):
     return getattr(optimizer, "frozen_gathered", contextlib.nullcontext)()
 
 
-def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_config=None):
+def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_config=None,
+                    first_loss=None):
     """Every rank's shard (or the first replica's copy), RNG, loss scale; returns its path.
     Weights with inf or NaN are not saved: RunError. lora_config: apply_lora's arguments.
+    first_loss: the run's first (Divergence's), which a resumed run's divergence limit keeps.
 
     A LoRA run on an --init-from base saves only what trains, the adapter, and names the base.
     """
@@ -478,19 +480,20 @@ def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_
         rng["cuda"] = torch.cuda.get_rng_state()
     part = {"pieces": pieces, "rng": rng, "scaler": optimizer.scaler.state_dict()}
     meta = {"model": model_config(gpt), "args": vars(args), "data_position": step,
-            "lora": lora_config, "base": base, "loss": loss}
+            "lora": lora_config, "base": base, "loss": loss, "first_loss": first_loss}
     return save(args.out, step, part, meta, keep=args.keep)
 
 
-def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
-    """Load the newest checkpoint in --out (or the one --resume names) into this run; the step
-    to continue from. Checkpoints in --out not on its line (saved after that step, or another
-    run's) are another branch's: once the load succeeded, they are set aside (set_aside_other_lines)."""
+def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> tuple[int, float | None]:
+    """Load the newest checkpoint in --out (or the one --resume names) into this run: the step
+    to continue from, and the run's first loss (Divergence's; None: no checkpoint, a fresh
+    start). Checkpoints in --out not on its line (saved after that step, or another run's) are
+    another branch's: once the load succeeded, they are set aside (set_aside_other_lines)."""
     path = args.resume if args.resume not in ("must", "auto") else latest(args.out)
     if path is None:
         if args.resume == "auto":
             say(f"--resume auto: no checkpoint in {args.out} yet, starting from step 0")
-            return 0
+            return 0, None
         raise RunError(f"--resume: no complete checkpoint in {args.out}; start without --resume, "
                        f"or use --resume auto to start fresh when there is none")
     meta, parts = load(path)
@@ -528,7 +531,8 @@ def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
         say(f"the run is complete: {path} is step {meta['step']} of --steps {args.steps}, so nothing "
             f"is left to train (the final eval and --export still run); give a larger --steps to "
             f"train on")
-    return meta["step"]
+    first_loss = meta.get("first_loss")      # None: saved before it was; ln V, a fresh run's start
+    return meta["step"], math.log(gpt.cfg.vocab_size) if first_loss is None else first_loss
 
 
 def check_export(path: str):
@@ -678,18 +682,21 @@ class Divergence:
         healthy run skips a few at its start while the scale settles), so the gradients
         overflow at any scale
       - a logged or saved loss that is inf or NaN, in any precision
-      - a logged or saved loss over --max-loss-growth K x the larger of the run's first one and
-        ln V, a uniform guess's loss: from scratch (the loss starts at ln V) or fine-tuning
-        (below it) the limit is K ln V, 22 for bytes at K = 4, where a healthy run only falls
-        from its start and a diverged one climbs to hundreds (fp32 at --lr 10: 6970 at step 1)
+      - a logged or saved loss over --max-loss-growth K x the larger of the run's first one (saved
+        in its checkpoints: a resumed run keeps it) and ln V, a uniform guess's loss: from
+        scratch (the loss starts at ln V) or fine-tuning (below it) the limit is K ln V, 22 for
+        bytes at K = 4, where a healthy run only falls from its start and a diverged one climbs
+        to hundreds (fp32 at --lr 10: 6970 at step 1)
     Each is decided from values every rank holds alike (the skip decision, from the global
     norm; the global mean loss), where the loop has them on the host already: no extra sync,
     every rank stops at the same step, and no checkpoint of a diverged run is saved.
     """
 
-    def __init__(self, args, vocab_size: int):
+    def __init__(self, args, vocab_size: int, first_loss: float | None = None):
+        """first_loss: a resumed run's, from its checkpoint (the limit stays the run's start's,
+        not a diverged checkpoint's); None: the first loss checked here."""
         self.args, self.floor = args, math.log(vocab_size)
-        self.first_loss = None
+        self.first_loss = first_loss
         self.skipped_in_a_row = 0
 
     def after_step(self, step: int, applied: bool, loss: torch.Tensor, scale: float):

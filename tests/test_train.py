@@ -639,6 +639,62 @@ def test_every_rank_stops_a_diverged_run_at_the_same_step():
         messages[0]] * 2, messages
 
 
+def _stop_of(argv):
+    """train.main(argv) on this rank: (its logged losses, its RunError's message or None)."""
+    try:
+        return train_logged(argv)[0]["losses"], None
+    except __import__("snapshot").RunError as e:
+        return None, str(e)
+
+
+def _diverged_resumes(out):
+    """One step at --lr 10 saves ckpt-1 at the healthy first loss, with weights whose next loss is
+    in the thousands; it is resumed at a sane --lr twice: as saved, then with first_loss removed
+    from its meta.json (a checkpoint from before it was saved). (first loss, each resume's stop)"""
+    first = train_logged([*DIVERGING, "--log-every", "1", "--steps", "1", "--out", out])[0]["losses"][0]
+    meta = os.path.join(out, "ckpt-0000001", "meta.json")
+    saved = __import__("json").load(open(meta))
+    stops = [_stop_of([*DIVERGING, "--log-every", "1", "--lr", "1e-4", "--out", out, "--resume"])[1]]
+    del saved["first_loss"]
+    __import__("json").dump(saved, open(meta, "w"))
+    stops.append(_stop_of([*DIVERGING, "--log-every", "1", "--lr", "1e-4", "--out", out, "--resume"])[1])
+    return first, stops
+
+
+def test_a_resumed_run_keeps_the_divergence_limit_of_its_start(tmp_path):
+    first, (saved, older) = run_ranks(_diverged_resumes, 1, str(tmp_path / "run"))[0]
+    # The limit is K x max(first loss, ln V) of the run's start (4 x 5.57), not of its first
+    # resumed loss (thousands): the diverged weights stop at once. A checkpoint saved without
+    # the first loss falls back on ln V, a run from scratch's start.
+    for stop, base in ((saved, max(first, math.log(256))), (older, math.log(256))):
+        assert stop is not None and stop.startswith("step 1: the loss "), stop
+        loss = float(re.match(r"step 1: the loss (\S+) is over", stop).group(1))
+        assert loss > 4 * base and f"is over --max-loss-growth 4 x {base:.4g} (the larger" in stop, stop
+
+
+def _fine_tunes(root):
+    """A model trained on "abab..." (its loss falls well below ln V), fine-tuned on it at --lr
+    0.3 and at --lr 1: what each logged, or how it stopped."""
+    data = os.path.join(root, "ab.txt")
+    open(data, "w").write("ab" * 1000)
+    flags = ["--eval-every", "0", "--eval-batches", "1", "--seq-len", "16", "--batch-size", "4",
+             "--warmup", "0", "--log-every", "1", "--data", data]
+    train_logged([*flags, "--steps", "10", "--lr", "3e-3", "--out", os.path.join(root, "base")])
+    return [_stop_of([*flags, "--steps", "4", "--lr", lr, "--init-from", os.path.join(root, "base")])
+            for lr in ("0.3", "1")]
+
+
+def test_a_fine_tuning_run_below_ln_v_stops_at_k_ln_v(tmp_path):
+    (climbs, _), (_, stop) = run_ranks(_fine_tunes, 1, str(tmp_path))[0]
+    first = climbs[0]
+    limit = 4 * max(first, math.log(256))            # --max-loss-growth 4, the formula of Divergence
+    assert first < math.log(256) / 2, climbs         # fine-tuning: well below a uniform guess's loss
+    # A climb past 4 x the first loss but under the limit trains on; a loss over it stops.
+    assert any(4 * first < loss <= limit for loss in climbs.values()), climbs
+    loss = float(re.match(r"step 1: the loss (\S+) is over", stop).group(1))
+    assert loss > limit and f"over --max-loss-growth 4 x {max(first, math.log(256)):.4g} (" in stop, stop
+
+
 # ---- one mesh: tensor x context x pipeline x data parallel (parallelize.py) -----------------
 
 MESH_RUN = ["--steps", "4", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
