@@ -212,8 +212,8 @@ def parse_args(argv=None):
                      help="continue from the newest complete checkpoint in --out; 'auto' starts "
                           "fresh when there is none (for torchrun --max-restarts); a checkpoint "
                           "directory (OUT/ckpt-NNNNNNN) continues from that one, e.g. one saved "
-                          "before a run diverged: a new branch, so the checkpoints saved after it "
-                          "are moved to OUT/abandoned-TIME/")
+                          "before a run diverged: a new branch, so --out's checkpoints off its line "
+                          "(saved after it; all, for one from elsewhere) are moved to OUT/abandoned-TIME/")
     run.add_argument("--init-from", default=None,
                      help="weights only (fine-tuning): a run directory, a checkpoint or an --export file")
     run.add_argument("--export", default=None,
@@ -449,6 +449,7 @@ def check_paths(parser, args):
             snapshot.check_source(args.init_from)
         except snapshot.CheckpointError as e:
             parser.error(f"--init-from: {e}")
+    check_outputs_apart(parser, args)
     if not args.out:
         if args.overwrite:
             parser.error("--overwrite starts a run directory over: add --out DIR")
@@ -470,10 +471,67 @@ def check_paths(parser, args):
         check_resume(parser, args, args.resume if chosen else saved[-1])
 
 
+def check_outputs_apart(parser, args):
+    """What the run writes stays apart from what it reads (paths resolved, symlinks followed):
+    --out neither is, holds nor lies inside --init-from's weights, which a run's checkpoints
+    would mix with, --keep prune and --overwrite delete before they are read; nor is or lies
+    inside the checkpoint --resume names (holding it is a resume's usual case, OUT/ckpt-NNNNNNN).
+    The files it writes (--export, --memory-snapshot) replace no input, --data's included.
+    Every rank, before any work."""
+    inputs = []                 # (flag, its value, the file or checkpoint directory it reads)
+    if args.init_from:
+        newest = snapshot.latest(args.init_from) if os.path.isdir(args.init_from) else None
+        inputs.append(("--init-from", args.init_from, newest or args.init_from))
+    if args.resume not in (None, "must", "auto"):
+        inputs.append(("--resume", args.resume, args.resume))
+    if args.data:
+        inputs.append(("--data", args.data, args.data))
+    for flag, given, read in inputs:
+        for path in dict.fromkeys((given, read)):        # a run directory, and its newest checkpoint
+            relation = _relation(args.out, path) if args.out else None
+            if flag == "--init-from" and relation:
+                parser.error(f"--out {args.out} {relation} --init-from {given}"
+                             f"{_resolved(args.out, path)}, the weights this run starts from: its "
+                             f"checkpoints would mix with them, --keep and --overwrite delete them; "
+                             f"give an --out apart from them")
+            if flag == "--resume" and relation in ("is", "lies inside"):
+                parser.error(f"--out {args.out} {relation} --resume {given}{_resolved(args.out, path)}: "
+                             f"the run would write into the checkpoint it continues; give the run "
+                             f"directory holding it (--out {os.path.dirname(os.path.normpath(given))}) "
+                             f"or another")
+        for output, file in (("--export", args.export), ("--memory-snapshot", args.memory_snapshot)):
+            relation = _relation(file, read) if file else None
+            if relation in ("is", "lies inside"):
+                parser.error(f"{output} {file} {relation} {flag} {given}{_resolved(file, read)}, "
+                             f"which this run reads: the file {output} writes would replace it; "
+                             f"give another path")
+
+
+def _relation(path: str, other: str) -> str | None:
+    """How path stands to other, both resolved: "is", "holds", "lies inside", or None (apart)."""
+    path, other = os.path.realpath(path), os.path.realpath(other)
+    if path == other:
+        return "is"
+    common = os.path.commonpath([path, other])
+    return "holds" if common == path else "lies inside" if common == other else None
+
+
+def _resolved(path: str, other: str) -> str:
+    """The words " (resolved: A and B)" where a symlink made the two paths meet, else none."""
+    real = [os.path.realpath(p) for p in (path, other)]
+    if real == [os.path.abspath(p) for p in (path, other)]:
+        return ""
+    return f" (resolved: {real[0]} and {real[1]})"
+
+
 def check_writable_directory(parser, flag: str, path: str, holds: str):
     """flag's path is a directory this rank can write (made if missing); holds: what goes in it."""
     if os.path.exists(path) and not os.path.isdir(path):
         parser.error(f"{flag} {path} is a file: give a directory ({holds})")
+    link = _dangling_link(path)
+    if link:                                  # makedirs would say only "File exists"
+        parser.error(f"{flag} {path}: {link} is a symbolic link to {os.readlink(link)}, which does "
+                     f"not exist: create that directory, remove the link, or give another {flag}")
     try:                 # by writing, not by os.access: root passes that even on a read-only mount
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".writable-{os.getpid()}")
@@ -483,6 +541,16 @@ def check_writable_directory(parser, flag: str, path: str, holds: str):
     except OSError as e:
         parser.error(f"{flag} {path}: this rank cannot write there ({e.strerror}): choose a "
                      f"directory every rank can write to")
+
+
+def _dangling_link(path: str) -> str | None:
+    """path, or the directory above it, that is a symbolic link to nothing; None if none is."""
+    path = os.path.abspath(path)
+    while not (os.path.islink(path) and not os.path.exists(path)):
+        if os.path.dirname(path) == path:
+            return None
+        path = os.path.dirname(path)
+    return path
 
 
 def check_resume(parser, args, path: str):

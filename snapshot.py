@@ -15,7 +15,7 @@ Test: python -m pytest tests/test_snapshot.py
 
 Layout:  OUT/ckpt-0000100/{meta.json, rank00000.pt, ...}   written as ckpt-0000100.tmp first
          OUT/lock                     the run writing OUT: host, pid, start time
-         OUT/abandoned-TIME/ckpt-...  a branch left behind by --resume OUT/ckpt-NNNNNNN
+         OUT/abandoned-TIME/ckpt-...  a branch left behind by --resume of another checkpoint
 """
 import contextlib
 import dataclasses
@@ -80,19 +80,42 @@ def clear(out_dir: str):
             shutil.rmtree(os.path.join(out_dir, entry))
 
 
-def set_aside_after(out_dir: str, step: int) -> tuple[str, list[str]] | None:
-    """Move the checkpoints saved after `step` into OUT/abandoned-TIME/: a run resumed from
-    `step` is a new branch, and the old branch's later checkpoints would be taken for its own
-    (--resume picks the newest, --keep prunes the oldest by step). A .tmp stays: a save that
-    crashed, which the next save of that step replaces. Rank 0. (where, names) or None."""
-    later = [path for path in checkpoints(out_dir) if int(CHECKPOINT.search(path).group(1)) > step]
-    if not later:
+def set_aside_other_lines(out_dir: str, resumed: str, step: int) -> str | None:
+    """Move the checkpoints in out_dir that are not on the line of the run resumed from `resumed`
+    (a checkpoint of `step`) into OUT/abandoned-TIME/: --resume picks the newest in out_dir and
+    --keep prunes the oldest, so another line's would be taken for this run's, or deleted. On
+    the line: out_dir's own checkpoints up to `step`, when `resumed` is one of them (out_dir then
+    holds one line, as every resume leaves it). Resumed from anywhere else (another run's
+    directory, an abandoned branch), none of out_dir's is: they go aside whatever their steps.
+    A .tmp stays: a save that crashed, which the next save of that step replaces. Rank 0.
+    Returns the log's line naming what moved where, or None."""
+    own = os.path.dirname(os.path.realpath(resumed)) == os.path.realpath(out_dir)
+    others = [entry for entry in sorted(os.listdir(out_dir)) if CHECKPOINT.match(entry)
+              and not (own and int(CHECKPOINT.match(entry).group(1)) <= step)]
+    if not others:
         return None
-    aside = os.path.join(out_dir, "abandoned-" + time.strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(aside, exist_ok=True)
-    for path in later:
-        os.rename(path, os.path.join(aside, os.path.basename(path)))
-    return aside, [os.path.basename(path) for path in later]
+    aside = _new_directory(os.path.join(out_dir, "abandoned-" + time.strftime("%Y%m%d-%H%M%S")))
+    for entry in others:
+        os.rename(os.path.join(out_dir, entry), os.path.join(aside, entry))
+    moved = f"({', '.join(others)}) are moved to {aside}; --resume and --keep see this run's only"
+    if own:
+        return (f"resumed from step {step}: this run is a new branch, so the checkpoints the old "
+                f"one saved after it {moved}")
+    return (f"resumed from {resumed}, not one of {out_dir}'s own checkpoints: this run is a new "
+            f"branch, so the checkpoints {out_dir} held, another run's or branch's, {moved}")
+
+
+def _new_directory(path: str) -> str:
+    """A directory made now at path, or at path-2, path-3, ... where one exists: two set-asides
+    in one second never mix their checkpoints (or move one onto another of the same step)."""
+    candidate, n = path, 1
+    while True:
+        try:
+            os.mkdir(candidate)
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = f"{path}-{n}"
 
 
 # ---- the run directory's owner ----------------------------------------------------------------
@@ -309,6 +332,11 @@ def load(path: str) -> tuple[dict, list[dict]]:
     for rank in range(meta["world_size"]):
         file = os.path.join(path, f"rank{rank:05d}.pt")
         expected = meta.get("sha256", {}).get(f"rank{rank:05d}.pt")    # older checkpoints: none
+        if not os.path.isfile(file):            # a copy that left it out: nothing to call corrupt
+            raise CheckpointError(f"{file} is missing: {path} was saved by {meta['world_size']} "
+                                  f"ranks, one file each (rank00000.pt to rank"
+                                  f"{meta['world_size'] - 1:05d}.pt); copy the checkpoint directory "
+                                  f"whole, or {fix}")
         try:
             if expected is not None and _file_sha256(file) != expected:
                 raise CheckpointError(f"{file} is corrupt or truncated (its bytes no longer match "
@@ -434,9 +462,11 @@ def frozen_whole(optimizer):
     return getattr(optimizer, "frozen_gathered", contextlib.nullcontext)()
 
 
-def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_config=None):
+def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_config=None,
+                    first_loss=None):
     """Every rank's shard (or the first replica's copy), RNG, loss scale; returns its path.
     Weights with inf or NaN are not saved: RunError. lora_config: apply_lora's arguments.
+    first_loss: the run's first (Divergence's), which a resumed run's divergence limit keeps.
 
     A LoRA run on an --init-from base saves only what trains, the adapter, and names the base.
     """
@@ -450,19 +480,20 @@ def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_
         rng["cuda"] = torch.cuda.get_rng_state()
     part = {"pieces": pieces, "rng": rng, "scaler": optimizer.scaler.state_dict()}
     meta = {"model": model_config(gpt), "args": vars(args), "data_position": step,
-            "lora": lora_config, "base": base, "loss": loss}
+            "lora": lora_config, "base": base, "loss": loss, "first_loss": first_loss}
     return save(args.out, step, part, meta, keep=args.keep)
 
 
-def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
-    """Load the newest checkpoint in --out (or the one --resume names) into this run; the step
-    to continue from. Checkpoints in --out saved after that step are another branch's: once
-    the load succeeded, they are set aside (set_aside_after)."""
+def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> tuple[int, float | None]:
+    """Load the newest checkpoint in --out (or the one --resume names) into this run: the step
+    to continue from, and the run's first loss (Divergence's; None: no checkpoint, a fresh
+    start). Checkpoints in --out not on its line (saved after that step, or another run's) are
+    another branch's: once the load succeeded, they are set aside (set_aside_other_lines)."""
     path = args.resume if args.resume not in ("must", "auto") else latest(args.out)
     if path is None:
         if args.resume == "auto":
             say(f"--resume auto: no checkpoint in {args.out} yet, starting from step 0")
-            return 0
+            return 0, None
         raise RunError(f"--resume: no complete checkpoint in {args.out}; start without --resume, "
                        f"or use --resume auto to start fresh when there is none")
     meta, parts = load(path)
@@ -488,11 +519,9 @@ def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
         torch.manual_seed(args.seed + meta["step"] * 1000 + rank)
         resharded = f", resharded from {meta['world_size']} to {world_size} ranks"
     say(f"resumed from {path} at step {meta['step']} ({meta['args']['strategy']}{resharded})")
-    moved = set_aside_after(args.out, meta["step"]) if rank == 0 else None    # rank 0 prunes too
+    moved = set_aside_other_lines(args.out, path, meta["step"]) if rank == 0 else None  # as it prunes
     if moved:
-        say(f"resumed from step {meta['step']}: this run is a new branch, so the checkpoints the "
-            f"old one saved after it ({', '.join(moved[1])}) are moved to {moved[0]}; --resume "
-            f"and --keep see this run's only")
+        say(moved)
     for name, before, now in changed:
         say(f"resumed with --{name.replace('_', '-')} {now} (the run was started with {before})"
             + ("; the learning-rate schedule (warmup, then cosine decay to --min-lr at the last "
@@ -502,7 +531,8 @@ def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> int:
         say(f"the run is complete: {path} is step {meta['step']} of --steps {args.steps}, so nothing "
             f"is left to train (the final eval and --export still run); give a larger --steps to "
             f"train on")
-    return meta["step"]
+    first_loss = meta.get("first_loss")      # None: saved before it was; ln V, a fresh run's start
+    return meta["step"], math.log(gpt.cfg.vocab_size) if first_loss is None else first_loss
 
 
 def check_export(path: str):
@@ -652,18 +682,21 @@ class Divergence:
         healthy run skips a few at its start while the scale settles), so the gradients
         overflow at any scale
       - a logged or saved loss that is inf or NaN, in any precision
-      - a logged or saved loss over --max-loss-growth K x the larger of the run's first one and
-        ln V, a uniform guess's loss: from scratch (the loss starts at ln V) or fine-tuning
-        (below it) the limit is K ln V, 22 for bytes at K = 4, where a healthy run only falls
-        from its start and a diverged one climbs to hundreds (fp32 at --lr 10: 6970 at step 1)
+      - a logged or saved loss over --max-loss-growth K x the larger of the run's first one (saved
+        in its checkpoints: a resumed run keeps it) and ln V, a uniform guess's loss: from
+        scratch (the loss starts at ln V) or fine-tuning (below it) the limit is K ln V, 22 for
+        bytes at K = 4, where a healthy run only falls from its start and a diverged one climbs
+        to hundreds (fp32 at --lr 10: 6970 at step 1)
     Each is decided from values every rank holds alike (the skip decision, from the global
     norm; the global mean loss), where the loop has them on the host already: no extra sync,
     every rank stops at the same step, and no checkpoint of a diverged run is saved.
     """
 
-    def __init__(self, args, vocab_size: int):
+    def __init__(self, args, vocab_size: int, first_loss: float | None = None):
+        """first_loss: a resumed run's, from its checkpoint (the limit stays the run's start's,
+        not a diverged checkpoint's); None: the first loss checked here."""
         self.args, self.floor = args, math.log(vocab_size)
-        self.first_loss = None
+        self.first_loss = first_loss
         self.skipped_in_a_row = 0
 
     def after_step(self, step: int, applied: bool, loss: torch.Tensor, scale: float):

@@ -173,7 +173,8 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     splits = mesh_splits(args)
     split = mesh.tp if "tp" in splits else mesh.pp if "pp" in splits else None
     layout = snapshot.layout_of(gpt, mesh.dp_cp, split)
-    start = snapshot.resume(args, gpt, optimizer, layout, world_size, rank, log.say) if args.resume else 0
+    start, first_loss = (snapshot.resume(args, gpt, optimizer, layout, world_size, rank, log.say)
+                         if args.resume else (0, None))
     data = TextData.from_file(args.data)
     say_header(args, gpt, job.napkin, log, mesh.dp.world_size, threads, device)
     history = {"losses": {}, "live_bytes": {}, "napkin": job.napkin, "held": {}}     # this rank's
@@ -185,7 +186,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     clock = Clock(start, device)
     napkin_seconds = step_time.for_run(args, gpt, world_size, device)     # this machine, measured
     schedule = lr_scheduler(optimizer, args, start)
-    divergence = Divergence(args, gpt.cfg.vocab_size)
+    divergence = Divergence(args, gpt.cfg.vocab_size, first_loss)
     for step in range(start, args.steps):
         log.step = step
         job.comm.bytes_sent.clear()
@@ -271,7 +272,7 @@ def save(args, job, layout, log, divergence, step, loss):
     step_loss = loss if isinstance(loss, float) else global_mean(loss)
     divergence.check_loss(step, step_loss)
     saved = snapshot.save_checkpoint(args, step + 1, job.gpt, job.optimizer, layout, step_loss,
-                                     lora_config(args))
+                                     lora_config(args), divergence.first_loss)
     log.say(f"step {step:5d} | saved {saved}: named by the steps done ({step + 1}), so --resume "
             f"continues at step {step + 1} | loss {step_loss:.4f}")
 

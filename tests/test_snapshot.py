@@ -5,6 +5,7 @@ tiny GPT. Resuming at the same world size must be bit for bit; resuming on anoth
 or strategy reorders sums, so it matches within fp32's noise. Faults are real: a rank is
 SIGKILLed, a save is cut off between writing and renaming, torchrun restarts a killed job.
 """
+import collections
 import errno
 import json
 import os
@@ -347,6 +348,54 @@ def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path):
     for name in kept:
         meta, _ = snapshot.load(os.path.join(out, name))
         assert meta["args"]["lr"] == 1e-3, name                       # every one the new branch's
+
+
+SMALL = ["--seq-len", "16", "--batch-size", "4", "--save-every", "1", "--log-every", "100"]
+
+
+def _checkpoint_files(directory):
+    """(checkpoint, file, bytes) of every checkpoint file under directory, wherever it sits."""
+    return collections.Counter((os.path.basename(d), f, open(os.path.join(d, f), "rb").read())
+                               for d, _, files in os.walk(directory) for f in files
+                               if snapshot.CHECKPOINT.match(os.path.basename(d)))
+
+
+def _other_lines_runs(root):
+    """The issue's cases: A holds a branch (3, 4, 5) beside an abandoned one (4, 6), and is resumed
+    from the abandoned 6; Y, another run (another seed), is resumed from A's 9. For each of those
+    two resumes: what it printed, and every checkpoint file in its --out before it."""
+    a, y = os.path.join(root, "A"), os.path.join(root, "Y")
+    train_logged([*RUN, *SMALL, "--out", a, "--steps", "6", "--save-every", "2"])
+    train_logged([*RUN, *SMALL, "--out", a, "--steps", "5", "--resume", os.path.join(a, "ckpt-0000002")])
+    abandoned = next(e for e in os.listdir(a) if e.startswith("abandoned-"))
+    before_a = _checkpoint_files(a)
+    from_abandoned = train_logged([*RUN, *SMALL, "--out", a, "--steps", "9", "--resume",
+                                   os.path.join(a, abandoned, "ckpt-0000006")])[1]
+    train_logged([*RUN, *SMALL, "--out", y, "--steps", "2", "--seed", "1"])
+    before_y = _checkpoint_files(y)
+    from_a = train_logged([*RUN, *SMALL, "--out", y, "--steps", "10", "--resume",
+                           os.path.join(a, "ckpt-0000009")])[1]
+    return {"A": (from_abandoned, before_a), "Y": (from_a, before_y)}
+
+
+def test_resuming_a_checkpoint_of_another_line_sets_all_of_out_aside(tmp_path):
+    runs = run_ranks(_other_lines_runs, 1, str(tmp_path))[0]
+    for out, held, kept in (("A", "ckpt-0000003, ckpt-0000004, ckpt-0000005",
+                             ["ckpt-0000007", "ckpt-0000008", "ckpt-0000009"]),
+                            ("Y", "ckpt-0000001, ckpt-0000002", ["ckpt-0000010"])):
+        printed, before = runs[out]
+        out = str(tmp_path / out)
+        # Every checkpoint --out held went aside, named in one line, in a directory of its own.
+        moved = [line for line in printed.splitlines() if "are moved to" in line]
+        assert len(moved) == 1 and f"not one of {out}'s own checkpoints" in moved[0], printed
+        aside = re.search(r"\(([^)]*)\) are moved to (\S+);", moved[0])
+        assert aside.group(1) == held and os.path.dirname(aside.group(2)) == out, moved[0]
+        assert sorted(os.listdir(aside.group(2))) == held.split(", ")
+        # Nothing deleted: every checkpoint file from before is on disk, byte for byte; --keep
+        # pruned only this run's own.
+        lost = before - _checkpoint_files(out)
+        assert not lost, sorted(f"{checkpoint}/{name}" for checkpoint, name, _ in lost)
+        assert [os.path.basename(p) for p in snapshot.checkpoints(out)] == kept
 
 
 def test_export_path_is_checked_before_any_work(tmp_path):

@@ -443,6 +443,95 @@ def test_a_checkpoint_without_its_fields_stops_every_rank(saved_run, tmp_path):
         assert f"delete {root}/ckpt-0000004" in line, line
 
 
+@pytest.mark.parametrize("argv, says", [
+    # The issue's case: --overwrite would delete the weights before they are read.
+    (["--init-from", "IA", "--out", "IA", "--overwrite"], "--out IA is --init-from IA, the weights this "
+                                                          "run starts from: its checkpoints would mix with "
+                                                          "them, --keep and --overwrite delete them; give "
+                                                          "an --out apart from them"),
+    (["--init-from", "IA/ckpt-0000004", "--out", "IA", "--overwrite"], "--out IA holds --init-from "
+                                                                       "IA/ckpt-0000004, the weights"),
+    (["--init-from", "IA", "--out", "IA/ckpt-0000002/tuned"], "--out IA/ckpt-0000002/tuned lies inside "
+                                                              "--init-from IA, the weights"),
+    (["--init-from", "IA", "--out", "LINK", "--overwrite"], "--out LINK is --init-from IA (resolved: "
+                                                            "REAL and REAL), the weights"),
+    (["--init-from", "LINK", "--lora", "--out", "IA"], "--out IA is --init-from LINK (resolved: REAL and "
+                                                       "REAL), the weights"),
+    (["--out", "IA/ckpt-0000004", "--resume", "IA/ckpt-0000004"],
+     "--out IA/ckpt-0000004 is --resume IA/ckpt-0000004: the run would write into the checkpoint it "
+     "continues; give the run directory holding it (--out IA) or another"),
+    (["--init-from", "MODEL", "--export", "MODEL"], "--export MODEL is --init-from MODEL, which this run "
+                                                    "reads: the file --export writes would replace it; "
+                                                    "give another path"),
+    (["--init-from", "IA", "--export", "IA/ckpt-0000004/rank00000.pt"],
+     "--export IA/ckpt-0000004/rank00000.pt lies inside --init-from IA, which this run reads"),
+    (["--data", "TEXT", "--export", "TEXT"], "--export TEXT is --data TEXT, which this run reads"),
+])
+def test_an_output_that_meets_an_input_is_refused_before_anything_is_deleted(argv, says, saved_run,
+                                                                            tmp_path, capsys):
+    import shutil
+    ia, link, model, text = tmp_path / "ia", tmp_path / "link", tmp_path / "model.pt", tmp_path / "text"
+    shutil.copytree(saved_run, ia)
+    link.symlink_to(ia)
+    torch.save({"model": {}, "state_dict": {}}, model)           # what --init-from takes as an export
+    text.write_text("ab" * 1000)
+    paths = {"IA": str(ia), "LINK": str(link), "REAL": os.path.realpath(ia), "MODEL": str(model),
+             "TEXT": str(text)}
+    fill = lambda words: re.sub("IA|LINK|REAL|MODEL|TEXT", lambda found: paths[found.group()], words)
+    before = _files(tmp_path)
+    code, stderr = _usage_error([*QUICK, *map(fill, argv)], capsys)
+    assert code == 2 and fill(says) in _one_error_line(stderr), stderr
+    assert _files(tmp_path) == before                            # nothing on disk changed
+
+
+def test_a_cuda_memory_snapshot_onto_an_input_is_refused(saved_run, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    rank_file = str(saved_run / "ckpt-0000004" / "rank00000.pt")
+    code, stderr = _usage_error([*QUICK, "--init-from", str(saved_run), "--memory-snapshot", rank_file],
+                                capsys)
+    assert code == 2 and (f"--memory-snapshot {rank_file} lies inside --init-from {saved_run}, which this "
+                          f"run reads") in _one_error_line(stderr), stderr
+
+
+def test_an_output_beside_an_input_is_not_refused(saved_run, tmp_path):
+    import shutil
+    import train
+    ia = tmp_path / "ia"
+    shutil.copytree(saved_run, ia)
+    # The run directory holding the checkpoint resumed (a resume's usual case), and an export
+    # beside the checkpoints --init-from reads.
+    train.parse_args([*QUICK, "--out", str(ia), "--resume", str(ia / "ckpt-0000002")])
+    train.parse_args([*QUICK, "--init-from", str(ia), "--out", str(tmp_path / "tuned"),
+                      "--export", str(ia / "model.pt")])
+
+
+def test_a_missing_rank_file_is_named_missing_not_corrupt(saved_run, tmp_path):
+    import shutil
+    snapshot = __import__("snapshot")
+    root = tmp_path / "run"
+    shutil.copytree(saved_run, root)
+    checkpoint = root / "ckpt-0000004"
+    (checkpoint / "rank00001.pt").unlink()                      # a copy that left one out
+    with pytest.raises(snapshot.CheckpointError) as error:
+        snapshot.load(str(checkpoint))
+    assert str(error.value) == (f"{checkpoint}/rank00001.pt is missing: {checkpoint} was saved by 2 "
+                                f"ranks, one file each (rank00000.pt to rank00001.pt); copy the "
+                                f"checkpoint directory whole, or delete {checkpoint} to resume from "
+                                f"the checkpoint before it")
+
+
+@pytest.mark.parametrize("flag", ["--out", "--profile"])
+def test_a_dangling_symlink_is_named_with_its_target(flag, tmp_path, capsys):
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    for path in (link, link / "run"):                           # the directory itself, or above it
+        code, stderr = _usage_error([flag, str(path)], capsys)
+        assert code == 2 and (f"{flag} {path}: {link} is a symbolic link to {tmp_path / 'gone'}, which "
+                              f"does not exist: create that directory, remove the link, or give "
+                              f"another {flag}") in _one_error_line(stderr), stderr
+    assert not os.path.lexists(tmp_path / "gone")
+
+
 def test_resuming_a_finished_run_says_so_and_trains_nothing(saved_run, tmp_path):
     import shutil
     root = tmp_path / "run"
@@ -548,6 +637,62 @@ def test_every_rank_stops_a_diverged_run_at_the_same_step():
     messages = run_ranks(_diverge_on_two_ranks, 2, [*DIVERGING, "--strategy", "ddp", "--log-every", "1"])
     assert messages[0] is not None and messages[0].startswith("step 1: the loss ") and messages == [
         messages[0]] * 2, messages
+
+
+def _stop_of(argv):
+    """train.main(argv) on this rank: (its logged losses, its RunError's message or None)."""
+    try:
+        return train_logged(argv)[0]["losses"], None
+    except __import__("snapshot").RunError as e:
+        return None, str(e)
+
+
+def _diverged_resumes(out):
+    """One step at --lr 10 saves ckpt-1 at the healthy first loss, with weights whose next loss is
+    in the thousands; it is resumed at a sane --lr twice: as saved, then with first_loss removed
+    from its meta.json (a checkpoint from before it was saved). (first loss, each resume's stop)"""
+    first = train_logged([*DIVERGING, "--log-every", "1", "--steps", "1", "--out", out])[0]["losses"][0]
+    meta = os.path.join(out, "ckpt-0000001", "meta.json")
+    saved = __import__("json").load(open(meta))
+    stops = [_stop_of([*DIVERGING, "--log-every", "1", "--lr", "1e-4", "--out", out, "--resume"])[1]]
+    del saved["first_loss"]
+    __import__("json").dump(saved, open(meta, "w"))
+    stops.append(_stop_of([*DIVERGING, "--log-every", "1", "--lr", "1e-4", "--out", out, "--resume"])[1])
+    return first, stops
+
+
+def test_a_resumed_run_keeps_the_divergence_limit_of_its_start(tmp_path):
+    first, (saved, older) = run_ranks(_diverged_resumes, 1, str(tmp_path / "run"))[0]
+    # The limit is K x max(first loss, ln V) of the run's start (4 x 5.57), not of its first
+    # resumed loss (thousands): the diverged weights stop at once. A checkpoint saved without
+    # the first loss falls back on ln V, a run from scratch's start.
+    for stop, base in ((saved, max(first, math.log(256))), (older, math.log(256))):
+        assert stop is not None and stop.startswith("step 1: the loss "), stop
+        loss = float(re.match(r"step 1: the loss (\S+) is over", stop).group(1))
+        assert loss > 4 * base and f"is over --max-loss-growth 4 x {base:.4g} (the larger" in stop, stop
+
+
+def _fine_tunes(root):
+    """A model trained on "abab..." (its loss falls well below ln V), fine-tuned on it at --lr
+    0.3 and at --lr 1: what each logged, or how it stopped."""
+    data = os.path.join(root, "ab.txt")
+    open(data, "w").write("ab" * 1000)
+    flags = ["--eval-every", "0", "--eval-batches", "1", "--seq-len", "16", "--batch-size", "4",
+             "--warmup", "0", "--log-every", "1", "--data", data]
+    train_logged([*flags, "--steps", "10", "--lr", "3e-3", "--out", os.path.join(root, "base")])
+    return [_stop_of([*flags, "--steps", "4", "--lr", lr, "--init-from", os.path.join(root, "base")])
+            for lr in ("0.3", "1")]
+
+
+def test_a_fine_tuning_run_below_ln_v_stops_at_k_ln_v(tmp_path):
+    (climbs, _), (_, stop) = run_ranks(_fine_tunes, 1, str(tmp_path))[0]
+    first = climbs[0]
+    limit = 4 * max(first, math.log(256))            # --max-loss-growth 4, the formula of Divergence
+    assert first < math.log(256) / 2, climbs         # fine-tuning: well below a uniform guess's loss
+    # A climb past 4 x the first loss but under the limit trains on; a loss over it stops.
+    assert any(4 * first < loss <= limit for loss in climbs.values()), climbs
+    loss = float(re.match(r"step 1: the loss (\S+) is over", stop).group(1))
+    assert loss > limit and f"over --max-loss-growth 4 x {max(first, math.log(256)):.4g} (" in stop, stop
 
 
 # ---- one mesh: tensor x context x pipeline x data parallel (parallelize.py) -----------------
