@@ -179,7 +179,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     data = TextData.from_file(args.data)
     say_header(args, gpt, job.napkin, log, mesh.dp.world_size, threads, device)
     history = {"losses": {}, "live_bytes": {}, "napkin": job.napkin, "held": {}}     # this rank's
-    step_done = start_profiling(args, rank, world_size)
+    step_done = start_profiling(args, rank, world_size, device)
     evaluate = lambda: eval_loss(model, data, args, mesh.dp.rank, mesh.dp.world_size, device, job.my_tokens)
     if args.init_from and start == 0:          # fine-tuning: where the new text starts from
         history["eval_loss_before"] = evaluate()

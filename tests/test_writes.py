@@ -251,3 +251,34 @@ def test_weights_kept_nowhere_say_so(tmp_path, monkeypatch):
     line = snapshot.kept_weights(str(tmp_path / "m.pt"), io.BytesIO(b"weights"), None)
     assert line == (f"The trained weights are lost: {tmp_path / 'file' / 'tmp'} could not take them "
                     f"either (Not a directory); --out DIR keeps a checkpoint of them"), line
+
+
+# ---- --profile: a trace cut short stops the run -----------------------------------------------
+
+def _profile_cut_short(directory):
+    """A ddp run under --profile where rank 1's trace is cut short, as torch's C++ writer leaves
+    it on a full disk: no error (a line in its own log), the blocks that fit in path.tmp, which
+    it renames to path only once written whole."""
+    if dist.get_rank() == 1:
+        export = torch.profiler.profile.export_chrome_trace
+
+        def cut_short(self, path):
+            export(self, path)
+            os.rename(path, path + ".tmp")
+            os.truncate(path + ".tmp", 4096)
+        torch.profiler.profile.export_chrome_trace = cut_short
+    try:
+        train_logged([*RUN, "--steps", "6", "--strategy", "ddp", "--profile", directory])
+    except train.RunError as e:
+        return str(e)
+
+
+def test_a_profile_trace_cut_short_stops_every_rank_with_one_line(tmp_path):
+    lines = run_ranks(_profile_cut_short, 2, str(tmp_path))
+    assert lines[0] == lines[1] and lines[0] is not None, lines
+    assert lines[0].startswith(f"--profile {tmp_path}: {tmp_path / 'trace-rank1.json'} was cut short as it "
+                               f"was written ("), lines[0]
+    assert lines[0].endswith("bytes free there: a full disk?) and is removed: free space there, or give "
+                             "another --profile directory, and rerun")
+    assert os.listdir(tmp_path) == ["trace-rank0.json"]          # rank 0's whole, rank 1's removed
+    json.load(open(tmp_path / "trace-rank0.json"))
