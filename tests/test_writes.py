@@ -282,3 +282,44 @@ def test_a_profile_trace_cut_short_stops_every_rank_with_one_line(tmp_path):
                              "another --profile directory, and rerun")
     assert os.listdir(tmp_path) == ["trace-rank0.json"]          # rank 0's whole, rank 1's removed
     json.load(open(tmp_path / "trace-rank0.json"))
+
+
+# ---- machines.py's cache: optional --------------------------------------------------------------
+
+def _this_with(cache):
+    """machines.this on one rank, its measurements stubbed (counted): (Machine, measurements)."""
+    calls = []
+    machines.block_flops_per_second = lambda *args: calls.append("flops") or 1e9
+    machines.optimizer_bandwidth = lambda device: calls.append("memory") or 2e9
+    machines.host_copy_bandwidth = lambda device: calls.append("host") or 3e9
+    return machines.this(MODELS["tiny"], 2, 16, cache=cache), calls
+
+
+def _caches(root):
+    """this() with each kind of cache that cannot be used; then with one the disk fills up
+    as it is written over. Returns {case: (flops, the measurements made)}."""
+    results = {}
+    os.makedirs(os.path.join(root, "directory.json"))               # unreadable: a directory
+    open(os.path.join(root, "file"), "w").close()
+    with open(os.path.join(root, "truncated.json"), "w") as f:
+        f.write('{"this machine": {"memory_ban')
+    for case in ("truncated.json", "directory.json", "file/this.json"):    # the last: unwritable
+        machine, calls = _this_with(os.path.join(root, case))
+        results[case] = (machine.flops["fp32"], calls)
+    full = os.path.join(root, "full.json")
+    with open(full, "w") as f:
+        f.write('{"an older entry": {}}')
+    FullDisk(20).on(machines)
+    machine, calls = _this_with(full)
+    results["full"] = (machine.flops["fp32"], calls)
+    return results
+
+
+def test_a_cache_that_cannot_be_read_or_written_is_measured_again(tmp_path):
+    [results] = run_ranks(_caches, 1, str(tmp_path))
+    for case, (flops, calls) in results.items():           # measured, and the run goes on
+        assert flops == 1e9 and sorted(calls) == ["flops", "host", "memory"], (case, calls)
+    rewritten = json.load(open(tmp_path / "truncated.json"))     # whole again, as measured
+    assert all(entry.get("flops") == 1e9 or entry.get("host_copy") == 3e9 for entry in rewritten.values())
+    assert open(tmp_path / "full.json").read() == '{"an older entry": {}}'   # not cut short
+    assert sorted(os.listdir(tmp_path)) == ["directory.json", "file", "full.json", "truncated.json"]
