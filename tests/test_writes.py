@@ -323,3 +323,34 @@ def test_a_cache_that_cannot_be_read_or_written_is_measured_again(tmp_path):
     assert all(entry.get("flops") == 1e9 or entry.get("host_copy") == 3e9 for entry in rewritten.values())
     assert open(tmp_path / "full.json").read() == '{"an older entry": {}}'   # not cut short
     assert sorted(os.listdir(tmp_path)) == ["directory.json", "file", "full.json", "truncated.json"]
+
+
+# ---- pictures.py -o ---------------------------------------------------------------------------
+
+def test_a_picture_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(pictures, "picture", lambda args: pytest.fail("worked before checking -o"))
+    out = tmp_path / "no" / "x.svg"
+    with pytest.raises(SystemExit):
+        pictures.main(["loss", str(tmp_path), "-o", str(out)])
+    assert f"error: -o {out}: no directory {tmp_path / 'no'}: create it" in capsys.readouterr().err
+
+    def read_only(**where):                   # what a read-only mount answers, to root as well
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), where["dir"])
+    monkeypatch.setattr(pictures.tempfile, "TemporaryFile", read_only)
+    with pytest.raises(SystemExit):
+        pictures.main(["loss", str(tmp_path), "-o", str(tmp_path / "x.svg")])
+    assert (f"error: -o {tmp_path / 'x.svg'}: cannot write in {tmp_path} (Read-only file "
+            f"system): choose a directory you can write to") in capsys.readouterr().err
+
+
+def test_a_picture_the_disk_cannot_take_leaves_the_old_file(tmp_path, monkeypatch):
+    (tmp_path / "log.txt").write_text("step     0 | loss 5.0000 |\nstep     1 | loss 4.0000 |\n")
+    out = tmp_path / "loss.svg"
+    out.write_text("the old picture")
+    monkeypatch.setattr(snapshot, "open", FullDisk(100).open, raising=False)
+    with pytest.raises(SystemExit) as e:
+        pictures.main(["loss", str(tmp_path), "-o", str(out)])
+    assert e.value.code == (f"pictures.py: error: -o {out}: writing it failed (No space left on device); "
+                            f"nothing partial was left: free space there, or write the picture elsewhere, "
+                            f"and rerun")
+    assert out.read_text() == "the old picture" and sorted(os.listdir(tmp_path)) == ["log.txt", "loss.svg"]
