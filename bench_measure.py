@@ -15,8 +15,10 @@ Test: python -m pytest tests/test_bench.py
 import contextlib
 import datetime
 import gc
+import json
 import os
 import platform
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ from memory import comm_bytes, ep_params, ep_state_bytes, expert_params, held_by
 from mixed_precision import DTYPES, element_state
 from model import PRESETS, build_model
 from moe import MoE
+from process_groups import gather_objects
+from snapshot import RunError
 
 MiB = 2**20
 
@@ -541,13 +545,14 @@ def moe_report(row: dict | None) -> list:
     return lines
 
 
-def start_profiling(args, rank, world_size):
+def start_profiling(args, rank, world_size, device):
     """torch.profiler over steps 2-4 (after two warm-up steps), and CUDA's allocation history.
 
     Returns a function to call after every step: it advances the profiler's schedule and
-    writes the memory snapshot once its steps are done.
+    writes the memory snapshot once its steps are done. A trace that could not be written
+    whole (check_trace) stops every rank, at the step that wrote it, with one RunError.
     """
-    profiler = None
+    profiler, traces = None, []
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         trace = os.path.join(args.profile, f"trace-rank{rank}.json")
@@ -557,7 +562,7 @@ def start_profiling(args, rank, world_size):
         profiler = torch.profiler.profile(
             activities=activities, profile_memory=True,
             schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
-            on_trace_ready=lambda p: p.export_chrome_trace(trace))
+            on_trace_ready=lambda p: traces.append(check_trace(p, trace)))
         profiler.start()
     snapshot_file, snapshot_steps = args.memory_snapshot, [0]
     if snapshot_file:
@@ -571,6 +576,10 @@ def start_profiling(args, rank, world_size):
             profiler.step()
             if last:
                 profiler.stop()
+        if traces:                                # every rank's was written at this step
+            problems = [p for p in gather_objects(traces.pop(), Comm(), device) if p]
+            if problems:
+                raise RunError(problems[0])
         if snapshot_file and snapshot_steps[0] >= 0:
             snapshot_steps[0] += 1
             if snapshot_steps[0] == 5 or last:
@@ -578,3 +587,23 @@ def start_profiling(args, rank, world_size):
                 torch.cuda.memory._record_memory_history(enabled=None)
                 snapshot_steps[0] = -1
     return step_done
+
+
+def check_trace(profiler, trace: str) -> str | None:
+    """Write profiler's chrome trace to `trace` and read it back: torch's C++ writer only logs a
+    write that fails (a full disk leaves trace.tmp cut short, its first file, and no trace).
+    None if it reads back whole; else the line that says so, what was cut short removed."""
+    profiler.export_chrome_trace(trace)
+    try:
+        with open(trace) as f:
+            json.load(f)
+        return None
+    except (OSError, ValueError):
+        directory = os.path.dirname(trace)
+        free = shutil.disk_usage(directory).free          # what the writer found
+        for cut in (trace, trace + ".tmp"):
+            with contextlib.suppress(OSError):
+                os.remove(cut)
+    return (f"--profile {directory}: {trace} was cut short as it was written ({free:,} bytes free "
+            f"there: a full disk?) and is removed: free space there, or give another --profile "
+            f"directory, and rerun")

@@ -5,11 +5,13 @@ memory streams (the optimizer step reads and writes every parameter's state), th
 (ZeRO-Offload's transfers) and, between ranks, each link's bandwidth and per-message latency.
 The presets hold datasheet figures (dense peaks, no sparsity; links one direction per GPU).
 `this` is measured on the spot by small benchmarks, never fitted to the runs it predicts, and
-cached in .cache/this-machine.json (repo-local, git-ignored; delete it to measure again).
+cached in .cache/this-machine.json (repo-local, git-ignored; delete it to measure again; where it
+cannot be read or written, as in a read-only install, every run measures again).
 Run: python machines.py (the presets); torchrun --nproc_per_node 2 machines.py --this
-Test: python -m pytest tests/test_step_time.py
+Test: python -m pytest tests/test_step_time.py tests/test_writes.py
 """
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -217,21 +219,44 @@ def collective_link(comm: Comm, device, sizes=(2**14, 2**18, 2**21)) -> Link:
 def _measured(cache: str | None, key: str, measure, comm: Comm, device, fields=()) -> dict:
     """cache[key], measured now (every rank at once) unless every rank finds it there, with
     every one of `fields` (an entry an older version wrote without one is measured again)."""
-    saved = {}
-    if cache and os.path.exists(cache):
-        with open(cache) as f:
-            saved = json.load(f)
-    have = torch.tensor([float(key in saved and all(f in saved[key] for f in fields))], device=device)
+    saved = read_cache(cache) if cache else {}
+    entry = saved.get(key)
+    have = torch.tensor([float(isinstance(entry, dict) and all(f in entry for f in fields))], device=device)
     dist.all_reduce(have, op=dist.ReduceOp.MIN, group=comm.group)       # all measure, or none
     if have.item():
-        return saved[key]
+        return entry
     saved[key] = {**measure(), "measured": time.strftime("%Y-%m-%d %H:%M")}
     if cache and comm.rank == 0:
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        with open(cache + ".tmp", "w") as f:
-            json.dump(saved, f, indent=1)
-        os.replace(cache + ".tmp", cache)                   # a reader never sees half a file
+        write_cache(cache, saved)
     return saved[key]
+
+
+def read_cache(cache: str) -> dict:
+    """The cache's entries; none where it is missing, unreadable or not what write_cache writes
+    (a cache only saves time: what it lacks is measured again)."""
+    try:
+        with open(cache) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):               # ValueError: cut short, or not JSON at all
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def write_cache(cache: str, saved: dict):
+    """saved into the cache whole (written beside it, then renamed over it: a reader never sees
+    half a file), or not at all: where it cannot be written (a read-only install, a full disk)
+    the cache stays as it was and the run goes on, measuring again next time."""
+    tmp = f"{cache}.{os.getpid()}.tmp"          # per process: two runs never write one file
+    try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(saved, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())                # on disk before the rename: a crash keeps it whole
+        os.replace(tmp, cache)
+    except OSError:
+        with contextlib.suppress(OSError):                # left half-written by a full disk
+            os.remove(tmp)
 
 
 def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm: Comm | None = None,
@@ -254,7 +279,7 @@ def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm:
     flops = _measured(cache, f"{key}, {block} at {rows} x {seq_len}",
                       lambda: {"flops": block_flops_per_second(cfg, rows, seq_len, precision, device, split,
                                                                window)},
-                      comm, device)["flops"]
+                      comm, device, fields=("flops",))["flops"]
     link = Link(**m["link"])
     return Machine(f"this ({where})", {precision: flops}, {precision: flops}, m["memory_bandwidth"],
                    Link(m["host_copy"], 0.0), {"node": link, "network": link}, per_node=comm.world_size,

@@ -12,16 +12,19 @@ there are enough); loss reads directories train.py --out wrote.
 Run: python pictures.py loss runs/single runs/fsdp -o docs/loss_fsdp_vs_single.svg
      python pictures.py schedule --schedule 1f1b --stages 2 --microbatches 4 -o docs/pipeline_executed.svg
      python pictures.py memory -o docs/memory_over_a_step.svg
-Test: python -m pytest tests/test_pictures.py
+Test: python -m pytest tests/test_pictures.py tests/test_writes.py
 """
 import argparse
+import os
 import sys
+import tempfile
 import warnings
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")   # as train.py: not used
 
 import traces                                                            # noqa: E402
 from schedules import SCHEDULES, make_schedule, simulate                 # noqa: E402
+from snapshot import write_whole                                         # noqa: E402
 from svg import PALETTE, Axes, Canvas, line_chart, nice_ticks            # noqa: E402
 
 MiB = 2**20
@@ -175,6 +178,15 @@ def check(args, parser):
     """Bad input stops here, with the flag and the fix, before any rank starts."""
     if not args.out.endswith(".svg"):
         parser.error(f"-o {args.out}: the picture is SVG; name a file ending in .svg")
+    directory = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(directory):
+        parser.error(f"-o {args.out}: no directory {directory}: create it, or write the picture elsewhere")
+    try:                 # by writing, not by os.access: root passes that even on a read-only mount
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        parser.error(f"-o {args.out}: cannot write in {directory} ({e.strerror}): choose a directory "
+                     f"you can write to")
     if args.picture == "schedule":
         v = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
         if not 2 <= args.stages * v <= TINY_BLOCKS or args.microbatches < 1:
@@ -200,8 +212,11 @@ def main(argv=None):
         text = picture(args)
     except ValueError as e:
         parser.error(str(e))
-    with open(args.out, "w") as f:
-        f.write(text)
+    try:
+        write_whole(args.out, text.encode())
+    except OSError as e:             # a full disk: nothing partial is left, the old file stays
+        sys.exit(f"pictures.py: error: -o {args.out}: writing it failed ({e.strerror}); nothing "
+                 f"partial was left: free space there, or write the picture elsewhere, and rerun")
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -8,6 +8,7 @@ command line: a refused command line, a refusal or divergence found while runnin
 peer, and Ctrl-C each print one line (under torchrun once: cli.say_error) and exit with a code.
 Test: python -m pytest tests/test_train.py -k "log or interrupt or usage"
 """
+import contextlib
 import os
 import signal
 import sys
@@ -90,29 +91,40 @@ class Clock:
 
 
 class RunLog:
-    """Rank 0's lines, on stdout and (with --out) in OUT/log.txt; and the step under way, for
-    the line Ctrl-C prints."""
+    """Rank 0's lines, on stdout and (with --out) in OUT/log.txt (file: opened by
+    snapshot.own_outputs); and the step under way, for the line Ctrl-C prints."""
 
-    def __init__(self, args, rank: int, world_size: int):
-        self.rank, self.out = rank, args.out
-        self.file = snapshot.open_run(args, world_size) if args.out and rank == 0 else None
+    def __init__(self, args, rank: int, file=None):
+        self.rank, self.out, self.file = rank, args.out, file
         self.step, self.last = None, {}
 
     def say(self, line: str):
         if self.rank == 0:
             print(line, flush=True)
             if self.file:
-                print(line, file=self.file, flush=True)
+                self._write(line)
+
+    def _write(self, line: str):
+        """line into log.txt. One the disk has no room for ends the file at its last whole line,
+        and the run goes on, logging on stdout only: said once (rank 0's log is no reason to stop
+        the other ranks; a checkpoint that does not fit stops them all, saying what it needs)."""
+        whole = os.fstat(self.file.fileno()).st_size          # every earlier line was flushed
+        try:
+            print(line, file=self.file, flush=True)
+        except OSError as e:
+            file, self.file = self.file, None
+            with contextlib.suppress(OSError):    # closed all the same, its unwritten rest dropped
+                file.close()
+            with contextlib.suppress(OSError):
+                os.truncate(file.name, whole)     # shorter: needs no room
+            print(f"train.py: {file.name} cannot take more lines ({e.strerror}): from here the "
+                  f"log is on stdout only", flush=True)
 
     def say_if_changed(self, step: int, what: str, text: str):
         """'step N | text', unless the last line about `what` said the same."""
         if self.last.get(what) != text:
             self.last[what] = text
             self.say(f"step {step:5d} | {text}")
-
-    def close(self):
-        if self.file:
-            self.file.close()
 
 
 class CtrlC:

@@ -11,7 +11,7 @@ saves, resumes and exports; load_weights reads any of them on one process. (PyTo
 training calls these snapshots; activation checkpointing, recomputing in backward, is
 checkpointing.py.)
 Left out: asynchronous saving, object stores, fsync of the directory entries.
-Test: python -m pytest tests/test_snapshot.py
+Test: python -m pytest tests/test_snapshot.py tests/test_writes.py
 
 Layout:  OUT/ckpt-0000100/{meta.json, rank00000.pt, ...}   written as ckpt-0000100.tmp first
          OUT/lock                     the run writing OUT: host, pid, start time
@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import time
 import traceback
 from typing import NamedTuple
@@ -118,11 +119,28 @@ def _new_directory(path: str) -> str:
             candidate = f"{path}-{n}"
 
 
+def write_whole(path: str, data, replace: bool = True):
+    """path holds data whole, or is left as it was: data is written beside it first (fsynced),
+    then renamed over it (replace), or hard-linked to it (not replace: a link, unlike a rename,
+    fails where path exists, FileExistsError). A write that fails, a full disk's halfway,
+    removes its partial file and raises its OSError, naming path."""
+    tmp = f"{path}.{socket.gethostname()}-{os.getpid()}.tmp"      # no other writer's, even on NFS
+    try:
+        write_file(tmp, data)
+        (os.replace if replace else os.link)(tmp, path)
+    except OSError as e:          # a failed write() names no file: this one names path (EEXIST:
+        raise OSError(e.errno, e.strerror, path) from None       # still a FileExistsError)
+    finally:
+        with contextlib.suppress(FileNotFoundError):        # renamed, or never created
+            os.remove(tmp)
+
+
 # ---- the run directory's owner ----------------------------------------------------------------
 # Two runs writing one --out replace each other's checkpoints and interleave one log. The run
-# writing OUT holds OUT/lock, created atomically (O_EXCL: the second creator fails), and
-# removes it when it ends. A run killed outright leaves it behind: stale once its process is
-# gone, which only its own host can see.
+# writing OUT holds OUT/lock, and removes it when it ends. The lock appears whole, with its
+# owner in it (write_whole's link: of two runs, the second's link fails), so a run that finds
+# one always finds whom it belongs to. A run killed outright leaves it behind: stale once its
+# process is gone, which only its own host can see.
 
 LOCK = "lock"
 
@@ -136,18 +154,16 @@ def lock(out_dir: str) -> str:
     """
     path, note = os.path.join(out_dir, LOCK), ""
     for _ in range(3):       # each pass takes the lock, or finds it held (a stale one is removed)
+        owner = {"host": socket.gethostname(), "pid": os.getpid(),
+                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            write_whole(path, json.dumps(owner).encode(), replace=False)
+            return note
         except FileExistsError:
             held = _read(path)
-            if held is not None:                     # None: released since open() saw it
+            if held is not None:                     # None: released since the link found it
                 note = _stale_lock(out_dir, path, held)
                 _remove_if_unchanged(path, held)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump({"host": socket.gethostname(), "pid": os.getpid(),
-                       "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
-        return note
     raise RunError(f"--out {out_dir}: other runs keep taking and releasing {path}: run one at a time")
 
 
@@ -162,9 +178,9 @@ def unlock(out_dir: str):
 def _stale_lock(out_dir: str, path: str, held: str) -> str:
     """The log's line for a lock whose process is gone; RunError if it may still be running."""
     holder = _holder(held)
-    if holder is None:          # empty: a run that started this instant has not written it yet
-        raise RunError(f"--out {out_dir}: {path} exists but names no run (another run starting "
-                       f"now, or a damaged file): if no run uses {out_dir}, delete {path}")
+    if holder is None:          # a lock appears whole (lock): this one was damaged since
+        raise RunError(f"--out {out_dir}: {path} exists but names no run (a damaged file): if no "
+                       f"run uses {out_dir}, delete {path}")
     who = f"pid {holder['pid']} on {holder['host']}, started {holder.get('started', '?')}"
     if holder["host"] != socket.gethostname():
         raise RunError(f"--out {out_dir} is in use by another run ({who}; {path}); a pid on "
@@ -535,10 +551,10 @@ def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> tuple
     return meta["step"], math.log(gpt.cfg.vocab_size) if first_loss is None else first_loss
 
 
-def check_export(path: str):
-    """--export's file can be written: no directory, in a directory that exists and takes a
-    file there. Checked before any work, so trained weights are never lost to a bad path at
-    the end: RunError naming the fix otherwise."""
+def check_export(path: str, nbytes: int = 0):
+    """--export's file can be written: no directory, in a directory that exists, takes a file
+    there and has room for its nbytes. Checked before any work, so trained weights are never
+    lost to a bad path at the end: RunError naming the fix otherwise."""
     if os.path.isdir(path):
         raise RunError(f"--export {path} is a directory: give the file to write, e.g. "
                        f"{os.path.join(path, 'model.pt')}")
@@ -552,16 +568,56 @@ def check_export(path: str):
     except OSError as e:
         raise RunError(f"--export {path}: cannot write there ({e.strerror}): choose a directory "
                        f"rank 0 can write to") from None
+    free = shutil.disk_usage(parent).free
+    if free < nbytes:
+        raise RunError(f"--export {path}: {parent} has {free:,} bytes free, the model's fp32 weights "
+                       f"need {nbytes:,} ({nbytes / 2**20:.1f} MiB): free space there, or export elsewhere")
 
 
-def export(path, gpt, optimizer, layout: Layout, rank, lora_config=None):
-    """One consolidated fp32 file: {"model": config, "state_dict": weights}, written by rank 0.
-    Collective. The frozen weights are whole throughout (folding reads a 4-bit base)."""
+def export(path, gpt, optimizer, layout: Layout, rank, lora_config=None, out: str | None = None):
+    """One consolidated fp32 file: {"model": config, "state_dict": weights}, written whole by
+    rank 0 (write_whole). Collective. The frozen weights are whole throughout (folding reads a
+    4-bit base). A file the disk does not take stops every rank with rank 0's line, which says
+    where the trained weights are kept instead (kept_weights; out: the run's --out)."""
+    device = next(gpt.parameters()).device
     with frozen_whole(optimizer):
-        _export(path, gpt, optimizer, layout, rank, lora_config)
+        saved = _export(gpt, optimizer, layout, rank, lora_config, device)
+    problem = None
+    if rank == 0:
+        # Serialized in memory: torch's own file writer turns a full disk's OSError into an
+        # opaque RuntimeError, and a failed write must say why and keep the bytes.
+        data = io.BytesIO()
+        torch.save(saved, data)
+        try:
+            write_whole(path, data.getbuffer())
+        except OSError as e:
+            full = " (the disk or quota is full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            problem = (f"--export {path}: writing its {data.getbuffer().nbytes:,} bytes failed: "
+                       f"{e.strerror}{full}; nothing partial was left. {kept_weights(path, data, out)}")
+    verdict = gather_objects(problem, Comm(), device)[0]          # rank 0's, on every rank
+    if verdict:
+        raise RunError(verdict)
 
 
-def _export(path, gpt, optimizer, layout: Layout, rank, lora_config):
+def kept_weights(path: str, data: io.BytesIO, out: str | None) -> str:
+    """Where the weights --export could not write are: the run's last checkpoint (saved after
+    the last step), or else a file written now in the temporary directory."""
+    checkpoint = latest(out) if out else None
+    if checkpoint:
+        return (f"The trained weights are in {checkpoint}: free space and rerun the same command "
+                f"with --resume to export them")
+    stem, ext = os.path.splitext(os.path.basename(path))
+    kept = os.path.join(tempfile.gettempdir(), f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}{ext}")
+    try:
+        write_whole(kept, data.getbuffer())
+    except OSError as e:
+        return (f"The trained weights are lost: {os.path.dirname(kept)} could not take them either "
+                f"({e.strerror}); --out DIR keeps a checkpoint of them")
+    return f"The trained weights are kept in {kept} (train.load_weights reads it): move it to {path}"
+
+
+def _export(gpt, optimizer, layout: Layout, rank, lora_config, device) -> dict | None:
+    """export's dict of the whole model on rank 0 (None on the others)."""
     pieces = [{**p, "tensors": {"param": p["tensors"]["param"]}, "scalars": {}}
               for p in rank_pieces(gpt, optimizer, layout)]
     split = layout.split is not None or layout.experts is not None
@@ -570,18 +626,18 @@ def _export(path, gpt, optimizer, layout: Layout, rank, lora_config):
         # A 4-bit W0 is buffers, not a parameter: dequantized here, where its codes live, and
         # gathered as the plain weight it stands for (the whole shapes below are meta).
         pieces += [whole_piece(name, w) for name, w in lora.dequantized_weights(gpt).items()]
-    gathered = gather_objects(pieces, Comm(), next(gpt.parameters()).device, dst=0)
-    if rank == 0:
-        shapes = gpt
-        if split:
-            with torch.device("meta"):     # whole shapes (a rank holds slices or a stage), no memory
-                shapes = GPT(gpt.cfg)
-                if lora_config:            # a 4-bit W0 as the plain weight the pieces above hold
-                    lora.apply_lora(shapes, **{**lora_config, "quantize": None, "double_quant": False})
-        weights = Pieces([p for part in gathered for p in part]).full_state_dict(shapes)
-        weights = lora.fold_adapters(weights, shapes)         # LoRA: merged into W0; else as is
-        torch.save({"model": model_config(gpt), "state_dict": weights}, path + ".tmp")
-        os.replace(path + ".tmp", path)
+    gathered = gather_objects(pieces, Comm(), device, dst=0)
+    if rank != 0:
+        return None
+    shapes = gpt
+    if split:
+        with torch.device("meta"):     # whole shapes (a rank holds slices or a stage), no memory
+            shapes = GPT(gpt.cfg)
+            if lora_config:            # a 4-bit W0 as the plain weight the pieces above hold
+                lora.apply_lora(shapes, **{**lora_config, "quantize": None, "double_quant": False})
+    weights = Pieces([p for part in gathered for p in part]).full_state_dict(shapes)
+    weights = lora.fold_adapters(weights, shapes)         # LoRA: merged into W0; else as is
+    return {"model": model_config(gpt), "state_dict": weights}
 
 
 def load_weights(path: str, gpt: GPT | None = None) -> GPT:
@@ -628,39 +684,45 @@ def names(gpt: GPT) -> dict:
 
 def open_run(args, world_size: int):
     """Rank 0's run directory (--out): cleared first under --overwrite, its config.json written
-    unless a resume finds one, its log.txt opened for appending (returned)."""
+    (whole: write_whole) unless a resume finds one, its log.txt opened for appending (returned)."""
     if args.overwrite:
         clear(args.out)                          # asked for: the old run's checkpoints go
     os.makedirs(args.out, exist_ok=True)
     config = os.path.join(args.out, "config.json")
     if not (args.resume and os.path.exists(config)):        # the run's own, not a resume's
-        with open(config, "w") as f:
-            json.dump({**vars(args), "world_size": world_size}, f, indent=1)
+        write_whole(config, json.dumps({**vars(args), "world_size": world_size}, indent=1).encode())
     return open(os.path.join(args.out, "log.txt"), "a")
 
 
 @contextlib.contextmanager
-def own_outputs(args, rank, device):
-    """Rank 0 checks --export's path and takes --out's lock (snapshot.lock) before any work;
-    every rank stops with rank 0's verdict (those files are rank 0's: another node may not even
-    see their paths). Yields the log's line on a stale lock taken over ("" if none); the lock
-    goes when the run ends: done, failed or interrupted (a killed run's stays, stale)."""
-    problem, took_over = None, ""
+def own_outputs(args, rank, device, export_bytes: int = 0):
+    """Rank 0 checks --export's path and room for its export_bytes, takes --out's lock
+    (snapshot.lock) and opens the run directory (open_run) before any work; every rank stops
+    with rank 0's verdict (those files are rank 0's: another node may not even see their paths).
+    Yields (the log's line on a stale lock taken over, "" if none; log.txt on rank 0, else None);
+    the lock goes when the run ends: done, failed or interrupted (a killed run's stays, stale)."""
+    problem, took_over, log = None, "", None
     try:
         if rank == 0:
             try:
                 if args.export:
-                    check_export(args.export)
-                took_over = lock(args.out) if args.out else ""
+                    check_export(args.export, export_bytes)
+                if args.out:
+                    took_over = lock(args.out)
+                    log = open_run(args, dist.get_world_size())
             except RunError as e:
                 problem = str(e)
-            except OSError as e:             # the lock file itself cannot be written or moved
-                problem = f"--out {args.out}: cannot take its lock {e.filename} ({e.strerror})"
+            except OSError as e:             # the lock, config.json, log.txt cannot be written
+                problem = (f"--out {args.out}: cannot write {e.filename} ({e.strerror}): "
+                           + ("free space there" if e.errno in (errno.ENOSPC, errno.EDQUOT) else
+                              "give a directory rank 0 can write to") + ", and rerun")
         verdict = gather_objects(problem, Comm(), device)[0]       # rank 0's, on every rank
         if verdict:
             raise RunError(verdict)
-        yield took_over
+        yield took_over, log
     finally:
+        if log:
+            log.close()
         if rank == 0 and args.out:
             unlock(args.out)          # only if this process holds it
 

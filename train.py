@@ -38,8 +38,9 @@ from bench_measure import start_profiling
 from cli import describe_run, parse_args
 from data import TextData
 from memory import held_bytes, live_numel, live_tensor_bytes
-from mesh_checks import mesh_splits
+from mesh_checks import mesh_splits, moe_config
 from meters import saved_activation_bytes
+from model import build_model
 from parallelize import build, dimension_report, lora_config
 from process_groups import cpu_threads, exit_distributed, global_mean, init_distributed
 from run_log import (Clock, RunLog, finish, measured_memory, predicted_activations, predicted_memory,
@@ -154,8 +155,9 @@ def main(argv=None, live_bytes: bool = False, logs: list | None = None) -> dict:
     # The command line shares this node's cores among its ranks; a caller in Python (a test's
     # ranks, one thread each) keeps its own count unless --threads says otherwise.
     threads = cpu_threads(args.threads, device, bool(args.offload)) if argv is None or args.threads else ""
-    with own_outputs(args, dist.get_rank(), device) as took_over:
-        log = RunLog(args, dist.get_rank(), dist.get_world_size())
+    export_size = export_bytes(args) if args.export else 0
+    with own_outputs(args, dist.get_rank(), device, export_size) as (took_over, file):
+        log = RunLog(args, dist.get_rank(), file)
         if logs is not None:
             logs.append(log)
         for line in [took_over] if took_over else []:
@@ -178,7 +180,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     data = TextData.from_file(args.data)
     say_header(args, gpt, job.napkin, log, mesh.dp.world_size, threads, device)
     history = {"losses": {}, "live_bytes": {}, "napkin": job.napkin, "held": {}}     # this rank's
-    step_done = start_profiling(args, rank, world_size)
+    step_done = start_profiling(args, rank, world_size, device)
     evaluate = lambda: eval_loss(model, data, args, mesh.dp.rank, mesh.dp.world_size, device, job.my_tokens)
     if args.init_from and start == 0:          # fine-tuning: where the new text starts from
         history["eval_loss_before"] = evaluate()
@@ -215,10 +217,18 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     history["eval_loss"] = evaluate()
     log.say(f"done | eval loss {history['eval_loss']:.4f}")
     if args.export:
-        snapshot.export(args.export, gpt, optimizer, layout, rank, lora_config(args))
+        snapshot.export(args.export, gpt, optimizer, layout, rank, lora_config(args), args.out)
         log.say(f"exported {args.export}: fp32 weights; train.load_weights({args.export!r}) loads them")
-    log.close()
     return history
+
+
+def export_bytes(args) -> int:
+    """About the bytes of --export's file: every parameter of the model in fp32 and its record's
+    header (under 1 KiB). Counted on the meta device: no memory; a LoRA run exports its adapters
+    folded into the base's shapes."""
+    with torch.device("meta"):
+        gpt = build_model(args.model, **moe_config(args))
+    return sum(4 * p.numel() + 2**10 for p in gpt.parameters())
 
 
 def say_header(args, gpt, napkin, log, data_size, threads, device):

@@ -421,7 +421,8 @@ def _disk_full_at_step_6(out):
     rank, fsync, part_bytes = torch.distributed.get_rank(), os.fsync, []
 
     def full(fd):
-        if os.fstat(fd).st_size and len(part_bytes) < 2:     # the parts of checkpoints 3 and 6
+        # the parts of checkpoints 3 and 6: megabytes (the lock and config.json: a few hundred bytes)
+        if os.fstat(fd).st_size > 2**16 and len(part_bytes) < 2:
             part_bytes.append(os.fstat(fd).st_size)
             if rank == 1 and len(part_bytes) == 2:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
