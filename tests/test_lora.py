@@ -8,6 +8,7 @@ WEIGHT_ATOL).
 import argparse
 import os
 import pydoc
+import shutil
 
 import pytest
 import torch
@@ -218,3 +219,60 @@ def test_checkpoint_holds_only_the_adapter_and_resumes_exactly(pretrained):
     # The run directory alone gives the merged model (base + adapter), on one process.
     from_dir = train.load_weights(run_dir).state_dict()
     _same_weights(from_dir, _weights(root / "straight.pt"), atol=MERGE_ATOL)
+
+
+# ---- resuming under fsdp: the frozen base sharded, the adapter continued -------------------------
+
+# name: (the strategy that saved, its flags, the flags the fsdp resume adds)
+FSDP_RESUMES = {"lora": ("fsdp", [], []),
+                "nf4": ("fsdp", ["--quantize-base", "nf4"], []),
+                "nf4-offload-dq": ("fsdp", ["--quantize-base", "nf4", "--double-quant", "--offload", "params"], []),
+                "tp-to-fsdp": ("tp", ["--tp", "2"], [])}
+
+
+def _resume_under_fsdp(root, other):
+    """On 2 ranks, each of FSDP_RESUMES: 6 steps saving at 3 (the uninterrupted run), then a copy
+    of its run directory cut back to step 3 resumed under fsdp (with the saved run's flags but
+    --tp). Returns {name: (uninterrupted history, resumed history)}."""
+    out = {}
+    for name, (strategy, flags, _) in FSDP_RESUMES.items():
+        saved, resumed = os.path.join(root, name + "-saved"), os.path.join(root, name + "-resumed")
+        straight = _fine_tune(root, other, strategy, name + "-saved", [*flags, "--out", saved, "--save-every", "3"])
+        if torch.distributed.get_rank() == 0:                  # as if it had stopped at step 3
+            shutil.copytree(saved, resumed, ignore=shutil.ignore_patterns("ckpt-0000006"))
+        torch.distributed.barrier()
+        again = [f for f in flags if strategy == "fsdp" or f not in ("--tp", "2")]
+        out[name] = straight, _fine_tune(root, other, "fsdp", name + "-resumed", [*again, "--out", resumed, "--resume"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_resumes(pretrained):
+    root, other = pretrained
+    return root, run_ranks(_resume_under_fsdp, 2, root, other)[0]
+
+
+@pytest.mark.parametrize("name", ["lora", "nf4", "nf4-offload-dq"])
+def test_fsdp_lora_resumes_exactly(fsdp_resumes, name):
+    """FSDP shards the frozen base (4-bit or not, on the device or the host): a resume loads the
+    adapter into the shards and continues as the uninterrupted run, bit for bit (the same ranks,
+    the same sums)."""
+    root, runs = fsdp_resumes
+    straight, again = runs[name]
+    assert list(again["losses"]) == [3, 4, 5]
+    assert again["losses"] == {s: straight["losses"][s] for s in (3, 4, 5)}
+    assert again["eval_loss"] == straight["eval_loss"]
+    _same_weights(_weights(root / f"{name}-resumed.pt"), _weights(root / f"{name}-saved.pt"))
+
+
+def test_a_tp_lora_checkpoint_resumes_under_fsdp(fsdp_resumes):
+    """Saved by tp's split adapters, continued by fsdp's shards: the same model, to the fp32 noise
+    of the reordered sums (test_snapshot's LOSS_RTOL, WEIGHT_ATOL)."""
+    root, runs = fsdp_resumes
+    straight, again = runs["tp-to-fsdp"]
+    assert list(again["losses"]) == [3, 4, 5]
+    for step, loss in again["losses"].items():
+        assert loss == pytest.approx(straight["losses"][step], rel=LOSS_RTOL), step
+    _same_weights(_weights(root / "tp-to-fsdp-resumed.pt"), _weights(root / "tp-to-fsdp-saved.pt"),
+                  atol=WEIGHT_ATOL)
+
