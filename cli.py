@@ -573,5 +573,55 @@ def check_resume(parser, args, path: str):
         parser.error(f"--lora: {path} is a run trained without LoRA (whole weights): resume it without "
                      f"--lora, or fine-tune it with --lora --init-from {path} and a new --out")
     if base and not args.init_from:
-        parser.error(f"--resume {path}: the run's adapters fine-tune the frozen base {base}: add "
-                     f"--init-from {base}")
+        parser.error(f"--resume {path}: the run's adapters fine-tune the frozen base {base}: "
+                     + _base_fix(meta, "add"))
+    if lora_run and args.lora:
+        check_same_adapter(parser, args, path, meta)
+
+
+# A LoRA checkpoint's settings that its pieces or its base depend on: (flag, its apply_lora
+# argument as meta.json's "lora" holds it, this run's value, the flag's words for a value).
+ADAPTER_FLAGS = (
+    ("--lora-rank", "rank", lambda a: a.lora_rank, lambda v: f"--lora-rank {v}"),
+    ("--lora-targets", "targets", lambda a: sorted(a.lora_targets.split(",")),
+     lambda v: f"--lora-targets {','.join(v)}"),
+    ("--quantize-base", "quantize", lambda a: a.quantize_base,
+     lambda v: f"--quantize-base {v}" if v else "no --quantize-base"),
+    ("--double-quant", "double_quant", lambda a: a.double_quant,
+     lambda v: "--double-quant" if v else "no --double-quant"))
+
+
+def check_same_adapter(parser, args, path: str, meta: dict):
+    """A LoRA resume continues the adapter it saved, over the weights it was trained on: the
+    same rank and targets (A and B's shapes, their names), the same 4-bit rounding of the base,
+    and an --init-from holding the same weights (snapshot.base_identity), wherever they are now."""
+    for flag, key, value_of, words in ADAPTER_FLAGS:
+        saved, now = meta["lora"].get(key), value_of(args)   # (checkpoints before QLoRA: none)
+        saved = sorted(saved) if key == "targets" else bool(saved) if key == "double_quant" else saved
+        if now != saved:
+            parser.error(f"{flag}: {path}'s adapter was trained with {words(saved)}, this run asks "
+                         f"for {words(now)}: resume with {words(saved)}, or train a new adapter "
+                         f"with another --out")
+    base = meta.get("base")
+    if not base and args.init_from:
+        parser.error(f"--init-from {args.init_from}: {path}'s run was started without --init-from, "
+                     f"so its checkpoints hold the frozen weights too: resume without --init-from")
+    if not (base and meta.get("base_sha256")):          # older checkpoints record only a path
+        return
+    given = snapshot.base_identity(args.init_from)
+    if given["sha256"] != meta["base_sha256"]:
+        parser.error(f"--init-from {args.init_from} holds other weights ({given['path']}) than the "
+                     f"base {path}'s adapter was trained over, {base}: " + _base_fix(meta, "resume with"))
+
+
+def _base_fix(meta: dict, verb: str) -> str:
+    """How to give a LoRA checkpoint's base back: "{verb} --init-from BASE" while it is there as
+    recorded, else what happened to it and the fix."""
+    base = meta["base"]
+    try:
+        snapshot.check_adapter_base(meta, base)
+    except snapshot.CheckpointError:
+        what = "is missing (moved or deleted)" if not os.path.exists(base) else "has changed since"
+        return (f"that base {what}: put those weights back at {base}, or pass --init-from a copy "
+                f"of them")
+    return f"{verb} --init-from {base}"

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from collectives import ring_bytes
 from fsdp import FSDP, Gathered, Unit
+from offload import host_to_device
 from quantization import NF4Weight
 
 
@@ -68,6 +69,17 @@ class FrozenBaseUnit(Unit):
 
     def kept(self) -> list[torch.Tensor]:
         return super().kept() + ([self.frozen.shard] if self.frozen else [])
+
+    def refresh(self):
+        """The master changed: the trained flat's gathered copy is stale, not the frozen bytes.
+        Those stay as they are: a checkpoint's load writes them whole inside frozen_gathered and
+        refreshes the masters there too, and frozen_gathered copies them back to the shards at
+        its end (freed here, what it wrote would be lost). The unit gathers again at its next use."""
+        if self.compute_shard is not None:
+            host_to_device(self.compute_shard, self.master.detach())
+        self.wait()
+        self.flat.untyped_storage().resize_(0)
+        self.gathered = False
 
     def free_trained(self):
         """Drop the gathered trained flat only: the frozen bytes stay gathered, if they were

@@ -20,6 +20,7 @@ Layout:  OUT/ckpt-0000100/{meta.json, rank00000.pt, ...}   written as ckpt-00001
 import contextlib
 import dataclasses
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -405,7 +406,49 @@ def check_source(path: str):
     if not os.path.isfile(os.path.join(checkpoint, "meta.json")):
         raise CheckpointError(f"{path} holds no checkpoint (no ckpt-NNNNNNN directory with a "
                               f"meta.json in it, and no meta.json of its own); {kinds}")
-    read_meta(checkpoint)
+    meta = read_meta(checkpoint)
+    if meta.get("lora") and meta.get("base"):
+        check_adapter_base(meta, checkpoint)
+
+
+def base_identity(path: str) -> dict:
+    """The weights `path` names now, pinned for a LoRA run's checkpoints to record as their base:
+    {"path": the concrete weights (an --export file, or the checkpoint a run directory's newest
+    is), "sha256": their checksum}. A run directory that trains on names other weights later;
+    its checkpoint does not. A checkpoint's checksum is one of its parts' (meta.json's, which
+    load() verifies) and, an adapter itself, of its own base's: no second read of its files."""
+    path = os.path.abspath(path)
+    if os.path.isfile(path):
+        stat = os.stat(path)
+        return {"path": path, "sha256": _export_sha256(path, stat.st_mtime_ns, stat.st_size)}
+    checkpoint = latest(path) or path
+    meta = read_meta(checkpoint)
+    files = [f"rank{r:05d}.pt" for r in range(meta["world_size"])]
+    parts = meta.get("sha256") or {f: _file_sha256(os.path.join(checkpoint, f)) for f in files}  # older
+    return {"path": checkpoint, "sha256": _sha256(json.dumps([parts, meta.get("base_sha256")],
+                                                             sort_keys=True).encode())}
+
+
+@functools.lru_cache(maxsize=8)
+def _export_sha256(path: str, modified_ns: int, size: int) -> str:
+    """An --export file's checksum, read once a process for each version of the file: a LoRA
+    run checks its base before any work and records it in every checkpoint."""
+    return _file_sha256(path)
+
+
+def check_adapter_base(meta: dict, path: str):
+    """A LoRA checkpoint's recorded base (meta["base"]) is there and holds the weights its adapter
+    was trained on (meta["base_sha256"]; older checkpoints record none): one CheckpointError
+    naming the fix otherwise, for the adapter over any other base is another model."""
+    base = meta["base"]
+    if not os.path.exists(base):
+        raise CheckpointError(f"{path} holds a LoRA adapter over the base {base}, which is missing "
+                              f"(moved or deleted; a run's --keep prunes its old checkpoints): put "
+                              f"those weights back at {base}")
+    if meta.get("base_sha256") and base_identity(base)["sha256"] != meta["base_sha256"]:
+        raise CheckpointError(f"{path} holds a LoRA adapter trained over the base {base}, whose "
+                              f"weights have changed since (another checksum; an --export over it?): "
+                              f"put the weights it was trained on back at {base}")
 
 
 def check_same_model(saved: dict, current: dict, path: str, ignore: tuple = ()):
@@ -479,14 +522,14 @@ def frozen_whole(optimizer):
 
 
 def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_config=None,
-                    first_loss=None):
+                    first_loss=None, base: dict | None = None):
     """Every rank's shard (or the first replica's copy), RNG, loss scale; returns its path.
     Weights with inf or NaN are not saved: RunError. lora_config: apply_lora's arguments.
     first_loss: the run's first (Divergence's), which a resumed run's divergence limit keeps.
 
-    A LoRA run on an --init-from base saves only what trains, the adapter, and names the base.
+    A LoRA run on an --init-from base saves only what trains, the adapter, and names the base:
+    base, its base_identity as the run loaded it.
     """
-    base = os.path.abspath(args.init_from) if args.lora and args.init_from else None
     pieces = rank_pieces(gpt, optimizer, layout, frozen=not base)
     if not all_finite(pieces, next(gpt.parameters()).device):
         raise RunError(f"step {step}: the weights hold inf or NaN; no checkpoint written (the "
@@ -496,7 +539,8 @@ def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_
         rng["cuda"] = torch.cuda.get_rng_state()
     part = {"pieces": pieces, "rng": rng, "scaler": optimizer.scaler.state_dict()}
     meta = {"model": model_config(gpt), "args": vars(args), "data_position": step,
-            "lora": lora_config, "base": base, "loss": loss, "first_loss": first_loss}
+            "lora": lora_config, "base": base and base["path"], "base_sha256": base and base["sha256"],
+            "loss": loss, "first_loss": first_loss}
     return save(args.out, step, part, meta, keep=args.keep)
 
 
@@ -657,6 +701,7 @@ def load_weights(path: str, gpt: GPT | None = None) -> GPT:
         saved_from = GPT(GPTConfig(**config))
         if meta.get("lora"):        # a LoRA run saved its adapter; the base is meta["base"]
             if meta["base"]:
+                check_adapter_base(meta, path)
                 load_weights(meta["base"], saved_from)
             lora.apply_lora(saved_from, **meta["lora"])
         weights = pieces.full_state_dict(saved_from, missing_from_model=bool(meta.get("base")))

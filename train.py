@@ -168,6 +168,9 @@ def main(argv=None, live_bytes: bool = False, logs: list | None = None) -> dict:
 def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     """main's run, once this process owns its outputs (own_outputs), saying each step in log."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    # The weights a LoRA run's adapter trains over, pinned as build loads them: its checkpoints
+    # record them, and a resume over other weights is refused (cli.check_resume).
+    base = snapshot.base_identity(args.init_from) if args.lora and args.init_from else None
     job = build(args, device)
     gpt, model, optimizer, mesh = job.gpt, job.model, job.optimizer, job.mesh
     # The ranks holding copies of the same parameters (dp x cp: a cp group's ranks hold whole
@@ -212,7 +215,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
             clock.restart(step)                                      # time training steps only
         step_done(last=step + 1 == args.steps)
         if args.out and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
-            save(args, job, layout, log, divergence, step, loss)
+            save(args, job, layout, log, divergence, step, loss, base)
             clock.restart(step)
     history["eval_loss"] = evaluate()
     log.say(f"done | eval loss {history['eval_loss']:.4f}")
@@ -277,12 +280,13 @@ def say_step(args, job, log, clock, step, loss, kept, history, live_bytes, napki
     clock.restart(step)
 
 
-def save(args, job, layout, log, divergence, step, loss):
-    """Checkpoint after step: never a diverged run (its loss is checked first)."""
+def save(args, job, layout, log, divergence, step, loss, base):
+    """Checkpoint after step: never a diverged run (its loss is checked first). base: a LoRA
+    run's base (snapshot.base_identity), or None."""
     step_loss = loss if isinstance(loss, float) else global_mean(loss)
     divergence.check_loss(step, step_loss)
     saved = snapshot.save_checkpoint(args, step + 1, job.gpt, job.optimizer, layout, step_loss,
-                                     lora_config(args), divergence.first_loss)
+                                     lora_config(args), first_loss=divergence.first_loss, base=base)
     log.say(f"step {step:5d} | saved {saved}: named by the steps done ({step + 1}), so --resume "
             f"continues at step {step + 1} | loss {step_loss:.4f}")
 

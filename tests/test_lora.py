@@ -3,16 +3,20 @@
 fp32 on the CPU. Merging rounds W0 + (alpha/r) B A once per weight, so merged and unmerged
 outputs agree to ~1e-6 (MERGE_ATOL 1e-5); under ddp, zero2, fsdp and tp the reordered
 gradient sums keep losses within fp32 noise of one process (test_snapshot's LOSS_RTOL,
-WEIGHT_ATOL).
+WEIGHT_ATOL). A checkpoint holds the adapter and pins its base (path and checksum): it resumes
+bit for bit under the strategy that saved it (fsdp's sharded base too), and over no other base,
+rank or targets.
 """
 import argparse
 import os
 import pydoc
+import shutil
 
 import pytest
 import torch
 import torch.nn as nn
 
+import snapshot
 import train
 from lora import (LoRALinear, QLoRALinear, adapter_bytes, apply_lora, fold_adapters, load_lora,
                   lora_state_dict, merge_lora, unmerge_lora)
@@ -20,7 +24,7 @@ from memory import held_bytes, state_bytes
 from mixed_precision import MixedPrecisionOptimizer
 from model import GPT, PRESETS
 from multiprocess import run_ranks
-from test_snapshot import LOSS_RTOL, RUN, WEIGHT_ATOL, _same_weights, _weights
+from test_snapshot import LOSS_RTOL, RUN, WEIGHT_ATOL, _same_weights, _stderr_of_parse, _weights
 
 CFG = PRESETS["tiny"]
 MERGE_ATOL = 1e-5
@@ -218,3 +222,169 @@ def test_checkpoint_holds_only_the_adapter_and_resumes_exactly(pretrained):
     # The run directory alone gives the merged model (base + adapter), on one process.
     from_dir = train.load_weights(run_dir).state_dict()
     _same_weights(from_dir, _weights(root / "straight.pt"), atol=MERGE_ATOL)
+
+
+# ---- resuming under fsdp: the frozen base sharded, the adapter continued -------------------------
+
+# name: (the strategy that saved, its flags)
+FSDP_RESUMES = {"lora": ("fsdp", []),
+                "nf4": ("fsdp", ["--quantize-base", "nf4"]),
+                "nf4-offload-dq": ("fsdp", ["--quantize-base", "nf4", "--double-quant",
+                                            "--offload", "params"]),
+                "tp-to-fsdp": ("tp", ["--tp", "2"])}
+
+
+def _resume_under_fsdp(root, other):
+    """On 2 ranks, each of FSDP_RESUMES: 6 steps saving at 3 (the uninterrupted run), then a copy
+    of its run directory cut back to step 3 resumed under fsdp (with the saved run's flags but
+    --tp). Returns {name: (uninterrupted history, resumed history)}."""
+    out = {}
+    for name, (strategy, flags) in FSDP_RESUMES.items():
+        saved, resumed = os.path.join(root, name + "-saved"), os.path.join(root, name + "-resumed")
+        straight = _fine_tune(root, other, strategy, name + "-saved",
+                              [*flags, "--out", saved, "--save-every", "3"])
+        if torch.distributed.get_rank() == 0:                  # as if it had stopped at step 3
+            shutil.copytree(saved, resumed, ignore=shutil.ignore_patterns("ckpt-0000006"))
+        torch.distributed.barrier()
+        again = flags if strategy == "fsdp" else []             # tp's flags: --tp 2
+        out[name] = straight, _fine_tune(root, other, "fsdp", name + "-resumed",
+                                         [*again, "--out", resumed, "--resume"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_resumes(pretrained):
+    root, other = pretrained
+    return root, run_ranks(_resume_under_fsdp, 2, root, other)[0]
+
+
+@pytest.mark.parametrize("name", ["lora", "nf4", "nf4-offload-dq"])
+def test_fsdp_lora_resumes_exactly(fsdp_resumes, name):
+    """FSDP shards the frozen base (4-bit or not, on the device or the host): a resume loads the
+    adapter into the shards and continues as the uninterrupted run, bit for bit (the same ranks,
+    the same sums)."""
+    root, runs = fsdp_resumes
+    straight, again = runs[name]
+    assert list(again["losses"]) == [3, 4, 5]
+    assert again["losses"] == {s: straight["losses"][s] for s in (3, 4, 5)}
+    assert again["eval_loss"] == straight["eval_loss"]
+    _same_weights(_weights(root / f"{name}-resumed.pt"), _weights(root / f"{name}-saved.pt"))
+
+
+def test_a_tp_lora_checkpoint_resumes_under_fsdp(fsdp_resumes):
+    """Saved by tp's split adapters, continued by fsdp's shards: the same model, to the fp32 noise
+    of the reordered sums (test_snapshot's LOSS_RTOL, WEIGHT_ATOL)."""
+    root, runs = fsdp_resumes
+    straight, again = runs["tp-to-fsdp"]
+    assert list(again["losses"]) == [3, 4, 5]
+    for step, loss in again["losses"].items():
+        assert loss == pytest.approx(straight["losses"][step], rel=LOSS_RTOL), step
+    _same_weights(_weights(root / "tp-to-fsdp-resumed.pt"), _weights(root / "tp-to-fsdp-saved.pt"),
+                  atol=WEIGHT_ATOL)
+
+
+# ---- a LoRA checkpoint pins its base ----------------------------------------------------------
+
+def _adapters(root, base_file):
+    """On one process: a base run directory B saved at step 2; the adapter A over it (3 steps);
+    B trained on to step 3; an adapter C over no --init-from (its checkpoint holds the base);
+    an adapter E over E/base.pt, a copy of base_file, exported to E.pt."""
+    short = [*RUN, "--steps", "3", "--save-every", "3"]
+    train.main([*RUN, "--steps", "2", "--out", os.path.join(root, "B")])
+    train.main([*short, *LORA, "--init-from", os.path.join(root, "B"), "--out", os.path.join(root, "A")])
+    train.main([*RUN, "--steps", "3", "--out", os.path.join(root, "B"), "--resume"])
+    train.main([*short, *LORA, "--out", os.path.join(root, "C")])
+    os.makedirs(os.path.join(root, "E"))
+    shutil.copy(base_file, os.path.join(root, "E", "base.pt"))
+    train.main([*short, *LORA, "--init-from", os.path.join(root, "E", "base.pt"), "--out",
+                os.path.join(root, "EA"), "--export", os.path.join(root, "E.pt")])
+
+
+@pytest.fixture(scope="module")
+def adapters(pretrained, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pinned")
+    run_ranks(_adapters, 1, str(root), str(pretrained[0] / "base.pt"))
+    return root
+
+
+def _resume(root, adapter, *flags):
+    return ["--out", str(root / adapter), "--resume", str(root / adapter / "ckpt-0000003"),
+            *RUN, *LORA, *flags]
+
+
+def test_a_lora_checkpoint_names_the_concrete_base_it_trained_over(adapters):
+    """--init-from B (a run directory) named B's newest checkpoint then, step 2: the adapter's
+    base is that checkpoint, not B, whose newest is now step 3."""
+    meta = snapshot.read_meta(str(adapters / "A" / "ckpt-0000003"))
+    assert meta["base"] == str(adapters / "B" / "ckpt-0000002")
+    assert os.path.isdir(adapters / "B" / "ckpt-0000003") and len(meta["base_sha256"]) == 64
+
+
+def test_a_lora_resume_over_other_weights_is_refused(adapters, pretrained, capsys):
+    """The adapter trains on only over the weights it was trained over: the run directory it
+    named (since trained on) or another file is refused in one line naming --init-from and the
+    checkpoint to give; those weights, wherever they are now, resume."""
+    base = adapters / "B" / "ckpt-0000002"
+    for other in (adapters / "B", pretrained[0] / "base.pt"):
+        err = _stderr_of_parse(_resume(adapters, "A", "--init-from", str(other)), capsys)
+        assert err.startswith(f"train.py: error: --init-from {other} holds other weights"), err
+        assert f"resume with --init-from {base}" in err and err.count("\n") == 1, err
+    train.parse_args(_resume(adapters, "A", "--init-from", str(base)))           # no refusal
+    moved = adapters / "moved"
+    os.rename(base, moved)
+    try:
+        err = _stderr_of_parse(_resume(adapters, "A"), capsys)
+        assert f"the frozen base {base}: that base is missing (moved or deleted)" in err, err
+        assert "pass --init-from a copy" in err, err
+        train.parse_args(_resume(adapters, "A", "--init-from", str(moved)))      # the same weights
+    finally:
+        os.rename(moved, base)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--lora-rank", "8"], "--lora-rank: {path}'s adapter was trained with --lora-rank 4, this run "
+                           "asks for --lora-rank 8: resume with --lora-rank 4"),
+    (["--lora-targets", "query,value,up"], "--lora-targets: {path}'s adapter was trained with "
+                                           "--lora-targets query,value, this run asks for "
+                                           "--lora-targets query,up,value"),
+    (["--quantize-base", "nf4"], "--quantize-base: {path}'s adapter was trained with no --quantize-base"),
+], ids=["rank", "targets", "quantize"])
+def test_a_lora_resume_with_another_adapter_shape_is_refused(adapters, capsys, flags, said):
+    """Another rank would read the saved A and B's first elements as a scrambled adapter, other
+    targets find no saved adapter for the new layers: each is one line naming its flag."""
+    path = adapters / "A" / "ckpt-0000003"
+    err = _stderr_of_parse(_resume(adapters, "A", "--init-from", str(adapters / "B" / "ckpt-0000002"),
+                                   *flags), capsys)
+    assert err.startswith("train.py: error: " + said.format(path=path)), err
+
+
+def test_a_lora_resume_of_a_run_without_a_base_refuses_one(adapters, pretrained, capsys):
+    """C trained over no --init-from, so its checkpoints hold the frozen weights: a resume that
+    names a base would have them silently replaced by the checkpoint's."""
+    err = _stderr_of_parse(_resume(adapters, "C", "--init-from", str(pretrained[0] / "base.pt")), capsys)
+    assert "started without --init-from" in err and "resume without --init-from" in err, err
+
+
+def test_exporting_over_the_init_from_file_is_refused(pretrained, capsys):
+    base = str(pretrained[0] / "base.pt")
+    err = _stderr_of_parse(["--init-from", base, *LORA, "--export", base], capsys)
+    assert f"--export {base} is --init-from {base}" in err and "give another path" in err, err
+
+
+def test_an_adapter_over_a_changed_or_missing_base_is_refused(adapters):
+    """E.pt, the adapter merged into its base, written over that base (what an --export onto its
+    own --init-from did): the adapter would load over it a second time. Refused, as is a base
+    deleted; the base restored, the adapter loads as exported."""
+    base, adapter = adapters / "E" / "base.pt", str(adapters / "EA")
+    original = base.read_bytes()
+    try:
+        shutil.copy(adapters / "E.pt", base)
+        with pytest.raises(snapshot.CheckpointError, match="whose weights have changed since"):
+            train.load_weights(adapter)
+        os.remove(base)
+        with pytest.raises(snapshot.CheckpointError, match=f"over the base {base}, which is missing"):
+            train.load_weights(adapter)
+    finally:
+        base.write_bytes(original)
+    merged = train.load_weights(adapter).state_dict()
+    _same_weights(merged, _weights(adapters / "E.pt"), atol=MERGE_ATOL)

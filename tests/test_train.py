@@ -409,8 +409,8 @@ def lora_run(saved_run, tmp_path_factory):
                                              "(whole weights): resume it without --lora"),
     (["--out", "LORA", "--resume"], "the run trains LoRA adapters (its checkpoints hold them): add --lora, "
                                     "with the run's --lora-* flags and --init-from RUN"),
-    (["--out", "LORA", "--resume", "--lora"], "the run's adapters fine-tune the frozen base RUN: add "
-                                              "--init-from RUN"),
+    (["--out", "LORA", "--resume", "--lora"], "the run's adapters fine-tune the frozen base "
+                                              "RUN/ckpt-0000004: add --init-from RUN/ckpt-0000004"),
     (["--out", "BROKEN", "--resume"], "--resume: BROKEN/ckpt-0000004/meta.json lacks step, world_size, "
                                       "model, args"),
     (["--init-from", "BROKEN"], "--init-from: BROKEN/ckpt-0000004/meta.json lacks step, world_size, "
