@@ -24,7 +24,7 @@ import schedules
 import snapshot
 import zero
 from advisor import auto_strategy
-from mixed_precision import DTYPES
+from mixed_precision import DTYPES, REDUCE_DTYPE
 from model import PRESETS
 # The combinations' checks live beside the composition (mesh_checks.py); moe_config is the MoE
 # flags' model config, read here as cli.moe_config too.
@@ -139,7 +139,7 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability in the model")
     p.add_argument("--precision", choices=list(DTYPES), default="fp32",
                    help="dtype of the model; bf16 and fp16 keep fp32 master weights, fp16 scales the loss")
-    p.add_argument("--reduce-dtype", choices=list(DTYPES), default=None,
+    p.add_argument("--reduce-dtype", choices=list(DTYPES), default=REDUCE_DTYPE,
                    help="dtype the gradients are averaged in across ranks: fp32 (the default: a "
                         "bf16/fp16 gradient is upcast before the collective, FSDP2's reduce_dtype), "
                         "or the --precision's own (half the bytes, but rounded at every step of the "
@@ -375,10 +375,9 @@ def check_args(parser, args, world_size):
     if args.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         parser.error("--precision bf16: this GPU has no bf16 arithmetic (it needs compute "
                      "capability 8.0 or newer): use --precision fp16 (with loss scaling)")
-    args.reduce_dtype = args.reduce_dtype or "fp32"
-    if args.reduce_dtype not in ("fp32", args.precision):
+    if args.reduce_dtype not in (REDUCE_DTYPE, args.precision):
         parser.error(f"--reduce-dtype {args.reduce_dtype} with --precision {args.precision}: reduce in "
-                     f"fp32 (the default) or in the gradients' own dtype, {args.precision}")
+                     f"{REDUCE_DTYPE} (the default) or in the gradients' own dtype, {args.precision}")
     if args.offload == "params" and args.strategy not in ("fsdp", "zero3"):
         parser.error(f"--offload params keeps the parameter shards in CPU memory between uses: use "
                      f"--strategy fsdp (--strategy {args.strategy} keeps whole parameters on the device)")

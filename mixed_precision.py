@@ -352,6 +352,11 @@ class MixedPrecisionOptimizer(MasterOptimizer):
                 p.copy_(m)
 
 
+# train.py's --reduce-dtype when not given, and memory.py's: gradients averaged across ranks in
+# fp32 whatever the --precision (FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.float32)).
+REDUCE_DTYPE = "fp32"
+
+
 def on_the_wire(grad: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Tensor:
     """What a collective reduces for a gradient buffer: the buffer itself, or an upcast copy.
     Averaged in bf16, every step of the ring rounds a partial sum to 8 bits of mantissa, an error
