@@ -43,6 +43,34 @@ def test_memory_is_said_once_measured_beside_predicted_with_activations():
     assert L * tokens * 7 * C * 4 <= kept <= formula, (kept, formula)
 
 
+def _train_on_a_fake_clock(argv, first: float, later: float):
+    """train_logged with time.perf_counter running `first` seconds fast across the first step
+    (its warm-up) and `later` across each one after."""
+    import train
+    real_step, real_clock, ahead = train.train_step, time.perf_counter, [0.0]
+
+    def slow_step(*args, **kwargs):
+        done = real_step(*args, **kwargs)
+        ahead[0] += later if ahead[0] else first
+        return done
+    train.train_step, time.perf_counter = slow_step, lambda: real_clock() + ahead[0]
+    return train_logged(argv)
+
+
+def test_time_left_is_paced_by_the_steps_after_the_first():
+    """A first step of 1000 s (warm-up) and 100 s each after it: after step 1 of 3 the step
+    left takes 100 s (and a real step's own time, well under 5 s), not the first two steps'
+    mean pace (550 s); the first line has no pace to go by."""
+    out = run_ranks(_train_on_a_fake_clock, 1, ["--steps", "3", "--log-every", "1", "--eval-every", "0",
+                                                "--seq-len", "32", "--batch-size", "8"], 1000.0, 100.0)[0][1]
+    ends = re.findall(r"^step +(\d+) \| loss .* \| \d/3 in [\d:]+, (.*)$", out, re.M)
+    assert [step for step, _ in ends] == ["0", "1", "2"], out
+    assert ends[0][1] == "time left from the next logged step (the first warms up)", out
+    minutes, seconds = re.fullmatch(r"about (\d+):(\d\d) left", ends[1][1]).groups()
+    assert 100 <= 60 * int(minutes) + int(seconds) <= 100 + 5, out
+    assert ends[2][1] == "about 0:00 left", out
+
+
 def test_interrupted_line_says_where_to_continue_from(tmp_path):
     from run_log import interrupted_line
     log = type("Log", (), {"step": 7, "out": str(tmp_path)})()
