@@ -9,6 +9,7 @@ memory.py's advice.
 Test: python -m pytest tests/test_train.py
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -63,6 +64,18 @@ def say_error(line: str, refusal: bool = True):
             return
         time.sleep(QUIET_WAIT)
     print(line, file=sys.stderr, flush=True)
+    record_for_torchrun(line)
+
+
+def record_for_torchrun(line: str):
+    """Under torchrun, the line in this worker's error file (TORCHELASTIC_ERROR_FILE, the JSON
+    torch.distributed.elastic's ErrorHandler writes): torchrun's failure summary then shows it as
+    the root cause, where it would say "To enable traceback see ..."."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as file:
+            json.dump({"message": {"message": line, "extraInfo": {
+                "py_callstack": line, "timestamp": str(int(time.time()))}}}, file)
 
 
 class Parser(argparse.ArgumentParser):

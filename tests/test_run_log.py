@@ -131,6 +131,30 @@ def test_ctrl_c_under_torchrun_is_one_line_from_rank_0():
     assert code != 0 and waited < 60, (code, waited)      # the workers left at once (torchrun waits 30 s)
 
 
+# ---- no warning: only torchrun's own process's, the README's note --------------------------------
+
+NUMPY_FROM_TORCHRUN = "UserWarning: Failed to initialize NumPy"
+
+
+def _python_warnings(stderr: str) -> list[str]:
+    """The warnings Python printed ('...py:368: UserWarning: text'), from 'UserWarning' on."""
+    return [m.group(1) for m in re.finditer(r"^\S+:\d+: (\w*Warning: [^:(]*)", stderr, re.M)]
+
+
+def test_train_py_prints_no_warning_alone_or_under_torchrun():
+    """python train.py and torchrun's 2 workers each import no_numpy.py before torch: no warning.
+    torchrun's own process imports torch before it starts them, and warns once: not ours to
+    filter (the README says so), and one, not one per rank."""
+    quick = ["--steps", "2", "--eval-every", "0", "--eval-batches", "1", "--seq-len", "32", "--batch-size", "8"]
+    jobs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for argv in ([sys.executable, "train.py", *quick], [*TORCHRUN, *quick])]
+    (alone, alone_err), (ranks, ranks_err) = [job.communicate(timeout=240) for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], alone_err + ranks_err
+    assert "done | eval loss" in alone and "done | eval loss" in ranks, (alone, ranks)
+    assert alone_err == "", alone_err
+    assert _python_warnings(ranks_err) == [NUMPY_FROM_TORCHRUN], ranks_err
+
+
 # ---- a refused command line: one line, once, every rank refusing ---------------------------------
 
 @pytest.mark.parametrize("argv, says", [
@@ -143,11 +167,15 @@ def test_a_refused_command_line_under_torchrun_is_one_line_once(argv, says):
     result = subprocess.run([*TORCHRUN, *argv], cwd=ROOT, capture_output=True, text=True, timeout=240,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     output = result.stdout + result.stderr
-    said = [line for line in output.splitlines() if "train.py: error:" in line]
+    said = [line for line in output.splitlines() if line.startswith("train.py: error:")]
     assert len(said) == 1 and said[0].startswith(says) and said[0].endswith(" (see --help)"), output
     assert "usage:" not in output and result.returncode != 0, output
-    # local rank 0 refused with exit 2, rank 1 refused too, quietly, and was stopped by torchrun
-    assert "exitcode  : 2" in output and "rank      : 0 (local_rank: 0)" in output, output
+    # local rank 0 refused with exit 2, rank 1 refused too, quietly, and was stopped by torchrun,
+    # whose summary names our line (the error file cli.record_for_torchrun wrote) as the root cause
+    root = output.split("Root Cause (first observed failure):")[1]
+    assert "exitcode  : 2" in root and "rank      : 0 (local_rank: 0)" in root, output
+    assert f"traceback : {said[0]}" in root, output
+    assert _python_warnings(result.stderr) == [NUMPY_FROM_TORCHRUN], result.stderr
     assert time.monotonic() - began < 200                 # bounded: no rank waits in a collective
 
 
