@@ -141,18 +141,23 @@ def _python_warnings(stderr: str) -> list[str]:
     return [m.group(1) for m in re.finditer(r"^\S+:\d+: (\w*Warning: [^:(]*)", stderr, re.M)]
 
 
-def test_train_py_prints_no_warning_alone_or_under_torchrun():
-    """python train.py and torchrun's 2 workers each import no_numpy.py before torch: no warning.
-    torchrun's own process imports torch before it starts them, and warns once: not ours to
-    filter (the README says so), and one, not one per rank."""
+def test_the_commands_print_no_warning_but_torchruns_own():
+    """python train.py, torchrun's 2 workers and python mixed_precision.py each import
+    no_numpy.py before torch, and pytest filters it (pytest.ini): no warning. torchrun's own
+    process imports torch before it starts the workers, and warns once: not ours to filter (the
+    README says so), and one, not one per rank."""
     quick = ["--steps", "2", "--eval-every", "0", "--eval-batches", "1", "--seq-len", "32", "--batch-size", "8"]
+    commands = ([sys.executable, "train.py", *quick], [*TORCHRUN, *quick], [sys.executable, "mixed_precision.py"],
+                [sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_data.py"])
     jobs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for argv in ([sys.executable, "train.py", *quick], [*TORCHRUN, *quick])]
-    (alone, alone_err), (ranks, ranks_err) = [job.communicate(timeout=240) for job in jobs]
-    assert [job.returncode for job in jobs] == [0, 0], alone_err + ranks_err
+            for argv in commands]
+    (alone, alone_err), (ranks, ranks_err), (_, mixed_err), (collected, _) = [job.communicate(timeout=240)
+                                                                              for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0, 0, 0], alone_err + ranks_err + mixed_err
     assert "done | eval loss" in alone and "done | eval loss" in ranks, (alone, ranks)
-    assert alone_err == "", alone_err
+    assert alone_err == "" and mixed_err == "", alone_err + mixed_err
     assert _python_warnings(ranks_err) == [NUMPY_FROM_TORCHRUN], ranks_err
+    assert "warning" not in collected.lower(), collected
 
 
 # ---- a refused command line: one line, once, every rank refusing ---------------------------------
