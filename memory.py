@@ -894,7 +894,8 @@ def _table(n_params, args):
     big = n_params * sum(per_param.values()) >= GB
     unit, name = (GB, "GB (1 GB = 1e9 bytes, the ZeRO paper's unit)") if big else (
         MiB, "MiB (1 MiB = 2**20 bytes, as train.py logs)")
-    print(f"{n_params:,} parameters on {args.world} ranks, {args.precision}{_reduced_in(args)} with {args.optimizer}: "
+    print(f"{n_params:,} parameters on {args.world} ranks, {args.precision}{_reduced_in(args)} with "
+          f"{args.optimizer}: "
           f"{per_param['params']} + {per_param['grads']} + {per_param['optimizer']} = "
           f"{sum(per_param.values())} bytes per parameter before sharding")
     for line in _moe_lines(args):

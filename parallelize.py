@@ -357,7 +357,8 @@ def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) 
         formula, predicted_bubble = model.predicted_bubble()
         # zb: the weights whose gradients W computed here (its share of the bubble's fill)
         deferred = history.setdefault("deferred", {})[step] = model.deferred_weights()
-        why = bubble_why(bubbles, make_schedule(model.schedule, model.P, model.M, model.v), stage_seconds(model))
+        stages = make_schedule(model.schedule, model.P, model.M, model.v)
+        why = bubble_why(bubbles, stages, stage_seconds(model))        # "" within a compute slot
         lines.append(f"bubble (idle share of the step) per stage {' '.join(f'{b:.2f}' for b in bubbles)} "
                      f"| formula {formula} {predicted_bubble:.2f}{why} | activations held at most "
                      f"{model.peak_activations} micro-batch{' chunks' if model.v > 1 else 'es'} on "
@@ -393,7 +394,8 @@ def replayed_idle(stages: list[list], seconds: list[list[float]]) -> list[float]
     """Each stage's idle share when its compute actions take the measured `seconds` and the
     messages arrive at once: schedules.simulate's clock with the step's own times, so what the
     schedule's waits alone leave idle (lists already checked: no deadlock)."""
-    P, position, clock, done, arrived = len(stages), [0] * len(stages), [0.0] * len(stages), [0] * len(stages), {}
+    P, arrived = len(stages), {}
+    position, clock, done = [0] * P, [0.0] * P, [0] * P        # next action, time, actions computed
     while any(position[s] < len(stages[s]) for s in range(P)):
         for s in range(P):
             for a in stages[s][position[s]:]:
@@ -426,7 +428,8 @@ def bubble_why(measured: list[float], stages: list[list], seconds: list[list[flo
     replayed = replayed_idle(stages, seconds)
     messages = [m - r for m, r in zip(measured, replayed)]
     shares = lambda xs: " ".join(f"{x:.2f}" for x in xs)
-    head = f" | off the schedule's clock ({shares(clock)}) by more than a compute slot ({shares(slot)}), why: "
+    head = (f" | off the schedule's clock ({shares(clock)}) by more than a compute slot "
+            f"({shares(slot)}), why: ")
     if sum(map(abs, messages)) >= sum(abs(r - c) for r, c in zip(replayed, clock)):
         return (f"{head}messages: send/recv and the time between computations take {shares(messages)} "
                 f"of the step beyond the schedule's own waits (replayed with the measured compute times "
