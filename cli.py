@@ -9,6 +9,7 @@ memory.py's advice.
 Test: python -m pytest tests/test_train.py
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -24,7 +25,7 @@ import schedules
 import snapshot
 import zero
 from advisor import auto_strategy
-from mixed_precision import DTYPES
+from mixed_precision import DTYPES, REDUCE_DTYPE
 from model import PRESETS
 # The combinations' checks live beside the composition (mesh_checks.py); moe_config is the MoE
 # flags' model config, read here as cli.moe_config too.
@@ -63,6 +64,18 @@ def say_error(line: str, refusal: bool = True):
             return
         time.sleep(QUIET_WAIT)
     print(line, file=sys.stderr, flush=True)
+    record_for_torchrun(line)
+
+
+def record_for_torchrun(line: str):
+    """Under torchrun, the line in this worker's error file (TORCHELASTIC_ERROR_FILE, the JSON
+    torch.distributed.elastic's ErrorHandler writes): torchrun's failure summary then shows it as
+    the root cause, where it would say "To enable traceback see ..."."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as file:
+            json.dump({"message": {"message": line, "extraInfo": {
+                "py_callstack": line, "timestamp": str(int(time.time()))}}}, file)
 
 
 class Parser(argparse.ArgumentParser):
@@ -139,7 +152,7 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability in the model")
     p.add_argument("--precision", choices=list(DTYPES), default="fp32",
                    help="dtype of the model; bf16 and fp16 keep fp32 master weights, fp16 scales the loss")
-    p.add_argument("--reduce-dtype", choices=list(DTYPES), default=None,
+    p.add_argument("--reduce-dtype", choices=list(DTYPES), default=REDUCE_DTYPE,
                    help="dtype the gradients are averaged in across ranks: fp32 (the default: a "
                         "bf16/fp16 gradient is upcast before the collective, FSDP2's reduce_dtype), "
                         "or the --precision's own (half the bytes, but rounded at every step of the "
@@ -375,10 +388,9 @@ def check_args(parser, args, world_size):
     if args.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         parser.error("--precision bf16: this GPU has no bf16 arithmetic (it needs compute "
                      "capability 8.0 or newer): use --precision fp16 (with loss scaling)")
-    args.reduce_dtype = args.reduce_dtype or "fp32"
-    if args.reduce_dtype not in ("fp32", args.precision):
+    if args.reduce_dtype not in (REDUCE_DTYPE, args.precision):
         parser.error(f"--reduce-dtype {args.reduce_dtype} with --precision {args.precision}: reduce in "
-                     f"fp32 (the default) or in the gradients' own dtype, {args.precision}")
+                     f"{REDUCE_DTYPE} (the default) or in the gradients' own dtype, {args.precision}")
     if args.offload == "params" and args.strategy not in ("fsdp", "zero3"):
         parser.error(f"--offload params keeps the parameter shards in CPU memory between uses: use "
                      f"--strategy fsdp (--strategy {args.strategy} keeps whole parameters on the device)")

@@ -27,7 +27,7 @@ import torch
 
 from collectives import ring_bytes
 from context_parallel import cp_kv_bytes
-from mixed_precision import DTYPES
+from mixed_precision import DTYPES, REDUCE_DTYPE
 from model import PRESETS, GPTConfig
 from moe import expert_capacity, is_expert, layer_exchange_bytes
 from pipeline import split_layers
@@ -666,9 +666,9 @@ def _parse_args(argv=None):
     p.add_argument("--world", type=int, default=1, help="N, the number of ranks")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
                    help="parameter and gradient dtype (bf16 and fp16 cost the same bytes)")
-    p.add_argument("--reduce-dtype", choices=PRECISIONS, default=None,
-                   help="dtype the gradients travel and their shards stay in (train.py reduces in "
-                        "fp32 by default; default here: the --precision's, the table's simple form)")
+    p.add_argument("--reduce-dtype", choices=PRECISIONS, default=REDUCE_DTYPE,
+                   help="dtype the gradients travel and their shards stay in, as train.py's flag "
+                        "(the ZeRO paper's table: --reduce-dtype bf16 with --precision bf16)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="whose state counts: AdamW's two fp32 moments, or plain SGD's none")
     p.add_argument("--batch-size", type=int, default=None,
@@ -882,6 +882,11 @@ def _moe_lines(args) -> list:
     return lines
 
 
+def _reduced_in(args) -> str:
+    """The headers' note of --reduce-dtype where it is not the --precision (train.py's default)."""
+    return "" if args.reduce_dtype == args.precision else f" (gradients averaged in {args.reduce_dtype})"
+
+
 def _table(n_params, args):
     """One row per strategy: the ZeRO paper's figure 1, plus bytes sent per step."""
     per_param = bytes_per_param(args.precision, args.optimizer)
@@ -889,7 +894,8 @@ def _table(n_params, args):
     big = n_params * sum(per_param.values()) >= GB
     unit, name = (GB, "GB (1 GB = 1e9 bytes, the ZeRO paper's unit)") if big else (
         MiB, "MiB (1 MiB = 2**20 bytes, as train.py logs)")
-    print(f"{n_params:,} parameters on {args.world} ranks, {args.precision} with {args.optimizer}: "
+    print(f"{n_params:,} parameters on {args.world} ranks, {args.precision}{_reduced_in(args)} with "
+          f"{args.optimizer}: "
           f"{per_param['params']} + {per_param['grads']} + {per_param['optimizer']} = "
           f"{sum(per_param.values())} bytes per parameter before sharding")
     for line in _moe_lines(args):
@@ -919,7 +925,7 @@ def _breakdown(n_params, args):
     hybrid = f", sharded over groups of {S} (HSDP), {n // S} copies" if S < n else ""
     row = lambda label, value: print(f"  {label:<44}{value:>16,}{value / MiB:12.2f}{value / GB:10.3f}")
     print(f"{args.model or 'model'}: {n_params:,} parameters | {strategy} on {n} rank(s){hybrid} | "
-          f"{args.precision} parameters and gradients, {args.optimizer}")
+          f"{args.precision} parameters and gradients{_reduced_in(args)}, {args.optimizer}")
     for line in _moe_lines(args):
         print(line)
     print(f"per rank{'bytes':>54}{'MiB':>12}{'GB':>10}   (MiB = 2**20 bytes, as train.py logs; GB = 1e9)")

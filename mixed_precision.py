@@ -13,6 +13,7 @@ Run: python mixed_precision.py; test: python -m pytest tests/test_mixed_precisio
 import contextlib
 import math
 
+import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
@@ -350,6 +351,11 @@ class MixedPrecisionOptimizer(MasterOptimizer):
         for p, m in zip(self.params, self.masters):
             if m is not p:
                 p.copy_(m)
+
+
+# train.py's --reduce-dtype when not given, and memory.py's: gradients averaged across ranks in
+# fp32 whatever the --precision (FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.float32)).
+REDUCE_DTYPE = "fp32"
 
 
 def on_the_wire(grad: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Tensor:

@@ -13,6 +13,7 @@ Used by: train.py (build). Test: python -m pytest tests/test_train.py -k mesh
 from typing import Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import ddp
@@ -36,6 +37,7 @@ from model import build_model
 from moe import MoE, exchange_bytes, expert_parallel, held_experts, routing_summary
 from pipeline import GPTStage, Pipeline
 from process_groups import make_device_mesh, make_mesh
+from schedules import COMPUTE, make_schedule, message
 from snapshot import RunError, load_weights, refused
 from tensor_parallel import TensorParallelGPT
 from zero import ZeroOptimizer, zero_optimizer
@@ -355,8 +357,10 @@ def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) 
         formula, predicted_bubble = model.predicted_bubble()
         # zb: the weights whose gradients W computed here (its share of the bubble's fill)
         deferred = history.setdefault("deferred", {})[step] = model.deferred_weights()
+        stages = make_schedule(model.schedule, model.P, model.M, model.v)
+        why = bubble_why(bubbles, stages, stage_seconds(model))        # "" within a compute slot
         lines.append(f"bubble (idle share of the step) per stage {' '.join(f'{b:.2f}' for b in bubbles)} "
-                     f"| formula {formula} {predicted_bubble:.2f} | activations held at most "
+                     f"| formula {formula} {predicted_bubble:.2f}{why} | activations held at most "
                      f"{model.peak_activations} micro-batch{' chunks' if model.v > 1 else 'es'} on "
                      f"stage {model.stage}"
                      + (f" | W computed {deferred} weights' gradients" if args.schedule == "zb" else ""))
@@ -372,3 +376,70 @@ def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) 
                      f"{' '.join(f'{x:.2f}' for x in idle)} (causal mask's blocks: "
                      f"{' '.join(f'{x:.2f}' for x in predicted_idle)})")
     return lines
+
+
+# ---- the pipeline's bubble: why the measured one is not the formula's -------------------------
+
+def stage_seconds(pipeline: Pipeline) -> list[list[float]]:
+    """Every stage's compute actions' seconds in its last step, in its list's order (collective
+    over the pipeline: every stage runs as many, M v F's and B's, and zb's M W's)."""
+    mine = torch.tensor([end - began for _, began, end in pipeline.timeline], dtype=torch.float64,
+                        device=pipeline.device)
+    every = [torch.empty_like(mine) for _ in range(pipeline.P)]
+    dist.all_gather(every, mine, group=pipeline.comm.group)          # a metric: not counted
+    return [t.tolist() for t in every]
+
+
+def replayed_idle(stages: list[list], seconds: list[list[float]]) -> list[float]:
+    """Each stage's idle share when its compute actions take the measured `seconds` and the
+    messages arrive at once: schedules.simulate's clock with the step's own times, so what the
+    schedule's waits alone leave idle (lists already checked: no deadlock)."""
+    P, arrived = len(stages), {}
+    position, clock, done = [0] * P, [0.0] * P, [0] * P        # next action, time, actions computed
+    while any(position[s] < len(stages[s]) for s in range(P)):
+        for s in range(P):
+            for a in stages[s][position[s]:]:
+                if a.kind.startswith("recv"):
+                    if message(s, a, P) not in arrived:
+                        break                                        # the neighbour's turn
+                    clock[s] = max(clock[s], arrived.pop(message(s, a, P)))
+                elif a.kind.startswith("send"):
+                    arrived[message(s, a, P)] = clock[s]
+                else:
+                    clock[s] += seconds[s][done[s]]
+                    done[s] += 1
+                position[s] += 1
+    return [1 - sum(seconds[s]) / clock[s] for s in range(P)]
+
+
+def bubble_why(measured: list[float], stages: list[list], seconds: list[list[float]]) -> str:
+    """'' where every stage's measured idle share is within one compute slot of the schedule's
+    clock (F, B, W one slot each, messages free: the formula's, per stage over its own step, as
+    measured: a later stage of 1F1B finishes sooner); else why, from the step's own times. One
+    slot, a mean action's share of the stage's step, is the clock's resolution: one action
+    running long moves a share that much. The schedule replayed with the measured compute times
+    and free messages (replayed_idle) keeps the first assumption's part, unequal compute; the
+    rest, measured - replayed, is the messages' (send/recv, and the time between computations):
+    the larger of the two is the reason."""
+    clock = replayed_idle(stages, [[1.0] * len(s) for s in seconds])
+    slot = [(1 - m) / len(s) for m, s in zip(measured, seconds)]      # one mean action's share
+    if all(abs(m - c) <= one for m, c, one in zip(measured, clock, slot)):
+        return ""
+    replayed = replayed_idle(stages, seconds)
+    messages = [m - r for m, r in zip(measured, replayed)]
+    shares = lambda xs: " ".join(f"{x:.2f}" for x in xs)
+    head = (f" | off the schedule's clock ({shares(clock)}) by more than a compute slot "
+            f"({shares(slot)}), why: ")
+    if sum(map(abs, messages)) >= sum(abs(r - c) for r, c in zip(replayed, clock)):
+        return (f"{head}messages: send/recv and the time between computations take {shares(messages)} "
+                f"of the step beyond the schedule's own waits (replayed with the measured compute times "
+                f"and free messages it idles {shares(replayed)})")
+    by_kind = {}                                     # F, B (and W): the same work on every stage
+    for actions, times in zip(stages, seconds):
+        for a, t in zip([a for a in actions if a.kind in COMPUTE], times):
+            by_kind.setdefault(a.kind, []).append(t)
+    means = ", ".join(f"{kind} {1e3 * sum(ts) / len(ts):.1f}" for kind, ts in by_kind.items())
+    return (f"{head}unequal compute: with the measured compute times ({means} ms on average; the stages "
+            f"computed {' and '.join(f'{1e3 * sum(s):.0f}' for s in seconds)} ms) and free messages the "
+            f"schedule idles {shares(replayed)}; send/recv and the time between computations add "
+            f"{shares(messages)}")

@@ -62,15 +62,17 @@ def measured_memory(held: dict, activations: int | None, peak: int | None) -> st
 
 
 def step_line(step: int, loss: float, lr: float, tokens_per_s: float, sent: int, formula: int,
-              world_size: int, skipped: int, done: int, steps: int, elapsed: float, napkin: str = "") -> str:
+              world_size: int, skipped: int, steps: int, elapsed: float, left: float | None,
+              napkin: str = "") -> str:
     """A logged step: its global loss, lr, speed (napkin: its time beside step_time.py's), rank 0's
     bytes sent in the step beside their ring formula (on more than one rank), skipped fp16 steps,
-    progress."""
-    left = elapsed / done * (steps - step - 1)
+    progress and the seconds left (Clock.seconds_left; None: not known yet)."""
+    remaining = (f"about {clock(left)} left" if left is not None
+                 else "time left from the next logged step (the first warms up)")
     return (f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s / 1e3:7.1f}k tok/s{napkin}"
             + (f" | sent {sent / MiB:.2f} MiB/step (ring formula {formula / MiB:.2f})" if world_size > 1 else "")
             + (f" | skipped {skipped}" if skipped else "")
-            + f" | {step + 1}/{steps} in {clock(elapsed)}, about {clock(left)} left")
+            + f" | {step + 1}/{steps} in {clock(elapsed)}, {remaining}")
 
 
 class Clock:
@@ -79,7 +81,7 @@ class Clock:
 
     def __init__(self, start: int, device):
         self.start, self.device, self.skipped = start, device, 0
-        self.began = time.perf_counter()
+        self.began, self.first_done = time.perf_counter(), None
         self.restart(start - 1)
         if device.type == "cuda":
             # Set-up held more than training does (the whole fp32 model before ZeRO or FSDP
@@ -88,6 +90,22 @@ class Clock:
 
     def restart(self, step: int):
         self.timer, self.last_timed = time.perf_counter(), step
+
+    def step_done(self, step: int):
+        """Note when the first step since the (re)start ended: its warm-up (the allocator's first
+        blocks, the collectives' first connections, lazy initialisation) took many times a
+        later step's time, and says nothing about them."""
+        if step == self.start:
+            self.first_done = time.perf_counter()
+
+    def seconds_left(self, step: int, steps: int) -> float | None:
+        """The steps after `step` at the pace of those since the first (evals and saves
+        included: they recur); None right after the first, whose pace is its warm-up's."""
+        if step + 1 >= steps:
+            return 0.0
+        if step == self.start:
+            return None
+        return (time.perf_counter() - self.first_done) / (step - self.start) * (steps - step - 1)
 
 
 class RunLog:

@@ -205,6 +205,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
                                    measure=logged, kept=kept)
         divergence.after_step(step, applied, loss, optimizer.scaler.scale)
         clock.skipped += not applied
+        clock.step_done(step)
         schedule.step()                                              # the next step's lr
         if logged:
             loss = global_mean(loss)                                 # the global batch's mean
@@ -271,8 +272,8 @@ def say_step(args, job, log, clock, step, loss, kept, history, live_bytes, napki
             f"{d} {sent[d] / 2**20:.3f} ({predicted[d] / 2**20:.3f})" for d in predicted))
     napkin = step_time.beside(args.batch_size * args.seq_len / tokens_per_s, napkin_seconds)
     log.say(step_line(step, loss, learning_rate(step, args), tokens_per_s, sum(sent.values()),
-                      sum(predicted.values()), dist.get_world_size(), clock.skipped, step + 1 - clock.start,
-                      args.steps, time.perf_counter() - clock.began, napkin))
+                      sum(predicted.values()), dist.get_world_size(), clock.skipped, args.steps,
+                      time.perf_counter() - clock.began, clock.seconds_left(step, args.steps), napkin))
     for line in dimension_report(args, job.gpt, job.model, job.mesh, job.context, step, history):
         log.say(f"step {step:5d} | {line}")
     if device.type == "cuda":

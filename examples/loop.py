@@ -12,6 +12,7 @@ import sys
 # they are importable (beside your script, or on PYTHONPATH), leave this line out.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR

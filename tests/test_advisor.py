@@ -258,11 +258,40 @@ def test_the_talks_slow_link_case_quantization_buys_a_batch_that_pays(capsys):
     batches, (quantized, plain), out = found["rtx3090"]
     assert batches == [8, 4] and plain / quantized > 1.2               # 38.4 s against 30.4 s a step
     assert "fastest fine-tune: QLoRA: the frozen base in 4-bit NF4, sharded," in out
-    assert ("why: it fits micro-batch 8 where LoRA (fsdp + checkpointing) fits 4 (2x accumulation "
-            "against 1x); against it: communication") in out
+    assert ("why: 'QLoRA: the frozen base in 4-bit NF4, sharded' is 8004.8 ms a step faster than "
+            "'LoRA (fsdp + checkpointing)' because it fits micro-batch 8 where 'LoRA (fsdp + checkpointing)' "
+            "fits 4 (1 micro-batch a step instead of 2), so its communication takes") in out
     batches, (quantized, plain), out = found["h100-sxm"]
     assert batches == [8, 8] and abs(plain / quantized - 1) < 0.001    # 2176.2 ms against 2176.7
     assert "fastest fine-tune: LoRA (fsdp + checkpointing)," in out
+
+
+def _priced(rung: str, micro_batch: int, grad_accum: int, **parts_ms) -> tuple:
+    """A rung as priced_rungs gives it: its Advice and its step's parts (given in ms)."""
+    from advisor import Advice
+    parts = {p: parts_ms.get(p, 0.0) / 1e3 for p in ("compute", "communication", "transfers", "optimizer")}
+    return Advice(rung, "fsdp", micro_batch, grad_accum, [], {}, True), {"parts": parts,
+                                                                          "seconds": sum(parts.values())}
+
+
+@pytest.mark.parametrize("winner, other, sentence", [
+    # The faster rung fits the larger micro-batch: that is the reason, and what it saves follows.
+    (_priced("QLoRA", 2, 1, compute=100, communication=10), _priced("LoRA", 1, 2, compute=110, communication=25),
+     "why: 'QLoRA' is 25.0 ms a step faster than 'LoRA' because it fits micro-batch 2 where 'LoRA' fits 1 "
+     "(1 micro-batch a step instead of 2), so its communication takes 15.0 ms less and its compute 10.0 ms less"),
+    # The slower rung fits the larger one, and pays more elsewhere: the faster one's savings, then
+    # the other's micro-batch, then what the faster one spends more on.
+    (_priced("fsdp", 1, 2, compute=120, communication=30, optimizer=5),
+     _priced("QLoRA", 2, 1, compute=143.3, communication=10, optimizer=6.5),
+     "why: 'fsdp' is 4.8 ms a step faster than 'QLoRA' because its compute takes 23.3 ms less and its "
+     "optimizer 1.5 ms less, though 'QLoRA' fits micro-batch 2 where it fits 1 (its communication takes "
+     "20.0 ms more)"),
+    (_priced("zero3", 1, 1, communication=5), _priced("zero2", 1, 1, communication=18.7),
+     "why: 'zero3' is 13.7 ms a step faster than 'zero2' because its communication takes 13.7 ms less"),
+])
+def test_why_names_the_faster_rung_and_its_reason(winner, other, sentence):
+    from advisor_speed import why
+    assert why(winner, other) == sentence
 
 
 MEASURED = re.compile(r"memory per rank, measured: params [\d.]+ MiB, grads [\d.]+, optim [\d.]+ = ([\d.]+) on the device")

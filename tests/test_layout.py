@@ -11,9 +11,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # What every concept file may build on: the collectives and their machinery, the placements,
 # the flat buffer, mixed precision and the number formats (dtypes, and 4-bit NormalFloat, which
-# QLoRA's frozen base is stored in), the model, the groups.
+# QLoRA's frozen base is stored in), the model, the groups; and no_numpy, imported before torch
+# by a file that runs as a program.
 FOUNDATIONS = {"collectives", "launch", "conjugates", "meters", "placements", "flat",
-               "mixed_precision", "dtypes", "quantization", "model", "process_groups"}
+               "mixed_precision", "dtypes", "quantization", "model", "process_groups", "no_numpy"}
 # The lecture's concepts, in reading order; beside each, the files that are its own (a
 # sub-file, or an extension that reads as a delta after its core).
 CONCEPTS = {"mixed_precision": set(), "collectives": set(), "ddp": set(), "zero": {"offload"},

@@ -21,7 +21,8 @@ from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
 from process_groups import make_mesh
-from schedules import SCHEDULES, gpipe, nccl_program
+from parallelize import bubble_why, replayed_idle, stage_seconds
+from schedules import SCHEDULES, bubble_formula, gpipe, make_schedule, nccl_program
 
 # ---- the executor, against one process -----------------------------------------------------------
 
@@ -102,7 +103,7 @@ def _pipeline_trains(P, runs, cfg=CFG, precision="fp32"):
             losses.append(loss.item())
         results.append({"losses": losses, "grads": grads, "peak": runner.peak_activations,
                         "params": _masters(gpt, optimizer), "scales": scales,
-                        "busy": runner.busy, "wall": runner.wall})
+                        "busy": runner.busy, "wall": runner.wall, "seconds": stage_seconds(runner)})
     return results
 
 
@@ -138,6 +139,9 @@ def test_pipeline_equals_one_process_and_holds_what_the_schedule_says(P):
         for s, rank in enumerate(ranks):
             assert rank[i]["peak"] == (M if schedule == "gpipe" else min(P - s, M)), (what, s)
             assert 0 < rank[i]["busy"] < rank[i]["wall"]
+            # The bubble's why replays every stage's compute actions: each stage's, gathered.
+            assert len(rank[i]["seconds"][s]) == 2 * M, (what, s)
+            assert sum(rank[i]["seconds"][s]) == pytest.approx(rank[i]["busy"], rel=1e-12), (what, s)
 
 
 # Interleaved stages and zero bubble at P = 2 and 4 on a model of 8 blocks (P v chunks of at least
@@ -421,6 +425,40 @@ def test_every_rank_creates_the_same_groups_in_the_same_order(P, world):
     # torch's default), and no use_local_synchronization.
     assert all(kwargs == ["timeout"] for _, kwargs in ranks[0]), ranks[0]
     assert [0, P - 1] in [r for r, _ in ranks[0]]               # the first pipeline's tied ends
+
+
+# ---- the log's bubble: why the measured one is not the formula's ---------------------------------
+
+def test_replay_with_measured_times_waits_as_the_schedule_does():
+    """1F1B, P = 2, M = 1, stage 0's F 1 s and B 2 s, stage 1's F 3 s and B 1 s, messages free:
+    stage 0 computes F in 0-1, waits for the gradient (stage 1: F 1-4, B 4-5) and computes B in
+    5-7: idle 4 of 7; stage 1 waits 1 and computes 4: idle 1 of 5. One slot each, stage 0's idle
+    is each schedule's formula (it starts first and ends last)."""
+    assert replayed_idle(make_schedule("1f1b", 2, 1), [[1, 2], [3, 1]]) == pytest.approx([4 / 7, 1 / 5])
+    for name, P, M, v in (("gpipe", 4, 8, 1), ("1f1b", 2, 4, 1), ("interleaved", 2, 4, 2), ("zb", 4, 8, 1)):
+        stages = make_schedule(name, P, M, v)
+        ones = [[1.0] * sum(a.kind in "FBW" for a in actions) for actions in stages]
+        assert replayed_idle(stages, ones)[0] == pytest.approx(bubble_formula(name, P, M, v)), name
+
+
+def test_the_bubble_line_says_why_where_it_is_off_by_more_than_a_compute_slot():
+    """zb, P = 2, M = 4: its clock idles each stage 1/13 (0.077); a stage's 12 actions make one
+    slot (1 - idle) / 12 of its step. Within a slot: nothing said. Equal compute times and 0.40
+    idle: the messages' 0.32 (0.40 - 0.077). Stage 1 computing 3 times as long, no time in
+    messages: unequal compute, F, B, W 20 ms on average, the stages 120 and 360 ms."""
+    stages = make_schedule("zb", 2, 4)
+    equal, uneven = [[0.01] * 12] * 2, [[0.01] * 12, [0.03] * 12]
+    assert bubble_why([1 / 13 + 0.07, 1 / 13], stages, equal) == ""            # slot 0.071 here
+    said = bubble_why([0.40, 0.40], stages, equal)
+    assert said.startswith(" | off the schedule's clock (0.08 0.08) by more than a compute slot (0.05 0.05), "
+                           "why: messages: send/recv and the time between computations take 0.32 0.32 "
+                           "of the step beyond the schedule's own waits"), said
+    replayed = replayed_idle(stages, uneven)
+    said = bubble_why(replayed, stages, uneven)
+    assert replayed[0] > 0.5 and (f"why: unequal compute: with the measured compute times (F 20.0, B 20.0, "
+                                  f"W 20.0 ms on average; the stages computed 120 and 360 ms) and free "
+                                  f"messages the schedule idles {replayed[0]:.2f} {replayed[1]:.2f}; send/recv "
+                                  f"and the time between computations add 0.00 0.00") in said, said
 
 
 def test_stage_split_balanced_by_blocks_or_given():

@@ -43,6 +43,34 @@ def test_memory_is_said_once_measured_beside_predicted_with_activations():
     assert L * tokens * 7 * C * 4 <= kept <= formula, (kept, formula)
 
 
+def _train_on_a_fake_clock(argv, first: float, later: float):
+    """train_logged with time.perf_counter running `first` seconds fast across the first step
+    (its warm-up) and `later` across each one after."""
+    import train
+    real_step, real_clock, ahead = train.train_step, time.perf_counter, [0.0]
+
+    def slow_step(*args, **kwargs):
+        done = real_step(*args, **kwargs)
+        ahead[0] += later if ahead[0] else first
+        return done
+    train.train_step, time.perf_counter = slow_step, lambda: real_clock() + ahead[0]
+    return train_logged(argv)
+
+
+def test_time_left_is_paced_by_the_steps_after_the_first():
+    """A first step of 1000 s (warm-up) and 100 s each after it: after step 1 of 3 the step
+    left takes 100 s (and a real step's own time, well under 5 s), not the first two steps'
+    mean pace (550 s); the first line has no pace to go by."""
+    out = run_ranks(_train_on_a_fake_clock, 1, ["--steps", "3", "--log-every", "1", "--eval-every", "0",
+                                                "--seq-len", "32", "--batch-size", "8"], 1000.0, 100.0)[0][1]
+    ends = re.findall(r"^step +(\d+) \| loss .* \| \d/3 in [\d:]+, (.*)$", out, re.M)
+    assert [step for step, _ in ends] == ["0", "1", "2"], out
+    assert ends[0][1] == "time left from the next logged step (the first warms up)", out
+    minutes, seconds = re.fullmatch(r"about (\d+):(\d\d) left", ends[1][1]).groups()
+    assert 100 <= 60 * int(minutes) + int(seconds) <= 100 + 5, out
+    assert ends[2][1] == "about 0:00 left", out
+
+
 def test_interrupted_line_says_where_to_continue_from(tmp_path):
     from run_log import interrupted_line
     log = type("Log", (), {"step": 7, "out": str(tmp_path)})()
@@ -103,6 +131,35 @@ def test_ctrl_c_under_torchrun_is_one_line_from_rank_0():
     assert code != 0 and waited < 60, (code, waited)      # the workers left at once (torchrun waits 30 s)
 
 
+# ---- no warning: only torchrun's own process's, the README's note --------------------------------
+
+NUMPY_FROM_TORCHRUN = "UserWarning: Failed to initialize NumPy"
+
+
+def _python_warnings(stderr: str) -> list[str]:
+    """The warnings Python printed ('...py:368: UserWarning: text'), from 'UserWarning' on."""
+    return [m.group(1) for m in re.finditer(r"^\S+:\d+: (\w*Warning: [^:(]*)", stderr, re.M)]
+
+
+def test_the_commands_print_no_warning_but_torchruns_own():
+    """python train.py, torchrun's 2 workers and python mixed_precision.py each import
+    no_numpy.py before torch, and pytest filters it (pytest.ini): no warning. torchrun's own
+    process imports torch before it starts the workers, and warns once: not ours to filter (the
+    README says so), and one, not one per rank."""
+    quick = ["--steps", "2", "--eval-every", "0", "--eval-batches", "1", "--seq-len", "32", "--batch-size", "8"]
+    commands = ([sys.executable, "train.py", *quick], [*TORCHRUN, *quick], [sys.executable, "mixed_precision.py"],
+                [sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_data.py"])
+    jobs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for argv in commands]
+    (alone, alone_err), (ranks, ranks_err), (_, mixed_err), (collected, _) = [job.communicate(timeout=240)
+                                                                              for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0, 0, 0], alone_err + ranks_err + mixed_err
+    assert "done | eval loss" in alone and "done | eval loss" in ranks, (alone, ranks)
+    assert alone_err == "" and mixed_err == "", alone_err + mixed_err
+    assert _python_warnings(ranks_err) == [NUMPY_FROM_TORCHRUN], ranks_err
+    assert "warning" not in collected.lower(), collected
+
+
 # ---- a refused command line: one line, once, every rank refusing ---------------------------------
 
 @pytest.mark.parametrize("argv, says", [
@@ -115,11 +172,15 @@ def test_a_refused_command_line_under_torchrun_is_one_line_once(argv, says):
     result = subprocess.run([*TORCHRUN, *argv], cwd=ROOT, capture_output=True, text=True, timeout=240,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     output = result.stdout + result.stderr
-    said = [line for line in output.splitlines() if "train.py: error:" in line]
+    said = [line for line in output.splitlines() if line.startswith("train.py: error:")]
     assert len(said) == 1 and said[0].startswith(says) and said[0].endswith(" (see --help)"), output
     assert "usage:" not in output and result.returncode != 0, output
-    # local rank 0 refused with exit 2, rank 1 refused too, quietly, and was stopped by torchrun
-    assert "exitcode  : 2" in output and "rank      : 0 (local_rank: 0)" in output, output
+    # local rank 0 refused with exit 2, rank 1 refused too, quietly, and was stopped by torchrun,
+    # whose summary names our line (the error file cli.record_for_torchrun wrote) as the root cause
+    root = output.split("Root Cause (first observed failure):")[1]
+    assert "exitcode  : 2" in root and "rank      : 0 (local_rank: 0)" in root, output
+    assert f"traceback : {said[0]}" in root, output
+    assert _python_warnings(result.stderr) == [NUMPY_FROM_TORCHRUN], result.stderr
     assert time.monotonic() - began < 200                 # bounded: no rank waits in a collective
 
 

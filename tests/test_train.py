@@ -158,7 +158,9 @@ def test_log_shows_progress_and_no_bytes_sent_on_one_process(single_run):
     assert "| 25 steps" in single_run.splitlines()[0]                       # the header
     lines = [line for line in single_run.splitlines() if re.match(r"step +\d+ \| loss", line)]
     done = [int(m) for line in lines for m in re.findall(r"\| (\d+)/25 in \d+:\d\d, about \d+:\d\d left$", line)]
-    assert done == [1, 5, 9, 13, 17, 21, 25], lines
+    assert done == [5, 9, 13, 17, 21, 25], lines             # the first step's pace is its warm-up's:
+    assert re.search(r"\| 1/25 in \d+:\d\d, time left from the next logged step \(the first warms up\)$",
+                     lines[0]), lines
     assert not any("sent" in line for line in lines)                       # one rank sends nothing
 
 
@@ -1066,6 +1068,26 @@ def test_bf16_gradients_reduced_in_fp32_by_default_send_their_formula(strategy):
         assert lines and all(measured == formula for measured, formula in lines), out
         sent[bool(reduce)] = float(lines[-1][0])
     assert sent[False] > sent[True], sent
+
+
+def test_train_py_logs_the_grads_and_bytes_memory_py_prints_for_the_same_command(capsys):
+    """`train.py --strategy zero2 --precision bf16` on 2 ranks and `memory.py --model tiny
+    --strategy zero2 --world 2 --precision bf16` share one --reduce-dtype default (fp32): the
+    gradient shard held and the bytes sent per step read the same in both, at the log's rounding,
+    and both are the formula's: an fp32 shard of ceil(P/2) gradients, reduce-scattered in fp32
+    and all-gathered in bf16."""
+    from memory import main as memory_main, model_params
+    out = run_ranks(train_logged, 2, ["--strategy", "zero2", "--precision", "bf16", "--steps", "1",
+                                      "--eval-every", "0", "--eval-batches", "1"])[0][1]
+    logged_grads = float(_held(out)[0][1])
+    logged_sent = float(re.search(r"\| sent ([\d.]+) MiB/step", out).group(1))
+    memory_main(["--model", "tiny", "--strategy", "zero2", "--world", "2", "--precision", "bf16"])
+    printed = capsys.readouterr().out
+    mib = lambda label: float(re.search(rf"^  {re.escape(label)}\s+[\d,]+\s+([\d.]+)", printed, re.M).group(1))
+    shard = -(-model_params("tiny") // 2)                            # ceil(P / N) elements
+    assert (logged_grads, logged_sent) == (round(mib("gradients (1/2 shard)"), 1), mib("total sent")), (out, printed)
+    assert mib("gradients (1/2 shard)") == round(4 * shard / 2**20, 2), printed
+    assert mib("total sent") == round((4 + 2) * shard / 2**20, 2), printed     # (N-1) c each, N = 2
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
