@@ -443,6 +443,31 @@ def test_a_checkpoint_without_its_fields_stops_every_rank(saved_run, tmp_path):
         assert f"delete {root}/ckpt-0000004" in line, line
 
 
+@pytest.mark.parametrize("field, value, flags", [
+    ("world_size", "1", ["--out", "RUN", "--resume"]),
+    ("step", "20", ["--out", "RUN", "--resume"]),
+    ("step", None, ["--init-from", "RUN"]),
+    ("step", -1, ["--out", "RUN", "--resume"]),
+    ("world_size", True, ["--init-from", "RUN"]),
+    ("args", {}, ["--out", "RUN", "--resume"]),
+    ("model", None, ["--init-from", "RUN"]),
+    ("model", {"layers": 4}, ["--sample", "--init-from", "RUN"]),
+    ("sha256", None, ["--init-from", "RUN"]),
+    ("lora", "yes", ["--out", "RUN", "--resume"]),
+])
+def test_a_meta_json_field_of_the_wrong_type_is_named(field, value, flags, saved_run, tmp_path, capsys):
+    import json
+    import shutil
+    root = tmp_path / "run"
+    shutil.copytree(saved_run, root)
+    meta_file = root / "ckpt-0000004" / "meta.json"
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), field: value}))
+    code, stderr = _usage_error([str(root) if a == "RUN" else a for a in flags], capsys)
+    line = _one_error_line(stderr)
+    assert code == 2 and f"{meta_file}: {field} is {json.dumps(value)}, not " in line, stderr
+    assert f"delete {root}/ckpt-0000004" in line, line
+
+
 def test_resuming_a_finished_run_says_so_and_trains_nothing(saved_run, tmp_path):
     import shutil
     root = tmp_path / "run"
