@@ -26,6 +26,7 @@ import zero
 from advisor import auto_strategy
 from mixed_precision import DTYPES
 from model import PRESETS
+from process_groups import launched_world_size
 # The combinations' checks live beside the composition (mesh_checks.py); moe_config is the MoE
 # flags' model config, read here as cli.moe_config too.
 from mesh_checks import (check_context_parallel, check_experts, check_mesh, check_pipeline,  # noqa: F401
@@ -242,7 +243,10 @@ def parse_args(argv=None):
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature of sampling")
     args = p.parse_args(argv)
     # torchrun sets WORLD_SIZE; a caller that joined a process group itself has it there.
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        world_size = dist.get_world_size() if dist.is_initialized() else launched_world_size()
+    except ValueError as e:
+        p.error(str(e))
     if args.strategy == "auto":              # the advice's flags, after the user's, win
         advice = auto_strategy(p, args, world_size)
         args = p.parse_args([*(sys.argv[1:] if argv is None else argv), *advice])

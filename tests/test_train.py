@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from multiprocess import assert_tensors_close, run_ranks, train_logged
+from multiprocess import assert_tensors_close, run_ranks, torchrun_worker, train_logged
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--steps", "25", "--log-every", "4", "--eval-every", "0", "--seq-len", "32",
@@ -348,6 +348,37 @@ def test_bad_value_stops_with_one_line_naming_the_flag(argv, says, tmp_path, cap
             .replace("DIR", str(tmp_path / "DIR")) for a in argv]
     code, stderr = _usage_error(argv, capsys)
     assert code == 2 and says in _one_error_line(stderr), stderr
+
+
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+@pytest.mark.parametrize("env, argv, says", [
+    ({"WORLD_SIZE": "2"}, ["--tp", "2"], "WORLD_SIZE=2 is set but RANK is not: torchrun sets both"),
+    ({"WORLD_SIZE": "abc"}, [], "WORLD_SIZE='abc' is not a whole number: torchrun sets it"),
+    ({**TORCHRUN_ENV, "WORLD_SIZE": "abc"}, [], "WORLD_SIZE='abc' is not a whole number"),
+    ({**TORCHRUN_ENV, "LOCAL_RANK": "-1"}, [], "LOCAL_RANK='-1' is not a whole number"),
+    ({"WORLD_SIZE": "0"}, [], "WORLD_SIZE=0: a job has 1 rank or more"),
+    ({"RANK": "0"}, [], "RANK is set but not WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
+    ({**TORCHRUN_ENV, "RANK": "2"}, [], "RANK=2 is not a rank of WORLD_SIZE=2 (0 to 1)"),
+])
+def test_torchrun_variables_set_by_hand_stop_with_one_line(env, argv, says, monkeypatch, capsys):
+    """torchrun's variables without torchrun: init_distributed would make a world of one while
+    the checks planned for WORLD_SIZE ranks (or wait for ranks that never come)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, stderr = _usage_error(argv, capsys)
+    assert code == 2 and says in _one_error_line(stderr), stderr
+
+
+def test_world_size_1_without_torchrun_is_one_process(monkeypatch):
+    import train
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert train.parse_args([]).strategy == "single"
 
 
 def test_temperature_zero_is_greedy():
@@ -923,7 +954,7 @@ def test_zero_bubble_defers_weight_gradients_on_every_stage(tmp_path, one_proces
 def test_zero_bubble_refuses_a_stage_with_nothing_for_w(argv, capsys, monkeypatch):
     """--schedule zb where some stage holds no trained linear product (LoRA adapting the head only,
     or a mixture's up and down, which are experts and never adapted): one line, naming the fix."""
-    monkeypatch.setenv("WORLD_SIZE", "2")                     # as torchrun would set it
+    torchrun_worker(monkeypatch, 2)                     # as torchrun would set it
     code, stderr = _usage_error(argv, capsys)
     assert code == 2 and "--schedule zb with --lora: W computes the adapters' gradients" in _one_error_line(stderr), stderr
 
