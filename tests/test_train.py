@@ -340,6 +340,24 @@ def _one_error_line(stderr):
                                                                "a text, so give it at least one byte"),
     (["--sample", "--init-from", "README.md", "--sample-tokens", "-5"],
      "--sample-tokens is how many bytes to generate: give 1 or more, got -5"),
+    # Issue 46: values each flag's type takes, which crashed, or ran and did nothing asked.
+    (["--threads", "100000"], "--threads must be from 1 to this machine's"),
+    (["--lr", "1e308"], "--lr must be a positive number (the peak of the schedule; runs train at about "
+                        "1e-4 to 1e-2) up to 1e+37"),
+    (["--lr", "inf"], "--lr must be a positive number"),
+    (["--export", ""], "--export is empty: give a path, or leave the flag out"),
+    (["--out", ""], "--out is empty: give a path, or leave the flag out"),
+    (["--init-from", ""], "--init-from is empty: give a path, or leave the flag out"),
+    (["--sample", "--init-from", ""], "--init-from is empty: give a path, or leave the flag out"),
+    (["--out", "OUT", "--resume", ""], "--resume is empty: give a path, or leave the flag out"),
+    (["--data", ""], "--data is empty: give a path, or leave the flag out"),
+    (["--profile", ""], "--profile is empty: give a path, or leave the flag out"),
+    (["--mem-budget", "2GB"], "--mem-budget is the memory per rank that --strategy auto plans for: add "
+                              "--strategy auto"),
+    (["--strategy", "ddp", "--mem-budget", "2GB"], "--mem-budget is the memory per rank that --strategy "
+                                                   "auto plans for"),
+    (["--timeout", "0.001"], "--timeout 0.001 is shorter than the 5 s minimum"),
+    (["--timeout", "4.9"], "--timeout 4.9 is shorter than the 5 s minimum"),
 ])
 def test_bad_value_stops_with_one_line_naming_the_flag(argv, says, tmp_path, capsys):
     (tmp_path / "FILE").write_text("a file, not a directory")
@@ -379,6 +397,67 @@ def test_world_size_1_without_torchrun_is_one_process(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert train.parse_args([]).strategy == "single"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny model's --export file (untrained weights: sampling reads only the bytes)."""
+    import snapshot
+    from model import build_model
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("exported") / "model.pt"
+    gpt = build_model("tiny")
+    torch.save({"model": snapshot.model_config(gpt), "state_dict": gpt.state_dict()}, path)
+    return str(path)
+
+
+def _sample(exported, prompt, monkeypatch, capsys):
+    """train.main --sample of 4 greedy bytes: (the prompt the model got, as bytes; what it printed)."""
+    import model
+    import train
+    given, generate = [], model.GPT.generate
+
+    def recorded(self, prompt, *args, **kwargs):
+        given.append(bytes(prompt[0].tolist()))
+        return generate(self, prompt, *args, **kwargs)
+    monkeypatch.setattr(model.GPT, "generate", recorded)
+    train.main(["--sample", "--init-from", exported, "--prompt", prompt, "--sample-tokens", "4",
+                "--temperature", "0"])
+    return given, capsys.readouterr().out
+
+
+def test_a_prompt_that_is_not_utf8_is_sampled_from_its_bytes(exported, monkeypatch, capsys):
+    # A command line's bytes that are not UTF-8 reach Python as surrogates (surrogateescape).
+    prompt = b"\xff\xfe".decode(sys.getfilesystemencoding(), "surrogateescape")
+    given, printed = _sample(exported, prompt, monkeypatch, capsys)
+    assert given == [b"\xff\xfe"], given
+    assert printed.startswith("\ufffd\ufffd"), printed          # each invalid byte, replaced once
+
+
+def test_sample_under_torchrun_is_printed_by_rank_0_only(exported, monkeypatch, capsys):
+    torchrun_worker(monkeypatch, 2, rank=0)
+    given, printed = _sample(exported, "def ", monkeypatch, capsys)
+    assert given == [b"def "] and printed.startswith("def "), printed
+    torchrun_worker(monkeypatch, 2, rank=1)
+    given, printed = _sample(exported, "def ", monkeypatch, capsys)
+    assert given == [] and printed == "", printed                 # nothing sampled, nothing printed
+
+
+def _diverge_at_the_largest_lr(argv):
+    import train
+    try:
+        train.main(argv)
+    except train.RunError as e:
+        return str(e)
+
+
+def test_the_largest_lr_accepted_diverges_with_one_line():
+    """--lr up to cli.MAX_LR reaches the optimizer, whose step is then finite in fp32: the run
+    diverges, and says so in its line (above MAX_LR the step itself failed: refused)."""
+    from cli import MAX_LR
+    said = run_ranks(_diverge_at_the_largest_lr, 1, [*QUICK, "--steps", "2", "--lr", str(MAX_LR),
+                                                     "--warmup", "0", "--clip-grad", "0"])[0]
+    assert said is not None and "the run diverged: lower --lr" in said, said
 
 
 def test_temperature_zero_is_greedy():
