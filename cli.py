@@ -27,6 +27,7 @@ import zero
 from advisor import auto_strategy
 from mixed_precision import DTYPES, REDUCE_DTYPE
 from model import PRESETS
+from process_groups import launched_world_size
 # The combinations' checks live beside the composition (mesh_checks.py); moe_config is the MoE
 # flags' model config, read here as cli.moe_config too.
 from mesh_checks import (check_context_parallel, check_experts, check_mesh, check_pipeline,  # noqa: F401
@@ -39,6 +40,15 @@ from mesh_checks import (check_context_parallel, check_experts, check_mesh, chec
 STRATEGIES = {"single": ddp, "ddp": ddp, "zero1": zero, "zero2": zero, "fsdp": fsdp, "zero3": fsdp,
               "tp": ddp, "pipeline": ddp, "cp": ddp}
 EVAL_FRACTION = 0.05                      # data.py's held-out tail
+# AdamW (betas 0.9, 0.95: parallelize.py) moves a weight by lr / (1 - 0.9) = 10 lr in its first
+# step, a number torch converts to fp32 (largest 3.4e38): past that the step itself fails. Below,
+# a rate too large to train diverges, and snapshot.Divergence stops the run in one line.
+MAX_LR = 1e37
+# Seconds: --timeout also bounds the start-up (every rank importing torch and joining) and any
+# wait on another rank's compute (a step, an eval, a save); shorter stops healthy runs.
+MIN_TIMEOUT = 5
+# The flags that name a file or directory: "" names none (and would leave the flag silently off).
+PATH_FLAGS = ("data", "out", "resume", "init_from", "export", "profile", "memory_snapshot")
 
 
 
@@ -254,8 +264,14 @@ def parse_args(argv=None):
     gen.add_argument("--sample-tokens", type=int, default=300, help="bytes to generate")
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature of sampling")
     args = p.parse_args(argv)
+    if args.mem_budget is not None and args.strategy != "auto":
+        p.error("--mem-budget is the memory per rank that --strategy auto plans for: add --strategy "
+                "auto, or leave --mem-budget out")
     # torchrun sets WORLD_SIZE; a caller that joined a process group itself has it there.
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        world_size = dist.get_world_size() if dist.is_initialized() else launched_world_size()
+    except ValueError as e:
+        p.error(str(e))
     if args.strategy == "auto":              # the advice's flags, after the user's, win
         advice = auto_strategy(p, args, world_size)
         args = p.parse_args([*(sys.argv[1:] if argv is None else argv), *advice])
@@ -312,6 +328,7 @@ def check_args(parser, args, world_size):
     Every rank parses the same command line with the same world size, so every rank
     stops with the same message: no rank is left waiting in a collective.
     """
+    check_limits(parser, args)
     if args.sample:
         check_sample(parser, args)
         return
@@ -329,8 +346,10 @@ def check_args(parser, args, world_size):
             parser.error(f"--{name.replace('_', '-')} must be 0 (none) or more steps, got "
                          f"{getattr(args, name)}")
     # "not x > 0" rather than "x <= 0": a NaN fails every comparison, and is refused too.
-    if not 0 < args.lr < math.inf:
-        parser.error(f"--lr must be a positive number (the peak of the schedule), got {args.lr}")
+    if not 0 < args.lr <= MAX_LR:
+        parser.error(f"--lr must be a positive number (the peak of the schedule; runs train at about "
+                     f"1e-4 to 1e-2) up to {MAX_LR:g} (AdamW's first step, 10 x lr, must fit in "
+                     f"fp32), got {args.lr}")
     if args.min_lr is not None and not 0 <= args.min_lr <= args.lr:
         parser.error(f"--min-lr (the end of the cosine decay) must be between 0 and --lr {args.lr}, "
                      f"got {args.min_lr}")
@@ -416,12 +435,8 @@ def check_args(parser, args, world_size):
     if args.memory_snapshot and not torch.cuda.is_available():
         parser.error("--memory-snapshot records CUDA's allocator and there is no GPU here: on the "
                      "CPU use --profile DIR (its trace has the memory events too)")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be 1 or more, got {args.threads}")
     if args.prefetch < 0:
         parser.error(f"--prefetch must be 0 (no prefetch) or more units, got {args.prefetch}")
-    if args.timeout is not None and not 0 < args.timeout < math.inf:       # NaN fails too
-        parser.error(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
     if args.max_skipped < 0:
         parser.error(f"--max-skipped must be 0 (never stop) or more steps, got {args.max_skipped}")
     if not (args.max_loss_growth == 0 or 1 < args.max_loss_growth < math.inf):
@@ -430,6 +445,25 @@ def check_args(parser, args, world_size):
     if args.profile:
         check_writable_directory(parser, "--profile", args.profile, "each rank's trace goes in it")
     check_paths(parser, args)
+
+
+def check_limits(parser, args):
+    """Values of the right type that no run can use: an empty path (which names nothing), more
+    threads than this machine has cores, a timeout that is not a number of seconds or too short
+    to outlast a start-up."""
+    for name in PATH_FLAGS:
+        if getattr(args, name) == "":
+            parser.error(f"--{name.replace('_', '-')} is empty: give a path, or leave the flag out")
+    cores = os.cpu_count() or 1
+    if args.threads is not None and not 1 <= args.threads <= cores:
+        parser.error(f"--threads must be from 1 to this machine's {cores} CPU cores (more threads "
+                     f"than cores only take turns), got {args.threads}")
+    if args.timeout is not None and not 0 < args.timeout < math.inf:       # NaN fails too
+        parser.error(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
+    if args.timeout is not None and args.timeout < MIN_TIMEOUT:
+        parser.error(f"--timeout {args.timeout:g} is shorter than the {MIN_TIMEOUT} s minimum: it also "
+                     f"bounds the start-up and every wait on another rank's step, eval or save, so "
+                     f"healthy ranks would be taken for dead; give {MIN_TIMEOUT} or more seconds")
 
 
 def check_sample(parser, args):

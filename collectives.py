@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from launch import (Workspaces, all_gather_single, check_shards, copy_back, launcher,
-                    reduce_scatter_single, ring_group, send_recv)
+from launch import (Workspaces, all_gather_single, check_shards, copy_back, launcher, post,
+                    reduce_scatter_single, ring_group, send_recv, wait_all)
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 # A ring step's chunk travels in segments of this size, so that reducing one overlaps sending
@@ -181,10 +181,10 @@ class Comm:
         if not p2p:
             return Handle(lambda: None)
         if self.ring:
-            posted = launcher().submit(dist.batch_isend_irecv, [op.tensor for op in p2p], p2p)
-            return Handle(lambda: [work.wait() for work in posted()])
-        works = dist.batch_isend_irecv(p2p)
-        return Handle(lambda: [work.wait() for work in works])
+            posted = launcher().submit(post, [op.tensor for op in p2p], p2p)
+            return Handle(lambda: wait_all(posted()))
+        works = post(p2p)
+        return Handle(lambda: wait_all(works))
 
     # ---- the ring versions, from send/recv --------------------------------------------
 
@@ -303,24 +303,22 @@ class Comm:
         per_segment = max(1, self.segment_bytes // steps[0].send.element_size())
         split = [[t.split(per_segment) if t is not None else None for t in step] for step in steps]
 
-        def post(s, j):
+        def post_segment(s, j):
             send, recv = split[s][0][j], split[s][1][j]
             self.bytes_sent[name] += send.nbytes
-            return dist.batch_isend_irecv([self._p2p(dist.isend, send, right),
-                                           self._p2p(dist.irecv, recv, left)])
-        in_flight = [post(0, j) for j in range(len(split[0][0]))]
+            return post([self._p2p(dist.isend, send, right), self._p2p(dist.irecv, recv, left)])
+        in_flight = [post_segment(0, j) for j in range(len(split[0][0]))]
         for s, (_, recv, add, out) in enumerate(split):
             # avg: divide once, where a chunk's sum is complete (the reduce-scatter's last step)
             divide = op == "avg" and add is not None and (s + 1 == len(steps) or steps[s + 1].add is None)
             for j, works in enumerate(in_flight):
-                for work in works:   # the segment arrived, and the one sent may be overwritten
-                    work.wait()
+                wait_all(works)      # the segment arrived, and the one sent may be overwritten
                 if add is not None:
                     _combine(out[j], add[j], recv[j], op)
                     if divide:
                         out[j].div_(n)
                 if s + 1 < len(steps):
-                    in_flight[j] = post(s + 1, j)
+                    in_flight[j] = post_segment(s + 1, j)
 
     def _p2p(self, fn, tensor, group_peer):
         return dist.P2POp(fn, tensor, group=self._p2p_group, group_peer=group_peer)

@@ -10,6 +10,7 @@ Test: python -m pytest tests/test_collectives.py
 
 Shapes: N ranks in the group, L elements in the tensor, c = ceil(L / N) elements per chunk.
 """
+import contextlib
 import functools
 from concurrent.futures import ThreadPoolExecutor
 
@@ -139,11 +140,38 @@ def copy_back(tensor, flat):
         tensor.copy_(flat[: tensor.numel()].view_as(tensor))
 
 
+@contextlib.contextmanager
+def transport_errors():
+    """A failure of the messages' transport (a peer that died, or stalled past the group's
+    timeout) raised as torch's DistNetworkError, which train.py says as a lost peer in one line
+    (run_log.stopped), as it says a native collective's. gloo names its own source file in most
+    of its errors, not in the one every other message of a group gets once one timed out:
+    "Application timeout caused pair closure", which a wait on a later message can meet first."""
+    try:
+        yield
+    except dist.DistError:
+        raise
+    except RuntimeError as e:
+        raise dist.DistNetworkError(str(e)) from e
+
+
+def post(ops: list) -> list:
+    """dist.batch_isend_irecv(ops), sends and receives posted together: their works."""
+    with transport_errors():
+        return dist.batch_isend_irecv(ops)
+
+
+def wait_all(works: list):
+    """Wait for every work `post` returned."""
+    with transport_errors():
+        for work in works:
+            work.wait()
+
+
 def send_recv(ops):
     """Post a list of sends and receives together and wait for all of them."""
     if ops:                                                # a world of one has nothing to post
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        wait_all(post(ops))
 
 
 def check_shards(name, shard, full, world_size):

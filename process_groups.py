@@ -16,6 +16,7 @@ import itertools
 import math
 import os
 import pickle
+import re
 import sys
 from collections import Counter
 from typing import NamedTuple
@@ -63,6 +64,39 @@ def init_distributed(timeout: float | None = None) -> torch.device:
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
     return device
+
+
+TORCHRUN_INTEGERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+
+
+def launched_world_size() -> int:
+    """The world size torchrun started this process in (1 without torchrun), read from the
+    variables torchrun sets; a ValueError naming the variable and the fix where they are not
+    torchrun's (set by hand, or left over in a shell): init_distributed would join a world of
+    one while the checks planned for WORLD_SIZE ranks, or wait for ranks that never come."""
+    env = os.environ
+    for name in TORCHRUN_INTEGERS:
+        if name in env and not re.fullmatch(r"[0-9]+", env[name]):
+            raise ValueError(f"{name}={env[name]!r} is not a whole number: torchrun sets it for each "
+                             f"process it starts; launch with torchrun, or unset {name}")
+    world = int(env.get("WORLD_SIZE", 1))
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE={world}: a job has 1 rank or more; launch with torchrun, or "
+                         f"unset WORLD_SIZE")
+    if "RANK" not in env:
+        if world != 1:
+            raise ValueError(f"WORLD_SIZE={world} is set but RANK is not: torchrun sets both (with "
+                             f"MASTER_ADDR and MASTER_PORT) for each of its processes; launch with "
+                             f"torchrun --nproc_per_node {world} train.py, or unset WORLD_SIZE")
+        return 1
+    missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in env]
+    if missing:
+        raise ValueError(f"RANK is set but not {', '.join(missing)}: torchrun sets them all for "
+                         f"each of its processes; launch with torchrun, or unset RANK")
+    if not 0 <= int(env["RANK"]) < world:
+        raise ValueError(f"RANK={env['RANK']} is not a rank of WORLD_SIZE={world} (0 to {world - 1}): "
+                         f"launch with torchrun, which numbers its processes")
+    return world
 
 
 def cpu_threads(requested: int | None, device: torch.device, offload: bool = False) -> str:

@@ -218,7 +218,8 @@ def _read(path: str) -> str | None:
 def _holder(text: str | None) -> dict | None:
     try:
         holder = json.loads(text)
-        return holder if isinstance(holder.get("pid"), int) and "host" in holder else None
+        pid = holder.get("pid")
+        return holder if isinstance(pid, int) and pid > 0 and "host" in holder else None
     except (TypeError, ValueError, AttributeError):
         return None
 
@@ -226,7 +227,7 @@ def _holder(text: str | None) -> dict | None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)                       # signal 0: only asks whether the process exists
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):   # too large for a pid: no process has it
         return False
     except PermissionError:                   # another user's process: it exists
         pass
@@ -369,10 +370,12 @@ def load(path: str) -> tuple[dict, list[dict]]:
 
 # What a checkpoint's meta.json must hold for load() and resume(); save() writes them all.
 META_FIELDS = ("step", "world_size", "model", "args")
+MODEL_FIELDS = {field.name for field in dataclasses.fields(GPTConfig)}
 
 
 def read_meta(path: str) -> dict:
-    """A checkpoint's meta.json, or one CheckpointError naming what is missing and the fix."""
+    """A checkpoint's meta.json, or one CheckpointError naming the field missing or of the wrong
+    type, and the fix."""
     fix = f"delete {path} to fall back on the checkpoint before it"
     try:
         with open(os.path.join(path, "meta.json")) as f:
@@ -383,7 +386,36 @@ def read_meta(path: str) -> dict:
     if missing:
         raise CheckpointError(f"{path}/meta.json lacks {', '.join(missing)} (it was not written by a "
                               f"save of this program, or was cut short); {fix}")
+    wrong = _wrong_field(meta)
+    if wrong:
+        field, what = wrong
+        value = json.dumps(meta[field])
+        value = value if len(value) <= 40 else value[:37] + "..."
+        raise CheckpointError(f"{path}/meta.json: {field} is {value}, not {what} (it was not written "
+                              f"by a save of this program, or was edited); {fix}")
     return meta
+
+
+def _wrong_field(meta: dict) -> tuple[str, str] | None:
+    """The first field of meta.json whose value save() cannot have written, and what it must be
+    (None if none is): the fields load(), resume() and load_weights() read."""
+    def count(value, least: int) -> bool:              # JSON's true is a Python int too
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+    model, args, sums = meta["model"], meta["args"], meta.get("sha256", {})
+    rules = {
+        "step": (count(meta["step"], 0), "the steps done, a whole number"),
+        "world_size": (count(meta["world_size"], 1), "the ranks that saved it, a whole number from 1"),
+        "model": (isinstance(model, dict) and model.keys() <= MODEL_FIELDS, "the model's configuration "
+                  "(GPTConfig's fields)"),
+        "args": (isinstance(args, dict) and isinstance(args.get("strategy"), str),
+                 "the run's options (with its --strategy)"),
+        "sha256": (isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values()),
+                   "{part file: its checksum}"),
+        "lora": (isinstance(meta.get("lora"), (dict, type(None))), "the adapters' configuration, or null"),
+        "base": (isinstance(meta.get("base"), (str, type(None))), "the base model's path, or null"),
+    }
+    return next(((field, what) for field, (right, what) in rules.items() if not right and field in meta),
+                None)
 
 
 def check_source(path: str):

@@ -128,10 +128,15 @@ def update(optimizer, args) -> bool:
 
 
 def sample(args):
-    """Text from a trained model, on one process: no torch.distributed."""
+    """Text from a trained model, on one process: no torch.distributed. Under torchrun every
+    process was given the command, and rank 0 alone samples (the same text, printed once)."""
+    if int(os.environ.get("RANK", 0)):            # a whole number: cli.parse_args checked it
+        return
     gpt = load_weights(args.init_from).eval()
     torch.manual_seed(args.seed)
-    prompt = torch.tensor([list(args.prompt.encode())], dtype=torch.long)        # (1, T) bytes
+    # The prompt's own bytes: the model reads bytes, and a command line's that are not UTF-8
+    # come as surrogates (Python's surrogateescape), which fsencode turns back into those bytes.
+    prompt = torch.tensor([list(os.fsencode(args.prompt))], dtype=torch.long)    # (1, T) bytes
     tokens = gpt.generate(prompt, args.sample_tokens, temperature=args.temperature)
     print(bytes(tokens[0].tolist()).decode("utf-8", errors="replace"))
 

@@ -98,6 +98,14 @@ def _rank_main(work, rank, world_size, store_path, results, nccl):
             dist.destroy_process_group()
 
 
+def torchrun_worker(monkeypatch, world_size: int, rank: int = 0):
+    """This process's environment as torchrun gives its worker `rank` of world_size, for a test
+    of what train.py's command line refuses before joining the job (cli.parse_args reads it)."""
+    for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size,
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}.items():
+        monkeypatch.setenv(name, str(value))
+
+
 def train_logged(argv):
     """train.main(argv) on this rank: its history (full-precision losses) and what it printed."""
     import train

@@ -6,7 +6,7 @@ import pytest
 from advisor import advise, expert_parallel_options, params_shape, parse_bytes
 from memory import GB, ep_params, expert_params, main, model_params, moe_exchange_bytes, root_params
 from model import PRESETS
-from multiprocess import run_ranks
+from multiprocess import run_ranks, torchrun_worker
 
 
 @pytest.mark.parametrize("gpu_mem, world, rung, strategy, flags", [
@@ -38,7 +38,7 @@ def test_advise_prints_a_command_train_py_accepts(capsys, monkeypatch):
     assert "too big" in out and "fits (+" in out                # the rungs walked, host bytes shown
     command = out.strip().splitlines()[-1]
     assert command.startswith("torchrun --nproc_per_node 4 train.py ")
-    monkeypatch.setenv("WORLD_SIZE", "4")
+    torchrun_worker(monkeypatch, 4)
     args = train.parse_args(command.split("train.py ")[1].split())
     assert (args.strategy, args.offload, args.grad_accum) == ("fsdp", "optimizer", 16)
     assert args.checkpoint_activations == 1 and args.precision == "bf16"
@@ -104,7 +104,7 @@ def test_strategy_auto_runs_the_advice_on_cpu_ranks():
 
 def test_strategy_auto_names_the_fix(monkeypatch, capsys):
     import train
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    torchrun_worker(monkeypatch, 2)
     for argv, fix in ((["--strategy", "auto"], "needs --mem-budget"),
                       (["--strategy", "auto", "--mem-budget", "4MB"], "add --init-from RUN_DIR"),
                       (["--strategy", "auto", "--mem-budget", "1MB"], "does not fit in 976.56 KiB"),

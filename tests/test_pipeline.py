@@ -19,7 +19,7 @@ from collectives import Comm
 from ddp import DDP
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
-from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
+from multiprocess import assert_mean_close, assert_tensors_close, run_ranks, torchrun_worker
 from process_groups import make_mesh
 from parallelize import bubble_why, replayed_idle, stage_seconds
 from schedules import SCHEDULES, bubble_formula, gpipe, make_schedule, nccl_program
@@ -620,7 +620,7 @@ def test_bad_pipeline_input_stops_every_rank_with_the_same_message(bad_pp, case,
 
 def test_fewer_blocks_than_stages_names_the_fix(monkeypatch, capsys):
     import train
-    monkeypatch.setenv("WORLD_SIZE", "8")
+    torchrun_worker(monkeypatch, 8)
     with pytest.raises(SystemExit):                              # tiny has 4 blocks
         train.parse_args(["--strategy", "pipeline", "--pp", "8"])
     assert "4 blocks, fewer than 8 pipeline stages: every stage needs a block; use --pp 4" in \

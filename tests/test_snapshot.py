@@ -315,6 +315,26 @@ def test_a_stale_lock_is_named_and_taken_over(tmp_path):
     assert not os.path.exists(os.path.join(out, "lock"))        # released when the run ended
 
 
+@pytest.mark.parametrize("pid, says", [
+    (2**40, "took over {lock} from a run that is no longer running (pid 1099511627776 on {host}"),
+    (0, "--out {out}: {lock} exists but names no run"),
+    (-1, "--out {out}: {lock} exists but names no run"),
+])
+def test_a_lock_naming_a_pid_no_process_can_have_is_stale_or_damaged(pid, says, tmp_path):
+    """A pid too large for the OS (os.kill raised OverflowError) is no running process: stale,
+    taken over. 0 and -1 are no pid at all (os.kill would ask about a process group, or every
+    process): the lock names no run."""
+    out = str(tmp_path / "run")
+    _write_lock(out, socket.gethostname(), pid)
+    says = says.format(out=out, lock=os.path.join(out, "lock"), host=socket.gethostname())
+    try:
+        said = snapshot.lock(out)
+        snapshot.unlock(out)
+    except snapshot.RunError as e:
+        said = str(e)
+    assert says in said and "\n" not in said, said
+
+
 def _branching_runs(out):
     """The issue's case: a run saves 8, 10, 12; resumed from 8 at another --lr, it saves 9, 10,
     11 (--keep 3); then a plain --resume. Returns what each run printed."""

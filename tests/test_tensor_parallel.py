@@ -20,7 +20,7 @@ import tensor_parallel as tp
 from collectives import Comm
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
-from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
+from multiprocess import assert_mean_close, assert_tensors_close, run_ranks, torchrun_worker
 from placements import grad_norm, norm_weight, tensor_dim
 from process_groups import make_mesh
 
@@ -534,7 +534,7 @@ def bad_tp():
 
 def test_model_that_does_not_split_names_the_fix(monkeypatch, capsys):
     import train
-    monkeypatch.setenv("WORLD_SIZE", "4")
+    torchrun_worker(monkeypatch, 4)
     with pytest.raises(SystemExit):                              # medium has 6 heads
         train.parse_args(["--strategy", "tp", "--tp", "4", "--model", "medium"])
     err = capsys.readouterr().err

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from multiprocess import assert_tensors_close, run_ranks, train_logged
+from multiprocess import assert_tensors_close, run_ranks, torchrun_worker, train_logged
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--steps", "25", "--log-every", "4", "--eval-every", "0", "--seq-len", "32",
@@ -342,6 +342,24 @@ def _one_error_line(stderr):
                                                                "a text, so give it at least one byte"),
     (["--sample", "--init-from", "README.md", "--sample-tokens", "-5"],
      "--sample-tokens is how many bytes to generate: give 1 or more, got -5"),
+    # Issue 46: values each flag's type takes, which crashed, or ran and did nothing asked.
+    (["--threads", "100000"], "--threads must be from 1 to this machine's"),
+    (["--lr", "1e308"], "--lr must be a positive number (the peak of the schedule; runs train at about "
+                        "1e-4 to 1e-2) up to 1e+37"),
+    (["--lr", "inf"], "--lr must be a positive number"),
+    (["--export", ""], "--export is empty: give a path, or leave the flag out"),
+    (["--out", ""], "--out is empty: give a path, or leave the flag out"),
+    (["--init-from", ""], "--init-from is empty: give a path, or leave the flag out"),
+    (["--sample", "--init-from", ""], "--init-from is empty: give a path, or leave the flag out"),
+    (["--out", "OUT", "--resume", ""], "--resume is empty: give a path, or leave the flag out"),
+    (["--data", ""], "--data is empty: give a path, or leave the flag out"),
+    (["--profile", ""], "--profile is empty: give a path, or leave the flag out"),
+    (["--mem-budget", "2GB"], "--mem-budget is the memory per rank that --strategy auto plans for: add "
+                              "--strategy auto"),
+    (["--strategy", "ddp", "--mem-budget", "2GB"], "--mem-budget is the memory per rank that --strategy "
+                                                   "auto plans for"),
+    (["--timeout", "0.001"], "--timeout 0.001 is shorter than the 5 s minimum"),
+    (["--timeout", "4.9"], "--timeout 4.9 is shorter than the 5 s minimum"),
 ])
 def test_bad_value_stops_with_one_line_naming_the_flag(argv, says, tmp_path, capsys):
     (tmp_path / "FILE").write_text("a file, not a directory")
@@ -350,6 +368,98 @@ def test_bad_value_stops_with_one_line_naming_the_flag(argv, says, tmp_path, cap
             .replace("DIR", str(tmp_path / "DIR")) for a in argv]
     code, stderr = _usage_error(argv, capsys)
     assert code == 2 and says in _one_error_line(stderr), stderr
+
+
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+@pytest.mark.parametrize("env, argv, says", [
+    ({"WORLD_SIZE": "2"}, ["--tp", "2"], "WORLD_SIZE=2 is set but RANK is not: torchrun sets both"),
+    ({"WORLD_SIZE": "abc"}, [], "WORLD_SIZE='abc' is not a whole number: torchrun sets it"),
+    ({**TORCHRUN_ENV, "WORLD_SIZE": "abc"}, [], "WORLD_SIZE='abc' is not a whole number"),
+    ({**TORCHRUN_ENV, "LOCAL_RANK": "-1"}, [], "LOCAL_RANK='-1' is not a whole number"),
+    ({"WORLD_SIZE": "0"}, [], "WORLD_SIZE=0: a job has 1 rank or more"),
+    ({"RANK": "0"}, [], "RANK is set but not WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
+    ({**TORCHRUN_ENV, "RANK": "2"}, [], "RANK=2 is not a rank of WORLD_SIZE=2 (0 to 1)"),
+])
+def test_torchrun_variables_set_by_hand_stop_with_one_line(env, argv, says, monkeypatch, capsys):
+    """torchrun's variables without torchrun: init_distributed would make a world of one while
+    the checks planned for WORLD_SIZE ranks (or wait for ranks that never come)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, stderr = _usage_error(argv, capsys)
+    assert code == 2 and says in _one_error_line(stderr), stderr
+
+
+def test_world_size_1_without_torchrun_is_one_process(monkeypatch):
+    import train
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert train.parse_args([]).strategy == "single"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny model's --export file (untrained weights: sampling reads only the bytes)."""
+    import snapshot
+    from model import build_model
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("exported") / "model.pt"
+    gpt = build_model("tiny")
+    torch.save({"model": snapshot.model_config(gpt), "state_dict": gpt.state_dict()}, path)
+    return str(path)
+
+
+def _sample(exported, prompt, monkeypatch, capsys):
+    """train.main --sample of 4 greedy bytes: (the prompt the model got, as bytes; what it printed)."""
+    import model
+    import train
+    given, generate = [], model.GPT.generate
+
+    def recorded(self, prompt, *args, **kwargs):
+        given.append(bytes(prompt[0].tolist()))
+        return generate(self, prompt, *args, **kwargs)
+    monkeypatch.setattr(model.GPT, "generate", recorded)
+    train.main(["--sample", "--init-from", exported, "--prompt", prompt, "--sample-tokens", "4",
+                "--temperature", "0"])
+    return given, capsys.readouterr().out
+
+
+def test_a_prompt_that_is_not_utf8_is_sampled_from_its_bytes(exported, monkeypatch, capsys):
+    # A command line's bytes that are not UTF-8 reach Python as surrogates (surrogateescape).
+    prompt = b"\xff\xfe".decode(sys.getfilesystemencoding(), "surrogateescape")
+    given, printed = _sample(exported, prompt, monkeypatch, capsys)
+    assert given == [b"\xff\xfe"], given
+    assert printed.startswith("\ufffd\ufffd"), printed          # each invalid byte, replaced once
+
+
+def test_sample_under_torchrun_is_printed_by_rank_0_only(exported, monkeypatch, capsys):
+    torchrun_worker(monkeypatch, 2, rank=0)
+    given, printed = _sample(exported, "def ", monkeypatch, capsys)
+    assert given == [b"def "] and printed.startswith("def "), printed
+    torchrun_worker(monkeypatch, 2, rank=1)
+    given, printed = _sample(exported, "def ", monkeypatch, capsys)
+    assert given == [] and printed == "", printed                 # nothing sampled, nothing printed
+
+
+def _diverge_at_the_largest_lr(argv):
+    import train
+    try:
+        train.main(argv)
+    except train.RunError as e:
+        return str(e)
+
+
+def test_the_largest_lr_accepted_diverges_with_one_line():
+    """--lr up to cli.MAX_LR reaches the optimizer, whose step is then finite in fp32: the run
+    diverges, and says so in its line (above MAX_LR the step itself failed: refused)."""
+    from cli import MAX_LR
+    said = run_ranks(_diverge_at_the_largest_lr, 1, [*QUICK, "--steps", "2", "--lr", str(MAX_LR),
+                                                     "--warmup", "0", "--clip-grad", "0"])[0]
+    assert said is not None and "the run diverged: lower --lr" in said, said
 
 
 def test_temperature_zero_is_greedy():
@@ -532,6 +642,31 @@ def test_a_dangling_symlink_is_named_with_its_target(flag, tmp_path, capsys):
                               f"does not exist: create that directory, remove the link, or give "
                               f"another {flag}") in _one_error_line(stderr), stderr
     assert not os.path.lexists(tmp_path / "gone")
+
+
+@pytest.mark.parametrize("field, value, flags", [
+    ("world_size", "1", ["--out", "RUN", "--resume"]),
+    ("step", "20", ["--out", "RUN", "--resume"]),
+    ("step", None, ["--init-from", "RUN"]),
+    ("step", -1, ["--out", "RUN", "--resume"]),
+    ("world_size", True, ["--init-from", "RUN"]),
+    ("args", {}, ["--out", "RUN", "--resume"]),
+    ("model", None, ["--init-from", "RUN"]),
+    ("model", {"layers": 4}, ["--sample", "--init-from", "RUN"]),
+    ("sha256", None, ["--init-from", "RUN"]),
+    ("lora", "yes", ["--out", "RUN", "--resume"]),
+])
+def test_a_meta_json_field_of_the_wrong_type_is_named(field, value, flags, saved_run, tmp_path, capsys):
+    import json
+    import shutil
+    root = tmp_path / "run"
+    shutil.copytree(saved_run, root)
+    meta_file = root / "ckpt-0000004" / "meta.json"
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), field: value}))
+    code, stderr = _usage_error([str(root) if a == "RUN" else a for a in flags], capsys)
+    line = _one_error_line(stderr)
+    assert code == 2 and f"{meta_file}: {field} is {json.dumps(value)}, not " in line, stderr
+    assert f"delete {root}/ckpt-0000004" in line, line
 
 
 def test_resuming_a_finished_run_says_so_and_trains_nothing(saved_run, tmp_path):
@@ -1045,7 +1180,7 @@ def test_zero_bubble_defers_weight_gradients_on_every_stage(tmp_path, one_proces
 def test_zero_bubble_refuses_a_stage_with_nothing_for_w(argv, capsys, monkeypatch):
     """--schedule zb where some stage holds no trained linear product (LoRA adapting the head only,
     or a mixture's up and down, which are experts and never adapted): one line, naming the fix."""
-    monkeypatch.setenv("WORLD_SIZE", "2")                     # as torchrun would set it
+    torchrun_worker(monkeypatch, 2)                     # as torchrun would set it
     code, stderr = _usage_error(argv, capsys)
     assert code == 2 and "--schedule zb with --lora: W computes the adapters' gradients" in _one_error_line(stderr), stderr
 
