@@ -68,7 +68,15 @@ class Launcher:
         """Run fn(*args) on the thread, after everything submitted before, autograd off; return
         wait(), which blocks until it is done and returns fn's result. tensors: those fn reads
         and writes (CUDA: the thread's stream starts after the caller's work on them, and
-        wait() makes the caller's stream wait for the thread's, with no host synchronize)."""
+        wait() makes the caller's stream wait for the thread's, with no host synchronize, and
+        only then lets them go).
+
+        CUDA: the tensors are held here until wait(), not marked with record_stream on the
+        thread's stream: a block so marked returns to the caching allocator only once everything
+        queued on that stream by then has run, so a freed bucket or FSDP unit would stay
+        reserved behind later messages (the GPU reserving more than memory.py predicts). Held
+        until the caller's stream waits for the thread's, a freed block is reused on the caller's
+        stream, after that wait."""
         if not tensors or not tensors[0].is_cuda:
             return self._thread.submit(_no_grad, fn, *args).result
         ready, device = torch.cuda.Event(), tensors[0].device
@@ -81,17 +89,16 @@ class Launcher:
             stream = self._streams[device]
             stream.wait_event(ready)
             with torch.cuda.stream(stream):
-                for t in tensors:                          # freed by the caller: not reused early
-                    t.record_stream(stream)
                 result = _no_grad(fn, *args)
                 done = torch.cuda.Event()
                 done.record(stream)
             return result, done
-        future = self._thread.submit(run)
+        future, held = self._thread.submit(run), list(tensors)
 
         def wait():
             result, done = future.result()
             torch.cuda.current_stream().wait_event(done)
+            held.clear()                                   # reusable now, after the wait
             return result
         return wait
 
