@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
@@ -189,7 +189,7 @@ def ours_fsdp(model, args, shard_group=None):
                napkin_sent=fsdp.bytes_per_step() if copies or frozen else None, napkin_held=napkin_held)
 
 
-def torch_fsdp(model, args, shard_group=None):
+def torch_fsdp(model, args, shard_group=None, offload=False):
     # The same units as ours: one per block, the rest the root. fully_shard's default policy is
     # ours: blocks free their gathered weights after forward, the root keeps them until the end
     # of backward. The policy computes and reduce-scatters in --precision, fp32 shards beside.
@@ -205,15 +205,17 @@ def torch_fsdp(model, args, shard_group=None):
     for p in model.parameters():       # a frozen base is kept in --precision, as ours keeps it
         if not p.requires_grad:
             p.data = p.data.to(dtype)
+    # offload: FSDP2's CPUOffloadPolicy, the shards, their gradients and AdamW's step in host memory.
+    options = dict(mesh=mesh, mp_policy=policy, **({"offload_policy": CPUOffloadPolicy()} if offload else {}))
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     # After fully_shard: it replaced each parameter with a sharded one (a DTensor).
     adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
     hybrid = f" on a {n // shard_group} x {shard_group} (replicate, shard) mesh: HSDP" if shard_group else ""
     return Run(model, TorchOptimizer(adamw, model.parameters()),
                label=f"fully_shard per block + root (FSDP2){hybrid}, MixedPrecisionPolicy({args.precision})"
-                     " + AdamW")
+                     + (", CPUOffloadPolicy" if offload else "") + " + AdamW")
 
 
 def with_lora(build, model, args):
