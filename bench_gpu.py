@@ -28,9 +28,8 @@ import torch.distributed as dist
 
 import pictures
 import traces
-from bench import ADAMW, LORA, STRATEGIES, ours_fsdp, torch_fsdp, with_lora
+from bench import ADAMW, LORA, STRATEGIES, our_comm, ours_fsdp, torch_fsdp, with_lora
 from bench_measure import Run, datasheet_peak_flops, side, time_training
-from collectives import Comm
 from data import TextData
 from lora import apply_lora
 from model import PRESETS, build_model
@@ -50,7 +49,7 @@ def ours_qlora(model, args):
 
 def ours_zero2_offload(model, args):
     """ZeRO-2 with ZeRO-Offload, as train.py --strategy zero2 --offload optimizer builds it."""
-    comm = Comm()
+    comm = our_comm()
     options = SimpleNamespace(strategy="zero2", ep=1, bucket_mb=args.bucket_mb, precision=args.precision,
                               batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=1,
                               double_quant=False, offload="optimizer", reduce_dtype="fp32")

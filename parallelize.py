@@ -13,6 +13,7 @@ Used by: train.py (build). Test: python -m pytest tests/test_train.py -k mesh
 from typing import Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import ddp
@@ -20,7 +21,7 @@ import fsdp
 import lora
 from checkpointing import checkpoint_blocks
 from cli import STRATEGIES
-from collectives import Comm, ring_bytes
+from collectives import Comm, ring_bytes, ring_choice
 from conjugates import leave_region
 from context_parallel import ContextParallelGPT
 from ddp import DDP
@@ -62,7 +63,7 @@ def build(args, device) -> Run:
     strategies cut. One mesh: tensor x context x data x pipeline (cli.py made sure the sizes
     divide the world); with a split, the experts' groups and HSDP's (--ep, --shard-group: runs
     inside dp x cp) are the mesh's too; without one, data_parallel cuts them from the data group."""
-    comm = Comm(ring=args.collectives == "ring", timeout=args.timeout)
+    comm = Comm(ring=ring_choice(args.collectives, dist.get_backend()), timeout=args.timeout)
     split = bool(mesh_splits(args))
     mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep if split else 1,
                             shard=args.shard_group if split else None)
