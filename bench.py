@@ -48,7 +48,8 @@ from bench_scaling import STRATEGIES as SCALED, bench_scaling, scaling_report
 from bench_measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report,
                            predicted_cell, report, size_report, spread, summary, time_training)
 from checkpointing import checkpoint_blocks
-from collectives import Comm, ring_choice
+from cli import ring_choice
+from collectives import Comm
 from data import TextData
 from ddp import DDP
 from fsdp import FSDPOptimizer, MixedPrecisionPolicy as FSDPPrecision

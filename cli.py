@@ -24,7 +24,7 @@ import schedules
 import snapshot
 import zero
 from advisor import auto_strategy
-from collectives import RING_COLLECTIVES, ring_choice
+from collectives import RING_COLLECTIVES
 from mixed_precision import DTYPES
 from model import PRESETS
 # The combinations' checks live beside the composition (mesh_checks.py); moe_config is the MoE
@@ -268,6 +268,19 @@ def run_shape(args, data_size: int) -> tuple[str, str]:
     chunks = f" ({args.virtual_stages} chunks per stage)" if args.virtual_stages > 1 else ""
     return (mesh + f", {args.schedule}{chunks} over {args.microbatches} micro-batches",
             f"{args.microbatches} micro-batch(es) per pipeline")
+
+
+# --collectives auto: each backend runs what was measured faster on it (bench_collectives.py and
+# docs/measured.md, 2 gloo ranks, the medium model's 44 MB): gloo's reduce_scatter_tensor took
+# 83-87 ms against our ring's 25, its all_gather_into_tensor 90-95 against 34-42 (both copy
+# through flat buffers), while its all-reduce took 32 against the ring's 44. NCCL's own, always.
+FASTEST_RING = {"gloo": ("reduce_scatter", "all_gather")}
+
+
+def ring_choice(collectives: str, backend: str) -> frozenset:
+    """The collectives a Comm runs as our ring for --collectives native, ring or auto."""
+    chosen = {"native": (), "ring": RING_COLLECTIVES}.get(collectives)
+    return frozenset(FASTEST_RING.get(backend, ()) if chosen is None else chosen)
 
 
 def collectives_used(collectives: str, backend: str, world_size: int) -> str:

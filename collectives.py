@@ -31,18 +31,8 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.Re
 # the next. Smaller segments overlap more and pay a message's fixed cost more often: 1 MiB
 # measured best on gloo over loopback (bench_collectives.py); NCCL's own slices are smaller.
 SEGMENT_BYTES = 2**20
+# The collectives a Comm can build as a ring (Comm(ring=...) names some, or True for all).
 RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
-# --collectives auto: each backend runs what was measured faster on it (bench_collectives.py and
-# docs/measured.md, 2 gloo ranks, the medium model's 44 MB): gloo's reduce_scatter_tensor took
-# 83-87 ms against our ring's 25, its all_gather_into_tensor 90-95 against 34-42 (both copy
-# through flat buffers), while its all-reduce took 32 against the ring's 44. NCCL's own, always.
-FASTEST_RING = {"gloo": ("reduce_scatter", "all_gather")}
-
-
-def ring_choice(collectives: str, backend: str) -> frozenset:
-    """The collectives a Comm runs as our ring for --collectives native, ring or auto."""
-    chosen = {"native": (), "ring": RING_COLLECTIVES}.get(collectives)
-    return frozenset(FASTEST_RING.get(backend, ()) if chosen is None else chosen)
 
 
 class Handle:
@@ -78,7 +68,7 @@ class Comm:
 
     group: the ranks taking part (default: the whole world). ring: build the collectives
     from point-to-point messages instead of calling torch.distributed's: True for all of them,
-    or the names of those to build (RING_COLLECTIVES; ring_choice). bytes_sent: a
+    or the names of those to build (RING_COLLECTIVES). bytes_sent: a
     Counter {collective name: bytes this rank sent}, shared with comms made by subgroups().
     Every method works in place on the given tensors and takes async_op: when True it
     returns a Handle at once, so the caller can compute while the bytes move.

@@ -20,8 +20,8 @@ import ddp
 import fsdp
 import lora
 from checkpointing import checkpoint_blocks
-from cli import STRATEGIES
-from collectives import Comm, ring_bytes, ring_choice
+from cli import STRATEGIES, ring_choice
+from collectives import Comm, ring_bytes
 from conjugates import leave_region
 from context_parallel import ContextParallelGPT
 from ddp import DDP
