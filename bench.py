@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
@@ -48,6 +48,7 @@ from bench_scaling import STRATEGIES as SCALED, bench_scaling, scaling_report
 from bench_measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report,
                            predicted_cell, report, size_report, spread, summary, time_training)
 from checkpointing import checkpoint_blocks
+from cli import ring_choice
 from collectives import Comm
 from data import TextData
 from ddp import DDP
@@ -97,15 +98,21 @@ class TorchOptimizer:
         self.torch_optimizer.step()
 
 
+def our_comm() -> Comm:
+    """Ours as train.py runs by default (--collectives auto): on each backend the collectives
+    measured faster there (gloo: our ring's reduce-scatter and all-gather; NCCL: its own)."""
+    return Comm(ring=ring_choice("auto", dist.get_backend()))
+
+
 def ours_ddp(model, args):
-    comm = Comm()
+    comm = our_comm()
     ddp = DDP(model, comm, bucket_mb=args.bucket_mb)
     return Run(ddp, MixedPrecisionOptimizer(ddp.parameters(), torch.optim.AdamW,
                                             precision=args.precision, **ADAMW), comm)
 
 
 def ours_zero(stage, model, args):
-    comm = Comm()
+    comm = our_comm()
     return Run(model, zero_optimizer(model.parameters(), stage=stage, optimizer_cls=torch.optim.AdamW,
                                      group=comm, bucket_mb=args.bucket_mb, **ADAMW), comm)
 
@@ -170,7 +177,7 @@ def ours_fsdp(model, args, shard_group=None):
     # --precision (as every row's does, so every row starts from the same rounded weights).
     # shard_group: hybrid sharding, as train.py --shard-group builds it (make_mesh's inner groups
     # shard, its outer groups hold the copies; both count into the one Comm).
-    comm = Comm()
+    comm = our_comm()
     shard, copies = make_mesh(comm, shard_group) if shard_group else (comm, None)
     frozen = any(not p.requires_grad for p in model.parameters())
     # What a rank holds, predicted (memory.py); with a frozen base, also what it would hold whole.
@@ -189,7 +196,7 @@ def ours_fsdp(model, args, shard_group=None):
                napkin_sent=fsdp.bytes_per_step() if copies or frozen else None, napkin_held=napkin_held)
 
 
-def torch_fsdp(model, args, shard_group=None):
+def torch_fsdp(model, args, shard_group=None, offload=False):
     # The same units as ours: one per block, the rest the root. fully_shard's default policy is
     # ours: blocks free their gathered weights after forward, the root keeps them until the end
     # of backward. The policy computes and reduce-scatters in --precision, fp32 shards beside.
@@ -205,15 +212,17 @@ def torch_fsdp(model, args, shard_group=None):
     for p in model.parameters():       # a frozen base is kept in --precision, as ours keeps it
         if not p.requires_grad:
             p.data = p.data.to(dtype)
+    # offload: FSDP2's CPUOffloadPolicy, the shards, their gradients and AdamW's step in host memory.
+    options = dict(mesh=mesh, mp_policy=policy, **({"offload_policy": CPUOffloadPolicy()} if offload else {}))
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     # After fully_shard: it replaced each parameter with a sharded one (a DTensor).
     adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
     hybrid = f" on a {n // shard_group} x {shard_group} (replicate, shard) mesh: HSDP" if shard_group else ""
     return Run(model, TorchOptimizer(adamw, model.parameters()),
                label=f"fully_shard per block + root (FSDP2){hybrid}, MixedPrecisionPolicy({args.precision})"
-                     " + AdamW")
+                     + (", CPUOffloadPolicy" if offload else "") + " + AdamW")
 
 
 def with_lora(build, model, args):
@@ -226,7 +235,7 @@ def with_lora(build, model, args):
 
 def ours_tp(model, args):
     # The whole world is one tensor group: every rank computes the same rows (WHOLE_BATCH).
-    comm = Comm()
+    comm = our_comm()
     tp = tensor_parallel.TensorParallelGPT(model, comm)
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
     optimizer.split_model({"tp": comm})             # the norm sums the slices over the group
@@ -292,7 +301,7 @@ def _stage(model, v: int = 1):
 
 def ours_pipeline(schedule, model, args):
     v = VIRTUAL_STAGES.get(schedule, 1)
-    stage, comm = _stage(model, v), Comm()
+    stage, comm = _stage(model, v), our_comm()
     runner = pipeline.Pipeline(stage, comm, schedule, args.microbatches, model.cfg.n_embd,
                                DTYPES[args.precision])
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
@@ -371,7 +380,7 @@ def ours_moe(ep, model, args):
     (parallelize.data_parallel):
     each rank holds E/ep of every MoE layer's experts and sends its tokens to them by all-to-all;
     ep 1 keeps every expert on every rank, plain data parallelism."""
-    comm = Comm()
+    comm = our_comm()
     options = SimpleNamespace(strategy="ddp", ep=ep, bucket_mb=args.bucket_mb, precision=args.precision,
                               batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=1,
                               double_quant=False, offload=None)
@@ -465,7 +474,7 @@ TORCH_CONTEXT_PARALLEL = ("PyTorch's context_parallel not run: its ring handles 
 def ours_context_parallel(attention, model, args):
     """The whole world as one cp group (every rank reads the whole batch, keeps its zigzag chunks),
     gradients summed by our DDP over it."""
-    comm = Comm()
+    comm = our_comm()
     cp = context_parallel.ContextParallelGPT(model, comm, attention)
     ddp = DDP(cp, comm, bucket_mb=args.bucket_mb)
     return Run(ddp, MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,

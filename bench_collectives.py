@@ -28,7 +28,8 @@ def bench_collectives(args, device) -> dict:
     --max-mb; an all-to-all's size is each rank's input, N equal blocks of it. All-reduce also
     times the ring's messages alone (transfer_only): the floor under any ring on this backend."""
     comms = {"ring": Comm(ring=True), "native": Comm()}
-    p2p = dist.new_group(list(range(dist.get_world_size())))      # every rank creates it
+    p2p = dist.new_group(list(range(dist.get_world_size())),      # every rank creates it,
+                         timeout=comms["native"].group_timeout())  # with the run's timeout
     return {name: _by_size(name, comms, p2p, args, device) for name in BUS_FACTOR}
 
 

@@ -25,6 +25,7 @@ import schedules
 import snapshot
 import zero
 from advisor import auto_strategy
+from collectives import RING_COLLECTIVES
 from mixed_precision import DTYPES, REDUCE_DTYPE
 from model import PRESETS
 from process_groups import launched_world_size
@@ -167,9 +168,11 @@ def parse_args(argv=None):
                         "bf16/fp16 gradient is upcast before the collective, FSDP2's reduce_dtype), "
                         "or the --precision's own (half the bytes, but rounded at every step of the "
                         "ring, an error that grows with the ranks)")
-    p.add_argument("--collectives", choices=("native", "ring"), default="native",
-                   help="torch.distributed's collectives (the log's bytes sent are then the ring volume "
-                        "of the calls made), or ours from send/recv (bytes measured as they are sent)")
+    p.add_argument("--collectives", choices=("auto", "native", "ring"), default="auto",
+                   help="native: torch.distributed's collectives (the log's bytes sent are then the ring "
+                        "volume of the calls made); ring: ours from send/recv (bytes measured as they are "
+                        "sent); auto: whichever was measured faster on the backend (gloo: our ring's "
+                        "reduce-scatter and all-gather, gloo's all-reduce; NCCL: its own)")
     p.add_argument("--bucket-mb", type=float, default=25, help="DDP gradient bucket size")
     p.add_argument("--offload", choices=("optimizer", "params"), default=None,
                    help="optimizer (zero1/zero2/fsdp): keep the fp32 master shards and Adam's moments "
@@ -296,6 +299,34 @@ def run_shape(args, data_size: int) -> tuple[str, str]:
             f"{args.microbatches} micro-batch(es) per pipeline")
 
 
+# --collectives auto: each backend runs what was measured faster on it (bench_collectives.py and
+# docs/measured.md, 2 gloo ranks, the medium model's 44 MB): gloo's reduce_scatter_tensor took
+# 83-87 ms against our ring's 25, its all_gather_into_tensor 90-95 against 34-42 (both copy
+# through flat buffers), while its all-reduce took 32 against the ring's 44. NCCL's own, always.
+FASTEST_RING = {"gloo": ("reduce_scatter", "all_gather")}
+
+
+def ring_choice(collectives: str, backend: str) -> frozenset:
+    """The collectives a Comm runs as our ring for --collectives native, ring or auto."""
+    chosen = {"native": (), "ring": RING_COLLECTIVES}.get(collectives)
+    return frozenset(FASTEST_RING.get(backend, ()) if chosen is None else chosen)
+
+
+def collectives_used(collectives: str, backend: str, world_size: int) -> str:
+    """The log's words for the collectives that run (--collectives auto: the backend's faster
+    ones), and how the bytes sent are counted (nothing is sent in a world of one)."""
+    ring = ring_choice(collectives, backend)
+    if not ring:
+        used, counted = f"{backend}'s collectives", "the ring volume of the calls made"
+    elif ring == set(RING_COLLECTIVES):
+        used, counted = "our ring collectives", "measured"
+    else:
+        used = (f"our ring's {' and '.join(sorted(ring, reverse=True)).replace('_', '-')}, {backend}'s "
+                f"others (--collectives {collectives}: the faster on {backend})")
+        counted = "measured"
+    return used + (f" (bytes sent: {counted})" if world_size > 1 else "")
+
+
 def describe_run(args, world_size: int, data_size: int, device: str, n_params: int) -> list[str]:
     """The log's first lines: the run as the command line chose it (and the advisor, with
     --strategy auto), and a note where an option does less than a newcomer may expect."""
@@ -307,10 +338,7 @@ def describe_run(args, world_size: int, data_size: int, device: str, n_params: i
     lines.append(f"{args.strategy} on {world_size}{shape} x {device} | model {args.model} "
                  f"{n_params / 1e6:.2f}M params{' per rank' if shape else ''} | {args.precision} | "
                  f"global batch {args.batch_size} x {args.seq_len} tokens, {micro_batches} | "
-                 f"{args.collectives} collectives"
-                 + ((" (bytes sent: the ring volume of the calls made)" if args.collectives == "native"
-                     else " (bytes sent: measured)") if world_size > 1 else "")
-                 + f" | {args.steps} steps")
+                 f"{collectives_used(args.collectives, dist.get_backend(), world_size)} | {args.steps} steps")
     if world_size == 1 and args.strategy != "single":
         lines.append(f"note: --strategy {args.strategy} on one process is a world of 1 rank: nothing "
                      f"to average or shard, the same training as --strategy single; launch more "

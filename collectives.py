@@ -31,6 +31,8 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.Re
 # the next. Smaller segments overlap more and pay a message's fixed cost more often: 1 MiB
 # measured best on gloo over loopback (bench_collectives.py); NCCL's own slices are smaller.
 SEGMENT_BYTES = 2**20
+# The collectives a Comm can build as a ring (Comm(ring=...) names some, or True for all).
+RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
 
 
 class Handle:
@@ -65,7 +67,8 @@ class Comm:
     """Collectives over one process group: ring (from send/recv) or native, bytes counted.
 
     group: the ranks taking part (default: the whole world). ring: build the collectives
-    from point-to-point messages instead of calling torch.distributed's. bytes_sent: a
+    from point-to-point messages instead of calling torch.distributed's: True for all of them,
+    or the names of those to build (RING_COLLECTIVES). bytes_sent: a
     Counter {collective name: bytes this rank sent}, shared with comms made by subgroups().
     Every method works in place on the given tensors and takes async_op: when True it
     returns a Handle at once, so the caller can compute while the bytes move.
@@ -77,12 +80,12 @@ class Comm:
     (process_groups.init_distributed). None: torch's default, 30 minutes on gloo, 10 on NCCL.
     """
 
-    def __init__(self, group=None, ring: bool = False, bytes_sent: Counter | None = None,
+    def __init__(self, group=None, ring=False, bytes_sent: Counter | None = None,
                  p2p_group=None, segment_bytes: int = SEGMENT_BYTES, timeout: float | None = None):
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.ring = ring
+        self.ring = frozenset(RING_COLLECTIVES if ring is True else ring or ())    # names, or empty
         self.timeout = timeout
         self.bytes_sent = bytes_sent if bytes_sent is not None else Counter()
         if ring:
@@ -101,7 +104,7 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
         """Every rank ends with op(tensor of rank 0, ..., tensor of rank N-1)."""
-        if self.ring:
+        if "all_reduce" in self.ring:
             return self._run_ring(self._ring_all_reduce, async_op, tensor, op)
         self._count("all_reduce", tensor.numel(), tensor.element_size())
         work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=self.group, async_op=async_op)
@@ -111,7 +114,7 @@ class Comm:
                        async_op: bool = False):
         """input (N*c,) on every rank -> output (c,) on rank r = op over ranks of input chunk r."""
         check_shards("reduce_scatter", output, input, self.world_size)
-        if self.ring:
+        if "reduce_scatter" in self.ring:
             return self._run_ring(self._ring_reduce_scatter, async_op, output, input, op)
         self._count("reduce_scatter", input.numel(), input.element_size())
         work = reduce_scatter_single(output, input, op=REDUCE_OPS[op], group=self.group,
@@ -121,7 +124,7 @@ class Comm:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """input (c,) on rank r -> output (N*c,) on every rank, chunk r = rank r's input."""
         check_shards("all_gather", input, output, self.world_size)
-        if self.ring:
+        if "all_gather" in self.ring:
             return self._run_ring(self._ring_all_gather, async_op, output, input)
         self._count("all_gather", output.numel(), output.element_size())
         work = all_gather_single(output, input, group=self.group, async_op=async_op)
@@ -129,7 +132,7 @@ class Comm:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Every rank ends with rank `src`'s tensor (src is a rank within this group)."""
-        if self.ring:
+        if "broadcast" in self.ring:
             return self._run_ring(self._ring_broadcast, async_op, tensor, src)
         self._count("broadcast", tensor.numel(), tensor.element_size(), root=src)
         work = dist.broadcast(tensor, group=self.group, group_src=src, async_op=async_op)
@@ -137,7 +140,7 @@ class Comm:
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum", async_op: bool = False):
         """Rank `dst` ends with op over all ranks' tensors; the others' tensors are unspecified."""
-        if self.ring:
+        if "reduce" in self.ring:
             return self._run_ring(self._ring_reduce, async_op, tensor, dst, op)
         self._count("reduce", tensor.numel(), tensor.element_size(), root=dst)
         work = dist.reduce(tensor, group=self.group, group_dst=dst, op=REDUCE_OPS[op],
@@ -150,7 +153,7 @@ class Comm:
         into output's i-th: input (sum of input_splits, ...) -> output (sum of output_splits,
         ...); splits are row counts per rank, None for N equal blocks. MoE's dispatch and
         combine (moe.py): each rank's tokens to the ranks that hold their experts, and back."""
-        if self.ring:
+        if "all_to_all" in self.ring:
             return self._run_ring(self._ring_all_to_all, async_op, output, input, output_splits,
                                   input_splits)
         self.bytes_sent["all_to_all"] += all_to_all_bytes(input, input_splits, self.rank,

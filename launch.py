@@ -69,7 +69,15 @@ class Launcher:
         """Run fn(*args) on the thread, after everything submitted before, autograd off; return
         wait(), which blocks until it is done and returns fn's result. tensors: those fn reads
         and writes (CUDA: the thread's stream starts after the caller's work on them, and
-        wait() makes the caller's stream wait for the thread's, with no host synchronize)."""
+        wait() makes the caller's stream wait for the thread's, with no host synchronize, and
+        only then lets them go).
+
+        CUDA: the tensors are held here until wait(), not marked with record_stream on the
+        thread's stream: a block so marked returns to the caching allocator only once everything
+        queued on that stream by then has run, so a freed bucket or FSDP unit would stay
+        reserved behind later messages (the GPU reserving more than memory.py predicts). Held
+        until the caller's stream waits for the thread's, a freed block is reused on the caller's
+        stream, after that wait."""
         if not tensors or not tensors[0].is_cuda:
             return self._thread.submit(_no_grad, fn, *args).result
         ready, device = torch.cuda.Event(), tensors[0].device
@@ -82,17 +90,16 @@ class Launcher:
             stream = self._streams[device]
             stream.wait_event(ready)
             with torch.cuda.stream(stream):
-                for t in tensors:                          # freed by the caller: not reused early
-                    t.record_stream(stream)
                 result = _no_grad(fn, *args)
                 done = torch.cuda.Event()
                 done.record(stream)
             return result, done
-        future = self._thread.submit(run)
+        future, held = self._thread.submit(run), list(tensors)
 
         def wait():
             result, done = future.result()
             torch.cuda.current_stream().wait_event(done)
+            held.clear()                                   # reusable now, after the wait
             return result
         return wait
 
@@ -182,14 +189,24 @@ def check_shards(name, shard, full, world_size):
                          f"{shard.numel()} {shard.dtype}; pad the full tensor to a multiple of N")
 
 
-def flags_to_device(flags: list[bool], device) -> torch.Tensor:
-    """Python booleans as a (len,) uint8 tensor on `device`, for a collective to OR them.
+def pinned_copy(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor onto `device` without the host waiting for the copy.
 
-    torch.tensor(flags, device=cuda) would copy from pageable memory, and the host waits for
-    that copy to finish: a host sync. From pinned memory the copy is queued on the stream and
-    the host runs on (the caching host allocator keeps the pinned block until the copy is done).
-    Pinned memory exists only beside a GPU: on the CPU the tensor is made where it is used."""
-    host = torch.tensor(flags, dtype=torch.uint8)
+    From pageable memory a host-to-device copy blocks the host until it is done; from pinned
+    (page-locked) memory it is queued on the stream behind the step's kernels and the host runs
+    on (the caching host allocator keeps the pinned block until the copy is done). The source
+    must also be contiguous: pin_memory keeps a view's strides, and a non_blocking copy of a
+    strided source stages through a contiguous copy in pageable memory, which may wait.
+    Pinned memory exists only beside a GPU: on the CPU this is the tensor itself."""
+    host = host.contiguous()
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def flags_to_device(flags: list[bool], device) -> torch.Tensor:
+    """Python booleans as a (len,) uint8 tensor on `device`, for a collective to OR them.
+
+    torch.tensor(flags, device=cuda) would copy from pageable memory, a host sync: the flags go
+    through pinned memory instead (pinned_copy)."""
+    return pinned_copy(torch.tensor(flags, dtype=torch.uint8), device)

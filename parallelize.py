@@ -20,7 +20,7 @@ import ddp
 import fsdp
 import lora
 from checkpointing import checkpoint_blocks
-from cli import STRATEGIES
+from cli import STRATEGIES, ring_choice
 from collectives import Comm, ring_bytes
 from conjugates import leave_region
 from context_parallel import ContextParallelGPT
@@ -64,7 +64,7 @@ def build(args, device) -> Run:
     strategies cut. One mesh: tensor x context x data x pipeline (cli.py made sure the sizes
     divide the world); with a split, the experts' groups and HSDP's (--ep, --shard-group: runs
     inside dp x cp) are the mesh's too; without one, data_parallel cuts them from the data group."""
-    comm = Comm(ring=args.collectives == "ring", timeout=args.timeout)
+    comm = Comm(ring=ring_choice(args.collectives, dist.get_backend()), timeout=args.timeout)
     split = bool(mesh_splits(args))
     mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep if split else 1,
                             shard=args.shard_group if split else None)

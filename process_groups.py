@@ -29,6 +29,69 @@ from collectives import Comm, all_gather_single
 
 # ---- joining and leaving the job -------------------------------------------------------------
 
+class LaunchError(Exception):
+    """The processes were started in a way this machine cannot run (more ranks than GPUs, two
+    ranks on one GPU): said in one line with the fix, without a traceback."""
+
+
+# NCCL's watchdog, on a collective past the timeout or a lost peer, aborts the communicators and
+# by default (3: SkipCleanUp) the process too, by SIGABRT: no Python line runs. CleanUpOnly (2)
+# aborts the communicators only, so the waiting call raises and train.py says which rank lost
+# contact and where --resume continues. NCCL reads the variable when the process group is made.
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def choose_nccl_error_handling(environ=os.environ) -> str:
+    """Set NCCL_ERROR_HANDLING to CleanUpOnly (2) unless the user chose a value; return it.
+
+    torchrun's agent puts the variable into every worker's environment itself, set to 1
+    (TearDown: SIGABRT), whenever the user set none: under torchrun a 1 is torchrun's default,
+    not a choice, and is replaced, as cpu_threads replaces torchrun's OMP_NUM_THREADS=1. (A user
+    who wants TearDown under torchrun sets 3, which also tears the process down.)"""
+    value = environ.get(NCCL_ERROR_HANDLING)
+    if value is None or (value == "1" and "TORCHELASTIC_RUN_ID" in environ):
+        environ[NCCL_ERROR_HANDLING] = value = "2"
+    return value
+
+
+def cuda_index(local_rank: int, local_world: int, visible: int) -> int:
+    """Which of the visible GPUs this process computes on.
+
+    torchrun on a node with a GPU per process: GPU LOCAL_RANK. A launcher that shows each process
+    one GPU of its own (SLURM's --gpus-per-task=1, some Kubernetes operators): GPU 0, the only one
+    it sees (ranks sharing one GPU are caught by shared_gpu). More processes than GPUs, each seeing
+    them all: refused, as NCCL cannot put two ranks of one communicator on one GPU."""
+    if visible == 1:
+        return 0
+    if max(local_world, local_rank + 1) > visible:     # every local rank refuses alike
+        raise LaunchError(f"{max(local_world, local_rank + 1)} processes on this node but {visible} "
+                          f"GPUs: start one process per GPU (torchrun --nproc_per_node {visible}), "
+                          f"or a launcher that gives each process its own GPU")
+    return local_rank
+
+
+def shared_gpu(uuids: list[str]) -> str | None:
+    """The refusal when two local ranks see the same GPU (uuids: each local rank's GPU), else None."""
+    for i, uuid in enumerate(uuids):
+        if uuid in uuids[:i]:
+            return (f"local ranks {uuids.index(uuid)} and {i} both see one GPU ({uuid}): this node "
+                    f"shows each process a single GPU, the same one; start one process per GPU "
+                    f"(torchrun --nproc_per_node {len(set(uuids))})")
+    return None
+
+
+def _check_one_gpu_each(store, device: torch.device):
+    """With one visible GPU per process and several processes on the node, every local rank
+    publishes its GPU's uuid in the job's store and reads its neighbours': all refuse alike."""
+    node, local_world = os.environ.get("GROUP_RANK", "0"), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.device_count() > 1 or local_world == 1:
+        return
+    store.set(f"gpu/{node}/{os.environ.get('LOCAL_RANK', '0')}", str(torch.cuda.get_device_properties(device).uuid))
+    why = shared_gpu([store.get(f"gpu/{node}/{i}").decode() for i in range(local_world)])
+    if why:
+        raise LaunchError(why)
+
+
 def init_distributed(timeout: float | None = None) -> torch.device:
     """Join the job torchrun started, or become a world of one; return this rank's device.
 
@@ -39,18 +102,16 @@ def init_distributed(timeout: float | None = None) -> torch.device:
     raises, instead of blocking forever (None: torch's default, 10 minutes).
     """
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        device = torch.device("cuda", cuda_index(int(os.environ.get("LOCAL_RANK", 0)), local_world,
+                                                 torch.cuda.device_count()))
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        # NCCL's watchdog, on a collective past the timeout, aborts the communicators and, by
-        # default, the process: no Python line runs. CleanUpOnly (2) aborts the communicators
-        # only, so the waiting call raises and train.py says which rank lost contact and how
-        # to resume. (A value set by the user wins.)
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        choose_nccl_error_handling()
         wait = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
         if "RANK" in os.environ:
             store, rank, world_size = next(dist.rendezvous("env://", **wait))
@@ -58,8 +119,10 @@ def init_distributed(timeout: float | None = None) -> torch.device:
             # could read the address a dead worker left there and wait on it. Each attempt
             # gets its own keys.
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}/", store),
-                                    rank=rank, world_size=world_size,
+            store = dist.PrefixStore(f"attempt{attempt}/", store)
+            if device.type == "cuda":
+                _check_one_gpu_each(store, device)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     device_id=device if device.type == "cuda" else None, **wait)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)

@@ -22,6 +22,7 @@ from cli import say_error
 from dtypes import DTYPES
 from memory import activation_bytes, logits_bytes
 from mesh_checks import mesh_splits
+from process_groups import LaunchError
 
 MiB = 2**20
 INTERRUPTED = 130            # a shell's exit status for a process stopped by Ctrl-C (128 + SIGINT)
@@ -200,7 +201,7 @@ def stopped(error: BaseException, ctrl_c: CtrlC, log: RunLog | None) -> int:
         return INTERRUPTED
     if isinstance(error, SystemExit):
         return error.code if isinstance(error.code, int) else 1
-    if isinstance(error, (snapshot.RunError, snapshot.CheckpointError)):
+    if isinstance(error, (snapshot.RunError, snapshot.CheckpointError, LaunchError)):
         say_error(f"train.py: error: {error}")
         return 2
     if not isinstance(error, dist.DistError) and not (isinstance(error, RuntimeError) and "gloo" in str(error)):

@@ -37,6 +37,7 @@ import step_time
 from bench_measure import start_profiling
 from cli import describe_run, parse_args
 from data import TextData
+from launch import pinned_copy
 from memory import held_bytes, live_numel, live_tensor_bytes
 from mesh_checks import mesh_splits, moe_config
 from meters import saved_activation_bytes
@@ -107,16 +108,6 @@ def train_step(model, optimizer, sync, x, y, args, measure=False, kept: dict | N
         step_loss += loss.detach() / args.grad_accum
     sync.finish_gradient_sync()
     return step_loss, update(optimizer, args)
-
-
-def to_device(batch: torch.Tensor, device) -> torch.Tensor:
-    """The batch (built in host memory) onto the device without the host waiting for the copy.
-    From pageable memory a host-to-device copy blocks the host; from pinned memory it is queued
-    on the stream behind the step's kernels (the caching host allocator keeps the pinned block
-    until it is done). Pinned memory exists only beside a GPU: on the CPU this is the batch."""
-    if device.type == "cuda":
-        batch = batch.pin_memory()
-    return batch.to(device, non_blocking=True)
 
 
 def update(optimizer, args) -> bool:
@@ -206,7 +197,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
         x, y = job.my_tokens(x, y)                                   # cp pipeline: (B/D, T/cp)
         logged = step % args.log_every == 0 or step == args.steps - 1
         kept = {} if logged and not {"pp", "cp"} & splits.keys() else None
-        loss, applied = train_step(model, optimizer, job.sync, to_device(x, device), to_device(y, device), args,
+        loss, applied = train_step(model, optimizer, job.sync, pinned_copy(x, device), pinned_copy(y, device), args,
                                    measure=logged, kept=kept)
         divergence.after_step(step, applied, loss, optimizer.scaler.scale)
         clock.skipped += not applied

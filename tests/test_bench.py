@@ -454,3 +454,55 @@ def test_profile_puts_each_sides_operators_side_by_side_and_report_compares_size
     _, sizes = table(result.stdout, "model")
     assert [row[0] for row in sizes] == ["tiny", "medium"]
     assert all(row[5] == f"{data['strategies'][0]['ratio']:.2f}" for row in sizes), sizes
+
+
+# ---- bench_gpu.py: a GPU window's one command, run here on the CPU so it runs first time there ----
+
+def run_bench_gpu(directory, *flags) -> tuple:
+    """python bench_gpu.py on the tiny model at a given peak: (its exit, stdout, JSON, files)."""
+    out = directory / "window"
+    result = subprocess.run([sys.executable, "bench_gpu.py", "--model", "tiny", "--seq-len", "64",
+                             "--warmup", "1", "--steps", "2", "--peak-tflops", "0.05", "--out", str(out), *flags],
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with open(f"{out}.json") as f:
+        data = json.load(f)
+    return result.stdout, data, sorted(p.name for p in directory.iterdir())
+
+
+def test_the_gpu_window_command_runs_every_row_and_goes_on_past_a_failing_side(tmp_path):
+    """Every row the window promises, ours and PyTorch's each timed with tokens/s and MFU (model
+    FLOPs per token, written out here, x tokens/s / the peak given), the memory over a step drawn,
+    one table and one JSON. On the CPU one side cannot run, fully_shard's CPUOffloadPolicy (it
+    needs an accelerator): it is written down with its error, and the rows after it still run."""
+    from bench_gpu import ROWS
+    printed, data, files = run_bench_gpu(tmp_path)
+    assert files == ["window-memory.svg", "window.json", "window.md"]
+    assert [row["row"] for row in data["rows"]] == list(ROWS) == [
+        "ddp", "zero1", "zero2", "fsdp", "qlora-fsdp", "zero2-offload", "tp", "pipeline-1f1b"]
+    cfg, n_params = build_model("tiny").cfg, build_model("tiny").num_parameters()
+    flops_per_token = 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * 64
+    failed = []
+    for row in data["rows"]:
+        for who in ("ours", "torch"):
+            result = row[who]
+            if "error" in result:
+                failed.append((row["row"], who))
+                assert f"failed: {result['error']}" in printed
+                continue
+            tokens_per_s = 8 * 64 / result["ms_per_step"]["median"] * 1e3
+            assert math.isclose(result["tokens_per_s"], tokens_per_s, rel_tol=1e-9)
+            assert math.isclose(result["mfu"], flops_per_token * tokens_per_s / 0.05e12, rel_tol=1e-9)
+            assert math.isfinite(result["last_loss"]) and result["peak_bytes"] > 0
+    assert failed == [("zero2-offload", "torch")]
+    assert data["machine"]["peak_tflops"] == 0.05 and data["machine"]["peak_from"] == "--peak-tflops"
+    assert "<svg" in (tmp_path / "window-memory.svg").read_text()
+    assert (tmp_path / "window.md").read_text() in printed + "\n"
+
+
+def test_the_gpu_window_starts_no_row_past_its_budget(tmp_path):
+    printed, data, _ = run_bench_gpu(tmp_path, "--budget-s", "0", "--rows", "ddp,tp")
+    assert [(row["row"], row["skipped"]) for row in data["rows"]] == [
+        ("ddp", "the --budget-s 0 s was spent"), ("tp", "the --budget-s 0 s was spent")]
+    assert "| ddp | not run: the --budget-s 0 s was spent |" in printed

@@ -33,8 +33,17 @@ def _device(args, kwargs):
 
 def _blocks(name, args, kwargs):
     """Would this call, with these arguments, make the host wait for a CUDA device?"""
-    if name == "to":            # a copy between host and device without non_blocking waits
-        return _device(args[1:], kwargs) is not None and not kwargs.get("non_blocking", False)
+    if name == "to":            # a copy between host and device without non_blocking waits,
+        target = _device(args[1:], kwargs)
+        if target is None:
+            return False
+        if not kwargs.get("non_blocking", False):
+            return True
+        # and so does a non_blocking one from host memory that is strided (staged through a
+        # contiguous pageable copy) or, towards a GPU, not pinned (pageable).
+        source = args[0]
+        return source.device.type == "cpu" and (not source.is_contiguous() or (
+            torch.device(target).type == "cuda" and not source.is_pinned()))
     if name == "tensor":        # Python data copied to the device: a blocking host-to-device copy
         return kwargs.get("device") is not None
     if name == "__getitem__":   # a boolean mask: the result's size is counted on the device
@@ -52,7 +61,7 @@ TORCH_FUNCTIONS = ("tensor", "nonzero", "argwhere", "unique", "bincount", "maske
                    "repeat_interleave")
 
 
-# data.py builds each batch from a host tensor, in host memory (train.to_device moves it): its
+# data.py builds each batch from a host tensor, in host memory (launch.pinned_copy moves it): its
 # reads never touch a device.
 HOST_ONLY = (os.path.join(TESTS, ""), os.path.join(ROOT, "data.py"))
 
@@ -167,3 +176,30 @@ def test_an_unlogged_step_waits_for_the_device_at_most_once(run):
             assert sum(calls.values()) <= 1, (run, rank, calls)
         else:
             assert sum(calls.values()) == allowed, (run, rank, calls)
+
+
+def test_a_batch_goes_to_the_gpu_from_contiguous_pinned_memory(monkeypatch):
+    """data.batch's inputs and targets are views of one (B/N, T+1) tensor, strided (T+1, 1): the
+    copy to a GPU must read a contiguous pinned tensor, or it stages through pageable memory and
+    may wait. Here on the CPU pin_memory is played by a strided copy marked pinned (as
+    pin_memory keeps strides) and the device copy only records its source."""
+    from data import TextData
+    from launch import pinned_copy
+    pinned, sources = set(), []
+
+    def pin_memory(self):
+        copy = torch.empty_strided(self.size(), self.stride(), dtype=self.dtype).copy_(self)
+        pinned.add(copy.data_ptr())
+        return copy
+
+    def to(self, *args, **kwargs):
+        sources.append((self, kwargs.get("non_blocking")))
+        return self
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    x, y = TextData.from_file().batch(0, 4, 16, 0, rank=0, world_size=1)         # (4, 16) each
+    assert not x.is_contiguous()                        # what the copy must not read as it is
+    for batch in (x, y):
+        pinned_copy(batch, torch.device("cuda", 0))
+    for source, non_blocking in sources:
+        assert non_blocking and source.is_contiguous() and source.data_ptr() in pinned

@@ -212,3 +212,53 @@ def test_a_ring_message_failed_by_another_ones_timeout_is_a_lost_peer(tmp_path):
     assert "Application timeout caused pair closure" in error, error      # the case, met
     assert code == 1 and stderr.count("\n") == 1, (code, stderr)
     assert "rank 0 lost contact with the other ranks" in stderr and "--timeout" in stderr, stderr
+
+
+# ---- the GPU launch: NCCL's error handling under torchrun, the device each process takes --------
+
+def test_nccl_error_handling_is_clean_up_only_under_torchrun_unless_the_user_chose():
+    """torchrun's agent sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down: SIGABRT, no line said) in
+    every worker unless the user set it: init_distributed, under a real torchrun, leaves it at 2
+    (clean up only: the waiting call raises and train.py says its line) before the group is made;
+    a value the user exported reaches the worker unchanged."""
+    probe = ("import os, process_groups; process_groups.init_distributed(); "
+             "print('value', os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING'])")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for exported, expected in ((None, "2"), ("3", "3"), ("0", "0")):
+        env = {k: v for k, v in os.environ.items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+        env.update({"PYTHONPATH": root, **({"TORCH_NCCL_ASYNC_ERROR_HANDLING": exported} if exported else {})})
+        out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "1",
+                              "--standalone", "--no-python", sys.executable, "-c", probe],
+                             env=env, capture_output=True, text=True, timeout=120, cwd=root)
+        assert out.returncode == 0, out.stderr
+        assert f"value {expected}" in out.stdout, (exported, out.stdout, out.stderr)
+
+
+def test_nccl_error_handling_keeps_a_value_set_without_torchrun():
+    from process_groups import choose_nccl_error_handling
+    for environ, expected in (({}, "2"), ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, "1"),
+                              ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCHELASTIC_RUN_ID": "x"}, "2"),
+                              ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCHELASTIC_RUN_ID": "x"}, "3")):
+        assert choose_nccl_error_handling(environ) == expected == environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+
+
+@pytest.mark.parametrize("local_rank, local_world, visible, expected", [
+    (0, 1, 1, 0), (3, 8, 8, 3), (7, 8, 8, 7),      # torchrun, a GPU per process
+    (3, 4, 1, 0), (0, 4, 1, 0),                     # a launcher showing each process one GPU
+    (1, 2, 4, 1),                                   # fewer processes than GPUs
+    (0, 8, 4, None), (5, 8, 4, None), (2, 1, 2, None)])   # more processes than GPUs: every rank refuses
+def test_each_process_takes_a_gpu_it_can_see_or_every_rank_says_why(local_rank, local_world, visible, expected):
+    from process_groups import LaunchError, cuda_index
+    if expected is not None:
+        assert cuda_index(local_rank, local_world, visible) == expected
+        return
+    with pytest.raises(LaunchError, match=rf"but {visible} GPUs: start one process per GPU \(torchrun "
+                                          rf"--nproc_per_node {visible}\)"):
+        cuda_index(local_rank, local_world, visible)
+
+
+def test_two_processes_shown_the_same_single_gpu_are_refused():
+    from process_groups import shared_gpu
+    assert shared_gpu(["GPU-a", "GPU-b", "GPU-c"]) is None
+    line = shared_gpu(["GPU-a", "GPU-b", "GPU-a"])
+    assert "local ranks 0 and 2 both see one GPU (GPU-a)" in line and "--nproc_per_node 2" in line
