@@ -562,7 +562,9 @@ def parse_args(argv=None):
                         "memory.py (run with python, not torchrun: it launches a torchrun per run)")
     args = p.parse_args(argv)
     if args.report:
+        args.runs = [read_run(p, name) for name in args.report]
         return args
+    check_json(p, args.json)
     for name, full, quick in (("model", "gpt2-small", "tiny"), ("moe_model", "gpt2-small-moe", "tiny-moe"),
                               ("precision", "bf16", "fp32"),
                               ("seq_len", 1024, 64), ("warmup", 5, 3), ("steps", 20, 10),
@@ -663,6 +665,44 @@ def parse_args(argv=None):
     return args
 
 
+RUN_KEYS = ("machine", "strategies", "moe", "context_parallel", "collectives")     # what main writes
+
+
+def read_run(p, name: str) -> dict:
+    """--report FILE: the JSON a bench.py run wrote, read whole before any table is printed."""
+    try:
+        with open(name) as f:
+            data = json.load(f)
+    except OSError as e:
+        p.error(f"--report {name}: {e.strerror}: give the JSON file a bench.py run wrote (its --json)")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        p.error(f"--report {name} is not JSON ({e}): give the file a bench.py run wrote (its --json)")
+    missing = sorted(set(RUN_KEYS) - set(data)) if isinstance(data, dict) else list(RUN_KEYS)
+    if missing:
+        p.error(f"--report {name} is not a bench.py run's JSON (no {', '.join(missing)}): give the file "
+                f"a bench.py run wrote (its --json; NAME-this.json beside it holds machines.this's figures)")
+    return data
+
+
+def check_json(p, path: str):
+    """--json names a file in a directory that exists and this rank can write: the JSON is
+    written when the run ends, machines.this's measurements beside it (this_file) as it starts."""
+    directory = os.path.dirname(path) or "."
+    if path.endswith(os.sep) or os.path.isdir(path):
+        p.error(f"--json {path} is a directory: name a file, e.g. --json {os.path.join(path, 'bench.json')}")
+    if not os.path.isdir(directory):
+        p.error(f"--json {path}: there is no directory {directory}: create it, or name a file in a "
+                f"directory that exists")
+    probe = os.path.join(directory, f".writable-{os.getpid()}")
+    try:                 # by writing, not by os.access: root passes that even on a read-only mount
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        p.error(f"--json {path}: cannot write in {directory} ({e.strerror}): name a file in a "
+                f"directory you can write")
+
+
 def print_report(data: dict):
     """Every table of one run, from its JSON (what main prints as it ends): the README's tables
     are made this way, from the file a run wrote, with its machine, torch version and date."""
@@ -721,13 +761,10 @@ def main(argv=None):
     # objects (the tests' quick run: about 10% less CPU).
     gc.freeze()
     if args.report:                             # finished runs' tables: no ranks, no run
-        runs = []
-        for name in args.report:
-            with open(name) as f:
-                runs.append(json.load(f))
-            print_report(runs[-1])
-        if len(runs) > 1:
-            print("\n".join(size_report(runs)))
+        for data in args.runs:
+            print_report(data)
+        if len(args.runs) > 1:
+            print("\n".join(size_report(args.runs)))
         return
     # torchrun sets OMP_NUM_THREADS=1; on a CPU the ranks share the cores, a share each.
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))

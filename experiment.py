@@ -95,6 +95,15 @@ def measured(log: str) -> dict:
     return {"state_mib": float(state.group(4)), "tokens_per_s": 1e3 * float(STEP.findall(log)[-1])}
 
 
+def table_row(advice, state_mib: float, measured_mib: float, tokens_per_s: float, measured_tokens_per_s: float,
+              kept: bool) -> str:
+    """One rung's line of the table: two spaces between columns however wide a number grows
+    (a GPU's tokens/s run to 9 digits and more)."""
+    return (f"{advice.rung:<60}  {f'{advice.micro_batch} x {advice.grad_accum}':>7}  "
+            f"{state_mib:>10.1f} / {measured_mib:<10.1f}  "
+            f"{tokens_per_s:>12,.0f} / {measured_tokens_per_s:<12,.0f}  {'kept' if kept else 'not'}")
+
+
 def measure(args) -> list[dict]:
     """Run every fitting rung here, print the table; return its rows (with each run's log)."""
     model, seq_len, batch, precision, scaled = runnable(args)
@@ -109,7 +118,7 @@ def measure(args) -> list[dict]:
         return []
     logs, this = run_all(args.world, fitting, fitting[0].micro_batch, model, seq_len, batch, precision)
     machine, rows, kept = machine_from(this), [], None
-    print(f"{'rung':<60}{'b x k':>8}{'state MiB pred. / meas.':>25}{'tokens/s pred. / meas.':>24}  kept")
+    print(f"{'rung':<60}  {'b x k':>7}  {'state MiB pred. / meas.':>23}  {'tokens/s pred. / meas.':>27}  kept")
     for a, log in zip(fitting, logs):
         m = measured(log)
         predicted = rung_seconds(cfg, a, args.world, seq_len, precision, machine)["tokens_per_s"]
@@ -118,8 +127,7 @@ def measure(args) -> list[dict]:
         kept = m["tokens_per_s"] if keep else kept
         rows.append({"rung": a.rung, "predicted_mib": state, **m, "predicted_tokens_per_s": predicted,
                      "kept": keep, "log": log})
-        print(f"{a.rung:<60}{f'{a.micro_batch} x {a.grad_accum}':>8}{state:>14.1f} / {m['state_mib']:<8.1f}"
-              f"{predicted:>13,.0f} / {m['tokens_per_s']:<8,.0f}  {'kept' if keep else 'not'}")
+        print(table_row(a, state, m["state_mib"], predicted, m["tokens_per_s"], keep))
     print("kept: faster (measured) than the last rung kept; predicted tokens/s: step_time.py on "
           f"{machine.name}, measured by machines.this")
     return rows

@@ -28,8 +28,9 @@ from torch import nn
 
 from collectives import Comm, ring_bytes
 from mixed_precision import DTYPES
-from model import Block, GPTConfig
+from model import PRESETS as MODELS, Block, GPTConfig
 from offload import host_buffer
+from process_groups import exit_distributed, init_distributed
 
 GB = 1e9
 CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "this-machine.json")
@@ -248,7 +249,7 @@ def write_cache(cache: str, saved: dict):
     the cache stays as it was and the run goes on, measuring again next time."""
     tmp = f"{cache}.{os.getpid()}.tmp"          # per process: two runs never write one file
     try:
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)    # "x.json": the cwd
         with open(tmp, "w") as f:
             json.dump(saved, f, indent=1)
             f.flush()
@@ -288,8 +289,6 @@ def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm:
 
 def measure_this(args):
     """--this: measure, print on rank 0 (under torchrun the links too)."""
-    from model import PRESETS as MODELS
-    from process_groups import exit_distributed, init_distributed
     device = init_distributed()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     m = this(MODELS[args.model], args.rows, args.seq_len, device=device)
@@ -305,10 +304,16 @@ def measure_this(args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--this", action="store_true", help="measure this machine (torchrun: its links too)")
-    p.add_argument("--model", default="medium", help="the shape `this` measures a block of")
+    p.add_argument("--model", default="medium", choices=list(MODELS), help="the shape `this` measures a "
+                   "block of; default medium")
     p.add_argument("--rows", type=int, default=8, help="sequences per rank; default 8")
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's block size (medium: 256)")
     args = p.parse_args(argv)
+    block_size = MODELS[args.model].block_size
+    args.seq_len = block_size if args.seq_len is None else args.seq_len
+    if args.rows < 1 or not 1 <= args.seq_len <= block_size:
+        p.error(f"--rows {args.rows} --seq-len {args.seq_len}: give --rows 1 or more and a --seq-len "
+                f"from 1 to model {args.model}'s block size {block_size}")
     if args.this:
         return measure_this(args)
     print(f"{'machine':<18}{'TFLOP/s bf16 (peak)':>21}{'fp32 (peak)':>14}{'memory GB/s':>13}"

@@ -32,6 +32,7 @@ from model import PRESETS, GPTConfig
 from moe import expert_capacity, is_expert, layer_exchange_bytes
 from pipeline import split_layers
 from schedules import BUBBLE_FORMULAS, SCHEDULES, bubble_formula, make_schedule
+from tensor_parallel import check_divisible
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 ALIASES = {"fsdp": "zero3"}            # FSDP is ZeRO stage 3, sharded unit by unit
@@ -734,6 +735,8 @@ def _parse_args(argv=None):
     if args.pp != 1 or args.microbatches is not None:
         if args.model is None or args.pp < 1:
             p.error("--pp needs --model (the layers and activation shapes) and a count of at least 1")
+        if args.microbatches is not None and args.microbatches < 1:
+            p.error(f"--microbatches must be at least 1, got {args.microbatches} (default: 2 x --pp)")
         args.microbatches = args.microbatches or 2 * args.pp
         data_parallel = args.world // (args.tp * args.cp * args.pp) if args.mesh else 1
         args.batch_size = args.batch_size or args.microbatches * max(1, data_parallel)
@@ -750,6 +753,10 @@ def _parse_args(argv=None):
         if args.model is None or args.tp < 1 or args.world % split:
             p.error(f"--tp {args.tp} x --cp {args.cp} x --pp {args.pp} is a mesh: give --model and a "
                     f"--world that is a multiple of {split}")
+        try:                                          # as train.py refuses it (mesh_checks.py)
+            check_divisible(PRESETS[args.model], args.tp)
+        except ValueError as e:
+            p.error(f"--model {args.model}: {e}")
     if args.sequence_parallel and not (args.mesh and args.tp > 1):
         p.error("--sequence-parallel splits a tensor group's tokens in a mesh: give --tp N, --model "
                 "and --world")
@@ -773,7 +780,7 @@ def _parse_args(argv=None):
         if args.batch_size < 1 or args.batch_size % per_step:
             p.error(f"--batch-size {args.batch_size} does not divide into the data-parallel ranks x "
                     f"micro-batches = {per_step} equal micro-batches: use a multiple of {per_step}")
-    _warn_ignored(given & ADVISE_OPTIONS, "only --advise reads them")
+    _warn_ignored(given & ADVISE_OPTIONS, "only --advise reads them: add --advise, or drop them")
     if args.model is None:
         _warn_ignored(given & SHAPE_OPTIONS, "activations need a shape: give --model (e.g. --model 7b) "
                       "instead of --params")

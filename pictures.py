@@ -167,28 +167,39 @@ def picture(args) -> str:
     if args.picture == "schedule":
         flags = ["--pp", str(args.stages), "--microbatches", str(args.microbatches), "--schedule",
                  args.schedule, "--batch-size", str(2 * args.microbatches), "--seq-len", "64",
-                 *(["--virtual-stages", str(args.virtual_stages)] if args.virtual_stages else [])]
+                 *(["--virtual-stages", str(args.virtual_stages)] if args.virtual_stages is not None else [])]
         return draw_schedule(traces.spawn(traces.executed_schedule, args.stages, flags))
     flags = [*MEMORY_FLAGS, "--bucket-mb", str(args.bucket_mb)]
     return draw_memory([traces.spawn(traces.memory_over_a_step, 1 if s == "single" else args.ranks, s, flags)
                         for s in args.strategies.split(",")])
 
 
-def check(args, parser):
-    """Bad input stops here, with the flag and the fix, before any rank starts."""
-    if not args.out.endswith(".svg"):
-        parser.error(f"-o {args.out}: the picture is SVG; name a file ending in .svg")
-    directory = os.path.dirname(os.path.abspath(args.out))
+def check_writable(parser, path: str):
+    """-o names a file in a directory that exists and this process can write: the picture is
+    written after the runs that draw it."""
+    directory = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        parser.error(f"-o {path} is a directory: name a file in it, e.g. -o {os.path.join(path, 'picture.svg')}")
     if not os.path.isdir(directory):
-        parser.error(f"-o {args.out}: no directory {directory}: create it, or write the picture elsewhere")
+        parser.error(f"-o {path}: there is no directory {directory}: create it, or name a file in a "
+                     f"directory that exists")
     try:                 # by writing, not by os.access: root passes that even on a read-only mount
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
-        parser.error(f"-o {args.out}: cannot write in {directory} ({e.strerror}): choose a directory "
+        parser.error(f"-o {path}: cannot write in {directory} ({e.strerror}): choose a directory "
                      f"you can write to")
+
+
+def check(args, parser):
+    """Bad input stops here, with the flag and the fix, before any rank starts."""
+    if not args.out.endswith(".svg"):
+        parser.error(f"-o {args.out}: the picture is SVG; name a file ending in .svg")
+    check_writable(parser, args.out)
     if args.picture == "schedule":
-        v = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
+        v = args.virtual_stages if args.virtual_stages is not None else 2 if args.schedule == "interleaved" else 1
+        if v < 1:
+            parser.error(f"--virtual-stages must be at least 1 (chunks per stage), got {v}")
         if not 2 <= args.stages * v <= TINY_BLOCKS or args.microbatches < 1:
             parser.error(f"--stages {args.stages} x {v} chunks: the tiny model's {TINY_BLOCKS} blocks "
                          f"need at least 2 stages and one block per chunk; give --stages 2 to "

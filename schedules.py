@@ -400,7 +400,7 @@ def main(argv=None):
         parser.error(f"--stages and --microbatches must be at least 1, got {args.stages} and "
                      f"{args.microbatches}")
     P, M = args.stages, args.microbatches
-    v = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
+    v = args.virtual_stages if args.virtual_stages is not None else 2 if args.schedule == "interleaved" else 1
     try:
         stages = make_schedule(args.schedule, P, M, v)
     except ValueError as e:

@@ -31,7 +31,8 @@ from machines import PRESETS as MACHINES, Link, Machine
 from memory import _element_size, model_params, nf4_bytes, quantized_params
 from model import PRESETS as MODELS, GPTConfig
 from pipeline import split_layers
-from schedules import bubble_formula, make_schedule
+from schedules import SCHEDULES, bubble_formula, make_schedule
+from tensor_parallel import check_divisible
 
 # Bytes per parameter the optimizer step reads and writes. torch's AdamW unfused (its default on
 # a CPU; foreach on a GPU makes the same passes): weight decay p r+w 8, m.lerp_(g) 12,
@@ -359,38 +360,125 @@ def beside(measured: float, predicted: float | None) -> str:
 def describe(step: Step, machine: Machine, result: dict) -> list:
     """The napkin's lines: each part in ms, the total, tokens/s per rank and MFU."""
     parts = "  ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in result["parts"].items())
-    return [f"{step.strategy} on {step.world} x {machine.name}, {step.precision}, batch {step.batch} x "
+    splits = ((f" + cp {step.cp} ({step.attention})" if step.cp > 1 else "")
+              + (f" + ep {step.ep}" if step.ep > 1 else ""))
+    return [f"{step.strategy}{splits} on {step.world} x {machine.name}, {step.precision}, batch {step.batch} x "
             f"{step.seq_len}: {parts} ms (communication: all of it; exposed: what compute does not hide)",
             f"step {result['seconds'] * 1e3:.1f} ms, {result['tokens_per_s'] / step.world:,.0f} tokens/s "
             f"per rank, MFU {100 * result['mfu']:.1f}%"]
 
 
-def main(argv=None):
+# --strategy: train.py's names. zero3 is fsdp (train.py's alias); cp is ddp with every sequence
+# split over the whole world, ring attention (step_time_parallel.py), as train.py --strategy cp.
+STRATEGIES = (*DATA_PARALLEL, "zero3", "tp", "cp", *(f"pipeline-{name}" for name in SCHEDULES))
+# The run's options and their defaults: none of them may be given with --llama-8b, a fixed run.
+# seq_len None: the model's block size.
+RUN_DEFAULTS = dict(model="medium", strategy="ddp", world=2, batch=16, seq_len=None, precision="fp32",
+                    machine="h100-sxm", microbatches=4)
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="medium", choices=list(MODELS))
+    p.add_argument("--model", choices=list(MODELS), help="default medium")
     p.add_argument("--llama-8b", action="store_true", help="torchtitan's published Llama-3.1-8B run "
                    "(docs/performance.md, table 1): FSDP on 8 H100s, bf16, local batch 2 x 8192, selective "
                    "activation checkpointing")
-    p.add_argument("--strategy", default="ddp")
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--batch", type=int, default=16, help="global, in sequences")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--machine", default="h100-sxm", choices=list(MACHINES))
-    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--strategy", choices=STRATEGIES, help="default ddp; zero3 is fsdp; cp: ddp with "
+                   "every sequence split over the --world ranks (ring attention)")
+    p.add_argument("--world", type=int, help="ranks; default 2 (single: 1)")
+    p.add_argument("--batch", type=int, help="global, in sequences; default 16")
+    p.add_argument("--seq-len", type=int, help="default: the model's block size (medium: 256)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default fp32")
+    p.add_argument("--machine", choices=list(MACHINES), help="default h100-sxm")
+    p.add_argument("--microbatches", type=int, help="with --strategy pipeline-*: per step; default 4")
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--tflops", type=float, help="the matmuls' TFLOP/s instead of the preset's "
                    "(one measured: a block's forward + backward on the card)")
     args = p.parse_args(argv)
+    if args.tflops is not None and not (math.isfinite(args.tflops) and args.tflops > 0):
+        p.error(f"--tflops {args.tflops:g}: give the TFLOP/s the matmuls reach, a positive number "
+                f"(e.g. 700), or leave it out for the --machine preset's")
+    given = [name for name in RUN_DEFAULTS if getattr(args, name) is not None] + (
+        ["checkpointing"] if args.checkpointing else [])
+    if args.llama_8b and given:
+        p.error(f"--llama-8b prices torchtitan's published run as it ran (FSDP on 8 H100s, bf16, "
+                f"16 x 8192): drop {', '.join('--' + name.replace('_', '-') for name in given)}, or "
+                f"price a run of your own without --llama-8b")
+    if not args.llama_8b:
+        _check_run(p, args)
+    return args
+
+
+def _check_run(p, args):
+    """The run's options, defaults filled in: a world, batch and sequence the strategy splits."""
+    if args.strategy == "single" and args.world not in (None, 1):
+        p.error(f"--strategy single runs on one rank, but --world is {args.world}: use --strategy ddp, "
+                f"or drop --world")
+    if args.microbatches is not None and not (args.strategy or "").startswith("pipeline-"):
+        p.error("--microbatches splits a pipeline's batch: give --strategy pipeline-1f1b (or another "
+                "schedule), or drop --microbatches")
+    for name, default in RUN_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, 1 if name == "world" and args.strategy == "single" else default)
+    cfg, N = MODELS[args.model], args.world
+    args.seq_len = cfg.block_size if args.seq_len is None else args.seq_len
+    for flag, value in (("--world", N), ("--batch", args.batch), ("--microbatches", args.microbatches)):
+        if value < 1:
+            p.error(f"{flag} must be at least 1, got {value}")
+    if not 1 <= args.seq_len <= cfg.block_size:
+        p.error(f"--seq-len must be between 1 and model {args.model}'s block size {cfg.block_size}, "
+                f"got {args.seq_len}")
+    if args.strategy in (*DATA_PARALLEL, "zero3") and args.batch % N:
+        p.error(f"--batch {args.batch} does not split over --world {N} ranks: use a multiple of {N}")
+    if args.strategy.startswith("pipeline-"):
+        _check_pipeline(p, args)
+    if args.strategy == "tp":
+        try:
+            check_divisible(cfg, N)
+        except ValueError as e:
+            p.error(f"--strategy tp over --world {N}: {e}")
+    if args.strategy == "cp" and (N < 2 or args.seq_len % (2 * N)):
+        p.error(f"--strategy cp splits each sequence into 2 x --world {N} chunks (zigzag): give --world "
+                f"2 or more and a --seq-len divisible by {2 * N}")
+
+
+def _check_pipeline(p, args):
+    """A pipeline of --world stages, each with a block per chunk, and whole micro-batches."""
+    cfg, N, M, v = MODELS[args.model], args.world, args.microbatches, _virtual_stages(args.strategy)
+    if N < 2 or cfg.n_layer < N * v:
+        p.error(f"--strategy {args.strategy} cuts model {args.model}'s {cfg.n_layer} blocks into --world "
+                f"{N} stages" + (f" x {v} chunks" if v > 1 else "") + f": give --world 2 to "
+                f"{cfg.n_layer // v} (a block per chunk), or a deeper --model")
+    if args.batch % M:
+        p.error(f"--batch {args.batch} does not split into --microbatches {M}: use a multiple of {M}")
+    try:
+        make_schedule(args.strategy.removeprefix("pipeline-"), N, M, v)
+    except ValueError as e:                     # interleaved: M a multiple of P
+        p.error(f"--strategy {args.strategy}: {e}")
+
+
+def _virtual_stages(strategy: str) -> int:
+    """Chunks per stage: interleaved runs two (train.py's default), the other schedules one."""
+    return 2 if strategy == "pipeline-interleaved" else 1
+
+
+def command_line_step(args) -> Step:
+    """The Step the command line describes (zero3: fsdp; cp: ddp, the world one cp group)."""
+    strategy = {"zero3": "fsdp", "cp": "ddp"}.get(args.strategy, args.strategy)
+    return Step(Shape.of(MODELS[args.model]), strategy, args.world, args.batch, args.seq_len, args.precision,
+                micro_batches=args.microbatches, virtual_stages=_virtual_stages(args.strategy),
+                checkpointing=args.checkpointing, cp=args.world if args.strategy == "cp" else 1)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.llama_8b:
         # Selective (op) checkpointing recomputes every other matmul of a block: about half its
         # forward. torchtitan's AdamW is fused. 5,762 tokens/s per GPU is 33% MFU on this count.
         step = Step(LLAMA_3_1_8B, "fsdp", 8, 16, 8192, "bf16", checkpointing=0.5, adamw="fused")
         machine = MACHINES["h100-sxm"]
     else:
-        step = Step(Shape.of(MODELS[args.model]), args.strategy, args.world, args.batch, args.seq_len,
-                    args.precision, micro_batches=args.microbatches, checkpointing=args.checkpointing)
-        machine = MACHINES[args.machine]
+        step, machine = command_line_step(args), MACHINES[args.machine]
     if args.tflops:
         machine = replace(machine, flops={**machine.flops, step.precision: args.tflops * 1e12})
     print("\n".join(describe(step, machine, predict(step, machine))))

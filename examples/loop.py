@@ -12,6 +12,10 @@ import sys
 # they are importable (beside your script, or on PYTHONPATH), leave this line out.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+if "RANK" not in os.environ:                   # plain `python examples/loop.py`: no ranks to join
+    sys.exit("examples/loop.py trains on several processes: run it with torchrun --nproc_per_node 2 "
+             "examples/loop.py")
+
 import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist

@@ -322,3 +322,16 @@ def test_measure_runs_every_rung_that_fits_and_prints_measured_beside_predicted(
         keep = kept is None or speed > kept
         kept = speed if keep else kept
         assert line.endswith("kept" if keep else "not"), line
+
+
+def test_the_measure_tables_columns_stay_apart_however_wide_the_numbers():
+    """A row of memory.py --advise --measure's table with a GPU's numbers (10^8 tokens/s, a large
+    state): every number its own word, as the header's columns."""
+    from types import SimpleNamespace
+
+    from experiment import table_row
+    rung = SimpleNamespace(rung="zero2", micro_batch=16, grad_accum=16)
+    assert table_row(rung, 12345678.9, 0.0, 116536046, 1165360460000, False).split() == [
+        "zero2", "16", "x", "16", "12345678.9", "/", "0.0", "116,536,046", "/", "1,165,360,460,000", "not"]
+    assert table_row(rung, 3.24, 3.5, 1234.4, 999.6, True).split()[4:] == ["3.2", "/", "3.5", "1,234", "/",
+                                                                          "1,000", "kept"]

@@ -202,6 +202,49 @@ def test_a_run_from_before_the_napkin_prints_n_a(bench):
     assert [cells[MOE_COLUMNS.index("predicted ms")] for cells in rows] == ["n/a", "n/a"]
 
 
+def bench_here(directory, argv):
+    """bench_logged(argv) run from `directory`, its working directory, as a user runs it there."""
+    os.chdir(directory)
+    return bench_logged(argv)
+
+
+def test_the_default_json_is_written_in_the_working_directory(tmp_path):
+    """bench.py --quick with its default --json bench.json (no directory in it), from a fresh
+    directory, on one rank as plain `python bench.py` runs: the strategy row is priced (machines.
+    this writes bench-this.json beside the JSON) and the JSON written there. Short: one strategy,
+    one step, one repetition."""
+    run_ranks(bench_here, 1, str(tmp_path), ["--quick", "--strategies", "ddp", "--warmup", "0",
+                                             "--steps", "1", "--repeats", "1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench-this.json", "bench.json"]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    [row] = data["strategies"]
+    assert row["strategy"] == "ddp" and row["predicted_ms"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--json", "{tmp}/"], "--json {tmp}/ is a directory: name a file, e.g. --json {tmp}/bench.json"),
+    (["--json", "{tmp}"], "--json {tmp} is a directory"),
+    (["--json", "{tmp}/missing/x.json"], "there is no directory {tmp}/missing: create it"),
+    (["--report", "{tmp}/missing.json"], "--report {tmp}/missing.json: No such file or directory: give the JSON"),
+    (["--report", "{tmp}/text.json"], "--report {tmp}/text.json is not JSON (Expecting value: line 1"),
+    (["--report", "{tmp}/x-this.json"], "--report {tmp}/x-this.json is not a bench.py run's JSON (no "
+                                        "collectives, context_parallel, machine, moe, strategies)"),
+])
+def test_a_json_it_cannot_write_or_read_stops_before_any_work(argv, message, tmp_path, capsys):
+    """--json's directory is checked as the run starts, not when it ends (the JSON's write) or
+    midway (machines.this's file beside it, which made a missing directory); --report's files
+    are read whole before a table is printed."""
+    (tmp_path / "text.json").write_text("step 1 | loss 5.5\n")
+    (tmp_path / "x-this.json").write_text(json.dumps({"x86_64 x 2, 1 threads, 2 ranks": {}}))
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--quick", *(a.format(tmp=tmp_path) for a in argv)])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert stop.value.code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert message.format(tmp=tmp_path) in errors[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["text.json", "x-this.json"]
+
+
 def test_moe_rows_need_a_world_the_experts_split_over(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")                # the default list leaves moe out, says why
     assert "2 or more ranks" in parse_args(["--quick"]).skipped["moe"]

@@ -33,3 +33,14 @@ def test_loop_trains_one_model_the_same_under_ddp_zero2_and_fsdp():
     assert abs(zero2 - ddp) <= 1.5e-4 and abs(fsdp - ddp) <= 1.5e-4, output
     assert abs(bf16 - ddp) <= 0.01, output
     assert ddp < first - 2.0, output                 # from ln 256 = 5.5 to about 2.5 in 20 steps
+
+
+def test_loop_without_torchrun_says_how_to_run_it():
+    """`python examples/loop.py` has no ranks to join: one line naming torchrun, before torch is
+    imported (no traceback from init_process_group's missing RANK)."""
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "PYTHONPATH")}
+    result = subprocess.run([sys.executable, os.path.join("examples", "loop.py")], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr == ("examples/loop.py trains on several processes: run it with torchrun "
+                             "--nproc_per_node 2 examples/loop.py\n"), result.stderr

@@ -387,12 +387,17 @@ def test_hsdp_holds_zero3_over_its_group_and_all_reduces_the_shard_across_copies
     (["--advise", "--params", "0"], "--params must be at least 1"),
     (["--advise"], "--advise needs a shape: give --model (a preset, e.g. 7b) or --params N"),
     (["--advise", "--model", "7b", "--params", "7e9"], "--advise needs a shape: give --model"),
+    (["--model", "tiny", "--pp", "2", "--microbatches", "0"], "--microbatches must be at least 1, got 0"),
+    (["--model", "tiny", "--tp", "3", "--world", "3"], "--model tiny: tensor parallelism over 3 ranks "
+     "splits the heads (n_head) = 4 into 3 equal parts, but 4 % 3 = 1: use a --tp that divides"),
 ])
 def test_bad_input_stops_with_one_clear_message(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err and sum("error:" in line for line in err.splitlines()) == 1, err
 
 
 def test_offload_moves_the_optimizer_to_the_host(capsys):
@@ -588,6 +593,10 @@ def test_help_shows_each_default_once(capsys):
     (["--model", "tiny", "--grad-accum", "2"],
      "memory.py: warning: --grad-accum ignored: the table of strategies shows no activations"),
     (["--params", "1e9", "--gpu-mem", "80GB"], "memory.py: warning: --gpu-mem ignored: only --advise"),
+    (["--model", "tiny", "--strategy", "ddp", "--measure"],
+     "memory.py: warning: --measure ignored: only --advise reads them: add --advise, or drop them"),
+    (["--model", "tiny", "--gpu", "a100", "--link", "pcie"],
+     "memory.py: warning: --gpu, --link ignored: only --advise reads them: add --advise, or drop them"),
     (["--advise", "--model", "tiny", "--batch-size", "16", "--precision", "fp32"],
      "memory.py: warning: --batch-size, --precision ignored: --advise walks every rung itself"),
     (["--model", "tiny", "--strategy", "zero2", "--seq-len", "64"], None),     # read: no warning

@@ -158,3 +158,26 @@ def test_the_memory_picture_has_a_panel_per_strategy_on_one_scale(memory):
         assert len(drawn[f"predicted {k}"]) == len(memory)   # memory.py's line per panel
     titles = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text") if t.get("font-weight") == "bold"]
     assert titles == ["single", "ddp (rank 0 of 2)", "zero2 (rank 0 of 2)", "fsdp (rank 0 of 2)"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["memory", "-o", "{missing}/m.svg"], "there is no directory {missing}: create it"),
+    (["loss", "{tmp}", "-o", "{missing}/l.svg"], "there is no directory {missing}: create it"),
+    (["schedule", "-o", "{tmp}"], "-o {tmp}: the picture is SVG"),
+    (["schedule", "-o", "{tmp}/d.svg"], "-o {tmp}/d.svg is a directory: name a file in it"),
+    (["schedule", "--schedule", "interleaved", "--virtual-stages", "0", "-o", "{tmp}/s.svg"],
+     "--virtual-stages must be at least 1"),
+])
+def test_bad_input_stops_in_one_line_before_any_rank_starts(argv, message, tmp_path, capsys, monkeypatch):
+    """Checked before the runs that draw the picture (seconds of them): traces.spawn is never
+    reached, and nothing is created."""
+    (tmp_path / "d.svg").mkdir()
+    monkeypatch.setattr(traces, "spawn", None)                   # a rank started would fail here
+    paths = {"tmp": str(tmp_path), "missing": str(tmp_path / "missing")}
+    with pytest.raises(SystemExit) as stop:
+        pictures.main([a.format(**paths) for a in argv])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert stop.value.code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert message.format(**paths) in errors[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.svg"]

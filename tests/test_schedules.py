@@ -187,3 +187,17 @@ def test_command_line_refuses_an_empty_pipeline(capsys):
     with pytest.raises(SystemExit):
         schedules.main(["--stages", "0"])
     assert "--stages and --microbatches must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--virtual-stages", "0"], "--virtual-stages 0: only --schedule interleaved runs several chunks"),
+    (["--schedule", "interleaved", "--virtual-stages", "0"], "--virtual-stages must be at least 1"),
+    (["--microbatches", "0"], "--stages and --microbatches must be at least 1"),
+])
+def test_command_line_refuses_bad_input_in_one_line(argv, message, capsys):
+    """--virtual-stages 0 is refused, not taken as the default 2 (interleaved) or 1."""
+    with pytest.raises(SystemExit) as stop:
+        schedules.main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert stop.value.code == 2 and len(errors) == 1 and message in errors[0] and "Traceback" not in err, err

@@ -321,3 +321,89 @@ def test_the_ring_hides_under_attention_where_the_machine_overlaps():
     gathered = kv_seconds(SMALL, 8, 32, 2, "allgather", 4, LINK)       # needed before attention starts
     assert predict(Step(SMALL, "ddp", 2, attention="allgather", **step), gpu)["parts"]["kv_exchange"] == \
         pytest.approx(gathered["forward"] + gathered["backward"])
+
+
+# ---- the command lines: python step_time.py, python machines.py ---------------------------------
+
+def one_error_line(main, argv, capsys) -> str:
+    """main(argv) refused: exit 2, no traceback, and one error line (after argparse's usage)."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert stop.value.code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+@pytest.mark.parametrize("argv, flag, fix", [
+    (["--strategy", "bogus"], "--strategy", "choose from"),
+    (["--world", "0"], "--world", "at least 1"),
+    (["--world", "-1"], "--world", "at least 1"),
+    (["--batch", "0"], "--batch", "at least 1"),
+    (["--batch", "15"], "--batch 15", "use a multiple of 2"),
+    (["--seq-len", "300"], "--seq-len", "block size 256"),
+    (["--strategy", "pipeline-1f1b", "--microbatches", "0"], "--microbatches", "at least 1"),
+    (["--microbatches", "8"], "--microbatches", "give --strategy pipeline-1f1b"),
+    (["--strategy", "pipeline-1f1b", "--batch", "15"], "--microbatches 4", "use a multiple of 4"),
+    (["--strategy", "pipeline-zb", "--world", "8"], "--world 8", "give --world 2 to 6"),
+    (["--strategy", "pipeline-interleaved", "--world", "4"], "--world 4 stages x 2 chunks", "give --world 2 to 3"),
+    (["--strategy", "pipeline-interleaved", "--model", "7b", "--world", "4", "--microbatches", "2"],
+     "--strategy pipeline-interleaved", "use --microbatches 4"),
+    (["--strategy", "tp", "--world", "4"], "--strategy tp over --world 4", "divides n_head=6"),
+    (["--strategy", "cp", "--seq-len", "250"], "--strategy cp", "divisible by 4"),
+    (["--strategy", "single", "--world", "2"], "--world is 2", "use --strategy ddp"),
+    (["--tflops", "-5"], "--tflops -5", "a positive number"),
+    (["--tflops", "nan"], "--tflops nan", "a positive number"),
+    (["--tflops", "0"], "--tflops 0", "a positive number"),
+    (["--llama-8b", "--world", "3"], "--llama-8b", "drop --world"),
+    (["--llama-8b", "--strategy", "ddp", "--checkpointing"], "--llama-8b", "drop --strategy, --checkpointing"),
+])
+def test_step_time_refuses_bad_input_in_one_line(argv, flag, fix, capsys):
+    from step_time import main
+    line = one_error_line(main, argv, capsys)
+    assert flag in line and fix in line, line
+
+
+@pytest.mark.parametrize("argv, flag, fix", [
+    (["--this", "--rows", "0"], "--rows 0", "give --rows 1 or more"),
+    (["--this", "--model", "bogus"], "--model", "choose from"),
+    (["--this", "--model", "tiny", "--seq-len", "256"], "--seq-len 256", "block size 128"),
+])
+def test_machines_refuses_bad_input_in_one_line(argv, flag, fix, capsys):
+    import machines
+    line = one_error_line(machines.main, argv, capsys)
+    assert flag in line and fix in line, line
+
+
+def napkin(argv, capsys) -> dict:
+    """step_time.py's printed parts, {name: ms}, and its first line under "line"."""
+    from step_time import main
+    main(argv)
+    first = capsys.readouterr().out.splitlines()[0]
+    parts = first.split(": ", 1)[1].split(" ms ")[0]
+    return {"line": first, **{name: float(ms) for name, ms in (p.rsplit(" ", 1) for p in parts.split("  "))}}
+
+
+def test_the_command_line_prices_what_it_names(capsys):
+    """Numbers written here: medium (6 blocks, C 384, V 256, block size 256) at 1 TFLOP/s. A
+    rank's forward is 2048 tokens x (6 x (2 x 12 C^2 + 4 T C) + 2 V C) = 48,721,035,264 FLOPs:
+    48.7 ms. zero3 is fsdp; cp prices ddp with the sequence split (the same forward, plus the K/V
+    exchange); single runs on one rank (4096 tokens); interleaved runs 2 chunks per stage, its
+    bubble (P-1)/(vM+P-1) = 1/9 of the step, 1/8 of the stage's compute (1F1B's would be 1/4)."""
+    assert napkin(["--tflops", "1"], capsys)["forward"] == 48.7
+    fsdp = napkin(["--strategy", "fsdp"], capsys)
+    assert napkin(["--strategy", "zero3"], capsys) == fsdp and fsdp["line"].startswith("fsdp on 2 x")
+    cp = napkin(["--strategy", "cp", "--tflops", "1"], capsys)
+    assert cp["line"].startswith("ddp + cp 2 (ring) on 2 x") and cp["forward"] == 48.7 and "kv_exchange" in cp
+    single = napkin(["--strategy", "single", "--tflops", "1"], capsys)
+    assert single["line"].startswith("single on 1 x") and single["forward"] == 97.4
+    pipe = napkin(["--strategy", "pipeline-interleaved", "--tflops", "1"], capsys)
+    assert pipe["bubble"] == pytest.approx((pipe["forward"] + pipe["backward"]) / 8, abs=0.1)
+
+
+def test_llama_8b_is_torchtitans_run_as_the_readme_says(capsys):
+    from step_time import main
+    main(["--llama-8b"])
+    out = capsys.readouterr().out
+    assert out.startswith("fsdp on 8 x H100 SXM5, bf16, batch 16 x 8192") and \
+        "10,876 tokens/s per rank, MFU 63.7%" in out

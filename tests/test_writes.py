@@ -332,7 +332,7 @@ def test_a_picture_path_that_cannot_be_written_is_refused_before_any_work(tmp_pa
     out = tmp_path / "no" / "x.svg"
     with pytest.raises(SystemExit):
         pictures.main(["loss", str(tmp_path), "-o", str(out)])
-    assert f"error: -o {out}: no directory {tmp_path / 'no'}: create it" in capsys.readouterr().err
+    assert f"error: -o {out}: there is no directory {tmp_path / 'no'}: create it" in capsys.readouterr().err
 
     def read_only(**where):                   # what a read-only mount answers, to root as well
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), where["dir"])
