@@ -227,7 +227,7 @@ def _measured(cache: str | None, key: str, measure, comm: Comm, device, fields=(
         return saved[key]
     saved[key] = {**measure(), "measured": time.strftime("%Y-%m-%d %H:%M")}
     if cache and comm.rank == 0:
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        os.makedirs(os.path.dirname(cache) or ".", exist_ok=True)   # bench.json: no folder
         with open(cache + ".tmp", "w") as f:
             json.dump(saved, f, indent=1)
         os.replace(cache + ".tmp", cache)                   # a reader never sees half a file
