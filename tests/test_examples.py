@@ -33,3 +33,9 @@ def test_loop_trains_one_model_the_same_under_ddp_zero2_and_fsdp():
     assert abs(zero2 - ddp) <= 1.5e-4 and abs(fsdp - ddp) <= 1.5e-4, output
     assert abs(bf16 - ddp) <= 0.01, output
     assert ddp < first - 2.0, output                 # from ln 256 = 5.5 to about 2.5 in 20 steps
+
+
+def test_every_example_is_run_by_a_test_here():
+    """examples/ holds what the README's own-loop section shows; a file added there is run here."""
+    run_here = set(re.findall(r'torchrun\("(\w+\.py)"', open(__file__).read()))
+    assert run_here == {name for name in os.listdir(os.path.join(ROOT, "examples")) if name.endswith(".py")}
