@@ -1,9 +1,18 @@
 """What a new user reads: the README's first screen, its links, and the measured pages' tables,
-which must be what the bench's JSON says (docs/generate.py writes them)."""
+which must be what the bench's JSON says (docs/generate.py writes them); and every command the
+README and docs/*.md show, run in their order in a fresh copy of the repository, shortened by the
+programs' own flags (marked docs_commands: a few minutes; `-m "not docs_commands"` leaves them out)."""
+import os
 import pathlib
 import re
+import shutil
+import signal
 import subprocess
 import sys
+
+import pytest
+
+import pictures
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -54,3 +63,231 @@ def test_every_python_program_the_readme_shows_is_an_example_that_a_test_runs():
     for block in re.findall(r"```python\n(.*?)```", README, re.S):
         assert block.strip() in examples, "a README program not in examples/: " + block[:80]
     assert "examples/loop.py" in README
+
+
+# ---- every command the pages show, run as a reader would: in order, in a fresh copy ----------
+
+PAGES = ["README.md"] + [f"docs/{page.name}" for page in sorted((ROOT / "docs").glob("*.md"))]
+PROGRAM = re.compile(r"(sh install\.sh|\.venv/bin/\w+ |python |torchrun )")    # what starts a command
+ACTIVATE = ". .venv/bin/activate"        # the README's line after its first screen
+
+
+def shown_commands(text: str) -> list[str]:
+    """Every command a page shows, in its order: the lines of its code blocks (indented or
+    fenced) that start a program, `\\` continuations joined, and the code spans of its prose and
+    table cells that do (a span may wrap across lines)."""
+    commands, paragraph, fenced, in_block = [], [], False, False
+
+    def spans_of_paragraph():
+        for span in re.findall(r"`([^`]+)`", " ".join(paragraph)):
+            if PROGRAM.match(" ".join(span.split())):
+                commands.append(" ".join(span.split()))
+        paragraph.clear()
+
+    lines = iter(text.splitlines())
+    for line in lines:
+        if line.startswith("```"):
+            spans_of_paragraph()
+            fenced = not fenced
+            continue
+        in_block = fenced or (line.startswith("    ") and (in_block or not paragraph))
+        if in_block:
+            command = line.strip()
+            while command.endswith("\\"):
+                command = command[:-1].rstrip() + " " + next(lines).strip()
+            if PROGRAM.match(command):
+                commands.append(command)
+        elif line.strip():
+            paragraph.append(line)
+        else:
+            spans_of_paragraph()
+    spans_of_paragraph()
+    return commands
+
+
+SHOWN = {page: shown_commands((ROOT / page).read_text()) for page in PAGES}
+SUITE = "the test suite, which holds this test: CI runs it (.ci/run runs the first screen's line)"
+GPU = "gpt2-small at 32 to 64 sequences of 1024 a step: about 20 GB a rank, minutes a step on a CPU"
+NODES = "nodes joined at HOST_OF_NODE_0, a machine's address to fill in (and gpt2-small: GPUs)"
+# Shown but not run here, each with why; the test below fails when a page shows a command that is
+# neither run nor named here, and when one named here is no longer shown.
+NOT_RUN_HERE = {
+    "sh install.sh && .venv/bin/python -m pytest -q": SUITE,
+    ".venv/bin/python -m pytest -m quick": SUITE,
+    ".venv/bin/python -m pytest -q                      # everything (the default)": SUITE,
+    ".venv/bin/python -m pytest -m quick                # one test per concept file: 17 tests, 73 s": SUITE,
+    ".venv/bin/python -m pytest -q -m \"not eight_ranks\" # without the 8-rank meshes": SUITE,
+    ".venv/bin/python -m pytest -q -m \"not docs_commands\" # without running the pages' commands": SUITE,
+    ".venv/bin/python -m pytest -q tests/test_zero.py   # one file": SUITE,
+    "torchrun --nnodes 2 --nproc_per_node 8 ... train.py --strategy fsdp --shard-group 8":
+        "a form: ... stands for the rendezvous flags of docs/running.md's two-node commands",
+    "python train.py --model gpt2-small --precision bf16 --batch-size 32 --seq-len 1024": GPU,
+    "torchrun --nproc_per_node 8 train.py --strategy zero2 --model gpt2-small --precision bf16 "
+    "--batch-size 64 --seq-len 1024": GPU,
+    "torchrun --nproc_per_node 8 train.py --strategy tp --tp 4 --sequence-parallel --model gpt2-small "
+    "--precision bf16 --batch-size 64 --seq-len 1024          # 2 data-parallel groups of 4": GPU,
+    "torchrun --nproc_per_node 8 train.py --tp 2 --pp 2 --model gpt2-small --precision bf16 "
+    "--batch-size 64 --seq-len 1024                  # tp 2 x pp 2 x dp 2": GPU,
+    "torchrun --nnodes 4 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST_OF_NODE_0:29500 "
+    "--rdzv-id my-run train.py --tp 4 --cp 2 --pp 2 --model gpt2-small --precision bf16 "
+    "--batch-size 64 --seq-len 1024                  # tp 4 x cp 2 x pp 2 x dp 2": NODES,
+    "torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST_OF_NODE_0:29500 "
+    "--rdzv-id my-run train.py --strategy ddp --model gpt2-small --precision bf16 --batch-size 128 "
+    "--seq-len 1024": NODES,
+    "torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST_OF_NODE_0:29500 "
+    "--rdzv-id my-run train.py --strategy fsdp --shard-group 8 --model gpt2-small --precision bf16 "
+    "--batch-size 128 --seq-len 1024": NODES,
+    "python train.py --sample --init-from DIR_OR_FILE": "a form: DIR_OR_FILE is the reader's run or file",
+    "torchrun --max-restarts R ... --resume auto": "a form: R and ... are the reader's",
+    "torchrun --max-restarts": "a flag's name, not a command",
+    "torchrun --standalone --nproc_per_node 1": "the launcher's half of the runs in the table below it",
+}
+
+
+MAKES_FILES = re.compile(r" (>|-o|--out|--export|--json) ")
+
+
+def uncommented(command: str) -> str:
+    return re.sub(r"\s+# .*", "", command)
+
+
+def to_run(page: str) -> list[str]:
+    """The page's commands this test runs, in order, none of NOT_RUN_HERE: a command shown again
+    (here or on an earlier page, its comment aside) runs once, unless it makes a file, which the
+    page's later commands may read."""
+    commands = [uncommented(c) for before in PAGES[:PAGES.index(page) + 1] for c in SHOWN[before]]
+    first_of_this_page = len(commands) - len(SHOWN[page])
+    return [shown for i, (shown, command) in enumerate(zip(SHOWN[page], commands[first_of_this_page:]),
+                                                        first_of_this_page)
+            if shown not in NOT_RUN_HERE and (MAKES_FILES.search(command) or command not in commands[:i])]
+
+
+TRAIN_STEPS_RUN_AS_WRITTEN = 24      # a train.py command giving at most this many steps runs whole
+
+
+def shortened(command: str) -> str:
+    """The command as this test runs it: the program's own flags appended (argparse keeps the last
+    of a repeated flag), before a trailing comment, so that the work takes seconds while the
+    command line and the code paths stay the same:
+      train.py    --steps 2, where it would run more than 24 steps (the default is 300);
+      bench.py    one timed step, no warm-up, one repeat of each side, on the tiny GPT at 64 tokens,
+                  all-reduces up to 1 MiB; --scaling at worlds 1 and 2, ddp only (--report: as is);
+      pictures.py memory: one panel, zero2, of the five;
+    everything else as written."""
+    command, comment = re.match(r"(.*?)(\s+# .*)?$", command).groups()
+    steps = re.findall(r"--steps (\d+)", command)
+    if re.search(r"\btrain\.py\b", command) and not (steps and int(steps[-1]) <= TRAIN_STEPS_RUN_AS_WRITTEN):
+        command += " --steps 2"
+    elif re.search(r"\bbench\.py\b", command) and "--report" not in command:
+        command += " --warmup 0 --steps 1 --repeats 1 --model tiny --seq-len 64 --max-mb 1"
+        command += " --scaling 1,2 --strategies ddp" if "--scaling" in command else ""
+    elif "pictures.py memory" in command:
+        command += " --strategies zero2"
+    return command + (comment or "")
+
+
+def fresh_copy(where: pathlib.Path, cache: pathlib.Path) -> pathlib.Path:
+    """The working tree's tracked files as they are now (edits included, no runs/ or outputs),
+    with the README's .venv linked in, as a new clone after `sh install.sh` holds, and `cache` as
+    its .cache/ (machines.py's measurements of this machine, kept as one clone keeps them)."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+    for name in filter(None, tracked.stdout.decode().split("\0")):
+        if (ROOT / name).is_file():                  # a tracked file deleted in the tree is gone
+            (where / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, where / name)
+    (where / ".venv").symlink_to((ROOT / ".venv").resolve())
+    (where / ".cache").symlink_to(cache, target_is_directory=True)
+    return where
+
+
+def run_as_written(command: str, cwd: pathlib.Path, timeout: float = 300) -> tuple[int, str]:
+    """`. .venv/bin/activate && COMMAND` in bash: exit status and output. A command still running
+    after `timeout` seconds is killed with every process it started (torchrun's ranks)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    proc = subprocess.Popen(["bash", "-c", f"{ACTIVATE} && {command}"], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)          # torchrun passes it on to its ranks' sessions
+        try:
+            output = proc.communicate(timeout=15)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output = proc.communicate()[0]
+        return -1, output + f"\n... stopped after {timeout} s"
+    return proc.returncode, output
+
+
+def polyline_steps(svg: str) -> list[list[str]]:
+    """The x coordinates of each line a picture draws: its steps, whatever the losses."""
+    return [[point.split(",")[0] for point in points.split()]
+            for points in re.findall(r'<polyline points="([^"]+)"', svg)]
+
+
+def loss_picture_has_the_committed_steps(copy: pathlib.Path):
+    """The README's loss picture, made by its commands, logs the committed picture's steps (the
+    losses themselves depend on the Python installation's text and the CPU)."""
+    made = polyline_steps((copy / "docs" / "loss_fsdp_vs_single.svg").read_text())
+    committed = polyline_steps((ROOT / "docs" / "loss_fsdp_vs_single.svg").read_text())
+    assert made == committed and len(made) == 2, f"the lines' steps (x) {made}, committed {committed}"
+
+
+# After a command, what it made is checked too.
+AFTER = {"python pictures.py loss runs/single runs/fsdp -o docs/loss_fsdp_vs_single.svg   # any runs' --out":
+         loss_picture_has_the_committed_steps}
+
+
+@pytest.fixture(scope="module")
+def machine_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.docs_commands
+@pytest.mark.parametrize("page", PAGES)
+def test_every_command_a_page_shows_runs_as_written_in_a_fresh_copy(page, tmp_path, machine_cache):
+    """Each command the page shows, in the page's order, in a fresh copy of the repository with
+    the README's environment activated, exactly as written but for `shortened`'s flags: a page's
+    commands make the files its later commands read (base.pt, runs/...), or the copy holds them."""
+    copy = fresh_copy(tmp_path, machine_cache)
+    for command in to_run(page):
+        status, output = run_as_written(shortened(command), copy)
+        assert status == 0, f"{page}: `{shortened(command)}` exited {status}:\n{output[-6000:]}"
+        if command in AFTER:
+            AFTER[command](copy)
+
+
+def test_the_readme_activates_its_environment_after_the_first_screen_and_each_page_says_so():
+    lines = README.splitlines()
+    activate = lines.index("    " + ACTIVATE)
+    bare = [i for i, line in enumerate(lines) if re.search(r"(^|[ `])(python|torchrun) ", line)]
+    assert 20 < activate < bare[0], (activate, lines[bare[0]])
+    for page in PAGES[1:]:
+        assert f"`{ACTIVATE}`" in " ".join((ROOT / page).read_text().splitlines()[:5]), page
+
+
+def test_commands_not_run_here_are_shown_and_nothing_else_is_left_out():
+    """NOT_RUN_HERE names only commands a page shows; every other one runs (to_run)."""
+    shown = {command for page in PAGES for command in SHOWN[page]}
+    assert set(NOT_RUN_HERE) <= shown, set(NOT_RUN_HERE) - shown
+    assert set(AFTER) <= shown, set(AFTER) - shown
+    ran = {uncommented(command) for page in PAGES for command in to_run(page)}
+    assert {command for command in shown if uncommented(command) not in ran} == set(NOT_RUN_HERE)
+
+
+# Each program's run with its defaults (its required arguments only; pictures.py's schedule
+# spelled out, its defaults), and each example: the commands above run them, the pages show them.
+DEFAULT_RUNS = ["python train.py", "torchrun --nproc_per_node 2 bench.py --quick",
+                "python memory.py --params 7.5e9 --world 64", "python step_time.py",
+                "python pictures.py memory -o docs/memory_over_a_step.svg",
+                "python pictures.py schedule --schedule 1f1b --stages 2 --microbatches 4 -o "
+                "docs/pipeline_executed.svg", "python schedules.py", "python machines.py",
+                *[f"torchrun --nproc_per_node 2 examples/{example.name}"
+                  for example in sorted((ROOT / "examples").glob("*.py"))]]
+
+
+def test_each_program_with_its_defaults_and_each_example_is_a_command_run_above():
+    ran = {uncommented(command) for page in PAGES for command in to_run(page)}
+    assert set(DEFAULT_RUNS) <= ran, set(DEFAULT_RUNS) - ran
+    shown = DEFAULT_RUNS[5].split()[2:]
+    assert pictures.parse_args(shown)[0] == pictures.parse_args(["schedule", "-o", shown[-1]])[0]

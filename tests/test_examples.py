@@ -44,3 +44,9 @@ def test_loop_without_torchrun_says_how_to_run_it():
     assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
     assert result.stderr == ("examples/loop.py trains on several processes: run it with torchrun "
                              "--nproc_per_node 2 examples/loop.py\n"), result.stderr
+
+
+def test_every_example_is_run_by_a_test_here():
+    """examples/ holds what the README's own-loop section shows; a file added there is run here."""
+    run_here = set(re.findall(r'torchrun\("(\w+\.py)"', open(__file__).read()))
+    assert run_here == {name for name in os.listdir(os.path.join(ROOT, "examples")) if name.endswith(".py")}
