@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from machines import LINKS, PRESETS as MACHINES, joined_by
-from memory import (GB, MiB, activation_bytes, active_params, bytes_per_param, ep_comm_bytes,
-                    ep_params, ep_state_bytes, human_bytes, logits_bytes, model_params,
-                    moe_exchange_bytes, nf4_bytes, quantized_params, root_params)
+from memory_math import (GB, activation_bytes, bytes_per_param, ep_comm_bytes, ep_params, ep_state_bytes,
+                         human_bytes, logits_bytes, model_params, moe_exchange_bytes, nf4_bytes,
+                         quantized_params, root_params)
 from model import PRESETS, GPTConfig
 from process_groups import init_distributed
 
@@ -40,7 +40,7 @@ from process_groups import init_distributed
 
 LORA_RANK, LORA_TARGETS = 8, ("query", "value")
 # QLoRA adapts every linear of a block, as the paper does, and stores the whole frozen base's
-# linears in 4 bits whichever it adapts (memory.quantized_params).
+# linears in 4 bits whichever it adapts (memory_math.quantized_params).
 QLORA_TARGETS = ("query", "key", "value", "output", "up", "down")
 HEADROOM = 0.1                  # of the memory left free: a rung fits under 90% of it
 
@@ -261,56 +261,11 @@ def check_args(p, args):
         p.error(str(e))
 
 
-def print_advice(args):
-    """Every rung tried, bytes per rank, and the train.py command of the first that fits."""
-    gpu_mem, cfg = parse_bytes(args.gpu_mem), args.shape
-    seq_len = args.seq_len or cfg.block_size
-    precision = "bf16" if args.bf16 else "fp16"
-    rungs = advise(args.model or cfg, gpu_mem, args.world, seq_len, args.target_batch, precision)
-    name = args.model or next((n for n, preset in PRESETS.items() if preset == cfg), None)
-    if args.params is not None:
-        print(f"--params {int(args.params):,} names no shape: assuming the 7b preset's proportions "
-              f"(heads of {HEAD_DIM}, as many layers as heads) at the nearest count: "
-              f"{describe_shape(cfg)}" + (f" (preset {name})" if name else ""))
-    active = (f", {active_params(cfg):,} of them active per token: top-{cfg.top_k} of "
-              f"{cfg.experts} experts" if cfg.experts else "")
-    print(f"{name or 'the assumed shape'} ({model_params(cfg):,} parameters{active}) on {args.world} GPU(s) "
-          f"of {human_bytes(gpu_mem)}, seq len {seq_len}, target batch {args.target_batch}, "
-          f"{precision} (mixed precision, fp32 masters); fits = under 90% of the memory")
-    print("activations are one micro-batch's (b sequences per rank): --grad-accum adds none")
-    # GB for what the lecture's GPUs hold; a laptop-sized model reads better in MiB.
-    unit, label = (GB, "GB") if rungs[0].held["total"] >= GB else (MiB, "MiB")
-    print(f"{'rung':<55}{'b':>4}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'total ' + label:>10}")
-    for a in rungs:
-        h = a.held
-        print(f"{a.rung:<55}{a.micro_batch:>4}{h['params'] / unit:9.2f}{h['grads'] / unit:9.2f}"
-              f"{h['optimizer'] / unit:9.2f}{h['activations'] / unit:9.2f}{h['total'] / unit:10.2f}  "
-              + ("fits" + (f" (+{human_bytes(h['host'])} in CPU memory)" if "host" in h else "")
-                 if a.fits else "too big"))
-    chosen = rungs[-1]
-    if not chosen.fits:
-        print("nothing fits: more GPUs, a smaller --seq-len, or a smaller model")
-        return
-    launch = "python" if args.world == 1 else f"torchrun --nproc_per_node {args.world}"
-    argv = chosen.argv(name or "SHAPE", precision, seq_len, args.target_batch)
-    print(f"\n{launch} train.py {' '.join(argv)}"
-          + ("" if name else "   # train.py builds presets only: add this shape to model.PRESETS")
-          + ("   # LoRA fine-tunes a trained model: add --init-from RUN_DIR" if "--lora" in argv else ""))
-    if cfg.experts:
-        print_expert_parallel(cfg, chosen, args.world, seq_len, precision, gpu_mem, unit)
-    if args.machine:                # advisor_speed and experiment import this file: imported here
-        from advisor_speed import print_ranking
-        print_ranking(cfg, args.machine, args.world, seq_len, args.target_batch, precision, gpu_mem)
-    if args.measure:
-        from experiment import measure
-        return measure(args)
-
-
 def expert_parallel_options(cfg: GPTConfig, chosen: Advice, world: int, seq_len: int,
                             precision: str) -> list[tuple[int, dict, dict]]:
     """The chosen rung under each --ep dividing the experts and the world: (ep, bytes per rank
     (rung_bytes), bytes sent per step by collective: the gradients' and parameters' over their
-    groups (memory.ep_comm_bytes) and the all-to-alls (memory.moe_exchange_bytes))."""
+    groups (memory_math.ep_comm_bytes) and the all-to-alls (memory_math.moe_exchange_bytes))."""
     options = []
     for ep in (ep for ep in range(1, world + 1) if world % ep == 0 and cfg.experts % ep == 0):
         n, experts = ep_params(cfg, ep)

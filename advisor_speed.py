@@ -17,10 +17,11 @@ import math
 
 from advisor import (HEADROOM, LORA_TARGETS, QLORA_TARGETS, Advice, largest_micro_batch, lora_params,
                      rung_bytes, rungs)
-from machines import Machine
-from memory import _element_size, model_params, nf4_bytes, quantized_params
+from flops import Shape
+from machines import Machine, collective_seconds
+from memory_math import _element_size, model_params, nf4_bytes, quantized_params
 from model import GPTConfig
-from step_time import Shape, Step, collective_seconds, predict
+from step_time import Step, predict
 
 
 def every_rung(cfg: GPTConfig, gpu_mem: int, world: int, seq_len: int, target_batch: int,
@@ -43,7 +44,7 @@ def every_rung(cfg: GPTConfig, gpu_mem: int, world: int, seq_len: int, target_ba
 
 def rung_step(cfg: GPTConfig, a: Advice, world: int, seq_len: int, precision: str) -> Step:
     """One micro-batch of the rung as step_time's Step: LoRA's frozen matrices need no weight
-    gradient (the matrices and the head, as step_time.for_run counts them)."""
+    gradient (the matrices and the head, as run_log.predicted_seconds counts them)."""
     shape, lora, qlora = Shape.of(cfg), None, "--quantize-base" in a.flags
     if "--lora" in a.flags:
         targets = QLORA_TARGETS if qlora else LORA_TARGETS

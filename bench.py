@@ -55,7 +55,7 @@ from ddp import DDP
 from fsdp import FSDPOptimizer, MixedPrecisionPolicy as FSDPPrecision
 from lora import apply_lora
 from machines import this
-from memory import run_state_bytes
+from memory_math import run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS, build_model
 from parallelize import data_parallel, fsdp_with
@@ -190,7 +190,7 @@ def ours_fsdp(model, args, shard_group=None):
     hybrid = f", shard group {shard.world_size} x {copies.world_size} copies" if copies else ""
     return Run(fsdp, FSDPOptimizer(fsdp, torch.optim.AdamW, **ADAMW), comm,
                label=f"our FSDP(prefetch=1{hybrid}) + FSDPOptimizer(AdamW)",
-               # memory.comm_bytes prices the copies' all-reduce and a frozen base's gathers too,
+               # memory_math.comm_bytes prices the copies' all-reduce and a frozen base's gathers too,
                # but as one flat buffer with the root gathered twice (test_fsdp_qlora compares
                # them): these rows print FSDP's own formula, unit by unit, exact to the byte.
                napkin_sent=fsdp.bytes_per_step() if copies or frozen else None, napkin_held=napkin_held)

@@ -1,12 +1,12 @@
 """bench_measure.py: how bench.py measures one training run, and the table it prints of them.
 
 A run is a fresh model under one strategy: warm-up steps, then timed steps (the slowest rank's
-time), beside the bytes held between steps (memory.held_bytes, a DTensor by its local tensors),
+time), beside the bytes held between steps (memory_math.held_bytes, a DTensor by its local tensors),
 the bytes one forward keeps for backward (saved-tensor hooks) and, on a GPU, MFU against the
 card's datasheet peak. Ours and PyTorch's runs alternate; so do a mixture of experts' runs at
 ep 1 and ep P, with the expert weights a rank holds and the all-to-all bytes beside memory.py's.
 With --profile, one more untimed run of each side under torch.profiler says where a step's time
-goes, operator by operator, side by side (start_profiling: train.py's --profile and
+goes, operator by operator, side by side (run_log.start_profiling: train.py's --profile and
 --memory-snapshot, the same tools on a training run). Left out: a CPU allocator's peak (none is kept: bytes
 held between steps instead).
 Run: torchrun --nproc_per_node 2 bench.py --quick (bench.py imports this file)
@@ -15,10 +15,8 @@ Test: python -m pytest tests/test_bench.py
 import contextlib
 import datetime
 import gc
-import json
 import os
 import platform
-import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,12 +29,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from collectives import Comm
 from ddp import DDP
-from memory import comm_bytes, ep_params, ep_state_bytes, expert_params, held_bytes, moe_exchange_bytes
+from memory_math import comm_bytes, ep_params, ep_state_bytes, expert_params, held_bytes, moe_exchange_bytes
 from mixed_precision import DTYPES, element_state
 from model import PRESETS, build_model
 from moe import MoE
-from process_groups import gather_objects
-from snapshot import RunError
 
 MiB = 2**20
 
@@ -50,7 +46,7 @@ class Run:
     optimizer: object           # zero_grad(), scale_loss(loss), clip_grad_norm_(max), step()
     comm: Comm | None = None    # ours: the byte counter; PyTorch's collectives count nothing
     label: str = "ours"         # what ran, for the report
-    napkin_sent: int | None = None       # bytes per step predicted, where memory.comm_bytes has no row
+    napkin_sent: int | None = None       # bytes per step predicted, where memory_math.comm_bytes has no row
     napkin_held: dict | None = None      # {what memory.py assumes: bytes held per rank it predicts}
     loss_context: object = contextlib.nullcontext   # entered around forward and backward
     forward_backward: object = None      # (x, y) -> loss: a pipeline schedule runs both itself
@@ -104,7 +100,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def held(run: Run) -> int:
-    """memory.held_bytes of a run. A DTensor (fully_shard's and parallelize_module's parameters,
+    """memory_math.held_bytes of a run. A DTensor (fully_shard's and parallelize_module's parameters,
     gradients, AdamW moments) has no storage of its own: held_bytes reads stand-ins holding
     the local tensors, which serve as both the model and the optimizer it reads. (A gradient's
     local tensor need not be its parameter's shape: TP's embedding gradient is whole.)"""
@@ -258,7 +254,7 @@ def ops_per_step(profiler, steps: int, device) -> dict:
             for e in profiler.key_averages()}
 
 
-NAPKIN_STRATEGY = {"checkpointing": "ddp"}   # what memory.comm_bytes knows a row as
+NAPKIN_STRATEGY = {"checkpointing": "ddp"}   # what memory_math.comm_bytes knows a row as
 
 
 def alternate(builds, args, batches, device) -> list[list[dict]]:
@@ -416,7 +412,7 @@ def _held_note(row: dict) -> str:
                  f"{theirs['frozen_bytes'] / MiB:.2f} MiB (ours / torch), whole "
                  f"{ours['frozen_whole'] / MiB:.2f} MiB (every rank's under DDP)")
     if ours["napkin_held"]:
-        note += "; ours held per rank predicted (memory.run_state_bytes): " + ", ".join(
+        note += "; ours held per rank predicted (memory_math.run_state_bytes): " + ", ".join(
             f"{what} {nbytes / MiB:.2f} MiB" for what, nbytes in ours["napkin_held"].items())
     return note
 
@@ -454,7 +450,7 @@ def report(m: dict, rows: list) -> list:
                             else "n/a | ")
                          + (f"{100 * r['mfu']:.1f}% ({100 * r['mfu_of_measured_peak']:.1f}% of the "
                             f"measured peak) |" if "mfu" in r else "n/a |"))
-        peak = ("CUDA max_memory_allocated, activations included" if m["gpu"] else "memory.held_bytes: "
+        peak = ("CUDA max_memory_allocated, activations included" if m["gpu"] else "memory_math.held_bytes: "
                 "parameters + gradients (torch DDP's buckets, as .grad views) + optimizer state, a DTensor's "
                 "local tensors")
         mfu = (f"model FLOPs / the datasheet's dense {m['precision']} peak of "
@@ -462,10 +458,10 @@ def report(m: dict, rows: list) -> list:
                f"matmul's {m['matmul_peak_tflops']:.0f} TFLOP/s)" if m["gpu"] else "GPU only")
         lines += ["", f"ms/step: median (min-max) over repetitions, slowest rank. Peak: max over ranks, "
                   f"{peak}. Sent: our Comm's counter (ring volume, native calls included) beside "
-                  f"memory.comm_bytes (fsdp: our root unit is gathered once, not twice; tp: "
+                  f"memory_math.comm_bytes (fsdp: our root unit is gathered once, not twice; tp: "
                   f"tensor_parallel's bytes_per_step, activation traffic memory.py does not model; hsdp, "
                   f"fsdp-lora: FSDP.bytes_per_step, with the copies' all-reduce and the frozen base's "
-                  f"gathers memory.comm_bytes has no row for); "
+                  f"gathers memory_math.comm_bytes has no row for); "
                   f"PyTorch's collectives count nothing. Predicted: step_time.py's napkin on this "
                   f"machine as machines.this measured it (a block's forward + backward at the row's "
                   f"shape, AdamW's memory traffic, an all-reduce's latency and bandwidth), in brackets "
@@ -543,67 +539,3 @@ def moe_report(row: dict | None) -> list:
               f"the optimizer) on machines.this measured at model {row['model']}'s block, in brackets "
               f"predicted / measured."]
     return lines
-
-
-def start_profiling(args, rank, world_size, device):
-    """torch.profiler over steps 2-4 (after two warm-up steps), and CUDA's allocation history.
-
-    Returns a function to call after every step: it advances the profiler's schedule and
-    writes the memory snapshot once its steps are done. A trace that could not be written
-    whole (check_trace) stops every rank, at the step that wrote it, with one RunError.
-    """
-    profiler, traces = None, []
-    if args.profile:
-        os.makedirs(args.profile, exist_ok=True)
-        trace = os.path.join(args.profile, f"trace-rank{rank}.json")
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profiler = torch.profiler.profile(
-            activities=activities, profile_memory=True,
-            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
-            on_trace_ready=lambda p: traces.append(check_trace(p, trace)))
-        profiler.start()
-    snapshot_file, snapshot_steps = args.memory_snapshot, [0]
-    if snapshot_file:
-        if world_size > 1:                        # one file per rank: model.pickle -> model-rank1.pickle
-            root, ext = os.path.splitext(snapshot_file)
-            snapshot_file = f"{root}-rank{rank}{ext}"
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
-
-    def step_done(last: bool):
-        if profiler:
-            profiler.step()
-            if last:
-                profiler.stop()
-        if traces:                                # every rank's was written at this step
-            problems = [p for p in gather_objects(traces.pop(), Comm(), device) if p]
-            if problems:
-                raise RunError(problems[0])
-        if snapshot_file and snapshot_steps[0] >= 0:
-            snapshot_steps[0] += 1
-            if snapshot_steps[0] == 5 or last:
-                torch.cuda.memory._dump_snapshot(snapshot_file)
-                torch.cuda.memory._record_memory_history(enabled=None)
-                snapshot_steps[0] = -1
-    return step_done
-
-
-def check_trace(profiler, trace: str) -> str | None:
-    """Write profiler's chrome trace to `trace` and read it back: torch's C++ writer only logs a
-    write that fails (a full disk leaves trace.tmp cut short, its first file, and no trace).
-    None if it reads back whole; else the line that says so, what was cut short removed."""
-    profiler.export_chrome_trace(trace)
-    try:
-        with open(trace) as f:
-            json.load(f)
-        return None
-    except (OSError, ValueError):
-        directory = os.path.dirname(trace)
-        free = shutil.disk_usage(directory).free          # what the writer found
-        for cut in (trace, trace + ".tmp"):
-            with contextlib.suppress(OSError):
-                os.remove(cut)
-    return (f"--profile {directory}: {trace} was cut short as it was written ({free:,} bytes free "
-            f"there: a full disk?) and is removed: free space there, or give another --profile "
-            f"directory, and rerun")

@@ -6,7 +6,7 @@ what it measured beside what was predicted: the state's bytes per rank (memory.p
 against train.py's "memory per rank, measured" line) and tokens/s (step_time.py on this machine,
 machines.this, against the log's last step line). A rung is kept when it fits and runs faster
 than the last rung kept. One torchrun runs all the rungs: each rank calls train.main once per
-rung, in turn, so the launch and the imports are paid once.
+rung, in turn (experiment_worker.py), so the launch and the imports are paid once.
 On CPU ranks a model of more than CPU_PARAMS parameters, or a --params shape, is not run: the
 tiny preset is, at seq len 64 and 8 sequences per rank, its rungs advised anew (and said so);
 the CPU computes in fp32.
@@ -25,7 +25,7 @@ import torch
 from advisor import parse_bytes
 from advisor_speed import every_rung, rung_seconds
 from machines import Link, Machine
-from memory import MiB, model_params
+from memory_math import MiB, model_params
 from model import PRESETS
 
 STEPS, LOG_EVERY = 6, 5       # the measured line is the last logged step's: steps 1 to 5, warm
@@ -33,6 +33,8 @@ CPU_PARAMS = 2_000_000         # the tiny preset's 0.87M runs a step in a blink 
 MEASURED_STATE = re.compile(r"memory per rank, measured: params ([\d.]+) MiB, grads ([\d.]+), optim "
                             r"([\d.]+) = ([\d.]+) on the device")
 STEP = re.compile(r"\|\s+([\d.]+)k tok/s")
+# What each rank runs under torchrun: the plan's train.py commands, then machines.this.
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiment_worker.py")
 
 
 def runnable(args) -> tuple[str, int, int, str, str]:
@@ -75,7 +77,7 @@ def run_all(world: int, fitting: list, rows: int, model: str, seq_len: int, batc
             json.dump({"runs": runs, "rows": rows, "model": model, "seq_len": seq_len,
                        "precision": precision}, f)
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node", str(world), os.path.abspath(__file__), plan],
+                               "--nproc_per_node", str(world), WORKER, plan],
                               capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     if done.returncode:
         raise SystemExit(f"--measure: the runs failed (exit {done.returncode}):\n{done.stdout[-3000:]}"
@@ -131,28 +133,3 @@ def measure(args) -> list[dict]:
     print("kept: faster (measured) than the last rung kept; predicted tokens/s: step_time.py on "
           f"{machine.name}, measured by machines.this")
     return rows
-
-
-def worker(plan_path: str):
-    """Under torchrun: every rank runs each planned train.py command in turn; rank 0 marks each
-    run's log, then prints this machine as measured (machines.this, cached in .cache/)."""
-    import torch.distributed as dist
-
-    import train
-    from dataclasses import asdict
-    from machines import this
-    from process_groups import exit_distributed
-    with open(plan_path) as f:
-        plan = json.load(f)
-    for i, argv in enumerate(plan["runs"]):
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"=== run {i}", flush=True)
-        train.main(argv)
-    machine = this(PRESETS[plan["model"]], plan["rows"], plan["seq_len"], plan["precision"])
-    if dist.get_rank() == 0:
-        print(f"=== run machine\n{json.dumps(asdict(machine))}", flush=True)
-    exit_distributed()
-
-
-if __name__ == "__main__":
-    worker(sys.argv[1])

@@ -3,6 +3,8 @@
 A step's time needs four numbers of a machine: the FLOP/s its matmuls reach, the bytes/s its
 memory streams (the optimizer step reads and writes every parameter's state), the host link
 (ZeRO-Offload's transfers) and, between ranks, each link's bandwidth and per-message latency.
+A collective on a link: its ring steps' latency, its ring bytes at the bandwidth (collective_seconds;
+bucketed under backward, all but its last bucket hidden: overlapped).
 The presets hold datasheet figures (dense peaks, no sparsity; links one direction per GPU).
 `this` is measured on the spot by small benchmarks, never fitted to the runs it predicts, and
 cached in .cache/this-machine.json (repo-local, git-ignored; delete it to measure again; where it
@@ -13,6 +15,7 @@ Test: python -m pytest tests/test_step_time.py tests/test_writes.py
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import time
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from collectives import Comm, ring_bytes
+from flops import Shape, block_flops
 from mixed_precision import DTYPES
 from model import PRESETS as MODELS, Block, GPTConfig
 from offload import host_buffer
@@ -34,6 +38,12 @@ from process_groups import exit_distributed, init_distributed
 
 GB = 1e9
 CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "this-machine.json")
+# Bytes per parameter torch's AdamW step reads and writes (optimizer_bandwidth measures by it;
+# step_time.py prices the optimizer step with it). Unfused (its default on a CPU; foreach on a GPU
+# makes the same passes): weight decay p r+w 8, m.lerp_(g) 12, v.mul_().addcmul_(g, g) 8 + 12,
+# denominator sqrt, divide, add 3 x 8, p.addcdiv_(m, d) 16 = 80. Fused: p, g, m, v read once, p,
+# m, v written once, 28.
+ADAMW_BYTES = {"unfused": 80, "fused": 28}
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,32 @@ def joined_by(machine: Machine, link: str) -> Machine:
     return replace(machine, name=f"{machine.name} over {link}", links={"node": ring, "network": ring})
 
 
+# ---- a collective on a link: its seconds, and what compute hides of it ------------------------
+
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1,
+              "all_gather": lambda n: n - 1}
+
+
+def collective_seconds(kind: str, numel: int, element_size: int, world: int, link: Link,
+                       calls: int = 1) -> float:
+    """`calls` collectives of `kind` moving numel elements between them: each call's ring steps
+    are messages (latency), and the ring's bytes sent per rank go at the link's bandwidth."""
+    if world == 1 or numel == 0:
+        return 0.0
+    return link.seconds(ring_bytes(kind, numel, element_size, world), calls * RING_STEPS[kind](world))
+
+
+def overlapped(kind: str, numel: int, element_size: int, world: int, link: Link, bucket: int,
+               hidden_under: float) -> tuple[float, float]:
+    """(seconds, exposed) of a bucketed reduction launched during backward: each bucket goes as
+    soon as its gradients exist, so all but the last hides under backward, as long as backward
+    lasts (hidden_under); the last bucket, the rest of the model's first layers, waits alone."""
+    buckets = max(1, math.ceil(numel / bucket))
+    total = collective_seconds(kind, numel, element_size, world, link, buckets)
+    last = collective_seconds(kind, numel - (buckets - 1) * bucket, element_size, world, link)
+    return total, max(last, total - hidden_under)
+
+
 # ---- `this`: measured on the spot -----------------------------------------------------------
 
 def _seconds(fn, device=None, calls: int = 3, window: float = 0.0) -> float:
@@ -162,10 +198,9 @@ def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: s
     dispatch take a large share of a block's time, and a bare matmul would miss it; a split
     block's narrower matmuls run slower still, and its norms are not split. This is a
     measurement of the machine on the model's shape (one block, random inputs), not of a run:
-    no strategy, no collective, no optimizer. FLOPs as step_time.block_flops counts them (/ N):
+    no strategy, no collective, no optimizer. FLOPs as flops.block_flops counts them (/ N):
     an MoE block's with its top_k experts (its capacity mode runs capacity_factor times as many
     expert rows, empty slots included: the rate measured so prices that too)."""
-    from step_time import Shape, block_flops           # step_time imports this file at its top
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)                           # the run's random stream stays untouched
         block = (split_block(cfg, split) if split > 1 else Block(cfg)).to(device=device, dtype=DTYPES[precision])
@@ -180,9 +215,8 @@ def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: s
 
 def optimizer_bandwidth(device) -> float:
     """Bytes/s torch's AdamW streams (its default kernel on this device, 4M fp32 parameters):
-    step_time.ADAMW_BYTES per parameter. Its own passes, not a copy's: each pass allocates a
+    ADAMW_BYTES per parameter. Its own passes, not a copy's: each pass allocates a
     temporary and writes fresh memory, which a bare a + b does not (here a + b reads 1.3x this)."""
-    from step_time import ADAMW_BYTES
     n = 4 * 2**20
     p = torch.nn.Parameter(torch.ones(n, device=device))
     p.grad = torch.ones(n, device=device)

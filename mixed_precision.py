@@ -223,7 +223,7 @@ class MasterOptimizer(torch.optim.Optimizer):
 
     def state_tensors(self) -> list[torch.Tensor]:
         """What this optimizer holds per element: the fp32 masters and the inner optimizer's
-        state. memory.held_bytes counts them."""
+        state. memory_math.held_bytes counts them."""
         return [*self.masters, *element_state(self.optimizer)]
 
 

@@ -30,7 +30,7 @@ from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy, gpt_blocks
 from fsdp_frozen import FrozenBaseFSDP
 from fsdp_hybrid import HSDP
 from fsdp_offload import OffloadedFSDP
-from memory import mesh_params, run_state_bytes
+from memory_math import mesh_params, run_state_bytes
 from mesh_checks import mesh_splits, moe_config, stage_layers
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model

@@ -3,13 +3,16 @@
 The log: the run's header (cli.describe_run, the CPU threads), memory per rank as memory.py
 predicts it (the lecture's four terms: parameters, gradients, optimizer state, activations)
 and as the run measures it, in the same words (printed again only when it changes), and each
-logged step's loss, speed, bytes sent beside their formula and time left. The end, on the
+logged step's loss, speed (beside step_time.py's: predicted_seconds), bytes sent beside their
+formula and time left; --profile's traces and --memory-snapshot (start_profiling). The end, on the
 command line: a refused command line, a refusal or divergence found while running, a lost
 peer, and Ctrl-C each print one line (under torchrun once: cli.say_error) and exit with a code.
 Test: python -m pytest tests/test_train.py -k "log or interrupt or usage"
 """
 import contextlib
+import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -19,10 +22,14 @@ import torch.distributed as dist
 
 import snapshot
 from cli import say_error
+from collectives import Comm
 from dtypes import DTYPES
-from memory import activation_bytes, logits_bytes
+from flops import Shape
+from machines import this
+from memory_math import activation_bytes, logits_bytes, quantized_params
 from mesh_checks import mesh_splits
-from process_groups import LaunchError
+from process_groups import LaunchError, gather_objects
+from step_time import DATA_PARALLEL, Step, predict
 
 MiB = 2**20
 INTERRUPTED = 130            # a shell's exit status for a process stopped by Ctrl-C (128 + SIGINT)
@@ -217,7 +224,7 @@ def stopped(error: BaseException, ctrl_c: CtrlC, log: RunLog | None) -> int:
 
 
 def predicted_activations(args, cfg, data_size: int) -> int | None:
-    """memory.activation_bytes for one micro-batch of this rank's rows (B/D/k, T) through every
+    """memory_math.activation_bytes for one micro-batch of this rank's rows (B/D/k, T) through every
     block, and the loss's fp32 log-probabilities (logits_bytes); None where the run splits the
     model or its sequences (tp, pp, cp: their lines say theirs) or checkpoints every K-th block
     for K > 1 (the formula knows all or none)."""
@@ -229,3 +236,99 @@ def predicted_activations(args, cfg, data_size: int) -> int | None:
                              bytes_per_value=DTYPES[args.precision].itemsize,
                              moe=cfg if cfg.experts else None, ep=args.ep)
             + logits_bytes(args.seq_len, rows, cfg.vocab_size))
+
+
+def predicted_seconds(args, gpt, world_size: int, device) -> float | None:
+    """train.py's run priced by step_time.py on this machine (machines.this, measured by every
+    rank at its first call: call it on every rank): seconds per step, or None for what the napkin
+    does not compose (a mesh of two splits, expert parallelism beside a split or outside ddp,
+    context parallelism over less than the world, unbalanced or checkpointed, gradient
+    accumulation, HSDP)."""
+    splits, cfg = mesh_splits(args), gpt.cfg
+    pipelined = splits.get("pp") == world_size and len(splits) == 1
+    cp = world_size if splits == {"cp": world_size} and args.strategy in ("cp", "ddp") else 1
+    strategy = ("tp" if splits.get("tp") == world_size and len(splits) == 1 else
+                f"pipeline-{args.schedule or '1f1b'}" if pipelined else "ddp" if cp > 1 else
+                {"zero3": "fsdp"}.get(args.strategy, args.strategy) if not splits else None)
+    known = strategy in (*DATA_PARALLEL, "tp") or str(strategy).startswith("pipeline-")
+    if (not known or args.grad_accum > 1 or args.shard_group or args.ep > 1 and (strategy != "ddp" or cp > 1)
+            or cp > 1 and (args.cp_balance != "zigzag" or args.checkpoint_activations)):
+        return None
+    M = args.microbatches or 1 if pipelined else 1
+    # a cp rank's B rows of T/cp tokens: the matmuls and attention products of B/N rows of T
+    rows = args.batch_size // (M if pipelined else 1 if strategy == "tp" else world_size)
+    machine = this(cfg, rows, args.seq_len, args.precision, device=device, split=world_size if strategy == "tp" else 1)
+    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
+    shape = Shape.of(cfg)
+    lora = (trainable, shape.layers * shape.block_params() + shape.vocab * shape.width) if args.lora else None
+    step = Step(shape, strategy, world_size, args.batch_size, args.seq_len, args.precision, M,
+                args.virtual_stages or 1, 1 / args.checkpoint_activations if args.checkpoint_activations else 0.0,
+                lora, bool(args.offload), args.bucket_mb, ep=args.ep, cp=cp, attention=args.cp_attention or "ring",
+                quantized=quantized_params(cfg) if args.quantize_base and strategy == "fsdp" else 0)
+    return predict(step, machine)["seconds"]
+
+
+# ---- --profile and --memory-snapshot ----------------------------------------------------------
+
+def start_profiling(args, rank, world_size, device):
+    """torch.profiler over steps 2-4 (after two warm-up steps), and CUDA's allocation history.
+
+    Returns a function to call after every step: it advances the profiler's schedule and
+    writes the memory snapshot once its steps are done. A trace that could not be written
+    whole (check_trace) stops every rank, at the step that wrote it, with one RunError.
+    """
+    profiler, traces = None, []
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        trace = os.path.join(args.profile, f"trace-rank{rank}.json")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(
+            activities=activities, profile_memory=True,
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+            on_trace_ready=lambda p: traces.append(check_trace(p, trace)))
+        profiler.start()
+    snapshot_file, snapshot_steps = args.memory_snapshot, [0]
+    if snapshot_file:
+        if world_size > 1:                        # one file per rank: model.pickle -> model-rank1.pickle
+            root, ext = os.path.splitext(snapshot_file)
+            snapshot_file = f"{root}-rank{rank}{ext}"
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def step_done(last: bool):
+        if profiler:
+            profiler.step()
+            if last:
+                profiler.stop()
+        if traces:                                # every rank's was written at this step
+            problems = [p for p in gather_objects(traces.pop(), Comm(), device) if p]
+            if problems:
+                raise snapshot.RunError(problems[0])
+        if snapshot_file and snapshot_steps[0] >= 0:
+            snapshot_steps[0] += 1
+            if snapshot_steps[0] == 5 or last:
+                torch.cuda.memory._dump_snapshot(snapshot_file)
+                torch.cuda.memory._record_memory_history(enabled=None)
+                snapshot_steps[0] = -1
+    return step_done
+
+
+def check_trace(profiler, trace: str) -> str | None:
+    """Write profiler's chrome trace to `trace` and read it back: torch's C++ writer only logs a
+    write that fails (a full disk leaves trace.tmp cut short, its first file, and no trace).
+    None if it reads back whole; else the line that says so, what was cut short removed."""
+    profiler.export_chrome_trace(trace)
+    try:
+        with open(trace) as f:
+            json.load(f)
+        return None
+    except (OSError, ValueError):
+        directory = os.path.dirname(trace)
+        free = shutil.disk_usage(directory).free          # what the writer found
+        for cut in (trace, trace + ".tmp"):
+            with contextlib.suppress(OSError):
+                os.remove(cut)
+    return (f"--profile {directory}: {trace} was cut short as it was written ({free:,} bytes free "
+            f"there: a full disk?) and is removed: free space there, or give another --profile "
+            f"directory, and rerun")

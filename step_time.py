@@ -9,8 +9,9 @@ all of it (it reduces after backward), FSDP its first gather and last reduce-sca
 hides the rest), tensor parallelism all of it (on the critical path), a pipeline its bubble by
 schedule (schedules.py), offload its PCIe transfers, the optimizer step its memory traffic.
 Left out: launch gaps, the data loader, stragglers, a GPU's non-matmul kernels (CPU `this`
-measures them in: machines.block_flops_per_second). Machines: machines.py. Expert and context
-parallelism (all-to-alls, K/V exchange): step_time_parallel.py.
+measures them in: machines.block_flops_per_second). FLOPs: flops.py; machines, and a collective's
+seconds on a link: machines.py; expert and context parallelism (all-to-alls, K/V exchange):
+step_time_parallel.py.
 Run: python step_time.py --model medium --strategy ddp --world 2 --batch 16 --seq-len 64 --machine a100
      python step_time.py --llama-8b (torchtitan's Llama-3.1-8B FSDP run on 8 H100s)
 Test: python -m pytest tests/test_step_time.py
@@ -26,138 +27,23 @@ from dataclasses import dataclass, replace
 # torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from collectives import ring_bytes
-from machines import PRESETS as MACHINES, Link, Machine
-from memory import _element_size, model_params, nf4_bytes, quantized_params
-from model import PRESETS as MODELS, GPTConfig
+from flops import LLAMA_3_1_8B, Shape, block_flops, model_flops_per_token, step_flops
+from machines import ADAMW_BYTES, PRESETS as MACHINES, Link, Machine, collective_seconds, overlapped
+from memory_math import _element_size, nf4_bytes
+from model import PRESETS as MODELS
 from pipeline import split_layers
 from schedules import SCHEDULES, bubble_formula, make_schedule
+from step_time_parallel import inside_blocks
 from tensor_parallel import check_divisible
 
-# Bytes per parameter the optimizer step reads and writes. torch's AdamW unfused (its default on
-# a CPU; foreach on a GPU makes the same passes): weight decay p r+w 8, m.lerp_(g) 12,
-# v.mul_().addcmul_(g, g) 8 + 12, denominator sqrt, divide, add 3 x 8, p.addcdiv_(m, d) 16 = 80.
-# Fused: p, g, m, v read once, p, m, v written once, 28. The clip: the norm reads the gradient,
-# the scale reads and writes it, 12. A 16-bit model's fp32 master: the gradient cast up
-# (r 2 w 4) and the weight rounded down (r 4 w 2), 12.
-ADAMW_BYTES = {"unfused": 80, "fused": 28}
+# Bytes per parameter the optimizer step reads and writes beside AdamW's (machines.ADAMW_BYTES):
+# the clip's, the norm reading the gradient and the scale reading and writing it, 12; a 16-bit
+# model's fp32 master's, the gradient cast up (r 2 w 4) and the weight rounded down (r 4 w 2), 12.
 CLIP_BYTES, MASTER_BYTES = 12, 12
 DATA_PARALLEL = ("single", "ddp", "zero1", "zero2", "fsdp")
 
 
-@dataclass(frozen=True)
-class Shape:
-    """What a step's FLOPs need of a model: its layer shapes. gated: a SwiGLU MLP (3 C x F
-    matrices, Llama's) instead of GELU's 2; kv_heads < heads: grouped-query attention (K and V
-    C x C kv_heads / heads); experts: an MoE MLP, top_k of them per token. other_params: every
-    parameter outside the matrices (biases, norms, positions), counted for bytes, not FLOPs."""
-    layers: int
-    width: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    gated: bool = False
-    tied: bool = False
-    experts: int = 0
-    top_k: int = 0
-    capacity_factor: float | None = None
-    routing_group: int | None = None
-    other_params: int = 0
-
-    @classmethod
-    def of(cls, cfg: GPTConfig) -> "Shape":
-        shape = cls(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head, 4 * cfg.n_embd, cfg.vocab_size,
-                    tied=cfg.tie_embeddings, experts=cfg.experts, top_k=cfg.top_k if cfg.experts else 0,
-                    capacity_factor=cfg.capacity_factor, routing_group=cfg.routing_group)
-        return cls(**{**shape.__dict__, "other_params": model_params(cfg) - shape.params()})
-
-    def block_params(self, active: bool = True) -> int:
-        """A block's matrix elements: Q and O C x C, K and V C x C kv/heads, the MLP's 2 or 3
-        C x F (an MoE: top_k of them per token if active, else all E, plus the router's E x C)."""
-        C = self.width
-        attention = 2 * C * C + 2 * C * (C * self.kv_heads // self.heads)
-        mlp = (3 if self.gated else 2) * C * self.ffn
-        if self.experts:
-            mlp = mlp * (self.top_k if active else self.experts) + self.experts * C
-        return attention + mlp
-
-    def params(self) -> int:
-        """Every parameter: the blocks' matrices, token embedding, head (once if tied), the rest."""
-        embeddings = self.vocab * self.width * (1 if self.tied else 2)
-        return self.layers * self.block_params(active=False) + embeddings + self.other_params
-
-    def expert_matrices(self, experts: int | None = None) -> int:
-        """The experts' C x F matrices over all blocks: every one of each MoE layer's E, or
-        `experts` of them (a rank's E/ep). Their biases (F + C each) stay in other_params."""
-        per_expert = (3 if self.gated else 2) * self.width * self.ffn
-        return self.layers * (self.experts if experts is None else experts) * per_expert
-
-    def held_params(self, ep: int = 1) -> int:
-        """The parameters a rank holds with each MoE layer's experts split over ep ranks."""
-        if ep == 1:
-            return self.params()
-        return self.params() - self.expert_matrices() + self.expert_matrices(self.experts // ep)
-
-
-LLAMA_3_1_8B = Shape(layers=32, width=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, gated=True)
-
-
-# ---- compute: FLOPs, and the seconds they take --------------------------------------------------
-
-def block_flops(shape: Shape, seq_len: int) -> int:
-    """Forward FLOPs per token of one block: 2 per matrix element (a multiply and an add), and
-    attention's scores q k^T and weighted sum over the T positions, 2 T C each. Over the whole
-    T, causal or not (PaLM's and torchtitan's count: MFU compares across papers so)."""
-    return 2 * shape.block_params() + 4 * seq_len * shape.width
-
-
-def step_flops(shape: Shape, seq_len: int, checkpointing: float = 0.0, frozen: int = 0,
-               adapters: int = 0) -> dict:
-    """Training FLOPs per token, forward and backward. Backward is twice forward: each matmul
-    computes its input's gradient and its weight's, each as costly as forward (attention's two
-    products have no weight: their two gradients are both inputs'). frozen: matrix elements
-    that train not (LoRA's base): no weight gradient, so 4 per element instead of 6. adapters:
-    LoRA's trainable matrices beside them (6 each). checkpointing: the share of blocks whose forward
-    runs once more in backward (1: every block, 8 per element; train.py --checkpoint-activations K: 1/K)."""
-    forward = shape.layers * block_flops(shape, seq_len) + 2 * shape.vocab * shape.width + 2 * adapters
-    backward = 2 * forward - 2 * frozen
-    if checkpointing:
-        backward += round(checkpointing * shape.layers * block_flops(shape, seq_len))   # not the head
-    return {"forward": forward, "backward": backward}
-
-
-def model_flops_per_token(shape: Shape, seq_len: int) -> int:
-    """MFU's numerator per token: 6 N + 12 L C T (N: the matrices a token computes with), no
-    recomputation, every weight trained: what the model needs, not what a strategy spends."""
-    return sum(step_flops(shape, seq_len).values())
-
-
-# ---- communication: each collective's seconds, and what compute cannot hide --------------------
-
-RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1,
-              "all_gather": lambda n: n - 1}
-
-
-def collective_seconds(kind: str, numel: int, element_size: int, world: int, link: Link,
-                       calls: int = 1) -> float:
-    """`calls` collectives of `kind` moving numel elements between them: each call's ring steps
-    are messages (latency), and the ring's bytes sent per rank go at the link's bandwidth."""
-    if world == 1 or numel == 0:
-        return 0.0
-    return link.seconds(ring_bytes(kind, numel, element_size, world), calls * RING_STEPS[kind](world))
-
-
-def overlapped(kind: str, numel: int, element_size: int, world: int, link: Link, bucket: int,
-               hidden_under: float) -> tuple[float, float]:
-    """(seconds, exposed) of a bucketed reduction launched during backward: each bucket goes as
-    soon as its gradients exist, so all but the last hides under backward, as long as backward
-    lasts (hidden_under); the last bucket, the rest of the model's first layers, waits alone."""
-    buckets = max(1, math.ceil(numel / bucket))
-    total = collective_seconds(kind, numel, element_size, world, link, buckets)
-    last = collective_seconds(kind, numel - (buckets - 1) * bucket, element_size, world, link)
-    return total, max(last, total - hidden_under)
-
+# ---- communication: what compute cannot hide of each collective (machines.collective_seconds) -
 
 def data_parallel_seconds(strategy: str, shape: Shape, world: int, size: int, wire: int, link: Link,
                           bucket: int, forward: float, backward: float, trainable: int,
@@ -291,7 +177,6 @@ def predict(step: Step, machine: Machine) -> dict:
     parts = {**compute, "communication": 0.0, "exposed": 0.0}
     trainable = step.lora[0] if step.lora else s.params()
     if step.ep > 1 or step.cp > 1:
-        from step_time_parallel import inside_blocks        # it builds on this file's helpers
         parts.update(inside_blocks(step, machine, compute, tokens))
     elif step.strategy in DATA_PARALLEL:
         bucket = int(step.bucket_mb * 2**20) // size
@@ -319,37 +204,6 @@ def predict(step: Step, machine: Machine) -> dict:
     global_tokens = step.batch * step.seq_len
     mfu = model_flops_per_token(s, step.seq_len) * global_tokens / total / (machine.peak_flops[step.precision] * N)
     return {"parts": parts, "seconds": total, "tokens_per_s": global_tokens / total, "mfu": mfu}
-
-
-def for_run(args, gpt, world_size: int, device) -> float | None:
-    """train.py's run priced on this machine (machines.this, measured by every rank at its first
-    call: call it on every rank): seconds per step, or None for what this napkin does not compose
-    (a mesh of two splits, expert parallelism beside a split or outside ddp, context parallelism
-    over less than the world, unbalanced or checkpointed, gradient accumulation, HSDP)."""
-    from machines import this
-    from mesh_checks import mesh_splits
-    splits, cfg = mesh_splits(args), gpt.cfg
-    pipelined = splits.get("pp") == world_size and len(splits) == 1
-    cp = world_size if splits == {"cp": world_size} and args.strategy in ("cp", "ddp") else 1
-    strategy = ("tp" if splits.get("tp") == world_size and len(splits) == 1 else
-                f"pipeline-{args.schedule or '1f1b'}" if pipelined else "ddp" if cp > 1 else
-                {"zero3": "fsdp"}.get(args.strategy, args.strategy) if not splits else None)
-    known = strategy in (*DATA_PARALLEL, "tp") or str(strategy).startswith("pipeline-")
-    if (not known or args.grad_accum > 1 or args.shard_group or args.ep > 1 and (strategy != "ddp" or cp > 1)
-            or cp > 1 and (args.cp_balance != "zigzag" or args.checkpoint_activations)):
-        return None
-    M = args.microbatches or 1 if pipelined else 1
-    # a cp rank's B rows of T/cp tokens: the matmuls and attention products of B/N rows of T
-    rows = args.batch_size // (M if pipelined else 1 if strategy == "tp" else world_size)
-    machine = this(cfg, rows, args.seq_len, args.precision, device=device, split=world_size if strategy == "tp" else 1)
-    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
-    shape = Shape.of(cfg)
-    lora = (trainable, shape.layers * shape.block_params() + shape.vocab * shape.width) if args.lora else None
-    step = Step(shape, strategy, world_size, args.batch_size, args.seq_len, args.precision, M,
-                args.virtual_stages or 1, 1 / args.checkpoint_activations if args.checkpoint_activations else 0.0,
-                lora, bool(args.offload), args.bucket_mb, ep=args.ep, cp=cp, attention=args.cp_attention or "ring",
-                quantized=quantized_params(cfg) if args.quantize_base and strategy == "fsdp" else 0)
-    return predict(step, machine)["seconds"]
 
 
 def beside(measured: float, predicted: float | None) -> str:

@@ -1,22 +1,22 @@
 """step_time_parallel.py: step_time.py's napkin for the splits inside a block, under DDP.
 
 Expert parallelism (moe.py): each rank computes its own tokens with the active experts (top_k
-per token: step_time.step_flops), sends them to their experts' ranks and back by four
+per token: flops.step_flops), sends them to their experts' ranks and back by four
 all-to-alls per MoE layer, and all-reduces the gradients: the shared parameters over the world,
 each expert's over the ranks holding it. Context parallelism (context_parallel.py): each rank
 computes 1/cp of every sequence's tokens, its queries against the whole sequence's keys, and
 meets the other ranks' keys by a ring of K/V passes or one all-gather per layer; then DDP's
-all-reduce. A collective = messages x latency + bytes sent / bandwidth, as in step_time.py.
+all-reduce. A collective = messages x latency + bytes sent / bandwidth (machines.collective_seconds).
 Test: python -m pytest tests/test_step_time.py
 
 Shapes: L layers, C width, T sequence, E experts, k top_k, ep ranks an MoE layer's experts are
 split over, cp ranks a sequence is split over, B rows a cp rank reads (the batch / (world / cp)).
 """
 from context_parallel import cp_kv_bytes
-from machines import Link, Machine
-from memory import _element_size
+from flops import Shape
+from machines import Link, Machine, collective_seconds, overlapped
+from memory_math import _element_size
 from moe import layer_exchange_bytes
-from step_time import Shape, Step, collective_seconds, overlapped
 
 
 def all_to_all_seconds(shape: Shape, tokens: int, ep: int, size: int, link: Link) -> float:
@@ -69,7 +69,7 @@ def kv_seconds(shape: Shape, rows: int, seq_len: int, cp: int, attention: str, s
 
 def attention_seconds(shape: Shape, tokens: int, seq_len: int, rate: float) -> dict:
     """A rank's seconds in attention's scores and weighted sum, {forward, backward}: its tokens'
-    queries against the whole sequence's keys, 4 T C per query and layer (step_time.block_flops'
+    queries against the whole sequence's keys, 4 T C per query and layer (flops.block_flops'
     count), backward twice forward."""
     forward = tokens * shape.layers * 4 * seq_len * shape.width / rate
     return {"forward": forward, "backward": 2 * forward}
@@ -86,11 +86,11 @@ def exposed_kv(kv: dict, attention: str, computing: dict, overlaps: bool) -> flo
     return sum(max(0.0, kv[phase] - computing[phase]) for phase in ("forward", "backward"))
 
 
-def inside_blocks(step: Step, machine: Machine, compute: dict, tokens: int) -> dict:
-    """step_time.predict's communication parts for a ddp step with ep or cp > 1: "communication"
-    and "exposed", DDP's gradient all-reduce (plus the clip's norm at ep > 1); "all_to_all", the
-    experts' exchanges; "kv_exchange", the exposed K/V exchange. compute: this rank's forward
-    and backward seconds (step_time._compute: its tokens, the active experts' FLOPs)."""
+def inside_blocks(step, machine: Machine, compute: dict, tokens: int) -> dict:
+    """step_time.predict's communication parts for `step` (a step_time.Step: ddp, ep or cp > 1):
+    "communication" and "exposed", DDP's gradient all-reduce (plus the clip's norm at ep > 1);
+    "all_to_all", the experts' exchanges; "kv_exchange", the exposed K/V exchange. compute: this
+    rank's forward and backward seconds (step_time._compute: its tokens, the active experts' FLOPs)."""
     s, N = step.shape, step.world
     if step.strategy != "ddp" or step.ep > 1 and step.cp > 1 or N % max(step.ep, step.cp):
         raise ValueError(f"ep {step.ep}, cp {step.cp} over {N} ranks: priced under --strategy ddp, "

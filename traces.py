@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from cli import parse_args
 from data import TextData
-from memory import activation_bytes, held_bytes, logits_bytes
+from memory_math import activation_bytes, held_bytes, logits_bytes
 from parallelize import build
 from schedules import COMPUTE
 
@@ -130,7 +130,7 @@ class MemoryTrace:
     """Bytes this rank holds, by category, at the events of a step: before and after each
     block's attention and MLP in forward, as the gradient of each reaches them in backward, as
     each parameter's gradient lands, and around the gradient sync and the optimizer's step.
-    Parameters, gradients and optimizer state as memory.held_bytes counts them (FSDP's gathered
+    Parameters, gradients and optimizer state as memory_math.held_bytes counts them (FSDP's gathered
     units and ZeRO-2's buckets in flight included: their storage is empty when freed);
     activations: every storage autograd saved for backward (saved-tensor hooks, as
     meters.saved_activation_bytes counts them) and holds still, parameters left out. On a GPU

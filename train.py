@@ -34,18 +34,17 @@ from torch.optim.lr_scheduler import LambdaLR
 import lora
 import snapshot
 import step_time
-from bench_measure import start_profiling
 from cli import describe_run, parse_args
 from data import TextData
 from launch import pinned_copy
-from memory import held_bytes, live_numel, live_tensor_bytes
+from memory_math import held_bytes, live_numel, live_tensor_bytes
 from mesh_checks import mesh_splits, moe_config
 from meters import saved_activation_bytes
 from model import build_model
 from parallelize import build, dimension_report, lora_config
 from process_groups import cpu_threads, exit_distributed, global_mean, init_distributed
 from run_log import (Clock, RunLog, finish, measured_memory, predicted_activations, predicted_memory,
-                     step_line)
+                     predicted_seconds, start_profiling, step_line)
 from snapshot import Divergence, RunError, load_weights, own_outputs  # noqa: F401 (train.RunError)
 
 
@@ -185,7 +184,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
         history["eval_loss_before"] = evaluate()
         log.say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
     clock = Clock(start, device)
-    napkin_seconds = step_time.for_run(args, gpt, world_size, device)     # this machine, measured
+    napkin_seconds = predicted_seconds(args, gpt, world_size, device)     # this machine, measured
     schedule = lr_scheduler(optimizer, args, start)
     divergence = Divergence(args, gpt.cfg.vocab_size, first_loss)
     for step in range(start, args.steps):

@@ -79,7 +79,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, nccl: bool = F
 
 def _rank_main(work, rank, world_size, store_path, results, nccl):
     # (No gc.freeze() here: a tensor made later but caught in a cycle with a frozen object
-    # lingers past gc.collect(), and memory.live_tensor_bytes's counts then differ by its bytes
+    # lingers past gc.collect(), and memory_math.live_tensor_bytes's counts then differ by its bytes
     # from step to step: measured +4 bytes at random logged steps.)
     torch.set_num_threads(1)
     try:

@@ -4,7 +4,8 @@ import re
 import pytest
 
 from advisor import advise, expert_parallel_options, params_shape, parse_bytes
-from memory import GB, ep_params, expert_params, main, model_params, moe_exchange_bytes, root_params
+from memory import main
+from memory_math import GB, ep_params, expert_params, model_params, moe_exchange_bytes, root_params
 from model import PRESETS
 from multiprocess import run_ranks, torchrun_worker
 
@@ -185,7 +186,7 @@ def _reference_seconds(cfg, a, world, seq_len, machine) -> float:
     micro-batch copies the rank's stored shards (4-bit base) to the device twice; QLoRA's FSDP
     gathers the 4-bit base (step_time's test prices that by hand)."""
     import math
-    from memory import nf4_bytes, quantized_params
+    from memory_math import nf4_bytes, quantized_params
     from step_time import Shape, Step, predict
     shape = Shape.of(cfg)
     frozen = shape.layers * shape.block_params() + shape.vocab * shape.width
@@ -302,7 +303,7 @@ def test_measure_runs_every_rung_that_fits_and_prints_measured_beside_predicted(
     offloaded, one torchrun; each row's measured state is its log's line, its tokens/s the log's
     last step's, and its predicted state memory.py's napkin."""
     from advisor_speed import every_rung
-    from memory import MiB
+    from memory_math import MiB
     rows = main(["--advise", "--model", "tiny", "--world", "2", "--seq-len", "64", "--measure"])
     out = capsys.readouterr().out
     table = out[out.index("the experiment:"):].splitlines()

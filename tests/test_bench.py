@@ -271,7 +271,7 @@ def test_json_holds_the_same_numbers(bench):
     assert row["torch"]["sent_per_step"] is None
     assert math.isclose(row["ratio"], row["ours"]["ms_per_step"]["median"]
                         / row["torch"]["ms_per_step"]["median"])
-    # The counter and memory.comm_bytes agree: the tiny model is one bucket, so only the step's
+    # The counter and memory_math.comm_bytes agree: the tiny model is one bucket, so only the step's
     # small messages (the used-flags, one byte per parameter tensor, and the gradient norm's fp32
     # number, zero.step_message_bytes) and the bucket's padding are not in the napkin formula.
     ours, tensors = row["ours"], len(list(build_model("tiny").parameters()))

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from checkpointing import checkpoint, checkpoint_blocks
-from memory import activation_bytes
+from memory_math import activation_bytes
 from meters import saved_activation_bytes
 from model import GPT, PRESETS
 from multiprocess import run_ranks

@@ -23,7 +23,7 @@ import context_parallel as cp_module
 import memory
 from collectives import Comm
 from context_parallel import cp_kv_bytes
-from memory import cp_activation_bytes
+from memory_math import cp_activation_bytes
 from meters import saved_activation_bytes
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, bench_logged, run_ranks

@@ -22,7 +22,7 @@ from collectives import Comm
 from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy
 from fsdp_frozen import FrozenBaseFSDP
-from memory import held_bytes, live_tensor_bytes, state_bytes
+from memory_math import held_bytes, live_tensor_bytes, state_bytes
 from mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import lora
 from collectives import Comm, ring_bytes
 from fsdp import FSDPOptimizer
-from memory import comm_bytes, held_bytes, live_numel, live_tensor_bytes, run_state_bytes
+from memory_math import comm_bytes, held_bytes, live_numel, live_tensor_bytes, run_state_bytes
 from multiprocess import assert_tensors_close, run_ranks
 from parallelize import fsdp_with
 from process_groups import make_mesh

@@ -20,7 +20,7 @@ import snapshot
 import train
 from lora import (LoRALinear, QLoRALinear, adapter_bytes, apply_lora, fold_adapters, load_lora,
                   lora_state_dict, merge_lora, unmerge_lora)
-from memory import held_bytes, state_bytes
+from memory_math import held_bytes, state_bytes
 from mixed_precision import MixedPrecisionOptimizer
 from model import GPT, PRESETS
 from multiprocess import run_ranks

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from collectives import ring_bytes
-from memory import (STRATEGIES, active_params, activation_bytes, bytes_per_param, comm_bytes,
-                    ep_comm_bytes, ep_params, ep_state_bytes, expert_params, human_bytes, main,
-                    mesh_params, model_params, moe_exchange_bytes, moe_mlp_bytes, nf4_bytes,
-                    parse_count, state_bytes)
+from memory import main, parse_count
+from memory_math import (STRATEGIES, active_params, activation_bytes, bytes_per_param, comm_bytes,
+                         ep_comm_bytes, ep_params, ep_state_bytes, expert_params, human_bytes,
+                         mesh_params, model_params, moe_exchange_bytes, moe_mlp_bytes, nf4_bytes,
+                         state_bytes)
 from model import PRESETS, GPTConfig, build_model
 from multiprocess import run_ranks
 
@@ -435,7 +436,7 @@ def test_bad_arguments_to_the_functions():
 def _measured_after_one_step():
     """held_bytes() of every (strategy, precision) after one step of the tiny GPT."""
     from ddp import DDP
-    from memory import held_bytes
+    from memory_math import held_bytes
     from mixed_precision import DTYPES, MixedPrecisionOptimizer
     from zero import zero_optimizer
     measured = {}
@@ -478,7 +479,7 @@ def test_prediction_matches_the_bytes_ranks_hold(world_size):
 def test_pipeline_activations_follow_each_schedules_peak():
     """Per stage, the peak micro-batches (or chunks) schedules.py counts, times one micro-batch's
     activations through the stage's blocks (and the logits, on the last stage)."""
-    from memory import logits_bytes, pipeline_activation_bytes
+    from memory_math import logits_bytes, pipeline_activation_bytes
     cfg, P, M, b, s = PRESETS["gpt2-small"], 4, 8, 1, 1024          # 12 blocks: 3 a stage
     layer = activation_bytes(s, b, cfg.n_embd, cfg.n_head)          # one block, one micro-batch
     logits = logits_bytes(s, b, cfg.vocab_size)

@@ -271,7 +271,7 @@ def test_tiny_moe_trains_under_each_data_parallel_strategy(strategy):
 
 def test_parameter_counts_total_and_active():
     """memory.py's closed form: tiny-moe holds 8 experts per block, a token computes with 2."""
-    from memory import active_params, model_params
+    from memory_math import active_params, model_params
     from model import build_model
     gpt = build_model("tiny-moe")
     assert model_params("tiny-moe") == sum(p.numel() for p in gpt.parameters()) == 4_566_784

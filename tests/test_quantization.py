@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import train
 from lora import LoRALinear, QLoRALinear, apply_lora, fold_adapters
-from memory import live_numel, model_params, nf4_bytes, quantized_params, state_bytes
+from memory_math import live_numel, model_params, nf4_bytes, quantized_params, state_bytes
 from model import GPT, PRESETS
 from multiprocess import run_ranks
 from quantization import BLOCK, LEVELS, NF4Weight
@@ -117,7 +117,7 @@ def test_qlora_stores_the_whole_frozen_base_in_4_bits():
     napkin = state_bytes(model_params(cfg) + adapters, "ddp", "fp32", 1, trainable=adapters,
                          quantized=quantized_params(cfg))
     assert napkin["params"] == stored
-    # A mixture: every expert's matrices in 4 bits too, the routers not (memory.quantized_params).
+    # A mixture: every expert's matrices in 4 bits too, the routers not (memory_math.quantized_params).
     moe = apply_lora(GPT(PRESETS["tiny-moe"]), quantize="nf4")
     assert live_numel(moe)[1] == quantized_params("tiny-moe")
     assert all(block.mlp.router.weight.dtype == torch.float32 for block in moe.blocks)

@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
+from flops import LLAMA_3_1_8B, Shape, block_flops, model_flops_per_token, step_flops
 from machines import PRESETS, Link, Machine, this
 from model import PRESETS as MODELS, build_model
 from multiprocess import run_ranks
 from schedules import bubble_formula
-from step_time import (LLAMA_3_1_8B, Shape, Step, block_flops, data_parallel_seconds, model_flops_per_token,
-                       pipeline_seconds, predict, step_flops, tensor_parallel_seconds)
+from step_time import Step, data_parallel_seconds, pipeline_seconds, predict, tensor_parallel_seconds
 
 # A shape small enough to price by hand: 2 blocks of width 64, MLP 256, vocabulary 100.
 # A block's matrices: Q, K, V, O 4 x 64^2 = 16384, MLP up and down 2 x 64 x 256 = 32768.

@@ -358,7 +358,7 @@ def test_sequence_parallelism_keeps_fewer_activations(traffic):
 
 
 def test_a_rank_holds_its_share_of_the_parameters(traffic):
-    from memory import mesh_params, model_params
+    from memory_math import mesh_params, model_params
     cfg = GPTConfig(**{**CFG.__dict__, "n_layer": 2})
     assert traffic[False][2]["params"] == mesh_params(cfg, tp=2)
     assert mesh_params(cfg) == model_params(cfg)

@@ -899,7 +899,7 @@ def test_a_mesh_trains_as_one_process(tmp_path, one_process_run, ranks, flags):
     FSDP or HSDP, with or without offload (FSDP inside a pipeline: GPipe's forwards all before
     the backwards, interleaved's chunks): every step's loss and the weights after 4 AdamW steps
     equal one process's; every dimension sends what its formula says; every rank holds, on the
-    device and the host, what memory.py says, and memory.mesh_bytes gives its stage's formulas."""
+    device and the host, what memory.py says, and memory_math.mesh_bytes gives its stage's formulas."""
     losses, weights, sent, out, histories = _run_mesh(tmp_path, ranks, *flags)
     expected_losses, expected_weights, _, _ = one_process_run
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
@@ -928,13 +928,13 @@ def _assert_every_rank_holds_and_sends_its_formulas(histories: list):
 
 
 def _assert_memory_py_agrees(ranks: int, flags: tuple, histories: list, cfg="tiny"):
-    """memory.mesh_bytes' closed forms for each rank's pipeline stage equal the formulas that
+    """memory_math.mesh_bytes' closed forms for each rank's pipeline stage equal the formulas that
     rank's live run logged: tp, cp and pp to the byte; dp, its padding-free napkin form, within
     0.1% (the buckets pad each message, the used-flags and the norm add a few bytes); FSDP's dp
     is 1.5x ddp's less the root unit's second gather (it stays gathered), which
-    memory.comm_bytes counts, except in a pipeline (every unit gathered once a step, the root
+    memory_math.comm_bytes counts, except in a pipeline (every unit gathered once a step, the root
     too: within 0.1% again)."""
-    from memory import mesh_bytes
+    from memory_math import mesh_bytes
     from process_groups import mesh_rank_lists
     option = lambda name, default: flags[flags.index(name) + 1] if name in flags else default
     sizes = {d: int(option(f"--{d}", 1)) for d in ("tp", "cp", "pp")}
@@ -969,7 +969,7 @@ def test_memory_py_predicts_every_stage_with_a_tied_head(tmp_path, flags):
     """The head tied to the token embedding (GPT-2's way): the first and the last stage each hold
     a copy and sum its gradient between them after backward (pipeline.py), ZeRO-2 then reduces
     once a step, after that sum. Every rank holds what memory.py predicts for it and sends its
-    formulas, and memory.mesh_bytes gives each stage's formulas (pp: the ends' all-reduce of the
+    formulas, and memory_math.mesh_bytes gives each stage's formulas (pp: the ends' all-reduce of the
     tied gradient, V C / tp)."""
     import dataclasses
 
@@ -1211,7 +1211,8 @@ def test_train_py_logs_the_grads_and_bytes_memory_py_prints_for_the_same_command
     gradient shard held and the bytes sent per step read the same in both, at the log's rounding,
     and both are the formula's: an fp32 shard of ceil(P/2) gradients, reduce-scattered in fp32
     and all-gathered in bf16."""
-    from memory import main as memory_main, model_params
+    from memory import main as memory_main
+    from memory_math import model_params
     out = run_ranks(train_logged, 2, ["--strategy", "zero2", "--precision", "bf16", "--steps", "1",
                                       "--eval-every", "0", "--eval-batches", "1"])[0][1]
     logged_grads = float(_held(out)[0][1])
@@ -1234,7 +1235,7 @@ def test_fsdp_in_16_bits_holds_what_memory_py_predicts(precision):
               "--precision", precision, ranks=2).stdout
     predicted, measured = _held(out)
     assert predicted == measured, out
-    from memory import model_params
+    from memory_math import model_params
     shard = -(-model_params("tiny") // 2) / 2**20                    # MiB of one fp32 shard / 4
     assert [float(x) for x in measured] == [round(4 * shard, 1), round(4 * shard, 1),
                                             round(8 * shard, 1)], out
