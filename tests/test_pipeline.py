@@ -248,6 +248,30 @@ def test_executor_equals_torch_distributed_pipelining(P):
         assert_tensors_close(ours, theirs, RTOL, ATOL, f"P={P} M={M} {schedule} vs torch")
 
 
+def test_zero_bubbles_w_writes_each_gradient_as_autograd_does():
+    """W (zero_bubble.WeightGradients.run) after B's backwards of 4 micro-batches: every .grad
+    equals autograd's bit for bit and is laid out as autograd lays it, as its parameter (a
+    transposed .grad holds the same values, but the clipping norm adds them in another order:
+    a zero-bubble run then drifts from GPipe's by an ulp a step). One process, no pipeline."""
+    from zero_bubble import WeightGradients
+    torch.manual_seed(0)
+    plain, split = GPT(CFG), GPT(CFG)
+    split.load_state_dict(plain.state_dict())
+    deferred = WeightGradients(split)
+    for m, batch in enumerate(_batches()[0].chunk(4)):                   # (B/4, T+1) each
+        plain(batch[:, :-1], batch[:, 1:])[1].div(4).backward()
+        with deferred.collect(m):
+            split(batch[:, :-1], batch[:, 1:])[1].div(4).backward()
+    for m in range(4):
+        deferred.run(m)
+    assert deferred.computed and all(p.grad is not None for p in deferred.computed)
+    for (name, p), q in zip(plain.named_parameters(), split.parameters()):
+        assert torch.equal(q.grad, p.grad), name
+        assert q.grad.stride() == p.grad.stride() == p.stride(), (name, q.grad.stride(), p.stride())
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) for model in (plain, split)]
+    assert torch.equal(*norms), norms
+
+
 @pytest.mark.parametrize("P", [2, 4])
 def test_tied_head_and_embedding_on_two_stages_equal_one_process(P):
     """GPT-2 ties its head to its token embedding: the first and last stage each hold a copy,
