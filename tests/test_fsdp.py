@@ -711,6 +711,93 @@ def test_a_unit_no_rank_used_keeps_no_gradient_and_a_plain_adamw_leaves_it():
                 assert without_grad == [["never"]] + [["never", "once"]] * (steps - 1), (how, without_grad)
 
 
+SGD_LR = 0.1
+
+
+def _used_in_the_first_micro_batch(inputs):
+    """_Unused under FSDP, 2 micro-batches a step, each reduce-scattered as its backward ends (no
+    no_sync), `once` used in the first only: torch's SGD over the shards, and FSDPOptimizer's."""
+    r, out = dist.get_rank(), {}
+    for how in ("torch.optim", "FSDPOptimizer"):
+        torch.manual_seed(0)
+        wrapped = FSDP(_Unused(), wrap=lambda m: isinstance(m, nn.Linear))
+        opt = (torch.optim.SGD(wrapped.parameters(), lr=SGD_LR) if how == "torch.optim"
+               else FSDPOptimizer(wrapped, torch.optim.SGD, lr=SGD_LR))
+        for micro_batches in inputs:                                # (k, N, B, 8)
+            opt.zero_grad(set_to_none=True)
+            for i, x in enumerate(micro_batches):
+                (wrapped(x[r], use_once=i == 0) / len(micro_batches)).backward()
+            wrapped.finish_gradient_sync()
+            opt.step()
+        out[how] = wrapped.full_state_dict(all_ranks=True)
+    return out
+
+
+def test_accumulation_updates_a_unit_used_in_one_micro_batch_only():
+    """A unit's used-flags OR over the step's micro-batches (fsdp.FSDP._add_gradient): `once`,
+    used in the first of 2 micro-batches, trains as one process trains it on the same 4 losses
+    (SGD: an update linear in the gradient, so the 2 ranks' sum in another order moves a weight
+    by lr x a few ulps of its gradient a step, ~1e-8; a unit left out is off by lr x its
+    gradient, ~1e-2)."""
+    steps = 3
+    inputs = torch.randn(steps, 2, 2, 4, 8, generator=torch.Generator().manual_seed(6))   # (steps, k, N, B, 8)
+    ranks = run_ranks(_used_in_the_first_micro_batch, 2, inputs)
+    torch.manual_seed(0)
+    model = _Unused()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    for micro_batches in inputs:
+        opt.zero_grad(set_to_none=True)
+        sum(model(x[r], i == 0) for i, x in enumerate(micro_batches) for r in range(2)).div(4).backward()
+        opt.step()
+    single = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert (single["once.weight"] - initial["once.weight"]).abs().max() > 1e-3      # it trains
+    for r, out in enumerate(ranks):
+        for how, weights in out.items():
+            assert_tensors_close(weights, single, rtol=0, atol=1e-6, what=f"{how}, rank {r}")
+
+
+def _event_orders():
+    """FSDP's events (prefetch 1) over a 4-block GPT: one plain step, and one micro-batch of a
+    step inside gathered_for_step (a pipeline stage's)."""
+    torch.manual_seed(0)
+    wrapped = FSDP(build_model("tiny", **{**MODEL, "n_layer": 4, "n_embd": 16}), prefetch=1)
+    x = _batches(1, 2)[0]                                             # (2, T+1)
+    wrapped(x[:, :-1], x[:, 1:])[1].backward()
+    wrapped.finish_gradient_sync()
+    plain = list(wrapped.events)
+    with wrapped.gathered_for_step():
+        wrapped(x[:, :-1], x[:, 1:])[1].backward()
+        whole_step = list(wrapped.events)
+    wrapped.finish_gradient_sync()
+    return plain, whole_step + wrapped.events[len(whole_step):]
+
+
+def test_prefetch_1_gathers_one_unit_ahead_in_this_order():
+    """prefetch=1: a unit is gathered ahead only while at most 1 other (non-root) unit is
+    gathered, so at most 2 are. Written out for the root (unit 0) and blocks 1-4. A plain step:
+    each block's forward gathers the next, the block itself freed as its forward ends; backward
+    gathers each block again, the one before it ahead, and reduce-scatters each as its backward
+    ends, the root's last. Inside gathered_for_step nothing is freed: block 1's forward
+    prefetches block 2, and with those 2 held, blocks 3 and 4 are gathered when their forward
+    comes; backward gathers nothing, and the reduce-scatters wait for finish_gradient_sync()."""
+    plain, whole_step = run_ranks(_event_orders, 2)[0]
+    forward = [("forward", 1), ("all-gather", 2), ("forward done", 1), ("forward", 2), ("all-gather", 3),
+               ("forward done", 2), ("forward", 3), ("all-gather", 4), ("forward done", 3), ("forward", 4),
+               ("forward done", 4)]
+    backward = [("all-gather", 4), ("backward", 4), ("all-gather", 3), ("reduce-scatter", 4),
+                ("backward", 3), ("all-gather", 2), ("reduce-scatter", 3), ("backward", 2),
+                ("all-gather", 1), ("reduce-scatter", 2), ("backward", 1), ("reduce-scatter", 1),
+                ("reduce-scatter", 0)]
+    assert plain == [("all-gather", 0), ("all-gather", 1), *forward, *backward], plain
+    assert whole_step == [
+        ("all-gather", 0), ("all-gather", 1), ("forward", 1), ("all-gather", 2), ("forward done", 1),
+        ("forward", 2), ("forward done", 2), ("all-gather", 3), ("forward", 3), ("forward done", 3),
+        ("all-gather", 4), ("forward", 4), ("forward done", 4),
+        ("backward", 4), ("backward", 3), ("backward", 2), ("backward", 1),
+        *[("reduce-scatter", i) for i in (4, 3, 2, 1, 0)]], whole_step
+
+
 # ---- bf16 and fp16: the same arithmetic as one process in the same precision ---------------------
 
 def _same_precision_single(model, batches, dtype, n, make_optimizer, scaler=None):
