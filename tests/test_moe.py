@@ -392,13 +392,18 @@ EP_RUN = ["--model", "tiny-moe", "--steps", "4", "--log-every", "1", "--eval-eve
 
 def _train_noting_adam(argv):
     """train_logged(argv) on one process, and for every weight element the smallest denominator
-    sqrt(v_hat) + eps AdamW divided a nonzero update by during the run ({name: tensor})."""
+    sqrt(v_hat) + eps AdamW divided a nonzero update by during the run ({name: tensor}). Only
+    the model's AdamW is noted: on a clone with no .cache/, machines.this times an AdamW step of
+    its own (one 4M-element parameter) before training starts."""
     from model import build_model
+    model_params = list(build_model("tiny-moe").named_parameters())        # the optimizer's order
     smallest, adam_step = [], torch.optim.AdamW.step
 
     def noting_step(self, *args, **kwargs):
         result = adam_step(self, *args, **kwargs)
         params = [(group, p) for group in self.param_groups for p in group["params"]]
+        if [p.shape for _, p in params] != [p.shape for _, p in model_params]:
+            return result                                   # not the model's: machines.this's
         for i, (group, p) in enumerate(params):
             state = self.state[p]
             v_hat = state["exp_avg_sq"] / (1 - group["betas"][1] ** float(state["step"]))
@@ -410,9 +415,8 @@ def _train_noting_adam(argv):
         return result
     torch.optim.AdamW.step = noting_step           # in this rank's process, which ends with the run
     history, out = train_logged(argv)
-    params = list(build_model("tiny-moe").named_parameters())        # the optimizer's order
-    assert [p.shape for _, p in params] == [d.shape for d in smallest]
-    return history, out, {name: d for (name, _), d in zip(params, smallest)}
+    assert [p.shape for _, p in model_params] == [d.shape for d in smallest]
+    return history, out, {name: d for (name, _), d in zip(model_params, smallest)}
 
 
 def _run_ep(tmp_path, ranks, *flags):
