@@ -330,11 +330,13 @@ def _check(out, expected, what, param_tol=PARAM_TOL):
         assert_tensors_close(o["params"], out[0]["params"], rtol=0, atol=0, what=f"{what} ranks agree")
 
 
+@pytest.mark.equivalence
 def test_fp32_matches_single_process(two, four, single):
     _check([o["fp32"] for o in two], single["fp32"], "N=2 fp32")
     _check([o["fp32"] for o in four], single["fp32"], "N=4 fp32")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("no_sync", [False, True])
 def test_custom_module_with_tied_frozen_and_accumulation(two, single, no_sync):
     out = [o[f"tied_nosync{no_sync}"] for o in two]
@@ -343,6 +345,7 @@ def test_custom_module_with_tied_frozen_and_accumulation(two, single, no_sync):
                                single["tied"]["params"]["layers.1.linear.weight"], rtol=0, atol=0)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision(two, single, precision):
     # test_zero's tolerances: the baseline rounds its fp32 masters to 16 bits, as FSDP's gather does.
@@ -387,6 +390,7 @@ def test_offload_leaves_the_device_the_compute_shard_and_the_gradient(two):
     assert o["held"] == {"params": 2 * s, "grads": 4 * s, "optimizer": 0, "host": 16 * s}, (o["held"], s)
 
 
+@pytest.mark.equivalence
 def test_matches_torch_fully_shard(two):
     # Both shard the same way and reduce-scatter over the same ranks: fp32 noise only.
     assert_tensors_close(two[0]["fp32"]["params"], two[0]["torch"], rtol=0, atol=PARAM_TOL,
@@ -488,6 +492,7 @@ def runs(tmp_path_factory):
     return root, two, four, again
 
 
+@pytest.mark.equivalence
 def test_train_fsdp_is_zero3_and_matches_ddp(runs):
     _, two, _, _ = runs
     assert two["zero3"]["losses"] == two["straight"]["losses"]
@@ -567,6 +572,7 @@ def _plain_loops(batches):
     return out
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_plain_torch_optimizer_trains_fsdp_shards(world_size):
     batches = _batches(STEPS, 12, vocab=_Plain.V)
@@ -621,6 +627,7 @@ def _sometimes(inputs):
     return _full_gradients(wrapped, scale=1.0)
 
 
+@pytest.mark.equivalence
 def test_unit_used_on_one_rank_reduces_in_the_same_order_everywhere():
     inputs = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3))
     ranks = run_ranks(_sometimes, 2, inputs)
@@ -683,6 +690,7 @@ def _unused_units(inputs):
     return out
 
 
+@pytest.mark.equivalence
 def test_a_unit_no_rank_used_keeps_no_gradient_and_a_plain_adamw_leaves_it():
     steps = 4
     inputs = torch.randn(steps, 2, 4, 8, generator=torch.Generator().manual_seed(5))
@@ -733,6 +741,7 @@ def _used_in_the_first_micro_batch(inputs):
     return out
 
 
+@pytest.mark.equivalence
 def test_accumulation_updates_a_unit_used_in_one_micro_batch_only():
     """A unit's used-flags OR over the step's micro-batches (fsdp.FSDP._add_gradient): `once`,
     used in the first of 2 micro-batches, trains as one process trains it on the same 4 losses
@@ -886,6 +895,7 @@ def _plain_mixed(batches):
     return out
 
 
+@pytest.mark.equivalence
 def test_bf16_and_fp16_equal_one_process_in_the_same_precision():
     batches = _batches(STEPS, 12, vocab=_Plain.V)
     ranks = run_ranks(_plain_mixed, 2, batches)

@@ -604,6 +604,7 @@ def _both_stages():
     return out
 
 
+@pytest.mark.equivalence
 def test_both_stages_on_two_ranks_equal_one_process():
     """The quick tier's ZeRO check: each stage's losses, first gradient and parameters after
     STEPS AdamW steps are one process's on the whole batch (tolerances: _check_against's)."""
@@ -615,6 +616,7 @@ def test_both_stages_on_two_ranks_equal_one_process():
         _check_against(2, [out[stage] for out in ranks], expected, f"zero{stage}")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("stage", [1, 2])
 def test_matches_single_process_and_ddp(launch, single, stage):
     n, ranks = launch
@@ -633,6 +635,7 @@ def test_matches_single_process_and_ddp(launch, single, stage):
                              what=f"N={n} rank {rank} zero{stage} vs ddp parameters")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("stage", [1, 2])
 def test_tied_head_and_embedding(launch, single, stage):
     """GPT-2's tie: the head's weight is the token embedding's, one parameter whose gradient sums
@@ -643,6 +646,7 @@ def test_tied_head_and_embedding(launch, single, stage):
     _check_against(n, zero, single["tied"], f"zero{stage} tied")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("stage", [1, 2])
 def test_matches_torch_zero_redundancy_optimizer(launch, stage):
     n, ranks = launch
@@ -663,6 +667,7 @@ def test_matches_torch_zero_redundancy_optimizer(launch, stage):
                              what=f"{what} parameters")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("stage", [1, 2])
 def test_sgd_with_momentum(launch, single, stage):
     n, ranks = launch
@@ -670,6 +675,7 @@ def test_sgd_with_momentum(launch, single, stage):
                    param_tol=SGD_PARAM_TOL)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("stage", [1, 2])
 def test_clipping(launch, single, stage):
     n, ranks = launch
@@ -687,6 +693,7 @@ def test_clipping(launch, single, stage):
                                    msg=lambda m: f"N={n} rank {rank} zero{stage} last_grad_norm: {m}")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("stage", [1, 2])
 def test_accumulation_equals_one_big_batch(launch, single, stage):
     n, ranks = launch
@@ -752,6 +759,7 @@ MIXED_MEAN_TOL = 0.05 * LR                     # mean |difference| over every pa
 MIXED_LOSS_RTOL = {"bf16": 1e-3, "fp16": 1e-4}
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_mixed_precision(launch, single, stage, precision):
@@ -1044,6 +1052,7 @@ def _used_then_unused(inputs):
     return out
 
 
+@pytest.mark.equivalence
 def test_a_parameter_unused_after_its_first_step_keeps_its_adam_state():
     """torch's AdamW leaves a parameter whose .grad is None alone: values, exp_avg and exp_avg_sq
     stay what its last step made them. ZeRO's shard sees zeros there instead, and puts the
