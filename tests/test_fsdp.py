@@ -783,8 +783,8 @@ def _event_orders():
 
 
 def test_prefetch_1_gathers_one_unit_ahead_in_this_order():
-    """prefetch=1: a unit is gathered ahead only while at most 1 other (non-root) unit is
-    gathered, so at most 2 are. Written out for the root (unit 0) and blocks 1-4. A plain step:
+    """prefetch=1: the next unit is gathered ahead only while at most 1 non-root unit is gathered
+    (the one computing). Written out for the root (unit 0) and blocks 1-4. A plain step:
     each block's forward gathers the next, the block itself freed as its forward ends; backward
     gathers each block again, the one before it ahead, and reduce-scatters each as its backward
     ends, the root's last. Inside gathered_for_step nothing is freed: block 1's forward
