@@ -222,9 +222,10 @@ def whole_sequence(n_tokens: int, device) -> torch.Tensor:
 
 
 def cross_entropy(logits, targets):                              # (B, T, V), (B, T) -> scalar
-    """The mean loss over all B x T tokens, computed in fp32 whatever the model's dtype:
-    log-softmax over V classes is where low precision hurts most."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """The mean loss over all B x T tokens, computed in fp32 (or wider: fp64, for tests) whatever
+    the model's dtype: log-softmax over V classes is where low precision hurts most."""
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(wide.flatten(0, 1), targets.flatten())
 
 
 def build_model(name: str = "tiny", **overrides) -> GPT:

@@ -235,7 +235,8 @@ class TensorParallelGPT(nn.Module):
         # model.py's own forward runs on the split layers: (B, T or T/N, C) through the blocks,
         # then logits (B, T, V/N), never gathered, into the loss over the split vocabulary.
         gpt.loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), comm)
+            logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1),   # fp32 or wider
+            targets.flatten(), comm)
         if sequence_parallel:
             # The positions of the T tokens this rank's group holds (whole sequences, or with
             # context parallelism its chunks of them: parallelize.py sets it), of which this

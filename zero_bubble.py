@@ -79,10 +79,12 @@ class WeightGradients:
     @torch.no_grad()
     def run(self, key):
         """W: the weight and bias gradients of the backward filed under key, accumulated in .grad
-        as autograd would (the same products: dW = (x^T dy)^T over the folded rows)."""
+        as autograd would: the same products over the folded rows, dW = dy^T x laid out as the
+        weight (a transposed .grad holds the same values, but a norm over it, the clipping's,
+        adds them in another order)."""
         for weight, bias, x, dy in self.by_pass.pop(key):
             x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # (rows, k), (rows, d)
-            _accumulate(weight, x2.t().mm(dy2).t())                                # (d, k)
+            _accumulate(weight, dy2.t().mm(x2))                                    # (d, k)
             self.computed.add(weight)
             if bias is not None and bias.requires_grad:
                 _accumulate(bias, dy2.sum(0))                                      # (d,)

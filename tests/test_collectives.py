@@ -1,4 +1,6 @@
 """Ring collectives equal the native ones, and send the bytes the ring formula says."""
+import math
+
 import pytest
 import torch
 
@@ -157,6 +159,40 @@ def test_ring_bytes_match_formula(world_size):
         for name, measured in sent.items():
             numel = length * n if name == "all_gather" else length
             assert measured == ring_bytes(name, numel, 4, n, rank, root=0), name
+
+
+def _batches_posted(segment_bytes, chunk):
+    """batch_isend_irecv calls per ring collective and dtype, on chunks of `chunk` elements."""
+    import torch.distributed as dist
+    ring, posted, original = Comm(ring=True, segment_bytes=segment_bytes), [0], dist.batch_isend_irecv
+
+    def counting(ops):
+        posted[0] += 1
+        return original(ops)
+    n, counts = ring.world_size, {}
+    dist.batch_isend_irecv = counting
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            full = torch.ones(n * chunk, dtype=dtype)
+            for name, call in [("all_reduce", lambda: ring.all_reduce(full)),
+                               ("reduce_scatter", lambda: ring.reduce_scatter(torch.empty_like(full[:chunk]), full)),
+                               ("all_gather", lambda: ring.all_gather(full, full[:chunk].clone()))]:
+                posted[0] = 0
+                call()
+                counts[name, dtype] = posted[0]
+    finally:
+        dist.batch_isend_irecv = original
+    return counts
+
+
+def test_ring_sends_each_chunk_in_segments_of_segment_bytes():
+    """Each ring step's chunk of 1001 elements goes in ceil(chunk bytes / segment_bytes) messages,
+    one batch_isend_irecv each (a send and a receive): fp32 4004 bytes in 5 segments of 1000 bytes,
+    bf16 2002 bytes in 3; N = 3: reduce-scatter and all-gather N-1 = 2 steps, all-reduce 4."""
+    for rank, counts in enumerate(run_ranks(_batches_posted, 3, 1000, 1001)):
+        for dtype, segments in ((torch.float32, math.ceil(4004 / 1000)), (torch.bfloat16, math.ceil(2002 / 1000))):
+            assert counts["reduce_scatter", dtype] == counts["all_gather", dtype] == 2 * segments, (rank, counts)
+            assert counts["all_reduce", dtype] == 4 * segments, (rank, counts)
 
 
 def _workspace_after_calls():

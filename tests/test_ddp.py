@@ -149,6 +149,7 @@ def test_ranks_start_identical(gpt, single):
                              what=f"N={n} rank {rank} initial")
 
 
+@pytest.mark.equivalence
 def test_matches_single_process(gpt, single):
     n, ranks = gpt
     # The loss of the global batch is the mean of the N slices' mean losses (equal slices).
@@ -300,6 +301,7 @@ def awkward():
     return run_ranks(_awkward_cases, AWKWARD_N)
 
 
+@pytest.mark.equivalence
 def test_no_sync_accumulation_equals_big_batch(awkward):
     torch.manual_seed(0)
     model = _gpt()

@@ -330,11 +330,13 @@ def _check(out, expected, what, param_tol=PARAM_TOL):
         assert_tensors_close(o["params"], out[0]["params"], rtol=0, atol=0, what=f"{what} ranks agree")
 
 
+@pytest.mark.equivalence
 def test_fp32_matches_single_process(two, four, single):
     _check([o["fp32"] for o in two], single["fp32"], "N=2 fp32")
     _check([o["fp32"] for o in four], single["fp32"], "N=4 fp32")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("no_sync", [False, True])
 def test_custom_module_with_tied_frozen_and_accumulation(two, single, no_sync):
     out = [o[f"tied_nosync{no_sync}"] for o in two]
@@ -343,6 +345,7 @@ def test_custom_module_with_tied_frozen_and_accumulation(two, single, no_sync):
                                single["tied"]["params"]["layers.1.linear.weight"], rtol=0, atol=0)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision(two, single, precision):
     # test_zero's tolerances: the baseline rounds its fp32 masters to 16 bits, as FSDP's gather does.
@@ -387,6 +390,7 @@ def test_offload_leaves_the_device_the_compute_shard_and_the_gradient(two):
     assert o["held"] == {"params": 2 * s, "grads": 4 * s, "optimizer": 0, "host": 16 * s}, (o["held"], s)
 
 
+@pytest.mark.equivalence
 def test_matches_torch_fully_shard(two):
     # Both shard the same way and reduce-scatter over the same ranks: fp32 noise only.
     assert_tensors_close(two[0]["fp32"]["params"], two[0]["torch"], rtol=0, atol=PARAM_TOL,
@@ -488,6 +492,7 @@ def runs(tmp_path_factory):
     return root, two, four, again
 
 
+@pytest.mark.equivalence
 def test_train_fsdp_is_zero3_and_matches_ddp(runs):
     _, two, _, _ = runs
     assert two["zero3"]["losses"] == two["straight"]["losses"]
@@ -567,6 +572,7 @@ def _plain_loops(batches):
     return out
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_plain_torch_optimizer_trains_fsdp_shards(world_size):
     batches = _batches(STEPS, 12, vocab=_Plain.V)
@@ -621,6 +627,7 @@ def _sometimes(inputs):
     return _full_gradients(wrapped, scale=1.0)
 
 
+@pytest.mark.equivalence
 def test_unit_used_on_one_rank_reduces_in_the_same_order_everywhere():
     inputs = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3))
     ranks = run_ranks(_sometimes, 2, inputs)
@@ -683,6 +690,7 @@ def _unused_units(inputs):
     return out
 
 
+@pytest.mark.equivalence
 def test_a_unit_no_rank_used_keeps_no_gradient_and_a_plain_adamw_leaves_it():
     steps = 4
     inputs = torch.randn(steps, 2, 4, 8, generator=torch.Generator().manual_seed(5))
@@ -709,6 +717,94 @@ def test_a_unit_no_rank_used_keeps_no_gradient_and_a_plain_adamw_leaves_it():
             if how != "fully_shard":
                 # `once` was used at step 0 only: from step 1 its shard has no .grad either.
                 assert without_grad == [["never"]] + [["never", "once"]] * (steps - 1), (how, without_grad)
+
+
+SGD_LR = 0.1
+
+
+def _used_in_the_first_micro_batch(inputs):
+    """_Unused under FSDP, 2 micro-batches a step, each reduce-scattered as its backward ends (no
+    no_sync), `once` used in the first only: torch's SGD over the shards, and FSDPOptimizer's."""
+    r, out = dist.get_rank(), {}
+    for how in ("torch.optim", "FSDPOptimizer"):
+        torch.manual_seed(0)
+        wrapped = FSDP(_Unused(), wrap=lambda m: isinstance(m, nn.Linear))
+        opt = (torch.optim.SGD(wrapped.parameters(), lr=SGD_LR) if how == "torch.optim"
+               else FSDPOptimizer(wrapped, torch.optim.SGD, lr=SGD_LR))
+        for micro_batches in inputs:                                # (k, N, B, 8)
+            opt.zero_grad(set_to_none=True)
+            for i, x in enumerate(micro_batches):
+                (wrapped(x[r], use_once=i == 0) / len(micro_batches)).backward()
+            wrapped.finish_gradient_sync()
+            opt.step()
+        out[how] = wrapped.full_state_dict(all_ranks=True)
+    return out
+
+
+@pytest.mark.equivalence
+def test_accumulation_updates_a_unit_used_in_one_micro_batch_only():
+    """A unit's used-flags OR over the step's micro-batches (fsdp.FSDP._add_gradient): `once`,
+    used in the first of 2 micro-batches, trains as one process trains it on the same 4 losses
+    (SGD: an update linear in the gradient, so the 2 ranks' sum in another order moves a weight
+    by lr x a few ulps of its gradient a step, ~1e-8; a unit left out is off by lr x its
+    gradient, ~1e-2)."""
+    steps = 3
+    inputs = torch.randn(steps, 2, 2, 4, 8, generator=torch.Generator().manual_seed(6))   # (steps, k, N, B, 8)
+    ranks = run_ranks(_used_in_the_first_micro_batch, 2, inputs)
+    torch.manual_seed(0)
+    model = _Unused()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    for micro_batches in inputs:
+        opt.zero_grad(set_to_none=True)
+        sum(model(x[r], i == 0) for i, x in enumerate(micro_batches) for r in range(2)).div(4).backward()
+        opt.step()
+    single = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert (single["once.weight"] - initial["once.weight"]).abs().max() > 1e-3      # it trains
+    for r, out in enumerate(ranks):
+        for how, weights in out.items():
+            assert_tensors_close(weights, single, rtol=0, atol=1e-6, what=f"{how}, rank {r}")
+
+
+def _event_orders():
+    """FSDP's events (prefetch 1) over a 4-block GPT: one plain step, and one micro-batch of a
+    step inside gathered_for_step (a pipeline stage's)."""
+    torch.manual_seed(0)
+    wrapped = FSDP(build_model("tiny", **{**MODEL, "n_layer": 4, "n_embd": 16}), prefetch=1)
+    x = _batches(1, 2)[0]                                             # (2, T+1)
+    wrapped(x[:, :-1], x[:, 1:])[1].backward()
+    wrapped.finish_gradient_sync()
+    plain = list(wrapped.events)
+    with wrapped.gathered_for_step():
+        wrapped(x[:, :-1], x[:, 1:])[1].backward()
+        whole_step = list(wrapped.events)
+    wrapped.finish_gradient_sync()
+    return plain, whole_step + wrapped.events[len(whole_step):]
+
+
+def test_prefetch_1_gathers_one_unit_ahead_in_this_order():
+    """prefetch=1: the next unit is gathered ahead only while at most 1 non-root unit is gathered
+    (the one computing). Written out for the root (unit 0) and blocks 1-4. A plain step:
+    each block's forward gathers the next, the block itself freed as its forward ends; backward
+    gathers each block again, the one before it ahead, and reduce-scatters each as its backward
+    ends, the root's last. Inside gathered_for_step nothing is freed: block 1's forward
+    prefetches block 2, and with those 2 held, blocks 3 and 4 are gathered when their forward
+    comes; backward gathers nothing, and the reduce-scatters wait for finish_gradient_sync()."""
+    plain, whole_step = run_ranks(_event_orders, 2)[0]
+    forward = [("forward", 1), ("all-gather", 2), ("forward done", 1), ("forward", 2), ("all-gather", 3),
+               ("forward done", 2), ("forward", 3), ("all-gather", 4), ("forward done", 3), ("forward", 4),
+               ("forward done", 4)]
+    backward = [("all-gather", 4), ("backward", 4), ("all-gather", 3), ("reduce-scatter", 4),
+                ("backward", 3), ("all-gather", 2), ("reduce-scatter", 3), ("backward", 2),
+                ("all-gather", 1), ("reduce-scatter", 2), ("backward", 1), ("reduce-scatter", 1),
+                ("reduce-scatter", 0)]
+    assert plain == [("all-gather", 0), ("all-gather", 1), *forward, *backward], plain
+    assert whole_step == [
+        ("all-gather", 0), ("all-gather", 1), ("forward", 1), ("all-gather", 2), ("forward done", 1),
+        ("forward", 2), ("forward done", 2), ("all-gather", 3), ("forward", 3), ("forward done", 3),
+        ("all-gather", 4), ("forward", 4), ("forward done", 4),
+        ("backward", 4), ("backward", 3), ("backward", 2), ("backward", 1),
+        *[("reduce-scatter", i) for i in (4, 3, 2, 1, 0)]], whole_step
 
 
 # ---- bf16 and fp16: the same arithmetic as one process in the same precision ---------------------
@@ -799,6 +895,7 @@ def _plain_mixed(batches):
     return out
 
 
+@pytest.mark.equivalence
 def test_bf16_and_fp16_equal_one_process_in_the_same_precision():
     batches = _batches(STEPS, 12, vocab=_Plain.V)
     ranks = run_ranks(_plain_mixed, 2, batches)

@@ -407,3 +407,20 @@ def test_llama_8b_is_torchtitans_run_as_the_readme_says(capsys):
     out = capsys.readouterr().out
     assert out.startswith("fsdp on 8 x H100 SXM5, bf16, batch 16 x 8192") and \
         "10,876 tokens/s per rank, MFU 63.7%" in out
+
+
+def test_attention_hides_part_of_the_ring_backward_twice_forward():
+    """A machine whose attention hides part of each phase's K/V passes: exposed = each phase's
+    passes less that phase's attention compute, backward's compute twice forward's (dQ, dK, dV
+    from the scores and the weighted sum: 2 matmuls for each of forward's)."""
+    machine = Machine("made up", {"fp32": 1e11}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK})
+    # 2 ranks, cp 2, 8 x 32 tokens: a rank computes 128 tokens, each query against 32 keys,
+    # 4 T C FLOPs a query and layer, 2 layers: 128 x 2 x 4 x 32 x 64 = 2097152 FLOPs forward.
+    attention = 2097152 / 1e11                                           # 20.97 us
+    # Its K/V: kv = 2 x 16 tokens x 8 rows x 64 = 16384 fp32 values, 65536 bytes; forward 1 pass,
+    # backward the block again and its dK, dV (fp32), a message each; 2 layers.
+    passes = {"forward": 2 * (65536 / 1e9 + 1e-5), "backward": 2 * (2 * 65536 / 1e9 + 2 * 1e-5)}
+    exposed = (passes["forward"] - attention) + (passes["backward"] - 2 * attention)   # 390.3 us
+    parts = predict(Step(SMALL, "ddp", 2, batch=8, seq_len=32, cp=2), machine)["parts"]
+    assert parts["kv_exchange"] == pytest.approx(exposed, rel=1e-9)
+    assert 0 < parts["kv_exchange"] < passes["forward"] + passes["backward"]       # partly hidden

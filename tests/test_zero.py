@@ -604,6 +604,7 @@ def _both_stages():
     return out
 
 
+@pytest.mark.equivalence
 def test_both_stages_on_two_ranks_equal_one_process():
     """The quick tier's ZeRO check: each stage's losses, first gradient and parameters after
     STEPS AdamW steps are one process's on the whole batch (tolerances: _check_against's)."""
@@ -615,6 +616,7 @@ def test_both_stages_on_two_ranks_equal_one_process():
         _check_against(2, [out[stage] for out in ranks], expected, f"zero{stage}")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("stage", [1, 2])
 def test_matches_single_process_and_ddp(launch, single, stage):
     n, ranks = launch
@@ -633,6 +635,7 @@ def test_matches_single_process_and_ddp(launch, single, stage):
                              what=f"N={n} rank {rank} zero{stage} vs ddp parameters")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("stage", [1, 2])
 def test_tied_head_and_embedding(launch, single, stage):
     """GPT-2's tie: the head's weight is the token embedding's, one parameter whose gradient sums
@@ -643,6 +646,7 @@ def test_tied_head_and_embedding(launch, single, stage):
     _check_against(n, zero, single["tied"], f"zero{stage} tied")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("stage", [1, 2])
 def test_matches_torch_zero_redundancy_optimizer(launch, stage):
     n, ranks = launch
@@ -663,6 +667,7 @@ def test_matches_torch_zero_redundancy_optimizer(launch, stage):
                              what=f"{what} parameters")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("stage", [1, 2])
 def test_sgd_with_momentum(launch, single, stage):
     n, ranks = launch
@@ -670,6 +675,7 @@ def test_sgd_with_momentum(launch, single, stage):
                    param_tol=SGD_PARAM_TOL)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("stage", [1, 2])
 def test_clipping(launch, single, stage):
     n, ranks = launch
@@ -687,6 +693,7 @@ def test_clipping(launch, single, stage):
                                    msg=lambda m: f"N={n} rank {rank} zero{stage} last_grad_norm: {m}")
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("stage", [1, 2])
 def test_accumulation_equals_one_big_batch(launch, single, stage):
     n, ranks = launch
@@ -752,6 +759,7 @@ MIXED_MEAN_TOL = 0.05 * LR                     # mean |difference| over every pa
 MIXED_LOSS_RTOL = {"bf16": 1e-3, "fp16": 1e-4}
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_mixed_precision(launch, single, stage, precision):
@@ -993,3 +1001,91 @@ def test_offload_pins_exactly_the_bytes_it_holds(monkeypatch):
     gc.collect()
     assert calls[-1] == ("unregister", ptr)
     assert offload.host_buffer(torch.zeros(4)).data_ptr() and len(calls) == 3    # CPU: nothing pinned
+
+
+# ---- a parameter used at one step and not at the next --------------------------------------
+
+class _UsedFirst(nn.Module):
+    """`later` runs at the first step only. Odd sizes: the bucket's 117 elements split 59 / 58,
+    so rank 0's shard holds all of `later` and part of `first`, a used and an unused parameter
+    in one master (mixed_precision.keep_unchanged's case)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.later = nn.Linear(8, 8), nn.Linear(8, 5)
+
+    def forward(self, x, use_later):                                  # x: (B, 8)
+        h = torch.tanh(self.first(x))
+        return (self.later(h) if use_later else h).pow(2).mean()
+
+
+def _adam_state_by_name(opt, model) -> dict:
+    """{name: {param, exp_avg, exp_avg_sq}}: this rank's pieces of each parameter, flattened,
+    from its shards (ZeroOptimizer.master_ranges); elements other ranks hold are NaN."""
+    names = {p: name for name, p in model.named_parameters()}
+    out = {name: {k: torch.full((p.numel(),), math.nan) for k in ("param", "exp_avg", "exp_avg_sq")}
+           for name, p in model.named_parameters()}
+    for p, start, stop, master, offset in opt.master_ranges():
+        state = opt.optimizer.state[master]
+        for key, tensor in (("param", master), ("exp_avg", state["exp_avg"]),
+                            ("exp_avg_sq", state["exp_avg_sq"])):
+            out[names[p]][key][start:stop] = tensor.detach()[offset:offset + stop - start]
+    return out
+
+
+def _used_then_unused(inputs):
+    """ZeRO-1 and ZeRO-2 with AdamW over _UsedFirst, `later` used at step 0 only: this rank's
+    Adam state by name after each step."""
+    import torch.distributed as dist
+    r, out = dist.get_rank(), {}
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        model = _UsedFirst()
+        opt = zero_optimizer(model.parameters(), stage=stage, **ADAMW)
+        states = []
+        for step, x in enumerate(inputs):
+            opt.zero_grad()
+            model(x[r], use_later=step == 0).backward()
+            opt.step()
+            states.append(_adam_state_by_name(opt, model))
+        out[stage] = states
+    return out
+
+
+@pytest.mark.equivalence
+def test_a_parameter_unused_after_its_first_step_keeps_its_adam_state():
+    """torch's AdamW leaves a parameter whose .grad is None alone: values, exp_avg and exp_avg_sq
+    stay what its last step made them. ZeRO's shard sees zeros there instead, and puts the
+    elements back after the step (keep_unchanged): from step 1 on, `later`'s values and both
+    moments equal step 0's exactly, on the rank holding them, and the moments equal one
+    process's AdamW's (those of one gradient, 0.1 g and 0.001 g^2, no division by sqrt(v): the
+    fp32 rounding of the 2-rank average, 1e-5 relative)."""
+    steps = 3
+    inputs = torch.randn(steps, 2, 4, 8, generator=torch.Generator().manual_seed(5))   # (steps, N, B, 8)
+    torch.manual_seed(0)
+    model = _UsedFirst()
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    for step, x in enumerate(inputs):                 # one process: the average of both ranks' losses
+        opt.zero_grad(set_to_none=True)
+        ((model(x[0], step == 0) + model(x[1], step == 0)) / 2).backward()
+        opt.step()
+    state = opt.state
+    single = {name: {"param": p.detach().flatten(), "exp_avg": state[p]["exp_avg"].flatten(),
+                     "exp_avg_sq": state[p]["exp_avg_sq"].flatten()}
+              for name, p in model.named_parameters() if name.startswith("later.")}
+    assert all(s["exp_avg"].abs().min() > 0 for s in single.values())        # a decay would show
+    ranks = run_ranks(_used_then_unused, 2, inputs)
+    for stage in (1, 2):
+        runs = [out[stage] for out in ranks]
+        for name, expected in single.items():
+            for key, want in expected.items():
+                held = [states[0][name][key].isnan().logical_not() for states in runs]
+                assert sum(h.sum() for h in held) == want.numel(), (stage, name, key)
+                for r, states in enumerate(runs):
+                    first = states[0][name][key][held[r]]
+                    for step, state in enumerate(states[1:], 1):
+                        assert torch.equal(state[name][key][held[r]], first), \
+                            f"zero{stage} rank {r} {name} {key}: changed at step {step}, unused"
+                    if key != "param":           # the values: Adam's first step divides by |g| + eps
+                        torch.testing.assert_close(first, want[held[r]], rtol=1e-5, atol=0,
+                                                   msg=lambda m: f"zero{stage} rank {r} {name} {key}: {m}")
