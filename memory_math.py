@@ -34,7 +34,7 @@ ALIASES = {"fsdp": "zero3"}            # FSDP is ZeRO stage 3, sharded unit by u
 PRECISIONS = tuple(DTYPES)             # fp32, bf16, fp16
 OPTIMIZERS = ("adamw", "sgd")
 
-# Which of the three a rank holds as a 1/N shard (True) or whole (False): DESIGN.md's table,
+# Which of the three a rank holds as a 1/N shard (True) or whole (False): docs/design.md's table,
 # and the four bars of the ZeRO paper's figure 1 (baseline, P_os, P_os+g, P_os+g+p).
 #                 params  grads  optimizer
 SHARDED = {"ddp": (False, False, False),

@@ -114,11 +114,9 @@ NODES = "nodes joined at HOST_OF_NODE_0, a machine's address to fill in (and gpt
 NOT_RUN_HERE = {
     "sh install.sh && .venv/bin/python -m pytest -q": SUITE,
     ".venv/bin/python -m pytest -m quick": SUITE,
-    ".venv/bin/python -m pytest -q                      # everything (the default)": SUITE,
     ".venv/bin/python -m pytest -m quick                # one test per concept file: 17 tests, 73 s": SUITE,
     ".venv/bin/python -m pytest -q -m \"not eight_ranks\" # without the 8-rank meshes": SUITE,
     ".venv/bin/python -m pytest -q -m \"not docs_commands\" # without running the pages' commands": SUITE,
-    ".venv/bin/python -m pytest -q tests/test_zero.py   # one file": SUITE,
     "torchrun --nnodes 2 --nproc_per_node 8 ... train.py --strategy fsdp --shard-group 8":
         "a form: ... stands for the rendezvous flags of docs/running.md's two-node commands",
     "python train.py --model gpt2-small --precision bf16 --batch-size 32 --seq-len 1024": GPU,
@@ -278,7 +276,7 @@ def test_commands_not_run_here_are_shown_and_nothing_else_is_left_out():
 # Each program's run with its defaults (its required arguments only; pictures.py's schedule
 # spelled out, its defaults), and each example: the commands above run them, the pages show them.
 DEFAULT_RUNS = ["python train.py", "torchrun --nproc_per_node 2 bench.py --quick",
-                "python memory.py --params 7.5e9 --world 64", "python step_time.py",
+                "python memory.py --model gpt2-small --world 8", "python step_time.py",
                 "python pictures.py memory -o docs/memory_over_a_step.svg",
                 "python pictures.py schedule --schedule 1f1b --stages 2 --microbatches 4 -o "
                 "docs/pipeline_executed.svg", "python schedules.py", "python machines.py",

@@ -1,4 +1,4 @@
-"""The layout is the architecture (DESIGN.md): each concept file reads in one sitting and imports
+"""The layout is the architecture (docs/design.md): each concept file reads in one sitting and imports
 only the foundations, never the napkin math, another strategy, the command line or the loop."""
 import ast
 import pathlib
