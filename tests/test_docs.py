@@ -171,6 +171,7 @@ def shortened(command: str) -> str:
       bench.py    one timed step, no warm-up, one repeat of each side, on the tiny GPT at 64 tokens,
                   all-reduces up to 1 MiB; --scaling at worlds 1 and 2, ddp only (--report: as is);
       pictures.py memory: one panel, zero2, of the five;
+      bench_gpu.py  the tiny GPT at 64 tokens, one timed step a side, a given peak (no GPU here);
     everything else as written."""
     command, comment = re.match(r"(.*?)(\s+# .*)?$", command).groups()
     steps = re.findall(r"--steps (\d+)", command)
@@ -181,6 +182,8 @@ def shortened(command: str) -> str:
         command += " --scaling 1,2 --strategies ddp" if "--scaling" in command else ""
     elif "pictures.py memory" in command:
         command += " --strategies zero2"
+    elif re.search(r"\bbench_gpu\.py\b", command):
+        command += " --model tiny --seq-len 64 --warmup 0 --steps 1 --peak-tflops 1"
     return command + (comment or "")
 
 
