@@ -60,6 +60,7 @@ from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS, build_model
 from parallelize import data_parallel, fsdp_with
 from process_groups import exit_distributed, init_distributed, make_mesh
+from snapshot import unwritable_file
 from step_time import Shape, Step, predict
 from zero import zero_optimizer
 
@@ -564,7 +565,9 @@ def parse_args(argv=None):
     if args.report:
         args.runs = [read_run(p, name) for name in args.report]
         return args
-    check_json(p, args.json)
+    why = unwritable_file("--json", args.json, "bench.json")   # written at the end, this machine's beside it
+    if why:
+        p.error(why)
     for name, full, quick in (("model", "gpt2-small", "tiny"), ("moe_model", "gpt2-small-moe", "tiny-moe"),
                               ("precision", "bf16", "fp32"),
                               ("seq_len", 1024, 64), ("warmup", 5, 3), ("steps", 20, 10),
@@ -682,25 +685,6 @@ def read_run(p, name: str) -> dict:
         p.error(f"--report {name} is not a bench.py run's JSON (no {', '.join(missing)}): give the file "
                 f"a bench.py run wrote (its --json; NAME-this.json beside it holds machines.this's figures)")
     return data
-
-
-def check_json(p, path: str):
-    """--json names a file in a directory that exists and this rank can write: the JSON is
-    written when the run ends, machines.this's measurements beside it (this_file) as it starts."""
-    directory = os.path.dirname(path) or "."
-    if path.endswith(os.sep) or os.path.isdir(path):
-        p.error(f"--json {path} is a directory: name a file, e.g. --json {os.path.join(path, 'bench.json')}")
-    if not os.path.isdir(directory):
-        p.error(f"--json {path}: there is no directory {directory}: create it, or name a file in a "
-                f"directory that exists")
-    probe = os.path.join(directory, f".writable-{os.getpid()}")
-    try:                 # by writing, not by os.access: root passes that even on a read-only mount
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        p.error(f"--json {path}: cannot write in {directory} ({e.strerror}): name a file in a "
-                f"directory you can write")
 
 
 def print_report(data: dict):

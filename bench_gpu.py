@@ -15,7 +15,6 @@ the CPU with the tiny model and a given peak.
 """
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -35,6 +34,7 @@ from lora import apply_lora
 from model import PRESETS, build_model
 from parallelize import data_parallel
 from process_groups import exit_distributed, init_distributed
+from snapshot import unwritable_file
 
 MiB = 2**20
 
@@ -92,9 +92,9 @@ def parse_args(argv=None):
         p.error(f"--seq-len must be 1 to {PRESETS[args.model].block_size}, model {args.model}'s block size")
     if args.steps < 1 or args.warmup < 0 or (args.peak_tflops is not None and not args.peak_tflops > 0):
         p.error("--steps must be 1 or more, --warmup 0 or more, --peak-tflops above 0")
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
-        p.error(f"--out {args.out}: {out_dir} is not a directory this run can write; make it first")
+    why = unwritable_file("--out", args.out, "bench-gpu")          # a prefix: OUT.md, OUT.json, OUT-memory.svg
+    if why:
+        p.error(why)
     # bench_measure reads these of every run (one repetition each side: the window is short)
     args.repeats, args.bucket_mb, args.clip_grad, args.seed, args.profile = 1, 25, 1.0, 0, False
     return args

@@ -17,14 +17,13 @@ Test: python -m pytest tests/test_pictures.py tests/test_writes.py
 import argparse
 import os
 import sys
-import tempfile
 import warnings
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")   # as train.py: not used
 
 import traces                                                            # noqa: E402
 from schedules import SCHEDULES, make_schedule, simulate                 # noqa: E402
-from snapshot import write_whole                                         # noqa: E402
+from snapshot import unwritable_file, write_whole                        # noqa: E402
 from svg import PALETTE, Axes, Canvas, line_chart, nice_ticks            # noqa: E402
 
 MiB = 2**20
@@ -174,28 +173,13 @@ def picture(args) -> str:
                         for s in args.strategies.split(",")])
 
 
-def check_writable(parser, path: str):
-    """-o names a file in a directory that exists and this process can write: the picture is
-    written after the runs that draw it."""
-    directory = os.path.dirname(path) or "."
-    if os.path.isdir(path):
-        parser.error(f"-o {path} is a directory: name a file in it, e.g. -o {os.path.join(path, 'picture.svg')}")
-    if not os.path.isdir(directory):
-        parser.error(f"-o {path}: there is no directory {directory}: create it, or name a file in a "
-                     f"directory that exists")
-    try:                 # by writing, not by os.access: root passes that even on a read-only mount
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        parser.error(f"-o {path}: cannot write in {directory} ({e.strerror}): choose a directory "
-                     f"you can write to")
-
-
 def check(args, parser):
     """Bad input stops here, with the flag and the fix, before any rank starts."""
     if not args.out.endswith(".svg"):
         parser.error(f"-o {args.out}: the picture is SVG; name a file ending in .svg")
-    check_writable(parser, args.out)
+    why = unwritable_file("-o", args.out, "picture.svg")
+    if why:
+        parser.error(why)
     if args.picture == "schedule":
         v = args.virtual_stages if args.virtual_stages is not None else 2 if args.schedule == "interleaved" else 1
         if v < 1:

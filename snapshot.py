@@ -120,6 +120,24 @@ def _new_directory(path: str) -> str:
             candidate = f"{path}-{n}"
 
 
+def unwritable_file(flag: str, path: str, example: str) -> str | None:
+    """Why the file `flag` names cannot be written where it says, checked before any work (a
+    program writes it after its runs), or None: a directory given as the file (example: a file
+    name to suggest in it), a directory that does not exist, one this process cannot write."""
+    directory = os.path.dirname(path) or "."
+    if path.endswith(os.sep) or os.path.isdir(path):
+        return f"{flag} {path} is a directory: name a file in it, e.g. {flag} {os.path.join(path, example)}"
+    if not os.path.isdir(directory):
+        return (f"{flag} {path}: there is no directory {directory}: create it, or name a file in a "
+                f"directory that exists")
+    try:                 # by writing, not by os.access: root passes that even on a read-only mount
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        return f"{flag} {path}: cannot write in {directory} ({e.strerror}): choose a directory you can write to"
+    return None
+
+
 def write_whole(path: str, data, replace: bool = True):
     """path holds data whole, or is left as it was: data is written beside it first (fsynced),
     then renamed over it (replace), or hard-linked to it (not replace: a link, unlike a rename,

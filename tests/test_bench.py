@@ -222,7 +222,7 @@ def test_the_default_json_is_written_in_the_working_directory(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--json", "{tmp}/"], "--json {tmp}/ is a directory: name a file, e.g. --json {tmp}/bench.json"),
+    (["--json", "{tmp}/"], "--json {tmp}/ is a directory: name a file in it, e.g. --json {tmp}/bench.json"),
     (["--json", "{tmp}"], "--json {tmp} is a directory"),
     (["--json", "{tmp}/missing/x.json"], "there is no directory {tmp}/missing: create it"),
     (["--report", "{tmp}/missing.json"], "--report {tmp}/missing.json: No such file or directory: give the JSON"),

@@ -336,7 +336,7 @@ def test_a_picture_path_that_cannot_be_written_is_refused_before_any_work(tmp_pa
 
     def read_only(**where):                   # what a read-only mount answers, to root as well
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), where["dir"])
-    monkeypatch.setattr(pictures.tempfile, "TemporaryFile", read_only)
+    monkeypatch.setattr(snapshot.tempfile, "TemporaryFile", read_only)
     with pytest.raises(SystemExit):
         pictures.main(["loss", str(tmp_path), "-o", str(tmp_path / "x.svg")])
     assert (f"error: -o {tmp_path / 'x.svg'}: cannot write in {tmp_path} (Read-only file "
