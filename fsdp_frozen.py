@@ -77,9 +77,8 @@ class FrozenBaseUnit(Unit):
         its end (freed here, what it wrote would be lost). The unit gathers again at its next use."""
         if self.compute_shard is not None:
             host_to_device(self.compute_shard, self.master.detach())
-        self.wait()
-        self.flat.untyped_storage().resize_(0)
-        self.gathered = False
+        self.free_trained()
+        self.gathered = False                      # the trained flat is gathered again at its use
 
     def free_trained(self):
         """Drop the gathered trained flat only: the frozen bytes stay gathered, if they were

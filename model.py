@@ -221,11 +221,15 @@ def whole_sequence(n_tokens: int, device) -> torch.Tensor:
     return torch.arange(n_tokens, device=device)
 
 
-def cross_entropy(logits, targets):                              # (B, T, V), (B, T) -> scalar
-    """The mean loss over all B x T tokens, computed in fp32 (or wider: fp64, for tests) whatever
+def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Logits as the loss computes them: fp32, or wider (an fp64 model's, for tests), whatever
     the model's dtype: log-softmax over V classes is where low precision hurts most."""
-    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(wide.flatten(0, 1), targets.flatten())
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def cross_entropy(logits, targets):                              # (B, T, V), (B, T) -> scalar
+    """The mean loss over all B x T tokens, in at least fp32."""
+    return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten())
 
 
 def build_model(name: str = "tiny", **overrides) -> GPT:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from collectives import Comm, as_comm, ring_bytes
 # Megatron's f and g and their sequence-parallel forms, shared with context parallelism:
 from conjugates import _gather_features, _my_piece, _split_features, enter_region, leave_region
-from model import MLP
+from model import MLP, at_least_fp32
 from placements import place, placement
 
 # ---- the layers ---------------------------------------------------------------------------------
@@ -235,8 +235,7 @@ class TensorParallelGPT(nn.Module):
         # model.py's own forward runs on the split layers: (B, T or T/N, C) through the blocks,
         # then logits (B, T, V/N), never gathered, into the loss over the split vocabulary.
         gpt.loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(
-            logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1),   # fp32 or wider
-            targets.flatten(), comm)
+            at_least_fp32(logits).flatten(0, 1), targets.flatten(), comm)
         if sequence_parallel:
             # The positions of the T tokens this rank's group holds (whole sequences, or with
             # context parallelism its chunks of them: parallelize.py sets it), of which this
