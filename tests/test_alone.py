@@ -1,0 +1,25 @@
+"""Each concept file runs alone, as the README's reading table says: a demonstration of its idea in
+seconds on 2 CPU ranks (or one process) that checks itself against one process and prints the
+difference. The test runs each command exactly as the table writes it, in the README's environment,
+and holds the file to passing its own check (its exit status) and saying what it compared."""
+import pathlib
+import re
+
+import pytest
+
+from test_docs import run_as_written
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# concept file -> the command the README's reading table gives for it
+COMMANDS = {
+}
+
+
+@pytest.mark.parametrize("concept", COMMANDS)
+def test_a_concept_file_runs_alone_and_checks_itself(concept):
+    command = COMMANDS[concept]
+    assert f"`{command}`" in (ROOT / "README.md").read_text(), f"the README's table should show `{command}`"
+    status, output = run_as_written(command, ROOT, timeout=120)
+    assert status == 0, f"`{command}` exited {status}:\n{output[-4000:]}"
+    assert re.search(r"one process", output), f"`{command}` should print its difference from one process:\n{output}"
