@@ -2,28 +2,39 @@
 
 Each rank runs forward and backward on its own slice of the global batch, then an all-reduce
 averages the gradients so that every rank takes the same optimizer step (Li et al. 2020,
-"PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB, section 3.2:
-the naive solution, gradient bucketing, overlapping communication with backward, no_sync).
+"PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB, section 3.2).
+The file follows the lecture, top to bottom: 1. the naive solution, one all-reduce per
+parameter after backward (all_reduce_gradients); 2. buckets: the parameters in reverse order cut
+into buckets of a few MiB, one flat gradient buffer each (cut_into_buckets, DDP.__init__);
+3. overlap: a gradient hook counts each bucket's gradients in, and the bucket's all-reduce
+starts when its last one arrives, in an order every rank agrees on (DDP._gradient_arrived,
+DDP._launch_full_buckets); 4. the finish: at the end of backward, wait for every all-reduce,
+the averaged gradients in .grad (DDP.finish_gradient_sync); 5. no_sync for gradient accumulation.
 Left out: the autograd-graph walk that finds unused parameters early, rebuilding buckets in
 the observed order, communication hooks, re-broadcasting buffers at every forward.
-Run: torchrun --nproc_per_node 2 train.py --strategy ddp; test: python -m pytest tests/test_ddp.py
+Run alone: torchrun --nproc_per_node 2 ddp.py (in training: train.py --strategy ddp); test:
+python -m pytest tests/test_ddp.py
 
 Shapes: N ranks in the group, P trainable parameters, L_b elements in bucket b's flat buffer.
 """
-from contextlib import contextmanager
+import itertools
+import os
+import sys
+import weakref
+from contextlib import contextmanager, nullcontext
 
+import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from collectives import as_comm, ring_bytes
-from launch import flags_to_device
-from flat import FlatParams, InOrder, hook_gradient, split_into_buckets
-from mixed_precision import on_the_wire
-from placements import by_reduction
+from flat import FlatParams, or_used_flags
 from process_groups import check_same_parameters
 
 
-# ---- naive: one blocking all-reduce per parameter, after backward -----------------------------
+# ---- 1. naive: one blocking all-reduce per parameter, after backward ---------------------------
 
 def all_reduce_gradients(module: nn.Module, group=None):
     """Average every parameter's gradient over the group, one blocking all-reduce each.
@@ -39,7 +50,7 @@ def all_reduce_gradients(module: nn.Module, group=None):
             comm.all_reduce(p.grad, op="avg")
 
 
-# ---- bucketed and overlapped, as PyTorch's reducer does it -------------------------------------
+# ---- 2. buckets, 3. overlapped with backward, as PyTorch's reducer does it ---------------------
 #
 #   registration order:  p0  p1  p2  p3  p4  p5     forward runs roughly left to right,
 #   gradients arrive:    p5  p4  p3  p2  p1  p0     so backward produces them right to left
@@ -54,8 +65,21 @@ def all_reduce_gradients(module: nn.Module, group=None):
 # computing the next layers: for a model whose backward takes longer than its communication,
 # only the last bucket's all-reduce is exposed. Few large messages instead of one per tensor
 # reach the link's bandwidth; too large a bucket would start its message too late to overlap.
-# The pieces are flat.py's, shared with ZeRO and FSDP: split_into_buckets, a FlatParams per
-# bucket, hook_gradient, and InOrder, which launches the buckets in one order on every rank.
+
+def cut_into_buckets(params: list, bucket_mb: float) -> list[list]:
+    """Consecutive parameters grouped into buckets of at most bucket_mb MiB, one dtype and device
+    each (a bucket is one flat buffer); a parameter larger than the cap gets a bucket of its own."""
+    cap, buckets, size = bucket_mb * 2**20, [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > cap or (p.dtype, p.device) != (buckets[-1][0].dtype,
+                                                                        buckets[-1][0].device):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
 
 class DDP(nn.Module):
     """Wrap `module` for data parallel training over `group` (a Comm, a ProcessGroup or None).
@@ -63,123 +87,84 @@ class DDP(nn.Module):
     Per step: forward and backward as usual (gradient hooks launch the buckets' all-reduces as
     backward runs), then finish_gradient_sync() before optimizer.step(). For gradient
     accumulation, run the backwards of all but the last micro-batch inside `with ddp.no_sync():`.
-    A parameter only some ranks hold (an expert, placements.py's holders) starts from and is
-    reduced over its holders.
     reduce_dtype: the dtype each bucket is averaged in (None: the gradients' own, as torch's DDP;
     torch.float32 for bf16/fp16 gradients: upcast before the all-reduce, the mean rounded back
-    into the bucket once, where torch's DDP would need a communication hook).
+    into the bucket once, where torch's DDP would need a communication hook: in bf16 each ring
+    step would round a partial sum to 8 bits of mantissa).
+    reductions: the parameters in parts, [((group, op, divisor), parameters)], in an order every
+    rank shares: a part starts from its group's rank 0, its gradients reduced by `op` over that
+    group, then divided by `divisor`. Default: one part, all averaged over `group`; where not
+    every rank holds every parameter, the composition hands in the parts (parallelize.py).
     """
 
     keeps_whole_gradients = True        # GradientSyncs: every rank holds them all, always
 
     def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, reductions: list | None = None):
         super().__init__()
         self.module, self.reduce_dtype = module, reduce_dtype
         self.comm = as_comm(group)
+        self.reductions = reductions or [((self.comm, "avg", 1), list(module.parameters()))]
         # Trainable parameters only: a frozen one gets no gradient, so it needs no hook, no slot
         # and no bytes. named_parameters() lists a tied (shared) weight once, and autograd
         # accumulates all its uses into one .grad before the post-accumulate hook fires once.
         trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        names = {p: name for name, p in trainable}
-        self.params = [p for _, p in reversed(trainable)]        # (P,) in gradient-arrival order
-        if not self.params:
+        if not trainable:
             raise ValueError("DDP: the module has no trainable parameters (requires_grad=True), "
                              "so there are no gradients to average; train at least one parameter")
         check_same_parameters(list(module.parameters()), self.comm)
         self._broadcast_from_rank0()
-        # Consecutive parameters in gradient-arrival order, one dtype and device per bucket.
-        # Each bucket is a FlatParams of one shard (this rank owns all of it), and beside it a
-        # gradient buffer of the same layout. Memory: param.grad is its slot in the buffer (a
-        # view, as PyTorch's gradient_as_bucket_view=True), pointed there by forward, so backward
-        # accumulates into the bucket itself: the buckets are the gradients, with no fresh .grad
-        # allocated and copied in each step after zero_grad(set_to_none=True).
-        # Experts (moe.py's expert parallelism) go in buckets of their own: their placements say how.
+        # The buckets: each part's parameters in gradient-arrival order, cut into buckets.
+        arrival = [p for _, p in reversed(trainable)]                               # (P,)
         self.buckets = []
-        for how, params in by_reduction(self.params, self.comm):
-            for chunk in split_into_buckets(params, bucket_mb):
-                bucket = FlatParams(chunk, world_size=1)
-                bucket.comm, bucket.op, bucket.divide = how
-                bucket.grad_flat = torch.zeros_like(bucket.flat)                 # (L_b,)
-                self.buckets.append(bucket)
-        self.params = [p for bucket in self.buckets for p in bucket.params]      # bucket order
-        self.names = [names[p] for p in self.params]
-        self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.params]
+        for how, part in self.reductions:
+            ids = {id(p) for p in part}
+            for params in cut_into_buckets([p for p in arrival if id(p) in ids], bucket_mb):
+                self.buckets.append(self._bucket(params, how))
+        self.params, self._bucket_of = [], []                    # (P,) in bucket order
+        for b, bucket in enumerate(self.buckets):
+            bucket.indices = range(len(self.params), len(self.params) + len(bucket.params))
+            self.params += bucket.params
+            self._bucket_of += [b] * len(bucket.params)
+        names = {id(p): name for name, p in trainable}
+        self.names = [names[id(p)] for p in self.params]
         self._slot = [slot for bucket in self.buckets for slot in bucket.views(bucket.grad_flat)]
-        for i, p in enumerate(self.params):
-            hook_gradient(p, self._grad_ready, i)
-        # Each full bucket's all-reduce starts at once, in bucket order on every rank.
-        self._order = InOrder(self.buckets, launch=self._launch, retire=self._retire)
+        self._hook_gradients()
         self._syncing = True                                     # False inside no_sync()
         self._hooked = [False] * len(self.params)                # hook has fired: .grad is its slot
         self._reset()
+
+    @staticmethod
+    def _bucket(params: list, how: tuple) -> FlatParams:
+        """A bucket: the parameters laid end to end in one flat buffer (a FlatParams of one
+        shard: this rank owns all of it), their gradients beside it in the same layout, and the
+        group, op and divisor that reduce them. Each param.grad is a view of its slot in the
+        gradient buffer (PyTorch's gradient_as_bucket_view=True): the buckets are the gradients."""
+        bucket = FlatParams(params, world_size=1)
+        bucket.comm, bucket.op, bucket.divide = how
+        bucket.grad_flat = torch.zeros_like(bucket.flat)                          # (L_b,)
+        return bucket
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
             self._gradients_into_buckets()
         return self.module(*args, **kwargs)
 
-    def _gradients_into_buckets(self):
-        """Each parameter whose .grad was set to None (zero_grad(set_to_none=True)) gets its zeroed
-        slot back as .grad, so autograd adds the coming gradient into the bucket in place. Only
-        those whose hook has fired before: a gradient written outside autograd (a zero-bubble
-        pipeline's W) fires none, and only its arrival as a .grad says it was used."""
-        start = 0
-        for bucket in self.buckets:
-            params, slots = bucket.params, self._slot[start: start + len(bucket.params)]
-            hooked = self._hooked[start: start + len(bucket.params)]
-            start += len(params)
-            if all(hooked) and all(p.grad is None for p in params):
-                bucket.grad_flat.zero_()                         # one kernel for the bucket
-                for p, slot in zip(params, slots):
-                    p.grad = slot
-                continue
-            for p, slot, fired in zip(params, slots, hooked):
-                if fired and p.grad is None:
-                    slot.zero_()
-                    p.grad = slot
+    # ---- 3. during backward: the hook, then each full bucket's all-reduce, in order ---------
 
-    def _by_group(self, tensors) -> list:
-        """[(the group tensors are reduced over, tensors)]: placements.by_reduction's groups."""
-        return [(comm, part) for (comm, _, _), part in by_reduction(tensors, self.comm)]
+    def _hook_gradients(self):
+        """Call _gradient_arrived(i) each time backward has accumulated params[i]'s gradient
+        into its .grad. The hook holds DDP weakly: torch keeps hooks where Python's gc does not
+        look, so DDP -> module -> parameter -> hook -> DDP would never be freed."""
+        ddp = weakref.ref(self)
+        for i, p in enumerate(self.params):
+            def hook(_, i=i):
+                if (alive := ddp()) is not None:
+                    alive._gradient_arrived(i)
+            p.register_post_accumulate_grad_hook(hook)
 
-    def _broadcast_from_rank0(self):
-        # Ranks may have been seeded differently: rank 0's initial weights (and buffers) become
-        # everyone's (an expert's: its group's rank 0's). One broadcast per dtype of a flat copy,
-        # not one per tensor; dict keys keep first-seen order, so every rank issues the
-        # broadcasts in the same order.
-        for comm, tensors in self._by_group([*self.module.parameters(), *self.module.buffers()]):
-            for kind in dict.fromkeys((t.dtype, t.device) for t in tensors):
-                group = [t for t in tensors if (t.dtype, t.device) == kind]
-                flat = torch.cat([t.detach().reshape(-1) for t in group])    # (sum of numel,)
-                comm.broadcast(flat, src=0)
-                with torch.no_grad():
-                    for t, value in zip(group, flat.split([t.numel() for t in group])):
-                        t.copy_(value.view_as(t))
-
-    def _launch(self, bucket):
-        wire = on_the_wire(bucket.grad_flat, self.reduce_dtype)          # (L_b,) the reduce dtype
-        return bucket.comm.all_reduce(wire, op=bucket.op, async_op=True), wire
-
-    @staticmethod
-    def _retire(bucket, started):
-        handle, wire = started
-        handle.wait()
-        if bucket.divide != 1:
-            wire.div_(bucket.divide)
-        if wire is not bucket.grad_flat:
-            bucket.grad_flat.copy_(wire)                     # the mean, rounded once
-
-    def _reset(self):
-        self._ready = [False] * len(self.params)
-        self._used = [False] * len(self.params)                  # got a gradient since the last sync
-        for bucket in self.buckets:
-            bucket.pending = len(bucket.params)
-
-    # ---- during backward ------------------------------------------------------------------
-
-    def _grad_ready(self, i: int):
-        """Post-accumulate hook of self.params[i]: its .grad holds this backward's gradient."""
+    def _gradient_arrived(self, i: int):
+        """params[i]'s .grad holds this backward's gradient: count it into its bucket."""
         self._used[i] = self._hooked[i] = True
         if not self._syncing:
             return                                               # accumulate locally in .grad
@@ -190,7 +175,7 @@ class DDP(nn.Module):
                 f"backward inside `with ddp.no_sync():`, and call ddp.finish_gradient_sync() after "
                 f"each synchronised backward (before optimizer.step()).")
         p = self.params[i]
-        if p.grad.data_ptr() != self._slot[i].data_ptr():
+        if p.grad.data_ptr() != self._slot[i].data_ptr():    # autograd made a .grad of its own
             self._slot[i].copy_(p.grad)
             p.grad = self._slot[i]
         self._mark_ready(i)
@@ -200,15 +185,29 @@ class DDP(nn.Module):
         bucket = self.buckets[self._bucket_of[i]]
         bucket.pending -= 1
         if bucket.pending == 0:
-            self._order.ready(bucket)
+            self._launch_full_buckets()
 
-    # ---- after backward -------------------------------------------------------------------
+    def _launch_full_buckets(self):
+        """Start the all-reduce of every full bucket, in bucket order, without waiting for it.
+
+        Collectives pair up by call order, not by name: a rank whose backward fills bucket 2
+        before bucket 1 (control flow that depends on the data) must still launch bucket 1
+        first, or it adds its bucket 2 to another rank's bucket 1. So a full bucket waits for
+        every earlier one, then all the consecutive full ones go."""
+        while self.launched < len(self.buckets) and self.buckets[self.launched].pending == 0:
+            bucket = self.buckets[self.launched]
+            wire = bucket.grad_flat                                             # (L_b,)
+            if self.reduce_dtype not in (None, wire.dtype):
+                wire = wire.to(self.reduce_dtype)    # an upcast copy: the sum in fp32, see above
+            handle = bucket.comm.all_reduce(wire, op=bucket.op, async_op=True)
+            self._in_flight.append((bucket, wire, handle))
+            self.launched += 1
+
+    # ---- 4. after backward ------------------------------------------------------------------
 
     def finish_gradient_sync(self):
-        """Launch what backward did not, wait for every bucket, write averaged gradients to .grad.
-
-        Call after the (last) backward of a step and before optimizer.step().
-        """
+        """Launch what backward did not, wait for every bucket, leave the averaged gradients in
+        .grad. Call after the (last) backward of a step and before optimizer.step()."""
         # A parameter whose hook did not fire in this backward was not used by it, but may hold
         # a gradient accumulated under no_sync(); one with no gradient at all contributes zeros.
         for i, p in enumerate(self.params):
@@ -217,28 +216,38 @@ class DDP(nn.Module):
                     self._slot[i].zero_()
                 elif p.grad.data_ptr() != self._slot[i].data_ptr():
                     self._slot[i].copy_(p.grad)
-                self._mark_ready(i)
-        # A parameter that no rank used must keep grad None, as a single process would leave
-        # it (AdamW would otherwise decay it): OR the local "used" flags over the ranks, a P-byte
-        # message launched after every bucket (the same position on every rank) so it overlaps.
-        # (An expert's flag over the ranks holding that expert: a second, shorter message.)
-        # Used here: its hook fired (no_sync's too), or a gradient came as a .grad of its own.
+                self._mark_ready(i)                  # every bucket is full, so launched, by now
+        # A parameter that no rank used must keep grad None, as one process would leave it (AdamW
+        # would otherwise decay it): OR the "used" flags over each bucket's group, a P-byte message
+        # launched behind every bucket (the same place on every rank), so it overlaps them. Used
+        # here: its hook fired (no_sync's too), or a gradient came as a .grad of its own.
         local = [used or (p.grad is not None and p.grad.data_ptr() != slot.data_ptr())
                  for used, p, slot in zip(self._used, self.params, self._slot)]
-        used = flags_to_device(local, self.params[0].device)                              # (P,)
-        flags, start = [], 0
-        for comm, params in self._by_group(self.params):
-            flags.append(comm.all_reduce(used[start: start + len(params)], op="max", async_op=True))
-            start += len(params)
-        self._order.launch_rest()                                # (every bucket is full by now)
-        self._order.wait_all()
-        for handle in flags:
+        for bucket in self.buckets:
+            bucket.used = [local[i] for i in bucket.indices]
+        used, agree = or_used_flags(self.buckets, self.params[0].device)          # (P,) launched
+        for bucket, wire, handle in self._in_flight:
             handle.wait()
+            if bucket.divide != 1:
+                wire.div_(bucket.divide)
+            if wire is not bucket.grad_flat:
+                bucket.grad_flat.copy_(wire)                 # the mean, rounded once
+        agree()
         # Read (a host sync on a GPU) only if this rank missed one: else every one was used.
         everywhere = local if all(local) else used.tolist()
         for p, slot, used_anywhere in zip(self.params, self._slot, everywhere):
             p.grad = slot if used_anywhere else None             # averaged in place
         self._reset()
+
+    def _reset(self):
+        self._ready = [False] * len(self.params)
+        self._used = [False] * len(self.params)           # got a gradient since the last sync
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)           # gradients still to come
+        self.launched = 0                                 # buckets launched in this backward
+        self._in_flight = []                              # [(bucket, what it sends, its handle)]
+
+    # ---- 5. gradient accumulation -----------------------------------------------------------
 
     @contextmanager
     def no_sync(self):
@@ -249,10 +258,40 @@ class DDP(nn.Module):
         finally:
             self._syncing = outer
 
-    # ---- bookkeeping ------------------------------------------------------------------------
+    # ---- mechanics: the start, the gradient slots, the bytes ----------------------------------
+
+    def _broadcast_from_rank0(self):
+        """Ranks may have been seeded differently: rank 0's initial weights (and buffers) become
+        everyone's, each part's from rank 0 of its group. One broadcast per dtype of a flat copy,
+        not one per tensor; dict keys keep first-seen order, so every rank issues the broadcasts
+        in the same order."""
+        parts = [(group, params) for (group, _, _), params in self.reductions]
+        for group, tensors in [*parts, (self.comm, list(self.module.buffers()))]:
+            for kind in dict.fromkeys((t.dtype, t.device) for t in tensors):
+                same = [t for t in tensors if (t.dtype, t.device) == kind]
+                flat = torch.cat([t.detach().reshape(-1) for t in same])      # (sum of numel,)
+                group.broadcast(flat, src=0)
+                with torch.no_grad():
+                    for t, value in zip(same, flat.split([t.numel() for t in same])):
+                        t.copy_(value.view_as(t))
+
+    def _gradients_into_buckets(self):
+        """Each parameter whose .grad was set to None (zero_grad(set_to_none=True)) gets its zeroed
+        slot back as .grad, so autograd adds the coming gradient into the bucket in place. Only
+        those whose hook has fired before: a gradient written outside autograd (a zero-bubble
+        pipeline's W, say) fires none, and only its arrival as a .grad says it was used."""
+        for bucket in self.buckets:
+            back = [i for i in bucket.indices if self._hooked[i] and self.params[i].grad is None]
+            if len(back) == len(bucket.params):
+                bucket.grad_flat.zero_()                         # one kernel for the bucket
+            else:
+                for i in back:
+                    self._slot[i].zero_()
+            for i in back:
+                self.params[i].grad = self._slot[i]
 
     def gradient_buffers(self) -> list[torch.Tensor]:
-        """The buckets' flat buffers: the gradients themselves (each param.grad is a view into one)."""
+        """The buckets' flat buffers: the gradients themselves (each param.grad a view of one)."""
         return [bucket.grad_flat for bucket in self.buckets]
 
     def bytes_per_step(self) -> int:
@@ -264,6 +303,78 @@ class DDP(nn.Module):
         grads = sum(ring_bytes("all_reduce", b.grad_flat.numel(),
                                (self.reduce_dtype or b.grad_flat.dtype).itemsize,
                                b.comm.world_size) for b in self.buckets)
-        flags = sum(ring_bytes("all_reduce", len(params), 1, comm.world_size)
-                    for comm, params in self._by_group(self.params))
+        flags = sum(ring_bytes("all_reduce", sum(len(b.params) for b in run), 1, group.world_size)
+                    for group, run in itertools.groupby(self.buckets, key=lambda b: b.comm))
         return grads + flags
+
+
+# ---- run alone: torchrun --nproc_per_node 2 ddp.py ---------------------------------------------
+
+STEPS, ACCUM, ROWS, LR = 6, 2, 8, 0.1     # the last 3 steps: 2 micro-batches each per rank
+BOUND = 1e-12                             # fp64: the same sums in another order, ~1e-16 each
+
+
+def _tiny_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 1)).double()
+
+
+def _data_parallel(x, y, show) -> nn.Module:
+    """DDP over the world, each rank its rows of each step's batch (seeded differently: the
+    broadcast makes rank 0's weights everyone's), the last steps accumulating under no_sync()."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ddp = DDP(_tiny_model(seed=rank), bucket_mb=8 / 1024)                 # 8 KiB buckets
+    show("buckets, in gradient-arrival order: "
+         + " ".join("[" + " ".join(ddp.names[i] for i in b.indices) + "]" for b in ddp.buckets))
+    timeline = []          # by a hook after DDP's: each gradient as it arrives, what it launched
+
+    def arrived(name):
+        done = sum(word.startswith("->") for word in timeline)
+        timeline.extend([name] + [f"-> all-reduce {b} |" for b in range(done, ddp.launched)])
+    for name, p in zip(ddp.names, ddp.params):
+        p.register_post_accumulate_grad_hook(lambda _, name=name: arrived(name))
+    sgd = torch.optim.SGD(ddp.parameters(), lr=LR)
+    for step, (xs, ys) in enumerate(zip(x, y)):
+        micro = 1 if step < STEPS // 2 else ACCUM
+        sgd.zero_grad()
+        for m, (xm, ym) in enumerate(zip(xs.chunk(n)[rank].chunk(micro),
+                                         ys.chunk(n)[rank].chunk(micro))):
+            timeline.clear()
+            with ddp.no_sync() if m < micro - 1 else nullcontext():
+                (F.mse_loss(ddp(xm), ym) / micro).backward()
+            if step in (0, STEPS // 2):
+                show(f"step {step}, backward {m + 1} of {micro}"
+                     f"{' (no_sync)' if m < micro - 1 else ''}: {' '.join(timeline)}")
+        ddp.finish_gradient_sync()
+        sgd.step()
+    return ddp.module
+
+
+def main():
+    """Train the tiny model both ways on the same batches; every rank checks its parameters."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    show = print if dist.get_rank() == 0 else lambda line: None
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(STEPS, ROWS, 8, generator=g, dtype=torch.float64)      # (STEPS, ROWS, 8)
+    y = x.sum(-1, keepdim=True).sin()                                        # (STEPS, ROWS, 1)
+    ddp = _data_parallel(x, y, show)
+    one = _tiny_model(seed=0)      # one process: rank 0's initial weights, the whole batch a step
+    sgd = torch.optim.SGD(one.parameters(), lr=LR)
+    for xs, ys in zip(x, y):
+        sgd.zero_grad()
+        F.mse_loss(one(xs), ys).backward()
+        sgd.step()
+    difference = max((p - q).abs().max().item() for p, q in zip(ddp.parameters(), one.parameters()))
+    dist.destroy_process_group()
+    show(f"max |difference| from one process after {STEPS} SGD steps, the last "
+         f"{STEPS - STEPS // 2} accumulating under no_sync: {difference:.1e} "
+         f"(bound {BOUND:g}: fp64 sums reordered)")
+    sys.exit(difference > BOUND)
+
+
+if __name__ == "__main__":
+    if "RANK" not in os.environ:
+        sys.exit("ddp.py runs on several processes: torchrun --nproc_per_node 2 ddp.py")
+    main()

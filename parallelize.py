@@ -36,6 +36,7 @@ from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import build_model
 from moe import MoE, exchange_bytes, expert_parallel, held_experts, routing_summary
 from pipeline import GPTStage, Pipeline
+from placements import by_reduction
 from process_groups import make_device_mesh, make_mesh
 from schedules import COMPUTE, make_schedule, message
 from snapshot import RunError, load_weights, refused
@@ -161,7 +162,9 @@ def wrap(gpt, module, args, groups: tuple, device, adamw: dict, replicate: bool)
                              prefetch=args.prefetch, device=device)
         return replicas, FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)
     if strategy is ddp:
-        replicas = (DDP(module, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype)
+        # An expert's gradient is summed over the ranks holding it, the rest averaged over data.
+        replicas = (DDP(module, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype,
+                        reductions=by_reduction(list(module.parameters()), data))
                     if replicate else module)
         return replicas, MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
                                                  precision=args.precision, **adamw)

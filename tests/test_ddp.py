@@ -97,7 +97,7 @@ def _train_gpt():
     out["launched_in_backward"] = []
 
     def ddp_sync():                        # every gradient was used: backward launched every bucket
-        out["launched_in_backward"].append(ddp._order.launched)
+        out["launched_in_backward"].append(ddp.launched)
         ddp.finish_gradient_sync()
     out["ddp"] = _train(model, lambda x, y: ddp(x, y)[1], ddp_sync, batches)
     out["n_buckets"] = len(ddp.buckets)
