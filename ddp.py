@@ -2,14 +2,9 @@
 
 Each rank runs forward and backward on its own slice of the global batch, then an all-reduce
 averages the gradients so that every rank takes the same optimizer step (Li et al. 2020,
-"PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB, section 3.2).
-The file follows the lecture, top to bottom: 1. the naive solution, one all-reduce per
-parameter after backward (all_reduce_gradients); 2. buckets: the parameters in reverse order cut
-into buckets of a few MiB, one flat gradient buffer each (cut_into_buckets, DDP.__init__);
-3. overlap: a gradient hook counts each bucket's gradients in, and the bucket's all-reduce
-starts when its last one arrives, in an order every rank agrees on (DDP._gradient_arrived,
-DDP._launch_full_buckets); 4. the finish: at the end of backward, wait for every all-reduce,
-the averaged gradients in .grad (DDP.finish_gradient_sync); 5. no_sync for gradient accumulation.
+"PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB, section 3.2),
+here in the lecture's order: 1. the naive per-parameter all-reduce, 2. gradient buckets,
+3. each bucket's all-reduce overlapped with backward, 4. the finish, 5. no_sync.
 Left out: the autograd-graph walk that finds unused parameters early, rebuilding buckets in
 the observed order, communication hooks, re-broadcasting buffers at every forward.
 Run alone: torchrun --nproc_per_node 2 ddp.py (in training: train.py --strategy ddp); test:
@@ -240,7 +235,7 @@ class DDP(nn.Module):
         self._reset()
 
     def _reset(self):
-        self._ready = [False] * len(self.params)
+        self._ready = [False] * len(self.params)          # counted into its bucket, this sync
         self._used = [False] * len(self.params)           # got a gradient since the last sync
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)           # gradients still to come
