@@ -121,6 +121,9 @@ class DDP(nn.Module):
             bucket.indices = range(len(self.params), len(self.params) + len(bucket.params))
             self.params += bucket.params
             self._bucket_of += [b] * len(bucket.params)
+        if len(self.params) != len(trainable):
+            raise ValueError(f"DDP: reductions= places {len(self.params)} trainable parameters, "
+                             f"the module has {len(trainable)}: put each in exactly one part")
         names = {id(p): name for name, p in trainable}
         self.names = [names[id(p)] for p in self.params]
         self._slot = [slot for bucket in self.buckets for slot in bucket.views(bucket.grad_flat)]

@@ -293,6 +293,11 @@ def _awkward_cases():
         DDP(nn.Linear(2, 2).requires_grad_(False))
     except ValueError as error:
         out["no_params_error"] = str(error)
+    linear = nn.Linear(2, 2)
+    try:                                       # a part that leaves the bias out: never averaged
+        DDP(linear, reductions=[((Comm(), "avg", 1), [linear.weight])])
+    except ValueError as error:
+        out["unplaced_error"] = str(error)
     return out
 
 
@@ -348,6 +353,11 @@ def test_clear_errors(awkward):
         assert "second gradient" in out["error"] and "no_sync()" in out["error"]
         assert "finish_gradient_sync()" in out["error"]
         assert "no trainable parameters" in out["no_params_error"]
+
+
+def test_handed_in_reductions_must_place_every_parameter(awkward):
+    for out in awkward:
+        assert "reductions= places 1 trainable parameters, the module has 2" in out["unplaced_error"]
 
 
 def _wrappers_freed():
