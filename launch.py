@@ -4,8 +4,10 @@ NCCL requires every rank to launch on its communicators in one order. The ring's
 private communicator and leave from one thread per process, in the order they were submitted; on
 CUDA that thread has its own stream, ordered against the caller's by events, never by a host
 synchronize. Also here, the ring's low-level helpers: its scratch, kept call after call, and
-padded copies; its messages, each send posted together with its receive; and booleans copied to
-the device without a host sync. Left out: CUDA graphs, more than one launching thread.
+padded copies; its messages (each send posted together with its receive) and the patterns Comm
+builds from messages besides the ring (scatter, gather, all-to-all, a pipeline's exchange); the
+Handle an asynchronous collective returns; and booleans copied to the device without a host
+sync. Left out: CUDA graphs, more than one launching thread.
 Test: python -m pytest tests/test_collectives.py
 
 Shapes: N ranks in the group, L elements in the tensor, c = ceil(L / N) elements per chunk.
@@ -203,7 +205,8 @@ class Messages:
         rank sending what is not its own: (N-1)/N of the input for equal blocks, as the native
         call."""
         n, r = dist.get_world_size(self.group), dist.get_rank(self.group)
-        sends, receives = self.row_blocks(input, input_splits, n), self.row_blocks(output, output_splits, n)
+        sends = self.row_blocks(input, input_splits, n)
+        receives = self.row_blocks(output, output_splits, n)
         receives[r].copy_(sends[r])
         for step in range(1, n):
             to, source = (r + step) % n, (r - step) % n
