@@ -4,8 +4,10 @@ NCCL requires every rank to launch on its communicators in one order. The ring's
 private communicator and leave from one thread per process, in the order they were submitted; on
 CUDA that thread has its own stream, ordered against the caller's by events, never by a host
 synchronize. Also here, the ring's low-level helpers: its scratch, kept call after call, and
-padded copies; sends and receives posted together; the shard check; and booleans copied to the
-device without a host sync. Left out: CUDA graphs, more than one launching thread.
+padded copies; its messages (each send posted together with its receive) and the patterns Comm
+builds from messages besides the ring (scatter, gather, all-to-all, a pipeline's exchange); the
+Handle an asynchronous collective returns; and booleans copied to the device without a host
+sync. Left out: CUDA graphs, more than one launching thread.
 Test: python -m pytest tests/test_collectives.py
 
 Shapes: N ranks in the group, L elements in the tensor, c = ceil(L / N) elements per chunk.
@@ -18,33 +20,14 @@ import torch
 import torch.distributed as dist
 
 
+class Handle:
+    """What an asynchronous collective returns: wait() blocks until the result is in place."""
 
-# torch 2.13's one-tensor collectives, or their names before it (a GPU image's older torch);
-# looked up at each call, so a test that wraps torch's collective sees every call.
-def all_gather_single(*args, **kwargs):
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(*args, **kwargs)
+    def __init__(self, wait):
+        self._wait = wait
 
-
-def reduce_scatter_single(*args, **kwargs):
-    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(*args, **kwargs)
-
-
-def ring_group(group, timeout):
-    """The private twin of the world's `group` that a ring Comm sends its messages on.
-
-    Ring messages get a private communicator, so they never interleave with native
-    collectives on the same group; they are launched by the process's one launcher
-    thread (launcher), in the order they were issued (the order the peers expect).
-    Creating a group is collective over the whole world (new_group's rule; NCCL
-    with a bound device splits it from the world's communicator, every rank
-    joining), so only the world's Comm makes its own here; subgroups() makes the rest.
-    timeout: a datetime.timedelta, or None for torch's default.
-    """
-    if dist.get_world_size(group) != dist.get_world_size():
-        raise ValueError("Comm(group, ring=True) over part of the world: build it with "
-                         "process_groups.subgroups (or make_mesh), which create every "
-                         "rank's groups on every rank")
-    return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout)
+    def wait(self):
+        self._wait()
 
 
 class Launcher:
@@ -130,21 +113,139 @@ class Workspaces(dict):
         return list(self[key][: sum(sizes)].split(sizes))
 
     def in_place(self, tensor: torch.Tensor, n: int):
-        """(the tensor as N chunks, flat (N*c,); a (c,) receive buffer). The tensor itself when
-        it is contiguous and splits into N equal chunks, else a zero-padded copy of it."""
+        """(the tensor as N chunks (N, c); a (c,) receive buffer). The tensor itself when it is
+        contiguous and splits into N equal chunks, else a zero-padded copy of it (copy_back)."""
         c = -(-tensor.numel() // n)
         if tensor.is_contiguous() and tensor.numel() == n * c:
-            return tensor.view(-1), self.take(tensor, c)[0]
+            return tensor.view(n, c), self.take(tensor, c)[0]
         flat, recv = self.take(tensor, n * c, c)
         flat[tensor.numel():].zero_()
         flat[: tensor.numel()].copy_(tensor.reshape(-1))
-        return flat, recv
+        return flat.view(n, c), recv
+
+    @staticmethod
+    def copy_back(tensor: torch.Tensor, chunks: torch.Tensor):
+        """The result into the caller's tensor, when in_place gave a padded copy of it."""
+        if chunks.data_ptr() != tensor.data_ptr():
+            tensor.copy_(chunks.view(-1)[: tensor.numel()].view_as(tensor))
 
 
-def copy_back(tensor, flat):
-    """The result into the caller's tensor, when the ring worked on a padded copy of it."""
-    if flat.data_ptr() != tensor.data_ptr():
-        tensor.copy_(flat[: tensor.numel()].view_as(tensor))
+class Messages:
+    """Point-to-point messages on one process group, posted in batches: what the ring's steps
+    and Comm.exchange send. A failure of the transport (a peer that died, or stalled past the
+    group's timeout) is raised as torch's DistNetworkError (transport_errors)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    @classmethod
+    def private_twin(cls, group, timeout) -> "Messages":
+        """Messages on a private twin of the world's `group`: what a ring Comm sends on.
+
+        Ring messages get a private communicator, so they never interleave with native
+        collectives on the same group; they are launched by the process's one launcher
+        thread (launcher), in the order they were issued (the order the peers expect).
+        Creating a group is collective over the whole world (new_group's rule; NCCL
+        with a bound device splits it from the world's communicator, every rank
+        joining), so only the world's Comm makes its own here; subgroups() makes the rest.
+        timeout: a datetime.timedelta, or None for torch's default.
+        """
+        if dist.get_world_size(group) != dist.get_world_size():
+            raise ValueError("Comm(group, ring=True) over part of the world: build it with "
+                             "process_groups.subgroups (or make_mesh), which create every "
+                             "rank's groups on every rank")
+        return cls(dist.new_group(dist.get_process_group_ranks(group), timeout=timeout))
+
+    def post(self, ops: list) -> list:
+        """ops: ("send" | "recv", tensor, peer), peer a rank of the group, posted together in
+        one dist.batch_isend_irecv; returns its works (NCCL: one for the batch; gloo: one each)."""
+        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, group=self.group,
+                          group_peer=peer) for kind, tensor, peer in ops]
+        with transport_errors():
+            return dist.batch_isend_irecv(p2p)
+
+    @staticmethod
+    def wait(works: list):
+        """Wait for every work post returned."""
+        with transport_errors():
+            for work in works:
+                work.wait()
+
+    def send_recv(self, ops: list):
+        """Post ops together and wait for all of them."""
+        if ops:                                            # a world of one has nothing to post
+            self.wait(self.post(ops))
+
+    # The patterns besides the ring that Comm builds from messages; each returns the bytes sent.
+
+    def scatter(self, chunks: torch.Tensor, src: int) -> int:
+        """chunks (N, c): rank src sends chunk i to rank i, which receives it into its chunks[i]."""
+        n, r = len(chunks), dist.get_rank(self.group)
+        if r == src:
+            self.send_recv([("send", chunks[i], i) for i in range(n) if i != src])
+            return chunks[0].nbytes * (n - 1)
+        self.send_recv([("recv", chunks[r], src)])
+        return 0
+
+    def gather(self, chunks: torch.Tensor, dst: int) -> int:
+        """chunks (N, c): rank i sends its chunks[i] to rank dst, which receives it in place."""
+        n, r = len(chunks), dist.get_rank(self.group)
+        if r == dst:
+            self.send_recv([("recv", chunks[i], i) for i in range(n) if i != dst])
+            return 0
+        self.send_recv([("send", chunks[r], dst)])
+        return chunks[r].nbytes
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits, input_splits):
+        """Comm.all_to_all from messages: input's i-th block of rows to rank i, rank i's block for
+        this rank into output's i-th (splits: rows per rank, None for N equal blocks).
+
+        Not a ring: every pair of ranks exchanges once. At step s rank r sends its block for r+s
+        and receives r-s's block for it, posted together as a ring step's pair. N-1 steps, each
+        rank sending what is not its own: (N-1)/N of the input for equal blocks, as the native
+        call."""
+        n, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        sends = self.row_blocks(input, input_splits, n)
+        receives = self.row_blocks(output, output_splits, n)
+        receives[r].copy_(sends[r])
+        for step in range(1, n):
+            to, source = (r + step) % n, (r - step) % n
+            ops = [("send", sends[to], to)] if sends[to].numel() else []
+            if receives[source].numel():                 # an empty block is never sent
+                ops.append(("recv", receives[source], source))
+            self.send_recv(ops)
+
+    @staticmethod
+    def row_blocks(tensor: torch.Tensor, splits, n: int) -> list[torch.Tensor]:
+        """An all-to-all's tensor cut along dim 0 into n blocks of splits[i] rows (None: n equal
+        blocks); views. Bad splits are one clear error, raised before anything is sent."""
+        if splits is None:
+            if tensor.shape[0] % n:
+                raise ValueError(f"all_to_all: {tensor.shape[0]} rows do not split into {n} equal "
+                                 f"blocks: pass the splits")
+            splits = [tensor.shape[0] // n] * n
+        if len(splits) != n or sum(splits) != tensor.shape[0]:
+            raise ValueError(f"all_to_all: splits {list(splits)} must be {n} row counts adding up "
+                             f"to the tensor's {tensor.shape[0]} rows")
+        return list(tensor.split(list(splits)))
+
+    def exchange(self, ops: list, after_the_ring: bool) -> Handle:
+        """Comm.exchange's messages, posted together. after_the_ring: post them from the
+        launcher thread, after every ring message submitted before (Launcher says why)."""
+        ops = list(ops)
+        if not ops:
+            return Handle(lambda: None)
+        if after_the_ring:
+            posted = launcher().submit(self.post, [tensor for _, tensor, _ in ops], ops)
+            return Handle(lambda: self.wait(posted()))
+        works = self.post(ops)
+        return Handle(lambda: self.wait(works))
+
+    @staticmethod
+    def launch(fn, tensors: list, *args) -> Handle:
+        """fn(*args), which posts messages, run on the process's one launcher thread after
+        everything submitted before; tensors: those it reads and writes (Launcher.submit)."""
+        return Handle(launcher().submit(fn, tensors, *args))
 
 
 @contextlib.contextmanager
@@ -160,33 +261,6 @@ def transport_errors():
         raise
     except RuntimeError as e:
         raise dist.DistNetworkError(str(e)) from e
-
-
-def post(ops: list) -> list:
-    """dist.batch_isend_irecv(ops), sends and receives posted together: their works."""
-    with transport_errors():
-        return dist.batch_isend_irecv(ops)
-
-
-def wait_all(works: list):
-    """Wait for every work `post` returned."""
-    with transport_errors():
-        for work in works:
-            work.wait()
-
-
-def send_recv(ops):
-    """Post a list of sends and receives together and wait for all of them."""
-    if ops:                                                # a world of one has nothing to post
-        wait_all(post(ops))
-
-
-def check_shards(name, shard, full, world_size):
-    """A reduce-scatter's or an all-gather's tensors, checked before anything is launched."""
-    if full.numel() != shard.numel() * world_size or full.dtype != shard.dtype:
-        raise ValueError(f"{name}: the full tensor must hold exactly N={world_size} shards of the "
-                         f"same dtype, got {full.numel()} {full.dtype} elements for shards of "
-                         f"{shard.numel()} {shard.dtype}; pad the full tensor to a multiple of N")
 
 
 def pinned_copy(host: torch.Tensor, device) -> torch.Tensor:

@@ -14,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # concept file -> the command the README's reading table gives for it
 COMMANDS = {
     "ddp": "torchrun --nproc_per_node 2 ddp.py",
+    "collectives": "torchrun --nproc_per_node 2 collectives.py",
 }
 
 

@@ -304,3 +304,37 @@ def test_ring_runs_under_nccl_rules(world_size):
             assert torch.equal(ring, native), f"N={world_size} rank {rank} {what}"
     for rank, out in enumerate(run_ranks(_all_to_alls, world_size, nccl=True)):
         assert torch.equal(out["ring"], out["expected"]) and torch.equal(out["equal ring"], out["equal native"])
+
+
+# ---- the lecture's ring, plainly (collectives.ring_*) -------------------------------------------
+
+def _plain_ring():
+    """This rank's results of the plain ring's reduce-scatter, all-gather and all-reduce on small
+    integers (exact in any order), and the steps it logged."""
+    from collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+    import torch.distributed as dist
+    n, r, steps = dist.get_world_size(), dist.get_rank(), []
+    reduced = _inputs(r, 4 * n, torch.float64, True).view(n, 4)               # (N, c)
+    ring_reduce_scatter(reduced, log=steps.append)
+    gathered = torch.zeros(n, 4, dtype=torch.float64)                         # (N, c)
+    gathered[r] = _inputs(r, 4, torch.float64, True)
+    ring_all_gather(gathered, log=steps.append)
+    summed = _inputs(r, 4 * n, torch.float64, True)
+    ring_all_reduce(summed)
+    return reduced[r], gathered, summed, steps
+
+
+def test_plain_ring_equals_the_sums_computed_here():
+    """The lecture's ring as written plainly, N = 3 (odd: an index off by one shows), against
+    every rank's input summed here: rank r's chunk r after reduce-scatter is the sum of the ranks'
+    chunks r, all-gather leaves rank i's chunk in row i on every rank, all-reduce is the sum on
+    every rank; exact (small integers). N-1 logged steps each; also under NCCL's rules."""
+    n = 3
+    total = sum(_inputs(i, 4 * n, torch.float64, True) for i in range(n))          # (N*c,)
+    rows = torch.stack([_inputs(i, 4, torch.float64, True) for i in range(n)])     # (N, c)
+    for nccl in (False, True):
+        for rank, (shard, gathered, summed, steps) in enumerate(run_ranks(_plain_ring, n, nccl=nccl)):
+            assert torch.equal(shard, total.view(n, 4)[rank]), (nccl, rank, shard)
+            assert torch.equal(gathered, rows), (nccl, rank, gathered)
+            assert torch.equal(summed, total), (nccl, rank, summed)
+            assert len(steps) == 2 * (n - 1) and f"rank {rank} sends chunk" in steps[0], steps
