@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import context_parallel
 import pipeline
-import tensor_parallel
+import tensor_parallel_gpt
 from bench_collectives import bench_collectives, collectives_report
 from bench_scaling import STRATEGIES as SCALED, bench_scaling, scaling_report
 from bench_measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report,
@@ -237,7 +237,7 @@ def with_lora(build, model, args):
 def ours_tp(model, args):
     # The whole world is one tensor group: every rank computes the same rows (WHOLE_BATCH).
     comm = our_comm()
-    tp = tensor_parallel.TensorParallelGPT(model, comm)
+    tp = tensor_parallel_gpt.TensorParallelGPT(model, comm)
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
     optimizer.split_model({"tp": comm})             # the norm sums the slices over the group
     return Run(tp, optimizer, comm, napkin_sent=tp.bytes_per_step(args.batch_size, args.seq_len))

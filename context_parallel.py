@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from collectives import Comm, as_comm, ring_bytes
-from conjugates import enter_region
+from tensor_parallel import gather_sequence
 from meters import BusyClock, saved_activation_bytes
 
 # ---- the split: which tokens a rank holds -------------------------------------------------------
@@ -150,13 +150,13 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock: BusyCl
 
     Every rank gathers every rank's K and V, and each query chunk attends to the keys up to its
     own end. Gathering forward and reduce-scattering backward is sequence parallelism's conjugate
-    pair (conjugates.enter_region): the gradient of this rank's keys is the sum of what every
-    rank's queries put into it. Autograd keeps the gathered K/V of the whole sequence per layer:
+    pair (tensor_parallel.gather_sequence): the gradient of this rank's keys is the sum of what
+    every rank's queries put into it. Autograd keeps the gathered K/V of the whole sequence per layer:
     the memory this naive version pays, where the ring keeps only its own block.
     """
     r, t = comm.rank, q.shape[2]
     kv = torch.stack([k, v]).permute(1, 3, 0, 2, 4)                           # (B, t, 2, H, D)
-    kv = enter_region(kv, comm, sequence_parallel=True)                        # (B, T, 2, H, D), rank order
+    kv = gather_sequence(kv, comm)                                             # (B, T, 2, H, D), rank order
     T = kv.shape[1]
     kv = kv.index_select(1, split.sequence_order(T, q.device))                 # sequence order
     keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)   # (B, H, T, D) each
