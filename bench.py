@@ -41,6 +41,7 @@ from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_nor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import context_parallel
+import context_parallel_gpt
 import pipeline
 import tensor_parallel_gpt
 from bench_collectives import bench_collectives, collectives_report
@@ -476,11 +477,11 @@ def ours_context_parallel(attention, model, args):
     """The whole world as one cp group (every rank reads the whole batch, keeps its zigzag chunks),
     gradients summed by our DDP over it."""
     comm = our_comm()
-    cp = context_parallel.ContextParallelGPT(model, comm, attention)
+    cp = context_parallel_gpt.ContextParallelGPT(model, comm, attention)
     ddp = DDP(cp, comm, bucket_mb=args.bucket_mb)
     return Run(ddp, MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
                                             **ADAMW), comm,
-               label=f"context_parallel.ContextParallelGPT({attention}, zigzag) + our DDP",
+               label=f"context_parallel_gpt.ContextParallelGPT({attention}, zigzag) + our DDP",
                napkin_sent=ddp.bytes_per_step() + cp.kv_bytes_per_step(args.batch_size, args.seq_len),
                bubbles=lambda: cp.idle_shares()[0])
 

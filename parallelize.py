@@ -22,7 +22,7 @@ import lora
 from checkpointing import checkpoint_blocks
 from cli import STRATEGIES, ring_choice
 from collectives import Comm, ring_bytes
-from context_parallel import ContextParallelGPT
+from context_parallel_gpt import ContextParallelGPT
 from ddp import DDP
 from flat import GradientSyncs
 from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy, gpt_blocks

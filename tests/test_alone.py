@@ -14,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # concept file -> the command the README's reading table gives for it
 COMMANDS = {
     "tensor_parallel": "torchrun --nproc_per_node 2 tensor_parallel.py",
+    "context_parallel": "torchrun --nproc_per_node 2 context_parallel.py",
 }
 
 

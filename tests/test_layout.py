@@ -21,7 +21,7 @@ CONCEPTS = {"mixed_precision": set(), "collectives": set(), "ddp": set(), "zero"
             "fsdp": {"offload", "fsdp_wrap", "fsdp_state", "fsdp_optimizer", "fsdp_hybrid",
                      "fsdp_offload", "fsdp_frozen"},
             "pipeline": {"schedules", "zero_bubble"},
-            "tensor_parallel": {"tensor_parallel_gpt"}, "context_parallel": {"tensor_parallel"},
+            "tensor_parallel": {"tensor_parallel_gpt"}, "context_parallel": {"tensor_parallel", "context_parallel_gpt"},
             "moe": set(), "lora": set(), "quantization": set(), "checkpointing": set()}
 LIMITS = {"lines": 380, "function": 60, "constructor": 6}
 # Still over the line limit, held where it stands so that it can only shrink (issue 38 is open
