@@ -17,6 +17,7 @@ from collectives import as_comm
 from context_parallel import ATTENTIONS, KV_COLLECTIVES, SequenceSplit, cp_kv_bytes
 from meters import BusyClock, saved_activation_bytes
 
+
 class ContextParallelGPT(nn.Module):
     """model.py's GPT over sequences split across the group's ranks (group: a Comm, a process group
     or None, the world). Every rank holds the whole model and gets the same rows (B, T); it keeps

@@ -2,8 +2,9 @@
 
 A pair of linears is split the Megatron way (Shoeybi et al. 2019, "Megatron-LM", section 3):
 the first by output columns, the second by input rows, so the nonlinearity between them is
-local and the pair costs one all-reduce forward (g) and one backward (f). Embedding, head and
-loss are split over the vocabulary (section 3, "input embedding"), and sequence parallelism
+local and the pair costs one all-reduce forward (g) and one backward (f). The embedding is split
+over the vocabulary (section 3, "input embedding"; the head and the loss over the whole GPT, with
+it: tensor_parallel_gpt.py), and sequence parallelism
 (Korthikanti et al. 2022, section 4.2.2) turns each all-reduce into a reduce-scatter and an
 all-gather so norms and dropout work on 1/N of the tokens. Left out: fused QKV, an RNG tracker
 for dropout inside the split region, overlapping these collectives with the matmuls.
@@ -42,7 +43,8 @@ from placements import place
 
 
 class _Conjugate(torch.autograd.Function):
-    # One row of the table: forward(x, comm) forward, backward(grad, comm) backward.
+    # One row of the table: the function `forward` moves x, `backward` moves its gradient back
+    # (each takes the tensor and the group).
     @staticmethod
     def forward(ctx, x, comm, forward, backward):
         ctx.comm, ctx.conjugate = comm, backward
@@ -64,7 +66,7 @@ def _all_reduced(x, comm):
 
 
 def _all_gathered(x, comm, dim=1):
-    """(.., n, ..) on each rank -> (.., N*n, ..): the ranks' pieces in rank order along dim."""
+    """(.., n, ..) on each rank -> (.., N*n, ..): the ranks' pieces in rank order along dim (1: T)."""
     local = x.movedim(dim, 0).contiguous()                                       # (n, ...)
     out = local.new_empty((comm.world_size * local.shape[0], *local.shape[1:]))  # (N*n, ...)
     comm.all_gather(out.view(-1), local.view(-1))
@@ -74,7 +76,8 @@ def _all_gathered(x, comm, dim=1):
 
 
 def _reduce_scattered(x, comm, dim=1):
-    """(.., N*n, ..) partial sums on each rank -> (.., n, ..): piece r of the sum, on rank r."""
+    """(.., N*n, ..) partial sums on each rank -> (.., n, ..) along dim (1: T): piece r of the
+    sum, on rank r."""
     full = x.movedim(dim, 0).contiguous()                                        # (N*n, ...)
     out = full.new_empty((full.shape[0] // comm.world_size, *full.shape[1:]))    # (n, ...)
     comm.reduce_scatter(out.view(-1), full.view(-1))
@@ -150,7 +153,7 @@ def leave_region(x, comm: Comm, sequence_parallel: bool):
 def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
     """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms;
     dim None: a whole copy, the same on every rank of the group. A frozen weight (LoRA's base)
-    stays frozen. The sizes divide by N: TensorParallelGPT checks them first (check_divisible)."""
+    stays frozen. The sizes divide by N: check_divisible, below, says so first."""
     if dim is None:
         return nn.Parameter(param.detach().clone(), param.requires_grad)
     shard = nn.Parameter(_my_piece(param.detach(), comm, dim).clone(), param.requires_grad)
@@ -234,8 +237,8 @@ class RowParallelLinear(_SplitLinear):
     def forward(self, y):                                        # (B, T, in/N), or (B, T, in)
         if not self.input_is_parallel:
             y = split_features(y, self.comm)                    # (B, T, in/N)
-        partial = self.local_product(y)                           # (B, T, out): this rank's share
-        z = leave_region(partial, self.comm, self.sequence_parallel)  # (B, T or T/N, out)
+        share = self.local_product(y)                             # (B, T, out): a partial sum
+        z = leave_region(share, self.comm, self.sequence_parallel)    # (B, T or T/N, out)
         return z + self.bias if self.bias is not None else z
 
 
