@@ -41,8 +41,9 @@ from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_nor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import context_parallel
+import context_parallel_gpt
 import pipeline
-import tensor_parallel
+import tensor_parallel_gpt
 from bench_collectives import bench_collectives, collectives_report
 from bench_scaling import STRATEGIES as SCALED, bench_scaling, scaling_report
 from bench_measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report,
@@ -237,7 +238,7 @@ def with_lora(build, model, args):
 def ours_tp(model, args):
     # The whole world is one tensor group: every rank computes the same rows (WHOLE_BATCH).
     comm = our_comm()
-    tp = tensor_parallel.TensorParallelGPT(model, comm)
+    tp = tensor_parallel_gpt.TensorParallelGPT(model, comm)
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
     optimizer.split_model({"tp": comm})             # the norm sums the slices over the group
     return Run(tp, optimizer, comm, napkin_sent=tp.bytes_per_step(args.batch_size, args.seq_len))
@@ -476,11 +477,11 @@ def ours_context_parallel(attention, model, args):
     """The whole world as one cp group (every rank reads the whole batch, keeps its zigzag chunks),
     gradients summed by our DDP over it."""
     comm = our_comm()
-    cp = context_parallel.ContextParallelGPT(model, comm, attention)
+    cp = context_parallel_gpt.ContextParallelGPT(model, comm, attention)
     ddp = DDP(cp, comm, bucket_mb=args.bucket_mb)
     return Run(ddp, MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
                                             **ADAMW), comm,
-               label=f"context_parallel.ContextParallelGPT({attention}, zigzag) + our DDP",
+               label=f"context_parallel_gpt.ContextParallelGPT({attention}, zigzag) + our DDP",
                napkin_sent=ddp.bytes_per_step() + cp.kv_bytes_per_step(args.batch_size, args.seq_len),
                bubbles=lambda: cp.idle_shares()[0])
 

@@ -13,22 +13,25 @@ gets them from the other ranks in one of two ways, the naive one beside the opti
 Causal masking leaves the rank with the first tokens idle; Llama 3's split (rank r holds chunks r
 and 2cp-1-r of 2cp, "zigzag") gives every rank the same work. Left out: attention dropout, lengths
 that do not divide into the chunks, fused attention kernels inside the ring, Ulysses' all-to-all.
-Run: torchrun --nproc_per_node 2 train.py --strategy cp --cp 2 [--cp-attention allgather] [--cp-balance none]
-Test: python -m pytest tests/test_context_parallel.py
+Run alone: torchrun --nproc_per_node 2 context_parallel.py; the GPT over a split sequence:
+context_parallel_gpt.py, trained by train.py --strategy cp --cp 2 [--cp-attention allgather]
+[--cp-balance none]. Test: python -m pytest tests/test_context_parallel.py
 
 Shapes: B batch, T sequence, H heads, D channels per head, C = H x D, cp ranks in the group, r
 this rank, t = T/cp tokens per rank, c tokens per chunk (t, or t/2 under zigzag).
 """
+import os
+import sys
 from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import Comm, as_comm, ring_bytes
-from conjugates import enter_region
-from meters import BusyClock, saved_activation_bytes
+from meters import BusyClock
+from tensor_parallel import gather_sequence
 
 # ---- the split: which tokens a rank holds -------------------------------------------------------
 #
@@ -150,13 +153,13 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock: BusyCl
 
     Every rank gathers every rank's K and V, and each query chunk attends to the keys up to its
     own end. Gathering forward and reduce-scattering backward is sequence parallelism's conjugate
-    pair (conjugates.enter_region): the gradient of this rank's keys is the sum of what every
-    rank's queries put into it. Autograd keeps the gathered K/V of the whole sequence per layer:
+    pair (tensor_parallel.gather_sequence): the gradient of this rank's keys is the sum of what
+    every rank's queries put into it. Autograd keeps the gathered K/V of the whole sequence per layer:
     the memory this naive version pays, where the ring keeps only its own block.
     """
     r, t = comm.rank, q.shape[2]
     kv = torch.stack([k, v]).permute(1, 3, 0, 2, 4)                           # (B, t, 2, H, D)
-    kv = enter_region(kv, comm, sequence_parallel=True)                        # (B, T, 2, H, D), rank order
+    kv = gather_sequence(kv, comm)                                             # (B, T, 2, H, D), rank order
     T = kv.shape[1]
     kv = kv.index_select(1, split.sequence_order(T, q.device))                 # sequence order
     keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)   # (B, H, T, D) each
@@ -291,89 +294,48 @@ def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str =
             "backward": (cp - 1) * kv * (bytes_per_value + max(bytes_per_value, 4))}
 
 
-# ---- the GPT, context parallel -------------------------------------------------------------------
+# ---- run alone: torchrun --nproc_per_node 2 context_parallel.py --------------------------------
 
-class ContextParallelGPT(nn.Module):
-    """model.py's GPT over sequences split across the group's ranks (group: a Comm, a process group
-    or None, the world). Every rank holds the whole model and gets the same rows (B, T); it keeps
-    its t = T/cp tokens of each, and each block's attention (model.py's `attend`) becomes
-    `attention` ("ring" or "allgather") over the group. zigzag: Llama 3's balanced split."""
+def _attention_against_one_process(comm: Comm, attention: str) -> dict:
+    """`attention` on this rank's zigzag chunks of a sequence against causal attention over the
+    whole sequence on one process, in fp64: {what: max |difference|} for the output (gathered back
+    into whole sequences) and the gradients of this rank's queries, keys and values."""
+    torch.manual_seed(0)                                           # the same sequence on every rank
+    q, k, v, probe = (torch.randn(2, 4, 32, 8, dtype=torch.float64) for _ in range(4))  # (B, H, T, D)
+    whole = [t.requires_grad_() for t in (q, k, v)]
+    one_process = F.scaled_dot_product_attention(*whole, is_causal=True)
+    (one_process * probe).sum().backward()                         # the loss: sum(output * probe)
+    split = SequenceSplit(comm.world_size)
+    mine = partial(split_sequence, split=split, rank=comm.rank, dim=2)   # (B, H, T, D) -> (B, H, t, D)
+    inputs = [mine(t.detach()).requires_grad_() for t in whole]
+    out = ATTENTIONS[attention](*inputs, comm, split, BusyClock())
+    (out * mine(probe)).sum().backward()
+    pairs = {"output": (unsplit_sequence(out.detach(), comm, split, dim=2), one_process),
+             **{f"d{name}": (x.grad, mine(t.grad)) for name, x, t in zip("qkv", inputs, whole)}}
+    return {what: (a - b).abs().max().item() for what, (a, b) in pairs.items()}
 
-    def __init__(self, gpt, group=None, attention: str = "ring", zigzag: bool = True):
-        super().__init__()
-        if attention not in ATTENTIONS:
-            raise ValueError(f"unknown context-parallel attention {attention!r}: choose "
-                             f"{' or '.join(ATTENTIONS)}")
-        if gpt.cfg.dropout or gpt.cfg.experts and gpt.cfg.routing_group is None:
-            raise ValueError("context parallelism here runs a model without dropout, and experts "
-                             "routed in groups: its attention has no dropout masks to regenerate "
-                             "block by block, and a router sees one rank's tokens only; use dropout 0 "
-                             "and a routing group inside one chunk of a sequence")
-        self.gpt, self.comm, self.attention = gpt, as_comm(group), attention
-        self.split = SequenceSplit(self.comm.world_size, zigzag)
-        self.clock = BusyClock()
-        # In place, so that model.py's forward (or a pipeline stage's part of it) runs on this
-        # rank's tokens: its positions in the sequence, and attention over the group.
-        gpt.positions_of = self._my_positions
-        for block in gpt.blocks:
-            if isinstance(block, nn.Identity):          # another pipeline stage's block
-                continue
-            block.attn.attend = partial(self._attend, ATTENTIONS[attention])
-        # True: the next training forward counts the bytes it keeps for backward (saved-tensor
-        # hooks) into activation_bytes. build() asks, for train.py's log; off otherwise, since
-        # hooks do not nest: ours would hide a caller's own.
-        self.count_activations, self.activation_bytes = False, None
-        self.kv_formula = None          # K/V bytes per step train.py's batch sends, predicted: build()
 
-    def _attend(self, attention, q, k, v, dropout_p: float):                 # (B, H, t, D) each
-        return attention(q, k, v, self.comm, self.split, self.clock)
+def main():
+    """Both attentions, the ring and the naive all-gather; every rank checks its own tokens."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    comm, bound, worst = as_comm(None), 1e-12, 0.0
+    for attention in ATTENTIONS:
+        differences = _attention_against_one_process(comm, attention)
+        worst = max(worst, *differences.values())
+        if comm.rank == 0:
+            print(f"{attention} attention, rank 0's tokens: "
+                  + ", ".join(f"{what} {d:.1e}" for what, d in differences.items()))
+    everywhere = torch.tensor([worst], dtype=torch.float64)
+    comm.all_reduce(everywhere, op="max")
+    dist.destroy_process_group()
+    if comm.rank == 0:
+        print(f"max |difference| from one process on {comm.world_size} ranks: {everywhere.item():.1e} "
+              f"(bound {bound:g}: fp64 sums in another order, the ring's online softmax)")
+    sys.exit(everywhere.item() > bound)
 
-    def _my_positions(self, t: int, device) -> torch.Tensor:      # (t,) of the T = cp x t
-        return self.split.positions(self.comm.rank, t * self.comm.world_size, device)
 
-    def local_tokens(self, idx, targets=None):             # (B, T) each -> (B, t) each
-        """This rank's tokens of whole sequences (and of their targets, if given)."""
-        T = idx.shape[1]
-        if T > self.gpt.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.gpt.cfg.block_size}: use "
-                             f"a shorter --seq-len or a larger model preset")
-        positions = self.split.positions(self.comm.rank, T, idx.device)      # (t,)
-        return idx[:, positions], None if targets is None else targets[:, positions]
-
-    def forward(self, idx, targets=None):                  # idx: (B, T), the same on the group's ranks
-        idx, targets = self.local_tokens(idx, targets)
-
-        def run():
-            # model.py's own forward on this rank's tokens: (B, t) -> (B, t, C) -> logits (B, t, V).
-            # The loss: the mean over this rank's B x t tokens; every rank holds as many, so the
-            # mean over the ranks (DDP's average) is the mean over the whole batch.
-            return self.gpt(idx, targets)
-        if self.count_activations and self.training and torch.is_grad_enabled():
-            self.count_activations = False
-            self.activation_bytes, result = saved_activation_bytes(run, exclude=list(self.gpt.parameters()))
-            return result
-        return run()
-
-    def idle_shares(self) -> tuple[list[float], list[float]]:
-        """(measured, predicted) idle share of each rank of the group in attention's forward compute
-        since the last call: measured by the clock (BusyClock.idle_shares), predicted by counting the
-        causal mask's blocks (SequenceSplit.predicted_idle). Collective over the group."""
-        device = next(self.gpt.parameters()).device
-        return self.clock.idle_shares(self.comm.group, device), self.split.predicted_idle()
-
-    def kv_bytes_sent(self) -> int:
-        """What the attention sent since the byte counter was last cleared."""
-        return sum(self.comm.bytes_sent[name] for name in KV_COLLECTIVES)
-
-    def kv_bytes_per_step(self, batch: int, seq_len: int, micro_batches: int = 1,
-                          recomputed: int = 0) -> int:
-        """K/V bytes this rank sends per step (cp_kv_bytes for every layer and micro-batch):
-        batch rows per rank; recomputed: checkpointed blocks, whose forward runs again in backward.
-        A pipeline stage counts its own blocks; a tensor-parallel rank its own heads' K/V."""
-        cfg = self.gpt.cfg
-        blocks = [block for block in self.gpt.blocks if not isinstance(block, nn.Identity)]
-        hidden = cfg.n_embd * blocks[0].attn.n_head // cfg.n_head          # C, or C/tp
-        layer = cp_kv_bytes(seq_len, batch // micro_batches, hidden, self.comm.world_size,
-                            self.attention, blocks[0].norm1.weight.element_size())
-        return micro_batches * (len(blocks) * (layer["forward"] + layer["backward"])
-                                + recomputed * layer["forward"])
+if __name__ == "__main__":
+    if "RANK" not in os.environ:
+        sys.exit("context_parallel.py runs on several processes: torchrun --nproc_per_node 2 context_parallel.py")
+    main()

@@ -539,8 +539,8 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
             whole = 6 * C * blocks + (cfg.block_size * C if first else 0) + (2 * C if last else 0)
             # ZeRO-2 and FSDP read gradients during backward, and context parallelism wraps the
             # tensor-parallel model: summed in backward there, every micro-batch
-            # (tensor_parallel.sum_partial_in_backward; C divides by tp, so no padding), unless a
-            # zero-bubble pipeline holds the backwards' reductions: once, at its finish
+            # (TensorParallelGPT.sum_partial_in_backward; C divides by tp, so no padding), unless
+            # a zero-bubble pipeline holds the backwards' reductions: once, at its finish
             zb = pp > 1 and schedule == "zb"
             times = micro_batches if (strategy in ("zero2", "zero3") or cp > 1) and not zb else 1
             sent["tp"] += times * ring_bytes("all_reduce", whole, size, tp)

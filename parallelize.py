@@ -22,8 +22,7 @@ import lora
 from checkpointing import checkpoint_blocks
 from cli import STRATEGIES, ring_choice
 from collectives import Comm, ring_bytes
-from conjugates import leave_region
-from context_parallel import ContextParallelGPT
+from context_parallel_gpt import ContextParallelGPT
 from ddp import DDP
 from flat import GradientSyncs
 from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy, gpt_blocks
@@ -40,7 +39,8 @@ from placements import by_reduction
 from process_groups import make_device_mesh, make_mesh
 from schedules import COMPUTE, make_schedule, message
 from snapshot import RunError, load_weights, refused
-from tensor_parallel import TensorParallelGPT
+from tensor_parallel import g
+from tensor_parallel_gpt import TensorParallelGPT
 from zero import ZeroOptimizer, zero_optimizer
 
 
@@ -321,7 +321,7 @@ def group_balance_losses(gpt, tensor: Comm):
     every rank, and backward hands each rank 1/N of its own part, summed over the group with the
     experts' partial gradients."""
     def group_mean(moe, args, output):
-        moe.aux_loss = leave_region(moe.aux_loss / tensor.world_size, tensor)         # g
+        moe.aux_loss = g(moe.aux_loss / tensor.world_size, tensor)    # Megatron's g
     for block in gpt.blocks:
         if isinstance(block.mlp, MoE):
             block.mlp.register_forward_hook(group_mean)

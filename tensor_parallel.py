@@ -2,29 +2,137 @@
 
 A pair of linears is split the Megatron way (Shoeybi et al. 2019, "Megatron-LM", section 3):
 the first by output columns, the second by input rows, so the nonlinearity between them is
-local and the pair costs one all-reduce forward (g) and one backward (f). Embedding, head and
-loss are split over the vocabulary (section 3, "input embedding"), and sequence parallelism
+local and the pair costs one all-reduce forward (g) and one backward (f). The embedding is split
+over the vocabulary (section 3, "input embedding"; the head and the loss over the whole GPT, with
+it: tensor_parallel_gpt.py), and sequence parallelism
 (Korthikanti et al. 2022, section 4.2.2) turns each all-reduce into a reduce-scatter and an
 all-gather so norms and dropout work on 1/N of the tokens. Left out: fused QKV, an RNG tracker
-for dropout inside the split region, overlapping these collectives with the matmuls. f and g
-and their sequence-parallel forms (enter_region, leave_region), which the layers call, are in
-conjugates.py: read it first.
-Run: torchrun --nproc_per_node 2 train.py --strategy tp --tp 2; test: pytest tests/test_tensor_parallel.py
+for dropout inside the split region, overlapping these collectives with the matmuls.
+Run alone: torchrun --nproc_per_node 2 tensor_parallel.py; in training: train.py --strategy tp --tp 2
+Test: python -m pytest tests/test_tensor_parallel.py
 
 Shapes: B batch, T sequence, C channels, H heads, V vocabulary, N tensor-parallel size, r rank
 in the tensor group; M = B x T tokens. "/N" marks this rank's part of a split dimension.
 """
-import contextlib
+import os
+import sys
+from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from collectives import Comm, as_comm, ring_bytes
-# Megatron's f and g and their sequence-parallel forms, shared with context parallelism:
-from conjugates import _gather_features, _my_piece, _split_features, enter_region, leave_region
-from model import MLP, at_least_fp32
-from placements import place, placement
+from collectives import Comm, as_comm
+from model import MLP
+from placements import place
+
+# ---- Megatron's f and g: a collective forward, its conjugate backward ------------------------
+#
+# A split region starts where every rank needs the whole activation and ends where each holds
+# a partial sum of it. Each crossing moves activations forward with one collective and their
+# gradients backward with its conjugate: what one does forward, the other does backward.
+#
+#                      forward                 backward
+#   f                  identity                all-reduce      enter a split region
+#   g                  all-reduce              identity        leave it
+#   gather_sequence    all-gather along T      reduce-scatter  f under sequence parallelism
+#   scatter_sequence   reduce-scatter along T  all-gather      g under sequence parallelism
+#   gather_features    all-gather along C      keep my slice   a column layer's gather_output
+#   split_features     keep my slice of C      all-gather      a row layer's whole input
+
+
+class _Conjugate(torch.autograd.Function):
+    # One row of the table: the function `forward` moves x, `backward` moves its gradient back
+    # (each takes the tensor and the group).
+    @staticmethod
+    def forward(ctx, x, comm, forward, backward):
+        ctx.comm, ctx.conjugate = comm, backward
+        return forward(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.conjugate(grad, ctx.comm), None, None, None
+
+
+def _identity(x, comm):
+    return x.view_as(x)             # a new tensor (a view) for autograd to attach to, not x itself
+
+
+def _all_reduced(x, comm):
+    out = x.contiguous().clone()    # a copy: x itself may be saved for backward or read elsewhere
+    comm.all_reduce(out)
+    return out
+
+
+def _all_gathered(x, comm, dim=1):
+    """(.., n, ..) on each rank -> (.., N*n, ..): the ranks' pieces in rank order along dim (1: T)."""
+    local = x.movedim(dim, 0).contiguous()                                       # (n, ...)
+    out = local.new_empty((comm.world_size * local.shape[0], *local.shape[1:]))  # (N*n, ...)
+    comm.all_gather(out.view(-1), local.view(-1))
+    # Contiguous in the caller's layout: the linears that read it keep one copy for backward,
+    # where a strided view would be copied (and kept) by each of them.
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scattered(x, comm, dim=1):
+    """(.., N*n, ..) partial sums on each rank -> (.., n, ..) along dim (1: T): piece r of the
+    sum, on rank r."""
+    full = x.movedim(dim, 0).contiguous()                                        # (N*n, ...)
+    out = full.new_empty((full.shape[0] // comm.world_size, *full.shape[1:]))    # (n, ...)
+    comm.reduce_scatter(out.view(-1), full.view(-1))
+    return out.movedim(0, dim).contiguous()
+
+
+def _my_piece(x, comm, dim=-1):
+    return x.chunk(comm.world_size, dim)[comm.rank].contiguous()
+
+
+def f(x, comm: Comm):
+    """Enter a split region. Every rank feeds the same x into its own columns; x's gradient is the
+    sum of the parts each rank's columns contributed, so backward adds them up over the group."""
+    return _Conjugate.apply(x, comm, _identity, _all_reduced)
+
+
+def g(x, comm: Comm):
+    """Leave a split region. Each rank holds a partial sum of the output (its rows of the second
+    matrix): forward adds them; the sum's gradient flows unchanged to every addend."""
+    return _Conjugate.apply(x, comm, _all_reduced, _identity)
+
+
+def gather_sequence(x, comm: Comm):
+    """f under sequence parallelism: (B, T/N, ..) -> (B, T, ..). Every rank's whole-sequence copy
+    feeds its own columns, so the gradient of rank r's tokens is the sum over ranks of their rows
+    r: a reduce-scatter."""
+    return _Conjugate.apply(x, comm, _all_gathered, _reduce_scattered)
+
+
+def scatter_sequence(x, comm: Comm):
+    """g under sequence parallelism: partial (B, T, C) -> (B, T/N, C) of the sum, g's all-reduce
+    without its all-gather half. Every rank's rows need rank r's tokens' gradient: all-gather."""
+    return _Conjugate.apply(x, comm, _reduce_scattered, _all_gathered)
+
+
+def gather_features(x, comm: Comm):
+    """(.., out/N) -> (.., out): rank r's output columns came from its own weights only, so
+    backward keeps its own columns of the gradient."""
+    return _Conjugate.apply(x, comm, partial(_all_gathered, dim=-1), _my_piece)
+
+
+def split_features(x, comm: Comm):
+    """(.., in) -> (.., in/N): the conjugate of gather_features."""
+    return _Conjugate.apply(x, comm, _my_piece, partial(_all_gathered, dim=-1))
+
+
+def enter_region(x, comm: Comm, sequence_parallel: bool):
+    """f, or its sequence-parallel form: (B, T or T/N, C) -> (B, T, C)."""
+    return gather_sequence(x, comm) if sequence_parallel else f(x, comm)
+
+
+def leave_region(x, comm: Comm, sequence_parallel: bool):
+    """g, or its sequence-parallel form: partial (B, T, C) -> (B, T or T/N, C)."""
+    return scatter_sequence(x, comm) if sequence_parallel else g(x, comm)
+
 
 # ---- the layers ---------------------------------------------------------------------------------
 #
@@ -39,12 +147,13 @@ from placements import place, placement
 # A linear may add a term of its own beside x W^T (LoRA's low-rank update, lora.py). It then
 # carries split_alongside(layer, dim, shard): it puts its parameters on the split layer, sliced
 # to match W's split (shard(param, dim), dim None: whole), and returns term(layer, x), which the
-# layer adds to its local product, inside the region: g sums it with the partial products.
+# layer adds to its local product, inside the region: g sums it with the partial products. A
+# whole parameter used there gets from each rank only that rank's share of its gradient.
 
 def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
     """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms;
     dim None: a whole copy, the same on every rank of the group. A frozen weight (LoRA's base)
-    stays frozen. The sizes divide by N: TensorParallelGPT checks them first (check_divisible)."""
+    stays frozen. The sizes divide by N: check_divisible, below, says so first."""
     if dim is None:
         return nn.Parameter(param.detach().clone(), param.requires_grad)
     shard = nn.Parameter(_my_piece(param.detach(), comm, dim).clone(), param.requires_grad)
@@ -70,8 +179,16 @@ class _SplitLinear(nn.Module):
         # layer, which adds it once, after the partial products are summed.
         bias_dim = 0 if dim == 0 else None
         self.bias = _shard(linear.bias, self.comm, bias_dim) if linear.bias is not None else None
+        self.whole_in_region = []       # the term's whole parameters: their gradients are partial
         split = getattr(linear, "split_alongside", None)
-        self.term = split(self, dim, lambda param, d: _shard(param, self.comm, d)) if split else None
+        self.term = split(self, dim, self._term_piece) if split else None
+
+    def _term_piece(self, param, dim):
+        """The term's param on this layer: its slice along dim, or with dim None a whole copy."""
+        piece = _shard(param, self.comm, dim)
+        if dim is None:
+            self.whole_in_region.append(piece)
+        return piece
 
     def local_product(self, x, bias=None):
         """This rank's product x W_r^T (+ b), plus the linear's own term if it brought one."""
@@ -101,7 +218,7 @@ class ColumnParallelLinear(_SplitLinear):
         if self.enter:
             x = enter_region(x, self.comm, self.sequence_parallel)          # (B, T, in)
         y = self.local_product(x, self.bias)                                  # (B, T, out/N)
-        return _gather_features(y, self.comm) if self.gather_output else y
+        return gather_features(y, self.comm) if self.gather_output else y
 
 
 class RowParallelLinear(_SplitLinear):
@@ -119,9 +236,9 @@ class RowParallelLinear(_SplitLinear):
 
     def forward(self, y):                                        # (B, T, in/N), or (B, T, in)
         if not self.input_is_parallel:
-            y = _split_features(y, self.comm)                   # (B, T, in/N)
-        partial = self.local_product(y)                           # (B, T, out): this rank's share
-        z = leave_region(partial, self.comm, self.sequence_parallel)  # (B, T or T/N, out)
+            y = split_features(y, self.comm)                    # (B, T, in/N)
+        share = self.local_product(y)                             # (B, T, out): a partial sum
+        z = leave_region(share, self.comm, self.sequence_parallel)    # (B, T or T/N, out)
         return z + self.bias if self.bias is not None else z
 
 
@@ -154,47 +271,13 @@ class VocabParallelEmbedding(nn.Module):
         return leave_region(rows, self.comm, self.sequence_parallel)        # (B, T or T/N, C)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    # log-softmax needs two numbers per token over the whole vocabulary, the max and the sum
-    # of exponentials, plus the target's logit, held by one rank: three all-reduces of M
-    # numbers instead of gathering M x V logits. The gradient, softmax - one_hot, is local.
-    @staticmethod
-    def forward(ctx, logits, targets, comm):                     # logits (M, V/N), targets (M,)
-        shard = logits.shape[-1]
-        top = logits.max(dim=-1).values                          # (M,)
-        comm.all_reduce(top, op="max")
-        shifted = logits - top.unsqueeze(-1)                     # (M, V/N), at most 0: exp cannot overflow
-        local = targets - comm.rank * shard
-        mine = (local >= 0) & (local < shard)                    # (M,): this rank holds the target
-        local = local.clamp(0, shard - 1)
-        target_logit = shifted.gather(1, local.unsqueeze(1)).squeeze(1) * mine   # (M,)
-        comm.all_reduce(target_logit)
-        exp = shifted.exp()
-        total = exp.sum(dim=-1)                                  # (M,)
-        comm.all_reduce(total)
-        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), local, mine)
-        return total.log() - target_logit                        # (M,) per-token loss
-
-    @staticmethod
-    def backward(ctx, grad):                                     # grad (M,)
-        softmax, local, mine = ctx.saved_tensors
-        grad_logits = softmax.clone()                            # (M, V/N)
-        rows = torch.arange(grad_logits.shape[0], device=grad.device)
-        grad_logits[rows, local] -= mine.to(grad_logits.dtype)
-        return grad_logits * grad.unsqueeze(-1), None, None
-
-
-def vocab_parallel_cross_entropy(logits, targets, group=None):
-    """Mean cross-entropy of (M, V/N) logit shards against (M,) targets; equals F.cross_entropy."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, as_comm(group)).mean()
-
-
-# ---- the GPT, parallelized ------------------------------------------------------------------
+# ---- a transformer block, split --------------------------------------------------------------
 #
 #   x (B, T/N, C) --norm1--> f/gather --> query, key, value (columns: H/N heads each) --> attention
 #     ^                                       --> output (rows) --> g/scatter --> + x --> norm2 ...
 #   with sequence parallelism the residual stream, the norms and dropout hold T/N tokens per
-#   rank; without it all T, the same on every rank of the tensor group.
+#   rank; without it all T, the same on every rank of the tensor group. The whole GPT (its
+#   embedding, head and loss split over the vocabulary too): tensor_parallel_gpt.py.
 
 def check_divisible(cfg, n: int):
     """Raise one message naming the fix if the model does not split into n equal parts."""
@@ -207,134 +290,77 @@ def check_divisible(cfg, n: int):
                              f"vocab_size={cfg.vocab_size}")
 
 
-class TensorParallelGPT(nn.Module):
-    """model.py's GPT with its matrices split, in place, over the tensor group (group: a Comm, a
-    process group or None, the world): each rank keeps its slices, the module to train. Every
-    rank must start from the same weights (the same seed)."""
+def split_block(block, comm: Comm, sequence_parallel: bool = False):
+    """model.py's Block split in place over the group: attention's heads (query, key and value
+    by columns, H/N heads each, the output by rows), and the MLP's up by columns and down by rows
+    if it is model.py's pair of linears; any other MLP (a mixture of experts) stays whole."""
+    sp = dict(group=comm, sequence_parallel=sequence_parallel)
+    attn, mlp = block.attn, block.mlp
+    for name in ("query", "key", "value"):
+        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), comm, enter=False))
+    attn.output = RowParallelLinear.from_linear(attn.output, **sp)
+    attn.n_head //= comm.world_size                           # H/N heads per rank, same code
+    split = [attn]
+    if isinstance(mlp, MLP):
+        mlp.up = ColumnParallelLinear.from_linear(mlp.up, comm, enter=False)
+        mlp.down = RowParallelLinear.from_linear(mlp.down, **sp)
+        split.append(mlp)
+    # Query, key and value read one input: enter the region once for all three, so
+    # backward sums their input gradients in one all-reduce, not three.
+    for sublayer in split:
+        sublayer.register_forward_pre_hook(
+            lambda _, args: (enter_region(args[0], comm, sequence_parallel),))
 
-    def __init__(self, gpt, group=None, sequence_parallel: bool = False):
-        super().__init__()
-        self.comm = comm = as_comm(group)
-        check_divisible(gpt.cfg, comm.world_size)
-        self.gpt, self.sequence_parallel = gpt, sequence_parallel
-        sp = dict(group=comm, sequence_parallel=sequence_parallel)
-        for block in gpt.blocks:
-            self._split_block(block)
-        gpt.token_emb = VocabParallelEmbedding.from_embedding(gpt.token_emb, **sp)
-        gpt.head = ColumnParallelLinear.from_linear(gpt.head, **sp)  # logits (B, T, V/N)
-        if gpt.cfg.tie_embeddings:
-            gpt.head.weight = gpt.token_emb.weight               # the same (V/N, C) rows
-        # With sequence parallelism a replicated weight (norms, position embedding, the row
-        # layers' biases) sees only this rank's tokens: its gradient is a partial sum. So is a
-        # whole parameter of a split layer's own term (split_alongside: LoRA's), with or without it.
-        if sequence_parallel:
-            for p in gpt.parameters():
-                if "tp" not in placement(p).shard:
-                    place(p, partial="tp")
-        self.partial = [p for p in gpt.parameters() if p.requires_grad and placement(p).partial == "tp"]
-        # model.py's own forward runs on the split layers: (B, T or T/N, C) through the blocks,
-        # then logits (B, T, V/N), never gathered, into the loss over the split vocabulary.
-        gpt.loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(
-            at_least_fp32(logits).flatten(0, 1), targets.flatten(), comm)
-        if sequence_parallel:
-            # The positions of the T tokens this rank's group holds (whole sequences, or with
-            # context parallelism its chunks of them: parallelize.py sets it), of which this
-            # rank embeds 1/N.
-            self.group_positions = gpt.positions_of
-            gpt.positions_of = self._my_positions
 
-    def _split_block(self, block):
-        """Attention's heads over the group, and the MLP's columns if it is model.py's pair of
-        linears; any other MLP (a mixture of experts: parallelize.py) stays whole on every rank."""
-        comm, sequence_parallel = self.comm, self.sequence_parallel
-        sp = dict(group=comm, sequence_parallel=sequence_parallel)
-        attn, mlp = block.attn, block.mlp
-        for name in ("query", "key", "value"):
-            setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), comm, enter=False))
-        attn.output = RowParallelLinear.from_linear(attn.output, **sp)
-        attn.n_head //= comm.world_size                           # H/N heads per rank, same code
-        split = [attn]
-        if isinstance(mlp, MLP):
-            mlp.up = ColumnParallelLinear.from_linear(mlp.up, comm, enter=False)
-            mlp.down = RowParallelLinear.from_linear(mlp.down, **sp)
-            split.append(mlp)
-        # Query, key and value read one input: enter the region once for all three, so
-        # backward sums their input gradients in one all-reduce, not three.
-        for sublayer in split:
-            sublayer.register_forward_pre_hook(
-                lambda _, args: (enter_region(args[0], comm, sequence_parallel),))
+# ---- run alone: torchrun --nproc_per_node 2 tensor_parallel.py ---------------------------------
 
-    def _my_positions(self, T: int, device) -> torch.Tensor:        # sequence parallelism: (T/N,)
-        n = self.comm.world_size
-        if T % n:
-            raise ValueError(f"sequence parallelism splits the sequence ({T} tokens) into "
-                             f"{n} equal parts: use a --seq-len divisible by {n}")
-        return self.group_positions(T, device).chunk(n)[self.comm.rank]
+def _split_mlp_against_one_process(comm: Comm, sequence_parallel: bool) -> dict:
+    """An MLP, up (C -> 4C) split by columns then down (4C -> C) by rows, forward and backward
+    on this rank against the unsplit MLP on one process, in fp64: {what: max |difference|}."""
+    torch.manual_seed(0)                              # the same weights and batch on every rank
+    up, down = nn.Linear(16, 64, dtype=torch.float64), nn.Linear(64, 16, dtype=torch.float64)
+    x = torch.randn(2, 8, 16, dtype=torch.float64, requires_grad=True)        # (B, T, C)
+    probe = torch.randn(2, 8, 16, dtype=torch.float64)    # the loss: sum(output * probe)
+    (down(F.gelu(up(x))) * probe).sum().backward()        # one process: the whole MLP
+    column = ColumnParallelLinear.from_linear(up, comm, sequence_parallel=sequence_parallel)
+    row = RowParallelLinear.from_linear(down, comm, sequence_parallel=sequence_parallel)
+    # With sequence parallelism each rank holds T/N tokens outside the region: its slice of
+    # x, of the output and of x's gradient.
+    tokens = partial(_my_piece, comm=comm, dim=1) if sequence_parallel else (lambda t: t)
+    mine = tokens(x.detach()).requires_grad_()
+    out = row(F.gelu(column(mine)))                       # (B, T or T/N, C)
+    (out * tokens(probe)).sum().backward()
+    if sequence_parallel:      # the bias, added after g, saw this rank's tokens only: a partial sum
+        comm.all_reduce(row.bias.grad)
+    pairs = {"output": (out, tokens(down(F.gelu(up(x))))), "input gradient": (mine.grad, tokens(x.grad)),
+             "column weight gradient": (column.weight.grad, _my_piece(up.weight.grad, comm, 0)),
+             "row weight gradient": (row.weight.grad, _my_piece(down.weight.grad, comm, 1)),
+             "biases' gradients": (torch.cat([column.bias.grad, row.bias.grad]),
+                                   torch.cat([_my_piece(up.bias.grad, comm, 0), down.bias.grad]))}
+    return {what: (a - b).abs().max().item() for what, (a, b) in pairs.items()}
 
-    def forward(self, idx, targets=None):                        # idx: (B, T), the same on the group
-        return self.gpt(idx, targets)
 
-    def sum_partial_in_backward(self):
-        """For a data dimension that reduces gradients during backward (ZeRO-2's buckets, FSDP's
-        units: their hooks read .grad as soon as it is accumulated): sum each partial gradient
-        over the group as autograd computes it, before those hooks, one all-reduce per weight
-        and micro-batch, instead of once after backward. Every rank of the group runs the same
-        graph, so the all-reduces come in the same order on all of them."""
-        for p in self.partial:
-            p.register_hook(self._summed)
-        self.summed_in_backward = True
+def main():
+    """Both forms, f and g and then sequence parallelism's; every rank checks its own pieces."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    comm, bound, worst = as_comm(None), 1e-12, 0.0
+    for sequence_parallel in (False, True):
+        differences = _split_mlp_against_one_process(comm, sequence_parallel)
+        worst = max(worst, *differences.values())
+        if comm.rank == 0:
+            print(f"{'sequence parallel' if sequence_parallel else 'f and g'}, rank 0's pieces: "
+                  + ", ".join(f"{what} {d:.1e}" for what, d in differences.items()))
+    everywhere = torch.tensor([worst], dtype=torch.float64)
+    comm.all_reduce(everywhere, op="max")
+    dist.destroy_process_group()
+    if comm.rank == 0:
+        print(f"max |difference| from one process on {comm.world_size} ranks: {everywhere.item():.1e} "
+              f"(bound {bound:g}: fp64 sums reordered)")
+    sys.exit(everywhere.item() > bound)
 
-    def _summed(self, grad):
-        total = grad.contiguous().clone()
-        self.comm.all_reduce(total)
-        return total
 
-    summed_in_backward = False
-
-    keeps_whole_gradients = True        # flat.GradientSyncs: partial sums add up unreduced
-
-    def no_sync(self):
-        """Partial gradients of several backwards add up where they are and are summed once, at
-        the finish (or each in its own backward: sum_partial_in_backward): nothing to hold."""
-        return contextlib.nullcontext()
-
-    def finish_gradient_sync(self):
-        """After backward: sum the partial gradients of replicated weights (sequence parallelism,
-        LoRA factors), unless backward did (sum_partial_in_backward)."""
-        if self.summed_in_backward:
-            return
-        grads = [p.grad for p in self.partial if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])     # one message, not one per tensor
-            self.comm.all_reduce(flat)
-            for g, total in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(total.view_as(g))
-
-    def bytes_per_step(self, batch: int, seq_len: int, micro_batches: int = 1) -> int:
-        """Bytes this rank sends per step for the activations (ring formula), batch rows per rank
-        (seq_len: its tokens of each, under context parallelism).
-
-        Each split sublayer (attention, and model.py's MLP) sends 1 all-reduce forward and 1
-        backward of (B, T, C); embedding and head one each; with sequence parallelism each
-        all-reduce is a reduce-scatter + all-gather pair of the same volume. The loss adds 3 x M
-        fp32 numbers; the gradient norm one; the partial gradients one all-reduce a step (summed
-        in backward: one per weight and micro-batch). A pipeline stage (pipeline.GPTStage) counts
-        its own blocks, and the embedding or head if it has them.
-        """
-        gpt, n = self.gpt, self.comm.world_size
-        # Each split sublayer ends in one row layer: its g (attention's output, the MLP's down).
-        sublayers = sum(isinstance(m, RowParallelLinear) for m in gpt.modules())
-        first, last = gpt.pos_emb is not None, gpt.head is not None
-        # With the embeddings frozen (LoRA) nothing before the first block needs its input's
-        # gradient: autograd never computes it, nor the first sublayer's backward all-reduce.
-        skipped = first and not (gpt.token_emb.weight.requires_grad or gpt.pos_emb.weight.requires_grad)
-        size = next(gpt.parameters()).element_size()
-        m = batch // micro_batches * seq_len
-        per_micro = (2 * sublayers + first + last - skipped) * ring_bytes("all_reduce", m * gpt.cfg.n_embd,
-                                                                         size, n)
-        per_micro += 3 * ring_bytes("all_reduce", m, 4, n) if last else 0
-        held = {id(p) for p in gpt.parameters()}        # a pipeline stage's: its own parts only
-        partial = [p.numel() for p in self.partial if id(p) in held]
-        sync = (micro_batches * sum(ring_bytes("all_reduce", numel, size, n) for numel in partial)
-                if self.summed_in_backward else ring_bytes("all_reduce", sum(partial), size, n))
-        return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, 4, n)
+if __name__ == "__main__":
+    if "RANK" not in os.environ:
+        sys.exit("tensor_parallel.py runs on several processes: torchrun --nproc_per_node 2 tensor_parallel.py")
+    main()

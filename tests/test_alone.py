@@ -15,6 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMMANDS = {
     "ddp": "torchrun --nproc_per_node 2 ddp.py",
     "collectives": "torchrun --nproc_per_node 2 collectives.py",
+    "tensor_parallel": "torchrun --nproc_per_node 2 tensor_parallel.py",
+    "context_parallel": "torchrun --nproc_per_node 2 context_parallel.py",
 }
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import context_parallel as cp_module
+from context_parallel_gpt import ContextParallelGPT
 import memory
 from collectives import Comm
 from context_parallel import cp_kv_bytes
@@ -198,7 +199,7 @@ def _kept_bytes(attention):
     """Bytes one forward keeps for backward on this rank (saved-tensor hooks), whole batch (4, 64)."""
     torch.manual_seed(0)
     gpt = GPT(CFG)
-    model = cp_module.ContextParallelGPT(gpt, Comm(), attention)
+    model = ContextParallelGPT(gpt, Comm(), attention)
     x = torch.randint(0, CFG.vocab_size, (4, 64))
     kept, _ = saved_activation_bytes(lambda: model(x, x), exclude=list(gpt.parameters()))
     return kept

@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # the flat buffer, mixed precision and the number formats (dtypes, and 4-bit NormalFloat, which
 # QLoRA's frozen base is stored in), the model, the groups; and no_numpy, imported before torch
 # by a file that runs as a program.
-FOUNDATIONS = {"collectives", "launch", "conjugates", "meters", "placements", "flat",
+FOUNDATIONS = {"collectives", "launch", "meters", "placements", "flat",
                "mixed_precision", "dtypes", "quantization", "model", "process_groups", "no_numpy"}
 # The lecture's concepts, in reading order; beside each, the files that are its own (a
 # sub-file, or an extension that reads as a delta after its core).
@@ -21,8 +21,8 @@ CONCEPTS = {"mixed_precision": set(), "collectives": set(), "ddp": set(), "zero"
             "fsdp": {"offload", "fsdp_wrap", "fsdp_state", "fsdp_optimizer", "fsdp_hybrid",
                      "fsdp_offload", "fsdp_frozen"},
             "pipeline": {"schedules", "zero_bubble"},
-            "tensor_parallel": set(), "context_parallel": set(), "moe": set(), "lora": set(),
-            "quantization": set(), "checkpointing": set()}
+            "tensor_parallel": {"tensor_parallel_gpt"}, "context_parallel": {"tensor_parallel", "context_parallel_gpt"},
+            "moe": set(), "lora": set(), "quantization": set(), "checkpointing": set()}
 LIMITS = {"lines": 380, "function": 60, "constructor": 6}
 # Still over the line limit, held where it stands so that it can only shrink (issue 38 is open
 # for it).

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tensor_parallel as tp
+from tensor_parallel_gpt import TensorParallelGPT, vocab_parallel_cross_entropy
 from collectives import Comm
 from equivalence import AdamDenominators, Fp64AdamW, assert_adam_close, train_noting_adam
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
@@ -114,7 +115,7 @@ def _layers():
     targets = torch.randint(0, 12, (B * T,))
     F.cross_entropy(logits, targets).backward()
     mine = logits.detach().chunk(n, -1)[r].requires_grad_()
-    loss = tp.vocab_parallel_cross_entropy(mine, targets, comm)
+    loss = vocab_parallel_cross_entropy(mine, targets, comm)
     loss.backward()
     results["cross_entropy"] = {"loss": (loss.detach(), F.cross_entropy(logits, targets).detach()),
                                 "grad": (mine.grad, logits.grad.chunk(n, -1)[r])}
@@ -204,7 +205,7 @@ def _gpt_train(tp_size, sequence_parallel, tied=False, precision="fp32"):
     comm = Comm()
     tensor, data = make_mesh(comm, tp_size)
     gpt = _gpt(tied, precision)
-    tp_model = tp.TensorParallelGPT(gpt, tensor, sequence_parallel)
+    tp_model = TensorParallelGPT(gpt, tensor, sequence_parallel)
     model = DDP(tp_model, data) if data.world_size > 1 else tp_model
     optimizer = _optimizer(gpt, tensor, precision)
     losses, scales = [], []
@@ -343,7 +344,7 @@ def _traffic(sequence_parallel):
     for layers in (1, 2):
         torch.manual_seed(0)
         gpt = GPT(GPTConfig(**{**CFG.__dict__, "n_layer": layers}))
-        model = tp.TensorParallelGPT(gpt, comm, sequence_parallel)
+        model = TensorParallelGPT(gpt, comm, sequence_parallel)
         weights = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
         saved = {}
 
