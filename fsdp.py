@@ -6,27 +6,26 @@ sharded 1/N. A unit's life in a training step, as FSDP below writes it:
     forward    all-gather its flat parameter (the next unit's starts meanwhile) -> compute -> free
     backward   all-gather it again -> compute -> free -> reduce-scatter its gradient
 3 (N-1)/N of the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state.
-fsdp_state.py holds what a reader can skip (which modules become units, the argument checks, what
-the rest of the program reads of the shards); fsdp_optimizer.py steps on the shards. Extensions,
-each a subclass read after this file: fsdp_hybrid.py (HSDP), fsdp_offload.py (the shards in host
-memory), fsdp_frozen.py (a frozen base, QLoRA's 4-bit one too, sharded as bytes).
+fsdp_state.py holds what a reader can skip (the wrap, the checks, what the program reads of the
+shards); fsdp_optimizer.py steps on the shards. The extensions, each read after this file:
+fsdp_hybrid.py (HSDP), fsdp_offload.py (the shards in host memory), fsdp_frozen.py (a frozen base).
 Left out: a stream of our own (NCCL's async collectives run on theirs), FSDP1's state API.
 Run alone: torchrun --nproc_per_node 2 fsdp.py; test: python -m pytest tests/test_fsdp.py
 
-Shapes: N ranks (of a shard group), r this rank, P elements in a unit, S = ceil(P / N) elements
-per shard.
+Shapes: N ranks (of a shard group), r this rank, P elements in a unit, S = ceil(P / N) per shard.
 """
-import contextlib
-from dataclasses import dataclass
+import copy
+import sys
 
 import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from collectives import as_comm
 from flat import MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, hook_gradient
 from fsdp_optimizer import FSDPOptimizer  # noqa: F401  (re-exported: it steps on FSDP's shards)
-from fsdp_state import FSDPState, gpt_blocks
+from fsdp_state import FSDPState, MixedPrecisionPolicy, gpt_blocks
 
 
 class Unit(FlatParams):
@@ -35,8 +34,8 @@ class Unit(FlatParams):
         master  (S,)    fp32, this rank's shard: the nn.Parameter the optimizer updates
         flat    (N*S,)  compute dtype, gathered; its storage is resized to 0 between uses, and
                         the module's parameters stay views of it, so the module code never changes
-    comm: the ranks it is sharded over; its gradient is reduce-scattered with `op` over them,
-    then divided by `divide` (avg and 1: the mean; fsdp_state.py sets them).
+    comm: the ranks it is sharded over; its gradient is reduce-scattered over them by `op`, then
+    divided by `divide` (avg and 1, the mean, unless fsdp_state.py says otherwise: an expert's).
     """
 
     def __init__(self, index, module, params, comm, compute_dtype, device):
@@ -45,16 +44,13 @@ class Unit(FlatParams):
         flat = self.flat.to(device)          # one unit at a time on the device, never the model
         comm.broadcast(flat, src=0)          # ranks seeded differently: all start as rank 0's
         self.master = nn.Parameter(self.shard(flat, comm.rank).clone())        # (S,) fp32
-        # The fp32 copy of the whole unit goes; the flat buffer is now the compute-dtype one
-        # the all-gathers fill, empty between uses.
+        # The whole fp32 unit goes: the flat is now the compute-dtype buffer the all-gathers fill.
         self.flat = torch.empty(flat.numel(), dtype=compute_dtype, device=device)
         for p, view in zip(self.params, self.views(self.flat)):
             p.data = view
         self.flat.untyped_storage().resize_(0)
         self.gathering, self.gathered = (), False
-        # Which got a gradient here since the shard's .grad was last None (zero_grad); after
-        # FSDP.finish_gradient_sync, on any rank.
-        self.used = [False] * len(self.params)
+        self.used = [False] * len(self.params)     # got a gradient since .grad was None (zero_grad)
 
     @property
     def grad(self):
@@ -106,28 +102,16 @@ class Unit(FlatParams):
         self.free()
 
 
-@dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """FSDP2's mp_policy, its two dtypes: param_dtype, what forward and backward compute in and
-    the all-gathers send (None: fp32); reduce_dtype, what the gradients are reduce-scattered in
-    (None: param_dtype; torch.float32 under bf16/fp16 upcasts before the collective, fewer
-    roundings for twice the bytes). The master shards stay fp32 either way."""
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-
-
 class FSDP(FSDPState, nn.Module):
     """Wrap `module` in FSDP units; `.module` runs unchanged, `.parameters()` are the shards.
 
-    module: fp32 parameters, every one trained (a frozen base is fsdp_frozen.py's). wrap: True
-    for each submodule that becomes a unit (default: the GPT's blocks); the rest, and any
-    parameter two units share (tied weights), is the root unit, gathered from the start of
-    forward to the end of its backward, as in PyTorch. mp_policy: a MixedPrecisionPolicy
-    (default: all fp32). group: a collectives.Comm, a process group or None (the world).
-    prefetch: units all-gathered ahead of the one computing (0: none); at most 1 + prefetch
-    non-root units are gathered at once. device: where the shards and the gathered units live
-    (default: the module's). Build the module on the CPU and name the GPU here, and a model that
-    fits only sharded can start: each unit visits the device alone, then only its shard stays.
+    module: fp32, every parameter trained (a frozen base: fsdp_frozen.py). wrap: True for each
+    submodule that becomes a unit (default: the GPT's blocks); the rest, and any parameter two
+    units share (tied weights), is the root unit, gathered from forward's start to its backward's
+    end. mp_policy: the dtypes (default: fp32). group: a collectives.Comm, a process group or None
+    (the world). prefetch: units gathered ahead of the one computing (0: none). device: where the
+    shards and gathered units live (default: the module's; a model built on the CPU then visits
+    the device one unit at a time, and a model that fits only sharded can start).
     """
 
     keeps_whole_gradients = False       # flat.GradientSyncs: each unit's reduced, then freed
@@ -156,16 +140,12 @@ class FSDP(FSDPState, nn.Module):
             for p in unit.params:
                 hook_gradient(p, self._gradient_ready, k)
         self._backward_hooked = False
-        self._sync = True                # False under no_sync(): gradients kept whole, unreduced
+        self._sync = True                # False under no_sync() (fsdp_state.py): gradients kept whole
         self._unreduced = False          # the last backward ran under no_sync: gradients to reduce
-        self._keep_gathered = False      # inside gathered_for_step(): nothing freed until its end
+        self._keep_gathered = False      # nothing freed: gathered_for_step() (fsdp_state.py)
         self._used_agreed = False        # this backward's used-flags OR'ed over the ranks
         self.events = []                 # this step's order of collectives and computation
         self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
-
-    def train(self, mode: bool = True):
-        self.module.train(mode)
-        return super().train(mode)
 
     # ---- a unit's life: forward ----------------------------------------------------------------
     #
@@ -221,7 +201,7 @@ class FSDP(FSDPState, nn.Module):
         """Autograd accumulated a gradient of unit k; with its last one, the unit's backward is done."""
         unit = self.units[k]
         self._hook_end_of_backward()
-        unit.pending -= 1
+        unit.pending -= 1                # its gradients still to come (FlatParams')
         if unit.pending == 0:
             unit.pending = len(unit.params)
             self._after_backward(unit)
@@ -266,8 +246,8 @@ class FSDP(FSDPState, nn.Module):
         unit.grad = grad if unit.grad is None else unit.grad.add_(grad)
 
     def _finish_backward(self):
-        # Units whose gradient never (fully) came still reduce-scatter: collectives match by
-        # order, so every rank must launch every unit's, whatever this rank's graph used.
+        """Every rank launches every unit's reduce-scatter (collectives match by order), whatever
+        its graph used: those whose gradients never (fully) came go now."""
         self._order.launch_rest()
         for unit in self.units:
             unit.pending = len(unit.params)
@@ -276,41 +256,14 @@ class FSDP(FSDPState, nn.Module):
 
     def finish_gradient_sync(self):
         """Wait for the outstanding reduce-scatters: each shard in FSDP.parameters() then holds its
-        fp32 averaged gradient in .grad, so a plain torch.optim optimizer can step on them. If
-        the backwards since the last reduction all ran under no_sync (a zero-bubble pipeline's:
-        its weight gradients come after autograd), their accumulated gradients go now."""
+        fp32 averaged gradient in .grad, for any torch.optim optimizer. Gradients accumulated
+        under no_sync with no backward after it (a zero-bubble pipeline's W) are reduced now."""
         if self._unreduced:
             self._order.launch_rest()
         self._order.wait_all()
         if self._sync and not self._used_agreed:
             self._agree_used()      # fsdp_state.py: a unit no rank used gets .grad None
             self._used_agreed = True
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate full (unsharded) gradients locally; the next backward outside reduces them.
-        Saves the traffic of every micro-batch but one at the price of a full gradient per rank."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
-    @contextlib.contextmanager
-    def gathered_for_step(self):
-        """Inside, a unit stays gathered from its first use to the end of the block, and every
-        backward runs as under no_sync: one all-gather per unit for all the micro-batches, one
-        reduce-scatter at finish_gradient_sync() after the block (FSDP2's reshard_after_forward
-        off), for the whole unit's parameters and gradients during the step. pipeline.Pipeline
-        enters it around each step, as torchtitan does: its schedule runs several micro-batches'
-        forwards before their backwards, so a unit freed after one would be gathered again."""
-        self._keep_gathered, outer, self._sync = True, self._sync, False
-        try:
-            yield
-        finally:
-            self._keep_gathered, self._sync = False, outer
-            for unit in self.roots + self.order:
-                unit.free()
 
     # ---- the mechanics: gather, prefetch, free -------------------------------------------------
 
@@ -347,3 +300,81 @@ class FSDP(FSDPState, nn.Module):
         if not self._backward_hooked:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._backward_hooked = True
+
+
+# ---- run alone: torchrun --nproc_per_node 2 fsdp.py ------------------------------------------
+
+class _Told(FSDP):
+    """FSDP saying, on rank 0, each step of a unit's life as it happens (while .telling)."""
+    telling = False
+
+    def _say(self, unit, what):
+        if self.telling:
+            print(f"  unit {unit.index}{' (root)' if unit in self.roots else ''}: {what}")
+
+    def _gather(self, unit):
+        if not unit.gathered:
+            self._say(unit, "all-gather launched")
+        super()._gather(unit)
+
+    def _before_forward(self, unit):
+        super()._before_forward(unit)
+        self._say(unit, "gathered: forward")
+
+    def _before_backward(self, unit):
+        super()._before_backward(unit)
+        self._say(unit, "gathered: backward")
+
+    def _free(self, unit):
+        if unit.gathered:
+            self._say(unit, "freed")
+        super()._free(unit)
+
+    def _reduce_scatter(self, unit):
+        self._say(unit, "gradient reduce-scatter launched")
+        return super()._reduce_scatter(unit)
+
+
+def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
+    """Three blocks as units, and a root, trained on 2 ranks by a plain AdamW on the shards;
+    beside it one process trains the same model by AdamW on the whole batch. Its loss, the mean
+    of the two halves' means, is the whole batch's, and its fp32 sums are the ranks' in the
+    same order (one forward of all the rows would reorder them): the parameters must be equal."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if n != 2:
+        sys.exit("fsdp.py's demonstration runs on 2 ranks: torchrun --nproc_per_node 2 fsdp.py")
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)]
+    model = nn.Sequential(*blocks, nn.Linear(16, 4))
+    alone = copy.deepcopy(model)                                  # the one process
+    fsdp = _Told(model, wrap=lambda m: m in blocks)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (fsdp, alone)]
+    x, y = torch.randn(n * rows, 16), torch.randn(n * rows, 4)    # the whole batch, on every rank
+    halves = [slice(r * rows, (r + 1) * rows) for r in range(n)]  # rank r's rows
+    for step in range(steps):
+        fsdp.telling = step == 0 and rank == 0
+        if fsdp.telling:
+            print("FSDP's first step on rank 0 (the root, unit 0, computes last forward, first backward):")
+        nn.functional.mse_loss(fsdp(x[halves[rank]]), y[halves[rank]]).backward()
+        fsdp.finish_gradient_sync()
+        fsdp.telling = False
+        (sum(nn.functional.mse_loss(alone(x[h]), y[h]) for h in halves) / n).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    held, whole = sum(p.numel() for p in fsdp.parameters()), sum(p.numel() for p in alone.parameters())
+    sharded = fsdp.full_state_dict(all_ranks=True)
+    difference = max((sharded[name] - p).abs().max().item() for name, p in alone.named_parameters())
+    if rank == 0:
+        print(f"rank 0 holds {4 * held} of the model's {4 * whole} bytes of fp32 parameters (1/{n}, "
+              f"padded to equal shards), and AdamW's two moments of those only")
+        print(f"max |difference| from one process after {steps} AdamW steps: {difference:.1e} "
+              f"(bound 0: the same fp32 sums in the same order)")
+    dist.destroy_process_group()
+    sys.exit(int(difference > 0))
+
+
+if __name__ == "__main__":
+    _demonstrate()

@@ -12,6 +12,7 @@ override some of these. Test: python -m pytest tests/test_fsdp.py
 import contextlib
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -30,8 +31,22 @@ def gpt_blocks(module: nn.Module) -> bool:
     return isinstance(module, Block)
 
 
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's mp_policy, its two dtypes: param_dtype, what forward and backward compute in and
+    the all-gathers send (None: fp32); reduce_dtype, what the gradients are reduce-scattered in
+    (None: param_dtype; torch.float32 under bf16/fp16 upcasts before the collective, fewer
+    roundings for twice the bytes). The master shards stay fp32 either way."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
 class FSDPState:
     """fsdp.FSDP's wrap and its readings, on its module, comm, dtypes and units."""
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)            # .module is not a submodule (parameters() are the shards)
+        return super().train(mode)
 
     # ---- the wrap: the arguments checked, the units made ----------------------------------
 
@@ -107,6 +122,34 @@ class FSDPState:
         """After every reduce-scatter is launched: the used-flags OR'ed over the ranks, and a
         unit no rank used gets .grad None (flat.agree_used). Collective."""
         agree_used(self.units, self.device)
+
+    # ---- reduce-scatter less often: gradient accumulation, a pipeline's step -------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate full (unsharded) gradients locally; the next backward outside reduces them.
+        Saves the traffic of every micro-batch but one at the price of a full gradient per rank."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    @contextlib.contextmanager
+    def gathered_for_step(self):
+        """Inside, a unit stays gathered from its first use to the end of the block, and every
+        backward runs as under no_sync: one all-gather per unit for all the micro-batches, one
+        reduce-scatter at finish_gradient_sync() after the block (FSDP2's reshard_after_forward
+        off), for the whole unit's parameters and gradients during the step. pipeline.Pipeline
+        enters it around each step, as torchtitan does: its schedule runs several micro-batches'
+        forwards before their backwards, so a unit freed after one would be gathered again."""
+        self._keep_gathered, outer, self._sync = True, self._sync, False
+        try:
+            yield
+        finally:
+            self._keep_gathered, self._sync = False, outer
+            for unit in self.roots + self.order:
+                unit.free()
 
     # ---- the shards and their gradients (memory.py, the optimizer) ---------------------------
 
