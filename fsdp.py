@@ -108,10 +108,10 @@ class FSDP(FSDPState, nn.Module):
     module: fp32, every parameter trained (a frozen base: fsdp_frozen.py). wrap: True for each
     submodule that becomes a unit (default: the GPT's blocks); the rest, and any parameter two
     units share (tied weights), is the root unit, gathered from forward's start to its backward's
-    end. mp_policy: the dtypes (default: fp32). group: a collectives.Comm, a process group or None
-    (the world). prefetch: units gathered ahead of the one computing (0: none). device: where the
-    shards and gathered units live (default: the module's; a model built on the CPU then visits
-    the device one unit at a time, and a model that fits only sharded can start).
+    end. mp_policy: the dtypes units compute and gather in (param_dtype) and reduce in
+    (reduce_dtype), fp32 by default. group: a collectives.Comm, a process group or None (the
+    world). prefetch: units gathered ahead of the one computing (0: none). device: where shards and
+    gathered units live (default: the module's; a model built on the CPU visits it unit by unit).
     """
 
     keeps_whole_gradients = False       # flat.GradientSyncs: each unit's reduced, then freed
