@@ -277,8 +277,7 @@ class FSDP(FSDPState, nn.Module):
             flat.untyped_storage().nbytes() for u in self.roots + self.order for flat in u.flats()))
 
     def _prefetch(self, unit):
-        # The limit keeps memory at 1 + prefetch units whatever runs ahead; a unit past the
-        # limit is gathered on demand when its turn comes.
+        """Gather unit ahead while at most `prefetch` others are gathered: 1 + prefetch at once."""
         busy = sum(u.gathered for u in self.order)
         if unit is not None and self.prefetch and busy <= self.prefetch:
             self._gather(unit)
@@ -297,6 +296,7 @@ class FSDP(FSDPState, nn.Module):
         self._free(unit)
 
     def _hook_end_of_backward(self):
+        """Have autograd call _finish_backward once, when this backward pass ends."""
         if not self._backward_hooked:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._backward_hooked = True
