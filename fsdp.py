@@ -1,42 +1,95 @@
 """FSDP = ZeRO stage 3: shard the parameters too, and gather each unit only while it computes.
 
 ZeRO stage 3 (Rajbhandari et al. 2020, 5.3), built as PyTorch's FSDP (Zhao et al. 2023, 3-4):
-each unit of the model is one flat parameter sharded 1/N, all-gathered just before its forward
-and again before its backward, freed after each, its gradient reduce-scattered: 3 (N-1)/N of
-the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state.
-This file is that: the unit, then FSDP's forward and backward. Three parts a reader can skip
-complete it: fsdp_wrap.py (the wrap and mixed-precision policies, the walk that makes the
-units), fsdp_state.py (what memory.py, clipping and checkpoints read of the shards) and
-fsdp_optimizer.py (FSDPOptimizer: ZeRO's sharded step on the shards; offload=True: offload.py).
-The talk's additions build on this file, each a subclass read after it: fsdp_hybrid.py (HSDP:
-shard within a group, copies across groups), fsdp_offload.py (the parameter shards in host
-memory between uses), fsdp_frozen.py (a frozen base, QLoRA's 4-bit one too, sharded as bytes).
-Left out: a stream of our own (NCCL's async collectives run on theirs; wait() orders the compute
-stream after them), FSDP1's state API.
-Run: torchrun --nproc_per_node 2 train.py --strategy fsdp; test: python -m pytest tests/test_fsdp.py
+each unit of the model (a transformer block; the rest is the root unit) is one flat parameter
+sharded 1/N. A unit's life in a training step, as FSDP below writes it:
+    forward    all-gather its flat parameter (the next unit's starts meanwhile) -> compute -> free
+    backward   all-gather it again -> compute -> free -> reduce-scatter its gradient
+3 (N-1)/N of the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state.
+fsdp_state.py holds what a reader can skip (the wrap, the checks, what the program reads of the
+shards); fsdp_optimizer.py steps on the shards. The extensions, each read after this file:
+fsdp_hybrid.py (HSDP), fsdp_offload.py (the shards in host memory), fsdp_frozen.py (a frozen base).
+Left out: a stream of our own (NCCL's async collectives run on theirs), FSDP1's state API.
+Run alone: torchrun --nproc_per_node 2 fsdp.py; test: python -m pytest tests/test_fsdp.py
 
-Shapes: N ranks (of a shard group), r this rank, P elements in a unit, S = ceil(P / N) elements
-per shard.
+Shapes: N ranks (of a shard group), r this rank, P elements in a unit, S = ceil(P / N) per shard.
 """
-import contextlib
-import math
+import copy
+import sys
 
+import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from collectives import as_comm
-from flat import MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, agree_used, hook_gradient
+from flat import MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, hook_gradient
 from fsdp_optimizer import FSDPOptimizer  # noqa: F401  (re-exported: it steps on FSDP's shards)
-from fsdp_state import FSDPState
-from fsdp_wrap import MixedPrecisionPolicy, Wrapping, check_input, gpt_blocks
-from offload import host_to_device
-from process_groups import check_same_parameters
+from fsdp_state import FSDPState, MixedPrecisionPolicy, gpt_blocks
 
 
-class Gathered:
-    """A unit's flat buffers (flats()): gathered for its forward and again for its backward,
-    freed after each (storage resized to 0)."""
-    params, gathering, gathered = (), (), False
+class Unit(FlatParams):
+    """One FSDP unit: the parameters of a module (minus nested units') as one flat parameter.
+
+        master  (S,)    fp32, this rank's shard: the nn.Parameter the optimizer updates
+        flat    (N*S,)  compute dtype, gathered; its storage is resized to 0 between uses, and
+                        the module's parameters stay views of it, so the module code never changes
+    comm: the ranks it is sharded over; its gradient is reduce-scattered over them by `op`, then
+    divided by `divide` (avg and 1, the mean, unless fsdp_state.py says otherwise: an expert's).
+    """
+
+    def __init__(self, index, module, params, comm, compute_dtype, device):
+        super().__init__(params, comm.world_size)          # self.flat: (N*S,) fp32, params view it
+        self.index, self.module, self.comm = index, module, comm
+        flat = self.flat.to(device)          # one unit at a time on the device, never the model
+        comm.broadcast(flat, src=0)          # ranks seeded differently: all start as rank 0's
+        self.master = nn.Parameter(self.shard(flat, comm.rank).clone())        # (S,) fp32
+        # The whole fp32 unit goes: the flat is now the compute-dtype buffer the all-gathers fill.
+        self.flat = torch.empty(flat.numel(), dtype=compute_dtype, device=device)
+        for p, view in zip(self.params, self.views(self.flat)):
+            p.data = view
+        self.flat.untyped_storage().resize_(0)
+        self.gathering, self.gathered = (), False
+        self.used = [False] * len(self.params)     # got a gradient since .grad was None (zero_grad)
+
+    @property
+    def grad(self):
+        """This rank's reduced (and accumulated) gradient of the shard, (S,) fp32: the master's
+        own .grad, so any torch.optim optimizer over FSDP.parameters() steps on it."""
+        return self.master.grad
+
+    @grad.setter
+    def grad(self, value):
+        self.master.grad = value
+
+    def to_send(self) -> torch.Tensor:
+        """This rank's shard in the compute dtype, what its all-gather sends: (S,)."""
+        return self.master.detach().to(self.flat.dtype)
+
+    def sends(self) -> list[tuple]:
+        """(this rank's shard, the flat its all-gather fills) for each flat buffer."""
+        return [(self.to_send(), self.flat)]                                  # (S,) -> (N*S,)
+
+    def flats(self) -> list[torch.Tensor]:
+        return [self.flat]
+
+    def kept(self) -> list[torch.Tensor]:
+        """The shards kept between uses besides the master: none (the gathers send the master)."""
+        return []
+
+    def all_gather(self):
+        """Launch (async) the all-gathers that fill each flat from every rank's shard."""
+        self.gathering = []
+        for shard, flat in self.sends():
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            # The shard stays with its handle: it must live until it is sent.
+            self.gathering.append((self.comm.all_gather(flat, shard, async_op=True), shard))
+        self.gathered = True
+
+    def wait(self):
+        for handle, _ in self.gathering:
+            handle.wait()
+        self.gathering = ()
 
     def free(self):
         self.wait()
@@ -44,98 +97,21 @@ class Gathered:
             flat.untyped_storage().resize_(0)
         self.gathered = False
 
-    def wait(self):
-        for handle, _ in self.gathering:       # (handle, the shard it sends: kept alive till then)
-            handle.wait()
-        self.gathering = ()
-
-
-class Unit(FlatParams, Gathered):
-    """One FSDP unit: the parameters of a module (minus nested units') as one flat parameter.
-
-        master  (S,)    fp32, this rank's shard: the nn.Parameter the optimizer updates
-        grad    (S,)    fp32, this rank's reduced (and accumulated) gradient of the shard: the
-                        master's own .grad, so any torch.optim optimizer over FSDP.parameters()
-                        steps on it (offloaded, the master is on the host and this stays on the device)
-        flat    (N*S,)  compute dtype, gathered; its storage is resized to 0 between uses, and
-                        the module's parameters stay views of it, so the module code never changes
-    Offloaded (FSDPOptimizer(offload=True)) the master lives on the host, and FSDP keeps
-        compute_shard (S,) compute dtype, the master rounded: what the all-gathers send
-    """
-    replicas = None          # ranks holding copies of this shard (none; fsdp_hybrid.py's HSDP)
-    compute_shard = None
-
-    def __init__(self, index, module, params, comm, fsdp):
-        super().__init__(params, comm.world_size)          # self.flat: (N*S,) fp32, params view it
-        self.index, self.module, self.comm = index, module, comm
-        flat = self.flat.to(fsdp.device)         # one unit at a time on the device, never the model
-        fsdp._same_start(comm, flat)
-        self.master = nn.Parameter(self.shard(flat, comm.rank).clone())        # (S,) fp32
-        # The fp32 copy of the whole unit goes; the flat buffer is now the compute-dtype one
-        # the all-gathers fill, empty (storage resized to 0) between uses.
-        self.flat = torch.empty(flat.numel(), dtype=fsdp.compute_dtype, device=fsdp.device)
-        for p, view in zip(self.params, self.views(self.flat)):
-            p.data = view
-        self.flat.untyped_storage().resize_(0)
-        self._device_grad = None     # offload: the reduced gradient, on the device
-        self.host_grad = None        # offload: (S,) fp32 host buffer the gradient is copied into
-        # Which got a gradient here since the shard's .grad was last None (zero_grad); after
-        # FSDP.finish_gradient_sync, on any rank.
-        self.used = [False] * len(self.params)
-
-    def flats(self) -> list[torch.Tensor]:
-        return [self.flat]
-
-    def sends(self) -> list[tuple]:
-        """(this rank's shard, the flat its all-gather fills) for each flat buffer."""
-        shard = (self.compute_shard if self.compute_shard is not None
-                 else self.master.detach().to(self.flat.dtype))                     # (S,)
-        return [(shard, self.flat)]                                                 # -> (N*S,)
-
-    def kept(self) -> list[torch.Tensor]:
-        """The shards kept besides the master (its compute-dtype copy, offloaded)."""
-        return [self.compute_shard] if self.compute_shard is not None else []
-
-    @property
-    def offloaded(self) -> bool:
-        """The master is on the host (FSDPOptimizer(offload=True)): the gradient stays apart."""
-        return self.compute_shard is not None
-
-    @property
-    def grad(self):
-        return self._device_grad if self.offloaded else self.master.grad
-
-    @grad.setter
-    def grad(self, value):
-        if self.offloaded:
-            self._device_grad = value
-        else:
-            self.master.grad = value
-
     def refresh(self):
-        """The master changed: a gathered copy is stale, and an offloaded master is copied back
-        to its compute shard (host -> device, asynchronous from pinned memory)."""
-        if self.compute_shard is not None:
-            host_to_device(self.compute_shard, self.master.detach())
+        """The master changed (an optimizer's step, a checkpoint's load): a gathered copy is stale."""
         self.free()
 
 
-class FSDP(Wrapping, FSDPState, nn.Module):
+class FSDP(FSDPState, nn.Module):
     """Wrap `module` in FSDP units; `.module` runs unchanged, `.parameters()` are the shards.
 
-    module: fp32 parameters, every one trained (they become the fp32 master shards; a frozen
-    base is fsdp_frozen.FrozenBaseFSDP's). wrap: a predicate over submodules, True for each that
-    becomes a unit (default: the GPT's blocks); everything else, and any parameter two units
-    share (tied weights), is the root unit, gathered from the start of forward to the end of its
-    backward, as in PyTorch. mp_policy: a fsdp_wrap.MixedPrecisionPolicy (default: all fp32).
-    group: a collectives.Comm, a process group or None. prefetch: units all-gathered ahead of the
-    one computing (0: none), at most 1 + prefetch non-root units gathered at once.
-    device: where the shards, the gathered units and the rest of the module live (default: where
-    the module is). Build the module on the CPU and name the GPU here, and a model that fits
-    only sharded can start: each unit visits the device alone, then only its shard stays.
-    A unit whose parameters only some ranks hold (an expert: placements.py's holders; wrap it
-    as a unit of its own) is sharded over its holders, its gradient reduced as
-    placements.data_reduction says.
+    module: fp32, every parameter trained (a frozen base: fsdp_frozen.py). wrap: True for each
+    submodule that becomes a unit (default: the GPT's blocks); the rest, and any parameter two
+    units share (tied weights), is the root unit, gathered from forward's start to its backward's
+    end. mp_policy: the dtypes units compute and gather in (param_dtype) and reduce in
+    (reduce_dtype), fp32 by default. group: a collectives.Comm, a process group or None (the
+    world). prefetch: units gathered ahead of the one computing (0: none). device: where shards and
+    gathered units live (default: the module's; a model built on the CPU visits it unit by unit).
     """
 
     keeps_whole_gradients = False       # flat.GradientSyncs: each unit's reduced, then freed
@@ -147,18 +123,13 @@ class FSDP(Wrapping, FSDPState, nn.Module):
         policy = mp_policy or MixedPrecisionPolicy()
         self.compute_dtype = policy.param_dtype or torch.float32
         self.reduce_dtype = policy.reduce_dtype or self.compute_dtype
-        trainable = check_input(module, self.compute_dtype, prefetch)
         self.comm, self.prefetch = as_comm(group), prefetch
-        self.device = torch.device(device) if device is not None else trainable[0].device
-        for comm in self._model_groups():                   # the same model on every rank
-            check_same_parameters(list(module.parameters()), comm, self.device)
-        # The data dimension's ranks (an expert's gradient is divided by all of them).
-        self.data_world = math.prod(comm.world_size for comm in self._model_groups())
+        self.device = self._check_arguments(module, device)       # fsdp_state.py
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
-        self._make_units(module, wrap)       # fsdp_wrap.py: self.roots, self.order, self.units
+        self._make_units(module, wrap)   # fsdp_state.py: self.roots, self.order, self.units, self.root
         # Backward's order, the root last: every rank launches its reduce-scatters in this order.
         self.reduce_order = [u for u in self.order[::-1] if u.params] + ([self.root] if self.root else [])
-        self._order = InOrder(self.reduce_order, self._reduce, self._retire,
+        self._order = InOrder(self.reduce_order, self._reduce_scatter, self._retire,
                               max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
         self.shards = nn.ParameterList([u.master for u in self.units])
         module.to(self.device)            # the buffers; the parameters are there already
@@ -169,18 +140,14 @@ class FSDP(Wrapping, FSDPState, nn.Module):
             for p in unit.params:
                 hook_gradient(p, self._gradient_ready, k)
         self._backward_hooked = False
-        self._sync = True
-        self._whole_step = False         # inside gathered_for_step(): nothing freed until its end
+        self._sync = True                # False under no_sync() (fsdp_state.py): gradients kept whole
         self._unreduced = False          # the last backward ran under no_sync: gradients to reduce
+        self._keep_gathered = False      # nothing freed: gathered_for_step() (fsdp_state.py)
         self._used_agreed = False        # this backward's used-flags OR'ed over the ranks
         self.events = []                 # this step's order of collectives and computation
         self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
 
-    def train(self, mode: bool = True):
-        self.module.train(mode)
-        return super().train(mode)
-
-    # ---- forward: gather, compute, free --------------------------------------------------
+    # ---- a unit's life: forward ----------------------------------------------------------------
     #
     #   compute     | unit 0 fwd | unit 1 fwd | unit 2 fwd |      (prefetch = 1)
     #   network  |ag 0|ag 1 ......|ag 2 .......|ag 3 .......|
@@ -188,7 +155,7 @@ class FSDP(Wrapping, FSDPState, nn.Module):
 
     def forward(self, *args, **kwargs):
         self.events = []
-        for root in self.roots:
+        for root in self.roots:                 # gathered for the whole step
             self._gather(root)
             root.wait()
         self._prefetch(self.order[0] if self.order else None)
@@ -198,91 +165,56 @@ class FSDP(Wrapping, FSDPState, nn.Module):
                 self._free(root)                     # no backward will come to free it
         return out
 
-    def _next(self, unit, step):
-        """The unit after (step=+1) or before (-1) `unit` in forward order; None at the ends."""
-        i = self.order.index(unit) + step
-        return self.order[i] if 0 <= i < len(self.order) else None
-
-    def _gather(self, unit):
-        """Issue unit's all-gathers (async), each from this rank's shard, unless it is gathered
-        or on its way."""
-        if unit.gathered:
-            return
-        unit.gathering = []
-        for shard, flat in unit.sends():
-            shard = self._to_device(shard)
-            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-            unit.gathering.append((unit.comm.all_gather(flat, shard, async_op=True), shard))
-        unit.gathered = True
-        self.events.append(("all-gather", unit.index))
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(
-            flat.untyped_storage().nbytes() for u in self.roots + self.order for flat in u.flats()))
-
-    def _to_device(self, shard: torch.Tensor) -> torch.Tensor:
-        """The shard an all-gather sends: kept on the device, as it is (fsdp_offload.py copies it
-        over from the host)."""
-        return shard
-
-    def _prefetch(self, unit):
-        # The limit keeps memory at 1 + prefetch units whatever runs ahead; a unit past the
-        # limit is gathered on demand when its turn comes.
-        busy = sum(u.gathered for u in self.order)
-        if unit is not None and self.prefetch and busy <= self.prefetch:
-            self._gather(unit)
-
     def _before_forward(self, unit):
+        """All-gather the unit (unless prefetched), wait for it; start the next one's gather."""
         self._gather(unit)
         unit.wait()
         self.events.append(("forward", unit.index))
         self._prefetch(self._next(unit, +1))    # overlaps with this unit's compute
 
     def _after_forward(self, unit, output):
+        """Free it; its backward starts when the gradient of its output arrives."""
         self.events.append(("forward done", unit.index))
         self._free(unit)
         if torch.is_grad_enabled():
-            # The gradient of the unit's output arrives just before its backward starts.
             outputs = output if isinstance(output, (tuple, list)) else (output,)
             for t in outputs:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, u=unit: self._before_backward(u))
         return output
 
-    # ---- backward: gather again, reduce-scatter the gradient, free --------------------------
+    # ---- a unit's life: backward ---------------------------------------------------------------
     #
     #   compute     | unit 2 bwd | unit 1 bwd | unit 0 bwd |
     #   network  |ag 2|ag 1 ......|ag 0 ......|
     #                        |rs 2 .....|rs 1 .......|rs 0|   (in flight: at most 2)
 
     def _before_backward(self, unit):
+        """All-gather it again (its backward needs the weights); start the previous one's."""
         self._hook_end_of_backward()
         self._gather(unit)
         unit.wait()
         self.events.append(("backward", unit.index))
         self._prefetch(self._next(unit, -1))
 
-    def _hook_end_of_backward(self):
-        if not self._backward_hooked:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._backward_hooked = True
-
     def _gradient_ready(self, k: int):
+        """Autograd accumulated a gradient of unit k; with its last one, the unit's backward is done."""
         unit = self.units[k]
         self._hook_end_of_backward()
-        unit.pending -= 1
+        unit.pending -= 1                # its gradients still to come (FlatParams')
         if unit.pending == 0:
             unit.pending = len(unit.params)
-            self._gradients_done(unit)
-            # In reduce_order on every rank (flat.InOrder): a unit unused here waits for
-            # the end of backward, and the units after it with it.
-            self._order.ready(unit)
+            self._after_backward(unit)
 
-    def _gradients_done(self, unit):
-        """unit's gradients are out: its gathered parameters can go."""
-        self._free(unit)
+    def _after_backward(self, unit):
+        """Free it, and reduce-scatter its gradient: in reduce_order on every rank (flat.InOrder),
+        so a unit unused here waits for the end of backward, and the units after it with it."""
+        self._free_after_backward(unit)
+        self._order.ready(unit)                  # -> _reduce_scatter(unit), when its turn comes
 
-    def _reduce(self, unit):
-        """The unit's backward is over: reduce-scatter its gradient (unless no_sync), free it all.
-        Returns (handle, output, used) of the reduce-scatter in flight, or None under no_sync."""
+    def _reduce_scatter(self, unit):
+        """Launch the reduce-scatter of unit's gradient, unless no_sync: each rank receives its
+        shard of the sum (the mean: op avg). Returns (handle, output, used), or None."""
         started = None
         self._unreduced = not self._sync
         if self._sync:
@@ -292,12 +224,10 @@ class FSDP(Wrapping, FSDPState, nn.Module):
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = None
-            # On the gradient's device, not the master's: offloaded, the master lives on the
-            # host, and NCCL reads and writes device memory only.
-            output = grad.new_empty(unit.master.shape)                          # (S,)
+            output = grad.new_empty(unit.master.shape)     # (S,), on the gradient's device
             started = unit.comm.reduce_scatter(output, grad, op=unit.op, async_op=True), output, used
             self.events.append(("reduce-scatter", unit.index))
-        self._gradients_done(unit)
+        self._free_after_backward(unit)                 # (a unit launched by launch_rest)
         return started
 
     def _retire(self, unit, started):
@@ -307,8 +237,7 @@ class FSDP(Wrapping, FSDPState, nn.Module):
 
     def _add_gradient(self, unit, output, used):
         """The reduce-scatter's output (S,), in the reduce dtype, joins the shard's gradient."""
-        # Upcast after the wire: accumulation and the update are fp32, whatever was sent.
-        grad = output.float()
+        grad = output.float()        # upcast after the wire: accumulation and the update are fp32
         if unit.divide != 1:
             grad.div_(unit.divide)
         # The first reduction since .grad was None (a plain optimizer's zero_grad too) starts
@@ -317,8 +246,8 @@ class FSDP(Wrapping, FSDPState, nn.Module):
         unit.grad = grad if unit.grad is None else unit.grad.add_(grad)
 
     def _finish_backward(self):
-        # Units whose gradient never (fully) came still reduce-scatter: collectives match by
-        # order, so every rank must launch every unit's, whatever this rank's graph used.
+        """Every rank launches every unit's reduce-scatter (collectives match by order), whatever
+        its graph used: those whose gradients never (fully) came go now."""
         self._order.launch_rest()
         for unit in self.units:
             unit.pending = len(unit.params)
@@ -327,48 +256,125 @@ class FSDP(Wrapping, FSDPState, nn.Module):
 
     def finish_gradient_sync(self):
         """Wait for the outstanding reduce-scatters: each shard in FSDP.parameters() then holds its
-        fp32 averaged gradient in .grad, so a plain torch.optim optimizer can step on them. If
-        the backwards since the last reduction all ran under no_sync (a zero-bubble pipeline's:
-        its weight gradients come after autograd, W), their accumulated gradients go now."""
+        fp32 averaged gradient in .grad, for any torch.optim optimizer. Gradients accumulated
+        under no_sync with no backward after it (a zero-bubble pipeline's W) are reduced now."""
         if self._unreduced:
             self._order.launch_rest()
         self._order.wait_all()
         if self._sync and not self._used_agreed:
-            # Once per backward (train.py calls this, and FSDPOptimizer again), after every
-            # reduce-scatter is launched: a unit no rank used gets .grad None (flat.py).
-            agree_used(self.units, self.device)
+            self._agree_used()      # fsdp_state.py: a unit no rank used gets .grad None
             self._used_agreed = True
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate full (unsharded) gradients locally; the next backward outside reduces them.
-        Saves the traffic of every micro-batch but one at the price of a full gradient per rank."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
+    # ---- the mechanics: gather, prefetch, free -------------------------------------------------
+
+    def _gather(self, unit):
+        """Launch unit's all-gathers, unless it is gathered or on its way."""
+        if unit.gathered:
+            return
+        unit.all_gather()
+        self.events.append(("all-gather", unit.index))
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(
+            flat.untyped_storage().nbytes() for u in self.roots + self.order for flat in u.flats()))
+
+    def _prefetch(self, unit):
+        """Gather unit ahead while at most `prefetch` others are gathered: 1 + prefetch at once."""
+        busy = sum(u.gathered for u in self.order)
+        if unit is not None and self.prefetch and busy <= self.prefetch:
+            self._gather(unit)
+
+    def _next(self, unit, step):
+        """The unit after (step=+1) or before (-1) `unit` in forward order; None at the ends."""
+        i = self.order.index(unit) + step
+        return self.order[i] if 0 <= i < len(self.order) else None
 
     def _free(self, unit):
-        if not self._whole_step:
+        if not self._keep_gathered:
             unit.free()
 
-    @contextlib.contextmanager
-    def gathered_for_step(self):
-        """Inside, a unit stays gathered from its first use to the end of the block: nothing is
-        freed after a forward or a backward, so nothing is gathered twice. For a pipeline stage
-        (pipeline.Pipeline enters it around each step), whose schedule runs several micro-batches'
-        forwards before their backwards (GPipe: all of them), so a unit freed after one backward
-        would be missing from the next: each unit is all-gathered once per step, not twice per
-        micro-batch, and reduce-scattered once, at finish_gradient_sync() after the block (every
-        backward inside runs as under no_sync), as torchtitan runs FSDP under pipeline
-        parallelism (reshard_after_forward off). The price: the stage's whole parameters and
-        gradients during the step; between steps everything is sharded as always."""
-        self._whole_step, outer, self._sync = True, self._sync, False
-        try:
-            yield
-        finally:
-            self._whole_step, self._sync = False, outer
-            for unit in self.roots + self.order:
-                unit.free()
+    def _free_after_backward(self, unit):
+        """The unit's gradients are out: its gathered parameters go, as after its forward."""
+        self._free(unit)
 
+    def _hook_end_of_backward(self):
+        """Have autograd call _finish_backward once, when this backward pass ends."""
+        if not self._backward_hooked:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._backward_hooked = True
+
+
+# ---- run alone: torchrun --nproc_per_node 2 fsdp.py ------------------------------------------
+
+class _Told(FSDP):
+    """FSDP saying, on rank 0, each step of a unit's life as it happens (while .telling)."""
+    telling = False
+
+    def _say(self, unit, what):
+        if self.telling:
+            print(f"  unit {unit.index}{' (root)' if unit in self.roots else ''}: {what}")
+
+    def _gather(self, unit):
+        if not unit.gathered:
+            self._say(unit, "all-gather launched")
+        super()._gather(unit)
+
+    def _before_forward(self, unit):
+        super()._before_forward(unit)
+        self._say(unit, "gathered: forward")
+
+    def _before_backward(self, unit):
+        super()._before_backward(unit)
+        self._say(unit, "gathered: backward")
+
+    def _free(self, unit):
+        if unit.gathered:
+            self._say(unit, "freed")
+        super()._free(unit)
+
+    def _reduce_scatter(self, unit):
+        self._say(unit, "gradient reduce-scatter launched")
+        return super()._reduce_scatter(unit)
+
+
+def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
+    """Three blocks as units, and a root, trained on 2 ranks by a plain AdamW on the shards;
+    beside it one process trains the same model by AdamW on the whole batch. Its loss, the mean
+    of the two halves' means, is the whole batch's, and its fp32 sums are the ranks' in the
+    same order (one forward of all the rows would reorder them): the parameters must be equal."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if n != 2:
+        sys.exit("fsdp.py's demonstration runs on 2 ranks: torchrun --nproc_per_node 2 fsdp.py")
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)]
+    model = nn.Sequential(*blocks, nn.Linear(16, 4))
+    alone = copy.deepcopy(model)                                  # the one process
+    fsdp = _Told(model, wrap=lambda m: m in blocks)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (fsdp, alone)]
+    x, y = torch.randn(n * rows, 16), torch.randn(n * rows, 4)    # the whole batch, on every rank
+    halves = [slice(r * rows, (r + 1) * rows) for r in range(n)]  # rank r's rows
+    for step in range(steps):
+        fsdp.telling = step == 0 and rank == 0
+        if fsdp.telling:
+            print("FSDP's first step on rank 0 (the root, unit 0, computes last forward, first backward):")
+        nn.functional.mse_loss(fsdp(x[halves[rank]]), y[halves[rank]]).backward()
+        fsdp.finish_gradient_sync()
+        fsdp.telling = False
+        (sum(nn.functional.mse_loss(alone(x[h]), y[h]) for h in halves) / n).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    held, whole = sum(p.numel() for p in fsdp.parameters()), sum(p.numel() for p in alone.parameters())
+    sharded = fsdp.full_state_dict(all_ranks=True)
+    difference = max((sharded[name] - p).abs().max().item() for name, p in alone.named_parameters())
+    if rank == 0:
+        print(f"rank 0 holds {4 * held} of the model's {4 * whole} bytes of fp32 parameters (1/{n}, "
+              f"padded to equal shards), and AdamW's two moments of those only")
+        print(f"max |difference| from one process after {steps} AdamW steps: {difference:.1e} "
+              f"(bound 0: the same fp32 sums in the same order)")
+    dist.destroy_process_group()
+    sys.exit(int(difference > 0))
+
+
+if __name__ == "__main__":
+    _demonstrate()

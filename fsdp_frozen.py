@@ -19,8 +19,7 @@ import torch
 import torch.nn as nn
 
 from collectives import ring_bytes
-from fsdp import FSDP, Gathered, Unit
-from offload import host_to_device
+from fsdp import FSDP, Unit
 from quantization import NF4Weight
 
 
@@ -38,18 +37,18 @@ class FrozenBytes:
 
     ALIGN = 16
 
-    def __init__(self, tensors: list[torch.Tensor], comm, fsdp: FSDP):
+    def __init__(self, tensors: list[torch.Tensor], comm, device):
         self.tensors, self.offsets, end = tensors, [], 0
         for t in tensors:
             start = -(-end // self.ALIGN) * self.ALIGN
             self.offsets.append(start)
             end = start + t.numel() * t.element_size()
         self.shard_bytes = -(-end // comm.world_size)
-        self.flat = torch.zeros(comm.world_size * self.shard_bytes, dtype=torch.uint8, device=fsdp.device)
+        self.flat = torch.zeros(comm.world_size * self.shard_bytes, dtype=torch.uint8, device=device)
         for t, start in zip(tensors, self.offsets):
-            raw = t.detach().to(fsdp.device).reshape(-1).view(torch.uint8)
+            raw = t.detach().to(device).reshape(-1).view(torch.uint8)
             self.flat[start: start + raw.numel()] = raw
-        fsdp._same_start(comm, self.flat)
+        comm.broadcast(self.flat, src=0)         # ranks seeded differently: all start as rank 0's
         self.shard = self.flat[comm.rank * self.shard_bytes: (comm.rank + 1) * self.shard_bytes].clone()
         with torch.no_grad():
             for t, start in zip(tensors, self.offsets):
@@ -75,8 +74,6 @@ class FrozenBaseUnit(Unit):
         Those stay as they are: a checkpoint's load writes them whole inside frozen_gathered and
         refreshes the masters there too, and frozen_gathered copies them back to the shards at
         its end (freed here, what it wrote would be lost). The unit gathers again at its next use."""
-        if self.compute_shard is not None:
-            host_to_device(self.compute_shard, self.master.detach())
         self.free_trained()
         self.gathered = False                      # the trained flat is gathered again at its use
 
@@ -89,12 +86,15 @@ class FrozenBaseUnit(Unit):
         self.gathered = self.gathered and self.frozen is not None
 
 
-class FrozenUnit(Gathered):
+class FrozenUnit(Unit):
     """A module whose tensors are all frozen (LoRA's embeddings and head, a frozen block): only
-    its FrozenBytes, gathered and freed as a Unit's are."""
+    its FrozenBytes, gathered and freed as a Unit's are. No flat parameter, so not Unit's
+    constructor: nothing here is trained, reduced or stepped."""
+    params = ()
 
     def __init__(self, index, module, frozen: FrozenBytes, comm):
         self.index, self.module, self.frozen, self.comm = index, module, frozen, comm
+        self.gathering, self.gathered = (), False
 
     def flats(self) -> list[torch.Tensor]:
         return [self.frozen.flat]
@@ -131,23 +131,22 @@ class FrozenBaseFSDP(FSDP):
                 if isinstance(t, nn.Parameter):      # (the 4-bit codes and scales stay as stored)
                     t.data = t.data.to(self.compute_dtype)
         if not params:
-            return FrozenUnit(index, module, FrozenBytes(kept, self.comm, self), self.comm)
+            return FrozenUnit(index, module, FrozenBytes(kept, self.comm, self.device), self.comm)
         unit = super()._make_unit(index, module, params)
-        unit.frozen = FrozenBytes(kept, unit.comm, self) if kept else None
+        unit.frozen = FrozenBytes(kept, unit.comm, self.device) if kept else None
         return unit
 
     def _before_backward(self, unit):
         after = self._next(unit, +1)
         if after is not None and after.frozen is not None:
-            self._free(after)  # its backward is over: its frozen bytes go (see _gradients_done)
+            self._free(after)  # its backward is over: its frozen bytes go (_free_after_backward)
         super()._before_backward(unit)
 
-    def _gradients_done(self, unit):
-        # The gradients are out: the gathered trained parameters can go. Not the frozen ones:
-        # the unit's backward may still need them (LoRA's dx = dy W0 can come after the
-        # adapters' gradients), so they go when the unit before it starts its backward, or at
-        # the end.
-        if not self._whole_step:
+    def _free_after_backward(self, unit):
+        """The gradients are out: the gathered trained parameters can go. Not the frozen ones:
+        the unit's backward may still need them (LoRA's dx = dy W0 can come after the adapters'
+        gradients), so they go when the unit before it starts its backward, or at the end."""
+        if not self._keep_gathered:
             unit.free_trained()
 
     def _finish_backward(self):

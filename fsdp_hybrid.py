@@ -10,8 +10,6 @@ Left out: ZeRO++'s hierarchical partitioning (a secondary shard per node for the
 Run: torchrun --nproc_per_node 4 train.py --strategy fsdp --shard-group 2;
 test: python -m pytest tests/test_fsdp_qlora.py -k hybrid
 """
-import torch
-
 from collectives import as_comm, ring_bytes
 from fsdp import FSDP
 
@@ -32,15 +30,14 @@ class HSDP(FSDP):
     def _model_groups(self) -> list:
         return [self.comm, self.replicas]
 
-    def _same_start(self, comm, flat: torch.Tensor):
-        super()._same_start(comm, flat)
-        if comm is self.comm:                       # (an expert's group is not copied)
-            self.replicas.broadcast(flat, src=0)    # every copy starts as the first group's
-
     def _make_unit(self, index, module, tensors):
         unit = super()._make_unit(index, module, tensors)
-        if unit is not None and unit.params and unit.comm is self.comm:
-            unit.replicas = self.replicas            # flat.py's norm and used-flags read them too
+        if unit is not None and unit.comm is self.comm:       # (an expert's unit is not copied)
+            # Every copy starts as the first group's: each shard as its twin's there.
+            for shard in ([unit.master.detach()] if unit.params else []) + unit.kept():
+                self.replicas.broadcast(shard, src=0)
+            if unit.params:
+                unit.replicas = self.replicas        # flat.py's norm and used-flags read them too
         return unit
 
     def _add_gradient(self, unit, output, used):

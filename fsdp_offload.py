@@ -14,7 +14,19 @@ test: python -m pytest tests/test_fsdp_qlora.py -k offload
 import torch
 
 from fsdp import FSDP
+from fsdp_state import MasterOnHost, extend
 from offload import host_copy
+
+
+class ShardsOnHost:
+    """A unit (fsdp.Unit) whose kept shards are in host memory: each is copied to the device just
+    before its all-gather (which keeps the copy alive until it is sent), then dropped. From
+    pinned memory the copy runs beside compute on a GPU; on CPU ranks it is a CPU-to-CPU copy,
+    the same steps."""
+
+    def sends(self) -> list[tuple]:
+        return [(shard.to(flat.device, non_blocking=True, copy=True), flat)
+                for shard, flat in super().sends()]
 
 
 class OffloadedFSDP(FSDP):
@@ -24,6 +36,8 @@ class OffloadedFSDP(FSDP):
 
     def __init__(self, module, **options):
         super().__init__(module, **options)
+        for unit in self.roots + self.order:
+            extend(unit, ShardsOnHost)
         for shard in self.kept_shards():           # the frozen ones, if any: to (pinned) host memory
             shard.data = host_copy(shard, dtype=shard.dtype)
 
@@ -33,16 +47,10 @@ class OffloadedFSDP(FSDP):
             unit.compute_shard.data = host_copy(unit.compute_shard, dtype=self.compute_dtype)
 
     def forward(self, *args, **kwargs):
-        if any(unit.compute_shard is None for unit in self.units):
+        if not all(isinstance(unit, MasterOnHost) for unit in self.units):
             raise ValueError("FSDP offload_params keeps the parameter shards on the host, where the "
                              "optimizer must step: use FSDPOptimizer(fsdp, offload=True)")
         return super().forward(*args, **kwargs)
-
-    def _to_device(self, shard: torch.Tensor) -> torch.Tensor:
-        """A shard's copy on the device, made just before its all-gather (which keeps it alive
-        until it is sent) and dropped after. From pinned memory the copy runs beside compute on
-        a GPU; on CPU ranks it is a CPU-to-CPU copy, the same steps."""
-        return shard.to(self.device, non_blocking=True, copy=True)
 
     def device_shards(self) -> list[torch.Tensor]:
         return []

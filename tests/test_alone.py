@@ -17,6 +17,7 @@ COMMANDS = {
     "collectives": "torchrun --nproc_per_node 2 collectives.py",
     "tensor_parallel": "torchrun --nproc_per_node 2 tensor_parallel.py",
     "context_parallel": "torchrun --nproc_per_node 2 context_parallel.py",
+    "fsdp": "torchrun --nproc_per_node 2 fsdp.py",
 }
 
 

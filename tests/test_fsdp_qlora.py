@@ -80,8 +80,7 @@ def _device_parameter_bytes(wrapped, opt) -> int:
     host = {t.untyped_storage().data_ptr() for t in opt.host_tensors()}
     units = wrapped.units + wrapped.frozen_units
     tensors = [*wrapped.module.parameters(), *(f for u in units for f in u.flats()),
-               *(u.master for u in wrapped.units), *wrapped.frozen_shards(),
-               *(u.compute_shard for u in wrapped.units if u.compute_shard is not None)]
+               *(u.master for u in wrapped.units), *wrapped.frozen_shards(), *wrapped.kept_shards()]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
                 if t.untyped_storage().nbytes()}
     return sum(nbytes for ptr, nbytes in storages.items() if ptr not in host)

@@ -18,7 +18,7 @@ FOUNDATIONS = {"collectives", "launch", "meters", "placements", "flat",
 # The lecture's concepts, in reading order; beside each, the files that are its own (a
 # sub-file, or an extension that reads as a delta after its core).
 CONCEPTS = {"mixed_precision": set(), "collectives": set(), "ddp": set(), "zero": {"offload"},
-            "fsdp": {"offload", "fsdp_wrap", "fsdp_state", "fsdp_optimizer", "fsdp_hybrid",
+            "fsdp": {"offload", "fsdp_state", "fsdp_optimizer", "fsdp_hybrid",
                      "fsdp_offload", "fsdp_frozen"},
             "pipeline": {"schedules", "zero_bubble"},
             "tensor_parallel": {"tensor_parallel_gpt"}, "context_parallel": {"tensor_parallel", "context_parallel_gpt"},
