@@ -71,7 +71,13 @@ class _SplitLinear(nn.Module):
         bias_dim = 0 if dim == 0 else None
         self.bias = _shard(linear.bias, self.comm, bias_dim) if linear.bias is not None else None
         split = getattr(linear, "split_alongside", None)
-        self.term = split(self, dim, lambda param, d: _shard(param, self.comm, d)) if split else None
+        self.term = split(self, dim, self._term_shard) if split else None
+
+    def _term_shard(self, param: torch.Tensor, dim: int | None) -> nn.Parameter:
+        """A parameter of the linear's own term, split along dim like W (None: whole). A whole one
+        meets only this rank's part of the layer, so its gradient is a partial sum over the group."""
+        shard = _shard(param, self.comm, dim)
+        return shard if dim is not None else place(shard, partial="tp")
 
     def local_product(self, x, bias=None):
         """This rank's product x W_r^T (+ b), plus the linear's own term if it brought one."""

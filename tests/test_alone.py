@@ -13,6 +13,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # concept file -> the command the README's reading table gives for it
 COMMANDS = {
+    "lora": "python lora.py",
+    "quantization": "python quantization.py",
+    "checkpointing": "python checkpointing.py",
 }
 
 
