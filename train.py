@@ -40,8 +40,7 @@ from launch import pinned_copy
 from memory_math import held_bytes, live_numel, live_tensor_bytes
 from mesh_checks import mesh_splits, moe_config
 from meters import saved_activation_bytes
-from model import build_model
-from parallelize import build, dimension_report, lora_config
+from parallelize import build, build_gpt, dimension_report, lora_config
 from process_groups import cpu_threads, exit_distributed, global_mean, init_distributed
 from run_log import (Clock, RunLog, finish, measured_memory, predicted_activations, predicted_memory,
                      predicted_seconds, start_profiling, step_line)
@@ -226,7 +225,7 @@ def export_bytes(args) -> int:
     header (under 1 KiB). Counted on the meta device: no memory; a LoRA run exports its adapters
     folded into the base's shapes."""
     with torch.device("meta"):
-        gpt = build_model(args.model, **moe_config(args))
+        gpt = build_gpt(args.model, **moe_config(args))
     return sum(4 * p.numel() + 2**10 for p in gpt.parameters())
 
 
