@@ -58,8 +58,8 @@ from lora import apply_lora
 from machines import this
 from memory_math import run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
-from model import PRESETS, build_model
-from parallelize import data_parallel, fsdp_with
+from model import PRESETS
+from parallelize import build_gpt, data_parallel, fsdp_with
 from process_groups import exit_distributed, init_distributed, make_mesh
 from snapshot import unwritable_file
 from step_time import Shape, Step, predict
@@ -759,7 +759,7 @@ def main(argv=None):
     started = time.perf_counter()
 
     if args.scaling:                             # train.py runs of their own, from this process
-        m = {**machine(device, args, build_model(args.model).num_parameters(), None), "skipped": {}, "benchmarks": ["scaling"]}
+        m = {**machine(device, args, build_gpt(args.model).num_parameters(), None), "skipped": {}, "benchmarks": ["scaling"]}
         data = {"machine": m, "strategies": [], "moe": None, "context_parallel": [], "collectives": {},
                 "scaling": bench_scaling(args)}
         print_report(data)
@@ -773,7 +773,7 @@ def main(argv=None):
                                                        rank=rank, world_size=world_size))
                 for step in range(args.warmup + args.steps)]
     rows_of_rank, whole = batches(rank, world_size), batches(0, 1)       # (B/N, T), (B, T) each
-    n_params = build_model(args.model).num_parameters()
+    n_params = build_gpt(args.model).num_parameters()
     peak_flops = matmul_peak_flops(device) if device.type == "cuda" else None
     rows = strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops)
     moe_row, cp_rows = moe_and_cp_rows(args, rows_of_rank, whole, device)

@@ -31,8 +31,8 @@ from bench import ADAMW, LORA, STRATEGIES, our_comm, ours_fsdp, torch_fsdp, with
 from bench_measure import Run, datasheet_peak_flops, side, time_training
 from data import TextData
 from lora import apply_lora
-from model import PRESETS, build_model
-from parallelize import data_parallel
+from model import PRESETS
+from parallelize import build_gpt, data_parallel
 from process_groups import exit_distributed, init_distributed
 from snapshot import unwritable_file
 
@@ -175,7 +175,7 @@ def main(argv=None):
     data = TextData.from_file()
     batches = [tuple(t.to(device) for t in data.batch(step, args.batch_size, args.seq_len, 0, rank=0, world_size=1))
                for step in range(args.warmup + args.steps)]                      # (B, T) each
-    cfg, n_params = PRESETS[args.model], build_model(args.model).num_parameters()
+    cfg, n_params = PRESETS[args.model], build_gpt(args.model).num_parameters()
     sheet = datasheet_peak_flops(device, args.precision) if device.type == "cuda" else None
     peak = args.peak_tflops * 1e12 if args.peak_tflops else sheet
     rows = []

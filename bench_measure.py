@@ -31,8 +31,9 @@ from collectives import Comm
 from ddp import DDP
 from memory_math import comm_bytes, ep_params, ep_state_bytes, expert_params, held_bytes, moe_exchange_bytes
 from mixed_precision import DTYPES, element_state
-from model import PRESETS, build_model
+from model import PRESETS
 from moe import MoE
+from parallelize import build_gpt
 
 MiB = 2**20
 
@@ -208,7 +209,7 @@ def time_training(build, args, batches, device, profile: bool = False) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(args.seed)                # every run starts from the same weights
-    run = build(build_model(args.model).to(device=device, dtype=DTYPES[args.precision]), args)
+    run = build(build_gpt(args.model).to(device=device, dtype=DTYPES[args.precision]), args)
     for x, y in batches[:args.warmup]:          # first steps allocate, build buckets, tune
         train_step(run, x, y, args.clip_grad)
     if run.comm is not None:

@@ -10,18 +10,20 @@ extra latency at inference, and subtracting it back restores the base, so adapte
 several tasks share one base model. QLoRA keeps W0 in 4 bits (quantization.py) under the
 same adapters, and the blocks' other frozen linears in 4 bits too (Dettmers et al. 2023).
 Left out: LoRA on embeddings.
-Run: python train.py --init-from RUN --lora --data OTHER.txt; test: python -m pytest tests/test_lora.py
+Run alone: python lora.py (a layer's adapter trained, merged, and checked against plain torch);
+in training: python train.py --init-from RUN --lora --data OTHER.txt;
+test: python -m pytest tests/test_lora.py
 
 Shapes: B batch, T sequence, k in features, d out features, r rank.
 """
 import math
 from functools import partial
 
+import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from placements import place
 from quantization import FrozenNF4Linear, NF4Linear, NF4Weight
 
 
@@ -229,18 +231,17 @@ class QLoRALinear(LoRALinear):
 #   row (W0 columns split):  A's columns split with W0's, B whole: z_r = W0_r y_r + s B (A_r y_r),
 #                            and the g that sums W0_r y_r sums B (A_r y_r) into B A y as well.
 # The whole factor (A of a column layer, B of a row layer) gets only this rank's part of its
-# gradient, a partial sum (placements.py): TensorParallelGPT sums those over the group after backward.
+# gradient, a partial sum: tensor_parallel.py records it so, and sums those over the group after
+# backward.
 
 def _split_alongside(linear: LoRALinear, layer: nn.Module, dim: int, shard):
     """tensor_parallel's hook: linear's factors onto layer, the split layer made from it, and the
     term layer adds to its product. dim: the dimension W0 (d, k) is split along, 0 (column) or
     1 (row); shard(param, dim): this rank's slice of param along dim, or with dim None a whole copy."""
-    if dim == 0:
+    if dim == 0:                                                  # A (r, k) whole, B (d/N, r)
         layer.lora_A, layer.lora_B = shard(linear.lora_A, None), shard(linear.lora_B, 0)
-        place(layer.lora_A, partial="tp")                        # (r, k) whole, (d/N, r)
-    else:
+    else:                                                         # A (r, k/N), B (d, r) whole
         layer.lora_A, layer.lora_B = shard(linear.lora_A, 1), shard(linear.lora_B, None)
-        place(layer.lora_B, partial="tp")                        # (r, k/N), (d, r) whole
     return partial(_split_term, scale=linear.scale, dropout=linear.dropout)
 
 
@@ -252,3 +253,51 @@ def _split_term(layer: nn.Module, x: torch.Tensor, scale: float, dropout: float)
 
 
 LoRALinear.split_alongside = _split_alongside       # the hook tensor_parallel's layers look for
+
+
+# ---- run alone: one adapted layer against plain torch's W0 + (alpha/r) B A ----------------------
+
+def _demonstrate(steps: int = 10) -> float:
+    """Train a rank-8 adapter on a frozen 512 x 512 layer toward a low-rank change of its weight,
+    beside one process's plain torch: the same A and B, in h = x (W0 + (alpha/r) B A)^T + b.
+    Then merge and check the merged layer computes what the adapted one did. fp64 throughout.
+    Returns the largest difference from plain torch."""
+    torch.manual_seed(0)
+    base = nn.Linear(512, 512, dtype=torch.float64)                       # W0 (d, k), d = k = 512
+    W0, b = base.weight.detach().clone(), base.bias.detach().clone()
+    layer = LoRALinear(base, rank=8, alpha=16)                            # scale alpha / r = 2
+    trained = [p for p in layer.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in layer.parameters())
+    print(f"trainable: {sum(p.numel() for p in trained):,} of {total:,} parameters "
+          f"({100 * sum(p.numel() for p in trained) / total:.1f}%: A and B; W0 and b frozen)")
+    A, B = (p.detach().clone().requires_grad_() for p in (layer.lora_A, layer.lora_B))
+    x = torch.randn(64, 512, dtype=torch.float64)                         # (batch, k)
+    target = x @ (W0 + 0.01 * torch.randn(512, 8, dtype=W0.dtype)         # (batch, d): W0 plus
+                  @ torch.randn(8, 512, dtype=W0.dtype)).T + b            # a rank-8 change
+    ours, theirs = torch.optim.Adam(trained, lr=1e-3), torch.optim.Adam([A, B], lr=1e-3)
+    for step in range(steps):
+        plain = x @ (W0 + layer.scale * B @ A).T + b                      # one process, plain torch
+        for optimizer, h in ((theirs, plain), (ours, layer(x))):
+            loss = (h - target).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if step in (0, steps - 1):
+            print(f"step {step:2d}: loss {loss.item():.3e}")
+    with torch.no_grad():
+        adapted, plain = layer(x), x @ (W0 + layer.scale * B @ A).T + b
+        layer.merge()                                                     # W0 += (alpha/r) B A
+        merged = layer(x)
+    differences = {"adapted output": (adapted - plain).abs().max().item(),
+                   "merged output": (merged - plain).abs().max().item(),
+                   "A and B": max((layer.lora_A - A).abs().max(), (layer.lora_B - B).abs().max()).item()}
+    print(f"merged into W0: one matmul now, the same output ({(merged - adapted).abs().max():.1e} "
+          f"from the adapted layer's)")
+    print("max |difference| from one process (plain torch, W0 + (alpha/r) B A): "
+          + ", ".join(f"{name} {d:.1e}" for name, d in differences.items())
+          + " (bound 1e-12: fp64, the same sums grouped another way, W0 x + s B (A x))")
+    return max(differences.values())
+
+
+if __name__ == "__main__":
+    raise SystemExit(0 if _demonstrate() <= 1e-12 else 1)

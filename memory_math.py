@@ -24,8 +24,9 @@ from collectives import ring_bytes
 from context_parallel import cp_kv_bytes
 from mixed_precision import DTYPES
 from model import PRESETS, GPTConfig
-from moe import expert_capacity, is_expert, layer_exchange_bytes
+from moe import expert_capacity, layer_exchange_bytes
 from pipeline import split_layers
+from placements import placement
 from quantization import NF4Weight
 from schedules import make_schedule
 
@@ -451,6 +452,11 @@ def live_numel(gpt) -> tuple[int, int]:
     stage. QLoRA's 4-bit weights are buffers, not parameters: counted by their shape."""
     quantized = sum(torch.Size(m.shape).numel() for m in gpt.modules() if isinstance(m, NF4Weight))
     return sum(p.numel() for p in gpt.parameters()) + quantized, quantized
+
+
+def is_expert(p) -> bool:
+    """Is parameter p one of the experts this rank holds under expert parallelism (moe.py)?"""
+    return "ep" in placement(p).shard
 
 
 def run_state_bytes(gpt, strategy: str, options, world_size: int, n_params: int | None = None,

@@ -9,14 +9,14 @@ Run: python train.py --model tiny; test: python -m pytest tests/test_model.py
 
 Shapes: B batch, T sequence, C channels (n_embd), H heads, D = C / H per head, V vocabulary.
 """
+import contextlib
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from moe import MoE, one_routing_group
 
 
 @dataclass
@@ -29,7 +29,8 @@ class GPTConfig:
     dropout: float = 0.0
     tie_embeddings: bool = False   # head shares the token embedding's weight (GPT-2 does)
     # Mixture of experts (moe.py): every block's MLP becomes `experts` MLPs behind a router, each
-    # token sent to top_k of them; 0 experts: the dense model.
+    # token sent to top_k of them; 0 experts: the dense model. moe.py builds those blocks (its
+    # feed_forward, which GPT and build_model take): the model knows no router itself.
     experts: int = 0
     top_k: int = 2
     capacity_factor: float | None = 1.25       # None: dropless
@@ -109,16 +110,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm: each sublayer sees a normalised input and adds its result to the residual."""
+    """Pre-norm: each sublayer sees a normalised input and adds its result to the residual.
+    feed_forward(cfg) builds the second sublayer: the MLP, or moe.py's mixture of experts."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, feed_forward: Callable[[GPTConfig], nn.Module] = MLP):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.norm2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MoE(cfg.n_embd, lambda: MLP(cfg), cfg.experts, cfg.top_k, cfg.capacity_factor,
-                       cfg.routing_group, cfg.aux_loss_weight,
-                       cfg.z_loss_weight) if cfg.experts else MLP(cfg)
+        self.mlp = feed_forward(cfg)
 
     def forward(self, x):                                        # (B, T, C)
         x = x + self.attn(self.norm1(x))
@@ -126,13 +126,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    """feed_forward(cfg): each block's MLP; a config with experts needs moe.feed_forward."""
+
+    def __init__(self, cfg: GPTConfig, feed_forward: Callable[[GPTConfig], nn.Module] = MLP):
         super().__init__()
+        if cfg.experts and feed_forward is MLP:
+            raise ValueError(f"a model of {cfg.experts} experts needs moe.py's feed-forward: pass "
+                             f"feed_forward=moe.feed_forward (or build it with parallelize.build_gpt)")
         self.cfg = cfg
         self.token_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, feed_forward) for _ in range(cfg.n_layer))
         self.norm = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -147,7 +152,7 @@ class GPT(nn.Module):
         # GPT-2's scaling: each block adds two projections to the residual stream, so their
         # init shrinks with depth to keep the stream's variance from growing.
         for block in self.blocks:
-            mlps = block.mlp.experts if cfg.experts else [block.mlp]
+            mlps = [m for m in block.mlp.modules() if isinstance(m, MLP)]   # a mixture's experts
             for proj in (block.attn.output, *(mlp.down for mlp in mlps)):
                 nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
@@ -196,9 +201,13 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, new_tokens: int, temperature: float = 0.8, top_k: int | None = 50):
         """Append new_tokens sampled one at a time to idx (B, T); the window slides past block_size.
-        temperature 0: greedy, the most likely token every time. A mixture of experts routes each
-        window's tokens together, whatever routing group it trained with (moe.one_routing_group)."""
-        with one_routing_group(self):
+        temperature 0: greedy, the most likely token every time. A feed-forward may act otherwise
+        when generating (its generating() context: a mixture of experts routes each window's
+        tokens as one group, whatever routing group it trained with)."""
+        with contextlib.ExitStack() as generating:
+            for block in self.blocks:
+                if hasattr(block.mlp, "generating"):
+                    generating.enter_context(block.mlp.generating())
             for _ in range(new_tokens):
                 logits = self(idx[:, -self.cfg.block_size:])[:, -1, :].float()           # (B, V)
                 if temperature == 0:
@@ -232,9 +241,11 @@ def cross_entropy(logits, targets):                              # (B, T, V), (B
     return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten())
 
 
-def build_model(name: str = "tiny", **overrides) -> GPT:
-    """A GPT from a preset name, with any config field overridden (e.g. dropout=0.1)."""
+def build_model(name: str = "tiny", feed_forward: Callable[[GPTConfig], nn.Module] = MLP,
+                **overrides) -> GPT:
+    """A GPT from a preset name, with any config field overridden (e.g. dropout=0.1); a preset
+    with experts takes moe.py's feed_forward."""
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)}")
     cfg = GPTConfig(**{**PRESETS[name].__dict__, **overrides})
-    return GPT(cfg)
+    return GPT(cfg, feed_forward)

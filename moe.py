@@ -7,28 +7,35 @@ section 2.2) routes to 2 experts with a capacity per expert, Switch (Fedus et al
 2.2) to 1, with the load-balancing loss E * sum_e f_e P_e; ST-MoE (Zoph et al. 2022, section 3)
 adds the router z-loss. Expert parallelism (as GShard shards experts): E/P experts on each of P ranks,
 the tokens sent to their experts' ranks by an all-to-all and brought back by a second. Left out:
-shared experts, expert-choice routing, jitter noise. Test: python -m pytest tests/test_moe.py
+shared experts, expert-choice routing, jitter noise. feed_forward builds a GPT's blocks with it.
+Run alone: torchrun --nproc_per_node 2 moe.py (the experts split over 2 ranks against the layer
+whole); in training: train.py --model tiny-moe --ep 2; test: python -m pytest tests/test_moe.py
 
 Shapes: S tokens in a routing group (B*T by default), C channels, E experts, k choices per token,
 A = k*S assignments (token, choice), K = ceil(capacity_factor * k * S / E) slots per expert.
 """
 import contextlib
+import copy
 import math
+import os
+import sys
 from typing import Callable
 
+import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from collectives import Comm
-from placements import place, placement
-from process_groups import make_mesh
+from model import MLP
+from placements import place
 
 
 class MoE(nn.Module):
     """A drop-in for a block's MLP: E experts behind a top-k router.
 
-    n_embd: C; make_expert: builds one expert, a module (.., C) -> (.., C) (model.py passes
-    its MLP, so that an MoE of one expert is exactly the dense block).
+    n_embd: C; make_expert: builds one expert, a module (.., C) -> (.., C) (feed_forward below
+    passes model.py's MLP, so that an MoE of one expert is exactly the dense block).
     top_k: experts per token (1: Switch, 2: GShard, any k <= E); the k gate values are the
     router's softmax probabilities of the chosen experts, renormalised to sum to 1 over them.
     capacity_factor: each expert takes at most K = ceil(capacity_factor * k * S / E) of a routing
@@ -56,12 +63,11 @@ class MoE(nn.Module):
         self.aux_loss, self.stats = None, {}
         self.ep, self.local = None, range(experts)     # expert parallelism: shard_experts()
 
-    def shard_experts(self, ep: Comm, holders: Comm | None = None):
+    def shard_experts(self, ep: Comm):
         """Expert parallelism over the ep group's P ranks: rank r keeps experts r*E/P to
         (r+1)*E/P - 1 and drops the others (an nn.Identity keeps each index, so parameters keep
         their names: experts.5.up.weight on whichever rank holds expert 5). Every rank must
-        hold the same model before (the same seed), as tensor parallelism's split.
-        holders: the data-parallel ranks holding the same experts as this one (expert_parallel)."""
+        hold the same model before (the same seed), as tensor parallelism's split."""
         E, P = len(self.experts), ep.world_size
         if E % P:
             raise ValueError(f"{E} experts do not split over --ep {P} ranks: use an --ep dividing {E}")
@@ -70,10 +76,10 @@ class MoE(nn.Module):
             if e not in self.local:
                 self.experts[e] = nn.Identity()
         for e in self.local:
-            # Sharded over ep (each rank its own experts), reduced over the ranks holding
-            # expert e: placements.py's record, which the data-parallel wrappers and the norm read.
+            # Sharded over ep, each rank its own experts: placements.py's record (the global
+            # norm counts each rank's own).
             for p in self.experts[e].parameters():
-                place(p, shard={"ep": None}, holders=holders)
+                place(p, shard={"ep": None})
 
     def forward(self, x):                                     # (B, T, C)
         tokens = x.reshape(-1, x.shape[-1])                   # (S, C)
@@ -116,15 +122,17 @@ class MoE(nn.Module):
         weighted = outputs.view(E * slots, C)[torch.where(a["keep"], row, 0)] * gate   # (A, C)
         return torch.zeros_like(tokens).index_add_(0, a["token"], weighted)        # (S, C)
 
-    def exchange_bytes(self, tokens: int, element_size: int) -> int:
-        """Bytes this rank sends under expert parallelism per forward and backward of `tokens`
-        tokens, in capacity mode (layer_exchange_bytes). Dropless, the sizes follow the routing:
-        not predicted (0), the counter measures them."""
-        if self.ep is None or self.capacity_factor is None:
-            return 0
-        return layer_exchange_bytes(tokens, self.router.in_features, len(self.experts), self.top_k,
-                                    self.capacity_factor, self.group_size, self.ep.world_size,
-                                    element_size)
+    @contextlib.contextmanager
+    def generating(self):
+        """Inside, this layer routes each forward's tokens as one group (model.GPT.generate).
+        Routing groups are a training choice (a capacity and a balancing loss for each group
+        of a batch's tokens); generating, a forward has the tokens its window holds, which a
+        group need not divide."""
+        size, self.group_size = self.group_size, None
+        try:
+            yield
+        finally:
+            self.group_size = size
 
     # ---- expert parallelism: the tokens travel to their experts' ranks and back ---------------
     #
@@ -237,20 +245,14 @@ class MoE(nn.Module):
         self.stats = {"per_expert": per_expert, "assignments": A, "balance_loss": balance.detach()}
 
 
-@contextlib.contextmanager
-def one_routing_group(model: nn.Module):
-    """Inside, every MoE layer of model routes each forward's tokens as one group. Routing
-    groups are a training choice (a capacity and a balancing loss for each group of a batch's
-    tokens); generating, a forward has the tokens its window holds, which a group need not divide."""
-    layers = [module for module in model.modules() if isinstance(module, MoE)]
-    sizes = [layer.group_size for layer in layers]
-    for layer in layers:
-        layer.group_size = None
-    try:
-        yield
-    finally:
-        for layer, size in zip(layers, sizes):
-            layer.group_size = size
+def feed_forward(cfg) -> nn.Module:
+    """A block's feed-forward for model.py's GPT (build_model(name, feed_forward=feed_forward)):
+    with cfg.experts, an MoE of that many of model.py's MLPs behind a router, as cfg's fields
+    say; without, the dense MLP itself."""
+    if not cfg.experts:
+        return MLP(cfg)
+    return MoE(cfg.n_embd, lambda: MLP(cfg), cfg.experts, cfg.top_k, cfg.capacity_factor,
+               cfg.routing_group, cfg.aux_loss_weight, cfg.z_loss_weight)
 
 
 def _count(index: torch.Tensor, bins: int, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -279,43 +281,6 @@ def layer_exchange_bytes(tokens: int, channels: int, experts: int, top_k: int,
     rows = (tokens // group * experts * expert_capacity(group, experts, top_k, capacity_factor)
             if capacity_factor is not None else top_k * tokens)
     return 4 * (ep - 1) * rows * channels * element_size // ep
-
-
-def expert_parallel(gpt: nn.Module, comm: Comm, ep: int, groups: tuple | None = None) -> Comm:
-    """Split every MoE layer of gpt over groups of ep consecutive ranks of comm (E/ep experts
-    each); returns the ep group, over which the experts' squares add up in the norm (their
-    reduction over the ranks holding the same experts is in their placements).
-    Collective: every rank of comm. groups: (ep group, the ranks holding the same experts),
-    made already (a device mesh's)."""
-    ep_group, replicas = groups or make_mesh(comm, ep)
-    for module in gpt.modules():
-        if isinstance(module, MoE):
-            module.shard_experts(ep_group, replicas)
-    return ep_group
-
-
-def held_experts(gpt: nn.Module) -> list[nn.Module]:
-    """The expert modules this rank holds under expert parallelism (FSDP makes each a unit)."""
-    return [module.experts[e] for module in gpt.modules()
-            if isinstance(module, MoE) and module.ep is not None for e in module.local]
-
-
-def is_expert(p) -> bool:
-    """Is parameter p one of the experts this rank holds under expert parallelism?"""
-    return "ep" in placement(p).shard
-
-
-def exchange_bytes(gpt: nn.Module, options, data_size: int, context_size: int = 1,
-                   micro_batches: int | None = None) -> int:
-    """What every MoE layer of gpt (a pipeline stage: its own) sends per training step under
-    train.py's options (each of data_size ranks a micro-batch of --batch-size / data_size /
-    micro_batches rows at a time, of --seq-len / context_size tokens each: context
-    parallelism's cp, times tp under sequence parallelism; micro_batches: --grad-accum's, or a
-    pipeline's --microbatches)."""
-    micro = micro_batches or options.grad_accum
-    tokens = options.batch_size // data_size // micro * (options.seq_len // context_size)
-    size = next(gpt.parameters()).element_size()
-    return micro * sum(m.exchange_bytes(tokens, size) for m in gpt.modules() if isinstance(m, MoE))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -354,3 +319,57 @@ def routing_summary(model: nn.Module) -> dict:
     low, mean, high, dropped, balance = torch.stack(
         [per_expert.min(), per_expert.mean(), per_expert.max(), 1 - kept.mean(), balance]).tolist()
     return {"tokens_per_expert": (low, mean, high), "dropped": dropped, "balance_loss": balance}
+
+
+# ---- run alone: the experts split over the ranks against the same layer whole on one process ---
+
+def _demonstrate(ep: Comm, capacity_factor: float | None) -> float:
+    """One MoE layer (E = 4 experts of C = 16 channels, top-2) in fp64, split E/P experts a rank,
+    each rank routing its own S = 64 tokens, against the same layer whole routing all P*S tokens
+    as P groups (one process). Each rank's loss: a fixed readout of its outputs, plus the
+    routers' loss; the whole's: their mean, as data parallelism averages. Returns the largest
+    difference from one process (outputs, input, router and expert gradients), on every rank."""
+    torch.manual_seed(0)                                              # the same layer everywhere
+    C, E, S, P, r = 16, 4, 64, ep.world_size, ep.rank
+    whole = MoE(C, lambda: nn.Sequential(nn.Linear(C, 4 * C), nn.GELU(), nn.Linear(4 * C, C)),
+                experts=E, top_k=2, capacity_factor=capacity_factor, group_size=S).double()
+    split = copy.deepcopy(whole)
+    split.shard_experts(ep)                                           # experts r*E/P .. on rank r
+    x = torch.randn(P, S, C, dtype=torch.float64, requires_grad=True)  # every rank's tokens
+    readout = torch.randn(P, S, C, dtype=torch.float64)
+    expected = whole(x)                                               # one process, all P groups
+    ((expected * readout).mean() + whole.aux_loss).backward()
+    mine = x[r].detach().clone().requires_grad_()                     # (S, C): this rank's
+    y = split(mine)
+    ((y * readout[r]).mean() + split.aux_loss).backward()
+    router = split.router.weight.grad.clone()
+    ep.all_reduce(router)                                 # replicated: the ranks' parts add up
+    # An expert's gradient sums every rank's tokens (the all-to-all brought them) over P ranks'
+    # losses, whose mean is the whole's: / P, as the input's and the router's.
+    differences = [(y - expected[r]).abs().max(), (mine.grad / P - x.grad[r]).abs().max(),
+                   (router / P - whole.router.weight.grad).abs().max()]
+    differences += [(p.grad / P - q.grad).abs().max() for e in split.local for p, q in
+                    zip(split.experts[e].parameters(), whole.experts[e].parameters())]
+    worst = torch.stack(differences).max()
+    ep.all_reduce(worst, op="max")
+    if r == 0:
+        load = whole.stats["per_expert"].tolist()                     # kept, all P groups
+        drops = "dropless" if capacity_factor is None else (
+            f"capacity {expert_capacity(S, E, 2, capacity_factor)} a group, "
+            f"{100 * (1 - sum(load) / (2 * P * S)):.0f}% dropped")
+        print(f"{P} ranks x {S} tokens, top-2 of {E} experts ({E // P} a rank), {drops}: "
+              f"assignments per expert {load}, balance loss "
+              f"{whole.stats['balance_loss']:.3f} (1: balanced)")
+        print(f"  max |difference| from one process (outputs, input, router and expert gradients): "
+              f"{worst:.1e} (bound 1e-12: fp64, the same sums in another order)")
+    return worst.item()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    ep = Comm()                                                       # every rank: the ep group
+    worst = max(_demonstrate(ep, capacity) for capacity in (1.0, None))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0 if worst <= 1e-12 else 1)        # skip finalizing, as process_groups.exit_distributed

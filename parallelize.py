@@ -32,10 +32,10 @@ from fsdp_offload import OffloadedFSDP
 from memory_math import mesh_params, run_state_bytes
 from mesh_checks import mesh_splits, moe_config, stage_layers
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
-from model import build_model
-from moe import MoE, exchange_bytes, expert_parallel, held_experts, routing_summary
+from model import GPT, build_model
+from moe import MoE, feed_forward, layer_exchange_bytes, routing_summary
 from pipeline import GPTStage, Pipeline
-from placements import by_reduction
+from placements import by_reduction, place
 from process_groups import make_device_mesh, make_mesh
 from schedules import COMPUTE, make_schedule, message
 from snapshot import RunError, load_weights, refused
@@ -93,7 +93,7 @@ def model_on_mesh(args, device, mesh):
     parallelize() applies them in turn.
     """
     torch.manual_seed(args.seed)
-    gpt = build_model(args.model, dropout=args.dropout, **moe_config(args))     # fp32
+    gpt = build_gpt(args.model, dropout=args.dropout, **moe_config(args))       # fp32
     if args.init_from:
         load_weights(args.init_from, gpt)
     # FSDP keeps the fp32 weights as master shards and computes in --precision itself; the
@@ -379,6 +379,52 @@ def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) 
                      f"{' '.join(f'{x:.2f}' for x in idle)} (causal mask's blocks: "
                      f"{' '.join(f'{x:.2f}' for x in predicted_idle)})")
     return lines
+
+
+# ---- the experts (moe.py) on the mesh ------------------------------------------------------------
+
+def build_gpt(name: str, **overrides) -> GPT:
+    """model.build_model with moe.py's feed-forward: any preset, mixtures of experts included."""
+    return build_model(name, feed_forward=feed_forward, **overrides)
+
+
+def expert_parallel(gpt: nn.Module, comm: Comm, ep: int, groups: tuple | None = None) -> Comm:
+    """Split every MoE layer of gpt over groups of ep consecutive ranks of comm (E/ep experts
+    each); returns the ep group, over which the experts' squares add up in the norm. Each held
+    expert is reduced over the ranks holding the same experts: its placement's holders, which
+    the data-parallel wrappers read. Collective: every rank of comm. groups: (ep group, the
+    ranks holding the same experts), made already (a device mesh's)."""
+    ep_group, replicas = groups or make_mesh(comm, ep)
+    for module in gpt.modules():
+        if isinstance(module, MoE):
+            module.shard_experts(ep_group)
+    for expert in held_experts(gpt):
+        for p in expert.parameters():
+            place(p, holders=replicas)
+    return ep_group
+
+
+def held_experts(gpt: nn.Module) -> list[nn.Module]:
+    """The expert modules this rank holds under expert parallelism (FSDP makes each a unit)."""
+    return [module.experts[e] for module in gpt.modules()
+            if isinstance(module, MoE) and module.ep is not None for e in module.local]
+
+
+def exchange_bytes(gpt: nn.Module, options, data_size: int, context_size: int = 1,
+                   micro_batches: int | None = None) -> int:
+    """What every MoE layer of gpt (a pipeline stage: its own) sends per training step under
+    train.py's options (each of data_size ranks a micro-batch of --batch-size / data_size /
+    micro_batches rows at a time, of --seq-len / context_size tokens each: context
+    parallelism's cp, times tp under sequence parallelism; micro_batches: --grad-accum's, or a
+    pipeline's --microbatches). Dropless, the sizes follow the routing: not predicted (0), the
+    counter measures them."""
+    micro = micro_batches or options.grad_accum
+    tokens = options.batch_size // data_size // micro * (options.seq_len // context_size)
+    size = next(gpt.parameters()).element_size()
+    return micro * sum(layer_exchange_bytes(tokens, m.router.in_features, len(m.experts), m.top_k,
+                                            m.capacity_factor, m.group_size, m.ep.world_size, size)
+                       for m in gpt.modules() if isinstance(m, MoE) and m.ep is not None
+                       and m.capacity_factor is not None)
 
 
 # ---- the pipeline's bubble: why the measured one is not the formula's -------------------------

@@ -6,12 +6,15 @@ section 3). Each block of 64 weights is divided by its largest magnitude (its sc
 value stored as the nearest level's index; double quantization stores those fp32 scales in 8
 bits too, blocks of 256, taking the overhead from 0.5 to about 0.13 bits per weight.
 Dequantization (level x scale) happens on the fly, in forward and again in backward, so the
-full-precision weight never stays alive. FrozenNF4Linear is a frozen nn.Linear stored so. Left out: 8-bit float scales (ours are int8 linear),
-paged optimizers, fused dequantizing matmul kernels.
-Run: python train.py --init-from RUN --lora --quantize-base nf4; test: python -m pytest tests/test_quantization.py
+full-precision weight never stays alive. FrozenNF4Linear is a frozen nn.Linear stored so.
+Left out: 8-bit float scales (ours are int8 linear), paged optimizers, fused dequantizing kernels.
+Run alone: python quantization.py (a weight's round trip against its fp32 self, and its bytes);
+in training: python train.py --init-from RUN --lora --quantize-base nf4;
+test: python -m pytest tests/test_quantization.py
 
 Shapes: P values in a weight, G = ceil(P / 64) blocks, S = ceil(G / 256) blocks of scales.
 """
+import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -120,3 +123,51 @@ class FrozenNF4Linear(nn.Module):
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}"
+
+
+
+# ---- run alone: a weight's round trip against the fp32 weight itself --------------------------
+
+def _round_to_levels(weight: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Each block of 64 over its absmax, rounded to the nearest of `levels`, scaled back (no
+    packing): what a weight keeps of itself in those 16 levels."""
+    blocks = weight.reshape(-1, BLOCK)                                            # (G, 64)
+    scales = blocks.abs().amax(dim=1, keepdim=True)                               # (G, 1)
+    nearest = ((blocks / scales)[..., None] - levels).abs().argmin(dim=-1)        # (G, 64)
+    return (levels[nearest] * scales).view_as(weight)
+
+
+def _demonstrate() -> bool:
+    """Quantize a weight shaped like a trained one (normal, std 0.02), dequantize it, and hold
+    every value's error to the format's bound; the fp32 weight is the one-process reference.
+    True when every error is within its bound."""
+    torch.manual_seed(0)
+    weight = torch.randn(512, 1024) * 0.02                                         # P = 512K
+    naive, nf4 = (_round_to_levels(weight, levels) - weight for levels in
+                  (torch.linspace(-1, 1, 16), LEVELS))                            # plain int4, NF4
+    print(f"a {tuple(weight.shape)} weight ~ N(0, 0.02^2) in blocks of {BLOCK}: mean |error| "
+          f"{naive.abs().mean():.2e} with 16 evenly spaced levels, {nf4.abs().mean():.2e} with "
+          f"NF4's (quantiles of N(0, 1): levels dense where the weights are)")
+    scales = weight.reshape(-1, BLOCK).abs().amax(dim=1, keepdim=True)            # (G, 1)
+    # The nearest level is at most half the widest gap away (between -1 and the next level),
+    # times the block's scale; fp32's rounding of x / scale and of level x scale adds ulps.
+    bound = scales * ((LEVELS[1] - LEVELS[0]) / 2 + 2 ** -21)                      # (G, 1)
+    within = True
+    for double_quant in (False, True):
+        stored = NF4Weight(weight, double_quant)
+        error = (stored.dequantize() - weight).reshape(-1, BLOCK).abs()           # (G, 64)
+        # Double quantization rounds each scale too (int8): |level| <= 1 times the scale's error.
+        allowed = bound + (stored.block_scales()[:, None] - scales).abs() if double_quant else bound
+        within &= bool((error <= allowed).all())
+        print(f"{'NF4 + double quantization' if double_quant else 'NF4':25s} "
+              f"{stored.nbytes() / weight.numel():.4f} bytes per weight "
+              f"({8 * stored.nbytes() / weight.numel():.3f} bits; fp32: 32)")
+        print(f"  max |difference| from one process (the fp32 weight): {error.max():.2e} (bound "
+              f"{allowed.max():.2e}: half the widest gap between levels x the block's absmax"
+              f"{' + the scale rounded' if double_quant else ''}; the closest block comes to "
+              f"{100 * (error / allowed).max():.2f}% of its own)")
+    return within
+
+
+if __name__ == "__main__":
+    raise SystemExit(0 if _demonstrate() else 1)

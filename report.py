@@ -16,8 +16,7 @@ import step_time
 from cli import describe_run
 from memory_math import held_bytes, live_numel, live_tensor_bytes
 from mesh_checks import mesh_splits, moe_config
-from model import build_model
-from parallelize import dimension_report, lora_config
+from parallelize import build_gpt, dimension_report, lora_config
 from process_groups import global_mean
 from run_log import measured_memory, predicted_activations, predicted_memory, step_line
 from snapshot import load_weights
@@ -85,7 +84,7 @@ def export_bytes(args) -> int:
     header (under 1 KiB). Counted on the meta device: no memory; a LoRA run exports its adapters
     folded into the base's shapes."""
     with torch.device("meta"):
-        gpt = build_model(args.model, **moe_config(args))
+        gpt = build_gpt(args.model, **moe_config(args))
     return sum(4 * p.numel() + 2**10 for p in gpt.parameters())
 
 

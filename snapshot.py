@@ -40,6 +40,7 @@ import torch.distributed as dist
 import lora
 from collectives import Comm
 from model import GPT, GPTConfig
+from moe import feed_forward
 from placements import placement
 from pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
                     gather_pieces, join_shards, load_pieces, optimizer_pieces, whole_piece)
@@ -726,7 +727,7 @@ def _export(gpt, optimizer, layout: Layout, rank, lora_config, device) -> dict |
     shapes = gpt
     if split:
         with torch.device("meta"):     # whole shapes (a rank holds slices or a stage), no memory
-            shapes = GPT(gpt.cfg)
+            shapes = GPT(gpt.cfg, feed_forward)
             if lora_config:            # a 4-bit W0 as the plain weight the pieces above hold
                 lora.apply_lora(shapes, **{**lora_config, "quantize": None, "double_quant": False})
     weights = Pieces([p for part in gathered for p in part]).full_state_dict(shapes)
@@ -748,7 +749,7 @@ def load_weights(path: str, gpt: GPT | None = None) -> GPT:
         meta, parts = load(path)
         config = meta["model"]
         pieces = Pieces([p for part in parts for p in part["pieces"]])
-        saved_from = GPT(GPTConfig(**config))
+        saved_from = GPT(GPTConfig(**config), feed_forward)
         if meta.get("lora"):        # a LoRA run saved its adapter; the base is meta["base"]
             if meta["base"]:
                 check_adapter_base(meta, path)
@@ -758,7 +759,7 @@ def load_weights(path: str, gpt: GPT | None = None) -> GPT:
         if meta.get("lora"):
             weights = lora.fold_adapters(weights, saved_from)
     if gpt is None:
-        gpt = GPT(GPTConfig(**config))
+        gpt = GPT(GPTConfig(**config), feed_forward)
     else:
         check_same_model(config, model_config(gpt), path, ignore=("dropout",))
     if gpt.cfg.tie_embeddings:      # one tensor under two names: files hold the first name only

@@ -30,8 +30,7 @@ from data import TextData
 from launch import pinned_copy
 from mesh_checks import mesh_splits
 from meters import saved_activation_bytes
-from model import build_model  # noqa: F401 (train.build_model)
-from parallelize import build, lora_config
+from parallelize import build, build_gpt, lora_config  # noqa: F401 (train.build_gpt)
 from process_groups import cpu_threads, exit_distributed, global_mean, init_distributed
 from run_log import Clock, RunLog, finish, predicted_seconds, start_profiling
 from snapshot import Divergence, RunError, load_weights, own_outputs  # noqa: F401 (train.RunError)

@@ -13,6 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mixed_precision import DynamicLossScaler
 from model import build_model
+from moe import feed_forward
 from multiprocess import train_logged
 from placements import norm_weight
 
@@ -77,7 +78,7 @@ def train_noting_adam(argv, model: str):
     """train_logged(argv) on this rank, and the AdamDenominators of the run's AdamW (`model` names
     the preset, for the parameters' names). Only the model's AdamW is noted: on a clone with no
     .cache/, machines.this times an AdamW step of its own (one 4M-element parameter) first."""
-    names, shapes = zip(*[(n, p.shape) for n, p in build_model(model).named_parameters()])
+    names, shapes = zip(*[(n, p.shape) for n, p in build_model(model, feed_forward=feed_forward).named_parameters()])
     noted = {}
 
     def note_the_model(optimizer, args, kwargs):

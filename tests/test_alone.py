@@ -18,6 +18,10 @@ COMMANDS = {
     "tensor_parallel": "torchrun --nproc_per_node 2 tensor_parallel.py",
     "context_parallel": "torchrun --nproc_per_node 2 context_parallel.py",
     "fsdp": "torchrun --nproc_per_node 2 fsdp.py",
+    "moe": "torchrun --nproc_per_node 2 moe.py",
+    "lora": "python lora.py",
+    "quantization": "python quantization.py",
+    "checkpointing": "python checkpointing.py",
 }
 
 

@@ -53,6 +53,14 @@ def _functions(tree):
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
+@pytest.mark.parametrize("foundation", sorted(FOUNDATIONS))
+def test_a_foundation_imports_only_foundations(foundation):
+    """The concepts build on the foundations, never the other way round: the model knows no
+    mixture of experts (moe.py hands it one through its feed_forward)."""
+    wrong = _project_imports(ROOT / f"{foundation}.py") - FOUNDATIONS
+    assert not wrong, f"{foundation}.py imports {sorted(wrong)}: a foundation builds on foundations only"
+
+
 @pytest.mark.parametrize("concept", CONCEPTS)
 def test_a_concept_file_reads_in_one_sitting(concept):
     for name in {concept} | {f for f in CONCEPTS[concept] if (ROOT / f"{f}.py").exists()}:

@@ -16,6 +16,7 @@ from memory_math import (STRATEGIES, active_params, activation_bytes, bytes_per_
                          mesh_params, model_params, moe_exchange_bytes, moe_mlp_bytes, nf4_bytes,
                          state_bytes)
 from model import PRESETS, GPTConfig, build_model
+from moe import feed_forward
 from multiprocess import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,7 +109,7 @@ def test_zero1_and_zero2_send_what_ddp_sends_and_zero3_half_again(n_params, worl
 def test_model_params_matches_the_built_model():
     for name in PRESETS:
         with torch.device("meta"):                  # the real modules, no memory or init time
-            assert model_params(name) == build_model(name).num_parameters(), name
+            assert model_params(name) == build_model(name, feed_forward=feed_forward).num_parameters(), name
     untied = dataclasses.replace(PRESETS["gpt2-small"], tie_embeddings=False)
     assert model_params(untied) == model_params("gpt2-small") + 50304 * 768
     with pytest.raises(ValueError, match="unknown model 'gpt5'"):
@@ -136,7 +137,7 @@ def _sharded(name, ep, rank=0):
     from types import SimpleNamespace
     from moe import MoE
     with torch.device("meta"):
-        gpt = build_model(name)
+        gpt = build_model(name, feed_forward=feed_forward)
     for module in gpt.modules():
         if isinstance(module, MoE):
             module.shard_experts(SimpleNamespace(world_size=ep, rank=rank))
@@ -145,7 +146,7 @@ def _sharded(name, ep, rank=0):
 
 @pytest.mark.parametrize("name, ep", [("tiny-moe", 2), ("tiny-moe", 8), ("gpt2-small-moe", 4)])
 def test_a_rank_holds_what_ep_params_says(name, ep):
-    from moe import is_expert
+    from memory_math import is_expert
     gpt = _sharded(name, ep, rank=ep - 1)
     held, experts = ep_params(name, ep)
     assert held == sum(p.numel() for p in gpt.parameters())
@@ -183,7 +184,7 @@ def test_all_to_all_napkin_is_the_layers_formula(name, ep, tokens, capacity_fact
     formula train.py logs beside the counter, and test_moe checks against the counter): 4 (P-1)/P
     of the E x K slots of C values per layer and micro-batch, K = ceil(1.25 x 2 x 512 / 8) = 160."""
     from types import SimpleNamespace
-    from moe import exchange_bytes
+    from parallelize import exchange_bytes
     gpt = _sharded(name, ep)
     for module in gpt.modules():
         if hasattr(module, "capacity_factor"):
@@ -224,7 +225,7 @@ def _moe_layer_saves(capacity_factor, ep):
     from meters import saved_activation_bytes
     from collectives import Comm
     torch.manual_seed(0)
-    moe = build_model("tiny-moe", capacity_factor=capacity_factor).blocks[0].mlp
+    moe = build_model("tiny-moe", feed_forward=feed_forward, capacity_factor=capacity_factor).blocks[0].mlp
     if ep:
         moe.shard_experts(Comm())
     x = torch.randn(4, 64, 128, requires_grad=True)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from model import PRESETS, build_model
+from moe import feed_forward
 
 
 def test_shapes_and_initial_loss_is_uniform_guess():
@@ -43,7 +44,7 @@ def test_moe_presets_are_their_dense_model_with_8_experts_top_2():
         assert (cfg.experts, cfg.top_k) == (8, 2)
         assert dataclasses.replace(cfg, experts=0) == PRESETS[dense], moe     # the same shape
     with torch.device("meta"):                      # the real modules, no memory or init time
-        model = build_model("gpt2-small-moe")
+        model = build_model("gpt2-small-moe", feed_forward=feed_forward)
     assert len(model.blocks[0].mlp.experts) == 8
     assert round(model.num_parameters() / 1e6) == 521
     # A token computes with GPT-2 small plus one more MLP (4.7M) per block and the routers.

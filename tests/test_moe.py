@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from model import MLP, GPTConfig
-from moe import MoE, routing_summary
+from moe import MoE, feed_forward, routing_summary
 from equivalence import assert_adam_close, train_noting_adam
 from multiprocess import assert_mean_close, run_ranks, train_logged
 
@@ -169,11 +169,11 @@ def test_lora_leaves_the_experts_alone():
     """apply_lora adapts the attention's linears and never an expert's, even when named."""
     from lora import LoRALinear, apply_lora
     from model import build_model
-    gpt = apply_lora(build_model("tiny-moe", n_layer=1), targets=("query", "up"))
+    gpt = apply_lora(build_model("tiny-moe", feed_forward=feed_forward, n_layer=1), targets=("query", "up"))
     adapted = sorted(name for name, m in gpt.named_modules() if isinstance(m, LoRALinear))
     assert adapted == ["blocks.0.attn.query"], adapted
     with pytest.raises(ValueError, match="--lora-targets up names no linear layer; choose among"):
-        apply_lora(build_model("tiny-moe", n_layer=1), targets=("up",))
+        apply_lora(build_model("tiny-moe", feed_forward=feed_forward, n_layer=1), targets=("up",))
 
 
 def test_generation_routes_each_window_as_one_group():
@@ -182,7 +182,7 @@ def test_generation_routes_each_window_as_one_group():
     groups off), and keeps its groups for training after."""
     from model import build_model
     torch.manual_seed(0)
-    gpt = build_model("tiny-moe", routing_group=32).eval()
+    gpt = build_model("tiny-moe", feed_forward=feed_forward, routing_group=32).eval()
     prompt = torch.tensor([list(b"ab")])
     tokens = gpt.generate(prompt, 6, temperature=0)
     layers = [module for module in gpt.modules() if isinstance(module, MoE)]
@@ -219,7 +219,7 @@ def _batch():
 def _gpt(capacity_factor):
     from model import build_model
     torch.manual_seed(0)
-    return build_model("tiny-moe", n_layer=2, capacity_factor=capacity_factor)
+    return build_model("tiny-moe", feed_forward=feed_forward, n_layer=2, capacity_factor=capacity_factor)
 
 
 def _data_parallel_gradients(capacity_factor):
@@ -275,7 +275,7 @@ def test_parameter_counts_total_and_active():
     """memory.py's closed form: tiny-moe holds 8 experts per block, a token computes with 2."""
     from memory_math import active_params, model_params
     from model import build_model
-    gpt = build_model("tiny-moe")
+    gpt = build_model("tiny-moe", feed_forward=feed_forward)
     assert model_params("tiny-moe") == sum(p.numel() for p in gpt.parameters()) == 4_566_784
     C, L = gpt.cfg.n_embd, gpt.cfg.n_layer
     assert model_params("tiny-moe") - active_params("tiny-moe") == L * 6 * (8 * C * C + 5 * C)
@@ -351,7 +351,7 @@ def _routing_imbalance(aux_loss_weight, steps=40):
     from model import build_model
     data = TextData.from_file()
     torch.manual_seed(0)
-    gpt = build_model("tiny-moe", n_layer=2, aux_loss_weight=aux_loss_weight, capacity_factor=None)
+    gpt = build_model("tiny-moe", feed_forward=feed_forward, n_layer=2, aux_loss_weight=aux_loss_weight, capacity_factor=None)
     optimizer = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
     ratios = []
     for step in range(steps):

@@ -8,6 +8,7 @@ import train
 from lora import LoRALinear, QLoRALinear, apply_lora, fold_adapters
 from memory_math import live_numel, model_params, nf4_bytes, quantized_params, state_bytes
 from model import GPT, PRESETS
+from moe import feed_forward
 from multiprocess import run_ranks
 from quantization import BLOCK, LEVELS, NF4Weight
 from test_lora import LORA, RUN, pretrained  # noqa: F401  (the fixture: a base model, another text)
@@ -118,7 +119,7 @@ def test_qlora_stores_the_whole_frozen_base_in_4_bits():
                          quantized=quantized_params(cfg))
     assert napkin["params"] == stored
     # A mixture: every expert's matrices in 4 bits too, the routers not (memory_math.quantized_params).
-    moe = apply_lora(GPT(PRESETS["tiny-moe"]), quantize="nf4")
+    moe = apply_lora(GPT(PRESETS["tiny-moe"], feed_forward), quantize="nf4")
     assert live_numel(moe)[1] == quantized_params("tiny-moe")
     assert all(block.mlp.router.weight.dtype == torch.float32 for block in moe.blocks)
 

@@ -11,6 +11,7 @@ import torch
 from flops import LLAMA_3_1_8B, Shape, block_flops, model_flops_per_token, step_flops
 from machines import PRESETS, Link, Machine, this
 from model import PRESETS as MODELS, build_model
+from moe import feed_forward
 from multiprocess import run_ranks
 from schedules import bubble_formula
 from step_time import Step, data_parallel_seconds, pipeline_seconds, predict, tensor_parallel_seconds
@@ -36,7 +37,7 @@ def test_block_flops_by_hand():
 
 def test_model_shape_counts_every_parameter_of_our_models():
     for name in ("tiny", "medium", "tiny-moe"):
-        assert Shape.of(MODELS[name]).params() == build_model(name).num_parameters()
+        assert Shape.of(MODELS[name]).params() == build_model(name, feed_forward=feed_forward).num_parameters()
 
 
 def test_six_flops_per_parameter_and_eight_with_checkpointing():
