@@ -13,6 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # concept file -> the command the README's reading table gives for it
 COMMANDS = {
+    "pipeline": "torchrun --nproc_per_node 2 pipeline.py",
 }
 
 
