@@ -142,9 +142,9 @@ def gpipe(P: int, M: int) -> list[list[Action]]:
 
 
 def one_f_one_b(P: int, M: int) -> list[list[Action]]:
-    """1F1B in three phases: warm-up, P-1-s forwards (the micro-batches the stages after this
-    one need before the first backward reaches it); steady state, one forward and one backward
-    in turn; cool-down, the remaining backwards. Stage s holds at most P-s micro-batches."""
+    """1F1B in three phases: warm-up, P-1-s forwards (the stages after it stay busy until the
+    first backward comes back); steady state, one forward and one backward in turn; cool-down,
+    the remaining backwards. Stage s holds at most P-s micro-batches, GPipe M."""
     check_sizes(P, M)
     stages = []
     for s in range(P):

@@ -1,12 +1,16 @@
-"""A pipeline schedule's lists on two clocks: NCCL's and the lecture's.
+"""The pipeline's mechanics, read after pipeline.py: a schedule on two clocks, and the executor's
+bookkeeping.
 
-NCCL's: what pipeline.py's executor posts for a stage's list (nccl_program: the sends and receives
-between two computations as one group) and whether the stages, each playing its program by NCCL's
-point-to-point rules, can wait on each other forever (run_under_nccl). The lecture's: every
-computation one slot, messages instant (simulate), from which the bubble (the idle share, beside
-its formula), the activations a stage holds at most, and the timeline the lecture draws.
-A list is any stage's list of pipeline.Action (kind, m, chunk): this file imports no schedule.
-Read after pipeline.py. Test: python -m pytest tests/test_schedules.py
+NCCL's clock: what pipeline.py's executor posts for a stage's list (nccl_program: the sends and
+receives between two computations as one group) and whether the stages, each playing its program
+by NCCL's point-to-point rules, can wait on each other forever (run_under_nccl). The lecture's
+clock: every computation one slot, messages instant (simulate), from which the bubble (the idle
+share, beside its formula), the activations a stage holds at most, and the timeline the lecture
+draws (describe). Then what the executor does beside running its list (PipelineMechanics, its
+base class): the tied ends' group, the loss summed over the stages, FSDP's units kept gathered,
+the loop's interface, the bytes a step sends, the bubble it measured. A list is any stage's list
+of pipeline.Action (kind, m, chunk): this file imports no schedule.
+Test: python -m pytest tests/test_schedules.py tests/test_pipeline.py
 
 Shapes: P stages (ranks), M micro-batches, s stage, m micro-batch; v chunks per rank, chunk c of
 rank s is virtual stage c P + s.
@@ -210,8 +214,6 @@ def describe(name: str, stages: list[list], M: int) -> str:
     return f"{header}\n\n{timeline(rows)}\n\n{bubble}\n{held}"
 
 
-
-
 # ---- the command line, and bad sizes in one line ------------------------------------------------
 
 def schedule_parser(schedules: dict) -> argparse.ArgumentParser:
@@ -224,9 +226,11 @@ def schedule_parser(schedules: dict) -> argparse.ArgumentParser:
 
 
 def check_sizes(P: int, M: int):
+    """Raise unless a pipeline has a stage and a micro-batch."""
     if P < 1 or M < 1:
         raise ValueError(f"a pipeline needs at least 1 stage and 1 micro-batch, got "
                          f"{P} stages and {M} micro-batches")
+
 
 def check_layers(n_layer: int, P: int, sizes: list[int] | None, v: int = 1):
     """Raise unless n_layer blocks cut into P stages of v chunks each (pipeline.split_layers):
@@ -243,10 +247,11 @@ def check_layers(n_layer: int, P: int, sizes: list[int] | None, v: int = 1):
                          + (f" (--pp {P} x --virtual-stages {v} chunks)" if v > 1 else "")
                          + f", each 1 or more, adding up to the model's {n_layer} blocks")
 
+
 # ---- the executor's mechanics: its set-up, the loop's interface, the step's bytes and bubble --
 
 class PipelineMechanics:
-    """What pipeline.Pipeline (its base) does beside running its list: the tied ends' group, the
+    """What pipeline.Pipeline (this is its base class) does beside running its list: the tied ends' group, the
     loss summed over the stages, FSDP's units kept gathered, the loop's interface (called as a
     GPT is, eval(), train()), the bytes a step sends, the bubble it measured, its clock. Reads
     the executor's attributes: module, comm, P, M, actions, activation, dtype, tied, device,
