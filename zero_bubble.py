@@ -123,6 +123,7 @@ class ZeroBubblePipeline(Pipeline):
         return super().train_step(*args, **kwargs)
 
     def _compute(self, a, xs, ys, flight, scale_loss):
+        """F as Pipeline runs it; B filing its weights' halves under (m, chunk); W running them."""
         key = a.m, a.chunk
         if a.kind == "F":
             super()._compute(a, xs, ys, flight, scale_loss)
