@@ -60,7 +60,9 @@ from memory_math import run_state_bytes
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS
 from parallelize import build_gpt, data_parallel, fsdp_with
+from pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula
 from process_groups import exit_distributed, init_distributed, make_mesh
+from schedules import make_pipeline
 from snapshot import unwritable_file
 from step_time import Shape, Step, predict
 from zero import zero_optimizer
@@ -304,14 +306,14 @@ def _stage(model, v: int = 1):
 def ours_pipeline(schedule, model, args):
     v = VIRTUAL_STAGES.get(schedule, 1)
     stage, comm = _stage(model, v), our_comm()
-    runner = pipeline.Pipeline(stage, comm, schedule, args.microbatches, model.cfg.n_embd,
-                               DTYPES[args.precision])
+    runner = make_pipeline(stage, comm, schedule, args.microbatches, model.cfg.n_embd, DTYPES[args.precision])
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
     optimizer.split_model({"pp": comm})             # the norm sums the stages
     return Run(stage, optimizer, comm, label=f"pipeline.Pipeline({schedule}" + (f", v={v})" if v > 1 else ")"),
                napkin_sent=runner.bytes_per_step(args.batch_size, args.seq_len),
                forward_backward=partial(runner.train_step, scale_loss=optimizer.scale_loss),
-               bubbles=runner.measured_bubbles, predicted_bubble=runner.predicted_bubble())
+               bubbles=runner.measured_bubbles,
+               predicted_bubble=(BUBBLE_FORMULAS[schedule], bubble_formula(schedule, comm.world_size, args.microbatches, v)))
 
 
 class TorchChunk(torch.nn.Module):

@@ -26,7 +26,8 @@ from memory_math import (ALIASES, COLLECTIVES, GB, OPTIMIZERS, PRECISIONS, SHARD
                          pipeline_activation_bytes, quantized_params, stage_blocks, state_bytes)
 from mixed_precision import REDUCE_DTYPE
 from model import PRESETS
-from schedules import BUBBLE_FORMULAS, SCHEDULES, bubble_formula
+from pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula
+from schedules import SCHEDULES
 from tensor_parallel import check_divisible
 
 

@@ -36,8 +36,9 @@ from model import GPT, build_model
 from moe import MoE, feed_forward, layer_exchange_bytes, routing_summary
 from pipeline import GPTStage, Pipeline
 from placements import by_reduction, place
+from pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula
 from process_groups import make_device_mesh, make_mesh
-from schedules import COMPUTE, make_schedule, message
+from schedules import COMPUTE, make_pipeline, message
 from snapshot import RunError, load_weights, refused
 from tensor_parallel import g
 from tensor_parallel_gpt import TensorParallelGPT
@@ -231,8 +232,8 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     model = replicas
     if "pp" in splits:
         sp = args.tp if args.sequence_parallel else 1      # a rank sends its 1/tp of the tokens
-        model = Pipeline(replicas, mesh.pp, args.schedule, args.microbatches,
-                         lambda b, t: (b, t // sp, gpt.cfg.n_embd), DTYPES[args.precision])
+        model = make_pipeline(replicas, mesh.pp, args.schedule, args.microbatches,
+                              lambda b, t: (b, t // sp, gpt.cfg.n_embd), DTYPES[args.precision])
         model.sync = sync
     sent, held = predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer, held_all)
     return model, optimizer, sync, sent, held, cp
@@ -357,10 +358,12 @@ def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) 
                      f"(1: balanced)" + exchanged)
     if hasattr(model, "measured_bubbles"):
         bubbles = history.setdefault("bubble", {})[step] = model.measured_bubbles()
-        formula, predicted_bubble = model.predicted_bubble()
+        formula = BUBBLE_FORMULAS[args.schedule]
+        predicted_bubble = bubble_formula(args.schedule, model.P, model.M, model.v)
         # zb: the weights whose gradients W computed here (its share of the bubble's fill)
-        deferred = history.setdefault("deferred", {})[step] = model.deferred_weights()
-        stages = make_schedule(model.schedule, model.P, model.M, model.v)
+        deferred = history.setdefault("deferred", {})[step] = (model.deferred_weights()
+                                                                if args.schedule == "zb" else 0)
+        stages = model.stages
         why = bubble_why(bubbles, stages, stage_seconds(model))        # "" within a compute slot
         lines.append(f"bubble (idle share of the step) per stage {' '.join(f'{b:.2f}' for b in bubbles)} "
                      f"| formula {formula} {predicted_bubble:.2f}{why} | activations held at most "

@@ -22,7 +22,8 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")   # as train.py: not used
 
 import traces                                                            # noqa: E402
-from schedules import SCHEDULES, make_schedule, simulate                 # noqa: E402
+from pipeline_mechanics import simulate                                 # noqa: E402
+from schedules import SCHEDULES, make_schedule                           # noqa: E402
 from snapshot import unwritable_file, write_whole                        # noqa: E402
 from svg import PALETTE, Axes, Canvas, line_chart, nice_ticks            # noqa: E402
 

@@ -2,34 +2,34 @@
 
 Cut the model into P stages of whole blocks, one per rank; a batch split into M micro-batches
 flows through them, activations sent forward and their gradients back with point-to-point
-messages. The order of each stage's forwards, backwards, sends and receives is a schedule,
-data built and checked in schedules.py (GPipe, 1F1B, interleaved 1F1B, zero bubble ZB-H1; their
-bubble and memory are worked out there); here one executor runs any such list on a stage of a
-GPT: a stage may hold several chunks of blocks (interleaved), and a backward may be split in two
-(zero bubble: B, the input's gradient now, W, the weights' gradient later; how: zero_bubble.py).
-Run: python pipeline.py --stages 4 --microbatches 8 --schedule 1f1b (draws it: schedules.main);
-     torchrun --nproc_per_node 4 train.py --strategy pipeline --pp 4 --microbatches 8
-     (--schedule interleaved --virtual-stages 2, --schedule zb)
+messages. The order of each stage's forwards, backwards, sends and receives is a schedule: GPipe
+(Huang et al. 2019) and 1F1B (PipeDream-flush, Narayanan et al. 2021, section 2.2.1) are made
+here, as lists; one executor runs a stage's list over send/recv. Extensions, read after:
+schedules.py (interleaved 1F1B, zero bubble's list, the checks), zero_bubble.py (the backward
+split in two), pipeline_mechanics.py (the bubble on the lecture's clock; NCCL's rules).
+Run: torchrun --nproc_per_node 2 pipeline.py (GPipe and 1F1B against one process);
+     python pipeline.py --stages 4 --microbatches 8 --schedule 1f1b (draws the schedule)
 Test: python -m pytest tests/test_pipeline.py (the schedules: tests/test_schedules.py)
 
 Shapes: P stages, M micro-batches, s stage, m micro-batch, v chunks per stage, B batch rows per
 pipeline, b = B / M rows per micro-batch, T sequence, C channels.
 """
 import contextlib
-import math
-import time
+import os
 from types import SimpleNamespace
+from typing import NamedTuple
 
+import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from collectives import Comm, ring_bytes
+from collectives import Comm
+from model import build_model
+from pipeline_mechanics import (PipelineMechanics, check_layers, check_sizes, describe, nccl_program,
+                                schedule_parser)
 from placements import place
-from process_groups import subgroups
-from schedules import (BUBBLE_FORMULAS, Action, bubble_formula, check_schedule, forwards_only, main, make_schedule,
-                       nccl_program, run_under_nccl)
-from zero_bubble import WeightGradients
+from process_groups import exit_distributed, init_distributed
 
 
 # ---- the model, cut into stages ----------------------------------------------------------
@@ -38,33 +38,19 @@ def split_layers(n_layer: int, P: int, sizes: list[int] | None = None, v: int = 
     """The blocks of each of the P v chunks (virtual stages; stage s holds chunks s, s + P, ...):
     `sizes` blocks each if given, else balanced by count (the first n_layer % Pv take one more;
     the last also computes the head and loss)."""
-    P, pp = P * v, P
+    check_layers(n_layer, P, sizes, v)              # every chunk at least one block, all of them used
     if sizes is None:
-        if n_layer < P:
-            chunks = f" x {v} chunks each = {P} chunks" if v > 1 else ""
-            raise ValueError(f"the model has {n_layer} blocks, fewer than {pp} pipeline stages{chunks}: "
-                             f"every {'chunk' if v > 1 else 'stage'} needs a block; use "
-                             + ("fewer --virtual-stages" if v > 1 else f"--pp {n_layer} or fewer")
-                             + ", or a deeper --model")
-        sizes = [n_layer // P + (s < n_layer % P) for s in range(P)]
-    if len(sizes) != P or sum(sizes) != n_layer or min(sizes) < 1:
-        raise ValueError(f"--stage-layers {','.join(map(str, sizes))}: give {P} numbers"
-                         + (f" (--pp {pp} x --virtual-stages {v} chunks)" if v > 1 else "")
-                         + f", each 1 or more, adding up to the model's {n_layer} blocks")
-    starts = [sum(sizes[:s]) for s in range(P)]
+        sizes = [n_layer // (P * v) + (c < n_layer % (P * v)) for c in range(P * v)]
+    starts = [sum(sizes[:c]) for c in range(P * v)]
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
 class GPTStage(nn.Module):
-    """One stage of a model.GPT: its blocks in `layers` (a range; interleaved, one range per
-    chunk), with the embeddings on the first stage and the final norm, head and loss on the last
-    (in the first and the last chunk). The other stages' parts are dropped from this rank, and
-    what stays keeps the whole model's names (blocks.5.attn.query.weight), so the stages'
-    checkpoints together read as one model's.
-
-    A head tied to the token embedding (GPT-2) lives on both ends: the first and the last
-    stage each hold a copy, `tied`, kept equal by summing their gradients (Pipeline does).
-    """
+    """One stage of a model.GPT: its blocks in `layers` (a range; interleaved, one per chunk),
+    the embeddings on the first stage, the final norm, head and loss on the last. The rest is
+    dropped from this rank; what stays keeps the whole model's names (blocks.5.attn.query.weight),
+    so the stages' checkpoints together read as one model's. A head tied to the token embedding
+    (GPT-2) lives on both ends: each holds a copy, `tied`, kept equal by summing their gradients."""
 
     def __init__(self, gpt: nn.Module, layers: range | list[range], first: bool, last: bool):
         super().__init__()
@@ -97,9 +83,8 @@ class GPTStage(nn.Module):
         if self.first and chunk == 0:
             x = gpt.embed(x)                             # (b, T) token ids -> (b, T, C)
         x = gpt.run_blocks(x, self.chunks[chunk])        # (b, T, C)
-        # With experts (moe.py), the routers' losses of this chunk's blocks: part of the model's
-        # loss, so a chunk before the last returns them beside its activation (Pipeline adds
-        # their gradient in its backward), and the last adds them to the loss.
+        # With experts (moe.py), the routers' losses of this chunk's blocks join the loss: before
+        # the last chunk, returned beside its activation (Pipeline's backward adds them).
         aux = sum(gpt.blocks[i].mlp.aux_loss for i in self.chunks[chunk]) if gpt.cfg.experts else None
         if not (self.last and chunk == len(self.chunks) - 1):
             return x if aux is None else (x, aux)
@@ -110,58 +95,100 @@ class GPTStage(nn.Module):
         return loss if aux is None else loss + aux
 
 
+# ---- the schedule: each stage's list of actions --------------------------------------------
+#
+# GPipe, then 1F1B, on P = 3 stages, M = 4 micro-batches, a forward and a backward one slot
+# each ('.' idle: the bubble, (P-1)/(M+P-1) of the time under both):
+#
+#   GPipe  stage 0 | F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3     holds M = 4 micro-batches
+#          stage 1 | .  F0 F1 F2 F3 .  .  B0 B1 B2 B3 .
+#          stage 2 | .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .
+#
+#   1F1B   stage 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3     holds P - s: 3, 2, 1
+#          stage 1 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .
+#          stage 2 | .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .       (python pipeline.py --stages 3
+#                                                               --microbatches 4 draws them)
+
+class Action(NamedTuple):
+    """One step of a stage's list: kind F, B (compute; W too in zero bubble's, zero_bubble.py) or
+    send/recv of act (activations, forward) or grad (their gradients, backward); m: the
+    micro-batch it concerns; chunk: which of the rank's chunks of layers (interleaved; else 0)."""
+    kind: str
+    m: int
+    chunk: int = 0
+
+
+def forward_actions(s: int, P: int, m: int, chunk: int = 0, V: int | None = None) -> list[Action]:
+    """Forward of micro-batch m by chunk `chunk` of stage s, virtual stage c P + s of V (P):
+    receive from the virtual stage before, compute, send to the one after."""
+    vs, V = chunk * P + s, V or P
+    return ([Action("recv_act", m, chunk)] if vs > 0 else []) + [Action("F", m, chunk)] + (
+        [Action("send_act", m, chunk)] if vs < V - 1 else [])
+
+
+def backward_actions(s: int, P: int, m: int, chunk: int = 0, V: int | None = None) -> list[Action]:
+    """Backward of micro-batch m by chunk `chunk` of stage s: the gradient from the virtual
+    stage after, compute, send to the one before."""
+    vs, V = chunk * P + s, V or P
+    return ([Action("recv_grad", m, chunk)] if vs < V - 1 else []) + [Action("B", m, chunk)] + (
+        [Action("send_grad", m, chunk)] if vs > 0 else [])
+
+
+def gpipe(P: int, M: int) -> list[list[Action]]:
+    """GPipe: all M forwards, then all M backwards, on every stage. Holds M activations."""
+    check_sizes(P, M)
+    return [[a for m in range(M) for a in forward_actions(s, P, m)] +
+            [a for m in range(M) for a in backward_actions(s, P, m)] for s in range(P)]
+
+
+def one_f_one_b(P: int, M: int) -> list[list[Action]]:
+    """1F1B in three phases: warm-up, P-1-s forwards (the stages after it stay busy until the
+    first backward comes back); steady state, one forward and one backward in turn; cool-down,
+    the remaining backwards. Stage s holds at most P-s micro-batches, GPipe M."""
+    check_sizes(P, M)
+    stages = []
+    for s in range(P):
+        warmup = min(P - 1 - s, M)
+        actions = [a for m in range(warmup) for a in forward_actions(s, P, m)]            # warm-up
+        for i in range(M - warmup):                      # steady state: F of the newest, B of the oldest
+            actions += forward_actions(s, P, warmup + i) + backward_actions(s, P, i)
+        actions += [a for m in range(M - warmup, M) for a in backward_actions(s, P, m)]   # cool-down
+        stages.append(actions)
+    return stages
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}      # the others: schedules.py
+
+
 # ---- the executor: one stage's list, run over send/recv --------------------------------------
 
-class Pipeline:
+class Pipeline(PipelineMechanics):
     """Runs this rank's action list each step: the rank is stage comm.rank of comm.world_size.
 
-    module: this rank's GPTStage, or DDP(stage) or FSDP(stage) over the stage's data-parallel
-    group. The stage says the rest: its chunks of blocks (interleaved: one per virtual stage),
-    its copy of a weight the first and the last stage share (GPTStage.tied: the two copies'
-    gradients are summed after each step's backward, so both take one step), and the device
-    it computes on, where every tensor it hands a collective lives (NCCL moves device memory).
-    schedule, microbatches: schedules.make_schedule's name, and M.
+    module: this rank's GPTStage (its chunks, its tied copy, its device), or DDP(stage) or
+    FSDP(stage) over the stage's data-parallel group. schedule: "gpipe" or "1f1b", or every
+    stage's list made elsewhere (schedules.make_pipeline: interleaved, zero bubble).
     activation, dtype: what a stage sends, known before it arrives, so a receive is posted into
-    a buffer of the right size with no message about sizes: C, the channels of a (b, t, C), or
-    a function (b, t) -> its shape where that differs (sequence parallelism: (b, t/tp, C)).
-    The rows it is given are this rank's: under context parallelism the caller keeps this
-    rank's tokens of each sequence first (ContextParallelGPT.local_tokens), so t = T/cp.
-    sync, an attribute: the gradient-sync protocol the backwards run under (_run says which) and
-    train_step finishes once a step; the module's by default (DDP's, FSDP's), None with one
-    replica per stage; a composition assigns its chain (parallelize.py: flat.GradientSyncs).
-    Deadlock-free under gloo's rules and NCCL's: each stage runs nccl_program(its list), the
-    sends and receives between two computations posted together, and the programs are played
-    by run_under_nccl() (check_schedule) before the first message.
-    """
+    a buffer of the right size: C, the channels of a (b, t, C), or a function (b, t) -> its shape
+    (sequence parallelism: (b, t/tp, C)). sync, an attribute: the gradient-sync protocol the
+    backwards run under and train_step finishes (the module's: DDP's, FSDP's; None with one
+    replica per stage; parallelize.py assigns its chain, flat.GradientSyncs)."""
 
-    def __init__(self, module: nn.Module, comm: Comm, schedule: str, microbatches: int,
+    def __init__(self, module: nn.Module, comm: Comm, schedule, microbatches: int,
                  activation, dtype: torch.dtype):
         gpt_stage = getattr(module, "module", module)             # the GPTStage, inside DDP or FSDP
         self.module, self.comm, self.M, self.dtype = module, comm, microbatches, dtype
         self.activation = activation if callable(activation) else lambda b, t: (b, t, activation)
         self.stage, self.P, self.v = comm.rank, comm.world_size, len(gpt_stage.chunks)
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
-        stages = make_schedule(schedule, self.P, self.M, self.v)
-        check_schedule(stages, self.M)           # NCCL's rules included (run_under_nccl)
-        self.actions, self.schedule = stages[self.stage], schedule
-        # Evaluation: every chunk's forwards (and their messages), no backward.
-        forwards = forwards_only(self.P, self.M, self.v)
-        run_under_nccl([nccl_program(actions) for actions in forwards])
-        self.forward_actions = forwards[self.stage]
-        self.weight_grads = WeightGradients(gpt_stage) if any(a.kind == "W" for a in self.actions) else None
+        self.stages = SCHEDULES[schedule](self.P, self.M) if isinstance(schedule, str) else schedule
+        self.actions = self.stages[self.stage]
+        # Evaluation: the list's forwards, in its order, with their messages.
+        self.forward_actions = [a for a in self.actions if a.kind in ("F", "recv_act", "send_act")]
         self.device = next(gpt_stage.parameters()).device     # under FSDP too: its units' views
-        # NCCL: a batch_isend_irecv may be a group's first call only if every rank of the group
-        # joins it (torch's documentation); the stages' first groups differ, so one small
-        # all-reduce creates the communicator on every stage first (a set-up call, not counted).
-        # It carries how many stages would run a W with nothing to compute, so that every stage
-        # stops alike (cli.py refuses such a run first).
-        idle = torch.tensor([float(self.weight_grads is not None and not self.weight_grads.layers)],
-                            device=self.device)
-        dist.all_reduce(idle, group=comm.group)
-        if idle.item():
-            raise ValueError(f"--schedule zb: {int(idle.item())} of the {self.P} stages hold no trained "
-                             f"weight whose gradient W could compute (no trained nn.Linear or split "
-                             f"or LoRA product): use --schedule 1f1b")
+        # NCCL: a batch_isend_irecv may be a group's first call only if every rank joins it; the
+        # stages' first groups differ, so a small all-reduce creates the communicator (set-up).
+        dist.all_reduce(torch.zeros(1, device=self.device), group=comm.group)
         self.tied = gpt_stage.tied                  # None unless this stage is an end of a tied pair
         self.sync = module if hasattr(module, "finish_gradient_sync") else None
         if self.P > 1:
@@ -169,35 +196,13 @@ class Pipeline:
         self.peak_activations = 0         # most micro-batch chunks held at once (F run, B or W not)
         self.busy = self.wall = 0.0       # seconds computing, seconds in all, in the last step
 
-    def _ends_group(self, comm: Comm, device) -> Comm | None:
-        """A Comm over this pipeline's first and last stage if they share a tied weight.
-
-        Collective over the world: every rank of every pipeline (data-parallel copies) learns
-        all pipelines' ends and whether any is tied, and then creates every ends group, in one
-        order, as new_group requires (process_groups.subgroups). Middle stages hold no tied copy
-        but create the groups too."""
-        ranks = dist.get_process_group_ranks(comm.group)
-        mine = torch.tensor([ranks[0], ranks[-1], self.tied is not None], device=device)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)                             # set-up, not counted
-        if not any(t[2] for t in every):
-            return None
-        ends = sorted({(t[0].item(), t[1].item()) for t in every})
-        group = subgroups(comm, ends)
-        return group if self.tied is not None else None
-
     def train_step(self, x, y, scale_loss=lambda loss: loss, measure=False) -> torch.Tensor:
-        """Forwards and backwards of the M micro-batches of x, y (B, t); the gradients of the
-        mean loss over B accumulate in the stage's .grad (averaged over replicas, if any).
-        Returns that loss on every stage. measure: synchronize CUDA around each compute, so busy
-        and wall time, and timeline (each compute action's start and end) are exact."""
-        if self.weight_grads is not None:
-            self.weight_grads.computed.clear()
+        """Forwards and backwards of the M micro-batches of x, y (B, t): the mean loss's gradients
+        accumulate in .grad (averaged over replicas); returns the loss, on every stage. measure:
+        synchronize CUDA around each compute, so busy, wall and timeline (start, end) are exact."""
         with self._gathered():
             loss = self._run(self.actions, x, y, scale_loss, measure)
-        # A tied weight's two ends add up first, while every .grad is whole (its backwards were
-        # all held); then the sync protocol's finish: the tensor group's partial sums (W's among
-        # them), the data dimension's reduction.
+        # A tied weight's two ends add up first (every backward was held); then the sync's finish.
         if self.tied is not None:                          # the embedding's + the head's gradient
             self.ends.all_reduce(self.tied.grad)
         if self.sync is not None:
@@ -211,100 +216,51 @@ class Pipeline:
             loss = self._run(self.forward_actions, x, y)
         return self._sum_over_stages(loss)
 
-    def _sum_over_stages(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss lives on the last stage (with experts, each stage holds its routers' part):
-        every stage returns the sum (a metric: not counted). Called once the step's reductions
-        are over: with ring collectives none is then still to be launched, so this native call
-        keeps every rank's one launch order (launch.Launcher)."""
-        dist.all_reduce(loss, group=self.comm.group)
-        return loss
-
-    def _gathered(self):
-        """FSDP's units stay gathered through the step (fsdp.FSDP.gathered_for_step): a schedule
-        runs several micro-batches' forwards before their backwards."""
-        return getattr(self.module, "gathered_for_step", contextlib.nullcontext)()
-
-    def __call__(self, x, y):
-        """(None, evaluate(x, y)): called as a GPT is, for the loss (no stage holds all logits)."""
-        return None, self.evaluate(x, y)
-
-    def eval(self):
-        self.module.eval()
-
-    def train(self):
-        self.module.train()
-
-    def measured_bubbles(self) -> list[float]:
-        """Each stage's idle share of its last step, 1 - busy / wall (collective: every stage)."""
-        times = torch.tensor([self.busy, self.wall], dtype=torch.float64, device=self.device)
-        every = [torch.zeros_like(times) for _ in range(self.P)]
-        dist.all_gather(every, times, group=self.comm.group)      # a metric: not counted
-        return [1 - (busy / wall).item() for busy, wall in every]
-
-    def deferred_weights(self) -> int:
-        """How many of this stage's weights got their gradient from W in the last step (zero
-        bubble; 0 for a schedule whose backward is whole)."""
-        return len(self.weight_grads.computed) if self.weight_grads is not None else 0
-
-    def predicted_bubble(self) -> tuple[str, float]:
-        """The schedule's idle share on schedules.py's clock: (formula, value)."""
-        return BUBBLE_FORMULAS[self.schedule], bubble_formula(self.schedule, self.P, self.M, self.v)
-
-    def bytes_per_step(self, batch: int, seq_len: int) -> int:
-        """Bytes this stage sends per step for batch rows of seq_len tokens: one activation or
-        gradient (the shape `activation` gives) per send in its list (1F1B: M forward unless it
-        is the last stage, M back unless the first; interleaved: v times as many), the gradient
-        norm's all-reduce, and at the two ends a tied weight's gradient (ring formulas)."""
-        message = math.prod(self.activation(batch // self.M, seq_len)) * torch.finfo(self.dtype).bits // 8
-        sends = sum(a.kind.startswith("send") for a in self.actions)
-        norm = ring_bytes("all_reduce", 1, 4, self.P)                  # 1 fp32
-        tied = (ring_bytes("all_reduce", self.tied.numel(), self.tied.element_size(), 2)
-                if self.tied is not None else 0)
-        return message * sends + norm + tied
-
     def _run(self, actions, x, y, scale_loss=None, measure=False):
+        """Play a stage's list: each computation in turn, each run of sends and receives between
+        two computations posted together as one group and waited for before the next computation
+        only if it receives (nccl_program: NCCL's rules, pipeline_mechanics.py)."""
         B, T = x.shape
         if B % self.M:
             raise ValueError(f"a batch of {B} rows does not split into {self.M} equal micro-batches: "
                              f"use a batch that is a multiple of {self.M}")
         xs, ys = x.chunk(self.M), y.chunk(self.M)                 # M x (b, T)
         shape = self.activation(B // self.M, T)                   # what a stage sends: (b, T, C)
-        # By (micro-batch, chunk): received activations, computed outputs, received gradients,
-        # with experts a chunk's routers' losses; the chunks whose F ran and B (or W) not yet;
-        # posted receives, the sends to wait for at the end; this stage's part of the loss.
+        # By (micro-batch, chunk): received activations, computed outputs, received gradients, routers'
+        # losses; chunks whose F ran, B (or W) not yet; posted receives, sends; this stage's loss.
         flight = SimpleNamespace(inputs={}, outputs={}, grads={}, auxes={}, held=set(), posted={},
-                                 sends=[], loss=torch.zeros((), device=x.device))
-        split = self.weight_grads is not None
-        # One gradient average per step, the last backward's, for the sum of all M. Every
-        # backward is held (the finish reduces them all) when the stage has sums of its own to
-        # make before the data dimension reduces: W's gradients after autograd, a tied weight's
-        # two ends; else all but the last, where the gradients are whole anyway (DDP's).
-        held_all = split or self.tied is not None
-        accumulate = getattr(self.sync, "keeps_whole_gradients", False)
-        last_backward = [a for a in actions if a.kind == "B"][-1:]
+                                 sends=[], loss=torch.zeros((), device=x.device),
+                                 last_backward=([a for a in actions if a.kind == "B"] or [None])[-1])
         self.timeline, start = [], self._clock(measure)       # (Action, start, end) per compute
         for item in nccl_program(actions):
             if not isinstance(item, Action):
                 self._communicate(item, flight, shape, x.device)
                 continue
-            a, began = item, self._clock(measure)
-            if a.kind == "F":
-                self._forward(a, xs[a.m], ys[a.m], flight)
-            elif a.kind == "B":
-                hold = self.sync is not None and (held_all or ([a] != last_backward and accumulate))
-                with (self.sync.no_sync() if hold else contextlib.nullcontext()), \
-                        (self.weight_grads.collect((a.m, a.chunk)) if split else contextlib.nullcontext()):
-                    self._backward(a, flight, scale_loss)
-                if not split:
-                    flight.held.discard((a.m, a.chunk))
-            else:                                                  # "W"
-                self.weight_grads.run((a.m, a.chunk))
-                flight.held.discard((a.m, a.chunk))
-            self.timeline.append((a, began, self._clock(measure)))   # exact only if measure (CUDA)
+            began = self._clock(measure)
+            self._compute(item, xs, ys, flight, scale_loss)
+            self.timeline.append((item, began, self._clock(measure)))   # exact only if measure (CUDA)
         for handle in flight.sends:
             handle.wait()
         self.wall, self.busy = self._clock(measure) - start, sum(e - b for _, b, e in self.timeline)
         return flight.loss                            # this stage's part: _sum_over_stages
+
+    def _compute(self, a: Action, xs, ys, flight, scale_loss):
+        """F or B (the whole backward: no activation of it is held after) of micro-batch a.m."""
+        if a.kind == "F":
+            self._forward(a, xs[a.m], ys[a.m], flight)
+            return
+        with self._holding(a, flight):
+            self._backward(a, flight, scale_loss)
+        flight.held.discard((a.m, a.chunk))
+
+    def _holding(self, a: Action, flight):
+        """One gradient average per step, after the last backward, for the sum of all M: every
+        backward before it runs under the sync's no_sync() where it keeps whole gradients (DDP:
+        they are whole anyway). A tied weight's two ends must be summed before the data
+        dimension reduces: then every backward is held, and the step's finish reduces them."""
+        whole = getattr(self.sync, "keeps_whole_gradients", False)
+        hold = self.sync is not None and (self.tied is not None or (a != flight.last_backward and whole))
+        return self.sync.no_sync() if hold else contextlib.nullcontext()
 
     def _forward(self, a: Action, x, y, flight):
         """F: chunk a.chunk on micro-batch a.m (its tokens x (b, T) on the first chunk, else the
@@ -366,15 +322,58 @@ class Pipeline:
         else:
             flight.sends.append(handle)      # waited at the end: nothing here reads them
 
-    @staticmethod
-    def _clock(synchronize: bool) -> float:
-        if synchronize and torch.cuda.is_available():
-            # The compute stream only: a device-wide synchronize would also wait for the p2p
-            # stream, where a send may sit until the peer posts its receive after this very
-            # stage's next send (run_under_nccl lets computation run on meanwhile).
-            torch.cuda.current_stream().synchronize()
-        return time.perf_counter()
 
+# ---- run alone: draw a schedule (one process), or check one against one process (torchrun) ----
+
+def main(argv=None):
+    """python pipeline.py: GPipe's or 1F1B's lists on the lecture's clock (all: python schedules.py)."""
+    parser = schedule_parser(SCHEDULES)                 # --stages P --microbatches M --schedule
+    args = parser.parse_args(argv)
+    try:
+        stages = SCHEDULES[args.schedule](args.stages, args.microbatches)
+    except ValueError as e:
+        parser.error(str(e))
+    print(describe(args.schedule, stages, args.microbatches))
+
+
+def demo(M: int = 4, bounds=(1e-6, 1e-12)) -> bool:
+    """torchrun --nproc_per_node 2 pipeline.py: model.py's tiny GPT, one stage per rank, runs one
+    step's forwards and backwards under GPipe, then 1F1B, in fp64, each stage printing the order it
+    computed in; the loss and every gradient against one process's on the whole batch. Bounds:
+    the loss, relative, a metric the executor sums in fp32; the gradients, fp64, the batch's mean
+    taken as M means of B/M rows (sums reordered)."""
+    device, s, P = init_distributed(), dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    batch = torch.randint(0, 256, (2 * M, 33), device=device)          # (B, T+1) byte tokens
+
+    def tiny():                                                       # the same weights each time
+        torch.manual_seed(1)
+        return build_model("tiny").to(device, torch.float64)
+    whole, passed = tiny(), True
+    _, loss = whole(batch[:, :-1], batch[:, 1:])                      # one process, every row
+    loss.backward()
+    for schedule in SCHEDULES:
+        stage = GPTStage(tiny(), split_layers(whole.cfg.n_layer, P)[s], first=s == 0, last=s == P - 1)
+        runner = Pipeline(stage, Comm(), schedule, M, whole.cfg.n_embd, torch.float64)
+        ours = runner.train_step(batch[:, :-1], batch[:, 1:])
+        for rank in range(P):                                          # in stage order
+            if rank == s:
+                print(f"{schedule} stage {s} computed:", *(f"{a.kind}{a.m}" for a, _, _ in runner.timeline),
+                      flush=True)
+            dist.barrier()
+        grads = [(p.grad - whole.get_parameter(name.removeprefix("gpt.")).grad).abs().max()
+                 for name, p in stage.named_parameters()]
+        difference = torch.stack([((ours - loss.detach()) / loss.detach()).abs(), max(grads)])
+        dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+        passed &= all(d <= bound for d, bound in zip(difference.tolist(), bounds))
+        if s == 0:
+            print(f"{schedule}: max |difference| from one process: loss {difference[0]:.1e} relative "
+                  f"(bound {bounds[0]:.0e}: summed in fp32), gradients {difference[1]:.1e} "
+                  f"(bound {bounds[1]:.0e}: fp64, sums reordered)", flush=True)
+    return passed
 
 if __name__ == "__main__":
-    main()              # schedules.main: draws a schedule, as `python schedules.py` does
+    if "LOCAL_RANK" in os.environ:                    # under torchrun: the demonstration
+        exit_distributed(0 if demo() else 1)
+    main()

@@ -32,7 +32,8 @@ from machines import ADAMW_BYTES, PRESETS as MACHINES, Link, Machine, collective
 from memory_math import _element_size, nf4_bytes
 from model import PRESETS as MODELS
 from pipeline import split_layers
-from schedules import SCHEDULES, bubble_formula, make_schedule
+from pipeline_mechanics import bubble_formula
+from schedules import SCHEDULES, make_schedule
 from step_time_parallel import inside_blocks
 from tensor_parallel import check_divisible
 

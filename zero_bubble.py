@@ -1,8 +1,8 @@
 """Zero bubble's backward in two halves (ZB-H1, Qi et al. 2024, section 2.1): B now, W later.
 
 schedules.py's zb list splits each backward in two and runs the second half late, in 1F1B's
-idle slots. pipeline.Pipeline builds a WeightGradients over its stage when its list holds a W:
-each B runs autograd's backward inside collect(), each W calls run().
+idle slots. ZeroBubblePipeline, pipeline.Pipeline run with a WeightGradients over its stage, plays
+such a list: each B runs autograd's backward inside collect(), each W calls run().
 
 A linear layer y = x W^T + b has three gradients: dx = dy W (the previous layer, and the
 previous stage, wait for it), dW = dy^T x and db = sum(dy) (nothing waits for them until the
@@ -22,8 +22,11 @@ import contextlib
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from pipeline import Pipeline
 
 
 class DeferredLinear(torch.autograd.Function):
@@ -96,3 +99,42 @@ def _accumulate(param: nn.Parameter, grad: torch.Tensor):
     else:
         param.grad += grad
 
+
+class ZeroBubblePipeline(Pipeline):
+    """pipeline.Pipeline for a list whose backwards are split (schedules.zero_bubble): B, under
+    WeightGradients.collect, computes the input's gradient; W, the weights' from what B filed.
+    A micro-batch's activations are held from its F to its W. Every backward is held from the
+    data dimension's reduction (no_sync): W's gradients come after autograd's, so the step's
+    finish reduces them all."""
+
+    def __init__(self, module: nn.Module, comm, schedule, microbatches: int, activation, dtype):
+        self.weight_grads = WeightGradients(getattr(module, "module", module))
+        super().__init__(module, comm, schedule, microbatches, activation, dtype)
+        # Every stage stops alike if one has no trained weight for W (cli.py refuses it first).
+        idle = torch.tensor([float(not self.weight_grads.layers)], device=self.device)
+        dist.all_reduce(idle, group=comm.group)                       # set-up, not counted
+        if idle.item():
+            raise ValueError(f"--schedule zb: {int(idle.item())} of the {self.P} stages hold no trained "
+                             f"weight whose gradient W could compute (no trained nn.Linear or split "
+                             f"or LoRA product): use --schedule 1f1b")
+
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        self.weight_grads.computed.clear()
+        return super().train_step(*args, **kwargs)
+
+    def _compute(self, a, xs, ys, flight, scale_loss):
+        """F as Pipeline runs it; B filing its weights' halves under (m, chunk); W running them."""
+        key = a.m, a.chunk
+        if a.kind == "F":
+            super()._compute(a, xs, ys, flight, scale_loss)
+        elif a.kind == "B":
+            with (self.sync.no_sync() if self.sync is not None else contextlib.nullcontext()), \
+                    self.weight_grads.collect(key):
+                self._backward(a, flight, scale_loss)
+        else:                                                       # "W"
+            self.weight_grads.run(key)
+            flight.held.discard(key)
+
+    def deferred_weights(self) -> int:
+        """How many of this stage's weights got their gradient from W in the last step."""
+        return len(self.weight_grads.computed)

@@ -22,6 +22,7 @@ COMMANDS = {
     "lora": "python lora.py",
     "quantization": "python quantization.py",
     "checkpointing": "python checkpointing.py",
+    "pipeline": "torchrun --nproc_per_node 2 pipeline.py",
 }
 
 

@@ -23,7 +23,8 @@ from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks, torchrun_worker
 from process_groups import make_mesh
 from parallelize import bubble_why, replayed_idle, stage_seconds
-from schedules import SCHEDULES, bubble_formula, gpipe, make_schedule, nccl_program
+from pipeline_mechanics import bubble_formula
+from schedules import SCHEDULES, gpipe, make_pipeline, make_schedule, nccl_program
 
 # ---- the executor, against one process -----------------------------------------------------------
 
@@ -91,7 +92,7 @@ def _pipeline_trains(P, runs, cfg=CFG, precision="fp32"):
         layers = pipeline.split_layers(cfg.n_layer, P, v=v)[pipe.rank::P]
         stage = pipeline.GPTStage(gpt, layers, first=pipe.rank == 0, last=pipe.rank == P - 1)
         module = DDP(stage, data) if data.world_size > 1 else stage
-        runner = pipeline.Pipeline(module, pipe, schedule, M, cfg.n_embd, DTYPES[precision])
+        runner = make_pipeline(module, pipe, schedule, M, cfg.n_embd, DTYPES[precision])
         optimizer = _optimizer(gpt.parameters(), pipe, precision)
         losses, grads, scales = [], None, []
         for batch in _batches():
@@ -246,7 +247,7 @@ def _ours_and_torchs(P, runs, cfg=CFG):
             gpt = GPT(cfg)
             stage = pipeline.GPTStage(gpt, pipeline.split_layers(cfg.n_layer, P, v=v)[s::P], s == 0, s == P - 1)
             if whose == "ours":
-                pipeline.Pipeline(stage, Comm(), schedule, M, cfg.n_embd, torch.float32).train_step(x, y)
+                make_pipeline(stage, Comm(), schedule, M, cfg.n_embd, torch.float32).train_step(x, y)
             else:
                 # torch's last stage returns logits and applies loss_fn itself, then divides the
                 # gradients by M; ours divides each micro-batch's loss by M: the same mean.

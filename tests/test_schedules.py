@@ -8,8 +8,8 @@ import importlib
 import pytest
 
 import schedules
-from schedules import (Action, bubble_formula, bubble_fraction, check_schedule, make_schedule,
-                       peak_activations, simulate)
+from pipeline_mechanics import bubble_formula, bubble_fraction, peak_activations, simulate
+from schedules import Action, check_schedule, make_schedule
 
 SIZES = [(P, M) for P in (1, 2, 3, 4, 8) for M in (1, 2, 4, 7, 8, 16)]
 # Interleaved: at least 2 stages, M a multiple of P, v chunks per stage.
@@ -113,7 +113,7 @@ def test_evaluating_chunk_by_chunk_would_deadlock_under_nccl():
     stage 0, whose stream is still blocked sending its own, unreceived; forwards_only goes P
     micro-batches at a time instead."""
     P, M, v = 2, 4, 2
-    chunk_by_chunk = [[a for c in range(v) for m in range(M) for a in schedules._forward(s, P, m, c, P * v)]
+    chunk_by_chunk = [[a for c in range(v) for m in range(M) for a in schedules.forward_actions(s, P, m, c, P * v)]
                       for s in range(P)]
     with pytest.raises(ValueError, match="deadlock under NCCL"):
         schedules.run_under_nccl([schedules.nccl_program(actions) for actions in chunk_by_chunk])
@@ -201,3 +201,13 @@ def test_command_line_refuses_bad_input_in_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error:" in line]
     assert stop.value.code == 2 and len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("name, P, M, v", CASES)
+def test_a_schedules_forwards_are_the_evaluation_checked_for_nccl(name, P, M, v):
+    """The executor evaluates with its training list's forwards (and their messages), in order
+    (pipeline.Pipeline): for every schedule those are forwards_only's lists, which the test above
+    plays under NCCL's rules."""
+    forwards = [[a for a in actions if a.kind in ("F", "recv_act", "send_act")]
+                for actions in make_schedule(name, P, M, v)]
+    assert forwards == schedules.forwards_only(P, M, v)

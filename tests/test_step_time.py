@@ -13,7 +13,7 @@ from machines import PRESETS, Link, Machine, this
 from model import PRESETS as MODELS, build_model
 from moe import feed_forward
 from multiprocess import run_ranks
-from schedules import bubble_formula
+from pipeline_mechanics import bubble_formula
 from step_time import Step, data_parallel_seconds, pipeline_seconds, predict, tensor_parallel_seconds
 
 # A shape small enough to price by hand: 2 blocks of width 64, MLP 256, vocabulary 100.
