@@ -13,6 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # concept file -> the command the README's reading table gives for it
 COMMANDS = {
+    "mixed_precision": "python mixed_precision.py",
+    "zero": "torchrun --nproc_per_node 2 zero.py",
 }
 
 

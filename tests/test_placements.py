@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from mesh_optimizer import on_mesh
 from multiprocess import run_ranks
 from placements import by_reduction, data_reduction, norm_weight, place, placement, tensor_dim
 
@@ -80,7 +81,7 @@ def _norm_on_a_mesh():
         # here shows it is not read).
         hold("emb", 100 * torch.ones(5, 3), shard={"pp": None}, counted=False)
     optimizer = MixedPrecisionOptimizer(params, torch.optim.SGD, lr=0.0)
-    optimizer.split_model({"tp": tensor, "pp": stages})
+    optimizer = on_mesh([optimizer], {"tp": tensor, "pp": stages})
     norm = optimizer.clip_grad_norm_(1e9).item()
     return norm, torch.cat([g.reshape(-1) for g in whole.values()]).norm().item()
 
