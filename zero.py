@@ -73,8 +73,9 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
         -> the inner optimizer on this rank's fp32 master shard -> all-gather the parameters."""
         loss = None if closure is None else torch.enable_grad()(closure)()
         self.reduce_gradients()                  # stage 1: now; stage 2: done in backward
-        norm, used = read_decision(self.global_norm(), self._used)
-        self.update(norm, used)                  # skip, or step the shard and all-gather
+        norm = self.global_norm()                # squares summed over the group: one collective
+        norm, used = read_decision(norm, self._used)     # the one host read: inf/NaN -> skip
+        self.update(norm, used)                  # the inner optimizer on the shard, all-gather
         self.scaler.update(self.last_step_skipped)
         return loss
 
