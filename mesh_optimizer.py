@@ -6,10 +6,12 @@ mesh the parameters lie differently (placements.py): an expert's gradient is red
 ranks holding it, not the whole data group; a tensor-parallel rank holds a slice of one matrix
 and a copy of the replicated weights; a pipeline stage holds its blocks only. Here they meet:
 the parameters are partitioned by the group that reduces them (placements.by_reduction), one
-concept optimizer is built per part, and the step sums the parts' weighted squares over the
-mesh once (placements.norm_weight: every value counted once), makes the step's one host read
-(the norm, the inf/NaN check; the sharded parts' used-flags in the same copy), and hands every
-part the norm and the decision. Used by: parallelize.py. Test: tests/test_placements.py
+concept optimizer is built per part, and the step sums the parts' squares over the mesh once,
+each parameter's weighted by placements.norm_weight (every value counted once: a weight handed
+to the parts rather than a part per weight, so that the buckets, and the sums' order, stay
+those of the concept alone), makes the step's one host read (the norm, the inf/NaN check; the
+sharded parts' used-flags in the same copy), and hands every part the norm and the decision.
+Used by: parallelize.py. Test: tests/test_placements.py, tests/test_train.py -k mesh
 """
 import contextlib
 import math
@@ -46,7 +48,10 @@ class PartStates(Mapping):
         self.parts = parts
 
     def _owner(self, master):
-        return next(p.optimizer.state for p in self.parts if any(m is master for m in p.masters))
+        for part in self.parts:
+            if any(m is master for m in part.masters):
+                return part.optimizer.state
+        raise KeyError("not a master of any part")
 
     def __getitem__(self, master):
         return self._owner(master)[master]
