@@ -57,6 +57,7 @@ from fsdp import FSDPOptimizer, MixedPrecisionPolicy as FSDPPrecision
 from lora import apply_lora
 from machines import this
 from memory_math import run_state_bytes
+from mesh_optimizer import on_mesh
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS
 from parallelize import build_gpt, data_parallel, fsdp_with
@@ -65,7 +66,7 @@ from process_groups import exit_distributed, init_distributed, make_mesh
 from schedules import make_pipeline
 from snapshot import unwritable_file
 from step_time import Shape, Step, predict
-from zero import zero_optimizer
+from zero_offload import zero_optimizer
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -242,7 +243,7 @@ def ours_tp(model, args):
     comm = our_comm()
     tp = tensor_parallel_gpt.TensorParallelGPT(model, comm)
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
-    optimizer.split_model({"tp": comm})             # the norm sums the slices over the group
+    optimizer = on_mesh([optimizer], {"tp": comm})   # the norm sums the slices over the group
     return Run(tp, optimizer, comm, napkin_sent=tp.bytes_per_step(args.batch_size, args.seq_len))
 
 
@@ -308,7 +309,7 @@ def ours_pipeline(schedule, model, args):
     stage, comm = _stage(model, v), our_comm()
     runner = make_pipeline(stage, comm, schedule, args.microbatches, model.cfg.n_embd, DTYPES[args.precision])
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
-    optimizer.split_model({"pp": comm})             # the norm sums the stages
+    optimizer = on_mesh([optimizer], {"pp": comm})   # the norm sums the stages
     return Run(stage, optimizer, comm, label=f"pipeline.Pipeline({schedule}" + (f", v={v})" if v > 1 else ")"),
                napkin_sent=runner.bytes_per_step(args.batch_size, args.seq_len),
                forward_backward=partial(runner.train_step, scale_loss=optimizer.scale_loss),
@@ -373,7 +374,7 @@ def torch_pipelining(schedule, model, args):
         return loss
     # torch clips nothing across stages: the same MixedPrecisionOptimizer and norm as ours.
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
-    optimizer.split_model({"pp": Comm()})                     # the world is the pipeline
+    optimizer = on_mesh([optimizer], {"pp": Comm()})         # the world is the pipeline
     return Run(stage, optimizer, label=f"torch.distributed.pipelining.{schedule_class.__name__}"
                f"(n_microbatches={args.microbatches}) + our MixedPrecisionOptimizer(AdamW)",
                forward_backward=forward_backward)

@@ -5,15 +5,16 @@ optimizer state and the gradient) and FSDP's units (shard r of the parameters to
 FlatParams: "who owns which shard" is the whole difference (ZeRO, Rajbhandari et al. 2020,
 section 5; FSDP's FlatParameter, Zhao et al. 2023, section 3). Written here once, the
 foundation of ddp.py, zero.py and fsdp.py: the buffer, buckets of a few MiB, the gradient hook,
-one reduction per bucket in an order every rank agrees on, and the sharded optimizer's step
-(ShardedOptimizer, the base of ZeRO's and FSDP's: one global norm, the used-flags; offload.py
-moves it to the host), and the gradient-sync protocol they all speak (GradientSyncs).
+one reduction per bucket in an order every rank agrees on, the sharded step's pieces that ZeRO's
+optimizer and FSDP's both use (the shards' squares, the used-flags, the unused elements kept),
+and the gradient-sync protocol they all speak (GradientSyncs).
 Left out: FSDP2's per-parameter sharding (each tensor cut along its first dim, not laid in one
 flat buffer).
 Test: python -m pytest tests/test_ddp.py tests/test_zero.py
 
 Shapes: N ranks, r this rank, P elements in a flat buffer, S = ceil(P / N) elements per shard.
 """
+import contextlib
 import itertools
 import weakref
 from collections import deque
@@ -24,8 +25,10 @@ import torch.nn as nn
 
 from collectives import Comm, ring_bytes
 from launch import flags_to_device
-from mixed_precision import MasterOptimizer
-from placements import grad_norm, norm_weight
+from mixed_precision import (element_state, load_optimizer_state, optimizer_state, parameters_only,
+                             refuse_new_groups)
+from placements import add_squares, norm_weight
+from process_groups import check_same_parameters
 
 
 # ---- the buffer ---------------------------------------------------------------------------------
@@ -181,7 +184,43 @@ class InOrder:
             self.retire(*self._in_flight.popleft())
 
 
-# ---- the sharded step: what ZeRO's optimizer and FSDP's share ------------------------------------
+class Bucket(FlatParams):
+    """One flat buffer's worth of parameters, sharded over comm, plus this rank's optimizer-side
+    state for it (zero.py's optimizer)."""
+
+    def __init__(self, params, comm):
+        super().__init__(params, comm.world_size)
+        self.comm = comm
+        self.master = None        # (S,) fp32: the shard the inner optimizer updates
+        self.grad_shard = None    # (S,) this rank's reduced gradient, in the reduce dtype
+        # grad_flat (FlatParams): stage 1 keeps it always, stage 2 only while in flight
+        self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
+
+
+def trainable_in_one_dtype(params, who: str) -> list:
+    """The parameters that train (requires_grad), checked: some, all in one of fp32/bf16/fp16."""
+    trainable = [p for p in parameters_only(params, who) if p.requires_grad]
+    if not trainable:
+        raise ValueError(f"{who}: no trainable parameters (requires_grad=True) to shard")
+    dtypes = {p.dtype for p in trainable}
+    if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
+        raise ValueError(f"{who} needs all trainable parameters in one of fp32, bf16, fp16, got "
+                         f"{sorted(map(str, dtypes))}: cast the model first, e.g. model.to(torch.bfloat16)")
+    return trainable
+
+
+def sharded_buckets(params: list, comm: Comm, bucket_mb: float) -> list[Bucket]:
+    """params in Buckets of about bucket_mb MiB sharded over comm, in reverse registration order
+    (roughly the order backward produces gradients), the same on every rank: the shapes checked,
+    the values broadcast from rank 0."""
+    check_same_parameters(params, comm)
+    buckets = [Bucket(chunk, comm) for chunk in split_into_buckets(params[::-1], bucket_mb)]
+    for bucket in buckets:
+        comm.broadcast(bucket.flat, src=0)
+    return buckets
+
+
+# ---- the sharded step's pieces: what ZeRO's optimizer and FSDP's both use ---------------------
 
 # Stage 2 (and FSDP) keeps at most this many full gradients in flight, buckets or units: when a
 # third fills, backward waits for the oldest reduce-scatter and frees its buffer. Memory stays
@@ -189,67 +228,29 @@ class InOrder:
 MAX_REDUCTIONS_IN_FLIGHT = 2
 
 
-class ShardedOptimizer(MasterOptimizer):
-    """What ZeRO's optimizer and FSDP's share once the gradients are shards (the base of both).
+def shard_pieces(flats: list, grads: list, weight_of=None, copies=None) -> list:
+    """What the global norm sums of this rank's shards, [(a run of a gradient shard, weight)]:
+    grads[k] is flats[k]'s (S,) gradient shard, or None. Each parameter's run counts
+    weight_of(param, n) (default 1), n = copies(flat) ranks holding the same shard (default 1);
+    neighbours of one weight merged (one kernel), the padding left out."""
+    runs = []                   # (grad, first, last, weight): equal neighbours merged, one kernel
+    for flat, grad in zip(flats, grads):
+        if grad is None:
+            continue
+        n = copies(flat) if copies else 1
+        for i, start, stop, offset in flat.shard_ranges(flat.comm.rank):
+            weight = weight_of(flat.params[i], n) if weight_of else 1.0
+            last = offset + stop - start
+            if runs and runs[-1][0] is grad and runs[-1][2:] == (offset, weight):
+                runs[-1] = (grad, runs[-1][1], last, weight)
+            else:
+                runs.append((grad, offset, last, weight))
+    return [(grad[first:last], weight) for grad, first, last, weight in runs]
 
-    self.flats: the flat buffers (zero.py's buckets, fsdp.py's units), each with `master`, this
-    rank's (S,) fp32 shard, `comm`, the ranks it is sharded over (self.comm, or with expert
-    parallelism the ranks holding the same experts), and `used`, one flag per parameter: did
-    this rank compute a gradient for it since zero_grad()? The step is stage 2's whatever the
-    stage: each rank updates its shards only, with one global norm for clipping and the
-    inf/NaN skip.
-    Inside a mesh (parallelize.py), split_model() names the groups whose ranks hold the other
-    parts of the model beside these shards (tensor slices, pipeline stages): the norm adds the
-    squares over them too (shards_norm).
-    """
 
-    def _total_norm(self, grads, masters):
-        device = self.flats[0].params[0].device
-        local = [u for flat in self.flats for u in flat.used]
-        used, agree = self._used_anywhere_flags(device)                          # (P,), launched
-        # The shards are disjoint slices of the one gradient (an expert's shards, over the world,
-        # cover every expert once): every rank gets the same global norm, so every rank takes
-        # the same skip decision.
-        grad_of = {id(master): grad for grad, master in zip(grads, masters)}
-        norm = shards_norm(self.flats, [grad_of.get(id(f.master)) for f in self.flats], self.comm,
-                           self.split)
-        agree()
-        # Read only where this rank missed a gradient: if it computed every one, every parameter
-        # was used somewhere. Read or not, it rides in the step's one host read, the norm's.
-        self._used_anywhere = used if not all(local) else None
-        return norm
-
-    def _used_anywhere_flags(self, device) -> tuple:
-        # A parameter no rank used keeps its values and moments (keep_unchanged), as torch's
-        # optimizers skip a .grad of None: the flags OR'ed over the ranks, sent beside the norm.
-        return or_used_flags(self.flats, device)
-
-    def _flags_to_read(self):
-        return self._used_anywhere
-
-    def _unused(self):
-        if self._flags_read is None:
-            return []
-        used, ranges = iter(self._flags_read), []
-        for flat in self.flats:
-            unused = {i for i in range(len(flat.params)) if not next(used)}
-            ranges += [(flat.master, offset, offset + stop - start)
-                       for i, start, stop, offset in flat.shard_ranges(flat.comm.rank) if i in unused]
-        return ranges
-
-    def master_ranges(self) -> list[tuple]:
-        """(param, start, stop, master, offset): elements start:stop of param (flattened) have
-        their fp32 master, and their optimizer state, at master[offset : offset + stop - start].
-        Only this rank's shards: a checkpoint saves every rank's and joins them by name."""
-        return [(flat.params[i], start, stop, flat.master, offset) for flat in self.flats
-                for i, start, stop, offset in flat.shard_ranges(flat.comm.rank)]
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        """What this rank keeps in host memory: nothing (offload.py's step keeps the masters there)."""
-        return []
-
-    def _shard_id(self) -> dict:
-        return {"rank": self.comm.rank, "world_size": self.comm.world_size}
+def squares_of(pieces: list, device) -> torch.Tensor:
+    """The pieces' weighted squares summed ((1,) fp32 on device), placements.add_squares's way."""
+    return add_squares(pieces, torch.zeros(1, device=device))
 
 
 def shards_norm(flats: list, grads: list, comm: Comm, split: dict) -> torch.Tensor:
@@ -260,20 +261,93 @@ def shards_norm(flats: list, grads: list, comm: Comm, split: dict) -> torch.Tens
     shard counts as placements.norm_weight says: every value once. Collective."""
     copied = [flat.replicas is not None for flat in flats]
     copies_summed = any(copied) and not all(copied)
-    runs = []                   # (grad, first, last, weight): equal neighbours merged, one kernel
-    for flat, grad in zip(flats, grads):
-        if grad is None:
-            continue
-        copies = flat.replicas.world_size if copies_summed and flat.replicas else 1
-        for i, start, stop, offset in flat.shard_ranges(flat.comm.rank):
-            weight, last = norm_weight(flat.params[i], split, copies), offset + stop - start
-            if runs and runs[-1][0] is grad and runs[-1][2:] == (offset, weight):
-                runs[-1] = (grad, runs[-1][1], last, weight)
-            else:
-                runs.append((grad, offset, last, weight))
-    pieces = [(grad[first:last], weight) for grad, first, last, weight in runs]
-    groups = [comm, *split.values(), *([flats[copied.index(True)].replicas] if copies_summed else [])]
-    return grad_norm(pieces, groups, flats[0].params[0].device)
+    squares = squares_of(shard_pieces(flats, grads, lambda p, n: norm_weight(p, split, n),
+                                      lambda flat: flat.replicas.world_size if copies_summed and flat.replicas else 1),
+                         flats[0].params[0].device)
+    for group in [comm, *split.values(), *([flats[copied.index(True)].replicas] if copies_summed else [])]:
+        if group.world_size > 1:
+            group.all_reduce(squares, op="sum")
+    return squares.sqrt()[0]
+
+
+def unused_ranges(flats: list, used: list | None) -> list:
+    """[(master, start, stop)]: the elements of each flat's (S,) master shard that belong to a
+    parameter no rank used (used: the P flags read on the host; None: every one was used)."""
+    if used is None:
+        return []
+    flags, ranges = iter(used), []
+    for flat in flats:
+        unused = {i for i in range(len(flat.params)) if not next(flags)}
+        ranges += [(flat.master, offset, offset + stop - start)
+                   for i, start, stop, offset in flat.shard_ranges(flat.comm.rank) if i in unused]
+    return ranges
+
+
+@contextlib.contextmanager
+def keep_unchanged(ranges: list, state: dict):
+    """Elements master[start:stop] of each (master, start, stop), and the same elements of the
+    optimizer's per-element state (Adam's moments), come out as they went in.
+
+    A flat master holds parameters that got no gradient beside ones that did. torch's
+    optimizers skip a parameter whose .grad is None: no update, no weight decay, no moment
+    change. A shard sees a zero gradient instead, which AdamW would still decay, so the
+    elements are put back. (The shard's step count still advances: a parameter unused for
+    some steps and then used again gets the bias correction of the shard's count.)
+    """
+    saved = []
+    for master, start, stop in ranges:
+        moments = {k: v[start:stop].clone() for k, v in state.get(master, {}).items()
+                   if isinstance(v, torch.Tensor) and v.shape == master.shape}
+        saved.append((master, start, stop, master.detach()[start:stop].clone(), moments))
+    yield
+    with torch.no_grad():
+        for master, start, stop, values, moments in saved:
+            master[start:stop] = values
+            for key, v in state[master].items():
+                if isinstance(v, torch.Tensor) and v.shape == master.shape:
+                    # State the step created (the first one) starts from zero, as it would
+                    # the first time this parameter has a gradient.
+                    v[start:stop] = moments[key] if key in moments else 0
+
+
+
+class ShardBookkeeping:
+    """What a sharded optimizer (zero.py's, fsdp_optimizer.py's) offers beside its step, the same
+    for both: the torch.optim.Optimizer's bookkeeping over self.flats (each with its (S,) fp32
+    `master`), self.optimizer (the inner one), self.scaler and self.comm (the shards' ranks)."""
+
+    sharded = True                      # each rank holds only its shard of the masters
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(loss)
+
+    def add_param_group(self, param_group: dict):
+        refuse_new_groups(self, param_group)
+
+    def master_ranges(self) -> list[tuple]:
+        """(param, start, stop, master, offset): elements start:stop of param (flattened) have
+        their fp32 master, and their optimizer state, at master[offset : offset + stop - start].
+        Only this rank's shards: a checkpoint saves every rank's and joins them by name."""
+        return [(flat.params[i], start, stop, flat.master, offset) for flat in self.flats
+                for i, start, stop, offset in flat.shard_ranges(flat.comm.rank)]
+
+    def state_dict(self) -> dict:
+        """This rank's: inner state, fp32 master shards, loss scale, which shard."""
+        return optimizer_state(self, self._shard_id())
+
+    def load_state_dict(self, state: dict):
+        load_optimizer_state(self, state, self._shard_id())
+
+    def _shard_id(self) -> dict:
+        return {"rank": self.comm.rank, "world_size": self.comm.world_size}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The fp32 master shards and the inner optimizer's state (memory_math.held_bytes)."""
+        return [*self.masters, *element_state(self.optimizer)]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What this rank keeps in host memory: nothing (offload.py's step keeps the masters there)."""
+        return []
 
 
 def or_used_flags(flats: list, device) -> tuple:
@@ -303,7 +377,7 @@ def agree_used(flats: list, device):
     units): a flat no rank used then has no gradient, .grad None, as in one process, so a plain
     torch optimizer skips it where a zero gradient would still be decayed by AdamW (and moved by
     its moments). A parameter unused inside a used flat keeps a zero slice of the shard's
-    gradient: ShardedOptimizer keeps it unchanged (mixed_precision.keep_unchanged), a plain
+    gradient: the sharded step keeps it unchanged (keep_unchanged), a plain
     optimizer does not. Collective: call it at the same place on every rank."""
     local = [u for flat in flats for u in flat.used]
     used, agree = or_used_flags(flats, device)                                  # (P,) uint8

@@ -3,14 +3,14 @@
 Forward and backward run in fp16 or bf16; the optimizer updates an fp32 master copy of
 each weight (Micikevicius et al. 2018, "Mixed Precision Training", 3.1) and fp16's narrow
 range is stretched by a dynamic loss scale that backs off on overflow (3.2). bf16 keeps
-fp32's exponent and needs no scaling (Kalamkar et al. 2019). MasterOptimizer, the base of every
-optimizer in the project (ZeRO's and FSDP's too), is a torch.optim.Optimizer around any torch
-optimizer on the masters: unscale, one global norm for clipping and the inf/NaN skip, the step.
+fp32's exponent and needs no scaling (Kalamkar et al. 2019). The pieces are helpers every
+optimizer of the project uses (masters, DynamicLossScaler, unscale_grads, the one host read,
+the inf/NaN skip); MixedPrecisionOptimizer puts them together for one master per parameter.
 Left out: autocast's per-op casting (the whole model is in one dtype) and fp8. The formats'
 facts, and why fp16 needs a loss scale, are in dtypes.py (read first).
-Run: python mixed_precision.py; test: python -m pytest tests/test_mixed_precision.py
+Run alone: python mixed_precision.py; test: python -m pytest tests/test_mixed_precision.py
 """
-import contextlib
+import copy
 import math
 
 import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
@@ -19,7 +19,6 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from collectives import as_comm
 from dtypes import DTYPES, demonstrate
-from placements import grad_norm, norm_weight
 
 
 class DynamicLossScaler:
@@ -86,145 +85,67 @@ def unscale_grads(grads: list, masters: list, scale: float) -> list:
     return [master.grad for master in masters]
 
 
-class MasterOptimizer(torch.optim.Optimizer):
-    """A torch.optim.Optimizer that runs any torch optimizer on fp32 master weights.
+# ---- what every optimizer of the project shares: a torch.optim.Optimizer around an inner one --
 
-    The base of every optimizer in this project: MixedPrecisionOptimizer below (one master
-    per parameter), ZeroOptimizer and FSDPOptimizer (one master shard per flat buffer, zero.py
-    and fsdp_optimizer.py). `.optimizer`, the inner optimizer, only ever sees the masters; its
-    param_groups and state are this optimizer's own, so an lr scheduler, a param-group edit or
-    a look at the Adam moments works as on any torch optimizer. A subclass says where things are:
-        _gradients() -> (grads, masters): this rank's gradients of the scaled loss and the
-                        masters they update, only those that have one
-        _total_norm(grads, masters) -> the whole model's gradient norm, the same on every rank
-        _unused() -> [(master, start, stop)]: elements no rank computed a gradient for
-        _write_back(): after the update, the model's parameters follow their masters
-        _release(): drop what this step's gradients held
-    Loop:  zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) if clipping; step()
-    """
+def wrap_inner(outer: torch.optim.Optimizer, inner: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make outer a torch.optim.Optimizer whose param_groups and state are inner's own (the
+    inner optimizer only ever sees the masters): a scheduler that sets group["lr"] on outer sets
+    it for the inner step (add_param_group keeps the dict it is given). Returns inner."""
+    torch.optim.Optimizer.__init__(outer, inner.param_groups, inner.defaults)
+    outer.state = inner.state
+    return inner
 
-    def __init__(self, masters: list, optimizer_cls, optimizer_kwargs: dict,
-                 scaler: DynamicLossScaler):
-        self.optimizer = optimizer_cls(masters, **optimizer_kwargs)
-        # The inner optimizer's group dicts themselves (add_param_group keeps the dict it is
-        # given): a scheduler that sets group["lr"] here sets it for the inner step.
-        super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
-        self.state = self.optimizer.state
-        self.scaler = scaler
-        self.last_grad_norm: float | None = None     # before clipping; inf/NaN on a skipped step
-        self.last_step_skipped = False               # the last step found inf/NaN and did nothing
-        self._unscaled = None                        # (masters, norm) between clipping and step
-        self.split = {}                              # split_model()'s {mesh dim: group}
 
-    def split_model(self, split: dict):
-        """Where the model is split further than this optimizer's own ranks: {mesh dimension:
-        its group} ("tp" tensor, "pp" pipeline, "ep" experts; None or one rank: not split). The
-        global norm sums the pieces over them, each value counted once (placements.py's records
-        say which parameter is sharded along which). Call once, before the first step."""
-        self.split = {dim: group for dim, group in split.items()
-                      if group is not None and group.world_size > 1}
+def refuse_new_groups(optimizer, param_group: dict):
+    """add_param_group: during construction (wrap_inner) as torch's; after it, refused."""
+    if hasattr(optimizer, "optimizer"):          # built: the masters are laid out
+        raise ValueError(f"{type(optimizer).__name__} lays out its fp32 masters once, when it is "
+                         f"built: pass every parameter to the constructor")
+    torch.optim.Optimizer.add_param_group(optimizer, param_group)
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale_loss(loss)
 
-    def add_param_group(self, param_group: dict):
-        if hasattr(self, "scaler"):                  # after __init__: the masters are laid out
-            raise ValueError(f"{type(self).__name__} lays out its fp32 masters once, when it is "
-                             f"built: pass every parameter to the constructor")
-        super().add_param_group(param_group)
+def run_closure(closure):
+    with torch.enable_grad():
+        return None if closure is None else closure()
 
-    def _unscale(self):
-        """Give the masters their fp32 gradients, divided by the loss scale; their global norm."""
-        if self._unscaled is None:
-            grads, masters = self._gradients()
-            grads = unscale_grads(grads, masters, self.scaler.scale)
-            self._unscaled = masters, self._total_norm(grads, masters)
-        return self._unscaled
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradients so their global 2-norm is at most max_norm; returns the norm
-        before clipping, over every rank's share. Call after backward, before step():
-        torch.nn.utils.clip_grad_norm_ would see only this rank's (or no) gradients."""
-        if max_norm <= 0:
-            raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
-        masters, norm = self._unscale()
-        # No check of the norm here (a host read): an inf or NaN norm makes step() skip anyway.
-        clip_grads_with_norm_(masters, max_norm, norm)
-        return norm
+def check_max_norm(max_norm: float):
+    if max_norm <= 0:
+        raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
 
-    def step(self, closure=None):
-        """Update the masters from the gradients (skipped, on every rank, if any is inf/NaN),
-        then the model's parameters from the masters. Returns closure()'s loss, if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        _, norm = self._unscale()
-        # One non-finite element makes the norm non-finite: the norm doubles as the overflow
-        # check, and as it is global, every rank takes the same decision without a message.
-        # Reading it is the step's one device-to-host copy (a host sync on a GPU).
-        self.last_grad_norm, self._flags_read = self._read_decision(norm)
-        skip = self.last_step_skipped = not math.isfinite(self.last_grad_norm)
-        if not skip:
-            with keep_unchanged(self._unused(), self.optimizer.state):
-                self.optimizer.step()
-            self._write_back()
-        self._release()
-        self._unscaled = None
-        self.scaler.update(skip)
-        return loss
 
-    def _read_decision(self, norm: torch.Tensor) -> tuple[float, list | None]:
-        """The step's one device-to-host read: the norm, and in the same copy the flags a
-        subclass wants on the host (_flags_to_read(), a device tensor, or None)."""
-        flags = self._flags_to_read()
-        if flags is None:
-            return norm.item(), None
-        norm, *flags = torch.cat([norm.reshape(1).float(), flags.float()]).tolist()
-        return norm, flags
+def read_decision(norm: torch.Tensor, flags: torch.Tensor | None = None) -> tuple[float, list | None]:
+    """The step's one device-to-host read (a host sync on a GPU): the global norm, and in the
+    same copy any flags the step needs on the host (a sharded step's used-flags)."""
+    if flags is None:
+        return norm.item(), None
+    norm, *flags = torch.cat([norm.reshape(1).float(), flags.float()]).tolist()
+    return norm, flags
 
-    def _flags_to_read(self):
-        return None
 
-    def _unused(self) -> list:
-        return []
+def optimizer_state(optimizer, shard: dict | None = None) -> dict:
+    """An optimizer's state_dict: inner state, fp32 masters, loss scale (plus, sharded, which
+    shard: {"rank", "world_size"}). train.py's checkpoints save by parameter name (snapshot.py)."""
+    return {"optimizer": optimizer.optimizer.state_dict(), "scaler": optimizer.scaler.state_dict(),
+            "masters": [m.detach().clone() for m in optimizer.masters], **(shard or {})}
 
-    def _release(self):
-        pass
 
-    def state_dict(self) -> dict:
-        """This rank's optimizer: inner state, fp32 masters, loss scale (plus, sharded, which
-        shard). train.py's checkpoints save by parameter name instead (snapshot.py)."""
-        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                "masters": [m.detach().clone() for m in self.masters], **self._shard_id()}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict):
-        if self._shard_id() and (state["rank"], state["world_size"]) != tuple(self._shard_id().values()):
-            raise ValueError(f"this state is rank {state['rank']} of {state['world_size']}'s shard; "
-                             f"load it on rank {state['rank']} of a world of {state['world_size']}")
-        if [m.shape for m in state["masters"]] != [m.shape for m in self.masters]:
-            raise ValueError(f"the state holds {len(state['masters'])} master weights that do not "
-                             f"match this optimizer's {len(self.masters)}: build the same model (and "
-                             f"freeze the same parameters) before loading")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        for master, saved in zip(self.masters, state["masters"]):
-            master.copy_(saved)
-        self.refresh_params()                    # the model follows the masters
-
-    def _shard_id(self) -> dict:
-        return {}
-
-    @property
-    def sharded(self) -> bool:
-        """Does each rank hold only its shard of the masters (ZeRO, FSDP), not all of them?"""
-        return bool(self._shard_id())
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """What this optimizer holds per element: the fp32 masters and the inner optimizer's
-        state. memory_math.held_bytes counts them."""
-        return [*self.masters, *element_state(self.optimizer)]
+@torch.no_grad()
+def load_optimizer_state(optimizer, state: dict, shard: dict | None = None):
+    """optimizer_state's inverse, checked: the same shard, the same masters' shapes."""
+    if shard and (state["rank"], state["world_size"]) != (shard["rank"], shard["world_size"]):
+        raise ValueError(f"this state is rank {state['rank']} of {state['world_size']}'s shard; "
+                         f"load it on rank {state['rank']} of a world of {state['world_size']}")
+    masters = optimizer.masters
+    if [m.shape for m in state["masters"]] != [m.shape for m in masters]:
+        raise ValueError(f"the state holds {len(state['masters'])} master weights that do not "
+                         f"match this optimizer's {len(masters)}: build the same model (and "
+                         f"freeze the same parameters) before loading")
+    optimizer.optimizer.load_state_dict(state["optimizer"])
+    optimizer.scaler.load_state_dict(state["scaler"])
+    for master, saved in zip(masters, state["masters"]):
+        master.copy_(saved)
+    optimizer.refresh_params()                    # the model follows the masters
 
 
 def element_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -233,49 +154,17 @@ def element_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
-@contextlib.contextmanager
-def keep_unchanged(ranges: list, state: dict):
-    """Elements master[start:stop] of each (master, start, stop), and the same elements of the
-    optimizer's per-element state (Adam's moments), come out as they went in.
-
-    A flat master holds parameters that got no gradient beside ones that did. torch's
-    optimizers skip a parameter whose .grad is None: no update, no weight decay, no moment
-    change. A shard sees a zero gradient instead, which AdamW would still decay, so the
-    elements are put back. (The shard's step count still advances: a parameter unused for
-    some steps and then used again gets the bias correction of the shard's count.)
-    """
-    saved = []
-    for master, start, stop in ranges:
-        moments = {k: v[start:stop].clone() for k, v in state.get(master, {}).items()
-                   if isinstance(v, torch.Tensor) and v.shape == master.shape}
-        saved.append((master, start, stop, master.detach()[start:stop].clone(), moments))
-    yield
-    with torch.no_grad():
-        for master, start, stop, values, moments in saved:
-            master[start:stop] = values
-            for key, v in state[master].items():
-                if isinstance(v, torch.Tensor) and v.shape == master.shape:
-                    # State the step created (the first one) starts from zero, as it would
-                    # the first time this parameter has a gradient.
-                    v[start:stop] = moments[key] if key in moments else 0
-
-
-class MixedPrecisionOptimizer(MasterOptimizer):
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """fp32 master weights and loss scaling around any torch optimizer, one master per parameter.
 
     params: the model's parameters, already in the dtype of `precision` ("fp32", "bf16"
     or "fp16"); those with requires_grad=False (frozen) are left out. The inner optimizer is
-    optimizer_cls(masters, **optimizer_kwargs). For fp32 the parameters are their own masters:
-    no copy, no extra bytes.
+    optimizer_cls(masters, **optimizer_kwargs): its param_groups and state are this optimizer's
+    own, so an lr scheduler drives it. For fp32 the parameters are their own masters: no copy.
     comm: a collectives.Comm or process group over ranks whose gradients may differ, to
     agree on skipping; None when there is one rank or the gradients are already averaged.
     scaler: default DynamicLossScaler, enabled only for fp16.
-    split_model(): the mesh dimensions the parameters are split over (tensor parallelism's
-    slices, a pipeline's stages, the experts), for the global norm; default: these gradients'.
-
-    Per step:  loss -> scale_loss -> backward (16-bit grads) -> [clip_grad_norm_] -> step():
-        master.grad = grad.float() / scale -> inf/NaN? skip, back off -> clip -> inner step
-        -> copy masters into the 16-bit parameters -> grow the scale when due
+    Loop:  zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) if clipping; step()
     """
 
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, precision: str = "fp32",
@@ -292,38 +181,94 @@ class MixedPrecisionOptimizer(MasterOptimizer):
         # parameters are overwritten from the masters after every step.
         self.masters = [p if dtype == torch.float32 else p.detach().float().requires_grad_()
                         for p in self.params]
-        self.precision = precision
+        self.precision, self.device = precision, self.params[0].device if self.params else None
         self.comm = as_comm(comm) if comm is not None else None
-        super().__init__(self.masters, optimizer_cls, optimizer_kwargs,
-                         scaler or DynamicLossScaler(enabled=precision == "fp16"))
+        self.scaler = scaler or DynamicLossScaler(enabled=precision == "fp16")
+        self.optimizer = wrap_inner(self, optimizer_cls(self.masters, **optimizer_kwargs))
+        self.last_grad_norm: float | None = None     # before clipping; inf/NaN on a skipped step
+        self.last_step_skipped = False               # the last step found inf/NaN and did nothing
+        self._norm = None                            # the global norm, from clipping to step()
+        self._unscaled = False                       # the masters hold this step's gradients
 
-    def _with_grad(self) -> list:
-        # A parameter without a gradient this step keeps master.grad None, so the inner
-        # optimizer skips it exactly as it would skip a plain parameter.
-        return [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
+    sharded = False                                  # every rank holds every master
 
-    def _gradients(self):
-        pairs = self._with_grad()
-        return [p.grad for p, _ in pairs], [m for _, m in pairs]
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(loss)
 
-    def _total_norm(self, grads, masters):
-        # (Finite gradients whose norm overflows fp32 are skipped too: no sane update there.)
-        pieces = [(g, norm_weight(p, self.split)) for (p, _), g in zip(self._with_grad(), grads)]
-        norm = (grad_norm(pieces, self.split.values(), self.params[0].device) if self.split
-                else get_total_norm(grads))
-        if self.comm is not None:
-            # Skipped on some rank: skipped here too. The flag's max over the ranks stays on the
-            # device (no host read before step()'s own).
-            flag = (~torch.isfinite(norm)).float().reshape(1)
-            self.comm.all_reduce(flag, op="max")
-            norm = torch.where(flag[0] > 0, torch.full_like(norm, float("inf")), norm)
+    # ---- the step, as the lecture draws it ---------------------------------------------------
+
+    def step(self, closure=None):
+        """unscale -> global norm (the inf/NaN check too) -> skip, or the inner step on the fp32
+        masters -> masters rounded into the 16-bit parameters -> the loss scale's update.
+        Clipping, if asked, ran before (clip_grad_norm_), by the same norm."""
+        loss = run_closure(closure)
+        norm, _ = read_decision(self.global_norm())    # the step's one device-to-host read
+        self.update(norm)
+        self.scaler.update(self.last_step_skipped)
+        return loss
+
+    def global_norm(self) -> torch.Tensor:
+        """The 2-norm of every unscaled gradient (a device scalar, the same on every rank of
+        comm). One non-finite element makes it non-finite: it doubles as the overflow check."""
+        if self._norm is None:
+            norm = get_total_norm(self.unscale_gradients())
+            if self.comm is not None:
+                # Skipped on some rank: skipped here too. The flag's max over the ranks stays on
+                # the device (no host read before step()'s own).
+                flag = (~torch.isfinite(norm)).float().reshape(1)
+                self.comm.all_reduce(flag, op="max")
+                norm = torch.where(flag[0] > 0, torch.full_like(norm, float("inf")), norm)
+            self._norm = norm
+        return self._norm
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so their global 2-norm is at most max_norm; returns the norm
+        before clipping. No host read here: an inf/NaN norm makes step() skip anyway."""
+        check_max_norm(max_norm)
+        norm = self.global_norm()
+        self.clip(max_norm, norm)
         return norm
 
+    # ---- the phases, public: a composition (mesh_optimizer.py) runs them with its own norm ---
+
+    def unscale_gradients(self) -> list:
+        """Give each master with a gradient this step grad.float() / scale; return those."""
+        # A parameter without a gradient keeps master.grad None, so the inner optimizer skips
+        # it exactly as it would skip a plain parameter.
+        if not self._unscaled:
+            unscale_grads([p.grad for p, _ in self._with_grad()], self._with_grad_masters(),
+                          self.scaler.scale)
+            self._unscaled = True
+        return [m.grad for m in self._with_grad_masters()]
+
+    def norm_pieces(self, weight_of=None) -> list:
+        """[(unscaled gradient, weight_of(param), default 1)]: what a composition's norm sums."""
+        grads = self.unscale_gradients()
+        return [(grad, 1.0 if weight_of is None else weight_of(p))
+                for (p, _), grad in zip(self._with_grad(), grads)]
+
+    def clip(self, max_norm: float, norm: torch.Tensor):
+        """Scale the unscaled gradients by min(1, max_norm / norm)."""
+        clip_grads_with_norm_(self._with_grad_masters(), max_norm, norm)
+
     @torch.no_grad()
-    def _write_back(self):
-        for p, m in self._with_grad():
-            if m is not p:
-                p.copy_(m)                 # round to 16 bits for the next forward
+    def update(self, norm: float, used=None):
+        """Given the global norm, read on the host: skip, or step the masters and round them
+        into the parameters. Then drop the fp32 gradients. (used: a sharded part's; unused.)"""
+        self.last_grad_norm = norm
+        self.last_step_skipped = not math.isfinite(norm)
+        if not self.last_step_skipped:
+            self.optimizer.step()
+            for p, m in self._with_grad():
+                if m is not p:
+                    p.copy_(m)                 # round to 16 bits for the next forward
+        self._release()
+
+    def _with_grad(self) -> list:
+        return [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
+
+    def _with_grad_masters(self) -> list:
+        return [m for _, m in self._with_grad()]
 
     def _release(self):
         # The fp32 gradients live only inside step(): between steps a rank holds the 2-byte
@@ -331,6 +276,7 @@ class MixedPrecisionOptimizer(MasterOptimizer):
         for p, m in zip(self.params, self.masters):
             if m is not p:
                 m.grad = None
+        self._norm, self._unscaled = None, False
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:
@@ -339,6 +285,11 @@ class MixedPrecisionOptimizer(MasterOptimizer):
             elif p.grad is not None:
                 p.grad.zero_()
         self._release()
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict):
+        refuse_new_groups(self, param_group)
 
     def master_ranges(self) -> list[tuple]:
         """(param, start, stop, master, offset): where each parameter's fp32 master and its
@@ -351,6 +302,12 @@ class MixedPrecisionOptimizer(MasterOptimizer):
         for p, m in zip(self.params, self.masters):
             if m is not p:
                 p.copy_(m)
+
+    state_dict, load_state_dict = optimizer_state, load_optimizer_state      # with its masters
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The fp32 masters and the inner optimizer's state (memory_math.held_bytes counts them)."""
+        return [*self.masters, *element_state(self.optimizer)]
 
 
 # train.py's --reduce-dtype when not given, and memory.py's: gradients averaged across ranks in
@@ -376,5 +333,42 @@ def parameters_only(params, who: str) -> list:
     return params
 
 
+def adam_step_bound(steps: int, betas: tuple) -> float:
+    """How far AdamW (no decay) can move a weight in `steps` steps, in lr: Cauchy-Schwarz on the
+    bias-corrected moments bounds step t's |m/sqrt(v)|; about 1 each in the first steps."""
+    b1, b2 = betas
+    return sum(math.sqrt(1 - b2**t) / (1 - b1**t) * (1 - b1) / math.sqrt(1 - b2)
+               * math.sqrt(sum((b1 * b1 / b2) ** j for j in range(t))) for t in range(1, steps + 1))
+
+
+def check_against_fp32(precision: str = "bf16", steps: int = 5, lr: float = 1e-2) -> float:
+    """A few nn.Linear trained `steps` steps in `precision` with fp32 masters, beside the same
+    model trained by plain torch AdamW in fp32 in one process: max |master - fp32 weight|."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    model = copy.deepcopy(reference).to(DTYPES[precision])
+    plain = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.0)
+    ours = MixedPrecisionOptimizer(model.parameters(), precision=precision, lr=lr, weight_decay=0.0)
+    for _ in range(steps):
+        x, y = torch.randn(64, 16), torch.randn(64, 1)
+        for net, opt, dtype in ((reference, plain, torch.float32), (model, ours, DTYPES[precision])):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(net(x.to(dtype)).float(), y)
+            (ours.scale_loss(loss) if opt is ours else loss).backward()
+            opt.step()
+    return max((m - p).abs().max().item() for m, p in zip(ours.masters, reference.parameters()))
+
+
 if __name__ == "__main__":
     demonstrate()          # dtypes.py: what fp16 loses, and what a loss scale gets back
+    torch.set_num_threads(1)
+    steps, lr, failed = 5, 1e-2, False
+    # The runs part only where a 16-bit forward/backward's rounding changes a gradient; each
+    # AdamW step moves a weight at most about lr, so they cannot part by more than twice that.
+    bound = 2 * lr * adam_step_bound(steps, (0.9, 0.999))
+    for precision in ("bf16", "fp16"):
+        difference = check_against_fp32(precision, steps, lr)
+        failed |= not difference <= bound
+        print(f"{precision} with fp32 masters, {steps} AdamW steps: max |difference| from one process in "
+              f"fp32: {difference:.2e} (bound {bound:.2e}: 2 x lr x AdamW's largest move in {steps} steps)")
+    raise SystemExit(1 if failed else 0)

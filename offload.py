@@ -3,9 +3,9 @@
 ZeRO-Offload (Ren et al. 2021, section 4) keeps each rank's shard of the fp32 master and the
 optimizer state in host memory and runs the step there: the device holds only the parameters
 and the gradient shards; each step a gradient shard crosses to the host and its updated master
-back. This file is that delta on the sharded step (flat.py's ShardedOptimizer): pinned host
+back. This file is that delta on the sharded step (zero.py's, fsdp_optimizer.py's): pinned host
 buffers, the copies between host and device, and a step whose norm, used-flags and gradients
-reach the host in one wait. zero.py (ZeRO-Offload on stage 1 or 2) and FSDP (fsdp_optimizer.py's
+reach the host in one wait (OffloadedStep). zero.py (ZeRO-Offload on stage 1 or 2) and FSDP (fsdp_optimizer.py's
 offload, fsdp_offload.py's of its parameters) use it.
 Left out: the paper's one-step delayed update and its vectorised CPU Adam (torch's own runs).
 Test: python -m pytest tests/test_zero.py -k offload
@@ -16,7 +16,6 @@ import weakref
 
 import torch
 
-from flat import ShardedOptimizer
 from mixed_precision import unscale_grads
 
 
@@ -68,38 +67,52 @@ def gradients_to_host(grads: list, buffers: list) -> list:
     return buffers
 
 
-class OffloadedOptimizer(ShardedOptimizer):
-    """The sharded step with its masters in host memory: each flat's `master` (S,) fp32 and the
-    inner optimizer's state live on the host, beside `host_grad`, the (S,) fp32 host buffer its
-    reduced gradient is copied into; the inner optimizer (torch's) steps there on the CPU.
-    offload: True for ZeRO-Offload (zero.py); FSDPOptimizer decides per instance."""
+class OffloadedStep:
+    """The sharded step with its masters in host memory, mixed into a sharded optimizer (zero.py's
+    ZeroOptimizer by zero_offload.py, fsdp_optimizer.py's FSDPOptimizer): each flat's `master`
+    (S,) fp32 and the inner optimizer's state live on the host, beside `host_grad`, the (S,) fp32
+    host buffer its reduced gradient is copied into; the inner optimizer (torch's) steps there.
+    The norm is taken on the device, where the gradient shards are (and NCCL reduces), and copied
+    to the host with them: one wait for all, the step's one host sync; then clipping and the
+    inf/NaN check read host memory only. offload: True for ZeRO-Offload; FSDP decides per instance."""
 
     offload = True
     _decision_host = None   # the norm and flags land here, beside the gradients
 
-    def _unscale(self):
-        """Offloaded, the norm is taken on the device, where the gradient shards are (and NCCL
-        reduces), and copied to the host with them: one wait for all, the step's one host sync,
-        then clipping and the inf/NaN check read host memory only."""
-        if not self.offload or self._unscaled is not None:
-            return super()._unscale()
-        grads, masters = self._gradients()                               # (S,) each, on the device
-        scale = self.scaler.scale
-        norm = self._total_norm(grads, masters) / scale         # a power of two: exact division
-        decision = norm.reshape(1).float()                               # (1,) or (1 + P,)
-        if self._used_anywhere is not None:
-            decision = torch.cat([decision, self._used_anywhere.float()])
-        host_grad = {id(flat.master): flat.host_grad for flat in self.flats}
-        buffers = [host_grad[id(m)] for m in masters]
-        if self._decision_host is None:           # (1 + P,) fp32, pinned once for the run
+    def unscale_gradients(self) -> list:
+        if not self.offload:
+            return super().unscale_gradients()
+        self.reduce_gradients()
+        return self.gradient_shards()              # (S,) each, on the device, still scaled: to_host
+
+    def norm_pieces(self, weight_of=None) -> list:
+        if not self.offload:
+            return super().norm_pieces(weight_of)
+        # The squares of the scaled gradients over scale^2 (a power of 4: exact), in the weight.
+        scale2 = self.scaler.scale ** 2
+        return super().norm_pieces(lambda p, n: (weight_of(p, n) if weight_of else 1.0) / scale2)
+
+    def global_norm(self) -> torch.Tensor:
+        if not self.offload or self._norm is not None:
+            return super().global_norm()
+        norm = super().global_norm().reshape(1).float()                 # on the device
+        decision = self.to_host(norm if self._used is None else torch.cat([norm, self._used.float()]))
+        self._norm, self._used = decision[0], (decision[1:] if self._used is not None else None)
+        return self._norm
+
+    def to_host(self, decision: torch.Tensor) -> torch.Tensor:
+        """This rank's gradient shards and decision (the norm, maybe the flags: (1,) or (1 + P,))
+        to host memory in one wait, the shards unscaled there into the masters' .grad; returns
+        the decision, on the host."""
+        shards = [(flat, grad) for flat, grad in zip(self.flats, self.gradient_shards()) if grad is not None]
+        if self._decision_host is None or self._decision_host.numel() < decision.numel():
             flags = sum(len(flat.params) for flat in self.flats)
-            self._decision_host = host_buffer(decision.new_empty(1 + flags))
-        *grads, decision = gradients_to_host([*grads, decision],
-                                             [*buffers, self._decision_host[: decision.numel()]])
-        unscale_grads(grads, masters, scale)
-        self._used_anywhere = decision[1:] if self._used_anywhere is not None else None
-        self._unscaled = masters, decision[0]
-        return self._unscaled
+            self._decision_host = host_buffer(decision.new_empty(max(1 + flags, decision.numel())))
+        *grads, decision = gradients_to_host([*(grad for _, grad in shards), decision],
+                                             [*(flat.host_grad for flat, _ in shards),
+                                              self._decision_host[: decision.numel()]])
+        unscale_grads(grads, [flat.master for flat, _ in shards], self.scaler.scale)
+        return decision
 
     def host_tensors(self) -> list[torch.Tensor]:
         """What offload keeps in host memory: fp32 masters, optimizer state, gradient buffers."""

@@ -31,6 +31,7 @@ from fsdp_hybrid import HSDP
 from fsdp_offload import OffloadedFSDP
 from memory_math import mesh_params, run_state_bytes
 from mesh_checks import mesh_splits, moe_config, stage_layers
+from mesh_optimizer import on_mesh, partition
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import GPT, build_model
 from moe import MoE, feed_forward, layer_exchange_bytes, routing_summary
@@ -42,7 +43,7 @@ from schedules import COMPUTE, make_pipeline, message
 from snapshot import RunError, load_weights, refused
 from tensor_parallel import g
 from tensor_parallel_gpt import TensorParallelGPT
-from zero import ZeroOptimizer, zero_optimizer
+from zero_offload import zero_optimizer
 
 
 class Run(NamedTuple):
@@ -130,10 +131,11 @@ def data_parallel(gpt, args, data, device, adamw: dict):
     # FSDP shards over S neighbouring ranks (one node), a copy per group of them
     S = (args.shard_group or data.world_size) if strategy is fsdp else data.world_size
     shard, copies = make_mesh(data, S) if S < data.world_size else (data, None)
-    model, optimizer = wrap(gpt, gpt, args, (data, shard, copies), device, adamw,
-                           replicate=args.strategy != "single")
+    model, parts = wrap(gpt, gpt, args, (data, shard, copies), device, adamw,
+                        replicate=args.strategy != "single")
+    # A replicated optimizer's experts differ over ep: their squares add up over it.
+    optimizer = on_mesh(parts, {"ep": experts if strategy is ddp else None})
     if strategy is ddp:
-        optimizer.split_model({"ep": experts})       # the experts' squares add up over ep
         sent = 0 if model is gpt else model.bytes_per_step()
         held = run_state_bytes(gpt, "ddp", args, data.world_size)
     elif strategy is fsdp:
@@ -146,12 +148,13 @@ def data_parallel(gpt, args, data, device, adamw: dict):
 
 
 def wrap(gpt, module, args, groups: tuple, device, adamw: dict, replicate: bool):
-    """module wrapped over the data dimension as --strategy says, and gpt's optimizer: (wrapped,
-    optimizer). groups: (the data group, FSDP's shard group, HSDP's copies or None).
+    """module wrapped over the data dimension as --strategy says, and gpt's optimizers: (wrapped,
+    [concept optimizer per part], mesh_optimizer.on_mesh composes them). groups: (the data group, FSDP's shard group, HSDP's copies or None).
     ddp: DDP's replicas if replicate (else module itself) under MixedPrecisionOptimizer, made
     after DDP's broadcast so that fp16/bf16 masters copy rank 0's weights; fsdp: FSDP's units
     (each expert a unit of its own, sharded over its holders) under FSDPOptimizer; zero1, zero2:
-    module unwrapped, ZeRO's optimizer reduces the gradients (with --offload, ZeRO-Offload)."""
+    module unwrapped, ZeRO's optimizer reduces the gradients (with --offload, ZeRO-Offload), one
+    per group that reduces them (mesh_optimizer.partition: the experts' over their holders)."""
     data, shard, copies = groups
     strategy, reduce_dtype = STRATEGIES[args.strategy], reduce_dtype_of(args)
     offload = bool(args.offload)                  # ZeRO-Offload: the shards' optimizer on the host
@@ -161,18 +164,18 @@ def wrap(gpt, module, args, groups: tuple, device, adamw: dict, replicate: bool)
                              wrap=lambda m: gpt_blocks(m) or m in units, group=shard,
                              mp_policy=MixedPrecisionPolicy(DTYPES[args.precision], reduce_dtype),
                              prefetch=args.prefetch, device=device)
-        return replicas, FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)
+        return replicas, [FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)]
     if strategy is ddp:
         # An expert's gradient is summed over the ranks holding it, the rest averaged over data.
         replicas = (DDP(module, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype,
                         reductions=by_reduction(list(module.parameters()), data))
                     if replicate else module)
-        return replicas, MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
-                                                 precision=args.precision, **adamw)
-    return module, zero_optimizer(gpt.parameters(), stage=int(args.strategy[-1]),
-                                  optimizer_cls=torch.optim.AdamW, group=data,
-                                  bucket_mb=args.bucket_mb, offload=offload,
-                                  reduce_dtype=reduce_dtype, **adamw)
+        return replicas, [MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
+                                                  precision=args.precision, **adamw)]
+    return module, [zero_optimizer(part, stage=int(args.strategy[-1]), optimizer_cls=torch.optim.AdamW,
+                                   group=comm, bucket_mb=args.bucket_mb, offload=offload,
+                                   reduce_dtype=reduce_dtype, mean_over=mean_over, **adamw)
+                    for comm, mean_over, part in partition(gpt.parameters(), data)]
 
 
 def fsdp_with(module, replicate_group=None, offload_params: bool = False, **options) -> FSDP:
@@ -255,16 +258,16 @@ def wrap_data(gpt, module, tp, experts, args, mesh, device, adamw: dict):
                    or strategy is fsdp and "pp" not in splits)
     if tp and tp.partial and in_backward and not held_all:
         tp.sum_partial_in_backward()
-    replicas, optimizer = wrap(gpt, module, args, (data, mesh.shard or data, mesh.replicate), device,
-                               adamw, replicate=data.world_size > 1)
+    replicas, parts = wrap(gpt, module, args, (data, mesh.shard or data, mesh.replicate), device,
+                           adamw, replicate=data.world_size > 1)
     # The global norm sums each value once over the dimensions that split the model beside the
     # optimizer's own ranks (placements.py): a replicated optimizer's experts differ over ep.
-    optimizer.split_model({"ep": experts if strategy is ddp else None,
-                           "tp": mesh.tp if tp else None, "pp": mesh.pp if "pp" in splits else None})
+    optimizer = on_mesh(parts, {"ep": experts if strategy is ddp else None,
+                                "tp": mesh.tp if tp else None, "pp": mesh.pp if "pp" in splits else None})
     # The gradient syncs in order: the tensor group's partial sums, then the data dimension's
     # reduction (DDP's, FSDP's, or ZeRO's optimizer's).
     sync = GradientSyncs(tp, replicas if replicas is not module else
-                         optimizer if isinstance(optimizer, ZeroOptimizer) else None)
+                         optimizer if args.strategy in ("zero1", "zero2") else None)
     return replicas, optimizer, sync, held_all
 
 

@@ -96,16 +96,22 @@ def norm_weight(p, split: dict, copies: int = 1) -> float:
     return weight
 
 
+def add_squares(pieces: list, squares: torch.Tensor) -> torch.Tensor:
+    """Add each piece's weighted squares, [(gradient tensor, weight)] in order, into squares
+    ((1,) fp32): the one place the project sums a gradient's squares. Returns squares."""
+    for grad, weight in pieces:
+        if weight:
+            squares += grad.float().pow(2).sum() * weight
+    return squares
+
+
 def grad_norm(pieces: list, groups: list, device) -> torch.Tensor:
     """The global gradient 2-norm from this rank's pieces [(gradient tensor, norm_weight)]:
     weighted squares summed here, then over each group (one 4-byte all-reduce each; the groups
     are orthogonal dimensions of the mesh, so together they span every rank holding a piece),
     then the root. Every rank gets the same norm. device: the groups' (NCCL reduces device
     memory only)."""
-    squares = torch.zeros(1, device=device)
-    for grad, weight in pieces:
-        if weight:
-            squares += grad.float().pow(2).sum() * weight
+    squares = add_squares(pieces, torch.zeros(1, device=device))
     for group in groups:
         if group.world_size > 1:
             group.all_reduce(squares, op="sum")

@@ -6,99 +6,139 @@ buffer split into N equal shards (flat.py's FlatParams, DDP's buckets too); rank
 optimizer state (stage 1) and the reduced gradient (stage 2) of shard r only, updates that
 shard, and all-gathers the parameters. A reduce-scatter plus an all-gather move what DDP's
 all-reduce moves: the memory is free (with gradient accumulation stage 2 reduce-scatters every
-micro-batch, DDP all-reduces once a step). Stage 1, then stage 2 as its delta, then
-ZeRO-Offload (Ren et al. 2021, section 4) as a delta on either: the shard's fp32 master and Adam
-moments in host memory, the step on the CPU (offload.py); parameters and gradients stay put.
-Left out: stage 3 (fsdp.py: the same FlatParams), ZeRO++'s quantised messages.
-Run: torchrun --nproc_per_node 2 train.py --strategy zero2; test: python -m pytest tests/test_zero.py
+micro-batch, DDP all-reduces once a step). Stage 1's step first, then stage 2 as its delta.
+Left out: stage 3 (fsdp.py: the same FlatParams), ZeRO-Offload (zero_offload.py), ZeRO++.
+Run alone: torchrun --nproc_per_node 2 zero.py; test: python -m pytest tests/test_zero.py
 
 Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements per shard.
 """
 
 import contextlib
+import copy
+import math
 
 import torch
+import torch.distributed as dist
+from torch.nn.utils import clip_grads_with_norm_
 
 from collectives import as_comm, ring_bytes
-from flat import (MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, ShardedOptimizer,
-                  flags_and_norm_bytes, hook_gradient, split_into_buckets)
-from mixed_precision import DynamicLossScaler, on_the_wire, parameters_only
-from offload import OffloadedOptimizer, host_to_device
-from placements import by_reduction
-from process_groups import check_same_parameters
+from flat import (MAX_REDUCTIONS_IN_FLIGHT, Bucket, InOrder, ShardBookkeeping, flags_and_norm_bytes,
+                  hook_gradient, keep_unchanged, or_used_flags, shard_pieces, sharded_buckets, squares_of,
+                  trainable_in_one_dtype, unused_ranges)
+from mixed_precision import DynamicLossScaler, on_the_wire, read_decision, unscale_grads, wrap_inner
 
 
-class Bucket(FlatParams):
-    """One flat buffer's worth of parameters, sharded over comm, plus this rank's optimizer-side
-    state for it."""
+class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
+    """ZeRO-1: any element-wise torch optimizer (optimizer_cls) on this rank's shards only.
 
-    def __init__(self, params, comm):
-        super().__init__(params, comm.world_size)
-        self.comm = comm
-        self.master = None        # (S,) fp32: the shard the inner optimizer updates
-        self.grad_shard = None    # (S,) this rank's reduced gradient, in the reduce dtype
-        # grad_flat (FlatParams): stage 1 keeps it always, stage 2 only while in flight
-        self.host_grad = None     # ZeRO-Offload (below): (S,) fp32, the gradient copied to the host
-        self.replicas = None      # ranks holding copies of this shard (FSDP's HSDP; ZeRO: none)
-        self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
-
-
-class ZeroOptimizer(ShardedOptimizer):
-    """ZeRO-1: any element-wise torch optimizer (SGD, Adam, AdamW...) on this rank's shards only.
-
-    params: the model's parameters; frozen ones (requires_grad=False) are left alone. Their
-    dtype picks the precision: fp32 updates the parameters' own shard in place (it is its own
-    master), bf16 and fp16 keep an fp32 master shard, fp16 also scales the loss (.scaler, a
-    DynamicLossScaler: replace it before the first step for other settings).
-    group: a collectives.Comm, a process group or None (the world). bucket_mb: the size of
-    each flat buffer; stage 2 reduces one bucket while backward computes the next.
-    reduce_dtype: the dtype the gradients are reduce-scattered in, and the shard kept (None:
-    the parameters'; torch.float32 for bf16/fp16 parameters: upcast before the collective, as
-    FSDP2's reduce_dtype). optimizer_cls(masters, **optimizer_kwargs): the inner optimizer.
-    Training loop: zero_grad(); scale_loss(loss).backward() per micro-batch;
-    clip_grad_norm_(max_norm) if clipping (the global norm: torch.nn.utils' would see stage 2's
-    freed .grad as nothing to clip); step(). A torch.optim.Optimizer: schedulers drive it.
-    zero_optimizer(params, stage, offload) below picks the class of a stage, offloaded or not.
-
+    params: the trainable ones, in fp32 (each its own master) or bf16/fp16 (an fp32 master
+    shard; fp16 scales the loss: .scaler). group: a Comm, a process group or None (the world).
+    bucket_mb: each flat buffer's size. reduce_dtype: the gradients' dtype on the wire and in
+    the shard (None: the parameters'). mean_over: the gradient is the sum over group / this
+    many ranks (None: the group's mean). A torch.optim.Optimizer: schedulers drive it.
+    Loop: zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) if clipping; step().
     Stage 1 keeps every full gradient in the buckets' flat buffers (param.grad is a view, as
-    DDP's) and reduce-scatters them once, at step(): the gradients stay whole until then.
+    DDP's) and reduce-scatters them once, at step().
     """
 
     stage = 1
     keeps_whole_gradients = True        # flat.GradientSyncs: full buffers until the finish
-    _synced = False                     # finish_gradient_sync() ran since the last gradient
+    _synced = False                     # reduce_gradients() ran since the last gradient
 
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, group=None, bucket_mb: float = 25,
-                 reduce_dtype: torch.dtype | None = None, **optimizer_kwargs):
-        trainable = [p for p in parameters_only(params, "ZeroOptimizer") if p.requires_grad]
-        if not trainable:
-            raise ValueError("ZeroOptimizer: no trainable parameters (requires_grad=True) to shard")
-        dtypes = {p.dtype for p in trainable}
-        if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
-            raise ValueError(f"ZeroOptimizer needs all trainable parameters in one of fp32, bf16, "
-                             f"fp16, got {sorted(map(str, dtypes))}: cast the model first, e.g. "
-                             f"model.to(torch.bfloat16)")
+                 reduce_dtype: torch.dtype | None = None, mean_over: int | None = None,
+                 **optimizer_kwargs):
+        trainable = trainable_in_one_dtype(params, "ZeroOptimizer")
         self.comm, self.reduce_dtype = as_comm(group), reduce_dtype
-        check_same_parameters(trainable, self.comm)
-        # Reverse registration order is roughly the order backward produces gradients (stage 2
-        # reduces buckets as they fill); each bucket is sharded N ways, so rank r's share of
-        # the optimizer state is shard r of every bucket: 1/N of the whole, plus padding.
-        # A parameter only some data ranks hold (an expert: placements.py's holders) is sharded
-        # over its holders, in buckets of its own: placements.data_reduction says how.
-        self.buckets = []
-        for (comm, op, divide), part in by_reduction(trainable, self.comm):
-            for chunk in split_into_buckets(part[::-1], bucket_mb):
-                bucket = Bucket(chunk, comm)
-                bucket.op, bucket.divide = op, divide
-                self.buckets.append(bucket)
+        self.op, self.divide = ("avg", 1) if mean_over is None else ("sum", mean_over)
+        # Each bucket is sharded N ways: rank r's share of the optimizer state is shard r of every
+        # bucket, 1/N of the whole (plus padding). Stage 2 reduces the buckets as backward fills them.
+        self.buckets = sharded_buckets(trainable, self.comm, bucket_mb)
         for bucket in self.buckets:
-            bucket.comm.broadcast(bucket.flat, src=0)                # ranks start identical
-            shard = bucket.shard(bucket.flat, bucket.comm.rank)      # (S,) a view of the parameters
+            shard = bucket.shard(bucket.flat, self.comm.rank)        # (S,) a view of the parameters
             bucket.master = self._new_master(bucket, shard)
         self.flats, self.masters = self.buckets, [b.master for b in self.buckets]
-        super().__init__(self.masters, optimizer_cls, optimizer_kwargs,
-                         DynamicLossScaler(enabled=trainable[0].dtype == torch.float16))
+        self.device = trainable[0].device
+        self.scaler = DynamicLossScaler(enabled=trainable[0].dtype == torch.float16)
+        self.optimizer = wrap_inner(self, optimizer_cls(self.masters, **optimizer_kwargs))
+        self.last_grad_norm, self.last_step_skipped = None, False
+        self._release()                      # no norm, flags or unscaled gradients yet
         self._hook_gradients()
+
+    # ---- the step, as the lecture draws it ---------------------------------------------------
+
+    def step(self, closure=None):
+        """reduce-scatter the gradients -> their global norm (one collective, then the step's one
+        host read, which doubles as the inf/NaN check) -> clip by it (clip_grad_norm_, if asked)
+        -> the inner optimizer on this rank's fp32 master shard -> all-gather the parameters."""
+        loss = None if closure is None else torch.enable_grad()(closure)()
+        self.reduce_gradients()                  # stage 1: now; stage 2: done in backward
+        norm = self.global_norm()                # squares summed over the group: one collective
+        norm, used = read_decision(norm, self._used)     # the one host read: inf/NaN -> skip
+        self.update(norm, used)                  # the inner optimizer on the shard, all-gather
+        self.scaler.update(self.last_step_skipped)
+        return loss
+
+    def global_norm(self) -> torch.Tensor:
+        """sqrt(this rank's shards' squares summed over the group): the shards are disjoint, so
+        every rank gets the whole norm (and the same skip decision); the used-flags beside it."""
+        if self._norm is None:
+            self._used, agree = self.launch_used_flags()
+            squares = squares_of(self.norm_pieces(), self.device)
+            if self.comm.world_size > 1:
+                self.comm.all_reduce(squares, op="sum")
+            agree()
+            self._norm = squares.sqrt()[0]
+        return self._norm
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Gradients scaled to a global 2-norm <= max_norm; returns the norm (no host read)."""
+        if max_norm <= 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+        self.clip(max_norm, self.global_norm())
+        return self._norm
+
+    @torch.no_grad()
+    def update(self, norm: float, used: list | None = None):
+        """Given the global norm (on the host): skip on inf/NaN, else the inner optimizer on this
+        rank's master shards (parameters no rank used, per the flags, kept) and the all-gather."""
+        self.last_grad_norm = norm
+        self.last_step_skipped = not math.isfinite(norm)
+        if not self.last_step_skipped:
+            with keep_unchanged(unused_ranges(self.buckets, used), self.optimizer.state):
+                self.optimizer.step()
+            self.all_gather_parameters()
+        self._release()
+
+    # ---- the phases, public: a composition (mesh_optimizer.py) runs them with its own norm ---
+
+    def gradient_shards(self) -> list:                      # each bucket's (S,) shard, or None
+        return [b.grad_shard for b in self.buckets]
+
+    def unscale_gradients(self) -> list:
+        """Each bucket's gradient shard / the loss scale, in fp32, as its master's .grad (or None)."""
+        self.reduce_gradients()
+        if not self._unscaled:
+            with_grad = [b for b in self.buckets if b.grad_shard is not None]
+            unscale_grads([b.grad_shard for b in with_grad], [b.master for b in with_grad], self.scaler.scale)
+            self._unscaled = True
+        return [b.master.grad if b.grad_shard is not None else None for b in self.buckets]
+
+    def norm_pieces(self, weight_of=None) -> list:
+        """[(a run of a gradient shard, weight_of(param, 1), default 1)]: what the norm sums."""
+        return shard_pieces(self.buckets, self.unscale_gradients(), weight_of)
+
+    def launch_used_flags(self) -> tuple:
+        """Did any rank compute a gradient for each parameter (torch's optimizers skip a .grad of
+        None)? (The (P,) flags OR'ed over the group, or None if this rank used all; wait())."""
+        used, agree = or_used_flags(self.buckets, self.device)
+        return (None if all(u for b in self.buckets for u in b.used) else used), agree
+
+    def clip(self, max_norm: float, norm: torch.Tensor):     # the shards times min(1, max_norm / norm)
+        self.unscale_gradients()
+        clip_grads_with_norm_([b.master for b in self.buckets if b.grad_shard is not None], max_norm, norm)
+
+    # ---- the mechanics: stage 1's buffers, the reduce-scatter, the all-gather -----------------
 
     def _new_master(self, bucket: Bucket, shard: torch.Tensor) -> torch.Tensor:
         """The (S,) fp32 tensor the inner optimizer updates: in fp32 the parameters' own shard."""
@@ -120,9 +160,12 @@ class ZeroOptimizer(ShardedOptimizer):
         """Stage 1 keeps whole gradients until its finish anyway: nothing to hold back."""
         return contextlib.nullcontext()
 
-    def finish_gradient_sync(self):
-        """Reduce-scatter every bucket's full gradient; keep this rank's shard. After the last
-        backward (the loop's, a pipeline's) or at step(), whichever comes first: once a step."""
+    def finish_gradient_sync(self):          # flat.GradientSyncs' name for reduce_gradients
+        self.reduce_gradients()
+
+    def reduce_gradients(self):
+        """Reduce-scatter every bucket's full gradient, keep this rank's shard: once a step, after
+        the last backward (the loop's, a pipeline's) or at step(), whichever comes first."""
         if self._synced:
             return
         self._synced = True
@@ -140,37 +183,21 @@ class ZeroOptimizer(ShardedOptimizer):
             wire = on_the_wire(bucket.grad_flat, self.reduce_dtype)                  # (N*S,)
             output = wire.new_empty(bucket.shard_numel)                              # (S,)
             # wire, an upcast copy, is kept until its reduce-scatter is waited for
-            reductions.append((bucket, output, wire, bucket.comm.reduce_scatter(
-                output, wire, op=bucket.op, async_op=True)))
+            reductions.append((bucket, output, wire, self.comm.reduce_scatter(
+                output, wire, op=self.op, async_op=True)))
         for bucket, output, _, handle in reductions:
             handle.wait()
-            bucket.grad_shard = output.div_(bucket.divide) if bucket.divide != 1 else output
+            bucket.grad_shard = output.div_(self.divide) if self.divide != 1 else output
 
-    # ---- the step ----------------------------------------------------------------------
-
-    def _gradients(self):
-        """This rank's gradient shards (reduced now, or in backward by stage 2), its masters."""
-        self.finish_gradient_sync()
-        buckets = [b for b in self.buckets if b.grad_shard is not None]
-        return [b.grad_shard for b in buckets], [b.master for b in buckets]      # (S,) each
-
-    def _write_back(self):
-        self._all_gather_parameters()
-
-    def _release(self):
-        # The shard goes too: it is recomputed from the full gradient, which stays until zero_grad().
-        for bucket in self.buckets:
-            bucket.grad_shard = bucket.master.grad = None
-        self._synced = False
-
-    def _all_gather_parameters(self):
+    def all_gather_parameters(self):
+        """Each rank's updated shard, rounded into the model's dtype, to every rank."""
         gathers = []
         for bucket in self.buckets:
-            shard = bucket.shard(bucket.flat, bucket.comm.rank)
+            shard = bucket.shard(bucket.flat, self.comm.rank)
             if bucket.master is not shard:
                 self._master_into_model(shard, bucket.master)          # (S,) rounded
             # The input is a copy: it must not alias the buffer being gathered into.
-            gathers.append(bucket.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
+            gathers.append(self.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
         for handle in gathers:
             handle.wait()
 
@@ -180,18 +207,23 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def refresh_params(self):
         """After the masters were written (a loaded checkpoint): the model's parameters follow."""
-        self._all_gather_parameters()
+        self.all_gather_parameters()
+
+    def _release(self):
+        # The shard goes too: it is recomputed from the full gradient, which stays until zero_grad().
+        for bucket in self.buckets:
+            bucket.grad_shard = bucket.master.grad = None
+        self._synced, self._unscaled, self._norm, self._used = False, False, None, None
 
     def zero_grad(self, set_to_none: bool = True):
         """Forget this step's gradients. Stage 1's .grad are views into flat buffers it keeps for
-        the next backward (as DDP's gradient_as_bucket_view): they are zeroed whatever
-        set_to_none says."""
+        the next backward (as DDP's gradient_as_bucket_view): zeroed whatever set_to_none says."""
         for bucket in self.buckets:
             bucket.grad_shard = bucket.master.grad = None
             bucket.used = [False] * len(bucket.params)
             if bucket.grad_flat is not None:
                 bucket.grad_flat.zero_()
-        self._synced = False
+        self._release()
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
@@ -204,17 +236,13 @@ class ZeroOptimizer(ShardedOptimizer):
         return 1
 
     def bytes_per_step(self, micro_batches: int = 1) -> int:
-        """Bytes this rank sends per step (ring): reduce-scatter + all-gather of every bucket.
-
-        Each is (N-1)/N of the bucket, together DDP's 2(N-1)/N: ZeRO-1 costs no more traffic
-        than DDP (plus the gradient norm's one fp32 number and the used-flags).
-        """
-        reductions = self.reductions_per_step(micro_batches)
+        """Bytes this rank sends per step (ring): reduce-scatter + all-gather of every bucket, each
+        (N-1)/N of it: DDP's 2(N-1)/N (plus the norm's one fp32 number and the used-flags)."""
+        reductions, n = self.reductions_per_step(micro_batches), self.comm.world_size
         wire = lambda b: (self.reduce_dtype or b.flat.dtype).itemsize        # the gradient's bytes
         return flags_and_norm_bytes(self.buckets, self.comm) + sum(
-            reductions * ring_bytes("reduce_scatter", b.flat.numel(), wire(b), b.comm.world_size)
-            + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), b.comm.world_size)
-            for b in self.buckets)
+            reductions * ring_bytes("reduce_scatter", b.flat.numel(), wire(b), n)
+            + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), n) for b in self.buckets)
 
 
 class Zero2Optimizer(ZeroOptimizer):
@@ -226,8 +254,7 @@ class Zero2Optimizer(ZeroOptimizer):
     add the next micro-batch into), where DDP and ZeRO-1 reduce once a step.
     """
 
-    stage = 2
-    keeps_whole_gradients = False       # each bucket reduced and freed as backward fills it
+    stage, keeps_whole_gradients = 2, False     # each bucket reduced and freed as backward fills it
 
     #   backward   | grads of bucket 0 | grads of bucket 1 | grads of bucket 2 |
     #   network                        |= reduce-scatter 0 =|= reduce-scatter 1 =|= 2 =|
@@ -282,14 +309,13 @@ class Zero2Optimizer(ZeroOptimizer):
         if bucket.grad_flat is None:                                     # no gradient came
             bucket.grad_flat = torch.zeros_like(bucket.flat, dtype=self.reduce_dtype)
         output = bucket.grad_flat.new_empty(bucket.shard_numel)          # (S,)
-        return bucket.comm.reduce_scatter(output, bucket.grad_flat, op=bucket.op, async_op=True), output
+        return self.comm.reduce_scatter(output, bucket.grad_flat, op=self.op, async_op=True), output
 
     def _retire(self, bucket: Bucket, started):
         """Wait for a bucket's reduce-scatter, keep the shard, free the full gradient."""
         handle, output = started
         handle.wait()
-        if bucket.divide != 1:
-            output.div_(bucket.divide)
+        output = output.div_(self.divide) if self.divide != 1 else output
         # Micro-batches of one step (gradient accumulation) add up in the shard.
         bucket.grad_shard = output if bucket.grad_shard is None else bucket.grad_shard.add_(output)
         bucket.grad_flat = None
@@ -300,7 +326,7 @@ class Zero2Optimizer(ZeroOptimizer):
         self._order.wait_all()
         self._backward_hooked = False
 
-    def finish_gradient_sync(self):
+    def reduce_gradients(self):
         """Nothing left to reduce (backward did it, bucket by bucket), unless the backwards ran
         under no_sync: then what they left in .grad goes now, in bucket order."""
         if not self._unreduced:        # a flag, the same on every rank: they all reduce, or none
@@ -317,53 +343,38 @@ class Zero2Optimizer(ZeroOptimizer):
         for bucket in self.buckets:
             if bucket.master.grad is not bucket.grad_shard:
                 bucket.master.grad = None                # an fp32 or host copy lives only inside step()
+        self._unscaled, self._norm, self._used = False, None, None
 
     def reductions_per_step(self, micro_batches: int) -> int:
         """One reduce-scatter per micro-batch: ZeRO-2 sends more than DDP under accumulation."""
         return micro_batches
 
 
-# ---- ZeRO-Offload: a delta on either stage ------------------------------------------------------
-
-class ZeroOffload(OffloadedOptimizer):
-    """ZeRO-Offload (Ren et al. 2021, section 4) on a ZeRO stage: each bucket's master shard and
-    its Adam moments in host memory, the step on the CPU (offload.py's); the device keeps the
-    parameters and the gradients (stage 1's full buffers, stage 2's shards), as without it."""
-
-    def _new_master(self, bucket: Bucket, shard: torch.Tensor) -> torch.Tensor:
-        return self._host_master(bucket, shard)                          # (S,) fp32, on the host
-
-    # The step: OffloadedOptimizer._unscale copies the gradient shards out, Adam steps on the
-    # CPU, and the parameters go back in. It could overlap more: copy each shard out as its
-    # reduce-scatter retires in backward, step bucket i on the CPU while bucket i+1 is still
-    # on its way, or (the paper's delayed update) run the whole CPU step beside the next
-    # forward, the weights one step stale.
-
-    def _master_into_model(self, shard: torch.Tensor, master: torch.Tensor):
-        # The host -> device copy: from pinned memory it is asynchronous, and the stream runs it
-        # before the all-gather's clone, so bucket i's all-gather overlaps bucket i+1's copy.
-        host_to_device(shard, master)
-
-
-class ZeroOffloadOptimizer(ZeroOffload, ZeroOptimizer):
-    """ZeRO-1 with ZeRO-Offload: the full gradients on the device, the step on the host."""
-
-
-class Zero2OffloadOptimizer(ZeroOffload, Zero2Optimizer):
-    """ZeRO-2 with ZeRO-Offload: the gradient shards on the device, the step on the host."""
-
-
-ZERO = {(1, False): ZeroOptimizer, (2, False): Zero2Optimizer,
-        (1, True): ZeroOffloadOptimizer, (2, True): Zero2OffloadOptimizer}
-
-
-def zero_optimizer(params, stage: int = 1, offload: bool = False, **kwargs) -> ZeroOptimizer:
-    """ZeRO as the command line names it: the optimizer of `stage` (1 or 2), with ZeRO-Offload
-    when `offload`; kwargs go to its constructor (ZeroOptimizer's)."""
-    if stage not in (1, 2):
-        raise ValueError(f"ZeRO stage must be 1 or 2, got {stage!r}; stage 3 shards the "
-                         f"parameters too: that is FSDP (fsdp.py)")
-    if offload not in (True, False):
-        raise ValueError(f"ZeroOptimizer offload must be True (the optimizer on the CPU) or "
-                         f"False, got {offload!r}")
-    return ZERO[stage, offload](params, **kwargs)
+if __name__ == "__main__":
+    # A tiny model, 5 steps on each rank's rows, beside one process's torch AdamW on the whole
+    # batch (fp32: the reduce-scatter's mean reorders the sums; only rounding differs).
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, failed = as_comm(None), False
+    for stage, cls in ((1, ZeroOptimizer), (2, Zero2Optimizer)):
+        torch.manual_seed(0)
+        one = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        model, whole = copy.deepcopy(one), torch.optim.AdamW(one.parameters(), lr=1e-2)
+        ours = cls(model.parameters(), group=world, bucket_mb=0.004, lr=1e-2)
+        rows = slice(world.rank * 16 // world.world_size, (world.rank + 1) * 16 // world.world_size)
+        for _ in range(5):
+            x, y = torch.randn(16, 8), torch.randn(16, 4)                # the same on every rank
+            for net, opt, r in ((model, ours, rows), (one, whole, slice(None))):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(net(x[r]), y[r]).backward()
+                opt.step()
+        difference = max((a - b).abs().max().item() for a, b in zip(model.parameters(), one.parameters()))
+        held = sum(t.numel() for t in ours.state_tensors())           # master shards, moments
+        every = sum(3 * p.numel() for p in one.parameters())            # weights, 2 moments
+        failed |= not difference <= 1e-5
+        if world.rank == 0:
+            print(f"ZeRO-{stage}: rank 0 holds {held} of the {every} "
+                  f"elements of fp32 weights and Adam moments (1/{world.world_size}, plus padding) | max "
+                  f"|difference| from one process: {difference:.1e} (bound 1e-05: fp32 sums reordered)")
+    dist.destroy_process_group()
+    raise SystemExit(1 if failed else 0)

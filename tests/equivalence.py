@@ -101,7 +101,7 @@ def train_noting_adam(argv, model: str):
 class Fp64AdamW:
     """For fp64 runs (MixedPrecisionOptimizer takes fp32, bf16 and fp16): torch's AdamW on the
     parameters themselves, clipped by the global norm summed in fp64 over the groups of `split`
-    ({mesh dim: group}, as MixedPrecisionOptimizer.split_model; each value's squares counted once,
+    ({mesh dim: group}, as mesh_optimizer.on_mesh; each value's squares counted once,
     placements.norm_weight). The part of MixedPrecisionOptimizer's interface the tests' loops use."""
 
     scaler, last_step_skipped = DynamicLossScaler(enabled=False), False

@@ -23,6 +23,8 @@ COMMANDS = {
     "quantization": "python quantization.py",
     "checkpointing": "python checkpointing.py",
     "pipeline": "torchrun --nproc_per_node 2 pipeline.py",
+    "mixed_precision": "python mixed_precision.py",
+    "zero": "torchrun --nproc_per_node 2 zero.py",
 }
 
 

@@ -17,7 +17,7 @@ FOUNDATIONS = {"collectives", "launch", "meters", "placements", "flat",
                "mixed_precision", "dtypes", "quantization", "model", "process_groups", "no_numpy"}
 # The lecture's concepts, in reading order; beside each, the files that are its own (a
 # sub-file, or an extension that reads as a delta after its core).
-CONCEPTS = {"mixed_precision": set(), "collectives": set(), "ddp": set(), "zero": {"offload"},
+CONCEPTS = {"mixed_precision": set(), "collectives": set(), "ddp": set(), "zero": {"offload", "zero_offload"},
             "fsdp": {"offload", "fsdp_state", "fsdp_optimizer", "fsdp_hybrid",
                      "fsdp_offload", "fsdp_frozen"},
             "pipeline": {"schedules", "zero_bubble", "pipeline_mechanics"},

@@ -439,7 +439,7 @@ def _measured_after_one_step():
     from ddp import DDP
     from memory_math import held_bytes
     from mixed_precision import DTYPES, MixedPrecisionOptimizer
-    from zero import zero_optimizer
+    from zero_offload import zero_optimizer
     measured = {}
     for strategy, offload in (("ddp", False), ("zero1", False), ("zero2", False), ("zero1", True),
                               ("zero2", True)):

@@ -18,7 +18,8 @@ from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
 from test_fsdp import _Plain
-from zero import Zero2Optimizer, zero_optimizer
+from zero import Zero2Optimizer
+from zero_offload import zero_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

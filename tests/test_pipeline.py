@@ -18,6 +18,7 @@ import pipeline
 from collectives import Comm
 from ddp import DDP
 from equivalence import AdamDenominators, Fp64AdamW, assert_adam_close
+from mesh_optimizer import on_mesh
 from mixed_precision import DTYPES as PRECISIONS, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks, torchrun_worker
@@ -46,8 +47,7 @@ def _optimizer(params, stages=None, precision="fp32"):
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2) if precision == "fp16" else None
     optimizer = MixedPrecisionOptimizer(params, torch.optim.AdamW, precision=precision,
                                         scaler=scaler, lr=1e-2, weight_decay=0.1)
-    optimizer.split_model({"pp": stages})          # the norm sums the stages' squares
-    return optimizer
+    return on_mesh([optimizer], {"pp": stages})    # the norm sums the stages' squares
 
 
 def _masters(gpt, optimizer):
@@ -401,7 +401,7 @@ def _sharded_pipeline_trains(P, cfg, strategy):
     parallelize.py builds it;
     this rank's averaged losses, clipped norms, and its copy of a tied weight after the steps."""
     from fsdp import FSDP, FSDPOptimizer
-    from zero import zero_optimizer
+    from zero_offload import zero_optimizer
     pipe, data = make_mesh(Comm(), P)
     torch.manual_seed(0)
     gpt = GPT(cfg)
@@ -415,7 +415,7 @@ def _sharded_pipeline_trains(P, cfg, strategy):
     runner = pipeline.Pipeline(module, pipe, "1f1b", 4, cfg.n_embd, torch.float32)
     if strategy != "fsdp":
         runner.sync = optimizer
-    optimizer.split_model({"pp": pipe})        # the last stage's tied copy: not counted (GPTStage)
+    optimizer = on_mesh([optimizer], {"pp": pipe})  # the last stage's tied copy: not counted (GPTStage)
     losses, norms = [], []
     for batch in _batches():
         rows = batch.chunk(data.world_size)[data.rank]                # (B/2, T+1)

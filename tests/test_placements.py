@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from mesh_optimizer import on_mesh
 from multiprocess import run_ranks
 from placements import by_reduction, data_reduction, norm_weight, place, placement, tensor_dim
 
@@ -80,7 +81,7 @@ def _norm_on_a_mesh():
         # here shows it is not read).
         hold("emb", 100 * torch.ones(5, 3), shard={"pp": None}, counted=False)
     optimizer = MixedPrecisionOptimizer(params, torch.optim.SGD, lr=0.0)
-    optimizer.split_model({"tp": tensor, "pp": stages})
+    optimizer = on_mesh([optimizer], {"tp": tensor, "pp": stages})
     norm = optimizer.clip_grad_norm_(1e9).item()
     return norm, torch.cat([g.reshape(-1) for g in whole.values()]).norm().item()
 
@@ -105,3 +106,15 @@ def test_no_concept_file_reads_another_strategys_tags():
             assert word not in text, f"{path.name} still says {word!r}"
         if path.name != "placements.py":
             assert ".pow(2).sum()" not in text, f"{path.name} sums squares: use placements.grad_norm"
+
+
+def test_the_concept_optimizers_know_nothing_of_the_mesh():
+    """Composition, not inheritance: mixed precision's, ZeRO's and FSDP's optimizers step the group
+    they are given; the placements, the mesh's splits and the experts' groups are read by the
+    composition (mesh_optimizer.py) only, which hands them the global norm."""
+    for name in ("mixed_precision", "zero", "fsdp_optimizer"):
+        text = (ROOT / f"{name}.py").read_text()
+        for word in ("import placements", "from placements", "split_model", "by_reduction",
+                     "norm_weight", "holders"):
+            assert word not in text, f"{name}.py says {word!r}: the mesh is the composition's " \
+                                     f"(mesh_optimizer.py)"

@@ -20,6 +20,7 @@ import tensor_parallel as tp
 from tensor_parallel_gpt import TensorParallelGPT, vocab_parallel_cross_entropy
 from collectives import Comm
 from equivalence import AdamDenominators, Fp64AdamW, assert_adam_close, train_noting_adam
+from mesh_optimizer import on_mesh
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks, torchrun_worker
@@ -179,8 +180,7 @@ def _optimizer(gpt, tensor=None, precision="fp32"):
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2) if precision == "fp16" else None
     optimizer = MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW, precision=precision,
                                         scaler=scaler, **ADAMW)
-    optimizer.split_model({"tp": tensor})          # the norm sums the slices over the group
-    return optimizer
+    return on_mesh([optimizer], {"tp": tensor})    # the norm sums the slices over the group
 
 
 def _gpt(tied=False, precision="fp32"):

@@ -24,7 +24,7 @@ from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
 import flat as flat_module
 from flat import FlatParams, step_message_bytes
-from zero import zero_optimizer
+from zero_offload import zero_optimizer
 
 MODEL = dict(n_layer=2, n_embd=64, n_head=4, block_size=32)
 GLOBAL_BATCH, SEQ, STEPS, LR, WD = 8, 16, 5, 1e-3, 0.1  # 8 sequences split over N = 2 or 4 ranks
