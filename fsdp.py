@@ -15,7 +15,7 @@ Run alone: torchrun --nproc_per_node 2 fsdp.py; test: python -m pytest tests/tes
 Shapes: N ranks (of a shard group), r this rank, P elements in a unit, S = ceil(P / N) per shard.
 """
 import copy
-import sys
+import os
 
 import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
@@ -344,7 +344,7 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     if n != 2:
-        sys.exit("fsdp.py's demonstration runs on 2 ranks: torchrun --nproc_per_node 2 fsdp.py")
+        raise SystemExit("fsdp.py's demonstration runs on 2 ranks: torchrun --nproc_per_node 2 fsdp.py")
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)]
     model = nn.Sequential(*blocks, nn.Linear(16, 4))
@@ -371,9 +371,9 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
         print(f"rank 0 holds {4 * held} of the model's {4 * whole} bytes of fp32 parameters (1/{n}, "
               f"padded to equal shards), and AdamW's two moments of those only")
         print(f"max |difference| from one process after {steps} AdamW steps: {difference:.1e} "
-              f"(bound 0: the same fp32 sums in the same order)")
+              f"(bound 0: the same fp32 sums in the same order)", flush=True)
     dist.destroy_process_group()
-    sys.exit(int(difference > 0))
+    os._exit(int(difference > 0))  # at once: gloo's threads may still hold tensors (exit_distributed)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements p
 import contextlib
 import copy
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -351,8 +352,7 @@ class Zero2Optimizer(ZeroOptimizer):
 
 
 if __name__ == "__main__":
-    # A tiny model, 5 steps on each rank's rows, beside one process's torch AdamW on the whole
-    # batch (fp32: the reduce-scatter's mean reorders the sums; only rounding differs).
+    # A tiny model, 5 steps on each rank's rows, beside one process's torch AdamW on the whole batch.
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world, failed = as_comm(None), False
@@ -375,6 +375,6 @@ if __name__ == "__main__":
         if world.rank == 0:
             print(f"ZeRO-{stage}: rank 0 holds {held} of the {every} "
                   f"elements of fp32 weights and Adam moments (1/{world.world_size}, plus padding) | max "
-                  f"|difference| from one process: {difference:.1e} (bound 1e-05: fp32 sums reordered)")
+                  f"|difference| from one process: {difference:.1e} (bound 1e-05: fp32 sums reordered)", flush=True)
     dist.destroy_process_group()
-    raise SystemExit(1 if failed else 0)
+    os._exit(int(failed))  # at once: gloo's threads may still hold tensors (exit_distributed)
