@@ -14,11 +14,11 @@ Shapes: B batch, T sequence, C channels.
 """
 import copy
 
-import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
+from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.nn as nn
 
-from meters import saved_activation_bytes
+from foundations.meters import saved_activation_bytes
 from model import build_model
 
 

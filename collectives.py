@@ -17,11 +17,11 @@ import os
 from collections import Counter
 from typing import NamedTuple
 
-import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
+from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 
-from launch import Handle, Messages, Workspaces
+from foundations.launch import Handle, Messages, Workspaces
 
 # ---- 1. The lecture's ring: N-1 steps, one message per step and rank -------------------------
 #

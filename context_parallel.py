@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import Comm, as_comm, ring_bytes
-from meters import BusyClock
+from foundations.meters import BusyClock
 from tensor_parallel import gather_sequence
 
 # ---- the split: which tokens a rank holds -------------------------------------------------------

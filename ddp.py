@@ -18,15 +18,15 @@ import sys
 import weakref
 from contextlib import contextmanager, nullcontext
 
-import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
+from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from collectives import as_comm, ring_bytes
-from flat import FlatParams, or_used_flags
-from process_groups import check_same_parameters
+from foundations.flat import FlatParams, or_used_flags
+from foundations.process_groups import check_same_parameters
 
 
 # ---- 1. naive: one blocking all-reduce per parameter, after backward ---------------------------

@@ -17,15 +17,15 @@ Shapes: N ranks (of a shard group), r this rank, P elements in a unit, S = ceil(
 import copy
 import os
 
-import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
+from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from collectives import as_comm
-from flat import MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, hook_gradient
-from fsdp_optimizer import FSDPOptimizer  # noqa: F401  (re-exported: it steps on FSDP's shards)
-from fsdp_state import FSDPState, MixedPrecisionPolicy, gpt_blocks
+from foundations.flat import MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, hook_gradient
+from mechanics.fsdp_optimizer import FSDPOptimizer  # noqa: F401  (re-exported: it steps on FSDP's shards)
+from mechanics.fsdp_state import FSDPState, MixedPrecisionPolicy, gpt_blocks
 
 
 class Unit(FlatParams):

@@ -13,12 +13,12 @@ Run alone: python mixed_precision.py; test: python -m pytest tests/test_mixed_pr
 import copy
 import math
 
-import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
+from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from collectives import as_comm
-from dtypes import DTYPES, demonstrate
+from foundations.dtypes import DTYPES, demonstrate
 
 
 class DynamicLossScaler:

@@ -21,14 +21,14 @@ import os
 import sys
 from typing import Callable
 
-import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
+from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from collectives import Comm
 from model import MLP
-from placements import place
+from foundations.placements import place
 
 
 class MoE(nn.Module):

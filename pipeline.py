@@ -19,17 +19,17 @@ import os
 from types import SimpleNamespace
 from typing import NamedTuple
 
-import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
+from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from collectives import Comm
 from model import build_model
-from pipeline_mechanics import (PipelineMechanics, check_layers, check_sizes, describe, nccl_program,
+from mechanics.pipeline_mechanics import (PipelineMechanics, check_layers, check_sizes, describe, nccl_program,
                                 schedule_parser)
-from placements import place
-from process_groups import exit_distributed, init_distributed
+from foundations.placements import place
+from foundations.process_groups import exit_distributed, init_distributed
 
 
 # ---- the model, cut into stages ----------------------------------------------------------
@@ -326,7 +326,7 @@ class Pipeline(PipelineMechanics):
 # ---- run alone: draw a schedule (one process), or check one against one process (torchrun) ----
 
 def main(argv=None):
-    """python pipeline.py: GPipe's or 1F1B's lists on the lecture's clock (all: python schedules.py)."""
+    """python pipeline.py: GPipe's or 1F1B's lists on the lecture's clock (all: python -m extensions.schedules)."""
     parser = schedule_parser(SCHEDULES)                 # --stages P --microbatches M --schedule
     args = parser.parse_args(argv)
     try:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from collectives import Comm, as_comm
 from model import MLP
-from placements import place
+from foundations.placements import place
 
 # ---- Megatron's f and g: a collective forward, its conjugate backward ------------------------
 #

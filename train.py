@@ -18,22 +18,22 @@ import os
 # for (a step 20x longer on 2 shared cores); passive ones sleep. Read when torch loads OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
+from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
-import report
-import snapshot
-from cli import parse_args
-from data import TextData
-from launch import pinned_copy
-from mesh_checks import mesh_splits
-from meters import saved_activation_bytes
-from parallelize import build, build_gpt, lora_config  # noqa: F401 (train.build_gpt)
-from process_groups import cpu_threads, exit_distributed, global_mean, init_distributed
-from run_log import Clock, RunLog, finish, predicted_seconds, start_profiling
-from snapshot import Divergence, RunError, load_weights, own_outputs  # noqa: F401 (train.RunError)
+from running import report
+from running import snapshot
+from running.cli import parse_args
+from running.data import TextData
+from foundations.launch import pinned_copy
+from composition.mesh_checks import mesh_splits
+from foundations.meters import saved_activation_bytes
+from composition.parallelize import build, build_gpt, lora_config  # noqa: F401 (train.build_gpt)
+from foundations.process_groups import cpu_threads, exit_distributed, global_mean, init_distributed
+from running.run_log import Clock, RunLog, finish, predicted_seconds, start_profiling
+from running.snapshot import Divergence, RunError, load_weights, own_outputs  # noqa: F401 (train.RunError)
 
 
 def learning_rate(step, args):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.utils import clip_grads_with_norm_
 
 from collectives import as_comm, ring_bytes
-from flat import (MAX_REDUCTIONS_IN_FLIGHT, Bucket, InOrder, ShardBookkeeping, flags_and_norm_bytes,
+from foundations.flat import (MAX_REDUCTIONS_IN_FLIGHT, Bucket, InOrder, ShardBookkeeping, flags_and_norm_bytes,
                   hook_gradient, keep_unchanged, or_used_flags, shard_pieces, sharded_buckets, squares_of,
                   trainable_in_one_dtype, unused_ranges)
 from mixed_precision import DynamicLossScaler, on_the_wire, read_decision, unscale_grads, wrap_inner

@@ -16,16 +16,16 @@ if "RANK" not in os.environ:                   # plain `python examples/loop.py`
     sys.exit("examples/loop.py trains on several processes: run it with torchrun --nproc_per_node 2 "
              "examples/loop.py")
 
-import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
+from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
-from data import TextData
+from running.data import TextData
 from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy
 from model import build_model
-from process_groups import exit_distributed
+from foundations.process_groups import exit_distributed
 from zero import Zero2Optimizer
 
 STEPS, BATCH, SEQ = 20, 8, 32   # small, to run in seconds on 2 CPU processes; raise them on GPUs

@@ -15,7 +15,7 @@ from mixed_precision import DynamicLossScaler
 from model import build_model
 from moe import feed_forward
 from multiprocess import train_logged
-from placements import norm_weight
+from foundations.placements import norm_weight
 
 # ---- Adam's amplification: how far an fp32 difference may grow, element by element -------------
 #

@@ -119,7 +119,7 @@ def train_logged(argv):
 def bench_logged(argv):
     """bench.main(argv) on this rank, in the environment torchrun gives its workers: what it
     printed (rank 0 writes the JSON)."""
-    from bench import main
+    from bench.compare import main
     world = str(dist.get_world_size())
     os.environ.update(WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)        # what torchrun would set
     printed = io.StringIO()
@@ -213,7 +213,7 @@ def nccl_rules(device=torch.device("cpu")):
     and a collective or a p2p message given a tensor that is not on `device`, or is host memory,
     raises. For CPU tests; the ring's launcher thread is outside the mode (it is per thread), so
     its messages are checked against the recorded host storages alone."""
-    import offload
+    from extensions import offload
     host = _HostMemory()
     original_host_buffer = offload.host_buffer
 

@@ -3,9 +3,9 @@ import re
 
 import pytest
 
-from advisor import advise, expert_parallel_options, params_shape, parse_bytes
-from memory import main
-from memory_math import GB, ep_params, expert_params, model_params, moe_exchange_bytes, root_params
+from napkin.advisor import advise, expert_parallel_options, params_shape, parse_bytes
+from napkin.memory import main
+from napkin.memory_math import GB, ep_params, expert_params, model_params, moe_exchange_bytes, root_params
 from model import PRESETS
 from multiprocess import run_ranks, torchrun_worker
 
@@ -186,8 +186,8 @@ def _reference_seconds(cfg, a, world, seq_len, machine) -> float:
     micro-batch copies the rank's stored shards (4-bit base) to the device twice; QLoRA's FSDP
     gathers the 4-bit base (step_time's test prices that by hand)."""
     import math
-    from memory_math import nf4_bytes, quantized_params
-    from step_time import Shape, Step, predict
+    from napkin.memory_math import nf4_bytes, quantized_params
+    from napkin.step_time import Shape, Step, predict
     shape = Shape.of(cfg)
     frozen = shape.layers * shape.block_params() + shape.vocab * shape.width
     lora = None
@@ -220,8 +220,8 @@ def _reference_seconds(cfg, a, world, seq_len, machine) -> float:
     ("rtx3090", "pcie", 5, "fsdp + activation checkpointing"),
 ])
 def test_advise_ranks_the_rungs_that_fit_by_speed(gpu, link, fits, winner, capsys):
-    from advisor_speed import every_rung
-    from machines import PRESETS as MACHINES, joined_by
+    from napkin.advisor_speed import every_rung
+    from napkin.machines import PRESETS as MACHINES, joined_by
     main(["--advise", "--model", "7b", "--world", "8", "--seq-len", "2048", "--target-batch", "64",
           "--gpu", gpu, "--link", link])
     out = capsys.readouterr().out
@@ -246,8 +246,8 @@ def test_the_talks_slow_link_case_quantization_buys_a_batch_that_pays(capsys):
     gathers the base once a step instead of twice, and in 4 bits: QLoRA wins. Over H100 SXM's
     NVLink the gathers hide under compute either way and the micro-batches are equal: QLoRA buys
     nothing. Each step against the test's own reference."""
-    from advisor_speed import every_rung
-    from machines import PRESETS as MACHINES, joined_by
+    from napkin.advisor_speed import every_rung
+    from napkin.machines import PRESETS as MACHINES, joined_by
     cfg, found = PRESETS["70b"], {}
     for gpu, link in (("rtx3090", "network"), ("h100-sxm", "nvlink")):
         main(["--advise", "--model", "70b", "--world", "8", "--seq-len", "512", "--target-batch", "64",
@@ -269,7 +269,7 @@ def test_the_talks_slow_link_case_quantization_buys_a_batch_that_pays(capsys):
 
 def _priced(rung: str, micro_batch: int, grad_accum: int, **parts_ms) -> tuple:
     """A rung as priced_rungs gives it: its Advice and its step's parts (given in ms)."""
-    from advisor import Advice
+    from napkin.advisor import Advice
     parts = {p: parts_ms.get(p, 0.0) / 1e3 for p in ("compute", "communication", "transfers", "optimizer")}
     return Advice(rung, "fsdp", micro_batch, grad_accum, [], {}, True), {"parts": parts,
                                                                           "seconds": sum(parts.values())}
@@ -291,7 +291,7 @@ def _priced(rung: str, micro_batch: int, grad_accum: int, **parts_ms) -> tuple:
      "why: 'zero3' is 13.7 ms a step faster than 'zero2' because its communication takes 13.7 ms less"),
 ])
 def test_why_names_the_faster_rung_and_its_reason(winner, other, sentence):
-    from advisor_speed import why
+    from napkin.advisor_speed import why
     assert why(winner, other) == sentence
 
 
@@ -302,8 +302,8 @@ def test_measure_runs_every_rung_that_fits_and_prints_measured_beside_predicted(
     """The tiny GPT on 2 CPU ranks, 16 x 64: the eight rungs, ddp to QLoRA with the parameters
     offloaded, one torchrun; each row's measured state is its log's line, its tokens/s the log's
     last step's, and its predicted state memory.py's napkin."""
-    from advisor_speed import every_rung
-    from memory_math import MiB
+    from napkin.advisor_speed import every_rung
+    from napkin.memory_math import MiB
     rows = main(["--advise", "--model", "tiny", "--world", "2", "--seq-len", "64", "--measure"])
     out = capsys.readouterr().out
     table = out[out.index("the experiment:"):].splitlines()
@@ -330,7 +330,7 @@ def test_the_measure_tables_columns_stay_apart_however_wide_the_numbers():
     state): every number its own word, as the header's columns."""
     from types import SimpleNamespace
 
-    from experiment import table_row
+    from napkin.experiment import table_row
     rung = SimpleNamespace(rung="zero2", micro_batch=16, grad_accum=16)
     assert table_row(rung, 12345678.9, 0.0, 116536046, 1165360460000, False).split() == [
         "zero2", "16", "x", "16", "12345678.9", "/", "0.0", "116,536,046", "/", "1,165,360,460,000", "not"]

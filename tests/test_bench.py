@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from bench import parse_args
+from bench.compare import parse_args
 from collectives import ring_bytes
-from flat import step_message_bytes
+from foundations.flat import step_message_bytes
 from model import build_model
 from multiprocess import bench_logged, run_ranks
 
@@ -37,7 +37,7 @@ def run_bench(directory, ranks: int, strategies: str, *extra):
     (what it printed, its JSON)."""
     path = directory / "bench.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-               "bench.py", "--quick", "--strategies", strategies, "--warmup", "1", "--steps", "2",
+               "-m", "bench", "--quick", "--strategies", strategies, "--warmup", "1", "--steps", "2",
                "--repeats", "2", *extra, "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=120)
@@ -194,7 +194,7 @@ def assert_napkin_beside(row: dict, ms_per_step: dict, cell: str):
 
 def test_a_run_from_before_the_napkin_prints_n_a(bench):
     """docs/generate.py renders committed JSON again: a moe row without "predicted_ms" prints n/a."""
-    from bench_measure import moe_report
+    from bench.measure import moe_report
     _, data = bench
     old = {**data["moe"], "runs": [{k: v for k, v in r.items() if not k.startswith("predicted")}
                                    for r in data["moe"]["runs"]]}
@@ -210,7 +210,7 @@ def bench_here(directory, argv):
 
 def test_the_default_json_is_written_in_the_working_directory(tmp_path):
     """bench.py --quick with its default --json bench.json (no directory in it), from a fresh
-    directory, on one rank as plain `python bench.py` runs: the strategy row is priced (machines.
+    directory, on one rank as plain `python -m bench` runs: the strategy row is priced (machines.
     this writes bench-this.json beside the JSON) and the JSON written there. Short: one strategy,
     one step, one repetition."""
     run_ranks(bench_here, 1, str(tmp_path), ["--quick", "--strategies", "ddp", "--warmup", "0",
@@ -298,12 +298,12 @@ def test_every_row_has_the_napkins_step_time(bench):
 
 
 def test_report_from_the_json_prints_the_runs_tables(bench, tmp_path):
-    """python bench.py --report FILE (how the README's tables are made) prints, from the JSON
+    """python -m bench --report FILE (how the README's tables are made) prints, from the JSON
     alone, every line the run printed but its wall time; the header names the date."""
     output, data = bench
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(data))
-    result = subprocess.run([sys.executable, "bench.py", "--report", str(path)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "bench", "--report", str(path)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     ran = [line for line in output.splitlines() if line.startswith("bench.py ran")]
@@ -457,11 +457,11 @@ def test_memory_snapshot_is_written_on_a_gpu_and_refused_without_one(tmp_path):
 
 
 def test_scaling_counts_what_a_rank_holds_beside_memory_py(tmp_path):
-    """python bench.py --scaling (2 steps of train.py per world size): FSDP on 2 ranks holds what
+    """python -m bench --scaling (2 steps of train.py per world size): FSDP on 2 ranks holds what
     memory.py predicts (to the log's 0.1 MiB), half of the 16 bytes per parameter, and sends the
     ring formula's bytes; the table has a cell pair per world size."""
     path = tmp_path / "scaling.json"
-    result = subprocess.run([sys.executable, "bench.py", "--quick", "--scaling", "2", "--strategies",
+    result = subprocess.run([sys.executable, "-m", "bench", "--quick", "--scaling", "2", "--strategies",
                              "fsdp", "--json", str(path)], cwd=ROOT, capture_output=True, text=True,
                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
@@ -491,7 +491,7 @@ def test_profile_puts_each_sides_operators_side_by_side_and_report_compares_size
     paths = [tmp_path / "bigger.json", tmp_path / "small.json"]
     for path, run in zip(paths, (bigger, data)):
         path.write_text(json.dumps(run))
-    result = subprocess.run([sys.executable, "bench.py", "--report", *map(str, paths)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "bench", "--report", *map(str, paths)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     _, sizes = table(result.stdout, "model")
@@ -502,9 +502,9 @@ def test_profile_puts_each_sides_operators_side_by_side_and_report_compares_size
 # ---- bench_gpu.py: a GPU window's one command, run here on the CPU so it runs first time there ----
 
 def run_bench_gpu(directory, *flags) -> tuple:
-    """python bench_gpu.py on the tiny model at a given peak: (its exit, stdout, JSON, files)."""
+    """python -m bench.gpu on the tiny model at a given peak: (its exit, stdout, JSON, files)."""
     out = directory / "window"
-    result = subprocess.run([sys.executable, "bench_gpu.py", "--model", "tiny", "--seq-len", "64",
+    result = subprocess.run([sys.executable, "-m", "bench.gpu", "--model", "tiny", "--seq-len", "64",
                              "--warmup", "1", "--steps", "2", "--peak-tflops", "0.05", "--out", str(out), *flags],
                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                             text=True, timeout=300)
@@ -519,7 +519,7 @@ def test_the_gpu_window_command_runs_every_row_and_goes_on_past_a_failing_side(t
     FLOPs per token, written out here, x tokens/s / the peak given), the memory over a step drawn,
     one table and one JSON. On the CPU one side cannot run, fully_shard's CPUOffloadPolicy (it
     needs an accelerator): it is written down with its error, and the rows after it still run."""
-    from bench_gpu import ROWS
+    from bench.gpu import ROWS
     printed, data, files = run_bench_gpu(tmp_path)
     assert files == ["window-memory.svg", "window.json", "window.md"]
     assert [row["row"] for row in data["rows"]] == list(ROWS) == [

@@ -11,8 +11,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from checkpointing import checkpoint, checkpoint_blocks
-from memory_math import activation_bytes
-from meters import saved_activation_bytes
+from napkin.memory_math import activation_bytes
+from foundations.meters import saved_activation_bytes
 from model import GPT, PRESETS
 from multiprocess import run_ranks
 

@@ -20,16 +20,16 @@ import torch
 import torch.nn.functional as F
 
 import context_parallel as cp_module
-from context_parallel_gpt import ContextParallelGPT
-import memory
+from composition.context_parallel_gpt import ContextParallelGPT
+from napkin import memory
 from collectives import Comm
 from context_parallel import cp_kv_bytes
-from memory_math import cp_activation_bytes
-from meters import saved_activation_bytes
+from napkin.memory_math import cp_activation_bytes
+from foundations.meters import saved_activation_bytes
 from model import GPT, GPTConfig
 from equivalence import assert_adam_close
 from multiprocess import assert_mean_close, assert_tensors_close, bench_logged, run_ranks
-from snapshot import load_weights
+from running.snapshot import load_weights
 from test_tensor_parallel import (RUN, _single_runs, _straight_and_resumed, _train, _usage_errors,
                                   _weights)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from data import TextData, stdlib_text
+from running.data import TextData, stdlib_text
 
 
 @pytest.fixture(scope="module")

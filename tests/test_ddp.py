@@ -532,7 +532,7 @@ def test_reductions_in_flight_reach_what_each_strategy_promises():
     ZeRO-2 and FSDP keep MAX_REDUCTIONS_IN_FLIGHT reduce-scatters in flight once that many have
     launched, never fewer; FSDP with prefetch 1 has the next unit's all-gather in flight while
     each unit but the last computes, in forward and in backward."""
-    from flat import MAX_REDUCTIONS_IN_FLIGHT
+    from foundations.flat import MAX_REDUCTIONS_IN_FLIGHT
     for rank, out in enumerate(run_ranks(_in_flight_during_backward, 2)):
         # DDP: in flight at each gradient = buckets launched so far, all of them after backward
         assert out["ddp"] == sorted(out["ddp"]) and out["ddp_buckets"] >= 3, out["ddp"]

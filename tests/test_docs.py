@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-import pictures
+from pictures import draw as pictures
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -177,12 +177,12 @@ def shortened(command: str) -> str:
     steps = re.findall(r"--steps (\d+)", command)
     if re.search(r"\btrain\.py\b", command) and not (steps and int(steps[-1]) <= TRAIN_STEPS_RUN_AS_WRITTEN):
         command += " --steps 2"
-    elif re.search(r"\bbench\.py\b", command) and "--report" not in command:
+    elif re.search(r"-m bench(\s|$)", command) and "--report" not in command:
         command += " --warmup 0 --steps 1 --repeats 1 --model tiny --seq-len 64 --max-mb 1"
         command += " --scaling 1,2 --strategies ddp" if "--scaling" in command else ""
-    elif "pictures.py memory" in command:
+    elif "-m pictures memory" in command:
         command += " --strategies zero2"
-    elif re.search(r"\bbench_gpu\.py\b", command):
+    elif re.search(r"-m bench\.gpu\b", command):
         command += " --model tiny --seq-len 64 --warmup 0 --steps 1 --peak-tflops 1"
     return command + (comment or "")
 
@@ -235,7 +235,7 @@ def loss_picture_has_the_committed_steps(copy: pathlib.Path):
 
 
 # After a command, what it made is checked too.
-AFTER = {"python pictures.py loss runs/single runs/fsdp -o docs/loss_fsdp_vs_single.svg   # any runs' --out":
+AFTER = {"python -m pictures loss runs/single runs/fsdp -o docs/loss_fsdp_vs_single.svg   # any runs' --out":
          loss_picture_has_the_committed_steps}
 
 
@@ -278,11 +278,11 @@ def test_commands_not_run_here_are_shown_and_nothing_else_is_left_out():
 
 # Each program's run with its defaults (its required arguments only; pictures.py's schedule
 # spelled out, its defaults), and each example: the commands above run them, the pages show them.
-DEFAULT_RUNS = ["python train.py", "torchrun --nproc_per_node 2 bench.py --quick",
-                "python memory.py --model gpt2-small --world 8", "python step_time.py",
-                "python pictures.py memory -o docs/memory_over_a_step.svg",
-                "python pictures.py schedule --schedule 1f1b --stages 2 --microbatches 4 -o "
-                "docs/pipeline_executed.svg", "python schedules.py", "python machines.py",
+DEFAULT_RUNS = ["python train.py", "torchrun --nproc_per_node 2 -m bench --quick",
+                "python -m napkin.memory --model gpt2-small --world 8", "python -m napkin.step_time",
+                "python -m pictures memory -o docs/memory_over_a_step.svg",
+                "python -m pictures schedule --schedule 1f1b --stages 2 --microbatches 4 -o "
+                "docs/pipeline_executed.svg", "python -m extensions.schedules", "python -m napkin.machines",
                 *[f"torchrun --nproc_per_node 2 examples/{example.name}"
                   for example in sorted((ROOT / "examples").glob("*.py"))]]
 

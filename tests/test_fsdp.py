@@ -21,8 +21,8 @@ import train
 from collectives import Comm
 from ddp import DDP
 from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy
-from fsdp_frozen import FrozenBaseFSDP
-from memory_math import held_bytes, live_tensor_bytes, state_bytes
+from extensions.fsdp_frozen import FrozenBaseFSDP
+from napkin.memory_math import held_bytes, live_tensor_bytes, state_bytes
 from mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks

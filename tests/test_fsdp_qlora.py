@@ -15,10 +15,10 @@ import torch.distributed as dist
 import lora
 from collectives import Comm, ring_bytes
 from fsdp import FSDPOptimizer
-from memory_math import comm_bytes, held_bytes, live_numel, live_tensor_bytes, run_state_bytes
+from napkin.memory_math import comm_bytes, held_bytes, live_numel, live_tensor_bytes, run_state_bytes
 from multiprocess import assert_tensors_close, run_ranks
-from parallelize import fsdp_with
-from process_groups import make_mesh
+from composition.parallelize import fsdp_with
+from foundations.process_groups import make_mesh
 from quantization import NF4Weight
 from test_fsdp import _check, _load_full_state_dict, _single, _train_fsdp
 from test_snapshot import LOSS_RTOL, WEIGHT_ATOL, _same_weights, _train, _weights

@@ -95,7 +95,7 @@ class SyncCounter:
         return call
 
     def install(self):
-        import offload
+        from extensions import offload
         for name in TENSOR_METHODS:
             setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
         for name in TORCH_FUNCTIONS:
@@ -118,7 +118,7 @@ def _count_step(argv):
     """train.main(argv) on this rank with the blocking calls of step UNLOGGED counted: from its
     batch (data.batch) to the end of train_step. Returns {call at file:line: times}."""
     import train
-    from data import TextData
+    from running.data import TextData
     counter = SyncCounter()
     counter.install()
     batch, train_step = TextData.batch, train.train_step
@@ -183,8 +183,8 @@ def test_a_batch_goes_to_the_gpu_from_contiguous_pinned_memory(monkeypatch):
     copy to a GPU must read a contiguous pinned tensor, or it stages through pageable memory and
     may wait. Here on the CPU pin_memory is played by a strided copy marked pinned (as
     pin_memory keeps strides) and the device copy only records its source."""
-    from data import TextData
-    from launch import pinned_copy
+    from running.data import TextData
+    from foundations.launch import pinned_copy
     pinned, sources = set(), []
 
     def pin_memory(self):

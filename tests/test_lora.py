@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-import snapshot
+from running import snapshot
 import train
 from lora import (LoRALinear, QLoRALinear, adapter_bytes, apply_lora, fold_adapters, load_lora,
                   lora_state_dict, merge_lora, unmerge_lora)
-from memory_math import held_bytes, state_bytes
+from napkin.memory_math import held_bytes, state_bytes
 from mixed_precision import MixedPrecisionOptimizer
 from model import GPT, PRESETS
 from multiprocess import run_ranks

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from collectives import ring_bytes
-from memory import main, parse_count
-from memory_math import (STRATEGIES, active_params, activation_bytes, bytes_per_param, comm_bytes,
+from napkin.memory import main, parse_count
+from napkin.memory_math import (STRATEGIES, active_params, activation_bytes, bytes_per_param, comm_bytes,
                          ep_comm_bytes, ep_params, ep_state_bytes, expert_params, human_bytes,
                          mesh_params, model_params, moe_exchange_bytes, moe_mlp_bytes, nf4_bytes,
                          state_bytes)
@@ -31,7 +31,7 @@ BREAKDOWN = ("--model", "gpt2-small", "--strategy", "zero2", "--world", "8", "--
 @pytest.fixture(scope="module")
 def cli():
     """The two documented commands, started together (each spends ~2 s importing torch)."""
-    procs = {args: subprocess.Popen([sys.executable, "memory.py", *args], cwd=REPO, text=True,
+    procs = {args: subprocess.Popen([sys.executable, "-m", "napkin.memory", *args], cwd=REPO, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for args in (PAPER, BREAKDOWN)}
     results = {}
@@ -146,7 +146,7 @@ def _sharded(name, ep, rank=0):
 
 @pytest.mark.parametrize("name, ep", [("tiny-moe", 2), ("tiny-moe", 8), ("gpt2-small-moe", 4)])
 def test_a_rank_holds_what_ep_params_says(name, ep):
-    from memory_math import is_expert
+    from napkin.memory_math import is_expert
     gpt = _sharded(name, ep, rank=ep - 1)
     held, experts = ep_params(name, ep)
     assert held == sum(p.numel() for p in gpt.parameters())
@@ -184,7 +184,7 @@ def test_all_to_all_napkin_is_the_layers_formula(name, ep, tokens, capacity_fact
     formula train.py logs beside the counter, and test_moe checks against the counter): 4 (P-1)/P
     of the E x K slots of C values per layer and micro-batch, K = ceil(1.25 x 2 x 512 / 8) = 160."""
     from types import SimpleNamespace
-    from parallelize import exchange_bytes
+    from composition.parallelize import exchange_bytes
     gpt = _sharded(name, ep)
     for module in gpt.modules():
         if hasattr(module, "capacity_factor"):
@@ -222,7 +222,7 @@ def test_moe_activation_formula_by_hand():
 def _moe_layer_saves(capacity_factor, ep):
     """Bytes tiny-moe's first MoE layer keeps for backward on 4 x 64 fp32 tokens (saved-tensor
     hooks, each storage once), this rank's experts split over the world when ep."""
-    from meters import saved_activation_bytes
+    from foundations.meters import saved_activation_bytes
     from collectives import Comm
     torch.manual_seed(0)
     moe = build_model("tiny-moe", feed_forward=feed_forward, capacity_factor=capacity_factor).blocks[0].mlp
@@ -437,9 +437,9 @@ def test_bad_arguments_to_the_functions():
 def _measured_after_one_step():
     """held_bytes() of every (strategy, precision) after one step of the tiny GPT."""
     from ddp import DDP
-    from memory_math import held_bytes
+    from napkin.memory_math import held_bytes
     from mixed_precision import DTYPES, MixedPrecisionOptimizer
-    from zero_offload import zero_optimizer
+    from extensions.zero_offload import zero_optimizer
     measured = {}
     for strategy, offload in (("ddp", False), ("zero1", False), ("zero2", False), ("zero1", True),
                               ("zero2", True)):
@@ -480,7 +480,7 @@ def test_prediction_matches_the_bytes_ranks_hold(world_size):
 def test_pipeline_activations_follow_each_schedules_peak():
     """Per stage, the peak micro-batches (or chunks) schedules.py counts, times one micro-batch's
     activations through the stage's blocks (and the logits, on the last stage)."""
-    from memory_math import logits_bytes, pipeline_activation_bytes
+    from napkin.memory_math import logits_bytes, pipeline_activation_bytes
     cfg, P, M, b, s = PRESETS["gpt2-small"], 4, 8, 1, 1024          # 12 blocks: 3 a stage
     layer = activation_bytes(s, b, cfg.n_embd, cfg.n_head)          # one block, one micro-batch
     logits = logits_bytes(s, b, cfg.vocab_size)
@@ -505,7 +505,7 @@ def test_pipeline_table_prints_every_schedule(capsys):
 
 
 def test_mesh_table_splits_the_model_over_its_stages_and_the_data_dimension(capsys):
-    """python memory.py --tp --pp --world: one row per stage; the stages' parameters add up to
+    """python -m napkin.memory --tp --pp --world: one row per stage; the stages' parameters add up to
     the tp-split model, ZeRO-2 over dp 2 holds less than ddp, and ddp's dp column is the
     all-reduce of the stage's parameters (fp32, 2 ranks: one stage's bytes)."""
     argv = ["--model", "tiny", "--world", "8", "--tp", "2", "--pp", "2", "--precision", "fp32",
@@ -618,7 +618,7 @@ def test_memory_py_prints_no_numpy_warning():
     imports no_numpy first, as train.py and bench.py do, which filters that one warning."""
     runs = {name: subprocess.Popen([sys.executable, *argv], cwd=REPO, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            for name, argv in (("torch", ["-c", "import torch"]), ("memory", ["memory.py", "--model", "tiny"]))}
+            for name, argv in (("torch", ["-c", "import torch"]), ("memory", ["-m", "napkin.memory", "--model", "tiny"]))}
     err = {name: proc.communicate(timeout=120)[1] for name, proc in runs.items()}
     if importlib.util.find_spec("numpy") is None:                 # the warning exists to filter
         assert "Failed to initialize NumPy" in err["torch"]

@@ -12,14 +12,14 @@ import torch.nn as nn
 
 from collectives import Comm
 from ddp import DDP
-from dtypes import dtype_facts
+from foundations.dtypes import dtype_facts
 from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
 from test_fsdp import _Plain
 from zero import Zero2Optimizer
-from zero_offload import zero_optimizer
+from extensions.zero_offload import zero_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -38,7 +38,7 @@ def test_presets():
 
 
 def test_moe_presets_are_their_dense_model_with_8_experts_top_2():
-    from memory_math import active_params
+    from napkin.memory_math import active_params
     for moe, dense in (("tiny-moe", "tiny"), ("gpt2-small-moe", "gpt2-small")):
         cfg = PRESETS[moe]
         assert (cfg.experts, cfg.top_k) == (8, 2)

@@ -154,7 +154,7 @@ def test_balance_loss_is_one_when_uniform_and_e_when_one_expert_takes_all():
 def test_router_z_loss_is_its_weight_times_the_mean_squared_logsumexp():
     """ST-MoE's z-loss: w x mean over tokens of (logsumexp of the router's logits)^2, added to the
     auxiliary loss (the balancing loss off here); train.py's --z-loss-weight sets w."""
-    import cli
+    from running import cli
     moe, x = _moe(experts=4, top_k=2, aux_loss_weight=0.0, z_loss_weight=0.5), _x()
     moe(x)
     logits = moe.router(x.reshape(-1, CFG.n_embd))
@@ -273,7 +273,7 @@ def test_tiny_moe_trains_under_each_data_parallel_strategy(strategy):
 
 def test_parameter_counts_total_and_active():
     """memory.py's closed form: tiny-moe holds 8 experts per block, a token computes with 2."""
-    from memory_math import active_params, model_params
+    from napkin.memory_math import active_params, model_params
     from model import build_model
     gpt = build_model("tiny-moe", feed_forward=feed_forward)
     assert model_params("tiny-moe") == sum(p.numel() for p in gpt.parameters()) == 4_566_784
@@ -347,7 +347,7 @@ def test_experts_that_do_not_split_over_the_ranks_are_one_clear_error():
 def _routing_imbalance(aux_loss_weight, steps=40):
     """max/mean assignments per expert over the last 10 of `steps` single-process AdamW steps of
     a 2-block tiny-moe (dropless), and the last balancing loss."""
-    from data import TextData
+    from running.data import TextData
     from model import build_model
     data = TextData.from_file()
     torch.manual_seed(0)

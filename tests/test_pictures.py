@@ -6,13 +6,13 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-import pictures
-import traces
-from data import TextData
-from meters import saved_activation_bytes
+from pictures import draw as pictures
+from pictures import traces
+from running.data import TextData
+from foundations.meters import saved_activation_bytes
 from model import build_model
 from multiprocess import run_ranks, train_logged
-from schedules import COMPUTE, make_schedule
+from extensions.schedules import COMPUTE, make_schedule
 from zero import MAX_REDUCTIONS_IN_FLIGHT
 
 SVG = "{http://www.w3.org/2000/svg}"

@@ -18,14 +18,14 @@ import pipeline
 from collectives import Comm
 from ddp import DDP
 from equivalence import AdamDenominators, Fp64AdamW, assert_adam_close
-from mesh_optimizer import on_mesh
+from composition.mesh_optimizer import on_mesh
 from mixed_precision import DTYPES as PRECISIONS, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks, torchrun_worker
-from process_groups import make_mesh
-from parallelize import bubble_why, replayed_idle, stage_seconds
-from pipeline_mechanics import bubble_formula
-from schedules import SCHEDULES, gpipe, make_pipeline, make_schedule, nccl_program
+from foundations.process_groups import make_mesh
+from composition.parallelize import bubble_why, replayed_idle, stage_seconds
+from mechanics.pipeline_mechanics import bubble_formula
+from extensions.schedules import SCHEDULES, gpipe, make_pipeline, make_schedule, nccl_program
 
 # ---- the executor, against one process -----------------------------------------------------------
 
@@ -235,7 +235,7 @@ def _ours_and_torchs(P, runs, cfg=CFG):
     weights and batch; runs: (schedule, M) or (schedule, M, v)."""
     from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                               ScheduleInterleavedZeroBubble)
-    from bench import torch_pipeline_stage
+    from bench.compare import torch_pipeline_stage
     s = dist.get_rank()
     batch = _batches()[0]
     x, y = batch[:, :-1], batch[:, 1:]
@@ -291,7 +291,7 @@ def test_zero_bubbles_w_writes_each_gradient_as_autograd_does():
     equals autograd's bit for bit and is laid out as autograd lays it, as its parameter (a
     transposed .grad holds the same values, but the clipping norm adds them in another order:
     a zero-bubble run then drifts from GPipe's by an ulp a step). One process, no pipeline."""
-    from zero_bubble import WeightGradients
+    from extensions.zero_bubble import WeightGradients
     torch.manual_seed(0)
     plain, split = GPT(CFG), GPT(CFG)
     split.load_state_dict(plain.state_dict())
@@ -401,7 +401,7 @@ def _sharded_pipeline_trains(P, cfg, strategy):
     parallelize.py builds it;
     this rank's averaged losses, clipped norms, and its copy of a tied weight after the steps."""
     from fsdp import FSDP, FSDPOptimizer
-    from zero_offload import zero_optimizer
+    from extensions.zero_offload import zero_optimizer
     pipe, data = make_mesh(Comm(), P)
     torch.manual_seed(0)
     gpt = GPT(cfg)
@@ -457,7 +457,7 @@ def test_sharded_pipeline_with_a_tied_head_equals_one_process(strategy):
 def _groups_created(P):
     """Every new_group call this rank makes while building ring and native meshes and a
     pipeline of P stages with a tied head (world: P x D ranks)."""
-    from process_groups import make_mesh
+    from foundations.process_groups import make_mesh
     calls, new_group = [], dist.new_group
 
     def record(ranks=None, **kwargs):

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mesh_optimizer import on_mesh
+from composition.mesh_optimizer import on_mesh
 from multiprocess import run_ranks
-from placements import by_reduction, data_reduction, norm_weight, place, placement, tensor_dim
+from foundations.placements import by_reduction, data_reduction, norm_weight, place, placement, tensor_dim
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -58,7 +58,7 @@ def _norm_on_a_mesh():
     """tp 2 x pp 2 on 4 ranks: this rank's pieces of five gradients, and the norm from them."""
     from collectives import Comm
     from mixed_precision import MixedPrecisionOptimizer
-    from process_groups import make_mesh
+    from foundations.process_groups import make_mesh
     tensor, stages = make_mesh(Comm(), 2)
     torch.manual_seed(0)                                    # the whole model's gradients, everywhere
     whole = {"w0": torch.randn(4, 6), "b0": torch.randn(6), "emb": torch.randn(5, 3),

@@ -20,7 +20,7 @@ import torch
 
 from collectives import Comm
 from multiprocess import run_ranks
-from process_groups import DIMENSIONS, gather_objects, make_device_mesh, mesh_rank_lists, mesh_shape
+from foundations.process_groups import DIMENSIONS, gather_objects, make_device_mesh, mesh_rank_lists, mesh_shape
 
 
 def _gathered_objects():
@@ -181,7 +181,7 @@ def _ring_message_after_a_timeout(done: str):
     import io
     import types
     import torch.distributed as dist
-    from run_log import stopped
+    from running.run_log import stopped
     dist.barrier()                              # both here: the ring's group joins within its timeout
     comm = Comm(ring=True, timeout=2)
     if dist.get_rank() == 1:
@@ -235,7 +235,7 @@ def test_nccl_error_handling_is_clean_up_only_under_torchrun_unless_the_user_cho
 
 
 def test_nccl_error_handling_keeps_a_value_set_without_torchrun():
-    from process_groups import choose_nccl_error_handling
+    from foundations.process_groups import choose_nccl_error_handling
     for environ, expected in (({}, "2"), ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, "1"),
                               ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCHELASTIC_RUN_ID": "x"}, "2"),
                               ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCHELASTIC_RUN_ID": "x"}, "3")):
@@ -248,7 +248,7 @@ def test_nccl_error_handling_keeps_a_value_set_without_torchrun():
     (1, 2, 4, 1),                                   # fewer processes than GPUs
     (0, 8, 4, None), (5, 8, 4, None), (2, 1, 2, None)])   # more processes than GPUs: every rank refuses
 def test_each_process_takes_a_gpu_it_can_see_or_every_rank_says_why(local_rank, local_world, visible, expected):
-    from process_groups import LaunchError, cuda_index
+    from foundations.process_groups import LaunchError, cuda_index
     if expected is not None:
         assert cuda_index(local_rank, local_world, visible) == expected
         return
@@ -258,7 +258,7 @@ def test_each_process_takes_a_gpu_it_can_see_or_every_rank_says_why(local_rank, 
 
 
 def test_two_processes_shown_the_same_single_gpu_are_refused():
-    from process_groups import shared_gpu
+    from foundations.process_groups import shared_gpu
     assert shared_gpu(["GPU-a", "GPU-b", "GPU-c"]) is None
     line = shared_gpu(["GPU-a", "GPU-b", "GPU-a"])
     assert "local ranks 0 and 2 both see one GPU (GPU-a)" in line and "--nproc_per_node 2" in line

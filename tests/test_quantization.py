@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import train
 from lora import LoRALinear, QLoRALinear, apply_lora, fold_adapters
-from memory_math import live_numel, model_params, nf4_bytes, quantized_params, state_bytes
+from napkin.memory_math import live_numel, model_params, nf4_bytes, quantized_params, state_bytes
 from model import GPT, PRESETS
 from moe import feed_forward
 from multiprocess import run_ranks

@@ -72,7 +72,7 @@ def test_time_left_is_paced_by_the_steps_after_the_first():
 
 
 def test_interrupted_line_says_where_to_continue_from(tmp_path):
-    from run_log import interrupted_line
+    from running.run_log import interrupted_line
     log = type("Log", (), {"step": 7, "out": str(tmp_path)})()
     assert interrupted_line(log) == (f"train.py: interrupted at step 7; no checkpoint in {tmp_path} yet "
                                      f"(--save-every K writes one every K steps)")
@@ -106,7 +106,7 @@ def _interrupt(argv, when: str, timeout=240):
 
 
 def test_ctrl_c_says_one_line_naming_the_checkpoint_and_exits_130(tmp_path):
-    from snapshot import latest
+    from running.snapshot import latest
     out_dir = tmp_path / "run"
     code, out, err, _ = _interrupt([sys.executable, "train.py", *QUICK, "--steps", "100000", "--out",
                                     str(out_dir), "--save-every", "2", "--threads", "1"], "step     2 | loss")
@@ -187,7 +187,7 @@ def test_a_refused_command_line_under_torchrun_is_one_line_once(argv, says):
 def test_a_quiet_rank_still_refuses_and_speaks_if_left_running(monkeypatch, capsys):
     """Under torchrun a rank other than local rank 0 waits (cli.QUIET_WAIT) for torchrun to stop
     it, then says its line itself: a refusal local rank 0 did not share is never lost."""
-    import cli
+    from running import cli
     waits = []
     monkeypatch.setattr(cli.time, "sleep", waits.append)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
@@ -207,7 +207,7 @@ def test_a_quiet_rank_still_refuses_and_speaks_if_left_running(monkeypatch, caps
 # ---- CPU threads: a share of the cores ------------------------------------------------------------
 
 def test_cpu_threads_share_the_cores_among_the_ranks(monkeypatch):
-    from process_groups import cpu_threads
+    from foundations.process_groups import cpu_threads
     cores = len(os.sched_getaffinity(0))
     before = torch.get_num_threads()
     cpu = torch.device("cpu")

@@ -1,15 +1,15 @@
 """Pipeline schedules as data (schedules.py): GPipe, 1F1B, interleaved 1F1B and zero bubble
 (ZB-H1) run, their messages match, they cannot deadlock under NCCL's p2p rules, and their bubble
-and memory are the formulas, for many P, M (and v); the command line (python schedules.py, and
+and memory are the formulas, for many P, M (and v); the command line (python -m extensions.schedules, and
 python pipeline.py, the same) draws them.
 """
 import importlib
 
 import pytest
 
-import schedules
-from pipeline_mechanics import bubble_formula, bubble_fraction, peak_activations, simulate
-from schedules import Action, check_schedule, make_schedule
+from extensions import schedules
+from mechanics.pipeline_mechanics import bubble_formula, bubble_fraction, peak_activations, simulate
+from extensions.schedules import Action, check_schedule, make_schedule
 
 SIZES = [(P, M) for P in (1, 2, 3, 4, 8) for M in (1, 2, 4, 7, 8, 16)]
 # Interleaved: at least 2 stages, M a multiple of P, v chunks per stage.
@@ -163,7 +163,7 @@ def test_nccl_rules_catch_a_receive_posted_ahead_of_a_send(name):
     schedules.run_under_nccl([schedules.nccl_program(actions) for actions in stages])   # the fix
 
 
-@pytest.mark.parametrize("command", ["schedules", "pipeline"])    # python schedules.py, pipeline.py
+@pytest.mark.parametrize("command", ["extensions.schedules", "pipeline"])    # python -m extensions.schedules, pipeline.py
 def test_command_line_prints_the_timeline_and_the_bubble(command, capsys):
     importlib.import_module(command).main(["--stages", "4", "--microbatches", "8", "--schedule", "1f1b"])
     out = capsys.readouterr().out

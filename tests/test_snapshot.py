@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-import snapshot
+from running import snapshot
 import train
 from multiprocess import run_ranks, train_logged
 
@@ -180,8 +180,8 @@ def _tensor_parallel_pieces():
     gather_pieces writes, this rank's slice read back from that (TensorParallelReader), and a
     data group's shards of one 11-element slice (4, 4 and 3 elements) joined by join_shards."""
     from collectives import Comm
-    from pieces import Pieces, TensorParallelReader, gather_pieces, join_shards
-    from placements import place
+    from running.pieces import Pieces, TensorParallelReader, gather_pieces, join_shards
+    from foundations.placements import place
     comm = Comm()
     r, n = comm.rank, comm.world_size
     params, pieces = {}, []

@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
-from flops import LLAMA_3_1_8B, Shape, block_flops, model_flops_per_token, step_flops
-from machines import PRESETS, Link, Machine, this
+from napkin.flops import LLAMA_3_1_8B, Shape, block_flops, model_flops_per_token, step_flops
+from napkin.machines import PRESETS, Link, Machine, this
 from model import PRESETS as MODELS, build_model
 from moe import feed_forward
 from multiprocess import run_ranks
-from pipeline_mechanics import bubble_formula
-from step_time import Step, data_parallel_seconds, pipeline_seconds, predict, tensor_parallel_seconds
+from mechanics.pipeline_mechanics import bubble_formula
+from napkin.step_time import Step, data_parallel_seconds, pipeline_seconds, predict, tensor_parallel_seconds
 
 # A shape small enough to price by hand: 2 blocks of width 64, MLP 256, vocabulary 100.
 # A block's matrices: Q, K, V, O 4 x 64^2 = 16384, MLP up and down 2 x 64 x 256 = 32768.
@@ -179,7 +179,7 @@ def test_presets_are_in_bytes_seconds_and_flops():
 
 def _measure_twice(cache):
     """`this` on every rank: measured into cache, then read back without measuring."""
-    import machines
+    from napkin import machines
     first = this(MODELS["tiny"], 2, 16, comm=None, cache=cache)
     measure = machines.block_flops_per_second, machines.optimizer_bandwidth, machines.host_copy_bandwidth
     machines.block_flops_per_second = machines.optimizer_bandwidth = machines.host_copy_bandwidth = None
@@ -219,7 +219,7 @@ def test_a_split_block_is_one_tensor_parallel_ranks_share():
     # heads H/N, the norms whole; its matmul FLOPs (torch's own counter) are the block's / N.
     import torch
     from torch.utils.flop_counter import FlopCounterMode
-    from machines import split_block
+    from napkin.machines import split_block
     from model import Block
     cfg, x = MODELS["medium"], torch.randn(2, 16, 384)
 
@@ -245,7 +245,7 @@ SLOW_CPU = Machine("made up", {"fp32": 1e12}, {"fp32": 2e12}, 1e11, LINK, {"node
 
 
 def test_an_all_to_all_sends_the_dispatch_buffer_it_needs():
-    from step_time_parallel import all_to_all_seconds
+    from napkin.step_time_parallel import all_to_all_seconds
     # 128 tokens: K = ceil(1.25 x 2 x 128 / 8) = 40 slots per expert, 8 x 40 = 320 rows of 64 fp32;
     # 4 all-to-alls per layer each send half of them (ep 2), 2 layers, one message each.
     sent = 2 * 4 * (320 * 64 * 4) // 2                                           # 327680 bytes
@@ -277,7 +277,7 @@ def test_a_moe_step_prices_its_all_to_alls_and_the_shared_all_reduce():
 
 
 def test_the_ring_passes_one_kv_block_per_step_and_its_gradient_back():
-    from step_time_parallel import kv_seconds
+    from napkin.step_time_parallel import kv_seconds
     # a cp rank of 4 rows, T = 32 over cp 2: kv = 2 x 16 x 4 x 64 values, 32768 bytes in fp32
     ring = kv_seconds(SMALL, 4, 32, 2, "ring", 4, LINK)
     assert ring["forward"] == pytest.approx(2 * (1 * 32768 / 1e9 + 1e-5))          # 2 layers, 1 pass
@@ -311,7 +311,7 @@ def test_a_cp_rank_computes_one_cp_th_of_the_sequence():
 
 
 def test_the_ring_hides_under_attention_where_the_machine_overlaps():
-    from step_time_parallel import kv_seconds
+    from napkin.step_time_parallel import kv_seconds
     gpu = Machine("made up", {"fp32": 1e9}, {"fp32": 2e12}, 1e11, LINK, {"node": LINK})   # slow compute
     kv = kv_seconds(SMALL, 8, 32, 2, "ring", 4, LINK)
     step = dict(batch=8, seq_len=32, cp=2)
@@ -324,7 +324,7 @@ def test_the_ring_hides_under_attention_where_the_machine_overlaps():
         pytest.approx(gathered["forward"] + gathered["backward"])
 
 
-# ---- the command lines: python step_time.py, python machines.py ---------------------------------
+# ---- the command lines: python -m napkin.step_time, python -m napkin.machines ---------------------------------
 
 def one_error_line(main, argv, capsys) -> str:
     """main(argv) refused: exit 2, no traceback, and one error line (after argparse's usage)."""
@@ -360,7 +360,7 @@ def one_error_line(main, argv, capsys) -> str:
     (["--llama-8b", "--strategy", "ddp", "--checkpointing"], "--llama-8b", "drop --strategy, --checkpointing"),
 ])
 def test_step_time_refuses_bad_input_in_one_line(argv, flag, fix, capsys):
-    from step_time import main
+    from napkin.step_time import main
     line = one_error_line(main, argv, capsys)
     assert flag in line and fix in line, line
 
@@ -371,14 +371,14 @@ def test_step_time_refuses_bad_input_in_one_line(argv, flag, fix, capsys):
     (["--this", "--model", "tiny", "--seq-len", "256"], "--seq-len 256", "block size 128"),
 ])
 def test_machines_refuses_bad_input_in_one_line(argv, flag, fix, capsys):
-    import machines
+    from napkin import machines
     line = one_error_line(machines.main, argv, capsys)
     assert flag in line and fix in line, line
 
 
 def napkin(argv, capsys) -> dict:
     """step_time.py's printed parts, {name: ms}, and its first line under "line"."""
-    from step_time import main
+    from napkin.step_time import main
     main(argv)
     first = capsys.readouterr().out.splitlines()[0]
     parts = first.split(": ", 1)[1].split(" ms ")[0]
@@ -403,7 +403,7 @@ def test_the_command_line_prices_what_it_names(capsys):
 
 
 def test_llama_8b_is_torchtitans_run_as_the_readme_says(capsys):
-    from step_time import main
+    from napkin.step_time import main
     main(["--llama-8b"])
     out = capsys.readouterr().out
     assert out.startswith("fsdp on 8 x H100 SXM5, bf16, batch 16 x 8192") and \

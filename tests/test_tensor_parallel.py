@@ -17,15 +17,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tensor_parallel as tp
-from tensor_parallel_gpt import TensorParallelGPT, vocab_parallel_cross_entropy
+from composition.tensor_parallel_gpt import TensorParallelGPT, vocab_parallel_cross_entropy
 from collectives import Comm
 from equivalence import AdamDenominators, Fp64AdamW, assert_adam_close, train_noting_adam
-from mesh_optimizer import on_mesh
+from composition.mesh_optimizer import on_mesh
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks, torchrun_worker
-from placements import grad_norm, norm_weight, tensor_dim
-from process_groups import make_mesh
+from foundations.placements import grad_norm, norm_weight, tensor_dim
+from foundations.process_groups import make_mesh
 
 # A split matmul sums over in/N features per rank and adds the N partial sums: the same
 # numbers in another order, so fp32 rounding at worst (measured: 3e-6 on values of order 1).
@@ -404,7 +404,7 @@ def test_sequence_parallelism_keeps_fewer_activations(traffic):
 
 
 def test_a_rank_holds_its_share_of_the_parameters(traffic):
-    from memory_math import mesh_params, model_params
+    from napkin.memory_math import mesh_params, model_params
     cfg = GPTConfig(**{**CFG.__dict__, "n_layer": 2})
     assert traffic[False][2]["params"] == mesh_params(cfg, tp=2)
     assert mesh_params(cfg) == model_params(cfg)

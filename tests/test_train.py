@@ -404,7 +404,7 @@ def test_world_size_1_without_torchrun_is_one_process(monkeypatch):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A tiny model's --export file (untrained weights: sampling reads only the bytes)."""
-    import snapshot
+    from running import snapshot
     from model import build_model
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("exported") / "model.pt"
@@ -456,7 +456,7 @@ def _diverge_at_the_largest_lr(argv):
 def test_the_largest_lr_accepted_diverges_with_one_line():
     """--lr up to cli.MAX_LR reaches the optimizer, whose step is then finite in fp32: the run
     diverges, and says so in its line (above MAX_LR the step itself failed: refused)."""
-    from cli import MAX_LR
+    from running.cli import MAX_LR
     said = run_ranks(_diverge_at_the_largest_lr, 1, [*QUICK, "--steps", "2", "--lr", str(MAX_LR),
                                                      "--warmup", "0", "--clip-grad", "0"])[0]
     assert said is not None and "the run diverged: lower --lr" in said, said
@@ -934,8 +934,8 @@ def _assert_memory_py_agrees(ranks: int, flags: tuple, histories: list, cfg="tin
     is 1.5x ddp's less the root unit's second gather (it stays gathered), which
     memory_math.comm_bytes counts, except in a pipeline (every unit gathered once a step, the root
     too: within 0.1% again)."""
-    from memory_math import mesh_bytes
-    from process_groups import mesh_rank_lists
+    from napkin.memory_math import mesh_bytes
+    from foundations.process_groups import mesh_rank_lists
     option = lambda name, default: flags[flags.index(name) + 1] if name in flags else default
     sizes = {d: int(option(f"--{d}", 1)) for d in ("tp", "cp", "pp")}
     dp = ranks // (sizes["tp"] * sizes["cp"] * sizes["pp"])
@@ -1083,7 +1083,7 @@ def _build_failures():
     and by a bug on the way (a strategy's builder that returns too little: Python's own
     ValueError, from an unpacking in parallelize.py): (type, message, traceback) of each."""
     import traceback
-    import parallelize
+    from composition import parallelize
     import train
     out = {}
     for name, argv in (("refusal", ["--lora", "--lora-rank", "1000"]), ("bug", ["--strategy", "fsdp"])):
@@ -1211,8 +1211,8 @@ def test_train_py_logs_the_grads_and_bytes_memory_py_prints_for_the_same_command
     gradient shard held and the bytes sent per step read the same in both, at the log's rounding,
     and both are the formula's: an fp32 shard of ceil(P/2) gradients, reduce-scattered in fp32
     and all-gathered in bf16."""
-    from memory import main as memory_main
-    from memory_math import model_params
+    from napkin.memory import main as memory_main
+    from napkin.memory_math import model_params
     out = run_ranks(train_logged, 2, ["--strategy", "zero2", "--precision", "bf16", "--steps", "1",
                                       "--eval-every", "0", "--eval-batches", "1"])[0][1]
     logged_grads = float(_held(out)[0][1])
@@ -1235,7 +1235,7 @@ def test_fsdp_in_16_bits_holds_what_memory_py_predicts(precision):
               "--precision", precision, ranks=2).stdout
     predicted, measured = _held(out)
     assert predicted == measured, out
-    from memory_math import model_params
+    from napkin.memory_math import model_params
     shard = -(-model_params("tiny") // 2) / 2**20                    # MiB of one fp32 shard / 4
     assert [float(x) for x in measured] == [round(4 * shard, 1), round(4 * shard, 1),
                                             round(8 * shard, 1)], out

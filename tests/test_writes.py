@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import machines
-import pictures
-import snapshot
+from napkin import machines
+from pictures import draw as pictures
+from running import snapshot
 import train
 from model import PRESETS as MODELS
 from multiprocess import run_ranks, train_logged

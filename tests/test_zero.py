@@ -22,9 +22,9 @@ from collectives import ring_bytes
 from mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
-import flat as flat_module
-from flat import FlatParams, step_message_bytes
-from zero_offload import zero_optimizer
+from foundations import flat as flat_module
+from foundations.flat import FlatParams, step_message_bytes
+from extensions.zero_offload import zero_optimizer
 
 MODEL = dict(n_layer=2, n_embd=64, n_head=4, block_size=32)
 GLOBAL_BATCH, SEQ, STEPS, LR, WD = 8, 16, 5, 1e-3, 0.1  # 8 sequences split over N = 2 or 4 ranks
@@ -981,7 +981,7 @@ def test_offload_pins_exactly_the_bytes_it_holds(monkeypatch):
     a parameter's .data still holds it."""
     import gc
     import types
-    import offload
+    from extensions import offload
     calls = []
     fake = types.SimpleNamespace(
         cudaHostRegister=lambda ptr, size, flags: calls.append(("register", ptr, size)) or 0,

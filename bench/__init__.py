@@ -1,0 +1,1 @@
+"""The benchmarks: ours against PyTorch's own, timed side by side."""

@@ -1,0 +1,166 @@
+"""FSDPOptimizer: any element-wise torch optimizer stepping on FSDP's shards (read fsdp.py first).
+
+FSDP's reduce-scatter already did ZeRO-2's work: each rank holds its shards' fp32 gradients. So
+the step is ZeRO's sharded step (zero.py's ZeroOptimizer.step) with no all-gather after it: the
+next forward gathers. A plain torch.optim optimizer over FSDP.parameters() works too (with
+FSDP.clip_grad_norm_); this one adds fp16's loss scale, leaves parameters no rank used
+unchanged, and offloads (ZeRO-Offload, Ren et al. 2021: offload.py).
+Test: python -m pytest tests/test_fsdp.py
+"""
+import math
+
+import torch
+from torch.nn.utils import clip_grads_with_norm_
+
+from foundations.flat import ShardBookkeeping, keep_unchanged, shard_pieces, squares_of, unused_ranges
+from foundations.launch import flags_to_device
+from mixed_precision import (DynamicLossScaler, check_max_norm, read_decision, run_closure,
+                             unscale_grads, wrap_inner)
+from extensions.offload import OffloadedStep
+
+
+class FSDPStep(ShardBookkeeping, torch.optim.Optimizer):
+    """Any element-wise torch optimizer on the shards of fsdp (an fsdp.FSDP), with ZeRO's
+    sharded step: unscale (fp16 loss scale), one global norm across ranks for clipping and for
+    the inf/NaN skip that every rank agrees on, the inner step on this rank's shards.
+    Loop: zero_grad(); scale_loss(loss).backward() per micro-batch; clip_grad_norm_(max_norm) if
+    clipping; step(). A torch.optim.Optimizer: schedulers drive it.
+    offload: ZeRO-Offload, as ZeroOptimizer's: the fp32 master shards (FSDP's parameters) and
+    the optimizer state move to the host and the step runs there; the device keeps each shard
+    in the compute dtype for the all-gathers, and the gradient shards.
+    """
+
+    def __init__(self, fsdp, optimizer_cls=torch.optim.AdamW,
+                 scaler: DynamicLossScaler | None = None, offload: bool = False, **optimizer_kwargs):
+        if offload not in (True, False):
+            raise ValueError(f"FSDPOptimizer offload must be True (the optimizer on the CPU) or "
+                             f"False, got {offload!r}")
+        self.fsdp, self.offload, self.comm = fsdp, offload, fsdp.comm
+        # HSDP's copies hold the same shards: the first copy's ranks write checkpoints.
+        self.replica_rank = next((u.replicas.rank for u in fsdp.units if u.replicas is not None), 0)
+        if offload:
+            fsdp.offload_masters()
+        self.flats, self.masters = fsdp.units, [u.master for u in fsdp.units]
+        self.scaler = scaler or DynamicLossScaler(enabled=fsdp.compute_dtype == torch.float16)
+        self.optimizer = wrap_inner(self, optimizer_cls(self.masters, **optimizer_kwargs))
+        self.last_grad_norm, self.last_step_skipped = None, False
+        self._norm = self._used = None       # the global norm and used-flags, from clipping to step()
+        self._unscaled = False
+
+    # ---- the step: ZeRO's, with no all-gather (the next forward gathers) ----------------------
+
+    def step(self, closure=None):
+        """FSDP's backward reduce-scattered the gradients -> their global norm (one collective,
+        then the step's one host read: the inf/NaN check) -> [clipped by it, clip_grad_norm_] ->
+        the inner optimizer on this rank's fp32 master shards."""
+        loss = run_closure(closure)
+        self.reduce_gradients()
+        norm, used = read_decision(self.global_norm(), self._used)
+        self.update(norm, used)
+        self.scaler.update(self.last_step_skipped)
+        return loss
+
+    def global_norm(self) -> torch.Tensor:
+        """The norm over every unit's shards (and HSDP's copies where some unit is not copied)."""
+        if self._norm is None:
+            self._used, agree = self.launch_used_flags()
+            squares = squares_of(self.norm_pieces(), self.device)
+            for group in self.norm_groups():
+                if group.world_size > 1:
+                    group.all_reduce(squares, op="sum")
+            agree()
+            self._norm = squares.sqrt()[0]
+        return self._norm
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        check_max_norm(max_norm)
+        self.clip(max_norm, self.global_norm())
+        return self._norm
+
+    @torch.no_grad()
+    def update(self, norm: float, used: list | None = None):
+        """Skip on inf/NaN, else the inner step (parameters no rank used kept as they were)."""
+        self.last_grad_norm = norm
+        self.last_step_skipped = not math.isfinite(norm)
+        if not self.last_step_skipped:
+            with keep_unchanged(unused_ranges(self.fsdp.units, used), self.optimizer.state):
+                self.optimizer.step()
+            if self.offload:
+                self.refresh_params()        # the updated host shards back to the device
+        self._norm = self._used = None
+        self._unscaled = False
+
+    @property
+    def device(self):                     # where the gradient shards are
+        return self.fsdp.units[0].params[0].device
+
+    # ---- the phases, public: a composition (mesh_optimizer.py) runs them with its own norm ---
+
+    def reduce_gradients(self):
+        self.fsdp.finish_gradient_sync()
+
+    def gradient_shards(self) -> list:
+        return [u.grad for u in self.fsdp.units]
+
+    def unscale_gradients(self) -> list:
+        self.reduce_gradients()
+        if not self._unscaled:
+            units = [u for u in self.fsdp.units if u.grad is not None]
+            unscale_grads([u.grad for u in units], [u.master for u in units], self.scaler.scale)
+            self._unscaled = True
+        return [u.master.grad if u.grad is not None else None for u in self.fsdp.units]
+
+    def _copies_summed(self) -> bool:
+        # HSDP's copies hold the same shards: one copy's squares are the whole, unless some unit
+        # (an expert's) is not copied; then each copied one counts 1/copies, summed over them.
+        copied = [u.replicas is not None for u in self.fsdp.units]
+        return any(copied) and not all(copied)
+
+    def norm_pieces(self, weight_of=None) -> list:
+        """[(a run of a gradient shard, weight)]: what the norm sums (flat.shard_pieces)."""
+        summed = self._copies_summed()
+        return shard_pieces(self.fsdp.units, self.unscale_gradients(), weight_of or (lambda p, n: 1.0 / n),
+                            lambda u: u.replicas.world_size if summed and u.replicas else 1)
+
+    def norm_groups(self) -> list:
+        """The groups the squares are summed over: the shards' ranks, HSDP's copies if summed."""
+        return [self.comm, *([next(u.replicas for u in self.fsdp.units if u.replicas)]
+                             if self._copies_summed() else [])]
+
+    def launch_used_flags(self) -> tuple:
+        # FSDP.finish_gradient_sync OR'ed the flags over the ranks already: no collective.
+        local = [u for unit in self.fsdp.units for u in unit.used]
+        used = flags_to_device(local, self.device)
+        return (None if all(local) else used), lambda: None
+
+    def clip(self, max_norm: float, norm: torch.Tensor):
+        self.unscale_gradients()
+        clip_grads_with_norm_([u.master for u in self.fsdp.units if u.grad is not None], max_norm, norm)
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+
+    def frozen_gathered(self):
+        """FSDP.frozen_gathered: the frozen weights whole, for a checkpoint (collective)."""
+        return self.fsdp.frozen_gathered()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for unit in self.fsdp.units:
+            unit.used = [False] * len(unit.params)
+            if set_to_none:
+                unit.grad = unit.master.grad = None
+            elif unit.grad is not None:
+                unit.grad.zero_()
+        self._norm = self._used = None
+        self._unscaled = False
+
+    def refresh_params(self):
+        """After the masters were written: drop any gathered copy; the next forward gathers."""
+        for unit in self.fsdp.units:
+            unit.refresh()
+
+
+class FSDPOptimizer(OffloadedStep, FSDPStep):
+    """FSDPStep, with ZeRO-Offload's step on the host when built with offload=True (offload.py)."""
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return super().host_tensors() + self.fsdp.host_shards()

@@ -1,0 +1,283 @@
+"""What fsdp.py leaves out: how FSDP wraps a module, and what the rest of the program reads of it.
+
+fsdp.py is the lecture: units gathered, freed, their gradients reduce-scattered. FSDPState, a base
+of fsdp.FSDP, holds the rest. The wrap: the arguments checked, each parameter given to the
+nearest wrapped module above it, one unit per wrapped module (FSDP1's auto_wrap_policy; FSDP2
+calls fully_shard on each), the rest in the root unit. The readings: memory.py counts the bytes
+each rank holds, a plain torch optimizer clips the global norm, a checkpoint reads the whole
+model, the napkin math checks the bytes a step sends; and ZeRO-Offload (FSDPOptimizer(offload=
+True)) moves the masters to the host (MasterOnHost). HSDP, parameter offload and the frozen base
+override some of these. Test: python -m pytest tests/test_fsdp.py
+"""
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from collectives import ring_bytes
+from foundations.flat import agree_used, flags_and_norm_bytes, shards_norm
+from model import Block
+from extensions.offload import host_buffer, host_copy, host_to_device
+from foundations.placements import data_reduction, placement
+from foundations.process_groups import check_same_parameters
+
+
+def gpt_blocks(module: nn.Module) -> bool:
+    """The default wrap policy: one unit per transformer block; the rest is the root unit.
+    (Under expert parallelism parallelize.py wraps each expert a rank holds as a unit of its own.)"""
+    return isinstance(module, Block)
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's mp_policy, its two dtypes: param_dtype, what forward and backward compute in and
+    the all-gathers send (None: fp32); reduce_dtype, what the gradients are reduce-scattered in
+    (None: param_dtype; torch.float32 under bf16/fp16 upcasts before the collective, fewer
+    roundings for twice the bytes). The master shards stay fp32 either way."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+class FSDPState:
+    """fsdp.FSDP's wrap and its readings, on its module, comm, dtypes and units."""
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)            # .module is not a submodule (parameters() are the shards)
+        return super().train(mode)
+
+    # ---- the wrap: the arguments checked, the units made ----------------------------------
+
+    def _check_arguments(self, module: nn.Module, device) -> torch.device:
+        """FSDP's arguments, checked before any work, the same model on every rank: its device."""
+        if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"FSDP compute_dtype (mp_policy's param_dtype) must be torch.float32, "
+                             f"bfloat16 or float16, got {self.compute_dtype}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"FSDP prefetch must be a whole number of units >= 0, got {self.prefetch!r}")
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("FSDP: the module has no trainable parameters (requires_grad=True)")
+        if any(p.dtype != torch.float32 for p in trainable):
+            raise ValueError("FSDP keeps fp32 master shards: pass the fp32 model and pick the "
+                             "compute_dtype with mp_policy=MixedPrecisionPolicy(param_dtype="
+                             "torch.bfloat16), do not cast the model first")
+        device = torch.device(device) if device is not None else trainable[0].device
+        for comm in self._model_groups():
+            check_same_parameters(list(module.parameters()), comm, device)
+        return device
+
+    def _model_groups(self) -> list:
+        """The groups whose ranks start from the same model (HSDP adds its copies')."""
+        return [self.comm]
+
+    def _tensors_of(self, m: nn.Module) -> list[torch.Tensor]:
+        """The tensors of m (not its children's) that its unit shards: its parameters."""
+        return list(m.parameters(recurse=False))
+
+    def _make_units(self, module, wrap):
+        """self.roots (the root unit, gathered from forward's start to backward's end), self.order
+        (every other unit, in forward order, each gathered around each use), self.units (those
+        with something to train) and self.root (the trained root, or None)."""
+        # The data dimension's ranks (an expert's gradient is divided by all of them).
+        self.data_world = math.prod(comm.world_size for comm in self._model_groups())
+        owner = {}          # each tensor's unit: the nearest wrapped module above it, None: root
+
+        def visit(m, unit):
+            unit = m if m is not module and wrap(m) else unit
+            for t in self._tensors_of(m):
+                if owner.setdefault(t, unit) is not unit:
+                    owner[t] = None                          # shared by two units: the root's
+            for child in m.children():
+                visit(child, unit)
+        visit(module, None)
+        self.roots, self.order = [], []
+        for m in [None] + [m for m in module.modules() if m is not module and wrap(m)]:
+            tensors = [t for t, o in owner.items() if o is m]
+            unit = self._make_unit(len(self.roots) + len(self.order), module if m is None else m,
+                                   tensors) if tensors else None
+            if unit is not None:
+                (self.roots if m is None else self.order).append(unit)
+        self.units = [u for u in self.roots + self.order if u.params]
+        self.root = next((u for u in self.roots if u.params), None)
+
+    def _make_unit(self, index, module, params):
+        """The unit of params, module's (a tensor list in module order), or None."""
+        if not all(p.requires_grad for p in params):
+            raise ValueError("FSDP shards trained parameters only: for a frozen base (LoRA's, "
+                             "requires_grad=False) use fsdp_frozen.FrozenBaseFSDP, which shards it too")
+        # With experts: an expert's unit is sharded over the ranks holding that expert.
+        if len({placement(p).holders for p in params}) > 1:
+            raise ValueError("FSDP: a unit mixes parameters held by different ranks (an "
+                             "expert beside shared weights): wrap each expert as a unit")
+        comm, op, divide = data_reduction(params[0], self.comm, self.data_world)
+        unit = self.unit_type(index, module, params, comm, self.compute_dtype, self.device)
+        unit.op, unit.divide = op, divide
+        unit.replicas = None            # ranks holding copies of its shard (fsdp_hybrid.py's)
+        return unit
+
+    def _agree_used(self):
+        """After every reduce-scatter is launched: the used-flags OR'ed over the ranks, and a
+        unit no rank used gets .grad None (flat.agree_used). Collective."""
+        agree_used(self.units, self.device)
+
+    # ---- reduce-scatter less often: gradient accumulation, a pipeline's step -------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate full (unsharded) gradients locally; the next backward outside reduces them.
+        Saves the traffic of every micro-batch but one at the price of a full gradient per rank."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    @contextlib.contextmanager
+    def gathered_for_step(self):
+        """Inside, a unit stays gathered from its first use to the end of the block, and every
+        backward runs as under no_sync: one all-gather per unit for all the micro-batches, one
+        reduce-scatter at finish_gradient_sync() after the block (FSDP2's reshard_after_forward
+        off), for the whole unit's parameters and gradients during the step. pipeline.Pipeline
+        enters it around each step, as torchtitan does: its schedule runs several micro-batches'
+        forwards before their backwards, so a unit freed after one would be gathered again."""
+        self._keep_gathered, outer, self._sync = True, self._sync, False
+        try:
+            yield
+        finally:
+            self._keep_gathered, self._sync = False, outer
+            for unit in self.roots + self.order:
+                unit.free()
+
+    # ---- the shards and their gradients (memory.py, the optimizer) ---------------------------
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The gradient shards this rank holds (fp32, on the device)."""
+        return [u.grad for u in self.units if u.grad is not None]
+
+    def kept_shards(self) -> list[torch.Tensor]:
+        """The shards every unit keeps besides FSDP.parameters() (the compute-dtype copies when
+        the masters are offloaded, a frozen base's bytes)."""
+        return [shard for unit in self.roots + self.order for shard in unit.kept()]
+
+    def device_shards(self) -> list[torch.Tensor]:
+        """The kept shards that live on the device (memory.py counts them): all of them here."""
+        return self.kept_shards()
+
+    def host_shards(self) -> list[torch.Tensor]:
+        """The kept shards that wait in host memory: none here (fsdp_offload.py's)."""
+        return []
+
+    def offload_masters(self):
+        """ZeRO-Offload (FSDPOptimizer(offload=True)): each fp32 master shard moves to the host,
+        where the optimizer steps; the device keeps it rounded, for the all-gathers."""
+        for unit in self.units:
+            extend(unit, MasterOnHost)
+            unit.move_master_to_host(self.compute_dtype)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """For a plain torch optimizer over FSDP.parameters(): scale the shards' gradients so the
+        whole model's gradient has 2-norm at most max_norm; returns the norm before clipping.
+        Collective (an all-reduce of the squares): call on every rank, after
+        finish_gradient_sync(). torch.nn.utils.clip_grad_norm_ would see this rank's shards only.
+        FSDPOptimizer has its own, which also unscales fp16's loss scale first."""
+        if max_norm <= 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+        norm = shards_norm(self.units, [u.grad for u in self.units], self.comm, {})
+        # torch's rule (clip_grad_norm_): scale by max_norm / norm when that is below 1.
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in self.gradient_buffers():                                   # (S,) each, fp32
+            g.mul_(scale)
+        return norm
+
+    # ---- the bytes a step sends (the napkin math's check) -------------------------------------
+
+    def _gathers_per_step(self, unit, micro_batches: int, gathered_for_step: bool) -> int:
+        """All-gathers of unit per step: per micro-batch one for forward, one more for backward
+        except the root's (it stays gathered); under gathered_for_step, one."""
+        return 1 if gathered_for_step else micro_batches * (1 if unit in self.roots else 2)
+
+    def bytes_per_step(self, micro_batches: int = 1, gathered_for_step: bool = False) -> int:
+        """Bytes this rank sends per step (ring): each unit's all-gathers, and per micro-batch one
+        reduce-scatter per unit; plus the used-flags and FSDPOptimizer's norm (flat.py).
+        3 (N-1)/N of the model: 1.5x DDP. gathered_for_step (a pipeline's step): one
+        all-gather and one reduce-scatter per unit for all the micro-batches, 2 (N-1)/N of the
+        stage, DDP's volume."""
+        size, wire = self.compute_dtype.itemsize, self.reduce_dtype.itemsize     # gathered, reduced
+        reductions = 1 if gathered_for_step else micro_batches
+        return sum(self._gathers_per_step(u, micro_batches, gathered_for_step)
+                   * ring_bytes("all_gather", u.flat.numel(), size, u.comm.world_size)
+                   + reductions * ring_bytes("reduce_scatter", u.flat.numel(), wire, u.comm.world_size)
+                   for u in self.units) + flags_and_norm_bytes(self.units, self.comm)
+
+    # ---- the whole model (checkpoints) ----------------------------------------------------------
+
+    def frozen_gathered(self):
+        """A checkpoint reads and writes the frozen weights inside this (collective): whole here,
+        as there are none (fsdp_frozen.py gathers its sharded base)."""
+        return contextlib.nullcontext()
+
+    def names(self) -> dict:
+        """{original parameter: its name in .module}."""
+        return {p: name for name, p in self.module.named_parameters()}
+
+    @torch.no_grad()
+    def full_state_dict(self, all_ranks: bool = False) -> dict:
+        """{name: fp32 tensor of its original shape}, on rank 0 (empty elsewhere) or all_ranks.
+        Collective: every rank calls it. Under expert parallelism, only this rank's experts."""
+        names, out = self.names(), {}
+        for unit in self.units:
+            flat = torch.empty(unit.flat.numel(), device=unit.flat.device)    # (N*S,) fp32
+            unit.comm.all_gather(flat, unit.master.detach().to(flat.device, copy=True))
+            out.update({names[p]: view.clone() for p, view in zip(unit.params, unit.views(flat))})
+        return out if all_ranks or self.comm.rank == 0 else {}
+
+
+# ---- extending a unit already built ----------------------------------------------------------
+
+def extend(unit, mixin: type):
+    """Give a unit built already an extension's behaviour: its class becomes mixin over its own
+    (FSDPOptimizer decides to offload the masters after FSDP made its units)."""
+    unit.__class__ = _over(mixin, type(unit))
+
+
+@functools.cache
+def _over(mixin: type, cls: type) -> type:
+    return type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
+
+
+class MasterOnHost:
+    """A unit (fsdp.Unit) whose fp32 master is in host memory, where FSDPOptimizer(offload=True)
+    steps on it (ZeRO-Offload, offload.py). The device keeps
+        compute_shard (S,) compute dtype, the master rounded: what the all-gathers send
+        device_grad   (S,) fp32, the reduced gradient (a host master's .grad cannot live there)
+    and host_grad, an (S,) fp32 host buffer, is where the optimizer copies the gradient."""
+
+    def move_master_to_host(self, compute_dtype: torch.dtype):
+        self.compute_shard = self.master.detach().to(compute_dtype, copy=True)    # (S,)
+        self.host_grad = host_buffer(self.compute_shard)
+        self.master.data = host_copy(self.master)          # the device's fp32 copy is freed
+        self.device_grad = None
+
+    @property
+    def grad(self):
+        return self.device_grad
+
+    @grad.setter
+    def grad(self, value):
+        self.device_grad = value
+
+    def to_send(self) -> torch.Tensor:
+        return self.compute_shard
+
+    def kept(self) -> list[torch.Tensor]:
+        return [self.compute_shard, *super().kept()]
+
+    def refresh(self):
+        """The master changed: copied back to its compute shard (host -> device, asynchronous
+        from pinned memory), and the gathered copy dropped."""
+        host_to_device(self.compute_shard, self.master.detach())
+        super().refresh()

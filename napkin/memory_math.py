@@ -1,0 +1,642 @@
+"""memory_math.py: napkin math, the bytes each rank holds and sends, by strategy and precision.
+
+Per parameter a rank may hold three things (the parameter, its gradient, the optimizer's
+state); each strategy keeps each of them whole or as a 1/N shard, and the collectives that
+keep the shards in step move a predictable volume (Rajbhandari et al. 2020, "ZeRO", section 3,
+figure 1; activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4). A mixture of experts (moe.py) computes with top_k of its E
+MLPs per token; under expert parallelism a rank holds E/ep of them and adds the all-to-alls.
+Hybrid sharding (--shard-group S) holds zero3 over S ranks and all-reduces each shard across copies.
+held_bytes() measures the same three on a live rank. Left out: transient buffers (FSDP's
+gathered unit, the fp32 gradient inside a mixed-precision step), fragmentation, the CUDA context.
+The command line that prints these formulas as tables: memory.py.
+Test: python -m pytest tests/test_memory.py (context parallelism's: tests/test_context_parallel.py)
+
+Shapes: P parameters, N world size, c = ceil(P / N) elements per shard; activations: s sequence,
+b micro-batch per rank, h hidden (n_embd), a heads, L layers, V vocabulary; experts: t = sb
+tokens on a rank, E experts per layer, k of them per token, split over ep ranks.
+"""
+import gc
+
+import torch
+
+from collectives import ring_bytes
+from context_parallel import cp_kv_bytes
+from mixed_precision import DTYPES
+from model import PRESETS, GPTConfig
+from moe import expert_capacity, layer_exchange_bytes
+from pipeline import split_layers
+from foundations.placements import placement
+from quantization import NF4Weight
+from extensions.schedules import make_schedule
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+ALIASES = {"fsdp": "zero3"}            # FSDP is ZeRO stage 3, sharded unit by unit
+PRECISIONS = tuple(DTYPES)             # fp32, bf16, fp16
+OPTIMIZERS = ("adamw", "sgd")
+
+# Which of the three a rank holds as a 1/N shard (True) or whole (False): docs/design.md's table,
+# and the four bars of the ZeRO paper's figure 1 (baseline, P_os, P_os+g, P_os+g+p).
+#                 params  grads  optimizer
+SHARDED = {"ddp": (False, False, False),
+           "zero1": (False, False, True),
+           "zero2": (False, True, True),
+           "zero3": (True, True, True)}
+# ... and the collectives that keep them in step (comm_bytes counts their bytes).
+COLLECTIVES = {"ddp": "all-reduce grads",
+               "zero1": "reduce-scatter grads + all-gather params",
+               "zero2": "reduce-scatter grads + all-gather params",
+               "zero3": "all-gather fwd + all-gather bwd + reduce-scatter grads"}
+
+
+def _strategy(strategy: str, world_size: int) -> str:
+    """The canonical name: fsdp -> zero3, single -> ddp on one rank (and checked to be one)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if strategy == "single":
+        if world_size != 1:
+            raise ValueError(f"strategy 'single' runs on one rank, got world_size={world_size}: "
+                             f"use 'ddp' (or a zero stage) for {world_size} ranks")
+        return "ddp"
+    strategy = ALIASES.get(strategy, strategy)
+    if strategy not in SHARDED:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of "
+                         f"{', '.join(STRATEGIES + tuple(ALIASES) + ('single',))}")
+    return strategy
+
+
+def _element_size(precision: str) -> int:
+    if precision not in DTYPES:
+        raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    return torch.finfo(DTYPES[precision]).bits // 8
+
+
+# ---- training state: parameters, gradients, optimizer ----------------------------------------
+
+def bytes_per_param(precision: str, optimizer: str = "adamw") -> dict:
+    """Bytes per parameter of each of the three, before any sharding.
+
+    The gradient has the parameter's dtype (backward produces it there). The optimizer works
+    in fp32: in fp32 training the parameter is its own master copy, so Adam adds only its two
+    moments (8 bytes); in 16-bit training it also needs an fp32 master copy, because a 16-bit
+    weight cannot absorb an update smaller than its rounding step (4 + 4 + 4 = 12, the ZeRO
+    paper's K). Plain SGD without momentum keeps no state: only the 16-bit case's master.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    size = _element_size(precision)
+    master = 0 if size == 4 else 4
+    moments = 8 if optimizer == "adamw" else 0
+    return {"params": size, "grads": size, "optimizer": master + moments}
+
+
+def nf4_bytes(numel: int, double_quant: bool = False) -> int:
+    """A 4-bit NormalFloat weight (quantization.py): half a byte per value, plus one fp32 scale
+    per 64 values, or with double quantization one int8 scale per 64 and an fp32 per 256 of those."""
+    blocks = -(-numel // 64)
+    scales = blocks + 4 * -(-blocks // 256) if double_quant else 4 * blocks
+    return -(-numel // 2) + scales
+
+
+def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
+                optimizer: str = "adamw", trainable: int | None = None, quantized: int = 0,
+                double_quant: bool = False, offload: bool | str = False,
+                reduce_precision: str | None = None) -> dict:
+    """Bytes one rank holds in parameters, gradients and optimizer state, and their total.
+
+    A sharded quantity is one padded shard, c = ceil(P / N) elements: the implementation pads
+    the flat buffer to N equal shards so that every collective moves equal chunks. Under
+    zero1 and zero2 the full parameters (and zero1's full gradients) are that padded flat
+    buffer, N * c elements; ddp keeps unpadded per-parameter tensors, P elements.
+    trainable: how many of the P parameters train (LoRA: the adapters). The frozen rest has no
+    gradient and no optimizer state, and is held in the parameters' dtype, whole, or under
+    zero3 one 1/N shard: the talk's "the model plus about 4x the trainable parameters".
+    quantized: how many of the frozen ones are stored in NF4 (QLoRA), counted as one weight
+    (each real matrix pads to 64 values), whole or (zero3) a 1/N shard of them.
+    offload (ZeRO-Offload, zero1/zero2/zero3 only): the optimizer shard moves to host memory,
+    and "host" counts it: fp32 master (fp32 training too: the CPU updates its own copy, the
+    device keeps the parameters), moments, and an fp32 buffer the gradient shard lands in.
+    offload="params" (zero3 only): the parameter shards (trained and frozen) move to the host
+    too, visiting the device only for their all-gathers. "total" stays the device's bytes.
+    reduce_precision (train.py's --reduce-dtype): the gradient shard as the strategies keep it
+    after the reduce-scatter, zero2's in that dtype, zero3's in fp32 (fsdp.py upcasts after the
+    wire), and zero3's 16-bit shards as fsdp.py keeps them (fp32, the masters); None: in the
+    parameters' dtype, the table's simplification.
+    """
+    strategy = _strategy(strategy, world_size)
+    if offload and strategy == "ddp":
+        raise ValueError("offload moves a sharded optimizer to the host: use zero1, zero2 or "
+                         "zero3/fsdp (ddp keeps a whole optimizer on every rank)")
+    if offload == "params" and strategy != "zero3":
+        raise ValueError("offload='params' moves parameter shards to the host: zero3/fsdp only")
+    per_param = bytes_per_param(precision, optimizer)
+    trainable = n_params if trainable is None else trainable
+    shard = -(-trainable // world_size)                             # c = ceil(P / N)
+    whole = trainable if strategy == "ddp" else shard * world_size  # P, or N * c (padded)
+    frozen_size = per_param["params"]
+    if reduce_precision is not None and strategy in ("zero2", "zero3"):
+        per_param["grads"] = _element_size(reduce_precision) if strategy == "zero2" else 4
+    if reduce_precision is not None and strategy == "zero3" and frozen_size == 2 and not offload:
+        # fsdp.py, as FSDP2: a trained shard stays fp32 and is itself the master (cast to the
+        # compute dtype as it is gathered), so the optimizer holds only its moments. Offloaded,
+        # the master moves to the host and the device keeps a 16-bit shard: the table's layout.
+        per_param["optimizer"] -= 4
+        per_param["params"] = 4
+    held = {name: per_param[name] * (shard if sharded else whole)
+            for name, sharded in zip(("params", "grads", "optimizer"), SHARDED[strategy])}
+    frozen = n_params - trainable - quantized
+    held["params"] += frozen_size * (-(-frozen // world_size) if SHARDED[strategy][0] else frozen)
+    held["params"] += nf4_bytes(-(-quantized // world_size) if SHARDED[strategy][0] else quantized,
+                                double_quant)
+    held["total"] = sum(held.values())
+    if offload:
+        master = 4 * shard if per_param["params"] == 4 else 0     # 16-bit: already in "optimizer"
+        held["host"] = held["optimizer"] + master + 4 * shard
+        held["total"] -= held["optimizer"]
+        held["optimizer"] = 0
+    if offload == "params":
+        held["host"] += held["params"]
+        held["total"] -= held["params"]
+        held["params"] = 0
+    return held
+
+
+# ---- communication --------------------------------------------------------------------------
+
+def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int,
+               trainable: int | None = None, quantized: int = 0, double_quant: bool = False,
+               shard_group: int | None = None, reduce_precision: str | None = None) -> dict:
+    """Bytes one rank sends per optimizer step, by collective, with the ring algorithm.
+
+    Keys are collectives.Comm's counter names, so a measured comm.bytes_sent compares
+    directly. Gradients and gathered parameters travel in the parameters' dtype; the whole
+    model is counted as one flat buffer padded to N equal chunks (real buckets and FSDP units
+    pad each message separately, a few elements more; FSDP gathers its root unit once, not
+    twice). single sends nothing. trainable, quantized, double_quant: as state_bytes. Only
+    trainable parameters have gradients to reduce (and, under zero1/2, updates to gather);
+    zero3 all-gathers the frozen ones too, a quantized weight as its packed NF4 bytes (4.5
+    bits, fsdp_frozen.FrozenBytes). shard_group S (zero3, HSDP): all-gathers and reduce-scatter among
+    S ranks, then each 1/S gradient shard all-reduced over the world / S copies. reduce_precision
+    (train.py's --reduce-dtype, default: the parameters'): the dtype the gradients travel in.
+    """
+    if strategy == "single":
+        _strategy(strategy, world_size)
+        return {}
+    strategy = _strategy(strategy, world_size)
+    size, wire = _element_size(precision), _element_size(reduce_precision or precision)
+    trainable = n_params if trainable is None else trainable
+    S = shard_group or world_size
+    if S != world_size and (strategy != "zero3" or S < 1 or world_size % S):
+        raise ValueError(f"shard_group {S} is hybrid sharding: zero3/fsdp only, with a group size "
+                         f"dividing world_size {world_size}")
+    padded = -(-trainable // S) * S                                  # S * c (S = N unless HSDP)
+    if strategy == "ddp":
+        # Every rank needs the whole averaged gradient: one all-reduce, 2 (N-1)/N x its size.
+        return {"all_reduce": ring_bytes("all_reduce", trainable, wire, world_size)}
+    reduce_scatter = ring_bytes("reduce_scatter", padded, wire, S)
+    if strategy in ("zero1", "zero2"):
+        # Rank r needs only the averaged gradient of the shard it updates (reduce-scatter),
+        # then everyone needs everyone's updated shard (all-gather). All-reduce is exactly
+        # reduce-scatter + all-gather, so the optimizer-state savings cost no extra bytes.
+        return {"reduce_scatter": reduce_scatter,
+                "all_gather": ring_bytes("all_gather", padded, size, world_size)}
+    # zero3 keeps no full parameters between uses: gather them for forward, gather them again
+    # for backward, reduce-scatter the gradients. The update needs no gather (each rank owns
+    # its shard), so the total is 3 (N-1)/N: 1.5 x an all-reduce. A 4-bit base goes as bytes.
+    all_gather = (ring_bytes("all_gather", n_params - quantized, size, S)
+                  + ring_bytes("all_gather", nf4_bytes(quantized, double_quant), 1, S))
+    sent = {"all_gather": 2 * all_gather, "reduce_scatter": reduce_scatter}
+    if S < world_size:               # HSDP: the shard's mean over the copies, 2 (G-1)/G of it
+        sent["all_reduce"] = ring_bytes("all_reduce", padded // S, wire, world_size // S)
+    return sent
+
+
+# ---- expert parallelism: experts over ep ranks, the rest over all -----------------------------
+
+def ep_state_bytes(n_params: int, experts: int, strategy: str, precision: str, world_size: int,
+                   ep: int, optimizer: str = "adamw", offload: bool | str = False,
+                   shard_group: int | None = None, reduce_precision: str | None = None, **rest) -> dict:
+    """state_bytes under expert parallelism (moe.py): `experts` of the n_params a rank holds are
+    its E/ep experts of each MoE layer, kept (whole or sharded, as the strategy says) over the
+    world_size / ep ranks holding the same ones; the others over all world_size ranks (HSDP:
+    over its shard_group). rest: state_bytes' trainable, quantized and double_quant, which
+    concern the others (LoRA never runs with split experts)."""
+    held = state_bytes(n_params - experts, strategy, precision, shard_group or world_size, optimizer,
+                       offload=offload, reduce_precision=reduce_precision, **rest)
+    if experts:
+        split = state_bytes(experts, strategy, precision, world_size // ep, optimizer, offload=offload,
+                            reduce_precision=reduce_precision)
+        held = {key: held[key] + split[key] for key in held}
+    return held
+
+
+def ep_comm_bytes(n_params: int, experts: int, strategy: str, precision: str, world_size: int,
+                  ep: int, reduce_precision: str | None = None, **rest) -> dict:
+    """comm_bytes under expert parallelism: the gradients (and under ZeRO and FSDP the parameters)
+    of a rank's `experts` travel among the world_size / ep ranks holding the same ones (nowhere
+    when ep is the world), the others' among all. The all-to-alls: moe_exchange_bytes. rest:
+    comm_bytes' trainable, quantized, double_quant and shard_group, which concern the others."""
+    sent = comm_bytes(n_params - experts, strategy, precision, world_size,
+                      reduce_precision=reduce_precision, **rest)
+    if experts:
+        for name, value in comm_bytes(experts, strategy, precision, world_size // ep,
+                                      reduce_precision=reduce_precision).items():
+            sent[name] = sent.get(name, 0) + value
+    return sent
+
+
+def moe_exchange_bytes(cfg: GPTConfig, tokens: int, ep: int, precision: str,
+                       micro_batches: int = 1) -> int:
+    """All-to-all bytes a rank sends per step with the experts split over ep ranks: each MoE
+    layer's four exchanges (moe.layer_exchange_bytes: the capacity buffer, or dropless an
+    estimate for balanced routing) per micro-batch of `tokens` tokens. 0 for a dense model."""
+    if not cfg.experts:
+        return 0
+    return micro_batches * cfg.n_layer * layer_exchange_bytes(
+        tokens, cfg.n_embd, cfg.experts, cfg.top_k, cfg.capacity_factor, cfg.routing_group, ep,
+        _element_size(precision))
+
+
+# ---- activations ----------------------------------------------------------------------------
+
+def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: int = 1,
+                     checkpointing: bool = False, bytes_per_value: int = 2,
+                     moe: GPTConfig | None = None, ep: int = 1) -> int:
+    """Bytes of activations kept for backward by `layers` transformer layers on one rank.
+
+    Korthikanti et al., section 4.1, per layer, counting 16-bit values and 1-byte dropout masks:
+        attention   11 sbh + 5 a s^2 b   (Q, K, V, the s x s scores, softmax, its dropout mask)
+        MLP         19 sbh               (the 4h-wide GeLU input and output dominate)
+        2 norms      4 sbh
+        total       sbh (34 + 5 a s / h)
+    Other activation dtypes scale everything by bytes_per_value / 2: napkin-accurate, since
+    the masks (2 sbh + a s^2 b of it) stay 1 byte in reality. For this project's model it is
+    an upper bound: dropout defaults to 0 (no masks) and a fused attention kernel recomputes
+    the s x s scores in backward instead of keeping them.
+
+    With activation checkpointing each layer keeps only its input, 2 sbh, and backward
+    recomputes one layer's full activations at a time, so that one layer's worth is added
+    once (the paper's "full activation recomputation").
+
+    moe: the config of a model whose MLPs are mixtures of experts: each layer's MLP term is
+    moe_mlp_bytes (its experts split over ep ranks) instead of 19 sbh.
+    """
+    s, b, h, a = seq_len, batch, hidden, heads
+    rest = 15 * s * b * h + 5 * a * s * s * b              # attention and the norms, 16-bit
+    if moe is not None and moe.experts:
+        per_layer = rest * bytes_per_value // 2 + moe_mlp_bytes(s * b, moe, ep, bytes_per_value)
+    else:
+        per_layer = (rest + 19 * s * b * h) * bytes_per_value // 2    # sbh (34 + 5as/h)
+    if checkpointing:
+        return layers * 2 * s * b * h * bytes_per_value // 2 + per_layer
+    return layers * per_layer
+
+
+def moe_mlp_bytes(tokens: int, cfg: GPTConfig, ep: int = 1, bytes_per_value: int = 2) -> int:
+    """Bytes one MoE layer (moe.py) keeps for backward on a rank's t = `tokens` tokens, in place
+    of the dense MLP's 19 sbh; the same 16-bit accounting, with h = n_embd:
+        input        2 th    the router's and the dispatch's input (the dense MLP's 2 sbh)
+        router       8 tE    fp32 logits and softmax probabilities, whatever the dtype
+        expert rows 19 Rh    each row an expert runs: its gathered input, the 4h-wide GeLU
+                             input and output, the dropout mask (the dense MLP's 19 per token)
+        assigned     4 Ah    each assignment's token gathered for dispatch and its expert's
+                             output gathered back (for its gate's product)
+    A: the k t assignments. R: the rows the experts run. Dropless, R = A on one rank (under
+    expert parallelism what the routing sends a rank's experts, A when balanced). In capacity
+    mode every expert runs on its whole static buffer of K slots in each of G routing groups,
+    empty ones too (fixed shapes: the host never reads the routing), so R = E K G, about
+    capacity_factor x k t, with or without expert parallelism; a dropped assignment is still
+    gathered (its gate zeroed). Left out: a few int64 indices and fp32 gates per assignment
+    (about 1% of the total at h = 128 in fp32).
+    """
+    E, k, h = cfg.experts, cfg.top_k, cfg.n_embd
+    assigned = rows = k * tokens                            # A, R
+    if cfg.capacity_factor is not None:
+        group = cfg.routing_group or tokens
+        rows = tokens // group * E * expert_capacity(group, E, k, cfg.capacity_factor)   # E K G
+    return (2 * tokens + 19 * rows + 4 * assigned) * h * bytes_per_value // 2 + 8 * tokens * E
+
+
+def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, micro_batch: int,
+                              seq_len: int, v: int = 1, bytes_per_value: int = 2) -> list[int]:
+    """Each pipeline stage's peak activation bytes under `schedule` (schedules.py's lists): walk
+    the stage's list, each F adding its chunk's layers' activation_bytes for one micro-batch
+    (and the logits, on the last chunk), each B freeing them (W, when the backward is split: an
+    upper bound, since B frees all but the linear layers' inputs and output gradients).
+    Blocks split as pipeline.split_layers does: balanced over the P v chunks."""
+    V = P * v
+    if cfg.n_layer < V:
+        raise ValueError(f"{cfg.n_layer} blocks, fewer than {V} chunks: every chunk needs a block")
+    layers = [len(chunk) for chunk in split_layers(cfg.n_layer, P, v=v)]        # blocks per chunk
+    peaks = []
+    for s, actions in enumerate(make_schedule(schedule, P, M, v)):
+        release = "W" if any(a.kind == "W" for a in actions) else "B"
+        held = peak = 0
+        for a in actions:
+            if a.kind in ("F", release):
+                vs = a.chunk * P + s
+                size = activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, layers[vs],
+                                        bytes_per_value=bytes_per_value) + (
+                    logits_bytes(seq_len, micro_batch, cfg.vocab_size) if vs == V - 1 else 0)
+                held += size if a.kind == "F" else -size
+                peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def cp_activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: int, cp: int,
+                        attention: str = "ring", checkpointing: bool = False,
+                        bytes_per_value: int = 2) -> int:
+    """activation_bytes on one of cp context-parallel ranks (context_parallel.py): every term at
+    its s/cp tokens, except two. Its queries' scores span every key, 5 a (s/cp) s b (an upper
+    bound, as in activation_bytes: the ring keeps none). And all-gather attention keeps the whole
+    sequence's K and V, 4 s b h, where the ring keeps its own 4 (s/cp) b h. So the sbh terms fall
+    as 1/cp, the scores' as 1/cp too (s/cp rows of s), the all-gather's K/V not at all."""
+    s, b, h, a = seq_len, batch, hidden, heads
+    local = s // cp
+    extra = 5 * a * local * (s - local) * b                 # scores: s keys per query, not s/cp
+    if attention == "allgather":
+        extra += 4 * (s - local) * b * h                    # the gathered K and V
+    full_layers = 1 if checkpointing else layers            # checkpointed: one layer's, recomputed
+    return (activation_bytes(local, b, h, a, layers, checkpointing, bytes_per_value)
+            + full_layers * extra * bytes_per_value // 2)
+
+
+def logits_bytes(seq_len: int, batch: int, vocab: int) -> int:
+    """The loss keeps b x s x V fp32 log-probabilities for backward: 4 sbV bytes (section 4).
+
+    Outside the per-layer formula, and at GPT-2's vocabulary as large as a couple of layers.
+    """
+    return 4 * seq_len * batch * vocab
+
+
+# ---- parameter count ------------------------------------------------------------------------
+
+def model_params(name_or_config) -> int:
+    """Parameters of a preset name or a GPTConfig, in closed form (no model is built).
+
+    Per block (C = n_embd): query, value and output projections C*C + C each, key C*C (no
+    bias: see model.py), MLP up C*4C + 4C and down 4C*C + C, two layer norms 2C each:
+    12 C^2 + 12 C. With E experts (moe.py) the MLP's 8 C^2 + 5 C is there E times, plus the
+    router's E C. Around the blocks: token and position embeddings, the final norm, and the
+    head, which is the token embedding itself when tied (counted once, as .parameters() does).
+    """
+    cfg = _config(name_or_config)
+    return _shared_params(cfg) + expert_params(cfg)
+
+
+def active_params(name_or_config) -> int:
+    """Parameters one token computes with: a mixture of experts runs only top_k of its E MLPs
+    (the rest of the model, router included, as model_params). A dense model: all of them."""
+    cfg = _config(name_or_config)
+    return _shared_params(cfg) + expert_params(cfg, cfg.top_k)
+
+
+def expert_params(name_or_config, experts: int | None = None) -> int:
+    """Parameters of the experts' MLPs over all blocks: every one of each MoE layer's E, or
+    `experts` of them (a token's top_k; a rank's E/ep under expert parallelism). 0 if dense."""
+    cfg = _config(name_or_config)
+    if not cfg.experts:
+        return 0
+    C = cfg.n_embd
+    return cfg.n_layer * (cfg.experts if experts is None else experts) * (8 * C * C + 5 * C)
+
+
+def ep_params(name_or_config, ep: int = 1) -> tuple[int, int]:
+    """(parameters one rank holds, of which its experts) with each MoE layer's E experts split
+    over ep ranks, E/ep on each; ep 1 splits nothing: (model_params, 0)."""
+    cfg = _config(name_or_config)
+    if ep == 1:
+        return model_params(cfg), 0
+    experts = expert_params(cfg, cfg.experts // ep)
+    return _shared_params(cfg) + experts, experts
+
+
+def root_params(name_or_config) -> int:
+    """Parameters around the blocks (FSDP's root unit): token and position embeddings, the
+    final norm, and the head unless it is the token embedding (tied)."""
+    cfg = _config(name_or_config)
+    C, V = cfg.n_embd, cfg.vocab_size
+    return V * C + cfg.block_size * C + 2 * C + (0 if cfg.tie_embeddings else V * C)
+
+
+def quantized_params(name_or_config) -> int:
+    """Weights QLoRA stores in 4 bits (lora.QUANTIZED): every block's attention and MLP matrices,
+    each expert's, 4 C^2 + 8 C^2 E (E = 1 dense). The embeddings, norms, biases, routers and the
+    head stay in the compute dtype (the head unless LoRA adapts it)."""
+    cfg = _config(name_or_config)
+    C = cfg.n_embd
+    return cfg.n_layer * (4 * C * C + 8 * C * C * max(1, cfg.experts))
+
+
+def _shared_params(cfg: GPTConfig) -> int:
+    """Every parameter but the experts': an MoE block keeps its router (E C) instead of the MLP."""
+    C = cfg.n_embd
+    block = 4 * C * C + 7 * C + (cfg.experts * C if cfg.experts else 8 * C * C + 5 * C)
+    return root_params(cfg) + cfg.n_layer * block
+
+
+def _config(name_or_config) -> GPTConfig:
+    cfg = name_or_config
+    if isinstance(cfg, str):
+        if cfg not in PRESETS:
+            raise ValueError(f"unknown model {cfg!r}: choose one of {', '.join(PRESETS)}")
+        cfg = PRESETS[cfg]
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"model_params takes a preset name or a GPTConfig, got {type(cfg).__name__}")
+    return cfg
+
+
+def live_numel(gpt) -> tuple[int, int]:
+    """(parameters, of which 4-bit) of a built model as this rank holds it: its slices or its
+    stage. QLoRA's 4-bit weights are buffers, not parameters: counted by their shape."""
+    quantized = sum(torch.Size(m.shape).numel() for m in gpt.modules() if isinstance(m, NF4Weight))
+    return sum(p.numel() for p in gpt.parameters()) + quantized, quantized
+
+
+def is_expert(p) -> bool:
+    """Is parameter p one of the experts this rank holds under expert parallelism (moe.py)?"""
+    return "ep" in placement(p).shard
+
+
+def run_state_bytes(gpt, strategy: str, options, world_size: int, n_params: int | None = None,
+                    shard_group: int | None = None) -> dict:
+    """state_bytes of a built model under train.py's options (--precision, --double-quant,
+    --offload): the parameters this rank holds, of which those that train, over world_size
+    data-parallel ranks (HSDP: over its shard_group). n_params: count that many instead (tp:
+    whole-matrix slices in closed form). Each strategy's build() calls it: the prediction
+    train.py logs beside the measure. Under expert parallelism (--ep) this rank's experts are
+    held over the world / ep ranks that hold the same ones, the rest as said: two predictions,
+    added."""
+    numel, quantized = live_numel(gpt)
+    experts = sum(p.numel() for p in gpt.parameters() if is_expert(p))
+    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) - experts
+    return ep_state_bytes(numel if n_params is None else n_params, experts, strategy,
+                          options.precision, world_size, options.ep, shard_group=shard_group,
+                          trainable=trainable,
+                          quantized=quantized, double_quant=options.double_quant,
+                          offload=options.offload or False,
+                          reduce_precision=getattr(options, "reduce_dtype", None))
+
+
+def mesh_params(name_or_config, tp: int = 1, blocks: int | None = None, first: bool = True,
+                last: bool = True) -> int:
+    """Parameters one rank of a tensor x pipeline mesh holds (tensor_parallel.py, pipeline.py),
+    in closed form: its stage's blocks (None: all of them), each split over the tp ranks, and
+    the first stage's embeddings, the last stage's final norm and head.
+
+    Every matrix of a block is split over the tp ranks, and so are the column layers' biases
+    (query, value, MLP up: 6C); the row layers' biases (2C) and the norms (4C) stay whole:
+    12 C^2 / tp + 6C / tp + 6C per block. Token embedding and head are split over the
+    vocabulary; positions and the final norm are whole. A head tied to the token embedding
+    is a copy of it on a last stage that is not also the first. tp=1, all blocks: model_params.
+    """
+    cfg = PRESETS[name_or_config] if isinstance(name_or_config, str) else name_or_config
+    C, V = cfg.n_embd, cfg.vocab_size
+    block = (12 * C * C + 6 * C) // tp + 6 * C
+    embeddings = V * C // tp + cfg.block_size * C if first else 0
+    head = 0 if cfg.tie_embeddings and first else V * C // tp
+    return embeddings + (cfg.n_layer if blocks is None else blocks) * block + (2 * C + head if last else 0)
+
+
+def stage_blocks(n_layer: int, pp: int, stage: int, virtual_stages: int = 1) -> int:
+    """Blocks pipeline stage `stage` holds under the balanced split (pipeline.split_layers)."""
+    return sum(len(chunk) for chunk in split_layers(n_layer, pp, v=virtual_stages)[stage::pp])
+
+
+def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 1, pp: int = 1,
+               dp: int = 1, micro_batches: int = 1, precision: str = "fp32", stage: int = 0,
+               schedule: str = "1f1b", virtual_stages: int = 1, attention: str = "ring",
+               strategy: str = "ddp", shard_group: int | None = None,
+               sequence_parallel: bool = False, reduce_precision: str | None = None) -> dict:
+    """Bytes one rank of a tp x cp x pp x dp mesh (parallelize.py) sends per step, by
+    dimension, in closed form, for pipeline stage `stage` (the balanced split of the blocks):
+    batch rows per data-parallel rank (B/D), seq_len tokens per whole sequence, micro_batches
+    per step (--grad-accum, or a pipeline's --microbatches). A dimension of size 1 sends nothing.
+
+    tp: per micro-batch, two all-reduces of the (m, C) activations per block forward and two
+    backward, one for the embedding (first stage) and one for the head (last), 3 of m fp32 for
+    the vocabulary-parallel loss (last stage), m = its tokens; one fp32 for the norm. With
+    sequence_parallel each all-reduce is a reduce-scatter and an all-gather of the same volume,
+    and the weights that stay whole (norms, row biases, positions: their gradients partial sums)
+    are all-reduced once a step (zero2, zero3 or beside cp: every micro-batch).
+    cp: cp_kv_bytes per block and micro-batch, K and V C/tp wide.
+    pp: one (b, T/cp, C) activation or gradient per send in the stage's schedule (sequence
+    parallel: T/cp/tp), a norm fp32; at the two ends of a tied head, the tied weight's gradient
+    (V C / tp) summed between them, one all-reduce of 2 ranks.
+    dp: comm_bytes of this rank's parameters (mesh_params) over dp x cp ranks, in the padding-free
+    napkin form (real buckets pad each message to dp x cp chunks: a few elements more); ZeRO-2
+    reduce-scatters every micro-batch; zero3 in a pipeline gathers once a step (2 (N-1)/N);
+    shard_group (zero3): HSDP's groups inside dp x cp; reduce_precision: the gradients' dtype
+    on the wire (comm_bytes').
+    """
+    cfg = _config(name_or_config)
+    size, C = _element_size(precision), cfg.n_embd
+    chunks = make_schedule(schedule, pp, micro_batches, virtual_stages)[stage] if pp > 1 else []
+    blocks = stage_blocks(cfg.n_layer, pp, stage, virtual_stages)
+    first, last = stage == 0, stage == pp - 1
+    m = batch // micro_batches * seq_len // cp                     # a micro-batch's tokens here
+    sent = {}
+    if tp > 1:
+        activations = (4 * blocks + first + last) * ring_bytes("all_reduce", m * C, size, tp)
+        loss = 3 * ring_bytes("all_reduce", m, 4, tp) if last else 0
+        sent["tp"] = micro_batches * (activations + loss) + ring_bytes("all_reduce", 1, 4, tp)
+        if sequence_parallel:               # 6C a block (mesh_params), positions, final norm
+            whole = 6 * C * blocks + (cfg.block_size * C if first else 0) + (2 * C if last else 0)
+            # ZeRO-2 and FSDP read gradients during backward, and context parallelism wraps the
+            # tensor-parallel model: summed in backward there, every micro-batch
+            # (TensorParallelGPT.sum_partial_in_backward; C divides by tp, so no padding), unless
+            # a zero-bubble pipeline holds the backwards' reductions: once, at its finish
+            zb = pp > 1 and schedule == "zb"
+            times = micro_batches if (strategy in ("zero2", "zero3") or cp > 1) and not zb else 1
+            sent["tp"] += times * ring_bytes("all_reduce", whole, size, tp)
+    if cp > 1:
+        layer = cp_kv_bytes(seq_len, batch // micro_batches, C // tp, cp, attention, size)
+        sent["cp"] = micro_batches * blocks * (layer["forward"] + layer["backward"])
+    if pp > 1:
+        sends = sum(action.kind.startswith("send") for action in chunks)
+        sent["pp"] = sends * (m // tp if sequence_parallel else m) * C * size + ring_bytes("all_reduce", 1, 4, pp)
+        if cfg.tie_embeddings and (first or last):          # pipeline.Pipeline's ends group
+            sent["pp"] += ring_bytes("all_reduce", cfg.vocab_size * C // tp, size, 2)
+    if dp * cp > 1:
+        n_params = mesh_params(cfg, tp, blocks, first, last)
+        sent["dp"] = sum(comm_bytes(n_params, strategy, precision, dp * cp, shard_group=shard_group,
+                                    reduce_precision=reduce_precision).values())
+        # ZeRO-2 reduce-scatters every backward (a micro-batch's, or a chunk's of one), unless it
+        # waits for a tied head's sum (the ends) or zb's W: once a step then
+        waits = pp > 1 and (schedule == "zb" or cfg.tie_embeddings and (first or last))
+        if strategy == "zero2" and not waits:           # one per backward: per chunk interleaved
+            sent["dp"] += (micro_batches * virtual_stages - 1) * ring_bytes(
+                "reduce_scatter", n_params, _element_size(reduce_precision or precision), dp * cp)
+        if strategy == "zero3" and pp > 1:    # gathered once for the step's micro-batches, not
+            # once for forward and again for backward (fsdp.FSDP.gathered_for_step)
+            sent["dp"] -= ring_bytes("all_gather", n_params, size, shard_group or dp * cp)
+    return sent
+
+
+# ---- measured on a live rank -----------------------------------------------------------------
+
+
+def held_bytes(model, optimizer) -> dict:
+    """Measured: bytes this rank holds in parameters, gradients and optimizer state.
+
+    Each storage counts once, whole: ZeRO's parameters are views of padded flat buffers and
+    its fp32 master shards (fp32 training) views of those. The optimizer side counts fp32
+    master copies and Adam's moments; DDP's and ZeRO's gradient buffers count as gradients.
+    An offloading optimizer's host tensors count under "host" (a key only it adds), first.
+    """
+    seen = set()
+
+    def total(tensors):
+        count = 0
+        for t in tensors:
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                count += t.untyped_storage().nbytes()
+        return count
+
+    host = getattr(optimizer, "host_tensors", list)()
+    host = {"host": total(host)} if host else {}
+    # The wrappers, outermost first: a pipeline's DDP, DDP's tensor-parallel GPT, FSDP's module
+    # (its frozen weights empty between uses: FSDP's device_shards hold their bytes), each with
+    # what it holds itself.
+    wrappers = [model]
+    while hasattr(wrappers[-1], "module"):
+        wrappers.append(wrappers[-1].module)
+    modules = [w for w in wrappers if hasattr(w, "parameters")]        # a pipeline has none
+    params = [*(p for m in modules for p in m.parameters()),
+              *(t for w in wrappers for t in getattr(w, "device_shards", list)())]
+    buffers = [*(t for w in (*wrappers, optimizer) for t in getattr(w, "gradient_buffers", list)())]
+    return {"params": total(params + [b for m in modules for b in m.buffers()]),   # QLoRA's 4-bit
+            "grads": total([p.grad for p in params + optimizer.masters] + buffers),
+            "optimizer": total(optimizer.state_tensors()), **host}        # fp32 masters, moments
+
+
+def live_tensor_bytes() -> int:
+    """Measured: bytes of every CPU tensor storage alive in this process, each counted once.
+
+    The CPU's stand-in for torch.cuda.memory_allocated(): whatever a strategy forgot to free
+    (a gradient buffer, a handle holding its output, a graph kept by a logged loss) shows here.
+    """
+    gc.collect()      # garbage in reference cycles is not alive, only not yet collected
+    storages = {}
+    for obj in gc.get_objects():
+        # type(), not isinstance(): the latter reads __class__, which some module proxies warn on
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+# ---- units -----------------------------------------------------------------------------------
+
+GB, MiB = 1e9, 2**20    # GB as in the ZeRO paper; MiB as train.py logs what it measures
+
+
+def human_bytes(n: float) -> str:
+    """n bytes in a unit that shows them: GB (1e9, the ZeRO paper's) from 1 GB up, below that MiB
+    or KiB (2**20, 2**10, as train.py logs), under 1 KiB bytes."""
+    for unit, size in (("GB", GB), ("MiB", MiB), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} bytes"

@@ -1,0 +1,102 @@
+"""What a training run says and keeps at its steps: the log's first lines (the run, LoRA's share,
+the napkin's memory), each logged step (loss, speed, memory and bytes beside their formulas),
+each checkpoint; and, for --sample and --export, the text a trained model writes and the size
+of the export. train.py calls these; they read the run's objects, never change its training.
+Test: python -m pytest tests/test_train.py tests/test_run_log.py
+"""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import lora
+from running import snapshot
+from napkin import step_time
+from running.cli import describe_run
+from napkin.memory_math import held_bytes, live_numel, live_tensor_bytes
+from composition.mesh_checks import mesh_splits, moe_config
+from composition.parallelize import build_gpt, dimension_report, lora_config
+from foundations.process_groups import global_mean
+from running.run_log import measured_memory, predicted_activations, predicted_memory, step_line
+from running.snapshot import load_weights
+
+
+def say_header(args, gpt, napkin, log, data_size, threads, device):
+    """The log's first lines: the run (cli.describe_run), LoRA's share, memory.py's prediction."""
+    n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
+    where = f"{device.type} ({dist.get_backend()})" + (f" | {threads}" if threads else "")
+    for line in describe_run(args, dist.get_world_size(), data_size, where, n_params):
+        log.say(line)
+    if args.lora:
+        trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
+        log.say(f"LoRA rank {args.lora_rank} on {args.lora_targets}: {trainable:,} trainable parameters "
+                f"({trainable / n_params:.2%} of the model); the adapter is "
+                f"{lora.adapter_bytes(gpt) / 2**10:.1f} KiB, the model {n_params * 4 / 2**20:.1f} MiB in fp32"
+                + (f"; {quantized:,} frozen weights in 4-bit {args.quantize_base}" if quantized else ""))
+    log.say(predicted_memory(napkin, predicted_activations(args, gpt.cfg, data_size)))
+
+
+def say_step(args, job, log, clock, step, loss, lr, kept, history, live_bytes, napkin_seconds):
+    """A logged step (lr: its learning rate): measure what this rank holds and sent, record it in
+    history, say it, its time beside the napkin's (step_time.py, priced on this machine) if any."""
+    device = clock.device
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    tokens_per_s = args.batch_size * args.seq_len * (step - clock.last_timed) / (time.perf_counter() - clock.timer)
+    held = held_bytes(job.model, job.optimizer)          # "host": --offload's CPU memory
+    if not held.get("host"):
+        held.pop("host", None)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    history["losses"][step], history["held"][step] = loss, held
+    if live_bytes and device.type == "cpu":
+        history["live_bytes"][step] = live_tensor_bytes()
+    log.say_if_changed(step, "memory", measured_memory(held, kept.get("bytes") if kept else None, peak))
+    sent, predicted = {**job.mesh.sent(), "world": sum(job.comm.bytes_sent.values())}, job.predicted
+    if mesh_splits(args):                                 # each dimension beside its formula
+        history.setdefault("sent", {})[step] = {d: (sent[d], predicted[d]) for d in predicted}
+        log.say(f"step {step:5d} | sent by dimension, MiB/step (formula): " + " | ".join(
+            f"{d} {sent[d] / 2**20:.3f} ({predicted[d] / 2**20:.3f})" for d in predicted))
+    napkin = step_time.beside(args.batch_size * args.seq_len / tokens_per_s, napkin_seconds)
+    log.say(step_line(step, loss, lr, tokens_per_s, sum(sent.values()),
+                      sum(predicted.values()), dist.get_world_size(), clock.skipped, args.steps,
+                      time.perf_counter() - clock.began, clock.seconds_left(step, args.steps), napkin))
+    for line in dimension_report(args, job.gpt, job.model, job.mesh, job.context, step, history):
+        log.say(f"step {step:5d} | {line}")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)         # the next line's peak: its steps'
+    clock.restart(step)
+
+
+def save(args, job, layout, log, divergence, step, loss, base):
+    """Checkpoint after step: never a diverged run (its loss is checked first). base: a LoRA
+    run's base (snapshot.base_identity), or None."""
+    step_loss = loss if isinstance(loss, float) else global_mean(loss)
+    divergence.check_loss(step, step_loss)
+    saved = snapshot.save_checkpoint(args, step + 1, job.gpt, job.optimizer, layout, step_loss,
+                                     lora_config(args), first_loss=divergence.first_loss, base=base)
+    log.say(f"step {step:5d} | saved {saved}: named by the steps done ({step + 1}), so --resume "
+            f"continues at step {step + 1} | loss {step_loss:.4f}")
+
+
+def export_bytes(args) -> int:
+    """About the bytes of --export's file: every parameter of the model in fp32 and its record's
+    header (under 1 KiB). Counted on the meta device: no memory; a LoRA run exports its adapters
+    folded into the base's shapes."""
+    with torch.device("meta"):
+        gpt = build_gpt(args.model, **moe_config(args))
+    return sum(4 * p.numel() + 2**10 for p in gpt.parameters())
+
+
+def sample(args):
+    """Text from a trained model, on one process: no torch.distributed. Under torchrun every
+    process was given the command, and rank 0 alone samples (the same text, printed once)."""
+    if int(os.environ.get("RANK", 0)):            # a whole number: cli.parse_args checked it
+        return
+    gpt = load_weights(args.init_from).eval()
+    torch.manual_seed(args.seed)
+    # The prompt's own bytes: the model reads bytes, and a command line's that are not UTF-8
+    # come as surrogates (Python's surrogateescape), which fsencode turns back into those bytes.
+    prompt = torch.tensor([list(os.fsencode(args.prompt))], dtype=torch.long)    # (1, T) bytes
+    tokens = gpt.generate(prompt, args.sample_tokens, temperature=args.temperature)
+    print(bytes(tokens[0].tolist()).decode("utf-8", errors="replace"))

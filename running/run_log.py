@@ -1,0 +1,334 @@
+"""run_log.py: what train.py prints, each number saying what it is, and how a run ends.
+
+The log: the run's header (cli.describe_run, the CPU threads), memory per rank as memory.py
+predicts it (the lecture's four terms: parameters, gradients, optimizer state, activations)
+and as the run measures it, in the same words (printed again only when it changes), and each
+logged step's loss, speed (beside step_time.py's: predicted_seconds), bytes sent beside their
+formula and time left; --profile's traces and --memory-snapshot (start_profiling). The end, on the
+command line: a refused command line, a refusal or divergence found while running, a lost
+peer, and Ctrl-C each print one line (under torchrun once: cli.say_error) and exit with a code.
+Test: python -m pytest tests/test_train.py -k "log or interrupt or usage"
+"""
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from running import snapshot
+from running.cli import say_error
+from collectives import Comm
+from foundations.dtypes import DTYPES
+from napkin.flops import Shape
+from napkin.machines import this
+from napkin.memory_math import activation_bytes, logits_bytes, quantized_params
+from composition.mesh_checks import mesh_splits
+from foundations.process_groups import LaunchError, gather_objects
+from napkin.step_time import DATA_PARALLEL, Step, predict
+
+MiB = 2**20
+INTERRUPTED = 130            # a shell's exit status for a process stopped by Ctrl-C (128 + SIGINT)
+
+
+def clock(seconds: float) -> str:
+    """12.3 -> '0:12', 3725 -> '1:02:05'."""
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+
+def state_text(held: dict) -> str:
+    """Parameters, gradients and optimizer state in MiB, as predicted and as measured alike:
+    'params 3.3 MiB, grads 3.3, optim 6.7 = 13.3 on the device' (and the host's with --offload)."""
+    device = held["params"] + held["grads"] + held["optimizer"]
+    return (f"params {held['params'] / MiB:.1f} MiB, grads {held['grads'] / MiB:.1f}, optim "
+            f"{held['optimizer'] / MiB:.1f} = {device / MiB:.1f} on the device"
+            + (f", host {held['host'] / MiB:.1f} in CPU memory (--offload)" if held.get("host") else ""))
+
+
+def predicted_memory(napkin: dict, activations: int | None) -> str:
+    """The header's line: memory.py's bytes per rank, the state held between steps and, where
+    the run has no tp, pp or cp split (their own lines say theirs), the activations."""
+    kept = ("" if activations is None else f" | + activations {activations / MiB:.1f} MiB kept for "
+            f"backward (Korthikanti et al.'s formula and the loss's log-probabilities)")
+    return f"memory per rank, predicted (memory.py's napkin math): {state_text(napkin)}{kept}"
+
+
+def measured_memory(held: dict, activations: int | None, peak: int | None) -> str:
+    """A logged step's line, in predicted_memory's words: the state counted tensor by tensor,
+    the bytes the step's first micro-batch kept for backward, CUDA's peak allocation."""
+    return ("memory per rank, measured: " + state_text(held)
+            + ("" if activations is None else f" | + activations {activations / MiB:.1f} MiB kept "
+               f"for backward (autograd's saved tensors)")
+            + ("" if peak is None else f" | peak {peak / MiB:.1f} MiB allocated since the last logged step "
+               f"(all four, and temporaries)"))
+
+
+def step_line(step: int, loss: float, lr: float, tokens_per_s: float, sent: int, formula: int,
+              world_size: int, skipped: int, steps: int, elapsed: float, left: float | None,
+              napkin: str = "") -> str:
+    """A logged step: its global loss, lr, speed (napkin: its time beside step_time.py's), rank 0's
+    bytes sent in the step beside their ring formula (on more than one rank), skipped fp16 steps,
+    progress and the seconds left (Clock.seconds_left; None: not known yet)."""
+    remaining = (f"about {clock(left)} left" if left is not None
+                 else "time left from the next logged step (the first warms up)")
+    return (f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s / 1e3:7.1f}k tok/s{napkin}"
+            + (f" | sent {sent / MiB:.2f} MiB/step (ring formula {formula / MiB:.2f})" if world_size > 1 else "")
+            + (f" | skipped {skipped}" if skipped else "")
+            + f" | {step + 1}/{steps} in {clock(elapsed)}, {remaining}")
+
+
+class Clock:
+    """The log's time: since the run (re)started, and since the last timed step (tokens/s count
+    training steps only: the clock restarts after an eval or a save); skipped fp16 steps."""
+
+    def __init__(self, start: int, device):
+        self.start, self.device, self.skipped = start, device, 0
+        self.began, self.first_done = time.perf_counter(), None
+        self.restart(start - 1)
+        if device.type == "cuda":
+            # Set-up held more than training does (the whole fp32 model before ZeRO or FSDP
+            # sharded it): the logged peak starts here, and again after each logged step.
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def restart(self, step: int):
+        self.timer, self.last_timed = time.perf_counter(), step
+
+    def step_done(self, step: int):
+        """Note when the first step since the (re)start ended: its warm-up (the allocator's first
+        blocks, the collectives' first connections, lazy initialisation) took many times a
+        later step's time, and says nothing about them."""
+        if step == self.start:
+            self.first_done = time.perf_counter()
+
+    def seconds_left(self, step: int, steps: int) -> float | None:
+        """The steps after `step` at the pace of those since the first (evals and saves
+        included: they recur); None right after the first, whose pace is its warm-up's."""
+        if step + 1 >= steps:
+            return 0.0
+        if step == self.start:
+            return None
+        return (time.perf_counter() - self.first_done) / (step - self.start) * (steps - step - 1)
+
+
+class RunLog:
+    """Rank 0's lines, on stdout and (with --out) in OUT/log.txt (file: opened by
+    snapshot.own_outputs); and the step under way, for the line Ctrl-C prints."""
+
+    def __init__(self, args, rank: int, file=None):
+        self.rank, self.out, self.file = rank, args.out, file
+        self.step, self.last = None, {}
+
+    def say(self, line: str):
+        if self.rank == 0:
+            print(line, flush=True)
+            if self.file:
+                self._write(line)
+
+    def _write(self, line: str):
+        """line into log.txt. One the disk has no room for ends the file at its last whole line,
+        and the run goes on, logging on stdout only: said once (rank 0's log is no reason to stop
+        the other ranks; a checkpoint that does not fit stops them all, saying what it needs)."""
+        whole = os.fstat(self.file.fileno()).st_size          # every earlier line was flushed
+        try:
+            print(line, file=self.file, flush=True)
+        except OSError as e:
+            file, self.file = self.file, None
+            with contextlib.suppress(OSError):    # closed all the same, its unwritten rest dropped
+                file.close()
+            with contextlib.suppress(OSError):
+                os.truncate(file.name, whole)     # shorter: needs no room
+            print(f"train.py: {file.name} cannot take more lines ({e.strerror}): from here the "
+                  f"log is on stdout only", flush=True)
+
+    def say_if_changed(self, step: int, what: str, text: str):
+        """'step N | text', unless the last line about `what` said the same."""
+        if self.last.get(what) != text:
+            self.last[what] = text
+            self.say(f"step {step:5d} | {text}")
+
+
+class CtrlC:
+    """SIGINT, as the command line handles it: the first raises KeyboardInterrupt (where the run
+    is), unless the run is already stopping (then it is only noted); a second while stopping
+    ends the process at once. torchrun forwards a Ctrl-C to every worker as SIGINT."""
+
+    def __init__(self):
+        self.received = self.stopping = False
+        # A job started in the background (`cmd &` in a script, nohup) ignores SIGINT: it stays so.
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, self)
+
+    def __call__(self, signum, frame):
+        if self.received and self.stopping:
+            os._exit(INTERRUPTED)
+        self.received = True
+        if not self.stopping:
+            raise KeyboardInterrupt
+
+
+def interrupted_line(log: RunLog | None) -> str:
+    """Where Ctrl-C stopped the run, and where --resume would continue from (the newest complete
+    checkpoint in --out, this run's or the one it resumed from)."""
+    step = "before the first step" if log is None or log.step is None else f"at step {log.step}"
+    saved = snapshot.latest(log.out) if log is not None and log.out else None
+    if saved:
+        then = f"the last checkpoint is {saved}: rerun the same command with --resume to continue from it"
+    elif log is not None and log.out:
+        then = f"no checkpoint in {log.out} yet (--save-every K writes one every K steps)"
+    else:
+        then = "nothing was saved (--out DIR --save-every K keeps a checkpoint every K steps)"
+    return f"train.py: interrupted {step}; {then}"
+
+
+def finish(main) -> int:
+    """Run main(logs=[]) as the command line does: its exit code, any way it stops said in one
+    line: 0 done, 2 refused (the command line, a check while running, a divergence), 1 a peer
+    lost, 130 Ctrl-C. A bug keeps its traceback."""
+    ctrl_c, logs = CtrlC(), []
+    try:
+        main(logs=logs)
+        return 0
+    except BaseException as e:           # Ctrl-C, and SystemExit: argparse's exit 2
+        # First, before any call (where Python runs a pending signal's handler): a Ctrl-C
+        # arriving from here on, or caught inside a collective until now, is only noted.
+        ctrl_c.stopping = True
+        return stopped(e, ctrl_c, logs[-1] if logs else None)
+
+
+def stopped(error: BaseException, ctrl_c: CtrlC, log: RunLog | None) -> int:
+    """finish's line and exit code for the error that stopped the run."""
+    if ctrl_c.received:             # every rank got it; a peer that stopped first is no news
+        say_error(interrupted_line(log), refusal=False)
+        return INTERRUPTED
+    if isinstance(error, SystemExit):
+        return error.code if isinstance(error.code, int) else 1
+    if isinstance(error, (snapshot.RunError, snapshot.CheckpointError, LaunchError)):
+        say_error(f"train.py: error: {error}")
+        return 2
+    if not isinstance(error, dist.DistError) and not (isinstance(error, RuntimeError) and "gloo" in str(error)):
+        raise error                                    # a bug, not a lost peer: keep the traceback
+    # A peer died (its connection closed) or stalled past --timeout: stop, never hang. NCCL
+    # raises DistBackendError; gloo a RuntimeError that names its own source file.
+    where = f"rank {dist.get_rank()}" if dist.is_initialized() else "this rank"
+    print(f"train.py: error: {where} lost contact with the other ranks ({type(error).__name__}: "
+          f"{str(error).splitlines()[0][:200]}); one of them died or stalled past --timeout. Its own "
+          f"log says why; rerun the same command with --resume to continue from the last "
+          f"checkpoint", file=sys.stderr, flush=True)
+    return 1
+
+
+def predicted_activations(args, cfg, data_size: int) -> int | None:
+    """memory_math.activation_bytes for one micro-batch of this rank's rows (B/D/k, T) through every
+    block, and the loss's fp32 log-probabilities (logits_bytes); None where the run splits the
+    model or its sequences (tp, pp, cp: their lines say theirs) or checkpoints every K-th block
+    for K > 1 (the formula knows all or none)."""
+    if mesh_splits(args) or args.checkpoint_activations > 1:
+        return None
+    rows = args.batch_size // data_size // args.grad_accum
+    return (activation_bytes(args.seq_len, rows, cfg.n_embd, cfg.n_head, cfg.n_layer,
+                             checkpointing=bool(args.checkpoint_activations),
+                             bytes_per_value=DTYPES[args.precision].itemsize,
+                             moe=cfg if cfg.experts else None, ep=args.ep)
+            + logits_bytes(args.seq_len, rows, cfg.vocab_size))
+
+
+def predicted_seconds(args, gpt, world_size: int, device) -> float | None:
+    """train.py's run priced by step_time.py on this machine (machines.this, measured by every
+    rank at its first call: call it on every rank): seconds per step, or None for what the napkin
+    does not compose (a mesh of two splits, expert parallelism beside a split or outside ddp,
+    context parallelism over less than the world, unbalanced or checkpointed, gradient
+    accumulation, HSDP)."""
+    splits, cfg = mesh_splits(args), gpt.cfg
+    pipelined = splits.get("pp") == world_size and len(splits) == 1
+    cp = world_size if splits == {"cp": world_size} and args.strategy in ("cp", "ddp") else 1
+    strategy = ("tp" if splits.get("tp") == world_size and len(splits) == 1 else
+                f"pipeline-{args.schedule or '1f1b'}" if pipelined else "ddp" if cp > 1 else
+                {"zero3": "fsdp"}.get(args.strategy, args.strategy) if not splits else None)
+    known = strategy in (*DATA_PARALLEL, "tp") or str(strategy).startswith("pipeline-")
+    if (not known or args.grad_accum > 1 or args.shard_group or args.ep > 1 and (strategy != "ddp" or cp > 1)
+            or cp > 1 and (args.cp_balance != "zigzag" or args.checkpoint_activations)):
+        return None
+    M = args.microbatches or 1 if pipelined else 1
+    # a cp rank's B rows of T/cp tokens: the matmuls and attention products of B/N rows of T
+    rows = args.batch_size // (M if pipelined else 1 if strategy == "tp" else world_size)
+    machine = this(cfg, rows, args.seq_len, args.precision, device=device, split=world_size if strategy == "tp" else 1)
+    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
+    shape = Shape.of(cfg)
+    lora = (trainable, shape.layers * shape.block_params() + shape.vocab * shape.width) if args.lora else None
+    step = Step(shape, strategy, world_size, args.batch_size, args.seq_len, args.precision, M,
+                args.virtual_stages or 1, 1 / args.checkpoint_activations if args.checkpoint_activations else 0.0,
+                lora, bool(args.offload), args.bucket_mb, ep=args.ep, cp=cp, attention=args.cp_attention or "ring",
+                quantized=quantized_params(cfg) if args.quantize_base and strategy == "fsdp" else 0)
+    return predict(step, machine)["seconds"]
+
+
+# ---- --profile and --memory-snapshot ----------------------------------------------------------
+
+def start_profiling(args, rank, world_size, device):
+    """torch.profiler over steps 2-4 (after two warm-up steps), and CUDA's allocation history.
+
+    Returns a function to call after every step: it advances the profiler's schedule and
+    writes the memory snapshot once its steps are done. A trace that could not be written
+    whole (check_trace) stops every rank, at the step that wrote it, with one RunError.
+    """
+    profiler, traces = None, []
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        trace = os.path.join(args.profile, f"trace-rank{rank}.json")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(
+            activities=activities, profile_memory=True,
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+            on_trace_ready=lambda p: traces.append(check_trace(p, trace)))
+        profiler.start()
+    snapshot_file, snapshot_steps = args.memory_snapshot, [0]
+    if snapshot_file:
+        if world_size > 1:                        # one file per rank: model.pickle -> model-rank1.pickle
+            root, ext = os.path.splitext(snapshot_file)
+            snapshot_file = f"{root}-rank{rank}{ext}"
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def step_done(last: bool):
+        if profiler:
+            profiler.step()
+            if last:
+                profiler.stop()
+        if traces:                                # every rank's was written at this step
+            problems = [p for p in gather_objects(traces.pop(), Comm(), device) if p]
+            if problems:
+                raise snapshot.RunError(problems[0])
+        if snapshot_file and snapshot_steps[0] >= 0:
+            snapshot_steps[0] += 1
+            if snapshot_steps[0] == 5 or last:
+                torch.cuda.memory._dump_snapshot(snapshot_file)
+                torch.cuda.memory._record_memory_history(enabled=None)
+                snapshot_steps[0] = -1
+    return step_done
+
+
+def check_trace(profiler, trace: str) -> str | None:
+    """Write profiler's chrome trace to `trace` and read it back: torch's C++ writer only logs a
+    write that fails (a full disk leaves trace.tmp cut short, its first file, and no trace).
+    None if it reads back whole; else the line that says so, what was cut short removed."""
+    profiler.export_chrome_trace(trace)
+    try:
+        with open(trace) as f:
+            json.load(f)
+        return None
+    except (OSError, ValueError):
+        directory = os.path.dirname(trace)
+        free = shutil.disk_usage(directory).free          # what the writer found
+        for cut in (trace, trace + ".tmp"):
+            with contextlib.suppress(OSError):
+                os.remove(cut)
+    return (f"--profile {directory}: {trace} was cut short as it was written ({free:,} bytes free "
+            f"there: a full disk?) and is removed: free space there, or give another --profile "
+            f"directory, and rerun")
