@@ -174,7 +174,7 @@ class _SplitLinear(nn.Module):
 
     # The local product x W_r^T, a plain matmul on this rank's shard: its weight gradient needs
     # no collective (f and g move the activations around it), so a zero-bubble pipeline may
-    # swap in one that defers it (pipeline.WeightGradients' protocol).
+    # swap in one that defers it (extensions/zero_bubble.py, WeightGradients).
     linear = staticmethod(F.linear)
 
     def __init__(self, in_features, out_features, group, bias, linear, dim):
