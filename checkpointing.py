@@ -4,8 +4,9 @@ Backward needs the activations forward produced; for a transformer layer they ar
 sbh(34 + 5as/h) bytes (memory.py), far more than its input's 2sbh. A checkpointed block runs
 forward without recording anything, keeps only its input, and in backward runs that forward
 again, this time recording, then backpropagates through the fresh copy: one extra forward
-pass per block buys activations of one block at a time instead of all of them (Chen et al.
-2016, "Training Deep Nets with Sublinear Memory Cost"; Korthikanti et al. 2022, section 5).
+pass per block buys every checkpointed block's input plus one block's insides at a time
+(the one being recomputed) instead of all of them (Chen et al. 2016, "Training Deep Nets with
+Sublinear Memory Cost"; Korthikanti et al. 2022, section 5).
 Left out: selective recomputation of attention only, offloading activations to the CPU.
 Run alone: python checkpointing.py (gradients and bytes kept, with and without, on the tiny GPT);
 in training: python train.py --checkpoint-activations; test: python -m pytest tests/test_checkpointing.py
@@ -37,6 +38,8 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.run_function, ctx.layout = run_function, layout
         ctx.params = params                      # leaves: a reference, not a saved activation
         # The RNG state as forward found it: the recomputation must draw the same dropout masks.
+        # Autocast's state is not kept (torch.utils.checkpoint keeps it): the models here run in
+        # one dtype, without autocast (mixed_precision.py), so the recomputation casts as forward did.
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_devices = sorted({t.device.index for t in inputs if t.is_cuda})
         ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
@@ -87,12 +90,16 @@ def checkpoint_blocks(model: nn.Module, every: int = 1) -> int:
     """Checkpoint every `every`-th block of model.blocks in place; how many were checkpointed.
 
     The block's own forward is wrapped, so parameter names (and checkpoints) do not change,
-    and the parameters are looked up at each call: LoRA applied later is included.
+    and the parameters are looked up at each call: LoRA applied later is included. With every
+    > 1 the blocks in between keep all their activations: each checkpoint covers one block,
+    not the run of blocks up to the next (Chen et al.'s sqrt(n) segments).
     """
     if every < 1:
         raise ValueError(f"checkpoint every {every}-th block: use 1 (every block) or more")
     chosen = [block for i, block in enumerate(model.blocks) if i % every == 0]
     for block in chosen:
+        # Defaults bind this loop's block now (a plain closure would see the last one). So a
+        # deepcopy of the model keeps calling the original's blocks: copy first, then checkpoint.
         def forward(x, _forward=block.forward, _block=block):
             if not torch.is_grad_enabled():      # evaluation: nothing is kept anyway
                 return _forward(x)

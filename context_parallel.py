@@ -91,6 +91,14 @@ class SequenceSplit:
         return [1 - w / max(work) for w in work]
 
 
+def check_group(comm: Comm, split: SequenceSplit):
+    """The split cuts each sequence for split.cp ranks, the attention passes K/V among the group's:
+    one number, or the chunks would be read as other ranks' (silently wrong attention)."""
+    if split.cp != comm.world_size:
+        raise ValueError(f"the sequence is split for {split.cp} context-parallel ranks, but attention "
+                         f"runs over a group of {comm.world_size}: make the split SequenceSplit({comm.world_size})")
+
+
 def split_sequence(x: torch.Tensor, split: SequenceSplit, rank: int, dim: int = 1) -> torch.Tensor:
     """`rank`'s tokens of the whole sequences x: (.., T, ..) -> (.., t, ..) along dim."""
     return x.index_select(dim, split.positions(rank, x.shape[dim], x.device))
@@ -121,16 +129,18 @@ def _scores(q, k, causal: bool):                             # (B, H, c, D), (B,
     return scores
 
 
-def _fold_in(m, l, acc, q, k, v, causal: bool):
+def _fold_in(m, denom, acc, q, k, v, causal: bool):
     """The online softmax: fold one key block into a query chunk's running max m (B, H, c), sum of
-    exponentials l (B, H, c) and unnormalised output acc (B, H, c, D), in place. The scores are
-    exponentiated against the new max, so none overflows; what was summed under the old max is
-    rescaled by exp(m_old - m_new) (0 before the first block, where m_old = -inf)."""
+    exponentials denom (B, H, c; FlashAttention's l) and unnormalised output acc (B, H, c, D), in
+    place: the caller passes views of its (B, H, t) tensors. The scores are exponentiated against
+    the new max, so none overflows; what was summed under the old max is rescaled by
+    exp(m_old - m_new): 0 at a row's first block, where m_old = -inf. m_new is always finite (no
+    -inf - -inf = NaN): every block gives each row a finite score, the diagonal one its own key."""
     scores = _scores(q, k, causal)                                             # (B, H, c, c)
     m_new = torch.maximum(m, scores.amax(-1))                                  # (B, H, c)
     p = (scores - m_new.unsqueeze(-1)).exp()                                   # (B, H, c, c)
     rescale = (m - m_new).exp()                                                # (B, H, c)
-    l.mul_(rescale).add_(p.sum(-1))
+    denom.mul_(rescale).add_(p.sum(-1))
     acc.mul_(rescale.unsqueeze(-1)).add_(p @ _wide(v))
     m.copy_(m_new)
 
@@ -157,6 +167,7 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock: BusyCl
     every rank's queries put into it. Autograd keeps the gathered K/V of the whole sequence per layer:
     the memory this naive version pays, where the ring keeps only its own block.
     """
+    check_group(comm, split)
     r, t = comm.rank, q.shape[2]
     kv = torch.stack([k, v]).permute(1, 3, 0, 2, 4)                           # (B, t, 2, H, D)
     kv = gather_sequence(kv, comm)                                             # (B, T, 2, H, D), rank order
@@ -189,15 +200,17 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock: BusyCl
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence, its K/V blocks passed round
     the ring: (B, H, t, D) each -> (B, H, t, D). Keeps q, k, v, the output and its log-sum-exp
-    (B, H, t) for backward: the rank's own block, never the sequence's."""
+    (B, H, t) for backward: the rank's own block, never the sequence's. The clock times forward's
+    blocks only (the balance zigzag evens out); backward computes the same blocks, untimed."""
 
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, split: SequenceSplit, clock: BusyClock):
+        check_group(comm, split)
         r, cp = comm.rank, comm.world_size
         c = q.shape[2] // len(split.chunks(r))
         wide = torch.promote_types(q.dtype, torch.float32)                     # as _wide
         m = torch.full(q.shape[:3], float("-inf"), dtype=wide, device=q.device)  # (B, H, t) running max
-        l = torch.zeros_like(m)                                                # (B, H, t) running sum
+        denom = torch.zeros_like(m)                                            # (B, H, t) running sum
         acc = torch.zeros(q.shape, dtype=wide, device=q.device)                # (B, H, t, D)
         kv = torch.stack([k, v])                                               # (2, B, H, t, D): one message
         for step in range(cp):
@@ -212,13 +225,14 @@ class RingAttention(torch.autograd.Function):
             with clock.timing(q.is_cuda):
                 for a, b, causal in split.blocks(r, source):
                     rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                    _fold_in(m[:, :, rows], l[:, :, rows], acc[:, :, rows], q[:, :, rows],
+                    # Views (basic slicing): _fold_in's in-place updates land in m, denom, acc.
+                    _fold_in(m[:, :, rows], denom[:, :, rows], acc[:, :, rows], q[:, :, rows],
                              kv[0][:, :, cols], kv[1][:, :, cols], causal)
             if step < cp - 1:
                 handle.wait()          # CUDA: the compute stream waits for NCCL's, the host does not
                 kv = arriving
-        out = (acc / l.unsqueeze(-1)).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, m + l.log())                      # lse: (B, H, t)
+        out = (acc / denom.unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, m + denom.log())                  # lse: (B, H, t)
         ctx.comm, ctx.split = comm, split
         return out
 
@@ -278,13 +292,14 @@ KV_COLLECTIVES = ("send", "all_gather", "reduce_scatter")
 def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str = "ring",
                 bytes_per_value: int = 2) -> dict:
     """Bytes one of cp context-parallel ranks sends per layer and micro-batch so that its queries
-    meet every key: {"forward": ..., "backward": ...}. A rank's K and V are kv = 2 (s/cp) b h values.
+    meet every key: {"forward": ..., "backward": ...}. A rank's K and V are kv = 2 (T/cp) B C values.
 
     All-gather K/V: forward, the all-gather of every rank's K/V, (cp-1) kv; backward, the
     reduce-scatter of dK and dV, the same volume. Ring attention: forward, cp-1 steps of one K/V
     block; backward, the blocks go round again ((cp-1) kv) and dK, dV travel beside them cp-1
-    steps in fp32, or wider (they add up over the ranks). In fp32 the ring sends 1.5x the all-gather's,
-    as FSDP sends 1.5x DDP's: both send again in backward what they would not keep.
+    steps in fp32, or wider (they add up over the ranks). In fp32 the ring sends 1.5x the all-gather's
+    (as FSDP sends 1.5x DDP's: both send again in backward what they would not keep); in bf16 2x,
+    its fp32 dK/dV twice the bytes of the bf16 K/V.
     """
     kv = 2 * (seq_len // cp) * batch * hidden
     if attention == "allgather":

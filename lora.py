@@ -6,9 +6,9 @@ section 4.1). B starts at zero, so the model starts exactly as the base one; onl
 gradients and optimizer state, so training needs room for the frozen model plus about 4x
 the trainable parameters (weights, gradients, Adam's two moments), not 4x the whole model
 (the talk's rule of thumb; memory.py counts it). Merging adds (alpha / r) B A into W0: no
-extra latency at inference, and subtracting it back restores the base, so adapters for
-several tasks share one base model. QLoRA keeps W0 in 4 bits (quantization.py) under the
-same adapters, and the blocks' other frozen linears in 4 bits too (Dettmers et al. 2023).
+extra latency at inference, and subtracting it back restores the base (up to rounding: merge),
+so adapters for several tasks share one base model. QLoRA keeps W0 in 4 bits (quantization.py)
+under the same adapters, and the blocks' other frozen linears in 4 bits too (Dettmers et al. 2023).
 Left out: LoRA on embeddings.
 Run alone: python lora.py (a layer's adapter trained, merged, and checked against plain torch);
 in training: python train.py --init-from RUN --lora --data OTHER.txt;
@@ -28,7 +28,12 @@ from quantization import FrozenNF4Linear, NF4Linear, NF4Weight
 
 
 class LoRALinear(nn.Module):
-    """A frozen nn.Linear's weight and bias (same tensors, same names) plus lora_A, lora_B."""
+    """A frozen nn.Linear's weight and bias (same tensors, same names) plus lora_A, lora_B.
+
+    alpha None means alpha = r, a scale of 1: the paper sets alpha to the first r it tries and
+    does not tune it (with Adam, alpha acts as a learning rate). Inside a tensor-parallel layer:
+    split_alongside, attached to the class below (LoRA inside a tensor-parallel layer).
+    """
 
     def __init__(self, base: nn.Linear, rank: int = 8, alpha: float | None = None,
                  dropout: float = 0.0):
@@ -51,8 +56,10 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.merged = False
 
-    # The adapter's two thin products (a zero-bubble pipeline swaps in one that defers their
-    # weights' gradients: pipeline.WeightGradients' protocol).
+    # The adapter's two thin products, through self.linear rather than F.linear: the swap point.
+    # A zero-bubble pipeline sets layer.linear to its own function, which in backward returns the
+    # input's gradient now and defers A's and B's (extensions/zero_bubble.py, WeightGradients).
+    # The frozen W0 needs no gradient, so its product stays F.linear.
     linear = staticmethod(F.linear)
 
     def delta(self) -> torch.Tensor:
@@ -64,12 +71,15 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):                                       # x: (..., k) -> (..., d)
         h = self.frozen_forward(x)
-        if self.merged:                                         # W0 + BA already in weight
+        if self.merged:        # W0 + s B A already in weight: A and B get no gradient (unmerge to train)
             return h
         x = F.dropout(x, self.dropout, self.training)
         # Two thin products, (..., k) -> (..., r) -> (..., d): the d x k update is never built.
         return h + self.scale * self.linear(self.linear(x, self.lora_A), self.lora_B)
 
+    # merge and unmerge each round their sum to the weight's dtype, so W0 comes back only up to
+    # that rounding, each cycle: up to 2^-24 of a value in fp32, 2^-8 in bf16, where the drift
+    # shows (load_lora unmerges a merged model first: swap adapters on an unmerged one).
     @torch.no_grad()
     def merge(self):
         if not self.merged:

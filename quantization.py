@@ -47,9 +47,12 @@ class NF4Weight(nn.Module):
         super().__init__()
         self.shape, self.double_quant = tuple(weight.shape), double_quant
         flat = weight.detach().float().reshape(-1)                               # (P,)
+        # -P % 64 is (-P) % 64, Python's non-negative remainder: the zeros that pad P up to G x 64.
         padded = F.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)        # (G, 64)
         scales = padded.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)   # (G,)
         normalized = padded / scales[:, None]                                     # in [-1, 1]
+        # The nearest level, by the distances to all 16 at once: (G, 64, 16) fp32 temporaries, each
+        # 16x the weight in fp32, for a moment, once per weight (a large one would go in slices).
         codes = (normalized[..., None] - LEVELS.to(flat.device)).abs().argmin(dim=-1)  # (G, 64) in 0..15
         codes = codes.reshape(-1).to(torch.uint8)
         # Two codes per byte: even positions in the high nibble, odd ones in the low one.
@@ -58,6 +61,9 @@ class NF4Weight(nn.Module):
         # them to the GPU in every forward and backward. Not saved: they are the format's.
         self.register_buffer("levels", LEVELS.to(flat.device), persistent=False)
         if double_quant:
+            # A plain float, not a buffer: not in the state dict, nor counted by nbytes (4 bytes a
+            # matrix). It is computed again with the codes, as a run quantizes its base afresh
+            # when it loads it: saved codes load only into an NF4Weight made from the same weight.
             self.scale_mean = scales.mean().item()
             centered = F.pad(scales - self.scale_mean, (0, -scales.numel() % SCALE_BLOCK))
             centered = centered.view(-1, SCALE_BLOCK)                             # (S, 256)
@@ -82,7 +88,7 @@ class NF4Weight(nn.Module):
         return values.view(-1)[:numel].view(self.shape).to(dtype)
 
     def nbytes(self) -> int:
-        """The stored weight's bytes: codes and scales (the 16 shared levels aside)."""
+        """The stored weight's bytes: codes and scales (the 16 shared levels and scale_mean aside)."""
         return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "levels")
 
     def extra_repr(self):
@@ -102,7 +108,7 @@ class NF4Linear(torch.autograd.Function):
         return F.linear(x, weight.dequantize(x.dtype), bias)                    # (..., d)
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx, grad_y):                 # None for b: the callers freeze the bias too
         return grad_y @ ctx.weight.dequantize(grad_y.dtype), None, None         # (..., k)
 
 

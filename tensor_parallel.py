@@ -4,10 +4,11 @@ A pair of linears is split the Megatron way (Shoeybi et al. 2019, "Megatron-LM",
 the first by output columns, the second by input rows, so the nonlinearity between them is
 local and the pair costs one all-reduce forward (g) and one backward (f). The embedding is split
 over the vocabulary (section 3, "input embedding"; the head and the loss over the whole GPT, with
-it: tensor_parallel_gpt.py), and sequence parallelism
-(Korthikanti et al. 2022, section 4.2.2) turns each all-reduce into a reduce-scatter and an
-all-gather so norms and dropout work on 1/N of the tokens. Left out: fused QKV, an RNG tracker
-for dropout inside the split region, overlapping these collectives with the matmuls.
+it: tensor_parallel_gpt.py), and sequence parallelism (Korthikanti et al. 2022, section 4.2.2)
+turns each all-reduce into a reduce-scatter and an all-gather so norms and dropout work on 1/N of
+the tokens. Left out: fused QKV, overlapping these collectives with the matmuls, an RNG tracker
+for dropout (every rank draws the same masks: right where the ranks hold copies, but rank r's
+heads, and under sequence parallelism its tokens, then repeat rank 0's masks).
 Run alone: torchrun --nproc_per_node 2 tensor_parallel.py; in training: train.py --strategy tp --tp 2
 Test: python -m pytest tests/test_tensor_parallel.py
 
@@ -40,6 +41,7 @@ from foundations.placements import place
 #   scatter_sequence   reduce-scatter along T  all-gather      g under sequence parallelism
 #   gather_features    all-gather along C      keep my slice   a column layer's gather_output
 #   split_features     keep my slice of C      all-gather      a row layer's whole input
+#   (f and g are the paper's names; F, below, is torch.nn.functional)
 
 
 class _Conjugate(torch.autograd.Function):
@@ -85,6 +87,7 @@ def _reduce_scattered(x, comm, dim=1):
 
 
 def _my_piece(x, comm, dim=-1):
+    """(.., N*n) -> (.., n): my piece along dim (-1: C, the features' pair; the sequence's uses 1, T)."""
     return x.chunk(comm.world_size, dim)[comm.rank].contiguous()
 
 
@@ -115,7 +118,8 @@ def scatter_sequence(x, comm: Comm):
 
 def gather_features(x, comm: Comm):
     """(.., out/N) -> (.., out): rank r's output columns came from its own weights only, so
-    backward keeps its own columns of the gradient."""
+    backward keeps its own columns of the gradient. No sum is needed: everything after the gather
+    runs identically on every rank, so each rank's gradient of (.., out) is already the whole one."""
     return _Conjugate.apply(x, comm, partial(_all_gathered, dim=-1), _my_piece)
 
 
@@ -140,15 +144,17 @@ def leave_region(x, comm: Comm, sequence_parallel: bool):
 #                    rank r: Y_r = X A_r  (B, T, out/N)                             [B_1]
 #                                                          rank r: Z_r = Y_r B_r, Z = sum_r Z_r
 #
-# nn.Linear stores weight as (out, in): column r is weight rows r*out/N..., row r is weight
-# columns r*in/N... Every rank draws the same full init and keeps its slice, so the ranks'
-# slices put together are exactly the matrix one rank would have had.
+# A and B are (in, out), as the paper writes them; nn.Linear stores the transpose, its weight
+# W = A^T (out, in), and computes x W^T. So "column" means A's columns, W's rows: a column layer
+# keeps W's rows r*out/N.., a row layer W's columns r*in/N... Every rank draws the same full init
+# and keeps its slice, so the ranks' slices put together are the matrix one rank would have had.
 #
 # A linear may add a term of its own beside x W^T (LoRA's low-rank update, lora.py). It then
 # carries split_alongside(layer, dim, shard): it puts its parameters on the split layer, sliced
 # to match W's split (shard(param, dim), dim None: whole), and returns term(layer, x), which the
 # layer adds to its local product, inside the region: g sums it with the partial products. A
-# whole parameter used there gets from each rank only that rank's share of its gradient.
+# whole parameter used there gets from each rank only its share of its gradient; this file sums
+# no partial gradient: tensor_parallel_gpt.py does, after backward (_partial_sums).
 
 def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
     """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms;
@@ -161,13 +167,14 @@ def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
 
 
 class _SplitLinear(nn.Module):
-    """An nn.Linear split over the group along dim: 0 the output features (a column layer), 1 the
-    input features (a row layer). linear: an existing nn.Linear to split (from_linear; default:
-    a fresh one, initialised as on one rank), with its own term, if any (split_alongside)."""
+    """An nn.Linear split over the group along its weight W's dim: 0 W's rows, the output features
+    (a column layer), 1 W's columns, the input features (a row layer). linear: an existing
+    nn.Linear to split (from_linear; default: a fresh one, initialised as on one rank), with its
+    own term, if any (split_alongside)."""
 
     # The local product x W_r^T, a plain matmul on this rank's shard: its weight gradient needs
     # no collective (f and g move the activations around it), so a zero-bubble pipeline may
-    # swap in one that defers it (pipeline.WeightGradients' protocol).
+    # swap in one that defers it (extensions/zero_bubble.py, WeightGradients).
     linear = staticmethod(F.linear)
 
     def __init__(self, in_features, out_features, group, bias, linear, dim):
@@ -179,7 +186,7 @@ class _SplitLinear(nn.Module):
         # layer, which adds it once, after the partial products are summed.
         bias_dim = 0 if dim == 0 else None
         self.bias = _shard(linear.bias, self.comm, bias_dim) if linear.bias is not None else None
-        self.whole_in_region = []       # the term's whole parameters: their gradients are partial
+        self.whole_in_region = []       # the term's whole parameters: partial gradients (above)
         split = getattr(linear, "split_alongside", None)
         self.term = split(self, dim, self._term_piece) if split else None
 
@@ -202,11 +209,12 @@ class _SplitLinear(nn.Module):
 
 
 class ColumnParallelLinear(_SplitLinear):
-    """y = x A^T + b with A's output features split: rank r computes y[..., r*out/N : (r+1)*out/N].
+    """Y = X A + b with A's columns (W's rows) split: rank r computes Y[..., r*out/N : (r+1)*out/N].
 
-    enter: apply f (or, with sequence_parallel, gather the sequence) to the input here; False
-    when the caller entered the region once for several layers sharing an input (query, key
-    and value). gather_output: all-gather the full (.., out) instead of keeping (.., out/N).
+    enter: apply f (or, with sequence_parallel, gather the sequence) to the input here, as a
+    layer used alone does (main, below). In model.py's blocks it is False: split_block enters
+    the region once per sublayer, by a forward pre-hook on attention and on the MLP, so query,
+    key and value share one f. gather_output: all-gather the full (.., out), not keep (.., out/N).
     """
 
     def __init__(self, in_features, out_features, group=None, bias=True, gather_output=False,
@@ -222,11 +230,12 @@ class ColumnParallelLinear(_SplitLinear):
 
 
 class RowParallelLinear(_SplitLinear):
-    """z = y B^T + b with B's input features split: rank r multiplies y[..., r*in/N : (r+1)*in/N].
+    """Z = Y B + b with B's rows (W's columns) split: rank r multiplies Y[..., r*in/N : (r+1)*in/N].
 
     input_is_parallel: y arrives already split (a column-parallel output); else each rank
     takes its slice. The partial products are summed by g (sequence_parallel: reduce-scattered
-    along T), then the bias is added.
+    along T), then the bias is added: under sequence parallelism to this rank's T/N tokens only,
+    so its gradient is a partial sum (summed over the group in tensor_parallel_gpt.py).
     """
 
     def __init__(self, in_features, out_features, group=None, bias=True, input_is_parallel=True,
@@ -277,10 +286,12 @@ class VocabParallelEmbedding(nn.Module):
 #     ^                                       --> output (rows) --> g/scatter --> + x --> norm2 ...
 #   with sequence parallelism the residual stream, the norms and dropout hold T/N tokens per
 #   rank; without it all T, the same on every rank of the tensor group. The whole GPT (its
-#   embedding, head and loss split over the vocabulary too): tensor_parallel_gpt.py.
+#   embedding, head and loss split over the vocabulary too, and the partial gradients of what
+#   works on T/N tokens, norms and row biases, summed over the group): tensor_parallel_gpt.py.
 
 def check_divisible(cfg, n: int):
-    """Raise one message naming the fix if the model does not split into n equal parts."""
+    """Raise one message naming the fix if the model does not split into n equal parts. (The
+    sequence's T/N under sequence parallelism is checked with the flags, composition/mesh_checks.py.)"""
     for what, size in (("heads (n_head)", cfg.n_head), ("hidden size (n_embd)", cfg.n_embd),
                        ("vocabulary (vocab_size)", cfg.vocab_size)):
         if size % n:
@@ -297,19 +308,20 @@ def split_block(block, comm: Comm, sequence_parallel: bool = False):
     sp = dict(group=comm, sequence_parallel=sequence_parallel)
     attn, mlp = block.attn, block.mlp
     for name in ("query", "key", "value"):
-        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), comm, enter=False))
+        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), enter=False, **sp))
     attn.output = RowParallelLinear.from_linear(attn.output, **sp)
     attn.n_head //= comm.world_size                           # H/N heads per rank, same code
     split = [attn]
     if isinstance(mlp, MLP):
-        mlp.up = ColumnParallelLinear.from_linear(mlp.up, comm, enter=False)
+        mlp.up = ColumnParallelLinear.from_linear(mlp.up, enter=False, **sp)
         mlp.down = RowParallelLinear.from_linear(mlp.down, **sp)
         split.append(mlp)
-    # Query, key and value read one input: enter the region once for all three, so
-    # backward sums their input gradients in one all-reduce, not three.
+    # Query, key and value read one input: enter the region once for all three (the columns
+    # above do not: enter=False), so backward sums their input gradients in one all-reduce, not
+    # three. The hook replaces the sublayer's input x (args[0]) and passes any other on.
     for sublayer in split:
         sublayer.register_forward_pre_hook(
-            lambda _, args: (enter_region(args[0], comm, sequence_parallel),))
+            lambda _, args: (enter_region(args[0], comm, sequence_parallel), *args[1:]))
 
 
 # ---- run alone: torchrun --nproc_per_node 2 tensor_parallel.py ---------------------------------

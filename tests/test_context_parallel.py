@@ -179,6 +179,17 @@ def test_a_length_the_split_cannot_divide_is_a_clear_error():
             cp_module.SequenceSplit(cp, zigzag=True).positions(0, T)
 
 
+@pytest.mark.parametrize("attention", cp_module.ATTENTIONS)
+def test_a_split_for_another_group_size_is_a_clear_error(attention):
+    """A split made for 4 ranks on a group of 2 would read rank 2's and 3's chunks from ranks 0
+    and 1: both attentions stop first, before any message (the group here sends nothing)."""
+    group = mock.Mock(spec=Comm, rank=0, world_size=2)
+    q = torch.randn(B, H, 4, D)                                 # (B, H, t, D): 2 chunks of 2
+    with pytest.raises(ValueError, match=r"split for 4 .* group of 2: make the split SequenceSplit\(2\)"):
+        cp_module.ATTENTIONS[attention](q, q, q, group, cp_module.SequenceSplit(4), cp_module.BusyClock())
+    assert not group.method_calls
+
+
 def test_zigzag_gives_every_rank_the_same_causal_work():
     """Blocks computed per rank under the causal mask: rank r of cp holds r + 1 blocks without
     zigzag (rank 0 idles 1 - 1/cp of the time), and 2cp + 1 half-size ones with it on every rank."""
