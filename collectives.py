@@ -1,16 +1,15 @@
 """Collectives: how ranks combine tensors, built from point-to-point messages on a ring.
 
-Every strategy in this project is a choice of which rank holds which bytes and which collective
-moves them. First the lecture's ring, plainly (Patarasuk & Yuan, 2009; NCCL's algorithm for large
-messages): reduce-scatter and all-gather in N-1 steps of one message per rank, all-reduce as
-reduce-scatter then all-gather. Then Comm, the same ring as the project runs it (each step's chunk
-pipelined in segments, launched in one order on every rank as NCCL requires) beside torch's native
-calls, counting the bytes each rank sends. Left out: tree and hierarchical algorithms, latency
-tuning for small messages. Under the ring (launcher thread, its messages, scratch): launch.py.
+Every strategy here is a choice of which rank holds which bytes and which collective moves them.
+First the lecture's ring, plainly (Patarasuk & Yuan, 2009; NCCL's for large messages): reduce-
+scatter and all-gather in N-1 steps of one message per rank, all-reduce as the two. Then Comm, the
+ring as the project runs it (each chunk pipelined in segments, launched in one order on every rank
+as NCCL requires) beside torch's native calls, counting the bytes each rank sends. Left out: tree
+and hierarchical algorithms, small-message tuning. Under the ring (launcher thread, scratch): launch.py.
 Run: torchrun --nproc_per_node 2 collectives.py. Test: python -m pytest tests/test_collectives.py
 
-Shapes: N ranks in the group, r this rank, L elements in the tensor, c = ceil(L / N) elements per
-chunk; rank r's neighbours on the ring are r - 1 (left) and r + 1 (right), modulo N.
+Shapes: N ranks in the group, r this rank, L elements in the tensor, c = ceil(L / N) per chunk (the
+plain ring needs L = N*c; Comm pads); rank r's neighbours: r - 1 (left), r + 1 (right), modulo N.
 """
 import datetime
 import os
@@ -37,11 +36,10 @@ from foundations.launch import Handle, Messages, Workspaces
 def send_right_receive_left(send: torch.Tensor, recv: torch.Tensor, group=None):
     """One ring step's messages: `send` goes to rank r+1 while `recv` arrives from rank r-1."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    # Send and receive are posted together: a blocking send on every rank would wait for a
-    # receive no rank has posted yet. On NCCL even a separate isend and irecv are unsafe: two
-    # ranks' p2p calls run in order on one stream, so each rank's send could wait for its right
-    # neighbour's receive, queued behind that rank's own send, all round the ring. One coalesced
-    # batch_isend_irecv per step runs the pair together: the safe form on every backend.
+    # Posted together: a blocking send on every rank would wait for a receive no rank has posted.
+    # On NCCL even a separate isend and irecv are unsafe: a rank's p2p calls run in order on one
+    # stream, so each send could wait for its neighbour's receive, queued behind that rank's own
+    # send, all round the ring. One batch_isend_irecv per step is safe on every backend.
     works = dist.batch_isend_irecv([
         dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % n),
         dist.P2POp(dist.irecv, recv, group=group, group_peer=(r - 1) % n)])
@@ -50,8 +48,8 @@ def send_right_receive_left(send: torch.Tensor, recv: torch.Tensor, group=None):
 
 
 def ring_reduce_scatter(chunks: torch.Tensor, group=None, log=None):
-    """chunks (N, c), this rank's tensor, summed in place: afterwards rank r's chunks[r] is the sum
-    of every rank's chunk r (its other chunks hold partial sums). log(line): each step, if given."""
+    """chunks (N, c), this rank's tensor, reduced in place: afterwards chunks[r] is the sum of every
+    rank's chunk r, and the other chunks are overwritten with partial sums. log(line): each step."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     arrived = torch.empty_like(chunks[0])                  # (c,)
     for step in range(n - 1):
@@ -70,6 +68,7 @@ def ring_all_gather(chunks: torch.Tensor, group=None, log=None):
     n, r = dist.get_world_size(group), dist.get_rank(group)
     for step in range(n - 1):
         # Forward chunk r-step (its own, then the one just received); chunk r-1-step lands in place.
+        # It starts at chunk r, not the reduce-scatter's r-1: that one left rank r owning chunk r.
         sent, received = (r - step) % n, (r - 1 - step) % n
         if log:
             log(f"all-gather step {step}: rank {r} sends chunk {sent} to rank {(r + 1) % n}, "
@@ -78,18 +77,21 @@ def ring_all_gather(chunks: torch.Tensor, group=None, log=None):
 
 
 def ring_all_reduce(tensor: torch.Tensor, group=None, log=None):
-    """tensor (L,), L a multiple of N, summed over the ranks in place: all-reduce = reduce-scatter
-    + all-gather. Each rank sends 2(N-1) chunks of L/N: 2(N-1)/N of the tensor whatever N."""
-    chunks = tensor.view(dist.get_world_size(group), -1)   # (N, c)
+    """tensor (L,) contiguous, L a multiple of N, summed over the ranks in place: all-reduce =
+    reduce-scatter + all-gather. Each rank sends 2(N-1) chunks of L/N: 2(N-1)/N of the tensor."""
+    n = dist.get_world_size(group)
+    if tensor.numel() % n:
+        raise ValueError(f"ring_all_reduce: {tensor.numel()} elements do not split into N={n} equal "
+                         f"chunks: pad the tensor to a multiple of N (Comm.all_reduce pads itself)")
+    chunks = tensor.view(n, -1)                            # (N, c)
     ring_reduce_scatter(chunks, group, log)
     ring_all_gather(chunks, group, log)
 
 
 def ring_bytes(collective: str, numel: int, element_size: int, world_size: int,
                rank: int = 0, root: int = 0) -> int:
-    """Bytes rank `rank` sends in the ring version of `collective` on a tensor of `numel` (for
-    reduce_scatter and all_gather the full N x shard tensor; the others pad it to N chunks): one
-    chunk a step, (N-1)/N of the tensor for a reduce-scatter or all-gather, 2x for an all-reduce."""
+    """Bytes rank `rank` sends in the ring `collective` on a tensor of `numel` (reduce_scatter,
+    all_gather: the full N x shard tensor; the others pad it to N chunks): one chunk a step."""
     n = world_size
     chunk = -(-numel // n) * element_size
     steps = {"reduce_scatter": n - 1, "all_gather": n - 1, "all_reduce": 2 * (n - 1),
@@ -101,10 +103,9 @@ def ring_bytes(collective: str, numel: int, element_size: int, world_size: int,
 
 # ---- 2. The same ring as the project runs it: Comm ------------------------------------------
 #
-# The plain ring's steps, optimised: each chunk travels in segments, so that reducing one
-# overlaps sending the next (NCCL's pipelined ring: _run_steps), into scratch kept call after
-# call; and NCCL's launch rule holds, every rank launching on its communicators in one order
-# (_run_ring). Beside it, torch.distributed's native calls (ring= picks), and the bytes counted.
+# The plain ring's steps, each chunk in segments so that reducing one overlaps sending the next
+# (_run_steps), into scratch kept call after call; every rank launching on its communicators in
+# one order, NCCL's rule (_run_ring). Beside it, torch.distributed's native calls (ring= picks).
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 # Smaller segments overlap more and pay a message's fixed cost more often: 1 MiB measured best
@@ -118,11 +119,12 @@ class Comm:
 
     ring: True builds every collective from messages, or the names of those to build
     (RING_COLLECTIVES); a world's ring Comm is made on every rank, a subgroup's by
-    process_groups.subgroups() (with p2p_group, its private twin). bytes_sent: a Counter
-    {collective: bytes this rank sent}, shared with comms made by subgroups(). Each method works
-    in place; async_op=True returns a Handle (wait()) at once, to compute while the bytes move.
-    timeout: seconds a group made from this Comm waits for a stalled rank before it raises
-    (None: torch's default, 30 minutes on gloo, 10 on NCCL)."""
+    process_groups.subgroups() (with p2p_group, its private twin). Each method works in place;
+    async_op=True returns a Handle (wait()) at once, to compute while the bytes move.
+    bytes_sent: a Counter {collective: bytes this rank sent}, shared with comms made by subgroups():
+    a ring collective's counted message by message, a native call's by ring_bytes (the formula).
+    timeout: seconds a group made from this Comm waits for a stalled rank before it raises (None:
+    torch's default, 30 minutes on gloo, 10 on NCCL)."""
 
     def __init__(self, group=None, ring=False, bytes_sent: Counter | None = None,
                  p2p_group=None, segment_bytes: int = SEGMENT_BYTES, timeout: float | None = None):
@@ -173,8 +175,9 @@ class Comm:
     # ---- the pipelined ring: the plain ring's steps, each chunk in segments ------------------
 
     def _ring_reduce_scatter(self, output, input, op):
-        # ring_reduce_scatter's steps, the input only read: the partial sums go to two workspace
-        # chunks in turn (one on the wire while the next is written), the last one into output.
+        # ring_reduce_scatter's steps, the input only read: step s's partial sum goes to workspace
+        # chunk s % 2, sent at step s+1 while that step writes the other (one would do: _run_steps
+        # waits for segment j's send before writing out[j]); the last step writes into output.
         n = self.world_size
         if n == 1:
             return output.copy_(input.view(-1))
@@ -215,16 +218,16 @@ class Comm:
         """Run ring steps: at each, send step.send right while receiving the left neighbour's
         into step.recv, then, in a reduction, step.out = step.add (op) step.recv.
 
-        Each chunk travels in segments of segment_bytes, and segment j of step s+1 leaves as soon
-        as segment j of step s is in place: while one segment is reduced, the next ones are on the
-        wire (NCCL's pipelined ring does this with its slices). Every rank posts in one order,
-        (step 0, segment 0), (0, 1), ..., (1, 0), ..., each segment's send and receive in one
-        batch, as send_right_receive_left posts a whole chunk's."""
+        Each chunk travels in segments of segment_bytes; segment j of step s+1 leaves as soon as
+        segment j of step s is in place, so one segment is reduced while the next are on the wire
+        (NCCL's slices). Every rank posts in one order, (step 0, segment 0), (0, 1), ..., (1, 0),
+        ..., a segment's send and receive in one batch, as send_right_receive_left's."""
         n = self.world_size
         if not steps:                                      # a world of one: nothing to send
             return
         right, left = (self.rank + 1) % n, (self.rank - 1) % n
         per_segment = max(1, self.segment_bytes // steps[0].send.element_size())
+        # Each step's tensors as segments; every step's are (c,) views, so cut alike (in_flight).
         split = [[t.split(per_segment) if t is not None else None for t in step] for step in steps]
 
         def post_segment(s, j):
@@ -232,22 +235,21 @@ class Comm:
             self.bytes_sent[name] += send.nbytes
             return self._ring_messages.post([("send", send, right), ("recv", recv, left)])
         in_flight = [post_segment(0, j) for j in range(len(split[0][0]))]
-        for s, (_, recv, add, out) in enumerate(split):
+        for s, (_, recvs, adds, outs) in enumerate(split):         # step s's segments
             # avg: divide once, where a chunk's sum is complete (the reduce-scatter's last step)
-            divide = op == "avg" and add is not None and (s + 1 == len(steps) or steps[s + 1].add is None)
+            divide = op == "avg" and adds is not None and (s + 1 == len(steps) or steps[s + 1].add is None)
             for j, works in enumerate(in_flight):
-                Messages.wait(works)  # the segment arrived, and the one sent may be overwritten
-                if add is not None:                        # sum (avg: divided below) or max
-                    (torch.maximum if op == "max" else torch.add)(add[j], recv[j], out=out[j])
+                Messages.wait(works)  # segment j arrived, and the one sent may be overwritten
+                if adds is not None:                       # sum (avg: divided below) or max
+                    (torch.maximum if op == "max" else torch.add)(adds[j], recvs[j], out=outs[j])
                     if divide:
-                        out[j].div_(n)
+                        outs[j].div_(n)
                 if s + 1 < len(steps):
                     in_flight[j] = post_segment(s + 1, j)
 
     def _run_ring(self, fn, async_op, *args):
-        # NCCL's launch rule, every rank launching on its communicators in one order: the ring
-        # runs on the process's one launcher thread, after every ring collective and exchange
-        # submitted before it, the same program order on every rank (launch.Launcher).
+        # NCCL's launch rule, every rank launching on its communicators in one order: the ring runs
+        # on the one launcher thread, after every ring call and exchange before it (launch.Launcher).
         handle = Messages.launch(fn, [a for a in args if isinstance(a, torch.Tensor)], *args)
         return handle if async_op else handle.wait()
 
@@ -275,8 +277,7 @@ class Comm:
         """MoE's dispatch and combine: rank r sends input's i-th block of rows to rank i and
         receives rank i's r-th block into output's i-th; splits: rows per rank (None: N equal
         blocks). Built from messages it is not a ring (launch.Messages.all_to_all)."""
-        self.bytes_sent["all_to_all"] += all_to_all_bytes(input, input_splits, self.rank,
-                                                          self.world_size)
+        self.bytes_sent["all_to_all"] += all_to_all_bytes(input, input_splits, self.rank, self.world_size)
         if "all_to_all" in self.ring:
             return self._run_ring(self._ring_messages.all_to_all, async_op, output, input,
                                   output_splits, input_splits)
@@ -336,7 +337,8 @@ def reduce_scatter_single(*args, **kwargs):
 
 
 def _check_shards(name, shard, full, world_size):
-    """A reduce-scatter's or an all-gather's tensors, checked before anything is launched."""
+    """A reduce-scatter's or an all-gather's tensors, checked before anything is launched: the
+    (c,) shard first, then the (N*c,) full tensor, whichever of them is the output."""
     if full.numel() != shard.numel() * world_size or full.dtype != shard.dtype:
         raise ValueError(f"{name}: the full tensor must hold exactly N={world_size} shards of the "
                          f"same dtype, got {full.numel()} {full.dtype} elements for shards of "
@@ -367,10 +369,9 @@ def _demonstrate():
     bound = 1e-12                                          # fp64 sums of N terms, in another order
     if r == 0:
         print(f"ring all-reduce of ({n * 3},) fp64 on {n} ranks, each sending 2(N-1)/N of it "
-              f"({ring_bytes('all_reduce', n * 3, 8, n)} bytes):\n"
-              f"  max |difference| from one process: {worst[0]:.1e} (bound {bound:g}: fp64 sums "
-              f"in another order)\n  max |difference| from torch.distributed.all_reduce: "
-              f"{worst[1]:.1e}", flush=True)
+              f"({ring_bytes('all_reduce', n * 3, 8, n)} bytes):\n  max |difference| from one process: "
+              f"{worst[0]:.1e} (bound {bound:g}: fp64 sums in another order)\n"
+              f"  max |difference| from torch.distributed.all_reduce: {worst[1]:.1e}", flush=True)
     dist.destroy_process_group()
     os._exit(0 if worst.max() <= bound else 1)  # at once: gloo's threads may still hold tensors (exit_distributed)
 

@@ -35,10 +35,9 @@ def all_reduce_gradients(module: nn.Module, group=None):
     """Average every parameter's gradient over the group, one blocking all-reduce each.
 
     Correct, and the baseline the bucketed version must equal, but slow twice over: the network
-    idles during backward and backward's caller idles during the network, and a model of
-    hundreds of small tensors pays each message's latency hundreds of times. It assumes every
-    rank produced a gradient for the same parameters (collectives match by order).
-    """
+    idles during backward and backward's caller during the network, and a model of hundreds of
+    small tensors pays a message's latency hundreds of times. It assumes every rank produced a
+    gradient for the same parameters (collectives match by order)."""
     comm = as_comm(group)
     for p in module.parameters():
         if p.grad is not None:
@@ -56,10 +55,9 @@ def all_reduce_gradients(module: nn.Module, group=None):
 #   time ->  backward  | p5 p4 | p3 p2 p1 | p0 |
 #            network           |== all-reduce b0 ==|== b1 ==|== b2 ==|   finish_gradient_sync()
 #
-# A bucket's all-reduce starts the moment its last gradient lands, while backward goes on
-# computing the next layers: for a model whose backward takes longer than its communication,
-# only the last bucket's all-reduce is exposed. Few large messages instead of one per tensor
-# reach the link's bandwidth; too large a bucket would start its message too late to overlap.
+# A bucket's all-reduce starts the moment its last gradient lands, while backward computes the
+# next layers: if backward takes longer than the communication, only the last bucket's is exposed.
+# Few large messages reach the link's bandwidth; too large a bucket starts too late to overlap.
 
 def cut_into_buckets(params: list, bucket_mb: float) -> list[list]:
     """Consecutive parameters grouped into buckets of at most bucket_mb MiB, one dtype and device
@@ -80,16 +78,18 @@ class DDP(nn.Module):
     """Wrap `module` for data parallel training over `group` (a Comm, a ProcessGroup or None).
 
     Per step: forward and backward as usual (gradient hooks launch the buckets' all-reduces as
-    backward runs), then finish_gradient_sync() before optimizer.step(). For gradient
-    accumulation, run the backwards of all but the last micro-batch inside `with ddp.no_sync():`.
+    backward runs), then call finish_gradient_sync() yourself, before optimizer.step() (torch's DDP
+    finishes in a callback at the end of backward; here the wait is a line of the loop). For
+    gradient accumulation, run all but the last micro-batch's backward inside `with ddp.no_sync():`.
     reduce_dtype: the dtype each bucket is averaged in (None: the gradients' own, as torch's DDP;
     torch.float32 for bf16/fp16 gradients: upcast before the all-reduce, the mean rounded back
     into the bucket once, where torch's DDP would need a communication hook: in bf16 each ring
     step would round a partial sum to 8 bits of mantissa).
-    reductions: the parameters in parts, [((group, op, divisor), parameters)], in an order every
-    rank shares: a part starts from its group's rank 0, its gradients reduced by `op` over that
-    group, then divided by `divisor`. Default: one part, all averaged over `group`; where not
-    every rank holds every parameter, the composition hands in the parts (parallelize.py).
+    reductions: the parameters in parts, [((comm, op, divisor), parameters)], in an order every
+    rank shares, comm a Comm (the caller wraps a process group, as_comm, once: parts on one group
+    share one Comm): a part starts from its comm's rank 0, its gradients reduced by `op` over it,
+    then divided by `divisor`. Default: one part, all averaged over `group`; where not every rank
+    holds every parameter, the composition hands in the parts (parallelize.py).
     """
 
     keeps_whole_gradients = True        # GradientSyncs: every rank holds them all, always
@@ -136,8 +136,10 @@ class DDP(nn.Module):
     def _bucket(params: list, how: tuple) -> FlatParams:
         """A bucket: the parameters laid end to end in one flat buffer (a FlatParams of one
         shard: this rank owns all of it), their gradients beside it in the same layout, and the
-        group, op and divisor that reduce them. Each param.grad is a view of its slot in the
-        gradient buffer (PyTorch's gradient_as_bucket_view=True): the buckets are the gradients."""
+        comm, op and divisor that reduce them. Each param.grad is a view of its slot in the
+        gradient buffer (PyTorch's gradient_as_bucket_view=True): the buckets are the gradients.
+        DDP's attributes on it: comm, op, divide, grad_flat (here), indices (its parameters' places
+        in self.params), pending (gradients still to come, _reset), used (finish_gradient_sync)."""
         bucket = FlatParams(params, world_size=1)
         bucket.comm, bucket.op, bucket.divide = how
         bucket.grad_flat = torch.zeros_like(bucket.flat)                          # (L_b,)
@@ -169,9 +171,9 @@ class DDP(nn.Module):
         if self._ready[i]:
             raise RuntimeError(
                 f"DDP: parameter {self.names[i]!r} received a second gradient before its first was "
-                f"synchronised. For gradient accumulation run all but the last micro-batch's "
-                f"backward inside `with ddp.no_sync():`, and call ddp.finish_gradient_sync() after "
-                f"each synchronised backward (before optimizer.step()).")
+                f"synchronised: call ddp.finish_gradient_sync() after each synchronised backward "
+                f"(before optimizer.step()); for gradient accumulation run all but the last "
+                f"micro-batch's backward inside `with ddp.no_sync():`.")
         p = self.params[i]
         if p.grad.data_ptr() != self._slot[i].data_ptr():    # autograd made a .grad of its own
             self._slot[i].copy_(p.grad)
@@ -214,7 +216,7 @@ class DDP(nn.Module):
                     self._slot[i].zero_()
                 elif p.grad.data_ptr() != self._slot[i].data_ptr():
                     self._slot[i].copy_(p.grad)
-                self._mark_ready(i)                  # every bucket is full, so launched, by now
+                self._mark_ready(i)                  # after this loop every bucket is launched
         # A parameter that no rank used must keep grad None, as one process would leave it (AdamW
         # would otherwise decay it): OR the "used" flags over each bucket's group, a P-byte message
         # launched behind every bucket (the same place on every rank), so it overlaps them. Used
@@ -261,8 +263,7 @@ class DDP(nn.Module):
     def _broadcast_from_rank0(self):
         """Ranks may have been seeded differently: rank 0's initial weights (and buffers) become
         everyone's, each part's from rank 0 of its group. One broadcast per dtype of a flat copy,
-        not one per tensor; dict keys keep first-seen order, so every rank issues the broadcasts
-        in the same order."""
+        not one per tensor, in first-seen order (dict keys): the same order on every rank."""
         parts = [(group, params) for (group, _, _), params in self.reductions]
         for group, tensors in [*parts, (self.comm, list(self.module.buffers()))]:
             for kind in dict.fromkeys((t.dtype, t.device) for t in tensors):
@@ -276,8 +277,10 @@ class DDP(nn.Module):
     def _gradients_into_buckets(self):
         """Each parameter whose .grad was set to None (zero_grad(set_to_none=True)) gets its zeroed
         slot back as .grad, so autograd adds the coming gradient into the bucket in place. Only
-        those whose hook has fired before: a gradient written outside autograd (a zero-bubble
-        pipeline's W, say) fires none, and only its arrival as a .grad says it was used."""
+        those whose hook has fired before, so a parameter's first backward is not zero-copy (its
+        own .grad is copied into the slot, _gradient_arrived): until then .grad stays None, as
+        without DDP, and a gradient written outside autograd (a zero-bubble pipeline's W, say)
+        fires no hook: only its arrival as a .grad of its own says it was used."""
         for bucket in self.buckets:
             back = [i for i in bucket.indices if self._hooked[i] and self.params[i].grad is None]
             if len(back) == len(bucket.params):
@@ -293,11 +296,9 @@ class DDP(nn.Module):
         return [bucket.grad_flat for bucket in self.buckets]
 
     def bytes_per_step(self) -> int:
-        """Bytes this rank sends per synchronised step, as the ring schedule sends them.
-
-        2(N-1)/N x each bucket (padded to N equal chunks) in the reduce dtype, plus the P-byte
-        used-flag vector: about twice the gradients' bytes, nearly independent of N.
-        """
+        """Bytes this rank sends per synchronised step, as the ring schedule sends them: 2(N-1)/N x
+        each bucket (padded to N equal chunks) in the reduce dtype, plus the P-byte used-flag
+        vector: about twice the gradients' bytes, nearly independent of N."""
         grads = sum(ring_bytes("all_reduce", b.grad_flat.numel(),
                                (self.reduce_dtype or b.grad_flat.dtype).itemsize,
                                b.comm.world_size) for b in self.buckets)

@@ -115,8 +115,9 @@ def check_max_norm(max_norm: float):
 
 
 def read_decision(norm: torch.Tensor, flags: torch.Tensor | None = None) -> tuple[float, list | None]:
-    """The step's one device-to-host read (a host sync on a GPU): the global norm, and in the
-    same copy any flags the step needs on the host (a sharded step's used-flags)."""
+    """The step's one device-to-host read (a host sync on a GPU): returns (the global norm as a
+    float, whose finiteness is the decision, step or skip; any flags the step needs on the host,
+    a sharded step's used-flags, read in the same copy, else None)."""
     if flags is None:
         return norm.item(), None
     norm, *flags = torch.cat([norm.reshape(1).float(), flags.float()]).tolist()
@@ -163,8 +164,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     own, so an lr scheduler drives it. For fp32 the parameters are their own masters: no copy.
     comm: a collectives.Comm or process group over ranks whose gradients may differ, to
     agree on skipping; None when there is one rank or the gradients are already averaged.
-    scaler: default DynamicLossScaler, enabled only for fp16.
+    scaler: default DynamicLossScaler, enabled only for fp16. In every precision a step whose
+    gradients hold an inf/NaN is skipped (torch's GradScaler(enabled=False) would take it).
     Loop:  zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) if clipping; step()
+    with the loss in fp32 (the logits cast first): loss x 2**16 in fp16 would overflow at 65504.
     """
 
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, precision: str = "fp32",
@@ -181,6 +184,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         # parameters are overwritten from the masters after every step.
         self.masters = [p if dtype == torch.float32 else p.detach().float().requires_grad_()
                         for p in self.params]
+        # device: where a composition's norm is made (mesh_optimizer.py reads its first part's)
         self.precision, self.device = precision, self.params[0].device if self.params else None
         self.comm = as_comm(comm) if comm is not None else None
         self.scaler = scaler or DynamicLossScaler(enabled=precision == "fp16")
@@ -203,13 +207,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         Clipping, if asked, ran before (clip_grad_norm_), by the same norm."""
         loss = run_closure(closure)
         norm, _ = read_decision(self.global_norm())    # the step's one device-to-host read
-        self.update(norm)
-        self.scaler.update(self.last_step_skipped)
+        self.update(norm)                              # this optimizer's: skip, or step the masters
+        self.scaler.update(self.last_step_skipped)     # the loss scale's: back off, or count on
         return loss
 
     def global_norm(self) -> torch.Tensor:
-        """The 2-norm of every unscaled gradient (a device scalar, the same on every rank of
-        comm). One non-finite element makes it non-finite: it doubles as the overflow check."""
+        """The 2-norm of this rank's unscaled gradients, a device scalar. One non-finite element
+        makes it non-finite: it doubles as the overflow check. With comm, only that is shared: inf
+        on every rank if on any (the norms agree only where the gradients do, averaged by DDP)."""
         if self._norm is None:
             norm = get_total_norm(self.unscale_gradients())
             if self.comm is not None:

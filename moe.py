@@ -1,13 +1,13 @@
 """Mixture of experts: each token runs through k of E expert MLPs, picked by a learned router.
 
-A block's MLP becomes E copies (experts) and a linear router; each token goes to its top-k
-experts and their outputs are summed, weighted by the router's gate values. Parameters grow
-E-fold, the compute per token only k-fold (Shazeer et al. 2017). GShard (Lepikhin et al. 2020,
-section 2.2) routes to 2 experts with a capacity per expert, Switch (Fedus et al. 2021, section
-2.2) to 1, with the load-balancing loss E * sum_e f_e P_e; ST-MoE (Zoph et al. 2022, section 3)
-adds the router z-loss. Expert parallelism (as GShard shards experts): E/P experts on each of P ranks,
-the tokens sent to their experts' ranks by an all-to-all and brought back by a second. Left out:
-shared experts, expert-choice routing, jitter noise. feed_forward builds a GPT's blocks with it.
+A block's MLP becomes E copies (experts) and a linear router; each token goes to its top-k experts
+and their outputs are summed, weighted by the router's gate values. Parameters grow E-fold, the
+compute per token only k-fold (Shazeer et al. 2017). GShard (Lepikhin et al. 2020, section 2.2)
+routes to 2 experts with a capacity per expert, Switch (Fedus et al. 2021, section 2.2) to 1, with
+the load-balancing loss E * sum_e f_e P_e; ST-MoE (Zoph et al. 2022, section 3) adds the router
+z-loss. Expert parallelism (as GShard's): E/P experts on each of P ranks, the tokens sent to their
+experts' ranks by an all-to-all and back by a second. Left out: shared experts, expert-choice
+routing, jitter noise. feed_forward builds a GPT's blocks with it.
 Run alone: torchrun --nproc_per_node 2 moe.py (the experts split over 2 ranks against the layer
 whole); in training: train.py --model tiny-moe --ep 2; test: python -m pytest tests/test_moe.py
 
@@ -38,9 +38,11 @@ class MoE(nn.Module):
     passes model.py's MLP, so that an MoE of one expert is exactly the dense block).
     top_k: experts per token (1: Switch, 2: GShard, any k <= E); the k gate values are the
     router's softmax probabilities of the chosen experts, renormalised to sum to 1 over them.
+    So with k = 1 the gate is p / p = 1 and the router learns from the aux losses only, not the
+    task loss: a deviation from Switch, whose gate is p itself.
     capacity_factor: each expert takes at most K = ceil(capacity_factor * k * S / E) of a routing
-    group's assignments; the rest are dropped (a token whose every choice is dropped adds
-    nothing: the block's residual carries it through). None: dropless, every assignment runs.
+    group's assignments; the rest are dropped (a token whose every choice is dropped adds nothing:
+    the residual carries it). None: dropless, every assignment runs.
     group_size: tokens per routing group (None: every token of the forward, one group).
     aux_loss_weight, z_loss_weight: the weights of the load-balancing and router z-losses; after
     each forward `aux_loss` holds their weighted sum, for the model to add to its loss, and
@@ -103,12 +105,13 @@ class MoE(nn.Module):
 
     def _forward_static(self, tokens):
         """Capacity mode in shapes fixed by the options alone, so the host never reads the
-        routing: every assignment is written into an (E, G*K, C) buffer of slots (a dropped one
-        into a last row, thrown away), each expert runs on its G*K slots (empty ones are zeros,
-        computed and thrown away: the price of no host sync), and each assignment reads its
-        output back (a dropped one a slot of no matter: its gate is zeroed)."""
+        routing: every assignment is written into an (E, G*K, C) buffer of slots, each expert
+        runs on its G*K slots (empty ones are zeros, computed and thrown away: the price of no
+        host sync), and each assignment reads its output back."""
         a = self._assign(tokens)
         E, C, slots = len(self.experts), tokens.shape[1], a["groups"] * a["capacity"]   # G*K
+        # Every dropped assignment writes the one spare last row (whichever write wins, the row is
+        # cut off) and reads back row 0, cancelled by its zero gate below.
         row = torch.where(a["keep"], a["expert"] * slots + a["group"] * a["capacity"] + a["position"],
                           E * slots)                                                # (A,)
         buffer = tokens.new_zeros(E * slots + 1, C).index_put((row,), tokens[a["token"]])
@@ -125,9 +128,8 @@ class MoE(nn.Module):
     @contextlib.contextmanager
     def generating(self):
         """Inside, this layer routes each forward's tokens as one group (model.GPT.generate).
-        Routing groups are a training choice (a capacity and a balancing loss for each group
-        of a batch's tokens); generating, a forward has the tokens its window holds, which a
-        group need not divide."""
+        Routing groups are a training choice (a capacity and a balancing loss per group of a
+        batch's tokens); generating, a forward has its window's tokens, which need not divide."""
         size, self.group_size = self.group_size, None
         try:
             yield
@@ -142,12 +144,11 @@ class MoE(nn.Module):
     #   all-to-all, and backward runs the same two exchanges the other way round.
 
     def _exchange_static(self, dispatched):
-        """Capacity mode: the (E, G*K, C) buffer of fixed shape (G routing groups, K slots each),
-        so both all-to-alls send equal blocks, whatever the routing: no sizes to agree on first,
-        and the bytes never change. Empty slots are zeros, computed and thrown away."""
+        """Capacity mode: the (E, G*K, C) buffer of fixed shape (G routing groups, K slots each), so
+        both all-to-alls send equal blocks whatever the routing: no sizes to agree on, fixed bytes."""
         E, slots, C = dispatched.shape
         P = self.ep.world_size
-        received = all_to_all(dispatched.reshape(E * slots, C), self.ep)         # (P*E/P*G*K, C)
+        received = all_to_all(dispatched.reshape(E * slots, C), self.ep)         # (E*G*K, C)
         # From each source rank, its slots for each of my experts: run expert by expert.
         mine = received.view(P, len(self.local), slots, C).transpose(0, 1)  # (E/P, P, G*K, C)
         outputs = torch.stack([self.experts[e](chunk.reshape(P * slots, C))
@@ -160,11 +161,11 @@ class MoE(nn.Module):
         first swap their counts per expert (E numbers) to size the receiving buffers."""
         P, L = self.ep.world_size, len(self.local)
         counts = route["per_expert"]                                         # (E,) on the device
-        incoming = torch.empty_like(counts)
-        self.ep.all_to_all(incoming, counts)                                 # (P*L,) for my experts
+        their_counts = torch.empty_like(counts)
+        self.ep.all_to_all(their_counts, counts)                             # (P*L,) for my experts
         # Both sizes in one read (the layer's one host sync): NCCL's all-to-all takes its splits
         # as host integers, and the receiving buffer's size must be known to allocate it.
-        sizes = torch.cat([incoming, counts.view(P, L).sum(dim=1)]).tolist()
+        sizes = torch.cat([their_counts, counts.view(P, L).sum(dim=1)]).tolist()
         incoming = [sizes[p * L: (p + 1) * L] for p in range(P)]             # [source][local expert]
         send_splits = sizes[P * L:]
         receive_splits = [sum(row) for row in incoming]
@@ -182,9 +183,8 @@ class MoE(nn.Module):
 
         Returns the kept assignments sorted by expert (then by priority): "token" (kept,)
         indices into tokens, "gate" (kept,) fp32, "per_expert" (E,) counts, and "expert" and
-        "position" (kept,) for a dispatch buffer (E, K, C) of static shape. In capacity mode
-        the kept ones' number is read on the host (a boolean mask): forward does without it.
-        """
+        "position" (kept,) slots in a dispatch buffer. forward uses it when dropless; in capacity
+        mode (tests) the kept ones' number is a host read, so forward uses _forward_static."""
         a = self._assign(tokens)
         order = a["order"]                                                # by queue, then priority
         kept = order if self.capacity_factor is None else order[a["keep"][order]]
@@ -200,7 +200,9 @@ class MoE(nn.Module):
         ("keep"); "order" sorts them by queue, then priority. Shapes fixed by S, E and k alone:
         nothing here waits for the device (counts by index_add_: bincount reads its max)."""
         S, E, k = tokens.shape[0], len(self.experts), self.top_k
-        logits = self.router(tokens).float()                              # (S, E), fp32 softmax
+        # The matmul runs in the model's dtype (the router weight's), the softmax, gates and losses
+        # in fp32: bf16 would round every probability, and the z-loss's logsumexp, to 8 bits.
+        logits = self.router(tokens).float()                              # (S, E)
         probs = logits.softmax(dim=-1)
         top_probs, top_experts = probs.topk(k, dim=-1)                    # (S, k)
         gates = top_probs / top_probs.sum(dim=-1, keepdim=True)           # renormalised over k
@@ -213,16 +215,19 @@ class MoE(nn.Module):
         if S % group_size:
             raise ValueError(f"MoE: {S} tokens do not split into routing groups of {group_size}")
         groups = S // group_size
-        # One queue per (group, expert); an assignment's position in its queue is how many of
-        # that queue's assignments come before it in priority order (a stable sort keeps it).
+        # One queue per (group, expert); an assignment's position, how many of its queue come before
+        # it in priority order, is its place in the stable sort by queue minus its queue's start.
+        # E.g. queues [1, 0, 1, 1]: order [1, 0, 2, 3], starts [0, 1]; assignment 1 is 0 - 0 = 0th
+        # of queue 0, assignments 0, 2, 3 are 1 - 1, 2 - 1, 3 - 1 = 0th, 1st, 2nd of queue 1.
         queue = (token // group_size) * E + expert                        # (A,)
         order = torch.argsort(queue, stable=True)                         # by queue, then priority
         per_queue = _count(queue, groups * E)                             # (groups*E,)
         starts = per_queue.cumsum(0) - per_queue
         position = torch.empty_like(order)
         position[order] = torch.arange(order.numel(), device=order.device) - starts[queue[order]]
+        # K; dropless, group_size * k: no queue is longer (a token's k experts differ): keep all
         capacity = (expert_capacity(group_size, E, k, self.capacity_factor)
-                    if self.capacity_factor is not None else group_size * k)   # K
+                    if self.capacity_factor is not None else group_size * k)
         keep = position < capacity                                        # (A,)
         per_expert = _count(expert, E, keep)                              # (E,) kept
         self._losses(logits, probs, per_queue.view(groups, E), per_expert, A=k * S)
@@ -232,7 +237,8 @@ class MoE(nn.Module):
 
     def _losses(self, logits, probs, per_queue, per_expert, A):
         """Switch's load balancing, E * sum_e f_e P_e with f_e the share of a routing group's
-        assignments routed to e (before any drop) and P_e its mean router probability of e:
+        assignments routed to e (all k choices, before any drop; GShard counts first choices
+        only) and P_e its mean router probability of e:
         1 when balanced, E when everything goes to one expert; averaged over the groups, so
         that ranks routing their own tokens average to one process routing the same groups.
         The z-loss, mean (logsumexp logits)^2, keeps the router's logits small."""
@@ -271,12 +277,11 @@ def expert_capacity(group_size: int, experts: int, top_k: int, capacity_factor: 
 def layer_exchange_bytes(tokens: int, channels: int, experts: int, top_k: int,
                          capacity_factor: float | None, group_size: int | None, ep: int,
                          element_size: int) -> int:
-    """Bytes a rank sends per forward and backward of one MoE layer on `tokens` tokens, its
-    experts split over ep ranks: four all-to-alls (dispatch and combine, and their mirrors in
-    backward), each sending (ep-1)/ep of the rank's dispatch rows of C channels. Capacity mode:
-    the static buffer's E x G x K rows, whatever the routing. Dropless (capacity_factor None):
-    the k x tokens assignments, of which (ep-1)/ep leave the rank when the routing is balanced,
-    an estimate (memory.py's napkin; the counter measures the real ones)."""
+    """Bytes a rank sends per forward and backward of one MoE layer on `tokens` tokens, its experts
+    split over ep ranks: four all-to-alls (dispatch and combine, their mirrors in backward), each
+    sending (ep-1)/ep of the rank's dispatch rows of C channels. Capacity mode: the static buffer's
+    E x G x K rows, whatever the routing. Dropless (capacity_factor None): the k x tokens
+    assignments, (ep-1)/ep leaving when the routing is balanced, an estimate (memory.py's napkin)."""
     group = group_size or tokens
     rows = (tokens // group * experts * expert_capacity(group, experts, top_k, capacity_factor)
             if capacity_factor is not None else top_k * tokens)
@@ -304,7 +309,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_to_all(x, comm: Comm, receive_splits=None, send_splits=None):
-    """Rows of x to the ranks of comm (splits: rows per rank; None: equal), differentiable."""
+    """Rows of x to the ranks of comm (splits: rows per rank; None: equal), differentiable. The
+    receive splits first, as Comm.all_to_all takes output_splits before input_splits."""
     return _AllToAll.apply(x, comm, receive_splits, send_splits)
 
 
@@ -324,11 +330,10 @@ def routing_summary(model: nn.Module) -> dict:
 # ---- run alone: the experts split over the ranks against the same layer whole on one process ---
 
 def _demonstrate(ep: Comm, capacity_factor: float | None) -> float:
-    """One MoE layer (E = 4 experts of C = 16 channels, top-2) in fp64, split E/P experts a rank,
-    each rank routing its own S = 64 tokens, against the same layer whole routing all P*S tokens
-    as P groups (one process). Each rank's loss: a fixed readout of its outputs, plus the
-    routers' loss; the whole's: their mean, as data parallelism averages. Returns the largest
-    difference from one process (outputs, input, router and expert gradients), on every rank."""
+    """One MoE layer (E = 4 experts of C = 16 channels, top-2) in fp64, E/P experts a rank, each
+    routing its own S = 64 tokens, against the layer whole routing all P*S tokens as P groups. Loss:
+    a fixed readout of the outputs plus the routers' (the whole's: the ranks' mean, as data
+    parallelism averages). Returns the largest difference (outputs, input, router, expert grads)."""
     torch.manual_seed(0)                                              # the same layer everywhere
     C, E, S, P, r = 16, 4, 64, ep.world_size, ep.rank
     whole = MoE(C, lambda: nn.Sequential(nn.Linear(C, 4 * C), nn.GELU(), nn.Linear(4 * C, C)),

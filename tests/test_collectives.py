@@ -241,6 +241,20 @@ def test_wrong_shard_size_is_a_clear_error():
         assert "pad the full tensor to a multiple of N" in message
 
 
+def _plain_ring_of_odd_length():
+    from collectives import ring_all_reduce
+    try:
+        ring_all_reduce(torch.ones(7))
+    except ValueError as error:
+        return str(error)
+
+
+def test_plain_ring_of_a_length_n_does_not_divide_is_a_clear_error():
+    """7 elements on 2 ranks: one line naming the fix on every rank, before any message."""
+    for message in run_ranks(_plain_ring_of_odd_length, 2):
+        assert message and "pad the tensor to a multiple of N" in message, message
+
+
 
 # ---- all-to-all (moe.py's dispatch and combine) ------------------------------------------------
 
