@@ -77,7 +77,7 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
         self.unscale_gradients()         # 2 the shards / the loss scale, into the fp32 masters' .grad
         norm_on_device = self.global_norm()    # 3 the shards' squares, one all-reduce: a tensor
         # 4 clipping is clip_grad_norm_(max_norm)'s, if the loop called it: by this norm, already
-        norm, used = read_decision(norm_on_device, self._used)  # 5 the one host read: floats
+        norm, used = read_decision(norm_on_device, self._used)  # 5 the one host read: tensor -> float
         self.update(norm, used)          # 6 inf/NaN: skip; else the inner step, 7 the all-gather
         self.scaler.update(self.last_step_skipped)               # 8 the loss scale follows
         return loss
@@ -262,7 +262,7 @@ class Zero2Optimizer(ZeroOptimizer):
 
     #   backward   | grads of bucket 0 | grads of bucket 1 | grads of bucket 2 |
     #   network                        |= reduce-scatter 0 =|= reduce-scatter 1 =|= 2 =|
-    #   memory       full gradient buffers: the bucket filling, <= MAX_REDUCTIONS_IN_FLIGHT in flight
+    #   memory       full buffers only for the bucket filling, <= MAX_REDUCTIONS_IN_FLIGHT in flight; then shards
 
     def _hook_gradients(self):
         self._order = InOrder(self.buckets, self._launch_reduction, self._retire,
