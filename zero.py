@@ -137,7 +137,7 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
 
     def norm_pieces(self, weight_of=None) -> list:
         """[(a run of a gradient shard, weight_of(param, 1), default 1)]: what the norm sums."""
-        return shard_pieces(self.buckets, self.unscale_gradients(), weight_of)   # (done: returns them)
+        return shard_pieces(self.buckets, self.unscale_gradients(), weight_of)   # phase 2's, run already
 
     def launch_used_flags(self) -> tuple:
         """(Did any rank compute each parameter's gradient: (P,) flags, OR'ed, or None), agree()."""
