@@ -5,10 +5,11 @@ each unit of the model (a transformer block; the rest is the root unit) is one f
 sharded 1/N. A unit's life in a training step, as FSDP below writes it:
     forward    all-gather its flat parameter (the next unit's starts meanwhile) -> compute -> free
     backward   all-gather it again -> compute -> free -> reduce-scatter its gradient
-3 (N-1)/N of the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state.
-fsdp_state.py holds what a reader can skip (the wrap, the checks, what the program reads of the
-shards); fsdp_optimizer.py steps on the shards. The extensions, each read after this file:
-fsdp_hybrid.py (HSDP), fsdp_offload.py (the shards in host memory), fsdp_frozen.py (a frozen base).
+    step       (not here) an optimizer updates the fp32 shards, FSDP.parameters(): a plain torch one
+               (the demo's AdamW), or fsdp_optimizer.py's FSDPOptimizer (loss scale, clipping, offload)
+3 (N-1)/N of the model on the wire per step (the root unit gathered once), 1.5x DDP, for 1/N of every
+byte of training state. fsdp_state.py holds what a reader can skip (the wrap, the checks, what the program
+reads of the shards). Read after: fsdp_hybrid.py (HSDP), fsdp_offload.py, fsdp_frozen.py (a frozen base).
 Left out: a stream of our own (NCCL's async collectives run on theirs), FSDP1's state API.
 Run alone: torchrun --nproc_per_node 2 fsdp.py; test: python -m pytest tests/test_fsdp.py
 
@@ -35,8 +36,7 @@ class Unit(FlatParams):
         flat    (N*S,)  compute dtype, gathered; its storage is resized to 0 between uses, and
                         the module's parameters stay views of it, so the module code never changes
     comm: the ranks it is sharded over; its gradient is reduce-scattered over them by `op`, then
-    divided by `divide` (avg and 1, the mean, unless fsdp_state.py says otherwise: an expert's).
-    """
+    divided by `divide` (avg and 1, the mean, unless fsdp_state.py says otherwise: an expert's)."""
 
     def __init__(self, index, module, params, comm, compute_dtype, device):
         super().__init__(params, comm.world_size)          # self.flat: (N*S,) fp32, params view it
@@ -54,8 +54,7 @@ class Unit(FlatParams):
 
     @property
     def grad(self):
-        """This rank's reduced (and accumulated) gradient of the shard, (S,) fp32: the master's
-        own .grad, so any torch.optim optimizer over FSDP.parameters() steps on it."""
+        """(S,) fp32, this rank's reduced (accumulated) gradient: the master's .grad, for any optimizer."""
         return self.master.grad
 
     @grad.setter
@@ -82,8 +81,7 @@ class Unit(FlatParams):
         self.gathering = []
         for shard, flat in self.sends():
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-            # The shard stays with its handle: it must live until it is sent.
-            self.gathering.append((self.comm.all_gather(flat, shard, async_op=True), shard))
+            self.gathering.append((self.comm.all_gather(flat, shard, async_op=True), shard))  # shard kept until sent
         self.gathered = True
 
     def wait(self):
@@ -98,12 +96,14 @@ class Unit(FlatParams):
         self.gathered = False
 
     def refresh(self):
-        """The master changed (an optimizer's step, a checkpoint's load): a gathered copy is stale."""
+        """The master changed (a step, a checkpoint's load): a copy still gathered (only inside
+        gathered_for_step()) is stale. (fsdp_offload.py's also copies the master to the device.)"""
         self.free()
 
 
 class FSDP(FSDPState, nn.Module):
-    """Wrap `module` in FSDP units; `.module` runs unchanged, `.parameters()` are the shards.
+    """Wrap `module` in FSDP units; `.module` runs unchanged, `.parameters()` are the fp32 master
+    shards, each .grad its reduced gradient after finish_gradient_sync(): any optimizer steps them.
 
     module: fp32, every parameter trained (a frozen base: fsdp_frozen.py). wrap: True for each
     submodule that becomes a unit (default: the GPT's blocks); the rest, and any parameter two
@@ -111,11 +111,10 @@ class FSDP(FSDPState, nn.Module):
     end. mp_policy: the dtypes units compute and gather in (param_dtype) and reduce in
     (reduce_dtype), fp32 by default. group: a collectives.Comm, a process group or None (the
     world). prefetch: units gathered ahead of the one computing (0: none). device: where shards and
-    gathered units live (default: the module's; a model built on the CPU visits it unit by unit).
-    """
+    gathered units live (default: the module's; a model built on the CPU visits it unit by unit)."""
 
     keeps_whole_gradients = False       # flat.GradientSyncs: each unit's reduced, then freed
-    unit_type = Unit
+    unit_type = Unit                    # what _make_unit builds (fsdp_frozen.py's: its own)
 
     def __init__(self, module: nn.Module, wrap=gpt_blocks, mp_policy: MixedPrecisionPolicy | None = None,
                  group=None, prefetch: int = 1, device=None):
@@ -126,11 +125,13 @@ class FSDP(FSDPState, nn.Module):
         self.comm, self.prefetch = as_comm(group), prefetch
         self.device = self._check_arguments(module, device)       # fsdp_state.py
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
-        self._make_units(module, wrap)   # fsdp_state.py: self.roots, self.order, self.units, self.root
-        # Backward's order, the root last: every rank launches its reduce-scatters in this order.
+        # fsdp_state.py: self.roots ([] or [the root unit], gathered the whole step), self.root (the
+        # root unit if it trains, else None), self.order (the other units, forward order), self.units.
+        self._make_units(module, wrap)
+        # The reduce-scatters' order, the same on every rank: backward's (self.order reversed), root last.
         self.reduce_order = [u for u in self.order[::-1] if u.params] + ([self.root] if self.root else [])
-        self._order = InOrder(self.reduce_order, self._reduce_scatter, self._retire,
-                              max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
+        self._reductions = InOrder(self.reduce_order, self._reduce_scatter, self._retire,
+                                   max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
         self.shards = nn.ParameterList([u.master for u in self.units])
         module.to(self.device)            # the buffers; the parameters are there already
         for unit in self.order:
@@ -148,7 +149,6 @@ class FSDP(FSDPState, nn.Module):
         self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
 
     # ---- a unit's life: forward ----------------------------------------------------------------
-    #
     #   compute     | unit 0 fwd | unit 1 fwd | unit 2 fwd |      (prefetch = 1)
     #   network  |ag 0|ag 1 ......|ag 2 .......|ag 3 .......|
     #   memory      unit i and unit i+1 gathered; unit i freed as its forward returns
@@ -173,7 +173,8 @@ class FSDP(FSDPState, nn.Module):
         self._prefetch(self._next(unit, +1))    # overlaps with this unit's compute
 
     def _after_forward(self, unit, output):
-        """Free it; its backward starts when the gradient of its output arrives."""
+        """Free it; its backward starts when the gradient of its output arrives: a hook on each
+        output tensor (the first to fire gathers the unit; _gather skips it for the others)."""
         self.events.append(("forward done", unit.index))
         self._free(unit)
         if torch.is_grad_enabled():
@@ -184,7 +185,6 @@ class FSDP(FSDPState, nn.Module):
         return output
 
     # ---- a unit's life: backward ---------------------------------------------------------------
-    #
     #   compute     | unit 2 bwd | unit 1 bwd | unit 0 bwd |
     #   network  |ag 2|ag 1 ......|ag 0 ......|
     #                        |rs 2 .....|rs 1 .......|rs 0|   (in flight: at most 2)
@@ -198,19 +198,20 @@ class FSDP(FSDPState, nn.Module):
         self._prefetch(self._next(unit, -1))
 
     def _gradient_ready(self, k: int):
-        """Autograd accumulated a gradient of unit k; with its last one, the unit's backward is done."""
+        """Autograd accumulated a gradient of unit k; with its last one, the unit's backward is
+        done. A parameter this backward does not use holds it (and, in reduce_order, the units after
+        it) back until the end of backward: _finish_backward launches it."""
         unit = self.units[k]
         self._hook_end_of_backward()
-        unit.pending -= 1                # its gradients still to come (FlatParams')
+        unit.pending -= 1                # its gradients still to come (FlatParams' count)
         if unit.pending == 0:
             unit.pending = len(unit.params)
             self._after_backward(unit)
 
     def _after_backward(self, unit):
-        """Free it, and reduce-scatter its gradient: in reduce_order on every rank (flat.InOrder),
-        so a unit unused here waits for the end of backward, and the units after it with it."""
+        """Free it, and reduce-scatter its gradient: in reduce_order on every rank (flat.InOrder)."""
         self._free_after_backward(unit)
-        self._order.ready(unit)                  # -> _reduce_scatter(unit), when its turn comes
+        self._reductions.ready(unit)             # -> _reduce_scatter(unit), when its turn comes
 
     def _reduce_scatter(self, unit):
         """Launch the reduce-scatter of unit's gradient, unless no_sync: each rank receives its
@@ -218,7 +219,9 @@ class FSDP(FSDPState, nn.Module):
         started = None
         self._unreduced = not self._sync
         if self._sync:
-            grad = torch.zeros_like(unit.flat, dtype=self.reduce_dtype)          # (N*S,)
+            # A fresh (N*S,) buffer (zeros_like reads unit.flat's shape, not its freed storage), each
+            # .grad (autograd's own tensor) copied in: the unit's whole gradient lives until its retire.
+            grad = torch.zeros_like(unit.flat, dtype=self.reduce_dtype)
             used = [p.grad is not None for p in unit.params]
             for p, view in zip(unit.params, unit.views(grad)):
                 if p.grad is not None:
@@ -227,7 +230,7 @@ class FSDP(FSDPState, nn.Module):
             output = grad.new_empty(unit.master.shape)     # (S,), on the gradient's device
             started = unit.comm.reduce_scatter(output, grad, op=unit.op, async_op=True), output, used
             self.events.append(("reduce-scatter", unit.index))
-        self._free_after_backward(unit)                 # (a unit launched by launch_rest)
+        self._free_after_backward(unit)   # again: a unit launch_rest launched skipped _after_backward
         return started
 
     def _retire(self, unit, started):
@@ -248,7 +251,7 @@ class FSDP(FSDPState, nn.Module):
     def _finish_backward(self):
         """Every rank launches every unit's reduce-scatter (collectives match by order), whatever
         its graph used: those whose gradients never (fully) came go now."""
-        self._order.launch_rest()
+        self._reductions.launch_rest()
         for unit in self.units:
             unit.pending = len(unit.params)
         self._backward_hooked = False
@@ -259,8 +262,8 @@ class FSDP(FSDPState, nn.Module):
         fp32 averaged gradient in .grad, for any torch.optim optimizer. Gradients accumulated
         under no_sync with no backward after it (a zero-bubble pipeline's W) are reduced now."""
         if self._unreduced:
-            self._order.launch_rest()
-        self._order.wait_all()
+            self._reductions.launch_rest()
+        self._reductions.wait_all()
         if self._sync and not self._used_agreed:
             self._agree_used()      # fsdp_state.py: a unit no rank used gets .grad None
             self._used_agreed = True
@@ -273,17 +276,16 @@ class FSDP(FSDPState, nn.Module):
             return
         unit.all_gather()
         self.events.append(("all-gather", unit.index))
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(          # the roots too
             flat.untyped_storage().nbytes() for u in self.roots + self.order for flat in u.flats()))
 
     def _prefetch(self, unit):
         """Gather unit ahead while at most `prefetch` others are gathered: 1 + prefetch at once."""
-        busy = sum(u.gathered for u in self.order)
+        busy = sum(u.gathered for u in self.order)      # the computing unit counts; the roots do not
         if unit is not None and self.prefetch and busy <= self.prefetch:
             self._gather(unit)
 
-    def _next(self, unit, step):
-        """The unit after (step=+1) or before (-1) `unit` in forward order; None at the ends."""
+    def _next(self, unit, step):             # the unit after (step=+1) or before (-1) it, or None
         i = self.order.index(unit) + step
         return self.order[i] if 0 <= i < len(self.order) else None
 
@@ -336,10 +338,9 @@ class _Told(FSDP):
 
 
 def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
-    """Three blocks as units, and a root, trained on 2 ranks by a plain AdamW on the shards;
-    beside it one process trains the same model by AdamW on the whole batch. Its loss, the mean
-    of the two halves' means, is the whole batch's, and its fp32 sums are the ranks' in the
-    same order (one forward of all the rows would reorder them): the parameters must be equal."""
+    """Three blocks as units, and a root, trained on 2 ranks by a plain AdamW on the shards; beside
+    it one process's AdamW on the whole batch, its loss the mean of the two halves' means: the
+    ranks' fp32 sums in the same order (one forward of all rows would reorder them), so equal."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -368,10 +369,9 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
     sharded = fsdp.full_state_dict(all_ranks=True)
     difference = max((sharded[name] - p).abs().max().item() for name, p in alone.named_parameters())
     if rank == 0:
-        print(f"rank 0 holds {4 * held} of the model's {4 * whole} bytes of fp32 parameters (1/{n}, "
-              f"padded to equal shards), and AdamW's two moments of those only")
-        print(f"max |difference| from one process after {steps} AdamW steps: {difference:.1e} "
-              f"(bound 0: the same fp32 sums in the same order)", flush=True)
+        print(f"rank 0 holds {4 * held} of the model's {4 * whole} bytes of fp32 parameters (1/{n}, padded "
+              f"to equal shards), and AdamW's two moments of those only\nmax |difference| from one process after "
+              f"{steps} AdamW steps: {difference:.1e} (bound 0: the same fp32 sums in the same order)", flush=True)
     dist.destroy_process_group()
     os._exit(int(difference > 0))  # at once: gloo's threads may still hold tensors (exit_distributed)
 

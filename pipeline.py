@@ -11,8 +11,9 @@ Run: torchrun --nproc_per_node 2 pipeline.py (GPipe and 1F1B against one process
      python pipeline.py --stages 4 --microbatches 8 --schedule 1f1b (draws the schedule)
 Test: python -m pytest tests/test_pipeline.py (the schedules: tests/test_schedules.py)
 
-Shapes: P stages, M micro-batches, s stage, m micro-batch, v chunks per stage, B batch rows per
-pipeline, b = B / M rows per micro-batch, T sequence, C channels.
+Shapes: P stages, M micro-batches, s stage, m micro-batch, B batch rows per pipeline, b = B / M rows
+per micro-batch, T sequence, C channels. Interleaving (schedules.py): v chunks of blocks per stage,
+V = P*v virtual stages; GPipe and 1F1B here have v = 1 (chunk 0, V = P).
 """
 import contextlib
 import os
@@ -35,8 +36,8 @@ from foundations.process_groups import exit_distributed, init_distributed
 # ---- the model, cut into stages ----------------------------------------------------------
 
 def split_layers(n_layer: int, P: int, sizes: list[int] | None = None, v: int = 1) -> list[range]:
-    """The blocks of each of the P v chunks (virtual stages; stage s holds chunks s, s + P, ...):
-    `sizes` blocks each if given, else balanced by count (the first n_layer % Pv take one more;
+    """The blocks of each of the P*v chunks (virtual stages; stage s holds chunks s, s + P, ...):
+    `sizes` blocks each if given, else balanced by count (the first n_layer % (P*v) take one more;
     the last also computes the head and loss)."""
     check_layers(n_layer, P, sizes, v)              # every chunk at least one block, all of them used
     if sizes is None:
@@ -66,8 +67,8 @@ class GPTStage(nn.Module):
         if not last:
             gpt.norm = gpt.head = None
         self.gpt, self.first, self.last, self._tied = gpt, first, last, tied
-        # Each stage holds its own parameters (sharded along "pp": their squares add up over the
-        # stages in the norm); the last stage's tied copy is the first's, counted there.
+        # Sharded along "pp", None: no tensor cut, each stage holds different ones (their squares add
+        # up over the stages in the norm); the last stage's tied copy is the first's, counted there.
         for p in self.parameters():
             place(p, shard={"pp": None})
         if tied and last:
@@ -79,6 +80,8 @@ class GPTStage(nn.Module):
         return self.gpt.token_emb.weight if self._tied else None
 
     def forward(self, x, targets=None, chunk: int = 0):
+        """Chunk `chunk` on x. Returns the activation (b, T, C), or (it, the routers' losses) with experts;
+        on the model's last chunk the logits (b, T, vocab) without targets, else the loss (+ the routers')."""
         gpt = self.gpt                                   # model.GPT's own parts, a stage's share
         if self.first and chunk == 0:
             x = gpt.embed(x)                             # (b, T) token ids -> (b, T, C)
@@ -88,7 +91,7 @@ class GPTStage(nn.Module):
         aux = sum(gpt.blocks[i].mlp.aux_loss for i in self.chunks[chunk]) if gpt.cfg.experts else None
         if not (self.last and chunk == len(self.chunks) - 1):
             return x if aux is None else (x, aux)
-        logits = gpt.logits(x)                           # (b, T, V) (tensor parallel: V/tp)
+        logits = gpt.logits(x)                           # (b, T, vocab) (tensor parallel: vocab/tp)
         if targets is None:
             return logits
         loss = gpt.loss_fn(logits, targets)
@@ -96,7 +99,6 @@ class GPTStage(nn.Module):
 
 
 # ---- the schedule: each stage's list of actions --------------------------------------------
-#
 # GPipe, then 1F1B, on P = 3 stages, M = 4 micro-batches, a forward and a backward one slot
 # each ('.' idle: the bubble, (P-1)/(M+P-1) of the time under both):
 #
@@ -106,8 +108,7 @@ class GPTStage(nn.Module):
 #
 #   1F1B   stage 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3     holds P - s: 3, 2, 1
 #          stage 1 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .
-#          stage 2 | .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .       (python pipeline.py --stages 3
-#                                                               --microbatches 4 draws them)
+#          stage 2 | .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .       (pipeline.py --stages 3 --microbatches 4)
 
 class Action(NamedTuple):
     """One step of a stage's list: kind F, B (compute; W too in zero bubble's, zero_bubble.py) or
@@ -119,16 +120,15 @@ class Action(NamedTuple):
 
 
 def forward_actions(s: int, P: int, m: int, chunk: int = 0, V: int | None = None) -> list[Action]:
-    """Forward of micro-batch m by chunk `chunk` of stage s, virtual stage c P + s of V (P):
-    receive from the virtual stage before, compute, send to the one after."""
+    """Forward of micro-batch m by chunk `chunk` of stage s, virtual stage vs = chunk*P + s of V
+    (P*v; default P, chunk 0: GPipe, 1F1B): receive from the one before, compute, send on."""
     vs, V = chunk * P + s, V or P
     return ([Action("recv_act", m, chunk)] if vs > 0 else []) + [Action("F", m, chunk)] + (
         [Action("send_act", m, chunk)] if vs < V - 1 else [])
 
 
 def backward_actions(s: int, P: int, m: int, chunk: int = 0, V: int | None = None) -> list[Action]:
-    """Backward of micro-batch m by chunk `chunk` of stage s: the gradient from the virtual
-    stage after, compute, send to the one before."""
+    """Backward of micro-batch m by chunk `chunk` of stage s: its gradient from the next, compute, send back."""
     vs, V = chunk * P + s, V or P
     return ([Action("recv_grad", m, chunk)] if vs < V - 1 else []) + [Action("B", m, chunk)] + (
         [Action("send_grad", m, chunk)] if vs > 0 else [])
@@ -184,10 +184,10 @@ class Pipeline(PipelineMechanics):
         self.stages = SCHEDULES[schedule](self.P, self.M) if isinstance(schedule, str) else schedule
         self.actions = self.stages[self.stage]
         # Evaluation: the list's forwards, in its order, with their messages.
-        self.forward_actions = [a for a in self.actions if a.kind in ("F", "recv_act", "send_act")]
+        self.evaluation_actions = [a for a in self.actions if a.kind in ("F", "recv_act", "send_act")]
         self.device = next(gpt_stage.parameters()).device     # under FSDP too: its units' views
-        # NCCL: a batch_isend_irecv may be a group's first call only if every rank joins it; the
-        # stages' first groups differ, so a small all-reduce creates the communicator (set-up).
+        # Set-up, not a message: NCCL makes a group's communicator at its first call, which a batch_isend_irecv
+        # may be only if every rank joins it (the stages' first differ): one small all-reduce, all joining.
         dist.all_reduce(torch.zeros(1, device=self.device), group=comm.group)
         self.tied = gpt_stage.tied                  # None unless this stage is an end of a tied pair
         self.sync = module if hasattr(module, "finish_gradient_sync") else None
@@ -213,53 +213,54 @@ class Pipeline(PipelineMechanics):
     def evaluate(self, x, y) -> torch.Tensor:
         """The mean loss over x, y (B, t), forwards only; on every stage."""
         with self._gathered():
-            loss = self._run(self.forward_actions, x, y)
+            loss = self._run(self.evaluation_actions, x, y)
         return self._sum_over_stages(loss)
 
     def _run(self, actions, x, y, scale_loss=None, measure=False):
-        """Play a stage's list: each computation in turn, each run of sends and receives between
-        two computations posted together as one group and waited for before the next computation
-        only if it receives (nccl_program: NCCL's rules, pipeline_mechanics.py)."""
+        """Play a stage's list: its computations in turn, its messages as nccl_program groups them."""
         B, T = x.shape
         if B % self.M:
             raise ValueError(f"a batch of {B} rows does not split into {self.M} equal micro-batches: "
                              f"use a batch that is a multiple of {self.M}")
-        xs, ys = x.chunk(self.M), y.chunk(self.M)                 # M x (b, T)
+        micro_x, micro_y = x.chunk(self.M), y.chunk(self.M)       # M micro-batches (b, T) each
         shape = self.activation(B // self.M, T)                   # what a stage sends: (b, T, C)
-        # By (micro-batch, chunk): received activations, computed outputs, received gradients, routers'
-        # losses; chunks whose F ran, B (or W) not yet; posted receives, sends; this stage's loss.
+        # By (micro-batch, chunk): received activations, outputs, received gradients, routers' losses;
+        # (micro-batch, chunk) whose F ran, B (or W) not yet; posted receives, sends; this stage's loss.
         flight = SimpleNamespace(inputs={}, outputs={}, grads={}, auxes={}, held=set(), posted={},
                                  sends=[], loss=torch.zeros((), device=x.device),
                                  last_backward=([a for a in actions if a.kind == "B"] or [None])[-1])
         self.timeline, start = [], self._clock(measure)       # (Action, start, end) per compute
+        # nccl_program's rule: the sends and receives between two computations are posted together
+        # at once; the stage waits for them before its next computation only if they receive.
         for item in nccl_program(actions):
             if not isinstance(item, Action):
                 self._communicate(item, flight, shape, x.device)
                 continue
             began = self._clock(measure)
-            self._compute(item, xs, ys, flight, scale_loss)
+            self._compute(item, micro_x, micro_y, flight, scale_loss)
             self.timeline.append((item, began, self._clock(measure)))   # exact only if measure (CUDA)
-        for handle in flight.sends:
+        for handle in flight.sends:          # each holds its sent tensor alive until waited for
             handle.wait()
         self.wall, self.busy = self._clock(measure) - start, sum(e - b for _, b, e in self.timeline)
         return flight.loss                            # this stage's part: _sum_over_stages
 
-    def _compute(self, a: Action, xs, ys, flight, scale_loss):
+    def _compute(self, a: Action, micro_x, micro_y, flight, scale_loss):
         """F or B (the whole backward: no activation of it is held after) of micro-batch a.m."""
         if a.kind == "F":
-            self._forward(a, xs[a.m], ys[a.m], flight)
+            self._forward(a, micro_x[a.m], micro_y[a.m], flight)
             return
         with self._holding(a, flight):
             self._backward(a, flight, scale_loss)
         flight.held.discard((a.m, a.chunk))
 
     def _holding(self, a: Action, flight):
-        """One gradient average per step, after the last backward, for the sum of all M: every
-        backward before it runs under the sync's no_sync() where it keeps whole gradients (DDP:
-        they are whole anyway). A tied weight's two ends must be summed before the data
-        dimension reduces: then every backward is held, and the step's finish reduces them."""
+        """One gradient average per step, after the last backward, for the sum of all M: every backward
+        before it runs under the sync's no_sync() where it keeps whole gradients (DDP: whole anyway).
+        A tied weight's two ends are summed before the data dimension reduces: every backward held."""
         whole = getattr(self.sync, "keeps_whole_gradients", False)
-        hold = self.sync is not None and (self.tied is not None or (a != flight.last_backward and whole))
+        ends_to_sum_first = self.tied is not None
+        reduce_after_the_last = whole and a != flight.last_backward
+        hold = self.sync is not None and (ends_to_sum_first or reduce_after_the_last)
         return self.sync.no_sync() if hold else contextlib.nullcontext()
 
     def _forward(self, a: Action, x, y, flight):
@@ -305,7 +306,8 @@ class Pipeline(PipelineMechanics):
                     flight.grads[a.m, a.chunk] = buffer
             return
         ops, received = [], {}
-        after, before = (self.stage + 1) % self.P, (self.stage - 1) % self.P   # the ring's neighbours
+        # The next, previous stage; % P wraps round only when interleaved (last stage -> first's next chunk)
+        after, before = (self.stage + 1) % self.P, (self.stage - 1) % self.P
         for a in item[1]:
             key = (a.m, a.chunk)
             if a.kind == "send_act":         # (evaluation keeps no graph: nothing to hold for B)
@@ -320,7 +322,7 @@ class Pipeline(PipelineMechanics):
         if received:
             flight.posted[item[1]] = handle, received
         else:
-            flight.sends.append(handle)      # waited at the end: nothing here reads them
+            flight.sends.append(handle)      # waited at the end: nothing here reads them (it keeps them)
 
 
 # ---- run alone: draw a schedule (one process), or check one against one process (torchrun) ----
@@ -337,11 +339,10 @@ def main(argv=None):
 
 
 def demo(M: int = 4, bounds=(1e-6, 1e-12)) -> bool:
-    """torchrun --nproc_per_node 2 pipeline.py: model.py's tiny GPT, one stage per rank, runs one
-    step's forwards and backwards under GPipe, then 1F1B, in fp64, each stage printing the order it
-    computed in; the loss and every gradient against one process's on the whole batch. Bounds:
-    the loss, relative, a metric the executor sums in fp32; the gradients, fp64, the batch's mean
-    taken as M means of B/M rows (sums reordered)."""
+    """torchrun --nproc_per_node 2 pipeline.py: model.py's tiny GPT, one stage per rank, runs one step's
+    forwards and backwards under GPipe, then 1F1B, in fp64, each stage printing the order it computed in;
+    the loss and every gradient against one process's on the whole batch. Bounds: the loss, relative, a
+    metric the executor sums in fp32; the gradients, fp64, the mean taken as M means of B/M rows."""
     device, s, P = init_distributed(), dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     torch.manual_seed(0)

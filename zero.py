@@ -5,9 +5,9 @@ precision. ZeRO (Rajbhandari et al. 2020, sections 5.1 and 5.2) lays the paramet
 buffer split into N equal shards (flat.py's FlatParams, DDP's buckets too); rank r keeps the
 optimizer state (stage 1) and the reduced gradient (stage 2) of shard r only, updates that
 shard, and all-gathers the parameters. A reduce-scatter plus an all-gather move what DDP's
-all-reduce moves: the memory is free (with gradient accumulation stage 2 reduce-scatters every
-micro-batch, DDP all-reduces once a step). Stage 1's step first, then stage 2 as its delta.
-Left out: stage 3 (fsdp.py: the same FlatParams), ZeRO-Offload (zero_offload.py), ZeRO++.
+all-reduce moves: the memory saved costs no extra communication (but stage 2 reduce-scatters every
+micro-batch of an accumulated step). Stage 1, then stage 2 as its delta. Left out: stage 3
+(fsdp.py: the same FlatParams), ZeRO-Offload (zero_offload.py), ZeRO++.
 Run alone: torchrun --nproc_per_node 2 zero.py; test: python -m pytest tests/test_zero.py
 
 Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements per shard.
@@ -26,7 +26,8 @@ from collectives import as_comm, ring_bytes
 from foundations.flat import (MAX_REDUCTIONS_IN_FLIGHT, Bucket, InOrder, ShardBookkeeping, flags_and_norm_bytes,
                   hook_gradient, keep_unchanged, or_used_flags, shard_pieces, sharded_buckets, squares_of,
                   trainable_in_one_dtype, unused_ranges)
-from mixed_precision import DynamicLossScaler, on_the_wire, read_decision, unscale_grads, wrap_inner
+from mixed_precision import (DynamicLossScaler, check_max_norm, on_the_wire, read_decision, run_closure,
+                             unscale_grads, wrap_inner)
 
 
 class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
@@ -38,13 +39,14 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
     the shard (None: the parameters'). mean_over: the gradient is the sum over group / this
     many ranks (None: the group's mean). A torch.optim.Optimizer: schedulers drive it.
     Loop: zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) if clipping; step().
-    Stage 1 keeps every full gradient in the buckets' flat buffers (param.grad is a view, as
-    DDP's) and reduce-scatters them once, at step().
-    """
+    Stage 1 accumulates full gradients in the buckets' flat buffers in the parameters' dtype
+    (param.grad is a view, as DDP's), reduce-scattered once, at step(), in reduce_dtype."""
 
     stage = 1
     keeps_whole_gradients = True        # flat.GradientSyncs: full buffers until the finish
-    _synced = False                     # reduce_gradients() ran since the last gradient
+    # How far this step's phases got, reset by _release(): _synced (reduced since the last
+    # gradient), _unscaled (the masters' .grad set), _norm, _used (global_norm() -> the host read).
+    _synced = False
 
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, group=None, bucket_mb: float = 25,
                  reduce_dtype: torch.dtype | None = None, mean_over: int | None = None,
@@ -52,13 +54,13 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
         trainable = trainable_in_one_dtype(params, "ZeroOptimizer")
         self.comm, self.reduce_dtype = as_comm(group), reduce_dtype
         self.op, self.divide = ("avg", 1) if mean_over is None else ("sum", mean_over)
-        # Each bucket is sharded N ways: rank r's share of the optimizer state is shard r of every
-        # bucket, 1/N of the whole (plus padding). Stage 2 reduces the buckets as backward fills them.
+        # Rank r's share of the optimizer state: shard r of every bucket, 1/N of it (plus padding).
         self.buckets = sharded_buckets(trainable, self.comm, bucket_mb)
         for bucket in self.buckets:
             shard = bucket.shard(bucket.flat, self.comm.rank)        # (S,) a view of the parameters
             bucket.master = self._new_master(bucket, shard)
-        self.flats, self.masters = self.buckets, [b.master for b in self.buckets]
+        self.flats = self.buckets      # the name ShardBookkeeping and offload.py read (FSDP's too)
+        self.masters = [b.master for b in self.buckets]
         self.device = trainable[0].device
         self.scaler = DynamicLossScaler(enabled=trainable[0].dtype == torch.float16)
         self.optimizer = wrap_inner(self, optimizer_cls(self.masters, **optimizer_kwargs))
@@ -69,20 +71,61 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
     # ---- the step, as the lecture draws it ---------------------------------------------------
 
     def step(self, closure=None):
-        """reduce-scatter the gradients -> their global norm (one collective, then the step's one
-        host read, which doubles as the inf/NaN check) -> clip by it (clip_grad_norm_, if asked)
-        -> the inner optimizer on this rank's fp32 master shard -> all-gather the parameters."""
-        loss = None if closure is None else torch.enable_grad()(closure)()
-        self.reduce_gradients()                  # stage 1: now; stage 2: done in backward
-        norm = self.global_norm()                # squares summed over the group: one collective
-        norm, used = read_decision(norm, self._used)     # the one host read: inf/NaN -> skip
-        self.update(norm, used)                  # the inner optimizer on the shard, all-gather
-        self.scaler.update(self.last_step_skipped)
+        """One call per phase, in order; each runs once a step (after clip_grad_norm_, 1-3 return at once)."""
+        loss = run_closure(closure)
+        self.reduce_gradients()          # 1 reduce-scatter: this rank's (S,) shard of each bucket
+        self.unscale_gradients()         # 2 the shards / the loss scale, into the fp32 masters' .grad
+        norm_on_device = self.global_norm()    # 3 the shards' squares, one all-reduce: a tensor
+        # 4 clipping is clip_grad_norm_(max_norm)'s, if the loop called it: by this norm, already
+        norm, used = read_decision(norm_on_device, self._used)  # 5 the one host read: tensor -> float
+        self.update(norm, used)          # 6 inf/NaN: skip; else the inner step, 7 the all-gather
+        self.scaler.update(self.last_step_skipped)               # 8 the loss scale follows
         return loss
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Phases 1-3 of step(), then 4: the masters' .grad scaled by min(1, max_norm / norm).
+        Returns the norm before clipping, a device tensor (no host read: step() makes it)."""
+        check_max_norm(max_norm)
+        self.reduce_gradients()
+        self.unscale_gradients()
+        self.clip(max_norm, self.global_norm())
+        return self._norm
+
+    @torch.no_grad()
+    def update(self, norm: float, used: list | None = None):
+        """Phases 6 and 7, given the host read (step()'s, or a composition's, mesh_optimizer.py):
+        the norm as a float, not finite -> skip the step; the used-flags as a list."""
+        self.last_grad_norm = norm                       # before clipping; inf/NaN if skipped
+        self.last_step_skipped = not math.isfinite(norm)
+        if not self.last_step_skipped:
+            self._step_on_shards(used)
+            self.all_gather_parameters()
+        self._release()
+
+    def _step_on_shards(self, used: list | None):
+        """The inner optimizer on this rank's fp32 master shards. A parameter no rank used is put back:
+        torch skips a .grad of None; a flat master's zero gradient would still decay it, move its moments."""
+        with keep_unchanged(unused_ranges(self.buckets, used), self.optimizer.state):
+            self.optimizer.step()
+
+    # ---- the phases, public: a composition (mesh_optimizer.py) runs them with its own norm ---
+
+    def gradient_shards(self) -> list:                      # each bucket's (S,) shard, or None
+        return [b.grad_shard for b in self.buckets]
+
+    def unscale_gradients(self) -> list:
+        """Phase 2: each bucket's gradient shard / the loss scale, in fp32, as its master's .grad
+        (or None); after phase 1, which it runs if not yet done (a composition calls it alone)."""
+        self.reduce_gradients()
+        if not self._unscaled:
+            with_grad = [b for b in self.buckets if b.grad_shard is not None]
+            unscale_grads([b.grad_shard for b in with_grad], [b.master for b in with_grad], self.scaler.scale)
+            self._unscaled = True
+        return [b.master.grad if b.grad_shard is not None else None for b in self.buckets]
+
     def global_norm(self) -> torch.Tensor:
-        """sqrt(this rank's shards' squares summed over the group): the shards are disjoint, so
-        every rank gets the whole norm (and the same skip decision); the used-flags beside it."""
+        """Phase 3, once a step: sqrt(the shards' squares summed over the group), a device scalar,
+        the whole norm on every rank (the shards are disjoint); the used-flags' all-reduce beside it."""
         if self._norm is None:
             self._used, agree = self.launch_used_flags()
             squares = squares_of(self.norm_pieces(), self.device)
@@ -92,50 +135,16 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
             self._norm = squares.sqrt()[0]
         return self._norm
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Gradients scaled to a global 2-norm <= max_norm; returns the norm (no host read)."""
-        if max_norm <= 0:
-            raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
-        self.clip(max_norm, self.global_norm())
-        return self._norm
-
-    @torch.no_grad()
-    def update(self, norm: float, used: list | None = None):
-        """Given the global norm (on the host): skip on inf/NaN, else the inner optimizer on this
-        rank's master shards (parameters no rank used, per the flags, kept) and the all-gather."""
-        self.last_grad_norm = norm
-        self.last_step_skipped = not math.isfinite(norm)
-        if not self.last_step_skipped:
-            with keep_unchanged(unused_ranges(self.buckets, used), self.optimizer.state):
-                self.optimizer.step()
-            self.all_gather_parameters()
-        self._release()
-
-    # ---- the phases, public: a composition (mesh_optimizer.py) runs them with its own norm ---
-
-    def gradient_shards(self) -> list:                      # each bucket's (S,) shard, or None
-        return [b.grad_shard for b in self.buckets]
-
-    def unscale_gradients(self) -> list:
-        """Each bucket's gradient shard / the loss scale, in fp32, as its master's .grad (or None)."""
-        self.reduce_gradients()
-        if not self._unscaled:
-            with_grad = [b for b in self.buckets if b.grad_shard is not None]
-            unscale_grads([b.grad_shard for b in with_grad], [b.master for b in with_grad], self.scaler.scale)
-            self._unscaled = True
-        return [b.master.grad if b.grad_shard is not None else None for b in self.buckets]
-
     def norm_pieces(self, weight_of=None) -> list:
         """[(a run of a gradient shard, weight_of(param, 1), default 1)]: what the norm sums."""
-        return shard_pieces(self.buckets, self.unscale_gradients(), weight_of)
+        return shard_pieces(self.buckets, self.unscale_gradients(), weight_of)   # phase 2's, run already
 
     def launch_used_flags(self) -> tuple:
-        """Did any rank compute a gradient for each parameter (torch's optimizers skip a .grad of
-        None)? (The (P,) flags OR'ed over the group, or None if this rank used all; wait())."""
+        """(Did any rank compute each parameter's gradient: (P,) flags, OR'ed, or None), agree()."""
         used, agree = or_used_flags(self.buckets, self.device)
         return (None if all(u for b in self.buckets for u in b.used) else used), agree
 
-    def clip(self, max_norm: float, norm: torch.Tensor):     # the shards times min(1, max_norm / norm)
+    def clip(self, max_norm: float, norm: torch.Tensor):     # phase 4: the shards times min(1, max_norm / norm)
         self.unscale_gradients()
         clip_grads_with_norm_([b.master for b in self.buckets if b.grad_shard is not None], max_norm, norm)
 
@@ -170,9 +179,7 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
         if self._synced:
             return
         self._synced = True
-        for bucket in self.buckets:
-            # A parameter that the user's zero_grad(set_to_none=True) or autograd re-created is
-            # copied back into the flat buffer once, and becomes a view again.
+        for bucket in self.buckets:   # a .grad re-created (zero_grad(set_to_none), autograd): a view again
             for p, view in zip(bucket.params, bucket.views(bucket.grad_flat)):
                 if p.grad is None:
                     view.zero_()
@@ -183,8 +190,7 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
         for bucket in self.buckets:
             wire = on_the_wire(bucket.grad_flat, self.reduce_dtype)                  # (N*S,)
             output = wire.new_empty(bucket.shard_numel)                              # (S,)
-            # wire, an upcast copy, is kept until its reduce-scatter is waited for
-            reductions.append((bucket, output, wire, self.comm.reduce_scatter(
+            reductions.append((bucket, output, wire, self.comm.reduce_scatter(    # wire kept until waited
                 output, wire, op=self.op, async_op=True)))
         for bucket, output, _, handle in reductions:
             handle.wait()
@@ -197,8 +203,7 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
             shard = bucket.shard(bucket.flat, self.comm.rank)
             if bucket.master is not shard:
                 self._master_into_model(shard, bucket.master)          # (S,) rounded
-            # The input is a copy: it must not alias the buffer being gathered into.
-            gathers.append(self.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
+            gathers.append(self.comm.all_gather(bucket.flat, shard.clone(), async_op=True))  # no aliasing
         for handle in gathers:
             handle.wait()
 
@@ -211,7 +216,7 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
         self.all_gather_parameters()
 
     def _release(self):
-        # The shard goes too: it is recomputed from the full gradient, which stays until zero_grad().
+        # Stage 1 drops the shard too: the next reduce recomputes it from the full gradient it keeps.
         for bucket in self.buckets:
             bucket.grad_shard = bucket.master.grad = None
         self._synced, self._unscaled, self._norm, self._used = False, False, None, None
@@ -247,20 +252,17 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
 
 
 class Zero2Optimizer(ZeroOptimizer):
-    """ZeRO-2: ZeRO-1 plus one difference, gradients freed as soon as they are reduced.
-
-    Each bucket is reduce-scattered the moment backward fills it, and its full gradient freed:
-    a rank holds whole gradients only for the buckets in flight, then its 1/N shards. The price:
-    with gradient accumulation every micro-batch reduce-scatters (no full buffer is kept to
-    add the next micro-batch into), where DDP and ZeRO-1 reduce once a step.
-    """
+    """ZeRO-2: ZeRO-1, but each bucket is reduce-scattered the moment backward fills it, and its
+    full gradient freed: a rank holds whole gradients only for the buckets in flight, then its 1/N
+    shards. The price: with gradient accumulation every micro-batch reduce-scatters (no full
+    buffer is kept to add the next one into), where DDP and ZeRO-1 reduce once a step."""
 
     stage, keeps_whole_gradients = 2, False     # each bucket reduced and freed as backward fills it
+    syncing, _unreduced = True, False           # False / True under no_sync(): gradients wait in .grad
 
     #   backward   | grads of bucket 0 | grads of bucket 1 | grads of bucket 2 |
     #   network                        |= reduce-scatter 0 =|= reduce-scatter 1 =|= 2 =|
-    #   memory       a full gradient buffer exists only for the bucket being filled and the
-    #                (at most MAX_REDUCTIONS_IN_FLIGHT) buckets in flight; then only shards
+    #   memory       full buffers only for the bucket filling, <= MAX_REDUCTIONS_IN_FLIGHT in flight; then shards
 
     def _hook_gradients(self):
         self._order = InOrder(self.buckets, self._launch_reduction, self._retire,
@@ -271,13 +273,10 @@ class Zero2Optimizer(ZeroOptimizer):
             for i, p in enumerate(bucket.params):
                 hook_gradient(p, self._gradient_ready, b, i)
 
-    syncing, _unreduced = True, False
-
     @contextlib.contextmanager
     def no_sync(self):
-        """Backwards inside leave each gradient whole in .grad, as ZeRO-1 keeps it, and step()
-        reduce-scatters them. For a pipeline whose gradients are complete only after backward:
-        zero bubble's weight gradients (W), a tied head's two ends summed (pipeline.py)."""
+        """Backwards inside leave each gradient whole in .grad, reduced at the finish (or step()):
+        for gradients complete only after backward (zero bubble's W, a tied head, pipeline.py)."""
         self.syncing, self._unreduced = False, True
         try:
             yield
@@ -294,15 +293,16 @@ class Zero2Optimizer(ZeroOptimizer):
         self._take(b, i)
 
     def _take(self, b: int, i: int):
-        """Parameter i's gradient into bucket b's buffer; the bucket goes once it is full."""
+        """Parameter i's gradient copied into bucket b's buffer (in reduce_dtype; stage 1's .grad is a
+        view, in the parameters' dtype), and freed; the bucket goes once full. The buffer lives until
+        its reduce-scatter retires (_retire): peak memory is the buffers in flight."""
         bucket = self.buckets[b]
-        param = bucket.params[i]
-        if bucket.grad_flat is None:                  # (N*S,) lives while in flight, in the reduce dtype
+        if bucket.grad_flat is None:                                   # (N*S,)
             bucket.grad_flat = torch.zeros_like(bucket.flat, dtype=self.reduce_dtype)
-        bucket.view(bucket.grad_flat, i).copy_(param.grad)
-        param.grad = None                                            # the full gradient is gone
+        bucket.view(bucket.grad_flat, i).copy_(bucket.params[i].grad)
+        bucket.params[i].grad = None                 # before the reduction: the full gradient is gone
         bucket.used[i] = True
-        bucket.pending -= 1
+        bucket.pending -= 1                          # FlatParams': gradients yet to come this backward
         if bucket.pending == 0:
             self._order.ready(bucket)
 
@@ -317,8 +317,7 @@ class Zero2Optimizer(ZeroOptimizer):
         handle, output = started
         handle.wait()
         output = output.div_(self.divide) if self.divide != 1 else output
-        # Micro-batches of one step (gradient accumulation) add up in the shard.
-        bucket.grad_shard = output if bucket.grad_shard is None else bucket.grad_shard.add_(output)
+        bucket.grad_shard = output if bucket.grad_shard is None else bucket.grad_shard.add_(output)  # accumulating
         bucket.grad_flat = None
         bucket.pending = len(bucket.params)
 
@@ -340,10 +339,11 @@ class Zero2Optimizer(ZeroOptimizer):
         self._unreduced = False
 
     def _release(self):
-        # The shard is all that is left of the gradient: it stays until zero_grad(), as a .grad.
+        # Unlike stage 1's, the shard stays until zero_grad() (all that is left of the gradient);
+        # the master's .grad goes unless unscale_grads made it the shard itself (an fp32 shard).
         for bucket in self.buckets:
             if bucket.master.grad is not bucket.grad_shard:
-                bucket.master.grad = None                # an fp32 or host copy lives only inside step()
+                bucket.master.grad = None
         self._unscaled, self._norm, self._used = False, None, None
 
     def reductions_per_step(self, micro_batches: int) -> int:
@@ -352,7 +352,7 @@ class Zero2Optimizer(ZeroOptimizer):
 
 
 if __name__ == "__main__":
-    # A tiny model, 5 steps on each rank's rows, beside one process's torch AdamW on the whole batch.
+    # A tiny model, 5 steps on each rank's rows (fp32: no scale_loss), beside one process's AdamW.
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world, failed = as_comm(None), False
@@ -373,8 +373,8 @@ if __name__ == "__main__":
         every = sum(3 * p.numel() for p in one.parameters())            # weights, 2 moments
         failed |= not difference <= 1e-5
         if world.rank == 0:
-            print(f"ZeRO-{stage}: rank 0 holds {held} of the {every} "
-                  f"elements of fp32 weights and Adam moments (1/{world.world_size}, plus padding) | max "
-                  f"|difference| from one process: {difference:.1e} (bound 1e-05: fp32 sums reordered)", flush=True)
+            print(f"ZeRO-{stage}: rank 0 holds {held} of the {every} elements of fp32 weights and Adam moments "
+                  f"(1/{world.world_size}, plus padding) | max |difference| from one process: {difference:.1e} "
+                  f"(bound 1e-05: fp32 sums reordered)", flush=True)
     dist.destroy_process_group()
     os._exit(int(failed))  # at once: gloo's threads may still hold tensors (exit_distributed)

@@ -1089,3 +1089,39 @@ def test_a_parameter_unused_after_its_first_step_keeps_its_adam_state():
                     if key != "param":           # the values: Adam's first step divides by |g| + eps
                         torch.testing.assert_close(first, want[held[r]], rtol=1e-5, atol=0,
                                                    msg=lambda m: f"zero{stage} rank {r} {name} {key}: {m}")
+
+
+def _clipped_after_no_sync(x, y):
+    """Each stage's one SGD step on this rank's rows: backward under no_sync(), then
+    clip_grad_norm_ and step() with no finish_gradient_sync() between; the parameters after."""
+    import torch.distributed as dist
+    r, n, out = dist.get_rank(), dist.get_world_size(), {}
+    rows = slice(r * len(x) // n, (r + 1) * len(x) // n)
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        opt = zero_optimizer(model.parameters(), stage=stage, optimizer_cls=torch.optim.SGD, lr=0.1)
+        with opt.no_sync():
+            F.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        out[stage] = _params(model)
+    return out
+
+
+def test_clipping_right_after_no_sync_backwards_updates_every_parameter():
+    """Backwards under no_sync() leave ZeRO-2's gradients in .grad; clip_grad_norm_ called next
+    reduces them (step()'s phase 1) before the norm reads the used-flags, so the step moves every
+    parameter as one process's clipped SGD step on the whole batch does (flags read first said
+    'unused' and kept every parameter unchanged). Bound: SGD_PARAM_TOL (fp32 sums reordered)."""
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    F.mse_loss(model(x), y).backward()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > 2 * CLIP    # clipping bites
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    for r, out in enumerate(run_ranks(_clipped_after_no_sync, 2, x, y)):
+        for stage in (1, 2):
+            assert_tensors_close(out[stage], _params(model), rtol=0, atol=SGD_PARAM_TOL,
+                                 what=f"zero{stage} rank {r}: no_sync, clip_grad_norm_, step")
