@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from test_docs import run_as_written
+from test_docs import ALONE_COMMANDS, run_as_written
+from test_layout import CONCEPTS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -35,3 +36,10 @@ def test_a_concept_file_runs_alone_and_checks_itself(concept):
     status, output = run_as_written(command, ROOT, timeout=120)
     assert status == 0, f"`{command}` exited {status}:\n{output[-4000:]}"
     assert re.search(r"one process", output), f"`{command}` should print its difference from one process:\n{output}"
+
+
+def test_the_reading_table_runs_every_concept_file_alone():
+    """Every concept file has its command here and in the README's table, the same one (the pages'
+    test, tests/test_docs.py, leaves these to this file)."""
+    assert set(COMMANDS) == set(CONCEPTS), sorted(set(CONCEPTS) ^ set(COMMANDS))
+    assert sorted(ALONE_COMMANDS) == sorted(COMMANDS.values()), sorted(set(ALONE_COMMANDS) ^ set(COMMANDS.values()))

@@ -109,6 +109,9 @@ SHOWN = {page: shown_commands((ROOT / page).read_text()) for page in PAGES}
 SUITE = "the test suite, which holds this test: CI runs it (.ci/run runs the first screen's line)"
 GPU = "gpt2-small at 32 to 64 sequences of 1024 a step: about 20 GB a rank, minutes a step on a CPU"
 NODES = "nodes joined at HOST_OF_NODE_0, a machine's address to fill in (and gpt2-small: GPUs)"
+ALONE = "tests/test_alone.py runs it as written, and holds it to its check against one process"
+# The reading table's last column: the command that runs each concept file alone.
+ALONE_COMMANDS = re.findall(r"^\| \d+ \| `\w+\.py` \|.*\| `([^`]+)` \|$", README, re.M)
 # Shown but not run here, each with why; the test below fails when a page shows a command that is
 # neither run nor named here, and when one named here is no longer shown.
 NOT_RUN_HERE = {
@@ -139,6 +142,7 @@ NOT_RUN_HERE = {
     "torchrun --max-restarts R ... --resume auto": "a form: R and ... are the reader's",
     "torchrun --max-restarts": "a flag's name, not a command",
     "torchrun --standalone --nproc_per_node 1": "the launcher's half of the runs in the table below it",
+    **{command: ALONE for command in ALONE_COMMANDS},
 }
 
 
