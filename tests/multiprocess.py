@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What every rank imports, imported once by the server: torch._dynamo is what the first
 # torch.optim optimizer imports (with sympy), nearly 2 s a process; pytest every test file;
 # no_numpy first, before torch warns as it is imported (pytest.ini's filter is not the server's).
-TORCH_PRELOAD = ["no_numpy", "torch", "torch.distributed", "torch._dynamo", "pytest"]
+TORCH_PRELOAD = ["foundations.no_numpy", "torch", "torch.distributed", "torch._dynamo", "pytest"]
 
 
 def _preload() -> list:
@@ -39,8 +39,10 @@ def _preload() -> list:
     not 0.2-1 s of imports per rank. The server imports them by name from its working directory
     (Python 3.11's forkserver keeps no sys.path of ours): run from the repository root, as the
     README's test command is; from elsewhere, each rank imports them itself, as before."""
+    folders = {ROOT} | {os.path.join(ROOT, package) for package in os.listdir(ROOT)
+                        if os.path.isfile(os.path.join(ROOT, package, "__init__.py"))}   # foundations/ ...
     ours = [name for name, module in list(sys.modules.items())
-            if not name.startswith("__") and os.path.dirname(getattr(module, "__file__", None) or "") == ROOT]
+            if not name.startswith("__") and os.path.dirname(getattr(module, "__file__", None) or "") in folders]
     return TORCH_PRELOAD + sorted(ours)
 
 

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from composition.mesh_optimizer import on_mesh
 from multiprocess import run_ranks
+from test_imports import _project_files
 from foundations.placements import by_reduction, data_reduction, norm_weight, place, placement, tensor_dim
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -100,7 +101,7 @@ def test_no_concept_file_reads_another_strategys_tags():
     gradient are summed in one place only: placements.grad_norm."""
     gone = ["tp_dim", "tp_partial", ".expert_parallel =", "expert_group", "counted_elsewhere",
             "stage_norm", "rest_norm", "split_norm"]
-    for path in ROOT.glob("*.py"):
+    for path in _project_files().values():               # every module, its packages' too
         text = path.read_text()
         for word in gone:
             assert word not in text, f"{path.name} still says {word!r}"
@@ -112,9 +113,9 @@ def test_the_concept_optimizers_know_nothing_of_the_mesh():
     """Composition, not inheritance: mixed precision's, ZeRO's and FSDP's optimizers step the group
     they are given; the placements, the mesh's splits and the experts' groups are read by the
     composition (mesh_optimizer.py) only, which hands them the global norm."""
-    for name in ("mixed_precision", "zero", "fsdp_optimizer"):
+    for name in ("mixed_precision", "zero", "mechanics/fsdp_optimizer"):
         text = (ROOT / f"{name}.py").read_text()
-        for word in ("import placements", "from placements", "split_model", "by_reduction",
+        for word in ("import placements", "from placements", "foundations.placements", "split_model", "by_reduction",
                      "norm_weight", "holders"):
             assert word not in text, f"{name}.py says {word!r}: the mesh is the composition's " \
                                      f"(mesh_optimizer.py)"

@@ -221,7 +221,7 @@ def test_nccl_error_handling_is_clean_up_only_under_torchrun_unless_the_user_cho
     every worker unless the user set it: init_distributed, under a real torchrun, leaves it at 2
     (clean up only: the waiting call raises and train.py says its line) before the group is made;
     a value the user exported reaches the worker unchanged."""
-    probe = ("import os, process_groups; process_groups.init_distributed(); "
+    probe = ("import os; from foundations import process_groups; process_groups.init_distributed(); "
              "print('value', os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING'])")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for exported, expected in ((None, "2"), ("3", "3"), ("0", "0")):

@@ -226,7 +226,8 @@ def test_tensor_parallel_slices_save_whole_and_load_as_each_rank_slice():
 CRASH_IN_RENAME = """
 import os, sys
 sys.path.insert(0, {root!r})
-import snapshot, train
+import train
+from running import snapshot
 def rename(src, dst):
     if dst.endswith("ckpt-0000006"):
         os._exit(9)                                  # every part written, not yet renamed

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from multiprocess import assert_tensors_close, run_ranks, torchrun_worker, train_logged
+from running import snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--steps", "25", "--log-every", "4", "--eval-every", "0", "--seq-len", "32",
@@ -502,7 +503,7 @@ def test_a_run_directory_is_not_reused_without_resume_or_overwrite(saved_run, tm
     # --overwrite is the explicit way to start over: the old checkpoints go, the new run's stay.
     out = run(*QUICK, "--steps", "2", "--out", str(root), "--overwrite").stdout
     assert "saved" in out
-    assert sorted(os.path.basename(p) for p in __import__("snapshot").checkpoints(str(root))) == ["ckpt-0000002"]
+    assert sorted(os.path.basename(p) for p in snapshot.checkpoints(str(root))) == ["ckpt-0000002"]
 
 
 @pytest.fixture(scope="module")
@@ -619,7 +620,6 @@ def test_an_output_beside_an_input_is_not_refused(saved_run, tmp_path):
 
 def test_a_missing_rank_file_is_named_missing_not_corrupt(saved_run, tmp_path):
     import shutil
-    snapshot = __import__("snapshot")
     root = tmp_path / "run"
     shutil.copytree(saved_run, root)
     checkpoint = root / "ckpt-0000004"
@@ -756,7 +756,7 @@ def test_a_diverged_run_stops_with_one_line_and_saves_no_nan_checkpoint(flags, s
     result = run(*DIVERGING, *flags, "--out", root, check=False)
     line = _one_error_line(result.stderr)
     assert result.returncode == 2 and says in line and "the run diverged: lower --lr" in line, result.stderr
-    saved = __import__("snapshot").losses(root)
+    saved = snapshot.losses(root)
     assert all(loss is not None and math.isfinite(loss) for _, loss in saved), saved
     if "--save-every" in flags:                  # ckpt-0000003 would hold the NaN step's
         assert [os.path.basename(path) for path, _ in saved] == ["ckpt-0000001", "ckpt-0000002"], saved
@@ -765,7 +765,7 @@ def test_a_diverged_run_stops_with_one_line_and_saves_no_nan_checkpoint(flags, s
 def _diverge_on_two_ranks(argv):
     try:
         train_logged(argv)
-    except __import__("snapshot").RunError as e:
+    except snapshot.RunError as e:
         return str(e)
 
 
@@ -780,7 +780,7 @@ def _stop_of(argv):
     """train.main(argv) on this rank: (its logged losses, its RunError's message or None)."""
     try:
         return train_logged(argv)[0]["losses"], None
-    except __import__("snapshot").RunError as e:
+    except snapshot.RunError as e:
         return None, str(e)
 
 
