@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from collectives import as_comm, ring_bytes
-from foundations.flat import FlatParams, or_used_flags
+from foundations.flat import FlatParams, or_used_flags, split_into_buckets
 from foundations.process_groups import check_same_parameters
 
 
@@ -57,21 +57,8 @@ def all_reduce_gradients(module: nn.Module, group=None):
 #
 # A bucket's all-reduce starts the moment its last gradient lands, while backward computes the
 # next layers: if backward takes longer than the communication, only the last bucket's is exposed.
-# Few large messages reach the link's bandwidth; too large a bucket starts too late to overlap.
-
-def cut_into_buckets(params: list, bucket_mb: float) -> list[list]:
-    """Consecutive parameters grouped into buckets of at most bucket_mb MiB, one dtype and device
-    each (a bucket is one flat buffer); a parameter larger than the cap gets a bucket of its own."""
-    cap, buckets, size = bucket_mb * 2**20, [], 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if not buckets or size + nbytes > cap or (p.dtype, p.device) != (buckets[-1][0].dtype,
-                                                                        buckets[-1][0].device):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
+# Few large messages reach the link's bandwidth; too large a bucket starts too late to overlap:
+# flat.split_into_buckets cuts them, the same cut ZeRO's buckets use.
 
 
 class DDP(nn.Module):
@@ -114,7 +101,7 @@ class DDP(nn.Module):
         self.buckets = []
         for how, part in self.reductions:
             ids = {id(p) for p in part}
-            for params in cut_into_buckets([p for p in arrival if id(p) in ids], bucket_mb):
+            for params in split_into_buckets([p for p in arrival if id(p) in ids], bucket_mb):
                 self.buckets.append(self._bucket(params, how))
         self.params, self._bucket_of = [], []                    # (P,) in bucket order
         for b, bucket in enumerate(self.buckets):
