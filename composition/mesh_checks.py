@@ -91,12 +91,6 @@ def check_experts(parser, args, world_size):
                      f"dividing {part}, e.g. --routing-group {part}")
 
 
-def mesh_flags(args) -> str:
-    """The flags that ask for the run's mesh, as the user gave them: "--tp 2 --pp 2"."""
-    flags = [f"--{d} {getattr(args, d)}" for d in ("tp", "cp", "pp") if getattr(args, d) != 1]
-    return " ".join(flags + ([f"--strategy {args.strategy}"] if args.strategy in SPLIT_BY else []))
-
-
 def check_mesh(parser, args, world_size):
     """--tp, --cp and --pp together: one mesh (process_groups.make_device_mesh), the world their
     product x the data-parallel ranks, each combination one this project builds."""
