@@ -338,14 +338,6 @@ def parameters_only(params, who: str) -> list:
     return params
 
 
-def adam_step_bound(steps: int, betas: tuple) -> float:
-    """How far AdamW (no decay) can move a weight in `steps` steps, in lr: Cauchy-Schwarz on the
-    bias-corrected moments bounds step t's |m/sqrt(v)|; about 1 each in the first steps."""
-    b1, b2 = betas
-    return sum(math.sqrt(1 - b2**t) / (1 - b1**t) * (1 - b1) / math.sqrt(1 - b2)
-               * math.sqrt(sum((b1 * b1 / b2) ** j for j in range(t))) for t in range(1, steps + 1))
-
-
 def check_against_fp32(precision: str = "bf16", steps: int = 5, lr: float = 1e-2) -> float:
     """A few nn.Linear trained `steps` steps in `precision` with fp32 masters, beside the same
     model trained by plain torch AdamW in fp32 in one process: max |master - fp32 weight|."""
@@ -368,12 +360,13 @@ if __name__ == "__main__":
     demonstrate()          # dtypes.py: what fp16 loses, and what a loss scale gets back
     torch.set_num_threads(1)
     steps, lr, failed = 5, 1e-2, False
-    # The runs part only where a 16-bit forward/backward's rounding changes a gradient; each
-    # AdamW step moves a weight at most about lr, so they cannot part by more than twice that.
-    bound = 2 * lr * adam_step_bound(steps, (0.9, 0.999))
+    # 16-bit rounding perturbs AdamW's normalized steps, not their size (about lr each): the runs
+    # part by a few hundredths of lr x steps (measured: bf16 0.016, fp16 0.002), while a master
+    # that missed its updates would be off by about lr x steps. A quarter of it tells them apart.
+    bound = lr * steps / 4
     for precision in ("bf16", "fp16"):
         difference = check_against_fp32(precision, steps, lr)
         failed |= not difference <= bound
         print(f"{precision} with fp32 masters, {steps} AdamW steps: max |difference| from one process in "
-              f"fp32: {difference:.2e} (bound {bound:.2e}: 2 x lr x AdamW's largest move in {steps} steps)")
+              f"fp32: {difference:.2e} (bound {bound:.2e}: a quarter of lr x steps, what updates move)")
     raise SystemExit(1 if failed else 0)
