@@ -20,18 +20,15 @@ context_parallel_gpt.py, trained by train.py --strategy cp --cp 2 [--cp-attentio
 Shapes: B batch, T sequence, H heads, D channels per head, C = H x D, cp ranks in the group, r
 this rank, t = T/cp tokens per rank, c tokens per chunk (t, or t/2 under zigzag).
 """
-import os
-import sys
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives import Comm, as_comm, ring_bytes
-from foundations.meters import BusyClock
-from tensor_parallel import gather_sequence
+from collectives import Comm
+from tensor_parallel import gather_sequence, run_against_one_process
 
 # ---- the split: which tokens a rank holds -------------------------------------------------------
 #
@@ -158,7 +155,7 @@ def _block_grads(q, k, v, dout, lse, delta, causal: bool):
 
 # ---- all-gather K/V (Llama 3): the naive one ---------------------------------------------------
 
-def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock: BusyClock):
+def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock=None):
     """Causal attention of this rank's queries over the whole sequence: (B, H, t, D) each -> (B, H, t, D).
 
     Every rank gathers every rank's K and V, and each query chunk attends to the keys up to its
@@ -180,7 +177,7 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock: BusyCl
         end = (i + 1) * c              # chunk i's queries (positions i c .. end-1) see keys 0 .. end-1
         # query x of the chunk, at position i c + x, sees key y when y <= i c + x
         visible = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(i * c)
-        with clock.timing(q.is_cuda):
+        with _timed(clock, q):                   # this rank's compute seconds (bookkeeping, below)
             out.append(F.scaled_dot_product_attention(q[:, :, a * c:(a + 1) * c], keys[:, :, :end],
                                                       values[:, :, :end], attn_mask=visible))
     return torch.cat(out, dim=2)                                               # (B, H, t, D)
@@ -204,7 +201,7 @@ class RingAttention(torch.autograd.Function):
     blocks only (the balance zigzag evens out); backward computes the same blocks, untimed."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: Comm, split: SequenceSplit, clock: BusyClock):
+    def forward(ctx, q, k, v, comm: Comm, split: SequenceSplit, clock=None):
         check_group(comm, split)
         r, cp = comm.rank, comm.world_size
         c = q.shape[2] // len(split.chunks(r))
@@ -222,7 +219,7 @@ class RingAttention(torch.autograd.Function):
                 # batch, which NCCL requires of a group's first p2p call.
                 arriving = torch.empty_like(kv)
                 handle = comm.exchange([("send", kv, (r + 1) % cp), ("recv", arriving, (r - 1) % cp)])
-            with clock.timing(q.is_cuda):
+            with _timed(clock, q):               # this rank's compute seconds (bookkeeping, below)
                 for a, b, causal in split.blocks(r, source):
                     rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
                     # Views (basic slicing): _fold_in's in-place updates land in m, denom, acc.
@@ -283,8 +280,12 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
 
 
-ring_attention = RingAttention.apply       # (q, k, v, comm, split, clock), as allgather_attention
+ring_attention = RingAttention.apply       # (q, k, v, comm, split[, clock]), as allgather_attention
 ATTENTIONS = {"ring": ring_attention, "allgather": allgather_attention}
+
+
+# ---- bookkeeping: what the attention sends, how long it computes --------------------------------
+
 # What the attention sends, by the byte counter's names (the gradient average is an all_reduce).
 KV_COLLECTIVES = ("send", "all_gather", "reduce_scatter")
 
@@ -302,11 +303,17 @@ def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str =
     its fp32 dK/dV twice the bytes of the bf16 K/V.
     """
     kv = 2 * (seq_len // cp) * batch * hidden
+    forward = (cp - 1) * kv * bytes_per_value         # the all-gather's, or the ring's cp-1 steps
     if attention == "allgather":
-        return {"forward": ring_bytes("all_gather", cp * kv, bytes_per_value, cp),
-                "backward": ring_bytes("reduce_scatter", cp * kv, bytes_per_value, cp)}
-    return {"forward": (cp - 1) * kv * bytes_per_value,
-            "backward": (cp - 1) * kv * (bytes_per_value + max(bytes_per_value, 4))}
+        return {"forward": forward, "backward": forward}
+    return {"forward": forward, "backward": (cp - 1) * kv * (bytes_per_value + max(bytes_per_value, 4))}
+
+
+def _timed(clock, q):
+    """Inside, clock counts this rank's seconds computing attention's blocks (a BusyClock,
+    foundations/meters.py, from composition/context_parallel_gpt.py: the idle share zigzag evens
+    out, measured); None: untimed."""
+    return clock.timing(q.is_cuda) if clock is not None else contextlib.nullcontext()
 
 
 # ---- run alone: torchrun --nproc_per_node 2 context_parallel.py --------------------------------
@@ -323,35 +330,14 @@ def _attention_against_one_process(comm: Comm, attention: str) -> dict:
     split = SequenceSplit(comm.world_size)
     mine = partial(split_sequence, split=split, rank=comm.rank, dim=2)   # (B, H, T, D) -> (B, H, t, D)
     inputs = [mine(t.detach()).requires_grad_() for t in whole]
-    out = ATTENTIONS[attention](*inputs, comm, split, BusyClock())
+    out = ATTENTIONS[attention](*inputs, comm, split)
     (out * mine(probe)).sum().backward()
     pairs = {"output": (unsplit_sequence(out.detach(), comm, split, dim=2), one_process),
              **{f"d{name}": (x.grad, mine(t.grad)) for name, x, t in zip("qkv", inputs, whole)}}
     return {what: (a - b).abs().max().item() for what, (a, b) in pairs.items()}
 
 
-def main():
-    """Both attentions, the ring and the naive all-gather; every rank checks its own tokens."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    comm, bound, worst = as_comm(None), 1e-12, 0.0
-    for attention in ATTENTIONS:
-        differences = _attention_against_one_process(comm, attention)
-        worst = max(worst, *differences.values())
-        if comm.rank == 0:
-            print(f"{attention} attention, rank 0's tokens: "
-                  + ", ".join(f"{what} {d:.1e}" for what, d in differences.items()))
-    everywhere = torch.tensor([worst], dtype=torch.float64)
-    comm.all_reduce(everywhere, op="max")
-    dist.destroy_process_group()
-    if comm.rank == 0:
-        print(f"max |difference| from one process on {comm.world_size} ranks: {everywhere.item():.1e} "
-              f"(bound {bound:g}: fp64 sums in another order, the ring's online softmax)")
-    sys.stdout.flush()
-    os._exit(int(everywhere.item() > bound))  # at once: gloo's threads may still hold tensors (exit_distributed)
-
-
-if __name__ == "__main__":
-    if "RANK" not in os.environ:
-        sys.exit("context_parallel.py runs on several processes: torchrun --nproc_per_node 2 context_parallel.py")
-    main()
+if __name__ == "__main__":      # both attentions, the ring and the naive all-gather; each rank checks its own
+    run_against_one_process(_attention_against_one_process,
+                            {f"{name} attention, rank 0's tokens": name for name in ATTENTIONS},
+                            "fp64 sums in another order, the ring's online softmax")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from collectives import Comm, as_comm
+from collectives import Comm
 from model import MLP
 from foundations.placements import place
 
@@ -163,14 +163,14 @@ def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
     if dim is None:
         return nn.Parameter(param.detach().clone(), param.requires_grad)
     shard = nn.Parameter(_my_piece(param.detach(), comm, dim).clone(), param.requires_grad)
-    return place(shard, shard={"tp": dim})
+    return place(shard, shard={"tp": dim})      # its record (placements.py): cut along dim over "tp"
 
 
 class _SplitLinear(nn.Module):
-    """An nn.Linear split over the group along its weight W's dim: 0 W's rows, the output features
-    (a column layer), 1 W's columns, the input features (a row layer). linear: an existing
-    nn.Linear to split (from_linear; default: a fresh one, initialised as on one rank), with its
-    own term, if any (split_alongside)."""
+    """An nn.Linear split over the group (a Comm, a process group or None: the world) along its
+    weight W's dim: 0 W's rows, the output features (a column layer), 1 W's columns, the input
+    features (a row layer). linear: an existing nn.Linear to split (from_linear; default: a fresh
+    one, initialised as on one rank), with its own term, if any (split_alongside)."""
 
     # The local product x W_r^T, a plain matmul on this rank's shard: its weight gradient needs
     # no collective (f and g move the activations around it), so a zero-bubble pipeline may
@@ -179,7 +179,7 @@ class _SplitLinear(nn.Module):
 
     def __init__(self, in_features, out_features, group, bias, linear, dim):
         super().__init__()
-        self.comm = as_comm(group)
+        self.comm = group if isinstance(group, Comm) else Comm(group)
         linear = linear if linear is not None else nn.Linear(in_features, out_features, bias=bias)
         self.weight = _shard(linear.weight, self.comm, dim)       # (out/N, in) or (out, in/N)
         # The bias goes with the output features: split in a column layer; whole in a row
@@ -261,7 +261,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings, embedding_dim, group=None, sequence_parallel=False,
                  embedding: nn.Embedding | None = None):
         super().__init__()
-        self.comm = as_comm(group)
+        self.comm = group if isinstance(group, Comm) else Comm(group)
         embedding = embedding if embedding is not None else nn.Embedding(num_embeddings, embedding_dim)
         self.weight = _shard(embedding.weight, self.comm, 0)              # (V/N, C)
         self.sequence_parallel = sequence_parallel
@@ -295,10 +295,9 @@ def check_divisible(cfg, n: int):
     for what, size in (("heads (n_head)", cfg.n_head), ("hidden size (n_embd)", cfg.n_embd),
                        ("vocabulary (vocab_size)", cfg.vocab_size)):
         if size % n:
-            raise ValueError(f"tensor parallelism over {n} ranks splits the {what} = {size} into "
-                             f"{n} equal parts, but {size} % {n} = {size % n}: use a --tp that "
-                             f"divides n_head={cfg.n_head}, n_embd={cfg.n_embd} and "
-                             f"vocab_size={cfg.vocab_size}")
+            raise ValueError(f"tensor parallelism over {n} ranks splits the {what} = {size} into {n} "
+                             f"equal parts, but {size} % {n} = {size % n}: use a --tp that divides "
+                             f"n_head={cfg.n_head}, n_embd={cfg.n_embd} and vocab_size={cfg.vocab_size}")
 
 
 def split_block(block, comm: Comm, sequence_parallel: bool = False):
@@ -352,28 +351,30 @@ def _split_mlp_against_one_process(comm: Comm, sequence_parallel: bool) -> dict:
     return {what: (a - b).abs().max().item() for what, (a, b) in pairs.items()}
 
 
-def main():
-    """Both forms, f and g and then sequence parallelism's; every rank checks its own pieces."""
+def run_against_one_process(check, cases: dict, why: str):
+    """Run alone (this file, context_parallel.py): each case's check(comm, case) -> {what: max
+    |difference| from one process}, rank 0's printed; exit 1 past 1e-12 on any rank (fp64; why)."""
+    program = os.path.basename(sys.argv[0])
+    if "RANK" not in os.environ:
+        sys.exit(f"{program} runs on several processes: torchrun --nproc_per_node 2 {program}")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    comm, bound, worst = as_comm(None), 1e-12, 0.0
-    for sequence_parallel in (False, True):
-        differences = _split_mlp_against_one_process(comm, sequence_parallel)
+    comm, bound, worst = Comm(), 1e-12, 0.0                 # Comm(): the world's collectives
+    for label, case in cases.items():
+        differences = check(comm, case)
         worst = max(worst, *differences.values())
         if comm.rank == 0:
-            print(f"{'sequence parallel' if sequence_parallel else 'f and g'}, rank 0's pieces: "
-                  + ", ".join(f"{what} {d:.1e}" for what, d in differences.items()))
+            print(f"{label}: " + ", ".join(f"{what} {d:.1e}" for what, d in differences.items()))
     everywhere = torch.tensor([worst], dtype=torch.float64)
-    comm.all_reduce(everywhere, op="max")
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MAX)       # the worst on any rank
     dist.destroy_process_group()
     if comm.rank == 0:
         print(f"max |difference| from one process on {comm.world_size} ranks: {everywhere.item():.1e} "
-              f"(bound {bound:g}: fp64 sums reordered)")
+              f"(bound {bound:g}: {why})")
     sys.stdout.flush()
     os._exit(int(everywhere.item() > bound))  # at once: gloo's threads may still hold tensors (exit_distributed)
 
 
-if __name__ == "__main__":
-    if "RANK" not in os.environ:
-        sys.exit("tensor_parallel.py runs on several processes: torchrun --nproc_per_node 2 tensor_parallel.py")
-    main()
+if __name__ == "__main__":      # both forms, f and g then sequence parallelism's; each rank checks its pieces
+    run_against_one_process(_split_mlp_against_one_process, {"f and g, rank 0's pieces": False,
+                            "sequence parallel, rank 0's pieces": True}, "fp64 sums reordered")
