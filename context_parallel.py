@@ -14,7 +14,7 @@ Causal masking leaves the rank with the first tokens idle; Llama 3's split (rank
 and 2cp-1-r of 2cp, "zigzag") gives every rank the same work. Left out: attention dropout, lengths
 that do not divide into the chunks, fused attention kernels inside the ring, Ulysses' all-to-all.
 Run alone: torchrun --nproc_per_node 2 context_parallel.py; the GPT over a split sequence:
-context_parallel_gpt.py, trained by train.py --strategy cp --cp 2 [--cp-attention allgather]
+composition/context_parallel_gpt.py, trained by train.py --strategy cp --cp 2 [--cp-attention allgather]
 [--cp-balance none]. Test: python -m pytest tests/test_context_parallel.py
 
 Shapes: B batch, T sequence, H heads, D channels per head, C = H x D, cp ranks in the group, r

@@ -4,7 +4,7 @@ A pair of linears is split the Megatron way (Shoeybi et al. 2019, "Megatron-LM",
 the first by output columns, the second by input rows, so the nonlinearity between them is
 local and the pair costs one all-reduce forward (g) and one backward (f). The embedding is split
 over the vocabulary (section 3, "input embedding"; the head and the loss over the whole GPT, with
-it: tensor_parallel_gpt.py), and sequence parallelism (Korthikanti et al. 2022, section 4.2.2)
+it: composition/tensor_parallel_gpt.py), and sequence parallelism (Korthikanti et al. 2022, section 4.2.2)
 turns each all-reduce into a reduce-scatter and an all-gather so norms and dropout work on 1/N of
 the tokens. Left out: fused QKV, overlapping these collectives with the matmuls, an RNG tracker
 for dropout (every rank draws the same masks: right where the ranks hold copies, but rank r's
@@ -154,7 +154,7 @@ def leave_region(x, comm: Comm, sequence_parallel: bool):
 # to match W's split (shard(param, dim), dim None: whole), and returns term(layer, x), which the
 # layer adds to its local product, inside the region: g sums it with the partial products. A
 # whole parameter used there gets from each rank only its share of its gradient; this file sums
-# no partial gradient: tensor_parallel_gpt.py does, after backward (_partial_sums).
+# no partial gradient: composition/tensor_parallel_gpt.py does, after backward (_partial_sums).
 
 def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
     """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms;
@@ -163,7 +163,7 @@ def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
     if dim is None:
         return nn.Parameter(param.detach().clone(), param.requires_grad)
     shard = nn.Parameter(_my_piece(param.detach(), comm, dim).clone(), param.requires_grad)
-    return place(shard, shard={"tp": dim})      # its record (placements.py): cut along dim over "tp"
+    return place(shard, shard={"tp": dim})   # tag it: cut along dim over "tp" (foundations/placements.py)
 
 
 class _SplitLinear(nn.Module):
@@ -212,7 +212,7 @@ class ColumnParallelLinear(_SplitLinear):
     """Y = X A + b with A's columns (W's rows) split: rank r computes Y[..., r*out/N : (r+1)*out/N].
 
     enter: apply f (or, with sequence_parallel, gather the sequence) to the input here, as a
-    layer used alone does (main, below). In model.py's blocks it is False: split_block enters
+    layer used alone does (the demonstration, below). In model.py's blocks it is False: split_block enters
     the region once per sublayer, by a forward pre-hook on attention and on the MLP, so query,
     key and value share one f. gather_output: all-gather the full (.., out), not keep (.., out/N).
     """
@@ -235,7 +235,7 @@ class RowParallelLinear(_SplitLinear):
     input_is_parallel: y arrives already split (a column-parallel output); else each rank
     takes its slice. The partial products are summed by g (sequence_parallel: reduce-scattered
     along T), then the bias is added: under sequence parallelism to this rank's T/N tokens only,
-    so its gradient is a partial sum (summed over the group in tensor_parallel_gpt.py).
+    so its gradient is a partial sum (summed over the group in composition/tensor_parallel_gpt.py).
     """
 
     def __init__(self, in_features, out_features, group=None, bias=True, input_is_parallel=True,
@@ -287,7 +287,7 @@ class VocabParallelEmbedding(nn.Module):
 #   with sequence parallelism the residual stream, the norms and dropout hold T/N tokens per
 #   rank; without it all T, the same on every rank of the tensor group. The whole GPT (its
 #   embedding, head and loss split over the vocabulary too, and the partial gradients of what
-#   works on T/N tokens, norms and row biases, summed over the group): tensor_parallel_gpt.py.
+#   works on T/N tokens, norms and row biases, summed over the group): composition/tensor_parallel_gpt.py.
 
 def check_divisible(cfg, n: int):
     """Raise one message naming the fix if the model does not split into n equal parts. (The
