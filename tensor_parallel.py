@@ -13,7 +13,7 @@ Run alone: torchrun --nproc_per_node 2 tensor_parallel.py; in training: train.py
 Test: python -m pytest tests/test_tensor_parallel.py
 
 Shapes: B batch, T sequence, C channels, H heads, V vocabulary, N tensor-parallel size, r rank
-in the tensor group; M = B x T tokens. "/N" marks this rank's part of a split dimension.
+in the tensor group. "/N" marks this rank's part of a split dimension.
 """
 import os
 import sys
@@ -45,8 +45,7 @@ from foundations.placements import place
 
 
 class _Conjugate(torch.autograd.Function):
-    # One row of the table: the function `forward` moves x, `backward` moves its gradient back
-    # (each takes the tensor and the group).
+    # One row of the table: `forward` moves x, `backward` moves its gradient (each takes it and the group).
     @staticmethod
     def forward(ctx, x, comm, forward, backward):
         ctx.comm, ctx.conjugate = comm, backward
@@ -158,10 +157,12 @@ def leave_region(x, comm: Comm, sequence_parallel: bool):
 
 def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
     """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms;
-    dim None: a whole copy, the same on every rank of the group. A frozen weight (LoRA's base)
-    stays frozen. The sizes divide by N: check_divisible, below, says so first."""
+    dim None: a whole copy, the same on every rank of the group. A frozen weight (LoRA's base) stays frozen."""
     if dim is None:
         return nn.Parameter(param.detach().clone(), param.requires_grad)
+    if param.shape[dim] % comm.world_size:          # chunk() would cut unequal slices: wrong sums
+        raise ValueError(f"tensor parallelism cuts dim {dim} of a {tuple(param.shape)} weight into {comm.world_size} "
+                         f"equal slices: give the layer sizes that divide by {comm.world_size}")
     shard = nn.Parameter(_my_piece(param.detach(), comm, dim).clone(), param.requires_grad)
     return place(shard, shard={"tp": dim})   # tag it: cut along dim over "tp" (foundations/placements.py)
 
@@ -370,8 +371,7 @@ def run_against_one_process(check, cases: dict, why: str):
     dist.destroy_process_group()
     if comm.rank == 0:
         print(f"max |difference| from one process on {comm.world_size} ranks: {everywhere.item():.1e} "
-              f"(bound {bound:g}: {why})")
-    sys.stdout.flush()
+              f"(bound {bound:g}: {why})", flush=True)       # the whole buffer, before os._exit
     os._exit(int(everywhere.item() > bound))  # at once: gloo's threads may still hold tensors (exit_distributed)
 
 

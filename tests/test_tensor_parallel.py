@@ -594,3 +594,17 @@ def test_model_that_does_not_split_names_the_fix(monkeypatch, capsys):
     assert "heads (n_head) = 6 into 4 equal parts, but 6 % 4 = 2: use a --tp that divides" in err
     with pytest.raises(ValueError, match=r"vocabulary \(vocab_size\) = 65 into 2"):
         tp.check_divisible(GPTConfig(n_head=4, n_embd=32, vocab_size=65), 2)
+
+
+@pytest.mark.parametrize("make", [
+    lambda comm: tp.ColumnParallelLinear(8, 5, comm),          # 5 output features over 2 ranks
+    lambda comm: tp.RowParallelLinear(5, 8, comm),             # 5 input features
+    lambda comm: tp.VocabParallelEmbedding(65, 8, comm),       # 65 rows: rank 1 would look up the wrong ids
+])
+def test_a_layer_whose_sizes_do_not_divide_is_a_clear_error(make):
+    """Used alone (no check_divisible before it), a layer refuses unequal slices: chunk() would
+    give rank 0 one row more, and the embedding's rank 1 would start its ids one row early."""
+    comm = Comm.__new__(Comm)
+    comm.rank, comm.world_size = 1, 2        # rank 1 of 2, no process group needed to build a layer
+    with pytest.raises(ValueError, match=r"into 2 equal slices: give the layer sizes that divide by 2"):
+        make(comm)
