@@ -3,8 +3,8 @@
 A pair of linears is split the Megatron way (Shoeybi et al. 2019, "Megatron-LM", section 3):
 the first by output columns, the second by input rows, so the nonlinearity between them is
 local and the pair costs one all-reduce forward (g) and one backward (f). The embedding is split
-over the vocabulary (section 3, "input embedding"; the head and the loss over the whole GPT, with
-it: composition/tensor_parallel_gpt.py), and sequence parallelism (Korthikanti et al. 2022, section 4.2.2)
+over the vocabulary (section 3, "input embedding"; composition/tensor_parallel_gpt.py splits a whole
+GPT, its head and loss over the vocabulary too), and sequence parallelism (Korthikanti et al. 2022, section 4.2.2)
 turns each all-reduce into a reduce-scatter and an all-gather so norms and dropout work on 1/N of
 the tokens. Left out: fused QKV, overlapping these collectives with the matmuls, an RNG tracker
 for dropout (every rank draws the same masks: right where the ranks hold copies, but rank r's
