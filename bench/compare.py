@@ -61,7 +61,7 @@ from composition.mesh_optimizer import on_mesh
 from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
 from model import PRESETS
 from composition.parallelize import build_gpt, data_parallel, fsdp_with
-from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula
+from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula, split_layers
 from foundations.process_groups import exit_distributed, init_distributed, make_mesh
 from extensions.schedules import make_pipeline
 from running.snapshot import unwritable_file
@@ -301,7 +301,7 @@ def _stage(model, v: int = 1):
     """This rank's pipeline.GPTStage (v chunks of blocks): the whole world is one pipeline, a
     stage per rank."""
     s, P = dist.get_rank(), dist.get_world_size()
-    return pipeline.GPTStage(model, pipeline.split_layers(model.cfg.n_layer, P, v=v)[s::P], s == 0, s == P - 1)
+    return pipeline.GPTStage(model, split_layers(model.cfg.n_layer, P, v=v)[s::P], s == 0, s == P - 1)
 
 
 def ours_pipeline(schedule, model, args):

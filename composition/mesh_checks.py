@@ -15,7 +15,7 @@ import context_parallel
 from extensions import schedules
 import tensor_parallel
 from model import PRESETS
-from pipeline import split_layers
+from mechanics.pipeline_mechanics import split_layers
 
 # --strategy tp, pipeline and cp: ddp over the data dimension, with that dimension split even at
 # size 1.
@@ -177,7 +177,7 @@ def check_pipeline(parser, args, world_size):
 
 def stage_layers(option: str | None, n_layer: int, P: int, v: int = 1) -> list[list[range]]:
     """Each stage's chunks of blocks (one chunk unless interleaved: stage s holds chunks s, s + P,
-    ...) from --stage-layers "N,N,..." (blocks per chunk; None: balanced, pipeline.split_layers)."""
+    ...) from --stage-layers "N,N,..." (blocks per chunk; None: balanced, pipeline_mechanics.split_layers)."""
     try:
         sizes = [int(n) for n in option.split(",")] if option else None
     except ValueError:

@@ -13,8 +13,8 @@ zero_bubble.py). Every schedule by name (make_schedule), its lists checked (mess
 deadlock under NCCL's p2p rules: pipeline_mechanics.py) and its executor (make_pipeline).
 Left out: ZB-H2 and ZB-V (more memory or a V-shaped placement for no bubble at all),
 interleaving combined with the B/W split.
-Run: python -m extensions.schedules --stages 4 --microbatches 8 --schedule 1f1b (python pipeline.py: gpipe, 1f1b);
-     --schedule interleaved --virtual-stages 2, --schedule zb
+Run: python -m extensions.schedules --stages 4 --microbatches 8 --schedule 1f1b (draws a schedule:
+     gpipe and 1f1b, pipeline.py's; interleaved --virtual-stages 2; zb)
 Test: python -m pytest tests/test_schedules.py
 
 Shapes: P stages (ranks), M micro-batches, s stage, m micro-batch; interleaved: v chunks per
@@ -24,9 +24,9 @@ from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imp
 import torch
 import torch.nn as nn
 
-from pipeline import Action, Pipeline, backward_actions, forward_actions, gpipe, one_f_one_b
-from mechanics.pipeline_mechanics import (COMPUTE, check_sizes, chunks_of, describe, message, nccl_program, run_under_nccl,
-                                schedule_parser)
+from pipeline import Action, Pipeline, backward_actions, forward_actions, gpipe, nccl_program, one_f_one_b
+from mechanics.pipeline_mechanics import (COMPUTE, check_sizes, chunks_of, describe, message, run_under_nccl,
+                                          schedule_parser)
 from extensions.zero_bubble import ZeroBubblePipeline
 
 
@@ -36,7 +36,6 @@ def interleaved(P: int, M: int, v: int = 2) -> list[list[Action]]:
     then the same P through the next), the k-th backward the same micro-batch on the chunks in
     reverse. Warm-up: 2(P-1-s) + (v-1)P forwards, then one forward and one backward in turn.
     Holds at most 2(P-1-s) + (v-1)P + 1 micro-batch chunks (each 1/v of a stage's activations)."""
-    check_sizes(P, M)
     if v < 1:
         raise ValueError(f"--virtual-stages must be at least 1, got {v}")
     if v == 1:
@@ -84,7 +83,6 @@ def zero_bubble(P: int, M: int) -> list[list[Action]]:
     by s micro-batches, so every stage holds P, the most 1F1B holds (on stage 0), and the last
     stages, idle at the end under 1F1B, fill that time with their delayed W's. In the drain each
     B is followed by one W while W's remain."""
-    check_sizes(P, M)
     stages = []
     for s in range(P):
         warmup, w = min(P - 1 - s, M), 0                 # w: the next W's micro-batch
@@ -108,7 +106,6 @@ def forwards_only(P: int, M: int, v: int = 1) -> list[list[Action]]:
     """Evaluation: the forwards alone, in GPipe's order (interleaved: Megatron's order, P at a
     time round the ring; all M through chunk 0 first would deadlock under NCCL, the last stage
     sending chunk 0's outputs to a first stage still blocked sending its own)."""
-    check_sizes(P, M)
     return [[a for k in range(M * v) for a in forward_actions(s, P, *_interleaved_pass(k, P, v), P * v)]
             for s in range(P)]
 
@@ -117,7 +114,9 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "z
 
 
 def make_schedule(name: str, P: int, M: int, virtual_stages: int = 1) -> list[list[Action]]:
-    """The lists of schedule `name`; virtual_stages: chunks per stage, interleaved only."""
+    """The lists of schedule `name`; virtual_stages: chunks per stage, interleaved only. Raises on
+    sizes no schedule can run, naming the fix."""
+    check_sizes(P, M)
     if name == "interleaved":
         return interleaved(P, M, virtual_stages)
     if virtual_stages != 1:

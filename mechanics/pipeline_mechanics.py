@@ -1,22 +1,22 @@
-"""The pipeline's mechanics, read after pipeline.py: a schedule on two clocks, and the executor's
-bookkeeping.
+"""The pipeline's mechanics, read after pipeline.py: a schedule on two clocks, the blocks each
+stage holds, and the executor's bookkeeping.
 
-NCCL's clock: what pipeline.py's executor posts for a stage's list (nccl_program: the sends and
-receives between two computations as one group) and whether the stages, each playing its program
-by NCCL's point-to-point rules, can wait on each other forever (run_under_nccl). The lecture's
+NCCL's clock: whether the stages, each playing the program pipeline.py's executor posts for its
+list (pipeline.nccl_program: the sends and receives between two computations as one group) by
+NCCL's point-to-point rules, can wait on each other forever (run_under_nccl). The lecture's
 clock: every computation one slot, messages instant (simulate), from which the bubble (the idle
 share, beside its formula), the activations a stage holds at most, and the timeline the lecture
-draws (describe). Then what the executor does beside running its list (PipelineMechanics, its
-base class): the tied ends' group, the loss summed over the stages, FSDP's units kept gathered,
-the loop's interface, the bytes a step sends, the bubble it measured. A list is any stage's list
-of pipeline.Action (kind, m, chunk): this file imports no schedule.
+draws (describe). The blocks of each stage (split_layers) and their placements' records
+(place_stage). Then what the executor keeps beside running its list (PipelineMechanics, its
+base class): the tied ends' group, the loop's interface, the bytes a step sends, the bubble it
+measured, its clock. A list is any stage's list of pipeline.Action (kind, m, chunk): this file
+imports no schedule.
 Test: python -m pytest tests/test_schedules.py tests/test_pipeline.py
 
 Shapes: P stages (ranks), M micro-batches, s stage, m micro-batch; v chunks per rank, chunk c of
 rank s is virtual stage c P + s.
 """
 import argparse
-import contextlib
 import math
 import time
 
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import Comm, ring_bytes
+from foundations.placements import place
 from foundations.process_groups import subgroups
 
 COMPUTE = ("F", "B", "W")          # an Action's kinds that compute; the others send or receive
@@ -58,7 +59,7 @@ def bubble_formula(name: str, P: int, M: int, v: int = 1) -> float:
     return (P - 1) / ((v if name == "interleaved" else 1) * M + P - 1)
 
 
-# ---- NCCL's clock: what the executor (pipeline.py) posts, and NCCL's rules for it -----------
+# ---- NCCL's clock: the executor's programs (pipeline.nccl_program) played by NCCL's rules -----
 #
 # NCCL runs a rank's point-to-point calls on one stream, in the order they were posted: a send
 # completes only once its partner has posted the matching receive, and everything posted after
@@ -66,29 +67,7 @@ def bubble_formula(name: str, P: int, M: int, v: int = 1) -> float:
 # peer waits for: a deadlock gloo never shows. The executor therefore posts the sends and
 # receives that sit between two computations together, as one group (one batch_isend_irecv, as
 # torch.distributed.pipelining does), and waits for a group before the computation after it only
-# if the group receives something. nccl_program() writes that down; run_under_nccl() plays it.
-
-def nccl_program(actions: list) -> list:
-    """The executor's program for a stage's list: compute actions as they are, and each run of
-    sends and receives between two computations as ("post", group) then, if the group receives,
-    ("wait", group); group is a tuple of Actions."""
-    program, group = [], []
-
-    def close():
-        if group:
-            program.append(("post", tuple(group)))
-            if any(a.kind.startswith("recv") for a in group):
-                program.append(("wait", tuple(group)))
-            group.clear()
-    for a in actions:
-        if a.kind in COMPUTE:
-            close()
-            program.append(a)
-        else:
-            group.append(a)
-    close()
-    return program
-
+# if the group receives something. run_under_nccl() plays every stage's program so.
 
 def run_under_nccl(programs: list[list]):
     """Play each stage's program by NCCL's rules; raise if the stages would wait forever.
@@ -217,7 +196,7 @@ def describe(name: str, stages: list[list], M: int) -> str:
 # ---- the command line, and bad sizes in one line ------------------------------------------------
 
 def schedule_parser(schedules: dict) -> argparse.ArgumentParser:
-    """python pipeline.py's and python -m extensions.schedules's options: P, M and a schedule's name."""
+    """python -m extensions.schedules's options: P, M and a schedule's name."""
     parser = argparse.ArgumentParser(description="Print a pipeline schedule as a timeline")
     parser.add_argument("--stages", type=int, default=4, help="P, pipeline stages")
     parser.add_argument("--microbatches", type=int, default=8, help="M, micro-batches per step")
@@ -233,7 +212,7 @@ def check_sizes(P: int, M: int):
 
 
 def check_layers(n_layer: int, P: int, sizes: list[int] | None, v: int = 1):
-    """Raise unless n_layer blocks cut into P stages of v chunks each (pipeline.split_layers):
+    """Raise unless n_layer blocks cut into P stages of v chunks each (split_layers):
     balanced (sizes None), every chunk needs a block; given, P v sizes of 1 or more adding up."""
     chunks = P * v
     if sizes is None and n_layer < chunks:
@@ -248,14 +227,36 @@ def check_layers(n_layer: int, P: int, sizes: list[int] | None, v: int = 1):
                          + f", each 1 or more, adding up to the model's {n_layer} blocks")
 
 
+# ---- the stages' blocks, and their placements' records ------------------------------------------
+
+def split_layers(n_layer: int, P: int, sizes: list[int] | None = None, v: int = 1) -> list[range]:
+    """The blocks of each of the P*v chunks (virtual stages; stage s holds chunks s, s + P, ...):
+    `sizes` blocks each if given (--stage-layers), else balanced by count (the first n_layer % (P*v)
+    take one more; the last also computes the head and loss)."""
+    check_layers(n_layer, P, sizes, v)              # every chunk at least one block, all of them used
+    if sizes is None:
+        sizes = [n_layer // (P * v) + (c < n_layer % (P * v)) for c in range(P * v)]
+    starts = [sum(sizes[:c]) for c in range(P * v)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def place_stage(stage):
+    """foundations/placements.py's records for a pipeline.GPTStage's parameters: sharded along "pp",
+    None (no tensor cut: each stage holds different ones, their squares add up over the stages in
+    the norm); the last stage's copy of a tied weight is the first's, counted there."""
+    for p in stage.parameters():
+        place(p, shard={"pp": None})
+    if stage.tied is not None and stage.last:
+        place(stage.tied, counted=False)
+
+
 # ---- the executor's mechanics: its set-up, the loop's interface, the step's bytes and bubble --
 
 class PipelineMechanics:
-    """What pipeline.Pipeline (this is its base class) does beside running its list: the tied ends' group, the
-    loss summed over the stages, FSDP's units kept gathered, the loop's interface (called as a
-    GPT is, eval(), train()), the bytes a step sends, the bubble it measured, its clock. Reads
-    the executor's attributes: module, comm, P, M, actions, activation, dtype, tied, device,
-    busy and wall."""
+    """What pipeline.Pipeline (this is its base class) keeps beside running its list: the tied ends'
+    group, the loop's interface (called as a GPT is, eval(), train()), the bytes a step sends, the
+    bubble it measured, its clock. Reads the executor's attributes: module, comm, P, M, actions,
+    activation, dtype, tied, device, busy and wall."""
 
     def _ends_group(self, comm: Comm, device) -> Comm | None:
         """A Comm over this pipeline's first and last stage if they share a tied weight.
@@ -273,19 +274,6 @@ class PipelineMechanics:
         ends = sorted({(t[0].item(), t[1].item()) for t in every})
         group = subgroups(comm, ends)
         return group if self.tied is not None else None
-
-    def _sum_over_stages(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss lives on the last stage (with experts, each stage holds its routers' part):
-        every stage returns the sum (a metric: not counted). Called once the step's reductions
-        are over: with ring collectives none is then still to be launched, so this native call
-        keeps every rank's one launch order (launch.Launcher)."""
-        dist.all_reduce(loss, group=self.comm.group)
-        return loss
-
-    def _gathered(self):
-        """FSDP's units stay gathered through the step (fsdp.FSDP.gathered_for_step): a schedule
-        runs several micro-batches' forwards before their backwards."""
-        return getattr(self.module, "gathered_for_step", contextlib.nullcontext)()
 
     def __call__(self, x, y):
         """(None, evaluate(x, y)): called as a GPT is, for the loss (no stage holds all logits)."""
@@ -318,6 +306,7 @@ class PipelineMechanics:
 
     @staticmethod
     def _clock(synchronize: bool) -> float:
+        """The clock of busy, wall and timeline; synchronize: wait for this rank's computations first."""
         if synchronize and torch.cuda.is_available():
             # The compute stream only: a device-wide synchronize would also wait for the p2p
             # stream, where a send may sit until the peer posts its receive after this very

@@ -25,7 +25,7 @@ from context_parallel import cp_kv_bytes
 from mixed_precision import DTYPES
 from model import PRESETS, GPTConfig
 from moe import expert_capacity, layer_exchange_bytes
-from pipeline import split_layers
+from mechanics.pipeline_mechanics import split_layers
 from foundations.placements import placement
 from quantization import NF4Weight
 from extensions.schedules import make_schedule
@@ -323,7 +323,7 @@ def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, mic
     the stage's list, each F adding its chunk's layers' activation_bytes for one micro-batch
     (and the logits, on the last chunk), each B freeing them (W, when the backward is split: an
     upper bound, since B frees all but the linear layers' inputs and output gradients).
-    Blocks split as pipeline.split_layers does: balanced over the P v chunks."""
+    Blocks split as pipeline_mechanics.split_layers does: balanced over the P v chunks."""
     V = P * v
     if cfg.n_layer < V:
         raise ValueError(f"{cfg.n_layer} blocks, fewer than {V} chunks: every chunk needs a block")
@@ -500,7 +500,7 @@ def mesh_params(name_or_config, tp: int = 1, blocks: int | None = None, first: b
 
 
 def stage_blocks(n_layer: int, pp: int, stage: int, virtual_stages: int = 1) -> int:
-    """Blocks pipeline stage `stage` holds under the balanced split (pipeline.split_layers)."""
+    """Blocks pipeline stage `stage` holds under the balanced split (pipeline_mechanics.split_layers)."""
     return sum(len(chunk) for chunk in split_layers(n_layer, pp, v=virtual_stages)[stage::pp])
 
 

@@ -31,8 +31,7 @@ from napkin.flops import LLAMA_3_1_8B, Shape, block_flops, model_flops_per_token
 from napkin.machines import ADAMW_BYTES, PRESETS as MACHINES, Link, Machine, collective_seconds, overlapped
 from napkin.memory_math import _element_size, nf4_bytes
 from model import PRESETS as MODELS
-from pipeline import split_layers
-from mechanics.pipeline_mechanics import bubble_formula
+from mechanics.pipeline_mechanics import bubble_formula, split_layers
 from extensions.schedules import SCHEDULES, make_schedule
 from napkin.step_time_parallel import inside_blocks
 from tensor_parallel import check_divisible

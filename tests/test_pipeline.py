@@ -24,7 +24,7 @@ from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks, torchrun_worker
 from foundations.process_groups import make_mesh
 from composition.parallelize import bubble_why, replayed_idle, stage_seconds
-from mechanics.pipeline_mechanics import bubble_formula
+from mechanics.pipeline_mechanics import bubble_formula, split_layers
 from extensions.schedules import SCHEDULES, gpipe, make_pipeline, make_schedule, nccl_program
 
 # ---- the executor, against one process -----------------------------------------------------------
@@ -89,7 +89,7 @@ def _pipeline_trains(P, runs, cfg=CFG, precision="fp32"):
         v = v[0] if v else 1
         torch.manual_seed(0)
         gpt = GPT(cfg).to(DTYPES[precision])
-        layers = pipeline.split_layers(cfg.n_layer, P, v=v)[pipe.rank::P]
+        layers = split_layers(cfg.n_layer, P, v=v)[pipe.rank::P]
         stage = pipeline.GPTStage(gpt, layers, first=pipe.rank == 0, last=pipe.rank == P - 1)
         module = DDP(stage, data) if data.world_size > 1 else stage
         runner = make_pipeline(module, pipe, schedule, M, cfg.n_embd, DTYPES[precision])
@@ -245,7 +245,7 @@ def _ours_and_torchs(P, runs, cfg=CFG):
         for whose in ("ours", "torch"):
             torch.manual_seed(0)
             gpt = GPT(cfg)
-            stage = pipeline.GPTStage(gpt, pipeline.split_layers(cfg.n_layer, P, v=v)[s::P], s == 0, s == P - 1)
+            stage = pipeline.GPTStage(gpt, split_layers(cfg.n_layer, P, v=v)[s::P], s == 0, s == P - 1)
             if whose == "ours":
                 make_pipeline(stage, Comm(), schedule, M, cfg.n_embd, torch.float32).train_step(x, y)
             else:
@@ -368,7 +368,7 @@ def _posted_groups(P, runs):
         torch.manual_seed(0)
         gpt = GPT(CFG)
         s = dist.get_rank()
-        stage = pipeline.GPTStage(gpt, pipeline.split_layers(CFG.n_layer, P)[s], s == 0, s == P - 1)
+        stage = pipeline.GPTStage(gpt, split_layers(CFG.n_layer, P)[s], s == 0, s == P - 1)
         runner = pipeline.Pipeline(stage, Comm(), schedule, M, CFG.n_embd, torch.float32)
         calls.append([])
         runner.train_step(batch[:, :-1], batch[:, 1:])
@@ -405,7 +405,7 @@ def _sharded_pipeline_trains(P, cfg, strategy):
     pipe, data = make_mesh(Comm(), P)
     torch.manual_seed(0)
     gpt = GPT(cfg)
-    stage = pipeline.GPTStage(gpt, pipeline.split_layers(cfg.n_layer, P)[pipe.rank],
+    stage = pipeline.GPTStage(gpt, split_layers(cfg.n_layer, P)[pipe.rank],
                               first=pipe.rank == 0, last=pipe.rank == P - 1)
     module = FSDP(stage, group=data) if strategy == "fsdp" else stage
     optimizer = (FSDPOptimizer(module, lr=1e-2, weight_decay=0.1) if strategy == "fsdp" else
@@ -469,7 +469,7 @@ def _groups_created(P):
     make_mesh(Comm(), P)
     torch.manual_seed(0)
     s = pipe.rank
-    stage = pipeline.GPTStage(GPT(TIED), pipeline.split_layers(TIED.n_layer, P)[s], s == 0, s == P - 1)
+    stage = pipeline.GPTStage(GPT(TIED), split_layers(TIED.n_layer, P)[s], s == 0, s == P - 1)
     pipeline.Pipeline(stage, pipe, "1f1b", 4, TIED.n_embd, torch.float32)
     return calls
 
@@ -523,13 +523,13 @@ def test_the_bubble_line_says_why_where_it_is_off_by_more_than_a_compute_slot():
 
 
 def test_stage_split_balanced_by_blocks_or_given():
-    assert pipeline.split_layers(4, 2) == [range(0, 2), range(2, 4)]
-    assert pipeline.split_layers(6, 4) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
-    assert pipeline.split_layers(4, 2, [3, 1]) == [range(0, 3), range(3, 4)]
+    assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert split_layers(6, 4) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
+    assert split_layers(4, 2, [3, 1]) == [range(0, 3), range(3, 4)]
     with pytest.raises(ValueError, match="4 blocks, fewer than 8 pipeline stages"):
-        pipeline.split_layers(4, 8)
+        split_layers(4, 8)
     with pytest.raises(ValueError, match="give 2 numbers, each 1 or more, adding up to the model's 4"):
-        pipeline.split_layers(4, 2, [4, 0])
+        split_layers(4, 2, [4, 0])
 
 
 def test_stage_keeps_only_its_parameters_under_their_whole_model_names():

@@ -1,9 +1,8 @@
 """Pipeline schedules as data (schedules.py): GPipe, 1F1B, interleaved 1F1B and zero bubble
 (ZB-H1) run, their messages match, they cannot deadlock under NCCL's p2p rules, and their bubble
-and memory are the formulas, for many P, M (and v); the command line (python -m extensions.schedules, and
-python pipeline.py, the same) draws them.
+and memory are the formulas, for many P, M (and v); the command line (python -m extensions.schedules)
+draws them.
 """
-import importlib
 
 import pytest
 
@@ -163,9 +162,8 @@ def test_nccl_rules_catch_a_receive_posted_ahead_of_a_send(name):
     schedules.run_under_nccl([schedules.nccl_program(actions) for actions in stages])   # the fix
 
 
-@pytest.mark.parametrize("command", ["extensions.schedules", "pipeline"])    # python -m extensions.schedules, pipeline.py
-def test_command_line_prints_the_timeline_and_the_bubble(command, capsys):
-    importlib.import_module(command).main(["--stages", "4", "--microbatches", "8", "--schedule", "1f1b"])
+def test_command_line_prints_the_timeline_and_the_bubble(capsys):
+    schedules.main(["--stages", "4", "--microbatches", "8", "--schedule", "1f1b"])
     out = capsys.readouterr().out
     assert out.count("stage ") == 4
     assert "bubble fraction 0.273, formula (P-1)/(M+P-1) = 0.273" in out
