@@ -57,7 +57,7 @@ class GPTStage(nn.Module):
         if not last:
             gpt.norm = gpt.head = None
         self.gpt, self.first, self.last, self._tied = gpt, first, last, tied
-        place_stage(self)   # placements' records for the norm, checkpoints: along "pp", different tensors
+        place_stage(self)   # tag the parameters: each stage holds other tensors (the norm, checkpoints read it)
 
     @property
     def tied(self) -> nn.Parameter | None:
