@@ -1,8 +1,8 @@
 """FSDPOptimizer: any element-wise torch optimizer stepping on FSDP's shards (read fsdp.py first).
 
 FSDP's reduce-scatter already did ZeRO-2's work: each rank holds its shards' fp32 gradients. So
-the step is ZeRO's sharded step (zero.py's ZeroOptimizer.step) with no all-gather after it: the
-next forward gathers. A plain torch.optim optimizer over FSDP.parameters() works too (with
+the step is ZeRO's (zero.py's ZeroOptimizer.step; both compose foundations/sharded_step.py's
+ShardedStep) with no all-gather after it: the next forward gathers. A plain torch.optim optimizer over FSDP.parameters() works too (with
 FSDP.clip_grad_norm_); this one adds fp16's loss scale, leaves parameters no rank used
 unchanged, and offloads (ZeRO-Offload, Ren et al. 2021: offload.py).
 Test: python -m pytest tests/test_fsdp.py
@@ -17,9 +17,9 @@ from extensions.offload import OffloadedStep
 
 class FSDPStep(torch.optim.Optimizer):
     """Any element-wise torch optimizer on the shards of fsdp (an fsdp.FSDP), with ZeRO's
-    sharded step (foundations/sharded_step.py's ShardedStep, zero.py's too): unscale (fp16 loss
-    scale), one global norm across ranks for clipping and for the inf/NaN skip that every rank
-    agrees on, the inner step on this rank's shards.
+    sharded step (ShardedStep): unscale (fp16 loss scale), one global norm across ranks for
+    clipping and for the inf/NaN skip that every rank agrees on, the inner step on this rank's
+    shards.
     Loop: zero_grad(); scale_loss(loss).backward() per micro-batch; clip_grad_norm_(max_norm) if
     clipping; step(). A torch.optim.Optimizer: schedulers drive it.
     offload: ZeRO-Offload, as ZeroOptimizer's: the fp32 master shards (FSDP's parameters) and
@@ -129,8 +129,14 @@ class FSDPStep(torch.optim.Optimizer):
 
     sharded = True                          # each rank holds only its shard of the masters
     add_param_group = ShardedStep.refuse_new_groups    # torch's while built, then refused
-    scaler = property(lambda self: self.shard_step.scaler,     # fp16's loss scale (a mesh's parts share
-                      lambda self, scaler: setattr(self.shard_step, "scaler", scaler))   # one: set)
+
+    @property
+    def scaler(self):                       # fp16's loss scale, the shards' step's
+        return self.shard_step.scaler
+
+    @scaler.setter
+    def scaler(self, scaler):               # a mesh's parts share one (mesh_optimizer.py)
+        self.shard_step.scaler = scaler
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale_loss(loss)
