@@ -339,7 +339,7 @@ class Zero2Optimizer(ZeroOptimizer):
 
     def _release(self):
         # Unlike stage 1's, the shard stays until zero_grad() (all that is left of the gradient);
-        # the master's .grad goes unless unscale_grads made it the shard itself (an fp32 shard).
+        # the master's .grad goes unless the unscale made it the shard itself (an fp32 shard).
         for bucket in self.buckets:
             if bucket.master.grad is not bucket.grad_shard:
                 bucket.master.grad = None

@@ -2,9 +2,10 @@
 
 FSDP's reduce-scatter already did ZeRO-2's work: each rank holds its shards' fp32 gradients. So
 the step is ZeRO's (zero.py's ZeroOptimizer.step; both compose foundations/sharded_step.py's
-ShardedStep) with no all-gather after it: the next forward gathers. A plain torch.optim optimizer over FSDP.parameters() works too (with
-FSDP.clip_grad_norm_); this one adds fp16's loss scale, leaves parameters no rank used
-unchanged, and offloads (ZeRO-Offload, Ren et al. 2021: offload.py).
+ShardedStep) with no all-gather after it: the next forward gathers. A plain torch.optim
+optimizer over FSDP.parameters() works too (with FSDP.clip_grad_norm_); this one adds fp16's
+loss scale, leaves parameters no rank used unchanged, and offloads (ZeRO-Offload, Ren et al.
+2021: offload.py).
 Test: python -m pytest tests/test_fsdp.py
 """
 import torch
