@@ -213,8 +213,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     sharded = True                          # each rank holds only its shard of the masters
     add_param_group = ShardedStep.refuse_new_groups    # torch's while built, then refused
 
-    scaler = property(lambda self: self.shard_step.scaler,     # fp16's loss scale (a mesh's parts share
-                      lambda self, scaler: setattr(self.shard_step, "scaler", scaler))   # one: set)
+    scaler = property(lambda self: self.shard_step.scaler,                # fp16's loss scale, settable:
+                      lambda self, scaler: setattr(self.shard_step, "scaler", scaler))   # a mesh's parts share one
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale_loss(loss)
