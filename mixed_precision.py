@@ -133,7 +133,15 @@ def optimizer_state(optimizer, shard: dict | None = None) -> dict:
 
 @torch.no_grad()
 def load_optimizer_state(optimizer, state: dict, shard: dict | None = None):
-    """optimizer_state's inverse, checked: the same shard, the same masters' shapes."""
+    """optimizer_state's inverse, checked (load_masters); then the model follows the masters."""
+    load_masters(optimizer, state, shard)
+    optimizer.refresh_params()
+
+
+@torch.no_grad()
+def load_masters(optimizer, state: dict, shard: dict | None = None):
+    """optimizer_state's inverse into optimizer's inner state, masters and loss scale, checked:
+    the same shard, the same masters' shapes."""
     if shard and (state["rank"], state["world_size"]) != (shard["rank"], shard["world_size"]):
         raise ValueError(f"this state is rank {state['rank']} of {state['world_size']}'s shard; "
                          f"load it on rank {state['rank']} of a world of {state['world_size']}")
@@ -146,7 +154,6 @@ def load_optimizer_state(optimizer, state: dict, shard: dict | None = None):
     optimizer.scaler.load_state_dict(state["scaler"])
     for master, saved in zip(masters, state["masters"]):
         master.copy_(saved)
-    optimizer.refresh_params()                    # the model follows the masters
 
 
 def element_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -317,15 +324,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
 # train.py's --reduce-dtype when not given, and memory.py's: gradients averaged across ranks in
 # fp32 whatever the --precision (FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.float32)).
+# Averaged in bf16, every step of the ring rounds a partial sum to 8 bits of mantissa, an error
+# that grows with the ranks; in fp32 only the finished mean is rounded, once, for twice the bytes.
 REDUCE_DTYPE = "fp32"
-
-
-def on_the_wire(grad: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Tensor:
-    """What a collective reduces for a gradient buffer: the buffer itself, or an upcast copy.
-    Averaged in bf16, every step of the ring rounds a partial sum to 8 bits of mantissa, an error
-    that grows with the ranks; in fp32 only the finished mean is rounded, once (FSDP2's
-    MixedPrecisionPolicy(reduce_dtype=torch.float32)), for twice the bytes."""
-    return grad if reduce_dtype in (None, grad.dtype) else grad.to(reduce_dtype)
 
 
 def parameters_only(params, who: str) -> list:

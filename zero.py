@@ -2,12 +2,13 @@
 
 Under DDP every rank holds the whole Adam state: 12 of the 16 bytes per parameter in mixed
 precision. ZeRO (Rajbhandari et al. 2020, sections 5.1 and 5.2) lays the parameters in a flat
-buffer split into N equal shards (flat.py's FlatParams, DDP's buckets too); rank r keeps the
-optimizer state (stage 1) and the reduced gradient (stage 2) of shard r only, updates that
-shard, and all-gathers the parameters. A reduce-scatter plus an all-gather move what DDP's
-all-reduce moves: the memory saved costs no extra communication (but stage 2 reduce-scatters every
-micro-batch of an accumulated step). Stage 1, then stage 2 as its delta. Left out: stage 3
-(fsdp.py: the same FlatParams), ZeRO-Offload (zero_offload.py), ZeRO++.
+buffer split into N equal shards (foundations/flat.py's buckets); rank r keeps the optimizer state
+(stage 1) and the reduced gradient (stage 2) of shard r only, updates that shard (the inner
+optimizer on its fp32 masters: foundations/sharded_step.py), and all-gathers the parameters.
+A reduce-scatter plus an all-gather move what DDP's all-reduce moves: the memory saved costs no
+extra communication (but stage 2 reduce-scatters every micro-batch of an accumulated step).
+Stage 1, then stage 2 as its delta. Left out: stage 3 (fsdp.py: the same FlatParams),
+ZeRO-Offload (zero_offload.py), ZeRO++.
 Run alone: torchrun --nproc_per_node 2 zero.py; test: python -m pytest tests/test_zero.py
 
 Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements per shard.
@@ -15,22 +16,17 @@ Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements p
 
 import contextlib
 import copy
-import math
 import os
 
 import torch
 import torch.distributed as dist
-from torch.nn.utils import clip_grads_with_norm_
 
 from collectives import as_comm, ring_bytes
-from foundations.flat import (MAX_REDUCTIONS_IN_FLIGHT, Bucket, InOrder, ShardBookkeeping, flags_and_norm_bytes,
-                  hook_gradient, keep_unchanged, or_used_flags, shard_pieces, sharded_buckets, squares_of,
-                  trainable_in_one_dtype, unused_ranges)
-from mixed_precision import (DynamicLossScaler, check_max_norm, on_the_wire, read_decision, run_closure,
-                             unscale_grads, wrap_inner)
+from foundations.flat import ShardedBuckets
+from foundations.sharded_step import ShardedStep
 
 
-class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
+class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO-1: any element-wise torch optimizer (optimizer_cls) on this rank's shards only.
 
     params: the trainable ones, in fp32 (each its own master) or bf16/fp16 (an fp32 master
@@ -44,40 +40,37 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
 
     stage = 1
     keeps_whole_gradients = True        # flat.GradientSyncs: full buffers until the finish
-    # How far this step's phases got, reset by _release(): _synced (reduced since the last
-    # gradient), _unscaled (the masters' .grad set), _norm, _used (global_norm() -> the host read).
-    _synced = False
 
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, group=None, bucket_mb: float = 25,
                  reduce_dtype: torch.dtype | None = None, mean_over: int | None = None,
                  **optimizer_kwargs):
-        trainable = trainable_in_one_dtype(params, "ZeroOptimizer")
         self.comm, self.reduce_dtype = as_comm(group), reduce_dtype
         self.op, self.divide = ("avg", 1) if mean_over is None else ("sum", mean_over)
+        self.buckets = ShardedBuckets(params, self.comm, bucket_mb, "ZeroOptimizer")   # the trainable ones
         # Rank r's share of the optimizer state: shard r of every bucket, 1/N of it (plus padding).
-        self.buckets = sharded_buckets(trainable, self.comm, bucket_mb)
         for bucket in self.buckets:
             shard = bucket.shard(bucket.flat, self.comm.rank)        # (S,) a view of the parameters
             bucket.master = self._new_master(bucket, shard)
-        self.flats = self.buckets      # the name ShardBookkeeping and offload.py read (FSDP's too)
-        self.masters = [b.master for b in self.buckets]
-        self.device = trainable[0].device
-        self.scaler = DynamicLossScaler(enabled=trainable[0].dtype == torch.float16)
-        self.optimizer = wrap_inner(self, optimizer_cls(self.masters, **optimizer_kwargs))
+        # The inner optimizer on those fp32 masters, and fp16's loss scale: this rank's step.
+        self.shard_step = ShardedStep(self, self.buckets, self.comm, optimizer_cls, optimizer_kwargs)
+        # What a mesh (mesh_optimizer.py), offload.py and the checkpoints read (FSDP's optimizer's too):
+        self.flats, self.masters, self.optimizer = self.buckets, self.shard_step.masters, self.shard_step.optimizer
+        self.device = self.shard_step.device          # where the gradient shards are
         self.last_grad_norm, self.last_step_skipped = None, False
-        self._release()                      # no norm, flags or unscaled gradients yet
+        self._release()        # how far the step got, none yet: _synced (reduced), _norm, _used (global_norm)
         self._hook_gradients()
 
     # ---- the step, as the lecture draws it ---------------------------------------------------
 
     def step(self, closure=None):
         """One call per phase, in order; each runs once a step (after clip_grad_norm_, 1-3 return at once)."""
-        loss = run_closure(closure)
+        with torch.enable_grad():
+            loss = None if closure is None else closure()
         self.reduce_gradients()          # 1 reduce-scatter: this rank's (S,) shard of each bucket
         self.unscale_gradients()         # 2 the shards / the loss scale, into the fp32 masters' .grad
         norm_on_device = self.global_norm()    # 3 the shards' squares, one all-reduce: a tensor
         # 4 clipping is clip_grad_norm_(max_norm)'s, if the loop called it: by this norm, already
-        norm, used = read_decision(norm_on_device, self._used)  # 5 the one host read: tensor -> float
+        norm, used = self.shard_step.read_decision(norm_on_device, self._used)   # 5 the one host read
         self.update(norm, used)          # 6 inf/NaN: skip; else the inner step, 7 the all-gather
         self.scaler.update(self.last_step_skipped)               # 8 the loss scale follows
         return loss
@@ -85,7 +78,7 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Phases 1-3 of step(), then 4: the masters' .grad scaled by min(1, max_norm / norm).
         Returns the norm before clipping, a device tensor (no host read: step() makes it)."""
-        check_max_norm(max_norm)
+        self.shard_step.check_max_norm(max_norm)
         self.reduce_gradients()
         self.unscale_gradients()
         self.clip(max_norm, self.global_norm())
@@ -96,17 +89,10 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
         """Phases 6 and 7, given the host read (step()'s, or a composition's, mesh_optimizer.py):
         the norm as a float, not finite -> skip the step; the used-flags as a list."""
         self.last_grad_norm = norm                       # before clipping; inf/NaN if skipped
-        self.last_step_skipped = not math.isfinite(norm)
+        self.last_step_skipped = not self.shard_step.step(norm, used)     # unused parameters kept
         if not self.last_step_skipped:
-            self._step_on_shards(used)
             self.all_gather_parameters()
         self._release()
-
-    def _step_on_shards(self, used: list | None):
-        """The inner optimizer on this rank's fp32 master shards. A parameter no rank used is put back:
-        torch skips a .grad of None; a flat master's zero gradient would still decay it, move its moments."""
-        with keep_unchanged(unused_ranges(self.buckets, used), self.optimizer.state):
-            self.optimizer.step()
 
     # ---- the phases, public: a composition (mesh_optimizer.py) runs them with its own norm ---
 
@@ -117,18 +103,14 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
         """Phase 2: each bucket's gradient shard / the loss scale, in fp32, as its master's .grad
         (or None); after phase 1, which it runs if not yet done (a composition calls it alone)."""
         self.reduce_gradients()
-        if not self._unscaled:
-            with_grad = [b for b in self.buckets if b.grad_shard is not None]
-            unscale_grads([b.grad_shard for b in with_grad], [b.master for b in with_grad], self.scaler.scale)
-            self._unscaled = True
-        return [b.master.grad if b.grad_shard is not None else None for b in self.buckets]
+        return self.shard_step.unscale(self.gradient_shards())
 
     def global_norm(self) -> torch.Tensor:
         """Phase 3, once a step: sqrt(the shards' squares summed over the group), a device scalar,
         the whole norm on every rank (the shards are disjoint); the used-flags' all-reduce beside it."""
         if self._norm is None:
             self._used, agree = self.launch_used_flags()
-            squares = squares_of(self.norm_pieces(), self.device)
+            squares = self.shard_step.squares(self.norm_pieces())     # (1,) this rank's sum
             if self.comm.world_size > 1:
                 self.comm.all_reduce(squares, op="sum")
             agree()
@@ -137,38 +119,33 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
 
     def norm_pieces(self, weight_of=None) -> list:
         """[(a run of a gradient shard, weight_of(param, 1), default 1)]: what the norm sums."""
-        return shard_pieces(self.buckets, self.unscale_gradients(), weight_of)   # phase 2's, run already
+        return self.shard_step.pieces(self.unscale_gradients(), weight_of)   # phase 2's, run already
 
-    def launch_used_flags(self) -> tuple:
-        """(Did any rank compute each parameter's gradient: (P,) flags, OR'ed, or None), agree()."""
-        used, agree = or_used_flags(self.buckets, self.device)
-        return (None if all(u for b in self.buckets for u in b.used) else used), agree
+    def launch_used_flags(self) -> tuple:      # (did any rank use each parameter: flags, or None), agree()
+        return self.shard_step.launch_used_flags()
 
     def clip(self, max_norm: float, norm: torch.Tensor):     # phase 4: the shards times min(1, max_norm / norm)
-        self.unscale_gradients()
-        clip_grads_with_norm_([b.master for b in self.buckets if b.grad_shard is not None], max_norm, norm)
+        self.shard_step.clip(max_norm, norm, self.unscale_gradients())
 
     # ---- the mechanics: stage 1's buffers, the reduce-scatter, the all-gather -----------------
 
-    def _new_master(self, bucket: Bucket, shard: torch.Tensor) -> torch.Tensor:
+    def _new_master(self, bucket, shard: torch.Tensor) -> torch.Tensor:
         """The (S,) fp32 tensor the inner optimizer updates: in fp32 the parameters' own shard."""
         return shard if shard.dtype == torch.float32 else shard.float()
 
     def _hook_gradients(self):
         """Gradients accumulate straight into each bucket's flat buffer: param.grad is a view."""
-        for b, bucket in enumerate(self.buckets):
+        for bucket in self.buckets:
             bucket.grad_flat = torch.zeros_like(bucket.flat)
-            for i, (p, view) in enumerate(zip(bucket.params, bucket.views(bucket.grad_flat))):
+            for p, view in zip(bucket.params, bucket.views(bucket.grad_flat)):
                 p.grad = view
-                hook_gradient(p, self._mark_used, b, i)
+        self.buckets.hook_gradients(self._mark_used)      # _mark_used(b, i) after each gradient
 
     def _mark_used(self, b: int, i: int):
         self.buckets[b].used[i] = True
         self._synced = False                                   # a gradient came: reduce again
 
-    def no_sync(self):
-        """Stage 1 keeps whole gradients until its finish anyway: nothing to hold back."""
-        return contextlib.nullcontext()
+    no_sync = contextlib.nullcontext     # stage 1 keeps whole gradients until its finish anyway
 
     def finish_gradient_sync(self):          # flat.GradientSyncs' name for reduce_gradients
         self.reduce_gradients()
@@ -188,7 +165,7 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
                 p.grad = view
         reductions = []
         for bucket in self.buckets:
-            wire = on_the_wire(bucket.grad_flat, self.reduce_dtype)                  # (N*S,)
+            wire = bucket.grad_flat.to(self.reduce_dtype or bucket.grad_flat.dtype)   # (N*S,) itself, or upcast
             output = wire.new_empty(bucket.shard_numel)                              # (S,)
             reductions.append((bucket, output, wire, self.comm.reduce_scatter(    # wire kept until waited
                 output, wire, op=self.op, async_op=True)))
@@ -211,15 +188,15 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
         """Round the fp32 master into the model's (16-bit) shard, before its all-gather."""
         shard.copy_(master)
 
-    def refresh_params(self):
-        """After the masters were written (a loaded checkpoint): the model's parameters follow."""
+    def refresh_params(self):                # the masters were written (a checkpoint): the model follows
         self.all_gather_parameters()
 
     def _release(self):
         # Stage 1 drops the shard too: the next reduce recomputes it from the full gradient it keeps.
         for bucket in self.buckets:
             bucket.grad_shard = bucket.master.grad = None
-        self._synced, self._unscaled, self._norm, self._used = False, False, None, None
+        self._synced, self._norm, self._used = False, None, None
+        self.shard_step.new_step()
 
     def zero_grad(self, set_to_none: bool = True):
         """Forget this step's gradients. Stage 1's .grad are views into flat buffers it keeps for
@@ -231,7 +208,32 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
                 bucket.grad_flat.zero_()
         self._release()
 
-    # ---- bookkeeping ------------------------------------------------------------------------
+    # ---- bookkeeping: what the loop, a mesh, the checkpoints and the meters ask --------------
+
+    sharded = True                          # each rank holds only its shard of the masters
+    add_param_group = ShardedStep.refuse_new_groups    # torch's while built, then refused
+
+    scaler = property(lambda self: self.shard_step.scaler,                # fp16's loss scale, settable:
+                      lambda self, scaler: setattr(self.shard_step, "scaler", scaler))   # a mesh's parts share one
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(loss)
+
+    def master_ranges(self) -> list[tuple]:
+        return self.shard_step.master_ranges()
+
+    def state_dict(self) -> dict:
+        return self.shard_step.state_dict()
+
+    def load_state_dict(self, state: dict):
+        self.shard_step.load_state_dict(state)
+        self.refresh_params()                       # the model follows the masters
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.shard_step.state_tensors()
+
+    def host_tensors(self) -> list[torch.Tensor]:   # none here (offload.py's step keeps the masters there)
+        return []
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The gradient memory this rank holds: full flat buffers (stage 1) or shards (stage 2)."""
@@ -246,7 +248,7 @@ class ZeroOptimizer(ShardBookkeeping, torch.optim.Optimizer):
         (N-1)/N of it: DDP's 2(N-1)/N (plus the norm's one fp32 number and the used-flags)."""
         reductions, n = self.reductions_per_step(micro_batches), self.comm.world_size
         wire = lambda b: (self.reduce_dtype or b.flat.dtype).itemsize        # the gradient's bytes
-        return flags_and_norm_bytes(self.buckets, self.comm) + sum(
+        return self.buckets.flags_and_norm_bytes() + sum(
             reductions * ring_bytes("reduce_scatter", b.flat.numel(), wire(b), n)
             + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), n) for b in self.buckets)
 
@@ -262,16 +264,14 @@ class Zero2Optimizer(ZeroOptimizer):
 
     #   backward   | grads of bucket 0 | grads of bucket 1 | grads of bucket 2 |
     #   network                        |= reduce-scatter 0 =|= reduce-scatter 1 =|= 2 =|
-    #   memory       full buffers only for the bucket filling, <= MAX_REDUCTIONS_IN_FLIGHT in flight; then shards
+    #   memory       full buffers only for the bucket filling, a few in flight (in_order's cap); then shards
 
     def _hook_gradients(self):
-        self._order = InOrder(self.buckets, self._launch_reduction, self._retire,
-                              max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
+        self._order = self.buckets.in_order(self._launch_reduction, self._retire)
         self._backward_hooked = False             # end-of-backward callback queued?
-        for b, bucket in enumerate(self.buckets):
+        for bucket in self.buckets:
             bucket.grad_flat = None                   # allocated while a bucket is in flight
-            for i, p in enumerate(bucket.params):
-                hook_gradient(p, self._gradient_ready, b, i)
+        self.buckets.hook_gradients(self._gradient_ready)   # _gradient_ready(b, i) after each gradient
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -293,9 +293,8 @@ class Zero2Optimizer(ZeroOptimizer):
         self._take(b, i)
 
     def _take(self, b: int, i: int):
-        """Parameter i's gradient copied into bucket b's buffer (in reduce_dtype; stage 1's .grad is a
-        view, in the parameters' dtype), and freed; the bucket goes once full. The buffer lives until
-        its reduce-scatter retires (_retire): peak memory is the buffers in flight."""
+        """Parameter i's gradient copied into bucket b's buffer (in reduce_dtype) and freed; the bucket
+        goes once full. The buffer lives until its reduce-scatter retires: peak memory is those in flight."""
         bucket = self.buckets[b]
         if bucket.grad_flat is None:                                   # (N*S,)
             bucket.grad_flat = torch.zeros_like(bucket.flat, dtype=self.reduce_dtype)
@@ -306,13 +305,13 @@ class Zero2Optimizer(ZeroOptimizer):
         if bucket.pending == 0:
             self._order.ready(bucket)
 
-    def _launch_reduction(self, bucket: Bucket):
+    def _launch_reduction(self, bucket):
         if bucket.grad_flat is None:                                     # no gradient came
             bucket.grad_flat = torch.zeros_like(bucket.flat, dtype=self.reduce_dtype)
         output = bucket.grad_flat.new_empty(bucket.shard_numel)          # (S,)
         return self.comm.reduce_scatter(output, bucket.grad_flat, op=self.op, async_op=True), output
 
-    def _retire(self, bucket: Bucket, started):
+    def _retire(self, bucket, started):
         """Wait for a bucket's reduce-scatter, keep the shard, free the full gradient."""
         handle, output = started
         handle.wait()
@@ -340,11 +339,12 @@ class Zero2Optimizer(ZeroOptimizer):
 
     def _release(self):
         # Unlike stage 1's, the shard stays until zero_grad() (all that is left of the gradient);
-        # the master's .grad goes unless unscale_grads made it the shard itself (an fp32 shard).
+        # the master's .grad goes unless the unscale made it the shard itself (an fp32 shard).
         for bucket in self.buckets:
             if bucket.master.grad is not bucket.grad_shard:
                 bucket.master.grad = None
-        self._unscaled, self._norm, self._used = False, None, None
+        self._norm, self._used = None, None
+        self.shard_step.new_step()
 
     def reductions_per_step(self, micro_batches: int) -> int:
         """One reduce-scatter per micro-batch: ZeRO-2 sends more than DDP under accumulation."""

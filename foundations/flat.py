@@ -5,16 +5,16 @@ optimizer state and the gradient) and FSDP's units (shard r of the parameters to
 FlatParams: "who owns which shard" is the whole difference (ZeRO, Rajbhandari et al. 2020,
 section 5; FSDP's FlatParameter, Zhao et al. 2023, section 3). Written here once, the
 foundation of ddp.py, zero.py and fsdp.py: the buffer, buckets of a few MiB, the gradient hook,
-one reduction per bucket in an order every rank agrees on, the sharded step's pieces that ZeRO's
-optimizer and FSDP's both use (the shards' squares, the used-flags, the unused elements kept),
-and the gradient-sync protocol they all speak (GradientSyncs).
+one reduction per bucket in an order every rank agrees on, ZeRO's buckets (ShardedBuckets), the
+pieces of the sharded step (the shards' squares, the used-flags; the step itself, ZeRO's and
+FSDP's, is foundations/sharded_step.py), and the gradient-sync protocol they all speak
+(GradientSyncs).
 Left out: FSDP2's per-parameter sharding (each tensor cut along its first dim, not laid in one
 flat buffer).
 Test: python -m pytest tests/test_ddp.py tests/test_zero.py
 
 Shapes: N ranks, r this rank, P elements in a flat buffer, S = ceil(P / N) elements per shard.
 """
-import contextlib
 import itertools
 import weakref
 from collections import deque
@@ -25,8 +25,7 @@ import torch.nn as nn
 
 from collectives import Comm, ring_bytes
 from foundations.launch import flags_to_device
-from mixed_precision import (element_state, load_optimizer_state, optimizer_state, parameters_only,
-                             refuse_new_groups)
+from mixed_precision import parameters_only
 from foundations.placements import add_squares, norm_weight
 from foundations.process_groups import check_same_parameters
 
@@ -184,6 +183,12 @@ class InOrder:
             self.retire(*self._in_flight.popleft())
 
 
+# Stage 2 (and FSDP) keeps at most this many full gradients in flight, buckets or units: when a
+# third fills, backward waits for the oldest reduce-scatter and frees its buffer. Memory stays
+# bounded whatever the network's speed; two in flight are enough to keep the link busy.
+MAX_REDUCTIONS_IN_FLIGHT = 2
+
+
 class Bucket(FlatParams):
     """One flat buffer's worth of parameters, sharded over comm, plus this rank's optimizer-side
     state for it (zero.py's optimizer)."""
@@ -209,24 +214,36 @@ def trainable_in_one_dtype(params, who: str) -> list:
     return trainable
 
 
-def sharded_buckets(params: list, comm: Comm, bucket_mb: float) -> list[Bucket]:
-    """params in Buckets of about bucket_mb MiB sharded over comm, in reverse registration order
-    (roughly the order backward produces gradients), the same on every rank: the shapes checked,
-    the values broadcast from rank 0."""
-    check_same_parameters(params, comm)
-    buckets = [Bucket(chunk, comm) for chunk in split_into_buckets(params[::-1], bucket_mb)]
-    for bucket in buckets:
-        comm.broadcast(bucket.flat, src=0)
-    return buckets
+class ShardedBuckets(list):
+    """ZeRO's buckets (zero.py): the trainable parameters of `params`, checked (all in one of
+    fp32/bf16/fp16; `who` names the caller in the error), in Buckets of about bucket_mb MiB
+    sharded over comm, in reverse registration order (roughly the order backward produces
+    gradients), the same on every rank: the shapes checked, the values broadcast from rank 0."""
+
+    def __init__(self, params, comm: Comm, bucket_mb: float, who: str):
+        trainable = trainable_in_one_dtype(params, who)
+        check_same_parameters(trainable, comm)
+        super().__init__(Bucket(chunk, comm) for chunk in split_into_buckets(trainable[::-1], bucket_mb))
+        self.comm = comm
+        for bucket in self:
+            comm.broadcast(bucket.flat, src=0)
+
+    def hook_gradients(self, method):
+        """method(b, i) each time backward has accumulated parameter i of bucket b's gradient."""
+        for b, bucket in enumerate(self):
+            for i, p in enumerate(bucket.params):
+                hook_gradient(p, method, b, i)
+
+    def in_order(self, launch, retire) -> InOrder:
+        """The buckets reduced in one order on every rank, MAX_REDUCTIONS_IN_FLIGHT at most (InOrder)."""
+        return InOrder(self, launch, retire, max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
+
+    def flags_and_norm_bytes(self) -> int:
+        """What a sharded step sends besides the shards: the used-flags and the norm (ring)."""
+        return step_message_bytes(sum(len(bucket.params) for bucket in self), self.comm.world_size)
 
 
-# ---- the sharded step's pieces: what ZeRO's optimizer and FSDP's both use ---------------------
-
-# Stage 2 (and FSDP) keeps at most this many full gradients in flight, buckets or units: when a
-# third fills, backward waits for the oldest reduce-scatter and frees its buffer. Memory stays
-# bounded whatever the network's speed; two in flight are enough to keep the link busy.
-MAX_REDUCTIONS_IN_FLIGHT = 2
-
+# ---- the sharded step's pieces: the norm's and the used-flags' (sharded_step.py, FSDP's state) ---
 
 def shard_pieces(flats: list, grads: list, weight_of=None, copies=None) -> list:
     """What the global norm sums of this rank's shards, [(a run of a gradient shard, weight)]:
@@ -268,86 +285,6 @@ def shards_norm(flats: list, grads: list, comm: Comm, split: dict) -> torch.Tens
         if group.world_size > 1:
             group.all_reduce(squares, op="sum")
     return squares.sqrt()[0]
-
-
-def unused_ranges(flats: list, used: list | None) -> list:
-    """[(master, start, stop)]: the elements of each flat's (S,) master shard that belong to a
-    parameter no rank used (used: the P flags read on the host; None: every one was used)."""
-    if used is None:
-        return []
-    flags, ranges = iter(used), []
-    for flat in flats:
-        unused = {i for i in range(len(flat.params)) if not next(flags)}
-        ranges += [(flat.master, offset, offset + stop - start)
-                   for i, start, stop, offset in flat.shard_ranges(flat.comm.rank) if i in unused]
-    return ranges
-
-
-@contextlib.contextmanager
-def keep_unchanged(ranges: list, state: dict):
-    """Elements master[start:stop] of each (master, start, stop), and the same elements of the
-    optimizer's per-element state (Adam's moments), come out as they went in.
-
-    A flat master holds parameters that got no gradient beside ones that did. torch's
-    optimizers skip a parameter whose .grad is None: no update, no weight decay, no moment
-    change. A shard sees a zero gradient instead, which AdamW would still decay, so the
-    elements are put back. (The shard's step count still advances: a parameter unused for
-    some steps and then used again gets the bias correction of the shard's count.)
-    """
-    saved = []
-    for master, start, stop in ranges:
-        moments = {k: v[start:stop].clone() for k, v in state.get(master, {}).items()
-                   if isinstance(v, torch.Tensor) and v.shape == master.shape}
-        saved.append((master, start, stop, master.detach()[start:stop].clone(), moments))
-    yield
-    with torch.no_grad():
-        for master, start, stop, values, moments in saved:
-            master[start:stop] = values
-            for key, v in state[master].items():
-                if isinstance(v, torch.Tensor) and v.shape == master.shape:
-                    # State the step created (the first one) starts from zero, as it would
-                    # the first time this parameter has a gradient.
-                    v[start:stop] = moments[key] if key in moments else 0
-
-
-
-class ShardBookkeeping:
-    """What a sharded optimizer (zero.py's, fsdp_optimizer.py's) offers beside its step, the same
-    for both: the torch.optim.Optimizer's bookkeeping over self.flats (each with its (S,) fp32
-    `master`), self.optimizer (the inner one), self.scaler and self.comm (the shards' ranks)."""
-
-    sharded = True                      # each rank holds only its shard of the masters
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale_loss(loss)
-
-    def add_param_group(self, param_group: dict):
-        refuse_new_groups(self, param_group)
-
-    def master_ranges(self) -> list[tuple]:
-        """(param, start, stop, master, offset): elements start:stop of param (flattened) have
-        their fp32 master, and their optimizer state, at master[offset : offset + stop - start].
-        Only this rank's shards: a checkpoint saves every rank's and joins them by name."""
-        return [(flat.params[i], start, stop, flat.master, offset) for flat in self.flats
-                for i, start, stop, offset in flat.shard_ranges(flat.comm.rank)]
-
-    def state_dict(self) -> dict:
-        """This rank's: inner state, fp32 master shards, loss scale, which shard."""
-        return optimizer_state(self, self._shard_id())
-
-    def load_state_dict(self, state: dict):
-        load_optimizer_state(self, state, self._shard_id())
-
-    def _shard_id(self) -> dict:
-        return {"rank": self.comm.rank, "world_size": self.comm.world_size}
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """The fp32 master shards and the inner optimizer's state (memory_math.held_bytes)."""
-        return [*self.masters, *element_state(self.optimizer)]
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        """What this rank keeps in host memory: nothing (offload.py's step keeps the masters there)."""
-        return []
 
 
 def or_used_flags(flats: list, device) -> tuple:

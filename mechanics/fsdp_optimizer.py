@@ -1,28 +1,26 @@
 """FSDPOptimizer: any element-wise torch optimizer stepping on FSDP's shards (read fsdp.py first).
 
 FSDP's reduce-scatter already did ZeRO-2's work: each rank holds its shards' fp32 gradients. So
-the step is ZeRO's sharded step (zero.py's ZeroOptimizer.step) with no all-gather after it: the
-next forward gathers. A plain torch.optim optimizer over FSDP.parameters() works too (with
-FSDP.clip_grad_norm_); this one adds fp16's loss scale, leaves parameters no rank used
-unchanged, and offloads (ZeRO-Offload, Ren et al. 2021: offload.py).
+the step is ZeRO's (zero.py's ZeroOptimizer.step; both compose foundations/sharded_step.py's
+ShardedStep) with no all-gather after it: the next forward gathers. A plain torch.optim
+optimizer over FSDP.parameters() works too (with FSDP.clip_grad_norm_); this one adds fp16's
+loss scale, leaves parameters no rank used unchanged, and offloads (ZeRO-Offload, Ren et al.
+2021: offload.py).
 Test: python -m pytest tests/test_fsdp.py
 """
-import math
-
 import torch
-from torch.nn.utils import clip_grads_with_norm_
 
-from foundations.flat import ShardBookkeeping, keep_unchanged, shard_pieces, squares_of, unused_ranges
 from foundations.launch import flags_to_device
-from mixed_precision import (DynamicLossScaler, check_max_norm, read_decision, run_closure,
-                             unscale_grads, wrap_inner)
+from foundations.sharded_step import ShardedStep
+from mixed_precision import DynamicLossScaler, run_closure
 from extensions.offload import OffloadedStep
 
 
-class FSDPStep(ShardBookkeeping, torch.optim.Optimizer):
+class FSDPStep(torch.optim.Optimizer):
     """Any element-wise torch optimizer on the shards of fsdp (an fsdp.FSDP), with ZeRO's
-    sharded step: unscale (fp16 loss scale), one global norm across ranks for clipping and for
-    the inf/NaN skip that every rank agrees on, the inner step on this rank's shards.
+    sharded step (ShardedStep): unscale (fp16 loss scale), one global norm across ranks for
+    clipping and for the inf/NaN skip that every rank agrees on, the inner step on this rank's
+    shards.
     Loop: zero_grad(); scale_loss(loss).backward() per micro-batch; clip_grad_norm_(max_norm) if
     clipping; step(). A torch.optim.Optimizer: schedulers drive it.
     offload: ZeRO-Offload, as ZeroOptimizer's: the fp32 master shards (FSDP's parameters) and
@@ -40,12 +38,11 @@ class FSDPStep(ShardBookkeeping, torch.optim.Optimizer):
         self.replica_rank = next((u.replicas.rank for u in fsdp.units if u.replicas is not None), 0)
         if offload:
             fsdp.offload_masters()
-        self.flats, self.masters = fsdp.units, [u.master for u in fsdp.units]
-        self.scaler = scaler or DynamicLossScaler(enabled=fsdp.compute_dtype == torch.float16)
-        self.optimizer = wrap_inner(self, optimizer_cls(self.masters, **optimizer_kwargs))
+        self.shard_step = ShardedStep(self, fsdp.units, fsdp.comm, optimizer_cls, optimizer_kwargs,
+                                      scaler or DynamicLossScaler(enabled=fsdp.compute_dtype == torch.float16))
+        self.flats, self.masters, self.optimizer = fsdp.units, self.shard_step.masters, self.shard_step.optimizer
         self.last_grad_norm, self.last_step_skipped = None, False
         self._norm = self._used = None       # the global norm and used-flags, from clipping to step()
-        self._unscaled = False
 
     # ---- the step: ZeRO's, with no all-gather (the next forward gathers) ----------------------
 
@@ -55,7 +52,7 @@ class FSDPStep(ShardBookkeeping, torch.optim.Optimizer):
         the inner optimizer on this rank's fp32 master shards."""
         loss = run_closure(closure)
         self.reduce_gradients()
-        norm, used = read_decision(self.global_norm(), self._used)
+        norm, used = self.shard_step.read_decision(self.global_norm(), self._used)
         self.update(norm, used)
         self.scaler.update(self.last_step_skipped)
         return loss
@@ -64,7 +61,7 @@ class FSDPStep(ShardBookkeeping, torch.optim.Optimizer):
         """The norm over every unit's shards (and HSDP's copies where some unit is not copied)."""
         if self._norm is None:
             self._used, agree = self.launch_used_flags()
-            squares = squares_of(self.norm_pieces(), self.device)
+            squares = self.shard_step.squares(self.norm_pieces())
             for group in self.norm_groups():
                 if group.world_size > 1:
                     group.all_reduce(squares, op="sum")
@@ -73,7 +70,7 @@ class FSDPStep(ShardBookkeeping, torch.optim.Optimizer):
         return self._norm
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        check_max_norm(max_norm)
+        self.shard_step.check_max_norm(max_norm)
         self.clip(max_norm, self.global_norm())
         return self._norm
 
@@ -81,18 +78,15 @@ class FSDPStep(ShardBookkeeping, torch.optim.Optimizer):
     def update(self, norm: float, used: list | None = None):
         """Skip on inf/NaN, else the inner step (parameters no rank used kept as they were)."""
         self.last_grad_norm = norm
-        self.last_step_skipped = not math.isfinite(norm)
-        if not self.last_step_skipped:
-            with keep_unchanged(unused_ranges(self.fsdp.units, used), self.optimizer.state):
-                self.optimizer.step()
-            if self.offload:
-                self.refresh_params()        # the updated host shards back to the device
+        self.last_step_skipped = not self.shard_step.step(norm, used)
+        if not self.last_step_skipped and self.offload:
+            self.refresh_params()        # the updated host shards back to the device
         self._norm = self._used = None
-        self._unscaled = False
+        self.shard_step.new_step()
 
     @property
     def device(self):                     # where the gradient shards are
-        return self.fsdp.units[0].params[0].device
+        return self.shard_step.device
 
     # ---- the phases, public: a composition (mesh_optimizer.py) runs them with its own norm ---
 
@@ -104,11 +98,7 @@ class FSDPStep(ShardBookkeeping, torch.optim.Optimizer):
 
     def unscale_gradients(self) -> list:
         self.reduce_gradients()
-        if not self._unscaled:
-            units = [u for u in self.fsdp.units if u.grad is not None]
-            unscale_grads([u.grad for u in units], [u.master for u in units], self.scaler.scale)
-            self._unscaled = True
-        return [u.master.grad if u.grad is not None else None for u in self.fsdp.units]
+        return self.shard_step.unscale(self.gradient_shards())
 
     def _copies_summed(self) -> bool:
         # HSDP's copies hold the same shards: one copy's squares are the whole, unless some unit
@@ -119,8 +109,8 @@ class FSDPStep(ShardBookkeeping, torch.optim.Optimizer):
     def norm_pieces(self, weight_of=None) -> list:
         """[(a run of a gradient shard, weight)]: what the norm sums (flat.shard_pieces)."""
         summed = self._copies_summed()
-        return shard_pieces(self.fsdp.units, self.unscale_gradients(), weight_of or (lambda p, n: 1.0 / n),
-                            lambda u: u.replicas.world_size if summed and u.replicas else 1)
+        return self.shard_step.pieces(self.unscale_gradients(), weight_of or (lambda p, n: 1.0 / n),
+                                      lambda u: u.replicas.world_size if summed and u.replicas else 1)
 
     def norm_groups(self) -> list:
         """The groups the squares are summed over: the shards' ranks, HSDP's copies if summed."""
@@ -134,10 +124,36 @@ class FSDPStep(ShardBookkeeping, torch.optim.Optimizer):
         return (None if all(local) else used), lambda: None
 
     def clip(self, max_norm: float, norm: torch.Tensor):
-        self.unscale_gradients()
-        clip_grads_with_norm_([u.master for u in self.fsdp.units if u.grad is not None], max_norm, norm)
+        self.shard_step.clip(max_norm, norm, self.unscale_gradients())
 
     # ---- bookkeeping ------------------------------------------------------------------------
+
+    sharded = True                          # each rank holds only its shard of the masters
+    add_param_group = ShardedStep.refuse_new_groups    # torch's while built, then refused
+
+    @property
+    def scaler(self):                       # fp16's loss scale, the shards' step's
+        return self.shard_step.scaler
+
+    @scaler.setter
+    def scaler(self, scaler):               # a mesh's parts share one (mesh_optimizer.py)
+        self.shard_step.scaler = scaler
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(loss)
+
+    def master_ranges(self) -> list[tuple]:
+        return self.shard_step.master_ranges()
+
+    def state_dict(self) -> dict:
+        return self.shard_step.state_dict()
+
+    def load_state_dict(self, state: dict):
+        self.shard_step.load_state_dict(state)
+        self.refresh_params()                       # the model follows the masters
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.shard_step.state_tensors()
 
     def frozen_gathered(self):
         """FSDP.frozen_gathered: the frozen weights whole, for a checkpoint (collective)."""
@@ -151,7 +167,7 @@ class FSDPStep(ShardBookkeeping, torch.optim.Optimizer):
             elif unit.grad is not None:
                 unit.grad.zero_()
         self._norm = self._used = None
-        self._unscaled = False
+        self.shard_step.new_step()
 
     def refresh_params(self):
         """After the masters were written: drop any gathered copy; the next forward gathers."""

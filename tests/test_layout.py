@@ -138,3 +138,18 @@ def test_every_concept_file_has_a_test_in_the_quick_tier():
     assert sorted(collected) == sorted(QUICK.values()), \
         f"QUICK names tests that were not collected (renamed?): {set(QUICK.values()) - set(collected)}" \
         f"\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
+
+
+def test_zero_and_fsdp_compose_one_sharded_step():
+    """ZeRO's optimizer and FSDP's both compose foundations/sharded_step.py's ShardedStep and write
+    none of its step again: no unscaling, norm pieces, finite check, kept-unchanged ranges or inner
+    optimizer wrapping of their own (each still writes its own collectives)."""
+    step_only = {"unscale_grads", "shard_pieces", "squares_of", "keep_unchanged", "unused_ranges",
+                 "isfinite", "wrap_inner", "clip_grads_with_norm_", "ShardBookkeeping"}
+    for module in ("zero", "mechanics.fsdp_optimizer"):
+        tree = ast.parse(_path(module).read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+                {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
+                {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        assert "ShardedStep" in names, f"{module} should compose foundations/sharded_step.py's ShardedStep"
+        assert not names & step_only, f"{module} repeats the sharded step: {sorted(names & step_only)}"

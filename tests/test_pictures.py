@@ -13,7 +13,7 @@ from foundations.meters import saved_activation_bytes
 from model import build_model
 from multiprocess import run_ranks, train_logged
 from extensions.schedules import COMPUTE, make_schedule
-from zero import MAX_REDUCTIONS_IN_FLIGHT
+from foundations.flat import MAX_REDUCTIONS_IN_FLIGHT
 
 SVG = "{http://www.w3.org/2000/svg}"
 FLAGS = [*pictures.MEMORY_FLAGS, "--bucket-mb", "0.25"]

@@ -1008,7 +1008,7 @@ def test_offload_pins_exactly_the_bytes_it_holds(monkeypatch):
 class _UsedFirst(nn.Module):
     """`later` runs at the first step only. Odd sizes: the bucket's 117 elements split 59 / 58,
     so rank 0's shard holds all of `later` and part of `first`, a used and an unused parameter
-    in one master (mixed_precision.keep_unchanged's case)."""
+    in one master (sharded_step.keep_unchanged's case)."""
 
     def __init__(self):
         super().__init__()
