@@ -5,11 +5,11 @@ each unit of the model (a transformer block; the rest is the root unit) is one f
 sharded 1/N. A unit's life in a training step, as FSDP below writes it:
     forward    all-gather its flat parameter (the next unit's starts meanwhile) -> compute -> free
     backward   all-gather it again -> compute -> free -> reduce-scatter its gradient
-    step       (not here) an optimizer updates the fp32 shards, FSDP.parameters(): a plain torch one
-               (the demo's AdamW), or fsdp_optimizer.py's FSDPOptimizer (loss scale, clipping, offload)
+    step       on this rank's shard alone, no collective: any torch optimizer over FSDP.parameters(),
+               the fp32 master shards (the demonstration's AdamW, at the end), as with fully_shard
 3 (N-1)/N of the model on the wire per step (the root unit gathered once), 1.5x DDP, for 1/N of every
-byte of training state. fsdp_state.py holds what a reader can skip (the wrap, the checks, what the program
-reads of the shards). Read after: fsdp_hybrid.py (HSDP), fsdp_offload.py, fsdp_frozen.py (a frozen base).
+byte of training state. Skip mechanics/fsdp_state.py (the wrap, the checks, what the program reads).
+Read after: mechanics/fsdp_optimizer.py, extensions/fsdp_hybrid.py (HSDP), fsdp_offload.py, fsdp_frozen.py.
 Left out: a stream of our own (NCCL's async collectives run on theirs), FSDP1's state API.
 Run alone: torchrun --nproc_per_node 2 fsdp.py; test: python -m pytest tests/test_fsdp.py
 
@@ -17,16 +17,25 @@ Shapes: N ranks (of a shard group), r this rank, P elements in a unit, S = ceil(
 """
 import copy
 import os
+import weakref
+from dataclasses import dataclass
 
 from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from collectives import as_comm
-from foundations.flat import MAX_REDUCTIONS_IN_FLIGHT, FlatParams, InOrder, hook_gradient
-from mechanics.fsdp_optimizer import FSDPOptimizer  # noqa: F401  (re-exported: it steps on FSDP's shards)
-from mechanics.fsdp_state import FSDPState, MixedPrecisionPolicy, gpt_blocks
+from foundations.flat import FlatParams, InOrder
+from mechanics.fsdp_state import FSDPState
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's mp_policy: param_dtype, what units compute in and all-gather (None: fp32); reduce_dtype,
+    what gradients are reduce-scattered in (None: param_dtype; fp32 under bf16/fp16: fewer roundings
+    for twice the bytes). The master shards stay fp32 either way."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
 
 class Unit(FlatParams):
@@ -36,7 +45,7 @@ class Unit(FlatParams):
         flat    (N*S,)  compute dtype, gathered; its storage is resized to 0 between uses, and
                         the module's parameters stay views of it, so the module code never changes
     comm: the ranks it is sharded over; its gradient is reduce-scattered over them by `op`, then
-    divided by `divide` (avg and 1, the mean, unless fsdp_state.py says otherwise: an expert's)."""
+    divided by `divide` (avg and 1: the mean; an expert's unit has its own, mechanics/fsdp_state.py)."""
 
     def __init__(self, index, module, params, comm, compute_dtype, device):
         super().__init__(params, comm.world_size)          # self.flat: (N*S,) fp32, params view it
@@ -97,7 +106,7 @@ class Unit(FlatParams):
 
     def refresh(self):
         """The master changed (a step, a checkpoint's load): a copy still gathered (only inside
-        gathered_for_step()) is stale. (fsdp_offload.py's also copies the master to the device.)"""
+        gathered_for_step()) is stale. (ZeRO-Offload's MasterOnHost copies it to the device too.)"""
         self.free()
 
 
@@ -105,45 +114,48 @@ class FSDP(FSDPState, nn.Module):
     """Wrap `module` in FSDP units; `.module` runs unchanged, `.parameters()` are the fp32 master
     shards, each .grad its reduced gradient after finish_gradient_sync(): any optimizer steps them.
 
-    module: fp32, every parameter trained (a frozen base: fsdp_frozen.py). wrap: True for each
-    submodule that becomes a unit (default: the GPT's blocks); the rest, and any parameter two
-    units share (tied weights), is the root unit, gathered from forward's start to its backward's
-    end. mp_policy: the dtypes units compute and gather in (param_dtype) and reduce in
-    (reduce_dtype), fp32 by default. group: a collectives.Comm, a process group or None (the
-    world). prefetch: units gathered ahead of the one computing (0: none). device: where shards and
-    gathered units live (default: the module's; a model built on the CPU visits it unit by unit)."""
+    module: fp32, every parameter trained (a frozen base: extensions/fsdp_frozen.py). wrap: True for
+    each submodule that becomes a unit (None: the GPT's blocks); the rest, and any parameter two
+    units share (tied weights), is the root unit. mp_policy: the dtypes units compute and gather in
+    and reduce in (fp32 by default). group: a collectives.Comm, a process group or None (the world).
+    prefetch: units gathered ahead of the one computing (0: none). device: where shards and gathered
+    units live (default: the module's; a model built on the CPU visits it unit by unit). FSDPState
+    (mechanics/fsdp_state.py: skip it at first) wraps, checks, and offers what the program reads."""
 
     keeps_whole_gradients = False       # flat.GradientSyncs: each unit's reduced, then freed
-    unit_type = Unit                    # what _make_unit builds (fsdp_frozen.py's: its own)
+    unit_type = Unit                    # what the wrap builds (extensions/fsdp_frozen.py's: its own)
+    reductions_in_flight = 2            # whole unit gradients waiting for the wire, at most (a third
+                                        # waits for the oldest): memory bounded, the link kept busy
 
-    def __init__(self, module: nn.Module, wrap=gpt_blocks, mp_policy: MixedPrecisionPolicy | None = None,
+    def __init__(self, module: nn.Module, wrap=None, mp_policy: MixedPrecisionPolicy | None = None,
                  group=None, prefetch: int = 1, device=None):
         super().__init__()
         policy = mp_policy or MixedPrecisionPolicy()
         self.compute_dtype = policy.param_dtype or torch.float32
         self.reduce_dtype = policy.reduce_dtype or self.compute_dtype
-        self.comm, self.prefetch = as_comm(group), prefetch
-        self.device = self._check_arguments(module, device)       # fsdp_state.py
+        self.prefetch = prefetch
+        # FSDPState checks the arguments (the same model on every rank): the group's Comm, the device.
+        self.comm, self.device = self._checked(module, group, device)
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
-        # fsdp_state.py: self.roots ([] or [the root unit], gathered the whole step), self.root (the
-        # root unit if it trains, else None), self.order (the other units, forward order), self.units.
-        self._make_units(module, wrap)
+        # FSDPState's wrap: order, one Unit per module wrap(m) picks, in forward order; roots, [] or
+        # [the root unit], every other parameter, gathered from forward's start to backward's end.
+        self.roots, self.order = self._wrap(module, wrap)
+        self.units = [u for u in self.roots + self.order if u.params]     # those that train
+        self.root = next((u for u in self.roots if u.params), None)       # the root, if it trains
         # The reduce-scatters' order, the same on every rank: backward's (self.order reversed), root last.
         self.reduce_order = [u for u in self.order[::-1] if u.params] + ([self.root] if self.root else [])
         self._reductions = InOrder(self.reduce_order, self._reduce_scatter, self._retire,
-                                   max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
-        self.shards = nn.ParameterList([u.master for u in self.units])
+                                   max_in_flight=self.reductions_in_flight)
+        self.shards = nn.ParameterList([u.master for u in self.units])    # FSDP.parameters()
         module.to(self.device)            # the buffers; the parameters are there already
         for unit in self.order:
             unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._before_forward(u))
             unit.module.register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
-        for k, unit in enumerate(self.units):
-            for p in unit.params:
-                hook_gradient(p, self._gradient_ready, k)
+        self._hook_gradients()
         self._backward_hooked = False
-        self._sync = True                # False under no_sync() (fsdp_state.py): gradients kept whole
+        self._sync = True                # False under no_sync(): gradients kept whole, reduced later
         self._unreduced = False          # the last backward ran under no_sync: gradients to reduce
-        self._keep_gathered = False      # nothing freed: gathered_for_step() (fsdp_state.py)
+        self._keep_gathered = False      # nothing freed: inside gathered_for_step() (a pipeline's)
         self._used_agreed = False        # this backward's used-flags OR'ed over the ranks
         self.events = []                 # this step's order of collectives and computation
         self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
@@ -178,8 +190,7 @@ class FSDP(FSDPState, nn.Module):
         self.events.append(("forward done", unit.index))
         self._free(unit)
         if torch.is_grad_enabled():
-            outputs = output if isinstance(output, (tuple, list)) else (output,)
-            for t in outputs:
+            for t in output if isinstance(output, (tuple, list)) else (output,):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, u=unit: self._before_backward(u))
         return output
@@ -196,6 +207,17 @@ class FSDP(FSDPState, nn.Module):
         unit.wait()
         self.events.append(("backward", unit.index))
         self._prefetch(self._next(unit, -1))
+
+    def _hook_gradients(self):
+        """Have autograd call _gradient_ready(k) as it accumulates each gradient of unit k. The hook
+        holds FSDP weakly: torch keeps it where gc does not look (a cycle through it is never freed)."""
+        fsdp = weakref.ref(self)
+        for k, unit in enumerate(self.units):
+            for p in unit.params:
+                def hook(_, k=k):
+                    if (alive := fsdp()) is not None:
+                        alive._gradient_ready(k)
+                p.register_post_accumulate_grad_hook(hook)
 
     def _gradient_ready(self, k: int):
         """Autograd accumulated a gradient of unit k; with its last one, the unit's backward is
@@ -265,8 +287,13 @@ class FSDP(FSDPState, nn.Module):
             self._reductions.launch_rest()
         self._reductions.wait_all()
         if self._sync and not self._used_agreed:
-            self._agree_used()      # fsdp_state.py: a unit no rank used gets .grad None
+            self._agree_used()      # a unit no rank used gets .grad None: an optimizer skips it
             self._used_agreed = True
+
+    # ---- a unit's step: on its shard, no collective ----------------------------------------------
+    #   FSDP.parameters() are the masters, (S,) fp32, each .grad its reduced gradient shard: any torch
+    #   optimizer steps them (the demonstration's AdamW, below), its state 1/N of the model's too; the
+    #   next all-gathers send the stepped shards. mechanics/fsdp_optimizer.py adds loss scale, clipping.
 
     # ---- the mechanics: gather, prefetch, free -------------------------------------------------
 
@@ -293,8 +320,7 @@ class FSDP(FSDPState, nn.Module):
         if not self._keep_gathered:
             unit.free()
 
-    def _free_after_backward(self, unit):
-        """The unit's gradients are out: its gathered parameters go, as after its forward."""
+    def _free_after_backward(self, unit):      # its gradients are out: it goes, as after its forward
         self._free(unit)
 
     def _hook_end_of_backward(self):
@@ -306,35 +332,9 @@ class FSDP(FSDPState, nn.Module):
 
 # ---- run alone: torchrun --nproc_per_node 2 fsdp.py ------------------------------------------
 
-class _Told(FSDP):
-    """FSDP saying, on rank 0, each step of a unit's life as it happens (while .telling)."""
-    telling = False
-
-    def _say(self, unit, what):
-        if self.telling:
-            print(f"  unit {unit.index}{' (root)' if unit in self.roots else ''}: {what}")
-
-    def _gather(self, unit):
-        if not unit.gathered:
-            self._say(unit, "all-gather launched")
-        super()._gather(unit)
-
-    def _before_forward(self, unit):
-        super()._before_forward(unit)
-        self._say(unit, "gathered: forward")
-
-    def _before_backward(self, unit):
-        super()._before_backward(unit)
-        self._say(unit, "gathered: backward")
-
-    def _free(self, unit):
-        if unit.gathered:
-            self._say(unit, "freed")
-        super()._free(unit)
-
-    def _reduce_scatter(self, unit):
-        self._say(unit, "gradient reduce-scatter launched")
-        return super()._reduce_scatter(unit)
+_SAID = {"all-gather": "all-gather launched", "forward": "gathered: forward", "forward done": "freed",
+         "backward": "gathered: backward",
+         "reduce-scatter": "gradient reduce-scatter launched (freed as its backward ended)"}
 
 
 def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
@@ -350,23 +350,23 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
     blocks = [nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)]
     model = nn.Sequential(*blocks, nn.Linear(16, 4))
     alone = copy.deepcopy(model)                                  # the one process
-    fsdp = _Told(model, wrap=lambda m: m in blocks)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (fsdp, alone)]
+    fsdp = FSDP(model, wrap=lambda m: m in blocks)
+    step_on_shards = torch.optim.AdamW(fsdp.parameters(), lr=lr)    # this rank's fp32 shards only
+    step_alone = torch.optim.AdamW(alone.parameters(), lr=lr)
     x, y = torch.randn(n * rows, 16), torch.randn(n * rows, 4)    # the whole batch, on every rank
     halves = [slice(r * rows, (r + 1) * rows) for r in range(n)]  # rank r's rows
     for step in range(steps):
-        fsdp.telling = step == 0 and rank == 0
-        if fsdp.telling:
-            print("FSDP's first step on rank 0 (the root, unit 0, computes last forward, first backward):")
         nn.functional.mse_loss(fsdp(x[halves[rank]]), y[halves[rank]]).backward()
-        fsdp.finish_gradient_sync()
-        fsdp.telling = False
+        fsdp.finish_gradient_sync()             # each shard's .grad: its averaged gradient shard
+        if step == 0 and rank == 0:
+            print("FSDP's first step on rank 0 (unit 0, the root, is the last Linear: its backward comes first):")
+            print("\n".join(f"  unit {i}: {_SAID[what]}" for what, i in fsdp.events))
         (sum(nn.functional.mse_loss(alone(x[h]), y[h]) for h in halves) / n).backward()
-        for optimizer in optimizers:
+        for optimizer in (step_on_shards, step_alone):
             optimizer.step()
             optimizer.zero_grad()
     held, whole = sum(p.numel() for p in fsdp.parameters()), sum(p.numel() for p in alone.parameters())
-    sharded = fsdp.full_state_dict(all_ranks=True)
+    sharded = fsdp.full_state_dict(all_ranks=True)                # collective: the whole model
     difference = max((sharded[name] - p).abs().max().item() for name, p in alone.named_parameters())
     if rank == 0:
         print(f"rank 0 holds {4 * held} of the model's {4 * whole} bytes of fp32 parameters (1/{n}, padded "

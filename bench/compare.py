@@ -53,7 +53,8 @@ from running.cli import ring_choice
 from collectives import Comm
 from running.data import TextData
 from ddp import DDP
-from fsdp import FSDPOptimizer, MixedPrecisionPolicy as FSDPPrecision
+from fsdp import MixedPrecisionPolicy as FSDPPrecision
+from mechanics.fsdp_optimizer import FSDPOptimizer
 from lora import apply_lora
 from napkin.machines import this
 from napkin.memory_math import run_state_bytes

@@ -25,7 +25,7 @@ from collectives import Comm, ring_bytes
 from composition.context_parallel_gpt import ContextParallelGPT
 from ddp import DDP
 from foundations.flat import GradientSyncs
-from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy, gpt_blocks
+from fsdp import FSDP, MixedPrecisionPolicy
 from extensions.fsdp_frozen import FrozenBaseFSDP
 from extensions.fsdp_hybrid import HSDP
 from extensions.fsdp_offload import OffloadedFSDP
@@ -37,6 +37,8 @@ from model import GPT, build_model
 from moe import MoE, feed_forward, layer_exchange_bytes, routing_summary
 from pipeline import GPTStage, Pipeline
 from foundations.placements import by_reduction, place
+from mechanics.fsdp_optimizer import FSDPOptimizer
+from mechanics.fsdp_state import gpt_blocks
 from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula
 from foundations.process_groups import make_device_mesh, make_mesh
 from extensions.schedules import COMPUTE, make_pipeline, message

@@ -23,7 +23,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from running.data import TextData
 from ddp import DDP
-from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy
+from fsdp import FSDP, MixedPrecisionPolicy
+from mechanics.fsdp_optimizer import FSDPOptimizer
 from model import build_model
 from foundations.process_groups import exit_distributed
 from zero import Zero2Optimizer

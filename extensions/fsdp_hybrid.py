@@ -27,8 +27,8 @@ class HSDP(FSDP):
         self.replicas = as_comm(replicate_group)     # before FSDP builds its units over them
         super().__init__(module, **options)
 
-    def _model_groups(self) -> list:
-        return [self.comm, self.replicas]
+    def _model_groups(self, comm) -> list:
+        return [comm, self.replicas]
 
     def _make_unit(self, index, module, tensors):
         unit = super()._make_unit(index, module, tensors)

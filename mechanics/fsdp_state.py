@@ -1,23 +1,22 @@
 """What fsdp.py leaves out: how FSDP wraps a module, and what the rest of the program reads of it.
 
-fsdp.py is the lecture: units gathered, freed, their gradients reduce-scattered. FSDPState, a base
-of fsdp.FSDP, holds the rest. The wrap: the arguments checked, each parameter given to the
-nearest wrapped module above it, one unit per wrapped module (FSDP1's auto_wrap_policy; FSDP2
-calls fully_shard on each), the rest in the root unit. The readings: memory.py counts the bytes
-each rank holds, a plain torch optimizer clips the global norm, a checkpoint reads the whole
-model, the napkin math checks the bytes a step sends; and ZeRO-Offload (FSDPOptimizer(offload=
-True)) moves the masters to the host (MasterOnHost). HSDP, parameter offload and the frozen base
-override some of these. Test: python -m pytest tests/test_fsdp.py
+fsdp.py is the lecture: units gathered, freed, their gradients reduce-scattered, the step on the
+shards. FSDPState, a base of fsdp.FSDP, holds the rest. The wrap: the arguments checked, each
+parameter given to the nearest wrapped module above it, one unit per wrapped module (FSDP1's
+auto_wrap_policy; FSDP2 calls fully_shard on each), the rest in the root unit. The readings:
+memory.py counts the bytes each rank holds, a plain torch optimizer clips the global norm, a
+checkpoint reads the whole model, the napkin math checks the bytes a step sends; and ZeRO-Offload
+(FSDPOptimizer(offload=True)) moves the masters to the host (MasterOnHost). HSDP, parameter
+offload and the frozen base override some of these. Test: python -m pytest tests/test_fsdp.py
 """
 import contextlib
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from collectives import ring_bytes
+from collectives import as_comm, ring_bytes
 from foundations.flat import agree_used, flags_and_norm_bytes, shards_norm
 from model import Block
 from extensions.offload import host_buffer, host_copy, host_to_device
@@ -31,16 +30,6 @@ def gpt_blocks(module: nn.Module) -> bool:
     return isinstance(module, Block)
 
 
-@dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """FSDP2's mp_policy, its two dtypes: param_dtype, what forward and backward compute in and
-    the all-gathers send (None: fp32); reduce_dtype, what the gradients are reduce-scattered in
-    (None: param_dtype; torch.float32 under bf16/fp16 upcasts before the collective, fewer
-    roundings for twice the bytes). The master shards stay fp32 either way."""
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-
-
 class FSDPState:
     """fsdp.FSDP's wrap and its readings, on its module, comm, dtypes and units."""
 
@@ -50,8 +39,10 @@ class FSDPState:
 
     # ---- the wrap: the arguments checked, the units made ----------------------------------
 
-    def _check_arguments(self, module: nn.Module, device) -> torch.device:
-        """FSDP's arguments, checked before any work, the same model on every rank: its device."""
+    def _checked(self, module: nn.Module, group, device) -> tuple:
+        """FSDP's arguments, checked before any work, the same model on every rank: (the
+        collectives.Comm of group (None: the world), the device the shards live on)."""
+        comm = as_comm(group)
         if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"FSDP compute_dtype (mp_policy's param_dtype) must be torch.float32, "
                              f"bfloat16 or float16, got {self.compute_dtype}")
@@ -65,24 +56,25 @@ class FSDPState:
                              "compute_dtype with mp_policy=MixedPrecisionPolicy(param_dtype="
                              "torch.bfloat16), do not cast the model first")
         device = torch.device(device) if device is not None else trainable[0].device
-        for comm in self._model_groups():
-            check_same_parameters(list(module.parameters()), comm, device)
-        return device
+        for ranks in self._model_groups(comm):
+            check_same_parameters(list(module.parameters()), ranks, device)
+        return comm, device
 
-    def _model_groups(self) -> list:
-        """The groups whose ranks start from the same model (HSDP adds its copies')."""
-        return [self.comm]
+    def _model_groups(self, comm) -> list:
+        """The groups whose ranks start from the same model: comm (HSDP adds its copies')."""
+        return [comm]
 
     def _tensors_of(self, m: nn.Module) -> list[torch.Tensor]:
         """The tensors of m (not its children's) that its unit shards: its parameters."""
         return list(m.parameters(recurse=False))
 
-    def _make_units(self, module, wrap):
-        """self.roots (the root unit, gathered from forward's start to backward's end), self.order
-        (every other unit, in forward order, each gathered around each use), self.units (those
-        with something to train) and self.root (the trained root, or None)."""
+    def _wrap(self, module, wrap) -> tuple[list, list]:
+        """(roots, order): roots, [] or [the root unit], what no wrapped module holds and any
+        tensor two units share (tied weights); order, one unit per module wrap(m) picks
+        (None: gpt_blocks), in registration order (the forward's, in a GPT)."""
+        wrap = wrap or gpt_blocks
         # The data dimension's ranks (an expert's gradient is divided by all of them).
-        self.data_world = math.prod(comm.world_size for comm in self._model_groups())
+        self.data_world = math.prod(comm.world_size for comm in self._model_groups(self.comm))
         owner = {}          # each tensor's unit: the nearest wrapped module above it, None: root
 
         def visit(m, unit):
@@ -93,15 +85,14 @@ class FSDPState:
             for child in m.children():
                 visit(child, unit)
         visit(module, None)
-        self.roots, self.order = [], []
+        roots, order = [], []
         for m in [None] + [m for m in module.modules() if m is not module and wrap(m)]:
             tensors = [t for t, o in owner.items() if o is m]
-            unit = self._make_unit(len(self.roots) + len(self.order), module if m is None else m,
+            unit = self._make_unit(len(roots) + len(order), module if m is None else m,
                                    tensors) if tensors else None
             if unit is not None:
-                (self.roots if m is None else self.order).append(unit)
-        self.units = [u for u in self.roots + self.order if u.params]
-        self.root = next((u for u in self.roots if u.params), None)
+                (roots if m is None else order).append(unit)
+        return roots, order
 
     def _make_unit(self, index, module, params):
         """The unit of params, module's (a tensor list in module order), or None."""

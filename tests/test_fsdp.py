@@ -20,7 +20,8 @@ import torch.nn.functional as F
 import train
 from collectives import Comm
 from ddp import DDP
-from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy
+from fsdp import FSDP, MixedPrecisionPolicy
+from mechanics.fsdp_optimizer import FSDPOptimizer
 from extensions.fsdp_frozen import FrozenBaseFSDP
 from napkin.memory_math import held_bytes, live_tensor_bytes, state_bytes
 from mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer

@@ -13,7 +13,8 @@ import torch.nn as nn
 from collectives import Comm
 from ddp import DDP
 from foundations.dtypes import dtype_facts
-from fsdp import FSDP, FSDPOptimizer, MixedPrecisionPolicy
+from fsdp import FSDP, MixedPrecisionPolicy
+from mechanics.fsdp_optimizer import FSDPOptimizer
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks

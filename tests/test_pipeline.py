@@ -400,7 +400,8 @@ def _sharded_pipeline_trains(P, cfg, strategy):
     state sharded over its 2 replicas), ZeRO-2 (its gradients too) or FSDP (its units too), as
     parallelize.py builds it;
     this rank's averaged losses, clipped norms, and its copy of a tied weight after the steps."""
-    from fsdp import FSDP, FSDPOptimizer
+    from fsdp import FSDP
+    from mechanics.fsdp_optimizer import FSDPOptimizer
     from extensions.zero_offload import zero_optimizer
     pipe, data = make_mesh(Comm(), P)
     torch.manual_seed(0)
