@@ -124,8 +124,6 @@ class FSDP(FSDPState, nn.Module):
 
     keeps_whole_gradients = False       # flat.GradientSyncs: each unit's reduced, then freed
     unit_type = Unit                    # what the wrap builds (extensions/fsdp_frozen.py's: its own)
-    reductions_in_flight = 2            # whole unit gradients waiting for the wire, at most (a third
-                                        # waits for the oldest): memory bounded, the link kept busy
 
     def __init__(self, module: nn.Module, wrap=None, mp_policy: MixedPrecisionPolicy | None = None,
                  group=None, prefetch: int = 1, device=None):
@@ -144,6 +142,8 @@ class FSDP(FSDPState, nn.Module):
         self.root = next((u for u in self.roots if u.params), None)       # the root, if it trains
         # The reduce-scatters' order, the same on every rank: backward's (self.order reversed), root last.
         self.reduce_order = [u for u in self.order[::-1] if u.params] + ([self.root] if self.root else [])
+        # At most FSDPState's reductions_in_flight (2) whole gradients wait for the wire (a third
+        # waits for the oldest): memory bounded, the link kept busy.
         self._reductions = InOrder(self.reduce_order, self._reduce_scatter, self._retire,
                                    max_in_flight=self.reductions_in_flight)
         self.shards = nn.ParameterList([u.master for u in self.units])    # FSDP.parameters()

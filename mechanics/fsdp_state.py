@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from collectives import as_comm, ring_bytes
-from foundations.flat import agree_used, flags_and_norm_bytes, shards_norm
+from foundations.flat import MAX_REDUCTIONS_IN_FLIGHT, agree_used, flags_and_norm_bytes, shards_norm
 from model import Block
 from extensions.offload import host_buffer, host_copy, host_to_device
 from foundations.placements import data_reduction, placement
@@ -32,6 +32,8 @@ def gpt_blocks(module: nn.Module) -> bool:
 
 class FSDPState:
     """fsdp.FSDP's wrap and its readings, on its module, comm, dtypes and units."""
+
+    reductions_in_flight = MAX_REDUCTIONS_IN_FLIGHT     # ZeRO-2's bound, whole unit gradients here
 
     def train(self, mode: bool = True):
         self.module.train(mode)            # .module is not a submodule (parameters() are the shards)
