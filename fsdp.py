@@ -105,8 +105,7 @@ class Unit(FlatParams):
         self.gathered = False
 
     def refresh(self):
-        """The master changed (a step, a checkpoint's load): a copy still gathered (only inside
-        gathered_for_step()) is stale. (ZeRO-Offload's MasterOnHost copies it to the device too.)"""
+        """The master changed (a step, a checkpoint's load): a copy still gathered is stale."""
         self.free()
 
 
@@ -170,7 +169,7 @@ class FSDP(FSDPState, nn.Module):
         for root in self.roots:                 # gathered for the whole step
             self._gather(root)
             root.wait()
-        self._prefetch(self.order[0] if self.order else None)
+        self._prefetch(-1, +1)                  # the first units, ahead of the first forward
         out = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():
             for root in self.roots:
@@ -182,7 +181,7 @@ class FSDP(FSDPState, nn.Module):
         self._gather(unit)
         unit.wait()
         self.events.append(("forward", unit.index))
-        self._prefetch(self._next(unit, +1))    # overlaps with this unit's compute
+        self._prefetch(self.order.index(unit), +1)    # overlaps with this unit's compute
 
     def _after_forward(self, unit, output):
         """Free it; its backward starts when the gradient of its output arrives: a hook on each
@@ -206,7 +205,7 @@ class FSDP(FSDPState, nn.Module):
         self._gather(unit)
         unit.wait()
         self.events.append(("backward", unit.index))
-        self._prefetch(self._next(unit, -1))
+        self._prefetch(self.order.index(unit), -1)
 
     def _hook_gradients(self):
         """Have autograd call _gradient_ready(k) as it accumulates each gradient of unit k. The hook
@@ -271,8 +270,7 @@ class FSDP(FSDPState, nn.Module):
         unit.grad = grad if unit.grad is None else unit.grad.add_(grad)
 
     def _finish_backward(self):
-        """Every rank launches every unit's reduce-scatter (collectives match by order), whatever
-        its graph used: those whose gradients never (fully) came go now."""
+        """Every rank launches every unit's reduce-scatter, its gradients come or not (order matches them)."""
         self._reductions.launch_rest()
         for unit in self.units:
             unit.pending = len(unit.params)
@@ -306,11 +304,13 @@ class FSDP(FSDPState, nn.Module):
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(          # the roots too
             flat.untyped_storage().nbytes() for u in self.roots + self.order for flat in u.flats()))
 
-    def _prefetch(self, unit):
-        """Gather unit ahead while at most `prefetch` others are gathered: 1 + prefetch at once."""
-        busy = sum(u.gathered for u in self.order)      # the computing unit counts; the roots do not
-        if unit is not None and self.prefetch and busy <= self.prefetch:
-            self._gather(unit)
+    def _prefetch(self, position: int, step: int):
+        """Gather the `prefetch` units after order[position] (step +1: forward's way, -1: backward's)
+        while at most `prefetch` others are gathered: 1 + prefetch at once (the roots do not count)."""
+        for ahead in range(position + step, position + step * (self.prefetch + 1), step):
+            if not 0 <= ahead < len(self.order) or sum(u.gathered for u in self.order) > self.prefetch:
+                return
+            self._gather(self.order[ahead])
 
     def _next(self, unit, step):             # the unit after (step=+1) or before (-1) it, or None
         i = self.order.index(unit) + step

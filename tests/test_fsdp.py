@@ -808,6 +808,30 @@ def test_prefetch_1_gathers_one_unit_ahead_in_this_order():
         *[("reduce-scatter", i) for i in (4, 3, 2, 1, 0)]], whole_step
 
 
+def _plain_step_events(prefetch: int) -> list:
+    """FSDP's events over a 4-block GPT (the root is unit 0, blocks 1-4): one plain step."""
+    torch.manual_seed(0)
+    wrapped = FSDP(build_model("tiny", **{**MODEL, "n_layer": 4, "n_embd": 16}), prefetch=prefetch)
+    x = _batches(1, 2)[0]                                             # (2, T+1)
+    wrapped(x[:, :-1], x[:, 1:])[1].backward()
+    wrapped.finish_gradient_sync()
+    return list(wrapped.events)
+
+
+@pytest.mark.parametrize("prefetch", [2, 3])
+def test_prefetch_p_gathers_p_units_ahead(prefetch):
+    """--prefetch p: while block k computes its forward, block k + p's all-gather is already
+    launched; in backward, block k - p's is launched before block k's reduce-scatter. (Gathering
+    only the next block, whatever p said, fails both.)"""
+    events = run_ranks(_plain_step_events, 2, prefetch)[0]
+    backward = events.index(("forward done", 4)) + 1
+    for k in range(1, 5 - prefetch):
+        assert events.index(("all-gather", k + prefetch)) < events.index(("forward done", k)), events
+    for k in range(4, prefetch, -1):
+        gathered = events.index(("all-gather", k - prefetch), backward)
+        assert gathered < events.index(("reduce-scatter", k)), events
+
+
 # ---- bf16 and fp16: the same arithmetic as one process in the same precision ---------------------
 
 def _same_precision_single(model, batches, dtype, n, make_optimizer, scaler=None):
