@@ -150,7 +150,14 @@ def load_masters(optimizer, state: dict, shard: dict | None = None):
         raise ValueError(f"the state holds {len(state['masters'])} master weights that do not "
                          f"match this optimizer's {len(masters)}: build the same model (and "
                          f"freeze the same parameters) before loading")
-    optimizer.optimizer.load_state_dict(state["optimizer"])
+    inner = optimizer.optimizer
+    groups, inner_state = inner.param_groups, inner.state      # what wrap_inner shared, a scheduler too
+    inner.load_state_dict(state["optimizer"])                  # (torch's makes new groups and state)
+    for group, loaded in zip(groups, inner.param_groups):
+        group.update(loaded)
+    inner_state.clear()
+    inner_state.update(inner.state)
+    inner.param_groups, inner.state = groups, inner_state      # the same objects, the loaded values
     optimizer.scaler.load_state_dict(state["scaler"])
     for master, saved in zip(masters, state["masters"]):
         master.copy_(saved)

@@ -528,3 +528,43 @@ def test_gradients_averaged_in_fp32_are_closer_to_one_process_than_in_bf16():
         for run in (low, high):
             assert run["sent"] == run["formula"], (strategy, run)
         assert high["gradient bytes"] == 2 * low["gradient bytes"], (strategy, high, low)
+
+
+# ---- load_state_dict keeps what a scheduler holds ----------------------------------------------
+
+def _scheduled_after_load(make_optimizer) -> list:
+    """Two tiny fp32 models, ours and torch's AdamW: one step, a state_dict each, loaded back,
+    then a scheduler that halves the rate and one more step; returns the max |difference| of the
+    weights after each of the two steps (0: the same arithmetic)."""
+    torch.manual_seed(0)
+    ours_model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    torch_model = copy.deepcopy(ours_model)
+    ours, reference = make_optimizer(ours_model.parameters()), torch.optim.AdamW(torch_model.parameters(), lr=0.1)
+    x, differences = torch.randn(6, 4), []
+    for step in range(2):
+        for model, opt in ((ours_model, ours), (torch_model, reference)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            if step == 0:                   # a resume: the state loaded back, then a scheduler
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+                torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 0.5)
+        differences.append(max((a - b).abs().max().item()
+                               for a, b in zip(ours_model.parameters(), torch_model.parameters())))
+    return differences
+
+
+def _zero_scheduled_after_load():
+    comm = Comm(None)
+    return _scheduled_after_load(lambda params: Zero2Optimizer(params, group=comm, lr=0.1))
+
+
+def test_a_scheduler_after_load_state_dict_drives_the_inner_step():
+    """torch's load_state_dict gives an optimizer new param groups; ours share the inner
+    optimizer's (wrap_inner), so they must stay the same dicts, or the halved rate set after a
+    resume never reaches the step. Against torch's AdamW, the same two steps: exact in fp32 on
+    one rank (the same kernel on the same numbers); on 2 ZeRO ranks, fp32 sums reordered (1e-6)."""
+    one = _scheduled_after_load(lambda params: MixedPrecisionOptimizer(params, lr=0.1))
+    assert one == [0.0, 0.0], one
+    for differences in run_ranks(_zero_scheduled_after_load, 2):
+        assert max(differences) <= 1e-6, differences
