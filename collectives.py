@@ -218,9 +218,9 @@ class Comm:
         """Run ring steps: at each, send step.send right while receiving the left neighbour's
         into step.recv, then, in a reduction, step.out = step.add (op) step.recv.
 
-        Each chunk travels in segments of segment_bytes; segment j of step s+1 leaves as soon as
-        segment j of step s is in place, so one segment is reduced while the next are on the wire
-        (NCCL's slices). Every rank posts in one order, (step 0, segment 0), (0, 1), ..., (1, 0),
+        Each chunk travels in segments of segment_bytes: step 0's are all posted at once, then
+        segment j of step s+1 leaves as soon as segment j of step s is in place, so a segment is
+        reduced while the others are on the wire (NCCL's slices). Every rank posts in one order, (step 0, segment 0), (0, 1), ..., (1, 0),
         ..., a segment's send and receive in one batch, as send_right_receive_left's."""
         n = self.world_size
         if not steps:                                      # a world of one: nothing to send

@@ -239,7 +239,7 @@ class MoE(nn.Module):
         """Switch's load balancing, E * sum_e f_e P_e with f_e the share of a routing group's
         assignments routed to e (all k choices, before any drop; GShard counts first choices
         only) and P_e its mean router probability of e:
-        1 when balanced, E when everything goes to one expert; averaged over the groups, so
+        1 when balanced, E/k when every token picks the same k experts; averaged over the groups, so
         that ranks routing their own tokens average to one process routing the same groups.
         The z-loss, mean (logsumexp logits)^2, keeps the router's logits small."""
         groups, E = per_queue.shape                                       # (groups, E) counts

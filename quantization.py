@@ -114,7 +114,8 @@ class NF4Linear(torch.autograd.Function):
 
 class FrozenNF4Linear(nn.Module):
     """A frozen nn.Linear kept as its NF4 copy (QLoRA's base beside the adapted layers): the
-    weight becomes base.codes and base.scales, as in a QLoRA layer; the bias stays as it was."""
+    weight becomes base.codes and its scales (base.scales; doubly quantized, base.scale_codes and
+    base.scale_absmax), as in a QLoRA layer; the bias stays as it was."""
 
     def __init__(self, linear: nn.Linear, double_quant: bool = False):
         super().__init__()
