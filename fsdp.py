@@ -24,6 +24,7 @@ from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imp
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from foundations.flat import FlatParams, InOrder
 from mechanics.fsdp_state import FSDPState
@@ -189,7 +190,7 @@ class FSDP(FSDPState, nn.Module):
         self.events.append(("forward done", unit.index))
         self._free(unit)
         if torch.is_grad_enabled():
-            for t in output if isinstance(output, (tuple, list)) else (output,):
+            for t in tree_leaves(output):          # a tensor, or any tuple, list or dict of them
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, u=unit: self._before_backward(u))
         return output
@@ -333,8 +334,7 @@ class FSDP(FSDPState, nn.Module):
 # ---- run alone: torchrun --nproc_per_node 2 fsdp.py ------------------------------------------
 
 _SAID = {"all-gather": "all-gather launched", "forward": "gathered: forward", "forward done": "freed",
-         "backward": "gathered: backward",
-         "reduce-scatter": "gradient reduce-scatter launched (freed as its backward ended)"}
+         "backward": "gathered: backward", "reduce-scatter": "gradient reduce-scatter launched (freed as its backward ended)"}
 
 
 def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):

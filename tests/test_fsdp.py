@@ -832,6 +832,48 @@ def test_prefetch_p_gathers_p_units_ahead(prefetch):
         assert gathered < events.index(("reduce-scatter", k)), events
 
 
+class _DictBlock(nn.Module):
+    """A unit whose forward returns a dict, as many a model's layers do."""
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return {"hidden": self.linear(x).tanh()}
+
+
+class _DictModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = _DictBlock(), _DictBlock(), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.b(self.a(x)["hidden"])["hidden"]).square().mean()
+
+
+def _dict_outputs_step() -> tuple:
+    """Two dict-returning units and a head (the root), one SGD step (lr 1) on the same batch on
+    every rank: (FSDP's weights after it, one process's)."""
+    torch.manual_seed(0)
+    whole = _DictModel()
+    wrapped = FSDP(copy.deepcopy(whole), wrap=lambda m: isinstance(m, _DictBlock))
+    x = torch.randn(6, 4)
+    wrapped(x).backward()
+    wrapped.finish_gradient_sync()
+    torch.optim.SGD(wrapped.parameters(), lr=1.0).step()
+    whole(x).backward()
+    torch.optim.SGD(whole.parameters(), lr=1.0).step()
+    return wrapped.full_state_dict(all_ranks=True), {k: v.detach() for k, v in whole.named_parameters()}
+
+
+def test_units_returning_dicts_gather_again_for_backward():
+    """A unit's backward hook goes on every tensor of its output, a dict's too: the unit is
+    gathered again before its backward (it failed on the freed storage), and the step equals one
+    process's (fp32, the same batch on both ranks: the mean of equal gradients, 1e-6)."""
+    for rank, (ours, whole) in enumerate(run_ranks(_dict_outputs_step, 2)):
+        assert_tensors_close(ours, whole, rtol=0, atol=1e-6, what=f"rank {rank}")
+
+
 # ---- bf16 and fp16: the same arithmetic as one process in the same precision ---------------------
 
 def _same_precision_single(model, batches, dtype, n, make_optimizer, scaler=None):
