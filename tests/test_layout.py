@@ -81,6 +81,33 @@ def test_a_concept_file_imports_at_most_three_project_modules(concept):
     assert len(imported) <= limit, f"{concept}.py imports {len(imported)} project modules: {sorted(imported)}"
 
 
+# What a concept file uses from other project files besides the (at most three) names its algorithm
+# is followed with: bookkeeping a reader skips (bytes on the wire, a check of the user's input) and
+# its demonstration's setup. Each named, so that a new name from elsewhere is a decision.
+BESIDE_THE_ALGORITHM = {"ddp": {"ring_bytes", "check_same_parameters", "as_comm"},
+                        "zero": {"ring_bytes"}, "pipeline": {"build_model"}}
+
+
+def _names_from_elsewhere(concept: str) -> set:
+    """The names concept.py imports from project modules and uses outside `if __name__ == "__main__":`."""
+    tree, modules = ast.parse(_path(concept).read_text()), _project_files()
+    imported = {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                and node.module in modules and node.module != "foundations" for a in node.names}
+    main = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    used = {n.id for node in tree.body if node not in main and not isinstance(node, ast.ImportFrom)
+            for n in ast.walk(node) if isinstance(n, ast.Name)}
+    return (imported & used) - {"no_numpy"}
+
+
+@pytest.mark.parametrize("concept", CONCEPTS)
+def test_a_concept_file_is_followed_with_at_most_three_names_from_elsewhere(concept):
+    names = _names_from_elsewhere(concept)
+    beside = BESIDE_THE_ALGORITHM.get(concept, set())
+    assert beside <= names, f"{concept}.py no longer uses {sorted(beside - names)}: drop it from the list"
+    assert len(names - beside) <= 3, (f"{concept}.py's algorithm uses {len(names - beside)} names from other "
+                                      f"project files, {sorted(names - beside)}: a reader opens each one")
+
+
 @pytest.mark.parametrize("foundation", sorted(m for m in _project_files() if m.startswith("foundations.")))
 def test_a_foundation_imports_only_foundations(foundation):
     """The concepts build on the foundations, never the other way round (the model knows no mixture
