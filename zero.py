@@ -34,7 +34,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     bucket_mb: each flat buffer's size. reduce_dtype: the gradients' dtype on the wire and in
     the shard (None: the parameters'). mean_over: the gradient is the sum over group / this
     many ranks (None: the group's mean). A torch.optim.Optimizer: schedulers drive it.
-    Loop: zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) if clipping; step().
+    Loop: zero_grad(); scale_loss(loss).backward(); this clip_grad_norm_ (torch's sees no reduced .grad); step().
     Stage 1 accumulates full gradients in the buckets' flat buffers in the parameters' dtype
     (param.grad is a view, as DDP's), reduce-scattered once, at step(), in reduce_dtype."""
 
