@@ -180,7 +180,7 @@ def test_expert_parallel_state_and_traffic_by_hand():
                          [("tiny-moe", 2, 512, 1.25), ("tiny-moe", 4, 128, 0.5),
                           ("gpt2-small-moe", 8, 8192, 1.25)])
 def test_all_to_all_napkin_is_the_layers_formula(name, ep, tokens, capacity_factor):
-    """memory.py's closed form equals moe.exchange_bytes on the model split over ep ranks (the
+    """memory.py's closed form equals composition.parallelize.exchange_bytes on the model split over ep ranks (the
     formula train.py logs beside the counter, and test_moe checks against the counter): 4 (P-1)/P
     of the E x K slots of C values per layer and micro-batch, K = ceil(1.25 x 2 x 512 / 8) = 160."""
     from types import SimpleNamespace
