@@ -26,7 +26,7 @@ from foundations.flat import ShardedBuckets
 from foundations.sharded_step import ShardedStep
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
     """ZeRO-1: any element-wise torch optimizer (optimizer_cls) on this rank's shards only.
 
     params: the trainable ones, in fp32 (each its own master) or bf16/fp16 (an fp32 master
@@ -208,29 +208,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 bucket.grad_flat.zero_()
         self._release()
 
-    # ---- bookkeeping: what the loop, a mesh, the checkpoints and the meters ask --------------
-
-    sharded = True                          # each rank holds only its shard of the masters
-    add_param_group = ShardedStep.refuse_new_groups    # torch's while built, then refused
-
-    scaler = property(lambda self: self.shard_step.scaler,                # fp16's loss scale, settable:
-                      lambda self, scaler: setattr(self.shard_step, "scaler", scaler))   # a mesh's parts share one
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale_loss(loss)
-
-    def master_ranges(self) -> list[tuple]:
-        return self.shard_step.master_ranges()
-
-    def state_dict(self) -> dict:
-        return self.shard_step.state_dict()
-
-    def load_state_dict(self, state: dict):
-        self.shard_step.load_state_dict(state)
-        self.refresh_params()                       # the model follows the masters
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        return self.shard_step.state_tensors()
+    # ---- bookkeeping: what the meters ask (the loop's, a mesh's and the checkpoints' questions:
+    # ShardedStep.Owner, which asks self.shard_step) ------------------------------------------------
 
     def host_tensors(self) -> list[torch.Tensor]:   # none here (offload.py's step keeps the masters there)
         return []

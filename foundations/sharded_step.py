@@ -124,6 +124,32 @@ class ShardedStep:
         """The fp32 master shards and the inner optimizer's state (memory_math.held_bytes)."""
         return [*self.masters, *element_state(self.optimizer)]
 
+    class Owner:
+        """What the loop, a mesh, the checkpoints and the meters ask an optimizer that composes a
+        ShardedStep (self.shard_step; zero.py's, fsdp_optimizer.py's), answered by asking it;
+        refresh_params(), the model following the masters, is the owner's own."""
+
+        sharded = True                                  # each rank holds only its shard of the masters
+        add_param_group = refuse_new_groups             # torch's while built, then refused
+        scaler = property(lambda self: self.shard_step.scaler,            # fp16's loss scale, settable:
+                          lambda self, scaler: setattr(self.shard_step, "scaler", scaler))   # a mesh's parts share one
+
+        def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+            return self.scaler.scale_loss(loss)
+
+        def master_ranges(self) -> list[tuple]:
+            return self.shard_step.master_ranges()
+
+        def state_dict(self) -> dict:
+            return self.shard_step.state_dict()
+
+        def load_state_dict(self, state: dict):
+            self.shard_step.load_state_dict(state)
+            self.refresh_params()                       # the model follows the masters
+
+        def state_tensors(self) -> list[torch.Tensor]:
+            return self.shard_step.state_tensors()
+
 
 def unused_ranges(flats: list, used: list | None) -> list:
     """[(master, start, stop)]: the elements of each flat's (S,) master shard that belong to a

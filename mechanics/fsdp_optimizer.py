@@ -16,7 +16,7 @@ from mixed_precision import DynamicLossScaler, run_closure
 from extensions.offload import OffloadedStep
 
 
-class FSDPStep(torch.optim.Optimizer):
+class FSDPStep(ShardedStep.Owner, torch.optim.Optimizer):
     """Any element-wise torch optimizer on the shards of fsdp (an fsdp.FSDP), with ZeRO's
     sharded step (ShardedStep): unscale (fp16 loss scale), one global norm across ranks for
     clipping and for the inf/NaN skip that every rank agrees on, the inner step on this rank's
@@ -127,33 +127,6 @@ class FSDPStep(torch.optim.Optimizer):
         self.shard_step.clip(max_norm, norm, self.unscale_gradients())
 
     # ---- bookkeeping ------------------------------------------------------------------------
-
-    sharded = True                          # each rank holds only its shard of the masters
-    add_param_group = ShardedStep.refuse_new_groups    # torch's while built, then refused
-
-    @property
-    def scaler(self):                       # fp16's loss scale, the shards' step's
-        return self.shard_step.scaler
-
-    @scaler.setter
-    def scaler(self, scaler):               # a mesh's parts share one (mesh_optimizer.py)
-        self.shard_step.scaler = scaler
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale_loss(loss)
-
-    def master_ranges(self) -> list[tuple]:
-        return self.shard_step.master_ranges()
-
-    def state_dict(self) -> dict:
-        return self.shard_step.state_dict()
-
-    def load_state_dict(self, state: dict):
-        self.shard_step.load_state_dict(state)
-        self.refresh_params()                       # the model follows the masters
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        return self.shard_step.state_tensors()
 
     def frozen_gathered(self):
         """FSDP.frozen_gathered: the frozen weights whole, for a checkpoint (collective)."""
