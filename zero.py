@@ -163,15 +163,23 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
                 elif p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                 p.grad = view
-        reductions = []
+        # In bucket order, a few in flight (in_order's cap): the upcast copies on the wire are
+        # bounded too, not one per bucket at once (a second whole gradient in fp32).
+        order = self.buckets.in_order(self._launch_reduction, self._retire)
         for bucket in self.buckets:
-            wire = bucket.grad_flat.to(self.reduce_dtype or bucket.grad_flat.dtype)   # (N*S,) itself, or upcast
-            output = wire.new_empty(bucket.shard_numel)                              # (S,)
-            reductions.append((bucket, output, wire, self.comm.reduce_scatter(    # wire kept until waited
-                output, wire, op=self.op, async_op=True)))
-        for bucket, output, _, handle in reductions:
-            handle.wait()
-            bucket.grad_shard = output.div_(self.divide) if self.divide != 1 else output
+            order.ready(bucket)
+        order.wait_all()
+
+    def _launch_reduction(self, bucket):
+        wire = bucket.grad_flat.to(self.reduce_dtype or bucket.grad_flat.dtype)   # (N*S,) itself, or upcast
+        output = wire.new_empty(bucket.shard_numel)                              # (S,)
+        return self.comm.reduce_scatter(output, wire, op=self.op, async_op=True), output, wire  # wire kept till waited
+
+    def _retire(self, bucket, started):
+        """Wait for a bucket's reduce-scatter and keep this rank's shard (the full gradient stays)."""
+        handle, output, _ = started
+        handle.wait()
+        bucket.grad_shard = output.div_(self.divide) if self.divide != 1 else output
 
     def all_gather_parameters(self):
         """Each rank's updated shard, rounded into the model's dtype, to every rank."""

@@ -25,6 +25,7 @@ from multiprocess import assert_tensors_close, run_ranks
 from foundations import flat as flat_module
 from foundations.flat import FlatParams, step_message_bytes
 from extensions.zero_offload import zero_optimizer
+from test_ddp import BUCKET_MB, _CountingComm, _batches, _gpt
 
 MODEL = dict(n_layer=2, n_embd=64, n_head=4, block_size=32)
 GLOBAL_BATCH, SEQ, STEPS, LR, WD = 8, 16, 5, 1e-3, 0.1  # 8 sequences split over N = 2 or 4 ranks
@@ -1125,3 +1126,41 @@ def test_clipping_right_after_no_sync_backwards_updates_every_parameter():
         for stage in (1, 2):
             assert_tensors_close(out[stage], _params(model), rtol=0, atol=SGD_PARAM_TOL,
                                  what=f"zero{stage} rank {r}: no_sync, clip_grad_norm_, step")
+
+
+# ---- stage 1's reduce-scatters at the step: a few in flight, not every bucket's ----------------
+
+class _SamplingComm(_CountingComm):
+    """_CountingComm, noting the reduce-scatters in flight just after each launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.after_launch = []
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        handle = super().reduce_scatter(output, input, op, async_op)
+        self.after_launch.append(self.in_flight["reduce_scatter"])
+        return handle
+
+
+def _stage1_upcast_in_flight() -> tuple:
+    """ZeRO-1 on a bf16 GPT, reducing in fp32 (each bucket's wire an fp32 copy of its gradient):
+    (the reduce-scatters in flight after each launch, the buckets)."""
+    from zero import ZeroOptimizer
+    comm, gpt = _SamplingComm(), _gpt().to(torch.bfloat16)
+    opt = ZeroOptimizer(gpt.parameters(), group=comm, bucket_mb=BUCKET_MB / 4, reduce_dtype=torch.float32)
+    rows = _batches(1, 2)[0]                                                # (2, T+1)
+    gpt(rows[:, :-1], rows[:, 1:])[1].float().backward()
+    opt.reduce_gradients()
+    return comm.after_launch, len(opt.buckets)
+
+
+def test_stage_1_keeps_a_few_upcast_buckets_on_the_wire():
+    """Stage 1 reduce-scatters every bucket at the step, each an fp32 copy of a bf16 gradient:
+    launched all at once they would hold a second whole gradient, twice its size. In bucket order
+    with in_order's cap, at most MAX_REDUCTIONS_IN_FLIGHT + 1 are in flight (the next launches,
+    then the oldest is waited for), whatever the number of buckets."""
+    from foundations.flat import MAX_REDUCTIONS_IN_FLIGHT
+    for after_launch, buckets in run_ranks(_stage1_upcast_in_flight, 2):
+        assert buckets > MAX_REDUCTIONS_IN_FLIGHT + 1, buckets
+        assert len(after_launch) == buckets and max(after_launch) == MAX_REDUCTIONS_IN_FLIGHT + 1, after_launch
