@@ -171,7 +171,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         order.wait_all()
 
     def _launch_reduction(self, bucket):
-        wire = bucket.grad_flat.to(self.reduce_dtype or bucket.grad_flat.dtype)   # (N*S,) itself, or upcast
+        wire = bucket.grad_flat.to(self.reduce_dtype or bucket.grad_flat.dtype)   # (N*S,) itself, or cast
         output = wire.new_empty(bucket.shard_numel)                              # (S,)
         return self.comm.reduce_scatter(output, wire, op=self.op, async_op=True), output, wire  # wire kept till waited
 
@@ -348,9 +348,9 @@ if __name__ == "__main__":
         one = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
         model, whole = copy.deepcopy(one), torch.optim.AdamW(one.parameters(), lr=1e-2)
         ours = cls(model.parameters(), group=world, bucket_mb=0.004, lr=1e-2)
-        rows = slice(world.rank * 16 // world.world_size, (world.rank + 1) * 16 // world.world_size)
+        rows = slice(world.rank * 8, (world.rank + 1) * 8)               # 8 rows each: equal means
         for _ in range(5):
-            x, y = torch.randn(16, 8), torch.randn(16, 4)                # the same on every rank
+            x, y = torch.randn(8 * world.world_size, 8), torch.randn(8 * world.world_size, 4)   # every rank's
             for net, opt, r in ((model, ours, rows), (one, whole, slice(None))):
                 opt.zero_grad()
                 torch.nn.functional.mse_loss(net(x[r]), y[r]).backward()
