@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from collectives import Comm
 from model import build_model
-from mechanics.pipeline_mechanics import PipelineMechanics, place_stage
+from mechanics.pipeline_mechanics import PipelineMechanics, check_sizes, place_stage, split_layers
 
 
 # ---- the model, cut into stages ----------------------------------------------------------
@@ -186,6 +186,7 @@ class Pipeline(PipelineMechanics):
         self.activation = activation if callable(activation) else lambda b, t: (b, t, activation)
         self.stage, self.P, self.v = comm.rank, comm.world_size, len(gpt_stage.chunks)
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
+        check_sizes(self.P, self.M)                     # a stage and a micro-batch: one clear error, first
         self.stages = SCHEDULES[schedule](self.P, self.M) if isinstance(schedule, str) else schedule
         self.actions = self.stages[self.stage]
         self.evaluation_actions = [a for a in self.actions if a.kind in ("F", "recv_act", "send_act")]
@@ -348,8 +349,7 @@ def demo(M: int = 4, bounds=(1e-6, 1e-12)) -> bool:
     _, loss = whole(batch[:, :-1], batch[:, 1:])                      # one process, every row
     loss.backward()
     for schedule in SCHEDULES:
-        blocks = range(s * whole.cfg.n_layer // P, (s + 1) * whole.cfg.n_layer // P)   # stage s's share
-        stage = GPTStage(tiny(), blocks, first=s == 0, last=s == P - 1)
+        stage = GPTStage(tiny(), split_layers(whole.cfg.n_layer, P)[s], first=s == 0, last=s == P - 1)
         runner = Pipeline(stage, Comm(), schedule, M, whole.cfg.n_embd, torch.float64)
         ours = runner.train_step(batch[:, :-1], batch[:, 1:])
         for rank in range(P):                                          # in stage order
@@ -375,6 +375,5 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     passed = demo()
-    dist.destroy_process_group()
-    sys.stdout.flush()
+    dist.destroy_process_group()                      # (every print above flushed)
     os._exit(0 if passed else 1)  # at once: gloo's threads may still hold tensors (exit_distributed)

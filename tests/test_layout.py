@@ -85,7 +85,7 @@ def test_a_concept_file_imports_at_most_three_project_modules(concept):
 # is followed with: bookkeeping a reader skips (bytes on the wire, a check of the user's input) and
 # its demonstration's setup. Each named, so that a new name from elsewhere is a decision.
 BESIDE_THE_ALGORITHM = {"ddp": {"ring_bytes", "check_same_parameters", "as_comm"},
-                        "zero": {"ring_bytes"}, "pipeline": {"build_model"}}
+                        "zero": {"ring_bytes"}, "pipeline": {"build_model", "split_layers", "check_sizes"}}
 
 
 def _names_from_elsewhere(concept: str) -> set:

@@ -533,6 +533,17 @@ def test_stage_split_balanced_by_blocks_or_given():
         split_layers(4, 2, [4, 0])
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipeline_without_micro_batches_is_one_clear_error(schedule):
+    """Pipeline(..., microbatches=0) made with a schedule's name: one ValueError naming what is
+    missing, raised before the constructor's first collective (the comm here has no group)."""
+    stage = pipeline.GPTStage(GPT(CFG), range(0, 2), first=True, last=False)
+    comm = Comm.__new__(Comm)
+    comm.rank, comm.world_size = 0, 2                      # stage 0 of 2, no process group
+    with pytest.raises(ValueError, match="at least 1 stage and 1 micro-batch, got 2 stages and 0"):
+        pipeline.Pipeline(stage, comm, schedule, 0, CFG.n_embd, torch.float32)
+
+
 def test_stage_keeps_only_its_parameters_under_their_whole_model_names():
     gpt = GPT(CFG)
     names = {n for n, _ in gpt.named_parameters()}
