@@ -220,8 +220,8 @@ class Comm:
 
         Each chunk travels in segments of segment_bytes: step 0's are all posted at once, then
         segment j of step s+1 leaves as soon as segment j of step s is in place, so a segment is
-        reduced while the others are on the wire (NCCL's slices). Every rank posts in one order, (step 0, segment 0), (0, 1), ..., (1, 0),
-        ..., a segment's send and receive in one batch, as send_right_receive_left's."""
+        reduced while the others are on the wire (NCCL's slices). Every rank posts in one order,
+        (step 0, segment 0), (0, 1), ..., (1, 0), ..., a segment's send and receive in one batch."""
         n = self.world_size
         if not steps:                                      # a world of one: nothing to send
             return
