@@ -15,7 +15,6 @@ Shapes: N ranks in the group, P trainable parameters, L_b elements in bucket b's
 import itertools
 import os
 import sys
-import weakref
 from contextlib import contextmanager, nullcontext
 
 from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
@@ -140,18 +139,15 @@ class DDP(nn.Module):
     # ---- 3. during backward: the hook, then each full bucket's all-reduce, in order ---------
 
     def _hook_gradients(self):
-        """Call _gradient_arrived(i) each time backward has accumulated params[i]'s gradient
-        into its .grad. The hook holds DDP weakly: torch keeps hooks where Python's gc does not
-        look, so DDP -> module -> parameter -> hook -> DDP would never be freed."""
-        ddp = weakref.ref(self)
-        for i, p in enumerate(self.params):
-            def hook(_, i=i):
-                if (alive := ddp()) is not None:
-                    alive._gradient_arrived(i)
-            p.register_post_accumulate_grad_hook(hook)
+        """Call _gradient_arrived(b, j) each time backward has accumulated the gradient of bucket
+        b's parameter j into its .grad: a post-accumulate-grad hook on each parameter (FlatParams'
+        hook_gradients; it holds DDP weakly: DDP -> module -> parameter -> hook -> DDP is never freed)."""
+        for b, bucket in enumerate(self.buckets):
+            bucket.hook_gradients(self._gradient_arrived, b)
 
-    def _gradient_arrived(self, i: int):
-        """params[i]'s .grad holds this backward's gradient: count it into its bucket."""
+    def _gradient_arrived(self, b: int, j: int):
+        """The .grad of bucket b's parameter j, params[i], holds this backward's gradient: count it in."""
+        i = self.buckets[b].indices[j]
         self._used[i] = self._hooked[i] = True
         if not self._syncing:
             return                                               # accumulate locally in .grad

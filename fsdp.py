@@ -17,7 +17,6 @@ Shapes: N ranks (of a shard group), r this rank, P elements in a unit, S = ceil(
 """
 import copy
 import os
-import weakref
 from dataclasses import dataclass
 
 from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
@@ -209,18 +208,13 @@ class FSDP(FSDPState, nn.Module):
         self._prefetch(self.order.index(unit), -1)
 
     def _hook_gradients(self):
-        """Have autograd call _gradient_ready(k) as it accumulates each gradient of unit k. The hook
-        holds FSDP weakly: torch keeps it where gc does not look (a cycle through it is never freed)."""
-        fsdp = weakref.ref(self)
+        """Have autograd call _gradient_ready(k, i) as it accumulates parameter i's gradient of unit k
+        (FlatParams' hook: it holds FSDP weakly, so a wrapped model is still freed)."""
         for k, unit in enumerate(self.units):
-            for p in unit.params:
-                def hook(_, k=k):
-                    if (alive := fsdp()) is not None:
-                        alive._gradient_ready(k)
-                p.register_post_accumulate_grad_hook(hook)
+            unit.hook_gradients(self._gradient_ready, k)
 
-    def _gradient_ready(self, k: int):
-        """Autograd accumulated a gradient of unit k; with its last one, the unit's backward is
+    def _gradient_ready(self, k: int, i: int):
+        """Autograd accumulated a gradient (the i-th) of unit k; with its last one, the unit's backward is
         done. A parameter this backward does not use holds it (and, in reduce_order, the units after
         it) back until the end of backward: _finish_backward launches it."""
         unit = self.units[k]

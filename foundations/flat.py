@@ -75,6 +75,22 @@ class FlatParams:
         """Rank `rank`'s shard of `flat`: (N*S,) -> (S,)."""
         return flat[rank * self.shard_numel: (rank + 1) * self.shard_numel]
 
+    def hook_gradients(self, method, *indices: int):
+        """Call method(*indices, i), a bound method of a wrapper (DDP, ZeRO-2, FSDP), each time
+        backward has accumulated params[i]'s gradient into its .grad.
+
+        The hook holds the wrapper weakly and gets plain indices, never this buffer: torch keeps
+        post-accumulate hooks where Python's gc does not look (torch 2.13), so a hook reaching the
+        wrapper, which holds the parameter, would be a cycle never freed, every model wrapped kept.
+        Once the wrapper is gone, the hook does nothing.
+        """
+        wrapper, function = weakref.ref(method.__self__), method.__func__
+        for i, param in enumerate(self.params):
+            def hook(_, i=i):
+                if (alive := wrapper()) is not None:
+                    function(alive, *indices, i)
+            param.register_post_accumulate_grad_hook(hook)
+
     def shard_ranges(self, rank: int) -> list[tuple[int, int, int, int]]:
         """What shard `rank` holds, parameter by parameter: (i, start, stop, offset) says that
         elements start:stop of params[i] (flattened) sit at shard[offset : offset + stop - start].
@@ -109,23 +125,6 @@ def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
         buckets[-1].append(t)
         size += nbytes
     return buckets
-
-
-def hook_gradient(param: nn.Parameter, method, *indices: int):
-    """Call method(*indices), a bound method of a wrapper (DDP, ZeRO-2, FSDP), each time backward
-    has accumulated param's gradient into param.grad.
-
-    The hook holds the wrapper weakly and gets plain indices, never a bucket or unit: torch keeps
-    post-accumulate hooks where Python's gc does not look (torch 2.13), so a hook reaching the
-    wrapper, which holds the parameter, would be a cycle never freed, every model wrapped kept.
-    Once the wrapper is gone, the hook does nothing.
-    """
-    wrapper, function = weakref.ref(method.__self__), method.__func__
-
-    def hook(_):
-        if (alive := wrapper()) is not None:
-            function(alive, *indices)
-    param.register_post_accumulate_grad_hook(hook)
 
 
 class InOrder:
@@ -231,8 +230,7 @@ class ShardedBuckets(list):
     def hook_gradients(self, method):
         """method(b, i) each time backward has accumulated parameter i of bucket b's gradient."""
         for b, bucket in enumerate(self):
-            for i, p in enumerate(bucket.params):
-                hook_gradient(p, method, b, i)
+            bucket.hook_gradients(method, b)
 
     def in_order(self, launch, retire) -> InOrder:
         """The buckets reduced in one order on every rank, MAX_REDUCTIONS_IN_FLIGHT at most (InOrder)."""

@@ -363,7 +363,7 @@ def test_handed_in_reductions_must_place_every_parameter(awkward):
 def _wrappers_freed():
     """Each wrapper that hooks gradients (DDP, ZeRO-1, ZeRO-2, FSDP), after one backward, dropped:
     is it, and its model, freed? torch keeps post-accumulate hooks where Python's gc does not look,
-    so a hook holding its wrapper kept both alive (flat.hook_gradient holds it weakly)."""
+    so a hook holding its wrapper kept both alive (FlatParams.hook_gradients holds it weakly)."""
     import gc
     import weakref
     from fsdp import FSDP
