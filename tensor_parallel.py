@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from collectives import Comm
+from collectives import Comm, as_comm
 from model import MLP
 from foundations.placements import place
 
@@ -180,7 +180,7 @@ class _SplitLinear(nn.Module):
 
     def __init__(self, in_features, out_features, group, bias, linear, dim):
         super().__init__()
-        self.comm = group if isinstance(group, Comm) else Comm(group)
+        self.comm = as_comm(group)
         linear = linear if linear is not None else nn.Linear(in_features, out_features, bias=bias)
         self.weight = _shard(linear.weight, self.comm, dim)       # (out/N, in) or (out, in/N)
         # The bias goes with the output features: split in a column layer; whole in a row
@@ -262,7 +262,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings, embedding_dim, group=None, sequence_parallel=False,
                  embedding: nn.Embedding | None = None):
         super().__init__()
-        self.comm = group if isinstance(group, Comm) else Comm(group)
+        self.comm = as_comm(group)
         embedding = embedding if embedding is not None else nn.Embedding(num_embeddings, embedding_dim)
         self.weight = _shard(embedding.weight, self.comm, 0)              # (V/N, C)
         self.sequence_parallel = sequence_parallel
