@@ -27,7 +27,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from collectives import Comm
+from collectives import Comm, ring_bytes
 from tensor_parallel import gather_sequence, run_against_one_process
 
 # ---- the split: which tokens a rank holds -------------------------------------------------------
@@ -303,10 +303,11 @@ def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str =
     its fp32 dK/dV twice the bytes of the bf16 K/V.
     """
     kv = 2 * (seq_len // cp) * batch * hidden
-    forward = (cp - 1) * kv * bytes_per_value         # the all-gather's, or the ring's cp-1 steps
-    if attention == "allgather":
-        return {"forward": forward, "backward": forward}
-    return {"forward": forward, "backward": (cp - 1) * kv * (bytes_per_value + max(bytes_per_value, 4))}
+    if attention == "allgather":                      # the collectives' own count (collectives.py)
+        return {"forward": ring_bytes("all_gather", cp * kv, bytes_per_value, cp),
+                "backward": ring_bytes("reduce_scatter", cp * kv, bytes_per_value, cp)}
+    return {"forward": (cp - 1) * kv * bytes_per_value,
+            "backward": (cp - 1) * kv * (bytes_per_value + max(bytes_per_value, 4))}
 
 
 def _timed(clock, q):
