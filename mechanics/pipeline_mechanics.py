@@ -61,13 +61,9 @@ def bubble_formula(name: str, P: int, M: int, v: int = 1) -> float:
 
 # ---- NCCL's clock: the executor's programs (pipeline.nccl_program) played by NCCL's rules -----
 #
-# NCCL runs a rank's point-to-point calls on one stream, in the order they were posted: a send
-# completes only once its partner has posted the matching receive, and everything posted after
-# it waits. So a receive posted early (to overlap) can block this rank's own later send that its
-# peer waits for: a deadlock gloo never shows. The executor therefore posts the sends and
-# receives that sit between two computations together, as one group (one batch_isend_irecv, as
-# torch.distributed.pipelining does), and waits for a group before the computation after it only
-# if the group receives something. run_under_nccl() plays every stage's program so.
+# The rules are written where the program is made (pipeline.py, above nccl_program): one stream of
+# point-to-point calls per rank, in posting order; the messages between two computations posted as
+# one group, waited for only if it receives. run_under_nccl() plays every stage's program by them.
 
 def run_under_nccl(programs: list[list]):
     """Play each stage's program by NCCL's rules; raise if the stages would wait forever.
