@@ -307,10 +307,6 @@ class FSDP(FSDPState, nn.Module):
                 return
             self._gather(self.order[ahead])
 
-    def _next(self, unit, step):             # the unit after (step=+1) or before (-1) it, or None
-        i = self.order.index(unit) + step
-        return self.order[i] if 0 <= i < len(self.order) else None
-
     def _free(self, unit):
         if not self._keep_gathered:
             unit.free()

@@ -137,7 +137,8 @@ class FrozenBaseFSDP(FSDP):
         return unit
 
     def _before_backward(self, unit):
-        after = self._next(unit, +1)
+        i = self.order.index(unit) + 1
+        after = self.order[i] if i < len(self.order) else None             # the unit after it in forward
         if after is not None and after.frozen is not None:
             self._free(after)  # its backward is over: its frozen bytes go (_free_after_backward)
         super()._before_backward(unit)
