@@ -208,14 +208,15 @@ class DDP(nn.Module):
                  for used, p, slot in zip(self._used, self.params, self._slot)]
         for bucket in self.buckets:
             bucket.used = [local[i] for i in bucket.indices]
-        used, agree = or_used_flags(self.buckets, self.params[0].device)          # (P,) launched
+        # (P,) flags OR'ed over the ranks, the all-reduce launched; agree() waits for it
+        used, agree = or_used_flags(self.buckets, self.params[0].device)
         for bucket, wire, handle in self._in_flight:
             handle.wait()
             if bucket.divide != 1:
                 wire.div_(bucket.divide)
             if wire is not bucket.grad_flat:
                 bucket.grad_flat.copy_(wire)                 # the mean, rounded once
-        agree()
+        agree()                                              # the flags' all-reduce, done
         # Read (a host sync on a GPU) only if this rank missed one: else every one was used.
         everywhere = local if all(local) else used.tolist()
         for p, slot, used_anywhere in zip(self.params, self._slot, everywhere):
