@@ -15,7 +15,6 @@ Shapes: B batch, T sequence, C channels.
 """
 import copy
 
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.nn as nn
 

@@ -16,7 +16,6 @@ import os
 from collections import Counter
 from typing import NamedTuple
 
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 

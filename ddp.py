@@ -17,7 +17,6 @@ import os
 import sys
 from contextlib import contextmanager, nullcontext
 
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 import torch.nn as nn

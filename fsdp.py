@@ -19,7 +19,6 @@ import copy
 import os
 from dataclasses import dataclass
 
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 import torch.nn as nn

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Set-up for the README's two commands, safe to run again: a virtual environment in .venv holding
-# the torch this project is tested with (2.13.0) and pytest, nothing else.
+# the torch this project is tested with (2.13.0), numpy (torch warns without it) and pytest.
 # Without an NVIDIA GPU it takes torch's CPU build (a 190 MB wheel) from PyTorch's CPU index:
 # PyPI's default torch for Linux brings CUDA's libraries too (about 2.7 GB). On macOS PyPI's
 # build is the CPU one. A machine with a GPU gets PyPI's CUDA build.

@@ -19,7 +19,6 @@ Shapes: B batch, T sequence, k in features, d out features, r rank.
 import math
 from functools import partial
 
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -13,7 +13,6 @@ Run alone: python mixed_precision.py; test: python -m pytest tests/test_mixed_pr
 import copy
 import math
 
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 

@@ -23,7 +23,6 @@ import sys
 from types import SimpleNamespace
 from typing import NamedTuple
 
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 import torch.nn as nn

@@ -14,7 +14,6 @@ test: python -m pytest tests/test_quantization.py
 
 Shapes: P values in a weight, G = ceil(P / 64) blocks, S = ceil(G / 256) blocks of scales.
 """
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

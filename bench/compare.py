@@ -24,7 +24,6 @@ import time
 from functools import partial
 from types import SimpleNamespace
 
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -339,8 +338,7 @@ def torch_pipeline_stage(stage, s: int, P: int, micro_batch: int, seq_len: int, 
     """torch's PipelineStage around our GPTStage (or its chunk `chunk`, virtual stage chunk P + s),
     told the shapes one micro-batch has going in and out: token ids (b, T) or activations (b, T, C)
     in; activations or logits (b, T, V) out. Given both, torch skips its shape-inference
-    handshake, which sends Python objects (recv_object_list) that only decode with numpy, a
-    package this project does not install."""
+    handshake, which sends Python objects (recv_object_list) before the first step."""
     cfg, device = stage.gpt.cfg, next(stage.parameters()).device
     index, n = chunk * P + s, len(stage.chunks) * P                   # virtual stage, of n
     # requires_grad marks what has a gradient in backward: activations do, token ids do not.
@@ -470,11 +468,10 @@ BENCHMARKS = (*STRATEGIES, "moe", "cp", "collectives")
 
 # PyTorch's own, torch.distributed.tensor.experimental.context_parallel, is no contender on CPU
 # ranks (checked with torch 2.13.0): its ring takes over only CUDA's attention kernels (flash,
-# memory-efficient, cuDNN), while the CPU runs _scaled_dot_product_flash_attention_for_cpu, and
-# entering it imports torch.distributed.tensor.debug, which needs numpy (not installed here).
+# memory-efficient, cuDNN), while the CPU runs _scaled_dot_product_flash_attention_for_cpu.
 TORCH_CONTEXT_PARALLEL = ("PyTorch's context_parallel not run: its ring handles only CUDA's SDPA "
                           "kernels (flash, efficient, cuDNN), not the CPU's "
-                          "_scaled_dot_product_flash_attention_for_cpu, and it imports numpy")
+                          "_scaled_dot_product_flash_attention_for_cpu")
 
 
 def ours_context_parallel(attention, model, args):

@@ -21,7 +21,6 @@ import time
 from functools import partial
 from types import SimpleNamespace
 
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 

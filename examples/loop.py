@@ -16,7 +16,6 @@ if "RANK" not in os.environ:                   # plain `python examples/loop.py`
     sys.exit("examples/loop.py trains on several processes: run it with torchrun --nproc_per_node 2 "
              "examples/loop.py")
 
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR

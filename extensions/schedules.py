@@ -20,7 +20,6 @@ Test: python -m pytest tests/test_schedules.py
 Shapes: P stages (ranks), M micro-batches, s stage, m micro-batch; interleaved: v chunks per
 rank, V = P v virtual stages, chunk c of rank s is virtual stage c P + s.
 """
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 import torch.nn as nn
 

@@ -7,7 +7,6 @@ normal 2**-14, so a small gradient rounds to zero unless the loss is scaled up f
 coarser precision (Kalamkar et al. 2019).
 Run: python mixed_precision.py (or python -m foundations.dtypes); test: python -m pytest tests/test_mixed_precision.py
 """
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

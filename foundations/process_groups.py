@@ -367,8 +367,8 @@ def make_device_mesh(comm: Comm, tp: int = 1, cp: int = 1, pp: int = 1, ep: int 
 def gather_objects(obj, comm: Comm, device: torch.device, dst: int | None = None) -> list | None:
     """Every rank's picklable `obj`, in rank order, on rank `dst` of comm (None: on every rank).
 
-    torch's all_gather_object/gather_object do the same but decode through numpy, which this
-    project does not depend on. Here the pickled bytes travel as a uint8 tensor on `device`
+    torch's all_gather_object/gather_object do the same, decoding through numpy. Here the pickled
+    bytes travel as a uint8 tensor on `device`
     (NCCL moves only device tensors): first every rank's length, then the bytes padded to the
     longest. Ranks other than dst get None. For set-up and export, not for every step.
     """

@@ -19,11 +19,7 @@ import math
 import os
 import platform
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, replace
-
-# torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch
 import torch.distributed as dist

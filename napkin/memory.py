@@ -12,7 +12,6 @@ Test: python -m pytest tests/test_memory.py (context parallelism's: tests/test_c
 import argparse
 import sys
 
-from foundations import no_numpy  # noqa: F401  (first: torch warns as it is imported when numpy is absent)
 
 from napkin import advisor
 from napkin.advisor_speed import print_ranking

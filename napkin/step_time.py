@@ -21,11 +21,7 @@ P pipeline stages, M micro-batches, v chunks per stage.
 """
 import argparse
 import math
-import warnings
 from dataclasses import dataclass, replace
-
-# torch warns at import when numpy is absent (its numpy bridge); nothing here uses numpy.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from napkin.flops import LLAMA_3_1_8B, Shape, block_flops, model_flops_per_token, step_flops
 from napkin.machines import ADAMW_BYTES, PRESETS as MACHINES, Link, Machine, collective_seconds, overlapped

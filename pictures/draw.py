@@ -17,15 +17,12 @@ Test: python -m pytest tests/test_pictures.py tests/test_writes.py
 import argparse
 import os
 import sys
-import warnings
 
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")   # as train.py: not used
-
-from pictures import traces  # noqa: E402
-from mechanics.pipeline_mechanics import simulate                                 # noqa: E402
-from extensions.schedules import SCHEDULES, make_schedule                           # noqa: E402
-from running.snapshot import unwritable_file, write_whole                        # noqa: E402
-from pictures.svg import PALETTE, Axes, Canvas, line_chart, nice_ticks            # noqa: E402
+from pictures import traces
+from mechanics.pipeline_mechanics import simulate
+from extensions.schedules import SCHEDULES, make_schedule
+from running.snapshot import unwritable_file, write_whole
+from pictures.svg import PALETTE, Axes, Canvas, line_chart, nice_ticks
 
 MiB = 2**20
 # Stacked from the bottom: the constant optimizer state first, so the others' shapes read.

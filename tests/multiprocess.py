@@ -27,9 +27,8 @@ from torch.overrides import TorchFunctionMode
 _context = multiprocessing.get_context("forkserver")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What every rank imports, imported once by the server: torch._dynamo is what the first
-# torch.optim optimizer imports (with sympy), nearly 2 s a process; pytest every test file;
-# no_numpy first, before torch warns as it is imported (pytest.ini's filter is not the server's).
-TORCH_PRELOAD = ["foundations.no_numpy", "torch", "torch.distributed", "torch._dynamo", "pytest"]
+# torch.optim optimizer imports (with sympy), nearly 2 s a process; pytest every test file.
+TORCH_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest"]
 
 
 def _preload() -> list:

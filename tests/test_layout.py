@@ -39,13 +39,13 @@ NOT_YET = {}
 
 
 def _imports(module: str) -> set:
-    """The project modules `module` imports (no_numpy, imported first for its side effect, aside)."""
+    """The project modules `module` imports."""
     modules = _project_files()
     path, found = modules[module], set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found |= _imported(node, module, path, modules)
-    return found - {"foundations.no_numpy", "foundations"}
+    return found - {"foundations"}
 
 
 def _path(module: str) -> pathlib.Path:
@@ -96,7 +96,7 @@ def _names_from_elsewhere(concept: str) -> set:
     main = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     used = {n.id for node in tree.body if node not in main and not isinstance(node, ast.ImportFrom)
             for n in ast.walk(node) if isinstance(n, ast.Name)}
-    return (imported & used) - {"no_numpy"}
+    return imported & used
 
 
 @pytest.mark.parametrize("concept", CONCEPTS)
