@@ -7,8 +7,9 @@ sharded 1/N. A unit's life in a training step, as FSDP below writes it:
     backward   all-gather it again -> compute -> free -> reduce-scatter its gradient
     step       on this rank's shard alone, no collective: any torch optimizer over FSDP.parameters(),
                the fp32 master shards (the demonstration's AdamW, at the end), as with fully_shard
-3 (N-1)/N of the model on the wire per step (the root unit gathered once), 1.5x DDP, for 1/N of every
-byte of training state. Skip mechanics/fsdp_state.py (the wrap, the checks, what the program reads).
+3 (N-1)/N of the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state:
+a little less, as the root unit is gathered once; with gradients and parameters in one dtype
+(bf16 gathers and an fp32 reduce, train.py's default for bf16, make it about 1x). Skip mechanics/fsdp_state.py (the wrap, the checks, what the program reads).
 Read after: mechanics/fsdp_optimizer.py, extensions/fsdp_hybrid.py (HSDP), fsdp_offload.py, fsdp_frozen.py.
 Left out: a stream of our own (NCCL's async collectives run on theirs), FSDP1's state API.
 Run alone: torchrun --nproc_per_node 2 fsdp.py; test: python -m pytest tests/test_fsdp.py

@@ -5,8 +5,10 @@ precision. ZeRO (Rajbhandari et al. 2020, sections 5.1 and 5.2) lays the paramet
 buffer split into N equal shards (foundations/flat.py's buckets); rank r keeps the optimizer state
 (stage 1) and the reduced gradient (stage 2) of shard r only, updates that shard (the inner
 optimizer on its fp32 masters: foundations/sharded_step.py), and all-gathers the parameters.
-A reduce-scatter plus an all-gather move what DDP's all-reduce moves: the memory saved costs no
-extra communication (but stage 2 reduce-scatters every micro-batch of an accumulated step).
+A reduce-scatter plus an all-gather move what DDP's all-reduce moves, with gradients and parameters
+in one dtype: the memory saved costs no extra communication (but stage 2 reduce-scatters every
+micro-batch of an accumulated step). bf16 gradients reduced in fp32 (train.py's default) make the
+reduce-scatter twice the all-gather: 0.75x DDP's all-reduce, which is then fp32 too.
 Stage 1, then stage 2 as its delta. Left out: stage 3 (fsdp.py: the same FlatParams),
 ZeRO-Offload (zero_offload.py), ZeRO++.
 Run alone: torchrun --nproc_per_node 2 zero.py; test: python -m pytest tests/test_zero.py

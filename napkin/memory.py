@@ -22,7 +22,8 @@ from napkin.memory_math import (ALIASES, COLLECTIVES, GB, OPTIMIZERS, PRECISIONS
                          _element_size, _strategy, active_params, activation_bytes, bytes_per_param,
                          cp_activation_bytes, ep_comm_bytes, ep_params, ep_state_bytes, expert_params,
                          human_bytes, logits_bytes, mesh_bytes, mesh_params, model_params, moe_exchange_bytes,
-                         pipeline_activation_bytes, quantized_params, stage_blocks, state_bytes)
+                         pipeline_activation_bytes, quantized_params, stage_blocks, state_bytes,
+                         why_sent_departs)
 from mixed_precision import REDUCE_DTYPE
 from model import PRESETS
 from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula
@@ -223,7 +224,8 @@ def _check_shard_group(p, args):
 
 
 def _predict(n_params, strategy, args):
-    """state_bytes and comm_bytes for the command line's choices. --offload applies to the
+    """state_bytes and comm_bytes for the command line's choices, and why the bytes sent depart
+    from the lecture's rule ("" where they do not; not priced under --ep). --offload applies to the
     sharded strategies. --shard-group S (zero3): held as zero3 over S ranks, sent as HSDP.
     Under --ep a rank holds E/ep of each MoE layer's experts (ep_state_bytes, ep_comm_bytes)
     and sends its micro-batches' tokens to them and back (moe_exchange_bytes)."""
@@ -244,10 +246,14 @@ def _predict(n_params, strategy, args):
                                    else bool(args.offload)))
     sent = ep_comm_bytes(n_params, experts, strategy, args.precision, args.world, args.ep, **frozen,
                          shard_group=args.shard_group, reduce_precision=args.reduce_dtype)
+    why = ""
     if args.ep > 1:
         sent["all_to_all"] = moe_exchange_bytes(PRESETS[args.model], _micro_batch_tokens(args),
                                                 args.ep, args.precision, args.grad_accum)
-    return held, sent
+    elif strategy != "single":
+        why = why_sent_departs(n_params, strategy, args.precision, args.world, **frozen,
+                               shard_group=args.shard_group, reduce_precision=args.reduce_dtype)
+    return held, sent, why
 
 
 def _micro_batch_tokens(args) -> int:
@@ -299,18 +305,18 @@ def _table(n_params, args):
     host = f"{'host':>9}" if args.offload else ""
     print(f"{'strategy':<9}{'params':>9}{'grads':>9}{'optimizer':>11}{'total':>9}{host} |{'sent':>8}  collectives")
     for strategy in STRATEGIES:
-        held, sent = _predict(n_params, strategy, args)
+        held, sent, why = _predict(n_params, strategy, args)
         host = f"{held['host'] / unit:9.2f}" if "host" in held else f"{'-':>9}" if args.offload else ""
         print(f"{strategy:<9}{held['params'] / unit:9.2f}{held['grads'] / unit:9.2f}"
               f"{held['optimizer'] / unit:11.2f}{held['total'] / unit:9.2f}{host} |"
               f"{sum(sent.values()) / unit:8.2f}  {COLLECTIVES[strategy]}"
-              + (" + all-to-all" if "all_to_all" in sent else ""))
+              + (" + all-to-all" if "all_to_all" in sent else "") + why)
 
 
 def _breakdown(n_params, args):
     """One strategy in detail: what a rank holds, activations included, and what it sends."""
     strategy, n = args.strategy, args.world
-    held, sent = _predict(n_params, strategy, args)
+    held, sent, why = _predict(n_params, strategy, args)
     canonical = _strategy(strategy, n)
     experts = f", its experts 1/{n // args.ep}" if args.ep > 1 else ""    # over the ranks holding them
     S = args.shard_group or n
@@ -350,7 +356,8 @@ def _breakdown(n_params, args):
           f"{'nothing, one rank' if strategy == 'single' else COLLECTIVES[canonical]}"
           + (f" within a group of {S}, + all-reduce of the gradient shard over the {n // S} copies"
              if S < n else "")
-          + (" + all-to-all (the tokens to their experts and back)" if "all_to_all" in sent else ""))
+          + (" + all-to-all (the tokens to their experts and back)" if "all_to_all" in sent else "")
+          + why)
     for name, value in sent.items():
         row(name, value)
     row("total sent", sum(sent.values()))

@@ -211,6 +211,55 @@ def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     return sent
 
 
+# The lecture's bytes sent, as a multiple of DDP's all-reduce, with gradients and parameters in
+# one dtype: ZeRO-1/2's reduce-scatter + all-gather move what the all-reduce moves; ZeRO-3 gathers
+# the parameters twice (forward, backward) and reduce-scatters the gradients: 1.5x.
+LECTURE_RATIO = {"zero1": 1.0, "zero2": 1.0, "zero3": 1.5}
+
+
+def why_sent_departs(n_params: int, strategy: str, precision: str, world_size: int,
+                     trainable: int | None = None, quantized: int = 0, double_quant: bool = False,
+                     shard_group: int | None = None, reduce_precision: str | None = None,
+                     sent: int | None = None, micro_batches: int = 1) -> str:
+    """One clause saying why the bytes sent depart from the lecture's rule ("" where they do
+    not). sent: the run's own formula for strategy (FSDP's gathers its root unit once; ZeRO-2
+    and FSDP send for each of micro_batches), else comm_bytes'. DDP departs in bytes per
+    parameter, the others in their multiple of DDP's."""
+    canonical = _strategy(strategy, world_size)
+    if world_size == 1:
+        return ""
+    size, wire = _element_size(precision), _element_size(reduce_precision or precision)
+    kind = dict(trainable=trainable, quantized=quantized, double_quant=double_quant)
+    upcast = (f"grads reduced in {reduce_precision}, params gathered in {precision} "
+              f"(--reduce-dtype {precision}: one dtype, as the lecture)")
+    if canonical == "ddp":
+        return (f"; grads reduced in {reduce_precision}, {wire} bytes each (--reduce-dtype "
+                f"{precision}: the lecture's {size})" if wire != size else "")
+    ddp = sum(comm_bytes(n_params, "ddp", precision, world_size, **kind,
+                         reduce_precision=reduce_precision).values())
+    ours = sum(comm_bytes(n_params, canonical, precision, world_size, **kind,
+                          shard_group=shard_group, reduce_precision=reduce_precision).values())
+    ratio = (ours if sent is None else sent) / ddp
+    if abs(ratio - LECTURE_RATIO[canonical]) < 0.005:
+        return ""
+    why = [upcast] if wire != size else []
+    if micro_batches > 1 and canonical in ("zero2", "zero3"):
+        why.append(f"{'ZeRO-2' if canonical == 'zero2' else 'FSDP'} reduce-scatters each of the "
+                   f"{micro_batches} micro-batches' gradients (it keeps no whole one to add to)")
+    if canonical == "zero3":
+        if (trainable or n_params) < n_params:
+            why.append("the frozen base is gathered but sends no gradient")
+        if quantized:
+            why.append("its 4-bit weights are gathered as packed bytes")
+        if shard_group and shard_group < world_size:
+            why.append(f"HSDP gathers within groups of {shard_group}")
+        if sent is not None and sent < ours:
+            why.append("the root unit (embeddings, head) is gathered once, not twice")
+    why = why or ["the shards padded to equal sizes"]
+    return (f"; {ratio:.2f}x ddp's, not the lecture's {LECTURE_RATIO[canonical]:g}x: "
+            + "; ".join(why))
+
+
 # ---- expert parallelism: experts over ep ranks, the rest over all -----------------------------
 
 def ep_state_bytes(n_params: int, experts: int, strategy: str, precision: str, world_size: int,

@@ -14,7 +14,7 @@ import lora
 from running import snapshot
 from napkin import step_time
 from running.cli import describe_run
-from napkin.memory_math import held_bytes, live_numel, live_tensor_bytes
+from napkin.memory_math import held_bytes, live_numel, live_tensor_bytes, why_sent_departs
 from composition.mesh_checks import mesh_splits, moe_config
 from composition.parallelize import build_gpt, dimension_report, lora_config
 from foundations.process_groups import global_mean
@@ -60,12 +60,27 @@ def say_step(args, job, log, clock, step, loss, lr, kept, history, live_bytes, n
     napkin = step_time.beside(args.batch_size * args.seq_len / tokens_per_s, napkin_seconds)
     log.say(step_line(step, loss, lr, tokens_per_s, sum(sent.values()),
                       sum(predicted.values()), dist.get_world_size(), clock.skipped, args.steps,
-                      time.perf_counter() - clock.began, clock.seconds_left(step, args.steps), napkin))
+                      time.perf_counter() - clock.began, clock.seconds_left(step, args.steps), napkin,
+                      why=sent_departs(args, job.gpt, sum(predicted.values()))))
     for line in dimension_report(args, job.gpt, job.model, job.mesh, job.context, step, history):
         log.say(f"step {step:5d} | {line}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)         # the next line's peak: its steps'
     clock.restart(step)
+
+
+def sent_departs(args, gpt, formula: int) -> str:
+    """Why the data-parallel rungs' bytes sent depart from the lecture's rule, in one clause
+    (memory_math.why_sent_departs; "" for a mesh or experts, whose bytes it does not price)."""
+    world = dist.get_world_size()
+    if mesh_splits(args) or gpt.cfg.experts or world == 1 or args.strategy == "single":
+        return ""
+    n_params, quantized = live_numel(gpt)
+    trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else None
+    return why_sent_departs(n_params, args.strategy, args.precision, world, trainable=trainable,
+                            quantized=quantized, double_quant=args.double_quant,
+                            shard_group=args.shard_group, reduce_precision=args.reduce_dtype,
+                            sent=formula, micro_batches=args.grad_accum)
 
 
 def save(args, job, layout, log, divergence, step, loss, base):

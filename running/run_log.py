@@ -71,14 +71,16 @@ def measured_memory(held: dict, activations: int | None, peak: int | None) -> st
 
 def step_line(step: int, loss: float, lr: float, tokens_per_s: float, sent: int, formula: int,
               world_size: int, skipped: int, steps: int, elapsed: float, left: float | None,
-              napkin: str = "") -> str:
+              napkin: str = "", why: str = "") -> str:
     """A logged step: its global loss, lr, speed (napkin: its time beside step_time.py's), rank 0's
-    bytes sent in the step beside their ring formula (on more than one rank), skipped fp16 steps,
+    bytes sent in the step beside their ring formula (on more than one rank; why: the clause saying
+    why the formula departs from the lecture's rule, report.sent_departs), skipped fp16 steps,
     progress and the seconds left (Clock.seconds_left; None: not known yet)."""
     remaining = (f"about {clock(left)} left" if left is not None
                  else "time left from the next logged step (the first warms up)")
     return (f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s / 1e3:7.1f}k tok/s{napkin}"
-            + (f" | sent {sent / MiB:.2f} MiB/step (ring formula {formula / MiB:.2f})" if world_size > 1 else "")
+            + (f" | sent {sent / MiB:.2f} MiB/step (ring formula {formula / MiB:.2f}){why}"
+               if world_size > 1 else "")
             + (f" | skipped {skipped}" if skipped else "")
             + f" | {step + 1}/{steps} in {clock(elapsed)}, {remaining}")
 

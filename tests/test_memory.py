@@ -16,7 +16,7 @@ from napkin.memory_math import (STRATEGIES, active_params, activation_bytes, byt
                          state_bytes)
 from model import PRESETS, GPTConfig, build_model
 from moe import feed_forward
-from multiprocess import run_ranks
+from multiprocess import run_ranks, train_logged
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
@@ -621,3 +621,37 @@ def test_memory_py_prints_no_warning():
                                ("memory", ["-m", "napkin.memory", "--model", "tiny"]))}
     err = {name: proc.communicate(timeout=120)[1] for name, proc in runs.items()}
     assert err == {"torch": "", "memory": ""}, err
+
+
+@pytest.mark.parametrize("precision, reduce, ratios", [
+    # bytes a parameter on the wire: all-reduce 2 x 4 (fp32); reduce-scatter 4 + all-gather 2;
+    # ZeRO-3 gathers twice: 2 + 2 + 4. The lecture's 1x and 1.5x hold in one dtype.
+    ("bf16", "fp32", {"zero1": (4 + 2) / 8, "zero2": (4 + 2) / 8, "zero3": (2 + 2 + 4) / 8}),
+    ("bf16", "bf16", {}),
+    ("fp32", "fp32", {}),
+])
+def test_bytes_sent_departing_from_the_lecture_say_why_on_their_row(precision, reduce, ratios, capsys):
+    """napkin.memory's table: a row whose bytes sent are not the lecture's multiple of DDP's
+    (1x for ZeRO-1/2, 1.5x for ZeRO-3) says its multiple and why on the same line; DDP's row
+    says when its gradients travel wider than the parameters."""
+    main(["--model", "gpt2-small", "--world", "8", "--precision", precision, "--reduce-dtype", reduce])
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    for strategy in ("zero1", "zero2", "zero3"):
+        if strategy in ratios:
+            lecture = {"zero1": 1, "zero2": 1, "zero3": 1.5}[strategy]
+            assert (f"; {ratios[strategy]:.2f}x ddp's, not the lecture's {lecture:g}x: grads "
+                    f"reduced in fp32, params gathered in bf16") in rows[strategy], rows[strategy]
+        else:
+            assert "ddp's" not in rows[strategy], rows[strategy]
+    assert ("grads reduced in fp32, 4 bytes each" in rows["ddp"]) == (reduce != precision), rows["ddp"]
+
+
+def test_the_runs_bytes_sent_say_why_they_depart_from_the_lecture():
+    """train.py's step line, bf16 ZeRO-2 on 2 ranks: its gradients reduced in fp32 send 4 + 2
+    bytes a parameter where DDP sends 2 x 4, and the line says so beside its ring formula."""
+    argv = ["--steps", "1", "--eval-every", "0", "--eval-batches", "1", "--seq-len", "32",
+            "--batch-size", "8", "--precision", "bf16", "--strategy", "zero2"]
+    _, out = run_ranks(train_logged, 2, argv)[0]
+    line = next(line for line in out.splitlines() if "(ring formula " in line)
+    assert (" MiB/step (ring formula " in line and "); 0.75x ddp's, not the lecture's 1x: grads reduced in fp32, params "
+            "gathered in bf16" in line), line
