@@ -324,7 +324,14 @@ class FSDP(FSDPState, nn.Module):
 # ---- run alone: torchrun --nproc_per_node 2 fsdp.py ------------------------------------------
 
 _SAID = {"all-gather": "all-gather launched", "forward": "gathered: forward", "forward done": "freed",
-         "backward": "gathered: backward", "reduce-scatter": "gradient reduce-scatter launched (freed as its backward ended)"}
+         "backward": "gathered: backward",
+         "reduce-scatter": "gradient reduce-scatter launched (freed as its backward ended)"}
+# The root unit is gathered once for the whole step, and reduce-scattered after every other unit:
+# a parameter it holds may be used anywhere in the model (a tied embedding), so its gradient is
+# whole only when backward ends.
+_SAID_ROOT = {"all-gather": "all-gather launched (the root: kept gathered until backward ends)",
+              "reduce-scatter": "gradient reduce-scatter launched (the root's last: its gradient is "
+                                "whole only when backward ends)"}
 
 
 def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
@@ -349,8 +356,9 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
         nn.functional.mse_loss(fsdp(x[halves[rank]]), y[halves[rank]]).backward()
         fsdp.finish_gradient_sync()             # each shard's .grad: its averaged gradient shard
         if step == 0 and rank == 0:
-            print("FSDP's first step on rank 0 (unit 0, the root, is the last Linear: its backward comes first):")
-            print("\n".join(f"  unit {i}: {_SAID[what]}" for what, i in fsdp.events))
+            print("FSDP's first step on rank 0 (unit 0 is the root: it holds the last Linear)")
+            print("\n".join(f"  unit {i}: {(_SAID_ROOT if i == 0 else _SAID)[what]}"
+                            for what, i in fsdp.events))
         (sum(nn.functional.mse_loss(alone(x[h]), y[h]) for h in halves) / n).backward()
         for optimizer in (step_on_shards, step_alone):
             optimizer.step()

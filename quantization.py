@@ -170,8 +170,8 @@ def _demonstrate() -> bool:
               f"({8 * stored.nbytes() / weight.numel():.3f} bits; fp32: 32)")
         print(f"  max |difference| from one process (the fp32 weight): {error.max():.2e} (bound "
               f"{allowed.max():.2e}: half the widest gap between levels x the block's absmax"
-              f"{' + the scale rounded' if double_quant else ''}; the closest block comes to "
-              f"{100 * (error / allowed).max():.2f}% of its own)")
+              f"{' + the scale rounded' if double_quant else ''}; tight: the worst weight reaches "
+              f"{100 * (error / allowed).max():.2f}% of its block's bound, midway in the widest gap)")
     return within
 
 

@@ -370,8 +370,9 @@ def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) 
                                                                 if args.schedule == "zb" else 0)
         stages = model.stages
         why = bubble_why(bubbles, stages, stage_seconds(model))        # "" within a compute slot
-        lines.append(f"bubble (idle share of the step) per stage {' '.join(f'{b:.2f}' for b in bubbles)} "
-                     f"| formula {formula} {predicted_bubble:.2f}{why} | activations held at most "
+        lines.append(f"bubble per stage (the share of its step it sat idle) "
+                     f"{' '.join(f'{b:.2f}' for b in bubbles)} | the lecture's {formula} = "
+                     f"{predicted_bubble:.2f}{why} | activations held at most "
                      f"{model.peak_activations} micro-batch{' chunks' if model.v > 1 else 'es'} on "
                      f"stage {model.stage}"
                      + (f" | W computed {deferred} weights' gradients" if args.schedule == "zb" else ""))
@@ -485,8 +486,9 @@ def bubble_why(measured: list[float], stages: list[list], seconds: list[list[flo
     replayed = replayed_idle(stages, seconds)
     messages = [m - r for m, r in zip(measured, replayed)]
     shares = lambda xs: " ".join(f"{x:.2f}" for x in xs)
-    head = (f" | off the schedule's clock ({shares(clock)}) by more than a compute slot "
-            f"({shares(slot)}), why: ")
+    head = (f"; each stage as the schedule runs it (F, B, W a slot each, messages free: a later "
+            f"stage ends sooner) idles {shares(clock)} | measured is off that by more than one slot "
+            f"({shares(slot)} of the step), why: ")
     if sum(map(abs, messages)) >= sum(abs(r - c) for r, c in zip(replayed, clock)):
         return (f"{head}messages: send/recv and the time between computations take {shares(messages)} "
                 f"of the step beyond the schedule's own waits (replayed with the measured compute times "

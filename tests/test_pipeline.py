@@ -512,8 +512,9 @@ def test_the_bubble_line_says_why_where_it_is_off_by_more_than_a_compute_slot():
     equal, uneven = [[0.01] * 12] * 2, [[0.01] * 12, [0.03] * 12]
     assert bubble_why([1 / 13 + 0.07, 1 / 13], stages, equal) == ""            # slot 0.071 here
     said = bubble_why([0.40, 0.40], stages, equal)
-    assert said.startswith(" | off the schedule's clock (0.08 0.08) by more than a compute slot (0.05 0.05), "
-                           "why: messages: send/recv and the time between computations take 0.32 0.32 "
+    assert said.startswith("; each stage as the schedule runs it (F, B, W a slot each, messages free: "
+                           "a later stage ends sooner) idles 0.08 0.08 | measured is off that by more "
+                           "than one slot (0.05 0.05 of the step), why: messages: send/recv and the time between computations take 0.32 0.32 "
                            "of the step beyond the schedule's own waits"), said
     replayed = replayed_idle(stages, uneven)
     said = bubble_why(replayed, stages, uneven)
