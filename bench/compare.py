@@ -1,4 +1,4 @@
-"""bench.py: our strategies and collectives against PyTorch's own, timed in one job.
+"""bench/compare.py (python -m bench): our strategies and collectives against PyTorch's own, timed in one job.
 
 The contenders: each strategy and its PyTorch counterpart (DistributedDataParallel, ZeRO-1's
 ZeroRedundancyOptimizer, fully_shard, parallelize_module, torch.distributed.pipelining's
@@ -7,11 +7,11 @@ same data, precision and world size (fully_shard also on a 2-D mesh, HSDP, again
 shard and replicate groups, and on a LoRA model whose frozen base both sides shard); a mixture
 of experts trains with its experts split over --ep ranks against the same model replicated
 (PyTorch has no expert parallelism of its own); context parallelism's ring attention runs
-beside its all-gather (PyTorch's context_parallel does not run on CPU ranks). bench_measure.py
-times them and prints the tables, bench_collectives.py all-reduce and all-to-all by size.
+beside its all-gather (PyTorch's context_parallel does not run on CPU ranks). bench/measure.py
+times them and prints the tables, bench/ring.py all-reduce and all-to-all by size.
 Left out: gradient accumulation, data loading.
 Run: torchrun --nproc_per_node 2 -m bench --quick (CPU); torchrun --nproc_per_node 8 -m bench (GPUs);
-python -m bench --scaling 1,2,4,8 (no torchrun) the bytes per rank as the world grows (bench_scaling.py);
+python -m bench --scaling 1,2,4,8 (no torchrun) the bytes per rank as the world grows (bench/scaling.py);
 python -m bench --report bench.json prints a finished run's tables again (the README's come so)
 Test: python -m pytest tests/test_bench.py
 """

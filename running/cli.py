@@ -300,7 +300,7 @@ def run_shape(args, data_size: int) -> tuple[str, str]:
             f"{args.microbatches} micro-batch(es) per pipeline")
 
 
-# --collectives auto: each backend runs what was measured faster on it (bench_collectives.py and
+# --collectives auto: each backend runs what was measured faster on it (bench/ring.py and
 # docs/measured.md, 2 gloo ranks, the medium model's 44 MB): gloo's reduce_scatter_tensor took
 # 83-87 ms against our ring's 25, its all_gather_into_tensor 90-95 against 34-42 (both copy
 # through flat buffers), while its all-reduce took 32 against the ring's 44. NCCL's own, always.
