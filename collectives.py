@@ -108,7 +108,7 @@ def ring_bytes(collective: str, numel: int, element_size: int, world_size: int,
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 # Smaller segments overlap more and pay a message's fixed cost more often: 1 MiB measured best
-# on gloo over loopback (bench_collectives.py); NCCL's own slices are smaller.
+# on gloo over loopback (bench/ring.py); NCCL's own slices are smaller.
 SEGMENT_BYTES = 2**20
 RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
 

@@ -1,4 +1,4 @@
-"""bench.py: our strategies and collectives against PyTorch's own, timed in one job.
+"""bench/compare.py (python -m bench): our strategies and collectives against PyTorch's own, timed in one job.
 
 The contenders: each strategy and its PyTorch counterpart (DistributedDataParallel, ZeRO-1's
 ZeroRedundancyOptimizer, fully_shard, parallelize_module, torch.distributed.pipelining's
@@ -7,11 +7,11 @@ same data, precision and world size (fully_shard also on a 2-D mesh, HSDP, again
 shard and replicate groups, and on a LoRA model whose frozen base both sides shard); a mixture
 of experts trains with its experts split over --ep ranks against the same model replicated
 (PyTorch has no expert parallelism of its own); context parallelism's ring attention runs
-beside its all-gather (PyTorch's context_parallel does not run on CPU ranks). bench_measure.py
-times them and prints the tables, bench_collectives.py all-reduce and all-to-all by size.
+beside its all-gather (PyTorch's context_parallel does not run on CPU ranks). bench/measure.py
+times them and prints the tables, bench/ring.py all-reduce and all-to-all by size.
 Left out: gradient accumulation, data loading.
 Run: torchrun --nproc_per_node 2 -m bench --quick (CPU); torchrun --nproc_per_node 8 -m bench (GPUs);
-python -m bench --scaling 1,2,4,8 (no torchrun) the bytes per rank as the world grows (bench_scaling.py);
+python -m bench --scaling 1,2,4,8 (no torchrun) the bytes per rank as the world grows (bench/scaling.py);
 python -m bench --report bench.json prints a finished run's tables again (the README's come so)
 Test: python -m pytest tests/test_bench.py
 """
@@ -45,7 +45,7 @@ import pipeline
 from composition import tensor_parallel_gpt
 from bench.ring import bench_collectives, collectives_report
 from bench.scaling import STRATEGIES as SCALED, bench_scaling, scaling_report
-from bench.measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report,
+from bench.measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report, progress,
                            predicted_cell, report, size_report, spread, summary, time_training)
 from checkpointing import checkpoint_blocks
 from running.cli import ring_choice
@@ -720,6 +720,7 @@ def strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops) -> li
         rows.append({**bench_strategy(name, STRATEGIES[name], args, whole if name in WHOLE_BATCH else rows_of_rank,
                                       device, n_params, peak_flops),
                      "predicted_ms": predicted["step"], "predicted": predicted})
+        progress(f"{name} timed, ours and PyTorch's")
     return rows
 
 
@@ -733,10 +734,12 @@ def moe_and_cp_rows(args, rows_of_rank, whole, device) -> tuple:
         moe_args = argparse.Namespace(**{**vars(args), "model": args.moe_model})   # time_training builds it
         moe_row = bench_moe({ep: partial(ours_moe, ep) for ep in (1, args.ep)}, moe_args, rows_of_rank, device)
         moe_row["runs"] = with_predicted(moe_row["runs"], predicted)
+        progress(f"moe timed at ep 1 and ep {args.ep}")
     if "cp" in args.strategies:
         predicted = [predicted_inside(args.model, args, device, this_file(args), cp=N, attention=attention)
                      for attention in context_parallel.ATTENTIONS]
         cp_rows = with_predicted(bench_context_parallel(args, whole, device), predicted)
+        progress(f"cp timed, {' and '.join(context_parallel.ATTENTIONS)} attention")
     return moe_row, cp_rows
 
 
@@ -758,6 +761,9 @@ def main(argv=None):
     device = init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     started = time.perf_counter()
+    progress(f"{', '.join(args.strategies)} on {world_size} rank(s)"
+             + (f", at worlds {', '.join(map(str, args.scaling))}" if args.scaling else "")
+             + ": a line as each is done, the tables at the end")
 
     if args.scaling:                             # train.py runs of their own, from this process
         m = {**machine(device, args, build_gpt(args.model).num_parameters(), None), "skipped": {}, "benchmarks": ["scaling"]}

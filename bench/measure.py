@@ -18,6 +18,7 @@ import gc
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -56,6 +57,15 @@ class Run:
 
 
 # ---- timing ------------------------------------------------------------------------------------
+
+STARTED = time.perf_counter()
+
+
+def progress(line: str):
+    """Rank 0 says on stderr what the bench has done so far (its tables come at the end)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"bench: {line} ({time.perf_counter() - STARTED:.0f} s in)", file=sys.stderr, flush=True)
+
 
 def sync(device):
     if device.type == "cuda":

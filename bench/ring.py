@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.measure import MiB, across_ranks, spread, summary, sync
+from bench.measure import MiB, across_ranks, progress, spread, summary, sync
 from collectives import Comm, all_to_all_bytes, ring_bytes
 
 # What each link carries per byte of the message (nccl-tests' busbw factor), for N ranks: a ring
@@ -30,7 +30,11 @@ def bench_collectives(args, device) -> dict:
     comms = {"ring": Comm(ring=True), "native": Comm()}
     p2p = dist.new_group(list(range(dist.get_world_size())),      # every rank creates it,
                          timeout=comms["native"].group_timeout())  # with the run's timeout
-    return {name: _by_size(name, comms, p2p, args, device) for name in BUS_FACTOR}
+    rows = {}
+    for name in BUS_FACTOR:
+        rows[name] = _by_size(name, comms, p2p, args, device)
+        progress(f"{name} timed, ring and native, up to {args.max_mb} MB")
+    return rows
 
 
 def transfer_only(tensor: torch.Tensor, group, segment_bytes: int):

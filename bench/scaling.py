@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 
+from bench.measure import progress
 from model import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +58,12 @@ def scaling_run(strategy: str, world: int, args) -> dict:
 
 
 def bench_scaling(args) -> list[dict]:
-    return [scaling_run(strategy, world, args) for strategy in args.strategies for world in args.scaling]
+    runs = []
+    for strategy in args.strategies:
+        for world in args.scaling:
+            runs.append(scaling_run(strategy, world, args))
+            progress(f"{strategy} on {world} rank(s) run")
+    return runs
 
 
 def scaling_report(m: dict, rows: list) -> list:

@@ -29,6 +29,15 @@ def mesh_splits(args) -> dict:
             if getattr(args, d) > 1 or SPLIT_BY.get(args.strategy) == d}
 
 
+def check_split_given(parser, args, world_size, dim: str, does: str):
+    """--strategy tp, pipeline or cp over several ranks names its split's size: at --tp (--pp,
+    --cp) 1 it would run, without a word, as plain data parallelism (ddp)."""
+    if SPLIT_BY.get(args.strategy) == dim and getattr(args, dim) == 1 < world_size:
+        n = min(d for d in range(2, world_size + 1) if world_size % d == 0)
+        parser.error(f"--strategy {args.strategy} {does} --{dim} N ranks: add --{dim} N, N dividing "
+                     f"the world size {world_size} (e.g. --{dim} {n}); at --{dim} 1 it is --strategy ddp")
+
+
 def moe_config(args) -> dict:
     """The model config fields the MoE flags override (build_model's keyword arguments)."""
     given = {"experts": args.experts, "top_k": args.top_k, "aux_loss_weight": args.aux_loss_weight,
@@ -113,6 +122,7 @@ def check_tensor_parallel(parser, args, world_size):
         if args.sequence_parallel:
             parser.error("--sequence-parallel splits the tokens of a tensor-parallel group: add --tp N")
         return
+    check_split_given(parser, args, world_size, "tp", "splits every matrix over")
     if world_size % args.tp:
         parser.error(f"world size {world_size} is not --tp {args.tp} x a data-parallel size: launch "
                      f"a multiple of {args.tp} processes (--nproc_per_node), or use a --tp dividing "
@@ -152,6 +162,7 @@ def check_pipeline(parser, args, world_size):
                          f"model into stages: add --pp N (--strategy {args.strategy} without it runs "
                          f"the whole model on every rank)")
         return
+    check_split_given(parser, args, world_size, "pp", "cuts the blocks into stages over")
     args.schedule = args.schedule or "1f1b"
     if args.virtual_stages is None:
         args.virtual_stages = 2 if args.schedule == "interleaved" else 1
@@ -209,6 +220,7 @@ def check_context_parallel(parser, args, world_size):
             parser.error(f"--cp-attention and --cp-balance split sequences over ranks: add --cp N "
                          f"(--strategy {args.strategy} without it gives every rank whole sequences)")
         return
+    check_split_given(parser, args, world_size, "cp", "splits each sequence over")
     args.cp_attention = args.cp_attention or "ring"
     args.cp_balance = args.cp_balance or "zigzag"
     if args.cp < 1 or world_size % args.cp:

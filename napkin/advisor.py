@@ -32,7 +32,7 @@ from foundations.process_groups import init_distributed
 # ---- the flow chart, rung by rung ------------------------------------------------------------
 #
 #   mixed precision always (bf16, or fp16 where the GPU has no bf16)
-#   -> micro-batch 1 fits with ddp?  then zero2 and the largest micro-batch that fits
+#   -> micro-batch 1 fits with ddp, or else with zero2?  then zero2, the largest micro-batch
 #   -> else zero3/fsdp  -> + activation checkpointing  -> + optimizer offloaded to the CPU
 #   -> else LoRA (train adapters only)  -> QLoRA (the frozen base in 4 bits, sharded by FSDP)
 #   -> + the parameters offloaded to the CPU (the device holds only the units being gathered)
@@ -148,7 +148,7 @@ def advise(model: str | GPTConfig, gpu_mem: int, world: int, seq_len: int, targe
         if held["total"] > budget:
             tried.append(Advice(name, strategy, 1, per_rank, flags, held, False))
             continue
-        if strategy == "ddp":                  # it fits: shard gradients and optimizer, grow b
+        if strategy in ("ddp", "zero2"):       # it fits: shard gradients and optimizer, grow b
             name, strategy = "zero2, the largest micro-batch that fits", "zero2"
         elif strategy == "single":             # one GPU: nothing to shard, grow b
             name = "one GPU, the largest micro-batch that fits"
@@ -165,8 +165,11 @@ def rungs(cfg: GPTConfig, world: int) -> list[tuple]:
     qlora = ["--lora", "--lora-rank", str(LORA_RANK), "--lora-targets", ",".join(QLORA_TARGETS),
              "--quantize-base", "nf4"]
     trained, quantized = lora_params(cfg, targets=QLORA_TARGETS), quantized_params(cfg)
+    # zero2 is a rung of its own: it can fit where ddp's replicated Adam state does not.
+    sharded = [("zero2, micro-batch 1", "zero2", False, False, None, 0, [])] if world > 1 else []
     return [
         ("ddp, micro-batch 1", "ddp" if world > 1 else "single", False, False, None, 0, []),
+        *sharded,
         ("zero3 (fsdp)", "fsdp", False, False, None, 0, []),
         ("fsdp + activation checkpointing", "fsdp", True, False, None, 0, ["--checkpoint-activations"]),
         ("fsdp + checkpointing + optimizer offloaded to the CPU", "fsdp", True, True, None, 0,

@@ -26,13 +26,10 @@ from napkin.step_time import Step, predict
 
 def every_rung(cfg: GPTConfig, gpu_mem: int, world: int, seq_len: int, target_batch: int,
                precision: str = "bf16", headroom: float = HEADROOM) -> list[Advice]:
-    """Every rung at its largest micro-batch that fits, plain ddp and zero2 each a rung of its own
-    (advise stops at the first that fits; the speed ranking and --measure compare them all)."""
+    """Every rung at its largest micro-batch that fits, plain ddp among them (advise stops at the
+    first that fits, and grows ddp into zero2; the speed ranking and --measure compare them all)."""
     per_rank, budget, tried = target_batch // world, (1 - headroom) * gpu_mem, []
-    ladder = rungs(cfg, world)
-    if world > 1:
-        ladder.insert(1, ("zero2", "zero2", *ladder[0][2:]))
-    for name, strategy, checkpointing, offload, trainable, quantized, flags in ladder:
+    for name, strategy, checkpointing, offload, trainable, quantized, flags in rungs(cfg, world):
         def need(b, strategy=strategy):
             return rung_bytes(cfg, strategy, precision, world, seq_len, b, checkpointing, offload,
                               trainable, quantized)

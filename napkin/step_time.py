@@ -202,9 +202,11 @@ def predict(step: Step, machine: Machine) -> dict:
     return {"parts": parts, "seconds": total, "tokens_per_s": global_tokens / total, "mfu": mfu}
 
 
-def beside(measured: float, predicted: float | None) -> str:
-    """A log's measured seconds per step beside the napkin's, if there is one."""
-    return "" if predicted is None else f" ({measured * 1e3:.0f} ms/step, napkin {predicted * 1e3:.0f})"
+def beside(measured: float, predicted: float | str) -> str:
+    """A log's measured seconds per step beside the napkin's, or beside why there is none."""
+    if isinstance(predicted, str):
+        return f" ({measured * 1e3:.0f} ms/step; no napkin: {predicted})"
+    return f" ({measured * 1e3:.0f} ms/step, napkin {predicted * 1e3:.0f})"
 
 
 def describe(step: Step, machine: Machine, result: dict) -> list:

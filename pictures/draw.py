@@ -165,10 +165,15 @@ def picture(args) -> str:
         flags = ["--pp", str(args.stages), "--microbatches", str(args.microbatches), "--schedule",
                  args.schedule, "--batch-size", str(2 * args.microbatches), "--seq-len", "64",
                  *(["--virtual-stages", str(args.virtual_stages)] if args.virtual_stages is not None else [])]
+        print(f"running {args.schedule} on {args.stages} ranks ...", file=sys.stderr, flush=True)
         return draw_schedule(traces.spawn(traces.executed_schedule, args.stages, flags))
-    flags = [*MEMORY_FLAGS, "--bucket-mb", str(args.bucket_mb)]
-    return draw_memory([traces.spawn(traces.memory_over_a_step, 1 if s == "single" else args.ranks, s, flags)
-                        for s in args.strategies.split(",")])
+    flags, strategies = [*MEMORY_FLAGS, "--bucket-mb", str(args.bucket_mb)], args.strategies.split(",")
+    panels = []
+    for i, s in enumerate(strategies, 1):        # a line as each starts: the picture comes at the end
+        ranks = 1 if s == "single" else args.ranks
+        print(f"tracing {s} on {ranks} rank(s), {i} of {len(strategies)} ...", file=sys.stderr, flush=True)
+        panels.append(traces.spawn(traces.memory_over_a_step, ranks, s, flags))
+    return draw_memory(panels)
 
 
 def check(args, parser):

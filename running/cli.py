@@ -284,12 +284,13 @@ def parse_args(argv=None):
 
 
 def run_shape(args, data_size: int) -> tuple[str, str]:
-    """How the log names the run's mesh (" = tp 2 x pp 2 x dp 2, ..."; "" without one) and its
-    micro-batches."""
+    """How the log names the run's mesh (" = tp 2 x pp 2 x dp 2, ..."; " = dp 2, experts over ep
+    2" under --ep; "" without either) and its micro-batches."""
     splits = mesh_splits(args)
+    experts = f", experts over ep {args.ep}" if args.ep > 1 else ""
     if not splits:
-        return "", f"{args.grad_accum} micro-batch(es) per rank"
-    mesh = " = " + " x ".join(f"{d} {n}" for d, n in splits.items()) + f" x dp {data_size}"
+        return f" = dp {data_size}{experts}" if experts else "", f"{args.grad_accum} micro-batch(es) per rank"
+    mesh = " = " + " x ".join(f"{d} {n}" for d, n in splits.items()) + f" x dp {data_size}" + experts
     if "cp" in splits:
         mesh += f", {args.cp_attention} attention, {args.cp_balance} balance"
     if "pp" not in splits:
@@ -299,7 +300,7 @@ def run_shape(args, data_size: int) -> tuple[str, str]:
             f"{args.microbatches} micro-batch(es) per pipeline")
 
 
-# --collectives auto: each backend runs what was measured faster on it (bench_collectives.py and
+# --collectives auto: each backend runs what was measured faster on it (bench/ring.py and
 # docs/measured.md, 2 gloo ranks, the medium model's 44 MB): gloo's reduce_scatter_tensor took
 # 83-87 ms against our ring's 25, its all_gather_into_tensor 90-95 against 34-42 (both copy
 # through flat buffers), while its all-reduce took 32 against the ring's 44. NCCL's own, always.
@@ -327,16 +328,20 @@ def collectives_used(collectives: str, backend: str, world_size: int) -> str:
     return used + (f" (bytes sent: {counted})" if world_size > 1 else "")
 
 
-def describe_run(args, world_size: int, data_size: int, device: str, n_params: int) -> list[str]:
+def describe_run(args, world_size: int, data_size: int, device: str, n_params: int,
+                 n_model: int) -> list[str]:
     """The log's first lines: the run as the command line chose it (and the advisor, with
-    --strategy auto), and a note where an option does less than a newcomer may expect."""
+    --strategy auto), and a note where an option does less than a newcomer may expect.
+    n_params: this rank's parameters; n_model: the whole model's, said beside them where a rank
+    holds a part (its slices, its stage, its experts)."""
     shape, micro_batches = run_shape(args, data_size)
     lines = []
     if getattr(args, "advice", None):
         lines.append(f"--strategy auto (advisor.py's flow chart, --mem-budget "
                      f"{args.mem_budget or 'free GPU memory'}): {args.advice}")
     lines.append(f"{args.strategy} on {world_size}{shape} x {device} | model {args.model} "
-                 f"{n_params / 1e6:.2f}M params{' per rank' if shape else ''} | {args.precision} | "
+                 f"{n_model / 1e6:.2f}M params{f', {n_params / 1e6:.2f}M on this rank' if shape else ''} | "
+                 f"{args.precision} | "
                  f"global batch {args.batch_size} x {args.seq_len} tokens, {micro_batches} | "
                  f"{collectives_used(args.collectives, dist.get_backend(), world_size)} | {args.steps} steps")
     if world_size == 1 and args.strategy != "single":

@@ -13,8 +13,9 @@ import torch.distributed as dist
 import lora
 from running import snapshot
 from napkin import step_time
-from running.cli import describe_run
-from napkin.memory_math import held_bytes, live_numel, live_tensor_bytes, why_sent_departs
+from running.cli import describe_run, run_shape
+from napkin.memory_math import (held_bytes, live_numel, live_tensor_bytes, model_params,
+                               why_sent_departs)
 from composition.mesh_checks import mesh_splits, moe_config
 from composition.parallelize import build_gpt, dimension_report, lora_config
 from foundations.process_groups import global_mean
@@ -26,7 +27,8 @@ def say_header(args, gpt, napkin, log, data_size, threads, device):
     """The log's first lines: the run (cli.describe_run), LoRA's share, memory.py's prediction."""
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
     where = f"{device.type} ({dist.get_backend()})" + (f" | {threads}" if threads else "")
-    for line in describe_run(args, dist.get_world_size(), data_size, where, n_params):
+    n_model = n_params if not run_shape(args, data_size)[0] else model_params(gpt.cfg)
+    for line in describe_run(args, dist.get_world_size(), data_size, where, n_params, n_model):
         log.say(line)
     if args.lora:
         trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)

@@ -240,12 +240,10 @@ def predicted_activations(args, cfg, data_size: int) -> int | None:
             + logits_bytes(args.seq_len, rows, cfg.vocab_size))
 
 
-def predicted_seconds(args, gpt, world_size: int, device) -> float | None:
+def predicted_seconds(args, gpt, world_size: int, device) -> float | str:
     """train.py's run priced by step_time.py on this machine (machines.this, measured by every
-    rank at its first call: call it on every rank): seconds per step, or None for what the napkin
-    does not compose (a mesh of two splits, expert parallelism beside a split or outside ddp,
-    context parallelism over less than the world, unbalanced or checkpointed, gradient
-    accumulation, HSDP)."""
+    rank at its first call: call it on every rank): seconds per step, or, for what the napkin
+    does not compose, why not, which the log says in its place."""
     splits, cfg = mesh_splits(args), gpt.cfg
     pipelined = splits.get("pp") == world_size and len(splits) == 1
     cp = world_size if splits == {"cp": world_size} and args.strategy in ("cp", "ddp") else 1
@@ -253,9 +251,16 @@ def predicted_seconds(args, gpt, world_size: int, device) -> float | None:
                 f"pipeline-{args.schedule or '1f1b'}" if pipelined else "ddp" if cp > 1 else
                 {"zero3": "fsdp"}.get(args.strategy, args.strategy) if not splits else None)
     known = strategy in (*DATA_PARALLEL, "tp") or str(strategy).startswith("pipeline-")
-    if (not known or args.grad_accum > 1 or args.shard_group or args.ep > 1 and (strategy != "ddp" or cp > 1)
-            or cp > 1 and (args.cp_balance != "zigzag" or args.checkpoint_activations)):
-        return None
+    why = ("step_time.py prices one split over the whole world, not "
+           + " x ".join(f"{d} {n}" for d, n in splits.items()) + f" of {world_size} ranks" if not known
+           else f"step_time.py prices one micro-batch a step, not --grad-accum {args.grad_accum}"
+           if args.grad_accum > 1 else "step_time.py has no hybrid sharding (--shard-group)"
+           if args.shard_group else "step_time.py prices --ep under ddp alone, without --cp"
+           if args.ep > 1 and (strategy != "ddp" or cp > 1) else
+           "step_time.py prices --cp with zigzag balance, without checkpointing"
+           if cp > 1 and (args.cp_balance != "zigzag" or args.checkpoint_activations) else None)
+    if why:
+        return why
     M = args.microbatches or 1 if pipelined else 1
     # a cp rank's B rows of T/cp tokens: the matmuls and attention products of B/N rows of T
     rows = args.batch_size // (M if pipelined else 1 if strategy == "tp" else world_size)

@@ -13,8 +13,11 @@ from multiprocess import run_ranks, torchrun_worker
 @pytest.mark.parametrize("gpu_mem, world, rung, strategy, flags", [
     # gpt2-small, seq 1024: at 24 GB states and a big micro-batch fit replicated -> zero2
     ("24GB", 4, "zero2", "zero2", []),
-    # replicated states (1.5 GB of Adam alone) plus one sequence do not fit 2.7 GB: shard all
-    ("3GB", 4, "zero3", "fsdp", []),
+    # replicated states (1.5 GB of Adam alone) plus one sequence do not fit 2.7 GB, zero2's
+    # sharded gradients and Adam do (1.97 GB)
+    ("3GB", 4, "zero2", "zero2", []),
+    # nor zero2's in 1.89 GB: shard the parameters too (1.78 GB)
+    ("2.1GB", 4, "zero3", "fsdp", []),
     ("1.2GB", 4, "activation checkpointing", "fsdp", ["--checkpoint-activations"]),
     ("0.5GB", 4, "offloaded", "fsdp", ["--checkpoint-activations", "--offload", "optimizer"]),
     # one GPU: full fine-tuning fits nowhere, not even offloaded -> LoRA, then QLoRA
@@ -29,6 +32,23 @@ def test_advice_follows_the_flow_chart(gpu_mem, world, rung, strategy, flags):
     assert not any(a.fits for a in rungs[:-1])                  # every earlier rung was too big
     assert chosen.held["total"] <= 0.9 * parse_bytes(gpu_mem)   # 10% headroom
     assert chosen.micro_batch * chosen.grad_accum * world == 8 * world     # the target batch
+
+
+def test_advice_takes_zero2_where_its_bytes_fit_and_ddps_do_not():
+    """7b on 8 x 80 GB, seq 2048, one sequence per micro-batch: ddp's replicated Adam state does
+    not fit, ZeRO-2's sharded gradients and state do, so the advice is zero2 (not zero3). The
+    bytes are the lecture's per rank, in bf16 with fp32 masters: 2P parameters (the padded flat
+    buffer, N c), 2c gradients and 12c optimizer for a shard of c = ceil(P/N), activations
+    L sbh(34 + 5as/h) and the loss's 4sbV."""
+    cfg, N, s, b = PRESETS["7b"], 8, 2048, 1
+    P, L, h, a, V = model_params(cfg), cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size
+    c = -(-P // N)
+    kept = L * s * b * h * (34 + 5 * a * s // h) + 4 * s * b * V
+    ddp, zero2 = (2 + 2 + 12) * P + kept, 2 * N * c + (2 + 12) * c + kept
+    assert ddp > 0.9 * 80e9 > zero2                            # 138.4 GB against 56.1 GB
+    rungs = advise("7b", parse_bytes("80GB"), N, s, 64)
+    assert [a.strategy for a in rungs] == ["ddp", "zero2"] and rungs[-1].fits, rungs
+    assert rungs[-1].micro_batch == b and rungs[-1].held["total"] == zero2
 
 
 def test_advise_prints_a_command_train_py_accepts(capsys, monkeypatch):

@@ -233,13 +233,13 @@ def polyline_steps(svg: str) -> list[list[str]]:
 def loss_picture_has_the_committed_steps(copy: pathlib.Path):
     """The README's loss picture, made by its commands, logs the committed picture's steps (the
     losses themselves depend on the Python installation's text and the CPU)."""
-    made = polyline_steps((copy / "docs" / "loss_fsdp_vs_single.svg").read_text())
+    made = polyline_steps((copy / "loss_fsdp_vs_single.svg").read_text())
     committed = polyline_steps((ROOT / "docs" / "loss_fsdp_vs_single.svg").read_text())
     assert made == committed and len(made) == 2, f"the lines' steps (x) {made}, committed {committed}"
 
 
 # After a command, what it made is checked too.
-AFTER = {"python -m pictures loss runs/single runs/fsdp -o docs/loss_fsdp_vs_single.svg   # any runs' --out":
+AFTER = {"python -m pictures loss runs/single runs/fsdp -o loss_fsdp_vs_single.svg   # any runs' --out":
          loss_picture_has_the_committed_steps}
 
 
@@ -260,6 +260,28 @@ def test_every_command_a_page_shows_runs_as_written_in_a_fresh_copy(page, tmp_pa
         assert status == 0, f"{page}: `{shortened(command)}` exited {status}:\n{output[-6000:]}"
         if command in AFTER:
             AFTER[command](copy)
+
+
+def test_the_readme_commands_write_no_tracked_file():
+    """Issue 55: the README's picture commands wrote over docs/'s committed pictures, and `git
+    status` then showed them modified. What a command writes (-o, --out, --export, --json, >) is
+    no file git tracks, nor a directory holding one."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+    tracked = set(filter(None, tracked.stdout.decode().split("\0")))
+    for command in SHOWN["README.md"]:
+        for target in re.findall(r" (?:>|-o|--out|--export|--json) (\S+)", uncommented(command)):
+            target = os.path.normpath(target)
+            assert not any(t == target or t.startswith(target + "/") for t in tracked), command
+
+
+def test_the_readmes_fine_tunes_learn_the_new_text_and_keep_their_adapter():
+    """Issue 55: the QLoRA recipe had no --data (it fine-tuned on the base's own text) and the
+    LoRA one no --out (the adapter went with the process). Each README command that fine-tunes
+    a base trains on the text made for it and keeps its checkpoints in a run directory."""
+    tunes = [c for c in SHOWN["README.md"] if "--init-from base.pt" in c and "--lora" in c]
+    assert len(tunes) == 2, tunes
+    for command in tunes:
+        assert "--data argparse_help.txt" in command and re.search(r"--out runs/\w+", command), command
 
 
 def test_the_readme_activates_its_environment_after_the_first_screen_and_each_page_says_so():
@@ -284,9 +306,9 @@ def test_commands_not_run_here_are_shown_and_nothing_else_is_left_out():
 # spelled out, its defaults), and each example: the commands above run them, the pages show them.
 DEFAULT_RUNS = ["python train.py", "torchrun --nproc_per_node 2 -m bench --quick",
                 "python -m napkin.memory --model gpt2-small --world 8", "python -m napkin.step_time",
-                "python -m pictures memory -o docs/memory_over_a_step.svg",
+                "python -m pictures memory -o memory_over_a_step.svg",
                 "python -m pictures schedule --schedule 1f1b --stages 2 --microbatches 4 -o "
-                "docs/pipeline_executed.svg", "python -m extensions.schedules", "python -m napkin.machines",
+                "pipeline_executed.svg", "python -m extensions.schedules", "python -m napkin.machines",
                 *[f"torchrun --nproc_per_node 2 examples/{example.name}"
                   for example in sorted((ROOT / "examples").glob("*.py"))]]
 

@@ -596,3 +596,16 @@ def test_bad_expert_parallel_options_are_one_clear_error_on_every_rank(bad_exper
     under, a routing group that splits a micro-batch, a model with no experts."""
     for rank, errors in enumerate(bad_expert_parallel_inputs):
         assert says in errors[case], (rank, errors[case])
+
+
+def test_the_header_shows_the_expert_mesh_and_which_parameter_count_is_which():
+    """Issue 55: `--model tiny-moe --ep 2` on 2 ranks said `ddp ... 2.46M params`: no ep, and a
+    rank's count given as the model's. The header names the split and both counts: the model's
+    (memory.py's closed form) and this rank's (its 4 of the 8 experts of each block, ep_params)."""
+    from napkin.memory_math import ep_params, model_params
+    out = run_ranks(train_logged, 2, ["--model", "tiny-moe", "--ep", "2", "--steps", "1",
+                                      "--eval-batches", "1", "--batch-size", "8", "--seq-len", "32"])[0][1]
+    header = out.splitlines()[0]
+    assert header.startswith("ddp on 2 = dp 2, experts over ep 2 x "), header
+    assert (f"| model tiny-moe {model_params('tiny-moe') / 1e6:.2f}M params, "
+            f"{ep_params('tiny-moe', 2)[0] / 1e6:.2f}M on this rank |") in header, header

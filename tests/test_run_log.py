@@ -21,6 +21,20 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 # ---- the log: each number says what it is, a line that does not change is said once ----------
 
+@pytest.mark.parametrize("world, flags, why", [
+    (1, ["--grad-accum", "2"], "step_time.py prices one micro-batch a step, not --grad-accum 2"),
+    (2, ["--strategy", "fsdp", "--shard-group", "1"], "step_time.py has no hybrid sharding (--shard-group)"),
+])
+def test_a_run_the_napkin_does_not_price_says_why_in_place_of_its_time(world, flags, why):
+    """Issue 55: under --grad-accum (as --strategy auto chooses) and --shard-group the napkin's
+    time left the step line without a word; it says why there, and a run it prices keeps it."""
+    out = run_ranks(train_logged, world, [*QUICK, "--steps", "1", *flags])[0][1]
+    step = next(line for line in out.splitlines() if re.match(r"step +0 \| loss", line))
+    assert re.search(r"k tok/s \(\d+ ms/step; no napkin: " + re.escape(why) + r"\) \|", step), step
+    out = run_ranks(train_logged, 1, [*QUICK, "--steps", "1"])[0][1]
+    assert re.search(r"k tok/s \(\d+ ms/step, napkin \d+\) \|", out), out
+
+
 def test_memory_is_said_once_measured_beside_predicted_with_activations():
     history, out = run_ranks(train_logged, 1, [*QUICK, "--strategy", "single"])[0]
     steps = re.findall(r"^step +\d+ \| loss", out, re.M)

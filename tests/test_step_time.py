@@ -5,6 +5,7 @@ under test computes it); times are of a made-up link, so no test depends on this
 """
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -425,3 +426,23 @@ def test_attention_hides_part_of_the_ring_backward_twice_forward():
     parts = predict(Step(SMALL, "ddp", 2, batch=8, seq_len=32, cp=2), machine)["parts"]
     assert parts["kv_exchange"] == pytest.approx(exposed, rel=1e-9)
     assert 0 < parts["kv_exchange"] < passes["forward"] + passes["backward"]       # partly hidden
+
+
+def test_the_readmes_llama_8b_numbers_are_what_its_commands_print(capsys):
+    """Issue 55: the README quoted the --tflops 690 run's 1.62 s as `--llama-8b`'s step (1506.4
+    ms). Each figure it quotes is the one its command prints, and the ratio to torchtitan's 2.84 s
+    is computed from them."""
+    import pathlib
+    from napkin.step_time import main
+    readme = " ".join((pathlib.Path(__file__).parent.parent / "README.md").read_text().split())
+    printed = {}
+    for flags in ([], ["--tflops", "690"]):
+        main(["--llama-8b", *flags])
+        ms, tokens, mfu = re.search(r"step ([\d.]+) ms, ([\d,]+) tokens/s per rank, MFU ([\d.]+)%",
+                                    capsys.readouterr().out).groups()
+        printed[bool(flags)] = float(ms) / 1e3, tokens, round(float(mfu))
+    (default, tokens, mfu), (at_690, tokens_690, mfu_690) = printed[False], printed[True]
+    assert f"`python -m napkin.step_time --llama-8b` predicts {tokens} ({mfu}% MFU)" in readme
+    assert f"and {tokens_690} ({mfu_690}%) at `--tflops 690`" in readme
+    assert (f"2.84 s a step, {2.84 / default:.2f}x the napkin's {default:.2f} s ({2.84 / at_690:.2f}x "
+            f"its {at_690:.2f} s at `--tflops 690`)") in readme

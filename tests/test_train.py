@@ -371,6 +371,23 @@ def test_bad_value_stops_with_one_line_naming_the_flag(argv, says, tmp_path, cap
     assert code == 2 and says in _one_error_line(stderr), stderr
 
 
+@pytest.mark.parametrize("strategy, flag, does", [
+    ("tp", "--tp", "splits every matrix over --tp N ranks"),
+    ("pipeline", "--pp", "cuts the blocks into stages over --pp N ranks"),
+    ("cp", "--cp", "splits each sequence over --cp N ranks"),
+])
+def test_a_split_strategy_without_its_size_is_refused_not_run_as_ddp(strategy, flag, does, monkeypatch,
+                                                                     capsys):
+    """Issue 55: torchrun 2 ranks with --strategy pipeline and no --pp ran as pp 1 x dp 2, plain
+    data parallelism, without a word; given the size, it runs."""
+    import train
+    torchrun_worker(monkeypatch, 2)
+    code, stderr = _usage_error(["--strategy", strategy], capsys)
+    assert code == 2 and f"--strategy {strategy} {does}: add {flag} N, N dividing the world size 2 " \
+        f"(e.g. {flag} 2); at {flag} 1 it is --strategy ddp" in _one_error_line(stderr), stderr
+    assert train.parse_args(["--strategy", strategy, flag, "2"]).strategy == strategy
+
+
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
 
 
