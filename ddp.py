@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from collectives import as_comm, ring_bytes
+from foundations.alone import start_alone
 from foundations.flat import FlatParams, or_used_flags, split_into_buckets
 from foundations.process_groups import check_same_parameters
 
@@ -335,7 +336,6 @@ def _data_parallel(x, y, show) -> nn.Module:
 
 def main():
     """Train the tiny model both ways on the same batches; every rank checks its parameters."""
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     show = print if dist.get_rank() == 0 else lambda line: None
     g = torch.Generator().manual_seed(0)
@@ -358,6 +358,5 @@ def main():
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:
-        sys.exit("ddp.py runs on several processes: torchrun --nproc_per_node 2 ddp.py")
+    start_alone(torchrun=True)
     main()
