@@ -1,8 +1,8 @@
 """A concept file run alone refuses what its demonstration cannot do in one line on stderr that
 names the fix, said once under torchrun, with no traceback: started without torchrun where it
 needs ranks, given any argument (none takes one), or on a world size its example cannot split
-over. The commands run concurrently, each as a reader would type it (torchrun: --standalone, a
-free port)."""
+over; at a world size it accepts, its check against one process holds (ddp.py on 3 ranks). The
+commands run concurrently, each as a reader would type it (torchrun: --standalone, a free port)."""
 import os
 import re
 import signal
@@ -60,8 +60,8 @@ def run_alone(concept: str, ranks: int | None, args: tuple) -> tuple[int, str, s
 
 @pytest.fixture(scope="module")
 def ran():
-    """Every case's run, 4 at a time: {case: run_alone's answer}."""
-    cases = list(CASES)
+    """Every case's run, and ddp.py's on 3 ranks, 4 at a time: {case: run_alone's answer}."""
+    cases = [*CASES, ("ddp", 3, ())]
     with ThreadPoolExecutor(max_workers=4) as pool:
         return dict(zip(cases, pool.map(lambda case: run_alone(*case), cases)))
 
@@ -71,3 +71,9 @@ def test_a_concept_file_refuses_in_one_line_once(ran, case):
     status, _, stderr = ran[case]
     assert status != 0 and stderr.splitlines() == [CASES[case]], (status, stderr)
 
+
+def test_ddp_on_three_ranks_equals_one_process(ran):
+    """8 rows a rank: each rank's mean over equal rows, averaged, is one process's mean (8 rows
+    over all ranks cut 3/3/2, and the average of those means is not)."""
+    status, stdout, stderr = ran["ddp", 3, ()]
+    assert status == 0 and "max |difference| from one process" in stdout, stdout + stderr
