@@ -18,6 +18,7 @@ import copy
 import torch
 import torch.nn as nn
 
+from foundations.alone import start_alone
 from foundations.meters import saved_activation_bytes
 from model import build_model
 
@@ -108,10 +109,10 @@ def checkpoint_blocks(model: nn.Module, every: int = 1) -> int:
 
 
 if __name__ == "__main__":
+    start_alone()
     # The tiny GPT trained one step plain (one process) and with every block checkpointed, the
     # same dropout masks drawn in both: recomputation runs the same operations on the same inputs
     # with the same random numbers, so every gradient is the plain one bit for bit (bound 0).
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     plain = build_model("tiny", dropout=0.1)
     checkpointed = copy.deepcopy(plain)

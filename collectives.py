@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from foundations.alone import start_alone
 from foundations.launch import Handle, Messages, Workspaces
 
 # ---- 1. The lecture's ring: N-1 steps, one message per step and rank -------------------------
@@ -355,7 +356,6 @@ class _Step(NamedTuple):
 def _demonstrate():
     """The plain ring's steps as they happen, then its all-reduce checked against one process
     (every rank's tensor remade here from its seed, summed) and torch.distributed's all_reduce."""
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     n, r = dist.get_world_size(), dist.get_rank()
     every = [torch.randn(n * 3, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
@@ -376,4 +376,5 @@ def _demonstrate():
 
 
 if __name__ == "__main__":
+    start_alone(torchrun=True)
     _demonstrate()

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from collectives import Comm, ring_bytes
+from foundations.alone import start_alone
 from tensor_parallel import gather_sequence, run_against_one_process
 
 # ---- the split: which tokens a rank holds -------------------------------------------------------
@@ -339,6 +340,7 @@ def _attention_against_one_process(comm: Comm, attention: str) -> dict:
 
 
 if __name__ == "__main__":      # both attentions, the ring and the naive all-gather; each rank checks its own
+    start_alone(torchrun=True, worlds=(1, 2, 4, 8, 16))      # zigzag: 2N chunks of 32 tokens
     run_against_one_process(_attention_against_one_process,
                             {f"{name} attention, rank 0's tokens": name for name in ATTENTIONS},
                             "fp64 sums in another order, the ring's online softmax")

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from collectives import as_comm, ring_bytes
+from foundations.alone import start_alone
 from foundations.flat import FlatParams, or_used_flags, split_into_buckets
 from foundations.process_groups import check_same_parameters
 
@@ -292,7 +293,7 @@ class DDP(nn.Module):
 
 # ---- run alone: torchrun --nproc_per_node 2 ddp.py ---------------------------------------------
 
-STEPS, ACCUM, ROWS, LR = 6, 2, 8, 0.1     # the last 3 steps: 2 micro-batches each per rank
+STEPS, ACCUM, ROWS, LR = 6, 2, 8, 0.1     # 8 rows a rank; the last 3 steps: 2 micro-batches of 4
 BOUND = 1e-12                             # fp64: the same sums in another order, ~1e-16 each
 
 
@@ -335,12 +336,12 @@ def _data_parallel(x, y, show) -> nn.Module:
 
 def main():
     """Train the tiny model both ways on the same batches; every rank checks its parameters."""
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     show = print if dist.get_rank() == 0 else lambda line: None
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(STEPS, ROWS, 8, generator=g, dtype=torch.float64)      # (STEPS, ROWS, 8)
-    y = x.sum(-1, keepdim=True).sin()                                        # (STEPS, ROWS, 1)
+    rows = ROWS * dist.get_world_size()     # equal rows a rank: their means average to the whole's
+    x = torch.randn(STEPS, rows, 8, generator=g, dtype=torch.float64)      # (STEPS, N*ROWS, 8)
+    y = x.sum(-1, keepdim=True).sin()                                        # (STEPS, N*ROWS, 1)
     ddp = _data_parallel(x, y, show)
     one = _tiny_model(seed=0)      # one process: rank 0's initial weights, the whole batch a step
     sgd = torch.optim.SGD(one.parameters(), lr=LR)
@@ -358,6 +359,5 @@ def main():
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:
-        sys.exit("ddp.py runs on several processes: torchrun --nproc_per_node 2 ddp.py")
+    start_alone(torchrun=True)
     main()

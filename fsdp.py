@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from foundations.alone import start_alone
 from foundations.flat import FlatParams, InOrder
 from mechanics.fsdp_state import FSDPState
 
@@ -338,11 +339,8 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
     """Three blocks as units, and a root, trained on 2 ranks by a plain AdamW on the shards; beside
     it one process's AdamW on the whole batch, its loss the mean of the two halves' means: the
     ranks' fp32 sums in the same order (one forward of all rows would reorder them), so equal."""
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
-    if n != 2:
-        raise SystemExit("fsdp.py's demonstration runs on 2 ranks: torchrun --nproc_per_node 2 fsdp.py")
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)]
     model = nn.Sequential(*blocks, nn.Linear(16, 4))
@@ -375,4 +373,5 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
 
 
 if __name__ == "__main__":
+    start_alone(torchrun=True, worlds=(2,))      # 2 halves' sums add in one order: bit for bit
     _demonstrate()

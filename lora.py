@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from foundations.alone import start_alone
 from quantization import FrozenNF4Linear, NF4Linear, NF4Weight
 
 
@@ -309,4 +310,5 @@ def _demonstrate(steps: int = 10) -> float:
 
 
 if __name__ == "__main__":
+    start_alone()
     raise SystemExit(0 if _demonstrate() <= 1e-12 else 1)

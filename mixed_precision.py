@@ -17,6 +17,7 @@ import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from collectives import as_comm
+from foundations.alone import start_alone
 from foundations.dtypes import DTYPES, demonstrate
 
 
@@ -364,8 +365,8 @@ def check_against_fp32(precision: str = "bf16", steps: int = 5, lr: float = 1e-2
 
 
 if __name__ == "__main__":
+    start_alone()
     demonstrate()          # dtypes.py: what fp16 loses, and what a loss scale gets back
-    torch.set_num_threads(1)
     steps, lr, failed = 5, 1e-2, False
     # 16-bit rounding perturbs AdamW's normalized steps, not their size (about lr each): the runs
     # part by a few hundredths of lr x steps (measured: bf16 0.016, fp16 0.002), while a master

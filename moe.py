@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from collectives import Comm
 from model import MLP
+from foundations.alone import start_alone
 from foundations.placements import place
 
 
@@ -370,7 +371,7 @@ def _demonstrate(ep: Comm, capacity_factor: float | None) -> float:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
+    start_alone(torchrun=True, worlds=(1, 2, 4))                # E = 4 experts split over N
     dist.init_process_group("gloo")
     ep = Comm()                                                       # every rank: the ep group
     worst = max(_demonstrate(ep, capacity) for capacity in (1.0, None))

@@ -19,7 +19,6 @@ V = P*v virtual stages; GPipe and 1F1B here have v = 1 (chunk 0, V = P).
 import contextlib
 import itertools
 import os
-import sys
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -29,6 +28,7 @@ import torch.nn as nn
 
 from collectives import Comm
 from model import build_model
+from foundations.alone import start_alone
 from mechanics.pipeline_mechanics import PipelineMechanics, check_sizes, place_stage, split_layers
 
 
@@ -369,9 +369,7 @@ def demo(M: int = 4, bounds=(1e-6, 1e-12)) -> bool:
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:
-        sys.exit("pipeline.py runs on several processes: torchrun --nproc_per_node 2 pipeline.py")
-    torch.set_num_threads(1)
+    start_alone(torchrun=True, worlds=(1, 2, 3, 4))            # a stage: 1 or more of 4 blocks
     dist.init_process_group("gloo")
     passed = demo()
     dist.destroy_process_group()                      # (every print above flushed)

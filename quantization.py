@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from foundations.alone import start_alone
+
 BLOCK = 64              # weights per scale
 SCALE_BLOCK = 256       # scales per second-level scale (double quantization)
 
@@ -176,4 +178,5 @@ def _demonstrate() -> bool:
 
 
 if __name__ == "__main__":
+    start_alone()
     raise SystemExit(0 if _demonstrate() else 1)

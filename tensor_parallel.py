@@ -16,7 +16,6 @@ Shapes: B batch, T sequence, C channels, H heads, V vocabulary, N tensor-paralle
 in the tensor group. "/N" marks this rank's part of a split dimension.
 """
 import os
-import sys
 from functools import partial
 
 import torch
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 from collectives import Comm, as_comm
 from model import MLP
+from foundations.alone import start_alone
 from foundations.placements import place
 
 # ---- Megatron's f and g: a collective forward, its conjugate backward ------------------------
@@ -355,10 +355,6 @@ def _split_mlp_against_one_process(comm: Comm, sequence_parallel: bool) -> dict:
 def run_against_one_process(check, cases: dict, why: str):
     """Run alone (this file, context_parallel.py): each case's check(comm, case) -> {what: max
     |difference| from one process}, rank 0's printed; exit 1 past 1e-12 on any rank (fp64; why)."""
-    program = os.path.basename(sys.argv[0])
-    if "RANK" not in os.environ:
-        sys.exit(f"{program} runs on several processes: torchrun --nproc_per_node 2 {program}")
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     comm, bound, worst = Comm(), 1e-12, 0.0                 # Comm(): the world's collectives
     for label, case in cases.items():
@@ -376,5 +372,6 @@ def run_against_one_process(check, cases: dict, why: str):
 
 
 if __name__ == "__main__":      # both forms, f and g then sequence parallelism's; each rank checks its pieces
+    start_alone(torchrun=True, worlds=(1, 2, 4, 8))        # N divides 8 tokens and 64 channels
     run_against_one_process(_split_mlp_against_one_process, {"f and g, rank 0's pieces": False,
                             "sequence parallel, rank 0's pieces": True}, "fp64 sums reordered")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import as_comm, ring_bytes
+from foundations.alone import start_alone
 from foundations.flat import ShardedBuckets
 from foundations.sharded_step import ShardedStep
 
@@ -341,8 +342,8 @@ class Zero2Optimizer(ZeroOptimizer):
 
 
 if __name__ == "__main__":
+    start_alone(torchrun=True)
     # A tiny model, 5 steps on each rank's rows (fp32: no scale_loss), beside one process's AdamW.
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world, failed = as_comm(None), False
     for stage, cls in ((1, ZeroOptimizer), (2, Zero2Optimizer)):

@@ -1,1 +1,1 @@
-"""The foundations the concept files build on: the flat buffer, the process groups and the mesh, the ring's launcher, how each parameter lies on the mesh, the number formats, the meters of memory and time."""
+"""The foundations the concept files build on: the flat buffer, the process groups and the mesh, the ring's launcher, how each parameter lies on the mesh, the number formats, the meters of memory and time, how a concept file's demonstration starts alone."""

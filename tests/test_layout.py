@@ -39,13 +39,15 @@ NOT_YET = {}
 
 
 def _imports(module: str) -> set:
-    """The project modules `module` imports."""
+    """The project modules `module` imports (foundations.alone aside, as no_numpy was: every
+    concept file imports it for how its demonstration starts, and no reader opens it to follow
+    the idea)."""
     modules = _project_files()
     path, found = modules[module], set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found |= _imported(node, module, path, modules)
-    return found - {"foundations"}
+    return found - {"foundations.alone", "foundations"}
 
 
 def _path(module: str) -> pathlib.Path:
