@@ -118,10 +118,10 @@ def main(argv=None, live_bytes: bool = False, logs: list | None = None) -> dict:
     # ranks, one thread each) keeps its own count unless --threads says otherwise.
     threads = cpu_threads(args.threads, device, bool(args.offload)) if argv is None or args.threads else ""
     export_size = report.export_bytes(args) if args.export else 0
-    with own_outputs(args, dist.get_rank(), device, export_size) as (took_over, file):
-        log = RunLog(args, dist.get_rank(), file)
-        if logs is not None:
-            logs.append(log)
+    log = RunLog(args, dist.get_rank())          # from here on a stop signal's line names --out's
+    if logs is not None:
+        logs.append(log)
+    with own_outputs(args, dist.get_rank(), device, export_size) as (took_over, log.file):
         for line in [took_over] if took_over else []:
             log.say(line)
         return run(args, device, log, threads, live_bytes)
