@@ -6,7 +6,8 @@ and as the run measures it, in the same words (printed again only when it change
 logged step's loss, speed (beside step_time.py's: predicted_seconds), bytes sent beside their
 formula and time left; --profile's traces and --memory-snapshot (start_profiling). The end, on the
 command line: a refused command line, a refusal or divergence found while running, a lost
-peer, and Ctrl-C each print one line (under torchrun once: cli.say_error) and exit with a code.
+peer, Ctrl-C and SIGTERM (stopping.py) each print one line (under torchrun once: cli.say_error;
+SIGTERM's, every rank that got it) and exit with a code.
 Test: python -m pytest tests/test_train.py -k "log or interrupt or usage"
 """
 import contextlib
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from running import snapshot
 from running.cli import record_for_torchrun, say_error
+from running.stopping import StopSignals
 from collectives import Comm
 from foundations.dtypes import DTYPES
 from napkin.flops import Shape
@@ -117,9 +119,10 @@ class Clock:
 
 class RunLog:
     """Rank 0's lines, on stdout and (with --out) in OUT/log.txt (file: opened by
-    snapshot.own_outputs); and the step under way, for the line Ctrl-C prints."""
+    snapshot.own_outputs); and the step under way, for the line a stop signal prints. Made before
+    the process group (rank: set once it exists; None says nothing)."""
 
-    def __init__(self, args, rank: int, file=None):
+    def __init__(self, args, rank: int | None = None, file=None):
         self.rank, self.out, self.file = rank, args.out, file
         self.step, self.last = None, {}
 
@@ -152,28 +155,6 @@ class RunLog:
             self.say(f"step {step:5d} | {text}")
 
 
-class StopSignals:
-    """SIGINT (Ctrl-C; torchrun forwards it to every worker) and SIGTERM (torchrun's to every
-    worker once one failed, or once torchrun itself was stopped; a batch system's), as the
-    command line handles them: the first raises KeyboardInterrupt where the run is, unless the
-    run is already stopping (then it is only noted); a second while stopping ends the process at
-    once. received: the first one's number (0: none)."""
-
-    def __init__(self):
-        self.received, self.stopping = 0, False
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            # A job started in the background (`cmd &` in a script, nohup) ignores SIGINT: it stays so.
-            if signal.getsignal(signum) is not signal.SIG_IGN:
-                signal.signal(signum, self)
-
-    def __call__(self, signum, frame):
-        if self.received and self.stopping:
-            os._exit(128 + signum)                # a shell's exit status for a signal's
-        self.received = self.received or signum
-        if not self.stopping:
-            raise KeyboardInterrupt
-
-
 def last_checkpoint(log: RunLog | None) -> str | None:
     """The newest complete checkpoint in --out (this run's or the one it resumed from), read
     from the disk now: where --resume would continue from."""
@@ -203,19 +184,22 @@ def interrupted_line(log: RunLog | None, signum: int = signal.SIGINT) -> str:
     return f"train.py: {who}stopped by SIGTERM {step}{why}; {resume_hint(log)}"
 
 
-def finish(main) -> int:
-    """Run main(logs=[]) as the command line does: its exit code, any way it stops said in one
-    line: 0 done, 2 refused (the command line, a check while running, a divergence), 1 a peer
-    lost, 130 Ctrl-C, 143 SIGTERM. A bug keeps its traceback."""
-    signals, logs = StopSignals(), []
+def finish(main, signals: StopSignals) -> int:
+    """Run main(logs=[]) as the command line does, stopped by signals (installed before train.py's
+    imports): its exit code, any way it stops said in one line: 0 done, 2 refused (the command
+    line, a check while running, a divergence), 1 a peer lost, 130 Ctrl-C, 143 SIGTERM. A bug
+    keeps its traceback."""
+    logs = []
+    signals.stuck = lambda: stopped(KeyboardInterrupt(), signals, logs[-1] if logs else None)
     try:
+        signals.run()
         main(logs=logs)
-        signals.stopping = True           # done: a signal from here on is only noted
+        signals.stopping = signals.taken = True     # done: a signal from here on is only noted
         return 0
     except BaseException as e:           # Ctrl-C, SIGTERM, and SystemExit: argparse's exit 2
         # First, before any call (where Python runs a pending signal's handler): a signal
         # arriving from here on, or caught inside a collective until now, is only noted.
-        signals.stopping = True
+        signals.stopping = signals.taken = True
         return stopped(e, signals, logs[-1] if logs else None)
 
 

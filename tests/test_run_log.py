@@ -178,6 +178,24 @@ def _killed_while_stopped(victim: int, survivor: int):
     return act
 
 
+def _sigterm_while_waiting(job):
+    """SIGTERM to rank 0 while it waits in a collective (torch's, in C++) for rank 1, stalled
+    (alive, its connections open): Python runs no handler until that call returns, at --timeout
+    (60 s), as when a peer died under NCCL. Rank 0 must say its line and leave within
+    stopping.GRACE (5 s) and a margin; rank 1 then goes on, to torchrun's SIGTERM."""
+    workers = _workers(job)
+    os.kill(workers[1], signal.SIGSTOP)
+    time.sleep(2)                                 # rank 0's next collective waits for rank 1
+    os.kill(workers[0], signal.SIGTERM)
+    sent = time.monotonic()
+    while os.path.exists(f"/proc/{workers[0]}") and time.monotonic() < sent + 30:
+        time.sleep(0.1)
+    left = time.monotonic() - sent
+    os.kill(workers[1], signal.SIGCONT)
+    assert left < 5 + 10, left
+    return []
+
+
 def _sigterm_rank(rank: int):
     def act(job):
         os.kill(_workers(job)[rank], signal.SIGTERM)
@@ -190,24 +208,25 @@ def _sigterm_torchrun(job):
     return []
 
 
-def _torchrun_stopped(tmp_path, ready, act, slow_disk=False):
-    """torchrun, 2 CPU ranks of zero2 saving every step, until ready(out) holds; then act(job)
-    (returns the local ranks it killed outright). Returns (exit code, stderr, the run directory,
-    the ranks killed)."""
+def _torchrun_stopped(tmp_path, ready, act, flags=(), slow_disk=False):
+    """torchrun, 2 CPU ranks of zero2 saving every step (and flags), until ready(out, stdout)
+    holds; then act(job) (returns the local ranks it killed outright). Returns (exit code,
+    stderr, the run directory, the ranks killed)."""
     out, log = tmp_path / "run", tmp_path / "out.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if slow_disk:
         (tmp_path / "sitecustomize.py").write_text(SLOW_DISK)      # every worker imports it
         env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
-    argv = [*TORCHRUN, *QUICK, "--steps", "100000", "--strategy", "zero2", "--timeout", "20",
-            "--out", str(out), "--save-every", "1", "--keep", "2"]
+    argv = [*TORCHRUN, *QUICK, "--steps", "100000", "--strategy", "zero2", "--timeout", "60",
+            "--out", str(out), "--save-every", "1", "--keep", "2", *flags]
     with open(log, "w") as stdout, open(tmp_path / "err.txt", "w+") as stderr:
         job = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True)
         try:
             deadline = time.monotonic() + 180
-            while not ready(out, log.read_text()) and job.poll() is None and time.monotonic() < deadline:
+            while not ready(out, log.read_text()) and job.poll() is None:
+                assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.02)
-            assert job.poll() is None and time.monotonic() < deadline, log.read_text()
+            assert job.poll() is None, log.read_text()
             killed = act(job)
             code = job.wait(timeout=60)            # torchrun SIGKILLs a worker after 30 s
         finally:
@@ -226,8 +245,9 @@ def _says_each_rank_stopped(err: str, out: str, killed: list) -> str:
     for rank in {0, 1} - set(killed):
         said = [line for line in ours if re.match(rf"train.py: (error: )?rank {rank} ", line)]
         assert len(said) == 1, (rank, err)
-        named = re.search(r"the last checkpoint is (\S+): rerun the same command with --resume to "
-                          r"continue from it$|--resume to continue from the last checkpoint, (\S+)$", said[0])
+        named = re.search(r"the last checkpoint is (\S+): rerun the same command with --resume "
+                          r"to continue from it$|--resume to continue from the last checkpoint, "
+                          r"(\S+)$", said[0])
         assert named and saved in named.groups(), (said[0], saved)
     assert len(ours) == 2 - len(killed), err
     frames = re.findall(r'File "([^"]+)", line', err)       # torchrun's own summary: its traceback
@@ -248,25 +268,30 @@ def _saving(step: int, rank: int):
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
 @pytest.mark.parametrize("moment", ["rank 1 killed in a step", "rank 0 killed in a save",
-                                    "rank 1 SIGTERMed", "torchrun SIGTERMed"])
-def test_a_rank_killed_or_stopped_under_torchrun_leaves_one_line_naming_a_checkpoint(tmp_path, moment):
+                                    "rank 1 SIGTERMed", "rank 0 SIGTERMed in a collective",
+                                    "torchrun SIGTERMed"])
+def test_a_rank_killed_or_stopped_under_torchrun_says_so_naming_a_checkpoint(tmp_path, moment):
     """The issue's trial, made deterministic: torchrun SIGTERMs the survivors of a kill -9 (also
-    its way of stopping a job), which must end each of them as Ctrl-C does, whichever rank died:
-    one line naming the last complete checkpoint, never a save half written."""
-    ready, act, slow = {
-        "rank 1 killed in a step": (_logged(3), _killed_while_stopped(victim=1, survivor=0), False),
-        "rank 0 killed in a save": (_saving(4, rank=1), _killed_while_stopped(victim=0, survivor=1), True),
-        "rank 1 SIGTERMed": (_logged(3), _sigterm_rank(1), False),
-        "torchrun SIGTERMed": (_logged(3), _sigterm_torchrun, False)}[moment]
-    code, err, out, killed = _torchrun_stopped(tmp_path, ready, act, slow)
+    its way of stopping a job), which must end each of them as Ctrl-C does, whichever rank died,
+    whatever it was doing: one line naming the last complete checkpoint, which resumes."""
+    native = ["--collectives", "native"]          # a wait in C++, not in our ring's Python thread
+    ready, act, flags = {
+        "rank 1 killed in a step": (_logged(3), _killed_while_stopped(victim=1, survivor=0), []),
+        "rank 0 killed in a save": (_saving(4, 1), _killed_while_stopped(victim=0, survivor=1), []),
+        "rank 1 SIGTERMed": (_logged(3), _sigterm_rank(1), []),
+        "rank 0 SIGTERMed in a collective": (_logged(3), _sigterm_while_waiting, native),
+        "torchrun SIGTERMed": (_logged(3), _sigterm_torchrun, [])}[moment]
+    code, err, out, killed = _torchrun_stopped(tmp_path, ready, act, flags, "save" in moment)
     assert code != 0, err
     saved = _says_each_rank_stopped(err, out, killed)
-    if moment == "rank 0 killed in a save":      # cut off in its save of step 4: the one before stands
-        assert saved.endswith("ckpt-0000003") and os.path.isdir(out + "/ckpt-0000004.tmp"), os.listdir(out)
-        resumed = subprocess.run([sys.executable, "train.py", *QUICK, "--strategy", "zero2", "--steps", "5",
-                                  "--out", out, "--resume"], cwd=ROOT, capture_output=True, text=True,
-                                 timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
+    if moment == "rank 0 killed in a save":     # cut off in its save of step 4: step 3's stands
+        assert saved.endswith("ckpt-0000003") and os.path.isdir(out + "/ckpt-0000004.tmp"), saved
+        argv = [sys.executable, "train.py", *QUICK, "--strategy", "zero2", "--out", out, "--steps",
+                "5", "--resume"]
+        resumed = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert f"resumed from {saved} at step 3" in resumed.stdout, resumed.stdout
 
 
 # ---- no warning: only torchrun's own process's, the README's note --------------------------------
