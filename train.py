@@ -17,6 +17,10 @@ import os
 # OpenMP's threads spin between parallel regions by default, holding a core the other ranks wait
 # for (a step 20x longer on 2 shared cores); passive ones sleep. Read when torch loads OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if __name__ == "__main__":
+    # Before torch's import (seconds on a loaded machine): a Ctrl-C or SIGTERM is said then too.
+    from running.stopping import StopSignals
+    signals = StopSignals()
 
 import torch
 import torch.distributed as dist
@@ -112,16 +116,17 @@ def main(argv=None, live_bytes: bool = False, logs: list | None = None) -> dict:
     args = parse_args(argv)
     if args.sample:
         return report.sample(args)
+    log = RunLog(args)                 # from here a stop signal's line names --out's checkpoints
+    if logs is not None:
+        logs.append(log)
     args.timeout = args.timeout or (600 if torch.cuda.is_available() else 120)    # seconds
     device = init_distributed(timeout=args.timeout)
+    log.rank = dist.get_rank()
     # The command line shares this node's cores among its ranks; a caller in Python (a test's
     # ranks, one thread each) keeps its own count unless --threads says otherwise.
     threads = cpu_threads(args.threads, device, bool(args.offload)) if argv is None or args.threads else ""
     export_size = report.export_bytes(args) if args.export else 0
-    with own_outputs(args, dist.get_rank(), device, export_size) as (took_over, file):
-        log = RunLog(args, dist.get_rank(), file)
-        if logs is not None:
-            logs.append(log)
+    with own_outputs(args, dist.get_rank(), device, export_size) as (took_over, log.file):
         for line in [took_over] if took_over else []:
             log.say(line)
         return run(args, device, log, threads, live_bytes)
@@ -187,11 +192,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     return history
 
 
-
-
-
-
 if __name__ == "__main__":
-    code = finish(main)
-    # 1 (a peer lost) and 130 (Ctrl-C: the peers may be gone): the group is left as it is.
+    code = finish(main, signals)
+    # 1 (a peer lost), 130 and 143 (Ctrl-C, SIGTERM: the peers may be gone): the group is kept.
     exit_distributed(code, peer_lost=code not in (0, 2))

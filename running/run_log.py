@@ -6,7 +6,8 @@ and as the run measures it, in the same words (printed again only when it change
 logged step's loss, speed (beside step_time.py's: predicted_seconds), bytes sent beside their
 formula and time left; --profile's traces and --memory-snapshot (start_profiling). The end, on the
 command line: a refused command line, a refusal or divergence found while running, a lost
-peer, and Ctrl-C each print one line (under torchrun once: cli.say_error) and exit with a code.
+peer, Ctrl-C and SIGTERM (stopping.py) each print one line (under torchrun once: cli.say_error;
+SIGTERM's, every rank that got it) and exit with a code.
 Test: python -m pytest tests/test_train.py -k "log or interrupt or usage"
 """
 import contextlib
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from running import snapshot
-from running.cli import say_error
+from running.cli import record_for_torchrun, say_error
+from running.stopping import StopSignals
 from collectives import Comm
 from foundations.dtypes import DTYPES
 from napkin.flops import Shape
@@ -32,7 +34,6 @@ from foundations.process_groups import LaunchError, gather_objects
 from napkin.step_time import DATA_PARALLEL, Step, predict
 
 MiB = 2**20
-INTERRUPTED = 130            # a shell's exit status for a process stopped by Ctrl-C (128 + SIGINT)
 
 
 def clock(seconds: float) -> str:
@@ -120,9 +121,10 @@ class Clock:
 
 class RunLog:
     """Rank 0's lines, on stdout and (with --out) in OUT/log.txt (file: opened by
-    snapshot.own_outputs); and the step under way, for the line Ctrl-C prints."""
+    snapshot.own_outputs); and the step under way, for the line a stop signal prints. Made before
+    the process group (rank: set once it exists; None says nothing)."""
 
-    def __init__(self, args, rank: int, file=None):
+    def __init__(self, args, rank: int | None = None, file=None):
         self.rank, self.out, self.file = rank, args.out, file
         self.step, self.last = None, {}
 
@@ -155,59 +157,64 @@ class RunLog:
             self.say(f"step {step:5d} | {text}")
 
 
-class CtrlC:
-    """SIGINT, as the command line handles it: the first raises KeyboardInterrupt (where the run
-    is), unless the run is already stopping (then it is only noted); a second while stopping
-    ends the process at once. torchrun forwards a Ctrl-C to every worker as SIGINT."""
-
-    def __init__(self):
-        self.received = self.stopping = False
-        # A job started in the background (`cmd &` in a script, nohup) ignores SIGINT: it stays so.
-        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            signal.signal(signal.SIGINT, self)
-
-    def __call__(self, signum, frame):
-        if self.received and self.stopping:
-            os._exit(INTERRUPTED)
-        self.received = True
-        if not self.stopping:
-            raise KeyboardInterrupt
+def last_checkpoint(log: RunLog | None) -> str | None:
+    """The newest complete checkpoint in --out (this run's or the one it resumed from), read
+    from the disk now: where --resume would continue from."""
+    return snapshot.latest(log.out) if log is not None and log.out else None
 
 
-def interrupted_line(log: RunLog | None) -> str:
-    """Where Ctrl-C stopped the run, and where --resume would continue from (the newest complete
-    checkpoint in --out, this run's or the one it resumed from)."""
-    step = "before the first step" if log is None or log.step is None else f"at step {log.step}"
-    saved = snapshot.latest(log.out) if log is not None and log.out else None
+def resume_hint(log: RunLog | None) -> str:
+    """The end of a stopped run's line: the checkpoint to continue from, or that there is none."""
+    saved = last_checkpoint(log)
     if saved:
-        then = f"the last checkpoint is {saved}: rerun the same command with --resume to continue from it"
-    elif log is not None and log.out:
-        then = f"no checkpoint in {log.out} yet (--save-every K writes one every K steps)"
-    else:
-        then = "nothing was saved (--out DIR --save-every K keeps a checkpoint every K steps)"
-    return f"train.py: interrupted {step}; {then}"
+        return f"the last checkpoint is {saved}: rerun the same command with --resume to continue from it"
+    if log is not None and log.out:
+        return f"no checkpoint in {log.out} yet (--save-every K writes one every K steps)"
+    return "nothing was saved (--out DIR --save-every K keeps a checkpoint every K steps)"
 
 
-def finish(main) -> int:
-    """Run main(logs=[]) as the command line does: its exit code, any way it stops said in one
-    line: 0 done, 2 refused (the command line, a check while running, a divergence), 1 a peer
-    lost, 130 Ctrl-C. A bug keeps its traceback."""
-    ctrl_c, logs = CtrlC(), []
+def interrupted_line(log: RunLog | None, signum: int = signal.SIGINT) -> str:
+    """Where a stop signal (Ctrl-C's SIGINT, or SIGTERM) stopped the run, and resume_hint.
+    SIGTERM's names the rank: every rank that gets it says so, since the rank torchrun found
+    dead (killed outright, silent) may be local rank 0, which says Ctrl-C's line for the job."""
+    step = "before the first step" if log is None or log.step is None else f"at step {log.step}"
+    if signum != signal.SIGTERM:
+        return f"train.py: interrupted {step}; {resume_hint(log)}"
+    who = f"rank {dist.get_rank()} " if dist.is_initialized() and dist.get_world_size() > 1 else ""
+    why = (" (torchrun sends it to every rank when one fails, its summary names the first, or when "
+           "the job is stopped)" if "TORCHELASTIC_RUN_ID" in os.environ else "")
+    return f"train.py: {who}stopped by SIGTERM {step}{why}; {resume_hint(log)}"
+
+
+def finish(main, signals: StopSignals) -> int:
+    """Run main(logs=[]) as the command line does, stopped by signals (installed before train.py's
+    imports): its exit code, any way it stops said in one line: 0 done, 2 refused (the command
+    line, a check while running, a divergence), 1 a peer lost, 130 Ctrl-C, 143 SIGTERM. A bug
+    keeps its traceback."""
+    logs = []
+    signals.stuck = lambda: stopped(KeyboardInterrupt(), signals, logs[-1] if logs else None)
     try:
+        signals.run()
         main(logs=logs)
+        signals.stopping = signals.taken = True     # done: a signal from here on is only noted
         return 0
-    except BaseException as e:           # Ctrl-C, and SystemExit: argparse's exit 2
-        # First, before any call (where Python runs a pending signal's handler): a Ctrl-C
+    except BaseException as e:           # Ctrl-C, SIGTERM, and SystemExit: argparse's exit 2
+        # First, before any call (where Python runs a pending signal's handler): a signal
         # arriving from here on, or caught inside a collective until now, is only noted.
-        ctrl_c.stopping = True
-        return stopped(e, ctrl_c, logs[-1] if logs else None)
+        signals.stopping = signals.taken = True
+        return stopped(e, signals, logs[-1] if logs else None)
 
 
-def stopped(error: BaseException, ctrl_c: CtrlC, log: RunLog | None) -> int:
+def stopped(error: BaseException, signals: StopSignals, log: RunLog | None) -> int:
     """finish's line and exit code for the error that stopped the run."""
-    if ctrl_c.received:             # every rank got it; a peer that stopped first is no news
+    if signals.received == signal.SIGTERM:     # this rank's line: a peer may be gone, rank 0 too
+        line = interrupted_line(log, signal.SIGTERM)
+        print(line, file=sys.stderr, flush=True)
+        record_for_torchrun(line)
+        return 128 + signal.SIGTERM
+    if signals.received:            # every rank got it; a peer that stopped first is no news
         say_error(interrupted_line(log), refusal=False)
-        return INTERRUPTED
+        return 128 + signal.SIGINT
     if isinstance(error, SystemExit):
         return error.code if isinstance(error.code, int) else 1
     if isinstance(error, (snapshot.RunError, snapshot.CheckpointError, LaunchError)):
@@ -218,10 +225,11 @@ def stopped(error: BaseException, ctrl_c: CtrlC, log: RunLog | None) -> int:
     # A peer died (its connection closed) or stalled past --timeout: stop, never hang. NCCL
     # raises DistBackendError; gloo a RuntimeError that names its own source file.
     where = f"rank {dist.get_rank()}" if dist.is_initialized() else "this rank"
+    saved = last_checkpoint(log)
     print(f"train.py: error: {where} lost contact with the other ranks ({type(error).__name__}: "
           f"{str(error).splitlines()[0][:200]}); one of them died or stalled past --timeout. Its own "
           f"log says why; rerun the same command with --resume to continue from the last "
-          f"checkpoint", file=sys.stderr, flush=True)
+          f"checkpoint" + (f", {saved}" if saved else ""), file=sys.stderr, flush=True)
     return 1
 
 

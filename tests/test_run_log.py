@@ -145,6 +145,169 @@ def test_ctrl_c_under_torchrun_is_one_line_from_rank_0():
     assert code != 0 and waited < 60, (code, waited)      # the workers left at once (torchrun waits 30 s)
 
 
+# ---- a rank killed or stopped under torchrun: every other rank says so in one line --------------
+
+# A disk whose fsync of a checkpoint's part takes a second: a save is long enough to stop a rank in.
+SLOW_DISK = '''import os, time
+fsync = os.fsync
+def slow_fsync(fd):
+    if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("rank"):
+        time.sleep(1.0)
+    fsync(fd)
+os.fsync = slow_fsync
+'''
+
+
+def _workers(job) -> dict:
+    """torchrun's workers: {local rank: pid}."""
+    from test_snapshot import _children
+    workers = {}
+    for pid in _children(job.pid):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        workers[int(env[b"LOCAL_RANK"])] = pid
+    return workers
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """Whether SIGTERM waits to be delivered to the (stopped) process pid."""
+    with open(f"/proc/{pid}/status") as f:
+        pending = int(re.search(r"^ShdPnd:\s*([0-9a-f]+)$", f.read(), re.M).group(1), 16)
+    return bool(pending & 1 << (signal.SIGTERM - 1))
+
+
+def _killed_while_stopped(victim: int, survivor: int):
+    """kill -9 of local rank `victim` while `survivor` is busy: torchrun's SIGTERM reaches the
+    survivor before its next collective finds the peer gone (the issue's trial). The survivor is
+    held stopped until that SIGTERM waits for it, so the order is the same on every run."""
+    def act(job):
+        workers = _workers(job)
+        os.kill(workers[survivor], signal.SIGSTOP)
+        os.kill(workers[victim], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not _sigterm_pending(workers[survivor]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(workers[survivor], signal.SIGCONT)
+        return [victim]
+    return act
+
+
+def _sigterm_while_waiting(job):
+    """SIGTERM to rank 0 while it waits in a collective (torch's, in C++) for rank 1, stalled
+    (alive, its connections open): Python runs no handler until that call returns, at --timeout
+    (60 s), as when a peer died under NCCL. Rank 0 must say its line and leave within
+    stopping.GRACE (5 s) and a margin; rank 1 then goes on, to torchrun's SIGTERM."""
+    workers = _workers(job)
+    os.kill(workers[1], signal.SIGSTOP)
+    time.sleep(2)                                 # rank 0's next collective waits for rank 1
+    os.kill(workers[0], signal.SIGTERM)
+    sent = time.monotonic()
+    while os.path.exists(f"/proc/{workers[0]}") and time.monotonic() < sent + 30:
+        time.sleep(0.1)
+    left = time.monotonic() - sent
+    os.kill(workers[1], signal.SIGCONT)
+    assert left < 5 + 10, left
+    return []
+
+
+def _sigterm_rank(rank: int):
+    def act(job):
+        os.kill(_workers(job)[rank], signal.SIGTERM)
+        return []
+    return act
+
+
+def _sigterm_torchrun(job):
+    job.send_signal(signal.SIGTERM)               # the job's end (a batch system's): every worker's
+    return []
+
+
+def _torchrun_stopped(tmp_path, ready, act, flags=(), slow_disk=False):
+    """torchrun, 2 CPU ranks of zero2 saving every step (and flags), until ready(out, stdout)
+    holds; then act(job) (returns the local ranks it killed outright). Returns (exit code,
+    stderr, the run directory, the ranks killed)."""
+    out, log = tmp_path / "run", tmp_path / "out.txt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if slow_disk:
+        (tmp_path / "sitecustomize.py").write_text(SLOW_DISK)      # every worker imports it
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    argv = [*TORCHRUN, *QUICK, "--steps", "100000", "--strategy", "zero2", "--timeout", "60",
+            "--out", str(out), "--save-every", "1", "--keep", "2", *flags]
+    with open(log, "w") as stdout, open(tmp_path / "err.txt", "w+") as stderr:
+        job = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True)
+        try:
+            deadline = time.monotonic() + 180
+            while not ready(out, log.read_text()) and job.poll() is None:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.02)
+            assert job.poll() is None, log.read_text()
+            killed = act(job)
+            code = job.wait(timeout=60)            # torchrun SIGKILLs a worker after 30 s
+        finally:
+            job.kill()
+            job.wait()
+        stderr.seek(0)
+        return code, stderr.read(), str(out), killed
+
+
+def _says_each_rank_stopped(err: str, out: str, killed: list) -> str:
+    """Every rank not killed outright says in one line of ours why it stopped, naming the newest
+    complete checkpoint, which loads whole; no traceback of ours. Returns that checkpoint."""
+    from running import snapshot
+    ours = [line for line in err.splitlines() if line.startswith("train.py: ")]
+    saved = snapshot.latest(out)
+    for rank in {0, 1} - set(killed):
+        said = [line for line in ours if re.match(rf"train.py: (error: )?rank {rank} ", line)]
+        assert len(said) == 1, (rank, err)
+        named = re.search(r"the last checkpoint is (\S+): rerun the same command with --resume "
+                          r"to continue from it$|--resume to continue from the last checkpoint, "
+                          r"(\S+)$", said[0])
+        assert named and saved in named.groups(), (said[0], saved)
+    assert len(ours) == 2 - len(killed), err
+    frames = re.findall(r'File "([^"]+)", line', err)       # torchrun's own summary: its traceback
+    assert all("site-packages" in frame or frame.startswith("<frozen") for frame in frames), err
+    assert "KeyboardInterrupt" not in err, err
+    snapshot.load(saved)                                        # every part, its checksum matching
+    return saved
+
+
+def _logged(step: int):
+    return lambda out, log: f"\nstep {step:5d} | loss" in log
+
+
+def _saving(step: int, rank: int):
+    """rank is writing checkpoint `step`'s part (slow_disk: for a second)."""
+    return lambda out, log: os.path.exists(out / f"ckpt-{step:07d}.tmp" / f"rank{rank:05d}.pt")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
+@pytest.mark.parametrize("moment", ["rank 1 killed in a step", "rank 0 killed in a save",
+                                    "rank 1 SIGTERMed", "rank 0 SIGTERMed in a collective",
+                                    "torchrun SIGTERMed"])
+def test_a_rank_killed_or_stopped_under_torchrun_says_so_naming_a_checkpoint(tmp_path, moment):
+    """The issue's trial, made deterministic: torchrun SIGTERMs the survivors of a kill -9 (also
+    its way of stopping a job), which must end each of them as Ctrl-C does, whichever rank died,
+    whatever it was doing: one line naming the last complete checkpoint, which resumes."""
+    native = ["--collectives", "native"]          # a wait in C++, not in our ring's Python thread
+    ready, act, flags = {
+        "rank 1 killed in a step": (_logged(3), _killed_while_stopped(victim=1, survivor=0), []),
+        "rank 0 killed in a save": (_saving(4, 1), _killed_while_stopped(victim=0, survivor=1), []),
+        "rank 1 SIGTERMed": (_logged(3), _sigterm_rank(1), []),
+        "rank 0 SIGTERMed in a collective": (_logged(3), _sigterm_while_waiting, native),
+        "torchrun SIGTERMed": (_logged(3), _sigterm_torchrun, [])}[moment]
+    code, err, out, killed = _torchrun_stopped(tmp_path, ready, act, flags, "save" in moment)
+    assert code != 0, err
+    saved = _says_each_rank_stopped(err, out, killed)
+    if moment == "rank 0 killed in a save":     # cut off in its save of step 4: step 3's stands
+        assert saved.endswith("ckpt-0000003") and os.path.isdir(out + "/ckpt-0000004.tmp"), saved
+        argv = [sys.executable, "train.py", *QUICK, "--strategy", "zero2", "--out", out, "--steps",
+                "5", "--resume"]
+        resumed = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert f"resumed from {saved} at step 3" in resumed.stdout, resumed.stdout
+
+
 # ---- no warning: only torchrun's own process's, the README's note --------------------------------
 
 def _python_warnings(stderr: str) -> list[str]:
