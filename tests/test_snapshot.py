@@ -907,6 +907,40 @@ def test_a_weight_decay_that_flips_the_weights_sign_is_refused(capsys):
     train.parse_args(["--weight-decay", "1", "--lr", "0.5"])       # 1 - 0.5: shrinks, stays positive
 
 
+# ---- every rank's own RNG stream, where the ranks' streams differ ----------------------------
+
+def _resumed_twice(root):
+    """One process saves after step 3; two ranks resume it (resharded: each rank seeds its own
+    stream) and save after steps 4 and 6 (straight); a copy resumes from step 4 (again)."""
+    flags = ["--dropout", "0.1", "--save-every", "1", "--keep", "10"]
+    straight, again = os.path.join(root, "straight"), os.path.join(root, "again")
+    if torch.distributed.get_world_size() == 1:
+        return _train([*flags, "--steps", "3", "--out", straight])
+    out = {"straight": _train([*flags, "--strategy", "ddp", "--out", straight, "--resume",
+                               "--export", straight + ".pt"])}
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(straight, again, ignore=shutil.ignore_patterns("ckpt-0000005", "ckpt-0000006"))
+    torch.distributed.barrier()
+    out["again"] = _train([*flags, "--strategy", "ddp", "--out", again, "--resume",
+                           "--export", again + ".pt"])
+    return out
+
+
+def test_each_rank_resumes_its_own_rng_stream_where_the_streams_differ(tmp_path):
+    """A resharded resume seeds each rank's stream apart (seed + step x 1000 + rank), so from then
+    on the ranks' CPU states differ, and each rank's dropout masks are its own: a resume at the
+    same world size must give rank r parts[r]'s state. Every rank taking parts[0]'s would
+    replay rank 0's masks on rank 1's rows: another loss from step 4 on."""
+    run_ranks(_resumed_twice, 1, str(tmp_path))
+    ranks = run_ranks(_resumed_twice, 2, str(tmp_path))
+    straight, again = ranks[0]["straight"], ranks[0]["again"]
+    _, parts = snapshot.load(str(tmp_path / "straight" / "ckpt-0000004"))
+    assert not torch.equal(parts[0]["rng"]["cpu"], parts[1]["rng"]["cpu"])   # the streams differ
+    assert list(again["losses"]) == [4, 5]
+    assert again["losses"] == {s: straight["losses"][s] for s in (4, 5)}
+    assert again["eval_loss"] == straight["eval_loss"]
+    _same_weights(_weights(tmp_path / "again.pt"), _weights(tmp_path / "straight.pt"))
+
 
 def test_a_diverged_run_lists_a_damaged_checkpoints_loss_as_unknown(held, tmp_path):
     """Divergence's line lists every checkpoint's saved loss: one that is not a number (an edited
