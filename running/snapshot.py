@@ -467,6 +467,16 @@ MODEL_RULES = {
     "z_loss_weight": (_number, "a number from 0"),
     "routing_group": (lambda v: v is None or _count(v, 1), "a whole number from 1, or null"),
 }
+# lora.apply_lora's arguments, as a LoRA run's meta.json holds them (lora_config).
+LORA_RULES = {
+    "targets": (lambda v: isinstance(v, list) and v and all(isinstance(t, str) for t in v),
+                "a list of module names"),
+    "rank": (lambda v: _count(v, 1), "a whole number from 1"),
+    "alpha": (lambda v: v is None or _number(v) and v > 0, "a positive number, or null"),
+    "dropout": (lambda v: _number(v, 0, 1), "a probability from 0 up to, not including, 1"),
+    "quantize": (lambda v: v in (None, "nf4"), "nf4, or null"),
+    "double_quant": (lambda v: isinstance(v, bool), "true or false"),
+}
 
 
 def _wrong_field(meta: dict) -> tuple[str, object, str] | None:
@@ -483,8 +493,9 @@ def _wrong_field(meta: dict) -> tuple[str, object, str] | None:
                  "the run's options (with its --strategy)"),
         "sha256": (isinstance(sums, dict) and all(map(_checksum, sums.values())),
                    "{part file: its checksum, 64 hexadecimal digits}"),
-        "lora": (isinstance(meta.get("lora"), (dict, type(None))),
-                 "the adapters' configuration, or null"),
+        "lora": (meta.get("lora") is None or isinstance(meta["lora"], dict)
+                 and meta["lora"].keys() <= LORA_RULES.keys(),
+                 "the adapters' configuration (lora.apply_lora's arguments), or null"),
         "base": (isinstance(meta.get("base"), (str, type(None))), "the base model's path, or null"),
         "base_sha256": (meta.get("base_sha256") is None or _checksum(meta["base_sha256"]),
                         "the base's checksum, 64 hexadecimal digits, or null"),
@@ -498,16 +509,17 @@ def _wrong_field(meta: dict) -> tuple[str, object, str] | None:
     }
     wrong = next(((field, meta[field], what) for field, (right, what) in rules.items()
                   if not right and field in meta), None)
-    return wrong or _wrong_model(model)
+    return wrong or _wrong_entry("model", model, MODEL_RULES) or _wrong_entry(
+        "lora", meta.get("lora") or {}, LORA_RULES)
 
 
-def _wrong_model(model: dict) -> tuple[str, object, str] | None:
-    """The first of a model configuration's fields (meta.json's, an export's) that GPTConfig
-    cannot hold: ("model.FIELD", its value, what it must be), or None. model: a dict of
-    GPTConfig's fields (checked by the caller)."""
-    return next(((f"model.{field}", model[field], what)
-                 for field, (right, what) in MODEL_RULES.items()
-                 if field in model and not right(model[field])), None)
+def _wrong_entry(section: str, values: dict, rules: dict) -> tuple[str, object, str] | None:
+    """The first of a configuration's values (the model's: meta.json's or an export's; LoRA's)
+    outside its rule: ("SECTION.FIELD", its value, what it must be), or None. values: a dict
+    whose keys the caller checked are the rules'."""
+    return next(((f"{section}.{field}", values[field], what)
+                 for field, (right, what) in rules.items()
+                 if field in values and not right(values[field])), None)
 
 
 def _wrong_in_part(part) -> str | None:
@@ -572,8 +584,9 @@ def check_source(path: str):
             raise CheckpointError(f"{path} is a torch file, but not one --export wrote (it has no "
                                   f"'model' and 'state_dict'); {kinds}")
         config, weights = saved["model"], saved["state_dict"]
-        wrong = _wrong_model(config) if isinstance(config, dict) and config.keys() <= MODEL_FIELDS \
-            else ("model", config, "the model's configuration (GPTConfig's fields)")
+        wrong = (_wrong_entry("model", config, MODEL_RULES)
+                 if isinstance(config, dict) and config.keys() <= MODEL_FIELDS
+                 else ("model", config, "the model's configuration (GPTConfig's fields)"))
         if wrong or not isinstance(weights, dict):
             field, value, what = wrong or ("state_dict", type(weights).__name__, "{name: tensor}")
             raise CheckpointError(f"{path}: its {field} is {value!r}, not {what}: it was not "

@@ -784,15 +784,23 @@ def test_a_meta_json_number_out_of_range_is_named(field, value, held, tmp_path):
     assert f"delete {checkpoint}" in str(error.value)
 
 
-@pytest.mark.parametrize("field, value", [("dropout", float("nan")), ("n_layer", 0),
-                                          ("capacity_factor", -1.25), ("routing_group", 0)])
-def test_a_model_field_out_of_range_is_named(field, value, held, tmp_path):
+LORA = dict(targets=["query", "value"], rank=8, alpha=16.0, dropout=0.0, quantize=None,
+            double_quant=False)                           # lora_config's, as a LoRA run saves it
+
+
+@pytest.mark.parametrize("section, field, value", [
+    ("model", "dropout", float("nan")), ("model", "n_layer", 0), ("model", "capacity_factor", -1.25),
+    ("model", "routing_group", 0), ("lora", "rank", 0), ("lora", "alpha", float("inf")),
+    ("lora", "quantize", "nf8"), ("lora", "targets", []),
+])
+def test_a_configuration_value_out_of_range_is_named(section, field, value, held, tmp_path):
+    """The model's and the adapters' settings build the model a checkpoint loads into."""
     checkpoint = _copy_checkpoint(held, tmp_path)
     meta = json.loads((checkpoint / "meta.json").read_text())
-    _edit_meta(checkpoint, model={**meta["model"], field: value})
+    _edit_meta(checkpoint, **{section: {**(meta[section] or LORA), field: value}})
     with pytest.raises(snapshot.CheckpointError) as error:
         snapshot.read_meta(str(checkpoint))
-    assert f"meta.json: model.{field} is {json.dumps(value)}, not " in str(error.value), error.value
+    assert f"meta.json: {section}.{field} is {json.dumps(value)}, not " in str(error.value), error.value
 
 
 def _rewrite_part(checkpoint, change):
