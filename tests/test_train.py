@@ -1284,6 +1284,7 @@ def _two_sharded_parts(inputs):
     return pieces
 
 
+@pytest.mark.equivalence
 def test_a_mesh_of_two_sharded_parts_keeps_a_parameter_no_rank_used_as_it_was():
     """One process's AdamW leaves `idle` alone once its .grad is None: its values and both Adam
     moments stay step 0's. On the mesh its elements sit in the second part's shards, whose
