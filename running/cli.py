@@ -390,6 +390,15 @@ def check_args(parser, args, world_size):
         parser.error(f"--clip-grad must be 0 (off) or a positive norm, got {args.clip_grad}")
     if not 0 <= args.weight_decay < math.inf:
         parser.error(f"--weight-decay must be 0 (off) or positive, got {args.weight_decay}")
+    # AdamW takes lr x decay x p off every weight p each step: from lr x decay = 1 on, that zeroes
+    # or flips them. Under a decay of 1, only an --lr over 1 gets there, which diverges on its
+    # own (and the divergence names --lr); from 1 on, the decay is the cause.
+    if args.weight_decay >= max(1, 1 / args.lr):
+        kept = 1 - args.lr * args.weight_decay
+        parser.error(f"--weight-decay {args.weight_decay:g} at --lr {args.lr:g}: AdamW multiplies "
+                     f"every weight by 1 - lr x decay = {kept:.3g} each step, which zeroes the "
+                     f"weights or flips their sign; give --weight-decay below 1/lr = "
+                     f"{1 / args.lr:.3g} (runs use about 0.01 to 0.1)")
     for name in ("dropout", "lora_dropout"):
         if not 0 <= getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} is the probability of zeroing an activation: "
@@ -520,15 +529,15 @@ def check_paths(parser, args):
     write, and one that holds no other run's checkpoints unless --resume continues it or
     --overwrite starts over; --resume's checkpoint must be one this run can continue. Every
     rank checks (each writes its part of every checkpoint), before any work."""
+    if args.init_from and not os.path.exists(args.init_from):
+        parser.error(f"--init-from {args.init_from}: no such file or directory; give a run "
+                     f"directory, a checkpoint directory or an --export file")
+    check_outputs_apart(parser, args)          # paths first: check_source reads every tensor
     if args.init_from:
-        if not os.path.exists(args.init_from):
-            parser.error(f"--init-from {args.init_from}: no such file or directory; give a run "
-                         f"directory, a checkpoint directory or an --export file")
         try:
             snapshot.check_source(args.init_from)
         except snapshot.CheckpointError as e:
             parser.error(f"--init-from: {e}")
-    check_outputs_apart(parser, args)
     if not args.out:
         if args.overwrite:
             parser.error("--overwrite starts a run directory over: add --out DIR")

@@ -32,6 +32,7 @@ import socket
 import tempfile
 import time
 import traceback
+import zipfile
 from typing import NamedTuple
 
 import torch
@@ -67,12 +68,14 @@ def latest(out_dir: str) -> str | None:
 
 
 def losses(out_dir: str) -> list[tuple[str, float | None]]:
-    """(checkpoint, the loss of the step it was saved after), oldest first: where to go back to
-    when a run diverged."""
+    """(checkpoint, the loss of the step it was saved after; None: none saved, or a damaged
+    meta.json), oldest first: where to go back to when a run diverged."""
     out = []
     for path in checkpoints(out_dir):
-        with open(os.path.join(path, "meta.json")) as f:
-            out.append((path, json.load(f).get("loss")))
+        try:
+            out.append((path, read_meta(path).get("loss")))     # a finite number, or None
+        except CheckpointError:
+            out.append((path, None))
     return out
 
 
@@ -378,14 +381,36 @@ def load(path: str) -> tuple[dict, list[dict]]:
             if expected is not None and _file_sha256(file) != expected:
                 raise CheckpointError(f"{file} is corrupt or truncated (its bytes no longer match "
                                       f"the checksum saved with it); {fix}")
-            parts.append(torch.load(file, mmap=True, weights_only=True))
+            damaged = _failed_crc(file) if expected is None else None
+            if damaged:
+                raise CheckpointError(f"{file} is corrupt or truncated (its record {damaged} no "
+                                      f"longer matches its CRC-32); {fix}")
+            part = torch.load(file, mmap=True, weights_only=True)
         except CheckpointError:
             raise
         except Exception as e:      # truncated or corrupt: in our words, not the unpickler's
             raise CheckpointError(f"{file} is corrupt or truncated (it does not read back as a "
                                   f"checkpoint part: {type(e).__name__}); {fix}") from None
+        wrong = _wrong_in_part(part)
+        if wrong:
+            raise CheckpointError(f"{file} is damaged: it {wrong} (it was not written by a save of "
+                                  f"this program, or was edited); {fix}")
+        parts.append(part)
     return meta, parts
 
+
+def _failed_crc(file: str) -> str | None:
+    """The first record of a torch file (a zip archive) whose bytes fail the CRC-32 saved with
+    them, or None: an older checkpoint's only check, saved before its parts had a sha256.
+    A file that is no archive at all raises zipfile's BadZipFile."""
+    with zipfile.ZipFile(file) as archive:
+        return archive.testzip()
+
+
+# ---- what a checkpoint holds: every value read back checked for what a save can have written --
+# A value of the right type can still be nonsense: a NaN first loss would turn divergence
+# stopping off, a piece one element short would fail deep inside a copy. So each value is
+# checked for its type and for what it can be (finite, in range), and each part for its keys.
 
 # What a checkpoint's meta.json must hold for load() and resume(); save() writes them all.
 META_FIELDS = ("step", "world_size", "model", "args")
@@ -393,8 +418,8 @@ MODEL_FIELDS = {field.name for field in dataclasses.fields(GPTConfig)}
 
 
 def read_meta(path: str) -> dict:
-    """A checkpoint's meta.json, or one CheckpointError naming the field missing or of the wrong
-    type, and the fix."""
+    """A checkpoint's meta.json, or one CheckpointError naming the field missing, of the wrong
+    type or out of range (_wrong_field), and the fix."""
     fix = f"delete {path} to fall back on the checkpoint before it"
     try:
         with open(os.path.join(path, "meta.json")) as f:
@@ -407,41 +432,157 @@ def read_meta(path: str) -> dict:
                               f"save of this program, or was cut short); {fix}")
     wrong = _wrong_field(meta)
     if wrong:
-        field, what = wrong
-        value = json.dumps(meta[field])
+        field, value, what = wrong
+        value = json.dumps(value)
         value = value if len(value) <= 40 else value[:37] + "..."
         raise CheckpointError(f"{path}/meta.json: {field} is {value}, not {what} (it was not written "
                               f"by a save of this program, or was edited); {fix}")
     return meta
 
 
-def _wrong_field(meta: dict) -> tuple[str, str] | None:
-    """The first field of meta.json whose value save() cannot have written, and what it must be
-    (None if none is): the fields load(), resume() and load_weights() read."""
-    def count(value, least: int) -> bool:              # JSON's true is a Python int too
-        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+def _count(value, least: int) -> bool:
+    """A whole number from `least` (JSON's true is a Python int too, and is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _number(value, low: float = 0.0, below: float = math.inf) -> bool:
+    """A finite number from low up to, not including, below (NaN fails every comparison)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value < below
+
+
+def _checksum(value) -> bool:
+    """A sha256, as _sha256 writes it: 64 hexadecimal digits."""
+    return isinstance(value, str) and re.fullmatch("[0-9a-f]{64}", value) is not None
+
+
+# GPTConfig's fields, as model.py reads them: (holds a right value, what it must be).
+MODEL_RULES = {
+    **{field: (lambda v: _count(v, 1), "a whole number from 1")
+       for field in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "top_k")},
+    "dropout": (lambda v: _number(v, 0, 1), "a probability from 0 up to, not including, 1"),
+    "tie_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+    "experts": (lambda v: _count(v, 0), "a whole number from 0 (dense)"),
+    "capacity_factor": (lambda v: v is None or _number(v) and v > 0, "a positive number, or null"),
+    "aux_loss_weight": (_number, "a number from 0"),
+    "z_loss_weight": (_number, "a number from 0"),
+    "routing_group": (lambda v: v is None or _count(v, 1), "a whole number from 1, or null"),
+}
+# lora.apply_lora's arguments, as a LoRA run's meta.json holds them (lora_config).
+LORA_RULES = {
+    "targets": (lambda v: isinstance(v, list) and v and all(isinstance(t, str) for t in v),
+                "a list of module names"),
+    "rank": (lambda v: _count(v, 1), "a whole number from 1"),
+    "alpha": (lambda v: v is None or _number(v) and v > 0, "a positive number, or null"),
+    "dropout": (lambda v: _number(v, 0, 1), "a probability from 0 up to, not including, 1"),
+    "quantize": (lambda v: v in (None, "nf4"), "nf4, or null"),
+    "double_quant": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _wrong_field(meta: dict) -> tuple[str, object, str] | None:
+    """The first value of meta.json that save() cannot have written: (its field, the value, what
+    it must be), or None: every field load(), resume(), load_weights() and Divergence read."""
     model, args, sums = meta["model"], meta["args"], meta.get("sha256", {})
     rules = {
-        "step": (count(meta["step"], 0), "the steps done, a whole number"),
-        "world_size": (count(meta["world_size"], 1), "the ranks that saved it, a whole number from 1"),
-        "model": (isinstance(model, dict) and model.keys() <= MODEL_FIELDS, "the model's configuration "
-                  "(GPTConfig's fields)"),
+        "step": (_count(meta["step"], 0), "the steps done, a whole number"),
+        "world_size": (_count(meta["world_size"], 1),
+                       "the ranks that saved it, a whole number from 1"),
+        "model": (isinstance(model, dict) and model.keys() <= MODEL_FIELDS,
+                  "the model's configuration (GPTConfig's fields)"),
         "args": (isinstance(args, dict) and isinstance(args.get("strategy"), str),
                  "the run's options (with its --strategy)"),
-        "sha256": (isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values()),
-                   "{part file: its checksum}"),
-        "lora": (isinstance(meta.get("lora"), (dict, type(None))), "the adapters' configuration, or null"),
+        "sha256": (isinstance(sums, dict) and all(map(_checksum, sums.values())),
+                   "{part file: its checksum, 64 hexadecimal digits}"),
+        "lora": (meta.get("lora") is None or isinstance(meta["lora"], dict)
+                 and meta["lora"].keys() <= LORA_RULES.keys(),
+                 "the adapters' configuration (lora.apply_lora's arguments), or null"),
         "base": (isinstance(meta.get("base"), (str, type(None))), "the base model's path, or null"),
+        "base_sha256": (meta.get("base_sha256") is None or _checksum(meta["base_sha256"]),
+                        "the base's checksum, 64 hexadecimal digits, or null"),
+        "data_position": (_count(meta.get("data_position"), 0),
+                          "the steps of data read, a whole number"),
+        "loss": (meta.get("loss") is None or _number(meta["loss"]),
+                 "the loss it was saved at: a finite number from 0, or null"),
+        "first_loss": (meta.get("first_loss") is None or _number(meta["first_loss"]),
+                       "the run's first loss, which its divergence limit is measured from: a "
+                       "finite number from 0, or null"),
     }
-    return next(((field, what) for field, (right, what) in rules.items() if not right and field in meta),
+    wrong = next(((field, meta[field], what) for field, (right, what) in rules.items()
+                  if not right and field in meta), None)
+    return wrong or _wrong_entry("model", model, MODEL_RULES) or _wrong_entry(
+        "lora", meta.get("lora") or {}, LORA_RULES)
+
+
+def _wrong_entry(section: str, values: dict, rules: dict) -> tuple[str, object, str] | None:
+    """The first of a configuration's values (the model's: meta.json's or an export's; LoRA's)
+    outside its rule: ("SECTION.FIELD", its value, what it must be), or None. values: a dict
+    whose keys the caller checked are the rules'."""
+    return next(((f"{section}.{field}", values[field], what)
+                 for field, (right, what) in rules.items()
+                 if field in values and not right(values[field])), None)
+
+
+def _wrong_in_part(part) -> str | None:
+    """What in a checkpoint part (a rank's file) save() cannot have written, in words, or None:
+    its keys, the RNG state, the loss scaler's state, and every piece: its range, its tensors
+    (flat fp32, one value per element of the range, finite; Adam's second moment from 0), its
+    optimizer scalars (finite, from 0)."""
+    if not isinstance(part, dict) or not {"pieces", "rng", "scaler"} <= part.keys():
+        keys = sorted(part) if isinstance(part, dict) else type(part).__name__
+        return f"holds {keys}, not the pieces, rng and scaler every part has"
+    rng, scaler = part["rng"], part["scaler"]
+    cpu_state = torch.get_rng_state()
+    if not (isinstance(rng, dict) and torch.is_tensor(rng.get("cpu"))
+            and rng["cpu"].dtype == torch.uint8 and rng["cpu"].shape == cpu_state.shape):
+        return f"has an rng that is not a CPU generator's state ({cpu_state.numel()} bytes)"
+    if not (isinstance(scaler, dict) and _number(scaler.get("scale")) and scaler["scale"] > 0
+            and _count(scaler.get("clean_steps"), 0)):
+        return (f"has a loss scaler state {scaler!r}, not a positive finite scale and a count "
+                f"of steps")
+    if not isinstance(part["pieces"], list):
+        return "has pieces that are not a list"
+    return next((f"has a piece {wrong}" for wrong in map(_wrong_in_piece, part["pieces"]) if wrong),
                 None)
+
+
+def _bounds(t: torch.Tensor) -> tuple[float, float]:
+    """(min, max) of t's elements in one pass, no copy (10x isfinite().all()'s speed): a NaN
+    makes both NaN, an inf one of them inf, so both are finite exactly when every element is."""
+    if t.numel() == 0:
+        return 0.0, 0.0
+    low, high = torch.aminmax(t.float())
+    return float(low), float(high)
+
+
+def _wrong_in_piece(piece) -> str | None:
+    if not (isinstance(piece, dict) and isinstance(piece.get("name"), str)
+            and _count(piece.get("start"), 0) and _count(piece.get("stop"), piece["start"] + 1)
+            and isinstance(piece.get("tensors"), dict) and "param" in piece["tensors"]
+            and isinstance(piece.get("scalars"), dict)):
+        return "without a name, an element range start < stop, its tensors (param first), scalars"
+    name = f"{piece['name']}[{piece['start']}:{piece['stop']}]"
+    size = piece["stop"] - piece["start"]
+    for key, t in piece["tensors"].items():
+        if not (torch.is_tensor(t) and t.dtype == torch.float32 and t.shape == (size,)):
+            shape = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
+            return f"{name} whose {key} is {shape}, not {size} fp32 values"
+        low, high = _bounds(t)
+        if not (math.isfinite(low) and math.isfinite(high)):
+            return f"{name} whose {key} holds inf or NaN"
+        if key == "exp_avg_sq" and low < 0:
+            return f"{name} whose exp_avg_sq (a mean of squares) is negative"
+    for key, value in piece["scalars"].items():
+        value = value.item() if torch.is_tensor(value) and value.numel() == 1 else value
+        if not _number(value):
+            return f"{name} whose {key} is {value!r}, not a finite number from 0"
+    return None
 
 
 def check_source(path: str):
     """One CheckpointError, in words naming the fix, unless load_weights can read `path`: an
     --export file, a checkpoint directory, or a run directory holding one. It reads a file
-    memory-mapped (its tensors stay on disk) and of a directory only meta.json, so every rank
-    can check it before any work."""
+    memory-mapped (its tensors are read once, to check them: check_weights) and of a directory
+    only meta.json (load() checks the parts), so every rank can check it before any work."""
     kinds = "give a run directory, a checkpoint directory (RUN/ckpt-NNNNNNN) or an --export file"
     if os.path.isfile(path):
         try:
@@ -452,6 +593,22 @@ def check_source(path: str):
         if not (isinstance(saved, dict) and {"model", "state_dict"} <= saved.keys()):
             raise CheckpointError(f"{path} is a torch file, but not one --export wrote (it has no "
                                   f"'model' and 'state_dict'); {kinds}")
+        config, weights = saved["model"], saved["state_dict"]
+        wrong = (_wrong_entry("model", config, MODEL_RULES)
+                 if isinstance(config, dict) and config.keys() <= MODEL_FIELDS
+                 else ("model", config, "the model's configuration (GPTConfig's fields)"))
+        if wrong or not isinstance(weights, dict):
+            field, value, what = wrong or ("state_dict", type(weights).__name__, "{name: tensor}")
+            raise CheckpointError(f"{path}: its {field} is {value!r}, not {what}: it was not "
+                                  f"written by --export, or was edited; export the model again")
+        try:
+            with torch.device("meta"):             # the shapes it describes, no memory
+                described = GPT(GPTConfig(**config), feed_forward)
+        except ValueError as e:                    # model.py's refusal of its configuration
+            raise CheckpointError(f"{path}: its model is not one model.py builds ({e}): it was "
+                                  f"not written by --export, or was edited; export the model "
+                                  f"again") from None
+        check_weights(weights, described, path)
         return
     checkpoint = latest(path) or path
     if not os.path.isfile(os.path.join(checkpoint, "meta.json")):
@@ -762,10 +919,40 @@ def load_weights(path: str, gpt: GPT | None = None) -> GPT:
         gpt = GPT(GPTConfig(**config), feed_forward)
     else:
         check_same_model(config, model_config(gpt), path, ignore=("dropout",))
+    check_weights(weights, gpt, path)
     if gpt.cfg.tie_embeddings:      # one tensor under two names: files hold the first name only
         weights.setdefault("head.weight", weights["token_emb.weight"])
     gpt.load_state_dict(weights)
     return gpt
+
+
+def check_weights(weights: dict, gpt: GPT, path: str):
+    """One CheckpointError naming the tensor and the fix, unless `weights` (path's, read into
+    gpt) are gpt's: every tensor of its state_dict there, of its shape, floating point and
+    finite. Weights holding inf or NaN would make the first step's loss NaN: a run that seems
+    to diverge, with nothing wrong in its flags."""
+    expected = gpt.state_dict()
+    if gpt.cfg.tie_embeddings and "head.weight" not in weights:     # files hold the first name
+        expected.pop("head.weight")
+    fix = "export the model again, or give other weights"
+    for name, t in expected.items():
+        if name not in weights:
+            raise CheckpointError(f"{path} lacks the tensor {name}, of shape {tuple(t.shape)} in "
+                                  f"the model it describes (cut short, or edited); {fix}")
+        got = weights[name]
+        if not (torch.is_tensor(got) and got.is_floating_point() and got.shape == t.shape):
+            what = f"{tuple(got.shape)} {got.dtype}" if torch.is_tensor(got) else type(got).__name__
+            raise CheckpointError(f"{path}: its tensor {name} is {what}, where the model it "
+                                  f"describes has {tuple(t.shape)} floats (edited, or saved from "
+                                  f"another model); {fix}")
+        if not all(map(math.isfinite, _bounds(got))):
+            raise CheckpointError(f"{path}: its tensor {name} holds inf or NaN (a run that "
+                                  f"diverged, or damage): training or sampling from it gives NaN; "
+                                  f"give weights saved before the run diverged")
+    extra = sorted(weights.keys() - expected.keys())
+    if extra:
+        raise CheckpointError(f"{path} holds a tensor {extra[0]} that the model it describes has "
+                              f"no place for (saved from another model, or edited); {fix}")
 
 
 def model_config(gpt: GPT) -> dict:

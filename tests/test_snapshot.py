@@ -7,6 +7,8 @@ SIGKILLed, a save is cut off between writing and renaming, torchrun restarts a k
 """
 import collections
 import errno
+import hashlib
+import io
 import json
 import os
 import re
@@ -716,3 +718,244 @@ def test_sample_generates_text_from_a_run(resumed):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("import ") and len(result.stdout.encode()) >= 40
+
+
+# ---- what a checkpoint holds: every value read back is checked, not only its type ------------
+
+def _save_and_export(root):
+    _train(["--out", os.path.join(root, "run"), "--save-every", str(SAVE_AT),
+            "--export", os.path.join(root, "model.pt")])
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory):
+    """One process's run directory (checkpoints after steps 3 and 6) and its export."""
+    root = tmp_path_factory.mktemp("held")
+    run_ranks(_save_and_export, 1, str(root))
+    return root
+
+
+def _copy_checkpoint(held, tmp_path):
+    shutil.copytree(held / "run", tmp_path / "run")
+    return tmp_path / "run" / "ckpt-0000006"
+
+
+def _edit_meta(checkpoint, **fields):
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    (checkpoint / "meta.json").write_text(json.dumps({**meta, **fields}))
+
+
+def _files(root):
+    return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(root) for f in files}
+
+
+def _train_py(*argv):
+    """python train.py ARGV in a process of its own: (exit code, stderr)."""
+    result = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return result.returncode, result.stderr
+
+
+def test_a_nan_first_loss_in_meta_json_is_refused_not_a_run_without_divergence_stops(held, tmp_path):
+    """The issue's case: first_loss NaN passed the type checks, and every loss compared with a
+    NaN limit is "not over" it: a run at --lr 10 trained on at losses in the hundreds, exit 0."""
+    checkpoint = _copy_checkpoint(held, tmp_path)
+    _edit_meta(checkpoint, first_loss=float("nan"))
+    before = _files(tmp_path)
+    code, stderr = _train_py("--steps", "10", "--lr", "10", "--warmup", "0", "--out",
+                             str(tmp_path / "run"), "--resume")
+    assert code == 2 and "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
+    assert (f"{checkpoint}/meta.json: first_loss is NaN, not the run's first loss" in stderr
+            and f"delete {checkpoint}" in stderr), stderr
+    assert _files(tmp_path) == before                                   # nothing written
+
+
+@pytest.mark.parametrize("field, value", [
+    ("first_loss", float("inf")), ("first_loss", -1.0), ("loss", float("nan")), ("step", 2.5),
+    ("data_position", -3), ("sha256", {"rank00000.pt": "not a checksum"}),
+])
+def test_a_meta_json_number_out_of_range_is_named(field, value, held, tmp_path):
+    checkpoint = _copy_checkpoint(held, tmp_path)
+    _edit_meta(checkpoint, **{field: value})
+    with pytest.raises(snapshot.CheckpointError) as error:
+        snapshot.load(str(checkpoint))
+    assert f"meta.json: {field} is {json.dumps(value)}, not " in str(error.value), error.value
+    assert f"delete {checkpoint}" in str(error.value)
+
+
+LORA = dict(targets=["query", "value"], rank=8, alpha=16.0, dropout=0.0, quantize=None,
+            double_quant=False)                           # lora_config's, as a LoRA run saves it
+
+
+@pytest.mark.parametrize("section, field, value", [
+    ("model", "dropout", float("nan")), ("model", "n_layer", 0), ("model", "capacity_factor", -1.25),
+    ("model", "routing_group", 0), ("lora", "rank", 0), ("lora", "alpha", float("inf")),
+    ("lora", "quantize", "nf8"), ("lora", "targets", []),
+])
+def test_a_configuration_value_out_of_range_is_named(section, field, value, held, tmp_path):
+    """The model's and the adapters' settings build the model a checkpoint loads into."""
+    checkpoint = _copy_checkpoint(held, tmp_path)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    _edit_meta(checkpoint, **{section: {**(meta[section] or LORA), field: value}})
+    with pytest.raises(snapshot.CheckpointError) as error:
+        snapshot.read_meta(str(checkpoint))
+    assert f"meta.json: {section}.{field} is {json.dumps(value)}, not " in str(error.value), error.value
+
+
+def _rewrite_part(checkpoint, change):
+    """Change rank 0's part and save it with its new checksum: bytes that read back whole, with
+    a content no save writes (edited, or a program of another version)."""
+    file = checkpoint / "rank00000.pt"
+    part = torch.load(file, weights_only=True)
+    change(part)
+    data = io.BytesIO()
+    torch.save(part, data)
+    file.write_bytes(data.getvalue())
+    _edit_meta(checkpoint, sha256={"rank00000.pt": hashlib.sha256(data.getvalue()).hexdigest()})
+
+
+def _first(part, key):
+    return part["pieces"][0]["tensors"][key]
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda part: part.pop("rng"), "holds ['pieces', 'scaler'], not the pieces, rng and scaler"),
+    (lambda part: part.pop("scaler"), "holds ['pieces', 'rng'], not the pieces, rng and scaler"),
+    (lambda part: part["pieces"][0]["tensors"].update(param=_first(part, "param")[:-1]),
+     "a piece token_emb.weight[0:32768] whose param is (32767,), not 32768 fp32 values"),
+    (lambda part: _first(part, "exp_avg")[7:9].fill_(float("nan")),
+     "a piece token_emb.weight[0:32768] whose exp_avg holds inf or NaN"),
+    (lambda part: _first(part, "exp_avg_sq")[5].fill_(-1.0), "whose exp_avg_sq (a mean of squares) is negative"),
+    (lambda part: part["pieces"][0]["scalars"].update(step=torch.tensor(float("nan"))),
+     "whose step is nan, not a finite number from 0"),
+    (lambda part: part["scaler"].update(scale=float("inf")), "a loss scaler state"),
+    (lambda part: part["rng"].update(cpu=part["rng"]["cpu"][:-1]), "an rng that is not a CPU generator's"),
+])
+def test_a_part_whose_checksum_matches_but_whose_content_is_wrong_is_named(change, says, held,
+                                                                           tmp_path):
+    """Before: KeyError: 'rng', KeyError: 'scaler', a RuntimeError of expanded sizes, or NaN
+    moments resumed into a run that then "diverged"."""
+    checkpoint = _copy_checkpoint(held, tmp_path)
+    _rewrite_part(checkpoint, change)
+    with pytest.raises(snapshot.CheckpointError) as error:
+        snapshot.load(str(checkpoint))
+    message = str(error.value)
+    assert message.startswith(f"{checkpoint}/rank00000.pt is damaged: it ") and says in message, message
+    assert message.endswith(f"delete {checkpoint} to resume from the checkpoint before it"), message
+
+
+def test_a_part_without_its_rng_stops_the_resume_with_one_line(held, tmp_path):
+    checkpoint = _copy_checkpoint(held, tmp_path)
+    _rewrite_part(checkpoint, lambda part: part.pop("rng"))
+    before = _files(tmp_path)
+    code, stderr = _train_py(*RUN, "--steps", "8", "--out", str(tmp_path / "run"), "--resume")
+    assert code == 2 and "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
+    assert stderr.startswith(f"train.py: error: {checkpoint}/rank00000.pt is damaged"), stderr
+    assert _files(tmp_path) == before
+
+
+def test_flipped_bytes_in_an_older_checkpoint_without_checksums_are_found(held, tmp_path):
+    """A checkpoint saved before parts had a sha256 loaded its flipped bytes as weights; torch's
+    file is a zip archive whose records each carry a CRC-32, which finds them."""
+    checkpoint = _copy_checkpoint(held, tmp_path)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    del meta["sha256"]
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    part = checkpoint / "rank00000.pt"
+    data = bytearray(part.read_bytes())
+    middle = len(data) // 2
+    data[middle: middle + 64] = bytes(b ^ 0xFF for b in data[middle: middle + 64])
+    part.write_bytes(bytes(data))
+    with pytest.raises(snapshot.CheckpointError) as error:
+        snapshot.load(str(checkpoint))
+    assert re.fullmatch(rf"{part} is corrupt or truncated \(its record \S+ no longer matches its "
+                        rf"CRC-32\); delete {checkpoint} to resume .*", str(error.value)), error.value
+
+
+def _export_with(held, tmp_path, change):
+    saved = torch.load(held / "model.pt", weights_only=True)
+    change(saved["state_dict"])
+    path = tmp_path / "model.pt"
+    torch.save(saved, path)
+    return path
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda weights: weights.pop("head.weight"), " lacks the tensor head.weight, of shape (256, 128)"),
+    (lambda weights: weights.update({"head.weight": weights["head.weight"][:-1]}),
+     ": its tensor head.weight is (255, 128) torch.float32, where the model it describes has (256, 128)"),
+    (lambda weights: weights["blocks.1.mlp.up.weight"][3, 4].fill_(float("nan")),
+     ": its tensor blocks.1.mlp.up.weight holds inf or NaN"),
+])
+@pytest.mark.parametrize("flags", [[], ["--sample"], ["--lora"]])
+def test_an_export_with_a_missing_wrong_or_nan_tensor_is_named_before_any_work(change, says, flags, held,
+                                                                              tmp_path, capsys):
+    """Before: load_state_dict's Missing key(s) and size mismatch tracebacks, and NaN weights
+    trained into a run that "diverged: lower --lr"."""
+    path = _export_with(held, tmp_path, change)
+    out = tmp_path / "tuned"
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args([*flags, "--init-from", str(path), *([] if flags else ["--out", str(out)])])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"error: --init-from: {path}{says}" in err, err
+    assert not out.exists()                                             # nothing written
+    with pytest.raises(snapshot.CheckpointError, match=re.escape(says)):
+        train.load_weights(str(path))              # a user's own call: the same words
+
+
+def test_a_weight_decay_that_flips_the_weights_sign_is_refused(capsys):
+    """Before: --weight-decay 1e30 trained, and its NaN was blamed on --lr."""
+    err = _stderr_of_parse(["--weight-decay", "1e30"], capsys)
+    assert ("--weight-decay 1e+30 at --lr 0.002: AdamW multiplies every weight by 1 - lr x decay = "
+            "-2e+27 each step, which zeroes the weights or flips their sign; give --weight-decay "
+            "below 1/lr = 500") in err, err
+    assert "below 1/lr = 1e+04" in _stderr_of_parse(["--weight-decay", "1e4", "--lr", "1e-4"], capsys)
+    train.parse_args(["--weight-decay", "1", "--lr", "0.5"])       # 1 - 0.5: shrinks, stays positive
+
+
+# ---- every rank's own RNG stream, where the ranks' streams differ ----------------------------
+
+def _resumed_twice(root):
+    """One process saves after step 3; two ranks resume it (resharded: each rank seeds its own
+    stream) and save after steps 4 and 6 (straight); a copy resumes from step 4 (again)."""
+    flags = ["--dropout", "0.1", "--save-every", "1", "--keep", "10"]
+    straight, again = os.path.join(root, "straight"), os.path.join(root, "again")
+    if torch.distributed.get_world_size() == 1:
+        return _train([*flags, "--steps", "3", "--out", straight])
+    out = {"straight": _train([*flags, "--strategy", "ddp", "--out", straight, "--resume",
+                               "--export", straight + ".pt"])}
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(straight, again, ignore=shutil.ignore_patterns("ckpt-0000005", "ckpt-0000006"))
+    torch.distributed.barrier()
+    out["again"] = _train([*flags, "--strategy", "ddp", "--out", again, "--resume",
+                           "--export", again + ".pt"])
+    return out
+
+
+def test_each_rank_resumes_its_own_rng_stream_where_the_streams_differ(tmp_path):
+    """A resharded resume seeds each rank's stream apart (seed + step x 1000 + rank), so from then
+    on the ranks' CPU states differ, and each rank's dropout masks are its own: a resume at the
+    same world size must give rank r parts[r]'s state. Every rank taking parts[0]'s would
+    replay rank 0's masks on rank 1's rows: another loss from step 4 on."""
+    run_ranks(_resumed_twice, 1, str(tmp_path))
+    ranks = run_ranks(_resumed_twice, 2, str(tmp_path))
+    straight, again = ranks[0]["straight"], ranks[0]["again"]
+    _, parts = snapshot.load(str(tmp_path / "straight" / "ckpt-0000004"))
+    assert not torch.equal(parts[0]["rng"]["cpu"], parts[1]["rng"]["cpu"])   # the streams differ
+    assert list(again["losses"]) == [4, 5]
+    assert again["losses"] == {s: straight["losses"][s] for s in (4, 5)}
+    assert again["eval_loss"] == straight["eval_loss"]
+    _same_weights(_weights(tmp_path / "again.pt"), _weights(tmp_path / "straight.pt"))
+
+
+def test_a_diverged_run_lists_a_damaged_checkpoints_loss_as_unknown(held, tmp_path):
+    """Divergence's line lists every checkpoint's saved loss: one that is not a number (an edited
+    meta.json) is '?', as one saved without a loss, not a ValueError in the middle of the stop."""
+    _copy_checkpoint(held, tmp_path)
+    _edit_meta(tmp_path / "run" / "ckpt-0000003", loss="low")
+    args = train.parse_args([*RUN, "--out", str(tmp_path / "run"), "--resume"])
+    with pytest.raises(snapshot.RunError) as error:
+        snapshot.Divergence(args, 256).stop(7, "the loss is nan in fp32")
+    assert re.search(r"ckpt-0000003 \(\?\), ckpt-0000006 \([\d.]+\)", str(error.value)), error.value

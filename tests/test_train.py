@@ -1256,3 +1256,82 @@ def test_fsdp_in_16_bits_holds_what_memory_py_predicts(precision):
     shard = -(-model_params("tiny") // 2) / 2**20                    # MiB of one fp32 shard / 4
     assert [float(x) for x in measured] == [round(4 * shard, 1), round(4 * shard, 1),
                                             round(8 * shard, 1)], out
+
+
+# ---- a mesh of two sharded parts: the used-flags cut at each part's own offset -------------
+
+MESH_ADAMW = dict(lr=1e-2, weight_decay=0.1)      # a decay: a parameter stepped while unused moves
+
+
+class _TwoParts(torch.nn.Module):
+    """The first part's parameters (`shared`, always used), then the second's: `expert`, always
+    used, and `idle`, used at step 0 only, on every rank. A step after it has the used-flags
+    [1, 1 | 1, 1, 0, 0] (a flag a tensor; the second part's in its flats' order): the second
+    part's must be read from offset 2, not 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.expert, self.idle = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, use_idle):                                   # x: (B, 8)
+        h = self.expert(torch.tanh(self.shared(x)))
+        return (self.idle(h) if use_idle else h).pow(2).mean()
+
+    def parts(self):
+        return [list(self.shared.parameters()), [*self.expert.parameters(), *self.idle.parameters()]]
+
+
+def _two_sharded_parts(inputs):
+    """ZeRO-1 over each part, one MeshOptimizer over both (as zero1 --ep 2 makes one over the
+    data group and one over the experts' holders): every rank's pieces after each step."""
+    from composition.mesh_optimizer import MeshOptimizer
+    from running.pieces import optimizer_pieces
+    from zero import ZeroOptimizer
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = _TwoParts()
+    optimizer = MeshOptimizer([ZeroOptimizer(part, **MESH_ADAMW) for part in model.parts()], {})
+    names = {p: name for name, p in model.named_parameters()}
+    pieces = []
+    for step, x in enumerate(inputs):
+        optimizer.zero_grad()
+        model(x[rank], use_idle=step == 0).backward()
+        optimizer.step()
+        pieces.append(optimizer_pieces(optimizer, names))
+    return pieces
+
+
+@pytest.mark.equivalence
+def test_a_mesh_of_two_sharded_parts_keeps_a_parameter_no_rank_used_as_it_was():
+    """One process's AdamW leaves `idle` alone once its .grad is None: its values and both Adam
+    moments stay step 0's. On the mesh its elements sit in the second part's shards, whose
+    used-flags follow the first part's in one tensor: cut at offset 0 they read the first
+    part's ones, and `idle` is decayed and moved by its stale moments."""
+    from running.pieces import Pieces
+    steps = 3
+    inputs = torch.randn(steps, 2, 4, 8, generator=torch.Generator().manual_seed(5))  # (steps, N, B, 8)
+    torch.manual_seed(0)
+    model = _TwoParts()
+    adamw = torch.optim.AdamW(model.parameters(), **MESH_ADAMW)
+    single = []
+    for step, x in enumerate(inputs):        # one process: the mean of both ranks' losses
+        adamw.zero_grad(set_to_none=True)
+        ((model(x[0], step == 0) + model(x[1], step == 0)) / 2).backward()
+        adamw.step()
+        single.append({name: {"param": p.detach().flatten().clone(),
+                              **{k: adamw.state[p][k].flatten().clone() for k in ("exp_avg", "exp_avg_sq")}}
+                       for name, p in model.named_parameters()})
+    ranks = run_ranks(_two_sharded_parts, 2, inputs)
+    meshes = [Pieces([piece for pieces in ranks for piece in pieces[step]]) for step in range(steps)]
+    for step, mesh in enumerate(meshes):
+        for name, p in model.named_parameters():
+            got = mesh.read(name, 0, p.numel())
+            for key, want in single[step][name].items():
+                if name.startswith("idle.") and step:      # unused since step 0: as it was, exactly
+                    assert torch.equal(got[key], meshes[0].read(name, 0, p.numel())[key]), \
+                        f"step {step}: {name} {key} moved, no rank used it"
+                # fp32, the 2-rank average's rounding moves Adam's update by at most ~1% of lr
+                # where |g| is near eps (test_zero's PARAM_TOL); the moments by 1e-5 relative.
+                tolerance = dict(rtol=0, atol=1e-4) if key == "param" else dict(rtol=1e-5, atol=1e-12)
+                torch.testing.assert_close(got[key], want, **tolerance,
+                                           msg=lambda m: f"step {step}: {name} {key}: {m}")
