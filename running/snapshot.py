@@ -82,7 +82,7 @@ def losses(out_dir: str) -> list[tuple[str, float | None]]:
 def clear(out_dir: str):
     """Delete every checkpoint in out_dir, complete or not (train.py --overwrite). Rank 0 only."""
     for entry in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
-        if CHECKPOINT.match(entry.removesuffix(".tmp")):
+        if CHECKPOINT.match(entry.split(".")[0]):                 # .tmp, .replaced.tmp too
             shutil.rmtree(os.path.join(out_dir, entry))
 
 
@@ -306,15 +306,22 @@ def save(out_dir: str, step: int, part: dict, meta: dict, keep: int) -> str:
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump({**meta, "step": step, "world_size": world_size, "sha256": checksums}, f,
                           indent=1)
-            shutil.rmtree(final, ignore_errors=True)   # the same step saved again after a resume
+            if os.path.exists(final):                  # the same step saved again after a resume:
+                replaced = final + ".replaced.tmp"     # moved aside, not deleted before the rename
+                shutil.rmtree(replaced, ignore_errors=True)
+                os.rename(final, replaced)
             os.rename(tmp, final)                      # ... before the checkpoint exists at all
+            shutil.rmtree(final + ".replaced.tmp", ignore_errors=True)
 
     for write in (start, write_part, finish):
         _written_by_every_rank(write, tmp, data.getbuffer().nbytes)
     if rank == 0:
         older = sorted(e for e in os.listdir(out_dir) if CHECKPOINT.match(e))[:-keep]
-        for entry in older:
-            shutil.rmtree(os.path.join(out_dir, entry))
+        for entry in older:        # renamed first: a kill inside the delete leaves a .tmp, never
+            doomed = os.path.join(out_dir, entry + ".tmp")    # a half checkpoint that counts
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.rename(os.path.join(out_dir, entry), doomed)
+            shutil.rmtree(doomed)
     dist.barrier()
     return final
 

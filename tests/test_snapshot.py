@@ -260,6 +260,39 @@ def test_crash_during_save_keeps_the_previous_checkpoint(resumed, tmp_path):
     assert sorted(os.listdir(out)) == ["ckpt-0000003", "ckpt-0000006", "config.json", "log.txt"]
 
 
+CRASH_IN_PRUNE = """
+import os, shutil, sys
+sys.path.insert(0, {root!r})
+import train
+from running import snapshot
+delete = shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    if "ckpt-0000003" in path and os.path.isdir(path) and "rank00000.pt" in os.listdir(path):
+        os.remove(os.path.join(path, "rank00000.pt"))  # half deleted: meta.json still there
+        os._exit(9)
+    delete(path, *args, **kwargs)
+snapshot.shutil.rmtree = rmtree
+train.main({argv!r})
+"""
+
+
+def test_a_kill_while_pruning_leaves_no_half_checkpoint_that_counts(tmp_path):
+    """--keep 1 deletes step 3's checkpoint once step 6's exists; killed halfway through that
+    delete (a part gone, meta.json not yet), what remains must not count as a checkpoint: every
+    one checkpoints() lists still holds every part its meta.json names."""
+    out = str(tmp_path / "run")
+    argv = [*RUN, "--out", out, "--save-every", str(SAVE_AT), "--keep", "1"]
+    crashed = subprocess.run([sys.executable, "-c", CRASH_IN_PRUNE.format(root=ROOT, argv=argv)],
+                             cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert crashed.returncode == 9, crashed.stderr
+    for path in snapshot.checkpoints(out):
+        with open(os.path.join(path, "meta.json")) as f:
+            parts = json.load(f)["sha256"]
+        assert all(os.path.exists(os.path.join(path, name)) for name in parts), path
+    assert snapshot.latest(out).endswith("ckpt-0000006")
+
+
 # ---- the run directory: one owner, one branch, outputs checked first, a full disk -------------
 
 def _listing(directory):
