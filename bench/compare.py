@@ -1,4 +1,5 @@
-"""bench/compare.py (python -m bench): our strategies and collectives against PyTorch's own, timed in one job.
+"""bench/compare.py (python -m bench): our strategies and collectives against PyTorch's own,
+timed in one job.
 
 The contenders: each strategy and its PyTorch counterpart (DistributedDataParallel, ZeRO-1's
 ZeroRedundancyOptimizer, fully_shard, parallelize_module, torch.distributed.pipelining's
@@ -11,7 +12,8 @@ beside its all-gather (PyTorch's context_parallel does not run on CPU ranks). be
 times them and prints the tables, bench/ring.py all-reduce and all-to-all by size.
 Left out: gradient accumulation, data loading.
 Run: torchrun --nproc_per_node 2 -m bench --quick (CPU); torchrun --nproc_per_node 8 -m bench (GPUs);
-python -m bench --scaling 1,2,4,8 (no torchrun) the bytes per rank as the world grows (bench/scaling.py);
+python -m bench --scaling 1,2,4,8 (no torchrun) the bytes per rank as the world grows
+(bench/scaling.py);
 python -m bench --report bench.json prints a finished run's tables again (the README's come so)
 Test: python -m pytest tests/test_bench.py
 """
@@ -45,8 +47,9 @@ import pipeline
 from composition import tensor_parallel_gpt
 from bench.ring import bench_collectives, collectives_report
 from bench.scaling import STRATEGIES as SCALED, bench_scaling, scaling_report
-from bench.measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops, moe_report, progress,
-                           predicted_cell, report, size_report, spread, summary, time_training)
+from bench.measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_peak_flops,
+                           moe_report, progress, predicted_cell, report, size_report, spread,
+                           summary, time_training)
 from checkpointing import checkpoint_blocks
 from running.cli import ring_choice
 from collectives import Comm

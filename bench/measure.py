@@ -64,7 +64,8 @@ STARTED = time.perf_counter()
 def progress(line: str):
     """Rank 0 says on stderr what the bench has done so far (its tables come at the end)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"bench: {line} ({time.perf_counter() - STARTED:.0f} s in)", file=sys.stderr, flush=True)
+        seconds = time.perf_counter() - STARTED
+        print(f"bench: {line} ({seconds:.0f} s in)", file=sys.stderr, flush=True)
 
 
 def sync(device):

@@ -34,8 +34,9 @@ def check_split_given(parser, args, world_size, dim: str, does: str):
     --cp) 1 it would run, without a word, as plain data parallelism (ddp)."""
     if SPLIT_BY.get(args.strategy) == dim and getattr(args, dim) == 1 < world_size:
         n = min(d for d in range(2, world_size + 1) if world_size % d == 0)
-        parser.error(f"--strategy {args.strategy} {does} --{dim} N ranks: add --{dim} N, N dividing "
-                     f"the world size {world_size} (e.g. --{dim} {n}); at --{dim} 1 it is --strategy ddp")
+        parser.error(f"--strategy {args.strategy} {does} --{dim} N ranks: add --{dim} N, N "
+                     f"dividing the world size {world_size} (e.g. --{dim} {n}); at --{dim} 1 it is "
+                     f"--strategy ddp")
 
 
 def moe_config(args) -> dict:

@@ -167,11 +167,12 @@ def picture(args) -> str:
                  *(["--virtual-stages", str(args.virtual_stages)] if args.virtual_stages is not None else [])]
         print(f"running {args.schedule} on {args.stages} ranks ...", file=sys.stderr, flush=True)
         return draw_schedule(traces.spawn(traces.executed_schedule, args.stages, flags))
-    flags, strategies = [*MEMORY_FLAGS, "--bucket-mb", str(args.bucket_mb)], args.strategies.split(",")
-    panels = []
-    for i, s in enumerate(strategies, 1):        # a line as each starts: the picture comes at the end
+    flags = [*MEMORY_FLAGS, "--bucket-mb", str(args.bucket_mb)]
+    strategies, panels = args.strategies.split(","), []
+    for i, s in enumerate(strategies, 1):     # a line as each starts: the picture comes at the end
         ranks = 1 if s == "single" else args.ranks
-        print(f"tracing {s} on {ranks} rank(s), {i} of {len(strategies)} ...", file=sys.stderr, flush=True)
+        print(f"tracing {s} on {ranks} rank(s), {i} of {len(strategies)} ...", file=sys.stderr,
+              flush=True)
         panels.append(traces.spawn(traces.memory_over_a_step, ranks, s, flags))
     return draw_memory(panels)
 

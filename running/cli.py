@@ -289,8 +289,10 @@ def run_shape(args, data_size: int) -> tuple[str, str]:
     splits = mesh_splits(args)
     experts = f", experts over ep {args.ep}" if args.ep > 1 else ""
     if not splits:
-        return f" = dp {data_size}{experts}" if experts else "", f"{args.grad_accum} micro-batch(es) per rank"
-    mesh = " = " + " x ".join(f"{d} {n}" for d, n in splits.items()) + f" x dp {data_size}" + experts
+        mesh = f" = dp {data_size}{experts}" if experts else ""
+        return mesh, f"{args.grad_accum} micro-batch(es) per rank"
+    mesh = (" = " + " x ".join(f"{d} {n}" for d, n in splits.items()) + f" x dp {data_size}"
+            + experts)
     if "cp" in splits:
         mesh += f", {args.cp_attention} attention, {args.cp_balance} balance"
     if "pp" not in splits:
@@ -340,7 +342,8 @@ def describe_run(args, world_size: int, data_size: int, device: str, n_params: i
         lines.append(f"--strategy auto (advisor.py's flow chart, --mem-budget "
                      f"{args.mem_budget or 'free GPU memory'}): {args.advice}")
     lines.append(f"{args.strategy} on {world_size}{shape} x {device} | model {args.model} "
-                 f"{n_model / 1e6:.2f}M params{f', {n_params / 1e6:.2f}M on this rank' if shape else ''} | "
+                 f"{n_model / 1e6:.2f}M params"
+                 f"{f', {n_params / 1e6:.2f}M on this rank' if shape else ''} | "
                  f"{args.precision} | "
                  f"global batch {args.batch_size} x {args.seq_len} tokens, {micro_batches} | "
                  f"{collectives_used(args.collectives, dist.get_backend(), world_size)} | {args.steps} steps")

@@ -259,14 +259,18 @@ def predicted_seconds(args, gpt, world_size: int, device) -> float | str:
                 f"pipeline-{args.schedule or '1f1b'}" if pipelined else "ddp" if cp > 1 else
                 {"zero3": "fsdp"}.get(args.strategy, args.strategy) if not splits else None)
     known = strategy in (*DATA_PARALLEL, "tp") or str(strategy).startswith("pipeline-")
-    why = ("step_time.py prices one split over the whole world, not "
-           + " x ".join(f"{d} {n}" for d, n in splits.items()) + f" of {world_size} ranks" if not known
-           else f"step_time.py prices one micro-batch a step, not --grad-accum {args.grad_accum}"
-           if args.grad_accum > 1 else "step_time.py has no hybrid sharding (--shard-group)"
-           if args.shard_group else "step_time.py prices --ep under ddp alone, without --cp"
-           if args.ep > 1 and (strategy != "ddp" or cp > 1) else
-           "step_time.py prices --cp with zigzag balance, without checkpointing"
-           if cp > 1 and (args.cp_balance != "zigzag" or args.checkpoint_activations) else None)
+    mesh = " x ".join(f"{d} {n}" for d, n in splits.items())
+    unpriced = [                  # (what the napkin leaves out, what the log says in its place)
+        (not known, f"step_time.py prices one split over the whole world, not {mesh} of "
+                    f"{world_size} ranks"),
+        (args.grad_accum > 1, f"step_time.py prices one micro-batch a step, not --grad-accum "
+                              f"{args.grad_accum}"),
+        (args.shard_group, "step_time.py has no hybrid sharding (--shard-group)"),
+        (args.ep > 1 and (strategy != "ddp" or cp > 1), "step_time.py prices --ep under ddp alone, "
+                                                        "without --cp"),
+        (cp > 1 and (args.cp_balance != "zigzag" or args.checkpoint_activations),
+         "step_time.py prices --cp with zigzag balance, without checkpointing")]
+    why = next((why for left_out, why in unpriced if left_out), None)
     if why:
         return why
     M = args.microbatches or 1 if pipelined else 1
