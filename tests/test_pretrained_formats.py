@@ -204,7 +204,8 @@ def train_merges(words: list[str], n: int) -> list[tuple[str, str]]:
 
 
 def tokenizer_spec(style: str, text: str, n_merges: int = 150, list_merges=False) -> dict:
-    """A tokenizer.json as the three families write it, trained on text."""
+    """A tokenizer.json as the three families write it (every field the Rust library wants),
+    trained on text."""
     merges = train_merges(reference_words(text, style), n_merges)
     vocab = {SYMBOL[b]: b for b in range(256)}
     for a, b in merges:
@@ -214,12 +215,16 @@ def tokenizer_spec(style: str, text: str, n_merges: int = 150, list_merges=False
     pre = byte_level if style == "gpt2" else {"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"Regex": RUST_PATTERNS[style]}, "behavior": "Isolated",
          "invert": False}, byte_level]}
-    special = "<|endoftext|>" if style != "llama3" else "<|begin_of_text|>"
-    return {"version": "1.0", "normalizer": {"type": "NFC"} if style == "qwen2" else None,
-            "pre_tokenizer": pre, "decoder": {"type": "ByteLevel"},
-            "added_tokens": [{"id": len(vocab), "content": special, "special": True}],
-            "model": {"type": "BPE", "vocab": vocab, "ignore_merges": style == "llama3",
-                      "merges": [list(m) if list_merges else " ".join(m) for m in merges]}}
+    special = {"id": len(vocab), "content": "<|begin_of_text|>" if style == "llama3" else
+               "<|endoftext|>", "single_word": False, "lstrip": False, "rstrip": False,
+               "normalized": False, "special": True}
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+             "ignore_merges": style == "llama3", "vocab": vocab,
+             "merges": [list(m) if list_merges else " ".join(m) for m in merges]}
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [special],
+            "normalizer": {"type": "NFC"} if style == "qwen2" else None, "pre_tokenizer": pre,
+            "post_processor": None, "decoder": {**byte_level, "use_regex": True}, "model": model}
 
 
 def reference_encode(spec: dict, text: str, style: str) -> list[int]:
