@@ -175,6 +175,7 @@ def fill(model: nn.Module, checkpoint: Checkpoint, source):
                                       f"{list(checkpoint.shape(hf))} where config.json's model "
                                       f"needs {list(shape)}: download both again")
             param.copy_(take(checkpoint.get(hf)))
+            checkpoint.release(hf)
             used.add(hf)
     tied = ("lm_head.weight",) if model.cfg.tie_embeddings else ()
     extra = [n for n in checkpoint.where if n not in used and n not in tied

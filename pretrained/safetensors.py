@@ -104,6 +104,15 @@ class SafetensorsFile:
             raw = raw.clone()
         return raw.view(dtype).view(entry["shape"])
 
+    def release(self, name: str):
+        """Let go of the tensor's pages once it is copied (the kernel rereads them from the file
+        if it is read again), so that a whole loaded model is not resident twice."""
+        begin, end = (self.start + offset for offset in self.header[name]["data_offsets"])
+        page = mmap.PAGESIZE
+        first, last = -(-begin // page) * page, end // page * page   # whole pages inside it
+        if last > first and hasattr(mmap, "MADV_DONTNEED"):
+            self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
 
 class Checkpoint:
     """A directory's weights: model.safetensors, or the shards its index names, opened as read."""
@@ -151,6 +160,9 @@ class Checkpoint:
 
     def get(self, name: str) -> torch.Tensor:
         return self.file(name).get(name)
+
+    def release(self, name: str):
+        self.file(name).release(name)
 
 
 def save(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None):

@@ -6,6 +6,9 @@ import functools
 import json
 import math
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +17,8 @@ from pretrained import PretrainedError
 from pretrained.load import export_hf, load_pretrained
 from pretrained.safetensors import SafetensorsFile, save
 from test_pretrained_formats import stdlib_sample, tokenizer_spec
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Small directories in each family's shapes and tensor names: random weights, a trained tokenizer.
 
@@ -334,3 +339,46 @@ def test_a_bad_directory_gets_one_line_naming_the_file_and_the_fix(tmp_path, cas
     line = str(error.value)
     assert line.startswith(str(tmp_path / file)) and words in line, line
     assert "\n" not in line and any(fix in line for fix in ("download", "use ", "give ")), line
+
+
+PEAK = """
+import sys
+from pretrained.load import load_pretrained
+def status(field):           # bytes; VmHWM: the peak (getrusage's may be the parent's at fork)
+    line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+load_pretrained(sys.argv[2])          # torch's first operations map in tens of MB of code
+before = status("VmRSS")
+model, _, _ = load_pretrained(sys.argv[1])
+peak = status("VmHWM")
+print(max(0, peak - before), sum(p.numel() * p.element_size() for p in model.parameters()))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
+def test_loading_holds_the_model_once_and_not_the_file_beside_it(tmp_path):
+    """The file is mapped and each tensor's pages let go once copied: the load's peak is the
+    model plus about one tensor, where reading the file (or keeping its pages) would be twice."""
+    C, F, L = 512, 1536, 4                                       # 14M parameters, 57 MB
+    shapes = {"model.embed_tokens.weight": (256, C), "model.norm.weight": (C,)}
+    for i in range(L):
+        layer = f"model.layers.{i}."
+        shapes |= {layer + "input_layernorm.weight": (C,), **{
+            layer + f"self_attn.{p}_proj.weight": (C, C) for p in "qkvo"},
+            layer + "post_attention_layernorm.weight": (C,), **{
+            layer + f"mlp.{p}_proj.weight": (F, C) if p != "down" else (C, F)
+            for p in ("gate", "up", "down")}}
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": C, "intermediate_size": F,
+              "num_hidden_layers": L, "num_attention_heads": 8, "vocab_size": 256,
+              "tie_word_embeddings": True}
+    tensors = {name: torch.zeros(shape) + 1 for name, shape in shapes.items()}
+    write_directory(tmp_path / "large", config, tensors, small_spec("gpt2"))
+    family_directory(tmp_path / "small", "smollm2")
+    result = subprocess.run([sys.executable, "-c", PEAK, *(str(tmp_path / d) for d in
+                            ("large", "small"))], capture_output=True, text=True, cwd=ROOT,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    grew, model_bytes = map(int, result.stdout.split())
+    largest = max(t.numel() * 4 for t in tensors.values())
+    # the model, one tensor, and 8 MB for the allocator's and Python's own
+    assert grew < model_bytes + largest + 8 * 2**20, (grew / 2**20, model_bytes / 2**20)
