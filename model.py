@@ -28,6 +28,7 @@ class GPTConfig:
     vocab_size: int = 256          # bytes
     dropout: float = 0.0
     tie_embeddings: bool = False   # head shares the token embedding's weight (GPT-2 does)
+    gelu_approximate: str = "none"  # "tanh": GPT-2's GELU, which its pretrained weights need
     # Mixture of experts (moe.py): every block's MLP becomes `experts` MLPs behind a router, each
     # token sent to top_k of them; 0 experts: the dense model. moe.py builds those blocks (its
     # feed_forward, which GPT and build_model take): the model knows no router itself.
@@ -103,10 +104,11 @@ class MLP(nn.Module):
         super().__init__()
         self.up = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.down = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
-        self.dropout = cfg.dropout
+        self.dropout, self.approximate = cfg.dropout, cfg.gelu_approximate
 
     def forward(self, x):                                        # (B, T, C) -> (B, T, 4C) -> (B, T, C)
-        return F.dropout(self.down(F.gelu(self.up(x))), self.dropout, self.training)
+        hidden = F.gelu(self.up(x), approximate=self.approximate)
+        return F.dropout(self.down(hidden), self.dropout, self.training)
 
 
 class Block(nn.Module):

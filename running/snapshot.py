@@ -468,6 +468,7 @@ MODEL_RULES = {
        for field in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "top_k")},
     "dropout": (lambda v: _number(v, 0, 1), "a probability from 0 up to, not including, 1"),
     "tie_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+    "gelu_approximate": (lambda v: v in ("none", "tanh"), "none or tanh"),
     "experts": (lambda v: _count(v, 0), "a whole number from 0 (dense)"),
     "capacity_factor": (lambda v: v is None or _number(v) and v > 0, "a positive number, or null"),
     "aux_loss_weight": (_number, "a number from 0"),
@@ -667,7 +668,10 @@ def check_adapter_base(meta: dict, path: str):
 
 
 def check_same_model(saved: dict, current: dict, path: str, ignore: tuple = ()):
-    """The saved model configuration must equal this run's: name the first field that differs."""
+    """The saved model configuration must equal this run's: name the first field that differs.
+    A field the checkpoint predates (GPTConfig grew it later) reads as its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    saved = {**{f: defaults[f] for f in current if f in defaults and f not in saved}, **saved}
     for field in sorted(set(saved) | set(current)):
         if field not in ignore and saved.get(field) != current.get(field):
             raise CheckpointError(f"{path} holds a model with {field}={saved.get(field)!r}, this run "

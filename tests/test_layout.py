@@ -23,7 +23,8 @@ CONCEPTS = {"mixed_precision": set(), "collectives": set(), "ddp": set(), "zero"
             "context_parallel": {"tensor_parallel"}, "moe": set(), "lora": {"quantization"},
             "quantization": set(), "checkpointing": set()}
 TOP_LEVEL = {*CONCEPTS, "model", "train"}
-PACKAGES = {"foundations", "mechanics", "extensions", "composition", "running", "napkin", "bench", "pictures"}
+PACKAGES = {"foundations", "mechanics", "extensions", "composition", "running", "napkin", "bench", "pictures",
+            "pretrained"}
 # The files that are a concept's own beyond it (its mechanics; an extension that reads as a delta
 # after its core), held to the same sitting.
 OWN = {"zero": {"extensions.offload", "extensions.zero_offload"},

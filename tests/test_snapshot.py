@@ -836,6 +836,24 @@ def test_a_configuration_value_out_of_range_is_named(section, field, value, held
     assert f"meta.json: {section}.{field} is {json.dumps(value)}, not " in str(error.value), error.value
 
 
+def test_a_checkpoint_older_than_a_model_field_reads_it_as_its_default(held, tmp_path):
+    """GPTConfig grew gelu_approximate (GPT-2's tanh GELU, pretrained/): a checkpoint saved before
+    it holds no such field, and resumes into the default model; a model that differs is named."""
+    checkpoint = _copy_checkpoint(held, tmp_path)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    older = {k: v for k, v in meta["model"].items() if k != "gelu_approximate"}
+    _edit_meta(checkpoint, model=older)
+    saved = snapshot.read_meta(str(checkpoint))["model"]
+    current = {**older, "gelu_approximate": "none"}
+    snapshot.check_same_model(saved, current, str(checkpoint))           # the default: no error
+    with pytest.raises(snapshot.CheckpointError, match="gelu_approximate='none', this run builds "
+                                                       "gelu_approximate='tanh'"):
+        snapshot.check_same_model(saved, {**current, "gelu_approximate": "tanh"}, str(checkpoint))
+    _edit_meta(checkpoint, model={**older, "gelu_approximate": "exact"})
+    with pytest.raises(snapshot.CheckpointError, match="gelu_approximate is \"exact\", not none or tanh"):
+        snapshot.read_meta(str(checkpoint))
+
+
 def _rewrite_part(checkpoint, change):
     """Change rank 0's part and save it with its new checksum: bytes that read back whole, with
     a content no save writes (edited, or a program of another version)."""
