@@ -88,7 +88,9 @@ def train_step(model, optimizer, sync, x, y, args, measure=False, kept: dict | N
         # Gradients of all but the last micro-batch accumulate locally: one sync per step.
         with contextlib.nullcontext() if last else no_sync():
             if kept is not None and micro == 0:     # each micro-batch's are freed by its backward
-                kept["bytes"], (_, loss) = saved_activation_bytes(lambda: model(mx, my), list(model.parameters()))
+                # The weights the module computes with: FSDP's own parameters are its shards
+                weights = [*model.parameters(), *getattr(model, "module", model).parameters()]
+                kept["bytes"], (_, loss) = saved_activation_bytes(lambda: model(mx, my), weights)
             else:
                 _, loss = model(mx, my)                              # mean over (B/N/k, T)
             optimizer.scale_loss(loss / args.grad_accum).backward()

@@ -18,14 +18,16 @@ def saved_activation_bytes(run, exclude=()):
     """Bytes autograd keeps for backward while run() executes, each storage counted once.
 
     Counted with saved-tensor hooks (every tensor an op or a Function saves passes through
-    pack); `exclude` (the parameters) are not activations.
+    pack); `exclude` (the parameters) are not activations. Their storages are read at each save,
+    not once before: FSDP gathers a unit's weights into fresh memory as its forward begins (and
+    frees it after), so a weight a matmul saves is in storage that did not exist when run began.
     """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    exclude = list(exclude)
     storages = {}
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
+        if ptr not in {p.untyped_storage().data_ptr() for p in exclude}:
             storages[ptr] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
