@@ -148,8 +148,9 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     start, first_loss = (snapshot.resume(args, gpt, optimizer, layout, world_size, rank, log.say)
                          if args.resume else (0, None))
     data = TextData.from_file(args.data)
-    report.say_header(args, gpt, job.napkin, log, mesh.dp.world_size, threads, device)
-    history = {"losses": {}, "live_bytes": {}, "napkin": job.napkin, "held": {}}     # this rank's
+    activations = report.say_header(args, gpt, job.napkin, log, mesh.dp.world_size, threads, device)
+    history = {"losses": {}, "live_bytes": {}, "napkin": job.napkin, "held": {},     # this rank's
+               "napkin_activations": activations and activations[0]}
     step_done = start_profiling(args, rank, world_size, device)
     evaluate = lambda: eval_loss(model, data, args, mesh.dp.rank, mesh.dp.world_size, device, job.my_tokens)
     if args.init_from and start == 0:          # fine-tuning: where the new text starts from

@@ -321,7 +321,8 @@ def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: 
     Other activation dtypes scale everything by bytes_per_value / 2: napkin-accurate, since
     the masks (2 sbh + a s^2 b of it) stay 1 byte in reality. For this project's model it is
     an upper bound: dropout defaults to 0 (no masks) and a fused attention kernel recomputes
-    the s x s scores in backward instead of keeping them.
+    the s x s scores in backward instead of keeping them (kept_activation_bytes counts what it
+    does keep, train.py's prediction: 16 sbh values a block and a few fp32 ones a token).
 
     With activation checkpointing each layer keeps only its input, 2 sbh, and backward
     recomputes one layer's full activations at a time, so that one layer's worth is added
@@ -339,6 +340,72 @@ def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: 
     if checkpointing:
         return layers * 2 * s * b * h * bytes_per_value // 2 + per_layer
     return layers * per_layer
+
+
+QKV = ("query", "key", "value")
+
+
+def kept_activation_bytes(cfg: GPTConfig, seq_len: int, batch: int, bytes_per_value: int = 4,
+                          checkpoint_every: int = 0, adapted=None, lora_rank: int = 8,
+                          tp: int = 1, sequence_parallel: bool = False, ep: int = 1) -> int:
+    """Bytes model.py's GPT keeps for backward on one rank for a micro-batch of `batch` rows of
+    seq_len tokens (t = sb): what autograd saves, op by op, each tensor once (what
+    meters.saved_activation_bytes measures). activation_bytes is the lecture's rule; this is
+    where our model departs from it. A block that trains everything keeps, in values of the
+    compute dtype,
+        norm1's input, its output (query, key and value's input)          2 th
+        q, k, v and attention's output (the output projection's input)   4 th
+        norm2's input, its output (the MLP's input)                        2 th
+        the GeLU's input and output (4h wide each)                         8 th
+    16 th, and in fp32 two norms' mean and 1/std (2t each) and the fused attention's log-sum-exp
+    per head (a t): the lecture's 34 sbh at 2 bytes less its dropout masks (dropout 0 here), and
+    none of its 5 a s^2 b (the fused kernel recomputes the scores in backward).
+    checkpoint_every K: blocks 0, K, 2K ... (checkpointing.checkpoint_blocks) keep only their
+    input, th. The block recomputed in backward holds its own full share meanwhile: a transient
+    of backward's, not kept from forward (the lecture's "+ one layer" is that peak).
+    adapted (LoRA, QLoRA: the --lora-targets' names; None: every weight trains): a frozen
+    linear keeps no input (its weight needs no gradient, and the input's gradient needs only
+    the weight), an adapted one keeps its input for A's gradient and tr for B's; a norm and the
+    attention keep theirs only once a gradient flows through them (after the first adapter).
+    tp (tensor_parallel.py): q, k, v, attention's output and the MLP's 4h halves on h/tp
+    columns each; the norms' inputs and outputs whole, or under sequence parallelism their
+    inputs on t/tp tokens (the column layers keep the all-gathered output, th). The loss over
+    the split vocabulary keeps the softmax, 4 t V/tp bytes, instead of the log-probabilities.
+    A mixture of experts' layer keeps moe_mlp_bytes in place of the MLP's (ep: its experts split).
+    Around the blocks: the final norm's input (and output, if the head trains) and the loss's
+    fp32 log-probabilities (logits_bytes). Left out: the int64 token ids and targets the
+    embedding and loss keep (16 bytes a token) and dropout's masks (--dropout, --lora-dropout).
+    """
+    e, C, a, V = bytes_per_value, cfg.n_embd, cfg.n_head, cfg.vocab_size
+    t = seq_len * batch
+    norm_t = t // tp if sequence_parallel else t              # tokens a norm sees on this rank
+    trains = (lambda name: True) if adapted is None else (lambda name: name in adapted)
+    adapter = lambda *names: sum(t * lora_rank * e for n in names if adapted and n in adapted)
+    norm = norm_t * C * e + 2 * norm_t * 4                    # its input, fp32 mean and 1/std
+    grad = adapted is None                    # does a gradient flow into the residual stream yet?
+    kept = 0
+    for i in range(cfg.n_layer):
+        block = 0
+        block += norm if grad else 0
+        block += t * C * e if any(map(trains, QKV)) else 0                        # norm1's output
+        attention = grad or any(map(trains, QKV))
+        block += 4 * t * C // tp * e + 4 * a // tp * t if attention else 0        # q k v out, lse
+        block += t * C // tp * e if trains("output") and not attention else 0
+        block += adapter(*QKV, "output")
+        grad = attention or trains("output")
+        block += norm if grad else 0
+        if cfg.experts:
+            block += moe_mlp_bytes(norm_t, cfg, ep, e)
+        else:
+            block += t * C * e if trains("up") else 0                              # norm2's output
+            block += 4 * t * C // tp * e if grad or trains("up") else 0            # GeLU's input
+            block += 4 * t * C // tp * e if trains("down") else 0                  # its output
+            block += adapter("up", "down")
+        grad = grad or cfg.experts or trains("up") or trains("down")
+        kept += norm_t * C * e if checkpoint_every and i % checkpoint_every == 0 else block
+    kept += norm if grad else 0
+    kept += t * C * e + adapter("head") if trains("head") else 0              # the head's input
+    return kept + logits_bytes(seq_len, batch, V // tp)
 
 
 def moe_mlp_bytes(tokens: int, cfg: GPTConfig, ep: int = 1, bytes_per_value: int = 2) -> int:
