@@ -347,7 +347,8 @@ QKV = ("query", "key", "value")
 
 def kept_activation_bytes(cfg: GPTConfig, seq_len: int, batch: int, bytes_per_value: int = 4,
                           checkpoint_every: int = 0, adapted=None, lora_rank: int = 8,
-                          tp: int = 1, sequence_parallel: bool = False, ep: int = 1) -> int:
+                          tp: int = 1, sequence_parallel: bool = False, ep: int = 1, cp: int = 1,
+                          cp_attention: str = "ring") -> int:
     """Bytes model.py's GPT keeps for backward on one rank for a micro-batch of `batch` rows of
     seq_len tokens (t = sb): what autograd saves, op by op, each tensor once (what
     meters.saved_activation_bytes measures). activation_bytes is the lecture's rule; this is
@@ -371,12 +372,16 @@ def kept_activation_bytes(cfg: GPTConfig, seq_len: int, batch: int, bytes_per_va
     columns each; the norms' inputs and outputs whole, or under sequence parallelism their
     inputs on t/tp tokens (the column layers keep the all-gathered output, th). The loss over
     the split vocabulary keeps the softmax, 4 t V/tp bytes, instead of the log-probabilities.
+    cp (context_parallel.py): every term at the rank's s/cp tokens; its attention returns heads
+    first, so the output projection keeps a copy (th), and all-gather attention keeps the whole
+    sequence's K and V where the ring keeps its own: 2 (cp - 1) th more.
     A mixture of experts' layer keeps moe_mlp_bytes in place of the MLP's (ep: its experts split).
     Around the blocks: the final norm's input (and output, if the head trains) and the loss's
     fp32 log-probabilities (logits_bytes). Left out: the int64 token ids and targets the
     embedding and loss keep (16 bytes a token) and dropout's masks (--dropout, --lora-dropout).
     """
     e, C, a, V = bytes_per_value, cfg.n_embd, cfg.n_head, cfg.vocab_size
+    seq_len //= cp
     t = seq_len * batch
     norm_t = t // tp if sequence_parallel else t              # tokens a norm sees on this rank
     trains = (lambda name: True) if adapted is None else (lambda name: name in adapted)
@@ -392,6 +397,9 @@ def kept_activation_bytes(cfg: GPTConfig, seq_len: int, batch: int, bytes_per_va
         block += 4 * t * C // tp * e + 4 * a // tp * t if attention else 0        # q k v out, lse
         block += t * C // tp * e if trains("output") and not attention else 0
         block += adapter(*QKV, "output")
+        if cp > 1:
+            block += t * C // tp * e if trains("output") else 0       # the heads-first output's copy
+            block += 2 * (cp - 1) * t * C // tp * e if attention and cp_attention == "allgather" else 0
         grad = attention or trains("output")
         block += norm if grad else 0
         if cfg.experts:

@@ -28,8 +28,8 @@ from collectives import Comm
 from foundations.dtypes import DTYPES
 from napkin.flops import Shape
 from napkin.machines import this
-from napkin.memory_math import (activation_bytes, kept_activation_bytes, logits_bytes,
-                                quantized_params)
+from napkin.memory_math import (activation_bytes, cp_activation_bytes, kept_activation_bytes,
+                                logits_bytes, quantized_params)
 from composition.mesh_checks import mesh_splits
 from foundations.process_groups import LaunchError, gather_objects
 from napkin.step_time import DATA_PARALLEL, Step, predict
@@ -55,7 +55,7 @@ def state_text(held: dict) -> str:
 
 def predicted_memory(napkin: dict, activations: tuple | None) -> str:
     """The header's line: memory.py's bytes per rank, the state held between steps and, where the
-    run has no pp or cp split (their own lines say theirs), the activations (predicted_activations:
+    run has no pp split (its own line says its), the activations (predicted_activations:
     counted as autograd keeps them, what the count leaves out, and the lecture's rule beside)."""
     if activations is None:
         kept = ""
@@ -245,25 +245,29 @@ def stopped(error: BaseException, signals: StopSignals, log: RunLog | None) -> i
 def predicted_activations(args, cfg, data_size: int) -> tuple[int, str, int] | None:
     """(memory_math.kept_activation_bytes for one micro-batch of this rank's rows (B/D/k, T),
     what it leaves out ("" or "; ..." for the log), the lecture's rule for them: activation_bytes
-    and the loss's fp32 log-probabilities); None where the run splits the blocks into stages or
-    its sequences (pp, cp: their lines say theirs)."""
+    and the loss's fp32 log-probabilities); None where the run splits the blocks into stages (pp:
+    its line says how many micro-batches a stage holds). Under cp the context line measures them."""
     splits = mesh_splits(args)
-    if {"pp", "cp"} & splits.keys():
+    if "pp" in splits:
         return None
     rows, value = args.batch_size // data_size // args.grad_accum, DTYPES[args.precision].itemsize
     tp = splits.get("tp", 1)
     counted = kept_activation_bytes(
         cfg, args.seq_len, rows, value, args.checkpoint_activations or 0,
         args.lora_targets.split(",") if args.lora else None, args.lora_rank, tp,
-        args.sequence_parallel, args.ep)
+        args.sequence_parallel, args.ep, splits.get("cp", 1), args.cp_attention or "ring")
     left_out = ("; a block's share recomputed in backward, held meanwhile, not counted"
                 if args.checkpoint_activations else "")
     if args.dropout or args.lora and args.lora_dropout:
         left_out += "; dropout's masks not counted"
-    lecture = (activation_bytes(args.seq_len, rows, cfg.n_embd, cfg.n_head, cfg.n_layer,
-                                checkpointing=bool(args.checkpoint_activations), bytes_per_value=value,
-                                moe=cfg if cfg.experts else None, ep=args.ep)
-               + logits_bytes(args.seq_len, rows, cfg.vocab_size))
+    cp, every = splits.get("cp", 1), args.checkpoint_activations
+    checkpointed = -(-cfg.n_layer // every) if every else 0         # blocks 0, K, 2K, ...
+    shape, moe = (rows, cfg.n_embd, cfg.n_head), dict(moe=cfg if cfg.experts else None, ep=args.ep)
+    lecture = logits_bytes(args.seq_len // cp, rows, cfg.vocab_size) + (
+        cp_activation_bytes(args.seq_len, *shape, cfg.n_layer, cp, args.cp_attention or "ring",
+                            bool(every), value) if cp > 1 else
+        activation_bytes(args.seq_len, *shape, cfg.n_layer - checkpointed, False, value, **moe)
+        + (activation_bytes(args.seq_len, *shape, checkpointed, True, value, **moe) if every else 0))
     return counted, left_out, lecture
 
 
