@@ -32,7 +32,7 @@ from running.cli import parse_args
 from running.data import TextData
 from foundations.launch import pinned_copy
 from composition.mesh_checks import mesh_splits
-from foundations.meters import saved_activation_bytes
+from foundations.meters import peak_saved_bytes, saved_activation_bytes
 from composition.parallelize import build, build_gpt, lora_config  # noqa: F401 (train.build_gpt)
 from foundations.process_groups import cpu_threads, exit_distributed, global_mean, init_distributed
 from running.run_log import Clock, RunLog, finish, predicted_seconds, start_profiling
@@ -73,11 +73,16 @@ def train_step(model, optimizer, sync, x, y, args, measure=False, kept: dict | N
     """One optimizer step on this rank's rows x, y (B/N, T), in --grad-accum micro-batches; returns
     this rank's mean loss (a tensor) and whether the update was applied (a step whose gradients
     hold inf or NaN is skipped on every rank). sync: the run's gradient syncs (flat.GradientSyncs).
-    measure: time a pipeline's compute exactly. kept: gets "bytes", the activations kept for backward."""
+    measure: time a pipeline's compute exactly. kept: gets "bytes", the activations kept for backward
+    (a pipeline's: the most its stage held at once over the step's schedule)."""
     optimizer.zero_grad(set_to_none=True)
     if hasattr(model, "train_step"):
         # A pipeline runs the --microbatches by its schedule; replicas average once per step.
-        loss = model.train_step(x, y, optimizer.scale_loss, measure)
+        step = lambda: model.train_step(x, y, optimizer.scale_loss, measure)
+        if kept is None:
+            return step(), update(optimizer, args)
+        weights = [*model.module.parameters(), *getattr(model.module, "module", model.module).parameters()]
+        kept["bytes"], loss = peak_saved_bytes(step, weights)       # the micro-batches in flight
         return loss, update(optimizer, args)
     # DDP reduces once per step (no_sync); ZeRO-2 and FSDP reduce-scatter every micro-batch's
     # gradient into shards, so that no rank ever holds a full gradient (no_sync would keep one).
@@ -168,7 +173,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
                           rank=mesh.dp.rank, world_size=mesh.dp.world_size)      # (B/D, T)
         x, y = job.my_tokens(x, y)                                   # cp pipeline: (B/D, T/cp)
         logged = step % args.log_every == 0 or step == args.steps - 1
-        kept = {} if logged and not {"pp", "cp"} & splits.keys() else None
+        kept = {} if logged and "cp" not in splits else None
         loss, applied = train_step(model, optimizer, job.sync, pinned_copy(x, device), pinned_copy(y, device), args,
                                    measure=logged, kept=kept)
         divergence.after_step(step, applied, loss, optimizer.scaler.scale)

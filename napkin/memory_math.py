@@ -348,7 +348,8 @@ QKV = ("query", "key", "value")
 def kept_activation_bytes(cfg: GPTConfig, seq_len: int, batch: int, bytes_per_value: int = 4,
                           checkpoint_every: int = 0, adapted=None, lora_rank: int = 8,
                           tp: int = 1, sequence_parallel: bool = False, ep: int = 1, cp: int = 1,
-                          cp_attention: str = "ring") -> int:
+                          cp_attention: str = "ring", blocks: range | None = None,
+                          head: bool = True) -> int:
     """Bytes model.py's GPT keeps for backward on one rank for a micro-batch of `batch` rows of
     seq_len tokens (t = sb): what autograd saves, op by op, each tensor once (what
     meters.saved_activation_bytes measures). activation_bytes is the lecture's rule; this is
@@ -379,6 +380,9 @@ def kept_activation_bytes(cfg: GPTConfig, seq_len: int, batch: int, bytes_per_va
     Around the blocks: the final norm's input (and output, if the head trains) and the loss's
     fp32 log-probabilities (logits_bytes). Left out: the int64 token ids and targets the
     embedding and loss keep (16 bytes a token) and dropout's masks (--dropout, --lora-dropout).
+    A pipeline stage's chunk (pipeline_activation_bytes): `blocks`, the numbers of its blocks
+    (None: all), whose input carries a gradient unless block 0's (a received activation does),
+    and head: whether the final norm and the loss are its.
     """
     e, C, a, V = bytes_per_value, cfg.n_embd, cfg.n_head, cfg.vocab_size
     seq_len //= cp
@@ -387,9 +391,11 @@ def kept_activation_bytes(cfg: GPTConfig, seq_len: int, batch: int, bytes_per_va
     trains = (lambda name: True) if adapted is None else (lambda name: name in adapted)
     adapter = lambda *names: sum(t * lora_rank * e for n in names if adapted and n in adapted)
     norm = norm_t * C * e + 2 * norm_t * 4                    # its input, fp32 mean and 1/std
-    grad = adapted is None                    # does a gradient flow into the residual stream yet?
+    blocks = range(cfg.n_layer) if blocks is None else blocks
+    # does a gradient flow into the residual stream yet? (a received activation's does)
+    grad = adapted is None or blocks.start > 0
     kept = 0
-    for i in range(cfg.n_layer):
+    for i in blocks:
         block = 0
         block += norm if grad else 0
         block += t * C * e if any(map(trains, QKV)) else 0                        # norm1's output
@@ -411,6 +417,8 @@ def kept_activation_bytes(cfg: GPTConfig, seq_len: int, batch: int, bytes_per_va
             block += adapter("up", "down")
         grad = grad or cfg.experts or trains("up") or trains("down")
         kept += norm_t * C * e if checkpoint_every and i % checkpoint_every == 0 else block
+    if not head:
+        return kept
     kept += norm if grad else 0
     kept += t * C * e + adapter("head") if trains("head") else 0              # the head's input
     return kept + logits_bytes(seq_len, batch, V // tp)
@@ -442,16 +450,21 @@ def moe_mlp_bytes(tokens: int, cfg: GPTConfig, ep: int = 1, bytes_per_value: int
 
 
 def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, micro_batch: int,
-                              seq_len: int, v: int = 1, bytes_per_value: int = 2) -> list[int]:
+                              seq_len: int, v: int = 1, bytes_per_value: int = 2,
+                              kept: dict | None = None) -> list[int]:
     """Each pipeline stage's peak activation bytes under `schedule` (schedules.py's lists): walk
     the stage's list, each F adding its chunk's layers' activation_bytes for one micro-batch
     (and the logits, on the last chunk), each B freeing them (W, when the backward is split: an
     upper bound, since B frees all but the linear layers' inputs and output gradients).
-    Blocks split as pipeline_mechanics.split_layers does: balanced over the P v chunks."""
+    Blocks split as pipeline_mechanics.split_layers does: balanced over the P v chunks.
+    kept (kept_activation_bytes' options, {} for none): each chunk's bytes as this project's
+    model keeps them (train.py's prediction), instead of the lecture's rule; with checkpointing,
+    each B's peak includes the largest block it recomputes, beside what the stage holds."""
     V = P * v
     if cfg.n_layer < V:
         raise ValueError(f"{cfg.n_layer} blocks, fewer than {V} chunks: every chunk needs a block")
-    layers = [len(chunk) for chunk in split_layers(cfg.n_layer, P, v=v)]        # blocks per chunk
+    chunks = split_layers(cfg.n_layer, P, v=v)                                 # ranges of blocks
+    layers = [len(chunk) for chunk in chunks]
     peaks = []
     for s, actions in enumerate(make_schedule(schedule, P, M, v)):
         release = "W" if any(a.kind == "W" for a in actions) else "B"
@@ -459,13 +472,30 @@ def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, mic
         for a in actions:
             if a.kind in ("F", release):
                 vs = a.chunk * P + s
-                size = activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, layers[vs],
-                                        bytes_per_value=bytes_per_value) + (
-                    logits_bytes(seq_len, micro_batch, cfg.vocab_size) if vs == V - 1 else 0)
+                if kept is not None:
+                    size = kept_activation_bytes(cfg, seq_len, micro_batch, bytes_per_value, **kept,
+                                                 blocks=chunks[vs], head=vs == V - 1)
+                else:
+                    size = activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, layers[vs],
+                                            bytes_per_value=bytes_per_value) + (
+                        logits_bytes(seq_len, micro_batch, cfg.vocab_size) if vs == V - 1 else 0)
+                if kept and kept.get("checkpoint_every") and a.kind == release:
+                    # backward recomputes each checkpointed block: its share beside its input
+                    peak = max(peak, held + max(_recomputed(cfg, seq_len, micro_batch, bytes_per_value,
+                                                            kept, i) for i in chunks[vs]))
                 held += size if a.kind == "F" else -size
                 peak = max(peak, held)
         peaks.append(peak)
     return peaks
+
+
+def _recomputed(cfg, seq_len, micro_batch, bytes_per_value, kept: dict, block: int) -> int:
+    """What recomputing `block` in backward adds to its checkpointed input (0 unless checkpointed)."""
+    if block % kept["checkpoint_every"]:
+        return 0
+    one = dict(kept, blocks=range(block, block + 1), head=False)
+    full = kept_activation_bytes(cfg, seq_len, micro_batch, bytes_per_value, **dict(one, checkpoint_every=0))
+    return full - kept_activation_bytes(cfg, seq_len, micro_batch, bytes_per_value, **one)
 
 
 def cp_activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: int, cp: int,

@@ -29,7 +29,7 @@ from foundations.dtypes import DTYPES
 from napkin.flops import Shape
 from napkin.machines import this
 from napkin.memory_math import (activation_bytes, cp_activation_bytes, kept_activation_bytes,
-                                logits_bytes, quantized_params)
+                                logits_bytes, pipeline_activation_bytes, quantized_params)
 from composition.mesh_checks import mesh_splits
 from foundations.process_groups import LaunchError, gather_objects
 from napkin.step_time import DATA_PARALLEL, Step, predict
@@ -54,9 +54,9 @@ def state_text(held: dict) -> str:
 
 
 def predicted_memory(napkin: dict, activations: tuple | None) -> str:
-    """The header's line: memory.py's bytes per rank, the state held between steps and, where the
-    run has no pp split (its own line says its), the activations (predicted_activations:
-    counted as autograd keeps them, what the count leaves out, and the lecture's rule beside)."""
+    """The header's line: memory.py's bytes per rank, the state held between steps and the
+    activations (predicted_activations: counted as autograd keeps them, what the count leaves
+    out, and the lecture's rule beside)."""
     if activations is None:
         kept = ""
     else:
@@ -245,17 +245,24 @@ def stopped(error: BaseException, signals: StopSignals, log: RunLog | None) -> i
 def predicted_activations(args, cfg, data_size: int) -> tuple[int, str, int] | None:
     """(memory_math.kept_activation_bytes for one micro-batch of this rank's rows (B/D/k, T),
     what it leaves out ("" or "; ..." for the log), the lecture's rule for them: activation_bytes
-    and the loss's fp32 log-probabilities); None where the run splits the blocks into stages (pp:
-    its line says how many micro-batches a stage holds). Under cp the context line measures them."""
+    and the loss's fp32 log-probabilities); a pipeline's: stage 0's peak over its schedule
+    (pipeline_activation_bytes); None for a pipeline of uneven stages (--stage-layers) or beside
+    cp. Under cp the context line measures them."""
     splits = mesh_splits(args)
-    if "pp" in splits:
+    if "pp" in splits and ("cp" in splits or args.stage_layers):
         return None
     rows, value = args.batch_size // data_size // args.grad_accum, DTYPES[args.precision].itemsize
-    tp = splits.get("tp", 1)
-    counted = kept_activation_bytes(
-        cfg, args.seq_len, rows, value, args.checkpoint_activations or 0,
-        args.lora_targets.split(",") if args.lora else None, args.lora_rank, tp,
-        args.sequence_parallel, args.ep, splits.get("cp", 1), args.cp_attention or "ring")
+    options = dict(checkpoint_every=args.checkpoint_activations or 0,
+                   adapted=args.lora_targets.split(",") if args.lora else None,
+                   lora_rank=args.lora_rank, tp=splits.get("tp", 1),
+                   sequence_parallel=args.sequence_parallel, ep=args.ep)
+    if "pp" in splits:             # stage 0's (rank 0 logs): its peak over the step's schedule
+        pipeline = (cfg, args.schedule, args.pp, args.microbatches, rows // args.microbatches,
+                    args.seq_len, args.virtual_stages or 1, value)
+        return (pipeline_activation_bytes(*pipeline, kept=options)[0], "; the most stage 0 holds",
+                pipeline_activation_bytes(*pipeline)[0])
+    counted = kept_activation_bytes(cfg, args.seq_len, rows, value, **options, cp=splits.get("cp", 1),
+                                    cp_attention=args.cp_attention or "ring")
     left_out = ("; a block's share recomputed in backward, held meanwhile, not counted"
                 if args.checkpoint_activations else "")
     if args.dropout or args.lora and args.lora_dropout:

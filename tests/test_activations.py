@@ -1,6 +1,7 @@
 """The activations kept for backward: the meter (foundations/meters.py) counts what autograd
 keeps and nothing else, and the napkin (memory_math.kept_activation_bytes, train.py's header)
-is within 15% of what a real train.py run measures, under every option that changes them."""
+is within 15% of what a real train.py run measures, under every option that changes them (a
+pipeline's: the most stage 0 holds over its schedule, meters.peak_saved_bytes)."""
 import pytest
 import torch
 
@@ -55,7 +56,11 @@ TWO = {"ddp": ["--strategy", "ddp"], "zero2 offload": ["--strategy", "zero2", "-
        "tp sequence parallel": ["--strategy", "tp", "--tp", "2", "--sequence-parallel"],
        "experts ep 2": ["--experts", "4", "--ep", "2"],
        "cp ring": ["--strategy", "cp", "--cp", "2"],
-       "cp all-gather": ["--strategy", "cp", "--cp", "2", "--cp-attention", "allgather"]}
+       "cp all-gather": ["--strategy", "cp", "--cp", "2", "--cp-attention", "allgather"],
+       "pipeline 1f1b": ["--strategy", "pipeline", "--pp", "2"],
+       "pipeline gpipe lora": ["--strategy", "pipeline", "--pp", "2", "--schedule", "gpipe", "--lora"],
+       "pipeline interleaved checkpointed": ["--strategy", "pipeline", "--pp", "2", "--schedule",
+                                             "interleaved", "--checkpoint-activations"]}
 
 
 @pytest.fixture(scope="module")
