@@ -310,7 +310,8 @@ def moe_exchange_bytes(cfg: GPTConfig, tokens: int, ep: int, precision: str,
 
 def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: int = 1,
                      checkpointing: bool = False, bytes_per_value: int = 2,
-                     moe: GPTConfig | None = None, ep: int = 1) -> int:
+                     moe: GPTConfig | None = None, ep: int = 1, tp: int = 1,
+                     sequence_parallel: bool = False) -> int:
     """Bytes of activations kept for backward by `layers` transformer layers on one rank.
 
     Korthikanti et al., section 4.1, per layer, counting 16-bit values and 1-byte dropout masks:
@@ -330,9 +331,18 @@ def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: 
 
     moe: the config of a model whose MLPs are mixtures of experts: each layer's MLP term is
     moe_mlp_bytes (its experts split over ep ranks) instead of 19 sbh.
+    tp (dense only, section 4.2): sbh (10 + 24/tp + 5as/(h tp)), the norms' and the linear
+    layers' whole inputs and two dropout masks (10 sbh) not split; with sequence parallelism
+    those too: sbh (34 + 5as/h) / tp.
     """
     s, b, h, a = seq_len, batch, hidden, heads
     rest = 15 * s * b * h + 5 * a * s * s * b              # attention and the norms, 16-bit
+    if tp > 1 and not (moe is not None and moe.experts):
+        whole = 0 if sequence_parallel else 10 * s * b * h
+        per_layer = (whole + ((34 * s * b * h - whole) + 5 * a * s * s * b) // tp) * bytes_per_value // 2
+        if checkpointing:
+            return layers * (2 * s * b * h // (tp if sequence_parallel else 1)) * bytes_per_value // 2 + per_layer
+        return layers * per_layer
     if moe is not None and moe.experts:
         per_layer = rest * bytes_per_value // 2 + moe_mlp_bytes(s * b, moe, ep, bytes_per_value)
     else:

@@ -256,21 +256,22 @@ def predicted_activations(args, cfg, data_size: int) -> tuple[int, str, int] | N
                    adapted=args.lora_targets.split(",") if args.lora else None,
                    lora_rank=args.lora_rank, tp=splits.get("tp", 1),
                    sequence_parallel=args.sequence_parallel, ep=args.ep)
+    dropout = "; dropout's masks not counted" if args.dropout or args.lora and args.lora_dropout else ""
     if "pp" in splits:             # stage 0's (rank 0 logs): its peak over the step's schedule
         pipeline = (cfg, args.schedule, args.pp, args.microbatches, rows // args.microbatches,
                     args.seq_len, args.virtual_stages or 1, value)
-        return (pipeline_activation_bytes(*pipeline, kept=options)[0], "; the most stage 0 holds",
-                pipeline_activation_bytes(*pipeline)[0])
+        return (pipeline_activation_bytes(*pipeline, kept=options)[0],
+                "; the most stage 0 holds at once" + dropout, pipeline_activation_bytes(*pipeline)[0])
     counted = kept_activation_bytes(cfg, args.seq_len, rows, value, **options, cp=splits.get("cp", 1),
                                     cp_attention=args.cp_attention or "ring")
     left_out = ("; a block's share recomputed in backward, held meanwhile, not counted"
-                if args.checkpoint_activations else "")
-    if args.dropout or args.lora and args.lora_dropout:
-        left_out += "; dropout's masks not counted"
+                if args.checkpoint_activations else "") + dropout
     cp, every = splits.get("cp", 1), args.checkpoint_activations
     checkpointed = -(-cfg.n_layer // every) if every else 0         # blocks 0, K, 2K, ...
-    shape, moe = (rows, cfg.n_embd, cfg.n_head), dict(moe=cfg if cfg.experts else None, ep=args.ep)
-    lecture = logits_bytes(args.seq_len // cp, rows, cfg.vocab_size) + (
+    shape = (rows, cfg.n_embd, cfg.n_head)
+    moe = dict(moe=cfg if cfg.experts else None, ep=args.ep, tp=options["tp"],
+               sequence_parallel=args.sequence_parallel)
+    lecture = logits_bytes(args.seq_len // cp, rows, cfg.vocab_size // options["tp"]) + (
         cp_activation_bytes(args.seq_len, *shape, cfg.n_layer, cp, args.cp_attention or "ring",
                             bool(every), value) if cp > 1 else
         activation_bytes(args.seq_len, *shape, cfg.n_layer - checkpointed, False, value, **moe)

@@ -81,3 +81,13 @@ def test_fsdp_keeps_what_ddp_keeps(kept):
     activations (the meter once counted them, a different amount at each step as the allocator
     reused their memory: at gpt2-small 10x what the blocks keep)."""
     assert kept["fsdp"][1] == kept["ddp"][1]
+
+
+def test_the_lectures_rule_under_tensor_parallelism():
+    """Korthikanti et al., section 4.2, at s=4, b=2, h=8, a=2 (sbh = 64) in 16 bits: sbh(34 + 5as/h)
+    = 2496 bytes a layer; over tp = 2, sbh(10 + 24/2 + 5as/(2h)) = 1568, the norms' and the
+    linears' whole inputs not split; with sequence parallelism everything split, 1248."""
+    from napkin.memory_math import activation_bytes
+    shape = dict(seq_len=4, batch=2, hidden=8, heads=2)
+    assert activation_bytes(**shape, tp=2) == 64 * (10 + 12) + 160
+    assert activation_bytes(**shape, tp=2, sequence_parallel=True) == 2496 // 2
