@@ -339,9 +339,11 @@ def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: 
     rest = 15 * s * b * h + 5 * a * s * s * b              # attention and the norms, 16-bit
     if tp > 1 and not (moe is not None and moe.experts):
         whole = 0 if sequence_parallel else 10 * s * b * h
-        per_layer = (whole + ((34 * s * b * h - whole) + 5 * a * s * s * b) // tp) * bytes_per_value // 2
+        split = (34 * s * b * h - whole + 5 * a * s * s * b) // tp
+        per_layer = (whole + split) * bytes_per_value // 2
         if checkpointing:
-            return layers * (2 * s * b * h // (tp if sequence_parallel else 1)) * bytes_per_value // 2 + per_layer
+            kept_input = 2 * s * b * h // (tp if sequence_parallel else 1) * bytes_per_value // 2
+            return layers * kept_input + per_layer
         return layers * per_layer
     if moe is not None and moe.experts:
         per_layer = rest * bytes_per_value // 2 + moe_mlp_bytes(s * b, moe, ep, bytes_per_value)
@@ -414,8 +416,9 @@ def kept_activation_bytes(cfg: GPTConfig, seq_len: int, batch: int, bytes_per_va
         block += t * C // tp * e if trains("output") and not attention else 0
         block += adapter(*QKV, "output")
         if cp > 1:
-            block += t * C // tp * e if trains("output") else 0       # the heads-first output's copy
-            block += 2 * (cp - 1) * t * C // tp * e if attention and cp_attention == "allgather" else 0
+            block += t * C // tp * e if trains("output") else 0    # the heads-first output's copy
+            gathered = attention and cp_attention == "allgather"
+            block += 2 * (cp - 1) * t * C // tp * e if gathered else 0
         grad = attention or trains("output")
         block += norm if grad else 0
         if cfg.experts:
@@ -486,13 +489,14 @@ def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, mic
                     size = kept_activation_bytes(cfg, seq_len, micro_batch, bytes_per_value, **kept,
                                                  blocks=chunks[vs], head=vs == V - 1)
                 else:
-                    size = activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, layers[vs],
-                                            bytes_per_value=bytes_per_value) + (
+                    size = activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head,
+                                            layers[vs], bytes_per_value=bytes_per_value) + (
                         logits_bytes(seq_len, micro_batch, cfg.vocab_size) if vs == V - 1 else 0)
                 if kept and kept.get("checkpoint_every") and a.kind == release:
                     # backward recomputes each checkpointed block: its share beside its input
-                    peak = max(peak, held + max(_recomputed(cfg, seq_len, micro_batch, bytes_per_value,
-                                                            kept, i) for i in chunks[vs]))
+                    recomputed = (_recomputed(cfg, seq_len, micro_batch, bytes_per_value, kept, i)
+                                  for i in chunks[vs])
+                    peak = max(peak, held + max(recomputed))
                 held += size if a.kind == "F" else -size
                 peak = max(peak, held)
         peaks.append(peak)
@@ -500,11 +504,12 @@ def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, mic
 
 
 def _recomputed(cfg, seq_len, micro_batch, bytes_per_value, kept: dict, block: int) -> int:
-    """What recomputing `block` in backward adds to its checkpointed input (0 unless checkpointed)."""
+    """What recomputing `block` in backward adds to its checkpointed input (0: not checkpointed)."""
     if block % kept["checkpoint_every"]:
         return 0
     one = dict(kept, blocks=range(block, block + 1), head=False)
-    full = kept_activation_bytes(cfg, seq_len, micro_batch, bytes_per_value, **dict(one, checkpoint_every=0))
+    full = kept_activation_bytes(cfg, seq_len, micro_batch, bytes_per_value,
+                                 **dict(one, checkpoint_every=0))
     return full - kept_activation_bytes(cfg, seq_len, micro_batch, bytes_per_value, **one)
 
 
