@@ -32,7 +32,7 @@ from running.cli import parse_args
 from running.data import TextData
 from foundations.launch import pinned_copy
 from composition.mesh_checks import mesh_splits
-from foundations.meters import saved_activation_bytes
+from foundations.meters import peak_saved_bytes, saved_activation_bytes
 from composition.parallelize import build, build_gpt, lora_config  # noqa: F401 (train.build_gpt)
 from foundations.process_groups import cpu_threads, exit_distributed, global_mean, init_distributed
 from running.run_log import Clock, RunLog, finish, predicted_seconds, start_profiling
@@ -73,11 +73,16 @@ def train_step(model, optimizer, sync, x, y, args, measure=False, kept: dict | N
     """One optimizer step on this rank's rows x, y (B/N, T), in --grad-accum micro-batches; returns
     this rank's mean loss (a tensor) and whether the update was applied (a step whose gradients
     hold inf or NaN is skipped on every rank). sync: the run's gradient syncs (flat.GradientSyncs).
-    measure: time a pipeline's compute exactly. kept: gets "bytes", the activations kept for backward."""
+    measure: time a pipeline's compute exactly. kept: gets "bytes", the activations kept for backward
+    (a pipeline's: the most its stage held at once over the step's schedule)."""
     optimizer.zero_grad(set_to_none=True)
     if hasattr(model, "train_step"):
         # A pipeline runs the --microbatches by its schedule; replicas average once per step.
-        loss = model.train_step(x, y, optimizer.scale_loss, measure)
+        step = lambda: model.train_step(x, y, optimizer.scale_loss, measure)
+        if kept is None:
+            return step(), update(optimizer, args)
+        weights = [*model.module.parameters(), *getattr(model.module, "module", model.module).parameters()]
+        kept["bytes"], loss = peak_saved_bytes(step, weights)       # the micro-batches in flight
         return loss, update(optimizer, args)
     # DDP reduces once per step (no_sync); ZeRO-2 and FSDP reduce-scatter every micro-batch's
     # gradient into shards, so that no rank ever holds a full gradient (no_sync would keep one).
@@ -88,7 +93,9 @@ def train_step(model, optimizer, sync, x, y, args, measure=False, kept: dict | N
         # Gradients of all but the last micro-batch accumulate locally: one sync per step.
         with contextlib.nullcontext() if last else no_sync():
             if kept is not None and micro == 0:     # each micro-batch's are freed by its backward
-                kept["bytes"], (_, loss) = saved_activation_bytes(lambda: model(mx, my), list(model.parameters()))
+                # The weights the module computes with: FSDP's own parameters are its shards
+                weights = [*model.parameters(), *getattr(model, "module", model).parameters()]
+                kept["bytes"], (_, loss) = saved_activation_bytes(lambda: model(mx, my), weights)
             else:
                 _, loss = model(mx, my)                              # mean over (B/N/k, T)
             optimizer.scale_loss(loss / args.grad_accum).backward()
@@ -146,8 +153,9 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     start, first_loss = (snapshot.resume(args, gpt, optimizer, layout, world_size, rank, log.say)
                          if args.resume else (0, None))
     data = TextData.from_file(args.data)
-    report.say_header(args, gpt, job.napkin, log, mesh.dp.world_size, threads, device)
-    history = {"losses": {}, "live_bytes": {}, "napkin": job.napkin, "held": {}}     # this rank's
+    activations = report.say_header(args, gpt, job.napkin, log, mesh.dp.world_size, threads, device)
+    history = {"losses": {}, "live_bytes": {}, "napkin": job.napkin, "held": {},     # this rank's
+               "napkin_activations": activations and activations[0]}
     step_done = start_profiling(args, rank, world_size, device)
     evaluate = lambda: eval_loss(model, data, args, mesh.dp.rank, mesh.dp.world_size, device, job.my_tokens)
     if args.init_from and start == 0:          # fine-tuning: where the new text starts from
@@ -165,7 +173,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
                           rank=mesh.dp.rank, world_size=mesh.dp.world_size)      # (B/D, T)
         x, y = job.my_tokens(x, y)                                   # cp pipeline: (B/D, T/cp)
         logged = step % args.log_every == 0 or step == args.steps - 1
-        kept = {} if logged and not {"pp", "cp"} & splits.keys() else None
+        kept = {} if logged and "cp" not in splits else None
         loss, applied = train_step(model, optimizer, job.sync, pinned_copy(x, device), pinned_copy(y, device), args,
                                    measure=logged, kept=kept)
         divergence.after_step(step, applied, loss, optimizer.scaler.scale)

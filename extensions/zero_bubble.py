@@ -35,13 +35,16 @@ class DeferredLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, later):
-        ctx.save_for_backward(x, weight)
-        ctx.bias, ctx.later = bias, later
+        # The weight itself, not saved: W writes its .grad, and a saved tensor comes back from
+        # saved-tensor hooks (train.py's meter of a pipeline's activations) as another object.
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias, ctx.later = weight, bias, later
         return F.linear(x, weight, bias)                            # (..., k) -> (..., d)
 
     @staticmethod
     def backward(ctx, dy):                                          # dy: (..., d)
-        x, weight = ctx.saved_tensors
+        x, = ctx.saved_tensors
+        weight = ctx.weight
         ctx.later.pending.append((weight, ctx.bias, x, dy))
         return dy @ weight, None, None, None                        # dx: (..., k)
 

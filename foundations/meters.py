@@ -2,10 +2,12 @@
 
 Two instruments the strategies carry for train.py's log and the tests: the bytes autograd keeps
 for backward while a forward runs (saved-tensor hooks, each storage once: what checkpointing and
-context parallelism cut, against memory.py's formulas), and the seconds a rank spends computing
-(the CPU's clock, or CUDA events on the compute stream, read with one synchronize when asked:
-context parallelism's idle share per rank). Left out: the allocator's peak, profiling (bench.py).
+context parallelism cut, against memory.py's formulas; over a pipeline's schedule, their peak),
+and the seconds a rank spends computing (the CPU's clock, or CUDA events on the compute stream,
+read with one synchronize when asked: context parallelism's idle share per rank). Left out: the
+allocator's peak, profiling (bench.py).
 Test: python -m pytest tests/test_checkpointing.py tests/test_context_parallel.py
+tests/test_activations.py
 """
 import contextlib
 import time
@@ -18,19 +20,56 @@ def saved_activation_bytes(run, exclude=()):
     """Bytes autograd keeps for backward while run() executes, each storage counted once.
 
     Counted with saved-tensor hooks (every tensor an op or a Function saves passes through
-    pack); `exclude` (the parameters) are not activations.
+    pack); `exclude` (the parameters) are not activations. Their storages are read at each save,
+    not once before: FSDP gathers a unit's weights into fresh memory as its forward begins (and
+    frees it after), so a weight a matmul saves is in storage that did not exist when run began.
     """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    exclude = list(exclude)
     storages = {}
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
+        if ptr not in {p.untyped_storage().data_ptr() for p in exclude}:
             storages[ptr] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = run()
     return sum(storages.values()), result
+
+
+def peak_saved_bytes(run, exclude=()):
+    """The most bytes autograd held for backward at once while run() executes its forwards and
+    backwards (a pipeline stage's schedule: the micro-batches in flight), each storage counted
+    once while any saved tensor uses it; `exclude` (the parameters) read at each save, as
+    saved_activation_bytes does. Returns (peak, run's result)."""
+    exclude = list(exclude)
+    users, count = {}, {"live": 0, "peak": 0}
+
+    class Saved:            # autograd drops it when its backward has run: its bytes leave the count
+        def __init__(self, t, ptr, nbytes):
+            self.tensor, self.ptr, self.nbytes = t, ptr, nbytes
+
+        def __del__(self):
+            users[self.ptr] -= 1
+            if not users[self.ptr]:
+                count["live"] -= self.nbytes
+
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in {p.untyped_storage().data_ptr() for p in exclude}:
+            return t
+        if not users.get(ptr):
+            count["live"] += storage.nbytes()
+            count["peak"] = max(count["peak"], count["live"])
+        users[ptr] = users.get(ptr, 0) + 1
+        return Saved(t, ptr, storage.nbytes())
+
+    def unpack(saved):
+        return saved.tensor if isinstance(saved, Saved) else saved
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        result = run()
+    return count["peak"], result
 
 
 class BusyClock:

@@ -310,7 +310,8 @@ def moe_exchange_bytes(cfg: GPTConfig, tokens: int, ep: int, precision: str,
 
 def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: int = 1,
                      checkpointing: bool = False, bytes_per_value: int = 2,
-                     moe: GPTConfig | None = None, ep: int = 1) -> int:
+                     moe: GPTConfig | None = None, ep: int = 1, tp: int = 1,
+                     sequence_parallel: bool = False) -> int:
     """Bytes of activations kept for backward by `layers` transformer layers on one rank.
 
     Korthikanti et al., section 4.1, per layer, counting 16-bit values and 1-byte dropout masks:
@@ -321,7 +322,8 @@ def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: 
     Other activation dtypes scale everything by bytes_per_value / 2: napkin-accurate, since
     the masks (2 sbh + a s^2 b of it) stay 1 byte in reality. For this project's model it is
     an upper bound: dropout defaults to 0 (no masks) and a fused attention kernel recomputes
-    the s x s scores in backward instead of keeping them.
+    the s x s scores in backward instead of keeping them (kept_activation_bytes counts what it
+    does keep, train.py's prediction: 16 sbh values a block and a few fp32 ones a token).
 
     With activation checkpointing each layer keeps only its input, 2 sbh, and backward
     recomputes one layer's full activations at a time, so that one layer's worth is added
@@ -329,9 +331,20 @@ def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: 
 
     moe: the config of a model whose MLPs are mixtures of experts: each layer's MLP term is
     moe_mlp_bytes (its experts split over ep ranks) instead of 19 sbh.
+    tp (dense only, section 4.2): sbh (10 + 24/tp + 5as/(h tp)), the norms' and the linear
+    layers' whole inputs and two dropout masks (10 sbh) not split; with sequence parallelism
+    those too: sbh (34 + 5as/h) / tp.
     """
     s, b, h, a = seq_len, batch, hidden, heads
     rest = 15 * s * b * h + 5 * a * s * s * b              # attention and the norms, 16-bit
+    if tp > 1 and not (moe is not None and moe.experts):
+        whole = 0 if sequence_parallel else 10 * s * b * h
+        split = (34 * s * b * h - whole + 5 * a * s * s * b) // tp
+        per_layer = (whole + split) * bytes_per_value // 2
+        if checkpointing:
+            kept_input = 2 * s * b * h // (tp if sequence_parallel else 1) * bytes_per_value // 2
+            return layers * kept_input + per_layer
+        return layers * per_layer
     if moe is not None and moe.experts:
         per_layer = rest * bytes_per_value // 2 + moe_mlp_bytes(s * b, moe, ep, bytes_per_value)
     else:
@@ -339,6 +352,89 @@ def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: 
     if checkpointing:
         return layers * 2 * s * b * h * bytes_per_value // 2 + per_layer
     return layers * per_layer
+
+
+QKV = ("query", "key", "value")
+
+
+def kept_activation_bytes(cfg: GPTConfig, seq_len: int, batch: int, bytes_per_value: int = 4,
+                          checkpoint_every: int = 0, adapted=None, lora_rank: int = 8,
+                          tp: int = 1, sequence_parallel: bool = False, ep: int = 1, cp: int = 1,
+                          cp_attention: str = "ring", blocks: range | None = None,
+                          head: bool = True) -> int:
+    """Bytes model.py's GPT keeps for backward on one rank for a micro-batch of `batch` rows of
+    seq_len tokens (t = sb): what autograd saves, op by op, each tensor once (what
+    meters.saved_activation_bytes measures). activation_bytes is the lecture's rule; this is
+    where our model departs from it. A block that trains everything keeps, in values of the
+    compute dtype,
+        norm1's input, its output (query, key and value's input)          2 th
+        q, k, v and attention's output (the output projection's input)   4 th
+        norm2's input, its output (the MLP's input)                        2 th
+        the GeLU's input and output (4h wide each)                         8 th
+    16 th, and in fp32 two norms' mean and 1/std (2t each) and the fused attention's log-sum-exp
+    per head (a t): the lecture's 34 sbh at 2 bytes less its dropout masks (dropout 0 here), and
+    none of its 5 a s^2 b (the fused kernel recomputes the scores in backward).
+    checkpoint_every K: blocks 0, K, 2K ... (checkpointing.checkpoint_blocks) keep only their
+    input, th. The block recomputed in backward holds its own full share meanwhile: a transient
+    of backward's, not kept from forward (the lecture's "+ one layer" is that peak).
+    adapted (LoRA, QLoRA: the --lora-targets' names; None: every weight trains): a frozen
+    linear keeps no input (its weight needs no gradient, and the input's gradient needs only
+    the weight), an adapted one keeps its input for A's gradient and tr for B's; a norm and the
+    attention keep theirs only once a gradient flows through them (after the first adapter).
+    tp (tensor_parallel.py): q, k, v, attention's output and the MLP's 4h halves on h/tp
+    columns each; the norms' inputs and outputs whole, or under sequence parallelism their
+    inputs on t/tp tokens (the column layers keep the all-gathered output, th). The loss over
+    the split vocabulary keeps the softmax, 4 t V/tp bytes, instead of the log-probabilities.
+    cp (context_parallel.py): every term at the rank's s/cp tokens; its attention returns heads
+    first, so the output projection keeps a copy (th), and all-gather attention keeps the whole
+    sequence's K and V where the ring keeps its own: 2 (cp - 1) th more.
+    A mixture of experts' layer keeps moe_mlp_bytes in place of the MLP's (ep: its experts split).
+    Around the blocks: the final norm's input (and output, if the head trains) and the loss's
+    fp32 log-probabilities (logits_bytes). Left out: the int64 token ids and targets the
+    embedding and loss keep (16 bytes a token) and dropout's masks (--dropout, --lora-dropout).
+    A pipeline stage's chunk (pipeline_activation_bytes): `blocks`, the numbers of its blocks
+    (None: all), whose input carries a gradient unless block 0's (a received activation does),
+    and head: whether the final norm and the loss are its.
+    """
+    e, C, a, V = bytes_per_value, cfg.n_embd, cfg.n_head, cfg.vocab_size
+    seq_len //= cp
+    t = seq_len * batch
+    norm_t = t // tp if sequence_parallel else t              # tokens a norm sees on this rank
+    trains = (lambda name: True) if adapted is None else (lambda name: name in adapted)
+    adapter = lambda *names: sum(t * lora_rank * e for n in names if adapted and n in adapted)
+    norm = norm_t * C * e + 2 * norm_t * 4                    # its input, fp32 mean and 1/std
+    blocks = range(cfg.n_layer) if blocks is None else blocks
+    # does a gradient flow into the residual stream yet? (a received activation's does)
+    grad = adapted is None or blocks.start > 0
+    kept = 0
+    for i in blocks:
+        block = 0
+        block += norm if grad else 0
+        block += t * C * e if any(map(trains, QKV)) else 0                        # norm1's output
+        attention = grad or any(map(trains, QKV))
+        block += 4 * t * C // tp * e + 4 * a // tp * t if attention else 0        # q k v out, lse
+        block += t * C // tp * e if trains("output") and not attention else 0
+        block += adapter(*QKV, "output")
+        if cp > 1:
+            block += t * C // tp * e if trains("output") else 0    # the heads-first output's copy
+            gathered = attention and cp_attention == "allgather"
+            block += 2 * (cp - 1) * t * C // tp * e if gathered else 0
+        grad = attention or trains("output")
+        block += norm if grad else 0
+        if cfg.experts:
+            block += moe_mlp_bytes(norm_t, cfg, ep, e)
+        else:
+            block += t * C * e if trains("up") else 0                              # norm2's output
+            block += 4 * t * C // tp * e if grad or trains("up") else 0            # GeLU's input
+            block += 4 * t * C // tp * e if trains("down") else 0                  # its output
+            block += adapter("up", "down")
+        grad = grad or cfg.experts or trains("up") or trains("down")
+        kept += norm_t * C * e if checkpoint_every and i % checkpoint_every == 0 else block
+    if not head:
+        return kept
+    kept += norm if grad else 0
+    kept += t * C * e + adapter("head") if trains("head") else 0              # the head's input
+    return kept + logits_bytes(seq_len, batch, V // tp)
 
 
 def moe_mlp_bytes(tokens: int, cfg: GPTConfig, ep: int = 1, bytes_per_value: int = 2) -> int:
@@ -367,16 +463,21 @@ def moe_mlp_bytes(tokens: int, cfg: GPTConfig, ep: int = 1, bytes_per_value: int
 
 
 def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, micro_batch: int,
-                              seq_len: int, v: int = 1, bytes_per_value: int = 2) -> list[int]:
+                              seq_len: int, v: int = 1, bytes_per_value: int = 2,
+                              kept: dict | None = None) -> list[int]:
     """Each pipeline stage's peak activation bytes under `schedule` (schedules.py's lists): walk
     the stage's list, each F adding its chunk's layers' activation_bytes for one micro-batch
     (and the logits, on the last chunk), each B freeing them (W, when the backward is split: an
     upper bound, since B frees all but the linear layers' inputs and output gradients).
-    Blocks split as pipeline_mechanics.split_layers does: balanced over the P v chunks."""
+    Blocks split as pipeline_mechanics.split_layers does: balanced over the P v chunks.
+    kept (kept_activation_bytes' options, {} for none): each chunk's bytes as this project's
+    model keeps them (train.py's prediction), instead of the lecture's rule; with checkpointing,
+    each B's peak includes the largest block it recomputes, beside what the stage holds."""
     V = P * v
     if cfg.n_layer < V:
         raise ValueError(f"{cfg.n_layer} blocks, fewer than {V} chunks: every chunk needs a block")
-    layers = [len(chunk) for chunk in split_layers(cfg.n_layer, P, v=v)]        # blocks per chunk
+    chunks = split_layers(cfg.n_layer, P, v=v)                                 # ranges of blocks
+    layers = [len(chunk) for chunk in chunks]
     peaks = []
     for s, actions in enumerate(make_schedule(schedule, P, M, v)):
         release = "W" if any(a.kind == "W" for a in actions) else "B"
@@ -384,13 +485,32 @@ def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, mic
         for a in actions:
             if a.kind in ("F", release):
                 vs = a.chunk * P + s
-                size = activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, layers[vs],
-                                        bytes_per_value=bytes_per_value) + (
-                    logits_bytes(seq_len, micro_batch, cfg.vocab_size) if vs == V - 1 else 0)
+                if kept is not None:
+                    size = kept_activation_bytes(cfg, seq_len, micro_batch, bytes_per_value, **kept,
+                                                 blocks=chunks[vs], head=vs == V - 1)
+                else:
+                    size = activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head,
+                                            layers[vs], bytes_per_value=bytes_per_value) + (
+                        logits_bytes(seq_len, micro_batch, cfg.vocab_size) if vs == V - 1 else 0)
+                if kept and kept.get("checkpoint_every") and a.kind == release:
+                    # backward recomputes each checkpointed block: its share beside its input
+                    recomputed = (_recomputed(cfg, seq_len, micro_batch, bytes_per_value, kept, i)
+                                  for i in chunks[vs])
+                    peak = max(peak, held + max(recomputed))
                 held += size if a.kind == "F" else -size
                 peak = max(peak, held)
         peaks.append(peak)
     return peaks
+
+
+def _recomputed(cfg, seq_len, micro_batch, bytes_per_value, kept: dict, block: int) -> int:
+    """What recomputing `block` in backward adds to its checkpointed input (0: not checkpointed)."""
+    if block % kept["checkpoint_every"]:
+        return 0
+    one = dict(kept, blocks=range(block, block + 1), head=False)
+    full = kept_activation_bytes(cfg, seq_len, micro_batch, bytes_per_value,
+                                 **dict(one, checkpoint_every=0))
+    return full - kept_activation_bytes(cfg, seq_len, micro_batch, bytes_per_value, **one)
 
 
 def cp_activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: int, cp: int,

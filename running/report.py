@@ -24,7 +24,8 @@ from running.snapshot import load_weights
 
 
 def say_header(args, gpt, napkin, log, data_size, threads, device):
-    """The log's first lines: the run (cli.describe_run), LoRA's share, memory.py's prediction."""
+    """The log's first lines: the run (cli.describe_run), LoRA's share, memory.py's prediction;
+    returns its activations' (run_log.predicted_activations)."""
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
     where = f"{device.type} ({dist.get_backend()})" + (f" | {threads}" if threads else "")
     n_model = n_params if not run_shape(args, data_size)[0] else model_params(gpt.cfg)
@@ -36,7 +37,9 @@ def say_header(args, gpt, napkin, log, data_size, threads, device):
                 f"({trainable / n_params:.2%} of the model); the adapter is "
                 f"{lora.adapter_bytes(gpt) / 2**10:.1f} KiB, the model {n_params * 4 / 2**20:.1f} MiB in fp32"
                 + (f"; {quantized:,} frozen weights in 4-bit {args.quantize_base}" if quantized else ""))
-    log.say(predicted_memory(napkin, predicted_activations(args, gpt.cfg, data_size)))
+    activations = predicted_activations(args, gpt.cfg, data_size)
+    log.say(predicted_memory(napkin, activations))
+    return activations
 
 
 def say_step(args, job, log, clock, step, loss, lr, kept, history, live_bytes, napkin_seconds):
@@ -51,6 +54,8 @@ def say_step(args, job, log, clock, step, loss, lr, kept, history, live_bytes, n
         held.pop("host", None)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     history["losses"][step], history["held"][step] = loss, held
+    if kept:
+        history.setdefault("activations", {})[step] = kept["bytes"]
     if live_bytes and device.type == "cpu":
         history["live_bytes"][step] = live_tensor_bytes()
     log.say_if_changed(step, "memory", measured_memory(held, kept.get("bytes") if kept else None, peak))

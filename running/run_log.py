@@ -28,7 +28,8 @@ from collectives import Comm
 from foundations.dtypes import DTYPES
 from napkin.flops import Shape
 from napkin.machines import this
-from napkin.memory_math import activation_bytes, logits_bytes, quantized_params
+from napkin.memory_math import (activation_bytes, cp_activation_bytes, kept_activation_bytes,
+                                logits_bytes, pipeline_activation_bytes, quantized_params)
 from composition.mesh_checks import mesh_splits
 from foundations.process_groups import LaunchError, gather_objects
 from napkin.step_time import DATA_PARALLEL, Step, predict
@@ -52,11 +53,19 @@ def state_text(held: dict) -> str:
             + (f", host {held['host'] / MiB:.1f} in CPU memory (--offload)" if held.get("host") else ""))
 
 
-def predicted_memory(napkin: dict, activations: int | None) -> str:
-    """The header's line: memory.py's bytes per rank, the state held between steps and, where
-    the run has no tp, pp or cp split (their own lines say theirs), the activations."""
-    kept = ("" if activations is None else f" | + activations {activations / MiB:.1f} MiB kept for "
-            f"backward (Korthikanti et al.'s formula and the loss's log-probabilities)")
+def predicted_memory(napkin: dict, activations: tuple | None) -> str:
+    """The header's line: memory.py's bytes per rank, the state held between steps and the
+    activations (predicted_activations: counted as autograd keeps them, what the count leaves
+    out, and the lecture's rule beside)."""
+    if activations is None:
+        kept = ""
+    else:
+        counted, left_out, lecture = activations
+        kept = (f" | + activations {counted / MiB:.1f} MiB kept for backward (counted op by op as "
+                f"autograd keeps them: memory_math.kept_activation_bytes{left_out}) | the lecture's "
+                f"rule: activations {lecture / MiB:.1f} MiB kept for backward (Korthikanti et al.'s "
+                f"formula and the loss's log-probabilities; it counts dropout masks and the s x s "
+                f"attention scores, which the fused attention recomputes instead)")
     return f"memory per rank, predicted (memory.py's napkin math): {state_text(napkin)}{kept}"
 
 
@@ -233,19 +242,41 @@ def stopped(error: BaseException, signals: StopSignals, log: RunLog | None) -> i
     return 1
 
 
-def predicted_activations(args, cfg, data_size: int) -> int | None:
-    """memory_math.activation_bytes for one micro-batch of this rank's rows (B/D/k, T) through every
-    block, and the loss's fp32 log-probabilities (logits_bytes); None where the run splits the
-    model or its sequences (tp, pp, cp: their lines say theirs) or checkpoints every K-th block
-    for K > 1 (the formula knows all or none)."""
-    if mesh_splits(args) or args.checkpoint_activations > 1:
+def predicted_activations(args, cfg, data_size: int) -> tuple[int, str, int] | None:
+    """(memory_math.kept_activation_bytes for one micro-batch of this rank's rows (B/D/k, T),
+    what it leaves out ("" or "; ..." for the log), the lecture's rule for them: activation_bytes
+    and the loss's fp32 log-probabilities); a pipeline's: stage 0's peak over its schedule
+    (pipeline_activation_bytes); None for a pipeline of uneven stages (--stage-layers) or beside
+    cp. Under cp the context line measures them."""
+    splits = mesh_splits(args)
+    if "pp" in splits and ("cp" in splits or args.stage_layers):
         return None
-    rows = args.batch_size // data_size // args.grad_accum
-    return (activation_bytes(args.seq_len, rows, cfg.n_embd, cfg.n_head, cfg.n_layer,
-                             checkpointing=bool(args.checkpoint_activations),
-                             bytes_per_value=DTYPES[args.precision].itemsize,
-                             moe=cfg if cfg.experts else None, ep=args.ep)
-            + logits_bytes(args.seq_len, rows, cfg.vocab_size))
+    rows, value = args.batch_size // data_size // args.grad_accum, DTYPES[args.precision].itemsize
+    options = dict(checkpoint_every=args.checkpoint_activations or 0,
+                   adapted=args.lora_targets.split(",") if args.lora else None,
+                   lora_rank=args.lora_rank, tp=splits.get("tp", 1),
+                   sequence_parallel=args.sequence_parallel, ep=args.ep)
+    dropout = "; dropout's masks not counted" if args.dropout or args.lora and args.lora_dropout else ""
+    if "pp" in splits:             # stage 0's (rank 0 logs): its peak over the step's schedule
+        pipeline = (cfg, args.schedule, args.pp, args.microbatches, rows // args.microbatches,
+                    args.seq_len, args.virtual_stages or 1, value)
+        return (pipeline_activation_bytes(*pipeline, kept=options)[0],
+                "; the most stage 0 holds at once" + dropout, pipeline_activation_bytes(*pipeline)[0])
+    counted = kept_activation_bytes(cfg, args.seq_len, rows, value, **options, cp=splits.get("cp", 1),
+                                    cp_attention=args.cp_attention or "ring")
+    left_out = ("; a block's share recomputed in backward, held meanwhile, not counted"
+                if args.checkpoint_activations else "") + dropout
+    cp, every = splits.get("cp", 1), args.checkpoint_activations
+    checkpointed = -(-cfg.n_layer // every) if every else 0         # blocks 0, K, 2K, ...
+    shape = (rows, cfg.n_embd, cfg.n_head)
+    moe = dict(moe=cfg if cfg.experts else None, ep=args.ep, tp=options["tp"],
+               sequence_parallel=args.sequence_parallel)
+    lecture = logits_bytes(args.seq_len // cp, rows, cfg.vocab_size // options["tp"]) + (
+        cp_activation_bytes(args.seq_len, *shape, cfg.n_layer, cp, args.cp_attention or "ring",
+                            bool(every), value) if cp > 1 else
+        activation_bytes(args.seq_len, *shape, cfg.n_layer - checkpointed, False, value, **moe)
+        + (activation_bytes(args.seq_len, *shape, checkpointed, True, value, **moe) if every else 0))
+    return counted, left_out, lecture
 
 
 def predicted_seconds(args, gpt, world_size: int, device) -> float | str:
