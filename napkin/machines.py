@@ -29,6 +29,7 @@ from collectives import Comm, ring_bytes
 from napkin.flops import Shape, block_flops
 from mixed_precision import DTYPES
 from model import PRESETS as MODELS, Block, GPTConfig
+from moe import feed_forward
 from extensions.offload import host_buffer
 from foundations.process_groups import exit_distributed, init_distributed
 
@@ -199,7 +200,10 @@ def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: s
     expert rows, empty slots included: the rate measured so prices that too)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)                           # the run's random stream stays untouched
-        block = (split_block(cfg, split) if split > 1 else Block(cfg)).to(device=device, dtype=DTYPES[precision])
+        # An MoE block as moe.py builds it (router, dispatch, the experts' matmuls): a dense
+        # block's rate would price top_k experts' FLOPs at the dense MLP's speed.
+        block = split_block(cfg, split) if split > 1 else Block(cfg, feed_forward)
+        block = block.to(device=device, dtype=DTYPES[precision])
         x = torch.randn(rows, seq_len, cfg.n_embd, dtype=DTYPES[precision], device=device,
                         requires_grad=True)
 
@@ -306,7 +310,8 @@ def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm:
         "link": asdict(collective_link(comm, device) if comm.world_size > 1 else Link(float("inf"), 0.0))},
         comm, device, fields=("memory_bandwidth", "host_copy", "link"))
     block = (f"{precision} block C{cfg.n_embd} H{cfg.n_head}" + (f" split {split} ways" if split > 1 else "")
-             + (f" E{cfg.experts} top-{cfg.top_k} capacity {cfg.capacity_factor}" if cfg.experts else ""))
+             + (f" E{cfg.experts} top-{cfg.top_k} capacity {cfg.capacity_factor} routed"
+                if cfg.experts else ""))        # routed: moe.py's block, not a dense one's rate
     flops = _measured(cache, f"{key}, {block} at {rows} x {seq_len}",
                       lambda: {"flops": block_flops_per_second(cfg, rows, seq_len, precision, device, split,
                                                                window)},
