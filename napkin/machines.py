@@ -12,7 +12,6 @@ cannot be read or written, as in a read-only install, every run measures again).
 Run: python -m napkin.machines (the presets); torchrun --nproc_per_node 2 -m napkin.machines --this
 Test: python -m pytest tests/test_step_time.py tests/test_writes.py
 """
-import argparse
 import contextlib
 import json
 import math
@@ -31,6 +30,7 @@ from mixed_precision import DTYPES
 from model import PRESETS as MODELS, Block, GPTConfig
 from extensions.offload import host_buffer
 from foundations.process_groups import exit_distributed, init_distributed
+from foundations.values import Parser, whole
 
 GB = 1e9
 CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "this-machine.json")
@@ -332,12 +332,12 @@ def measure_this(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m napkin.machines", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m napkin.machines", description=__doc__.split("\n")[0])
     p.add_argument("--this", action="store_true", help="measure this machine (torchrun: its links too)")
     p.add_argument("--model", default="medium", choices=list(MODELS), help="the shape `this` measures a "
                    "block of; default medium")
-    p.add_argument("--rows", type=int, default=8, help="sequences per rank; default 8")
-    p.add_argument("--seq-len", type=int, default=None, help="default: the model's block size (medium: 256)")
+    p.add_argument("--rows", type=whole, default=8, help="sequences per rank; default 8")
+    p.add_argument("--seq-len", type=whole, default=None, help="default: the model's block size (medium: 256)")
     args = p.parse_args(argv)
     block_size = MODELS[args.model].block_size
     args.seq_len = block_size if args.seq_len is None else args.seq_len

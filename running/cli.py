@@ -9,11 +9,10 @@ memory.py's advice.
 Test: python -m pytest tests/test_train.py
 """
 import argparse
-import json
 import math
 import os
 import sys
-import time
+import time  # noqa: F401 (say_error's clock, as cli.time: tests stop its wait)
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,9 @@ from collectives import RING_COLLECTIVES
 from mixed_precision import DTYPES, REDUCE_DTYPE
 from model import PRESETS
 from foundations.process_groups import launched_world_size
+# The one parser of every entry point (a refusal in one line) and its error line, here as cli.*
+from foundations.values import (QUIET_WAIT, HelpFormatter, Parser, number, record_for_torchrun,  # noqa: F401
+                                reports_errors, say_error, whole)
 # The combinations' checks live beside the composition (mesh_checks.py); moe_config is the MoE
 # flags' model config, read here as cli.moe_config too.
 from composition.mesh_checks import (check_context_parallel, check_experts, check_mesh, check_pipeline,  # noqa: F401
@@ -51,67 +53,6 @@ MIN_TIMEOUT = 5
 # The flags that name a file or directory: "" names none (and would leave the flag silently off).
 PATH_FLAGS = ("data", "out", "resume", "init_from", "export", "profile", "memory_snapshot")
 
-
-
-def reports_errors() -> bool:
-    """Whether this process prints the job's one-line errors. torchrun merges its workers'
-    output into one stream: every rank still refuses, but only local rank 0 (from the
-    environment, before any process group) says why, once per node. Processes started
-    otherwise (by hand, or a test) each print their own."""
-    return "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
-
-
-QUIET_WAIT = 10      # seconds a quiet rank leaves local rank 0 to print a refusal both reached
-
-
-def say_error(line: str, refusal: bool = True):
-    """Print one error line to stderr, once per job (reports_errors). torchrun stops the other
-    workers when the first fails: a quiet rank that exited at once could stop local rank 0
-    before it printed. So a quiet rank's refusal waits QUIET_WAIT s for torchrun to stop it,
-    and says its line itself if still running (a refusal local rank 0 did not reach). Not a
-    refusal (Ctrl-C, which every rank got): a quiet rank says nothing and leaves at once."""
-    if not reports_errors():
-        if not refusal:
-            return
-        time.sleep(QUIET_WAIT)
-    print(line, file=sys.stderr, flush=True)
-    record_for_torchrun(line)
-
-
-def record_for_torchrun(line: str):
-    """Under torchrun, the line in this worker's error file (TORCHELASTIC_ERROR_FILE, the JSON
-    torch.distributed.elastic's ErrorHandler writes): torchrun's failure summary then shows it as
-    the root cause, where it would say "To enable traceback see ..."."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(path, "w") as file:
-            json.dump({"message": {"message": line, "extraInfo": {
-                "py_callstack": line, "timestamp": str(int(time.time()))}}}, file)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, a refused command line said in one line ("train.py: error: ... (see --help)",
-    exit 2) without the usage dump before it, once under torchrun (say_error); --help, once."""
-
-    def error(self, message):
-        say_error(f"{self.prog}: error: {message} (see --help)")
-        sys.exit(2)
-
-    def print_help(self, file=None):
-        if reports_errors():
-            super().print_help(file)
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """--help shows each option's default once: appended unless the help already says it, and
-    left out where there is none (None, a flag's: on when given, off when not)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if ("(default" in text or action.default in (None, False, argparse.SUPPRESS)
-                or action.nargs == 0 or not action.option_strings):
-            return text
-        return f"{text} (default: %(default)s)".lstrip()
 
 
 def parse_args(argv=None):
