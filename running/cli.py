@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import math
 import os
-import resource
 import sys
 import time  # noqa: F401 (say_error's clock, as cli.time: tests stop its wait)
 
@@ -26,6 +25,7 @@ from extensions import schedules
 from running import snapshot
 import zero
 from napkin.advisor import auto_strategy
+from napkin.machines import memory_per_rank
 from napkin.memory_math import activation_bytes, human_bytes, logits_bytes, model_params
 from collectives import RING_COLLECTIVES
 from mixed_precision import DTYPES, REDUCE_DTYPE
@@ -457,19 +457,6 @@ def check_args(parser, args, world_size):
 
 # --data's bytes are read whole (data.TextData), then copied into the tensor the batches come from.
 DATA_COPIES = 2
-
-
-def memory_per_rank() -> int:
-    """Bytes each rank on this machine can hold in host memory: the physical memory (or, under
-    a ulimit -v, the address space this process has left), shared by the ranks torchrun started
-    here."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    have = page * os.sysconf("SC_PHYS_PAGES")
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit != resource.RLIM_INFINITY:
-        with open("/proc/self/statm") as statm:                 # the address space in use, pages
-            have = min(have, limit - page * int(statm.read().split()[0]))
-    return have // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def check_fits(parser, args, micro_batches: int):
