@@ -233,6 +233,7 @@ def parse_args(argv=None):
     if args.strategy == "auto":              # the advice's flags, after the user's, win
         advice = auto_strategy(p, args, world_size)
         args = p.parse_args([*(sys.argv[1:] if argv is None else argv), *advice])
+        check_lora_flags(p, args)
         args.advice = " ".join(advice)
     check_args(p, args, world_size=world_size)
     return args
