@@ -13,6 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN, README = os.path.join(ROOT, "train.py"), os.path.join(ROOT, "README.md")
 MEMORY, PICTURES = ["-m", "napkin.memory"], ["-m", "pictures"]
+TIMEOUT = 180                             # seconds: a refusal takes a few (importing torch)
 LIMIT_KB = 6_000_000                      # ulimit -v 6000000: 6 GB of address space, under
                                           # a 6 GB file's two copies
 
@@ -107,17 +108,22 @@ def _run(name: str, argv: list, directory: str) -> tuple:
                                                                      "WORLD_SIZE", "MASTER_"))}
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     ulimit = ["sh", "-c", f'ulimit -v {LIMIT_KB} && exec "$0" "$@"'] if "ulimit" in name else []
-    result = subprocess.run([*ulimit, sys.executable, *argv], cwd=directory, env=env,
-                            capture_output=True, text=True, timeout=300)
+    try:
+        result = subprocess.run([*ulimit, sys.executable, *argv], cwd=directory, env=env,
+                                capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:           # it went to work: nonsense accepted
+        return None, f"still running after {TIMEOUT} s", before, _files(directory)
     return result.returncode, result.stderr, before, _files(directory)
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    """{case name: _run's result}, the cases run four at a time."""
+def results(request, tmp_path_factory) -> dict:
+    """{case name: _run's result} of the cases selected (-k), run four at a time."""
+    chosen = {item.callspec.params["name"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = {name: pool.submit(_run, name, argv, str(tmp_path_factory.mktemp("case")))
-                   for name, argv, _, _ in CASES}
+                   for name, argv, _, _ in CASES if name in chosen}
         return {name: future.result() for name, future in futures.items()}
 
 
