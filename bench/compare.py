@@ -542,16 +542,21 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=whole, help="untimed steps per run; default 5 (3)")
     p.add_argument("--steps", type=whole, help="timed steps per run; default 20 (10)")
     p.add_argument("--repeats", type=whole, help="runs of each side; default 5 (3)")
-    p.add_argument("--max-mb", type=real(0, above=True), help="largest all-reduce, MiB; default 64 (4)")
-    p.add_argument("--bucket-mb", type=real(0, above=True), default=25, help="bucket MiB, ours and torch's; default 25")
+    p.add_argument("--max-mb", type=real(0, above=True),
+                   help="largest all-reduce, MiB; default 64 (4)")
+    p.add_argument("--bucket-mb", type=real(0, above=True), default=25,
+                   help="bucket MiB, ours and torch's; default 25")
     p.add_argument("--microbatches", type=count(1), help="pipeline rows: micro-batches per step; "
                    "default 2 x world size")
     p.add_argument("--moe-model", choices=[name for name, cfg in PRESETS.items() if cfg.experts],
                    help="the moe rows' model; default gpt2-small-moe (tiny-moe)")
-    p.add_argument("--ep", type=count(1), default=2, help="the moe rows: experts split over groups of "
+    p.add_argument("--ep", type=count(1), default=2, 
+                   help="the moe rows: experts split over groups of "
                    "--ep ranks, against ep 1; default 2")
-    p.add_argument("--clip-grad", type=real(0), default=1.0, help="gradient-norm clip, 0: off; default 1")
-    p.add_argument("--threads", type=count(1, os.cpu_count() or 1), help="torch threads per rank; default cores / local ranks")
+    p.add_argument("--clip-grad", type=real(0), default=1.0,
+                   help="gradient-norm clip, 0: off; default 1")
+    p.add_argument("--threads", type=count(1, os.cpu_count() or 1),
+                   help="torch threads per rank; default cores / local ranks")
     p.add_argument("--seed", type=count(0, 2**32 - 1), default=0)
     p.add_argument("--profile", action="store_true",
                    help="one more untimed run of each side under torch.profiler: a table of the "

@@ -72,7 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
     p.add_argument("--batch-size", type=whole, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=whole, default=1024)
-    p.add_argument("--microbatches", type=count(1), default=4, help="the pipeline row's (default 4)")
+    p.add_argument("--microbatches", type=count(1), default=4,
+                   help="the pipeline row's (default 4)")
     p.add_argument("--warmup", type=whole, default=3, help="untimed steps per side (default 3)")
     p.add_argument("--steps", type=whole, default=10, help="timed steps per side (default 10)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list, default all: {','.join(ROWS)}")

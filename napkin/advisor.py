@@ -28,7 +28,7 @@ from napkin.memory_math import (GB, activation_bytes, bytes_per_param, ep_comm_b
                          quantized_params, root_params)
 from model import PRESETS, GPTConfig
 from foundations.process_groups import init_distributed
-# parse_bytes: the bytes --gpu-mem and train.py's --mem-budget take, in the one place that parses them
+# parse_bytes: the bytes --gpu-mem and train.py's --mem-budget take (the one place parsing them)
 from foundations.values import count, size as parse_bytes
 
 # ---- the flow chart, rung by rung ------------------------------------------------------------
@@ -205,7 +205,8 @@ def add_arguments(p):
                                   "--gpu-mem 24GB --world N)")
     advice.add_argument("--advise", action="store_true",
                         help="walk the lecture's flow chart and print the first train.py command that fits")
-    advice.add_argument("--gpu-mem", type=parse_bytes, default=None, help="memory per GPU, e.g. 24GB, 80GB, 512MiB; default "
+    advice.add_argument("--gpu-mem", type=parse_bytes, default=None,
+                        help="memory per GPU, e.g. 24GB, 80GB, 512MiB; default "
                         "--gpu's, else 24GB")
     advice.add_argument("--gpu", choices=list(MACHINES), default=None,
                         help="a machine (machines.py): also rank every rung that fits by its speed")

@@ -46,7 +46,8 @@ def runnable(args) -> tuple[str, int, int, str, str]:
     what = args.model or "the assumed shape"
     return ("tiny", 64, 8 * args.world, precision,
             f"{what} is too big to run on CPU ranks: measuring the tiny preset instead, seq len 64, "
-            f"batch {8 * args.world}, fp32, its rungs advised anew for {human_bytes(args.gpu_mem)} a rank")
+            f"batch {8 * args.world}, fp32, its rungs advised anew for {human_bytes(args.gpu_mem)} "
+            f"a rank")
 
 
 def rung_argv(model: str, precision: str, seq_len: int, target_batch: int, advice) -> list:

@@ -352,7 +352,8 @@ def main(argv=None):
     p.add_argument("--model", default="medium", choices=list(MODELS), help="the shape `this` measures a "
                    "block of; default medium")
     p.add_argument("--rows", type=whole, default=8, help="sequences per rank; default 8")
-    p.add_argument("--seq-len", type=whole, default=None, help="default: the model's block size (medium: 256)")
+    p.add_argument("--seq-len", type=whole, default=None,
+                   help="default: the model's block size (medium: 256)")
     args = p.parse_args(argv)
     block_size = MODELS[args.model].block_size
     args.seq_len = block_size if args.seq_len is None else args.seq_len
@@ -363,8 +364,8 @@ def main(argv=None):
     need = activation_bytes(args.seq_len, args.rows, cfg.n_embd, cfg.n_head, bytes_per_value=4)
     if args.this and need > memory_per_rank():
         p.error(f"--rows {args.rows}: one block's activations at {args.rows} x {args.seq_len} take "
-                f"about {need / GB:.1f} GB, more than the {memory_per_rank() / GB:.1f} GB a rank has "
-                f"here: give fewer --rows")
+                f"about {need / GB:.1f} GB, more than the {memory_per_rank() / GB:.1f} GB a rank "
+                f"has here: give fewer --rows")
     if args.this:
         return measure_this(args)
     print(f"{'machine':<18}{'TFLOP/s bf16 (peak)':>21}{'fp32 (peak)':>14}{'memory GB/s':>13}"

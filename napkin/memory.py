@@ -32,7 +32,8 @@ from tensor_parallel import check_divisible
 
 
 def _parse_args(argv=None):
-    p = Parser(prog="python -m napkin.memory", description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    p = Parser(prog="python -m napkin.memory", description=__doc__.split("\n")[0],
+               formatter_class=HelpFormatter)
     p.add_argument("--params", type=parse_count, default=None, help="parameter count, e.g. 7.5e9 or 7B")
     p.add_argument("--model", choices=list(PRESETS), default=None,
                    help="a model preset (gives the parameter count and the activation shapes)")
@@ -48,7 +49,8 @@ def _parse_args(argv=None):
                    help="whose state counts: AdamW's two fp32 moments, or plain SGD's none")
     p.add_argument("--batch-size", type=count(1), default=None,
                    help="global batch in sequences, as train.py takes it (default: one per rank)")
-    p.add_argument("--grad-accum", type=whole, default=1, help="micro-batches per step on each rank")
+    p.add_argument("--grad-accum", type=whole, default=1,
+                   help="micro-batches per step on each rank")
     p.add_argument("--seq-len", type=count(1), default=None, help="default: the model's block size")
     p.add_argument("--trainable", type=number, default=None,
                    help="parameters that train, e.g. 4.2e6 for LoRA adapters (default: all); the "
@@ -60,17 +62,21 @@ def _parse_args(argv=None):
     p.add_argument("--offload", choices=("optimizer", "params"), default=None,
                    help="ZeRO-Offload: the sharded optimizer (fp32 master, moments) in host memory; "
                         "params (zero3/fsdp): the parameter shards too (other strategies: optimizer)")
-    p.add_argument("--tp", type=count(1), default=1, help="tensor parallelism: with --model and --world, "
+    p.add_argument("--tp", type=count(1), default=1,
+                   help="tensor parallelism: with --model and --world, "
                    "beside --cp and --pp, what each rank of the mesh holds and sends by dimension")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp in a mesh: norms and "
                    "dropout on 1/tp of the tokens, a pipeline stage sending 1/tp of each activation")
-    p.add_argument("--pp", type=whole, default=1, help="pipeline stages: with --model, each schedule's "
+    p.add_argument("--pp", type=whole, default=1,
+                   help="pipeline stages: with --model, each schedule's "
                    "bubble and activations per stage")
-    p.add_argument("--microbatches", type=whole, default=None, help="with --pp: per step (default 2 x pp)")
+    p.add_argument("--microbatches", type=whole, default=None,
+                   help="with --pp: per step (default 2 x pp)")
     p.add_argument("--ep", type=count(1), default=1,
                    help="expert parallelism (--model with experts): each rank holds E/ep of every "
                         "MoE layer's experts, its tokens sent to them and back by all-to-all")
-    p.add_argument("--cp", type=whole, default=1, help="context parallelism: with --model, a rank's "
+    p.add_argument("--cp", type=whole, default=1,
+                   help="context parallelism: with --model, a rank's "
                    "activations and K/V bytes sent as each sequence splits over 1, 2, 4 ... cp ranks")
     p.add_argument("--shard-group", type=count(1), default=None, metavar="S",
                    help="with --strategy fsdp: hybrid sharding (HSDP), sharded within groups of S "

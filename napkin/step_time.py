@@ -240,7 +240,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=whole, help="default: the model's block size (medium: 256)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default fp32")
     p.add_argument("--machine", choices=list(MACHINES), help="default h100-sxm")
-    p.add_argument("--microbatches", type=whole, help="with --strategy pipeline-*: per step; default 4")
+    p.add_argument("--microbatches", type=whole,
+                   help="with --strategy pipeline-*: per step; default 4")
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--tflops", type=float, help="the matmuls' TFLOP/s instead of the preset's "
                    "(one measured: a block's forward + backward on the card)")

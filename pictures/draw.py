@@ -149,7 +149,8 @@ def parse_args(argv=None):
     pipe.add_argument("--virtual-stages", type=whole, default=None, help="--schedule interleaved")
     memory = sub.add_parser("memory", help="bytes held over one step, strategy by strategy")
     memory.add_argument("--strategies", default="single,ddp,zero1,zero2,fsdp")
-    memory.add_argument("--ranks", type=count(1, MEMORY_BATCH), default=2, help="ranks for every strategy but single")
+    memory.add_argument("--ranks", type=count(1, MEMORY_BATCH), default=2,
+                        help="ranks for every strategy but single")
     memory.add_argument("--bucket-mb", type=real(0, above=True), default=0.25,
                         help="gradient buckets (small, so that the tiny model has several)")
     for command in (loss, pipe, memory):

@@ -50,8 +50,8 @@ def logged_losses(run_dir: str) -> dict[int, float]:
             losses[step] = loss
     diverged = [str(step) for step, loss in losses.items() if not math.isfinite(loss)]
     if diverged:
-        print(f"pictures: note: {path}: step {', '.join(diverged)} logged a loss of inf or NaN (the "
-              f"run diverged), left out of the curve", file=sys.stderr)
+        print(f"pictures: note: {path}: step {', '.join(diverged)} logged a loss of inf or NaN "
+              f"(the run diverged), left out of the curve", file=sys.stderr)
     losses = {step: loss for step, loss in losses.items() if math.isfinite(loss)}
     if not losses:
         raise ValueError(f"{path} holds no 'step N | loss X' line with a finite loss: did the run "

@@ -32,8 +32,8 @@ from mixed_precision import DTYPES, REDUCE_DTYPE
 from model import PRESETS
 from foundations.process_groups import launched_world_size
 # The one parser of every entry point (a refusal in one line) and its error line, here as cli.*
-from foundations.values import (QUIET_WAIT, HelpFormatter, Parser, record_for_torchrun,  # noqa: F401
-                                reports_errors, say_error, whole)
+from foundations.values import (QUIET_WAIT, HelpFormatter, Parser,  # noqa: F401
+                                record_for_torchrun, reports_errors, say_error, whole)
 # The combinations' checks live beside the composition (mesh_checks.py); moe_config is the MoE
 # flags' model config, read here as cli.moe_config too.
 from composition.mesh_checks import (check_context_parallel, check_experts, check_mesh, check_pipeline,  # noqa: F401
@@ -104,7 +104,8 @@ def parse_args(argv=None):
     p.add_argument("--cp-balance", choices=("zigzag", "none"), default=None,
                    help="with --cp: rank r holds chunks r and 2cp-1-r of 2cp, the same causal work "
                         "on every rank (zigzag, the default), or chunk r of cp (none)")
-    p.add_argument("--grad-accum", type=whole, default=1, help="micro-batches per step on each rank")
+    p.add_argument("--grad-accum", type=whole, default=1,
+                   help="micro-batches per step on each rank")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="end of the cosine decay (default: lr/10)")
     p.add_argument("--warmup", type=whole, default=30, help="linear warmup steps")
@@ -138,17 +139,21 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=whole, default=None,
                    help="CPU threads each rank computes with (default: OMP_NUM_THREADS if you set "
                         "it, else this node's cores / its ranks)")
-    p.add_argument("--log-every", type=whole, default=10, help="log a line every N steps (and the last)")
-    p.add_argument("--eval-every", type=whole, default=100, help="eval loss every N steps (0: only at the end)")
+    p.add_argument("--log-every", type=whole, default=10,
+                   help="log a line every N steps (and the last)")
+    p.add_argument("--eval-every", type=whole, default=100,
+                   help="eval loss every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=whole, default=4, help="held-out batches per eval loss")
-    p.add_argument("--checkpoint-activations", type=whole, nargs="?", const=1, default=0, metavar="K",
+    p.add_argument("--checkpoint-activations", type=whole,
+                   nargs="?", const=1, default=0, metavar="K",
                    help="recompute every K-th block's activations in backward instead of keeping "
                         "them (K=1, the default when given: every block)")
     moe = p.add_argument_group("mixture of experts (moe.py; --model tiny-moe has them)")
     moe.add_argument("--experts", type=whole, default=None,
                      help="E: every block's MLP becomes E experts behind a router (default: the "
                           "model's; 0: dense)")
-    moe.add_argument("--top-k", type=whole, default=None, help="experts per token (1: Switch, 2: GShard)")
+    moe.add_argument("--top-k", type=whole, default=None,
+                     help="experts per token (1: Switch, 2: GShard)")
     moe.add_argument("--capacity-factor", type=float, default=None,
                      help="each expert takes at most ceil(F x k x tokens / E) of a micro-batch's "
                           "tokens, the rest dropped; 0: dropless (default: the model's, 1.25)")
@@ -185,7 +190,8 @@ def parse_args(argv=None):
                                                  "OUT/lock keeps a second run out while one runs")
     run.add_argument("--save-every", type=whole, default=0,
                      help="checkpoint every K steps into --out (0: only at the end)")
-    run.add_argument("--keep", type=whole, default=3, help="checkpoints kept in --out, newest first")
+    run.add_argument("--keep", type=whole, default=3,
+                     help="checkpoints kept in --out, newest first")
     run.add_argument("--overwrite", action="store_true",
                      help="start a new run in an --out that holds checkpoints, deleting them")
     run.add_argument("--resume", nargs="?", const="must", default=None, metavar="auto|CHECKPOINT",
@@ -240,18 +246,21 @@ def parse_args(argv=None):
 
 
 # The --lora-* flags' values where --lora is given without them.
-LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16, "lora_targets": "query,value", "lora_dropout": 0.0}
+LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16, "lora_targets": "query,value",
+                 "lora_dropout": 0.0}
 
 
 def check_lora_flags(parser, args):
     """The --lora-* flags shape the adapters --lora trains: given without --lora they would be
     ignored, so they are refused (as --double-quant without --quantize-base); else each not
     given takes its default (LORA_DEFAULTS)."""
-    given = [f"--{name.replace('_', '-')}" for name in LORA_DEFAULTS if getattr(args, name) is not None]
+    given = [f"--{name.replace('_', '-')}" for name in LORA_DEFAULTS
+             if getattr(args, name) is not None]
     if given and not args.lora:
-        parser.error(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} the adapters --lora "
-                     f"trains, and this run trains none: add --lora (with --init-from RUN_DIR, the "
-                     f"model to fine-tune), or drop {'it' if len(given) == 1 else 'them'}")
+        one = len(given) == 1
+        parser.error(f"{', '.join(given)} shape{'s' if one else ''} the adapters --lora trains, "
+                     f"and this run trains none: add --lora (with --init-from RUN_DIR, the model "
+                     f"to fine-tune), or drop {'it' if one else 'them'}")
     for name, default in LORA_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -473,15 +482,17 @@ def check_fits(parser, args, micro_batches: int):
                                     checkpointing=bool(args.checkpoint_activations),
                                     bytes_per_value=DTYPES[args.precision].itemsize,
                                     moe=cfg if cfg.experts else None, ep=args.ep)
-                   + logits_bytes(args.seq_len, rows, cfg.vocab_size)) // (args.tp * args.cp * args.pp)
+                   + logits_bytes(args.seq_len, rows, cfg.vocab_size))
+    activations //= args.tp * args.cp * args.pp
     if torch.cuda.is_available():
         activations = 0                       # on the GPU, whose out-of-memory error names itself
     have, where = memory_per_rank(), "rank's share of this machine"
     if weights > have:
         flag = f"--experts {args.experts}" if args.experts else f"--model {args.model}"
-        parser.error(f"{flag}: the model has {model_params(cfg):,} parameters, {human_bytes(weights)} "
-                     f"in fp32 alone, more than the {human_bytes(have)} a {where} holds: a smaller "
-                     f"--model" + (" or fewer --experts" if args.experts else ""))
+        parser.error(f"{flag}: the model has {model_params(cfg):,} parameters, "
+                     f"{human_bytes(weights)} in fp32 alone, more than the {human_bytes(have)} a "
+                     f"{where} holds: a smaller --model"
+                     + (" or fewer --experts" if args.experts else ""))
     if weights + activations > have:
         parser.error(f"--batch-size {args.batch_size}: a micro-batch of {rows} x {args.seq_len} "
                      f"tokens keeps about {human_bytes(activations)} of activations per rank "

@@ -24,8 +24,10 @@ CASES = [
     # sizes that cannot fit: refused before anything is allocated (the napkin's own measurement
     # of a block, napkin/machines.py, was what failed)
     ("batch-size 3e6", [TRAIN, "--batch-size", "3000000"], "--batch-size", "activations per rank"),
-    ("batch-size 1e11", [TRAIN, "--batch-size", "99999999999"], "--batch-size", "up to 2,147,483,647"),
-    ("experts 99999", [TRAIN, "--model", "tiny-moe", "--experts", "99999"], "--experts", "in fp32 alone"),
+    ("batch-size 1e11", [TRAIN, "--batch-size", "99999999999"],
+     "--batch-size", "up to 2,147,483,647"),
+    ("experts 99999", [TRAIN, "--model", "tiny-moe", "--experts", "99999"],
+     "--experts", "in fp32 alone"),
     ("data 1TiB", [TRAIN, "--data", "big.txt"], "--data big.txt", "2 copies of it"),
     ("data 6GB ulimit", [TRAIN, "--data", "six.txt"], "--data six.txt", "2 copies of it"),
     ("machines rows", ["-m", "napkin.machines", "--this", "--rows", "3000000"], "--rows 3000000",
@@ -42,7 +44,8 @@ CASES = [
      "up to 2,147,483,647"),
     ("tp 0", [*MEMORY, "--params", "7B", "--tp", "0"], "--tp", "from 1"),
     ("tp -2", [*MEMORY, "--params", "7B", "--tp", "-2"], "--tp", "from 1"),
-    ("memory batch -4", [*MEMORY, "--model", "tiny", "--batch-size", "-4"], "--batch-size", "from 1"),
+    ("memory batch -4", [*MEMORY, "--model", "tiny", "--batch-size", "-4"],
+     "--batch-size", "from 1"),
     ("target-batch -1", [*MEMORY, "--advise", "--model", "tiny", "--target-batch", "-1"],
      "--target-batch", "from 1"),
     ("target-batch 0", [*MEMORY, "--advise", "--model", "tiny", "--target-batch", "0"],
@@ -59,21 +62,27 @@ CASES = [
     ("lr -inf", [TRAIN, "--lr", "-inf"], "--lr", "must be a positive number"),
     ("mem-budget -1GB", [TRAIN, "--strategy", "auto", "--mem-budget", "-1GB"], "--mem-budget",
      "not a positive size"),
-    ("tflops -inf", ["-m", "napkin.step_time", "--tflops", "-inf"], "--tflops", "a positive number"),
+    ("tflops -inf", ["-m", "napkin.step_time", "--tflops", "-inf"],
+     "--tflops", "a positive number"),
     # stray flags, nonsense the bench and the pictures took
     ("lora-rank alone", [TRAIN, "--lora-rank", "4"], "--lora-rank", "add --lora"),
-    ("bench max-mb nan", ["-m", "bench", "--quick", "--max-mb", "nan"], "--max-mb", "positive, finite"),
-    ("bench max-mb -1", ["-m", "bench", "--quick", "--max-mb", "-1"], "--max-mb", "positive, finite"),
-    ("bench bucket-mb 0", ["-m", "bench", "--quick", "--bucket-mb", "0"], "--bucket-mb", "positive"),
+    ("bench max-mb nan", ["-m", "bench", "--quick", "--max-mb", "nan"],
+     "--max-mb", "positive, finite"),
+    ("bench max-mb -1", ["-m", "bench", "--quick", "--max-mb", "-1"],
+     "--max-mb", "positive, finite"),
+    ("bench bucket-mb 0", ["-m", "bench", "--quick", "--bucket-mb", "0"],
+     "--bucket-mb", "positive"),
     ("bench threads 0", ["-m", "bench", "--quick", "--threads", "0"], "--threads", "from 1"),
-    ("bench clip-grad nan", ["-m", "bench", "--quick", "--clip-grad", "nan"], "--clip-grad", "finite"),
+    ("bench clip-grad nan", ["-m", "bench", "--quick", "--clip-grad", "nan"],
+     "--clip-grad", "finite"),
     ("bench scaling empty", ["-m", "bench", "--scaling", ""], "--scaling", "not a comma list"),
     ("bench bogus", ["-m", "bench", "--bogus"], "--bogus", "unrecognized"),
     ("bench.gpu budget nan", ["-m", "bench.gpu", "--budget-s", "nan"], "--budget-s", "positive"),
     ("pictures ranks 0", [*PICTURES, "memory", "--ranks", "0", "-o", "m.svg"], "--ranks", "from 1"),
-    ("pictures ranks -1", [*PICTURES, "memory", "--ranks", "-1", "-o", "m.svg"], "--ranks", "from 1"),
-    ("pictures bucket nan", [*PICTURES, "memory", "--bucket-mb", "nan", "-o", "m.svg"], "--bucket-mb",
-     "positive, finite"),
+    ("pictures ranks -1", [*PICTURES, "memory", "--ranks", "-1", "-o", "m.svg"],
+     "--ranks", "from 1"),
+    ("pictures bucket nan", [*PICTURES, "memory", "--bucket-mb", "nan", "-o", "m.svg"],
+     "--bucket-mb", "positive, finite"),
     ("pictures microbatches 0", [*PICTURES, "schedule", "--microbatches", "0", "-o", "s.svg"],
      "--microbatches", "from 1"),
     ("pictures loss not utf-8", [*PICTURES, "loss", "run", "-o", "l.svg"], "run/log.txt",
@@ -90,7 +99,8 @@ def _files(directory: str) -> dict:
     for where, _, names in os.walk(directory):
         for name in [*names, "."]:
             path = os.path.join(where, name)
-            found[os.path.relpath(path, directory)] = (os.path.getsize(path), os.stat(path).st_mtime_ns)
+            stat = os.stat(path)
+            found[os.path.relpath(path, directory)] = (stat.st_size, stat.st_mtime_ns)
     return found
 
 
@@ -104,8 +114,8 @@ def _run(name: str, argv: list, directory: str) -> tuple:
     with open(os.path.join(directory, "run", "log.txt"), "wb") as f:
         f.write(b"\xff\xfe step \xff | loss\n")
     before = _files(directory)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "LOCAL_", "RANK",
-                                                                     "WORLD_SIZE", "MASTER_"))}
+    launcher = ("TORCHELASTIC", "LOCAL_", "RANK", "WORLD_SIZE", "MASTER_")   # torchrun's, if any
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     ulimit = ["sh", "-c", f'ulimit -v {LIMIT_KB} && exec "$0" "$@"'] if "ulimit" in name else []
     try:
@@ -128,7 +138,8 @@ def results(request, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("name, argv, flag, says", CASES, ids=[case[0] for case in CASES])
-def test_bad_input_is_one_line_naming_the_flag_and_nothing_is_written(results, name, argv, flag, says):
+def test_bad_input_is_one_line_naming_the_flag_and_nothing_is_written(results, name, argv, flag,
+                                                                       says):
     code, stderr, before, after = results[name]
     lines = stderr.splitlines()
     assert code != 0 and "Traceback" not in stderr, stderr
@@ -156,7 +167,8 @@ def test_a_value_with_a_dash_is_the_flags_and_a_missing_one_is_still_missing(cap
                                        "(see --help)\n")
     with pytest.raises(SystemExit):
         p.parse_args(["--lr", "--steps", "3"])
-    assert capsys.readouterr().err == "p: error: argument --lr: expected one argument (see --help)\n"
+    said = capsys.readouterr().err
+    assert said == "p: error: argument --lr: expected one argument (see --help)\n", said
     assert real(0, 1)("0.5") == 0.5
     for text in ("nan", "inf", "-0.1", "1.5", "x"):
         with pytest.raises(ValueError):
