@@ -66,6 +66,7 @@ from model import PRESETS
 from composition.parallelize import build_gpt, data_parallel, fsdp_with
 from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula, split_layers
 from foundations.process_groups import exit_distributed, init_distributed, make_mesh
+from foundations.values import Parser, count, counts, real, whole
 from extensions.schedules import make_pipeline
 from running.snapshot import unwritable_file
 from napkin.step_time import Shape, Step, predict
@@ -532,29 +533,34 @@ def context_parallel_report(m: dict, rows: list) -> list:
 # ---- command line ------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="the CPU preset, under a minute on 2 cores: the defaults in brackets")
     p.add_argument("--strategies", default=",".join(BENCHMARKS),
                    help=f"comma list, default all: {','.join(BENCHMARKS)}")
     p.add_argument("--model", choices=list(PRESETS), help="default gpt2-small (tiny)")
     p.add_argument("--precision", choices=("fp32", "bf16"), help="default bf16 (fp32)")
-    p.add_argument("--batch-size", type=int, help="global, in sequences; default 8 per rank")
-    p.add_argument("--seq-len", type=int, help="default 1024 (64)")
-    p.add_argument("--warmup", type=int, help="untimed steps per run; default 5 (3)")
-    p.add_argument("--steps", type=int, help="timed steps per run; default 20 (10)")
-    p.add_argument("--repeats", type=int, help="runs of each side; default 5 (3)")
-    p.add_argument("--max-mb", type=float, help="largest all-reduce, MiB; default 64 (4)")
-    p.add_argument("--bucket-mb", type=float, default=25, help="bucket MiB, ours and torch's; default 25")
-    p.add_argument("--microbatches", type=int, help="pipeline rows: micro-batches per step; "
+    p.add_argument("--batch-size", type=whole, help="global, in sequences; default 8 per rank")
+    p.add_argument("--seq-len", type=whole, help="default 1024 (64)")
+    p.add_argument("--warmup", type=whole, help="untimed steps per run; default 5 (3)")
+    p.add_argument("--steps", type=whole, help="timed steps per run; default 20 (10)")
+    p.add_argument("--repeats", type=whole, help="runs of each side; default 5 (3)")
+    p.add_argument("--max-mb", type=real(0, above=True),
+                   help="largest all-reduce, MiB; default 64 (4)")
+    p.add_argument("--bucket-mb", type=real(0, above=True), default=25,
+                   help="bucket MiB, ours and torch's; default 25")
+    p.add_argument("--microbatches", type=count(1), help="pipeline rows: micro-batches per step; "
                    "default 2 x world size")
     p.add_argument("--moe-model", choices=[name for name, cfg in PRESETS.items() if cfg.experts],
                    help="the moe rows' model; default gpt2-small-moe (tiny-moe)")
-    p.add_argument("--ep", type=int, default=2, help="the moe rows: experts split over groups of "
+    p.add_argument("--ep", type=count(1), default=2, 
+                   help="the moe rows: experts split over groups of "
                    "--ep ranks, against ep 1; default 2")
-    p.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip, 0: off; default 1")
-    p.add_argument("--threads", type=int, help="torch threads per rank; default cores / local ranks")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clip-grad", type=real(0), default=1.0,
+                   help="gradient-norm clip, 0: off; default 1")
+    p.add_argument("--threads", type=count(1, os.cpu_count() or 1),
+                   help="torch threads per rank; default cores / local ranks")
+    p.add_argument("--seed", type=count(0, 2**32 - 1), default=0)
     p.add_argument("--profile", action="store_true",
                    help="one more untimed run of each side under torch.profiler: a table of the "
                         "operators' time per step, ours beside PyTorch's, under each row")
@@ -562,7 +568,7 @@ def parse_args(argv=None):
     p.add_argument("--report", metavar="FILE", nargs="+",
                    help="print the tables of finished runs from the JSON they wrote (runs nothing; the "
                         "README's tables are made so); with several, also ddp's step time by model size")
-    p.add_argument("--scaling", metavar="WORLDS", type=lambda s: [int(w) for w in s.split(",")],
+    p.add_argument("--scaling", metavar="WORLDS", type=counts(1),
                    help="instead of the contenders: ddp, zero1, zero2, fsdp, tp and pipeline 2 steps "
                         "at each world size (e.g. 1,2,4,8), bytes held and sent per rank beside "
                         "memory.py (run with python, not torchrun: it launches a torchrun per run)")

@@ -13,7 +13,6 @@ next goes on; rows stop starting once --budget-s is spent, so the whole fits the
 Run: python -m bench.gpu (one GPU, under 8 minutes on an H100); tests/test_bench.py runs it on
 the CPU with the tiny model and a given peak.
 """
-import argparse
 import json
 import platform
 import sys
@@ -33,6 +32,7 @@ from lora import apply_lora
 from model import PRESETS
 from composition.parallelize import build_gpt, data_parallel
 from foundations.process_groups import exit_distributed, init_distributed
+from foundations.values import Parser, count, number, real, whole
 from running.snapshot import unwritable_file
 
 MiB = 2**20
@@ -67,18 +67,19 @@ ROWS = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=list(PRESETS), default="gpt2-small")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--microbatches", type=int, default=4, help="the pipeline row's (default 4)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per side (default 3)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per side (default 10)")
+    p.add_argument("--batch-size", type=whole, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=whole, default=1024)
+    p.add_argument("--microbatches", type=count(1), default=4,
+                   help="the pipeline row's (default 4)")
+    p.add_argument("--warmup", type=whole, default=3, help="untimed steps per side (default 3)")
+    p.add_argument("--steps", type=whole, default=10, help="timed steps per side (default 10)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list, default all: {','.join(ROWS)}")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--peak-tflops", type=number, default=None,
                    help="MFU's denominator; default: the datasheet's for the card found (bench_measure)")
-    p.add_argument("--budget-s", type=float, default=420,
+    p.add_argument("--budget-s", type=real(0, above=True), default=420,
                    help="start no row after this many seconds (default 420: the run ends inside 8 minutes)")
     p.add_argument("--out", default="bench-gpu", help="writes OUT.md, OUT.json and OUT-memory.svg")
     args = p.parse_args(argv)

@@ -27,6 +27,7 @@ from pipeline import Action, Pipeline, backward_actions, forward_actions, gpipe,
 from mechanics.pipeline_mechanics import (COMPUTE, check_sizes, chunks_of, describe, message, run_under_nccl,
                                           schedule_parser)
 from extensions.zero_bubble import ZeroBubblePipeline
+from foundations.values import whole
 
 
 def interleaved(P: int, M: int, v: int = 2) -> list[list[Action]]:
@@ -174,7 +175,7 @@ def make_pipeline(module: nn.Module, comm, schedule: str, microbatches: int, act
 
 def main(argv=None):
     parser = schedule_parser(SCHEDULES)
-    parser.add_argument("--virtual-stages", type=int, default=None,
+    parser.add_argument("--virtual-stages", type=whole, default=None,
                         help="v, chunks of layers per stage (--schedule interleaved; default 2)")
     args = parser.parse_args(argv)
     if args.stages < 1 or args.microbatches < 1:

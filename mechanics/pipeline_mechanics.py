@@ -16,7 +16,6 @@ Test: python -m pytest tests/test_schedules.py tests/test_pipeline.py
 Shapes: P stages (ranks), M micro-batches, s stage, m micro-batch; v chunks per rank, chunk c of
 rank s is virtual stage c P + s.
 """
-import argparse
 import math
 import time
 
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from collectives import Comm, ring_bytes
 from foundations.placements import place
 from foundations.process_groups import subgroups
+from foundations.values import Parser, whole
 
 COMPUTE = ("F", "B", "W")          # an Action's kinds that compute; the others send or receive
 
@@ -191,11 +191,12 @@ def describe(name: str, stages: list[list], M: int) -> str:
 
 # ---- the command line, and bad sizes in one line ------------------------------------------------
 
-def schedule_parser(schedules: dict) -> argparse.ArgumentParser:
+def schedule_parser(schedules: dict) -> Parser:
     """python -m extensions.schedules's options: P, M and a schedule's name."""
-    parser = argparse.ArgumentParser(description="Print a pipeline schedule as a timeline")
-    parser.add_argument("--stages", type=int, default=4, help="P, pipeline stages")
-    parser.add_argument("--microbatches", type=int, default=8, help="M, micro-batches per step")
+    parser = Parser(prog="python -m extensions.schedules",
+                    description="Print a pipeline schedule as a timeline")
+    parser.add_argument("--stages", type=whole, default=4, help="P, pipeline stages")
+    parser.add_argument("--microbatches", type=whole, default=8, help="M, micro-batches per step")
     parser.add_argument("--schedule", choices=sorted(schedules), default="1f1b")
     return parser
 

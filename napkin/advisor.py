@@ -28,6 +28,8 @@ from napkin.memory_math import (GB, activation_bytes, bytes_per_param, ep_comm_b
                          quantized_params, root_params)
 from model import PRESETS, GPTConfig
 from foundations.process_groups import init_distributed
+# parse_bytes: the bytes --gpu-mem and train.py's --mem-budget take (the one place parsing them)
+from foundations.values import count, size as parse_bytes
 
 # ---- the flow chart, rung by rung ------------------------------------------------------------
 #
@@ -99,21 +101,6 @@ def _linear_sides(cfg: GPTConfig) -> dict:
 def lora_params(cfg: GPTConfig, rank: int = LORA_RANK, targets=LORA_TARGETS) -> int:
     """Trainable parameters of LoRA on the named linears of each block: A (r x in), B (out x r)."""
     return cfg.n_layer * rank * sum(_linear_sides(cfg)[t] for t in targets)
-
-
-def parse_bytes(text: str) -> int:
-    """'24GB' (1e9), '512MiB' (2**20), '80G', '1.5e9' -> bytes."""
-    units = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 1e9, "MB": 1e6, "KB": 1e3,
-             "G": 1e9, "M": 1e6, "K": 1e3, "B": 1}
-    upper = text.strip().upper()
-    unit = next((u for u in units if upper.endswith(u)), "B")
-    try:
-        value = float(upper[: len(upper) - len(unit)] if upper.endswith(unit) else upper)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise ValueError(f"memory {text!r} is not a positive size: write it like 24GB, 80GB, 512MiB")
-    return int(value * units[unit])
 
 
 def advise(model: str | GPTConfig, gpu_mem: int, world: int, seq_len: int, target_batch: int,
@@ -221,7 +208,8 @@ def add_arguments(p):
                                   "--gpu-mem 24GB --world N)")
     advice.add_argument("--advise", action="store_true",
                         help="walk the lecture's flow chart and print the first train.py command that fits")
-    advice.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 24GB, 80GB, 512MiB; default "
+    advice.add_argument("--gpu-mem", type=parse_bytes, default=None,
+                        help="memory per GPU, e.g. 24GB, 80GB, 512MiB; default "
                         "--gpu's, else 24GB")
     advice.add_argument("--gpu", choices=list(MACHINES), default=None,
                         help="a machine (machines.py): also rank every rung that fits by its speed")
@@ -229,7 +217,7 @@ def add_arguments(p):
                         "its ranks (default: the preset's)")
     advice.add_argument("--measure", action="store_true", help="run each rung that fits for a few steps "
                         "on this machine (experiment.py) and print predicted beside measured")
-    advice.add_argument("--target-batch", type=int, default=None,
+    advice.add_argument("--target-batch", type=count(1), default=None,
                         help="global batch in sequences to reach (gradient accumulation fills it); "
                              "default 8 per GPU")
     advice.add_argument("--no-bf16", dest="bf16", action="store_false",
@@ -250,15 +238,17 @@ def check_args(p, args):
     if args.params is not None and args.params < 1:
         p.error(f"--params must be at least 1 parameter, got {args.params:g}")
     args.shape = PRESETS[args.model] if args.model else params_shape(args.params)
-    args.target_batch = args.target_batch or 8 * args.world
-    args.gpu_mem = args.gpu_mem or (f"{MACHINES[args.gpu].memory:.0f}B" if args.gpu else "24GB")
+    if args.target_batch is None:
+        args.target_batch = 8 * args.world
+    if args.gpu_mem is None:
+        args.gpu_mem = int(MACHINES[args.gpu].memory) if args.gpu else parse_bytes("24GB")
     if args.link and not args.gpu:
         p.error("--link names the link between the ranks of a --gpu: add --gpu (e.g. --gpu h100-sxm)")
     try:
         args.machine = MACHINES.get(args.gpu)
         if args.link:
             args.machine = joined_by(args.machine, args.link)
-        advise(args.model or args.shape, parse_bytes(args.gpu_mem), args.world,
+        advise(args.model or args.shape, args.gpu_mem, args.world,
                args.seq_len or args.shape.block_size, args.target_batch)
     except ValueError as e:
         p.error(str(e))

@@ -22,10 +22,9 @@ import tempfile
 
 import torch
 
-from napkin.advisor import parse_bytes
 from napkin.advisor_speed import every_rung, rung_seconds
 from napkin.machines import Link, Machine
-from napkin.memory_math import MiB, model_params
+from napkin.memory_math import MiB, human_bytes, model_params
 from model import PRESETS
 
 STEPS, LOG_EVERY = 6, 5       # the measured line is the last logged step's: steps 1 to 5, warm
@@ -47,7 +46,8 @@ def runnable(args) -> tuple[str, int, int, str, str]:
     what = args.model or "the assumed shape"
     return ("tiny", 64, 8 * args.world, precision,
             f"{what} is too big to run on CPU ranks: measuring the tiny preset instead, seq len 64, "
-            f"batch {8 * args.world}, fp32, its rungs advised anew for {args.gpu_mem} a rank")
+            f"batch {8 * args.world}, fp32, its rungs advised anew for {human_bytes(args.gpu_mem)} "
+            f"a rank")
 
 
 def rung_argv(model: str, precision: str, seq_len: int, target_batch: int, advice) -> list:
@@ -111,7 +111,7 @@ def measure(args) -> list[dict]:
     """Run every fitting rung here, print the table; return its rows (with each run's log)."""
     model, seq_len, batch, precision, scaled = runnable(args)
     cfg = PRESETS[model]
-    fitting = [a for a in every_rung(cfg, parse_bytes(args.gpu_mem), args.world, seq_len, batch, precision)
+    fitting = [a for a in every_rung(cfg, args.gpu_mem, args.world, seq_len, batch, precision)
                if a.fits]
     print(f"\nthe experiment: each rung that fits, {STEPS} steps on this machine, {args.world} rank(s), "
           f"{model} in {precision}, batch {batch} x {seq_len}"

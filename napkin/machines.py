@@ -12,12 +12,12 @@ cannot be read or written, as in a read-only install, every run measures again).
 Run: python -m napkin.machines (the presets); torchrun --nproc_per_node 2 -m napkin.machines --this
 Test: python -m pytest tests/test_step_time.py tests/test_writes.py
 """
-import argparse
 import contextlib
 import json
 import math
 import os
 import platform
+import resource
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -27,11 +27,13 @@ from torch import nn
 
 from collectives import Comm, ring_bytes
 from napkin.flops import Shape, block_flops
+from napkin.memory_math import activation_bytes
 from mixed_precision import DTYPES
 from model import PRESETS as MODELS, Block, GPTConfig
 from moe import feed_forward
 from extensions.offload import host_buffer
 from foundations.process_groups import exit_distributed, init_distributed
+from foundations.values import Parser, whole
 
 GB = 1e9
 CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "this-machine.json")
@@ -213,6 +215,19 @@ def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: s
     return 3 * block_flops(Shape.of(cfg), seq_len) * rows * seq_len / split / seconds
 
 
+def memory_per_rank() -> int:
+    """Bytes each rank on this machine can hold in host memory: the physical memory (or, under
+    a ulimit -v, the address space this process has left), shared by the ranks torchrun started
+    here."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    have = page * os.sysconf("SC_PHYS_PAGES")
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        with open("/proc/self/statm") as statm:                 # the address space in use, pages
+            have = min(have, limit - page * int(statm.read().split()[0]))
+    return have // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def optimizer_bandwidth(device) -> float:
     """Bytes/s torch's AdamW streams (its default kernel on this device, 4M fp32 parameters):
     ADAMW_BYTES per parameter. Its own passes, not a copy's: each pass allocates a
@@ -337,18 +352,25 @@ def measure_this(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m napkin.machines", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m napkin.machines", description=__doc__.split("\n")[0])
     p.add_argument("--this", action="store_true", help="measure this machine (torchrun: its links too)")
     p.add_argument("--model", default="medium", choices=list(MODELS), help="the shape `this` measures a "
                    "block of; default medium")
-    p.add_argument("--rows", type=int, default=8, help="sequences per rank; default 8")
-    p.add_argument("--seq-len", type=int, default=None, help="default: the model's block size (medium: 256)")
+    p.add_argument("--rows", type=whole, default=8, help="sequences per rank; default 8")
+    p.add_argument("--seq-len", type=whole, default=None,
+                   help="default: the model's block size (medium: 256)")
     args = p.parse_args(argv)
     block_size = MODELS[args.model].block_size
     args.seq_len = block_size if args.seq_len is None else args.seq_len
     if args.rows < 1 or not 1 <= args.seq_len <= block_size:
         p.error(f"--rows {args.rows} --seq-len {args.seq_len}: give --rows 1 or more and a --seq-len "
                 f"from 1 to model {args.model}'s block size {block_size}")
+    cfg = MODELS[args.model]
+    need = activation_bytes(args.seq_len, args.rows, cfg.n_embd, cfg.n_head, bytes_per_value=4)
+    if args.this and need > memory_per_rank():
+        p.error(f"--rows {args.rows}: one block's activations at {args.rows} x {args.seq_len} take "
+                f"about {need / GB:.1f} GB, more than the {memory_per_rank() / GB:.1f} GB a rank "
+                f"has here: give fewer --rows")
     if args.this:
         return measure_this(args)
     print(f"{'machine':<18}{'TFLOP/s bf16 (peak)':>21}{'fp32 (peak)':>14}{'memory GB/s':>13}"

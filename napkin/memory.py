@@ -9,13 +9,14 @@ Run: python -m napkin.memory --params 7.5e9 --world 64 (--advise: the lecture's 
      --model gpt2-small --cp 8: activations and K/V traffic per context-parallel rank)
 Test: python -m pytest tests/test_memory.py (context parallelism's: tests/test_context_parallel.py)
 """
-import argparse
 import sys
-
 
 from napkin import advisor
 from napkin.advisor_speed import print_ranking
-from running.cli import HelpFormatter                  # train.py's: each default shown once, or none
+# the one parser (a refusal in one line), train.py's help (each default shown once, or none), the
+# values its flags take; parse_count is the count --params takes
+from foundations.values import HelpFormatter, Parser, count, number, whole
+from foundations.values import quantity as parse_count
 from context_parallel import cp_kv_bytes
 from napkin.experiment import measure
 from napkin.memory_math import (ALIASES, COLLECTIVES, GB, OPTIMIZERS, PRECISIONS, SHARDED, STRATEGIES, MiB,
@@ -31,27 +32,15 @@ from extensions.schedules import SCHEDULES
 from tensor_parallel import check_divisible
 
 
-def parse_count(text: str) -> float:
-    """'7e9', '7B', '7.5e9', '350M', '1.2T' -> a parameter count (B: billion, not bytes)."""
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(text.strip()[-1:].upper(), 1)
-    try:
-        count = float(text.strip()[:-1] if scale != 1 else text) * scale
-    except ValueError:
-        count = float("nan")
-    if not abs(count) < float("inf"):                # nan, inf (under 1: the callers' checks)
-        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count: write it like 7e9, "
-                                         f"7B or 350M")
-    return count
-
-
 def _parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m napkin.memory", description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    p = Parser(prog="python -m napkin.memory", description=__doc__.split("\n")[0],
+               formatter_class=HelpFormatter)
     p.add_argument("--params", type=parse_count, default=None, help="parameter count, e.g. 7.5e9 or 7B")
     p.add_argument("--model", choices=list(PRESETS), default=None,
                    help="a model preset (gives the parameter count and the activation shapes)")
     p.add_argument("--strategy", choices=STRATEGIES + tuple(ALIASES) + ("single",), default=None,
                    help="one strategy in detail (default: a table of ddp and the zero stages)")
-    p.add_argument("--world", type=int, default=1, help="N, the number of ranks")
+    p.add_argument("--world", type=whole, default=1, help="N, the number of ranks")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
                    help="parameter and gradient dtype (bf16 and fp16 cost the same bytes)")
     p.add_argument("--reduce-dtype", choices=PRECISIONS, default=REDUCE_DTYPE,
@@ -59,11 +48,12 @@ def _parse_args(argv=None):
                         "(the ZeRO paper's table: --reduce-dtype bf16 with --precision bf16)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="whose state counts: AdamW's two fp32 moments, or plain SGD's none")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=count(1), default=None,
                    help="global batch in sequences, as train.py takes it (default: one per rank)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
-    p.add_argument("--seq-len", type=int, default=None, help="default: the model's block size")
-    p.add_argument("--trainable", type=float, default=None,
+    p.add_argument("--grad-accum", type=whole, default=1,
+                   help="micro-batches per step on each rank")
+    p.add_argument("--seq-len", type=count(1), default=None, help="default: the model's block size")
+    p.add_argument("--trainable", type=number, default=None,
                    help="parameters that train, e.g. 4.2e6 for LoRA adapters (default: all); the "
                         "rest is frozen: no gradient, no optimizer state")
     p.add_argument("--quantize-base", choices=("nf4",), default=None,
@@ -73,19 +63,23 @@ def _parse_args(argv=None):
     p.add_argument("--offload", choices=("optimizer", "params"), default=None,
                    help="ZeRO-Offload: the sharded optimizer (fp32 master, moments) in host memory; "
                         "params (zero3/fsdp): the parameter shards too (other strategies: optimizer)")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallelism: with --model and --world, "
+    p.add_argument("--tp", type=count(1), default=1,
+                   help="tensor parallelism: with --model and --world, "
                    "beside --cp and --pp, what each rank of the mesh holds and sends by dimension")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp in a mesh: norms and "
                    "dropout on 1/tp of the tokens, a pipeline stage sending 1/tp of each activation")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages: with --model, each schedule's "
+    p.add_argument("--pp", type=whole, default=1,
+                   help="pipeline stages: with --model, each schedule's "
                    "bubble and activations per stage")
-    p.add_argument("--microbatches", type=int, default=None, help="with --pp: per step (default 2 x pp)")
-    p.add_argument("--ep", type=int, default=1,
+    p.add_argument("--microbatches", type=whole, default=None,
+                   help="with --pp: per step (default 2 x pp)")
+    p.add_argument("--ep", type=count(1), default=1,
                    help="expert parallelism (--model with experts): each rank holds E/ep of every "
                         "MoE layer's experts, its tokens sent to them and back by all-to-all")
-    p.add_argument("--cp", type=int, default=1, help="context parallelism: with --model, a rank's "
+    p.add_argument("--cp", type=whole, default=1,
+                   help="context parallelism: with --model, a rank's "
                    "activations and K/V bytes sent as each sequence splits over 1, 2, 4 ... cp ranks")
-    p.add_argument("--shard-group", type=int, default=None, metavar="S",
+    p.add_argument("--shard-group", type=count(1), default=None, metavar="S",
                    help="with --strategy fsdp: hybrid sharding (HSDP), sharded within groups of S "
                         "ranks (one node), a copy per group; the shards' gradients all-reduced "
                         "across the copies")
@@ -427,7 +421,7 @@ def _mesh_table(args):
 
 def print_advice(args):
     """Every rung tried, bytes per rank, and the train.py command of the first that fits."""
-    gpu_mem, cfg = advisor.parse_bytes(args.gpu_mem), args.shape
+    gpu_mem, cfg = args.gpu_mem, args.shape
     seq_len = args.seq_len or cfg.block_size
     precision = "bf16" if args.bf16 else "fp16"
     rungs = advisor.advise(args.model or cfg, gpu_mem, args.world, seq_len, args.target_batch, precision)

@@ -19,7 +19,6 @@ Test: python -m pytest tests/test_step_time.py
 Shapes: L layers, C width, F the MLP's hidden width, T sequence, V vocabulary, N ranks,
 P pipeline stages, M micro-batches, v chunks per stage.
 """
-import argparse
 import math
 from dataclasses import dataclass, replace
 
@@ -31,6 +30,7 @@ from mechanics.pipeline_mechanics import bubble_formula, split_layers
 from extensions.schedules import SCHEDULES, make_schedule
 from napkin.step_time_parallel import inside_blocks
 from tensor_parallel import check_divisible
+from foundations.values import Parser, whole
 
 # Bytes per parameter the optimizer step reads and writes beside AdamW's (machines.ADAMW_BYTES):
 # the clip's, the norm reading the gradient and the scale reading and writing it, 12; a 16-bit
@@ -230,19 +230,20 @@ RUN_DEFAULTS = dict(model="medium", strategy="ddp", world=2, batch=16, seq_len=N
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m napkin.step_time", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m napkin.step_time", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=list(MODELS), help="default medium")
     p.add_argument("--llama-8b", action="store_true", help="torchtitan's published Llama-3.1-8B run "
                    "(docs/performance.md, table 1): FSDP on 8 H100s, bf16, local batch 2 x 8192, selective "
                    "activation checkpointing")
     p.add_argument("--strategy", choices=STRATEGIES, help="default ddp; zero3 is fsdp; cp: ddp with "
                    "every sequence split over the --world ranks (ring attention)")
-    p.add_argument("--world", type=int, help="ranks; default 2 (single: 1)")
-    p.add_argument("--batch", type=int, help="global, in sequences; default 16")
-    p.add_argument("--seq-len", type=int, help="default: the model's block size (medium: 256)")
+    p.add_argument("--world", type=whole, help="ranks; default 2 (single: 1)")
+    p.add_argument("--batch", type=whole, help="global, in sequences; default 16")
+    p.add_argument("--seq-len", type=whole, help="default: the model's block size (medium: 256)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default fp32")
     p.add_argument("--machine", choices=list(MACHINES), help="default h100-sxm")
-    p.add_argument("--microbatches", type=int, help="with --strategy pipeline-*: per step; default 4")
+    p.add_argument("--microbatches", type=whole,
+                   help="with --strategy pipeline-*: per step; default 4")
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--tflops", type=float, help="the matmuls' TFLOP/s instead of the preset's "
                    "(one measured: a block's forward + backward on the card)")

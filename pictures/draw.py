@@ -14,7 +14,6 @@ Run: python -m pictures loss runs/single runs/fsdp -o docs/loss_fsdp_vs_single.s
      python -m pictures memory -o docs/memory_over_a_step.svg
 Test: python -m pytest tests/test_pictures.py tests/test_writes.py
 """
-import argparse
 import os
 import sys
 
@@ -22,6 +21,7 @@ from pictures import traces
 from mechanics.pipeline_mechanics import simulate
 from extensions.schedules import SCHEDULES, make_schedule
 from running.snapshot import unwritable_file, write_whole
+from foundations.values import Parser, count, real, whole
 from pictures.svg import PALETTE, Axes, Canvas, line_chart, nice_ticks
 
 MiB = 2**20
@@ -138,19 +138,20 @@ MEMORY_FLAGS = ["--model", "tiny", "--batch-size", str(MEMORY_BATCH), "--seq-len
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m pictures", description="Draw the lecture's pictures from runs (SVG)")
+    p = Parser(prog="python -m pictures", description="Draw the lecture's pictures from runs (SVG)")
     sub = p.add_subparsers(dest="picture", required=True)
     loss = sub.add_parser("loss", help="loss curves from the log.txt of train.py --out directories")
     loss.add_argument("runs", nargs="+", metavar="RUN_DIR")
     pipe = sub.add_parser("schedule", help="a pipeline step as it ran, beside schedules.py's clock")
     pipe.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    pipe.add_argument("--stages", type=int, default=2, help="P: ranks started, one stage each")
-    pipe.add_argument("--microbatches", type=int, default=4)
-    pipe.add_argument("--virtual-stages", type=int, default=None, help="--schedule interleaved")
+    pipe.add_argument("--stages", type=whole, default=2, help="P: ranks started, one stage each")
+    pipe.add_argument("--microbatches", type=count(1), default=4)
+    pipe.add_argument("--virtual-stages", type=whole, default=None, help="--schedule interleaved")
     memory = sub.add_parser("memory", help="bytes held over one step, strategy by strategy")
     memory.add_argument("--strategies", default="single,ddp,zero1,zero2,fsdp")
-    memory.add_argument("--ranks", type=int, default=2, help="ranks for every strategy but single")
-    memory.add_argument("--bucket-mb", type=float, default=0.25,
+    memory.add_argument("--ranks", type=count(1, MEMORY_BATCH), default=2,
+                        help="ranks for every strategy but single")
+    memory.add_argument("--bucket-mb", type=real(0, above=True), default=0.25,
                         help="gradient buckets (small, so that the tiny model has several)")
     for command in (loss, pipe, memory):
         command.add_argument("-o", "--out", required=True, help="the .svg file to write")

@@ -11,8 +11,10 @@ Test: python -m pytest tests/test_pictures.py
 """
 import contextlib
 import json
+import math
 import os
 import re
+import sys
 import tempfile
 import time
 
@@ -34,18 +36,26 @@ def logged_losses(run_dir: str) -> dict[int, float]:
     """{step: loss} of the lines `step N | loss X | ...` of RUN_DIR/log.txt (train.py --out).
     The log is appended to: a run resumed from an earlier checkpoint, or started again with
     --overwrite, logs from an earlier step on, and what it logs replaces every later step of
-    the run before it."""
+    the run before it. A loss of inf or NaN (a run that diverged) has no place on the axis: it
+    is left out, and a note on stderr names its steps. Bytes that are not UTF-8 (a damaged
+    line) match no loss line."""
     path = os.path.join(run_dir, "log.txt")
     if not os.path.isfile(path):
         raise ValueError(f"{run_dir}: no log.txt in it; give a directory train.py --out wrote")
     losses = {}
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for step, loss in (((int(m[1]), float(m[2])) for m in map(LOSS_LINE.match, f) if m)):
             if losses and step <= max(losses):
                 losses = {s: v for s, v in losses.items() if s < step}
             losses[step] = loss
+    diverged = [str(step) for step, loss in losses.items() if not math.isfinite(loss)]
+    if diverged:
+        print(f"pictures: note: {path}: step {', '.join(diverged)} logged a loss of inf or NaN "
+              f"(the run diverged), left out of the curve", file=sys.stderr)
+    losses = {step: loss for step, loss in losses.items() if math.isfinite(loss)}
     if not losses:
-        raise ValueError(f"{path} holds no 'step N | loss X' line: did the run log a step?")
+        raise ValueError(f"{path} holds no 'step N | loss X' line with a finite loss: did the run "
+                         f"log a step?")
     return dict(sorted(losses.items()))
 
 

@@ -9,11 +9,11 @@ memory.py's advice.
 Test: python -m pytest tests/test_train.py
 """
 import argparse
-import json
+import dataclasses
 import math
 import os
 import sys
-import time
+import time  # noqa: F401 (say_error's clock, as cli.time: tests stop its wait)
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,15 @@ from extensions import schedules
 from running import snapshot
 import zero
 from napkin.advisor import auto_strategy
+from napkin.machines import memory_per_rank
+from napkin.memory_math import activation_bytes, human_bytes, logits_bytes, model_params
 from collectives import RING_COLLECTIVES
 from mixed_precision import DTYPES, REDUCE_DTYPE
 from model import PRESETS
 from foundations.process_groups import launched_world_size
+# The one parser of every entry point (a refusal in one line) and its error line, here as cli.*
+from foundations.values import (QUIET_WAIT, HelpFormatter, Parser,  # noqa: F401
+                                record_for_torchrun, reports_errors, say_error, whole)
 # The combinations' checks live beside the composition (mesh_checks.py); moe_config is the MoE
 # flags' model config, read here as cli.moe_config too.
 from composition.mesh_checks import (check_context_parallel, check_experts, check_mesh, check_pipeline,  # noqa: F401
@@ -48,70 +53,15 @@ MAX_LR = 1e37
 # Seconds: --timeout also bounds the start-up (every rank importing torch and joining) and any
 # wait on another rank's compute (a step, an eval, a save); shorter stops healthy runs.
 MIN_TIMEOUT = 5
+# ... and at most a day: the backends hold it in milliseconds in a C int (24.8 days), and a longer
+# wait is a hang, never a healthy rank.
+MAX_TIMEOUT = 24 * 3600
+# Sampling divides the logits by --temperature: above a few, every byte is about as likely as
+# any other (noise); at inf, NaN.
+MAX_TEMPERATURE = 10
 # The flags that name a file or directory: "" names none (and would leave the flag silently off).
 PATH_FLAGS = ("data", "out", "resume", "init_from", "export", "profile", "memory_snapshot")
 
-
-
-def reports_errors() -> bool:
-    """Whether this process prints the job's one-line errors. torchrun merges its workers'
-    output into one stream: every rank still refuses, but only local rank 0 (from the
-    environment, before any process group) says why, once per node. Processes started
-    otherwise (by hand, or a test) each print their own."""
-    return "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("LOCAL_RANK", "0") == "0"
-
-
-QUIET_WAIT = 10      # seconds a quiet rank leaves local rank 0 to print a refusal both reached
-
-
-def say_error(line: str, refusal: bool = True):
-    """Print one error line to stderr, once per job (reports_errors). torchrun stops the other
-    workers when the first fails: a quiet rank that exited at once could stop local rank 0
-    before it printed. So a quiet rank's refusal waits QUIET_WAIT s for torchrun to stop it,
-    and says its line itself if still running (a refusal local rank 0 did not reach). Not a
-    refusal (Ctrl-C, which every rank got): a quiet rank says nothing and leaves at once."""
-    if not reports_errors():
-        if not refusal:
-            return
-        time.sleep(QUIET_WAIT)
-    print(line, file=sys.stderr, flush=True)
-    record_for_torchrun(line)
-
-
-def record_for_torchrun(line: str):
-    """Under torchrun, the line in this worker's error file (TORCHELASTIC_ERROR_FILE, the JSON
-    torch.distributed.elastic's ErrorHandler writes): torchrun's failure summary then shows it as
-    the root cause, where it would say "To enable traceback see ..."."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(path, "w") as file:
-            json.dump({"message": {"message": line, "extraInfo": {
-                "py_callstack": line, "timestamp": str(int(time.time()))}}}, file)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, a refused command line said in one line ("train.py: error: ... (see --help)",
-    exit 2) without the usage dump before it, once under torchrun (say_error); --help, once."""
-
-    def error(self, message):
-        say_error(f"{self.prog}: error: {message} (see --help)")
-        sys.exit(2)
-
-    def print_help(self, file=None):
-        if reports_errors():
-            super().print_help(file)
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """--help shows each option's default once: appended unless the help already says it, and
-    left out where there is none (None, a flag's: on when given, off when not)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if ("(default" in text or action.default in (None, False, argparse.SUPPRESS)
-                or action.nargs == 0 or not action.option_strings):
-            return text
-        return f"{text} (default: %(default)s)".lstrip()
 
 
 def parse_args(argv=None):
@@ -126,27 +76,27 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=list(PRESETS), default="tiny", help="model size (model.py's presets)")
     p.add_argument("--data", default=None, help="a text file to train on (default: the embedded "
                                                 "Python standard library source)")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps in all (a resumed run "
+    p.add_argument("--steps", type=whole, default=300, help="optimizer steps in all (a resumed run "
                                                           "continues up to this many)")
-    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens (bytes) per sequence")
-    p.add_argument("--tp", type=int, default=1, help="ranks per tensor-parallel group, splitting "
+    p.add_argument("--batch-size", type=whole, default=16, help="global batch, in sequences")
+    p.add_argument("--seq-len", type=whole, default=64, help="tokens (bytes) per sequence")
+    p.add_argument("--tp", type=whole, default=1, help="ranks per tensor-parallel group, splitting "
                    "every matrix (the world is tp x cp x pp x data-parallel; --strategy tp: ddp with it)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: norms and dropout on 1/tp of the tokens each")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages the blocks are cut into, "
+    p.add_argument("--pp", type=whole, default=1, help="pipeline stages the blocks are cut into, "
                    "one rank each (--strategy pipeline: ddp with them)")
-    p.add_argument("--microbatches", type=int, default=None,
+    p.add_argument("--microbatches", type=whole, default=None,
                    help="with --pp: micro-batches per step in each pipeline (default: 2 x pp)")
     p.add_argument("--schedule", choices=sorted(schedules.SCHEDULES), default=None,
                    help="with --pp: all forwards then all backwards (gpipe), alternating "
                         "(1f1b, the default), over several chunks per stage (interleaved), or with "
                         "each backward split, its weight half filling the idle slots (zb)")
-    p.add_argument("--virtual-stages", type=int, default=None,
+    p.add_argument("--virtual-stages", type=whole, default=None,
                    help="--schedule interleaved: chunks of blocks per stage (default 2)")
     p.add_argument("--stage-layers", default=None, metavar="N,N,...",
                    help="with --pp: blocks per stage (default: balanced by count)")
-    p.add_argument("--cp", type=int, default=1, help="ranks each sequence is split over (context "
+    p.add_argument("--cp", type=whole, default=1, help="ranks each sequence is split over (context "
                    "parallelism; --strategy cp: ddp with it)")
     p.add_argument("--cp-attention", choices=sorted(context_parallel.ATTENTIONS), default=None,
                    help="with --cp: K/V blocks passed round a ring while attention computes (ring, "
@@ -154,10 +104,11 @@ def parse_args(argv=None):
     p.add_argument("--cp-balance", choices=("zigzag", "none"), default=None,
                    help="with --cp: rank r holds chunks r and 2cp-1-r of 2cp, the same causal work "
                         "on every rank (zigzag, the default), or chunk r of cp (none)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each rank")
+    p.add_argument("--grad-accum", type=whole, default=1,
+                   help="micro-batches per step on each rank")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="end of the cosine decay (default: lr/10)")
-    p.add_argument("--warmup", type=int, default=30, help="linear warmup steps")
+    p.add_argument("--warmup", type=whole, default=30, help="linear warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability in the model")
@@ -179,26 +130,30 @@ def parse_args(argv=None):
                         "in CPU memory and step there (ZeRO-Offload): less device memory, a copy each "
                         "way per step; params (fsdp): the parameter shards too, each copied to the "
                         "device just before its all-gather")
-    p.add_argument("--shard-group", type=int, default=None, metavar="S",
+    p.add_argument("--shard-group", type=whole, default=None, metavar="S",
                    help="fsdp: hybrid sharding (HSDP): shard within groups of S ranks (one node), "
                         "replicate across the world / S groups")
-    p.add_argument("--prefetch", type=int, default=1,
+    p.add_argument("--prefetch", type=whole, default=1,
                    help="fsdp/zero3: units all-gathered ahead of the one computing (0: none)")
     p.add_argument("--seed", type=int, default=0, help="initial weights, batches and dropout masks")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=whole, default=None,
                    help="CPU threads each rank computes with (default: OMP_NUM_THREADS if you set "
                         "it, else this node's cores / its ranks)")
-    p.add_argument("--log-every", type=int, default=10, help="log a line every N steps (and the last)")
-    p.add_argument("--eval-every", type=int, default=100, help="eval loss every N steps (0: only at the end)")
-    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per eval loss")
-    p.add_argument("--checkpoint-activations", type=int, nargs="?", const=1, default=0, metavar="K",
+    p.add_argument("--log-every", type=whole, default=10,
+                   help="log a line every N steps (and the last)")
+    p.add_argument("--eval-every", type=whole, default=100,
+                   help="eval loss every N steps (0: only at the end)")
+    p.add_argument("--eval-batches", type=whole, default=4, help="held-out batches per eval loss")
+    p.add_argument("--checkpoint-activations", type=whole,
+                   nargs="?", const=1, default=0, metavar="K",
                    help="recompute every K-th block's activations in backward instead of keeping "
                         "them (K=1, the default when given: every block)")
     moe = p.add_argument_group("mixture of experts (moe.py; --model tiny-moe has them)")
-    moe.add_argument("--experts", type=int, default=None,
+    moe.add_argument("--experts", type=whole, default=None,
                      help="E: every block's MLP becomes E experts behind a router (default: the "
                           "model's; 0: dense)")
-    moe.add_argument("--top-k", type=int, default=None, help="experts per token (1: Switch, 2: GShard)")
+    moe.add_argument("--top-k", type=whole, default=None,
+                     help="experts per token (1: Switch, 2: GShard)")
     moe.add_argument("--capacity-factor", type=float, default=None,
                      help="each expert takes at most ceil(F x k x tokens / E) of a micro-batch's "
                           "tokens, the rest dropped; 0: dropless (default: the model's, 1.25)")
@@ -207,20 +162,24 @@ def parse_args(argv=None):
     moe.add_argument("--z-loss-weight", type=float, default=None,
                      help="weight of ST-MoE's router z-loss, mean (logsumexp of the router's "
                           "logits)^2, which keeps them small (default: the model's, 0: off)")
-    moe.add_argument("--routing-group", type=int, default=None, metavar="TOKENS",
+    moe.add_argument("--routing-group", type=whole, default=None, metavar="TOKENS",
                      help="tokens routed together, each group with its own capacity and balancing "
                           "loss (default: each rank's micro-batch)")
-    moe.add_argument("--ep", type=int, default=1,
+    moe.add_argument("--ep", type=whole, default=1,
                      help="expert parallelism: split the experts over groups of N ranks, each "
                           "rank's tokens sent to their experts' ranks (ddp, zero1, zero2, fsdp)")
     tune = p.add_argument_group("LoRA fine-tuning (train.py --init-from RUN_DIR --lora --data OTHER.txt)")
     tune.add_argument("--lora", action="store_true",
                       help="freeze the model, train low-rank adapters; checkpoints hold only the adapter")
-    tune.add_argument("--lora-rank", type=int, default=8, help="r, the adapters' inner dimension")
-    tune.add_argument("--lora-alpha", type=float, default=16, help="the update is scaled by alpha / rank")
-    tune.add_argument("--lora-targets", default="query,value",
-                      help="comma-separated linear layers to adapt (query, key, value, output, up, down, head)")
-    tune.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    # None where not given: with --lora, LORA_DEFAULTS; without, a --lora-* flag is refused.
+    tune.add_argument("--lora-rank", type=whole, default=None,
+                      help="r, the adapters' inner dimension (default: 8)")
+    tune.add_argument("--lora-alpha", type=float, default=None,
+                      help="the update is scaled by alpha / rank (default: 16)")
+    tune.add_argument("--lora-targets", default=None, help="comma-separated linear layers to adapt "
+                      "(query, key, value, output, up, down, head; default: query,value)")
+    tune.add_argument("--lora-dropout", type=float, default=None,
+                      help="dropout on the adapters' input (default: 0.0)")
     tune.add_argument("--quantize-base", choices=("nf4",), default=None,
                       help="QLoRA: store the frozen base's linear layers (every block's, adapted "
                            "or not) in 4-bit NormalFloat")
@@ -229,9 +188,10 @@ def parse_args(argv=None):
     run = p.add_argument_group("run directory, checkpoints and faults")
     run.add_argument("--out", default=None, help="run directory: log.txt, config.json, checkpoints; "
                                                  "OUT/lock keeps a second run out while one runs")
-    run.add_argument("--save-every", type=int, default=0,
+    run.add_argument("--save-every", type=whole, default=0,
                      help="checkpoint every K steps into --out (0: only at the end)")
-    run.add_argument("--keep", type=int, default=3, help="checkpoints kept in --out, newest first")
+    run.add_argument("--keep", type=whole, default=3,
+                     help="checkpoints kept in --out, newest first")
     run.add_argument("--overwrite", action="store_true",
                      help="start a new run in an --out that holds checkpoints, deleting them")
     run.add_argument("--resume", nargs="?", const="must", default=None, metavar="auto|CHECKPOINT",
@@ -248,7 +208,7 @@ def parse_args(argv=None):
                      help="seconds a collective waits for a dead or stuck rank before the run stops "
                           "(default: 120 on CPU, 600 on GPU)")
     # A diverged run stops with one line (train.Divergence): inf/NaN in any precision, and these.
-    run.add_argument("--max-skipped", type=int, default=20, metavar="N",
+    run.add_argument("--max-skipped", type=whole, default=20, metavar="N",
                      help="stop, diverged, when the fp16 loss scaler skips N steps in a row (0: never)")
     run.add_argument("--max-loss-growth", type=float, default=4.0, metavar="K",
                      help="stop, diverged, when a logged or saved loss exceeds K x the larger of the "
@@ -264,9 +224,10 @@ def parse_args(argv=None):
     gen = p.add_argument_group("sampling (python train.py --sample --init-from RUN_DIR)")
     gen.add_argument("--sample", action="store_true", help="generate text from --init-from and stop")
     gen.add_argument("--prompt", default="def ", help="text the sample continues (default: 'def ')")
-    gen.add_argument("--sample-tokens", type=int, default=300, help="bytes to generate")
+    gen.add_argument("--sample-tokens", type=whole, default=300, help="bytes to generate")
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature of sampling")
     args = p.parse_args(argv)
+    check_lora_flags(p, args)
     if args.mem_budget is not None and args.strategy != "auto":
         p.error("--mem-budget is the memory per rank that --strategy auto plans for: add --strategy "
                 "auto, or leave --mem-budget out")
@@ -278,9 +239,31 @@ def parse_args(argv=None):
     if args.strategy == "auto":              # the advice's flags, after the user's, win
         advice = auto_strategy(p, args, world_size)
         args = p.parse_args([*(sys.argv[1:] if argv is None else argv), *advice])
+        check_lora_flags(p, args)
         args.advice = " ".join(advice)
     check_args(p, args, world_size=world_size)
     return args
+
+
+# The --lora-* flags' values where --lora is given without them.
+LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16, "lora_targets": "query,value",
+                 "lora_dropout": 0.0}
+
+
+def check_lora_flags(parser, args):
+    """The --lora-* flags shape the adapters --lora trains: given without --lora they would be
+    ignored, so they are refused (as --double-quant without --quantize-base); else each not
+    given takes its default (LORA_DEFAULTS)."""
+    given = [f"--{name.replace('_', '-')}" for name in LORA_DEFAULTS
+             if getattr(args, name) is not None]
+    if given and not args.lora:
+        one = len(given) == 1
+        parser.error(f"{', '.join(given)} shape{'s' if one else ''} the adapters --lora trains, "
+                     f"and this run trains none: add --lora (with --init-from RUN_DIR, the model "
+                     f"to fine-tune), or drop {'it' if one else 'them'}")
+    for name, default in LORA_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def run_shape(args, data_size: int) -> tuple[str, str]:
@@ -435,6 +418,7 @@ def check_args(parser, args, world_size):
     if args.seq_len > block_size:
         parser.error(f"--seq-len {args.seq_len} is longer than model {args.model}'s block size "
                      f"{block_size}: use --seq-len {block_size} or less, or a larger --model")
+    check_fits(parser, args, data_parallel * micro)
     if args.data is not None:
         if not os.path.isfile(args.data):
             what = ("a directory, not a text file" if os.path.isdir(args.data) else
@@ -444,6 +428,12 @@ def check_args(parser, args, world_size):
         # Both the training part and the held-out tail must fit one window of seq_len + 1 bytes.
         need = math.ceil((args.seq_len + 1) / EVAL_FRACTION)
         size = os.path.getsize(args.data)
+        have = memory_per_rank()
+        if DATA_COPIES * size > have:
+            parser.error(f"--data {args.data} has {human_bytes(size)}, and loading it takes "
+                         f"{DATA_COPIES} copies of it, more than the {human_bytes(have)} of memory "
+                         f"each of this machine's ranks can hold: train on a part of it (head -c), "
+                         f"or on a machine with more memory")
         if size < need:
             parser.error(f"--data {args.data} has {size} bytes, but --seq-len {args.seq_len} needs "
                          f"at least {need} (windows of {args.seq_len + 1} bytes in the training text "
@@ -492,6 +482,42 @@ def check_args(parser, args, world_size):
     check_paths(parser, args)
 
 
+# --data's bytes are read whole (data.TextData), then copied into the tensor the batches come from.
+DATA_COPIES = 2
+
+
+def check_fits(parser, args, micro_batches: int):
+    """A model, or a micro-batch, that this machine's memory cannot hold is refused before it is
+    built: the fp32 weights (memory_math.model_params, before any gradient or optimizer state;
+    every rank builds the whole model in host memory first), and on CPU ranks one micro-batch's
+    activations and log-probabilities beside them (activation_bytes, logits_bytes; a mesh's
+    ranks each hold 1/(tp x cp x pp) of them), against a rank's share of the host's memory
+    (memory_per_rank). A lower bound: a run refused here could never start."""
+    cfg = dataclasses.replace(PRESETS[args.model], **moe_config(args))
+    weights, rows = 4 * model_params(cfg), args.batch_size // micro_batches
+    activations = (activation_bytes(args.seq_len, rows, cfg.n_embd, cfg.n_head, cfg.n_layer,
+                                    checkpointing=bool(args.checkpoint_activations),
+                                    bytes_per_value=DTYPES[args.precision].itemsize,
+                                    moe=cfg if cfg.experts else None, ep=args.ep)
+                   + logits_bytes(args.seq_len, rows, cfg.vocab_size))
+    activations //= args.tp * args.cp * args.pp
+    if torch.cuda.is_available():
+        activations = 0                       # on the GPU, whose out-of-memory error names itself
+    have, where = memory_per_rank(), "rank's share of this machine"
+    if weights > have:
+        flag = f"--experts {args.experts}" if args.experts else f"--model {args.model}"
+        parser.error(f"{flag}: the model has {model_params(cfg):,} parameters, "
+                     f"{human_bytes(weights)} in fp32 alone, more than the {human_bytes(have)} a "
+                     f"{where} holds: a smaller --model"
+                     + (" or fewer --experts" if args.experts else ""))
+    if weights + activations > have:
+        parser.error(f"--batch-size {args.batch_size}: a micro-batch of {rows} x {args.seq_len} "
+                     f"tokens keeps about {human_bytes(activations)} of activations per rank "
+                     f"(memory.py's formula) beside the weights' {human_bytes(weights)}, more than "
+                     f"the {human_bytes(have)} a {where} holds: a smaller --batch-size or "
+                     f"--seq-len, more --grad-accum, or --checkpoint-activations")
+
+
 def check_limits(parser, args):
     """Values of the right type that no run can use: an empty path (which names nothing), more
     threads than this machine has cores, a timeout that is not a number of seconds or too short
@@ -509,15 +535,19 @@ def check_limits(parser, args):
         parser.error(f"--timeout {args.timeout:g} is shorter than the {MIN_TIMEOUT} s minimum: it also "
                      f"bounds the start-up and every wait on another rank's step, eval or save, so "
                      f"healthy ranks would be taken for dead; give {MIN_TIMEOUT} or more seconds")
+    if args.timeout is not None and args.timeout > MAX_TIMEOUT:
+        parser.error(f"--timeout {args.timeout:g} is longer than a day ({MAX_TIMEOUT} s): a rank "
+                     f"silent that long is stuck; give {MAX_TIMEOUT} seconds or fewer")
 
 
 def check_sample(parser, args):
     """--sample's flags: a model to sample, then what to sample (its values before its files)."""
     if not args.init_from:
         parser.error("--sample needs a trained model: add --init-from RUN_DIR (or a checkpoint)")
-    if not args.temperature >= 0:                                      # NaN fails too
+    if not 0 <= args.temperature <= MAX_TEMPERATURE:                   # NaN fails too
         parser.error(f"--temperature must be 0 (greedy: the likeliest byte each time) or "
-                     f"positive, got {args.temperature}")
+                     f"positive, up to {MAX_TEMPERATURE} (above a few, bytes come out as noise), "
+                     f"got {args.temperature}")
     if not args.prompt:
         parser.error("--prompt is empty: the model continues a text, so give it at least one "
                      "byte, e.g. --prompt 'def ' (the default)")

@@ -181,3 +181,15 @@ def test_bad_input_stops_in_one_line_before_any_rank_starts(argv, message, tmp_p
     assert stop.value.code == 2 and len(errors) == 1 and "Traceback" not in err, err
     assert message.format(**paths) in errors[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.svg"]
+
+
+def test_a_diverged_or_damaged_log_draws_its_finite_losses(tmp_path, capsys):
+    """A loss of NaN or inf (a run that diverged) is left out of the curve, its step named on
+    stderr; a line of bytes that are not UTF-8 is skipped, not a codec error."""
+    (tmp_path / "log.txt").write_bytes(b"step     0 | loss 5.0000 |\nstep     1 | loss nan |\n"
+                                       b"\xff\xfe damaged\nstep     2 | loss inf |\n"
+                                       b"step     3 | loss 4.0000 |\n")
+    assert traces.logged_losses(str(tmp_path)) == {0: 5.0, 3: 4.0}
+    assert "step 1, 2 logged a loss of inf or NaN" in capsys.readouterr().err
+    pictures.main(["loss", str(tmp_path), "-o", str(tmp_path / "loss.svg")])
+    assert len(series((tmp_path / "loss.svg").read_text())) == 1
