@@ -32,6 +32,7 @@ from extensions.fsdp_offload import OffloadedFSDP
 from napkin.memory_math import mesh_params, run_state_bytes
 from composition.mesh_checks import mesh_splits, moe_config, stage_layers
 from composition.mesh_optimizer import on_mesh, partition
+from foundations.dtypes import master_dtype
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import GPT, build_model
 from moe import MoE, feed_forward, layer_exchange_bytes, routing_summary
@@ -104,7 +105,7 @@ def model_on_mesh(args, device, mesh):
     # model stays on the CPU until FSDP moves each rank's shards (a model that fits only
     # sharded must never be whole on the GPU).
     if STRATEGIES[args.strategy] is fsdp:
-        gpt.to(dtype=torch.float32)
+        gpt.to(dtype=master_dtype(DTYPES[args.precision]))               # fp32 (fp64: fp64)
     else:
         gpt.to(device=device, dtype=DTYPES[args.precision])
     if args.lora:         # after the cast: a 4-bit base keeps its scales in fp32
