@@ -602,14 +602,16 @@ def test_plain_torch_optimizer_trains_fsdp_shards(world_size):
             # The same averaged gradients as our DDP's, stepped by the same optimizer: bit for bit
             # on 2 ranks (a + b in either order). On 3, gloo's reduce-scatter adds the three
             # contributions in another order than its all-reduce: fp32 rounding of the sum
-            # (measured 1.5e-8 with SGD, 1.2e-7 = one ulp of a weight near 1.5 with AdamW).
+            # (measured 1.5e-8 with SGD, 1.2e-7 = one ulp of a weight near 1.5 with AdamW: the
+            # bound 8.4x above it, under default, avx2 and avx512 alike).
             # In fp64, where equal to one process is exact, to FP64_ATOL (test_zero's: its cause).
             fp64 = dtype == torch.float64
             assert_tensors_close(out[f"{name} fsdp"], out[f"{name} ddp"], rtol=0,
                                  atol=0 if world_size == 2 else FP64_ATOL if fp64 else 1e-6,
                                  what=f"{name} FSDP vs DDP, rank {r} of {world_size}")
             # Against one process only the sums' order differs: fp32 reordering noise (our DDP
-            # is 1.5e-8 from one process here; AdamW can amplify it near zero gradients).
+            # is 1.5e-8 from one process here; AdamW can amplify it near zero gradients: worst
+            # measured 1.2e-7, one ulp near 1.5, under default, avx2 and avx512: 8.4x below).
             assert_tensors_close(out[f"{name} fsdp"], single, rtol=0, atol=FP64_ATOL if fp64 else 1e-6,
                                  what=f"{name} FSDP vs one process, rank {r} of {world_size}")
             moved = max((out[f"{name} fsdp"][k] - v).abs().max().item()
