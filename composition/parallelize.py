@@ -291,7 +291,8 @@ def predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer
         sent["tp"] = tp.bytes_per_step(rows, tokens, micro)
         if args.sequence_parallel:         # each mixture's balance loss made the group's mean (g)
             mixtures = sum(isinstance(gpt.blocks[i].mlp, MoE) for i in held_blocks)
-            sent["tp"] += micro * mixtures * ring_bytes("all_reduce", 1, 4, args.tp)
+            wide = max(DTYPES[args.precision].itemsize, 4)         # fp32, or fp64's own
+            sent["tp"] += micro * mixtures * ring_bytes("all_reduce", 1, wide, args.tp)
     if cp:
         cp.count_activations = "pp" not in splits     # the first step's, for the log (a stage's
                                                       # forwards run in the pipeline's schedule)
