@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from foundations.dtypes import master_dtype
 from foundations.flat import FlatParams, InOrder
 from mechanics.fsdp_state import FSDPState
 
@@ -130,7 +129,8 @@ class FSDP(FSDPState, nn.Module):
         policy = mp_policy or MixedPrecisionPolicy()
         # None: the masters' own, fp32 (fp64 for an fp64 model: where a strategy is checked exactly)
         trained = next((p.dtype for p in module.parameters() if p.requires_grad), torch.float32)
-        self.compute_dtype = policy.param_dtype or master_dtype(trained)
+        self.compute_dtype = policy.param_dtype or (torch.float64 if trained == torch.float64
+                                                    else torch.float32)
         self.reduce_dtype = policy.reduce_dtype or self.compute_dtype
         self.prefetch = prefetch
         # FSDPState checks the arguments (the same model on every rank): the group's Comm, the device.

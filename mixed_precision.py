@@ -68,8 +68,7 @@ class DynamicLossScaler:
 
 
 def unscale_grads(grads: list, masters: list, scale: float) -> list:
-    """Give each master the gradient grad / scale in its dtype (fp32; fp64 for fp64 weights);
-    return the master gradients.
+    """Give each master the gradient grad / scale in its dtype (fp32, fp64's own); return them.
 
     grads[i] is the low-precision gradient for masters[i] (a model parameter's .grad, or a
     shard of a flat gradient buffer). A master that already holds grad as its own .grad

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from collectives import Comm
-from model import MLP, at_least_fp32
+from model import MLP
 from foundations.placements import place
 
 
@@ -200,9 +200,9 @@ class MoE(nn.Module):
         nothing here waits for the device (counts by index_add_: bincount reads its max)."""
         S, E, k = tokens.shape[0], len(self.experts), self.top_k
         # The matmul runs in the model's dtype (the router weight's), the softmax, gates and losses
-        # in fp32 (or fp64's own): bf16 would round every probability, and the z-loss's logsumexp,
-        # to 8 bits.
-        logits = at_least_fp32(self.router(tokens))                       # (S, E)
+        # in fp32 (fp64's own): bf16 would round every probability, and the z-loss's logsumexp.
+        logits = self.router(tokens)                                      # (S, E)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         probs = logits.softmax(dim=-1)
         top_probs, top_experts = probs.topk(k, dim=-1)                    # (S, k)
         gates = top_probs / top_probs.sum(dim=-1, keepdim=True)           # renormalised over k

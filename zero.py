@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from collectives import as_comm, ring_bytes
-from foundations.dtypes import master_dtype
 from foundations.flat import ShardedBuckets
 from foundations.sharded_step import ShardedStep
 
@@ -132,7 +131,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
 
     def _new_master(self, bucket, shard: torch.Tensor) -> torch.Tensor:
         """The (S,) fp32 tensor the inner optimizer updates: in fp32 (fp64) the parameters' shard."""
-        return shard if shard.dtype == master_dtype(shard.dtype) else shard.float()
+        return shard if shard.dtype in (torch.float32, torch.float64) else shard.float()
 
     def _hook_gradients(self):
         """Gradients accumulate straight into each bucket's flat buffer: param.grad is a view."""
