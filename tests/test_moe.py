@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from model import MLP, GPTConfig
+from model import MLP, GPTConfig, at_least_fp32
 from moe import MoE, feed_forward, routing_summary
 from equivalence import assert_adam_close, train_noting_adam
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks, train_logged
@@ -46,7 +46,7 @@ def _naive(moe: MoE, x):
     S, E, k = tokens.shape[0], len(moe.experts), moe.top_k
     group = moe.group_size or S
     capacity = math.ceil(moe.capacity_factor * k * group / E) if moe.capacity_factor else S * k
-    probs = moe.router(tokens).float().softmax(-1)
+    probs = at_least_fp32(moe.router(tokens)).softmax(-1)          # fp32, or fp64's own
     outputs, kept = [torch.zeros(x.shape[-1]) for _ in range(S)], []
     for start in range(0, S, group):
         filled = [0] * E
@@ -121,7 +121,7 @@ def test_equals_a_loop_over_tokens(options):
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_top_1_in_fp64_is_the_loop_up_to_rounding(capacity_factor):
-    """In fp64 (the router's softmax stays fp32, as in training; with k = 1 the gate is p / p = 1)
+    """In fp64 (the router's softmax too, as the layer's; with k = 1 the gate is p / p = 1)
     the layer's output and every gradient equal the loop's to 1e-12: the same arithmetic, only
     added in another order, so the fp32 test's differences are rounding, not a wrong product."""
     moe = _moe(experts=4, top_k=1, capacity_factor=capacity_factor).double()
