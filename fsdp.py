@@ -34,7 +34,7 @@ from mechanics.fsdp_state import FSDPState
 class MixedPrecisionPolicy:
     """FSDP2's mp_policy: param_dtype, what units compute in and all-gather (None: fp32); reduce_dtype,
     what gradients are reduce-scattered in (None: param_dtype; fp32 under bf16/fp16: fewer roundings
-    for twice the bytes). The master shards stay fp32 either way."""
+    for twice the bytes). The master shards stay fp32 either way (an fp64 model's: fp64)."""
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
 
@@ -129,7 +129,10 @@ class FSDP(FSDPState, nn.Module):
                  group=None, prefetch: int = 1, device=None):
         super().__init__()
         policy = mp_policy or MixedPrecisionPolicy()
-        self.compute_dtype = policy.param_dtype or torch.float32
+        # None: the masters' own, fp32 (fp64 for an fp64 model: where a strategy is checked exactly)
+        trained = next((p.dtype for p in module.parameters() if p.requires_grad), torch.float32)
+        self.compute_dtype = policy.param_dtype or (torch.float64 if trained == torch.float64
+                                                    else torch.float32)
         self.reduce_dtype = policy.reduce_dtype or self.compute_dtype
         self.prefetch = prefetch
         # FSDPState checks the arguments (the same model on every rank): the group's Comm, the device.
@@ -257,7 +260,7 @@ class FSDP(FSDPState, nn.Module):
 
     def _add_gradient(self, unit, output, used):
         """The reduce-scatter's output (S,), in the reduce dtype, joins the shard's gradient."""
-        grad = output.float()        # upcast after the wire: accumulation and the update are fp32
+        grad = output.to(unit.master.dtype)   # upcast after the wire: accumulation, update in fp32
         if unit.divide != 1:
             grad.div_(unit.divide)
         # The first reduction since .grad was None (a plain optimizer's zero_grad too) starts

@@ -18,7 +18,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from collectives import as_comm
 from foundations.alone import start_alone
-from foundations.dtypes import DTYPES, demonstrate
+from foundations.dtypes import DTYPES, demonstrate, master_dtype
 
 
 class DynamicLossScaler:
@@ -69,17 +69,17 @@ class DynamicLossScaler:
 
 
 def unscale_grads(grads: list, masters: list, scale: float) -> list:
-    """Give each fp32 master the gradient grad / scale in fp32; return the master gradients.
+    """Give each master the gradient grad / scale in its dtype (fp32, fp64's own); return them.
 
     grads[i] is the low-precision gradient for masters[i] (a model parameter's .grad, or a
     shard of a flat gradient buffer). A master that already holds grad as its own .grad
-    (fp32 training: the parameter is its own master) is unscaled in place, without a copy.
+    (fp32 or fp64 training: the parameter is its own master) is unscaled in place, without a copy.
     """
     for grad, master in zip(grads, masters):
         if master.grad is not grad:
             # Upcast before dividing: dividing in fp16 would push the small gradients that
             # the scale rescued straight back under fp16's smallest normal.
-            master.grad = grad.float()
+            master.grad = grad.to(master.dtype)
         if scale != 1.0:
             master.grad.div_(scale)
     return [master.grad for master in masters]
@@ -172,10 +172,11 @@ def element_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """fp32 master weights and loss scaling around any torch optimizer, one master per parameter.
 
-    params: the model's parameters, already in the dtype of `precision` ("fp32", "bf16"
-    or "fp16"); those with requires_grad=False (frozen) are left out. The inner optimizer is
-    optimizer_cls(masters, **optimizer_kwargs): its param_groups and state are this optimizer's
-    own, so an lr scheduler drives it. For fp32 the parameters are their own masters: no copy.
+    params: the model's parameters, already in the dtype of `precision` ("fp32", "bf16", "fp16",
+    "fp64" for exact checks); those with requires_grad=False (frozen) are left out. The inner
+    optimizer is optimizer_cls(masters, **optimizer_kwargs): its param_groups and state are this
+    optimizer's own, so an lr scheduler drives it. For fp32 (and fp64) the parameters are their
+    own masters: no copy.
     comm: a collectives.Comm or process group over ranks whose gradients may differ, to
     agree on skipping; None when there is one rank or the gradients are already averaged.
     scaler: default DynamicLossScaler, enabled only for fp16. In every precision a step whose
@@ -196,7 +197,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                                  f"cast the model first, e.g. model.to({dtype})")
         # .float() of a 16-bit tensor is a new fp32 leaf, never a view: the model's
         # parameters are overwritten from the masters after every step.
-        self.masters = [p if dtype == torch.float32 else p.detach().float().requires_grad_()
+        self.masters = [p if dtype == master_dtype(dtype) else p.detach().float().requires_grad_()
                         for p in self.params]
         # device: where a composition's norm is made (mesh_optimizer.py reads its first part's)
         self.precision, self.device = precision, self.params[0].device if self.params else None

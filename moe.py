@@ -201,8 +201,9 @@ class MoE(nn.Module):
         nothing here waits for the device (counts by index_add_: bincount reads its max)."""
         S, E, k = tokens.shape[0], len(self.experts), self.top_k
         # The matmul runs in the model's dtype (the router weight's), the softmax, gates and losses
-        # in fp32: bf16 would round every probability, and the z-loss's logsumexp, to 8 bits.
-        logits = self.router(tokens).float()                              # (S, E)
+        # in fp32 (fp64's own): bf16 would round every probability, and the z-loss's logsumexp.
+        logits = self.router(tokens)                                      # (S, E)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         probs = logits.softmax(dim=-1)
         top_probs, top_experts = probs.topk(k, dim=-1)                    # (S, k)
         gates = top_probs / top_probs.sum(dim=-1, keepdim=True)           # renormalised over k
@@ -243,7 +244,7 @@ class MoE(nn.Module):
         that ranks routing their own tokens average to one process routing the same groups.
         The z-loss, mean (logsumexp logits)^2, keeps the router's logits small."""
         groups, E = per_queue.shape                                       # (groups, E) counts
-        share = per_queue.float() / per_queue.sum(dim=1, keepdim=True)    # f, no gradient
+        share = per_queue.to(probs.dtype) / per_queue.sum(dim=1, keepdim=True)    # f, no gradient
         mean_probs = probs.view(groups, -1, E).mean(dim=1)                # P: (groups, E)
         balance = E * (share * mean_probs).sum(dim=1).mean()
         z = logits.logsumexp(dim=-1).pow(2).mean()

@@ -133,8 +133,8 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
     # ---- the mechanics: stage 1's buffers, the reduce-scatter, the all-gather -----------------
 
     def _new_master(self, bucket, shard: torch.Tensor) -> torch.Tensor:
-        """The (S,) fp32 tensor the inner optimizer updates: in fp32 the parameters' own shard."""
-        return shard if shard.dtype == torch.float32 else shard.float()
+        """The (S,) fp32 tensor the inner optimizer updates: in fp32 (fp64) the parameters' shard."""
+        return shard if shard.dtype in (torch.float32, torch.float64) else shard.float()
 
     def _hook_gradients(self):
         """Gradients accumulate straight into each bucket's flat buffer: param.grad is a view."""

@@ -110,7 +110,8 @@ class MeshOptimizer(torch.optim.Optimizer):
                         for part in self.parts]
             weight_of = lambda p, copies=1: norm_weight(p, self.split, copies)
             pieces = [piece for part in self.parts for piece in part.norm_pieces(weight_of)]
-            squares = add_squares(pieces, torch.zeros(1, device=self.parts[0].device))
+            squares = add_squares(pieces, torch.zeros(1, dtype=self.masters[0].dtype,
+                                                      device=self.parts[0].device))
             own = self._own_groups()
             for group in [*own[:1], *self.split.values(), *own[1:]]:
                 if group.world_size > 1:
@@ -155,9 +156,9 @@ class MeshOptimizer(torch.optim.Optimizer):
         offloaded = [p for p in self.parts if getattr(p, "offload", False)]
         if not offloaded:
             return
-        decision = self._norm.reshape(1).float()
+        decision = self._norm.reshape(1)                    # fp32 (fp64 for fp64 weights)
         if self._used is not None:
-            decision = torch.cat([decision, self._used.float()])
+            decision = torch.cat([decision, self._used.to(decision.dtype)])
         for part in offloaded:
             decision = part.to_host(decision)
         self._norm, self._used = decision[0], (decision[1:] if self._used is not None else None)

@@ -32,6 +32,7 @@ from extensions.fsdp_offload import OffloadedFSDP
 from napkin.memory_math import mesh_params, run_state_bytes
 from composition.mesh_checks import mesh_splits, moe_config, stage_layers
 from composition.mesh_optimizer import on_mesh, partition
+from foundations.dtypes import master_dtype
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import GPT, build_model
 from moe import MoE, feed_forward, layer_exchange_bytes, routing_summary
@@ -104,7 +105,7 @@ def model_on_mesh(args, device, mesh):
     # model stays on the CPU until FSDP moves each rank's shards (a model that fits only
     # sharded must never be whole on the GPU).
     if STRATEGIES[args.strategy] is fsdp:
-        gpt.to(dtype=torch.float32)
+        gpt.to(dtype=master_dtype(DTYPES[args.precision]))               # fp32 (fp64: fp64)
     else:
         gpt.to(device=device, dtype=DTYPES[args.precision])
     if args.lora:         # after the cast: a 4-bit base keeps its scales in fp32
@@ -290,7 +291,8 @@ def predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer
         sent["tp"] = tp.bytes_per_step(rows, tokens, micro)
         if args.sequence_parallel:         # each mixture's balance loss made the group's mean (g)
             mixtures = sum(isinstance(gpt.blocks[i].mlp, MoE) for i in held_blocks)
-            sent["tp"] += micro * mixtures * ring_bytes("all_reduce", 1, 4, args.tp)
+            wide = max(DTYPES[args.precision].itemsize, 4)         # fp32, or fp64's own
+            sent["tp"] += micro * mixtures * ring_bytes("all_reduce", 1, wide, args.tp)
     if cp:
         cp.count_activations = "pp" not in splits     # the first step's, for the log (a stage's
                                                       # forwards run in the pipeline's schedule)

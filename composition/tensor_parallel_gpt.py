@@ -167,9 +167,10 @@ class TensorParallelGPT(nn.Module):
         m = batch // micro_batches * seq_len
         per_micro = (2 * sublayers + first + last - skipped) * ring_bytes("all_reduce", m * gpt.cfg.n_embd,
                                                                          size, n)
-        per_micro += 3 * ring_bytes("all_reduce", m, 4, n) if last else 0
+        wide = max(size, 4)          # the loss's and the norm's values: fp32, or an fp64 model's
+        per_micro += 3 * ring_bytes("all_reduce", m, wide, n) if last else 0
         held = {id(p) for p in gpt.parameters()}        # a pipeline stage's: its own parts only
         partial = [p.numel() for p in self.partial if id(p) in held]
         sync = (micro_batches * sum(ring_bytes("all_reduce", numel, size, n) for numel in partial)
                 if self.summed_in_backward else ring_bytes("all_reduce", sum(partial), size, n))
-        return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, 4, n)
+        return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, wide, n)

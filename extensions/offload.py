@@ -16,13 +16,15 @@ import weakref
 
 import torch
 
+from foundations.dtypes import master_dtype
 from mixed_precision import unscale_grads
 
 
-def host_buffer(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """An empty (fp32) host tensor shaped like `like`, pinned when `like` is on a GPU: only from
+def host_buffer(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty host tensor shaped like `like`, in dtype (default: the master dtype of like's,
+    fp32, or fp64 for fp64: dtypes.master_dtype), pinned when `like` is on a GPU: only from
     pinned (page-locked) memory can a copy run as a DMA transfer that does not block the CPU."""
-    buffer = torch.empty(like.shape, dtype=dtype)
+    buffer = torch.empty(like.shape, dtype=dtype or master_dtype(like.dtype))
     if like.is_cuda:
         lock_pages(buffer)
     return buffer
@@ -41,8 +43,8 @@ def lock_pages(t: torch.Tensor):
     weakref.finalize(t.untyped_storage(), cudart.cudaHostUnregister, t.data_ptr())
 
 
-def host_copy(t: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """An (fp32) copy of `t` in (pinned) host memory."""
+def host_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy of `t` in (pinned) host memory, in dtype (default: host_buffer's, fp32 or fp64)."""
     return host_buffer(t, dtype).copy_(t.detach())
 
 
@@ -95,8 +97,9 @@ class OffloadedStep:
     def global_norm(self) -> torch.Tensor:
         if not self.offload or self._norm is not None:
             return super().global_norm()
-        norm = super().global_norm().reshape(1).float()                 # on the device
-        decision = self.to_host(norm if self._used is None else torch.cat([norm, self._used.float()]))
+        norm = super().global_norm().reshape(1)                         # on the device
+        flags = [] if self._used is None else [self._used.to(norm.dtype)]
+        decision = self.to_host(torch.cat([norm, *flags]))
         self._norm, self._used = decision[0], (decision[1:] if self._used is not None else None)
         return self._norm
 

@@ -9,7 +9,17 @@ Run: python mixed_precision.py (or python -m foundations.dtypes); test: python -
 """
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp64 trains nothing faster or better, but there "equal to one process" is exact: the ranks' sums
+# in another order round at 1e-16 of their terms, not fp32's 1e-7 (the tests check strategies so).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp64": torch.float64}
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an optimizer updates `dtype` weights in, and gradients are summed and squared in:
+    fp32 for fp32/bf16/fp16 (mixed_precision.py's masters), fp64 for fp64 (nothing in a strategy
+    depends on fp32: fp64 runs it with every sum exact to 1e-16)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def dtype_facts(dtype: torch.dtype) -> dict:

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from collectives import Comm, ring_bytes
+from foundations.dtypes import DTYPES
 from foundations.launch import flags_to_device
 from mixed_precision import parameters_only
 from foundations.placements import add_squares, norm_weight
@@ -202,13 +203,14 @@ class Bucket(FlatParams):
 
 
 def trainable_in_one_dtype(params, who: str) -> list:
-    """The parameters that train (requires_grad), checked: some, all in one of fp32/bf16/fp16."""
+    """The parameters that train (requires_grad), checked: some, all in one of fp32/bf16/fp16
+    (or fp64, where a strategy is checked against one process exactly)."""
     trainable = [p for p in parameters_only(params, who) if p.requires_grad]
     if not trainable:
         raise ValueError(f"{who}: no trainable parameters (requires_grad=True) to shard")
     dtypes = {p.dtype for p in trainable}
-    if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
-        raise ValueError(f"{who} needs all trainable parameters in one of fp32, bf16, fp16, got "
+    if len(dtypes) > 1 or not dtypes <= set(DTYPES.values()):
+        raise ValueError(f"{who} needs all trainable parameters in one of {', '.join(DTYPES)}, got "
                          f"{sorted(map(str, dtypes))}: cast the model first, e.g. model.to(torch.bfloat16)")
     return trainable
 
@@ -263,9 +265,10 @@ def shard_pieces(flats: list, grads: list, weight_of=None, copies=None) -> list:
     return [(grad[first:last], weight) for grad, first, last, weight in runs]
 
 
-def squares_of(pieces: list, device) -> torch.Tensor:
-    """The pieces' weighted squares summed ((1,) fp32 on device), placements.add_squares's way."""
-    return add_squares(pieces, torch.zeros(1, device=device))
+def squares_of(pieces: list, device, dtype=torch.float32) -> torch.Tensor:
+    """The pieces' weighted squares summed ((1,) in dtype, the masters', on device),
+    placements.add_squares's way."""
+    return add_squares(pieces, torch.zeros(1, dtype=dtype, device=device))
 
 
 def shards_norm(flats: list, grads: list, comm: Comm, split: dict) -> torch.Tensor:
@@ -278,7 +281,7 @@ def shards_norm(flats: list, grads: list, comm: Comm, split: dict) -> torch.Tens
     copies_summed = any(copied) and not all(copied)
     squares = squares_of(shard_pieces(flats, grads, lambda p, n: norm_weight(p, split, n),
                                       lambda flat: flat.replicas.world_size if copies_summed and flat.replicas else 1),
-                         flats[0].params[0].device)
+                         flats[0].params[0].device, flats[0].master.dtype)
     for group in [comm, *split.values(), *([flats[copied.index(True)].replicas] if copies_summed else [])]:
         if group.world_size > 1:
             group.all_reduce(squares, op="sum")

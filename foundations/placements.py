@@ -98,10 +98,11 @@ def norm_weight(p, split: dict, copies: int = 1) -> float:
 
 def add_squares(pieces: list, squares: torch.Tensor) -> torch.Tensor:
     """Add each piece's weighted squares, [(gradient tensor, weight)] in order, into squares
-    ((1,) fp32): the one place the project sums a gradient's squares. Returns squares."""
+    ((1,) fp32, or fp64 for fp64 weights: dtypes.master_dtype): the one place the project sums a
+    gradient's squares. Returns squares."""
     for grad, weight in pieces:
         if weight:
-            squares += grad.float().pow(2).sum() * weight
+            squares += grad.to(squares.dtype).pow(2).sum() * weight
     return squares
 
 

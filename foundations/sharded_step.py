@@ -63,7 +63,7 @@ class ShardedStep:
     def squares(self, pieces: list) -> torch.Tensor:
         """The pieces' weighted squares summed: (1,) fp32 on the device, this rank's share of the
         norm squared (the shards are disjoint: summed over the ranks, the whole)."""
-        return squares_of(pieces, self.device)
+        return squares_of(pieces, self.device, self.masters[0].dtype)
 
     def launch_used_flags(self) -> tuple:
         """(Did any rank compute each parameter's gradient: (P,) flags OR'ed over comm, their

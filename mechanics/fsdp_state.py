@@ -45,7 +45,7 @@ class FSDPState:
         """FSDP's arguments, checked before any work, the same model on every rank: (the
         collectives.Comm of group (None: the world), the device the shards live on)."""
         comm = as_comm(group)
-        if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"FSDP compute_dtype (mp_policy's param_dtype) must be torch.float32, "
                              f"bfloat16 or float16, got {self.compute_dtype}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -53,7 +53,10 @@ class FSDPState:
         trainable = [p for p in module.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("FSDP: the module has no trainable parameters (requires_grad=True)")
-        if any(p.dtype != torch.float32 for p in trainable):
+        # fp32 masters; an fp64 model (checked against one process exactly) keeps fp64 ones
+        dtypes = {p.dtype for p in trainable}
+        if dtypes not in ({torch.float32}, {torch.float64}) or \
+                dtypes == {torch.float64} != {self.compute_dtype}:
             raise ValueError("FSDP keeps fp32 master shards: pass the fp32 model and pick the "
                              "compute_dtype with mp_policy=MixedPrecisionPolicy(param_dtype="
                              "torch.bfloat16), do not cast the model first")
@@ -219,11 +222,13 @@ class FSDPState:
 
     @torch.no_grad()
     def full_state_dict(self, all_ranks: bool = False) -> dict:
-        """{name: fp32 tensor of its original shape}, on rank 0 (empty elsewhere) or all_ranks.
+        """{name: fp32 tensor of its original shape (an fp64 model's: fp64)}, on rank 0 (empty
+        elsewhere) or all_ranks.
         Collective: every rank calls it. Under expert parallelism, only this rank's experts."""
         names, out = self.names(), {}
         for unit in self.units:
-            flat = torch.empty(unit.flat.numel(), device=unit.flat.device)    # (N*S,) fp32
+            flat = torch.empty(unit.flat.numel(), dtype=unit.master.dtype,
+                               device=unit.flat.device)                                     # (N*S,)
             unit.comm.all_gather(flat, unit.master.detach().to(flat.device, copy=True))
             out.update({names[p]: view.clone() for p, view in zip(unit.params, unit.views(flat))})
         return out if all_ranks or self.comm.rank == 0 else {}

@@ -32,7 +32,7 @@ from extensions.schedules import make_schedule
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 ALIASES = {"fsdp": "zero3"}            # FSDP is ZeRO stage 3, sharded unit by unit
-PRECISIONS = tuple(DTYPES)             # fp32, bf16, fp16
+PRECISIONS = tuple(DTYPES)             # fp32, bf16, fp16, fp64
 OPTIMIZERS = ("adamw", "sgd")
 
 # Which of the three a rank holds as a 1/N shard (True) or whole (False): docs/design.md's table,
@@ -85,8 +85,8 @@ def bytes_per_param(precision: str, optimizer: str = "adamw") -> dict:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     size = _element_size(precision)
-    master = 0 if size == 4 else 4
-    moments = 8 if optimizer == "adamw" else 0
+    master = 0 if size >= 4 else 4                     # fp32 (and fp64): its own master
+    moments = 2 * max(size, 4) if optimizer == "adamw" else 0
     return {"params": size, "grads": size, "optimizer": master + moments}
 
 
@@ -134,8 +134,9 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
     shard = -(-trainable // world_size)                             # c = ceil(P / N)
     whole = trainable if strategy == "ddp" else shard * world_size  # P, or N * c (padded)
     frozen_size = per_param["params"]
+    master = max(frozen_size, 4)                       # fp32 masters (fp64's own: 8 bytes)
     if reduce_precision is not None and strategy in ("zero2", "zero3"):
-        per_param["grads"] = _element_size(reduce_precision) if strategy == "zero2" else 4
+        per_param["grads"] = _element_size(reduce_precision) if strategy == "zero2" else master
     if reduce_precision is not None and strategy == "zero3" and frozen_size == 2 and not offload:
         # fsdp.py, as FSDP2: a trained shard stays fp32 and is itself the master (cast to the
         # compute dtype as it is gathered), so the optimizer holds only its moments. Offloaded,
@@ -150,8 +151,8 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
                                 double_quant)
     held["total"] = sum(held.values())
     if offload:
-        master = 4 * shard if per_param["params"] == 4 else 0     # 16-bit: already in "optimizer"
-        held["host"] = held["optimizer"] + master + 4 * shard
+        own = master * shard if per_param["params"] >= 4 else 0   # 16-bit: already in "optimizer"
+        held["host"] = held["optimizer"] + own + master * shard
         held["total"] -= held["optimizer"]
         held["optimizer"] = 0
     if offload == "params":

@@ -113,7 +113,9 @@ def parse_args(argv=None):
     p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability in the model")
     p.add_argument("--precision", choices=list(DTYPES), default="fp32",
-                   help="dtype of the model; bf16 and fp16 keep fp32 master weights, fp16 scales the loss")
+                   help="dtype of the model; bf16 and fp16 keep fp32 master weights, fp16 scales "
+                        "the loss; fp64 (slow: for checking a strategy against one process exactly) "
+                        "reduces in fp64 too")
     p.add_argument("--reduce-dtype", choices=list(DTYPES), default=REDUCE_DTYPE,
                    help="dtype the gradients are averaged in across ranks: fp32 (the default: a "
                         "bf16/fp16 gradient is upcast before the collective, FSDP2's reduce_dtype), "
@@ -442,6 +444,8 @@ def check_args(parser, args, world_size):
     if args.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         parser.error("--precision bf16: this GPU has no bf16 arithmetic (it needs compute "
                      "capability 8.0 or newer): use --precision fp16 (with loss scaling)")
+    if args.precision == "fp64" and args.reduce_dtype == REDUCE_DTYPE:
+        args.reduce_dtype = "fp64"         # every sum in fp64: fp32's default would round the mean
     if args.reduce_dtype not in (REDUCE_DTYPE, args.precision):
         parser.error(f"--reduce-dtype {args.reduce_dtype} with --precision {args.precision}: reduce in "
                      f"{REDUCE_DTYPE} (the default) or in the gradients' own dtype, {args.precision}")

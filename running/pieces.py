@@ -11,6 +11,7 @@ Test: python -m pytest tests/test_snapshot.py
 import torch
 import torch.distributed as dist
 
+from foundations.dtypes import master_dtype
 from foundations.placements import tensor_dim
 from foundations.process_groups import gather_objects
 
@@ -39,17 +40,22 @@ def optimizer_pieces(optimizer, names: dict) -> list[dict]:
             else:
                 scalars[key] = value.clone() if torch.is_tensor(value) else value
         # Cloned: saving a view would write the whole flat buffer it points into.
-        tensors = {key: t.detach().reshape(-1)[offset: offset + stop - start].float().cpu().clone()
+        tensors = {key: _wide(t.detach().reshape(-1)[offset: offset + stop - start]).cpu().clone()
                    for key, t in ranged.items()}
         pieces.append({"name": names[param], "start": start, "stop": stop,
                        "tensors": tensors, "scalars": scalars})
     return pieces
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """t in fp32, what a checkpoint holds (an fp64 run's in fp64: dtypes.master_dtype)."""
+    return t.to(master_dtype(t.dtype))
+
+
 def whole_piece(name: str, t: torch.Tensor) -> dict:
-    """A whole tensor as one piece: its fp32 values, flat, on the host."""
+    """A whole tensor as one piece: its fp32 values (fp64's own), flat, on the host."""
     return {"name": name, "start": 0, "stop": t.numel(), "scalars": {},
-            "tensors": {"param": t.detach().reshape(-1).float().cpu().clone()}}
+            "tensors": {"param": _wide(t.detach().reshape(-1)).cpu().clone()}}
 
 
 def frozen_pieces(model: torch.nn.Module) -> list[dict]:
@@ -96,7 +102,7 @@ class Pieces:
         saved elsewhere) are taken from model as it is.
         """
         return {name: self.read(name, 0, p.numel())["param"].view(p.shape)
-                if name in self.by_name or not missing_from_model else p.detach().float()
+                if name in self.by_name or not missing_from_model else _wide(p.detach())
                 for name, p in model.named_parameters()}
 
 

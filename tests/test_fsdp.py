@@ -28,8 +28,9 @@ from mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
 from test_snapshot import LOSS_RTOL, WEIGHT_ATOL, _resume_elsewhere, _resume_runs, _same_weights, _train, _weights
-from test_zero import (ADAMW, CLIP, GLOBAL_BATCH, MODEL, MIXED_ATOL, MIXED_LOSS_RTOL, MIXED_RTOL, PARAM_TOL,
-                       STEPS, _assert_grads_close, _batches, _fp16_scaler, _gpt, _grads, _params)
+from test_zero import (ADAMW, CLIP, FP64_ATOL, GLOBAL_BATCH, MODEL, MIXED_ATOL, MIXED_LOSS_RTOL, MIXED_RTOL,
+                       PARAM_TOL, STEPS, _assert_grads_close, _batches, _check_fp64, _fp16_scaler, _gpt,
+                       _grads, _params)
 
 ACCUM = 2
 
@@ -102,6 +103,8 @@ def single():
     data = _batches(STEPS, GLOBAL_BATCH)
     model = _gpt()
     out = {"fp32": _single(model, torch.optim.AdamW(model.parameters(), **ADAMW), data, clip=CLIP)}
+    model = _gpt().double()
+    out["fp64"] = _single(model, torch.optim.AdamW(model.parameters(), **ADAMW), data, clip=CLIP)
     for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         model = _gpt().to(dtype)
         opt = MixedPrecisionOptimizer(model.parameters(), precision=precision, **ADAMW,
@@ -148,7 +151,7 @@ def _full_gradients(wrapped, scale):
     """The averaged gradient by name, all-gathered from every rank's fp32 shards."""
     names, grads = wrapped.names(), {}
     for unit in wrapped.units:
-        flat = torch.empty(unit.flat.numel())                         # (N*S,)
+        flat = torch.empty(unit.flat.numel(), dtype=unit.grad.dtype)  # (N*S,)
         unit.comm.all_gather(flat, unit.grad / scale)                 # over its shard group
         grads.update({names[p]: g.clone() for p, g in zip(unit.params, unit.views(flat))})
     return grads
@@ -270,7 +273,8 @@ def _state_round_trip(batches, offload=False):
 
 def _launch(full):
     data = _batches(STEPS, GLOBAL_BATCH)
-    out = {"fp32": _train_fsdp(*_wrap(_gpt()), data, clip=CLIP)}
+    out = {"fp32": _train_fsdp(*_wrap(_gpt()), data, clip=CLIP),
+           "fp64": _train_fsdp(*_wrap(_gpt().double()), data, clip=CLIP)}      # fp64 shards, reduce, norm
     if not full:
         wrapped = FSDP(_gpt())
         out["shard_numel"] = sum(u.master.numel() for u in wrapped.units)
@@ -333,6 +337,10 @@ def _check(out, expected, what, param_tol=PARAM_TOL):
 
 @pytest.mark.equivalence
 def test_fp32_matches_single_process(two, four, single):
+    """Clipped AdamW on 2 and 4 ranks equals one process: in fp64 to test_zero's FP64_* (the
+    claim), in fp32 to _check's tolerances (test_zero's PARAM_TOL: its cause there)."""
+    for n, ranks in ((2, two), (4, four)):
+        _check_fp64(n, [o["fp64"] for o in ranks], {**single["fp64"], "norms": []}, "fp64")
     _check([o["fp32"] for o in two], single["fp32"], "N=2 fp32")
     _check([o["fp32"] for o in four], single["fp32"], "N=4 fp32")
 
@@ -548,6 +556,7 @@ class _Plain(nn.Module):
 
 PLAIN_OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
                     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))}
+PLAIN_DTYPES = {"sgd": torch.float32, "adamw": torch.float32, "adamw fp64": torch.float64}
 
 
 def _plain_loops(batches):
@@ -555,10 +564,11 @@ def _plain_loops(batches):
     with torch's SGD and AdamW over FSDP(...).parameters() and over our DDP's model."""
     r, n = dist.get_rank(), dist.get_world_size()
     out = {}
-    for name, (optimizer_cls, kwargs) in PLAIN_OPTIMIZERS.items():
+    for name, dtype in PLAIN_DTYPES.items():
+        optimizer_cls, kwargs = PLAIN_OPTIMIZERS[name.split()[0]]
         for how in ("fsdp", "ddp"):
             torch.manual_seed(0)
-            model = _Plain()
+            model = _Plain().to(dtype)
             wrapped = (FSDP(model, wrap=lambda m: isinstance(m, (nn.Linear, nn.Embedding))) if how == "fsdp"
                        else DDP(model))
             opt = optimizer_cls(wrapped.parameters(), **kwargs)
@@ -578,9 +588,10 @@ def _plain_loops(batches):
 def test_plain_torch_optimizer_trains_fsdp_shards(world_size):
     batches = _batches(STEPS, 12, vocab=_Plain.V)
     ranks = run_ranks(_plain_loops, world_size, batches)
-    for name, (optimizer_cls, kwargs) in PLAIN_OPTIMIZERS.items():
+    for name, dtype in PLAIN_DTYPES.items():
+        optimizer_cls, kwargs = PLAIN_OPTIMIZERS[name.split()[0]]
         torch.manual_seed(0)
-        model = _Plain()
+        model = _Plain().to(dtype)
         opt = optimizer_cls(model.parameters(), **kwargs)
         for batch in batches:
             opt.zero_grad(set_to_none=True)
@@ -591,13 +602,17 @@ def test_plain_torch_optimizer_trains_fsdp_shards(world_size):
             # The same averaged gradients as our DDP's, stepped by the same optimizer: bit for bit
             # on 2 ranks (a + b in either order). On 3, gloo's reduce-scatter adds the three
             # contributions in another order than its all-reduce: fp32 rounding of the sum
-            # (measured 1.5e-8 with SGD, 1.2e-7 = one ulp of a weight near 1.5 with AdamW).
+            # (measured 1.5e-8 with SGD, 1.2e-7 = one ulp of a weight near 1.5 with AdamW: the
+            # bound 8.4x above it, under default, avx2 and avx512 alike).
+            # In fp64, where equal to one process is exact, to FP64_ATOL (test_zero's: its cause).
+            fp64 = dtype == torch.float64
             assert_tensors_close(out[f"{name} fsdp"], out[f"{name} ddp"], rtol=0,
-                                 atol=0 if world_size == 2 else 1e-6,
+                                 atol=0 if world_size == 2 else FP64_ATOL if fp64 else 1e-6,
                                  what=f"{name} FSDP vs DDP, rank {r} of {world_size}")
             # Against one process only the sums' order differs: fp32 reordering noise (our DDP
-            # is 1.5e-8 from one process here; AdamW can amplify it near zero gradients).
-            assert_tensors_close(out[f"{name} fsdp"], single, rtol=0, atol=1e-6,
+            # is 1.5e-8 from one process here; AdamW can amplify it near zero gradients: worst
+            # measured 1.2e-7, one ulp near 1.5, under default, avx2 and avx512: 8.4x below).
+            assert_tensors_close(out[f"{name} fsdp"], single, rtol=0, atol=FP64_ATOL if fp64 else 1e-6,
                                  what=f"{name} FSDP vs one process, rank {r} of {world_size}")
             moved = max((out[f"{name} fsdp"][k] - v).abs().max().item()
                         for k, v in _Plain().state_dict().items())
