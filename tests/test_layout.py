@@ -33,7 +33,7 @@ OWN = {"zero": {"extensions.offload", "extensions.zero_offload"},
        "pipeline": {"mechanics.pipeline_mechanics", "extensions.schedules", "extensions.zero_bubble"},
        "tensor_parallel": {"composition.tensor_parallel_gpt"},
        "context_parallel": {"composition.context_parallel_gpt"}}
-LIMITS = {"lines": 380, "function": 60, "constructor": 6, "modules": 3}
+LIMITS = {"lines": 450, "function": 60, "constructor": 6, "modules": 3}
 # Concept files still importing more project modules than the limit, each held where it stands so
 # that it can only shrink (issue 49 is open for them).
 NOT_YET = {}
