@@ -148,7 +148,7 @@ def test_a_main_class_takes_the_few_arguments_its_idea_needs(module, cls):
 
 
 def test_train_py_is_the_loop_and_its_log():
-    assert len((ROOT / "train.py").read_text().splitlines()) <= 200
+    assert len((ROOT / "train.py").read_text().splitlines()) <= 250
 
 
 def test_every_concept_file_has_a_test_in_the_quick_tier():
