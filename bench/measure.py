@@ -35,6 +35,7 @@ from mixed_precision import DTYPES, element_state
 from model import PRESETS
 from moe import MoE
 from composition.parallelize import build_gpt
+from foundations.meters import peak_saved_bytes
 
 MiB = 2**20
 
@@ -138,43 +139,6 @@ def frozen_bytes(model) -> tuple[int, int]:
     return sum(storages.values()), sum(p.numel() * p.element_size() for p in frozen)
 
 
-class LiveSaved:
-    """Saved-tensor hooks that track the bytes autograd holds for backward at each moment, and
-    their peak: what a pipeline stage's micro-batches in flight cost (GPipe M, 1F1B at most P).
-    A storage counts once while any saved tensor uses it; parameters never count."""
-
-    def __init__(self, params):
-        self.weights = {_local(p).untyped_storage().data_ptr() for p in params}
-        self.users, self.live, self.peak = {}, 0, 0
-
-    def pack(self, t):
-        storage = _local(t).untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.weights:
-            return t
-        if self.users.get(ptr, 0) == 0:
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self.users[ptr] = self.users.get(ptr, 0) + 1
-        return _Saved(t, self, ptr, storage.nbytes())
-
-    @staticmethod
-    def unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-
-class _Saved:
-    """A saved tensor; when autograd drops it (its backward ran), its bytes leave the count."""
-
-    def __init__(self, tensor, counter, ptr, nbytes):
-        self.tensor, self.counter, self.ptr, self.nbytes = tensor, counter, ptr, nbytes
-
-    def __del__(self):
-        self.counter.users[self.ptr] -= 1
-        if self.counter.users[self.ptr] == 0:
-            self.counter.live -= self.nbytes
-
-
 def expert_bytes(model) -> int:
     """Bytes of the expert weights this rank holds (moe.py: every MoE layer's E experts, or its
     E/ep under expert parallelism); 0 for a dense model."""
@@ -189,11 +153,9 @@ def activation_bytes(run: Run, x, y) -> int:
     read again at each save. DDP wrappers only add gradient hooks: their module is run.
     """
     if run.forward_backward is not None:      # a pipeline: the peak over a whole step's schedule
-        counter = LiveSaved(run.model.parameters())
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-            run.forward_backward(x, y)
+        peak, _ = peak_saved_bytes(lambda: run.forward_backward(x, y), run.model.parameters())
         run.optimizer.zero_grad()
-        return counter.peak
+        return peak
     model = run.model.module if isinstance(run.model, (DDP, DistributedDataParallel)) else run.model
     owner = getattr(run.model, "module", run.model)          # our FSDP: the gathered weights
     storages = {}

@@ -14,6 +14,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def _storage(t: torch.Tensor):
+    """The bytes t lives in on this rank: a DTensor's (fully_shard's parameters) are its local part's."""
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
 
 
 def saved_activation_bytes(run, exclude=()):
@@ -55,9 +61,9 @@ def peak_saved_bytes(run, exclude=()):
                 count["live"] -= self.nbytes
 
     def pack(t):
-        storage = t.untyped_storage()
+        storage = _storage(t)
         ptr = storage.data_ptr()
-        if ptr in {p.untyped_storage().data_ptr() for p in exclude}:
+        if ptr in {_storage(p).data_ptr() for p in exclude}:
             return t
         if not users.get(ptr):
             count["live"] += storage.nbytes()
