@@ -229,4 +229,5 @@ class MeshOptimizer(torch.optim.Optimizer):
     def bytes_per_step(self, micro_batches: int = 1) -> int:
         """The ZeRO parts' bytes, the norm's one number counted once (the first part's group)."""
         return sum(p.bytes_per_step(micro_batches) for p in self.parts) - sum(
-            ring_bytes("all_reduce", 1, 4, p.comm.world_size) for p in self.parts[1:])
+            ring_bytes("all_reduce", 1, self.masters[0].element_size(), p.comm.world_size)
+            for p in self.parts[1:])

@@ -11,6 +11,7 @@ Run: torchrun --nproc_per_node 4 train.py --strategy fsdp --shard-group 2;
 test: python -m pytest tests/test_fsdp_qlora.py -k hybrid
 """
 from collectives import as_comm, ring_bytes
+from foundations.dtypes import master_dtype
 from fsdp import FSDP
 
 
@@ -53,5 +54,6 @@ class HSDP(FSDP):
         copied = [u for u in self.units if u.replicas is not None]
         shards = reductions * sum(ring_bytes("all_reduce", u.shard_numel, wire, copies) for u in copied)
         flags = ring_bytes("all_reduce", sum(len(u.params) for u in copied), 1, copies)
-        norm = ring_bytes("all_reduce", 1, 4, copies) if len(copied) < len(self.units) else 0
+        size = master_dtype(self.compute_dtype).itemsize             # the norm's: fp32 or fp64
+        norm = ring_bytes("all_reduce", 1, size, copies) if len(copied) < len(self.units) else 0
         return super().bytes_per_step(micro_batches, gathered_for_step) + shards + flags + norm

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from collectives import Comm, ring_bytes
-from foundations.dtypes import DTYPES
+from foundations.dtypes import DTYPES, master_dtype
 from foundations.launch import flags_to_device
 from mixed_precision import parameters_only
 from foundations.placements import add_squares, norm_weight
@@ -240,7 +240,8 @@ class ShardedBuckets(list):
 
     def flags_and_norm_bytes(self) -> int:
         """What a sharded step sends besides the shards: the used-flags and the norm (ring)."""
-        return step_message_bytes(sum(len(bucket.params) for bucket in self), self.comm.world_size)
+        return step_message_bytes(sum(len(bucket.params) for bucket in self), self.comm.world_size,
+                                  _norm_size(self))
 
 
 # ---- the sharded step's pieces: the norm's and the used-flags' (sharded_step.py, FSDP's state) ---
@@ -334,14 +335,19 @@ def flags_and_norm_bytes(flats: list, comm) -> int:
     parallelism's): each run of flats sends its flags to its ranks; the norm goes to comm's."""
     return sum(ring_bytes("all_reduce", sum(len(flat.params) for flat in run), 1, group.world_size)
                for group, run in itertools.groupby(flats, key=lambda flat: flat.comm)
-               ) + ring_bytes("all_reduce", 1, 4, comm.world_size)
+               ) + ring_bytes("all_reduce", 1, _norm_size(flats), comm.world_size)
 
 
-def step_message_bytes(n_params: int, world_size: int) -> int:
+def _norm_size(flats) -> int:
+    """Bytes of the global norm's one number: the masters' dtype (squares_of's), fp32 or fp64."""
+    return master_dtype(next(iter(flats)).params[0].dtype).itemsize
+
+
+def step_message_bytes(n_params: int, world_size: int, norm_size: int = 4) -> int:
     """What a sharded step sends besides the shards (ring): the P used-flags, one byte each,
-    as DDP sends them, and the global norm's one fp32 number."""
+    as DDP sends them, and the global norm's one fp32 number (norm_size bytes: fp64's 8)."""
     return (ring_bytes("all_reduce", n_params, 1, world_size)
-            + ring_bytes("all_reduce", 1, 4, world_size))
+            + ring_bytes("all_reduce", 1, norm_size, world_size))
 
 
 # ---- the gradient-sync protocol every reducer speaks --------------------------------------

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import Comm, ring_bytes
+from foundations.dtypes import master_dtype
 from foundations.placements import place
 from foundations.process_groups import subgroups
 from foundations.values import Parser, whole
@@ -296,7 +297,7 @@ class PipelineMechanics:
         norm's all-reduce, and at the two ends a tied weight's gradient (ring formulas)."""
         message = math.prod(self.activation(batch // self.M, seq_len)) * torch.finfo(self.dtype).bits // 8
         sends = sum(a.kind.startswith("send") for a in self.actions)
-        norm = ring_bytes("all_reduce", 1, 4, self.P)                  # 1 fp32
+        norm = ring_bytes("all_reduce", 1, master_dtype(self.dtype).itemsize, self.P)  # 1 fp32/fp64
         tied = (ring_bytes("all_reduce", self.tied.numel(), self.tied.element_size(), 2)
                 if self.tied is not None else 0)
         return message * sends + norm + tied

@@ -686,14 +686,15 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
 
     tp: per micro-batch, two all-reduces of the (m, C) activations per block forward and two
     backward, one for the embedding (first stage) and one for the head (last), 3 of m fp32 for
-    the vocabulary-parallel loss (last stage), m = its tokens; one fp32 for the norm. With
+    the vocabulary-parallel loss (last stage), m = its tokens; one fp32 for the norm (these
+    fp32 values an fp64 model's own: 8 bytes). With
     sequence_parallel each all-reduce is a reduce-scatter and an all-gather of the same volume,
     and the weights that stay whole (norms, row biases, positions: their gradients partial sums)
     are all-reduced once a step (zero2, zero3 or beside cp: every micro-batch).
     cp: cp_kv_bytes per block and micro-batch, K and V C/tp wide.
     pp: one (b, T/cp, C) activation or gradient per send in the stage's schedule (sequence
-    parallel: T/cp/tp), a norm fp32; at the two ends of a tied head, the tied weight's gradient
-    (V C / tp) summed between them, one all-reduce of 2 ranks.
+    parallel: T/cp/tp), a norm fp32 (fp64's own); at the two ends of a tied head, the tied
+    weight's gradient (V C / tp) summed between them, one all-reduce of 2 ranks.
     dp: comm_bytes of this rank's parameters (mesh_params) over dp x cp ranks, in the padding-free
     napkin form (real buckets pad each message to dp x cp chunks: a few elements more); ZeRO-2
     reduce-scatters every micro-batch; zero3 in a pipeline gathers once a step (2 (N-1)/N);
@@ -702,6 +703,7 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
     """
     cfg = _config(name_or_config)
     size, C = _element_size(precision), cfg.n_embd
+    wide = max(size, 4)                  # the loss's and the norm's values: fp32, or fp64's own
     chunks = make_schedule(schedule, pp, micro_batches, virtual_stages)[stage] if pp > 1 else []
     blocks = stage_blocks(cfg.n_layer, pp, stage, virtual_stages)
     first, last = stage == 0, stage == pp - 1
@@ -709,8 +711,8 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
     sent = {}
     if tp > 1:
         activations = (4 * blocks + first + last) * ring_bytes("all_reduce", m * C, size, tp)
-        loss = 3 * ring_bytes("all_reduce", m, 4, tp) if last else 0
-        sent["tp"] = micro_batches * (activations + loss) + ring_bytes("all_reduce", 1, 4, tp)
+        loss = 3 * ring_bytes("all_reduce", m, wide, tp) if last else 0
+        sent["tp"] = micro_batches * (activations + loss) + ring_bytes("all_reduce", 1, wide, tp)
         if sequence_parallel:               # 6C a block (mesh_params), positions, final norm
             whole = 6 * C * blocks + (cfg.block_size * C if first else 0) + (2 * C if last else 0)
             # ZeRO-2 and FSDP read gradients during backward, and context parallelism wraps the
@@ -725,7 +727,8 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
         sent["cp"] = micro_batches * blocks * (layer["forward"] + layer["backward"])
     if pp > 1:
         sends = sum(action.kind.startswith("send") for action in chunks)
-        sent["pp"] = sends * (m // tp if sequence_parallel else m) * C * size + ring_bytes("all_reduce", 1, 4, pp)
+        sent["pp"] = (sends * (m // tp if sequence_parallel else m) * C * size
+                      + ring_bytes("all_reduce", 1, wide, pp))
         if cfg.tie_embeddings and (first or last):          # pipeline.Pipeline's ends group
             sent["pp"] += ring_bytes("all_reduce", cfg.vocab_size * C // tp, size, 2)
     if dp * cp > 1:

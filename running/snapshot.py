@@ -533,8 +533,8 @@ def _wrong_entry(section: str, values: dict, rules: dict) -> tuple[str, object, 
 def _wrong_in_part(part) -> str | None:
     """What in a checkpoint part (a rank's file) save() cannot have written, in words, or None:
     its keys, the RNG state, the loss scaler's state, and every piece: its range, its tensors
-    (flat fp32, one value per element of the range, finite; Adam's second moment from 0), its
-    optimizer scalars (finite, from 0)."""
+    (flat fp32 or fp64, one value per element of the range, finite; Adam's second moment from
+    0), its optimizer scalars (finite, from 0)."""
     if not isinstance(part, dict) or not {"pieces", "rng", "scaler"} <= part.keys():
         keys = sorted(part) if isinstance(part, dict) else type(part).__name__
         return f"holds {keys}, not the pieces, rng and scaler every part has"
@@ -571,7 +571,9 @@ def _wrong_in_piece(piece) -> str | None:
     name = f"{piece['name']}[{piece['start']}:{piece['stop']}]"
     size = piece["stop"] - piece["start"]
     for key, t in piece["tensors"].items():
-        if not (torch.is_tensor(t) and t.dtype == torch.float32 and t.shape == (size,)):
+        # fp32, or an fp64 run's own (pieces.optimizer_pieces: the masters' dtype)
+        if not (torch.is_tensor(t) and t.dtype in (torch.float32, torch.float64)
+                and t.shape == (size,)):
             shape = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
             return f"{name} whose {key} is {shape}, not {size} fp32 values"
         low, high = _bounds(t)

@@ -323,12 +323,16 @@ def four():
 # ---- equivalence --------------------------------------------------------------------------
 
 def _check(out, expected, what, param_tol=PARAM_TOL):
-    # Loss: each rank's mean over its rows; their mean is the global batch's (fp32 noise).
+    # Loss: each rank's mean over its rows; their mean is the global batch's (fp32 noise: the
+    # ranks' sums in another order). Worst relative difference measured over test_fp32_matches_
+    # single_process and the tied/accumulation case (2-core Xeon): default 9e-8 (11x below 1e-6),
+    # avx2 1.8e-7 (5.5x), avx512 1.8e-7 (5.5x).
     losses = torch.tensor([o["losses"] for o in out]).mean(0)
     torch.testing.assert_close(losses, torch.tensor(expected["losses"]), rtol=1e-6, atol=0,
                                msg=lambda m: f"{what} losses: {m}")
     _assert_grads_close(out[0]["grads"], expected["grads"], f"{what} first-step gradients")
     # Parameters: test_zero's reasoning (Adam amplifies the reduction order's ulps near eps).
+    # Worst here: default 1.6e-6 (31x below PARAM_TOL), avx2 1.7e-6 (29x), avx512 6.2e-7 (81x).
     assert_tensors_close(out[0]["params"], expected["params"], rtol=0, atol=param_tol,
                          what=f"{what} parameters")
     for o in out[1:]:
@@ -401,7 +405,8 @@ def test_offload_leaves_the_device_the_compute_shard_and_the_gradient(two):
 
 @pytest.mark.equivalence
 def test_matches_torch_fully_shard(two):
-    # Both shard the same way and reduce-scatter over the same ranks: fp32 noise only.
+    # Both shard the same way and reduce-scatter over the same ranks: fp32 noise only (worst
+    # measured: default 2.2e-7, 225x below PARAM_TOL; avx2 0; avx512 4.6e-7, 108x).
     assert_tensors_close(two[0]["fp32"]["params"], two[0]["torch"], rtol=0, atol=PARAM_TOL,
                          what="ours vs fully_shard")
 
@@ -652,6 +657,8 @@ def test_unit_used_on_one_rank_reduces_in_the_same_order_everywhere():
     ((model(inputs[0], True) + model(inputs[1], False)) / 2).backward()     # the average of both
     expected = {n: p.grad for n, p in model.named_parameters()}
     for r, grads in enumerate(ranks):
+        # Two ranks' gradients averaged, (a + b) / 2 in either order: fp32 rounding of one
+        # addition at most; measured 0 under default, avx2 and avx512 (the bound: 1e-7 absolute).
         assert_tensors_close(grads, expected, rtol=0, atol=1e-7, what=f"rank {r}")
 
 
@@ -726,7 +733,9 @@ def test_a_unit_no_rank_used_keeps_no_gradient_and_a_plain_adamw_leaves_it():
     assert not torch.equal(single["once.weight"], initial["once.weight"])    # moved at step 0
     for r, out in enumerate(ranks):
         for how, (weights, without_grad) in out.items():
-            # Exactly as one process where no rank had a gradient; fp32 reduction order elsewhere.
+            # Exactly as one process where no rank had a gradient; fp32 reduction order elsewhere
+            # (2 ranks: one addition, in either order; 1e-6 measured as 0 under default, avx2 and
+            # avx512).
             assert_tensors_close({n: weights[n] for n in unused}, {n: initial[n] for n in unused},
                                  rtol=0, atol=0, what=f"{how}, rank {r}, the unit no rank used")
             assert_tensors_close(weights, single, rtol=0, atol=1e-6, what=f"{how}, rank {r}")
@@ -779,6 +788,8 @@ def test_accumulation_updates_a_unit_used_in_one_micro_batch_only():
     assert (single["once.weight"] - initial["once.weight"]).abs().max() > 1e-3      # it trains
     for r, out in enumerate(ranks):
         for how, weights in out.items():
+            # fp32 sums of 4 micro-batches' gradients in another order, stepped by AdamW: worst
+            # 1.5e-8 under default, avx2 and avx512 alike (the bound 1e-6, 67x above).
             assert_tensors_close(weights, single, rtol=0, atol=1e-6, what=f"{how}, rank {r}")
 
 
@@ -884,7 +895,8 @@ def _dict_outputs_step() -> tuple:
 def test_units_returning_dicts_gather_again_for_backward():
     """A unit's backward hook goes on every tensor of its output, a dict's too: the unit is
     gathered again before its backward (it failed on the freed storage), and the step equals one
-    process's (fp32, the same batch on both ranks: the mean of equal gradients, 1e-6)."""
+    process's (fp32, the same batch on both ranks: the mean of equal gradients, 1e-6; measured
+    0 under default, avx2 and avx512: (g + g) / 2 is g exactly)."""
     for rank, (ours, whole) in enumerate(run_ranks(_dict_outputs_step, 2)):
         assert_tensors_close(ours, whole, rtol=0, atol=1e-6, what=f"rank {rank}")
 
