@@ -79,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list, default all: {','.join(ROWS)}")
     p.add_argument("--peak-tflops", type=number, default=None,
                    help="MFU's denominator; default: the datasheet's for the card found (bench_measure)")
-    p.add_argument("--budget-s", type=real(0, above=True), default=420,
+    p.add_argument("--budget-s", type=real(0), default=420,
                    help="start no row after this many seconds (default 420: the run ends inside 8 minutes)")
     p.add_argument("--out", default="bench-gpu", help="writes OUT.md, OUT.json and OUT-memory.svg")
     args = p.parse_args(argv)
