@@ -1030,7 +1030,8 @@ def test_offload_pins_exactly_the_bytes_it_holds(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "check_error", lambda result: calls.append(("checked", result)))
     numel = 3 * 2**20 + 5
-    buffer = offload.host_buffer(types.SimpleNamespace(shape=(numel,), is_cuda=True))   # a GPU's shard
+    buffer = offload.host_buffer(types.SimpleNamespace(shape=(numel,), dtype=torch.float32,
+                                                          is_cuda=True))   # a GPU's shard
     ptr = buffer.data_ptr()
     assert calls == [("register", ptr, 4 * numel), ("checked", 0)]
     holder = torch.nn.Parameter(torch.zeros(1))
