@@ -133,7 +133,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
     # ---- the mechanics: stage 1's buffers, the reduce-scatter, the all-gather -----------------
 
     def _new_master(self, bucket, shard: torch.Tensor) -> torch.Tensor:
-        """The (S,) fp32 tensor the inner optimizer updates: in fp32 (fp64) the parameters' shard."""
+        """The (S,) tensor the inner optimizer updates: fp32 (in fp32, fp64: the shard itself)."""
         return shard if shard.dtype in (torch.float32, torch.float64) else shard.float()
 
     def _hook_gradients(self):

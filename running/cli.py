@@ -8,7 +8,6 @@ STRATEGIES is the table of strategies train.py builds from. --strategy auto pick
 memory.py's advice.
 Test: python -m pytest tests/test_train.py
 """
-import argparse
 import dataclasses
 import math
 import os
@@ -31,9 +30,8 @@ from collectives import RING_COLLECTIVES
 from mixed_precision import DTYPES, REDUCE_DTYPE
 from model import PRESETS
 from foundations.process_groups import launched_world_size
-# The one parser of every entry point (a refusal in one line) and its error line, here as cli.*
-from foundations.values import (QUIET_WAIT, HelpFormatter, Parser,  # noqa: F401
-                                record_for_torchrun, reports_errors, say_error, whole)
+# The one parser of every entry point (a refusal in one line); QUIET_WAIT, read by tests as cli.*
+from foundations.values import QUIET_WAIT, HelpFormatter, Parser, whole  # noqa: F401
 # The combinations' checks live beside the composition (mesh_checks.py); moe_config is the MoE
 # flags' model config, read here as cli.moe_config too.
 from composition.mesh_checks import (check_context_parallel, check_experts, check_mesh, check_pipeline,  # noqa: F401

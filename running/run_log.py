@@ -6,7 +6,7 @@ and as the run measures it, in the same words (printed again only when it change
 logged step's loss, speed (beside step_time.py's: predicted_seconds), bytes sent beside their
 formula and time left; --profile's traces and --memory-snapshot (start_profiling). The end, on the
 command line: a refused command line, a refusal or divergence found while running, a lost
-peer, Ctrl-C and SIGTERM (stopping.py) each print one line (under torchrun once: cli.say_error;
+peer, Ctrl-C and SIGTERM (stopping.py) each print one line (under torchrun once: values.say_error;
 SIGTERM's, every rank that got it) and exit with a code.
 Test: python -m pytest tests/test_train.py -k "log or interrupt or usage"
 """
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from running import snapshot
-from running.cli import record_for_torchrun, say_error
+from foundations.values import record_for_torchrun, say_error
 from running.stopping import StopSignals
 from collectives import Comm
 from foundations.dtypes import DTYPES
