@@ -27,7 +27,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from collectives import Comm, ring_bytes
+from foundations.comm import Comm, ring_bytes
 from foundations.alone import start_alone
 from tensor_parallel import gather_sequence, run_against_one_process
 
@@ -304,7 +304,7 @@ def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str =
     its fp32 dK/dV twice the bytes of the bf16 K/V.
     """
     kv = 2 * (seq_len // cp) * batch * hidden
-    if attention == "allgather":                      # the collectives' own count (collectives.py)
+    if attention == "allgather":                      # the collectives' own count (foundations/comm.py)
         return {"forward": ring_bytes("all_gather", cp * kv, bytes_per_value, cp),
                 "backward": ring_bytes("reduce_scatter", cp * kv, bytes_per_value, cp)}
     return {"forward": (cp - 1) * kv * bytes_per_value,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from collectives import as_comm, ring_bytes
+from foundations.comm import as_comm, ring_bytes
 from foundations.alone import start_alone
 from foundations.flat import FlatParams, or_used_flags, split_into_buckets
 from foundations.process_groups import check_same_parameters

@@ -16,7 +16,7 @@ import math
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from collectives import as_comm
+from foundations.comm import as_comm
 from foundations.alone import start_alone
 from foundations.dtypes import DTYPES, demonstrate, master_dtype
 
@@ -177,7 +177,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     optimizer is optimizer_cls(masters, **optimizer_kwargs): its param_groups and state are this
     optimizer's own, so an lr scheduler drives it. For fp32 (and fp64) the parameters are their
     own masters: no copy.
-    comm: a collectives.Comm or process group over ranks whose gradients may differ, to
+    comm: a foundations/comm.py Comm or process group over ranks whose gradients may differ, to
     agree on skipping; None when there is one rank or the gradients are already averaged.
     scaler: default DynamicLossScaler, enabled only for fp16. In every precision a step whose
     gradients hold an inf/NaN is skipped (torch's GradScaler(enabled=False) would take it).
@@ -190,7 +190,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if precision not in DTYPES:
             raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[precision]
-        self.params = [p for p in parameters_only(params, "MixedPrecisionOptimizer") if p.requires_grad]
+        params = list(params)
+        if any(isinstance(p, dict) for p in params):   # one master each: no groups of settings
+            raise ValueError("MixedPrecisionOptimizer takes the model's parameters (e.g. "
+                             "model.parameters()), not parameter-group dicts: its options apply "
+                             "to all of them")
+        self.params = [p for p in params if p.requires_grad]
         for p in self.params:
             if p.dtype != dtype:
                 raise ValueError(f"precision {precision!r} needs {dtype} parameters, got {p.dtype}: "
@@ -335,16 +340,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 # Averaged in bf16, every step of the ring rounds a partial sum to 8 bits of mantissa, an error
 # that grows with the ranks; in fp32 only the finished mean is rounded, once, for twice the bytes.
 REDUCE_DTYPE = "fp32"
-
-
-def parameters_only(params, who: str) -> list:
-    """params as a list of tensors; our optimizers lay out their masters themselves, so they
-    take one group of parameters (settings are keyword arguments), not group dicts."""
-    params = list(params)
-    if any(isinstance(p, dict) for p in params):
-        raise ValueError(f"{who} takes the model's parameters (e.g. model.parameters()), not "
-                         f"parameter-group dicts: its options apply to all of them")
-    return params
 
 
 def check_against_fp32(precision: str = "bf16", steps: int = 5, lr: float = 1e-2) -> float:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from collectives import Comm
+from foundations.comm import Comm
 from model import MLP
 from foundations.alone import start_alone
 from foundations.placements import place

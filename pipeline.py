@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from collectives import Comm
+from foundations.comm import Comm
 from model import build_model
 from foundations.alone import start_alone
 from mechanics.pipeline_mechanics import PipelineMechanics, check_sizes, place_stage, split_layers

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from collectives import Comm, as_comm
+from foundations.comm import Comm, as_comm
 from model import MLP
 from foundations.alone import start_alone
 from foundations.placements import place

@@ -23,7 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from collectives import as_comm, ring_bytes
+from foundations.comm import as_comm, ring_bytes
 from foundations.alone import start_alone
 from foundations.flat import ShardedBuckets
 from foundations.sharded_step import ShardedStep

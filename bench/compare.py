@@ -52,7 +52,7 @@ from bench.measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_
                            summary, time_training)
 from checkpointing import checkpoint_blocks
 from running.cli import ring_choice
-from collectives import Comm
+from foundations.comm import Comm
 from running.data import TextData
 from ddp import DDP
 from fsdp import MixedPrecisionPolicy as FSDPPrecision

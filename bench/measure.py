@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from collectives import Comm
+from foundations.comm import Comm
 from ddp import DDP
 from napkin.memory_math import comm_bytes, ep_params, ep_state_bytes, expert_params, held_bytes, moe_exchange_bytes
 from mixed_precision import DTYPES, element_state

@@ -1,4 +1,4 @@
-"""bench_collectives.py: our ring collectives (built from send/recv) against the native ones, by size.
+"""bench/ring.py: our ring collectives (built from send/recv) against the native ones, by size.
 
 All-reduce (every strategy's gradient sync) and all-to-all (moe.py's dispatch and combine).
 Message sizes x4 from 1 KB to --max-mb, each timed per call over many calls (more for small
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from bench.measure import MiB, across_ranks, progress, spread, summary, sync
-from collectives import Comm, all_to_all_bytes, ring_bytes
+from foundations.comm import Comm, all_to_all_bytes, ring_bytes
 
 # What each link carries per byte of the message (nccl-tests' busbw factor), for N ranks: a ring
 # all-reduce sends 2(N-1)/N of it; all-to-all sends each rank's N-1 blocks out of N.

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from collectives import as_comm
+from foundations.comm import as_comm
 from context_parallel import ATTENTIONS, KV_COLLECTIVES, SequenceSplit, cp_kv_bytes
 from foundations.meters import BusyClock, saved_activation_bytes
 

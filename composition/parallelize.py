@@ -21,7 +21,7 @@ import fsdp
 import lora
 from checkpointing import checkpoint_blocks
 from running.cli import STRATEGIES, ring_choice
-from collectives import Comm, ring_bytes
+from foundations.comm import Comm, ring_bytes
 from composition.context_parallel_gpt import ContextParallelGPT
 from ddp import DDP
 from foundations.flat import GradientSyncs

@@ -14,7 +14,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, ring_bytes
+from foundations.comm import as_comm, ring_bytes
 from model import at_least_fp32
 from tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                              check_divisible, split_block)

@@ -18,7 +18,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from collectives import ring_bytes
+from foundations.comm import ring_bytes
 from fsdp import FSDP, Unit
 from quantization import NF4Weight
 

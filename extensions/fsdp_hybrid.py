@@ -10,7 +10,7 @@ Left out: ZeRO++'s hierarchical partitioning (a secondary shard per node for the
 Run: torchrun --nproc_per_node 4 train.py --strategy fsdp --shard-group 2;
 test: python -m pytest tests/test_fsdp_qlora.py -k hybrid
 """
-from collectives import as_comm, ring_bytes
+from foundations.comm import as_comm, ring_bytes
 from foundations.dtypes import master_dtype
 from fsdp import FSDP
 

@@ -23,10 +23,9 @@ from contextlib import ExitStack, contextmanager
 import torch
 import torch.nn as nn
 
-from collectives import Comm, ring_bytes
+from foundations.comm import Comm, ring_bytes
 from foundations.dtypes import DTYPES, master_dtype
 from foundations.launch import flags_to_device
-from mixed_precision import parameters_only
 from foundations.placements import add_squares, norm_weight
 from foundations.process_groups import check_same_parameters
 
@@ -200,6 +199,16 @@ class Bucket(FlatParams):
         self.grad_shard = None    # (S,) this rank's reduced gradient, in the reduce dtype
         # grad_flat (FlatParams): stage 1 keeps it always, stage 2 only while in flight
         self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
+
+
+def parameters_only(params, who: str) -> list:
+    """params as a list of tensors; our optimizers lay out their masters themselves, so they
+    take one group of parameters (settings are keyword arguments), not group dicts."""
+    params = list(params)
+    if any(isinstance(p, dict) for p in params):
+        raise ValueError(f"{who} takes the model's parameters (e.g. model.parameters()), not "
+                         f"parameter-group dicts: its options apply to all of them")
+    return params
 
 
 def trainable_in_one_dtype(params, who: str) -> list:

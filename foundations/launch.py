@@ -1,4 +1,4 @@
-"""Launch: what runs under collectives.py's ring, so that every rank launches in one order.
+"""Launch: what runs under foundations/comm.py's ring, so that every rank launches in one order.
 
 NCCL requires every rank to launch on its communicators in one order. The ring's messages get a
 private communicator and leave from one thread per process, in the order they were submitted; on

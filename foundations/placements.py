@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from collectives import Comm
+from foundations.comm import Comm
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ on groups inside it: a 2-D mesh (tensor x data, pipeline x data), and the N-D on
 dimension (tensor, context, data, pipeline; experts folded into data x context), whose groups
 every rank creates in the same order, as torch.distributed.new_group requires. Before the first
 step the ranks check that they were started with the same model (gather_objects). What moves
-the bytes of every step is collectives.py. Left out: torch's DeviceMesh, elastic membership
+the bytes of every step is foundations/comm.py's Comm. Left out: torch's DeviceMesh, elastic membership
 changes.
 Test: python -m pytest tests/test_process_groups.py (the groups: tests/test_pipeline.py)
 """
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from collectives import Comm, all_gather_single
+from foundations.comm import Comm, all_gather_single
 
 
 # ---- joining and leaving the job -------------------------------------------------------------

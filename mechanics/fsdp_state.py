@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn as nn
 
-from collectives import as_comm, ring_bytes
+from foundations.comm import as_comm, ring_bytes
 from foundations.flat import MAX_REDUCTIONS_IN_FLIGHT, agree_used, flags_and_norm_bytes, shards_norm
 from model import Block
 from extensions.offload import host_buffer, host_copy, host_to_device

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from collectives import Comm, ring_bytes
+from foundations.comm import Comm, ring_bytes
 from foundations.dtypes import master_dtype
 from foundations.placements import place
 from foundations.process_groups import subgroups

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from collectives import Comm, ring_bytes
+from foundations.comm import Comm, ring_bytes
 from napkin.flops import Shape, block_flops
 from napkin.memory_math import activation_bytes
 from mixed_precision import DTYPES

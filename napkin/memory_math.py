@@ -20,7 +20,7 @@ import gc
 
 import torch
 
-from collectives import ring_bytes
+from foundations.comm import ring_bytes
 from context_parallel import cp_kv_bytes
 from mixed_precision import DTYPES
 from model import PRESETS, GPTConfig
@@ -169,7 +169,7 @@ def comm_bytes(n_params: int, strategy: str, precision: str, world_size: int,
                shard_group: int | None = None, reduce_precision: str | None = None) -> dict:
     """Bytes one rank sends per optimizer step, by collective, with the ring algorithm.
 
-    Keys are collectives.Comm's counter names, so a measured comm.bytes_sent compares
+    Keys are foundations/comm.py Comm's counter names, so a measured comm.bytes_sent compares
     directly. Gradients and gathered parameters travel in the parameters' dtype; the whole
     model is counted as one flat buffer padded to N equal chunks (real buckets and FSDP units
     pad each message separately, a few elements more; FSDP gathers its root unit once, not

@@ -5,7 +5,7 @@ The concept files run the algorithm and their Comm counts what goes on the wire;
 what should go is napkin math, kept here so that no step computes its own bookkeeping. Each
 function reads a built wrapper's buckets, shards or stages (never runs it) and applies the
 lecture's rule: a ring all-reduce sends 2(N-1)/N of a buffer, a reduce-scatter or an all-gather
-(N-1)/N (collectives.ring_bytes).
+(N-1)/N (foundations/comm.py: ring_bytes).
 Test: python -m pytest tests/test_ddp.py tests/test_zero.py tests/test_fsdp.py tests/test_pipeline.py
 """
 

@@ -26,7 +26,7 @@ import zero
 from napkin.advisor import auto_strategy
 from napkin.machines import memory_per_rank
 from napkin.memory_math import activation_bytes, human_bytes, logits_bytes, model_params
-from collectives import RING_COLLECTIVES
+from foundations.comm import RING_COLLECTIVES
 from mixed_precision import DTYPES, REDUCE_DTYPE
 from model import PRESETS
 from foundations.process_groups import launched_world_size

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from running import snapshot
 from foundations.values import record_for_torchrun, say_error
 from running.stopping import StopSignals
-from collectives import Comm
+from foundations.comm import Comm
 from foundations.dtypes import DTYPES
 from napkin.flops import Shape
 from napkin.machines import this

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import lora
-from collectives import Comm
+from foundations.comm import Comm
 from model import GPT, GPTConfig
 from moe import feed_forward
 from foundations.placements import placement

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.compare import parse_args
-from collectives import ring_bytes
+from foundations.comm import ring_bytes
 from foundations.flat import step_message_bytes
 from model import build_model
 from multiprocess import bench_logged, run_ranks

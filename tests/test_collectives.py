@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from collectives import Comm, ring_bytes
+from foundations.comm import Comm, ring_bytes
 from multiprocess import run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -271,7 +271,7 @@ def _a2a_input(rank, n, features=3):
 
 
 def _all_to_alls():
-    from collectives import all_to_all_bytes
+    from foundations.comm import all_to_all_bytes
     native, ring = Comm(), Comm(ring=True)
     n, r = native.world_size, native.rank
     x = _a2a_input(r, n)

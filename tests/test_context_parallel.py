@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import context_parallel as cp_module
 from composition.context_parallel_gpt import ContextParallelGPT
 from napkin import memory
-from collectives import Comm
+from foundations.comm import Comm
 from context_parallel import cp_kv_bytes
 from napkin.memory_math import cp_activation_bytes
 from foundations.meters import BusyClock, saved_activation_bytes

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from collectives import Comm, Handle
+from foundations.comm import Comm, Handle
 from ddp import DDP, all_reduce_gradients
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
@@ -92,7 +92,7 @@ def _train(model, forward, sync, batches):
 def _train_gpt():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from collectives import Comm
+    from foundations.comm import Comm
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)                # rank 0 starts as the single process does; others differ
     model = _gpt()
@@ -249,7 +249,7 @@ def _uses_extra(rank, step, micro):
 
 def _awkward_cases():
     import torch.distributed as dist
-    from collectives import Comm
+    from foundations.comm import Comm
     rank, n = dist.get_rank(), dist.get_world_size()
     out = {}
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import train
-from collectives import Comm
+from foundations.comm import Comm
 from ddp import DDP
 from fsdp import FSDP, MixedPrecisionPolicy
 from mechanics.fsdp_optimizer import FSDPOptimizer

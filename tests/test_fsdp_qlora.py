@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import lora
-from collectives import Comm, ring_bytes
+from foundations.comm import Comm, ring_bytes
 from mechanics.fsdp_optimizer import FSDPOptimizer
 from napkin.memory_math import comm_bytes, held_bytes, live_numel, live_tensor_bytes, run_state_bytes
 from multiprocess import assert_tensors_close, run_ranks

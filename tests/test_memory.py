@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from collectives import ring_bytes
+from foundations.comm import ring_bytes
 from napkin.memory import main, parse_count
 from napkin.memory_math import (STRATEGIES, active_params, activation_bytes, bytes_per_param, comm_bytes,
                          ep_comm_bytes, ep_params, ep_state_bytes, expert_params, human_bytes,
@@ -222,7 +222,7 @@ def _moe_layer_saves(capacity_factor, ep):
     """Bytes tiny-moe's first MoE layer keeps for backward on 4 x 64 fp32 tokens (saved-tensor
     hooks, each storage once), this rank's experts split over the world when ep."""
     from foundations.meters import saved_activation_bytes
-    from collectives import Comm
+    from foundations.comm import Comm
     torch.manual_seed(0)
     moe = build_model("tiny-moe", feed_forward=feed_forward, capacity_factor=capacity_factor).blocks[0].mlp
     if ep:

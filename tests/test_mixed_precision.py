@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from collectives import Comm
+from foundations.comm import Comm
 from ddp import DDP
 from foundations.dtypes import dtype_facts
 from fsdp import FSDP, MixedPrecisionPolicy
@@ -464,7 +464,7 @@ def _reduced_gradients():
     reduction's error alone); and the bytes sent beside the strategy's formula."""
     from collections import Counter
 
-    from collectives import ring_bytes
+    from foundations.comm import ring_bytes
     torch.manual_seed(0)
     x, y = torch.randint(0, 256, (8, 32)), torch.randint(0, 256, (8, 32))
     reference = build_model("tiny")

@@ -285,7 +285,7 @@ def test_parameter_counts_total_and_active():
 # ---- expert parallelism: E/P experts per rank, tokens exchanged by all-to-all -------------------
 
 def _expert_parallel(options, ring):
-    from collectives import Comm
+    from foundations.comm import Comm
     comm = Comm(ring=ring)                        # the expert-parallel group: the whole world
     r, P = comm.rank, comm.world_size
     moe = _moe(**options)                         # every rank builds all E, the same

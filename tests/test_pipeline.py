@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pipeline
-from collectives import Comm
+from foundations.comm import Comm
 from ddp import DDP
 from equivalence import AdamDenominators, Fp64AdamW, assert_adam_close
 from composition.mesh_optimizer import on_mesh

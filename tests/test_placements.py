@@ -57,7 +57,7 @@ def test_data_reduction_averages_replicas_and_sums_an_experts_holders():
 
 def _norm_on_a_mesh():
     """tp 2 x pp 2 on 4 ranks: this rank's pieces of five gradients, and the norm from them."""
-    from collectives import Comm
+    from foundations.comm import Comm
     from mixed_precision import MixedPrecisionOptimizer
     from foundations.process_groups import make_mesh
     tensor, stages = make_mesh(Comm(), 2)

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from collectives import Comm
+from foundations.comm import Comm
 from multiprocess import run_ranks
 from foundations.process_groups import DIMENSIONS, gather_objects, make_device_mesh, mesh_rank_lists, mesh_shape
 

@@ -184,7 +184,7 @@ def _tensor_parallel_pieces():
     (a row layer's: its flat range is no range of the whole), with a moment beside it; what
     gather_pieces writes, this rank's slice read back from that (TensorParallelReader), and a
     data group's shards of one 11-element slice (4, 4 and 3 elements) joined by join_shards."""
-    from collectives import Comm
+    from foundations.comm import Comm
     from running.pieces import Pieces, TensorParallelReader, gather_pieces, join_shards
     from foundations.placements import place
     comm = Comm()

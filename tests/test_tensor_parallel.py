@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import tensor_parallel as tp
 from composition.tensor_parallel_gpt import TensorParallelGPT, vocab_parallel_cross_entropy
-from collectives import Comm
+from foundations.comm import Comm
 from equivalence import AdamDenominators, Fp64AdamW, assert_adam_close, train_noting_adam
 from composition.mesh_optimizer import on_mesh
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
@@ -383,7 +383,7 @@ def _per_block(result, key):
 
 
 def test_one_block_sends_two_all_reduces_forward_or_the_same_bytes_as_pairs(traffic):
-    from collectives import ring_bytes
+    from foundations.comm import ring_bytes
     activation = B * T * CFG.n_embd                              # (B, T, C) fp32 elements
     assert _per_block(traffic[False], "forward") == {"all_reduce": 2 * ring_bytes("all_reduce", activation, 4, 2)}
     pairs = _per_block(traffic[True], "forward")

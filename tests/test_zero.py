@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from collectives import ring_bytes
+from foundations.comm import ring_bytes
 from mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
@@ -309,7 +309,7 @@ def _zero_launch():
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
-    from collectives import Comm
+    from foundations.comm import Comm
     from ddp import DDP
     rank, n = dist.get_rank(), dist.get_world_size()
     b = GLOBAL_BATCH // n
