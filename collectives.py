@@ -1,13 +1,16 @@
 """Collectives: how ranks combine tensors, built from point-to-point messages on a ring.
 
 Every strategy here is a choice of which rank holds which bytes and which collective moves them.
-This file is the lecture's ring, plainly (Patarasuk & Yuan, 2009; NCCL's for large messages).
-A reduce-scatter takes N-1 steps, each rank sending one chunk per step.
+The lecture names the three collectives; this file is the ring algorithm NCCL runs for them on
+large messages (Patarasuk & Yuan, 2009), written plainly.
+A reduce-scatter takes N-1 steps, each rank sending one chunk of L/N per step.
 An all-gather takes N-1 more.
-An all-reduce is the two in a row, so each rank sends 2(N-1)/N of the tensor, whatever N is.
-The strategies run the same steps through foundations/comm.py's Comm, which pipelines each chunk
-in segments, keeps NCCL's launch order, and counts the bytes each rank sends.
-Left out: tree and hierarchical algorithms, small-message tuning.
+An all-reduce is the two in a row, so each rank sends 2(N-1)/N of the tensor: under twice the
+tensor however many ranks there are. In bf16 that is DDP's 2 x 2 bytes per parameter, and ZeRO's
+reduce-scatter plus all-gather send the same, which is why the lecture calls ZeRO-1 free.
+Time: 2(N-1) steps each pay a message's latency, plus 2(N-1)/N of the bytes over the link's
+bandwidth; the latency term grows with N, which is why small messages use trees (left out).
+The strategies run these steps through foundations/comm.py's Comm, which also counts the bytes.
 Run: torchrun --nproc_per_node 2 collectives.py. Test: python -m pytest tests/test_collectives.py
 
 Shapes: N ranks in the group, r this rank, L elements in the tensor, c = L / N per chunk;
@@ -21,7 +24,7 @@ import torch.distributed as dist
 from foundations.alone import start_alone
 from foundations.comm import ring_bytes
 
-# ---- 1. The lecture's ring: N-1 steps, one message per step and rank -------------------------
+# ---- The ring: N-1 steps, one message per step and rank ------------------------------------
 #
 #   rank 0 -> rank 1 -> ... -> rank N-1 -> rank 0        each rank's tensor cut into N chunks
 #   reduce-scatter, N = 3: at step s rank r sends chunk r-1-s right, adds chunk r-2-s from the left
@@ -29,16 +32,17 @@ from foundations.comm import ring_bytes
 #     step 0    sends chunk 2   sends chunk 0   sends chunk 1     (its own copy)
 #     step 1    sends chunk 1   sends chunk 2   sends chunk 0     (a sum of 2 ranks' copies)
 #     then      holds chunk 0   holds chunk 1   holds chunk 2     (the sum of all 3)
-#   all-gather: N-1 more steps pass each finished chunk once round the ring.
+#   all-gather: N-1 more steps, each finished chunk forwarded N-1 hops until every rank has it.
 
 
 def send_right_receive_left(send: torch.Tensor, recv: torch.Tensor, group=None):
     """One ring step's messages: `send` goes to rank r+1 while `recv` arrives from rank r-1."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     # Posted together: a blocking send on every rank would wait for a receive no rank has posted.
-    # On NCCL even a separate isend and irecv are unsafe: a rank's p2p calls run in order on one
-    # stream, so each send could wait for its neighbour's receive, queued behind that rank's own
-    # send, all round the ring. One batch_isend_irecv per step is safe on every backend.
+    # On NCCL even a separate isend then irecv can hang, as a rank's p2p calls run in order on
+    # one stream: rank r's send waits for rank r+1's receive, which is queued behind rank r+1's
+    # own send, which waits for rank r+2, and so on round the ring back to r.
+    # One batch_isend_irecv per step is safe on every backend.
     works = dist.batch_isend_irecv([
         dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % n),
         dist.P2POp(dist.irecv, recv, group=group, group_peer=(r - 1) % n)])
@@ -47,8 +51,11 @@ def send_right_receive_left(send: torch.Tensor, recv: torch.Tensor, group=None):
 
 
 def ring_reduce_scatter(chunks: torch.Tensor, group=None, log=None):
-    """chunks (N, c), this rank's tensor, reduced in place: afterwards chunks[r] is the sum of every
-    rank's chunk r, and the other chunks are overwritten with partial sums. log(line): each step."""
+    """chunks (N, c), this rank's tensor, reduced in place.
+
+    Afterwards chunks[r] is the sum of every rank's chunk r. The others hold partial sums, except
+    chunk r-1, sent at step 0 and never received, which keeps this rank's own copy.
+    log(line): called at each step."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     arrived = torch.empty_like(chunks[0])                  # (c,)
     for step in range(n - 1):
@@ -80,8 +87,9 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, log=None):
     reduce-scatter + all-gather. Each rank sends 2(N-1) chunks of L/N: 2(N-1)/N of the tensor."""
     n = dist.get_world_size(group)
     if tensor.numel() % n:
-        raise ValueError(f"ring_all_reduce: {tensor.numel()} elements do not split into N={n} equal "
-                         f"chunks: pad the tensor to a multiple of N (Comm.all_reduce pads itself)")
+        raise ValueError(f"ring_all_reduce: {tensor.numel()} elements do not split into N={n} "
+                         f"equal chunks: pad the tensor to a multiple of N "
+                         f"(foundations/comm.py's Comm.all_reduce pads itself)")
     chunks = tensor.view(n, -1)                            # (N, c)
     ring_reduce_scatter(chunks, group, log)
     ring_all_gather(chunks, group, log)
@@ -102,11 +110,14 @@ def _demonstrate():
     bound = 1e-12                                          # fp64 sums of N terms, in another order
     if r == 0:
         print(f"ring all-reduce of ({n * 3},) fp64 on {n} ranks, each sending 2(N-1)/N of it "
-              f"({ring_bytes('all_reduce', n * 3, 8, n)} bytes):\n  max |difference| from one process: "
+              f"({ring_bytes('all_reduce', n * 3, 8, n)} bytes):\n"
+              f"  max |difference| from one process: "
               f"{worst[0]:.1e} (bound {bound:g}: fp64 sums in another order)\n"
               f"  max |difference| from torch.distributed.all_reduce: {worst[1]:.1e}", flush=True)
     dist.destroy_process_group()
-    os._exit(0 if worst.max() <= bound else 1)  # at once: gloo's threads may still hold tensors (exit_distributed)
+    # Exit at once: gloo's threads may still hold tensors at interpreter shutdown
+    # (foundations/process_groups.py's exit_distributed says more).
+    os._exit(0 if worst.max() <= bound else 1)
 
 
 if __name__ == "__main__":
