@@ -3,11 +3,12 @@
 Forward and backward run in fp16 or bf16; the optimizer updates an fp32 master copy of
 each weight (Micikevicius et al. 2018, "Mixed Precision Training", 3.1) and fp16's narrow
 range is stretched by a dynamic loss scale that backs off on overflow (3.2). bf16 keeps
-fp32's exponent and needs no scaling (Kalamkar et al. 2019). The pieces are helpers every
-optimizer of the project uses (masters, DynamicLossScaler, unscale_grads, the one host read,
-the inf/NaN skip); MixedPrecisionOptimizer puts them together for one master per parameter.
-Left out: autocast's per-op casting (the whole model is in one dtype) and fp8. The formats'
-facts, and why fp16 needs a loss scale, are in dtypes.py (read first).
+fp32's exponent and needs no scaling (Kalamkar et al. 2019).
+DynamicLossScaler and unscale_grads are the two pieces every optimizer of the project uses;
+MixedPrecisionOptimizer puts them together with one fp32 master per parameter.
+Left out: fp8, and autocast's per-op casting (here the whole model is in one dtype; autocast
+keeps fp32 weights and casts each op's inputs instead, so it needs no master copy).
+The formats' facts, and why fp16 needs a loss scale, are in foundations/dtypes.py (read first).
 Run alone: python mixed_precision.py; test: python -m pytest tests/test_mixed_precision.py
 """
 import copy
@@ -19,6 +20,8 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from foundations.comm import as_comm
 from foundations.alone import start_alone
 from foundations.dtypes import DTYPES, demonstrate, master_dtype
+from foundations.inner_optimizer import (element_state, load_optimizer_state, optimizer_state,
+                                         refuse_new_groups)
 
 
 class DynamicLossScaler:
@@ -69,7 +72,7 @@ class DynamicLossScaler:
 
 
 def unscale_grads(grads: list, masters: list, scale: float) -> list:
-    """Give each master the gradient grad / scale in its dtype (fp32, fp64's own); return them.
+    """Give each master the gradient grad / scale in the master's dtype; return them.
 
     grads[i] is the low-precision gradient for masters[i] (a model parameter's .grad, or a
     shard of a flat gradient buffer). A master that already holds grad as its own .grad
@@ -85,90 +88,6 @@ def unscale_grads(grads: list, masters: list, scale: float) -> list:
     return [master.grad for master in masters]
 
 
-# ---- what every optimizer of the project shares: a torch.optim.Optimizer around an inner one --
-
-def wrap_inner(outer: torch.optim.Optimizer, inner: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Make outer a torch.optim.Optimizer whose param_groups and state are inner's own (the
-    inner optimizer only ever sees the masters): a scheduler that sets group["lr"] on outer sets
-    it for the inner step (add_param_group keeps the dict it is given). Returns inner."""
-    torch.optim.Optimizer.__init__(outer, inner.param_groups, inner.defaults)
-    outer.state = inner.state
-    return inner
-
-
-def refuse_new_groups(optimizer, param_group: dict):
-    """add_param_group: during construction (wrap_inner) as torch's; after it, refused."""
-    if hasattr(optimizer, "optimizer"):          # built: the masters are laid out
-        raise ValueError(f"{type(optimizer).__name__} lays out its fp32 masters once, when it is "
-                         f"built: pass every parameter to the constructor")
-    torch.optim.Optimizer.add_param_group(optimizer, param_group)
-
-
-def run_closure(closure):
-    with torch.enable_grad():
-        return None if closure is None else closure()
-
-
-def check_max_norm(max_norm: float):
-    if max_norm <= 0:
-        raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
-
-
-def read_decision(norm: torch.Tensor, flags: torch.Tensor | None = None) -> tuple[float, list | None]:
-    """The step's one device-to-host read (a host sync on a GPU): returns (the global norm as a
-    float, whose finiteness is the decision, step or skip; any flags the step needs on the host,
-    a sharded step's used-flags, read in the same copy, else None)."""
-    if flags is None:
-        return norm.item(), None
-    norm, *flags = torch.cat([norm.reshape(1).float(), flags.float()]).tolist()
-    return norm, flags
-
-
-def optimizer_state(optimizer, shard: dict | None = None) -> dict:
-    """An optimizer's state_dict: inner state, fp32 masters, loss scale (plus, sharded, which
-    shard: {"rank", "world_size"}). train.py's checkpoints save by parameter name (snapshot.py)."""
-    return {"optimizer": optimizer.optimizer.state_dict(), "scaler": optimizer.scaler.state_dict(),
-            "masters": [m.detach().clone() for m in optimizer.masters], **(shard or {})}
-
-
-@torch.no_grad()
-def load_optimizer_state(optimizer, state: dict, shard: dict | None = None):
-    """optimizer_state's inverse, checked (load_masters); then the model follows the masters."""
-    load_masters(optimizer, state, shard)
-    optimizer.refresh_params()
-
-
-@torch.no_grad()
-def load_masters(optimizer, state: dict, shard: dict | None = None):
-    """optimizer_state's inverse into optimizer's inner state, masters and loss scale, checked:
-    the same shard, the same masters' shapes."""
-    if shard and (state["rank"], state["world_size"]) != (shard["rank"], shard["world_size"]):
-        raise ValueError(f"this state is rank {state['rank']} of {state['world_size']}'s shard; "
-                         f"load it on rank {state['rank']} of a world of {state['world_size']}")
-    masters = optimizer.masters
-    if [m.shape for m in state["masters"]] != [m.shape for m in masters]:
-        raise ValueError(f"the state holds {len(state['masters'])} master weights that do not "
-                         f"match this optimizer's {len(masters)}: build the same model (and "
-                         f"freeze the same parameters) before loading")
-    inner = optimizer.optimizer
-    groups, inner_state = inner.param_groups, inner.state      # what wrap_inner shared, a scheduler too
-    inner.load_state_dict(state["optimizer"])                  # (torch's makes new groups and state)
-    for group, loaded in zip(groups, inner.param_groups):
-        group.update(loaded)
-    inner_state.clear()
-    inner_state.update(inner.state)
-    inner.param_groups, inner.state = groups, inner_state      # the same objects, the loaded values
-    optimizer.scaler.load_state_dict(state["scaler"])
-    for master, saved in zip(masters, state["masters"]):
-        master.copy_(saved)
-
-
-def element_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """A torch optimizer's per-element state (Adam's moments), not its step counts."""
-    return [v for s in optimizer.state.values() for v in s.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0]
-
-
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """fp32 master weights and loss scaling around any torch optimizer, one master per parameter.
 
@@ -180,9 +99,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     comm: a foundations/comm.py Comm or process group over ranks whose gradients may differ, to
     agree on skipping; None when there is one rank or the gradients are already averaged.
     scaler: default DynamicLossScaler, enabled only for fp16. In every precision a step whose
-    gradients hold an inf/NaN is skipped (torch's GradScaler(enabled=False) would take it).
-    Loop:  zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) if clipping; step()
-    with the loss in fp32 (the logits cast first): loss x 2**16 in fp16 would overflow at 65504.
+    gradients hold an inf/NaN is skipped (torch's GradScaler(enabled=False) would apply it).
+    Loop: zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) if clipping; step().
+    Compute the loss in fp32 (cast the logits first): a 16-bit loss x 2**16 overflows at 65504.
+    A closure passed to step() calls scale_loss itself.
     """
 
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, precision: str = "fp32",
@@ -198,17 +118,21 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.params = [p for p in params if p.requires_grad]
         for p in self.params:
             if p.dtype != dtype:
-                raise ValueError(f"precision {precision!r} needs {dtype} parameters, got {p.dtype}: "
-                                 f"cast the model first, e.g. model.to({dtype})")
-        # .float() of a 16-bit tensor is a new fp32 leaf, never a view: the model's
-        # parameters are overwritten from the masters after every step.
+                raise ValueError(f"precision {precision!r} needs {dtype} parameters, got "
+                                 f"{p.dtype}: cast the model first, e.g. model.to({dtype})")
+        # Each master needs storage of its own, as the parameter is overwritten from it every
+        # step: .float() copies a 16-bit tensor. In fp32 (fp64) the parameter is its own master.
         self.masters = [p if dtype == master_dtype(dtype) else p.detach().float().requires_grad_()
                         for p in self.params]
-        # device: where a composition's norm is made (mesh_optimizer.py reads its first part's)
+        # device: where a mesh's norm is made (composition/mesh_optimizer.py reads its first part's)
         self.precision, self.device = precision, self.params[0].device if self.params else None
         self.comm = as_comm(comm) if comm is not None else None
         self.scaler = scaler or DynamicLossScaler(enabled=precision == "fp16")
-        self.optimizer = wrap_inner(self, optimizer_cls(self.masters, **optimizer_kwargs))
+        # The inner optimizer sees only the masters. This optimizer shares its param_groups and
+        # state, so an lr scheduler that sets group["lr"] here sets it for the inner step.
+        inner = optimizer_cls(self.masters, **optimizer_kwargs)
+        torch.optim.Optimizer.__init__(self, inner.param_groups, inner.defaults)
+        self.state, self.optimizer = inner.state, inner    # built: add_param_group now refuses
         self.last_grad_norm: float | None = None     # before clipping; inf/NaN on a skipped step
         self.last_step_skipped = False               # the last step found inf/NaN and did nothing
         self._norm = None                            # the global norm, from clipping to step()
@@ -222,19 +146,25 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # ---- the step, as the lecture draws it ---------------------------------------------------
 
     def step(self, closure=None):
-        """unscale -> global norm (the inf/NaN check too) -> skip, or the inner step on the fp32
-        masters -> masters rounded into the 16-bit parameters -> the loss scale's update.
-        Clipping, if asked, ran before (clip_grad_norm_), by the same norm."""
-        loss = run_closure(closure)
-        norm, _ = read_decision(self.global_norm())    # the step's one device-to-host read
-        self.update(norm)                              # this optimizer's: skip, or step the masters
-        self.scaler.update(self.last_step_skipped)     # the loss scale's: back off, or count on
+        """The lecture's step: the 16-bit gradients / the loss scale into the fp32 masters, then
+        the global norm, which is inf/NaN if any gradient overflowed. Overflow: skip the step.
+        Else the inner optimizer steps the masters and they are rounded into the model.
+        Last, the loss scale backs off after an overflow or counts one more clean step.
+        Clipping, if the loop asked for it, ran before (clip_grad_norm_), by the same norm."""
+        with torch.enable_grad():
+            loss = None if closure is None else closure()
+        self.unscale_gradients()                       # once a step: clipping may have done it
+        norm = self.global_norm().item()               # the step's one device-to-host read
+        self.update(norm)                              # skip, or step the masters
+        self.scaler.update(self.last_step_skipped)     # back off, or count a clean step
         return loss
 
     def global_norm(self) -> torch.Tensor:
-        """The 2-norm of this rank's unscaled gradients, a device scalar. One non-finite element
-        makes it non-finite: it doubles as the overflow check. With comm, only that is shared: inf
-        on every rank if on any (the norms agree only where the gradients do, averaged by DDP)."""
+        """The 2-norm of this rank's unscaled gradients, a device scalar.
+
+        One inf/NaN element makes it inf/NaN, so it doubles as the overflow check. With comm,
+        the ranks share only that check: if any rank overflowed, every rank's norm is inf and
+        every rank skips. (Under DDP the gradients, hence the norms, are already equal.)"""
         if self._norm is None:
             norm = get_total_norm(self.unscale_gradients())
             if self.comm is not None:
@@ -249,12 +179,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so their global 2-norm is at most max_norm; returns the norm
         before clipping. No host read here: an inf/NaN norm makes step() skip anyway."""
-        check_max_norm(max_norm)
+        if max_norm <= 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
         norm = self.global_norm()
         self.clip(max_norm, norm)
         return norm
 
-    # ---- the phases, public: a composition (mesh_optimizer.py) runs them with its own norm ---
+    # ---- the phases, public: composition/mesh_optimizer.py runs them with a mesh's norm -----
 
     def unscale_gradients(self) -> list:
         """Give each master with a gradient this step grad.float() / scale; return those."""
@@ -267,7 +198,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return [m.grad for m in self._with_grad_masters()]
 
     def norm_pieces(self, weight_of=None) -> list:
-        """[(unscaled gradient, weight_of(param), default 1)]: what a composition's norm sums."""
+        """[(unscaled gradient, weight_of(param), default 1)]: what a mesh's norm sums."""
         grads = self.unscale_gradients()
         return [(grad, 1.0 if weight_of is None else weight_of(p))
                 for (p, _), grad in zip(self._with_grad(), grads)]
@@ -279,7 +210,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def update(self, norm: float, used=None):
         """Given the global norm, read on the host: skip, or step the masters and round them
-        into the parameters. Then drop the fp32 gradients. (used: a sharded part's; unused.)"""
+        into the parameters. Then drop the fp32 gradients. (used: a sharded optimizer's
+        update takes it, the mesh passes it to every part; unused here.)"""
         self.last_grad_norm = norm
         self.last_step_skipped = not math.isfinite(norm)
         if not self.last_step_skipped:
@@ -297,7 +229,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def _release(self):
         # The fp32 gradients live only inside step(): between steps a rank holds the 2-byte
-        # gradients of the memory table, not 4 more bytes per parameter.
+        # gradients of the lecture's 2 + 2 + 12 bytes per parameter, not 4 more.
         for p, m in zip(self.params, self.masters):
             if m is not p:
                 m.grad = None
@@ -335,24 +267,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return [*self.masters, *element_state(self.optimizer)]
 
 
-# train.py's --reduce-dtype when not given, and memory.py's: gradients averaged across ranks in
-# fp32 whatever the --precision (FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.float32)).
-# Averaged in bf16, every step of the ring rounds a partial sum to 8 bits of mantissa, an error
-# that grows with the ranks; in fp32 only the finished mean is rounded, once, for twice the bytes.
-REDUCE_DTYPE = "fp32"
-
-
 def check_against_fp32(precision: str = "bf16", steps: int = 5, lr: float = 1e-2) -> float:
     """A few nn.Linear trained `steps` steps in `precision` with fp32 masters, beside the same
     model trained by plain torch AdamW in fp32 in one process: max |master - fp32 weight|."""
     torch.manual_seed(0)
-    reference = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    reference = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                    torch.nn.Linear(32, 1))
     model = copy.deepcopy(reference).to(DTYPES[precision])
     plain = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.0)
     ours = MixedPrecisionOptimizer(model.parameters(), precision=precision, lr=lr, weight_decay=0.0)
     for _ in range(steps):
         x, y = torch.randn(64, 16), torch.randn(64, 1)
-        for net, opt, dtype in ((reference, plain, torch.float32), (model, ours, DTYPES[precision])):
+        runs = ((reference, plain, torch.float32), (model, ours, DTYPES[precision]))
+        for net, opt, dtype in runs:
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(net(x.to(dtype)).float(), y)
             (ours.scale_loss(loss) if opt is ours else loss).backward()
@@ -365,12 +292,14 @@ if __name__ == "__main__":
     demonstrate()          # dtypes.py: what fp16 loses, and what a loss scale gets back
     steps, lr, failed = 5, 1e-2, False
     # 16-bit rounding perturbs AdamW's normalized steps, not their size (about lr each): the runs
-    # part by a few hundredths of lr x steps (measured: bf16 0.016, fp16 0.002), while a master
-    # that missed its updates would be off by about lr x steps. A quarter of it tells them apart.
+    # part by a few hundredths of lr x steps or less (measured: bf16 8.2e-4, fp16 9.2e-5, against
+    # lr x steps = 5e-2), while a master that missed its updates would be off by about lr x steps.
+    # A quarter of it tells them apart.
     bound = lr * steps / 4
     for precision in ("bf16", "fp16"):
         difference = check_against_fp32(precision, steps, lr)
         failed |= not difference <= bound
-        print(f"{precision} with fp32 masters, {steps} AdamW steps: max |difference| from one process in "
-              f"fp32: {difference:.2e} (bound {bound:.2e}: a quarter of lr x steps, what updates move)")
+        print(f"{precision} with fp32 masters, {steps} AdamW steps: max |difference| from one "
+              f"process in fp32: {difference:.2e} (bound {bound:.2e}: a quarter of lr x steps, "
+              f"what updates move)")
     raise SystemExit(1 if failed else 0)

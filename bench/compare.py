@@ -61,7 +61,8 @@ from lora import apply_lora
 from napkin.machines import this
 from napkin.memory_math import run_state_bytes
 from composition.mesh_optimizer import on_mesh
-from mixed_precision import DTYPES, MixedPrecisionOptimizer, element_state
+from mixed_precision import DTYPES, MixedPrecisionOptimizer
+from foundations.inner_optimizer import element_state
 from model import PRESETS
 from composition.parallelize import build_gpt, data_parallel, fsdp_with
 from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula, split_layers

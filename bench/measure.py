@@ -31,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 from foundations.comm import Comm
 from ddp import DDP
 from napkin.memory_math import comm_bytes, ep_params, ep_state_bytes, expert_params, held_bytes, moe_exchange_bytes
-from mixed_precision import DTYPES, element_state
+from mixed_precision import DTYPES
+from foundations.inner_optimizer import element_state
 from model import PRESETS
 from moe import MoE
 from composition.parallelize import build_gpt

@@ -21,7 +21,8 @@ import torch
 
 from foundations.comm import ring_bytes
 from foundations.flat import GradientSyncs
-from mixed_precision import check_max_norm, read_decision, refuse_new_groups, run_closure
+from foundations.inner_optimizer import (check_max_norm, read_decision, refuse_new_groups,
+                                         run_closure)
 from foundations.placements import add_squares, by_reduction, norm_weight
 
 

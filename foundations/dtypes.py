@@ -14,6 +14,13 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
 
+# The dtype gradients are averaged across ranks in when --reduce-dtype is not given (train.py's,
+# the napkin's): fp32 whatever the --precision, as FSDP2's MixedPrecisionPolicy(reduce_dtype=
+# torch.float32). Averaged in bf16, every step of the ring rounds a partial sum to bf16's 8 bits
+# of precision (7 stored), an error that grows with the ranks; in fp32 only the finished mean is
+# rounded, once, for twice the bytes.
+REDUCE_DTYPE = "fp32"
+
 
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype an optimizer updates `dtype` weights in, and gradients are summed and squared in:

@@ -18,8 +18,10 @@ import torch
 from torch.nn.utils import clip_grads_with_norm_
 
 from foundations.flat import or_used_flags, shard_pieces, squares_of
-from mixed_precision import (DynamicLossScaler, check_max_norm, element_state, load_masters, optimizer_state,
-                             read_decision, refuse_new_groups, unscale_grads, wrap_inner)
+from foundations.inner_optimizer import (check_max_norm, element_state, load_masters,
+                                         optimizer_state, read_decision, refuse_new_groups,
+                                         wrap_inner)
+from mixed_precision import DynamicLossScaler, unscale_grads
 
 
 class ShardedStep:

@@ -12,7 +12,8 @@ import torch
 
 from foundations.launch import flags_to_device
 from foundations.sharded_step import ShardedStep
-from mixed_precision import DynamicLossScaler, run_closure
+from mixed_precision import DynamicLossScaler
+from foundations.inner_optimizer import run_closure
 from extensions.offload import OffloadedStep
 
 

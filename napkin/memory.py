@@ -25,7 +25,7 @@ from napkin.memory_math import (ALIASES, COLLECTIVES, GB, OPTIMIZERS, PRECISIONS
                          human_bytes, logits_bytes, mesh_bytes, mesh_params, model_params, moe_exchange_bytes,
                          pipeline_activation_bytes, quantized_params, stage_blocks, state_bytes,
                          why_sent_departs)
-from mixed_precision import REDUCE_DTYPE
+from foundations.dtypes import REDUCE_DTYPE
 from model import PRESETS
 from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula
 from extensions.schedules import SCHEDULES

@@ -27,7 +27,7 @@ from napkin.advisor import auto_strategy
 from napkin.machines import memory_per_rank
 from napkin.memory_math import activation_bytes, human_bytes, logits_bytes, model_params
 from foundations.comm import RING_COLLECTIVES
-from mixed_precision import DTYPES, REDUCE_DTYPE
+from foundations.dtypes import DTYPES, REDUCE_DTYPE
 from model import PRESETS
 from foundations.process_groups import launched_world_size
 # The one parser of every entry point (a refusal in one line); QUIET_WAIT, read by tests as cli.*
