@@ -176,7 +176,7 @@ class Pipeline(PipelineMechanics):
     function (b, t) -> its shape (sequence parallelism: (b, t/tp, C)). sync, an attribute: the gradient-sync
     protocol the backwards run under and train_step finishes (the module's: DDP's, FSDP's; None with one
     replica per stage; parallelize.py assigns its chain, flat.GradientSyncs). Its base class holds the
-    bookkeeping: the loop's calls (eval(), bytes, measured bubble), the tied ends' group, the clock."""
+    bookkeeping: the loop's calls (eval(), measured bubble), the tied ends' group, the clock."""
 
     def __init__(self, module: nn.Module, comm: Comm, schedule, microbatches: int,
                  activation, dtype: torch.dtype):

@@ -30,6 +30,7 @@ from extensions.fsdp_frozen import FrozenBaseFSDP
 from extensions.fsdp_hybrid import HSDP
 from extensions.fsdp_offload import OffloadedFSDP
 from napkin.memory_math import mesh_params, run_state_bytes
+from napkin.sent import pipeline_bytes_per_step
 from composition.mesh_checks import mesh_splits, moe_config, stage_layers
 from composition.mesh_optimizer import on_mesh, partition
 from foundations.dtypes import master_dtype
@@ -298,7 +299,7 @@ def predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer
                                                       # forwards run in the pipeline's schedule)
         cp.kv_formula = sent["cp"] = cp.kv_bytes_per_step(rows, args.seq_len, micro, recomputed)
     if "pp" in splits:
-        sent["pp"] = model.bytes_per_step(rows, tokens)
+        sent["pp"] = pipeline_bytes_per_step(model, rows, tokens)
     if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
         sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, tokens_split, micro)
     if data.world_size > 1:

@@ -8,22 +8,19 @@ clock: every computation one slot, messages instant (simulate), from which the b
 share, beside its formula), the activations a stage holds at most, and the timeline the lecture
 draws (describe). The blocks of each stage (split_layers) and their placements' records
 (place_stage). Then what the executor keeps beside running its list (PipelineMechanics, its
-base class): the tied ends' group, the loop's interface, the bytes a step sends, the bubble it
-measured, its clock. A list is any stage's list of pipeline.Action (kind, m, chunk): this file
-imports no schedule.
+base class): the tied ends' group, the loop's interface, the bubble it measured, its clock. A
+list is any stage's list of pipeline.Action (kind, m, chunk): this file imports no schedule.
 Test: python -m pytest tests/test_schedules.py tests/test_pipeline.py
 
 Shapes: P stages (ranks), M micro-batches, s stage, m micro-batch; v chunks per rank, chunk c of
 rank s is virtual stage c P + s.
 """
-import math
 import time
 
 import torch
 import torch.distributed as dist
 
-from collectives import Comm, ring_bytes
-from foundations.dtypes import master_dtype
+from collectives import Comm
 from foundations.placements import place
 from foundations.process_groups import subgroups
 from foundations.values import Parser, whole
@@ -248,13 +245,13 @@ def place_stage(stage):
         place(stage.tied, counted=False)
 
 
-# ---- the executor's mechanics: its set-up, the loop's interface, the step's bytes and bubble --
+# ---- the executor's mechanics: its set-up, the loop's interface, the step's bubble ------------
 
 class PipelineMechanics:
     """What pipeline.Pipeline (this is its base class) keeps beside running its list: the tied ends'
-    group, the loop's interface (called as a GPT is, eval(), train()), the bytes a step sends, the
-    bubble it measured, its clock. Reads the executor's attributes: module, comm, P, M, actions,
-    activation, dtype, tied, device, busy and wall."""
+    group, the loop's interface (called as a GPT is, eval(), train()), the bubble it measured, its
+    clock. Reads the executor's attributes: module, comm, P, tied, device, busy and wall
+    (napkin/sent.py's pipeline_bytes_per_step reads M, actions, activation and dtype)."""
 
     def _ends_group(self, comm: Comm, device) -> Comm | None:
         """A Comm over this pipeline's first and last stage if they share a tied weight.
@@ -289,18 +286,6 @@ class PipelineMechanics:
         every = [torch.zeros_like(times) for _ in range(self.P)]
         dist.all_gather(every, times, group=self.comm.group)      # a metric: not counted
         return [1 - (busy / wall).item() for busy, wall in every]
-
-    def bytes_per_step(self, batch: int, seq_len: int) -> int:
-        """Bytes this stage sends per step for batch rows of seq_len tokens: one activation or
-        gradient (the shape `activation` gives) per send in its list (1F1B: M forward unless it
-        is the last stage, M back unless the first; interleaved: v times as many), the gradient
-        norm's all-reduce, and at the two ends a tied weight's gradient (ring formulas)."""
-        message = math.prod(self.activation(batch // self.M, seq_len)) * torch.finfo(self.dtype).bits // 8
-        sends = sum(a.kind.startswith("send") for a in self.actions)
-        norm = ring_bytes("all_reduce", 1, master_dtype(self.dtype).itemsize, self.P)  # 1 fp32/fp64
-        tied = (ring_bytes("all_reduce", self.tied.numel(), self.tied.element_size(), 2)
-                if self.tied is not None else 0)
-        return message * sends + norm + tied
 
     @staticmethod
     def _clock(synchronize: bool) -> float:
