@@ -376,7 +376,7 @@ def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) 
         lines.append(f"bubble per stage (the share of its step it sat idle) "
                      f"{' '.join(f'{b:.2f}' for b in bubbles)} | the lecture's {formula} = "
                      f"{predicted_bubble:.2f}{why} | activations held at most "
-                     f"{model.peak_activations} micro-batch{' chunks' if model.v > 1 else 'es'} on "
+                     f"{model.observer.peak_activations} micro-batch{' chunks' if model.v > 1 else 'es'} on "
                      f"stage {model.stage}"
                      + (f" | W computed {deferred} weights' gradients" if args.schedule == "zb" else ""))
     if context is not None:
@@ -444,7 +444,7 @@ def exchange_bytes(gpt: nn.Module, options, data_size: int, context_size: int = 
 def stage_seconds(pipeline: Pipeline) -> list[list[float]]:
     """Every stage's compute actions' seconds in its last step, in its list's order (collective
     over the pipeline: every stage runs as many, M v F's and B's, and zb's M W's)."""
-    mine = torch.tensor([end - began for _, began, end in pipeline.timeline], dtype=torch.float64,
+    mine = torch.tensor([end - began for _, began, end in pipeline.observer.timeline], dtype=torch.float64,
                         device=pipeline.device)
     every = [torch.empty_like(mine) for _ in range(pipeline.P)]
     dist.all_gather(every, mine, group=pipeline.comm.group)          # a metric: not counted

@@ -89,8 +89,9 @@ class WeightGradients:
         weight (a transposed .grad holds the same values, but a norm over it, the clipping's,
         adds them in another order)."""
         for weight, bias, x, dy in self.by_pass.pop(key):
-            x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # (rows, k), (rows, d)
-            _accumulate(weight, dy2.t().mm(x2))                                    # (d, k)
+            x2 = x.reshape(-1, x.shape[-1])                                    # (rows, k)
+            dy2 = dy.reshape(-1, dy.shape[-1])                                 # (rows, d)
+            _accumulate(weight, dy2.t().mm(x2))                                # (d, k)
             self.computed.add(weight)
             if bias is not None and bias.requires_grad:
                 _accumulate(bias, dy2.sum(0))                                      # (d,)
@@ -117,26 +118,25 @@ class ZeroBubblePipeline(Pipeline):
         idle = torch.tensor([float(not self.weight_grads.layers)], device=self.device)
         dist.all_reduce(idle, group=comm.group)                       # set-up, not counted
         if idle.item():
-            raise ValueError(f"--schedule zb: {int(idle.item())} of the {self.P} stages hold no trained "
-                             f"weight whose gradient W could compute (no trained nn.Linear or split "
-                             f"or LoRA product): use --schedule 1f1b")
+            raise ValueError(f"--schedule zb: {int(idle.item())} of the {self.P} stages hold no "
+                             f"trained weight whose gradient W could compute (no trained "
+                             f"nn.Linear or split or LoRA product): use --schedule 1f1b")
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         self.weight_grads.computed.clear()
         return super().train_step(*args, **kwargs)
 
-    def _compute(self, a, xs, ys, flight, scale_loss):
+    def _compute(self, a, x, y, cache, scale_loss):
         """F as Pipeline runs it; B filing its weights' halves under (m, chunk); W running them."""
         key = a.m, a.chunk
         if a.kind == "F":
-            super()._compute(a, xs, ys, flight, scale_loss)
+            super()._compute(a, x, y, cache, scale_loss)
         elif a.kind == "B":
             with (self.sync.no_sync() if self.sync is not None else contextlib.nullcontext()), \
                     self.weight_grads.collect(key):
-                self._backward(a, flight, scale_loss)
+                self._backward(a, cache, scale_loss)
         else:                                                       # "W"
             self.weight_grads.run(key)
-            flight.held.discard(key)
 
     def deferred_weights(self) -> int:
         """How many of this stage's weights got their gradient from W in the last step."""
