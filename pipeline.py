@@ -15,8 +15,8 @@ Run: torchrun --nproc_per_node 2 pipeline.py (GPipe and 1F1B against one process
 Test: python -m pytest tests/test_pipeline.py (the schedules: tests/test_schedules.py)
 
 Shapes: P stages, M micro-batches, s stage, m micro-batch, B batch rows per pipeline, b = B / M
-rows per micro-batch, T sequence, C channels. Interleaving (schedules.py): v chunks of blocks
-per stage, V = P*v virtual stages; GPipe and 1F1B here have v = 1 (chunk 0, V = P).
+rows per micro-batch, T sequence, C channels. Interleaving (extensions/schedules.py): v chunks
+of blocks per stage, V = P*v virtual stages; GPipe and 1F1B here have v = 1 (chunk 0, V = P).
 """
 import contextlib
 import itertools
@@ -102,8 +102,9 @@ class GPTStage(nn.Module):
 class Action(NamedTuple):
     """One step of a stage's list.
 
-    kind: F or B computes (zero bubble's lists add W: zero_bubble.py). send_act and recv_act
-    move activations forward; send_grad and recv_grad move their gradients back.
+    kind: F or B computes (zero bubble's lists add W: extensions/zero_bubble.py).
+    send_act and recv_act move activations forward; send_grad and recv_grad, their gradients
+    back.
     m: the micro-batch it concerns. chunk: which of the rank's chunks of layers (interleaved;
     else 0)."""
     kind: str
@@ -150,7 +151,7 @@ def one_f_one_b(P: int, M: int) -> list[list[Action]]:
     return stages
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}      # the others: schedules.py
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}      # the others: extensions/schedules.py
 
 
 # ---- the executor: one stage's list, run over send/recv --------------------------------------
@@ -211,7 +212,7 @@ class Pipeline(PipelineMechanics):
     its shape (sequence parallelism sends (b, T/tp, C)).
     sync, an attribute: the gradient-sync protocol the backwards run under and train_step
     finishes. It is the module's (DDP's, FSDP's), or None with one replica per stage;
-    parallelize.py assigns its chain (flat.GradientSyncs).
+    composition/parallelize.py assigns its chain (flat.GradientSyncs).
     The base class holds the loop's interface, the tied ends' group and `observer`, which
     times the step from outside (busy, wall, timeline, activations held)."""
 

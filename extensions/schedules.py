@@ -9,8 +9,9 @@ Qi et al. 2024, section 2.1) splits each backward into B (the input's gradient, 
 previous stage waits for) and W (the weights' gradient, which nothing waits for) and runs the
 W's late, in 1F1B's idle slots: with F, B and W one slot each the bubble is (P-1)/(3M + P-1), a
 third of 1F1B's, holding at most P micro-batches per stage, 1F1B's peak (its executor:
-zero_bubble.py). Every schedule by name (make_schedule), its lists checked (messages match, no
-deadlock under NCCL's p2p rules: pipeline_mechanics.py) and its executor (make_pipeline).
+extensions/zero_bubble.py). Every schedule by name (make_schedule), its lists checked (messages
+match, no deadlock under NCCL's p2p rules: mechanics/pipeline_mechanics.py) and its executor
+(make_pipeline).
 Left out: ZB-H2 and ZB-V (more memory or a V-shaped placement for no bubble at all),
 interleaving combined with the B/W split.
 Run: python -m extensions.schedules --stages 4 --microbatches 8 --schedule 1f1b (draws a schedule:

@@ -1,8 +1,9 @@
 """Zero bubble's backward in two halves (ZB-H1, Qi et al. 2024, section 2.1): B now, W later.
 
-schedules.py's zb list splits each backward in two and runs the second half late, in 1F1B's
-idle slots. ZeroBubblePipeline, pipeline.Pipeline run with a WeightGradients over its stage, plays
-such a list: each B runs autograd's backward inside collect(), each W calls run().
+extensions/schedules.py's zb list splits each backward in two and runs the second half late,
+in 1F1B's idle slots. ZeroBubblePipeline plays such a list: it is pipeline.Pipeline run with a
+WeightGradients over its stage. Each B runs autograd's backward inside collect(); each W calls
+run().
 
 A linear layer y = x W^T + b has three gradients: dx = dy W (the previous layer, and the
 previous stage, wait for it), dW = dy^T x and db = sum(dy) (nothing waits for them until the
@@ -114,7 +115,8 @@ class ZeroBubblePipeline(Pipeline):
     def __init__(self, module: nn.Module, comm, schedule, microbatches: int, activation, dtype):
         self.weight_grads = WeightGradients(getattr(module, "module", module))
         super().__init__(module, comm, schedule, microbatches, activation, dtype)
-        # Every stage stops alike if one has no trained weight for W (cli.py refuses it first).
+        # Every stage stops alike if one has no trained weight for W (running/cli.py refuses it
+        # first).
         idle = torch.tensor([float(not self.weight_grads.layers)], device=self.device)
         dist.all_reduce(idle, group=comm.group)                       # set-up, not counted
         if idle.item():
