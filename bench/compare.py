@@ -60,6 +60,7 @@ from mechanics.fsdp_optimizer import FSDPOptimizer
 from lora import apply_lora
 from napkin.machines import this
 from napkin.memory_math import run_state_bytes
+from napkin.sent import pipeline_bytes_per_step
 from composition.mesh_optimizer import on_mesh
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from foundations.inner_optimizer import element_state
@@ -316,7 +317,7 @@ def ours_pipeline(schedule, model, args):
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
     optimizer = on_mesh([optimizer], {"pp": comm})   # the norm sums the stages
     return Run(stage, optimizer, comm, label=f"pipeline.Pipeline({schedule}" + (f", v={v})" if v > 1 else ")"),
-               napkin_sent=runner.bytes_per_step(args.batch_size, args.seq_len),
+               napkin_sent=pipeline_bytes_per_step(runner, args.batch_size, args.seq_len),
                forward_backward=partial(runner.train_step, scale_loss=optimizer.scale_loss),
                bubbles=runner.measured_bubbles,
                predicted_bubble=(BUBBLE_FORMULAS[schedule], bubble_formula(schedule, comm.world_size, args.microbatches, v)))

@@ -30,6 +30,7 @@ from extensions.fsdp_frozen import FrozenBaseFSDP
 from extensions.fsdp_hybrid import HSDP
 from extensions.fsdp_offload import OffloadedFSDP
 from napkin.memory_math import mesh_params, run_state_bytes
+from napkin.sent import pipeline_bytes_per_step
 from composition.mesh_checks import mesh_splits, moe_config, stage_layers
 from composition.mesh_optimizer import on_mesh, partition
 from foundations.dtypes import master_dtype
@@ -298,7 +299,7 @@ def predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer
                                                       # forwards run in the pipeline's schedule)
         cp.kv_formula = sent["cp"] = cp.kv_bytes_per_step(rows, args.seq_len, micro, recomputed)
     if "pp" in splits:
-        sent["pp"] = model.bytes_per_step(rows, tokens)
+        sent["pp"] = pipeline_bytes_per_step(model, rows, tokens)
     if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
         sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, tokens_split, micro)
     if data.world_size > 1:
@@ -375,7 +376,7 @@ def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) 
         lines.append(f"bubble per stage (the share of its step it sat idle) "
                      f"{' '.join(f'{b:.2f}' for b in bubbles)} | the lecture's {formula} = "
                      f"{predicted_bubble:.2f}{why} | activations held at most "
-                     f"{model.peak_activations} micro-batch{' chunks' if model.v > 1 else 'es'} on "
+                     f"{model.observer.peak_activations} micro-batch{' chunks' if model.v > 1 else 'es'} on "
                      f"stage {model.stage}"
                      + (f" | W computed {deferred} weights' gradients" if args.schedule == "zb" else ""))
     if context is not None:
@@ -443,7 +444,7 @@ def exchange_bytes(gpt: nn.Module, options, data_size: int, context_size: int = 
 def stage_seconds(pipeline: Pipeline) -> list[list[float]]:
     """Every stage's compute actions' seconds in its last step, in its list's order (collective
     over the pipeline: every stage runs as many, M v F's and B's, and zb's M W's)."""
-    mine = torch.tensor([end - began for _, began, end in pipeline.timeline], dtype=torch.float64,
+    mine = torch.tensor([end - began for _, began, end in pipeline.observer.timeline], dtype=torch.float64,
                         device=pipeline.device)
     every = [torch.empty_like(mine) for _ in range(pipeline.P)]
     dist.all_gather(every, mine, group=pipeline.comm.group)          # a metric: not counted

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data, beyond pipeline.py's GPipe and 1F1B: interleaved 1F1B and zero bubble.
+"""Pipeline schedules as data beyond pipeline.py's GPipe and 1F1B: interleaved 1F1B, zero bubble.
 
 pipeline.py makes GPipe's and 1F1B's lists (both idle (P-1)/(M+P-1) of the time when a forward and
 a backward take one slot each: the bubble). Two schedules shrink the bubble further. Interleaved
@@ -9,8 +9,9 @@ Qi et al. 2024, section 2.1) splits each backward into B (the input's gradient, 
 previous stage waits for) and W (the weights' gradient, which nothing waits for) and runs the
 W's late, in 1F1B's idle slots: with F, B and W one slot each the bubble is (P-1)/(3M + P-1), a
 third of 1F1B's, holding at most P micro-batches per stage, 1F1B's peak (its executor:
-zero_bubble.py). Every schedule by name (make_schedule), its lists checked (messages match, no
-deadlock under NCCL's p2p rules: pipeline_mechanics.py) and its executor (make_pipeline).
+extensions/zero_bubble.py). Every schedule by name (make_schedule), its lists checked (messages
+match, no deadlock under NCCL's p2p rules: mechanics/pipeline_mechanics.py) and its executor
+(make_pipeline).
 Left out: ZB-H2 and ZB-V (more memory or a V-shaped placement for no bubble at all),
 interleaving combined with the B/W split.
 Run: python -m extensions.schedules --stages 4 --microbatches 8 --schedule 1f1b (draws a schedule:
@@ -23,9 +24,10 @@ rank, V = P v virtual stages, chunk c of rank s is virtual stage c P + s.
 import torch
 import torch.nn as nn
 
-from pipeline import Action, Pipeline, backward_actions, forward_actions, gpipe, nccl_program, one_f_one_b
-from mechanics.pipeline_mechanics import (COMPUTE, check_sizes, chunks_of, describe, message, run_under_nccl,
-                                          schedule_parser)
+from pipeline import (Action, Pipeline, backward_actions, forward_actions, gpipe, nccl_program,
+                      one_f_one_b)
+from mechanics.pipeline_mechanics import (COMPUTE, check_sizes, chunks_of, describe, message,
+                                          run_under_nccl, schedule_parser)
 from extensions.zero_bubble import ZeroBubblePipeline
 from foundations.values import whole
 
@@ -66,7 +68,8 @@ def interleaved(P: int, M: int, v: int = 2) -> list[list[Action]]:
             for part in ("recv", "compute", "send"):
                 actions += [a for a in f + b if (a.kind in COMPUTE if part == "compute"
                                                  else a.kind.startswith(part))]
-        actions += [a for k in range(n - warmup, n) for a in backward_actions(s, P, *pass_k(k, False), V)]
+        actions += [a for k in range(n - warmup, n)
+                    for a in backward_actions(s, P, *pass_k(k, False), V)]
         stages.append(actions)
     return stages
 
@@ -106,7 +109,8 @@ def forwards_only(P: int, M: int, v: int = 1) -> list[list[Action]]:
     """Evaluation: the forwards alone, in GPipe's order (interleaved: Megatron's order, P at a
     time round the ring; all M through chunk 0 first would deadlock under NCCL, the last stage
     sending chunk 0's outputs to a first stage still blocked sending its own)."""
-    return [[a for k in range(M * v) for a in forward_actions(s, P, *_interleaved_pass(k, P, v), P * v)]
+    return [[a for k in range(M * v)
+             for a in forward_actions(s, P, *_interleaved_pass(k, P, v), P * v)]
             for s in range(P)]
 
 
@@ -151,12 +155,13 @@ def check_schedule(stages: list[list[Action]], M: int):
         for a in actions:
             if a.kind not in COMPUTE:
                 key = message(s, a, P)
-                (sent if a.kind.startswith("send") else received).setdefault(key[:2], []).append(key[2:])
+                ends = sent if a.kind.startswith("send") else received
+                ends.setdefault(key[:2], []).append(key[2:])
     for a, b in sorted(sent.keys() | received.keys()):
         if sent.get((a, b), []) != received.get((a, b), []):
-            raise ValueError(f"stage {a} sends (what, micro-batch, virtual stage) {sent.get((a, b), [])} "
-                             f"to stage {b}, which receives {received.get((a, b), [])}: the "
-                             f"messages would not match")
+            raise ValueError(f"stage {a} sends (what, micro-batch, virtual stage) "
+                             f"{sent.get((a, b), [])} to stage {b}, which receives "
+                             f"{received.get((a, b), [])}: the messages would not match")
     run_under_nccl([nccl_program(actions) for actions in stages])
 
 
@@ -182,7 +187,8 @@ def main(argv=None):
         parser.error(f"--stages and --microbatches must be at least 1, got {args.stages} and "
                      f"{args.microbatches}")
     P, M = args.stages, args.microbatches
-    v = args.virtual_stages if args.virtual_stages is not None else 2 if args.schedule == "interleaved" else 1
+    default_v = 2 if args.schedule == "interleaved" else 1
+    v = args.virtual_stages if args.virtual_stages is not None else default_v
     try:
         stages = make_schedule(args.schedule, P, M, v)
     except ValueError as e:

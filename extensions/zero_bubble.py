@@ -1,8 +1,9 @@
 """Zero bubble's backward in two halves (ZB-H1, Qi et al. 2024, section 2.1): B now, W later.
 
-schedules.py's zb list splits each backward in two and runs the second half late, in 1F1B's
-idle slots. ZeroBubblePipeline, pipeline.Pipeline run with a WeightGradients over its stage, plays
-such a list: each B runs autograd's backward inside collect(), each W calls run().
+extensions/schedules.py's zb list splits each backward in two and runs the second half late,
+in 1F1B's idle slots. ZeroBubblePipeline plays such a list: it is pipeline.Pipeline run with a
+WeightGradients over its stage. Each B runs autograd's backward inside collect(); each W calls
+run().
 
 A linear layer y = x W^T + b has three gradients: dx = dy W (the previous layer, and the
 previous stage, wait for it), dW = dy^T x and db = sum(dy) (nothing waits for them until the
@@ -89,8 +90,9 @@ class WeightGradients:
         weight (a transposed .grad holds the same values, but a norm over it, the clipping's,
         adds them in another order)."""
         for weight, bias, x, dy in self.by_pass.pop(key):
-            x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # (rows, k), (rows, d)
-            _accumulate(weight, dy2.t().mm(x2))                                    # (d, k)
+            x2 = x.reshape(-1, x.shape[-1])                                    # (rows, k)
+            dy2 = dy.reshape(-1, dy.shape[-1])                                 # (rows, d)
+            _accumulate(weight, dy2.t().mm(x2))                                # (d, k)
             self.computed.add(weight)
             if bias is not None and bias.requires_grad:
                 _accumulate(bias, dy2.sum(0))                                      # (d,)
@@ -113,30 +115,30 @@ class ZeroBubblePipeline(Pipeline):
     def __init__(self, module: nn.Module, comm, schedule, microbatches: int, activation, dtype):
         self.weight_grads = WeightGradients(getattr(module, "module", module))
         super().__init__(module, comm, schedule, microbatches, activation, dtype)
-        # Every stage stops alike if one has no trained weight for W (cli.py refuses it first).
+        # Every stage stops alike if one has no trained weight for W (running/cli.py refuses it
+        # first).
         idle = torch.tensor([float(not self.weight_grads.layers)], device=self.device)
         dist.all_reduce(idle, group=comm.group)                       # set-up, not counted
         if idle.item():
-            raise ValueError(f"--schedule zb: {int(idle.item())} of the {self.P} stages hold no trained "
-                             f"weight whose gradient W could compute (no trained nn.Linear or split "
-                             f"or LoRA product): use --schedule 1f1b")
+            raise ValueError(f"--schedule zb: {int(idle.item())} of the {self.P} stages hold no "
+                             f"trained weight whose gradient W could compute (no trained "
+                             f"nn.Linear or split or LoRA product): use --schedule 1f1b")
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         self.weight_grads.computed.clear()
         return super().train_step(*args, **kwargs)
 
-    def _compute(self, a, xs, ys, flight, scale_loss):
+    def _compute(self, a, x, y, cache, scale_loss):
         """F as Pipeline runs it; B filing its weights' halves under (m, chunk); W running them."""
         key = a.m, a.chunk
         if a.kind == "F":
-            super()._compute(a, xs, ys, flight, scale_loss)
+            super()._compute(a, x, y, cache, scale_loss)
         elif a.kind == "B":
             with (self.sync.no_sync() if self.sync is not None else contextlib.nullcontext()), \
                     self.weight_grads.collect(key):
-                self._backward(a, flight, scale_loss)
+                self._backward(a, cache, scale_loss)
         else:                                                       # "W"
             self.weight_grads.run(key)
-            flight.held.discard(key)
 
     def deferred_weights(self) -> int:
         """How many of this stage's weights got their gradient from W in the last step."""

@@ -8,22 +8,21 @@ clock: every computation one slot, messages instant (simulate), from which the b
 share, beside its formula), the activations a stage holds at most, and the timeline the lecture
 draws (describe). The blocks of each stage (split_layers) and their placements' records
 (place_stage). Then what the executor keeps beside running its list (PipelineMechanics, its
-base class): the tied ends' group, the loop's interface, the bytes a step sends, the bubble it
-measured, its clock. A list is any stage's list of pipeline.Action (kind, m, chunk): this file
-imports no schedule.
+base class): the tied ends' group, the loop's interface, the bubble it measured. The step's
+clock observes it from outside (StepObserver). A list is any stage's list of pipeline.Action
+(kind, m, chunk): this file imports no schedule.
 Test: python -m pytest tests/test_schedules.py tests/test_pipeline.py
 
 Shapes: P stages (ranks), M micro-batches, s stage, m micro-batch; v chunks per rank, chunk c of
 rank s is virtual stage c P + s.
 """
-import math
+import contextlib
 import time
 
 import torch
 import torch.distributed as dist
 
-from foundations.comm import Comm, ring_bytes
-from foundations.dtypes import master_dtype
+from foundations.comm import Comm
 from foundations.placements import place
 from foundations.process_groups import subgroups
 from foundations.values import Parser, whole
@@ -47,8 +46,8 @@ def chunks_of(stages: list[list]) -> int:
     return 1 + max(a.chunk for actions in stages for a in actions)
 
 
-BUBBLE_FORMULAS = {"gpipe": "(P-1)/(M+P-1)", "1f1b": "(P-1)/(M+P-1)", "interleaved": "(P-1)/(vM+P-1)",
-                   "zb": "(P-1)/(3M+P-1)"}
+BUBBLE_FORMULAS = {"gpipe": "(P-1)/(M+P-1)", "1f1b": "(P-1)/(M+P-1)",
+                   "interleaved": "(P-1)/(vM+P-1)", "zb": "(P-1)/(3M+P-1)"}
 
 
 def bubble_formula(name: str, P: int, M: int, v: int = 1) -> float:
@@ -180,13 +179,14 @@ def describe(name: str, stages: list[list], M: int) -> str:
     beside the formula, and the activations each stage holds at most."""
     P, v = len(stages), chunks_of(stages)
     rows = simulate(stages)
-    header = (f"{name}, {P} stages, {M} micro-batches" + (f", {v} chunks per stage" if v > 1 else "")
+    header = (f"{name}, {P} stages, {M} micro-batches"
+              + (f", {v} chunks per stage" if v > 1 else "")
               + (" (F, B: input gradient, W: weight gradient, one slot each)" if name == "zb" else
                  " (F and B one slot each" + (", per chunk)" if v > 1 else ")")))
     bubble = (f"bubble fraction {bubble_fraction(rows):.3f}, formula {BUBBLE_FORMULAS[name]} = "
               f"{bubble_formula(name, P, M, v):.3f}")
-    held = (f"peak {'micro-batch chunks' if v > 1 else 'micro-batches'} of activations held per stage: "
-            + ", ".join(str(peak_activations(a)) for a in stages))
+    held = (f"peak {'micro-batch chunks' if v > 1 else 'micro-batches'} of activations held "
+            "per stage: " + ", ".join(str(peak_activations(a)) for a in stages))
     return f"{header}\n\n{timeline(rows)}\n\n{bubble}\n{held}"
 
 
@@ -231,7 +231,7 @@ def split_layers(n_layer: int, P: int, sizes: list[int] | None = None, v: int = 
     """The blocks of each of the P*v chunks (virtual stages; stage s holds chunks s, s + P, ...):
     `sizes` blocks each if given (--stage-layers), else balanced by count (the first n_layer % (P*v)
     take one more; the last also computes the head and loss)."""
-    check_layers(n_layer, P, sizes, v)              # every chunk at least one block, all of them used
+    check_layers(n_layer, P, sizes, v)        # every chunk at least one block, all of them used
     if sizes is None:
         sizes = [n_layer // (P * v) + (c < n_layer % (P * v)) for c in range(P * v)]
     starts = [sum(sizes[:c]) for c in range(P * v)]
@@ -248,13 +248,57 @@ def place_stage(stage):
         place(stage.tied, counted=False)
 
 
-# ---- the executor's mechanics: its set-up, the loop's interface, the step's bytes and bubble --
+# ---- the executor's mechanics: its set-up, the loop's interface, the step observed -----------
+
+class StepObserver:
+    """A pipeline step observed from outside its algorithm: when each computation ran, the
+    step's busy and wall seconds, and the activations it held at most.
+
+    The executor enters step() around a step and compute() around each computation. measure:
+    on CUDA the clock first waits for this rank's computations, so the times are the device's."""
+
+    def __init__(self):
+        self.timeline = []            # (Action, start, end) per computation of the last step
+        self.busy = self.wall = 0.0   # the last step's seconds computing, and in all
+        self.peak_activations = 0     # micro-batch chunks held at once, at most, over training
+        self.synchronize = False      # the step's measure
+
+    @contextlib.contextmanager
+    def step(self, measure: bool):
+        """Around one step (training or evaluation): its wall and busy seconds, its peak."""
+        self.timeline, self.synchronize = [], measure
+        start = self._clock()
+        yield
+        self.wall = self._clock() - start
+        self.busy = sum(end - began for _, began, end in self.timeline)
+        if torch.is_grad_enabled():                       # evaluation keeps no activations
+            computed = [a for a, _, _ in self.timeline]
+            self.peak_activations = max(self.peak_activations, peak_activations(computed))
+
+    @contextlib.contextmanager
+    def compute(self, action):
+        """Around one computation (F, B or W): its start and end on the timeline."""
+        began = self._clock()
+        yield
+        self.timeline.append((action, began, self._clock()))
+
+    def _clock(self) -> float:
+        if self.synchronize and torch.cuda.is_available():
+            # The compute stream only: a device-wide synchronize would also wait for the p2p
+            # stream, where a send may sit until the peer posts its receive after this very
+            # stage's next send (run_under_nccl lets computation run on meanwhile).
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter()
+
 
 class PipelineMechanics:
-    """What pipeline.Pipeline (this is its base class) keeps beside running its list: the tied ends'
-    group, the loop's interface (called as a GPT is, eval(), train()), the bytes a step sends, the
-    bubble it measured, its clock. Reads the executor's attributes: module, comm, P, M, actions,
-    activation, dtype, tied, device, busy and wall."""
+    """What pipeline.Pipeline (this is its base class) keeps beside running its list: the tied
+    ends' group, the loop's interface (called as a GPT is, eval(), train()), the bubble it
+    measured, and the observer of its steps. Reads the executor's attributes: module, comm, P,
+    tied and device."""
+
+    def __init__(self):
+        self.observer = StepObserver()
 
     def _ends_group(self, comm: Comm, device) -> Comm | None:
         """A Comm over this pipeline's first and last stage if they share a tied weight.
@@ -285,29 +329,8 @@ class PipelineMechanics:
 
     def measured_bubbles(self) -> list[float]:
         """Each stage's idle share of its last step, 1 - busy / wall (collective: every stage)."""
-        times = torch.tensor([self.busy, self.wall], dtype=torch.float64, device=self.device)
+        seconds = [self.observer.busy, self.observer.wall]
+        times = torch.tensor(seconds, dtype=torch.float64, device=self.device)
         every = [torch.zeros_like(times) for _ in range(self.P)]
         dist.all_gather(every, times, group=self.comm.group)      # a metric: not counted
         return [1 - (busy / wall).item() for busy, wall in every]
-
-    def bytes_per_step(self, batch: int, seq_len: int) -> int:
-        """Bytes this stage sends per step for batch rows of seq_len tokens: one activation or
-        gradient (the shape `activation` gives) per send in its list (1F1B: M forward unless it
-        is the last stage, M back unless the first; interleaved: v times as many), the gradient
-        norm's all-reduce, and at the two ends a tied weight's gradient (ring formulas)."""
-        message = math.prod(self.activation(batch // self.M, seq_len)) * torch.finfo(self.dtype).bits // 8
-        sends = sum(a.kind.startswith("send") for a in self.actions)
-        norm = ring_bytes("all_reduce", 1, master_dtype(self.dtype).itemsize, self.P)  # 1 fp32/fp64
-        tied = (ring_bytes("all_reduce", self.tied.numel(), self.tied.element_size(), 2)
-                if self.tied is not None else 0)
-        return message * sends + norm + tied
-
-    @staticmethod
-    def _clock(synchronize: bool) -> float:
-        """The clock of busy, wall and timeline; synchronize: wait for this rank's computations first."""
-        if synchronize and torch.cuda.is_available():
-            # The compute stream only: a device-wide synchronize would also wait for the p2p
-            # stream, where a send may sit until the peer posts its receive after this very
-            # stage's next send (run_under_nccl lets computation run on meanwhile).
-            torch.cuda.current_stream().synchronize()
-        return time.perf_counter()

@@ -8,6 +8,12 @@ lecture's rule: a ring all-reduce sends 2(N-1)/N of a buffer, a reduce-scatter o
 (N-1)/N (foundations/comm.py: ring_bytes).
 Test: python -m pytest tests/test_ddp.py tests/test_zero.py tests/test_fsdp.py tests/test_pipeline.py
 """
+import math
+
+import torch
+
+from foundations.comm import ring_bytes
+from foundations.dtypes import master_dtype
 
 
 # ---- data parallelism: ddp.py ------------------------------------------------------------------
@@ -20,6 +26,23 @@ Test: python -m pytest tests/test_ddp.py tests/test_zero.py tests/test_fsdp.py t
 
 
 # ---- pipeline parallelism: pipeline.py ------------------------------------------------------------
+
+def pipeline_bytes_per_step(pipeline, batch: int, seq_len: int) -> int:
+    """Bytes one stage of a built pipeline.Pipeline sends per step, for batch rows of seq_len tokens.
+
+    Each send in the stage's list carries one activation or gradient, of the shape `activation`
+    gives. Under 1F1B a stage sends M forward unless it is the last, M back unless it is the
+    first; interleaved sends v times as many. The gradient norm's all-reduce sends one number.
+    The two ends of a tied weight all-reduce its gradient."""
+    shape = pipeline.activation(batch // pipeline.M, seq_len)                   # (b, T, C)
+    message = math.prod(shape) * torch.finfo(pipeline.dtype).bits // 8
+    sends = sum(a.kind.startswith("send") for a in pipeline.actions)
+    wide = master_dtype(pipeline.dtype).itemsize                                # fp32 or fp64
+    norm = ring_bytes("all_reduce", 1, wide, pipeline.P)
+    tied = pipeline.tied
+    ends = ring_bytes("all_reduce", tied.numel(), tied.element_size(), 2) if tied is not None else 0
+    return message * sends + norm + ends
+
 
 
 # ---- tensor and context parallelism -----------------------------------------------------------------

@@ -256,7 +256,7 @@ def executed_schedule(flags: list[str]) -> dict:
         run.optimizer.step()
     # Every stage runs M v forwards and as many backwards (and W's): one shape, (actions, 5).
     mine = torch.tensor([(COMPUTE.index(a.kind), a.m, a.chunk, began - start, ended - start)
-                         for a, began, ended in run.model.timeline], dtype=torch.float64, device=device)
+                         for a, began, ended in run.model.observer.timeline], dtype=torch.float64, device=device)
     stages = [torch.empty_like(mine) for _ in range(run.mesh.pp.world_size)]
     dist.all_gather(stages, mine, group=run.mesh.pp.group)             # a picture's: not counted
     rows = [[(COMPUTE[int(k)], int(m), int(c), t0, t1) for k, m, c, t0, t1 in s.tolist()] for s in stages]

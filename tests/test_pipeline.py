@@ -107,9 +107,10 @@ def _pipeline_trains(P, runs, cfg=CFG, precision="fp32"):
             assert not optimizer.last_step_skipped
             optimizer.zero_grad()
             losses.append(loss.item())
-        results.append({"losses": losses, "grads": grads, "peak": runner.peak_activations,
+        results.append({"losses": losses, "grads": grads, "peak": runner.observer.peak_activations,
                         "params": _masters(gpt, optimizer), "scales": scales,
-                        "busy": runner.busy, "wall": runner.wall, "seconds": stage_seconds(runner)})
+                        "busy": runner.observer.busy, "wall": runner.observer.wall,
+                        "seconds": stage_seconds(runner)})
     return results
 
 
@@ -703,3 +704,24 @@ def test_fewer_blocks_than_stages_names_the_fix(monkeypatch, capsys):
         train.parse_args(["--strategy", "pipeline", "--pp", "8"])
     assert "4 blocks, fewer than 8 pipeline stages: every stage needs a block; use --pp 4" in \
         capsys.readouterr().err
+
+
+# ---- the textbook's form (issue 56) ---------------------------------------------------------------
+
+def test_the_executor_reads_no_clock_and_its_lines_stay_under_100_characters():
+    """The step's timing is observed from outside (mechanics/pipeline_mechanics.py's StepObserver):
+    pipeline.py reads no clock and synchronizes no device itself. Its lines stay under 100
+    characters, and its engine files' at most 100."""
+    import ast
+    import pathlib
+    root = pathlib.Path(pipeline.__file__).parent
+    tree = ast.parse((root / "pipeline.py").read_text())
+    used = ({n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+            | {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)})
+    clocks = used & {"time", "perf_counter", "monotonic", "synchronize", "_clock"}
+    assert not clocks, f"pipeline.py reads a clock itself: {sorted(clocks)}"
+    for name, most in [("pipeline.py", 99), ("mechanics/pipeline_mechanics.py", 100),
+                       ("extensions/schedules.py", 100), ("extensions/zero_bubble.py", 100)]:
+        lines = (root / name).read_text().splitlines()
+        long = [i for i, line in enumerate(lines, 1) if len(line) > most]
+        assert not long, f"{name}: lines {long} are over {most} characters"
