@@ -8,7 +8,7 @@ made here, as lists, in their phases. One executor runs a stage's list over send
 NCCL's rules.
 Read after: extensions/schedules.py (interleaved 1F1B, zero bubble's list, the checks, the
 drawn timeline), extensions/zero_bubble.py (the backward split in two),
-mechanics/pipeline_mechanics.py (the bubble on the lecture's clock, NCCL's rules played out,
+mechanics/pipeline_mechanics.py (the bubble measured on the step's clock, NCCL's rules played out,
 the step observed from outside).
 Run: torchrun --nproc_per_node 2 pipeline.py (GPipe and 1F1B against one process);
      python -m extensions.schedules --stages 4 --microbatches 8 --schedule 1f1b (draws one)
@@ -41,7 +41,8 @@ class GPTStage(nn.Module):
     Its blocks are `layers`: a range, or one range per chunk when interleaved (split_layers).
     The first stage also holds the embeddings; the last, the final norm, the head and the loss.
     The rest is dropped from this rank. What stays keeps the whole model's names
-    (blocks.5.attn.query.weight), so the stages' checkpoints together read as one model's.
+    (gpt.blocks.5.attn.query.weight: the GPT under the stage's `gpt`), so the stages'
+    checkpoints together read as one model's.
     A head tied to the token embedding (GPT-2) lives on both ends. Each end holds a copy,
     `tied`, and the two are kept equal by summing their gradients."""
 
@@ -59,7 +60,9 @@ class GPTStage(nn.Module):
         if not last:
             gpt.norm = gpt.head = None
         self.gpt, self.first, self.last, self._tied = gpt, first, last, tied
-        place_stage(self)   # each stage holds other tensors: the norm and checkpoints read it
+        # Record that each stage holds different parameters (sharded along "pp"), so that the
+        # gradient norm adds the stages' squares and a checkpoint saves each stage's own.
+        place_stage(self)
 
     @property
     def tied(self) -> nn.Parameter | None:
@@ -156,7 +159,8 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}      # the others: extensions/
 
 # ---- the executor: one stage's list, run over send/recv --------------------------------------
 # NCCL runs a rank's point-to-point calls on one stream, in the order they are posted. A send
-# completes only once its peer has posted the matching receive, and all posted after it waits.
+# completes only once its peer has posted the matching receive, and every call this rank posts
+# after it waits behind it.
 # A receive posted early (to overlap) could block this rank's own later send that the peer waits
 # for: a deadlock gloo never shows. So the messages between two computations are posted together,
 # as one batch_isend_irecv (one work to wait for: Comm.exchange). They are waited for before the
@@ -164,7 +168,7 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}      # the others: extensions/
 # each message meet in order (mechanics/pipeline_mechanics.py's run_under_nccl plays these rules).
 #
 # 1F1B's three phases on the middle stage of P = 3 (M = 4), as the executor plays them. Each
-# "|" posts the messages beside it as one group and waits for its receives (picotron's pairs):
+# "|" posts the messages beside it as one group and waits for its receives:
 #   warm-up    recv_act 0 | F0 | send_act 0, recv_act 1 |
 #   steady     F1 | send_act 1, recv_grad 0 | B0 | send_grad 0, recv_act 2 | F2 | ... | B2 |
 #   cool-down  send_grad 2, recv_grad 3 | B3 | send_grad 3
@@ -224,7 +228,7 @@ class Pipeline(PipelineMechanics):
         self.activation = activation if callable(activation) else lambda b, t: (b, t, activation)
         self.stage, self.P, self.v = comm.rank, comm.world_size, len(gpt_stage.chunks)
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
-        check_sizes(self.P, self.M)        # a stage and a micro-batch: one clear error, first
+        check_sizes(self.P, self.M)        # at least 1 stage and 1 micro-batch, before any work
         self.stages = (SCHEDULES[schedule](self.P, self.M) if isinstance(schedule, str)
                        else schedule)
         self.actions = self.stages[self.stage]
@@ -237,7 +241,8 @@ class Pipeline(PipelineMechanics):
         dist.all_reduce(torch.zeros(1, device=self.device), group=comm.group)
         self.tied = gpt_stage.tied              # None unless this stage is an end of a tied pair
         self.sync = module if hasattr(module, "finish_gradient_sync") else None
-        # A Comm over the first and last stage if they hold a tied weight, else None (collective).
+        # A Comm over the first and last stage if they hold a tied weight, else None. Every rank
+        # calls this: making a group is a collective call.
         self.ends = self._ends_group(comm, self.device) if self.P > 1 else None
 
     def train_step(self, x, y, scale_loss=lambda loss: loss, measure=False) -> torch.Tensor:
@@ -280,7 +285,8 @@ class Pipeline(PipelineMechanics):
         return cache.loss
 
     def _compute(self, a: Action, x, y, cache: StepCache, scale_loss):
-        """F of micro-batch a.m (its tokens x, targets y), or B: its whole backward."""
+        """F of micro-batch a.m (its tokens x, targets y), or B: its whole backward.
+        (Zero bubble's W, half a backward, is extensions/zero_bubble.py's override of this.)"""
         if a.kind == "F":
             self._forward(a, x, y, cache)
             return
