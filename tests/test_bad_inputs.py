@@ -3,18 +3,14 @@ stderr that names the flag (or file) and the real reason, exit code not 0, no tr
 written, before any work. Every case runs as a user runs it, a process of its own in an empty
 directory of its own, forked from one python that has imported torch (tests/forked.py: a
 process was mostly importing torch); they run side by side, then each case checks its own."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from forked import TIMEOUT
+import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN, README = os.path.join(ROOT, "train.py"), os.path.join(ROOT, "README.md")
-FORKED = os.path.join(ROOT, "tests", "forked.py")
 MEMORY, PICTURES = ["-m", "napkin.memory"], ["-m", "pictures"]
 LIMIT_KB = 6_000_000                      # ulimit -v 6000000: 6 GB of address space, under
                                           # a 6 GB file's two copies
@@ -126,22 +122,17 @@ def results(request, tmp_path_factory) -> dict:
     chosen = {item.callspec.params["name"] for item in request.session.items
               if item.module is request.module and hasattr(item, "callspec")}
     cases = [(name, argv) for name, argv, _, _ in CASES if name in chosen]
-    logs = tmp_path_factory.mktemp("logs")
     directories = [str(tmp_path_factory.mktemp("case")) for _ in cases]
     before = [_prepare(directory) for directory in directories]
-    work = [[argv, directory, LIMIT_KB * 1024 if "ulimit" in name else 0, str(logs / str(i))]
-            for i, ((name, argv), directory) in enumerate(zip(cases, directories))]
-    (logs / "cases.json").write_text(json.dumps(work))
     launcher = ("TORCHELASTIC", "LOCAL_", "RANK", "WORLD_SIZE", "MASTER_")   # torchrun's, if any
     env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, FORKED, str(logs / "cases.json"), str(logs / "codes.json")],
-                   env=env, check=True, timeout=TIMEOUT * len(cases))
-    codes = json.loads((logs / "codes.json").read_text())
-    return {name: (code, (logs / f"{i}.err").read_text() if code is not None else
-                   f"still running after {TIMEOUT} s",                # it went to work
-                   before[i], _files(directories[i]))
-            for i, ((name, _), code) in enumerate(zip(cases, codes))}
+    ran = forked.run([[argv, directory, LIMIT_KB * 1024 if "ulimit" in name else 0]
+                      for (name, argv), directory in zip(cases, directories)],
+                     env, tmp_path_factory.mktemp("logs"))
+    return {name: (code, stderr if code is not None else f"still running after {forked.TIMEOUT} s",
+                   before[i], _files(directories[i]))                    # None: it went to work
+            for i, ((name, _), (code, _, stderr)) in enumerate(zip(cases, ran))}
 
 
 @pytest.mark.parametrize("name, argv, flag, says", CASES, ids=[case[0] for case in CASES])
