@@ -287,7 +287,7 @@ def pages_run(request, tmp_path_factory) -> dict:
                 failures[page] = run_page(page, copies[page])
             except BaseException as failed:           # raised again by the page's test
                 failures[page] = failed
-    threads = [threading.Thread(target=worker) for _ in range(2)]
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(2)]   # Ctrl-C: no wait
     for thread in threads:
         thread.start()
     for thread in threads:
