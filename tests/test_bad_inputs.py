@@ -1,19 +1,17 @@
 """Bad input at every entry point (train.py and each `python -m` module): refused in one line on
 stderr that names the flag (or file) and the real reason, exit code not 0, no traceback, nothing
 written, before any work. Every case runs as a user runs it, a process of its own in an empty
-directory of its own; they run side by side (a process is mostly importing torch), then each
-case checks its own."""
-import concurrent.futures
+directory of its own, forked from one python that has imported torch (tests/forked.py: a
+process was mostly importing torch); they run side by side, then each case checks its own."""
 import os
-import subprocess
-import sys
 
 import pytest
+
+import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN, README = os.path.join(ROOT, "train.py"), os.path.join(ROOT, "README.md")
 MEMORY, PICTURES = ["-m", "napkin.memory"], ["-m", "pictures"]
-TIMEOUT = 180                             # seconds: a refusal takes a few (importing torch)
 LIMIT_KB = 6_000_000                      # ulimit -v 6000000: 6 GB of address space, under
                                           # a 6 GB file's two copies
 
@@ -104,8 +102,8 @@ def _files(directory: str) -> dict:
     return found
 
 
-def _run(name: str, argv: list, directory: str) -> tuple:
-    """The case's process in its directory: (exit code, stderr, the files before, after)."""
+def _prepare(directory: str) -> dict:
+    """The case's files in its directory; returns _files' picture of it, before the case runs."""
     with open(os.path.join(directory, "big.txt"), "wb") as f:
         f.truncate(2**40)
     with open(os.path.join(directory, "six.txt"), "wb") as f:
@@ -113,28 +111,28 @@ def _run(name: str, argv: list, directory: str) -> tuple:
     os.makedirs(os.path.join(directory, "run"))
     with open(os.path.join(directory, "run", "log.txt"), "wb") as f:
         f.write(b"\xff\xfe step \xff | loss\n")
-    before = _files(directory)
-    launcher = ("TORCHELASTIC", "LOCAL_", "RANK", "WORLD_SIZE", "MASTER_")   # torchrun's, if any
-    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    ulimit = ["sh", "-c", f'ulimit -v {LIMIT_KB} && exec "$0" "$@"'] if "ulimit" in name else []
-    try:
-        result = subprocess.run([*ulimit, sys.executable, *argv], cwd=directory, env=env,
-                                capture_output=True, text=True, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:           # it went to work: nonsense accepted
-        return None, f"still running after {TIMEOUT} s", before, _files(directory)
-    return result.returncode, result.stderr, before, _files(directory)
+    return _files(directory)
 
 
 @pytest.fixture(scope="module")
 def results(request, tmp_path_factory) -> dict:
-    """{case name: _run's result} of the cases selected (-k), run four at a time."""
+    """{case name: (exit code, stderr, the files before, after)} of the cases selected (-k), each
+    a process of its own in a directory of its own, forked by tests/forked.py from one python
+    that has imported torch (the import was most of each refusal's time)."""
     chosen = {item.callspec.params["name"] for item in request.session.items
               if item.module is request.module and hasattr(item, "callspec")}
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = {name: pool.submit(_run, name, argv, str(tmp_path_factory.mktemp("case")))
-                   for name, argv, _, _ in CASES if name in chosen}
-        return {name: future.result() for name, future in futures.items()}
+    cases = [(name, argv) for name, argv, _, _ in CASES if name in chosen]
+    directories = [str(tmp_path_factory.mktemp("case")) for _ in cases]
+    before = [_prepare(directory) for directory in directories]
+    launcher = ("TORCHELASTIC", "LOCAL_", "RANK", "WORLD_SIZE", "MASTER_")   # torchrun's, if any
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    ran = forked.run([[argv, directory, LIMIT_KB * 1024 if "ulimit" in name else 0]
+                      for (name, argv), directory in zip(cases, directories)],
+                     env, tmp_path_factory.mktemp("logs"))
+    return {name: (code, stderr if code is not None else f"still running after {forked.TIMEOUT} s",
+                   before[i], _files(directories[i]))                    # None: it went to work
+            for i, ((name, _), (code, _, stderr)) in enumerate(zip(cases, ran))}
 
 
 @pytest.mark.parametrize("name, argv, flag, says", CASES, ids=[case[0] for case in CASES])

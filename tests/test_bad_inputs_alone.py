@@ -2,16 +2,14 @@
 names the fix, said once under torchrun, with no traceback: started without torchrun where it
 needs ranks, given any argument (none takes one), or on a world size its example cannot split
 over; at a world size it accepts, its check against one process holds (ddp.py on 3 ranks). The
-commands run concurrently, each as a reader would type it (torchrun: --standalone, a free port)."""
+commands run concurrently, each as a reader would type it (torchrun: --standalone, a free port),
+each a process forked from one that has imported torch (tests/forked.py)."""
 import os
 import re
-import signal
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import forked
 from test_alone import COMMANDS, ROOT
 
 SEVERAL = [concept for concept, command in COMMANDS.items() if command.startswith("torchrun")]
@@ -40,30 +38,26 @@ TORCHRUN_REPORT = re.compile(r"^Traceback \(most recent call last\):\n"
                              r"ChildFailedError:[\s\S]*\Z", re.M)
 
 
-def run_alone(concept: str, ranks: int | None, args: tuple) -> tuple[int, str, str]:
-    """`python CONCEPT.py ARGS`, or under torchrun on `ranks` processes: (exit status, stdout,
-    stderr less torchrun's own output). Past 120 s it is stopped, torchrun's ranks with it."""
+def alone_argv(concept: str, ranks: int | None, args: tuple) -> list:
+    """What follows `python` in `python CONCEPT.py ARGS`, or under torchrun on `ranks` processes."""
     launcher = [] if ranks is None else ["-m", "torch.distributed.run", "--standalone",
                                          "--nproc_per_node", str(ranks)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen([sys.executable, *launcher, f"{concept}.py", *args], cwd=ROOT,
-                            env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)          # torchrun passes it on to its ranks
-        stdout, stderr = proc.communicate()
-        stderr += "\n... stopped after 120 s"
-    return proc.returncode, stdout, TORCHRUN_REPORT.sub("", TORCHRUN_LOG.sub("", stderr))
+    return [*launcher, f"{concept}.py", *args]
 
 
 @pytest.fixture(scope="module")
-def ran():
-    """Every case's run, and ddp.py's on 3 ranks, 4 at a time: {case: run_alone's answer}."""
+def ran(tmp_path_factory):
+    """Every case's run, and ddp.py's on 3 ranks, 4 at a time, from the repository's root, each
+    a process of its own forked by tests/forked.py from one python that has imported torch
+    (torchrun's ranks are its own, fresh): {case: (exit status, stdout, stderr less torchrun's
+    own output)}. Past forked.TIMEOUT it is stopped, torchrun's ranks with it."""
     cases = [*CASES, ("ddp", 3, ())]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(zip(cases, pool.map(lambda case: run_alone(*case), cases)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    ran = forked.run([[alone_argv(*case), str(ROOT), 0] for case in cases],
+                     {**env, "OMP_NUM_THREADS": "1"}, tmp_path_factory.mktemp("logs"))
+    return {case: (status, stdout, TORCHRUN_REPORT.sub("", TORCHRUN_LOG.sub("", stderr)) +
+                   ("" if status is not None else f"\n... stopped after {forked.TIMEOUT} s"))
+            for case, (status, stdout, stderr) in zip(cases, ran)}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1] or 'python'}{''.join(c[2])}")

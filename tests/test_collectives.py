@@ -68,12 +68,21 @@ def _all_collectives(dtype_name, integers):
     return out
 
 
+def _every_dtype():
+    """_all_collectives in each dtype, on integers and on random floats, in one launch:
+    {(dtype's name, integers): its results}."""
+    names = [str(dtype).split(".")[1] for dtype in DTYPES]
+    return {(name, integers): _all_collectives(name, integers)
+            for name in names for integers in (True, False)}
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ring_equals_native(world_size):
+    ranks = run_ranks(_every_dtype, world_size)
     for dtype in DTYPES:
         name = str(dtype).split(".")[1]
         for integers in (True, False):
-            for rank, results in enumerate(run_ranks(_all_collectives, world_size, name, integers)):
+            for rank, results in enumerate(each[name, integers] for each in ranks):
                 for what, (ring, native) in results.items():
                     # integers: exact (no rounding anywhere); random fp32: a sum over N <= 4 terms
                     # reordered, a few ulps; bf16: the ring rounds each partial sum to bf16.

@@ -7,7 +7,9 @@ import pathlib
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import threading
 import sys
 
 import pytest
@@ -207,8 +209,11 @@ def fresh_copy(where: pathlib.Path, cache: pathlib.Path) -> pathlib.Path:
 
 def run_as_written(command: str, cwd: pathlib.Path, timeout: float = 300) -> tuple[int, str]:
     """`. .venv/bin/activate && COMMAND` in bash: exit status and output. A command still running
-    after `timeout` seconds is killed with every process it started (torchrun's ranks)."""
+    after `timeout` seconds is killed with every process it started (torchrun's ranks). Its
+    torchrun, if any, takes a free port (PET_MASTER_PORT: its --master-port's default), not
+    29500: two pages' commands run side by side."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PET_MASTER_PORT"] = str(free_port())
     proc = subprocess.Popen(["bash", "-c", f"{ACTIVATE} && {command}"], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -222,6 +227,13 @@ def run_as_written(command: str, cwd: pathlib.Path, timeout: float = 300) -> tup
             output = proc.communicate()[0]
         return -1, output + f"\n... stopped after {timeout} s"
     return proc.returncode, output
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def polyline_steps(svg: str) -> list[list[str]]:
@@ -243,23 +255,58 @@ AFTER = {"python -m pictures loss runs/single runs/fsdp -o loss_fsdp_vs_single.s
          loss_picture_has_the_committed_steps}
 
 
-@pytest.fixture(scope="module")
-def machine_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.mark.docs_commands
-@pytest.mark.parametrize("page", PAGES)
-def test_every_command_a_page_shows_runs_as_written_in_a_fresh_copy(page, tmp_path, machine_cache):
-    """Each command the page shows, in the page's order, in a fresh copy of the repository with
-    the README's environment activated, exactly as written but for `shortened`'s flags: a page's
-    commands make the files its later commands read (base.pt, runs/...), or the copy holds them."""
-    copy = fresh_copy(tmp_path, machine_cache)
+def run_page(page: str, copy: pathlib.Path):
+    """The page's commands (to_run), in order, in copy, each command's AFTER check as it ends;
+    the first that fails stops the page (the commands after it may read what it makes)."""
     for command in to_run(page):
         status, output = run_as_written(shortened(command), copy)
         assert status == 0, f"{page}: `{shortened(command)}` exited {status}:\n{output[-6000:]}"
         if command in AFTER:
             AFTER[command](copy)
+
+
+@pytest.fixture(scope="module")
+def pages_run(request, tmp_path_factory) -> dict:
+    """{page: None, or what run_page raised} for the pages selected (-k), two pages at a time,
+    each in a fresh copy of its own: a page's commands wait on each other (a command spends
+    much of its time importing torch, on one core), two pages' need not. The copies share one
+    .cache/ (machines.py's measurements of this machine, kept as one clone keeps them)."""
+    chosen = [item.callspec.params["page"] for item in request.session.items
+              if item.module is request.module and item.originalname == PAGE_TEST]
+    cache = tmp_path_factory.mktemp("cache")
+    copies = {page: fresh_copy(tmp_path_factory.mktemp("copy"), cache) for page in chosen}
+    failures, waiting, lock = {}, list(chosen), threading.Lock()
+
+    def worker():
+        while True:
+            with lock:
+                if not waiting:
+                    return
+                page = waiting.pop(0)
+            try:
+                failures[page] = run_page(page, copies[page])
+            except BaseException as failed:           # raised again by the page's test
+                failures[page] = failed
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(2)]   # Ctrl-C: no wait
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return failures
+
+
+PAGE_TEST = "test_every_command_a_page_shows_runs_as_written_in_a_fresh_copy"
+
+
+@pytest.mark.docs_commands
+@pytest.mark.parametrize("page", PAGES)
+def test_every_command_a_page_shows_runs_as_written_in_a_fresh_copy(page, pages_run):
+    """Each command the page shows, in the page's order, in a fresh copy of the repository with
+    the README's environment activated, exactly as written but for `shortened`'s flags: a page's
+    commands make the files its later commands read (base.pt, runs/...), or the copy holds them.
+    The pages run side by side (pages_run); what failed in this page's run fails here."""
+    if pages_run[page] is not None:
+        raise pages_run[page]
 
 
 def test_the_readme_commands_write_no_tracked_file():
