@@ -23,7 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from collectives import as_comm, ring_bytes
+from collectives import as_comm
 from foundations.alone import start_alone
 from foundations.flat import ShardedBuckets
 from foundations.sharded_step import ShardedStep
@@ -229,19 +229,6 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         """The gradient memory this rank holds: full flat buffers (stage 1) or shards (stage 2)."""
         return [t for b in self.buckets for t in (b.grad_flat, b.grad_shard) if t is not None]
 
-    def reductions_per_step(self, micro_batches: int) -> int:
-        """Stage 1 reduce-scatters once a step, whatever the gradient accumulation."""
-        return 1
-
-    def bytes_per_step(self, micro_batches: int = 1) -> int:
-        """Bytes this rank sends per step (ring): reduce-scatter + all-gather of every bucket, each
-        (N-1)/N of it: DDP's 2(N-1)/N (plus the norm's one fp32 number and the used-flags)."""
-        reductions, n = self.reductions_per_step(micro_batches), self.comm.world_size
-        wire = lambda b: (self.reduce_dtype or b.flat.dtype).itemsize        # the gradient's bytes
-        return self.buckets.flags_and_norm_bytes() + sum(
-            reductions * ring_bytes("reduce_scatter", b.flat.numel(), wire(b), n)
-            + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), n) for b in self.buckets)
-
 
 class Zero2Optimizer(ZeroOptimizer):
     """ZeRO-2: ZeRO-1, but each bucket is reduce-scattered the moment backward fills it, and its
@@ -335,10 +322,6 @@ class Zero2Optimizer(ZeroOptimizer):
                 bucket.master.grad = None
         self._norm, self._used = None, None
         self.shard_step.new_step()
-
-    def reductions_per_step(self, micro_batches: int) -> int:
-        """One reduce-scatter per micro-batch: ZeRO-2 sends more than DDP under accumulation."""
-        return micro_batches
 
 
 if __name__ == "__main__":
