@@ -84,9 +84,11 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         if self.max_norm is not None:
             self.clip(self.max_norm, norm)    # 4 the masters' .grad times min(1, max_norm / norm)
         # 5 The step's one device-to-host read: the norm (inf/NaN: skip), the used-flags with it.
-        flags = [] if self._used is None else [self._used.to(norm.dtype)]
-        norm, *used = torch.cat([norm.reshape(1), *flags]).tolist()
-        self.update(norm, used if flags else None)   # 6 optimizer.step(), 7 the all-gather
+        if self._used is None:
+            norm, used = norm.item(), None
+        else:
+            norm, *used = torch.cat([norm.reshape(1), self._used.to(norm.dtype)]).tolist()
+        self.update(norm, used)          # 6 optimizer.step() on the masters, 7 the all-gather
         self._follow_loss_scale()
         return loss
 
