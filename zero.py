@@ -132,8 +132,8 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
             return
         self._synced = True
         self._gradients_into_buckets()
-        # In bucket order, a few in flight at most (flat.py's InOrder): the copies cast for the
-        # wire are bounded too, never a second whole gradient in fp32.
+        # In bucket order, a few in flight at most (foundations/flat.py's InOrder): the copies
+        # cast for the wire are bounded too, never a second whole gradient in fp32.
         order = self.buckets.in_order(self._launch_reduction, self._finish_reduction)
         for bucket in self.buckets:
             order.ready(bucket)
@@ -273,7 +273,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
 
     no_sync = contextlib.nullcontext     # stage 1 keeps whole gradients until the step anyway
 
-    def finish_gradient_sync(self):      # flat.py's GradientSyncs' name for reduce_gradients
+    def finish_gradient_sync(self):      # GradientSyncs' name for reduce_gradients
         self.reduce_gradients()
 
     def _gradients_into_buckets(self):

@@ -33,7 +33,7 @@ def host_buffer(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
 
 def lock_pages(t: torch.Tensor):
     """Pin t's own memory where it is (cudaHostRegister), until its storage is freed: exactly its
-    bytes, as memory.py counts them. torch.empty(..., pin_memory=True) would take a block of
+    bytes, as napkin/memory.py counts them. torch.empty(..., pin_memory=True) would take a block of
     torch's caching host allocator, rounded up to a power of two: up to twice the bytes, for
     buffers held the whole run. (Copies from registered memory run asynchronously too.)"""
     if t.nbytes == 0:
