@@ -1,16 +1,17 @@
 """ZeRO stages 1 and 2: shard the optimizer state, then the gradients, over the data-parallel ranks.
 
 Under DDP every rank holds the whole Adam state: 12 of the 16 bytes per parameter in mixed
-precision. ZeRO (Rajbhandari et al. 2020, sections 5.1 and 5.2) lays the parameters in a flat
-buffer split into N equal shards (foundations/flat.py's buckets); rank r keeps the optimizer state
-(stage 1) and the reduced gradient (stage 2) of shard r only, updates that shard (the inner
-optimizer on its fp32 masters: foundations/sharded_step.py), and all-gathers the parameters.
-A reduce-scatter plus an all-gather move what DDP's all-reduce moves, with gradients and parameters
-in one dtype: the memory saved costs no extra communication (but stage 2 reduce-scatters every
-micro-batch of an accumulated step). bf16 gradients reduced in fp32 (train.py's default) make the
-reduce-scatter twice the all-gather: 0.75x DDP's all-reduce, which is then fp32 too.
-Stage 1, then stage 2 as its delta. Left out: stage 3 (fsdp.py: the same FlatParams),
-ZeRO-Offload (zero_offload.py), ZeRO++.
+precision. ZeRO (Rajbhandari et al. 2020, sections 5.1 and 5.2) lays the parameters in flat
+buffers, the buckets of foundations/flat.py, each split into N equal shards. Rank r keeps the
+optimizer state (stage 1) and the reduced gradient (stage 2) of shard r only. It updates that
+shard with the inner optimizer on an fp32 master, then all-gathers the parameters.
+A reduce-scatter plus an all-gather move what DDP's all-reduce moves, when the gradients and the
+parameters share one dtype: the memory saved costs no extra communication. Stage 2 pays one
+reduce-scatter per micro-batch of an accumulated step. By default train.py reduces bf16
+gradients in fp32: the reduce-scatter then sends twice the all-gather's bytes, 0.75x DDP's
+all-reduce (in fp32 too).
+Stage 1, then stage 2 as its delta. Left out: stage 3 (fsdp.py, on the same flat buffers),
+ZeRO-Offload (extensions/zero_offload.py), ZeRO++.
 Run alone: torchrun --nproc_per_node 2 zero.py; test: python -m pytest tests/test_zero.py
 
 Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements per shard.
@@ -18,12 +19,14 @@ Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements p
 
 import contextlib
 import copy
+import math
 import os
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import clip_grads_with_norm_
 
-from foundations.comm import as_comm, ring_bytes
+from foundations.comm import as_comm
 from foundations.alone import start_alone
 from foundations.flat import ShardedBuckets
 from foundations.sharded_step import ShardedStep
@@ -37,104 +40,224 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
     bucket_mb: each flat buffer's size. reduce_dtype: the gradients' dtype on the wire and in
     the shard (None: the parameters'). mean_over: the gradient is the sum over group / this
     many ranks (None: the group's mean). A torch.optim.Optimizer: schedulers drive it.
-    Loop: zero_grad(); scale_loss(loss).backward(); this clip_grad_norm_ (torch's sees no reduced .grad); step().
-    Stage 1 accumulates full gradients in the buckets' flat buffers in the parameters' dtype
-    (param.grad is a view, as DDP's), reduce-scattered once, at step(), in reduce_dtype."""
+    Loop: zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) to clip; step().
+    Use this clip_grad_norm_: torch's sees no reduced gradient, only this rank's own.
+    Stage 1 accumulates whole gradients in the buckets' flat buffers, in the parameters' dtype
+    (param.grad is a view, as in DDP). It reduce-scatters them once, at step(), in reduce_dtype.
+    """
 
     stage = 1
-    keeps_whole_gradients = True        # flat.GradientSyncs: full buffers until the finish
+    keeps_whole_gradients = True     # foundations/flat.py's GradientSyncs: whole until the step
 
-    def __init__(self, params, optimizer_cls=torch.optim.AdamW, group=None, bucket_mb: float = 25,
-                 reduce_dtype: torch.dtype | None = None, mean_over: int | None = None,
-                 **optimizer_kwargs):
+    def __init__(self, params, optimizer_cls=torch.optim.AdamW, group=None,
+                 bucket_mb: float = 25, reduce_dtype: torch.dtype | None = None,
+                 mean_over: int | None = None, **optimizer_kwargs):
         self.comm, self.reduce_dtype = as_comm(group), reduce_dtype
         self.op, self.divide = ("avg", 1) if mean_over is None else ("sum", mean_over)
-        self.buckets = ShardedBuckets(params, self.comm, bucket_mb, "ZeroOptimizer")   # the trainable ones
-        # Rank r's share of the optimizer state: shard r of every bucket, 1/N of it (plus padding).
+        self.buckets = ShardedBuckets(params, self.comm, bucket_mb, "ZeroOptimizer")
+        # Rank r's share of the optimizer state: shard r of every bucket, 1/N of it (+ padding).
         for bucket in self.buckets:
-            shard = bucket.shard(bucket.flat, self.comm.rank)        # (S,) a view of the parameters
+            shard = bucket.shard(bucket.flat, self.comm.rank)     # (S,) a view of the parameters
             bucket.master = self._new_master(bucket, shard)
-        # The inner optimizer on those fp32 masters, and fp16's loss scale: this rank's step.
-        self.shard_step = ShardedStep(self, self.buckets, self.comm, optimizer_cls, optimizer_kwargs)
-        # What a mesh (mesh_optimizer.py), offload.py and the checkpoints read (FSDP's optimizer's too):
-        self.flats, self.masters, self.optimizer = self.buckets, self.shard_step.masters, self.shard_step.optimizer
-        self.device = self.shard_step.device          # where the gradient shards are
+        # The inner optimizer on those fp32 masters, fp16's loss scale, the checkpoints' side.
+        self.shard_step = ShardedStep(self, self.buckets, self.comm, optimizer_cls,
+                                      optimizer_kwargs)
+        self.flats, self.masters = self.buckets, self.shard_step.masters
+        self.optimizer = self.shard_step.optimizer          # the inner optimizer
+        self.device = self.shard_step.device               # where the gradient shards are
         self.last_grad_norm, self.last_step_skipped = None, False
-        self._release()        # how far the step got, none yet: _synced (reduced), _norm, _used (global_norm)
+        self._synced = False             # stage 1: reduced since the last gradient came
+        self._start_step()
         self._hook_gradients()
 
-    # ---- the step, as the lecture draws it ---------------------------------------------------
+    # ---- the step, as the lecture draws it -------------------------------------------------
 
+    @torch.no_grad()
     def step(self, closure=None):
-        """One call per phase, in order; each runs once a step (after clip_grad_norm_, 1-3 return at once)."""
+        """One ZeRO step, in the lecture's order. Phases 1-3 run once a step: when the loop
+        called clip_grad_norm_(max_norm) first, they ran there, and phase 4 clips by max_norm."""
         with torch.enable_grad():
             loss = None if closure is None else closure()
-        self.reduce_gradients()          # 1 reduce-scatter: this rank's (S,) shard of each bucket
-        self.unscale_gradients()         # 2 the shards / the loss scale, into the fp32 masters' .grad
-        norm_on_device = self.global_norm()    # 3 the shards' squares, one all-reduce: a tensor
-        # 4 clipping is clip_grad_norm_(max_norm)'s, if the loop called it: by this norm, already
-        norm, used = self.shard_step.read_decision(norm_on_device, self._used)   # 5 the one host read
-        self.update(norm, used)          # 6 inf/NaN: skip; else the inner step, 7 the all-gather
-        self.scaler.update(self.last_step_skipped)               # 8 the loss scale follows
+        self.reduce_gradients()        # 1 reduce-scatter: this rank's (S,) shard of each bucket
+        self.unscale_gradients()       # 2 each shard / the loss scale, as its fp32 master's .grad
+        norm = self.global_norm()      # 3 the shards' squares, one all-reduce: the whole norm
+        if self.max_norm is not None:
+            self.clip(self.max_norm, norm)    # 4 the masters' .grad times min(1, max_norm / norm)
+        # 5 The step's one device-to-host read: the norm (inf/NaN: skip), the used-flags with it.
+        if self._used is None:
+            norm, used = norm.item(), None
+        else:
+            norm, *used = torch.cat([norm.reshape(1), self._used.to(norm.dtype)]).tolist()
+        self.update(norm, used)          # 6 optimizer.step() on the masters, 7 the all-gather
+        self._follow_loss_scale()
         return loss
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Phases 1-3 of step(), then 4: the masters' .grad scaled by min(1, max_norm / norm).
+        """Phases 1-3 of step() now; step() then clips by min(1, max_norm / norm) (phase 4).
         Returns the norm before clipping, a device tensor (no host read: step() makes it)."""
         self.shard_step.check_max_norm(max_norm)
+        self.max_norm = max_norm
         self.reduce_gradients()
         self.unscale_gradients()
-        self.clip(max_norm, self.global_norm())
-        return self._norm
+        return self.global_norm()
 
     @torch.no_grad()
     def update(self, norm: float, used: list | None = None):
-        """Phases 6 and 7, given the host read (step()'s, or a composition's, mesh_optimizer.py):
-        the norm as a float, not finite -> skip the step; the used-flags as a list."""
+        """Phases 6 and 7, given the host read (step()'s, or a mesh's): the norm as a float, the
+        used-flags as a list (None: every parameter was used). Not finite: skip the step."""
         self.last_grad_norm = norm                       # before clipping; inf/NaN if skipped
-        self.last_step_skipped = not self.shard_step.step(norm, used)     # unused parameters kept
+        self.last_step_skipped = not math.isfinite(norm)
         if not self.last_step_skipped:
-            self.all_gather_parameters()
+            with self._unused_parameters_unchanged(used):
+                self.optimizer.step()          # 6 the inner optimizer on the (S,) fp32 masters
+            self.all_gather_parameters()       # 7 every rank's updated shard to every rank
         self._release()
 
-    # ---- the phases, public: a composition (mesh_optimizer.py) runs them with its own norm ---
+    def zero_grad(self, set_to_none: bool = True):
+        """Forget this step's gradients. Stage 1's .grad are views into flat buffers it keeps for
+        the next backward (as DDP's gradient_as_bucket_view): zeroed whatever set_to_none says."""
+        for bucket in self.buckets:
+            bucket.grad_shard = bucket.master.grad = None
+            bucket.used = [False] * len(bucket.params)
+            if bucket.grad_flat is not None:
+                bucket.grad_flat.zero_()
+        self._release()
 
-    def gradient_shards(self) -> list:                      # each bucket's (S,) shard, or None
-        return [b.grad_shard for b in self.buckets]
+    # ---- the phases, public: a mesh (composition/mesh_optimizer.py) runs them with its norm -
+
+    def reduce_gradients(self):
+        """Phase 1: reduce-scatter every bucket's whole gradient and keep this rank's shard.
+        Once a step: after the last backward (the loop's, a pipeline's), or at step()."""
+        if self._synced:
+            return
+        self._synced = True
+        self._gradients_into_buckets()
+        # In bucket order, a few in flight at most (foundations/flat.py's InOrder): the copies
+        # cast for the wire are bounded too, never a second whole gradient in fp32.
+        order = self.buckets.in_order(self._launch_reduction, self._finish_reduction)
+        for bucket in self.buckets:
+            order.ready(bucket)
+        order.wait_all()
+
+    def _launch_reduction(self, bucket):
+        wire = bucket.grad_flat.to(self.reduce_dtype or bucket.grad_flat.dtype)   # (N*S,)
+        output = wire.new_empty(bucket.shard_numel)                              # (S,)
+        handle = self.comm.reduce_scatter(output, wire, op=self.op, async_op=True)
+        return handle, output, wire                     # the wire is kept until the wait
+
+    def _finish_reduction(self, bucket, started):
+        """Wait for a bucket's reduce-scatter and keep this rank's shard (the whole gradient
+        stays, for the next micro-batch's backward to add into)."""
+        handle, output, _ = started
+        handle.wait()
+        bucket.grad_shard = output.div_(self.divide) if self.divide != 1 else output
+
+    def gradient_shards(self) -> list:                 # each bucket's (S,) shard, or None
+        return [bucket.grad_shard for bucket in self.buckets]
 
     def unscale_gradients(self) -> list:
-        """Phase 2: each bucket's gradient shard / the loss scale, in fp32, as its master's .grad
-        (or None); after phase 1, which it runs if not yet done (a composition calls it alone)."""
+        """Phase 2, once a step (after phase 1, run here if need be): each gradient shard / the
+        loss scale, in fp32, as its master's .grad. The upcast comes first: divided in fp16,
+        the small gradients the scale rescued would underflow again.
+        Returns the masters' .grad (None where a bucket has no shard)."""
         self.reduce_gradients()
-        return self.shard_step.unscale(self.gradient_shards())
+        if not self._unscaled:
+            self._unscaled, scale = True, self.scaler.scale
+            for bucket in self.buckets:
+                grad, master = bucket.grad_shard, bucket.master
+                if grad is None:
+                    continue
+                if master.grad is not grad:
+                    master.grad = grad.to(master.dtype)          # (S,) fp32: an fp32 grad itself
+                if scale != 1.0:
+                    master.grad.div_(scale)
+        return [b.master.grad if b.grad_shard is not None else None for b in self.buckets]
 
     def global_norm(self) -> torch.Tensor:
-        """Phase 3, once a step: sqrt(the shards' squares summed over the group), a device scalar,
-        the whole norm on every rank (the shards are disjoint); the used-flags' all-reduce beside it."""
+        """Phase 3, once a step: the squares of this rank's shards, summed over the ranks in one
+        all-reduce (the shards are disjoint), then the root: a device scalar, the same on every
+        rank. The used-flags' all-reduce runs beside it."""
         if self._norm is None:
-            self._used, agree = self.launch_used_flags()
-            squares = self.shard_step.squares(self.norm_pieces())     # (1,) this rank's sum
+            used, wait_for_flags = self.launch_used_flags()
+            squares = torch.zeros(1, dtype=self.masters[0].dtype, device=self.device)   # (1,)
+            for piece, weight in self.norm_pieces():
+                squares += piece.to(squares.dtype).pow(2).sum() * weight
             if self.comm.world_size > 1:
                 self.comm.all_reduce(squares, op="sum")
-            agree()
-            self._norm = squares.sqrt()[0]
+            wait_for_flags()
+            self._norm, self._used = squares.sqrt()[0], used
         return self._norm
 
     def norm_pieces(self, weight_of=None) -> list:
-        """[(a run of a gradient shard, weight_of(param, 1), default 1)]: what the norm sums."""
-        return self.shard_step.pieces(self.unscale_gradients(), weight_of)   # phase 2's, run already
+        """[(a run of a gradient shard, its weight)]: what the norm sums, the padding left out.
+        A weight is weight_of(param, 1), default 1: a mesh counts a tensor-parallel copy once."""
+        return self.shard_step.pieces(self.unscale_gradients(), weight_of)
 
-    def launch_used_flags(self) -> tuple:      # (did any rank use each parameter: flags, or None), agree()
+    def clip(self, max_norm: float, norm: torch.Tensor):
+        """Phase 4: the masters' .grad times min(1, max_norm / norm) (torch's, given the norm)."""
+        grads = self.unscale_gradients()
+        clip_grads_with_norm_([b.master for b, g in zip(self.buckets, grads) if g is not None],
+                              max_norm, norm)
+
+    def all_gather_parameters(self):
+        """Phase 7: each rank's updated shard, rounded into the model's dtype, to every rank."""
+        gathers = []
+        for bucket in self.buckets:
+            shard = bucket.shard(bucket.flat, self.comm.rank)          # (S,) a view
+            if bucket.master is not shard:
+                self._master_into_model(shard, bucket.master)
+            # Sent from a copy: the output buffer holds the shard, and the two must not alias.
+            gathers.append(self.comm.all_gather(bucket.flat, shard.clone(), async_op=True))
+        for handle in gathers:
+            handle.wait()
+
+    # ---- corner cases, after the core -------------------------------------------------------
+
+    def launch_used_flags(self) -> tuple:
+        """Unused parameters: one that no rank used must not move, so the ranks OR their "used"
+        flags, launched beside the norm's all-reduce. Returns ((P,) flags, or None where this
+        rank used every parameter; a function that waits for them)."""
         return self.shard_step.launch_used_flags()
 
-    def clip(self, max_norm: float, norm: torch.Tensor):     # phase 4: the shards times min(1, max_norm / norm)
-        self.shard_step.clip(max_norm, norm, self.unscale_gradients())
+    @contextlib.contextmanager
+    def _unused_parameters_unchanged(self, used: list | None):
+        """Unused parameters: torch's optimizers skip a parameter whose .grad is None, but its
+        slice of a shard holds zeros, which AdamW would still decay. So those elements of the
+        master and of the moments are put back. (The shard's step count still advances.)
+        used: the P flags read on the host; None, every parameter was used."""
+        flags, saved = iter(used or []), []
+        for bucket in self.buckets if used is not None else []:
+            master, unused = bucket.master, [not next(flags) for _ in bucket.params]
+            state = self.optimizer.state.get(master, {})
+            for i, start, stop, offset in bucket.shard_ranges(self.comm.rank):
+                if unused[i]:
+                    kept = slice(offset, offset + stop - start)      # params[i]'s run of the shard
+                    moments = {k: v[kept].clone() for k, v in state.items()
+                               if torch.is_tensor(v) and v.shape == master.shape}
+                    saved.append((master, kept, master[kept].clone(), moments))
+        yield
+        for master, kept, values, moments in saved:
+            master[kept] = values
+            for key, v in self.optimizer.state[master].items():
+                if torch.is_tensor(v) and v.shape == master.shape:
+                    v[kept] = moments.get(key, 0)     # made by this step: zero, as if unmade
 
-    # ---- the mechanics: stage 1's buffers, the reduce-scatter, the all-gather -----------------
+    def _follow_loss_scale(self):
+        """fp16's loss scale (mixed_precision.py): a skipped step (inf/NaN) shrinks it, a run of
+        clean ones grows it. Disabled in bf16 and fp32: the scale stays 1."""
+        self.scaler.update(self.last_step_skipped)
 
     def _new_master(self, bucket, shard: torch.Tensor) -> torch.Tensor:
-        """The (S,) tensor the inner optimizer updates: fp32 (in fp32, fp64: the shard itself)."""
+        """Offload's host masters: the (S,) tensor the inner optimizer updates, fp32 (fp64: the
+        shard itself). extensions/zero_offload.py overrides it to keep it in host memory."""
         return shard if shard.dtype in (torch.float32, torch.float64) else shard.float()
+
+    def _master_into_model(self, shard: torch.Tensor, master: torch.Tensor):
+        """Offload's host masters: round the fp32 master into the model's (16-bit) shard, before
+        its all-gather. extensions/zero_offload.py overrides it with a copy from the host."""
+        shard.copy_(master)
+
+    # ---- stage 1's gradients: whole, in the buckets' flat buffers ---------------------------
 
     def _hook_gradients(self):
         """Gradients accumulate straight into each bucket's flat buffer: param.grad is a view."""
@@ -148,120 +271,65 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         self.buckets[b].used[i] = True
         self._synced = False                                   # a gradient came: reduce again
 
-    no_sync = contextlib.nullcontext     # stage 1 keeps whole gradients until its finish anyway
+    no_sync = contextlib.nullcontext     # stage 1 keeps whole gradients until the step anyway
 
-    def finish_gradient_sync(self):          # flat.GradientSyncs' name for reduce_gradients
+    def finish_gradient_sync(self):      # GradientSyncs' name for reduce_gradients
         self.reduce_gradients()
 
-    def reduce_gradients(self):
-        """Reduce-scatter every bucket's full gradient, keep this rank's shard: once a step, after
-        the last backward (the loop's, a pipeline's) or at step(), whichever comes first."""
-        if self._synced:
-            return
-        self._synced = True
-        for bucket in self.buckets:   # a .grad re-created (zero_grad(set_to_none), autograd): a view again
+    def _gradients_into_buckets(self):
+        """A .grad made anew (zero_grad(set_to_none) in a caller, autograd after .grad = None)
+        is no view of the bucket: copy it in, and make .grad a view again."""
+        for bucket in self.buckets:
             for p, view in zip(bucket.params, bucket.views(bucket.grad_flat)):
                 if p.grad is None:
                     view.zero_()
                 elif p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                 p.grad = view
-        # In bucket order, a few in flight (in_order's cap): the upcast copies on the wire are
-        # bounded too, not one per bucket at once (a second whole gradient in fp32).
-        order = self.buckets.in_order(self._launch_reduction, self._retire)
-        for bucket in self.buckets:
-            order.ready(bucket)
-        order.wait_all()
-
-    def _launch_reduction(self, bucket):
-        wire = bucket.grad_flat.to(self.reduce_dtype or bucket.grad_flat.dtype)   # (N*S,) itself, or cast
-        output = wire.new_empty(bucket.shard_numel)                              # (S,)
-        return self.comm.reduce_scatter(output, wire, op=self.op, async_op=True), output, wire  # wire kept till waited
-
-    def _retire(self, bucket, started):
-        """Wait for a bucket's reduce-scatter and keep this rank's shard (the full gradient stays)."""
-        handle, output, _ = started
-        handle.wait()
-        bucket.grad_shard = output.div_(self.divide) if self.divide != 1 else output
-
-    def all_gather_parameters(self):
-        """Each rank's updated shard, rounded into the model's dtype, to every rank."""
-        gathers = []
-        for bucket in self.buckets:
-            shard = bucket.shard(bucket.flat, self.comm.rank)
-            if bucket.master is not shard:
-                self._master_into_model(shard, bucket.master)          # (S,) rounded
-            gathers.append(self.comm.all_gather(bucket.flat, shard.clone(), async_op=True))  # no aliasing
-        for handle in gathers:
-            handle.wait()
-
-    def _master_into_model(self, shard: torch.Tensor, master: torch.Tensor):
-        """Round the fp32 master into the model's (16-bit) shard, before its all-gather."""
-        shard.copy_(master)
-
-    def refresh_params(self):                # the masters were written (a checkpoint): the model follows
-        self.all_gather_parameters()
 
     def _release(self):
-        # Stage 1 drops the shard too: the next reduce recomputes it from the full gradient it keeps.
+        """After a step or zero_grad(): stage 1 drops the shards and the masters' .grad (the next
+        reduce recomputes them from the whole gradients it keeps). The next step starts over."""
         for bucket in self.buckets:
             bucket.grad_shard = bucket.master.grad = None
-        self._synced, self._norm, self._used = False, None, None
-        self.shard_step.new_step()
+        self._synced = False
+        self._start_step()
 
-    def zero_grad(self, set_to_none: bool = True):
-        """Forget this step's gradients. Stage 1's .grad are views into flat buffers it keeps for
-        the next backward (as DDP's gradient_as_bucket_view): zeroed whatever set_to_none says."""
-        for bucket in self.buckets:
-            bucket.grad_shard = bucket.master.grad = None
-            bucket.used = [False] * len(bucket.params)
-            if bucket.grad_flat is not None:
-                bucket.grad_flat.zero_()
-        self._release()
+    def _start_step(self):
+        self._unscaled, self._norm, self._used, self.max_norm = False, None, None, None
 
-    # ---- bookkeeping: what the meters ask (the loop's, a mesh's and the checkpoints' questions:
-    # ShardedStep.Owner, which asks self.shard_step) ------------------------------------------------
+    def refresh_params(self):           # the masters were written (a checkpoint): the model follows
+        self.all_gather_parameters()
 
-    def host_tensors(self) -> list[torch.Tensor]:   # none here (offload.py's step keeps the masters there)
+    # ---- bookkeeping: what the meters ask (the checkpoints' questions: ShardedStep.Owner) ---
+
+    def host_tensors(self) -> list[torch.Tensor]:     # none (ZeRO-Offload keeps the masters there)
         return []
 
     def gradient_buffers(self) -> list[torch.Tensor]:
-        """The gradient memory this rank holds: full flat buffers (stage 1) or shards (stage 2)."""
+        """The gradient memory this rank holds: whole flat buffers (stage 1) or shards (stage 2)."""
         return [t for b in self.buckets for t in (b.grad_flat, b.grad_shard) if t is not None]
-
-    def reductions_per_step(self, micro_batches: int) -> int:
-        """Stage 1 reduce-scatters once a step, whatever the gradient accumulation."""
-        return 1
-
-    def bytes_per_step(self, micro_batches: int = 1) -> int:
-        """Bytes this rank sends per step (ring): reduce-scatter + all-gather of every bucket, each
-        (N-1)/N of it: DDP's 2(N-1)/N (plus the norm's one fp32 number and the used-flags)."""
-        reductions, n = self.reductions_per_step(micro_batches), self.comm.world_size
-        wire = lambda b: (self.reduce_dtype or b.flat.dtype).itemsize        # the gradient's bytes
-        return self.buckets.flags_and_norm_bytes() + sum(
-            reductions * ring_bytes("reduce_scatter", b.flat.numel(), wire(b), n)
-            + ring_bytes("all_gather", b.flat.numel(), b.flat.element_size(), n) for b in self.buckets)
 
 
 class Zero2Optimizer(ZeroOptimizer):
     """ZeRO-2: ZeRO-1, but each bucket is reduce-scattered the moment backward fills it, and its
-    full gradient freed: a rank holds whole gradients only for the buckets in flight, then its 1/N
-    shards. The price: with gradient accumulation every micro-batch reduce-scatters (no full
+    whole gradient freed: a rank holds whole gradients only for the buckets in flight, then its
+    1/N shards. The price: with gradient accumulation every micro-batch reduce-scatters (no whole
     buffer is kept to add the next one into), where DDP and ZeRO-1 reduce once a step."""
 
-    stage, keeps_whole_gradients = 2, False     # each bucket reduced and freed as backward fills it
-    syncing, _unreduced = True, False           # False / True under no_sync(): gradients wait in .grad
+    stage, keeps_whole_gradients = 2, False     # each bucket reduced and freed in backward
+    syncing, _unreduced = True, False     # False, True under no_sync(): gradients wait in .grad
 
     #   backward   | grads of bucket 0 | grads of bucket 1 | grads of bucket 2 |
     #   network                        |= reduce-scatter 0 =|= reduce-scatter 1 =|= 2 =|
-    #   memory       full buffers only for the bucket filling, a few in flight (in_order's cap); then shards
+    #   memory     whole buffers only for the buckets filling or in flight (InOrder's cap); shards
 
     def _hook_gradients(self):
-        self._order = self.buckets.in_order(self._launch_reduction, self._retire)
+        self._order = self.buckets.in_order(self._launch_reduction, self._finish_reduction)
         self._backward_hooked = False             # end-of-backward callback queued?
         for bucket in self.buckets:
             bucket.grad_flat = None                   # allocated while a bucket is in flight
-        self.buckets.hook_gradients(self._gradient_ready)   # _gradient_ready(b, i) after each gradient
+        self.buckets.hook_gradients(self._gradient_ready)   # _gradient_ready(b, i) each gradient
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -283,15 +351,16 @@ class Zero2Optimizer(ZeroOptimizer):
         self._take(b, i)
 
     def _take(self, b: int, i: int):
-        """Parameter i's gradient copied into bucket b's buffer (in reduce_dtype) and freed; the bucket
-        goes once full. The buffer lives until its reduce-scatter retires: peak memory is those in flight."""
+        """Parameter i's gradient copied into bucket b's buffer (in reduce_dtype) and freed; the
+        bucket goes once full. The buffer lives until its reduce-scatter is waited for: the peak
+        memory is the buckets in flight."""
         bucket = self.buckets[b]
         if bucket.grad_flat is None:                                   # (N*S,)
             bucket.grad_flat = torch.zeros_like(bucket.flat, dtype=self.reduce_dtype)
         bucket.view(bucket.grad_flat, i).copy_(bucket.params[i].grad)
-        bucket.params[i].grad = None                 # before the reduction: the full gradient is gone
+        bucket.params[i].grad = None           # before the reduction: the whole gradient is gone
         bucket.used[i] = True
-        bucket.pending -= 1                          # FlatParams': gradients yet to come this backward
+        bucket.pending -= 1                    # FlatParams': gradients yet to come this backward
         if bucket.pending == 0:
             self._order.ready(bucket)
 
@@ -301,12 +370,13 @@ class Zero2Optimizer(ZeroOptimizer):
         output = bucket.grad_flat.new_empty(bucket.shard_numel)          # (S,)
         return self.comm.reduce_scatter(output, bucket.grad_flat, op=self.op, async_op=True), output
 
-    def _retire(self, bucket, started):
-        """Wait for a bucket's reduce-scatter, keep the shard, free the full gradient."""
+    def _finish_reduction(self, bucket, started):
+        """Wait for a bucket's reduce-scatter, add its shard to the step's, free the gradient."""
         handle, output = started
         handle.wait()
         output = output.div_(self.divide) if self.divide != 1 else output
-        bucket.grad_shard = output if bucket.grad_shard is None else bucket.grad_shard.add_(output)  # accumulating
+        # Accumulating: each micro-batch's shard adds to the earlier ones'.
+        bucket.grad_shard = output if bucket.grad_shard is None else bucket.grad_shard.add_(output)
         bucket.grad_flat = None
         bucket.pending = len(bucket.params)
 
@@ -328,17 +398,12 @@ class Zero2Optimizer(ZeroOptimizer):
         self._unreduced = False
 
     def _release(self):
-        # Unlike stage 1's, the shard stays until zero_grad() (all that is left of the gradient);
-        # the master's .grad goes unless the unscale made it the shard itself (an fp32 shard).
+        # Unlike stage 1's, the shard stays until zero_grad(): all that is left of the gradient.
+        # The master's .grad goes, unless the unscale made it the shard itself (an fp32 shard).
         for bucket in self.buckets:
             if bucket.master.grad is not bucket.grad_shard:
                 bucket.master.grad = None
-        self._norm, self._used = None, None
-        self.shard_step.new_step()
-
-    def reductions_per_step(self, micro_batches: int) -> int:
-        """One reduce-scatter per micro-batch: ZeRO-2 sends more than DDP under accumulation."""
-        return micro_batches
+        self._start_step()
 
 
 if __name__ == "__main__":
@@ -351,20 +416,22 @@ if __name__ == "__main__":
         one = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
         model, whole = copy.deepcopy(one), torch.optim.AdamW(one.parameters(), lr=1e-2)
         ours = cls(model.parameters(), group=world, bucket_mb=0.004, lr=1e-2)
-        rows = slice(world.rank * 8, (world.rank + 1) * 8)               # 8 rows each: equal means
+        rows = slice(world.rank * 8, (world.rank + 1) * 8)           # 8 rows each: equal means
         for _ in range(5):
-            x, y = torch.randn(8 * world.world_size, 8), torch.randn(8 * world.world_size, 4)   # every rank's
+            n = 8 * world.world_size
+            x, y = torch.randn(n, 8), torch.randn(n, 4)                 # every rank's rows
             for net, opt, r in ((model, ours, rows), (one, whole, slice(None))):
                 opt.zero_grad()
                 torch.nn.functional.mse_loss(net(x[r]), y[r]).backward()
                 opt.step()
-        difference = max((a - b).abs().max().item() for a, b in zip(model.parameters(), one.parameters()))
-        held = sum(t.numel() for t in ours.state_tensors())           # master shards, moments
-        every = sum(3 * p.numel() for p in one.parameters())            # weights, 2 moments
+        difference = max((a - b).abs().max().item()
+                          for a, b in zip(model.parameters(), one.parameters()))
+        held = sum(t.numel() for t in ours.state_tensors())         # master shards, moments
+        every = sum(3 * p.numel() for p in one.parameters())          # weights, 2 moments
         failed |= not difference <= 1e-5
         if world.rank == 0:
-            print(f"ZeRO-{stage}: rank 0 holds {held} of the {every} elements of fp32 weights and Adam moments "
-                  f"(1/{world.world_size}, plus padding) | max |difference| from one process: {difference:.1e} "
-                  f"(bound 1e-05: fp32 sums reordered)", flush=True)
+            print(f"ZeRO-{stage}: rank 0 holds {held} of the {every} elements of fp32 weights and "
+                  f"Adam moments (1/{world.world_size}, plus padding) | max |difference| from one "
+                  f"process: {difference:.1e} (bound 1e-05: fp32 sums reordered)", flush=True)
     dist.destroy_process_group()
     os._exit(int(failed))  # at once: gloo's threads may still hold tensors (exit_distributed)

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 
 import torch
 
-from foundations.comm import ring_bytes
 from foundations.flat import GradientSyncs
 from foundations.inner_optimizer import (check_max_norm, read_decision, refuse_new_groups,
                                          run_closure)
@@ -226,9 +225,3 @@ class MeshOptimizer(torch.optim.Optimizer):
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in getattr(p, "gradient_buffers", list)()]
-
-    def bytes_per_step(self, micro_batches: int = 1) -> int:
-        """The ZeRO parts' bytes, the norm's one number counted once (the first part's group)."""
-        return sum(p.bytes_per_step(micro_batches) for p in self.parts) - sum(
-            ring_bytes("all_reduce", 1, self.masters[0].element_size(), p.comm.world_size)
-            for p in self.parts[1:])

@@ -30,7 +30,7 @@ from extensions.fsdp_frozen import FrozenBaseFSDP
 from extensions.fsdp_hybrid import HSDP
 from extensions.fsdp_offload import OffloadedFSDP
 from napkin.memory_math import mesh_params, run_state_bytes
-from napkin.sent import pipeline_bytes_per_step
+from napkin.sent import pipeline_bytes_per_step, zero_bytes_per_step
 from composition.mesh_checks import mesh_splits, moe_config, stage_layers
 from composition.mesh_optimizer import on_mesh, partition
 from foundations.dtypes import master_dtype
@@ -146,7 +146,7 @@ def data_parallel(gpt, args, data, device, adamw: dict):
         sent = model.bytes_per_step(micro_batches=args.grad_accum)
         held = run_state_bytes(gpt, "zero3", args, data.world_size, shard_group=S)
     else:
-        sent = optimizer.bytes_per_step(micro_batches=args.grad_accum)
+        sent = zero_bytes_per_step(optimizer, micro_batches=args.grad_accum)
         held = run_state_bytes(gpt, args.strategy, args, data.world_size)
     return model, optimizer, sent + exchange_bytes(gpt, args, data.world_size), held
 
@@ -305,7 +305,7 @@ def predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer
     if data.world_size > 1:
         sent["dp"] = (replicas.bytes_per_step() if strategy is ddp else
                       replicas.bytes_per_step(micro, gathered_for_step="pp" in splits) if strategy is fsdp else
-                      optimizer.bytes_per_step(micro_batches=1 if held_all else backwards))
+                      zero_bytes_per_step(optimizer, 1 if held_all else backwards))
     # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
     # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
     # with experts, whose layers mesh_params does not price: what this rank holds, its experts).

@@ -3,10 +3,11 @@
 ZeRO-Offload (Ren et al. 2021, section 4) keeps each rank's shard of the fp32 master and the
 optimizer state in host memory and runs the step there: the device holds only the parameters
 and the gradient shards; each step a gradient shard crosses to the host and its updated master
-back. This file is that delta on the sharded step (zero.py's, fsdp_optimizer.py's): pinned host
-buffers, the copies between host and device, and a step whose norm, used-flags and gradients
-reach the host in one wait (OffloadedStep). zero.py (ZeRO-Offload on stage 1 or 2) and FSDP (fsdp_optimizer.py's
-offload, fsdp_offload.py's of its parameters) use it.
+back. This file is that delta on the sharded step (zero.py's, mechanics/fsdp_optimizer.py's):
+pinned host buffers, the copies between host and device, and a step whose norm, used-flags and
+gradients reach the host in one wait (OffloadedStep). ZeRO-Offload on stage 1 or 2
+(extensions/zero_offload.py) and FSDP (mechanics/fsdp_optimizer.py's offload, and
+extensions/fsdp_offload.py's of its parameters) use it.
 Left out: the paper's one-step delayed update and its vectorised CPU Adam (torch's own runs).
 Test: python -m pytest tests/test_zero.py -k offload
 
@@ -32,7 +33,7 @@ def host_buffer(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
 
 def lock_pages(t: torch.Tensor):
     """Pin t's own memory where it is (cudaHostRegister), until its storage is freed: exactly its
-    bytes, as memory.py counts them. torch.empty(..., pin_memory=True) would take a block of
+    bytes, as napkin/memory.py counts them. torch.empty(..., pin_memory=True) would take a block of
     torch's caching host allocator, rounded up to a power of two: up to twice the bytes, for
     buffers held the whole run. (Copies from registered memory run asynchronously too.)"""
     if t.nbytes == 0:
@@ -70,13 +71,14 @@ def gradients_to_host(grads: list, buffers: list) -> list:
 
 
 class OffloadedStep:
-    """The sharded step with its masters in host memory, mixed into a sharded optimizer (zero.py's
-    ZeroOptimizer by zero_offload.py, fsdp_optimizer.py's FSDPOptimizer): each flat's `master`
-    (S,) fp32 and the inner optimizer's state live on the host, beside `host_grad`, the (S,) fp32
-    host buffer its reduced gradient is copied into; the inner optimizer (torch's) steps there.
-    The norm is taken on the device, where the gradient shards are (and NCCL reduces), and copied
-    to the host with them: one wait for all, the step's one host sync; then clipping and the
-    inf/NaN check read host memory only. offload: True for ZeRO-Offload; FSDP decides per instance."""
+    """The sharded step with its masters in host memory, mixed into a sharded optimizer: zero.py's
+    (by extensions/zero_offload.py) or mechanics/fsdp_optimizer.py's FSDPOptimizer.
+    Each flat's `master` (S,) fp32 and the inner optimizer's state live on the host, beside
+    `host_grad`, the (S,) fp32 host buffer its reduced gradient is copied into. The inner
+    optimizer (torch's) steps there. The norm is taken on the device, where the gradient shards
+    are (and NCCL reduces), and copied to the host with them: one wait for all, the step's one
+    host sync. Clipping and the inf/NaN check then read host memory only.
+    offload: True for ZeRO-Offload; FSDP decides per instance."""
 
     offload = True
     _decision_host = None   # the norm and flags land here, beside the gradients
@@ -107,7 +109,8 @@ class OffloadedStep:
         """This rank's gradient shards and decision (the norm, maybe the flags: (1,) or (1 + P,))
         to host memory in one wait, the shards unscaled there into the masters' .grad; returns
         the decision, on the host."""
-        shards = [(flat, grad) for flat, grad in zip(self.flats, self.gradient_shards()) if grad is not None]
+        shards = [(flat, grad) for flat, grad in zip(self.flats, self.gradient_shards())
+                  if grad is not None]
         if self._decision_host is None or self._decision_host.numel() < decision.numel():
             flags = sum(len(flat.params) for flat in self.flats)
             self._decision_host = host_buffer(decision.new_empty(max(1 + flags, decision.numel())))

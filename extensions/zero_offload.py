@@ -1,9 +1,10 @@
 """ZeRO-Offload on either ZeRO stage, and ZeRO as the command line names it (zero_optimizer).
 
 ZeRO-Offload (Ren et al. 2021, section 4) keeps each rank's shard of the fp32 master and the
-Adam moments in host memory and runs the step on the CPU (offload.py's OffloadedStep); the
-device keeps the parameters and the gradients (stage 1's full buffers, stage 2's shards), as
-without it. A delta on zero.py's optimizers, from outside: zero.py knows nothing of it.
+Adam moments in host memory and runs the step on the CPU (extensions/offload.py's
+OffloadedStep). The device keeps the parameters and the gradients (stage 1's whole buffers,
+stage 2's shards), as without it. A delta on zero.py's optimizers: it overrides the two methods
+zero.py leaves for it (_new_master, _master_into_model) and OffloadedStep's phases of the step.
 Test: python -m pytest tests/test_zero.py -k offload
 """
 import torch
@@ -14,7 +15,8 @@ from zero import Zero2Optimizer, ZeroOptimizer
 
 
 class ZeroOffload(OffloadedStep):
-    """Each bucket's master shard on the host; the updated shard crosses back before its all-gather."""
+    """Each bucket's master shard on the host; the updated shard crosses back before its
+    all-gather."""
 
     def _new_master(self, bucket: Bucket, shard: torch.Tensor) -> torch.Tensor:
         return self._host_master(bucket, shard)                          # (S,) fp32, on the host

@@ -199,6 +199,7 @@ class Bucket(FlatParams):
         self.grad_shard = None    # (S,) this rank's reduced gradient, in the reduce dtype
         # grad_flat (FlatParams): stage 1 keeps it always, stage 2 only while in flight
         self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
+        self.host_grad = None     # (S,) fp32, on the host: ZeRO-Offload copies grad_shard here
 
 
 def parameters_only(params, who: str) -> list:

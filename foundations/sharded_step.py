@@ -5,8 +5,10 @@ Once every rank holds its shard of each reduced gradient, ZeRO (zero.py) and FSD
 gradient shards / the loss scale into the fp32 masters' .grad, the squares of the shards (the
 global norm, once the caller has summed them over its ranks), the step's one host read, then the
 inner optimizer on the masters, or nothing if the norm is inf/NaN. ShardedStep is that half,
-which both compose; each writes its own reduce-scatter, the norm's all-reduce over its groups,
-and what follows the step (ZeRO's all-gather; FSDP's next forward gathers).
+which FSDP's optimizer composes; it writes its own reduce-scatter, the norm's all-reduce over its
+groups, and leaves the gathers to the next forward. zero.py writes the same half out in its
+step(), the lecture's, and composes ShardedStep only for the inner optimizer, the loss scale,
+the used-flags' launch, a mesh's norm pieces and the checkpoints.
 Test: python -m pytest tests/test_zero.py tests/test_fsdp.py
 
 Shapes: N ranks, S elements per shard, P parameters in the flats.

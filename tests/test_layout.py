@@ -87,7 +87,7 @@ def test_a_concept_file_imports_at_most_three_project_modules(concept):
 # What a concept file uses from other project files besides the (at most three) names its algorithm
 # is followed with: bookkeeping a reader skips (bytes on the wire, a check of the user's input, the
 # group argument made a Comm) and its demonstration's setup. Each named: a new name is a decision.
-BESIDE_THE_ALGORITHM = {"ddp": {"ring_bytes", "check_same_parameters", "as_comm"}, "zero": {"ring_bytes"},
+BESIDE_THE_ALGORITHM = {"ddp": {"ring_bytes", "check_same_parameters", "as_comm"},
                         # a checkpoint's state_dict and the meters' question: every optimizer's
                         "mixed_precision": {"as_comm", "refuse_new_groups", "optimizer_state",
                                             "load_optimizer_state", "element_state"},
@@ -174,15 +174,38 @@ def test_every_concept_file_has_a_test_in_the_quick_tier():
 
 
 def test_zero_and_fsdp_compose_one_sharded_step():
-    """ZeRO's optimizer and FSDP's both compose foundations/sharded_step.py's ShardedStep and write
-    none of its step again: no unscaling, norm pieces, finite check, kept-unchanged ranges or inner
-    optimizer wrapping of their own (each still writes its own collectives)."""
+    """FSDP's optimizer composes foundations/sharded_step.py's ShardedStep and writes none of its
+    step again: no unscaling, norm pieces, finite check, kept-unchanged ranges or inner optimizer
+    wrapping of its own. ZeRO's step() is the lecture's, in zero.py itself: its body, or the
+    zero.py methods it reaches, calls the reduce-scatter, the norm's all-reduce, the clip, the
+    inner optimizer's step and the all-gather, and no phase of ShardedStep's step."""
     step_only = {"unscale_grads", "shard_pieces", "squares_of", "keep_unchanged", "unused_ranges",
                  "isfinite", "wrap_inner", "clip_grads_with_norm_", "ShardBookkeeping"}
-    for module in ("zero", "mechanics.fsdp_optimizer"):
-        tree = ast.parse(_path(module).read_text())
-        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
-                {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
-                {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-        assert "ShardedStep" in names, f"{module} should compose foundations/sharded_step.py's ShardedStep"
-        assert not names & step_only, f"{module} repeats the sharded step: {sorted(names & step_only)}"
+    tree = ast.parse(_path("mechanics.fsdp_optimizer").read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+            {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
+            {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert "ShardedStep" in names, "fsdp_optimizer should compose sharded_step.py's ShardedStep"
+    assert not names & step_only, f"fsdp_optimizer repeats ShardedStep: {sorted(names & step_only)}"
+
+    tree = ast.parse(_path("zero").read_text())
+    zero = next(c for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "ZeroOptimizer")
+    methods = {f.name: f for f in zero.body if isinstance(f, ast.FunctionDef)}
+    reached, todo = set(), ["step"]          # step() and the methods of self it names, onwards
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo += [n.attr for n in ast.walk(methods[name]) if isinstance(n, ast.Attribute)
+                     and ast.unparse(n.value) == "self" and n.attr in methods]
+    calls = [n.func for name in reached for n in ast.walk(methods[name])
+             if isinstance(n, ast.Call)]
+    called = {f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None) for f in calls}
+    for name in ("reduce_scatter", "all_reduce", "clip_grads_with_norm_", "all_gather"):
+        assert name in called, f"ZeroOptimizer.step() reaches no {name}: {sorted(reached)}"
+    assert "self.optimizer.step" in {ast.unparse(f) for f in calls}, \
+        "ZeroOptimizer.step() should call the inner optimizer's step() itself"
+    through = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+               and ast.unparse(n.value) == "self.shard_step"}
+    phases = {"unscale", "squares", "read_decision", "clip", "step", "new_step"}
+    assert not through & phases, f"zero.py steps through ShardedStep: {sorted(through & phases)}"

@@ -22,6 +22,7 @@ from test_zero import FP64_ATOL
 from test_fsdp import _Plain
 from zero import Zero2Optimizer
 from extensions.zero_offload import zero_optimizer
+from napkin.sent import zero_bytes_per_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -506,8 +507,8 @@ def _reduced_gradients():
                                         want.pow(2).sum()])
             dist.all_reduce(squares)
             optimizer.step()
-            formula = model.bytes_per_step() if strategy == "ddp" else (model if strategy == "fsdp"
-                                                                          else optimizer).bytes_per_step(1)
+            formula = (model.bytes_per_step() if strategy == "ddp" else model.bytes_per_step(1)
+                       if strategy == "fsdp" else zero_bytes_per_step(optimizer, 1))
             gradient_part = comm.bytes_sent["reduce_scatter" if strategy != "ddp" else "all_reduce"]
             if strategy == "ddp":                                     # less the used-flags, 1 byte each
                 gradient_part -= ring_bytes("all_reduce", len(model.params), 1, 4)

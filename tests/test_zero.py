@@ -25,6 +25,7 @@ from multiprocess import assert_tensors_close, run_ranks
 from foundations import flat as flat_module
 from foundations.flat import FlatParams, step_message_bytes
 from extensions.zero_offload import zero_optimizer
+from napkin.sent import zero_bytes_per_step
 from test_ddp import BUCKET_MB, _CountingComm, _batches, _gpt
 
 MODEL = dict(n_layer=2, n_embd=64, n_head=4, block_size=32)
@@ -342,7 +343,7 @@ def _zero_launch():
             result = _train_zero(m, opt, batches, accum=accum, clip=clip,
                                  after_backward=after_backward, comm=comm)
             result.update(_layout(opt, m), before=before, init=init, samples=samples, ends=ends,
-                          bytes_per_step=opt.bytes_per_step())
+                          bytes_per_step=zero_bytes_per_step(opt))
             if extra is not None:
                 result.update(extra(m, opt))
             return result
