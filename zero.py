@@ -29,7 +29,7 @@ from torch.nn.utils import clip_grads_with_norm_
 from foundations.comm import as_comm
 from foundations.alone import start_alone
 from foundations.flat import ShardedBuckets
-from foundations.sharded_step import ShardedStep
+from mechanics.sharded_step import ShardedStep
 
 
 class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):

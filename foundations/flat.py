@@ -7,7 +7,7 @@ section 5; FSDP's FlatParameter, Zhao et al. 2023, section 3). Written here once
 foundation of ddp.py, zero.py and fsdp.py: the buffer, buckets of a few MiB, the gradient hook,
 one reduction per bucket in an order every rank agrees on, ZeRO's buckets (ShardedBuckets), the
 pieces of the sharded step (the shards' squares, the used-flags; the step itself, ZeRO's and
-FSDP's, is foundations/sharded_step.py), and the gradient-sync protocol they all speak
+FSDP's, is mechanics/sharded_step.py), and the gradient-sync protocol they all speak
 (GradientSyncs).
 Left out: FSDP2's per-parameter sharding (each tensor cut along its first dim, not laid in one
 flat buffer).

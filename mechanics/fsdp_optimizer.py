@@ -1,7 +1,7 @@
 """FSDPOptimizer: any element-wise torch optimizer stepping on FSDP's shards (read fsdp.py first).
 
 FSDP's reduce-scatter already did ZeRO-2's work: each rank holds its shards' fp32 gradients. So
-the step is ZeRO's (zero.py's ZeroOptimizer.step; both compose foundations/sharded_step.py's
+the step is ZeRO's (zero.py's ZeroOptimizer.step; both compose mechanics/sharded_step.py's
 ShardedStep) with no all-gather after it: the next forward gathers. A plain torch.optim
 optimizer over FSDP.parameters() works too (with FSDP.clip_grad_norm_); this one adds fp16's
 loss scale, leaves parameters no rank used unchanged, and offloads (ZeRO-Offload, Ren et al.
@@ -11,7 +11,7 @@ Test: python -m pytest tests/test_fsdp.py
 import torch
 
 from foundations.launch import flags_to_device
-from foundations.sharded_step import ShardedStep
+from mechanics.sharded_step import ShardedStep
 from mixed_precision import DynamicLossScaler
 from foundations.inner_optimizer import run_closure
 from extensions.offload import OffloadedStep

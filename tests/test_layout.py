@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # the foundations package and the lecture's first rungs (BASES): the concepts the lecture builds it on,
 # and its own mechanics (mechanics/: what the file leaves out to read in one sitting).
 BASES = {"collectives", "mixed_precision", "model"}
-CONCEPTS = {"mixed_precision": set(), "collectives": set(), "ddp": set(), "zero": set(),
+CONCEPTS = {"mixed_precision": set(), "collectives": set(), "ddp": set(),
+            "zero": {"mechanics.sharded_step"},
             "fsdp": {"mechanics.fsdp_state", "mechanics.fsdp_optimizer"},
             "pipeline": {"mechanics.pipeline_mechanics"}, "tensor_parallel": set(),
             "context_parallel": {"tensor_parallel"}, "moe": set(), "lora": {"quantization"},
@@ -27,7 +28,7 @@ PACKAGES = {"foundations", "mechanics", "extensions", "composition", "running", 
             "pretrained"}
 # The files that are a concept's own beyond it (its mechanics; an extension that reads as a delta
 # after its core), held to the same sitting.
-OWN = {"zero": {"extensions.offload", "extensions.zero_offload"},
+OWN = {"zero": {"mechanics.sharded_step", "extensions.offload", "extensions.zero_offload"},
        "fsdp": {"mechanics.fsdp_state", "mechanics.fsdp_optimizer", "extensions.fsdp_hybrid",
                 "extensions.fsdp_offload", "extensions.fsdp_frozen"},
        "pipeline": {"mechanics.pipeline_mechanics", "extensions.schedules", "extensions.zero_bubble"},
@@ -117,9 +118,10 @@ def test_a_concept_file_is_followed_with_at_most_three_names_from_elsewhere(conc
 @pytest.mark.parametrize("foundation", sorted(m for m in _project_files() if m.startswith("foundations.")))
 def test_a_foundation_imports_only_foundations(foundation):
     """The concepts build on the foundations, never the other way round (the model knows no mixture
-    of experts: moe.py hands it one through its feed_forward); the lecture's first rungs (the
-    collectives, mixed precision's masters) are what the foundations' groups and buffers use."""
-    wrong = {m for m in _imports(foundation) if not m.startswith("foundations.") and m not in BASES}
+    of experts: moe.py hands it one through its feed_forward). What the foundations need of the
+    lecture's first rungs lives in them: the counted collectives (comm.py), the optimizer around
+    the inner one (inner_optimizer.py); a step that needs the loss scale is a mechanic."""
+    wrong = {m for m in _imports(foundation) if not m.startswith("foundations.")}
     assert not wrong, f"{foundation} imports {sorted(wrong)}: a foundation builds on foundations only"
     assert not _imports("model"), f"model.py imports {sorted(_imports('model'))}: the model is a foundation"
 
@@ -174,7 +176,7 @@ def test_every_concept_file_has_a_test_in_the_quick_tier():
 
 
 def test_zero_and_fsdp_compose_one_sharded_step():
-    """FSDP's optimizer composes foundations/sharded_step.py's ShardedStep and writes none of its
+    """FSDP's optimizer composes mechanics/sharded_step.py's ShardedStep and writes none of its
     step again: no unscaling, norm pieces, finite check, kept-unchanged ranges or inner optimizer
     wrapping of its own. ZeRO's step() is the lecture's, in zero.py itself: its body, or the
     zero.py methods it reaches, calls the reduce-scatter, the norm's all-reduce, the clip, the
