@@ -12,7 +12,6 @@ python -m pytest tests/test_ddp.py
 
 Shapes: N ranks in the group, P trainable parameters, L_b elements in bucket b's flat buffer.
 """
-import itertools
 import os
 import sys
 from contextlib import contextmanager, nullcontext
@@ -22,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from foundations.comm import as_comm, ring_bytes
+from foundations.comm import as_comm
 from foundations.alone import start_alone
 from foundations.flat import FlatParams, or_used_flags, split_into_buckets
 from foundations.process_groups import check_same_parameters
@@ -242,7 +241,7 @@ class DDP(nn.Module):
         finally:
             self._syncing = outer
 
-    # ---- mechanics: the start, the gradient slots, the bytes ----------------------------------
+    # ---- mechanics: the start, the gradient slots ----------------------------------------
 
     def _broadcast_from_rank0(self):
         """Ranks may have been seeded differently: rank 0's initial weights (and buffers) become
@@ -278,17 +277,6 @@ class DDP(nn.Module):
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The buckets' flat buffers: the gradients themselves (each param.grad a view of one)."""
         return [bucket.grad_flat for bucket in self.buckets]
-
-    def bytes_per_step(self) -> int:
-        """Bytes this rank sends per synchronised step, as the ring schedule sends them: 2(N-1)/N x
-        each bucket (padded to N equal chunks) in the reduce dtype, plus the P-byte used-flag
-        vector: about twice the gradients' bytes, nearly independent of N."""
-        grads = sum(ring_bytes("all_reduce", b.grad_flat.numel(),
-                               (self.reduce_dtype or b.grad_flat.dtype).itemsize,
-                               b.comm.world_size) for b in self.buckets)
-        flags = sum(ring_bytes("all_reduce", sum(len(b.params) for b in run), 1, group.world_size)
-                    for group, run in itertools.groupby(self.buckets, key=lambda b: b.comm))
-        return grads + flags
 
 
 # ---- run alone: torchrun --nproc_per_node 2 ddp.py ---------------------------------------------

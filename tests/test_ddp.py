@@ -17,6 +17,7 @@ from foundations.comm import Comm, Handle
 from ddp import DDP, all_reduce_gradients
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
+from napkin.sent import ddp_bytes_per_step
 
 MODEL = dict(n_layer=2, n_embd=64, n_head=4, block_size=32)
 GLOBAL_BATCH, SEQ, STEPS, LR = 8, 16, 5, 1e-3   # 8 sequences split over N = 2 or 4 ranks
@@ -126,7 +127,7 @@ def _train_gpt():
         out["bytes_sent"].append(sum(ring.comm.bytes_sent.values()))
         ring.comm.bytes_sent.clear()
     out["ring"] = _train(ring.module, lambda x, y: ring(x, y)[1], ring_sync, batches)
-    out["bytes_per_step"] = ring.bytes_per_step()
+    out["bytes_per_step"] = ddp_bytes_per_step(ring)
     out["bucket_numels"] = [buffer.numel() for buffer in ring.gradient_buffers()]
     out["n_params"] = len(ring.params)
     return out
@@ -295,7 +296,7 @@ def _awkward_cases():
     names = dict(zip(map(id, awkward.params), awkward.names))
     out["bucket_names"] = [[names[id(p)] for p in bucket.params] for bucket in awkward.buckets]
     out["bucket_numels"] = [buffer.numel() for buffer in awkward.gradient_buffers()]
-    out["bytes_per_step"] = awkward.bytes_per_step()
+    out["bytes_per_step"] = ddp_bytes_per_step(awkward)
 
     # misuse: a second backward without no_sync() or finish_gradient_sync() in between
     x, y = data[0, rank, 0, :, :-1], data[0, rank, 0, :, 1:]
