@@ -140,19 +140,21 @@ def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
 
 
 class InOrder:
-    """The backward side of ZeRO-2 and FSDP: launch one reduction per bucket (or unit) in a fixed
-    order that every rank agrees on, whatever order the gradients arrive in, with at most
-    max_in_flight unfinished. ddp.py writes the same rule in its own few lines, where the lecture
-    reads it (DDP._launch_full_buckets).
+    """The backward side of ZeRO-2 and FSDP: one reduction per bucket (or unit), in one order.
 
-    Collectives are matched by call order, not by name: a rank whose backward fills bucket 2
+    The order is fixed and every rank agrees on it, whatever order the gradients arrive in.
+    At most max_in_flight reductions are unfinished at a time. ddp.py writes the same rule in its
+    own few lines, where the lecture reads it (DDP._launch_full_buckets).
+
+    Collectives are matched by call order, not by name. A rank whose backward fills bucket 2
     before bucket 1 (data-dependent control flow, a unit only some ranks use) must still launch
     1 first, or it pairs its buffers with another rank's wrong ones. So a full bucket waits for
-    every earlier one, then all consecutive full ones go. launch(bucket) starts its reduction
-    and returns what retire(bucket, started) needs to finish it (wait, keep the result, free the
-    buffer); None when nothing was started (FSDP under no_sync). The strategy calls ready() from
-    its gradient hooks and, at the end of backward, launch_rest() (buckets whose gradients never
-    came still reduce: every rank must launch every bucket) and wait_all().
+    every earlier one, then all consecutive full ones go.
+    launch(bucket) starts its reduction and returns what retire(bucket, started) needs to finish
+    it (wait, keep the result, free the buffer). It returns None when nothing was started (FSDP
+    under no_sync). The strategy calls ready() from its gradient hooks. At the end of backward it
+    calls launch_rest(), then wait_all(). Buckets whose gradients never came still reduce, since
+    every rank must launch every bucket.
     """
 
     def __init__(self, buckets: list, launch, retire, max_in_flight: int | None = None):
@@ -384,15 +386,17 @@ def step_message_bytes(n_params: int, world_size: int, norm_size: int = 4) -> in
 # ---- the gradient-sync protocol every reducer speaks --------------------------------------
 
 class GradientSyncs:
-    """The one gradient-sync protocol, spoken by every reducer in the project (DDP, ZeRO's
-    optimizers, FSDP, a tensor-parallel model's partial sums), and several of them driven as one:
+    """The one gradient-sync protocol, and several reducers driven as one.
+
+    Every reducer in the project speaks it (DDP, ZeRO's optimizers, FSDP, a tensor-parallel
+    model's partial sums):
         with sync.no_sync(): backward     gradients wait where they are, nothing reduced
         sync.finish_gradient_sync()       after the step's last backward: every reduction done
-    keeps_whole_gradients: True when every member holds whole gradients until the step anyway
-    (DDP, ZeRO-1): running all micro-batches but the last under no_sync() then saves their
-    reductions at no memory cost (ZeRO-2 and FSDP reduce each one, so no rank holds a whole
-    gradient). The loop and the pipeline drive this, in this order: a tensor group's partial
-    sums before the data dimension's reduction, which shards or frees what they read."""
+    keeps_whole_gradients is True when every member holds whole gradients until the step anyway
+    (DDP, ZeRO-1). Running all micro-batches but the last under no_sync() then saves their
+    reductions at no memory cost. ZeRO-2 and FSDP reduce each one, so no rank holds a whole
+    gradient. The loop and the pipeline drive the members in order: a tensor group's partial sums
+    come before the data dimension's reduction, which shards or frees what they read."""
 
     def __init__(self, *syncs):
         self.syncs = [s for s in syncs if s is not None]
