@@ -12,7 +12,6 @@ python -m pytest tests/test_ddp.py
 
 Shapes: N ranks in the group, P trainable parameters, L_b elements in bucket b's flat buffer.
 """
-import itertools
 import os
 import sys
 from contextlib import contextmanager, nullcontext
@@ -22,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from foundations.comm import as_comm, ring_bytes
+from foundations.comm import as_comm
 from foundations.alone import start_alone
 from foundations.flat import FlatParams, or_used_flags, split_into_buckets
 from foundations.process_groups import check_same_parameters
@@ -63,19 +62,16 @@ def all_reduce_gradients(module: nn.Module, group=None):
 class DDP(nn.Module):
     """Wrap `module` for data parallel training over `group` (a Comm, a ProcessGroup or None).
 
-    Per step: forward and backward as usual (gradient hooks launch the buckets' all-reduces as
-    backward runs), then call finish_gradient_sync() yourself, before optimizer.step() (torch's DDP
-    finishes in a callback at the end of backward; here the wait is a line of the loop). For
-    gradient accumulation, run all but the last micro-batch's backward inside `with ddp.no_sync():`.
-    reduce_dtype: the dtype each bucket is averaged in (None: the gradients' own, as torch's DDP;
-    torch.float32 for bf16/fp16 gradients: upcast before the all-reduce, the mean rounded back
-    into the bucket once, where torch's DDP would need a communication hook: in bf16 each ring
-    step would round a partial sum to 8 bits of mantissa).
+    Per step: forward and backward as usual, then finish_gradient_sync(), then optimizer.step().
+    Backward's gradient hooks launch the buckets' all-reduces as it runs. finish_gradient_sync()
+    waits for them; torch's DDP does this in a callback at the end of backward.
+    For gradient accumulation, run all but the last micro-batch's backward inside `ddp.no_sync()`.
+    reduce_dtype: the dtype each bucket is averaged in (None: the gradients' own, as torch's DDP).
     reductions: the parameters in parts, [((comm, op, divisor), parameters)], in an order every
-    rank shares, comm a Comm (the caller wraps a process group, as_comm, once: parts on one group
-    share one Comm): a part starts from its comm's rank 0, its gradients reduced by `op` over it,
-    then divided by `divisor`. Default: one part, all averaged over `group`; where not every rank
-    holds every parameter, the composition hands in the parts (parallelize.py).
+    rank shares. A part's gradients are reduced by `op` over comm, then divided by `divisor`.
+    comm is a Comm (as_comm wraps a process group once): parts on one group share one Comm.
+    Default: one part, all averaged over `group`. Where not every rank holds every parameter, the
+    composition hands in the parts (composition/parallelize.py).
     """
 
     keeps_whole_gradients = True        # GradientSyncs: every rank holds them all, always
@@ -86,168 +82,200 @@ class DDP(nn.Module):
         self.module, self.reduce_dtype = module, reduce_dtype
         self.comm = as_comm(group)
         self.reductions = reductions or [((self.comm, "avg", 1), list(module.parameters()))]
-        # Trainable parameters only: a frozen one gets no gradient, so it needs no hook, no slot
-        # and no bytes. named_parameters() lists a tied (shared) weight once, and autograd
-        # accumulates all its uses into one .grad before the post-accumulate hook fires once.
+        # Trainable parameters only: a frozen one gets no gradient, so it needs no hook and no slot.
+        # named_parameters() lists a tied (shared) weight once; autograd sums all its uses into
+        # one .grad, then its post-accumulate hook fires once.
         trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("DDP: the module has no trainable parameters (requires_grad=True), "
                              "so there are no gradients to average; train at least one parameter")
         check_same_parameters(list(module.parameters()), self.comm)
         self._broadcast_from_rank0()
-        # The buckets: each part's parameters in gradient-arrival order, cut into buckets.
-        arrival = [p for _, p in reversed(trainable)]                               # (P,)
-        self.buckets = []
-        for how, part in self.reductions:
-            ids = {id(p) for p in part}
-            for params in split_into_buckets([p for p in arrival if id(p) in ids], bucket_mb):
-                self.buckets.append(self._bucket(params, how))
-        self.params, self._bucket_of = [], []                    # (P,) in bucket order
-        for b, bucket in enumerate(self.buckets):
-            bucket.indices = range(len(self.params), len(self.params) + len(bucket.params))
-            self.params += bucket.params
-            self._bucket_of += [b] * len(bucket.params)
+        self.buckets = self._make_buckets([p for _, p in reversed(trainable)], bucket_mb)
+        self.params = [p for bucket in self.buckets for p in bucket.params]  # (P,) bucket order
         if len(self.params) != len(trainable):
             raise ValueError(f"DDP: reductions= places {len(self.params)} trainable parameters, "
                              f"the module has {len(trainable)}: put each in exactly one part")
         names = {id(p): name for name, p in trainable}
         self.names = [names[id(p)] for p in self.params]
+        # bucket b holds params[i] for i in bucket_indices[b]; slot i is params[i]'s .grad
+        sizes = [len(bucket.params) for bucket in self.buckets]
+        self.bucket_indices = [range(sum(sizes[:b]), sum(sizes[:b + 1])) for b in range(len(sizes))]
         self._slot = [slot for bucket in self.buckets for slot in bucket.views(bucket.grad_flat)]
-        self._hook_gradients()
-        self._syncing = True                                     # False inside no_sync()
+        for b, bucket in enumerate(self.buckets):
+            bucket.hook_gradients(self.mark_param_as_ready, b)     # held weakly: see FlatParams
+        self.require_backward_grad_sync = True                   # False inside no_sync()
         self._hooked = [False] * len(self.params)                # hook has fired: .grad is its slot
         self._reset()
 
-    @staticmethod
-    def _bucket(params: list, how: tuple) -> FlatParams:
-        """A bucket: the parameters laid end to end in one flat buffer (a FlatParams of one
-        shard: this rank owns all of it), their gradients beside it in the same layout, and the
-        comm, op and divisor that reduce them. Each param.grad is a view of its slot in the
-        gradient buffer (PyTorch's gradient_as_bucket_view=True): the buckets are the gradients.
-        DDP's attributes on it: comm, op, divide, grad_flat (here), indices (its parameters' places
-        in self.params), pending (gradients still to come, _reset), used (finish_gradient_sync)."""
-        bucket = FlatParams(params, world_size=1)
-        bucket.comm, bucket.op, bucket.divide = how
-        bucket.grad_flat = torch.zeros_like(bucket.flat)                          # (L_b,)
-        return bucket
+    def _make_buckets(self, arrival: list, bucket_mb: float) -> list[FlatParams]:
+        """Each part's parameters, in gradient-arrival order, cut into buckets of bucket_mb MiB.
+
+        A bucket lays its parameters end to end in one flat buffer, their gradients beside it.
+        Each param.grad is a view of its slot in the gradient buffer: the buckets are the
+        gradients (PyTorch's gradient_as_bucket_view=True)."""
+        buckets = []
+        for (comm, op, divide), part in self.reductions:
+            ids = {id(p) for p in part}
+            for params in split_into_buckets([p for p in arrival if id(p) in ids], bucket_mb):
+                buckets.append(FlatParams(params, world_size=1, comm=comm, op=op, divide=divide,
+                                          with_grad=True))             # grad_flat: (L_b,)
+        return buckets
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
             self._gradients_into_buckets()
         return self.module(*args, **kwargs)
 
-    # ---- 3. during backward: the hook, then each full bucket's all-reduce, in order ---------
+    # ---- 3. during backward: a gradient is ready; a full bucket's all-reduce starts -----------
 
-    def _hook_gradients(self):
-        """Call _gradient_arrived(b, j) each time backward has accumulated the gradient of bucket
-        b's parameter j into its .grad: a post-accumulate-grad hook on each parameter (FlatParams'
-        hook_gradients; it holds DDP weakly: DDP -> module -> parameter -> hook -> DDP is never freed)."""
-        for b, bucket in enumerate(self.buckets):
-            bucket.hook_gradients(self._gradient_arrived, b)
-
-    def _gradient_arrived(self, b: int, j: int):
-        """The .grad of bucket b's parameter j, params[i], holds this backward's gradient: count it in."""
-        i = self.buckets[b].indices[j]
+    def mark_param_as_ready(self, b: int, j: int):
+        """Backward has accumulated bucket b's parameter j into its .grad (the gradient hook)."""
+        i = self.bucket_indices[b][j]
         self._used[i] = self._hooked[i] = True
-        if not self._syncing:
-            return                                               # accumulate locally in .grad
-        if self._ready[i]:
-            raise RuntimeError(
-                f"DDP: parameter {self.names[i]!r} received a second gradient before its first was "
-                f"synchronised: call ddp.finish_gradient_sync() after each synchronised backward "
-                f"(before optimizer.step()); for gradient accumulation run all but the last "
-                f"micro-batch's backward inside `with ddp.no_sync():`.")
-        p = self.params[i]
-        if p.grad.data_ptr() != self._slot[i].data_ptr():    # autograd made a .grad of its own
-            self._slot[i].copy_(p.grad)
-            p.grad = self._slot[i]
-        self._mark_ready(i)
-
-    def _mark_ready(self, i: int):
+        if not self.require_backward_grad_sync:
+            return                                               # no_sync(): stay in .grad
+        self._check_first_gradient(i)
+        self._grad_into_slot(i)
         self._ready[i] = True
-        bucket = self.buckets[self._bucket_of[i]]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_full_buckets()
+        self.pending[b] -= 1
+        if self.pending[b] == 0:
+            self._launch_full_buckets()                          # bucket b, in its turn
 
-    def _launch_full_buckets(self):
-        """Start the all-reduce of every full bucket, in bucket order, without waiting for it.
+    def _all_reduce(self, bucket: FlatParams):
+        """Start the bucket's all-reduce and return without waiting for it."""
+        wire = self._upcast(bucket.grad_flat)                                   # (L_b,)
+        work = bucket.comm.all_reduce(wire, op=bucket.op, async_op=True)
+        self._in_flight.append((bucket, wire, work))
 
-        Collectives pair up by call order, not by name: a rank whose backward fills bucket 2
-        before bucket 1 (control flow that depends on the data) must still launch bucket 1
-        first, or it adds its bucket 2 to another rank's bucket 1. So a full bucket waits for
-        every earlier one, then all the consecutive full ones go."""
-        while self.launched < len(self.buckets) and self.buckets[self.launched].pending == 0:
-            bucket = self.buckets[self.launched]
-            wire = bucket.grad_flat                                             # (L_b,)
-            if self.reduce_dtype not in (None, wire.dtype):
-                wire = wire.to(self.reduce_dtype)    # an upcast copy: the sum in fp32, see above
-            handle = bucket.comm.all_reduce(wire, op=bucket.op, async_op=True)
-            self._in_flight.append((bucket, wire, handle))
-            self.launched += 1
-
-    # ---- 4. after backward ------------------------------------------------------------------
+    # ---- 4. after backward: wait for every bucket --------------------------------------------
 
     def finish_gradient_sync(self):
-        """Launch what backward did not, wait for every bucket, leave the averaged gradients in
-        .grad. Call after the (last) backward of a step and before optimizer.step()."""
-        # A parameter whose hook did not fire in this backward was not used by it, but may hold
-        # a gradient accumulated under no_sync(); one with no gradient at all contributes zeros.
-        for i, p in enumerate(self.params):
-            if not self._ready[i]:
-                if p.grad is None:
-                    self._slot[i].zero_()
-                elif p.grad.data_ptr() != self._slot[i].data_ptr():
-                    self._slot[i].copy_(p.grad)
-                self._mark_ready(i)                  # after this loop every bucket is launched
-        # A parameter that no rank used must keep grad None, as one process would leave it (AdamW
-        # would otherwise decay it): OR the "used" flags over each bucket's group, a P-byte message
-        # launched behind every bucket (the same place on every rank), so it overlaps them. Used
-        # here: its hook fired (no_sync's too), or a gradient came as a .grad of its own.
-        local = [used or (p.grad is not None and p.grad.data_ptr() != slot.data_ptr())
-                 for used, p, slot in zip(self._used, self.params, self._slot)]
-        for bucket in self.buckets:
-            bucket.used = [local[i] for i in bucket.indices]
-        # (P,) flags OR'ed over the ranks, the all-reduce launched; agree() waits for it
-        used, agree = or_used_flags(self.buckets, self.params[0].device)
-        for bucket, wire, handle in self._in_flight:
-            handle.wait()
+        """Wait for every bucket's all-reduce and leave the averaged gradients in .grad.
+
+        Call it after the step's last backward, before optimizer.step()."""
+        self._launch_unused()                        # buckets whose gradients never came
+        used_anywhere = self._launch_used_flags()    # did any rank use each parameter?
+        for bucket, wire, work in self._in_flight:
+            work.wait()
             if bucket.divide != 1:
                 wire.div_(bucket.divide)
             if wire is not bucket.grad_flat:
-                bucket.grad_flat.copy_(wire)                 # the mean, rounded once
-        agree()                                              # the flags' all-reduce, done
-        # Read (a host sync on a GPU) only if this rank missed one: else every one was used.
-        everywhere = local if all(local) else used.tolist()
-        for p, slot, used_anywhere in zip(self.params, self._slot, everywhere):
-            p.grad = slot if used_anywhere else None             # averaged in place
+                bucket.grad_flat.copy_(wire)                     # the upcast mean, rounded once
+        for p, slot, used in zip(self.params, self._slot, used_anywhere()):
+            p.grad = slot if used else None          # averaged in place; no rank used: None
         self._reset()
-
-    def _reset(self):
-        self._ready = [False] * len(self.params)          # counted into its bucket, this sync
-        self._used = [False] * len(self.params)           # got a gradient since the last sync
-        for bucket in self.buckets:
-            bucket.pending = len(bucket.params)           # gradients still to come
-        self.launched = 0                                 # buckets launched in this backward
-        self._in_flight = []                              # [(bucket, what it sends, its handle)]
 
     # ---- 5. gradient accumulation -----------------------------------------------------------
 
     @contextmanager
     def no_sync(self):
         """Backwards inside accumulate into .grad locally; the next one outside syncs the sum."""
-        outer, self._syncing = self._syncing, False
+        outer, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:
-            self._syncing = outer
+            self.require_backward_grad_sync = outer
 
-    # ---- mechanics: the start, the gradient slots, the bytes ----------------------------------
+    # ---- the corner cases --------------------------------------------------------------------
+
+    def _launch_full_buckets(self):
+        """Launch order: collectives pair by call order, so a full bucket waits for earlier ones.
+
+        A rank whose backward fills bucket 2 before bucket 1 (control flow that depends on the
+        data) would otherwise add its bucket 2 to another rank's bucket 1."""
+        while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
+            self._all_reduce(self.buckets[self.launched])
+            self.launched += 1
+
+    def _upcast(self, grad_flat: torch.Tensor) -> torch.Tensor:
+        """Upcast buckets: with reduce_dtype=torch.float32, a bf16 bucket is summed in an fp32 copy.
+
+        In bf16, each ring step would round a partial sum to 8 bits of mantissa. The mean is
+        rounded back into the bucket once (torch's DDP needs a communication hook for this)."""
+        if self.reduce_dtype in (None, grad_flat.dtype):
+            return grad_flat
+        return grad_flat.to(self.reduce_dtype)
+
+    def _check_first_gradient(self, i: int):
+        """A second synchronised gradient would be summed into a bucket already on the wire."""
+        if self._ready[i]:
+            raise RuntimeError(
+                f"DDP: parameter {self.names[i]!r} received a second gradient before its first "
+                f"was synchronised: call ddp.finish_gradient_sync() after each synchronised "
+                f"backward (before optimizer.step()); for gradient accumulation run all but the "
+                f"last micro-batch's backward inside `with ddp.no_sync():`.")
+
+    def _grad_into_slot(self, i: int):
+        """Autograd made a .grad of its own (the first backward, say): it moves into its slot."""
+        p, slot = self.params[i], self._slot[i]
+        if p.grad.data_ptr() != slot.data_ptr():
+            slot.copy_(p.grad)
+            p.grad = slot
+
+    def _launch_unused(self):
+        """Unused parameters: every rank must launch every bucket, or the collectives mismatch.
+
+        A parameter whose hook did not fire in this backward may hold a gradient accumulated
+        under no_sync(): it goes into its slot. One with no gradient at all contributes zeros."""
+        for b, indices in enumerate(self.bucket_indices):
+            for i in indices:
+                if not self._ready[i]:
+                    p, slot = self.params[i], self._slot[i]
+                    if p.grad is None:
+                        slot.zero_()
+                    elif p.grad.data_ptr() != slot.data_ptr():
+                        slot.copy_(p.grad)
+                    self._ready[i] = True
+                    self.pending[b] -= 1
+        self._launch_full_buckets()                              # every bucket is full now
+
+    def _launch_used_flags(self):
+        """Unused parameters: one that no rank used keeps grad None, as one process leaves it.
+
+        (AdamW would otherwise decay it.) Each rank's "used" flags are OR'ed over the ranks: a
+        P-byte all-reduce launched behind every bucket's, the same place on every rank. Used
+        here: its hook fired (no_sync's too), or a gradient came as a .grad of its own.
+        Returns used_anywhere(), which waits for the flags and lists them (P,)."""
+        local = [used or (p.grad is not None and p.grad.data_ptr() != slot.data_ptr())
+                 for used, p, slot in zip(self._used, self.params, self._slot)]
+        flags, agree = or_used_flags(self.buckets, self.params[0].device, local)    # (P,)
+
+        def used_anywhere() -> list:
+            agree()
+            return local if all(local) else flags.tolist()  # read (a GPU host sync) if needed
+        return used_anywhere
+
+    def _gradients_into_buckets(self):
+        """Each .grad set to None (zero_grad(set_to_none=True)) gets its zeroed slot back.
+
+        Autograd then adds the coming gradient into the bucket in place. Only a parameter whose
+        hook has fired before gets it: until then .grad stays None, as without DDP. A gradient
+        written outside autograd (a zero-bubble pipeline's W, say) fires no hook; only its
+        arrival as a .grad of its own says it was used."""
+        for bucket, indices in zip(self.buckets, self.bucket_indices):
+            back = [i for i in indices if self._hooked[i] and self.params[i].grad is None]
+            if len(back) == len(bucket.params):
+                bucket.grad_flat.zero_()                         # one kernel for the bucket
+            else:
+                for i in back:
+                    self._slot[i].zero_()
+            for i in back:
+                self.params[i].grad = self._slot[i]
+
+    def _reset(self):
+        self._ready = [False] * len(self.params)          # counted into its bucket, this sync
+        self._used = [False] * len(self.params)           # got a gradient since the last sync
+        self.pending = [len(bucket.params) for bucket in self.buckets]   # gradients to come
+        self.launched = 0                                 # buckets launched in this backward
+        self._in_flight = []                              # [(bucket, what it sends, its work)]
 
     def _broadcast_from_rank0(self):
-        """Ranks may have been seeded differently: rank 0's initial weights (and buffers) become
-        everyone's, each part's from rank 0 of its group. One broadcast per dtype of a flat copy,
-        not one per tensor, in first-seen order (dict keys): the same order on every rank."""
+        """Ranks may have been seeded differently: rank 0's initial weights become everyone's.
+
+        Each part's parameters come from rank 0 of its group, the buffers from the whole
+        group's. One broadcast per dtype of a flat copy, not one per tensor. The dtypes go in
+        first-seen order (dict keys): the same order on every rank."""
         parts = [(group, params) for (group, _, _), params in self.reductions]
         for group, tensors in [*parts, (self.comm, list(self.module.buffers()))]:
             for kind in dict.fromkeys((t.dtype, t.device) for t in tensors):
@@ -258,37 +286,9 @@ class DDP(nn.Module):
                     for t, value in zip(same, flat.split([t.numel() for t in same])):
                         t.copy_(value.view_as(t))
 
-    def _gradients_into_buckets(self):
-        """Each parameter whose .grad was set to None (zero_grad(set_to_none=True)) gets its zeroed
-        slot back as .grad, so autograd adds the coming gradient into the bucket in place. Only
-        those whose hook has fired before, so a parameter's first backward is not zero-copy (its
-        own .grad is copied into the slot, _gradient_arrived): until then .grad stays None, as
-        without DDP, and a gradient written outside autograd (a zero-bubble pipeline's W, say)
-        fires no hook: only its arrival as a .grad of its own says it was used."""
-        for bucket in self.buckets:
-            back = [i for i in bucket.indices if self._hooked[i] and self.params[i].grad is None]
-            if len(back) == len(bucket.params):
-                bucket.grad_flat.zero_()                         # one kernel for the bucket
-            else:
-                for i in back:
-                    self._slot[i].zero_()
-            for i in back:
-                self.params[i].grad = self._slot[i]
-
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The buckets' flat buffers: the gradients themselves (each param.grad a view of one)."""
         return [bucket.grad_flat for bucket in self.buckets]
-
-    def bytes_per_step(self) -> int:
-        """Bytes this rank sends per synchronised step, as the ring schedule sends them: 2(N-1)/N x
-        each bucket (padded to N equal chunks) in the reduce dtype, plus the P-byte used-flag
-        vector: about twice the gradients' bytes, nearly independent of N."""
-        grads = sum(ring_bytes("all_reduce", b.grad_flat.numel(),
-                               (self.reduce_dtype or b.grad_flat.dtype).itemsize,
-                               b.comm.world_size) for b in self.buckets)
-        flags = sum(ring_bytes("all_reduce", sum(len(b.params) for b in run), 1, group.world_size)
-                    for group, run in itertools.groupby(self.buckets, key=lambda b: b.comm))
-        return grads + flags
 
 
 # ---- run alone: torchrun --nproc_per_node 2 ddp.py ---------------------------------------------
@@ -309,7 +309,8 @@ def _data_parallel(x, y, show) -> nn.Module:
     rank, n = dist.get_rank(), dist.get_world_size()
     ddp = DDP(_tiny_model(seed=rank), bucket_mb=8 / 1024)                 # 8 KiB buckets
     show("buckets, in gradient-arrival order: "
-         + " ".join("[" + " ".join(ddp.names[i] for i in b.indices) + "]" for b in ddp.buckets))
+         + " ".join("[" + " ".join(ddp.names[i] for i in indices) + "]"
+                    for indices in ddp.bucket_indices))
     timeline = []          # by a hook after DDP's: each gradient as it arrives, what it launched
 
     def arrived(name):
@@ -355,7 +356,7 @@ def main():
          f"{STEPS - STEPS // 2} accumulating under no_sync: {difference:.1e} "
          f"(bound {BOUND:g}: fp64 sums reordered)")
     sys.stdout.flush()
-    os._exit(int(difference > BOUND))  # at once: gloo's threads may still hold tensors (exit_distributed)
+    os._exit(int(difference > BOUND))  # at once: gloo's threads may still hold tensors
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from mechanics.fsdp_optimizer import FSDPOptimizer
 from lora import apply_lora
 from napkin.machines import this
 from napkin.memory_math import run_state_bytes
-from napkin.sent import pipeline_bytes_per_step
+from napkin.sent import ddp_bytes_per_step, pipeline_bytes_per_step
 from composition.mesh_optimizer import on_mesh
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from foundations.inner_optimizer import element_state
@@ -489,7 +489,7 @@ def ours_context_parallel(attention, model, args):
     return Run(ddp, MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
                                             **ADAMW), comm,
                label=f"context_parallel_gpt.ContextParallelGPT({attention}, zigzag) + our DDP",
-               napkin_sent=ddp.bytes_per_step() + cp.kv_bytes_per_step(args.batch_size, args.seq_len),
+               napkin_sent=ddp_bytes_per_step(ddp) + cp.kv_bytes_per_step(args.batch_size, args.seq_len),
                bubbles=lambda: cp.idle_shares()[0])
 
 

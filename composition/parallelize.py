@@ -30,7 +30,7 @@ from extensions.fsdp_frozen import FrozenBaseFSDP
 from extensions.fsdp_hybrid import HSDP
 from extensions.fsdp_offload import OffloadedFSDP
 from napkin.memory_math import mesh_params, run_state_bytes
-from napkin.sent import pipeline_bytes_per_step, zero_bytes_per_step
+from napkin.sent import ddp_bytes_per_step, pipeline_bytes_per_step, zero_bytes_per_step
 from composition.mesh_checks import mesh_splits, moe_config, stage_layers
 from composition.mesh_optimizer import on_mesh, partition
 from foundations.dtypes import master_dtype
@@ -140,7 +140,7 @@ def data_parallel(gpt, args, data, device, adamw: dict):
     # A replicated optimizer's experts differ over ep: their squares add up over it.
     optimizer = on_mesh(parts, {"ep": experts if strategy is ddp else None})
     if strategy is ddp:
-        sent = 0 if model is gpt else model.bytes_per_step()
+        sent = 0 if model is gpt else ddp_bytes_per_step(model)
         held = run_state_bytes(gpt, "ddp", args, data.world_size)
     elif strategy is fsdp:
         sent = model.bytes_per_step(micro_batches=args.grad_accum)
@@ -303,7 +303,7 @@ def predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer
     if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
         sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, tokens_split, micro)
     if data.world_size > 1:
-        sent["dp"] = (replicas.bytes_per_step() if strategy is ddp else
+        sent["dp"] = (ddp_bytes_per_step(replicas) if strategy is ddp else
                       replicas.bytes_per_step(micro, gathered_for_step="pp" in splits) if strategy is fsdp else
                       zero_bytes_per_step(optimizer, 1 if held_all else backwards))
     # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as

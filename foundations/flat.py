@@ -1,14 +1,14 @@
 """The flat buffer: parameters laid end to end, cut into N equal shards; the ladder's one buffer.
 
-DDP's buckets (one shard: the rank owns all of it), ZeRO's buckets (rank r owns shard r of the
-optimizer state and the gradient) and FSDP's units (shard r of the parameters too) are the same
-FlatParams: "who owns which shard" is the whole difference (ZeRO, Rajbhandari et al. 2020,
-section 5; FSDP's FlatParameter, Zhao et al. 2023, section 3). Written here once, the
-foundation of ddp.py, zero.py and fsdp.py: the buffer, buckets of a few MiB, the gradient hook,
-one reduction per bucket in an order every rank agrees on, ZeRO's buckets (ShardedBuckets), the
-pieces of the sharded step (the shards' squares, the used-flags; the step itself, ZeRO's and
-FSDP's, is mechanics/sharded_step.py), and the gradient-sync protocol they all speak
-(GradientSyncs).
+DDP's buckets, ZeRO's buckets and FSDP's units are the same FlatParams. DDP's rank owns all of
+it (one shard). ZeRO's rank r owns shard r of the optimizer state and the gradient. FSDP's rank r
+owns shard r of the parameters too. "Who owns which shard" is the whole difference (ZeRO,
+Rajbhandari et al. 2020, section 5; FSDP's FlatParameter, Zhao et al. 2023, section 3).
+Here beside the buffer: buckets of a few MiB, the gradient hook, and ZeRO's buckets
+(ShardedBuckets). ZeRO-2's and FSDP's reductions go in an order every rank agrees on (InOrder).
+The sharded step's pieces are here too: the shards' squares and the used-flags (the step itself,
+ZeRO's and FSDP's, is mechanics/sharded_step.py). Last, the gradient-sync protocol every
+reducer speaks (GradientSyncs).
 Left out: FSDP2's per-parameter sharding (each tensor cut along its first dim, not laid in one
 flat buffer).
 Test: python -m pytest tests/test_ddp.py tests/test_zero.py
@@ -44,9 +44,19 @@ class FlatParams:
     After construction every parameter is a view into `flat`: the model runs unchanged, and
     whatever is written into `flat` (an all-gather) is written into the parameters. Any other
     flat tensor of the same layout (a gradient buffer) is cut the same way by views() and shard().
+
+    The gradient side, read and written by the strategies, is declared here:
+        comm        the ranks that reduce its gradient (and hold its shards, when sharded)
+        op, divide  the gradient is reduced by `op` over comm, then divided by `divide`
+        replicas    the ranks holding copies of its shard (HSDP's), or None
+        grad_flat   (N*S,) the whole gradient in the same layout, or None while none is held
+        pending     how many of its gradients this backward has still to produce
+        used        which parameters got a gradient since it was last cleared
+    with_grad=True allocates grad_flat at once, zeroed (DDP's buckets hold it always).
     """
 
-    def __init__(self, params: list[nn.Parameter], world_size: int):
+    def __init__(self, params: list[nn.Parameter], world_size: int, comm: Comm | None = None,
+                 op: str = "avg", divide: float = 1, with_grad: bool = False):
         self.params = list(params)
         first = self.params[0]
         self.numel = sum(p.numel() for p in self.params)                 # P
@@ -60,9 +70,10 @@ class FlatParams:
             for p, view in zip(self.params, self.views(self.flat)):
                 view.copy_(p)
                 p.data = view
-        # The gradient side, filled by the strategies as backward runs:
-        self.grad_flat = None     # (N*S,) the full gradient in the same layout (DDP: always)
-        self.pending = len(self.params)   # gradients not yet in, this backward
+        self.comm, self.op, self.divide, self.replicas = comm, op, divide, None
+        self.grad_flat = torch.zeros_like(self.flat) if with_grad else None           # (N*S,)
+        self.pending = len(self.params)
+        self.used = [False] * len(self.params)
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """The slice of `flat` that belongs to params[i], shaped like it."""
@@ -108,7 +119,8 @@ class FlatParams:
 # ---- the backward side: buckets, hooks, one reduction per bucket in an agreed order ------------
 
 def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
-    """Consecutive tensors grouped into messages of at most bucket_mb MiB, one dtype and device each.
+    """Consecutive tensors grouped into messages of at most bucket_mb MiB, one dtype and device
+    each.
 
     One message per tensor pays the network's latency hundreds of times; one message for
     everything can only start when the last gradient exists. Buckets of a few MiB reach the
@@ -128,18 +140,21 @@ def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
 
 
 class InOrder:
-    """The backward side of DDP, ZeRO-2 and FSDP, written once: launch one reduction per bucket
-    (or unit) in a fixed order that every rank agrees on, whatever order the gradients arrive in,
-    with at most max_in_flight unfinished.
+    """The backward side of ZeRO-2 and FSDP: one reduction per bucket (or unit), in one order.
 
-    Collectives are matched by call order, not by name: a rank whose backward fills bucket 2
+    The order is fixed and every rank agrees on it, whatever order the gradients arrive in.
+    At most max_in_flight reductions are unfinished at a time. ddp.py writes the same rule in its
+    own few lines, where the lecture reads it (DDP._launch_full_buckets).
+
+    Collectives are matched by call order, not by name. A rank whose backward fills bucket 2
     before bucket 1 (data-dependent control flow, a unit only some ranks use) must still launch
     1 first, or it pairs its buffers with another rank's wrong ones. So a full bucket waits for
-    every earlier one, then all consecutive full ones go. launch(bucket) starts its reduction
-    and returns what retire(bucket, started) needs to finish it (wait, keep the result, free the
-    buffer); None when nothing was started (FSDP under no_sync). The strategy calls ready() from
-    its gradient hooks and, at the end of backward, launch_rest() (buckets whose gradients never
-    came still reduce: every rank must launch every bucket) and wait_all().
+    every earlier one, then all consecutive full ones go.
+    launch(bucket) starts its reduction and returns what retire(bucket, started) needs to finish
+    it (wait, keep the result, free the buffer). It returns None when nothing was started (FSDP
+    under no_sync). The strategy calls ready() from its gradient hooks. At the end of backward it
+    calls launch_rest(), then wait_all(). Buckets whose gradients never came still reduce, since
+    every rank must launch every bucket.
     """
 
     def __init__(self, buckets: list, launch, retire, max_in_flight: int | None = None):
@@ -193,12 +208,10 @@ class Bucket(FlatParams):
     state for it (zero.py's optimizer)."""
 
     def __init__(self, params, comm):
-        super().__init__(params, comm.world_size)
-        self.comm = comm
+        super().__init__(params, comm.world_size, comm)
         self.master = None        # (S,) fp32: the shard the inner optimizer updates
         self.grad_shard = None    # (S,) this rank's reduced gradient, in the reduce dtype
         # grad_flat (FlatParams): stage 1 keeps it always, stage 2 only while in flight
-        self.used = [False] * len(self.params)   # which got a gradient here since zero_grad()
         self.host_grad = None     # (S,) fp32, on the host: ZeRO-Offload copies grad_shard here
 
 
@@ -220,8 +233,9 @@ def trainable_in_one_dtype(params, who: str) -> list:
         raise ValueError(f"{who}: no trainable parameters (requires_grad=True) to shard")
     dtypes = {p.dtype for p in trainable}
     if len(dtypes) > 1 or not dtypes <= set(DTYPES.values()):
-        raise ValueError(f"{who} needs all trainable parameters in one of {', '.join(DTYPES)}, got "
-                         f"{sorted(map(str, dtypes))}: cast the model first, e.g. model.to(torch.bfloat16)")
+        raise ValueError(f"{who} needs all trainable parameters in one of {', '.join(DTYPES)}, "
+                         f"got {sorted(map(str, dtypes))}: cast the model first, e.g. "
+                         f"model.to(torch.bfloat16)")
     return trainable
 
 
@@ -234,7 +248,8 @@ class ShardedBuckets(list):
     def __init__(self, params, comm: Comm, bucket_mb: float, who: str):
         trainable = trainable_in_one_dtype(params, who)
         check_same_parameters(trainable, comm)
-        super().__init__(Bucket(chunk, comm) for chunk in split_into_buckets(trainable[::-1], bucket_mb))
+        chunks = split_into_buckets(trainable[::-1], bucket_mb)
+        super().__init__(Bucket(chunk, comm) for chunk in chunks)
         self.comm = comm
         for bucket in self:
             comm.broadcast(bucket.flat, src=0)
@@ -245,7 +260,9 @@ class ShardedBuckets(list):
             bucket.hook_gradients(method, b)
 
     def in_order(self, launch, retire) -> InOrder:
-        """The buckets reduced in one order on every rank, MAX_REDUCTIONS_IN_FLIGHT at most (InOrder)."""
+        """The buckets reduced in one order on every rank (InOrder).
+
+        At most MAX_REDUCTIONS_IN_FLIGHT are unfinished at a time."""
         return InOrder(self, launch, retire, max_in_flight=MAX_REDUCTIONS_IN_FLIGHT)
 
     def flags_and_norm_bytes(self) -> int:
@@ -290,27 +307,34 @@ def shards_norm(flats: list, grads: list, comm: Comm, split: dict) -> torch.Tens
     shard counts as placements.norm_weight says: every value once. Collective."""
     copied = [flat.replicas is not None for flat in flats]
     copies_summed = any(copied) and not all(copied)
-    squares = squares_of(shard_pieces(flats, grads, lambda p, n: norm_weight(p, split, n),
-                                      lambda flat: flat.replicas.world_size if copies_summed and flat.replicas else 1),
+
+    def copies(flat):
+        return flat.replicas.world_size if copies_summed and flat.replicas else 1
+    squares = squares_of(shard_pieces(flats, grads, lambda p, n: norm_weight(p, split, n), copies),
                          flats[0].params[0].device, flats[0].master.dtype)
-    for group in [comm, *split.values(), *([flats[copied.index(True)].replicas] if copies_summed else [])]:
+    replicas = [flats[copied.index(True)].replicas] if copies_summed else []
+    for group in [comm, *split.values(), *replicas]:
         if group.world_size > 1:
             group.all_reduce(squares, op="sum")
     return squares.sqrt()[0]
 
 
-def or_used_flags(flats: list, device) -> tuple:
-    """The flats' "used" flags OR'ed over the ranks holding each (its comm), then over HSDP's
-    copies of the shard (a flat's `replicas`): did any rank compute a gradient for each
-    parameter? Returns the (P,) uint8 flags on device, their all-reduces launched (a P-byte
-    message, as DDP's; one per run of flats on one comm), and agree(), which waits for them."""
-    used = flags_to_device([u for flat in flats for u in flat.used], device)         # (P,)
+def or_used_flags(flats: list, device, local: list | None = None) -> tuple:
+    """Did any rank compute a gradient for each parameter of the flats?
+
+    The (P,) "used" flags (local, or else each flat's `used`) are OR'ed over the ranks holding
+    each flat (its comm), then over HSDP's copies of the shard (its `replicas`). Returns the
+    flags on device, their all-reduces launched, and agree(), which waits for them. The message
+    is P bytes, one all-reduce per run of flats on one comm."""
+    if local is None:
+        local = [u for flat in flats for u in flat.used]
+    used = flags_to_device(local, device)                                              # (P,)
     launched, first = [], 0
     for comm, run in itertools.groupby(flats, key=lambda flat: flat.comm):
         run = list(run)
         stop = first + sum(len(flat.params) for flat in run)
         handle = comm.all_reduce(used[first: stop], op="max", async_op=True)
-        launched.append((handle, getattr(run[0], "replicas", None), first, stop))
+        launched.append((handle, run[0].replicas, first, stop))
         first = stop
 
     def agree():
@@ -363,15 +387,17 @@ def step_message_bytes(n_params: int, world_size: int, norm_size: int = 4) -> in
 # ---- the gradient-sync protocol every reducer speaks --------------------------------------
 
 class GradientSyncs:
-    """The one gradient-sync protocol, spoken by every reducer in the project (DDP, ZeRO's
-    optimizers, FSDP, a tensor-parallel model's partial sums), and several of them driven as one:
+    """The one gradient-sync protocol, and several reducers driven as one.
+
+    Every reducer in the project speaks it (DDP, ZeRO's optimizers, FSDP, a tensor-parallel
+    model's partial sums):
         with sync.no_sync(): backward     gradients wait where they are, nothing reduced
         sync.finish_gradient_sync()       after the step's last backward: every reduction done
-    keeps_whole_gradients: True when every member holds whole gradients until the step anyway
-    (DDP, ZeRO-1): running all micro-batches but the last under no_sync() then saves their
-    reductions at no memory cost (ZeRO-2 and FSDP reduce each one, so no rank holds a whole
-    gradient). The loop and the pipeline drive this, in this order: a tensor group's partial
-    sums before the data dimension's reduction, which shards or frees what they read."""
+    keeps_whole_gradients is True when every member holds whole gradients until the step anyway
+    (DDP, ZeRO-1). Running all micro-batches but the last under no_sync() then saves their
+    reductions at no memory cost. ZeRO-2 and FSDP reduce each one, so no rank holds a whole
+    gradient. The loop and the pipeline drive the members in order: a tensor group's partial sums
+    come before the data dimension's reduction, which shards or frees what they read."""
 
     def __init__(self, *syncs):
         self.syncs = [s for s in syncs if s is not None]

@@ -8,6 +8,7 @@ lecture's rule: a ring all-reduce sends 2(N-1)/N of a buffer, a reduce-scatter o
 (N-1)/N (foundations/comm.py: ring_bytes).
 Test: python -m pytest tests/test_ddp.py tests/test_zero.py tests/test_fsdp.py tests/test_pipeline.py
 """
+import itertools
 import math
 
 import torch
@@ -17,6 +18,19 @@ from foundations.dtypes import master_dtype
 
 
 # ---- data parallelism: ddp.py ------------------------------------------------------------------
+
+def ddp_bytes_per_step(ddp) -> int:
+    """Bytes a ddp.DDP rank sends per synchronised step, as the ring schedule sends them.
+
+    Each bucket's all-reduce sends 2(N-1)/N of it (padded to N equal chunks) in the reduce dtype.
+    The used-flags add one byte a parameter, one all-reduce per run of buckets on one group.
+    In all, about twice the gradients' bytes, nearly independent of N."""
+    grads = sum(ring_bytes("all_reduce", b.grad_flat.numel(),
+                           (ddp.reduce_dtype or b.grad_flat.dtype).itemsize, b.comm.world_size)
+                for b in ddp.buckets)
+    flags = sum(ring_bytes("all_reduce", sum(len(b.params) for b in run), 1, group.world_size)
+                for group, run in itertools.groupby(ddp.buckets, key=lambda b: b.comm))
+    return grads + flags
 
 
 # ---- ZeRO stages 1 and 2: zero.py -----------------------------------------------------------------

@@ -17,6 +17,7 @@ from foundations.comm import Comm, Handle
 from ddp import DDP, all_reduce_gradients
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
+from napkin.sent import ddp_bytes_per_step
 
 MODEL = dict(n_layer=2, n_embd=64, n_head=4, block_size=32)
 GLOBAL_BATCH, SEQ, STEPS, LR = 8, 16, 5, 1e-3   # 8 sequences split over N = 2 or 4 ranks
@@ -126,7 +127,7 @@ def _train_gpt():
         out["bytes_sent"].append(sum(ring.comm.bytes_sent.values()))
         ring.comm.bytes_sent.clear()
     out["ring"] = _train(ring.module, lambda x, y: ring(x, y)[1], ring_sync, batches)
-    out["bytes_per_step"] = ring.bytes_per_step()
+    out["bytes_per_step"] = ddp_bytes_per_step(ring)
     out["bucket_numels"] = [buffer.numel() for buffer in ring.gradient_buffers()]
     out["n_params"] = len(ring.params)
     return out
@@ -295,7 +296,7 @@ def _awkward_cases():
     names = dict(zip(map(id, awkward.params), awkward.names))
     out["bucket_names"] = [[names[id(p)] for p in bucket.params] for bucket in awkward.buckets]
     out["bucket_numels"] = [buffer.numel() for buffer in awkward.gradient_buffers()]
-    out["bytes_per_step"] = awkward.bytes_per_step()
+    out["bytes_per_step"] = ddp_bytes_per_step(awkward)
 
     # misuse: a second backward without no_sync() or finish_gradient_sync() in between
     x, y = data[0, rank, 0, :, :-1], data[0, rank, 0, :, 1:]
@@ -376,20 +377,24 @@ def test_handed_in_reductions_must_place_every_parameter(awkward):
         assert "reductions= places 1 trainable parameters, the module has 2" in out["unplaced_error"]
 
 
-def _wrappers_freed():
-    """Each wrapper that hooks gradients (DDP, ZeRO-1, ZeRO-2, FSDP), after one backward, dropped:
-    is it, and its model, freed? torch keeps post-accumulate hooks where Python's gc does not look,
-    so a hook holding its wrapper kept both alive (FlatParams.hook_gradients holds it weakly)."""
-    import gc
-    import weakref
+def _wrapper_builds() -> dict:
+    """Each wrapper that hooks gradients (DDP, ZeRO-1, ZeRO-2, FSDP), by name: model -> wrapper."""
     from fsdp import FSDP
     from zero import Zero2Optimizer, ZeroOptimizer
-    builds = {"ddp": lambda m: DDP(m, bucket_mb=BUCKET_MB),
-              "zero1": lambda m: ZeroOptimizer(m.parameters(), bucket_mb=BUCKET_MB),
-              "zero2": lambda m: Zero2Optimizer(m.parameters(), bucket_mb=BUCKET_MB),
-              "fsdp": lambda m: FSDP(m)}
+    return {"ddp": lambda m: DDP(m, bucket_mb=BUCKET_MB),
+            "zero1": lambda m: ZeroOptimizer(m.parameters(), bucket_mb=BUCKET_MB),
+            "zero2": lambda m: Zero2Optimizer(m.parameters(), bucket_mb=BUCKET_MB),
+            "fsdp": lambda m: FSDP(m)}
+
+
+def _wrappers_freed():
+    """Each wrapper that hooks gradients, after one backward, dropped: is it, and its model,
+    freed? torch keeps post-accumulate hooks where Python's gc does not look, so a hook holding
+    its wrapper kept both alive (FlatParams.hook_gradients holds it weakly)."""
+    import gc
+    import weakref
     alive = {}
-    for name, wrap in builds.items():
+    for name, wrap in _wrapper_builds().items():
         model = _gpt()
         wrapper = wrap(model)
         tokens = _batches(1, 2)[0]                               # (B, T+1)
@@ -407,6 +412,44 @@ def _wrappers_freed():
 def test_wrappers_and_their_models_are_freed_when_dropped():
     for name, (wrapper, model) in run_ranks(_wrappers_freed, 1)[0].items():
         assert not wrapper and not model, f"{name}: wrapper alive {wrapper}, model alive {model}"
+
+
+def _attributes_bolted_on():
+    """Each wrapper built, then one step: the attributes that code outside a flat buffer's own
+    methods created on it (DDP's and ZeRO's buckets, FSDP's units), as (class, name, file)."""
+    import os
+    import sys
+    from foundations.flat import FlatParams
+    bolted = set()
+
+    def traced(self, name, value):
+        caller = sys._getframe(1)
+        new = name not in vars(self) and not hasattr(type(self), name)   # a property is declared
+        if new and caller.f_locals.get("self") is not self:
+            bolted.add((type(self).__name__, name, os.path.basename(caller.f_code.co_filename)))
+        object.__setattr__(self, name, value)
+    FlatParams.__setattr__ = traced
+    try:
+        for name, wrap in _wrapper_builds().items():
+            model = _gpt()
+            wrapper = wrap(model)
+            tokens = _batches(1, 2)[0]                               # (B, T+1)
+            forward = wrapper if name in ("ddp", "fsdp") else model
+            forward(tokens[:, :-1], tokens[:, 1:])[1].backward()    # (logits, loss)
+            if name in ("ddp", "fsdp"):
+                wrapper.finish_gradient_sync()
+            else:
+                wrapper.step()
+    finally:
+        del FlatParams.__setattr__
+    return bolted
+
+
+def test_flat_buffers_carry_only_the_attributes_their_classes_declare():
+    """Issue 56: FlatParams declares comm, op, divide, replicas, grad_flat, pending and used.
+    No strategy adds an attribute to a flat buffer from outside its class (DDP's indices and
+    used-flags are DDP's own), so a reader finds every attribute in the class that carries it."""
+    assert run_ranks(_attributes_bolted_on, 1)[0] == set()
 
 
 # ---- gradient_as_bucket_view: backward writes into the buckets, no copy -------------------------

@@ -25,7 +25,7 @@ from multiprocess import assert_tensors_close, run_ranks
 from foundations import flat as flat_module
 from foundations.flat import FlatParams, step_message_bytes
 from extensions.zero_offload import zero_optimizer
-from napkin.sent import zero_bytes_per_step
+from napkin.sent import ddp_bytes_per_step, zero_bytes_per_step
 from test_ddp import BUCKET_MB, _CountingComm, _batches, _gpt
 
 MODEL = dict(n_layer=2, n_embd=64, n_head=4, block_size=32)
@@ -422,7 +422,7 @@ def _zero_launch():
                     res["bytes_sent"].append(dict(comm.bytes_sent))
                     comm.bytes_sent.clear()
             res.update(params=_params(ddp.module), state_bytes=_state_bytes(opt),
-                       bytes_per_step=ddp.bytes_per_step(), n_params=len(ddp.params),
+                       bytes_per_step=ddp_bytes_per_step(ddp), n_params=len(ddp.params),
                        bucket_numels=[buf.numel() for buf in ddp.gradient_buffers()])
             return res
         return run
