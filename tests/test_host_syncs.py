@@ -63,7 +63,9 @@ TORCH_FUNCTIONS = ("tensor", "nonzero", "argwhere", "unique", "bincount", "maske
 
 # data.py builds each batch from a host tensor, in host memory (launch.pinned_copy moves it): its
 # reads never touch a device.
-HOST_ONLY = (os.path.join(TESTS, ""), os.path.join(ROOT, "data.py"))
+HOST_ONLY = (os.path.join(TESTS, ""), os.path.join(ROOT, "running", "data.py"))
+# A virtual environment inside the clone (install.sh's .venv) holds torch's own files, not ours.
+VENV = os.path.join(ROOT, ".venv", "")
 
 
 class SyncCounter:
@@ -86,9 +88,9 @@ class SyncCounter:
                 caller = sys._getframe(1).f_code.co_filename
                 on_host = (isinstance(args[0], torch.Tensor) and name != "to"
                            and args[0].untyped_storage().data_ptr() in self.host) if args else False
-                # The project's files sit at the top level; a virtual environment inside the
-                # clone (install.sh's .venv) holds torch's own, which are not the project's.
-                if (os.path.dirname(caller) == ROOT and not caller.startswith(HOST_ONLY) and not on_host
+                # The project's files: the concept files at the top level and the packages.
+                ours = caller.startswith(os.path.join(ROOT, "")) and not caller.startswith(VENV)
+                if (ours and not caller.startswith(HOST_ONLY) and not on_host
                         and _blocks(name, args, kwargs)):
                     self._record(name)
             return original(*args, **kwargs)
