@@ -30,7 +30,7 @@ from extensions.fsdp_frozen import FrozenBaseFSDP
 from extensions.fsdp_hybrid import HSDP
 from extensions.fsdp_offload import OffloadedFSDP
 from napkin.memory_math import mesh_params, run_state_bytes
-from composition.mesh_checks import mesh_splits, moe_config, stage_layers
+from composition.mesh_checks import ParallelDims, moe_config, stage_layers
 from composition.mesh_optimizer import on_mesh, partition
 from foundations.dtypes import master_dtype
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
@@ -59,10 +59,11 @@ class Run(NamedTuple):
     context: object              # context parallelism's wrapper (its attention reports), or None
     comm: Comm                   # the world
     mesh: object                 # this rank's groups (process_groups.make_device_mesh)
+    dims: ParallelDims           # the run's layout, the mesh's sizes
     my_tokens: Callable          # (x, y) of whole sequences -> the tokens this rank computes
 
 
-def build(args, device) -> Run:
+def build(args, device, dims: ParallelDims) -> Run:
     """The run the command line describes, on this rank: the mesh, then the model laid out on
     it (model_on_mesh). A strategy's refusal of its input (a ValueError raised by this project's
     code) becomes a RunError, the same on every rank; any other error is a bug and keeps its
@@ -71,11 +72,12 @@ def build(args, device) -> Run:
     divide the world); with a split, the experts' groups and HSDP's (--ep, --shard-group: runs
     inside dp x cp) are the mesh's too; without one, data_parallel cuts them from the data group."""
     comm = Comm(ring=ring_choice(args.collectives, dist.get_backend()), timeout=args.timeout)
-    split = bool(mesh_splits(args))
-    mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep if split else 1,
+    split = bool(dims.splits)
+    mesh = make_device_mesh(comm, tp=dims.tp, cp=dims.cp, pp=dims.pp, ep=dims.ep if split else 1,
                             shard=args.shard_group if split else None)
     try:
-        gpt, model, optimizer, sync, predicted, napkin, context = model_on_mesh(args, device, mesh)
+        gpt, model, optimizer, sync, predicted, napkin, context = model_on_mesh(args, device, mesh,
+                                                                                dims)
     except ValueError as e:
         if not refused(e):
             raise                              # a bug on the way: its traceback says where
@@ -83,11 +85,11 @@ def build(args, device) -> Run:
     # A pipeline is fed this rank's tokens of each sequence under context parallelism, (B, T) ->
     # (B, T/cp); without one, ContextParallelGPT's forward cuts its own.
     pipelined = context is not None and hasattr(model, "train_step")
-    return Run(gpt, model, optimizer, sync, predicted, napkin, context, comm, mesh,
+    return Run(gpt, model, optimizer, sync, predicted, napkin, context, comm, mesh, dims,
                context.local_tokens if pipelined else lambda x, y: (x, y))
 
 
-def model_on_mesh(args, device, mesh):
+def model_on_mesh(args, device, mesh, dims: ParallelDims):
     """The model, its parallelisms and data-parallel wrapper, the optimizer, the gradient syncs
     (flat.GradientSyncs), the bytes the run predicts it sends per step ({dimension: bytes}, each
     its formula) and holds (memory.py), and the context-parallel wrapper (None without --cp),
@@ -113,8 +115,8 @@ def model_on_mesh(args, device, mesh):
     if args.checkpoint_activations:
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    if mesh_splits(args):
-        return gpt, *parallelize(gpt, args, mesh, device, adamw)
+    if dims.splits:
+        return gpt, *parallelize(gpt, args, mesh, dims, device, adamw)
     model, optimizer, sent, held = data_parallel(gpt, args, mesh.dp, device, adamw)
     # The strategy's gradient sync: DDP's or FSDP's (the model), or ZeRO's (the optimizer).
     sync = GradientSyncs(*(o for o in (model, optimizer) if hasattr(o, "finish_gradient_sync")))
@@ -203,7 +205,7 @@ def reduce_dtype_of(args) -> torch.dtype | None:
     return DTYPES[name] if name else None
 
 
-def parallelize(gpt, args, mesh, device, adamw: dict):
+def parallelize(gpt, args, mesh, dims: ParallelDims, device, adamw: dict):
     """--tp, --cp, --pp and --ep over the mesh, then data parallelism over what is left, each
     step its own file's (in torchtitan's order: split the matrices, split the sequences, route
     the experts, cut the stages, wrap for data parallelism): (model, optimizer, gradient syncs,
@@ -211,15 +213,14 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     wrapper or None). gpt keeps its whole-model parameter names throughout (this rank's slices
     of its stage's), so checkpoints read the same on any mesh.
     """
-    splits = mesh_splits(args)
     # 1. Split the matrices (tensor_parallel.py): each block's heads and MLP columns over tp
     # (a mixture of experts stays whole on every tensor rank: group_balance_losses).
-    tp = TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel) if "tp" in splits else None
+    tp = TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel) if dims.tp_enabled else None
     if tp and args.sequence_parallel:
         group_balance_losses(gpt, tp.comm)
     # 2. Split the sequences (context_parallel.py): this rank's chunks of each; attention over cp.
     cp = (ContextParallelGPT(gpt, mesh.cp, args.cp_attention, args.cp_balance == "zigzag")
-          if "cp" in splits else None)
+          if dims.cp_enabled else None)
     if cp and args.sequence_parallel:     # this rank's 1/tp of the tokens of its chunks
         tp.group_positions, gpt.positions_of = gpt.positions_of, tp._my_positions
     # 3. Route the experts (moe.py): E/ep of each MoE layer's experts on this rank, the tokens
@@ -229,36 +230,38 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                if mesh.ep is not None else None)
     # 4. Cut the stages (pipeline.py): this rank keeps its stage's blocks, the rest are dropped.
     module = cp or tp or gpt
-    if "pp" in splits:
+    if dims.pp_enabled:
         stage = mesh.pp.rank
         layers = stage_layers(args.stage_layers, gpt.cfg.n_layer, args.pp, args.virtual_stages)[stage]
         module = GPTStage(gpt, layers, first=stage == 0, last=stage == args.pp - 1)
     # 5. Data parallelism over what is left; the pipeline's executor runs a stage's micro-batches.
-    replicas, optimizer, sync, held_all = wrap_data(gpt, module, tp, experts, args, mesh, device, adamw)
+    replicas, optimizer, sync, held_all = wrap_data(gpt, module, tp, experts, args, mesh, dims,
+                                                    device, adamw)
     model = replicas
-    if "pp" in splits:
+    if dims.pp_enabled:
         sp = args.tp if args.sequence_parallel else 1      # a rank sends its 1/tp of the tokens
         model = make_pipeline(replicas, mesh.pp, args.schedule, args.microbatches,
                               lambda b, t: (b, t // sp, gpt.cfg.n_embd), DTYPES[args.precision])
         model.sync = sync
-    sent, held = predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer, held_all)
+    sent, held = predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, optimizer,
+                                 held_all)
     return model, optimizer, sync, sent, held, cp
 
 
-def wrap_data(gpt, module, tp, experts, args, mesh, device, adamw: dict):
+def wrap_data(gpt, module, tp, experts, args, mesh, dims: ParallelDims, device, adamw: dict):
     """Step 5: data parallelism over the ranks holding the same slice of the same stage, dp x cp
     (a cp group's ranks hold whole copies too; their gradients, from other tokens, are summed):
     ddp's replicas, ZeRO's optimizer shards or FSDP's units (with --shard-group, HSDP: sharded
     over a run of dp x cp ranks, copied across the runs), as --strategy says. Returns (the
     wrapped module, the optimizer, the gradient syncs, whether a pipeline holds every backward)."""
-    data, strategy, splits = mesh.dp_cp, STRATEGIES[args.strategy], mesh_splits(args)
+    data, strategy = mesh.dp_cp, STRATEGIES[args.strategy]
     # Partial gradients over the tensor group (tensor_parallel.py) are summed at the sync's
     # finish, before the data dimension's; where the data dimension reduces during backward
     # (DDP's last backward, ZeRO-2's and FSDP's hooks) they are summed in backward, before it
     # reads them. A pipeline with a tied head or zero bubble's W holds every backward instead.
-    held_all = "pp" in splits and (args.schedule == "zb" or module.tied is not None)
+    held_all = dims.pp_enabled and (args.schedule == "zb" or module.tied is not None)
     in_backward = (strategy is ddp and data.world_size > 1 or args.strategy == "zero2"
-                   or strategy is fsdp and "pp" not in splits)
+                   or strategy is fsdp and not dims.pp_enabled)
     if tp and tp.partial and in_backward and not held_all:
         tp.sum_partial_in_backward()
     replicas, parts = wrap(gpt, module, args, (data, mesh.shard or data, mesh.replicate), device,
@@ -266,7 +269,7 @@ def wrap_data(gpt, module, tp, experts, args, mesh, device, adamw: dict):
     # The global norm sums each value once over the dimensions that split the model beside the
     # optimizer's own ranks (placements.py): a replicated optimizer's experts differ over ep.
     optimizer = on_mesh(parts, {"ep": experts if strategy is ddp else None,
-                                "tp": mesh.tp if tp else None, "pp": mesh.pp if "pp" in splits else None})
+                                "tp": mesh.tp if tp else None, "pp": mesh.pp if dims.pp_enabled else None})
     # The gradient syncs in order: the tensor group's partial sums, then the data dimension's
     # reduction (DDP's, FSDP's, or ZeRO's optimizer's).
     sync = GradientSyncs(tp, replicas if replicas is not module else
@@ -274,16 +277,16 @@ def wrap_data(gpt, module, tp, experts, args, mesh, device, adamw: dict):
     return replicas, optimizer, sync, held_all
 
 
-def predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer, held_all):
+def predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, optimizer, held_all):
     """({dimension: bytes this rank sends per step}, each its own file's formula, and the bytes
     it holds, memory.py's napkin math), for this rank's rows (B/D) and tokens of each (T/cp; its
     MoE layers see T/cp/tp of them under sequence parallelism)."""
-    splits, data, strategy = mesh_splits(args), mesh.dp_cp, STRATEGIES[args.strategy]
+    data, strategy, pipelined = mesh.dp_cp, STRATEGIES[args.strategy], dims.pp_enabled
     held_blocks = [i for i, block in enumerate(gpt.blocks) if not isinstance(block, nn.Identity)]
     rows, tokens = args.batch_size // mesh.dp.world_size, args.seq_len // mesh.cp.world_size
     tokens_split = mesh.cp.world_size * (args.tp if args.sequence_parallel else 1)
-    micro = args.microbatches if "pp" in splits else args.grad_accum
-    backwards = micro * (args.virtual_stages if "pp" in splits else 1)     # interleaved: one a chunk
+    micro = args.microbatches if pipelined else args.grad_accum
+    backwards = micro * (args.virtual_stages if pipelined else 1)     # interleaved: one a chunk
     every = args.checkpoint_activations               # checkpoint_blocks: blocks 0, K, 2K, ...
     recomputed = sum(i % every == 0 for i in held_blocks) if every else 0
     sent = {}
@@ -294,16 +297,16 @@ def predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer
             wide = max(DTYPES[args.precision].itemsize, 4)         # fp32, or fp64's own
             sent["tp"] += micro * mixtures * ring_bytes("all_reduce", 1, wide, args.tp)
     if cp:
-        cp.count_activations = "pp" not in splits     # the first step's, for the log (a stage's
+        cp.count_activations = not pipelined      # the first step's, for the log (a stage's
                                                       # forwards run in the pipeline's schedule)
         cp.kv_formula = sent["cp"] = cp.kv_bytes_per_step(rows, args.seq_len, micro, recomputed)
-    if "pp" in splits:
+    if pipelined:
         sent["pp"] = model.bytes_per_step(rows, tokens)
     if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
         sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, tokens_split, micro)
     if data.world_size > 1:
         sent["dp"] = (replicas.bytes_per_step() if strategy is ddp else
-                      replicas.bytes_per_step(micro, gathered_for_step="pp" in splits) if strategy is fsdp else
+                      replicas.bytes_per_step(micro, gathered_for_step=pipelined) if strategy is fsdp else
                       optimizer.bytes_per_step(micro_batches=1 if held_all else backwards))
     # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
     # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
@@ -342,12 +345,13 @@ def lora_config(args) -> dict | None:
                 double_quant=args.double_quant) if args.lora else None
 
 
-def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) -> list[str]:
+def dimension_report(args, job, step: int, history: dict) -> list[str]:
     """The log's lines, at a logged step, for each dimension that measures itself beside its
     formula: the experts' routing and all-to-alls (moe.py), the pipeline's bubble (pipeline.py)
     and context parallelism's K/V and idle attention (context_parallel.py). Each also goes into
-    history. Collective where a measurement is (the pipeline's bubbles): every rank calls it."""
-    lines, splits = [], mesh_splits(args)
+    history. Collective where a measurement is (the pipeline's bubbles): every rank calls it.
+    job: build's Run."""
+    gpt, model, mesh, context, lines = job.gpt, job.model, job.mesh, job.context, []
     if gpt.cfg.experts:                  # moe.py's routing, rank 0's last micro-batch
         routing = routing_summary(gpt)
         low, mean, high = routing["tokens_per_expert"]
@@ -355,7 +359,7 @@ def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) 
         if args.ep > 1:                  # the all-to-alls alone, beside their formula
             formula = exchange_bytes(gpt, args, mesh.dp.world_size,
                                      mesh.cp.world_size * (args.tp if args.sequence_parallel else 1),
-                                     args.microbatches if "pp" in splits else None)
+                                     args.microbatches if job.dims.pp_enabled else None)
             a2a = (mesh.ep or mesh.dp_cp).bytes_sent["all_to_all"]    # the mesh's ep, or dp's
             exchanged = (f" | all-to-all {a2a / 2**20:.2f} MiB/step "
                          + (f"(formula {formula / 2**20:.2f})" if formula
