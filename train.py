@@ -29,14 +29,16 @@ from torch.optim.lr_scheduler import LambdaLR
 from running import report
 from running import snapshot
 from running.cli import parse_args
-from running.data import TextData
-from foundations.launch import pinned_copy
+from running.data import TextData, pinned_copy
 from composition.mesh_checks import ParallelDims
+from running.divergence import Divergence
+from running.errors import RunError, refused
 from foundations.meters import peak_saved_bytes, saved_activation_bytes
-from composition.parallelize import build, build_gpt, lora_config  # noqa: F401 (train.build_gpt)
-from foundations.process_groups import cpu_threads, exit_distributed, global_mean, init_distributed
+from composition.parallelize import build, build_gpt, lora_config, new_gpt  # noqa: F401 (train.build_gpt)
+from foundations.process_groups import exit_distributed, global_mean, init_distributed
+from running.threads import cpu_threads
 from running.run_log import Clock, RunLog, finish, predicted_seconds, start_profiling
-from running.snapshot import Divergence, RunError, load_weights, own_outputs  # noqa: F401 (train.RunError)
+from running.snapshot import load_weights, own_outputs
 
 
 def learning_rate(step, args):
@@ -146,7 +148,15 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     # record them, and a resume over other weights is refused (cli.check_resume).
     base = snapshot.base_identity(args.init_from) if args.lora and args.init_from else None
     dims = ParallelDims.from_args(args, world_size)       # the layout, computed once
-    job = build(args, device, dims)
+    try:
+        gpt = new_gpt(args)                                          # fp32, the same on every rank
+        if args.init_from:
+            load_weights(args.init_from, gpt)
+        job = build(args, device, dims, gpt)
+    except ValueError as e:
+        if not refused(e):
+            raise                              # a bug on the way: its traceback says where
+        raise RunError(str(e)) from None       # a strategy refused its input: same on every rank
     gpt, model, optimizer, mesh = job.gpt, job.model, job.optimizer, job.mesh
     # Copies (dp x cp) are written once, by the first holder; a tensor group gathers its slices.
     layout = snapshot.layout_of(gpt, mesh.dp_cp, mesh.tp if dims.tp_enabled else mesh.pp if dims.pp_enabled else None)

@@ -19,9 +19,9 @@ import torch.nn as nn
 import ddp
 import fsdp
 import lora
+import zero
 from checkpointing import checkpoint_blocks
-from running.cli import STRATEGIES, ring_choice
-from collectives import Comm, ring_bytes
+from collectives import RING_COLLECTIVES, Comm, ring_bytes
 from composition.context_parallel_gpt import ContextParallelGPT
 from ddp import DDP
 from foundations.flat import GradientSyncs
@@ -43,10 +43,29 @@ from mechanics.fsdp_state import gpt_blocks
 from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula
 from foundations.process_groups import make_device_mesh, make_mesh
 from extensions.schedules import COMPUTE, make_pipeline, message
-from running.snapshot import RunError, load_weights, refused
 from tensor_parallel import g
 from composition.tensor_parallel_gpt import TensorParallelGPT
 from extensions.zero_offload import zero_optimizer
+
+
+# --strategy -> the concept file whose rung wraps the data dimension: ddp.py's replicas, zero.py's
+# sharded optimizer or fsdp.py's units. tp, pipeline and cp are ddp over the data dimension, beside
+# their split. running/cli.py names these as --strategy's choices.
+STRATEGIES = {"single": ddp, "ddp": ddp, "zero1": zero, "zero2": zero, "fsdp": fsdp, "zero3": fsdp,
+              "tp": ddp, "pipeline": ddp, "cp": ddp}
+
+# --collectives auto: each backend runs what was measured faster on it (bench/ring.py and
+# docs/measured.md, 2 gloo ranks, the medium model's 44 MB): gloo's reduce_scatter_tensor took
+# 83-87 ms against our ring's 25, its all_gather_into_tensor 90-95 against 34-42 (both copy
+# through flat buffers), while its all-reduce took 32 against the ring's 44. NCCL's own, always.
+FASTEST_RING = {"gloo": ("reduce_scatter", "all_gather")}
+
+
+def ring_choice(collectives: str, backend: str) -> frozenset:
+    """The collectives a Comm runs as our ring for --collectives native, ring or auto."""
+    chosen = {"native": (), "ring": RING_COLLECTIVES}.get(collectives)
+    return frozenset(FASTEST_RING.get(backend, ()) if chosen is None else chosen)
+
 
 
 class Run(NamedTuple):
@@ -63,25 +82,25 @@ class Run(NamedTuple):
     my_tokens: Callable          # (x, y) of whole sequences -> the tokens this rank computes
 
 
-def build(args, device, dims: ParallelDims) -> Run:
-    """The run the command line describes, on this rank: the mesh, then the model laid out on
-    it (model_on_mesh). A strategy's refusal of its input (a ValueError raised by this project's
-    code) becomes a RunError, the same on every rank; any other error is a bug and keeps its
-    traceback. The world's Comm carries the run's timeout to every group the mesh and the
-    strategies cut. One mesh: tensor x context x data x pipeline (cli.py made sure the sizes
+def new_gpt(args) -> GPT:
+    """The fp32 model --model and the MoE flags describe, its weights drawn from --seed: the
+    same on every rank."""
+    torch.manual_seed(args.seed)
+    return build_gpt(args.model, dropout=args.dropout, **moe_config(args))
+
+
+def build(args, device, dims: ParallelDims, gpt: GPT) -> Run:
+    """The run the command line describes, on this rank: the mesh, then gpt (new_gpt's, its
+    weights loaded where --init-from says) laid out on it (model_on_mesh). A strategy refuses
+    its input with a ValueError. The world's Comm carries the run's timeout to every group the
+    mesh and the strategies cut. One mesh: tensor x context x data x pipeline (cli.py made sure the sizes
     divide the world); with a split, the experts' groups and HSDP's (--ep, --shard-group: runs
     inside dp x cp) are the mesh's too; without one, data_parallel cuts them from the data group."""
     comm = Comm(ring=ring_choice(args.collectives, dist.get_backend()), timeout=args.timeout)
     split = bool(dims.splits)
     mesh = make_device_mesh(comm, tp=dims.tp, cp=dims.cp, pp=dims.pp, ep=dims.ep if split else 1,
                             shard=args.shard_group if split else None)
-    try:
-        gpt, model, optimizer, sync, predicted, napkin, context = model_on_mesh(args, device, mesh,
-                                                                                dims)
-    except ValueError as e:
-        if not refused(e):
-            raise                              # a bug on the way: its traceback says where
-        raise RunError(str(e)) from None       # a strategy refused its input: same on every rank
+    model, optimizer, sync, predicted, napkin, context = model_on_mesh(gpt, args, device, mesh, dims)
     # A pipeline is fed this rank's tokens of each sequence under context parallelism, (B, T) ->
     # (B, T/cp); without one, ContextParallelGPT's forward cuts its own.
     pipelined = context is not None and hasattr(model, "train_step")
@@ -89,8 +108,8 @@ def build(args, device, dims: ParallelDims) -> Run:
                context.local_tokens if pipelined else lambda x, y: (x, y))
 
 
-def model_on_mesh(args, device, mesh, dims: ParallelDims):
-    """The model, its parallelisms and data-parallel wrapper, the optimizer, the gradient syncs
+def model_on_mesh(gpt, args, device, mesh, dims: ParallelDims):
+    """gpt's parallelisms and data-parallel wrapper, the optimizer, the gradient syncs
     (flat.GradientSyncs), the bytes the run predicts it sends per step ({dimension: bytes}, each
     its formula) and holds (memory.py), and the context-parallel wrapper (None without --cp),
     whose attention the log reports.
@@ -99,10 +118,6 @@ def model_on_mesh(args, device, mesh, dims: ParallelDims):
     pipeline split data_parallel() wraps the whole model over the data dimension; with one,
     parallelize() applies them in turn.
     """
-    torch.manual_seed(args.seed)
-    gpt = build_gpt(args.model, dropout=args.dropout, **moe_config(args))       # fp32
-    if args.init_from:
-        load_weights(args.init_from, gpt)
     # FSDP keeps the fp32 weights as master shards and computes in --precision itself; the
     # model stays on the CPU until FSDP moves each rank's shards (a model that fits only
     # sharded must never be whole on the GPU).
@@ -116,11 +131,11 @@ def model_on_mesh(args, device, mesh, dims: ParallelDims):
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     if dims.splits:
-        return gpt, *parallelize(gpt, args, mesh, dims, device, adamw)
+        return parallelize(gpt, args, mesh, dims, device, adamw)
     model, optimizer, sent, held = data_parallel(gpt, args, mesh.dp, device, adamw)
     # The strategy's gradient sync: DDP's or FSDP's (the model), or ZeRO's (the optimizer).
     sync = GradientSyncs(*(o for o in (model, optimizer) if hasattr(o, "finish_gradient_sync")))
-    return gpt, model, optimizer, sync, {"dp": sent}, held, None
+    return model, optimizer, sync, {"dp": sent}, held, None
 
 
 def data_parallel(gpt, args, data, device, adamw: dict):

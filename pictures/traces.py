@@ -25,7 +25,7 @@ from running.cli import parse_args
 from running.data import TextData
 from napkin.memory_math import activation_bytes, held_bytes, logits_bytes
 from composition.mesh_checks import ParallelDims
-from composition.parallelize import build
+from composition.parallelize import build, new_gpt
 from extensions.schedules import COMPUTE
 
 # ---- the loss of a run, from its log ---------------------------------------------------------
@@ -105,7 +105,7 @@ def built(argv: list[str]):
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
     dims = ParallelDims.from_args(args, dist.get_world_size())
-    return build(args, device, dims), args, TextData.from_file(args.data), device
+    return build(args, device, dims, new_gpt(args)), args, TextData.from_file(args.data), device
 
 
 def batch(data, args, run, step: int, device):

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from running import snapshot
+from running.errors import RunError
 from foundations.values import record_for_torchrun, say_error
 from running.stopping import StopSignals
 from collectives import Comm
@@ -226,7 +227,7 @@ def stopped(error: BaseException, signals: StopSignals, log: RunLog | None) -> i
         return 128 + signal.SIGINT
     if isinstance(error, SystemExit):
         return error.code if isinstance(error.code, int) else 1
-    if isinstance(error, (snapshot.RunError, snapshot.CheckpointError, LaunchError)):
+    if isinstance(error, (RunError, snapshot.CheckpointError, LaunchError)):
         say_error(f"train.py: error: {error}")
         return 2
     if not isinstance(error, dist.DistError) and not (isinstance(error, RuntimeError) and "gloo" in str(error)):
@@ -354,7 +355,7 @@ def start_profiling(args, rank, world_size, device):
         if traces:                                # every rank's was written at this step
             problems = [p for p in gather_objects(traces.pop(), Comm(), device) if p]
             if problems:
-                raise snapshot.RunError(problems[0])
+                raise RunError(problems[0])
         if snapshot_file and snapshot_steps[0] >= 0:
             snapshot_steps[0] += 1
             if snapshot_steps[0] == 5 or last:
