@@ -34,7 +34,8 @@ from composition.mesh_checks import ParallelDims
 from running.divergence import Divergence
 from running.errors import RunError, refused
 from foundations.meters import peak_saved_bytes, saved_activation_bytes
-from composition.parallelize import build, build_gpt, lora_config, new_gpt  # noqa: F401 (train.build_gpt)
+from composition.parallelize import build, lora_config, new_gpt
+from composition.parallelize import build_gpt  # noqa: F401 (train.build_gpt)
 from foundations.process_groups import exit_distributed, global_mean, init_distributed
 from running.threads import cpu_threads
 from running.run_log import Clock, RunLog, finish, predicted_seconds, start_profiling
@@ -159,7 +160,8 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
         raise RunError(str(e)) from None       # a strategy refused its input: same on every rank
     gpt, model, optimizer, mesh = job.gpt, job.model, job.optimizer, job.mesh
     # Copies (dp x cp) are written once, by the first holder; a tensor group gathers its slices.
-    layout = snapshot.layout_of(gpt, mesh.dp_cp, mesh.tp if dims.tp_enabled else mesh.pp if dims.pp_enabled else None)
+    split = mesh.tp if dims.tp_enabled else mesh.pp if dims.pp_enabled else None
+    layout = snapshot.layout_of(gpt, mesh.dp_cp, split)
     start, first_loss = (snapshot.resume(args, gpt, optimizer, layout, world_size, rank, log.say)
                          if args.resume else (0, None))
     data = TextData.from_file(args.data)

@@ -16,10 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import ddp
-import fsdp
 import lora
-import zero
 from checkpointing import checkpoint_blocks
 from collectives import RING_COLLECTIVES, Comm, ring_bytes
 from composition.context_parallel_gpt import ContextParallelGPT
@@ -45,14 +42,15 @@ from foundations.process_groups import make_device_mesh, make_mesh
 from extensions.schedules import COMPUTE, make_pipeline, message
 from tensor_parallel import g
 from composition.tensor_parallel_gpt import TensorParallelGPT
-from extensions.zero_offload import zero_optimizer
+from extensions.zero_offload import Zero2OffloadOptimizer, ZeroOffloadOptimizer
+from zero import Zero2Optimizer, ZeroOptimizer
 
 
-# --strategy -> the concept file whose rung wraps the data dimension: ddp.py's replicas, zero.py's
+# --strategy -> the data-parallel rung that wraps the data dimension: ddp.py's replicas, zero.py's
 # sharded optimizer or fsdp.py's units. tp, pipeline and cp are ddp over the data dimension, beside
 # their split. running/cli.py names these as --strategy's choices.
-STRATEGIES = {"single": ddp, "ddp": ddp, "zero1": zero, "zero2": zero, "fsdp": fsdp, "zero3": fsdp,
-              "tp": ddp, "pipeline": ddp, "cp": ddp}
+STRATEGIES = {"single": "ddp", "ddp": "ddp", "zero1": "zero", "zero2": "zero", "fsdp": "fsdp",
+              "zero3": "fsdp", "tp": "ddp", "pipeline": "ddp", "cp": "ddp"}
 
 # --collectives auto: each backend runs what was measured faster on it (bench/ring.py and
 # docs/measured.md, 2 gloo ranks, the medium model's 44 MB): gloo's reduce_scatter_tensor took
@@ -93,14 +91,16 @@ def build(args, device, dims: ParallelDims, gpt: GPT) -> Run:
     """The run the command line describes, on this rank: the mesh, then gpt (new_gpt's, its
     weights loaded where --init-from says) laid out on it (model_on_mesh). A strategy refuses
     its input with a ValueError. The world's Comm carries the run's timeout to every group the
-    mesh and the strategies cut. One mesh: tensor x context x data x pipeline (cli.py made sure the sizes
-    divide the world); with a split, the experts' groups and HSDP's (--ep, --shard-group: runs
-    inside dp x cp) are the mesh's too; without one, data_parallel cuts them from the data group."""
+    mesh and the strategies cut. One mesh: tensor x context x data x pipeline (cli.py made sure
+    the sizes divide the world). With a split, the experts' groups and HSDP's are the mesh's too
+    (--ep, --shard-group: runs inside dp x cp); without one, data_parallel cuts them from the
+    data group."""
     comm = Comm(ring=ring_choice(args.collectives, dist.get_backend()), timeout=args.timeout)
     split = bool(dims.splits)
     mesh = make_device_mesh(comm, tp=dims.tp, cp=dims.cp, pp=dims.pp, ep=dims.ep if split else 1,
                             shard=args.shard_group if split else None)
-    model, optimizer, sync, predicted, napkin, context = model_on_mesh(gpt, args, device, mesh, dims)
+    model, optimizer, sync, predicted, napkin, context = model_on_mesh(gpt, args, device, mesh,
+                                                                       dims)
     # A pipeline is fed this rank's tokens of each sequence under context parallelism, (B, T) ->
     # (B, T/cp); without one, ContextParallelGPT's forward cuts its own.
     pipelined = context is not None and hasattr(model, "train_step")
@@ -121,7 +121,7 @@ def model_on_mesh(gpt, args, device, mesh, dims: ParallelDims):
     # FSDP keeps the fp32 weights as master shards and computes in --precision itself; the
     # model stays on the CPU until FSDP moves each rank's shards (a model that fits only
     # sharded must never be whole on the GPU).
-    if STRATEGIES[args.strategy] is fsdp:
+    if STRATEGIES[args.strategy] == "fsdp":
         gpt.to(dtype=master_dtype(DTYPES[args.precision]))               # fp32 (fp64: fp64)
     else:
         gpt.to(device=device, dtype=DTYPES[args.precision])
@@ -147,18 +147,18 @@ def data_parallel(gpt, args, data, device, adamw: dict):
     units (gpt fp32 on the CPU: see FSDP's device), with --shard-group S HSDP's copies.
     --ep (moe.py): E/ep experts per rank; FSDP makes each a unit over the ranks holding it."""
     experts = expert_parallel(gpt, data, args.ep) if args.ep > 1 else None
-    strategy = STRATEGIES[args.strategy]
+    rung = STRATEGIES[args.strategy]
     # FSDP shards over S neighbouring ranks (one node), a copy per group of them
-    S = (args.shard_group or data.world_size) if strategy is fsdp else data.world_size
+    S = (args.shard_group or data.world_size) if rung == "fsdp" else data.world_size
     shard, copies = make_mesh(data, S) if S < data.world_size else (data, None)
     model, parts = wrap(gpt, gpt, args, (data, shard, copies), device, adamw,
                         replicate=args.strategy != "single")
     # A replicated optimizer's experts differ over ep: their squares add up over it.
-    optimizer = on_mesh(parts, {"ep": experts if strategy is ddp else None})
-    if strategy is ddp:
+    optimizer = on_mesh(parts, {"ep": experts if rung == "ddp" else None})
+    if rung == "ddp":
         sent = 0 if model is gpt else model.bytes_per_step()
         held = run_state_bytes(gpt, "ddp", args, data.world_size)
-    elif strategy is fsdp:
+    elif rung == "fsdp":
         sent = model.bytes_per_step(micro_batches=args.grad_accum)
         held = run_state_bytes(gpt, "zero3", args, data.world_size, shard_group=S)
     else:
@@ -176,25 +176,29 @@ def wrap(gpt, module, args, groups: tuple, device, adamw: dict, replicate: bool)
     module unwrapped, ZeRO's optimizer reduces the gradients (with --offload, ZeRO-Offload), one
     per group that reduces them (mesh_optimizer.partition: the experts' over their holders)."""
     data, shard, copies = groups
-    strategy, reduce_dtype = STRATEGIES[args.strategy], reduce_dtype_of(args)
+    rung, reduce_dtype = STRATEGIES[args.strategy], reduce_dtype_of(args)
     offload = bool(args.offload)                  # ZeRO-Offload: the shards' optimizer on the host
-    if strategy is fsdp:
+    if rung == "fsdp":
         units = held_experts(gpt)
         replicas = fsdp_with(module, copies, args.offload == "params",
                              wrap=lambda m: gpt_blocks(m) or m in units, group=shard,
                              mp_policy=MixedPrecisionPolicy(DTYPES[args.precision], reduce_dtype),
                              prefetch=args.prefetch, device=device)
         return replicas, [FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)]
-    if strategy is ddp:
+    if rung == "ddp":
         # An expert's gradient is summed over the ranks holding it, the rest averaged over data.
         replicas = (DDP(module, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype,
                         reductions=by_reduction(list(module.parameters()), data))
                     if replicate else module)
         return replicas, [MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
                                                   precision=args.precision, **adamw)]
-    return module, [zero_optimizer(part, stage=int(args.strategy[-1]), optimizer_cls=torch.optim.AdamW,
-                                   group=comm, bucket_mb=args.bucket_mb, offload=offload,
-                                   reduce_dtype=reduce_dtype, mean_over=mean_over, **adamw)
+    # zero.py's optimizer of the stage --strategy names; --offload: ZeRO-Offload's subclass of it.
+    if offload:
+        sharded = Zero2OffloadOptimizer if args.strategy == "zero2" else ZeroOffloadOptimizer
+    else:
+        sharded = Zero2Optimizer if args.strategy == "zero2" else ZeroOptimizer
+    return module, [sharded(part, torch.optim.AdamW, group=comm, bucket_mb=args.bucket_mb,
+                            reduce_dtype=reduce_dtype, mean_over=mean_over, **adamw)
                     for comm, mean_over, part in partition(gpt.parameters(), data)]
 
 
@@ -269,22 +273,23 @@ def wrap_data(gpt, module, tp, experts, args, mesh, dims: ParallelDims, device, 
     ddp's replicas, ZeRO's optimizer shards or FSDP's units (with --shard-group, HSDP: sharded
     over a run of dp x cp ranks, copied across the runs), as --strategy says. Returns (the
     wrapped module, the optimizer, the gradient syncs, whether a pipeline holds every backward)."""
-    data, strategy = mesh.dp_cp, STRATEGIES[args.strategy]
+    data, rung = mesh.dp_cp, STRATEGIES[args.strategy]
     # Partial gradients over the tensor group (tensor_parallel.py) are summed at the sync's
     # finish, before the data dimension's; where the data dimension reduces during backward
     # (DDP's last backward, ZeRO-2's and FSDP's hooks) they are summed in backward, before it
     # reads them. A pipeline with a tied head or zero bubble's W holds every backward instead.
     held_all = dims.pp_enabled and (args.schedule == "zb" or module.tied is not None)
-    in_backward = (strategy is ddp and data.world_size > 1 or args.strategy == "zero2"
-                   or strategy is fsdp and not dims.pp_enabled)
+    in_backward = (rung == "ddp" and data.world_size > 1 or args.strategy == "zero2"
+                   or rung == "fsdp" and not dims.pp_enabled)
     if tp and tp.partial and in_backward and not held_all:
         tp.sum_partial_in_backward()
     replicas, parts = wrap(gpt, module, args, (data, mesh.shard or data, mesh.replicate), device,
                            adamw, replicate=data.world_size > 1)
     # The global norm sums each value once over the dimensions that split the model beside the
     # optimizer's own ranks (placements.py): a replicated optimizer's experts differ over ep.
-    optimizer = on_mesh(parts, {"ep": experts if strategy is ddp else None,
-                                "tp": mesh.tp if tp else None, "pp": mesh.pp if dims.pp_enabled else None})
+    optimizer = on_mesh(parts, {"ep": experts if rung == "ddp" else None,
+                                "tp": mesh.tp if tp else None,
+                                "pp": mesh.pp if dims.pp_enabled else None})
     # The gradient syncs in order: the tensor group's partial sums, then the data dimension's
     # reduction (DDP's, FSDP's, or ZeRO's optimizer's).
     sync = GradientSyncs(tp, replicas if replicas is not module else
@@ -296,7 +301,7 @@ def predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, opt
     """({dimension: bytes this rank sends per step}, each its own file's formula, and the bytes
     it holds, memory.py's napkin math), for this rank's rows (B/D) and tokens of each (T/cp; its
     MoE layers see T/cp/tp of them under sequence parallelism)."""
-    data, strategy, pipelined = mesh.dp_cp, STRATEGIES[args.strategy], dims.pp_enabled
+    data, rung, pipelined = mesh.dp_cp, STRATEGIES[args.strategy], dims.pp_enabled
     held_blocks = [i for i, block in enumerate(gpt.blocks) if not isinstance(block, nn.Identity)]
     rows, tokens = args.batch_size // mesh.dp.world_size, args.seq_len // mesh.cp.world_size
     tokens_split = mesh.cp.world_size * (args.tp if args.sequence_parallel else 1)
@@ -320,8 +325,9 @@ def predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, opt
     if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
         sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, tokens_split, micro)
     if data.world_size > 1:
-        sent["dp"] = (replicas.bytes_per_step() if strategy is ddp else
-                      replicas.bytes_per_step(micro, gathered_for_step=pipelined) if strategy is fsdp else
+        sent["dp"] = (replicas.bytes_per_step() if rung == "ddp" else
+                      replicas.bytes_per_step(micro, gathered_for_step=pipelined)
+                      if rung == "fsdp" else
                       optimizer.bytes_per_step(micro_batches=1 if held_all else backwards))
     # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
     # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
@@ -329,7 +335,7 @@ def predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, opt
     n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks),
                            gpt.pos_emb is not None, gpt.head is not None)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else 0
-    held = run_state_bytes(gpt, {fsdp: "zero3", ddp: "ddp"}.get(strategy, args.strategy), args,
+    held = run_state_bytes(gpt, {"fsdp": "zero3", "ddp": "ddp"}.get(rung, args.strategy), args,
                            data.world_size, n_params=None if gpt.cfg.experts else n_params + trainable,
                            shard_group=mesh.shard.world_size if mesh.shard else None)
     return sent, held
