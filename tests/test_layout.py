@@ -183,3 +183,12 @@ def test_zero_and_fsdp_compose_one_sharded_step():
                 {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         assert "ShardedStep" in names, f"{module} should compose foundations/sharded_step.py's ShardedStep"
         assert not names & step_only, f"{module} repeats the sharded step: {sorted(names & step_only)}"
+
+
+def test_the_parallel_layout_is_computed_once():
+    """train.py makes the run's ParallelDims once (mesh_checks.py) and passes it down: the
+    composition, the report and the run log never derive the layout from args again."""
+    for module in ("train", "composition.parallelize", "running.report", "running.run_log"):
+        text = _path(module).read_text()
+        assert "mesh_splits" not in text, f"{module} re-derives the layout: read the ParallelDims"
+    assert "ParallelDims.from_args" in _path("train").read_text()
