@@ -29,14 +29,17 @@ from torch.optim.lr_scheduler import LambdaLR
 from running import report
 from running import snapshot
 from running.cli import parse_args
-from running.data import TextData
-from foundations.launch import pinned_copy
-from composition.mesh_checks import mesh_splits
+from running.data import TextData, pinned_copy
+from composition.mesh_checks import ParallelDims
+from running.divergence import Divergence
+from running.errors import RunError, refused
 from foundations.meters import peak_saved_bytes, saved_activation_bytes
-from composition.parallelize import build, build_gpt, lora_config  # noqa: F401 (train.build_gpt)
-from foundations.process_groups import cpu_threads, exit_distributed, global_mean, init_distributed
+from composition.parallelize import build, lora_config, new_gpt
+from composition.parallelize import build_gpt  # noqa: F401 (train.build_gpt)
+from foundations.process_groups import exit_distributed, global_mean, init_distributed
+from running.threads import cpu_threads
 from running.run_log import Clock, RunLog, finish, predicted_seconds, start_profiling
-from running.snapshot import Divergence, RunError, load_weights, own_outputs  # noqa: F401 (train.RunError)
+from running.snapshot import load_weights, own_outputs
 
 
 def learning_rate(step, args):
@@ -145,15 +148,24 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     # The weights a LoRA run's adapter trains over, pinned as build loads them: its checkpoints
     # record them, and a resume over other weights is refused (cli.check_resume).
     base = snapshot.base_identity(args.init_from) if args.lora and args.init_from else None
-    job = build(args, device)
+    dims = ParallelDims.from_args(args, world_size)       # the layout, computed once
+    try:
+        gpt = new_gpt(args)                                          # fp32, the same on every rank
+        if args.init_from:
+            load_weights(args.init_from, gpt)
+        job = build(args, device, dims, gpt)
+    except ValueError as e:
+        if not refused(e):
+            raise                              # a bug on the way: its traceback says where
+        raise RunError(str(e)) from None       # a strategy refused its input: same on every rank
     gpt, model, optimizer, mesh = job.gpt, job.model, job.optimizer, job.mesh
     # Copies (dp x cp) are written once, by the first holder; a tensor group gathers its slices.
-    splits = mesh_splits(args)
-    layout = snapshot.layout_of(gpt, mesh.dp_cp, mesh.tp if "tp" in splits else mesh.pp if "pp" in splits else None)
+    split = mesh.tp if dims.tp_enabled else mesh.pp if dims.pp_enabled else None
+    layout = snapshot.layout_of(gpt, mesh.dp_cp, split)
     start, first_loss = (snapshot.resume(args, gpt, optimizer, layout, world_size, rank, log.say)
                          if args.resume else (0, None))
     data = TextData.from_file(args.data)
-    activations = report.say_header(args, gpt, job.napkin, log, mesh.dp.world_size, threads, device)
+    activations = report.say_header(args, gpt, job.napkin, log, dims, threads, device)
     history = {"losses": {}, "live_bytes": {}, "napkin": job.napkin, "held": {},     # this rank's
                "napkin_activations": activations and activations[0]}
     step_done = start_profiling(args, rank, world_size, device)
@@ -162,7 +174,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
         history["eval_loss_before"] = evaluate()
         log.say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
     clock = Clock(start, device)
-    napkin_seconds = predicted_seconds(args, gpt, world_size, device)     # this machine, measured
+    napkin_seconds = predicted_seconds(args, gpt, dims, device)     # this machine, measured
     schedule = lr_scheduler(optimizer, args, start)
     divergence = Divergence(args, gpt.cfg.vocab_size, first_loss)
     for step in range(start, args.steps):
@@ -173,7 +185,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
                           rank=mesh.dp.rank, world_size=mesh.dp.world_size)      # (B/D, T)
         x, y = job.my_tokens(x, y)                                   # cp pipeline: (B/D, T/cp)
         logged = step % args.log_every == 0 or step == args.steps - 1
-        kept = {} if logged and "cp" not in splits else None
+        kept = {} if logged and not dims.cp_enabled else None
         loss, applied = train_step(model, optimizer, job.sync, pinned_copy(x, device), pinned_copy(y, device), args,
                                    measure=logged, kept=kept)
         divergence.after_step(step, applied, loss, optimizer.scaler.scale)

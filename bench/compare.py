@@ -51,7 +51,6 @@ from bench.measure import (MiB, Run, bench_moe, bench_strategy, machine, matmul_
                            moe_report, progress, predicted_cell, report, size_report, spread,
                            summary, time_training)
 from checkpointing import checkpoint_blocks
-from running.cli import ring_choice
 from foundations.comm import Comm
 from running.data import TextData
 from ddp import DDP
@@ -65,7 +64,7 @@ from composition.mesh_optimizer import on_mesh
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from foundations.inner_optimizer import element_state
 from model import PRESETS
-from composition.parallelize import build_gpt, data_parallel, fsdp_with
+from composition.parallelize import build_gpt, data_parallel, fsdp_with, ring_choice
 from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula, split_layers
 from foundations.process_groups import exit_distributed, init_distributed, make_mesh
 from foundations.values import Parser, count, counts, real, whole

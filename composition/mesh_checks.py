@@ -29,6 +29,39 @@ def mesh_splits(args) -> dict:
             if getattr(args, d) > 1 or SPLIT_BY.get(args.strategy) == d}
 
 
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    """The run's parallel layout, computed once from the command line (torchtitan's ParallelDims):
+    how many ranks each dimension spans, and which dimensions split the model or its sequences.
+    dp x tp x cp x pp is the world; ep runs inside dp x cp."""
+    world: int
+    dp: int
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    splits: dict             # {dimension: size}: mesh_splits, the ones this run splits over
+
+    @classmethod
+    def from_args(cls, args, world: int) -> "ParallelDims":
+        """The layout of args over a world of `world` ranks (cli.py has checked that it divides)."""
+        splits = mesh_splits(args)
+        tp, cp, pp = (splits.get(d, 1) for d in ("tp", "cp", "pp"))
+        return cls(world, world // (tp * cp * pp), tp, cp, pp, args.ep, splits)
+
+    @property
+    def tp_enabled(self) -> bool:
+        return "tp" in self.splits
+
+    @property
+    def cp_enabled(self) -> bool:
+        return "cp" in self.splits
+
+    @property
+    def pp_enabled(self) -> bool:
+        return "pp" in self.splits
+
+
 def check_split_given(parser, args, world_size, dim: str, does: str):
     """--strategy tp, pipeline or cp over several ranks names its split's size: at --tp (--pp,
     --cp) 1 it would run, without a word, as plain data parallelism (ddp)."""

@@ -16,12 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import ddp
-import fsdp
 import lora
 from checkpointing import checkpoint_blocks
-from running.cli import STRATEGIES, ring_choice
-from foundations.comm import Comm, ring_bytes
+from foundations.comm import RING_COLLECTIVES, Comm, ring_bytes
 from composition.context_parallel_gpt import ContextParallelGPT
 from ddp import DDP
 from foundations.flat import GradientSyncs
@@ -31,7 +28,7 @@ from extensions.fsdp_hybrid import HSDP
 from extensions.fsdp_offload import OffloadedFSDP
 from napkin.memory_math import mesh_params, run_state_bytes
 from napkin.sent import ddp_bytes_per_step, pipeline_bytes_per_step, zero_bytes_per_step
-from composition.mesh_checks import mesh_splits, moe_config, stage_layers
+from composition.mesh_checks import ParallelDims, moe_config, stage_layers
 from composition.mesh_optimizer import on_mesh, partition
 from foundations.dtypes import master_dtype
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
@@ -44,10 +41,30 @@ from mechanics.fsdp_state import gpt_blocks
 from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula
 from foundations.process_groups import make_device_mesh, make_mesh
 from extensions.schedules import COMPUTE, make_pipeline, message
-from running.snapshot import RunError, load_weights, refused
 from tensor_parallel import g
 from composition.tensor_parallel_gpt import TensorParallelGPT
-from extensions.zero_offload import zero_optimizer
+from extensions.zero_offload import Zero2OffloadOptimizer, ZeroOffloadOptimizer
+from zero import Zero2Optimizer, ZeroOptimizer
+
+
+# --strategy -> the data-parallel rung that wraps the data dimension: ddp.py's replicas, zero.py's
+# sharded optimizer or fsdp.py's units. tp, pipeline and cp are ddp over the data dimension, beside
+# their split. running/cli.py names these as --strategy's choices.
+STRATEGIES = {"single": "ddp", "ddp": "ddp", "zero1": "zero", "zero2": "zero", "fsdp": "fsdp",
+              "zero3": "fsdp", "tp": "ddp", "pipeline": "ddp", "cp": "ddp"}
+
+# --collectives auto: each backend runs what was measured faster on it (bench/ring.py and
+# docs/measured.md, 2 gloo ranks, the medium model's 44 MB): gloo's reduce_scatter_tensor took
+# 83-87 ms against our ring's 25, its all_gather_into_tensor 90-95 against 34-42 (both copy
+# through flat buffers), while its all-reduce took 32 against the ring's 44. NCCL's own, always.
+FASTEST_RING = {"gloo": ("reduce_scatter", "all_gather")}
+
+
+def ring_choice(collectives: str, backend: str) -> frozenset:
+    """The collectives a Comm runs as our ring for --collectives native, ring or auto."""
+    chosen = {"native": (), "ring": RING_COLLECTIVES}.get(collectives)
+    return frozenset(FASTEST_RING.get(backend, ()) if chosen is None else chosen)
+
 
 
 class Run(NamedTuple):
@@ -60,36 +77,40 @@ class Run(NamedTuple):
     context: object              # context parallelism's wrapper (its attention reports), or None
     comm: Comm                   # the world
     mesh: object                 # this rank's groups (process_groups.make_device_mesh)
+    dims: ParallelDims           # the run's layout, the mesh's sizes
     my_tokens: Callable          # (x, y) of whole sequences -> the tokens this rank computes
 
 
-def build(args, device) -> Run:
-    """The run the command line describes, on this rank: the mesh, then the model laid out on
-    it (model_on_mesh). A strategy's refusal of its input (a ValueError raised by this project's
-    code) becomes a RunError, the same on every rank; any other error is a bug and keeps its
-    traceback. The world's Comm carries the run's timeout to every group the mesh and the
-    strategies cut. One mesh: tensor x context x data x pipeline (cli.py made sure the sizes
-    divide the world); with a split, the experts' groups and HSDP's (--ep, --shard-group: runs
-    inside dp x cp) are the mesh's too; without one, data_parallel cuts them from the data group."""
+def new_gpt(args) -> GPT:
+    """The fp32 model --model and the MoE flags describe, its weights drawn from --seed: the
+    same on every rank."""
+    torch.manual_seed(args.seed)
+    return build_gpt(args.model, dropout=args.dropout, **moe_config(args))
+
+
+def build(args, device, dims: ParallelDims, gpt: GPT) -> Run:
+    """The run the command line describes, on this rank: the mesh, then gpt (new_gpt's, its
+    weights loaded where --init-from says) laid out on it (model_on_mesh). A strategy refuses
+    its input with a ValueError. The world's Comm carries the run's timeout to every group the
+    mesh and the strategies cut. One mesh: tensor x context x data x pipeline (cli.py made sure
+    the sizes divide the world). With a split, the experts' groups and HSDP's are the mesh's too
+    (--ep, --shard-group: runs inside dp x cp); without one, data_parallel cuts them from the
+    data group."""
     comm = Comm(ring=ring_choice(args.collectives, dist.get_backend()), timeout=args.timeout)
-    split = bool(mesh_splits(args))
-    mesh = make_device_mesh(comm, tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep if split else 1,
+    split = bool(dims.splits)
+    mesh = make_device_mesh(comm, tp=dims.tp, cp=dims.cp, pp=dims.pp, ep=dims.ep if split else 1,
                             shard=args.shard_group if split else None)
-    try:
-        gpt, model, optimizer, sync, predicted, napkin, context = model_on_mesh(args, device, mesh)
-    except ValueError as e:
-        if not refused(e):
-            raise                              # a bug on the way: its traceback says where
-        raise RunError(str(e)) from None       # a strategy refused its input: same on every rank
+    model, optimizer, sync, predicted, napkin, context = model_on_mesh(gpt, args, device, mesh,
+                                                                       dims)
     # A pipeline is fed this rank's tokens of each sequence under context parallelism, (B, T) ->
     # (B, T/cp); without one, ContextParallelGPT's forward cuts its own.
     pipelined = context is not None and hasattr(model, "train_step")
-    return Run(gpt, model, optimizer, sync, predicted, napkin, context, comm, mesh,
+    return Run(gpt, model, optimizer, sync, predicted, napkin, context, comm, mesh, dims,
                context.local_tokens if pipelined else lambda x, y: (x, y))
 
 
-def model_on_mesh(args, device, mesh):
-    """The model, its parallelisms and data-parallel wrapper, the optimizer, the gradient syncs
+def model_on_mesh(gpt, args, device, mesh, dims: ParallelDims):
+    """gpt's parallelisms and data-parallel wrapper, the optimizer, the gradient syncs
     (flat.GradientSyncs), the bytes the run predicts it sends per step ({dimension: bytes}, each
     its formula) and holds (memory.py), and the context-parallel wrapper (None without --cp),
     whose attention the log reports.
@@ -98,14 +119,10 @@ def model_on_mesh(args, device, mesh):
     pipeline split data_parallel() wraps the whole model over the data dimension; with one,
     parallelize() applies them in turn.
     """
-    torch.manual_seed(args.seed)
-    gpt = build_gpt(args.model, dropout=args.dropout, **moe_config(args))       # fp32
-    if args.init_from:
-        load_weights(args.init_from, gpt)
     # FSDP keeps the fp32 weights as master shards and computes in --precision itself; the
     # model stays on the CPU until FSDP moves each rank's shards (a model that fits only
     # sharded must never be whole on the GPU).
-    if STRATEGIES[args.strategy] is fsdp:
+    if STRATEGIES[args.strategy] == "fsdp":
         gpt.to(dtype=master_dtype(DTYPES[args.precision]))               # fp32 (fp64: fp64)
     else:
         gpt.to(device=device, dtype=DTYPES[args.precision])
@@ -114,12 +131,12 @@ def model_on_mesh(args, device, mesh):
     if args.checkpoint_activations:
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    if mesh_splits(args):
-        return gpt, *parallelize(gpt, args, mesh, device, adamw)
+    if dims.splits:
+        return parallelize(gpt, args, mesh, dims, device, adamw)
     model, optimizer, sent, held = data_parallel(gpt, args, mesh.dp, device, adamw)
     # The strategy's gradient sync: DDP's or FSDP's (the model), or ZeRO's (the optimizer).
     sync = GradientSyncs(*(o for o in (model, optimizer) if hasattr(o, "finish_gradient_sync")))
-    return gpt, model, optimizer, sync, {"dp": sent}, held, None
+    return model, optimizer, sync, {"dp": sent}, held, None
 
 
 def data_parallel(gpt, args, data, device, adamw: dict):
@@ -131,18 +148,18 @@ def data_parallel(gpt, args, data, device, adamw: dict):
     units (gpt fp32 on the CPU: see FSDP's device), with --shard-group S HSDP's copies.
     --ep (moe.py): E/ep experts per rank; FSDP makes each a unit over the ranks holding it."""
     experts = expert_parallel(gpt, data, args.ep) if args.ep > 1 else None
-    strategy = STRATEGIES[args.strategy]
+    rung = STRATEGIES[args.strategy]
     # FSDP shards over S neighbouring ranks (one node), a copy per group of them
-    S = (args.shard_group or data.world_size) if strategy is fsdp else data.world_size
+    S = (args.shard_group or data.world_size) if rung == "fsdp" else data.world_size
     shard, copies = make_mesh(data, S) if S < data.world_size else (data, None)
     model, parts = wrap(gpt, gpt, args, (data, shard, copies), device, adamw,
                         replicate=args.strategy != "single")
     # A replicated optimizer's experts differ over ep: their squares add up over it.
-    optimizer = on_mesh(parts, {"ep": experts if strategy is ddp else None})
-    if strategy is ddp:
+    optimizer = on_mesh(parts, {"ep": experts if rung == "ddp" else None})
+    if rung == "ddp":
         sent = 0 if model is gpt else ddp_bytes_per_step(model)
         held = run_state_bytes(gpt, "ddp", args, data.world_size)
-    elif strategy is fsdp:
+    elif rung == "fsdp":
         sent = model.bytes_per_step(micro_batches=args.grad_accum)
         held = run_state_bytes(gpt, "zero3", args, data.world_size, shard_group=S)
     else:
@@ -160,25 +177,29 @@ def wrap(gpt, module, args, groups: tuple, device, adamw: dict, replicate: bool)
     module unwrapped, ZeRO's optimizer reduces the gradients (with --offload, ZeRO-Offload), one
     per group that reduces them (mesh_optimizer.partition: the experts' over their holders)."""
     data, shard, copies = groups
-    strategy, reduce_dtype = STRATEGIES[args.strategy], reduce_dtype_of(args)
+    rung, reduce_dtype = STRATEGIES[args.strategy], reduce_dtype_of(args)
     offload = bool(args.offload)                  # ZeRO-Offload: the shards' optimizer on the host
-    if strategy is fsdp:
+    if rung == "fsdp":
         units = held_experts(gpt)
         replicas = fsdp_with(module, copies, args.offload == "params",
                              wrap=lambda m: gpt_blocks(m) or m in units, group=shard,
                              mp_policy=MixedPrecisionPolicy(DTYPES[args.precision], reduce_dtype),
                              prefetch=args.prefetch, device=device)
         return replicas, [FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)]
-    if strategy is ddp:
+    if rung == "ddp":
         # An expert's gradient is summed over the ranks holding it, the rest averaged over data.
         replicas = (DDP(module, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype,
                         reductions=by_reduction(list(module.parameters()), data))
                     if replicate else module)
         return replicas, [MixedPrecisionOptimizer(gpt.parameters(), torch.optim.AdamW,
                                                   precision=args.precision, **adamw)]
-    return module, [zero_optimizer(part, stage=int(args.strategy[-1]), optimizer_cls=torch.optim.AdamW,
-                                   group=comm, bucket_mb=args.bucket_mb, offload=offload,
-                                   reduce_dtype=reduce_dtype, mean_over=mean_over, **adamw)
+    # zero.py's optimizer of the stage --strategy names; --offload: ZeRO-Offload's subclass of it.
+    if offload:
+        sharded = Zero2OffloadOptimizer if args.strategy == "zero2" else ZeroOffloadOptimizer
+    else:
+        sharded = Zero2Optimizer if args.strategy == "zero2" else ZeroOptimizer
+    return module, [sharded(part, torch.optim.AdamW, group=comm, bucket_mb=args.bucket_mb,
+                            reduce_dtype=reduce_dtype, mean_over=mean_over, **adamw)
                     for comm, mean_over, part in partition(gpt.parameters(), data)]
 
 
@@ -204,7 +225,7 @@ def reduce_dtype_of(args) -> torch.dtype | None:
     return DTYPES[name] if name else None
 
 
-def parallelize(gpt, args, mesh, device, adamw: dict):
+def parallelize(gpt, args, mesh, dims: ParallelDims, device, adamw: dict):
     """--tp, --cp, --pp and --ep over the mesh, then data parallelism over what is left, each
     step its own file's (in torchtitan's order: split the matrices, split the sequences, route
     the experts, cut the stages, wrap for data parallelism): (model, optimizer, gradient syncs,
@@ -212,15 +233,14 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
     wrapper or None). gpt keeps its whole-model parameter names throughout (this rank's slices
     of its stage's), so checkpoints read the same on any mesh.
     """
-    splits = mesh_splits(args)
     # 1. Split the matrices (tensor_parallel.py): each block's heads and MLP columns over tp
     # (a mixture of experts stays whole on every tensor rank: group_balance_losses).
-    tp = TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel) if "tp" in splits else None
+    tp = TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel) if dims.tp_enabled else None
     if tp and args.sequence_parallel:
         group_balance_losses(gpt, tp.comm)
     # 2. Split the sequences (context_parallel.py): this rank's chunks of each; attention over cp.
     cp = (ContextParallelGPT(gpt, mesh.cp, args.cp_attention, args.cp_balance == "zigzag")
-          if "cp" in splits else None)
+          if dims.cp_enabled else None)
     if cp and args.sequence_parallel:     # this rank's 1/tp of the tokens of its chunks
         tp.group_positions, gpt.positions_of = gpt.positions_of, tp._my_positions
     # 3. Route the experts (moe.py): E/ep of each MoE layer's experts on this rank, the tokens
@@ -230,44 +250,47 @@ def parallelize(gpt, args, mesh, device, adamw: dict):
                if mesh.ep is not None else None)
     # 4. Cut the stages (pipeline.py): this rank keeps its stage's blocks, the rest are dropped.
     module = cp or tp or gpt
-    if "pp" in splits:
+    if dims.pp_enabled:
         stage = mesh.pp.rank
         layers = stage_layers(args.stage_layers, gpt.cfg.n_layer, args.pp, args.virtual_stages)[stage]
         module = GPTStage(gpt, layers, first=stage == 0, last=stage == args.pp - 1)
     # 5. Data parallelism over what is left; the pipeline's executor runs a stage's micro-batches.
-    replicas, optimizer, sync, held_all = wrap_data(gpt, module, tp, experts, args, mesh, device, adamw)
+    replicas, optimizer, sync, held_all = wrap_data(gpt, module, tp, experts, args, mesh, dims,
+                                                    device, adamw)
     model = replicas
-    if "pp" in splits:
+    if dims.pp_enabled:
         sp = args.tp if args.sequence_parallel else 1      # a rank sends its 1/tp of the tokens
         model = make_pipeline(replicas, mesh.pp, args.schedule, args.microbatches,
                               lambda b, t: (b, t // sp, gpt.cfg.n_embd), DTYPES[args.precision])
         model.sync = sync
-    sent, held = predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer, held_all)
+    sent, held = predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, optimizer,
+                                 held_all)
     return model, optimizer, sync, sent, held, cp
 
 
-def wrap_data(gpt, module, tp, experts, args, mesh, device, adamw: dict):
+def wrap_data(gpt, module, tp, experts, args, mesh, dims: ParallelDims, device, adamw: dict):
     """Step 5: data parallelism over the ranks holding the same slice of the same stage, dp x cp
     (a cp group's ranks hold whole copies too; their gradients, from other tokens, are summed):
     ddp's replicas, ZeRO's optimizer shards or FSDP's units (with --shard-group, HSDP: sharded
     over a run of dp x cp ranks, copied across the runs), as --strategy says. Returns (the
     wrapped module, the optimizer, the gradient syncs, whether a pipeline holds every backward)."""
-    data, strategy, splits = mesh.dp_cp, STRATEGIES[args.strategy], mesh_splits(args)
+    data, rung = mesh.dp_cp, STRATEGIES[args.strategy]
     # Partial gradients over the tensor group (tensor_parallel.py) are summed at the sync's
     # finish, before the data dimension's; where the data dimension reduces during backward
     # (DDP's last backward, ZeRO-2's and FSDP's hooks) they are summed in backward, before it
     # reads them. A pipeline with a tied head or zero bubble's W holds every backward instead.
-    held_all = "pp" in splits and (args.schedule == "zb" or module.tied is not None)
-    in_backward = (strategy is ddp and data.world_size > 1 or args.strategy == "zero2"
-                   or strategy is fsdp and "pp" not in splits)
+    held_all = dims.pp_enabled and (args.schedule == "zb" or module.tied is not None)
+    in_backward = (rung == "ddp" and data.world_size > 1 or args.strategy == "zero2"
+                   or rung == "fsdp" and not dims.pp_enabled)
     if tp and tp.partial and in_backward and not held_all:
         tp.sum_partial_in_backward()
     replicas, parts = wrap(gpt, module, args, (data, mesh.shard or data, mesh.replicate), device,
                            adamw, replicate=data.world_size > 1)
     # The global norm sums each value once over the dimensions that split the model beside the
     # optimizer's own ranks (placements.py): a replicated optimizer's experts differ over ep.
-    optimizer = on_mesh(parts, {"ep": experts if strategy is ddp else None,
-                                "tp": mesh.tp if tp else None, "pp": mesh.pp if "pp" in splits else None})
+    optimizer = on_mesh(parts, {"ep": experts if rung == "ddp" else None,
+                                "tp": mesh.tp if tp else None,
+                                "pp": mesh.pp if dims.pp_enabled else None})
     # The gradient syncs in order: the tensor group's partial sums, then the data dimension's
     # reduction (DDP's, FSDP's, or ZeRO's optimizer's).
     sync = GradientSyncs(tp, replicas if replicas is not module else
@@ -275,16 +298,16 @@ def wrap_data(gpt, module, tp, experts, args, mesh, device, adamw: dict):
     return replicas, optimizer, sync, held_all
 
 
-def predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer, held_all):
+def predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, optimizer, held_all):
     """({dimension: bytes this rank sends per step}, each its own file's formula, and the bytes
     it holds, memory.py's napkin math), for this rank's rows (B/D) and tokens of each (T/cp; its
     MoE layers see T/cp/tp of them under sequence parallelism)."""
-    splits, data, strategy = mesh_splits(args), mesh.dp_cp, STRATEGIES[args.strategy]
+    data, rung, pipelined = mesh.dp_cp, STRATEGIES[args.strategy], dims.pp_enabled
     held_blocks = [i for i, block in enumerate(gpt.blocks) if not isinstance(block, nn.Identity)]
     rows, tokens = args.batch_size // mesh.dp.world_size, args.seq_len // mesh.cp.world_size
     tokens_split = mesh.cp.world_size * (args.tp if args.sequence_parallel else 1)
-    micro = args.microbatches if "pp" in splits else args.grad_accum
-    backwards = micro * (args.virtual_stages if "pp" in splits else 1)     # interleaved: one a chunk
+    micro = args.microbatches if pipelined else args.grad_accum
+    backwards = micro * (args.virtual_stages if pipelined else 1)     # interleaved: one a chunk
     every = args.checkpoint_activations               # checkpoint_blocks: blocks 0, K, 2K, ...
     recomputed = sum(i % every == 0 for i in held_blocks) if every else 0
     sent = {}
@@ -295,16 +318,17 @@ def predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer
             wide = max(DTYPES[args.precision].itemsize, 4)         # fp32, or fp64's own
             sent["tp"] += micro * mixtures * ring_bytes("all_reduce", 1, wide, args.tp)
     if cp:
-        cp.count_activations = "pp" not in splits     # the first step's, for the log (a stage's
+        cp.count_activations = not pipelined      # the first step's, for the log (a stage's
                                                       # forwards run in the pipeline's schedule)
         cp.kv_formula = sent["cp"] = cp.kv_bytes_per_step(rows, args.seq_len, micro, recomputed)
-    if "pp" in splits:
+    if pipelined:
         sent["pp"] = pipeline_bytes_per_step(model, rows, tokens)
     if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula
         sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, tokens_split, micro)
     if data.world_size > 1:
-        sent["dp"] = (ddp_bytes_per_step(replicas) if strategy is ddp else
-                      replicas.bytes_per_step(micro, gathered_for_step="pp" in splits) if strategy is fsdp else
+        sent["dp"] = (ddp_bytes_per_step(replicas) if rung == "ddp" else
+                      replicas.bytes_per_step(micro, gathered_for_step=pipelined)
+                      if rung == "fsdp" else
                       zero_bytes_per_step(optimizer, 1 if held_all else backwards))
     # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
     # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
@@ -312,7 +336,7 @@ def predicted_bytes(gpt, args, mesh, tp, cp, experts, model, replicas, optimizer
     n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks),
                            gpt.pos_emb is not None, gpt.head is not None)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else 0
-    held = run_state_bytes(gpt, {fsdp: "zero3", ddp: "ddp"}.get(strategy, args.strategy), args,
+    held = run_state_bytes(gpt, {"fsdp": "zero3", "ddp": "ddp"}.get(rung, args.strategy), args,
                            data.world_size, n_params=None if gpt.cfg.experts else n_params + trainable,
                            shard_group=mesh.shard.world_size if mesh.shard else None)
     return sent, held
@@ -343,12 +367,13 @@ def lora_config(args) -> dict | None:
                 double_quant=args.double_quant) if args.lora else None
 
 
-def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) -> list[str]:
+def dimension_report(args, job, step: int, history: dict) -> list[str]:
     """The log's lines, at a logged step, for each dimension that measures itself beside its
     formula: the experts' routing and all-to-alls (moe.py), the pipeline's bubble (pipeline.py)
     and context parallelism's K/V and idle attention (context_parallel.py). Each also goes into
-    history. Collective where a measurement is (the pipeline's bubbles): every rank calls it."""
-    lines, splits = [], mesh_splits(args)
+    history. Collective where a measurement is (the pipeline's bubbles): every rank calls it.
+    job: build's Run."""
+    gpt, model, mesh, context, lines = job.gpt, job.model, job.mesh, job.context, []
     if gpt.cfg.experts:                  # moe.py's routing, rank 0's last micro-batch
         routing = routing_summary(gpt)
         low, mean, high = routing["tokens_per_expert"]
@@ -356,7 +381,7 @@ def dimension_report(args, gpt, model, mesh, context, step: int, history: dict) 
         if args.ep > 1:                  # the all-to-alls alone, beside their formula
             formula = exchange_bytes(gpt, args, mesh.dp.world_size,
                                      mesh.cp.world_size * (args.tp if args.sequence_parallel else 1),
-                                     args.microbatches if "pp" in splits else None)
+                                     args.microbatches if job.dims.pp_enabled else None)
             a2a = (mesh.ep or mesh.dp_cp).bytes_sent["all_to_all"]    # the mesh's ep, or dp's
             exchanged = (f" | all-to-all {a2a / 2**20:.2f} MiB/step "
                          + (f"(formula {formula / 2**20:.2f})" if formula

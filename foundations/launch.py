@@ -263,24 +263,12 @@ def transport_errors():
         raise dist.DistNetworkError(str(e)) from e
 
 
-def pinned_copy(host: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor onto `device` without the host waiting for the copy.
-
-    From pageable memory a host-to-device copy blocks the host until it is done; from pinned
-    (page-locked) memory it is queued on the stream behind the step's kernels and the host runs
-    on (the caching host allocator keeps the pinned block until the copy is done). The source
-    must also be contiguous: pin_memory keeps a view's strides, and a non_blocking copy of a
-    strided source stages through a contiguous copy in pageable memory, which may wait.
-    Pinned memory exists only beside a GPU: on the CPU this is the tensor itself."""
-    host = host.contiguous()
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
 def flags_to_device(flags: list[bool], device) -> torch.Tensor:
     """Python booleans as a (len,) uint8 tensor on `device`, for a collective to OR them.
 
     torch.tensor(flags, device=cuda) would copy from pageable memory, a host sync: the flags go
-    through pinned memory instead (pinned_copy)."""
-    return pinned_copy(torch.tensor(flags, dtype=torch.uint8), device)
+    through pinned (page-locked) memory instead, queued on the stream while the host runs on."""
+    flags = torch.tensor(flags, dtype=torch.uint8)                       # (len,)
+    if torch.device(device).type == "cuda":
+        flags = flags.pin_memory()
+    return flags.to(device, non_blocking=True)

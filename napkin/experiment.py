@@ -6,7 +6,7 @@ what it measured beside what was predicted: the state's bytes per rank (memory.p
 against train.py's "memory per rank, measured" line) and tokens/s (step_time.py on this machine,
 machines.this, against the log's last step line). A rung is kept when it fits and runs faster
 than the last rung kept. One torchrun runs all the rungs: each rank calls train.main once per
-rung, in turn (experiment_worker.py), so the launch and the imports are paid once.
+rung, in turn (running/experiment_worker.py), so the launch and the imports are paid once.
 On CPU ranks a model of more than CPU_PARAMS parameters, or a --params shape, is not run: the
 tiny preset is, at seq len 64 and 8 sequences per rank, its rungs advised anew (and said so);
 the CPU computes in fp32.
@@ -33,7 +33,7 @@ MEASURED_STATE = re.compile(r"memory per rank, measured: params ([\d.]+) MiB, gr
                             r"([\d.]+) = ([\d.]+) on the device")
 STEP = re.compile(r"\|\s+([\d.]+)k tok/s")
 # What each rank runs under torchrun: the plan's train.py commands, then machines.this.
-# The project's root, where `python -m napkin.experiment_worker` finds the packages.
+# The project's root, where `python -m running.experiment_worker` finds the packages.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -78,7 +78,7 @@ def run_all(world: int, fitting: list, rows: int, model: str, seq_len: int, batc
             json.dump({"runs": runs, "rows": rows, "model": model, "seq_len": seq_len,
                        "precision": precision}, f)
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node", str(world), "-m", "napkin.experiment_worker", plan],
+                               "--nproc_per_node", str(world), "-m", "running.experiment_worker", plan],
                               capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
         raise SystemExit(f"--measure: the runs failed (exit {done.returncode}):\n{done.stdout[-3000:]}"

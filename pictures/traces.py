@@ -24,7 +24,8 @@ import torch.distributed as dist
 from running.cli import parse_args
 from running.data import TextData
 from napkin.memory_math import activation_bytes, held_bytes, logits_bytes
-from composition.parallelize import build
+from composition.mesh_checks import ParallelDims
+from composition.parallelize import build, new_gpt
 from extensions.schedules import COMPUTE
 
 # ---- the loss of a run, from its log ---------------------------------------------------------
@@ -103,7 +104,8 @@ def built(argv: list[str]):
     args.timeout = 120 if args.timeout is None else args.timeout
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
-    return build(args, device), args, TextData.from_file(args.data), device
+    dims = ParallelDims.from_args(args, dist.get_world_size())
+    return build(args, device, dims, new_gpt(args)), args, TextData.from_file(args.data), device
 
 
 def batch(data, args, run, step: int, device):

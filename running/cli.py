@@ -4,7 +4,7 @@ Every rank parses the same command line with the same world size, so a wrong val
 every rank with the same one-line message naming the flag and its fix, before any work: no
 rank is left waiting in a collective, nothing on disk is touched. The checks of combinations
 (a mesh, experts, stages, sequence splits) sit beside the composition, in mesh_checks.py.
-STRATEGIES is the table of strategies train.py builds from. --strategy auto picks a row with
+--strategy names a row of the composition's STRATEGIES (parallelize.py); auto picks one with
 memory.py's advice.
 Test: python -m pytest tests/test_train.py
 """
@@ -18,15 +18,13 @@ import torch
 import torch.distributed as dist
 
 import context_parallel
-import ddp
-import fsdp
 from extensions import schedules
 from running import snapshot
-import zero
 from napkin.advisor import auto_strategy
 from napkin.machines import memory_per_rank
 from napkin.memory_math import activation_bytes, human_bytes, logits_bytes, model_params
 from foundations.comm import RING_COLLECTIVES
+from composition.parallelize import STRATEGIES, ring_choice
 from foundations.dtypes import DTYPES, REDUCE_DTYPE
 from model import PRESETS
 from foundations.process_groups import launched_world_size
@@ -37,16 +35,10 @@ from foundations.values import QUIET_WAIT, HelpFormatter, Parser, whole  # noqa:
 from composition.mesh_checks import (check_context_parallel, check_experts, check_mesh, check_pipeline,  # noqa: F401
                          check_shard_group, check_tensor_parallel, mesh_splits, moe_config)
 
-# --strategy -> the module whose build(gpt, options, data, split, device, adamw) wraps the model
-# and makes its optimizer: (model, optimizer, bytes sent per step its formula predicts, bytes held
-# memory.py's napkin math predicts). "auto" picks one of them (advisor.advise). tp, pipeline and cp
-# are ddp over the data dimension, with their split (parallelize.py).
-STRATEGIES = {"single": ddp, "ddp": ddp, "zero1": zero, "zero2": zero, "fsdp": fsdp, "zero3": fsdp,
-              "tp": ddp, "pipeline": ddp, "cp": ddp}
 EVAL_FRACTION = 0.05                      # data.py's held-out tail
 # AdamW (betas 0.9, 0.95: parallelize.py) moves a weight by lr / (1 - 0.9) = 10 lr in its first
 # step, a number torch converts to fp32 (largest 3.4e38): past that the step itself fails. Below,
-# a rate too large to train diverges, and snapshot.Divergence stops the run in one line.
+# a rate too large to train diverges, and divergence.Divergence stops the run in one line.
 MAX_LR = 1e37
 # Seconds: --timeout also bounds the start-up (every rank importing torch and joining) and any
 # wait on another rank's compute (a step, an eval, a save); shorter stops healthy runs.
@@ -283,19 +275,6 @@ def run_shape(args, data_size: int) -> tuple[str, str]:
     chunks = f" ({args.virtual_stages} chunks per stage)" if args.virtual_stages > 1 else ""
     return (mesh + f", {args.schedule}{chunks} over {args.microbatches} micro-batches",
             f"{args.microbatches} micro-batch(es) per pipeline")
-
-
-# --collectives auto: each backend runs what was measured faster on it (bench/ring.py and
-# docs/measured.md, 2 gloo ranks, the medium model's 44 MB): gloo's reduce_scatter_tensor took
-# 83-87 ms against our ring's 25, its all_gather_into_tensor 90-95 against 34-42 (both copy
-# through flat buffers), while its all-reduce took 32 against the ring's 44. NCCL's own, always.
-FASTEST_RING = {"gloo": ("reduce_scatter", "all_gather")}
-
-
-def ring_choice(collectives: str, backend: str) -> frozenset:
-    """The collectives a Comm runs as our ring for --collectives native, ring or auto."""
-    chosen = {"native": (), "ring": RING_COLLECTIVES}.get(collectives)
-    return frozenset(FASTEST_RING.get(backend, ()) if chosen is None else chosen)
 
 
 def collectives_used(collectives: str, backend: str, world_size: int) -> str:

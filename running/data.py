@@ -5,6 +5,7 @@ found through sysconfig, sorted): real text on every machine with Python, no dow
 Tokens are bytes (vocabulary 256). A batch is a pure function of (seed, step): the global
 batch is drawn the same way whatever the world size, and rank r takes its contiguous slice,
 so a run on N ranks can be compared line by line with a run on one.
+pinned_copy moves a batch to the device without the host waiting.
 Left out: tokenizers, streaming from disk, shuffling epochs (we sample windows at random).
 Test: python -m pytest tests/test_data.py
 
@@ -55,3 +56,18 @@ class TextData:
         windows = torch.stack([tokens[s: s + seq_len + 1] for s in mine.tolist()])     # (B/N, T+1)
         windows = windows.long()
         return windows[:, :-1], windows[:, 1:]
+
+
+def pinned_copy(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor onto `device` without the host waiting for the copy.
+
+    From pageable memory a host-to-device copy blocks the host until it is done; from pinned
+    (page-locked) memory it is queued on the stream behind the step's kernels and the host runs
+    on (the caching host allocator keeps the pinned block until the copy is done). The source
+    must also be contiguous: pin_memory keeps a view's strides, and a non_blocking copy of a
+    strided source stages through a contiguous copy in pageable memory, which may wait.
+    Pinned memory exists only beside a GPU: on the CPU this is the tensor itself."""
+    host = host.contiguous()
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

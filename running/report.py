@@ -16,20 +16,20 @@ from napkin import step_time
 from running.cli import describe_run, run_shape
 from napkin.memory_math import (held_bytes, live_numel, live_tensor_bytes, model_params,
                                why_sent_departs)
-from composition.mesh_checks import mesh_splits, moe_config
+from composition.mesh_checks import moe_config
 from composition.parallelize import build_gpt, dimension_report, lora_config
 from foundations.process_groups import global_mean
 from running.run_log import measured_memory, predicted_activations, predicted_memory, step_line
 from running.snapshot import load_weights
 
 
-def say_header(args, gpt, napkin, log, data_size, threads, device):
+def say_header(args, gpt, napkin, log, dims, threads, device):
     """The log's first lines: the run (cli.describe_run), LoRA's share, memory.py's prediction;
-    returns its activations' (run_log.predicted_activations)."""
+    returns its activations' (run_log.predicted_activations). dims: the run's ParallelDims."""
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
     where = f"{device.type} ({dist.get_backend()})" + (f" | {threads}" if threads else "")
-    n_model = n_params if not run_shape(args, data_size)[0] else model_params(gpt.cfg)
-    for line in describe_run(args, dist.get_world_size(), data_size, where, n_params, n_model):
+    n_model = n_params if not run_shape(args, dims.dp)[0] else model_params(gpt.cfg)
+    for line in describe_run(args, dims.world, dims.dp, where, n_params, n_model):
         log.say(line)
     if args.lora:
         trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
@@ -37,7 +37,7 @@ def say_header(args, gpt, napkin, log, data_size, threads, device):
                 f"({trainable / n_params:.2%} of the model); the adapter is "
                 f"{lora.adapter_bytes(gpt) / 2**10:.1f} KiB, the model {n_params * 4 / 2**20:.1f} MiB in fp32"
                 + (f"; {quantized:,} frozen weights in 4-bit {args.quantize_base}" if quantized else ""))
-    activations = predicted_activations(args, gpt.cfg, data_size)
+    activations = predicted_activations(args, gpt.cfg, dims)
     log.say(predicted_memory(napkin, activations))
     return activations
 
@@ -60,7 +60,7 @@ def say_step(args, job, log, clock, step, loss, lr, kept, history, live_bytes, n
         history["live_bytes"][step] = live_tensor_bytes()
     log.say_if_changed(step, "memory", measured_memory(held, kept.get("bytes") if kept else None, peak))
     sent, predicted = {**job.mesh.sent(), "world": sum(job.comm.bytes_sent.values())}, job.predicted
-    if mesh_splits(args):                                 # each dimension beside its formula
+    if job.dims.splits:                                   # each dimension beside its formula
         history.setdefault("sent", {})[step] = {d: (sent[d], predicted[d]) for d in predicted}
         log.say(f"step {step:5d} | sent by dimension, MiB/step (formula): " + " | ".join(
             f"{d} {sent[d] / 2**20:.3f} ({predicted[d] / 2**20:.3f})" for d in predicted))
@@ -68,19 +68,19 @@ def say_step(args, job, log, clock, step, loss, lr, kept, history, live_bytes, n
     log.say(step_line(step, loss, lr, tokens_per_s, sum(sent.values()),
                       sum(predicted.values()), dist.get_world_size(), clock.skipped, args.steps,
                       time.perf_counter() - clock.began, clock.seconds_left(step, args.steps), napkin,
-                      why=sent_departs(args, job.gpt, sum(predicted.values()))))
-    for line in dimension_report(args, job.gpt, job.model, job.mesh, job.context, step, history):
+                      why=sent_departs(args, job, sum(predicted.values()))))
+    for line in dimension_report(args, job, step, history):
         log.say(f"step {step:5d} | {line}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)         # the next line's peak: its steps'
     clock.restart(step)
 
 
-def sent_departs(args, gpt, formula: int) -> str:
+def sent_departs(args, job, formula: int) -> str:
     """Why the data-parallel rungs' bytes sent depart from the lecture's rule, in one clause
     (memory_math.why_sent_departs; "" for a mesh or experts, whose bytes it does not price)."""
-    world = dist.get_world_size()
-    if mesh_splits(args) or gpt.cfg.experts or world == 1 or args.strategy == "single":
+    gpt, world = job.gpt, job.dims.world
+    if job.dims.splits or gpt.cfg.experts or world == 1 or args.strategy == "single":
         return ""
     n_params, quantized = live_numel(gpt)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else None

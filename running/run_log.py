@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from running import snapshot
+from running.errors import RunError
 from foundations.values import record_for_torchrun, say_error
 from running.stopping import StopSignals
 from foundations.comm import Comm
@@ -30,7 +31,7 @@ from napkin.flops import Shape
 from napkin.machines import this
 from napkin.memory_math import (activation_bytes, cp_activation_bytes, kept_activation_bytes,
                                 logits_bytes, pipeline_activation_bytes, quantized_params)
-from composition.mesh_checks import mesh_splits
+from composition.mesh_checks import ParallelDims
 from foundations.process_groups import LaunchError, gather_objects
 from napkin.step_time import DATA_PARALLEL, Step, predict
 
@@ -226,7 +227,7 @@ def stopped(error: BaseException, signals: StopSignals, log: RunLog | None) -> i
         return 128 + signal.SIGINT
     if isinstance(error, SystemExit):
         return error.code if isinstance(error.code, int) else 1
-    if isinstance(error, (snapshot.RunError, snapshot.CheckpointError, LaunchError)):
+    if isinstance(error, (RunError, snapshot.CheckpointError, LaunchError)):
         say_error(f"train.py: error: {error}")
         return 2
     if not isinstance(error, dist.DistError) and not (isinstance(error, RuntimeError) and "gloo" in str(error)):
@@ -242,16 +243,16 @@ def stopped(error: BaseException, signals: StopSignals, log: RunLog | None) -> i
     return 1
 
 
-def predicted_activations(args, cfg, data_size: int) -> tuple[int, str, int] | None:
+def predicted_activations(args, cfg, dims: ParallelDims) -> tuple[int, str, int] | None:
     """(memory_math.kept_activation_bytes for one micro-batch of this rank's rows (B/D/k, T),
     what it leaves out ("" or "; ..." for the log), the lecture's rule for them: activation_bytes
     and the loss's fp32 log-probabilities); a pipeline's: stage 0's peak over its schedule
     (pipeline_activation_bytes); None for a pipeline of uneven stages (--stage-layers) or beside
     cp. Under cp the context line measures them."""
-    splits = mesh_splits(args)
+    splits = dims.splits
     if "pp" in splits and ("cp" in splits or args.stage_layers):
         return None
-    rows, value = args.batch_size // data_size // args.grad_accum, DTYPES[args.precision].itemsize
+    rows, value = args.batch_size // dims.dp // args.grad_accum, DTYPES[args.precision].itemsize
     options = dict(checkpoint_every=args.checkpoint_activations or 0,
                    adapted=args.lora_targets.split(",") if args.lora else None,
                    lora_rank=args.lora_rank, tp=splits.get("tp", 1),
@@ -279,11 +280,11 @@ def predicted_activations(args, cfg, data_size: int) -> tuple[int, str, int] | N
     return counted, left_out, lecture
 
 
-def predicted_seconds(args, gpt, world_size: int, device) -> float | str:
+def predicted_seconds(args, gpt, dims: ParallelDims, device) -> float | str:
     """train.py's run priced by step_time.py on this machine (machines.this, measured by every
     rank at its first call: call it on every rank): seconds per step, or, for what the napkin
     does not compose, why not, which the log says in its place."""
-    splits, cfg = mesh_splits(args), gpt.cfg
+    splits, cfg, world_size = dims.splits, gpt.cfg, dims.world
     pipelined = splits.get("pp") == world_size and len(splits) == 1
     cp = world_size if splits == {"cp": world_size} and args.strategy in ("cp", "ddp") else 1
     strategy = ("tp" if splits.get("tp") == world_size and len(splits) == 1 else
@@ -354,7 +355,7 @@ def start_profiling(args, rank, world_size, device):
         if traces:                                # every rank's was written at this step
             problems = [p for p in gather_objects(traces.pop(), Comm(), device) if p]
             if problems:
-                raise snapshot.RunError(problems[0])
+                raise RunError(problems[0])
         if snapshot_file and snapshot_steps[0] >= 0:
             snapshot_steps[0] += 1
             if snapshot_steps[0] == 5 or last:

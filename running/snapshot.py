@@ -31,7 +31,6 @@ import shutil
 import socket
 import tempfile
 import time
-import traceback
 import zipfile
 from typing import NamedTuple
 
@@ -45,7 +44,8 @@ from moe import feed_forward
 from foundations.placements import placement
 from running.pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
                     gather_pieces, join_shards, load_pieces, optimizer_pieces, whole_piece)
-from foundations.process_groups import gather_objects, global_mean
+from foundations.process_groups import gather_objects
+from running.errors import RunError
 
 CHECKPOINT = re.compile(r"ckpt-(\d{7})$")
 
@@ -683,10 +683,6 @@ def check_same_model(saved: dict, current: dict, path: str, ignore: tuple = ()):
 
 # ---- a run's checkpoints: what train.py saves, resumes and exports -----------------------------
 
-class RunError(Exception):
-    """A run that cannot go on, with the reason and the fix: printed without a traceback."""
-
-
 class Layout(NamedTuple):
     """Where this rank's weights sit, as checkpoints need it: its rank in the data-parallel
     group (replica 0 writes replicated weights), and the group that splits one model (tp's
@@ -1021,74 +1017,3 @@ def own_outputs(args, rank, device, export_bytes: int = 0):
             log.close()
         if rank == 0 and args.out:
             unlock(args.out)          # only if this process holds it
-
-
-# The project's root: its files, and its packages' (running/, composition/ ...), are one folder down.
-PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def refused(error: ValueError) -> bool:
-    """Whether `error` is this project's refusal of its input: a `raise` statement in one of its
-    files, which checked the input and names the fix. A ValueError that Python or torch raised
-    on the way (an unpacking that failed, a bad argument to a torch call) is a bug, whose
-    traceback must stay."""
-    where = traceback.extract_tb(error.__traceback__)[-1]          # the frame it left from
-    folder = os.path.dirname(os.path.abspath(where.filename))
-    ours = folder == PROJECT or os.path.dirname(folder) == PROJECT and os.path.exists(os.path.join(folder, "__init__.py"))
-    return ours and where.line.startswith("raise ")
-
-
-class Divergence:
-    """The rules that stop a diverged run (exit 2, one line, the checkpoints and their losses):
-      - fp32, bf16: a step whose gradients hold inf or NaN (in fp16 the loss scaler skips those)
-      - fp16: --max-skipped steps skipped in a row: the scale has then fallen 2^N-fold (a
-        healthy run skips a few at its start while the scale settles), so the gradients
-        overflow at any scale
-      - a logged or saved loss that is inf or NaN, in any precision
-      - a logged or saved loss over --max-loss-growth K x the larger of the run's first one (saved
-        in its checkpoints: a resumed run keeps it) and ln V, a uniform guess's loss: from
-        scratch (the loss starts at ln V) or fine-tuning (below it) the limit is K ln V, 22 for
-        bytes at K = 4, where a healthy run only falls from its start and a diverged one climbs
-        to hundreds (fp32 at --lr 10: 6970 at step 1)
-    Each is decided from values every rank holds alike (the skip decision, from the global
-    norm; the global mean loss), where the loop has them on the host already: no extra sync,
-    every rank stops at the same step, and no checkpoint of a diverged run is saved.
-    """
-
-    def __init__(self, args, vocab_size: int, first_loss: float | None = None):
-        """first_loss: a resumed run's, from its checkpoint (the limit stays the run's start's,
-        not a diverged checkpoint's); None: the first loss checked here."""
-        self.args, self.floor = args, math.log(vocab_size)
-        self.first_loss = first_loss
-        self.skipped_in_a_row = 0
-
-    def after_step(self, step: int, applied: bool, loss: torch.Tensor, scale: float):
-        args = self.args
-        self.skipped_in_a_row = 0 if applied else self.skipped_in_a_row + 1
-        if not applied and args.precision != "fp16":
-            self.stop(step, f"the loss ({global_mean(loss):.4g}) or the gradients are inf/NaN in "
-                            f"{args.precision}")
-        if args.max_skipped and self.skipped_in_a_row >= args.max_skipped:
-            self.stop(step, f"the fp16 loss scaler skipped {self.skipped_in_a_row} steps in a row "
-                            f"(--max-skipped {args.max_skipped}), the scale now {scale:.3g}: the "
-                            f"gradients overflow at any scale")
-
-    def check_loss(self, step: int, loss: float):
-        """loss: the global mean, at a logged step or before a save."""
-        if not math.isfinite(loss):
-            self.stop(step, f"the loss is {loss} in {self.args.precision}")
-        self.first_loss = loss if self.first_loss is None else self.first_loss
-        limit = self.args.max_loss_growth * max(self.first_loss, self.floor)
-        if self.args.max_loss_growth and loss > limit:
-            self.stop(step, f"the loss {loss:.4g} is over --max-loss-growth "
-                            f"{self.args.max_loss_growth:g} x {max(self.first_loss, self.floor):.4g} "
-                            f"(the larger of the run's first loss and ln V, a uniform guess's)")
-
-    def stop(self, step: int, why: str):
-        saved = losses(self.args.out) if self.args.out else []
-        back = ("; the checkpoints and the loss each was saved at: " + ", ".join(
-            f"{os.path.basename(p)} ({'?' if v is None else f'{v:.4g}'})" for p, v in saved)
-            + f". Resume from one saved before the loss climbed: --resume {saved[0][0]}"
-            if saved else "")
-        raise RunError(f"step {step}: {why}: the run diverged: lower --lr, keep --clip-grad on, "
-                       f"check --data{back}")

@@ -61,7 +61,7 @@ TORCH_FUNCTIONS = ("tensor", "nonzero", "argwhere", "unique", "bincount", "maske
                    "repeat_interleave")
 
 
-# data.py builds each batch from a host tensor, in host memory (launch.pinned_copy moves it): its
+# data.py builds each batch from a host tensor, in host memory (data.pinned_copy moves it): its
 # reads never touch a device.
 HOST_ONLY = (os.path.join(TESTS, ""), os.path.join(ROOT, "running", "data.py"))
 # A virtual environment inside the clone (install.sh's .venv) holds torch's own files, not ours.
@@ -186,7 +186,7 @@ def test_a_batch_goes_to_the_gpu_from_contiguous_pinned_memory(monkeypatch):
     may wait. Here on the CPU pin_memory is played by a strided copy marked pinned (as
     pin_memory keeps strides) and the device copy only records its source."""
     from running.data import TextData
-    from foundations.launch import pinned_copy
+    from running.data import pinned_copy
     pinned, sources = set(), []
 
     def pin_memory(self):

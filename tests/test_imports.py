@@ -108,3 +108,19 @@ def test_the_import_graph_has_no_cycle():
     cycle = find_cycle(edges)
     assert not cycle, (f"import cycle: {' -> '.join(cycle)}: move what the lower module needs out "
                        f"of the higher one, so that imports point one way")
+
+
+# What a package never imports: the run (running/) and train.py sit above the composition and the
+# napkin math, which the run reads; the foundations sit under everything but the first rungs.
+NEVER = {"composition": {"running", "train", "bench", "pictures"},
+         "napkin": {"running", "train", "bench", "pictures"},
+         "foundations": {"running", "train", "composition", "napkin", "extensions", "bench", "pictures"}}
+
+
+def test_the_composition_and_the_napkin_never_import_the_run():
+    edges, _ = _graph()
+    wrong = [f"{module} imports {target}" for module, targets in sorted(edges.items())
+             for target in sorted(targets) for package, never in NEVER.items()
+             if module.split(".")[0] == package
+             and any(target == n or target.startswith(n + ".") for n in never)]
+    assert not wrong, "an arrow up the import order:\n" + "\n".join(wrong)

@@ -211,3 +211,12 @@ def test_zero_and_fsdp_compose_one_sharded_step():
                and ast.unparse(n.value) == "self.shard_step"}
     phases = {"unscale", "squares", "read_decision", "clip", "step", "new_step"}
     assert not through & phases, f"zero.py steps through ShardedStep: {sorted(through & phases)}"
+
+
+def test_the_parallel_layout_is_computed_once():
+    """train.py makes the run's ParallelDims once (mesh_checks.py) and passes it down: the
+    composition, the report and the run log never derive the layout from args again."""
+    for module in ("train", "composition.parallelize", "running.report", "running.run_log"):
+        text = _path(module).read_text()
+        assert "mesh_splits" not in text, f"{module} re-derives the layout: read the ParallelDims"
+    assert "ParallelDims.from_args" in _path("train").read_text()

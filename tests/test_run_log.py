@@ -1,6 +1,6 @@
 """What a student meets on the command line: the log says what each number is, a refused command
 line is one line once (under torchrun too), Ctrl-C is one line and exit 130, the CPU threads are
-a share of the cores (run_log.py, cli.py, process_groups.cpu_threads)."""
+a share of the cores (run_log.py, cli.py, threads.cpu_threads)."""
 import os
 import re
 import signal
@@ -380,7 +380,7 @@ def test_a_quiet_rank_still_refuses_and_speaks_if_left_running(monkeypatch, caps
 # ---- CPU threads: a share of the cores ------------------------------------------------------------
 
 def test_cpu_threads_share_the_cores_among_the_ranks(monkeypatch):
-    from foundations.process_groups import cpu_threads
+    from running.threads import cpu_threads
     cores = len(os.sched_getaffinity(0))
     before = torch.get_num_threads()
     cpu = torch.device("cpu")

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from running import snapshot
+from running import divergence, snapshot
 import train
 from multiprocess import run_ranks, train_logged
 
@@ -1011,5 +1011,5 @@ def test_a_diverged_run_lists_a_damaged_checkpoints_loss_as_unknown(held, tmp_pa
     _edit_meta(tmp_path / "run" / "ckpt-0000003", loss="low")
     args = train.parse_args([*RUN, "--out", str(tmp_path / "run"), "--resume"])
     with pytest.raises(snapshot.RunError) as error:
-        snapshot.Divergence(args, 256).stop(7, "the loss is nan in fp32")
+        divergence.Divergence(args, 256).stop(7, "the loss is nan in fp32")
     assert re.search(r"ckpt-0000003 \(\?\), ckpt-0000006 \([\d.]+\)", str(error.value)), error.value

@@ -1,9 +1,10 @@
-"""experiment.py's runs under torchrun: every rank runs each planned train.py command in turn.
+"""napkin/experiment.py's runs under torchrun: every rank runs each planned train.py command in turn.
 
 experiment.run_all starts this file on every rank with the plan it wrote (a JSON file: the
 train.py commands, and the shape machines.this measures after them); each rank calls train.main
 once per rung, so the launch and the imports are paid once. Rank 0 marks where each run's log
-starts ("=== run i"), then prints this machine as measured (cached in .cache/).
+starts ("=== run i"), then prints this machine as measured (cached in .cache/). It is the
+run's side of the measurement, here so that the napkin math never imports train.py.
 Run: experiment.py runs it (python -m napkin.memory --advise --model tiny --world 2 --measure)
 Test: python -m pytest tests/test_advisor.py -k measure
 """
