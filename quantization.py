@@ -52,35 +52,44 @@ class NF4Weight(nn.Module):
         padded = F.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)        # (G, 64)
         scales = padded.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)   # (G,)
         normalized = padded / scales[:, None]                                     # in [-1, 1]
-        # The nearest level, by the distances to all 16 at once: (G, 64, 16) fp32 temporaries, each
-        # 16x the weight in fp32, for a moment, once per weight (a large one would go in slices).
-        codes = (normalized[..., None] - LEVELS.to(flat.device)).abs().argmin(dim=-1)  # (G, 64) in 0..15
-        codes = codes.reshape(-1).to(torch.uint8)
+        # The nearest level, by the distances to all 16 at once.
+        # The (G, 64, 16) fp32 temporaries are each 16x the weight, once per weight, for a moment.
+        distances = (normalized[..., None] - LEVELS.to(flat.device)).abs()          # (G, 64, 16)
+        codes = distances.argmin(dim=-1).reshape(-1).to(torch.uint8)              # (G*64,) 0..15
         # Two codes per byte: even positions in the high nibble, odd ones in the low one.
         self.register_buffer("codes", codes[0::2] << 4 | codes[1::2])            # (G * 32,) uint8
-        # The 16 levels ride along with the codes (a buffer moves with .to(device)): no copy of
-        # them to the GPU in every forward and backward. Not saved: they are the format's.
+        # The 16 levels ride along with the codes (a buffer moves with .to(device)).
+        # So no forward or backward copies them to the GPU. Not saved: they are the format's.
         self.register_buffer("levels", LEVELS.to(flat.device), persistent=False)
         if double_quant:
-            # A plain float, not a buffer: not in the state dict, nor counted by nbytes (4 bytes a
-            # matrix). It is computed again with the codes, as a run quantizes its base afresh
-            # when it loads it: saved codes load only into an NF4Weight made from the same weight.
-            self.scale_mean = scales.mean().item()
-            centered = F.pad(scales - self.scale_mean, (0, -scales.numel() % SCALE_BLOCK))
-            centered = centered.view(-1, SCALE_BLOCK)                             # (S, 256)
-            absmax = centered.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)  # (S,)
-            self.register_buffer("scale_codes", torch.round(centered / absmax[:, None] * 127)
-                                 .to(torch.int8).view(-1)[:scales.numel()])        # (G,) int8
-            self.register_buffer("scale_absmax", absmax)
+            self._quantize_scales(scales)
         else:
             self.register_buffer("scales", scales)
+
+    def _quantize_scales(self, scales: torch.Tensor):
+        """Double quantization: the (G,) fp32 scales, centred, stored as int8 in blocks of 256.
+
+        scale_mean is a plain float, not a buffer: it stays out of the state dict and of nbytes.
+        It is computed again with the codes, as a run quantizes its base afresh when it loads it.
+        So saved codes load only into an NF4Weight made from the same weight.
+        """
+        G = scales.numel()
+        self.scale_mean = scales.mean().item()
+        centered = F.pad(scales - self.scale_mean, (0, -G % SCALE_BLOCK))         # (S * 256,)
+        centered = centered.view(-1, SCALE_BLOCK)                                 # (S, 256)
+        absmax = centered.abs().amax(dim=1)                                       # (S,)
+        absmax = absmax.clamp(min=torch.finfo(torch.float32).tiny)
+        scale_codes = torch.round(centered / absmax[:, None] * 127).to(torch.int8)  # (S, 256)
+        self.register_buffer("scale_codes", scale_codes.view(-1)[:G])             # (G,) int8
+        self.register_buffer("scale_absmax", absmax)
 
     def block_scales(self) -> torch.Tensor:                                      # (G,) fp32
         if not self.double_quant:
             return self.scales
-        padded = F.pad(self.scale_codes.float(), (0, -self.scale_codes.numel() % SCALE_BLOCK))
-        return ((padded.view(-1, SCALE_BLOCK) / 127 * self.scale_absmax[:, None]).view(-1)
-                [:self.scale_codes.numel()] + self.scale_mean)
+        G = self.scale_codes.numel()
+        codes = F.pad(self.scale_codes.float(), (0, -G % SCALE_BLOCK))            # (S * 256,)
+        centered = codes.view(-1, SCALE_BLOCK) / 127 * self.scale_absmax[:, None]  # (S, 256)
+        return centered.view(-1)[:G] + self.scale_mean
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         codes = torch.stack([self.codes >> 4, self.codes & 0xF], dim=1).view(-1, BLOCK)  # (G, 64)
@@ -89,8 +98,9 @@ class NF4Weight(nn.Module):
         return values.view(-1)[:numel].view(self.shape).to(dtype)
 
     def nbytes(self) -> int:
-        """The stored weight's bytes: codes and scales (the 16 shared levels and scale_mean aside)."""
-        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "levels")
+        """The stored weight's bytes: codes and scales (not the shared levels, nor scale_mean)."""
+        stored = [b for name, b in self.named_buffers() if name != "levels"]
+        return sum(b.numel() * b.element_size() for b in stored)
 
     def extra_repr(self):
         return f"shape={self.shape}, double_quant={self.double_quant}, {self.nbytes():,} bytes"
@@ -172,8 +182,9 @@ def _demonstrate() -> bool:
               f"({8 * stored.nbytes() / weight.numel():.3f} bits; fp32: 32)")
         print(f"  max |difference| from one process (the fp32 weight): {error.max():.2e} (bound "
               f"{allowed.max():.2e}: half the widest gap between levels x the block's absmax"
-              f"{' + the scale rounded' if double_quant else ''}; tight: the worst weight reaches "
-              f"{100 * (error / allowed).max():.2f}% of its block's bound, midway in the widest gap)")
+              f"{' + the scale rounded' if double_quant else ''}; tight: the worst weight "
+              f"reaches {100 * (error / allowed).max():.2f}% of its block's bound, midway in the "
+              f"widest gap)")
     return within
 
 
