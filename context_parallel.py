@@ -13,23 +13,26 @@ gets them from the other ranks in one of two ways, the naive one beside the opti
 Causal masking leaves the rank with the first tokens idle; Llama 3's split (rank r holds chunks r
 and 2cp-1-r of 2cp, "zigzag") gives every rank the same work. Left out: attention dropout, lengths
 that do not divide into the chunks, fused attention kernels inside the ring, Ulysses' all-to-all.
-Run alone: torchrun --nproc_per_node 2 context_parallel.py; the GPT over a split sequence:
-composition/context_parallel_gpt.py, trained by train.py --strategy cp --cp 2 [--cp-attention allgather]
-[--cp-balance none]. Test: python -m pytest tests/test_context_parallel.py
+Run alone: torchrun --nproc_per_node 2 context_parallel.py.
+The GPT over a split sequence: composition/context_parallel_gpt.py.
+In training: train.py --strategy cp --cp 2 [--cp-attention allgather] [--cp-balance none].
+Test: python -m pytest tests/test_context_parallel.py
 
 Shapes: B batch, T sequence, H heads, D channels per head, C = H x D, cp ranks in the group, r
 this rank, t = T/cp tokens per rank, c tokens per chunk (t, or t/2 under zigzag).
 """
 import contextlib
+import os
 from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from foundations.comm import Comm, ring_bytes
 from foundations.alone import start_alone
-from tensor_parallel import gather_sequence, run_against_one_process
+from tensor_parallel import gather_sequence
 
 # ---- the split: which tokens a rank holds -------------------------------------------------------
 #
@@ -66,10 +69,12 @@ class SequenceSplit:
         if seq_len % self.n_chunks:
             layout = "two per rank, zigzag" if self.zigzag else "one per rank"
             raise ValueError(f"context parallelism over {self.cp} ranks cuts each sequence into "
-                             f"{self.n_chunks} equal chunks ({layout}), and {seq_len} tokens do not "
-                             f"divide by {self.n_chunks}: use a sequence length divisible by {self.n_chunks}")
+                             f"{self.n_chunks} equal chunks ({layout}), and {seq_len} tokens do "
+                             f"not divide by {self.n_chunks}: use a sequence length divisible by "
+                             f"{self.n_chunks}")
         c = seq_len // self.n_chunks
-        return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in self.chunks(rank)])
+        return torch.cat([torch.arange(i * c, (i + 1) * c, device=device)
+                          for i in self.chunks(rank)])
 
     def sequence_order(self, seq_len: int, device=None) -> torch.Tensor:
         """(T,): which row of the ranks' pieces laid end to end, in rank order, holds position p."""
@@ -93,8 +98,9 @@ def check_group(comm: Comm, split: SequenceSplit):
     """The split cuts each sequence for split.cp ranks, the attention passes K/V among the group's:
     one number, or the chunks would be read as other ranks' (silently wrong attention)."""
     if split.cp != comm.world_size:
-        raise ValueError(f"the sequence is split for {split.cp} context-parallel ranks, but attention "
-                         f"runs over a group of {comm.world_size}: make the split SequenceSplit({comm.world_size})")
+        raise ValueError(f"the sequence is split for {split.cp} context-parallel ranks, but "
+                         f"attention runs over a group of {comm.world_size}: make the split "
+                         f"SequenceSplit({comm.world_size})")
 
 
 def split_sequence(x: torch.Tensor, split: SequenceSplit, rank: int, dim: int = 1) -> torch.Tensor:
@@ -102,11 +108,13 @@ def split_sequence(x: torch.Tensor, split: SequenceSplit, rank: int, dim: int = 
     return x.index_select(dim, split.positions(rank, x.shape[dim], x.device))
 
 
-def unsplit_sequence(x: torch.Tensor, comm: Comm, split: SequenceSplit, dim: int = 1) -> torch.Tensor:
+def unsplit_sequence(x: torch.Tensor, comm: Comm, split: SequenceSplit,
+                     dim: int = 1) -> torch.Tensor:
     """The group's pieces gathered back into whole sequences: (.., t, ..) -> (.., T, ..) along dim,
     on every rank (an all-gather of every rank's piece, then put in sequence order)."""
     local = x.movedim(dim, 0).contiguous()                                     # (t, ...)
-    every = local.new_empty((comm.world_size * local.shape[0], *local.shape[1:]))   # (T, ...), rank order
+    # (T, ...), in rank order
+    every = local.new_empty((comm.world_size * local.shape[0], *local.shape[1:]))
     comm.all_gather(every.view(-1), local.view(-1))
     return every.index_select(0, split.sequence_order(every.shape[0], x.device)).movedim(0, dim)
 
@@ -118,7 +126,7 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _scores(q, k, causal: bool):                             # (B, H, c, D), (B, H, c, D) -> (B, H, c, c)
+def _scores(q, k, causal: bool):           # (B, H, c, D), (B, H, c, D) -> (B, H, c, c)
     """q k^T / sqrt(D); a chunk against itself masks each query's future keys."""
     scores = _wide(q) @ _wide(k).transpose(-2, -1) * q.shape[-1] ** -0.5
     if causal:
@@ -157,25 +165,27 @@ def _block_grads(q, k, v, dout, lse, delta, causal: bool):
 # ---- all-gather K/V (Llama 3): the naive one ---------------------------------------------------
 
 def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock=None):
-    """Causal attention of this rank's queries over the whole sequence: (B, H, t, D) each -> (B, H, t, D).
+    """Causal attention of this rank's queries over the whole sequence.
+
+    (B, H, t, D) each -> (B, H, t, D).
 
     Every rank gathers every rank's K and V, and each query chunk attends to the keys up to its
     own end. Gathering forward and reduce-scattering backward is sequence parallelism's conjugate
     pair (tensor_parallel.gather_sequence): the gradient of this rank's keys is the sum of what
-    every rank's queries put into it. Autograd keeps the gathered K/V of the whole sequence per layer:
-    the memory this naive version pays, where the ring keeps only its own block.
+    every rank's queries put into it. Autograd keeps the gathered K/V of the whole sequence per
+    layer: the memory this naive version pays, where the ring keeps only its own block.
     """
     check_group(comm, split)
     r, t = comm.rank, q.shape[2]
     kv = torch.stack([k, v]).permute(1, 3, 0, 2, 4)                           # (B, t, 2, H, D)
-    kv = gather_sequence(kv, comm)                                             # (B, T, 2, H, D), rank order
+    kv = gather_sequence(kv, comm)                                  # (B, T, 2, H, D), rank order
     T = kv.shape[1]
     kv = kv.index_select(1, split.sequence_order(T, q.device))                 # sequence order
     keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)   # (B, H, T, D) each
     c = t // len(split.chunks(r))
     out = []
     for a, i in enumerate(split.chunks(r)):
-        end = (i + 1) * c              # chunk i's queries (positions i c .. end-1) see keys 0 .. end-1
+        end = (i + 1) * c        # chunk i's queries (positions i c .. end-1) see keys 0 .. end-1
         # query x of the chunk, at position i c + x, sees key y when y <= i c + x
         visible = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(i * c)
         with _timed(clock, q):                   # this rank's compute seconds (bookkeeping, below)
@@ -207,10 +217,11 @@ class RingAttention(torch.autograd.Function):
         r, cp = comm.rank, comm.world_size
         c = q.shape[2] // len(split.chunks(r))
         wide = torch.promote_types(q.dtype, torch.float32)                     # as _wide
-        m = torch.full(q.shape[:3], float("-inf"), dtype=wide, device=q.device)  # (B, H, t) running max
-        denom = torch.zeros_like(m)                                            # (B, H, t) running sum
+        # (B, H, t): the running max and the running sum
+        m = torch.full(q.shape[:3], float("-inf"), dtype=wide, device=q.device)
+        denom = torch.zeros_like(m)
         acc = torch.zeros(q.shape, dtype=wide, device=q.device)                # (B, H, t, D)
-        kv = torch.stack([k, v])                                               # (2, B, H, t, D): one message
+        kv = torch.stack([k, v])                                 # (2, B, H, t, D): one message
         for step in range(cp):
             source = (r - step) % cp                                           # whose block kv is
             if step < cp - 1:
@@ -219,7 +230,8 @@ class RingAttention(torch.autograd.Function):
                 # for a peer that is itself waiting in its send. Every rank of the group joins each
                 # batch, which NCCL requires of a group's first p2p call.
                 arriving = torch.empty_like(kv)
-                handle = comm.exchange([("send", kv, (r + 1) % cp), ("recv", arriving, (r - 1) % cp)])
+                handle = comm.exchange([("send", kv, (r + 1) % cp),
+                                        ("recv", arriving, (r - 1) % cp)])
             with _timed(clock, q):               # this rank's compute seconds (bookkeeping, below)
                 for a, b, causal in split.blocks(r, source):
                     rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
@@ -227,7 +239,7 @@ class RingAttention(torch.autograd.Function):
                     _fold_in(m[:, :, rows], denom[:, :, rows], acc[:, :, rows], q[:, :, rows],
                              kv[0][:, :, cols], kv[1][:, :, cols], causal)
             if step < cp - 1:
-                handle.wait()          # CUDA: the compute stream waits for NCCL's, the host does not
+                handle.wait()    # CUDA: the compute stream waits for NCCL's, the host does not
                 kv = arriving
         out = (acc / denom.unsqueeze(-1)).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, m + denom.log())                  # lse: (B, H, t)
@@ -255,22 +267,24 @@ class RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)       # (2, B, H, t, D)
             for a, b, causal in split.blocks(r, source):
                 rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                dq_a, dk_b, dv_b = _block_grads(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                                dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], causal)
+                dq_a, dk_b, dv_b = _block_grads(
+                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                    dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], causal)
                 dq[:, :, rows] += dq_a
                 dkv[0][:, :, cols] += dk_b
                 dkv[1][:, :, cols] += dv_b
             if step == 0:
-                own = dkv                             # this rank's block: the others' shares come home
+                own = dkv                 # this rank's block: the others' shares come home
             else:
-                if incoming is not None:              # the shares of the ranks this block met before
+                if incoming is not None:  # the shares of the ranks this block met before
                     handle, partial_sum = incoming
                     handle.wait()
                     dkv += partial_sum
                 # On to r-1, in the same order on every rank as the K/V batches (NCCL pairs two
                 # ranks' p2p calls by their order); the last step's reaches the block's owner.
                 partial_sum = torch.empty_like(dkv)
-                incoming = comm.exchange([("send", dkv, left), ("recv", partial_sum, right)]), partial_sum
+                handle = comm.exchange([("send", dkv, left), ("recv", partial_sum, right)])
+                incoming = handle, partial_sum
             if step < cp - 1:
                 kv_handle.wait()
                 kv = arriving
@@ -293,15 +307,18 @@ KV_COLLECTIVES = ("send", "all_gather", "reduce_scatter")
 
 def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str = "ring",
                 bytes_per_value: int = 2) -> dict:
-    """Bytes one of cp context-parallel ranks sends per layer and micro-batch so that its queries
-    meet every key: {"forward": ..., "backward": ...}. A rank's K and V are kv = 2 (T/cp) B C values.
+    """Bytes one of cp context-parallel ranks sends per layer and micro-batch.
 
-    All-gather K/V: forward, the all-gather of every rank's K/V, (cp-1) kv; backward, the
-    reduce-scatter of dK and dV, the same volume. Ring attention: forward, cp-1 steps of one K/V
-    block; backward, the blocks go round again ((cp-1) kv) and dK, dV travel beside them cp-1
-    steps in fp32, or wider (they add up over the ranks). In fp32 the ring sends 1.5x the all-gather's
-    (as FSDP sends 1.5x DDP's: both send again in backward what they would not keep); in bf16 2x,
-    its fp32 dK/dV twice the bytes of the bf16 K/V.
+    They are what its queries need to meet every key: {"forward": ..., "backward": ...}.
+    A rank's K and V are kv = 2 (T/cp) B C values.
+    All-gather K/V, forward: the all-gather of every rank's K/V, (cp-1) kv.
+    All-gather K/V, backward: the reduce-scatter of dK and dV, the same volume.
+    Ring attention, forward: cp-1 steps of one K/V block.
+    Ring attention, backward: the blocks go round again ((cp-1) kv).
+    And dK, dV travel beside them cp-1 steps in fp32, or wider (they add up over the ranks).
+    In fp32 the ring sends 1.5x the all-gather's, as FSDP sends 1.5x DDP's.
+    Both send again in backward what they would not keep.
+    In bf16 the ring sends 2x: its fp32 dK/dV are twice the bytes of the bf16 K/V.
     """
     kv = 2 * (seq_len // cp) * batch * hidden
     if attention == "allgather":                      # the collectives' own count (foundations/comm.py)
@@ -325,12 +342,14 @@ def _attention_against_one_process(comm: Comm, attention: str) -> dict:
     whole sequence on one process, in fp64: {what: max |difference|} for the output (gathered back
     into whole sequences) and the gradients of this rank's queries, keys and values."""
     torch.manual_seed(0)                                           # the same sequence on every rank
-    q, k, v, probe = (torch.randn(2, 4, 32, 8, dtype=torch.float64) for _ in range(4))  # (B, H, T, D)
+    # (B, H, T, D) each
+    q, k, v, probe = (torch.randn(2, 4, 32, 8, dtype=torch.float64) for _ in range(4))
     whole = [t.requires_grad_() for t in (q, k, v)]
     one_process = F.scaled_dot_product_attention(*whole, is_causal=True)
     (one_process * probe).sum().backward()                         # the loss: sum(output * probe)
     split = SequenceSplit(comm.world_size)
-    mine = partial(split_sequence, split=split, rank=comm.rank, dim=2)   # (B, H, T, D) -> (B, H, t, D)
+    # (B, H, T, D) -> (B, H, t, D)
+    mine = partial(split_sequence, split=split, rank=comm.rank, dim=2)
     inputs = [mine(t.detach()).requires_grad_() for t in whole]
     out = ATTENTIONS[attention](*inputs, comm, split)
     (out * mine(probe)).sum().backward()
@@ -339,8 +358,30 @@ def _attention_against_one_process(comm: Comm, attention: str) -> dict:
     return {what: (a - b).abs().max().item() for what, (a, b) in pairs.items()}
 
 
-if __name__ == "__main__":      # both attentions, the ring and the naive all-gather; each rank checks its own
+def _run_against_one_process(cases: dict) -> float:
+    """Each attention on this rank's tokens against one process: rank 0 prints its differences.
+
+    Returns the worst difference on any rank.
+    """
+    comm, worst = Comm(), 0.0                               # Comm(): the world's collectives
+    for label, attention in cases.items():
+        differences = _attention_against_one_process(comm, attention)
+        worst = max(worst, *differences.values())
+        if comm.rank == 0:
+            print(f"{label}: " + ", ".join(f"{what} {d:.1e}" for what, d in differences.items()))
+    everywhere = torch.tensor([worst], dtype=torch.float64)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MAX)       # the worst on any rank
+    return everywhere.item()
+
+
+if __name__ == "__main__":      # both attentions, the ring and the naive all-gather
     start_alone(torchrun=True, worlds=(1, 2, 4, 8, 16))      # zigzag: 2N chunks of 32 tokens
-    run_against_one_process(_attention_against_one_process,
-                            {f"{name} attention, rank 0's tokens": name for name in ATTENTIONS},
-                            "fp64 sums in another order, the ring's online softmax")
+    dist.init_process_group("gloo")
+    worst = _run_against_one_process({f"{name} attention, rank 0's tokens": name
+                                      for name in ATTENTIONS})
+    if dist.get_rank() == 0:                      # flush: the whole buffer, before os._exit
+        print(f"max |difference| from one process on {dist.get_world_size()} ranks: {worst:.1e} "
+              f"(bound 1e-12: fp64 sums in another order, the ring's online softmax)", flush=True)
+    dist.destroy_process_group()
+    # At once: gloo's threads may still hold tensors (process_groups.exit_distributed).
+    os._exit(int(worst > 1e-12))

@@ -32,15 +32,16 @@ class LoRALinear(nn.Module):
 
     alpha None means alpha = r, a scale of 1: the paper sets alpha to the first r it tries and
     does not tune it (with Adam, alpha acts as a learning rate). Inside a tensor-parallel layer:
-    split_alongside, attached to the class below (LoRA inside a tensor-parallel layer).
+    split_alongside, the hook tensor_parallel.py's split layers call.
     """
 
     def __init__(self, base: nn.Linear, rank: int = 8, alpha: float | None = None,
                  dropout: float = 0.0):
         super().__init__()
-        if rank < 1 or rank > min(base.in_features, base.out_features):
+        smaller = min(base.in_features, base.out_features)
+        if rank < 1 or rank > smaller:
             raise ValueError(f"LoRA rank {rank} must be between 1 and min(in, out) = "
-                             f"{min(base.in_features, base.out_features)}: use a smaller --lora-rank")
+                             f"{smaller}: use a smaller --lora-rank")
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias            # W0 (d, k), b (d,): frozen
         self.weight.requires_grad_(False)
@@ -71,7 +72,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):                                       # x: (..., k) -> (..., d)
         h = self.frozen_forward(x)
-        if self.merged:        # W0 + s B A already in weight: A and B get no gradient (unmerge to train)
+        if self.merged:        # W0 + s B A is in weight already: A and B get no gradient
             return h
         x = F.dropout(x, self.dropout, self.training)
         # Two thin products, (..., k) -> (..., r) -> (..., d): the d x k update is never built.
@@ -92,8 +93,22 @@ class LoRALinear(nn.Module):
             self.weight -= self.delta().to(self.weight.dtype)
             self.merged = False
 
+    def split_alongside(self, dim: int):
+        """The hook tensor_parallel.py's split layers look for: how A and B split beside W0.
+
+        dim is the dimension W0 (d, k) is split along: 0 (a column layer) or 1 (a row layer).
+        Returns {name: (factor, its dim)}, dim None for a whole copy, and the term to add.
+        The split is drawn below (LoRA inside a tensor-parallel layer).
+        """
+        if dim == 0:                                              # A (r, k) whole, B (d/N, r)
+            pieces = {"lora_A": (self.lora_A, None), "lora_B": (self.lora_B, 0)}
+        else:                                                     # A (r, k/N), B (d, r) whole
+            pieces = {"lora_A": (self.lora_A, 1), "lora_B": (self.lora_B, None)}
+        return pieces, partial(_split_term, scale=self.scale, dropout=self.dropout)
+
     def extra_repr(self):
-        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scale={self.scale:g}"
+        return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, "
+                f"scale={self.scale:g}")
 
 
 def apply_lora(model: nn.Module, targets=("query", "value"), rank: int = 8,
@@ -166,8 +181,8 @@ def load_lora(model: nn.Module, adapter: dict):
     mine = {name for name, _ in model.named_parameters() if ".lora_" in name}
     if set(adapter) != mine:
         raise ValueError(f"the adapter's {len(adapter)} tensors do not match this model's "
-                         f"{len(mine)} LoRA tensors (e.g. {sorted(set(adapter) ^ mine)[:2]}): apply "
-                         f"LoRA with the same --lora-targets as the run that trained it")
+                         f"{len(mine)} LoRA tensors (e.g. {sorted(set(adapter) ^ mine)[:2]}): "
+                         f"apply LoRA with the same --lora-targets as the run that trained it")
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in adapter.items():
@@ -176,7 +191,8 @@ def load_lora(model: nn.Module, adapter: dict):
 
 def adapter_bytes(model: nn.Module) -> int:
     # From shapes alone: under FSDP a parameter between uses has no storage to read.
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".lora_" in name)
+    adapters = [p for name, p in model.named_parameters() if ".lora_" in name]
+    return sum(p.numel() * p.element_size() for p in adapters)
 
 
 def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
@@ -186,9 +202,11 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
     the result loads into the base architecture with no LoRA code at all.
     """
     layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, LoRALinear)}
-    four_bit = {name: m for name, m in model.named_modules() if isinstance(m, (QLoRALinear, FrozenNF4Linear))}
+    four_bit = {name: m for name, m in model.named_modules()
+                if isinstance(m, (QLoRALinear, FrozenNF4Linear))}
+    # The lora_ keys and the NF4 buffers stay out.
     folded = {key: t for key, t in state_dict.items()
-              if ".lora_" not in key and key.rsplit(".base.", 1)[0] not in four_bit}  # NF4 buffers out
+              if ".lora_" not in key and key.rsplit(".base.", 1)[0] not in four_bit}
     for name, m in four_bit.items():                 # a 4-bit W0 (d, k) as the run computed with it
         folded[name + ".weight"] = m.base.dequantize(torch.float32)
     for name, layer in layers.items():
@@ -244,25 +262,11 @@ class QLoRALinear(LoRALinear):
 # gradient, a partial sum: tensor_parallel.py records it so, and sums those over the group after
 # backward.
 
-def _split_alongside(linear: LoRALinear, layer: nn.Module, dim: int, shard):
-    """tensor_parallel's hook: linear's factors onto layer, the split layer made from it, and the
-    term layer adds to its product. dim: the dimension W0 (d, k) is split along, 0 (column) or
-    1 (row); shard(param, dim): this rank's slice of param along dim, or with dim None a whole copy."""
-    if dim == 0:                                                  # A (r, k) whole, B (d/N, r)
-        layer.lora_A, layer.lora_B = shard(linear.lora_A, None), shard(linear.lora_B, 0)
-    else:                                                         # A (r, k/N), B (d, r) whole
-        layer.lora_A, layer.lora_B = shard(linear.lora_A, 1), shard(linear.lora_B, None)
-    return partial(_split_term, scale=linear.scale, dropout=linear.dropout)
-
-
 def _split_term(layer: nn.Module, x: torch.Tensor, scale: float, dropout: float) -> torch.Tensor:
-    """A split layer's local low-rank term (alpha/r) B A x, through the layer's own products
-    (layer.linear: a zero-bubble pipeline's swap reaches these too)."""
+    """A split layer's local low-rank term (alpha/r) B A x, through the layer's own products.
+    layer.linear is the swap point: a zero-bubble pipeline's swap reaches these too."""
     x = F.dropout(x, dropout, layer.training)
     return scale * layer.linear(layer.linear(x, layer.lora_A), layer.lora_B)
-
-
-LoRALinear.split_alongside = _split_alongside       # the hook tensor_parallel's layers look for
 
 
 # ---- run alone: one adapted layer against plain torch's W0 + (alpha/r) B A ----------------------
@@ -300,7 +304,8 @@ def _demonstrate(steps: int = 10) -> float:
         merged = layer(x)
     differences = {"adapted output": (adapted - plain).abs().max().item(),
                    "merged output": (merged - plain).abs().max().item(),
-                   "A and B": max((layer.lora_A - A).abs().max(), (layer.lora_B - B).abs().max()).item()}
+                   "A and B": max((layer.lora_A - A).abs().max(),
+                                  (layer.lora_B - B).abs().max()).item()}
     print(f"merged into W0: one matmul now, the same output ({(merged - adapted).abs().max():.1e} "
           f"from the adapted layer's)")
     print("max |difference| from one process (plain torch, W0 + (alpha/r) B A): "

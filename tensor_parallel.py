@@ -1,16 +1,17 @@
 """Tensor parallelism: split the matrices inside each layer, so one layer runs on N ranks.
 
-A pair of linears is split the Megatron way (Shoeybi et al. 2019, "Megatron-LM", section 3):
-the first by output columns, the second by input rows, so the nonlinearity between them is
-local and the pair costs one all-reduce forward (g) and one backward (f). The embedding is split
-over the vocabulary (section 3, "input embedding"; composition/tensor_parallel_gpt.py splits a whole
-GPT, its head and loss over the vocabulary too), and sequence parallelism (Korthikanti et al. 2022, section 4.2.2)
-turns each all-reduce into a reduce-scatter and an all-gather so norms and dropout work on 1/N of
-the tokens. Left out: fused QKV, overlapping these collectives with the matmuls, an RNG tracker
-for dropout (every rank draws the same masks: right where the ranks hold copies, but rank r's
-heads, and under sequence parallelism its tokens, then repeat rank 0's masks).
-Run alone: torchrun --nproc_per_node 2 tensor_parallel.py; in training: train.py --strategy tp --tp 2
-Test: python -m pytest tests/test_tensor_parallel.py
+A pair of linears is split the Megatron way (Shoeybi et al. 2019, "Megatron-LM", section 3).
+The first is split by output columns, the second by input rows.
+So the nonlinearity between them is local, and the pair costs one all-reduce forward (g) and
+one backward (f). The embedding is split over the vocabulary (section 3, "input embedding").
+composition/tensor_parallel_gpt.py splits a whole GPT, its head and loss over the vocabulary too.
+Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) turns each all-reduce into a
+reduce-scatter and an all-gather, so norms and dropout work on 1/N of the tokens.
+Left out: fused QKV, overlapping these collectives with the matmuls, an RNG tracker for dropout.
+Without the tracker every rank draws the same masks. That is right where the ranks hold copies.
+But rank r's heads, and under sequence parallelism its tokens, then repeat rank 0's masks.
+Run alone: torchrun --nproc_per_node 2 tensor_parallel.py;
+in training: train.py --strategy tp --tp 2. Test: python -m pytest tests/test_tensor_parallel.py
 
 Shapes: B batch, T sequence, C channels, H heads, V vocabulary, N tensor-parallel size, r rank
 in the tensor group. "/N" marks this rank's part of a split dimension.
@@ -45,7 +46,8 @@ from foundations.placements import place
 
 
 class _Conjugate(torch.autograd.Function):
-    # One row of the table: `forward` moves x, `backward` moves its gradient (each takes it and the group).
+    # One row of the table: `forward` moves x, `backward` moves its gradient.
+    # Each takes the tensor and the group.
     @staticmethod
     def forward(ctx, x, comm, forward, backward):
         ctx.comm, ctx.conjugate = comm, backward
@@ -67,7 +69,9 @@ def _all_reduced(x, comm):
 
 
 def _all_gathered(x, comm, dim=1):
-    """(.., n, ..) on each rank -> (.., N*n, ..): the ranks' pieces in rank order along dim (1: T)."""
+    """(.., n, ..) on each rank -> (.., N*n, ..): the ranks' pieces in rank order along dim.
+
+    dim 1 is T."""
     local = x.movedim(dim, 0).contiguous()                                       # (n, ...)
     out = local.new_empty((comm.world_size * local.shape[0], *local.shape[1:]))  # (N*n, ...)
     comm.all_gather(out.view(-1), local.view(-1))
@@ -86,7 +90,9 @@ def _reduce_scattered(x, comm, dim=1):
 
 
 def _my_piece(x, comm, dim=-1):
-    """(.., N*n) -> (.., n): my piece along dim (-1: C, the features' pair; the sequence's uses 1, T)."""
+    """(.., N*n) -> (.., n): my piece along dim.
+
+    dim -1 is C, for the features' pair; the sequence's uses 1, T."""
     return x.chunk(comm.world_size, dim)[comm.rank].contiguous()
 
 
@@ -116,9 +122,11 @@ def scatter_sequence(x, comm: Comm):
 
 
 def gather_features(x, comm: Comm):
-    """(.., out/N) -> (.., out): rank r's output columns came from its own weights only, so
-    backward keeps its own columns of the gradient. No sum is needed: everything after the gather
-    runs identically on every rank, so each rank's gradient of (.., out) is already the whole one."""
+    """(.., out/N) -> (.., out): rank r's output columns came from its own weights only.
+
+    So backward keeps its own columns of the gradient. No sum is needed.
+    Everything after the gather runs identically on every rank.
+    So each rank's gradient of (.., out) is already the whole one."""
     return _Conjugate.apply(x, comm, partial(_all_gathered, dim=-1), _my_piece)
 
 
@@ -148,23 +156,28 @@ def leave_region(x, comm: Comm, sequence_parallel: bool):
 # keeps W's rows r*out/N.., a row layer W's columns r*in/N... Every rank draws the same full init
 # and keeps its slice, so the ranks' slices put together are the matrix one rank would have had.
 #
-# A linear may add a term of its own beside x W^T (LoRA's low-rank update, lora.py). It then
-# carries split_alongside(layer, dim, shard): it puts its parameters on the split layer, sliced
-# to match W's split (shard(param, dim), dim None: whole), and returns term(layer, x), which the
-# layer adds to its local product, inside the region: g sums it with the partial products. A
-# whole parameter used there gets from each rank only its share of its gradient; this file sums
-# no partial gradient: composition/tensor_parallel_gpt.py does, after backward (_partial_sums).
+# A linear may add a term of its own beside x W^T (LoRA's low-rank update, lora.py). Such a
+# linear offers the hook split_alongside(dim) -> (pieces, term); _SplitLinear declares it below.
+# pieces maps a parameter's name to (param, its dim): the split layer keeps param sliced along dim
+# to match W's split (dim None: whole). term(layer, x) is added to the layer's local product,
+# inside the region: g sums it with the partial products. A whole parameter used there gets from
+# each rank only its share of its gradient. This file sums no partial gradient:
+# composition/tensor_parallel_gpt.py does, after backward (_partial_sums).
 
 def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
-    """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms;
-    dim None: a whole copy, the same on every rank of the group. A frozen weight (LoRA's base) stays frozen."""
+    """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms.
+
+    dim None gives a whole copy, the same on every rank of the group.
+    A frozen weight (LoRA's base) stays frozen."""
     if dim is None:
         return nn.Parameter(param.detach().clone(), param.requires_grad)
     if param.shape[dim] % comm.world_size:          # chunk() would cut unequal slices: wrong sums
-        raise ValueError(f"tensor parallelism cuts dim {dim} of a {tuple(param.shape)} weight into {comm.world_size} "
-                         f"equal slices: give the layer sizes that divide by {comm.world_size}")
+        raise ValueError(f"tensor parallelism cuts dim {dim} of a {tuple(param.shape)} weight "
+                         f"into {comm.world_size} equal slices: give the layer sizes that divide "
+                         f"by {comm.world_size}")
     shard = nn.Parameter(_my_piece(param.detach(), comm, dim).clone(), param.requires_grad)
-    return place(shard, shard={"tp": dim})   # tag it: cut along dim over "tp" (foundations/placements.py)
+    # Tag it: cut along dim over "tp" (foundations/placements.py).
+    return place(shard, shard={"tp": dim})
 
 
 class _SplitLinear(nn.Module):
@@ -188,15 +201,18 @@ class _SplitLinear(nn.Module):
         bias_dim = 0 if dim == 0 else None
         self.bias = _shard(linear.bias, self.comm, bias_dim) if linear.bias is not None else None
         self.whole_in_region = []       # the term's whole parameters: partial gradients (above)
-        split = getattr(linear, "split_alongside", None)
-        self.term = split(self, dim, self._term_piece) if split else None
+        self.term = None                # the linear's own term, if it offers split_alongside
+        if hasattr(linear, "split_alongside"):
+            self._take_term(linear, dim)
 
-    def _term_piece(self, param, dim):
-        """The term's param on this layer: its slice along dim, or with dim None a whole copy."""
-        piece = _shard(param, self.comm, dim)
-        if dim is None:
-            self.whole_in_region.append(piece)
-        return piece
+    def _take_term(self, linear, dim):
+        """The linear's term and its parameters, each sliced along its dim or kept whole."""
+        pieces, self.term = linear.split_alongside(dim)
+        for name, (param, piece_dim) in pieces.items():
+            piece = _shard(param, self.comm, piece_dim)
+            self.register_parameter(name, piece)
+            if piece_dim is None:
+                self.whole_in_region.append(piece)
 
     def local_product(self, x, bias=None):
         """This rank's product x W_r^T (+ b), plus the linear's own term if it brought one."""
@@ -212,18 +228,20 @@ class _SplitLinear(nn.Module):
 class ColumnParallelLinear(_SplitLinear):
     """Y = X A + b with A's columns (W's rows) split: rank r computes Y[..., r*out/N : (r+1)*out/N].
 
-    enter: apply f (or, with sequence_parallel, gather the sequence) to the input here, as a
-    layer used alone does (the demonstration, below). In model.py's blocks it is False: split_block enters
-    the region once per sublayer, by a forward pre-hook on attention and on the MLP, so query,
-    key and value share one f. gather_output: all-gather the full (.., out), not keep (.., out/N).
+    enter: apply f (or, with sequence_parallel, gather the sequence) to the input here.
+    A layer used alone does so (the demonstration, below). In model.py's blocks it is False.
+    There split_block enters the region once per sublayer, by a forward pre-hook on attention and
+    on the MLP, so query, key and value share one f.
+    gather_output: all-gather the full (.., out), not keep (.., out/N).
     """
 
     def __init__(self, in_features, out_features, group=None, bias=True, gather_output=False,
                  sequence_parallel=False, enter=True, linear: nn.Linear | None = None):
         super().__init__(in_features, out_features, group, bias, linear, dim=0)
-        self.gather_output, self.sequence_parallel, self.enter = gather_output, sequence_parallel, enter
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.enter = enter
 
-    def forward(self, x):                                        # (B, T, in), or (B, T/N, in) with SP
+    def forward(self, x):                                 # (B, T, in), or (B, T/N, in) with SP
         if self.enter:
             x = enter_region(x, self.comm, self.sequence_parallel)          # (B, T, in)
         y = self.local_product(x, self.bias)                                  # (B, T, out/N)
@@ -263,7 +281,8 @@ class VocabParallelEmbedding(nn.Module):
                  embedding: nn.Embedding | None = None):
         super().__init__()
         self.comm = as_comm(group)
-        embedding = embedding if embedding is not None else nn.Embedding(num_embeddings, embedding_dim)
+        if embedding is None:
+            embedding = nn.Embedding(num_embeddings, embedding_dim)
         self.weight = _shard(embedding.weight, self.comm, 0)              # (V/N, C)
         self.sequence_parallel = sequence_parallel
         self.start = self.comm.rank * self.weight.shape[0]
@@ -288,17 +307,21 @@ class VocabParallelEmbedding(nn.Module):
 #   with sequence parallelism the residual stream, the norms and dropout hold T/N tokens per
 #   rank; without it all T, the same on every rank of the tensor group. The whole GPT (its
 #   embedding, head and loss split over the vocabulary too, and the partial gradients of what
-#   works on T/N tokens, norms and row biases, summed over the group): composition/tensor_parallel_gpt.py.
+#   works on T/N tokens, norms and row biases, summed over the group):
+#   composition/tensor_parallel_gpt.py.
 
 def check_divisible(cfg, n: int):
-    """Raise one message naming the fix if the model does not split into n equal parts. (The
-    sequence's T/N under sequence parallelism is checked with the flags, composition/mesh_checks.py.)"""
+    """Raise one message naming the fix if the model does not split into n equal parts.
+
+    The sequence's T/N under sequence parallelism is checked with the flags
+    (composition/mesh_checks.py)."""
     for what, size in (("heads (n_head)", cfg.n_head), ("hidden size (n_embd)", cfg.n_embd),
                        ("vocabulary (vocab_size)", cfg.vocab_size)):
         if size % n:
-            raise ValueError(f"tensor parallelism over {n} ranks splits the {what} = {size} into {n} "
-                             f"equal parts, but {size} % {n} = {size % n}: use a --tp that divides "
-                             f"n_head={cfg.n_head}, n_embd={cfg.n_embd} and vocab_size={cfg.vocab_size}")
+            raise ValueError(f"tensor parallelism over {n} ranks splits the {what} = {size} "
+                             f"into {n} equal parts, but {size} % {n} = {size % n}: use a --tp "
+                             f"that divides n_head={cfg.n_head}, n_embd={cfg.n_embd} and "
+                             f"vocab_size={cfg.vocab_size}")
 
 
 def split_block(block, comm: Comm, sequence_parallel: bool = False):
@@ -308,7 +331,8 @@ def split_block(block, comm: Comm, sequence_parallel: bool = False):
     sp = dict(group=comm, sequence_parallel=sequence_parallel)
     attn, mlp = block.attn, block.mlp
     for name in ("query", "key", "value"):
-        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), enter=False, **sp))
+        column = ColumnParallelLinear.from_linear(getattr(attn, name), enter=False, **sp)
+        setattr(attn, name, column)
     attn.output = RowParallelLinear.from_linear(attn.output, **sp)
     attn.n_head //= comm.world_size                           # H/N heads per rank, same code
     split = [attn]
@@ -344,7 +368,8 @@ def _split_mlp_against_one_process(comm: Comm, sequence_parallel: bool) -> dict:
     (out * tokens(probe)).sum().backward()
     if sequence_parallel:      # the bias, added after g, saw this rank's tokens only: a partial sum
         comm.all_reduce(row.bias.grad)
-    pairs = {"output": (out, tokens(down(F.gelu(up(x))))), "input gradient": (mine.grad, tokens(x.grad)),
+    pairs = {"output": (out, tokens(down(F.gelu(up(x))))),
+             "input gradient": (mine.grad, tokens(x.grad)),
              "column weight gradient": (column.weight.grad, _my_piece(up.weight.grad, comm, 0)),
              "row weight gradient": (row.weight.grad, _my_piece(down.weight.grad, comm, 1)),
              "biases' gradients": (torch.cat([column.bias.grad, row.bias.grad]),
@@ -352,9 +377,11 @@ def _split_mlp_against_one_process(comm: Comm, sequence_parallel: bool) -> dict:
     return {what: (a - b).abs().max().item() for what, (a, b) in pairs.items()}
 
 
-def run_against_one_process(check, cases: dict, why: str):
-    """Run alone (this file, context_parallel.py): each case's check(comm, case) -> {what: max
-    |difference| from one process}, rank 0's printed; exit 1 past 1e-12 on any rank (fp64; why)."""
+def _run_against_one_process(check, cases: dict, why: str):
+    """Each case's check(comm, case) -> {what: max |difference| from one process}.
+
+    Rank 0 prints its differences. Any rank past 1e-12 exits 1 (fp64: why).
+    """
     dist.init_process_group("gloo")
     comm, bound, worst = Comm(), 1e-12, 0.0                 # Comm(): the world's collectives
     for label, case in cases.items():
@@ -365,13 +392,16 @@ def run_against_one_process(check, cases: dict, why: str):
     everywhere = torch.tensor([worst], dtype=torch.float64)
     dist.all_reduce(everywhere, op=dist.ReduceOp.MAX)       # the worst on any rank
     dist.destroy_process_group()
-    if comm.rank == 0:
-        print(f"max |difference| from one process on {comm.world_size} ranks: {everywhere.item():.1e} "
-              f"(bound {bound:g}: {why})", flush=True)       # the whole buffer, before os._exit
-    os._exit(int(everywhere.item() > bound))  # at once: gloo's threads may still hold tensors (exit_distributed)
+    if comm.rank == 0:                            # flush: the whole buffer, before os._exit
+        print(f"max |difference| from one process on {comm.world_size} ranks: "
+              f"{everywhere.item():.1e} (bound {bound:g}: {why})", flush=True)
+    # At once: gloo's threads may still hold tensors (process_groups.exit_distributed).
+    os._exit(int(everywhere.item() > bound))
 
 
-if __name__ == "__main__":      # both forms, f and g then sequence parallelism's; each rank checks its pieces
+if __name__ == "__main__":      # both forms, f and g then sequence parallelism's
     start_alone(torchrun=True, worlds=(1, 2, 4, 8))        # N divides 8 tokens and 64 channels
-    run_against_one_process(_split_mlp_against_one_process, {"f and g, rank 0's pieces": False,
-                            "sequence parallel, rank 0's pieces": True}, "fp64 sums reordered")
+    _run_against_one_process(_split_mlp_against_one_process,
+                             {"f and g, rank 0's pieces": False,
+                              "sequence parallel, rank 0's pieces": True},
+                             "fp64 sums reordered")
