@@ -19,6 +19,7 @@ import copy
 import math
 import os
 import sys
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -31,30 +32,52 @@ from foundations.alone import start_alone
 from foundations.placements import place
 
 
+@dataclass
+class Routing:
+    """The router's decision for the A = k*S assignments (token, choice), choice-major.
+
+    Every first choice comes before any second one: under capacity a second choice drops first.
+    """
+    token: torch.Tensor         # (A,) the assignment's token, an index into the S tokens
+    expert: torch.Tensor        # (A,) its expert
+    gate: torch.Tensor          # (A,) its weight in the token's output, fp32 (fp64's own)
+    group: torch.Tensor         # (A,) its token's routing group
+    position: torch.Tensor      # (A,) how many of its (group, expert) queue come before it
+    keep: torch.Tensor          # (A,) whether it fits the capacity: position < K
+    order: torch.Tensor         # (A,) the assignments sorted by queue, then priority
+    per_expert: torch.Tensor    # (E,) kept assignments per expert
+    groups: int                 # G routing groups
+    capacity: int               # K slots per expert and group
+
+
 class MoE(nn.Module):
     """A drop-in for a block's MLP: E experts behind a top-k router.
 
-    n_embd: C; make_expert: builds one expert, a module (.., C) -> (.., C) (feed_forward below
-    passes model.py's MLP, so that an MoE of one expert is exactly the dense block).
-    top_k: experts per token (1: Switch, 2: GShard, any k <= E); the k gate values are the
-    router's softmax probabilities of the chosen experts, renormalised to sum to 1 over them.
-    So with k = 1 the gate is p / p = 1 and the router learns from the aux losses only, not the
-    task loss: a deviation from Switch, whose gate is p itself.
-    capacity_factor: each expert takes at most K = ceil(capacity_factor * k * S / E) of a routing
-    group's assignments; the rest are dropped (a token whose every choice is dropped adds nothing:
-    the residual carries it). None: dropless, every assignment runs.
-    group_size: tokens per routing group (None: every token of the forward, one group).
-    aux_loss_weight, z_loss_weight: the weights of the load-balancing and router z-losses; after
-    each forward `aux_loss` holds their weighted sum, for the model to add to its loss, and
-    `stats` what the routing did, as tensors (no host read in forward): routing_summary() reads it.
+    n_embd is C.
+    make_expert builds one expert, a module (.., C) -> (.., C).
+    feed_forward below passes model.py's MLP, so an MoE of one expert is exactly the dense block.
+    top_k is the experts per token (1: Switch, 2: GShard, any k <= E).
+    The k gate values are the router's softmax probabilities of the chosen experts, renormalised.
+    So with k = 1 the gate is p / p = 1 and the router learns from the aux losses only.
+    That is a deviation from Switch, whose gate is p itself.
+    capacity_factor sets K = ceil(capacity_factor * k * S / E), the most one expert takes of a
+    routing group's assignments; the rest are dropped.
+    A token whose every choice is dropped adds nothing: the residual carries it.
+    capacity_factor None is dropless: every assignment runs.
+    group_size is the tokens per routing group (None: every token of the forward, one group).
+    aux_loss_weight and z_loss_weight weigh the load-balancing and router z-losses.
+    After each forward, `aux_loss` holds their weighted sum, for the model to add to its loss.
+    `stats` holds what the routing did, as tensors (no host read in forward): routing_summary().
     """
 
     def __init__(self, n_embd: int, make_expert: Callable[[], nn.Module], experts: int = 8,
-                 top_k: int = 2, capacity_factor: float | None = 1.25, group_size: int | None = None,
-                 aux_loss_weight: float = 0.01, z_loss_weight: float = 0.0):
+                 top_k: int = 2, capacity_factor: float | None = 1.25,
+                 group_size: int | None = None, aux_loss_weight: float = 0.01,
+                 z_loss_weight: float = 0.0):
         super().__init__()
         if not 1 <= top_k <= experts:
-            raise ValueError(f"MoE: top_k must be between 1 and the {experts} experts, got {top_k}")
+            raise ValueError(f"MoE: top_k must be between 1 and the {experts} experts, "
+                             f"got {top_k}")
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"MoE: capacity_factor must be > 0 (or None: dropless), got "
                              f"{capacity_factor}")
@@ -65,71 +88,116 @@ class MoE(nn.Module):
         self.aux_loss, self.stats = None, {}
         self.ep, self.local = None, range(experts)     # expert parallelism: shard_experts()
 
-    def shard_experts(self, ep: Comm):
-        """Expert parallelism over the ep group's P ranks: rank r keeps experts r*E/P to
-        (r+1)*E/P - 1 and drops the others (an nn.Identity keeps each index, so parameters keep
-        their names: experts.5.up.weight on whichever rank holds expert 5). Every rank must
-        hold the same model before (the same seed), as tensor parallelism's split."""
-        E, P = len(self.experts), ep.world_size
-        if E % P:
-            raise ValueError(f"{E} experts do not split over --ep {P} ranks: use an --ep dividing {E}")
-        self.ep, self.local = ep, range(ep.rank * E // P, (ep.rank + 1) * E // P)
-        for e in range(E):
-            if e not in self.local:
-                self.experts[e] = nn.Identity()
-        for e in self.local:
-            # Sharded over ep, each rank its own experts: placements.py's record (the global
-            # norm counts each rank's own).
-            for p in self.experts[e].parameters():
-                place(p, shard={"ep": None})
-
     def forward(self, x):                                     # (B, T, C)
-        tokens = x.reshape(-1, x.shape[-1])                   # (S, C)
-        if self.capacity_factor is not None:
-            return self._forward_static(tokens).view_as(x)
-        route = self.route(tokens)
-        # Dispatch: the assignments' tokens, expert by expert (route sorted them so), each
-        # expert's run through it, and combine: every output back to its token, times its gate.
-        inputs = tokens[route["token"]]                                     # (A, C)
-        if self.ep is None:
-            # Dropless, the rows per expert follow the routing: their count is read on the host
-            # to cut the rows (the layer's one host sync; a static shape would run every token
-            # through every expert).
-            outputs = torch.cat([expert(chunk) for expert, chunk in
-                                 zip(self.experts, inputs.split(route["per_expert"].tolist()))])
-        else:
-            outputs = self._exchange_dropless(inputs, route)
-        weighted = outputs * route["gate"].unsqueeze(1).to(outputs.dtype)  # (A, C)
-        y = torch.zeros_like(tokens).index_add_(0, route["token"], weighted)  # (S, C)
-        return y.view_as(x)
+        """Router -> top-k -> dispatch -> experts -> combine, in shapes fixed by the options.
 
-    def _forward_static(self, tokens):
-        """Capacity mode in shapes fixed by the options alone, so the host never reads the
-        routing: every assignment is written into an (E, G*K, C) buffer of slots, each expert
-        runs on its G*K slots (empty ones are zeros, computed and thrown away: the price of no
-        host sync), and each assignment reads its output back."""
-        a = self._assign(tokens)
-        E, C, slots = len(self.experts), tokens.shape[1], a["groups"] * a["capacity"]   # G*K
-        # Every dropped assignment writes the one spare last row (whichever write wins, the row is
-        # cut off) and reads back row 0, cancelled by its zero gate below.
-        row = torch.where(a["keep"], a["expert"] * slots + a["group"] * a["capacity"] + a["position"],
-                          E * slots)                                                # (A,)
-        buffer = tokens.new_zeros(E * slots + 1, C).index_put((row,), tokens[a["token"]])
+        Each expert gets a (G*K, C) block of slots, so the host never reads the routing.
+        Empty slots are zeros, computed and thrown away: the price of no host sync.
+        """
+        tokens = x.reshape(-1, x.shape[-1])                   # (S, C)
+        routing = self.route(tokens)
+        if self.capacity_factor is None:
+            return self._forward_dropless(tokens, routing).view_as(x)
+        E, C = len(self.experts), tokens.shape[1]
+        K, slots = routing.capacity, routing.groups * routing.capacity           # G*K
+        # Dispatch: each kept assignment's token into its slot, expert by expert.
+        # Every dropped one writes the spare last row, cut off (whichever write wins).
+        slot = routing.expert * slots + routing.group * K + routing.position       # (A,)
+        row = torch.where(routing.keep, slot, E * slots)
+        buffer = tokens.new_zeros(E * slots + 1, C).index_put((row,), tokens[routing.token])
         dispatched = buffer[: E * slots].view(E, slots, C)                         # (E, G*K, C)
+        # Experts: each runs on its own slots.
         if self.ep is None:
-            outputs = torch.stack([expert(chunk) for expert, chunk in zip(self.experts, dispatched)])
+            outputs = torch.stack([expert(chunk)
+                                   for expert, chunk in zip(self.experts, dispatched)])
         else:
             outputs = self._exchange_static(dispatched)                             # (E, G*K, C)
-        # A dropped assignment adds nothing, and its gate gets no gradient: times keep (0 or 1).
-        gate = (a["gate"] * a["keep"]).unsqueeze(1).to(outputs.dtype)             # (A, 1)
-        weighted = outputs.view(E * slots, C)[torch.where(a["keep"], row, 0)] * gate   # (A, C)
-        return torch.zeros_like(tokens).index_add_(0, a["token"], weighted)        # (S, C)
+        # Combine: each assignment reads its slot's output back, times its gate, into its token.
+        # A dropped one reads row 0 and adds nothing: its gate times keep (0 or 1) is 0.
+        # So its gate gets no gradient either.
+        gate = (routing.gate * routing.keep).unsqueeze(1).to(outputs.dtype)        # (A, 1)
+        read = torch.where(routing.keep, row, 0)
+        weighted = outputs.view(E * slots, C)[read] * gate                         # (A, C)
+        y = torch.zeros_like(tokens).index_add_(0, routing.token, weighted)        # (S, C)
+        return y.view_as(x)
+
+    def route(self, tokens: torch.Tensor) -> Routing:
+        """Router -> top-k: each token's k experts and gates, and each assignment's slot.
+
+        The matmul runs in the model's dtype (the router weight's).
+        The softmax, gates and losses run in fp32 (fp64's own).
+        bf16 would round every probability, and the z-loss's logsumexp.
+        """
+        S, E, k = tokens.shape[0], len(self.experts), self.top_k
+        logits = self.router(tokens)                                      # (S, E)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        probs = logits.softmax(dim=-1)
+        top_probs, top_experts = probs.topk(k, dim=-1)                    # (S, k)
+        gates = top_probs / top_probs.sum(dim=-1, keepdim=True)           # renormalised over k
+        # The assignments choice-major (GShard's priority order).
+        expert = top_experts.t().reshape(-1)                              # (A,)
+        token = torch.arange(S, device=tokens.device).repeat(k)           # (A,)
+        gate = gates.t().reshape(-1)                                      # (A,)
+        group_size = self.group_size or S
+        if S % group_size:
+            raise ValueError(f"MoE: {S} tokens do not split into routing groups of {group_size}")
+        groups = S // group_size
+        queue = (token // group_size) * E + expert                        # (A,) (group, expert)
+        order, position, per_queue = _queue_positions(queue, groups * E)
+        # Dropless, K is group_size * k: no queue is longer (a token's k experts differ).
+        capacity = (expert_capacity(group_size, E, k, self.capacity_factor)
+                    if self.capacity_factor is not None else group_size * k)
+        keep = position < capacity                                        # (A,)
+        per_expert = _count(expert, E, keep)                              # (E,) kept
+        self._losses(logits, probs, per_queue.view(groups, E), per_expert, A=k * S)
+        return Routing(token, expert, gate, token // group_size, position, keep, order,
+                       per_expert, groups, capacity)
+
+    def _losses(self, logits, probs, per_queue, per_expert, A):
+        """Switch's load balancing and ST-MoE's z-loss, into aux_loss; the routing into stats.
+
+        The balance is E * sum_e f_e P_e, 1 when balanced, E/k when every token picks the same k.
+        f_e is the share of a routing group's assignments routed to e (all k choices, no drop).
+        GShard counts first choices only.
+        P_e is the group's mean router probability of e.
+        It is averaged over the groups: ranks routing their own tokens average as one process.
+        The z-loss, mean (logsumexp logits)^2, keeps the router's logits small.
+        """
+        groups, E = per_queue.shape                                       # (groups, E) counts
+        share = per_queue.to(probs.dtype) / per_queue.sum(dim=1, keepdim=True)  # f: no gradient
+        mean_probs = probs.view(groups, -1, E).mean(dim=1)                # P: (groups, E)
+        balance = E * (share * mean_probs).sum(dim=1).mean()
+        z = logits.logsumexp(dim=-1).pow(2).mean()
+        self.aux_loss = self.aux_loss_weight * balance + self.z_loss_weight * z
+        self.stats = {"per_expert": per_expert, "assignments": A, "balance_loss": balance.detach()}
+
+    # ---- corner cases: dropless routing, generation -----------------------------------------
+
+    def _forward_dropless(self, tokens, routing: Routing):
+        """Dropless: every assignment runs, so the rows per expert follow the routing.
+
+        Their count is read on the host to cut the rows: the layer's one host sync.
+        A static shape would run every token through every expert.
+        """
+        # The assignments sorted by expert (stable: the queue's priority order stays).
+        by_expert = routing.order[torch.argsort(routing.expert[routing.order], stable=True)]
+        token, gate = routing.token[by_expert], routing.gate[by_expert]   # (A,)
+        inputs = tokens[token]                                            # (A, C)
+        if self.ep is None:
+            chunks = inputs.split(routing.per_expert.tolist())
+            outputs = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, chunks)])
+        else:
+            outputs = self._exchange_dropless(inputs, routing.per_expert)
+        weighted = outputs * gate.unsqueeze(1).to(outputs.dtype)                # (A, C)
+        return torch.zeros_like(tokens).index_add_(0, token, weighted)          # (S, C)
 
     @contextlib.contextmanager
     def generating(self):
         """Inside, this layer routes each forward's tokens as one group (model.GPT.generate).
-        Routing groups are a training choice (a capacity and a balancing loss per group of a
-        batch's tokens); generating, a forward has its window's tokens, which need not divide."""
+
+        Routing groups are a training choice: a capacity and a balancing loss per group.
+        Generating, a forward has its window's tokens, which need not divide into groups.
+        """
         size, self.group_size = self.group_size, None
         try:
             yield
@@ -143,9 +211,33 @@ class MoE(nn.Module):
     #   on rank p's tokens for rank q's experts go to q; the outputs come back by the mirror
     #   all-to-all, and backward runs the same two exchanges the other way round.
 
+    def shard_experts(self, ep: Comm):
+        """Expert parallelism over the ep group's P ranks: rank r keeps experts r*E/P to
+        (r+1)*E/P - 1 and drops the others.
+
+        An nn.Identity keeps each dropped index, so parameters keep their names.
+        experts.5.up.weight is on whichever rank holds expert 5.
+        Every rank must hold the same model before (the same seed), as in tensor parallelism.
+        """
+        E, P = len(self.experts), ep.world_size
+        if E % P:
+            raise ValueError(f"{E} experts do not split over --ep {P} ranks: "
+                             f"use an --ep dividing {E}")
+        self.ep, self.local = ep, range(ep.rank * E // P, (ep.rank + 1) * E // P)
+        for e in range(E):
+            if e not in self.local:
+                self.experts[e] = nn.Identity()
+        for e in self.local:
+            # Sharded over ep, each rank its own experts: placements.py's record.
+            # The global norm counts each rank's own.
+            for p in self.experts[e].parameters():
+                place(p, shard={"ep": None})
+
     def _exchange_static(self, dispatched):
-        """Capacity mode: the (E, G*K, C) buffer of fixed shape (G routing groups, K slots each), so
-        both all-to-alls send equal blocks whatever the routing: no sizes to agree on, fixed bytes."""
+        """Capacity mode: the (E, G*K, C) buffer has a fixed shape (G routing groups, K slots).
+
+        So both all-to-alls send equal blocks whatever the routing: no sizes to agree on.
+        """
         E, slots, C = dispatched.shape
         P = self.ep.world_size
         received = all_to_all(dispatched.reshape(E * slots, C), self.ep)         # (E*G*K, C)
@@ -156,20 +248,22 @@ class MoE(nn.Module):
         back = outputs.view(len(self.local), P, slots, C).transpose(0, 1)   # (P, E/P, G*K, C)
         return all_to_all(back.reshape(E * slots, C), self.ep).view(E, slots, C)
 
-    def _exchange_dropless(self, inputs, route):
-        """Dropless: each rank sends exactly its kept tokens, so the block sizes vary; the ranks
-        first swap their counts per expert (E numbers) to size the receiving buffers."""
+    def _exchange_dropless(self, inputs, counts):
+        """Dropless: each rank sends exactly its kept tokens, so the block sizes vary.
+
+        The ranks first swap their counts per expert (E numbers) to size the receiving buffers.
+        """
         P, L = self.ep.world_size, len(self.local)
-        counts = route["per_expert"]                                         # (E,) on the device
-        their_counts = torch.empty_like(counts)
+        their_counts = torch.empty_like(counts)                              # counts: (E,)
         self.ep.all_to_all(their_counts, counts)                             # (P*L,) for my experts
-        # Both sizes in one read (the layer's one host sync): NCCL's all-to-all takes its splits
-        # as host integers, and the receiving buffer's size must be known to allocate it.
+        # Both sizes in one read (the layer's one host sync).
+        # NCCL's all-to-all takes its splits as host integers.
+        # And the receiving buffer's size must be known to allocate it.
         sizes = torch.cat([their_counts, counts.view(P, L).sum(dim=1)]).tolist()
-        incoming = [sizes[p * L: (p + 1) * L] for p in range(P)]             # [source][local expert]
+        incoming = [sizes[p * L: (p + 1) * L] for p in range(P)]             # [source][expert]
         send_splits = sizes[P * L:]
         receive_splits = [sum(row) for row in incoming]
-        received = all_to_all(inputs, self.ep, receive_splits, send_splits)  # [source][expert] rows
+        received = all_to_all(inputs, self.ep, receive_splits, send_splits)  # [source][expert]
         # Regroup by expert: expert l's rows from source 0, from source 1, ...; run; put back.
         blocks = received.split([n for row in incoming for n in row])       # P*L blocks
         by_expert = [torch.cat([blocks[p * L + l] for p in range(P)]) for l in range(L)]
@@ -177,79 +271,6 @@ class MoE(nn.Module):
         pieces = [o.split([incoming[p][l] for p in range(P)]) for l, o in enumerate(outputs)]
         back = torch.cat([pieces[l][p] for p in range(P) for l in range(L)])  # [source][expert]
         return all_to_all(back, self.ep, send_splits, receive_splits)       # (kept, C)
-
-    def route(self, tokens: torch.Tensor) -> dict:
-        """Which expert each token goes to, in which slot, with which gate; the losses.
-
-        Returns the kept assignments sorted by expert (then by priority): "token" (kept,)
-        indices into tokens, "gate" (kept,) fp32, "per_expert" (E,) counts, and "expert" and
-        "position" (kept,) slots in a dispatch buffer. forward uses it when dropless; in capacity
-        mode (tests) the kept ones' number is a host read, so forward uses _forward_static."""
-        a = self._assign(tokens)
-        order = a["order"]                                                # by queue, then priority
-        kept = order if self.capacity_factor is None else order[a["keep"][order]]
-        # Sorted by expert across groups for the dispatch (a stable sort: priority order stays).
-        kept = kept[torch.argsort(a["expert"][kept], stable=True)]
-        return {"token": a["token"][kept], "gate": a["gate"][kept], "expert": a["expert"][kept],
-                "position": a["position"][kept], "group": a["group"][kept], "groups": a["groups"],
-                "per_expert": a["per_expert"], "capacity": a["capacity"]}
-
-    def _assign(self, tokens: torch.Tensor) -> dict:
-        """Every one of the A assignments (token, choice), choice-major, with its expert, gate,
-        routing group, position in its (group, expert) queue and whether it fits the capacity
-        ("keep"); "order" sorts them by queue, then priority. Shapes fixed by S, E and k alone:
-        nothing here waits for the device (counts by index_add_: bincount reads its max)."""
-        S, E, k = tokens.shape[0], len(self.experts), self.top_k
-        # The matmul runs in the model's dtype (the router weight's), the softmax, gates and losses
-        # in fp32 (fp64's own): bf16 would round every probability, and the z-loss's logsumexp.
-        logits = self.router(tokens)                                      # (S, E)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        probs = logits.softmax(dim=-1)
-        top_probs, top_experts = probs.topk(k, dim=-1)                    # (S, k)
-        gates = top_probs / top_probs.sum(dim=-1, keepdim=True)           # renormalised over k
-        # Assignments choice-major: every token's first choice comes before any token's second
-        # choice, so under capacity a second choice is dropped before a first (GShard's order).
-        expert = top_experts.t().reshape(-1)                              # (A,)
-        token = torch.arange(S, device=tokens.device).repeat(k)           # (A,)
-        gate = gates.t().reshape(-1)                                      # (A,)
-        group_size = self.group_size or S
-        if S % group_size:
-            raise ValueError(f"MoE: {S} tokens do not split into routing groups of {group_size}")
-        groups = S // group_size
-        # One queue per (group, expert); an assignment's position, how many of its queue come before
-        # it in priority order, is its place in the stable sort by queue minus its queue's start.
-        # E.g. queues [1, 0, 1, 1]: order [1, 0, 2, 3], starts [0, 1]; assignment 1 is 0 - 0 = 0th
-        # of queue 0, assignments 0, 2, 3 are 1 - 1, 2 - 1, 3 - 1 = 0th, 1st, 2nd of queue 1.
-        queue = (token // group_size) * E + expert                        # (A,)
-        order = torch.argsort(queue, stable=True)                         # by queue, then priority
-        per_queue = _count(queue, groups * E)                             # (groups*E,)
-        starts = per_queue.cumsum(0) - per_queue
-        position = torch.empty_like(order)
-        position[order] = torch.arange(order.numel(), device=order.device) - starts[queue[order]]
-        # K; dropless, group_size * k: no queue is longer (a token's k experts differ): keep all
-        capacity = (expert_capacity(group_size, E, k, self.capacity_factor)
-                    if self.capacity_factor is not None else group_size * k)
-        keep = position < capacity                                        # (A,)
-        per_expert = _count(expert, E, keep)                              # (E,) kept
-        self._losses(logits, probs, per_queue.view(groups, E), per_expert, A=k * S)
-        return {"expert": expert, "token": token, "gate": gate, "group": token // group_size,
-                "position": position, "keep": keep, "order": order, "per_expert": per_expert,
-                "groups": groups, "capacity": capacity}
-
-    def _losses(self, logits, probs, per_queue, per_expert, A):
-        """Switch's load balancing, E * sum_e f_e P_e with f_e the share of a routing group's
-        assignments routed to e (all k choices, before any drop; GShard counts first choices
-        only) and P_e its mean router probability of e:
-        1 when balanced, E/k when every token picks the same k experts; averaged over the groups, so
-        that ranks routing their own tokens average to one process routing the same groups.
-        The z-loss, mean (logsumexp logits)^2, keeps the router's logits small."""
-        groups, E = per_queue.shape                                       # (groups, E) counts
-        share = per_queue.to(probs.dtype) / per_queue.sum(dim=1, keepdim=True)    # f, no gradient
-        mean_probs = probs.view(groups, -1, E).mean(dim=1)                # P: (groups, E)
-        balance = E * (share * mean_probs).sum(dim=1).mean()
-        z = logits.logsumexp(dim=-1).pow(2).mean()
-        self.aux_loss = self.aux_loss_weight * balance + self.z_loss_weight * z
-        self.stats = {"per_expert": per_expert, "assignments": A, "balance_loss": balance.detach()}
 
 
 def feed_forward(cfg) -> nn.Module:
@@ -270,19 +291,45 @@ def _count(index: torch.Tensor, bins: int, weight: torch.Tensor | None = None) -
     return torch.zeros(bins, dtype=index.dtype, device=index.device).index_add_(0, index, ones)
 
 
+def _queue_positions(queue: torch.Tensor, queues: int):
+    """Each assignment's position in its queue, how many of its queue come before it.
+
+    queue (A,) holds each assignment's queue, in priority order.
+    The position is its place in the stable sort by queue minus its queue's start.
+    E.g. queues [1, 0, 1, 1]: order [1, 0, 2, 3], starts [0, 1].
+    Assignment 1 is 0 - 0 = 0th of queue 0.
+    Assignments 0, 2, 3 are 1 - 1, 2 - 1, 3 - 1 = 0th, 1st, 2nd of queue 1.
+    Shapes fixed by A alone: nothing here waits for the device.
+    Returns the order (A,), the positions (A,) and the count per queue (queues,).
+    """
+    order = torch.argsort(queue, stable=True)                         # by queue, then priority
+    per_queue = _count(queue, queues)                                 # (queues,)
+    starts = per_queue.cumsum(0) - per_queue
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device) - starts[queue[order]]
+    return order, position, per_queue
+
+
 def expert_capacity(group_size: int, experts: int, top_k: int, capacity_factor: float) -> int:
-    """K, the assignments one expert takes from a routing group: ceil(capacity_factor * k * S / E)."""
+    """K, the assignments one expert takes from a routing group.
+
+    K = ceil(capacity_factor * k * S / E), S the group's tokens.
+    """
     return math.ceil(capacity_factor * top_k * group_size / experts)
 
 
 def layer_exchange_bytes(tokens: int, channels: int, experts: int, top_k: int,
                          capacity_factor: float | None, group_size: int | None, ep: int,
                          element_size: int) -> int:
-    """Bytes a rank sends per forward and backward of one MoE layer on `tokens` tokens, its experts
-    split over ep ranks: four all-to-alls (dispatch and combine, their mirrors in backward), each
-    sending (ep-1)/ep of the rank's dispatch rows of C channels. Capacity mode: the static buffer's
-    E x G x K rows, whatever the routing. Dropless (capacity_factor None): the k x tokens
-    assignments, (ep-1)/ep leaving when the routing is balanced, an estimate (memory.py's napkin)."""
+    """Bytes a rank sends per forward and backward of one MoE layer on `tokens` tokens.
+
+    Its experts are split over ep ranks.
+    It runs four all-to-alls: dispatch and combine, and their mirrors in backward.
+    Each sends (ep-1)/ep of the rank's dispatch rows of C channels.
+    Capacity mode sends the static buffer's E x G x K rows, whatever the routing.
+    Dropless (capacity_factor None) sends the k x tokens assignments.
+    Of those, (ep-1)/ep leave when the routing is balanced: an estimate (napkin/memory.py's).
+    """
     group = group_size or tokens
     rows = (tokens // group * experts * expert_capacity(group, experts, top_k, capacity_factor)
             if capacity_factor is not None else top_k * tokens)
@@ -322,7 +369,8 @@ def routing_summary(model: nn.Module) -> dict:
     layers = [m.stats for m in model.modules() if isinstance(m, MoE) and m.stats]
     per_expert = torch.stack([s["per_expert"] for s in layers]).float()      # (layers, E)
     balance = torch.stack([s["balance_loss"] for s in layers]).mean()
-    kept = per_expert.sum(dim=1) / torch.tensor([s["assignments"] for s in layers], device=per_expert.device)
+    assignments = torch.tensor([s["assignments"] for s in layers], device=per_expert.device)
+    kept = per_expert.sum(dim=1) / assignments
     low, mean, high, dropped, balance = torch.stack(
         [per_expert.min(), per_expert.mean(), per_expert.max(), 1 - kept.mean(), balance]).tolist()
     return {"tokens_per_expert": (low, mean, high), "dropped": dropped, "balance_loss": balance}
@@ -378,4 +426,4 @@ if __name__ == "__main__":
     worst = max(_demonstrate(ep, capacity) for capacity in (1.0, None))
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0 if worst <= 1e-12 else 1)        # skip finalizing, as process_groups.exit_distributed
+    os._exit(0 if worst <= 1e-12 else 1)     # skip finalizing, as process_groups.exit_distributed
