@@ -59,7 +59,8 @@ from mechanics.fsdp_optimizer import FSDPOptimizer
 from lora import apply_lora
 from napkin.machines import this
 from napkin.memory_math import run_state_bytes
-from napkin.sent import ddp_bytes_per_step, pipeline_bytes_per_step
+from napkin.sent import (cp_kv_bytes_per_step, ddp_bytes_per_step, pipeline_bytes_per_step,
+                         tp_bytes_per_step)
 from composition.mesh_optimizer import on_mesh
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from foundations.inner_optimizer import element_state
@@ -249,7 +250,7 @@ def ours_tp(model, args):
     tp = tensor_parallel_gpt.TensorParallelGPT(model, comm)
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision, **ADAMW)
     optimizer = on_mesh([optimizer], {"tp": comm})   # the norm sums the slices over the group
-    return Run(tp, optimizer, comm, napkin_sent=tp.bytes_per_step(args.batch_size, args.seq_len))
+    return Run(tp, optimizer, comm, napkin_sent=tp_bytes_per_step(tp, args.batch_size, args.seq_len))
 
 
 def clip_mixed(params, max_norm):
@@ -488,7 +489,8 @@ def ours_context_parallel(attention, model, args):
     return Run(ddp, MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision=args.precision,
                                             **ADAMW), comm,
                label=f"context_parallel_gpt.ContextParallelGPT({attention}, zigzag) + our DDP",
-               napkin_sent=ddp_bytes_per_step(ddp) + cp.kv_bytes_per_step(args.batch_size, args.seq_len),
+               napkin_sent=ddp_bytes_per_step(ddp)
+               + cp_kv_bytes_per_step(cp, args.batch_size, args.seq_len),
                bubbles=lambda: cp.idle_shares()[0])
 
 

@@ -3,7 +3,8 @@
 over the group, while embeddings, norms, MLPs and the loss run on the rank's own tokens. Beside
 that, what the attention sends and how long each rank idles, each next to its formula. The split
 and both attentions are in context_parallel.py: read it first.
-Run: torchrun --nproc_per_node 2 train.py --strategy cp --cp 2; test: pytest tests/test_context_parallel.py
+Run: torchrun --nproc_per_node 2 train.py --strategy cp --cp 2.
+Test: pytest tests/test_context_parallel.py
 
 Shapes: B batch, T sequence, H heads, D channels per head, C = H x D, cp ranks in the group, r
 this rank, t = T/cp tokens per rank.
@@ -14,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from foundations.comm import as_comm
-from context_parallel import ATTENTIONS, KV_COLLECTIVES, SequenceSplit, cp_kv_bytes
+from context_parallel import ATTENTIONS, KV_COLLECTIVES, SequenceSplit
 from foundations.meters import BusyClock, saved_activation_bytes
 
 
@@ -32,8 +33,8 @@ class ContextParallelGPT(nn.Module):
         if gpt.cfg.dropout or gpt.cfg.experts and gpt.cfg.routing_group is None:
             raise ValueError("context parallelism here runs a model without dropout, and experts "
                              "routed in groups: its attention has no dropout masks to regenerate "
-                             "block by block, and a router sees one rank's tokens only; use dropout 0 "
-                             "and a routing group inside one chunk of a sequence")
+                             "block by block, and a router sees one rank's tokens only; use "
+                             "dropout 0 and a routing group inside one chunk of a sequence")
         self.gpt, self.comm, self.attention = gpt, as_comm(group), attention
         self.split = SequenceSplit(self.comm.world_size, zigzag)
         self.clock = BusyClock()
@@ -48,7 +49,8 @@ class ContextParallelGPT(nn.Module):
         # hooks) into activation_bytes. build() asks, for train.py's log; off otherwise, since
         # hooks do not nest: ours would hide a caller's own.
         self.count_activations, self.activation_bytes = False, None
-        self.kv_formula = None          # K/V bytes per step train.py's batch sends, predicted: build()
+        # The K/V bytes per step train.py's batch sends, predicted: build() sets it.
+        self.kv_formula = None
 
     def _attend(self, attention, q, k, v, dropout_p: float):                 # (B, H, t, D) each
         return attention(q, k, v, self.comm, self.split, self.clock)
@@ -60,12 +62,13 @@ class ContextParallelGPT(nn.Module):
         """This rank's tokens of whole sequences (and of their targets, if given)."""
         T = idx.shape[1]
         if T > self.gpt.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.gpt.cfg.block_size}: use "
-                             f"a shorter --seq-len or a larger model preset")
+            raise ValueError(f"sequence length {T} exceeds block_size "
+                             f"{self.gpt.cfg.block_size}: use a shorter --seq-len or a larger "
+                             f"model preset")
         positions = self.split.positions(self.comm.rank, T, idx.device)      # (t,)
         return idx[:, positions], None if targets is None else targets[:, positions]
 
-    def forward(self, idx, targets=None):                  # idx: (B, T), the same on the group's ranks
+    def forward(self, idx, targets=None):        # idx: (B, T), the same on the group's ranks
         idx, targets = self.local_tokens(idx, targets)
 
         def run():
@@ -75,30 +78,20 @@ class ContextParallelGPT(nn.Module):
             return self.gpt(idx, targets)
         if self.count_activations and self.training and torch.is_grad_enabled():
             self.count_activations = False
-            self.activation_bytes, result = saved_activation_bytes(run, exclude=list(self.gpt.parameters()))
+            weights = list(self.gpt.parameters())
+            self.activation_bytes, result = saved_activation_bytes(run, exclude=weights)
             return result
         return run()
 
     def idle_shares(self) -> tuple[list[float], list[float]]:
-        """(measured, predicted) idle share of each rank of the group in attention's forward compute
-        since the last call: measured by the clock (BusyClock.idle_shares), predicted by counting the
-        causal mask's blocks (SequenceSplit.predicted_idle). Collective over the group."""
+        """(measured, predicted) idle share of each rank in attention's forward compute.
+
+        Both count since the last call. The clock measures (BusyClock.idle_shares).
+        Counting the causal mask's blocks predicts (SequenceSplit.predicted_idle).
+        Collective over the group."""
         device = next(self.gpt.parameters()).device
         return self.clock.idle_shares(self.comm.group, device), self.split.predicted_idle()
 
     def kv_bytes_sent(self) -> int:
         """What the attention sent since the byte counter was last cleared."""
         return sum(self.comm.bytes_sent[name] for name in KV_COLLECTIVES)
-
-    def kv_bytes_per_step(self, batch: int, seq_len: int, micro_batches: int = 1,
-                          recomputed: int = 0) -> int:
-        """K/V bytes this rank sends per step (cp_kv_bytes for every layer and micro-batch):
-        batch rows per rank; recomputed: checkpointed blocks, whose forward runs again in backward.
-        A pipeline stage counts its own blocks; a tensor-parallel rank its own heads' K/V."""
-        cfg = self.gpt.cfg
-        blocks = [block for block in self.gpt.blocks if not isinstance(block, nn.Identity)]
-        hidden = cfg.n_embd * blocks[0].attn.n_head // cfg.n_head          # C, or C/tp
-        layer = cp_kv_bytes(seq_len, batch // micro_batches, hidden, self.comm.world_size,
-                            self.attention, blocks[0].norm1.weight.element_size())
-        return micro_batches * (len(blocks) * (layer["forward"] + layer["backward"])
-                                + recomputed * layer["forward"])

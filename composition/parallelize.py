@@ -27,7 +27,8 @@ from extensions.fsdp_frozen import FrozenBaseFSDP
 from extensions.fsdp_hybrid import HSDP
 from extensions.fsdp_offload import OffloadedFSDP
 from napkin.memory_math import mesh_params, run_state_bytes
-from napkin.sent import ddp_bytes_per_step, pipeline_bytes_per_step, zero_bytes_per_step
+from napkin.sent import (cp_kv_bytes_per_step, ddp_bytes_per_step, pipeline_bytes_per_step,
+                         tp_bytes_per_step, zero_bytes_per_step)
 from composition.mesh_checks import ParallelDims, moe_config, stage_layers
 from composition.mesh_optimizer import on_mesh, partition
 from foundations.dtypes import master_dtype
@@ -312,7 +313,7 @@ def predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, opt
     recomputed = sum(i % every == 0 for i in held_blocks) if every else 0
     sent = {}
     if tp:
-        sent["tp"] = tp.bytes_per_step(rows, tokens, micro)
+        sent["tp"] = tp_bytes_per_step(tp, rows, tokens, micro)
         if args.sequence_parallel:         # each mixture's balance loss made the group's mean (g)
             mixtures = sum(isinstance(gpt.blocks[i].mlp, MoE) for i in held_blocks)
             wide = max(DTYPES[args.precision].itemsize, 4)         # fp32, or fp64's own
@@ -320,7 +321,8 @@ def predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, opt
     if cp:
         cp.count_activations = not pipelined      # the first step's, for the log (a stage's
                                                       # forwards run in the pipeline's schedule)
-        cp.kv_formula = sent["cp"] = cp.kv_bytes_per_step(rows, args.seq_len, micro, recomputed)
+        sent["cp"] = cp_kv_bytes_per_step(cp, rows, args.seq_len, micro, recomputed)
+        cp.kv_formula = sent["cp"]
     if pipelined:
         sent["pp"] = pipeline_bytes_per_step(model, rows, tokens)
     if experts is not None and gpt.cfg.capacity_factor:     # dropless: as routed, no formula

@@ -4,7 +4,8 @@ et al. 2019, section 3, "input embedding"); with sequence parallelism (Korthikan
 section 4.2.2) each rank embeds its 1/N of the tokens, and the weights used on those tokens get
 partial gradients, summed over the group after backward. Megatron's f and g and the split layers
 are in tensor_parallel.py: read it first.
-Run: torchrun --nproc_per_node 2 train.py --strategy tp --tp 2; test: pytest tests/test_tensor_parallel.py
+Run: torchrun --nproc_per_node 2 train.py --strategy tp --tp 2.
+Test: pytest tests/test_tensor_parallel.py
 
 Shapes: B batch, T sequence, C channels, V vocabulary, N tensor-parallel size, r rank in the
 tensor group; M = B x T tokens. "/N" marks this rank's part of a split dimension.
@@ -14,7 +15,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from foundations.comm import as_comm, ring_bytes
+from foundations.comm import as_comm
 from model import at_least_fp32
 from tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                              check_divisible, split_block)
@@ -30,7 +31,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shard = logits.shape[-1]
         top = logits.max(dim=-1).values                          # (M,)
         comm.all_reduce(top, op="max")
-        shifted = logits - top.unsqueeze(-1)                     # (M, V/N), at most 0: exp cannot overflow
+        shifted = logits - top.unsqueeze(-1)           # (M, V/N), at most 0: exp cannot overflow
         local = targets - comm.rank * shard
         mine = (local >= 0) & (local < shard)                    # (M,): this rank holds the target
         local = local.clamp(0, shard - 1)
@@ -92,7 +93,8 @@ class TensorParallelGPT(nn.Module):
         and under sequence parallelism every parameter used outside the regions, where each rank
         computes its T/N tokens only (norms, position embedding, an MLP left whole, and the row
         layers' biases, added after g)."""
-        linears = [m for m in self.gpt.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        linears = [m for m in self.gpt.modules()
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
         layers = linears + [self.gpt.token_emb]
         inside = ({id(p) for layer in layers for p in layer.parameters()}
                   - {id(layer.bias) for layer in linears if isinstance(layer, RowParallelLinear)})
@@ -107,7 +109,7 @@ class TensorParallelGPT(nn.Module):
                              f"{n} equal parts: use a --seq-len divisible by {n}")
         return self.group_positions(T, device).chunk(n)[self.comm.rank]
 
-    def forward(self, idx, targets=None):                        # idx: (B, T), the same on the group
+    def forward(self, idx, targets=None):              # idx: (B, T), the same on the group
         return self.gpt(idx, targets)
 
     def sum_partial_in_backward(self):
@@ -144,33 +146,3 @@ class TensorParallelGPT(nn.Module):
             self.comm.all_reduce(flat)
             for g, total in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(total.view_as(g))
-
-    def bytes_per_step(self, batch: int, seq_len: int, micro_batches: int = 1) -> int:
-        """Bytes this rank sends per step for the activations (ring formula), batch rows per rank
-        (seq_len: its tokens of each, under context parallelism).
-
-        Each split sublayer (attention, and model.py's MLP) sends 1 all-reduce forward and 1
-        backward of (B, T, C); embedding and head one each; with sequence parallelism each
-        all-reduce is a reduce-scatter + all-gather pair of the same volume. The loss adds 3 x M
-        fp32 numbers; the gradient norm one; the partial gradients one all-reduce a step (summed
-        in backward: one per weight and micro-batch). A pipeline stage (pipeline.GPTStage) counts
-        its own blocks, and the embedding or head if it has them.
-        """
-        gpt, n = self.gpt, self.comm.world_size
-        # Each split sublayer ends in one row layer: its g (attention's output, the MLP's down).
-        sublayers = sum(isinstance(m, RowParallelLinear) for m in gpt.modules())
-        first, last = gpt.pos_emb is not None, gpt.head is not None
-        # With the embeddings frozen (LoRA) nothing before the first block needs its input's
-        # gradient: autograd never computes it, nor the first sublayer's backward all-reduce.
-        skipped = first and not (gpt.token_emb.weight.requires_grad or gpt.pos_emb.weight.requires_grad)
-        size = next(gpt.parameters()).element_size()
-        m = batch // micro_batches * seq_len
-        per_micro = (2 * sublayers + first + last - skipped) * ring_bytes("all_reduce", m * gpt.cfg.n_embd,
-                                                                         size, n)
-        wide = max(size, 4)          # the loss's and the norm's values: fp32, or an fp64 model's
-        per_micro += 3 * ring_bytes("all_reduce", m, wide, n) if last else 0
-        held = {id(p) for p in gpt.parameters()}        # a pipeline stage's: its own parts only
-        partial = [p.numel() for p in self.partial if id(p) in held]
-        sync = (micro_batches * sum(ring_bytes("all_reduce", numel, size, n) for numel in partial)
-                if self.summed_in_backward else ring_bytes("all_reduce", sum(partial), size, n))
-        return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, wide, n)

@@ -12,9 +12,12 @@ import itertools
 import math
 
 import torch
+import torch.nn as nn
 
+from context_parallel import cp_kv_bytes
 from foundations.comm import ring_bytes
 from foundations.dtypes import master_dtype
+from tensor_parallel import RowParallelLinear
 
 
 # ---- data parallelism: ddp.py ------------------------------------------------------------------
@@ -85,3 +88,53 @@ def pipeline_bytes_per_step(pipeline, batch: int, seq_len: int) -> int:
 
 
 # ---- tensor and context parallelism -----------------------------------------------------------------
+
+
+def tp_bytes_per_step(tp, batch: int, seq_len: int, micro_batches: int = 1) -> int:
+    """Bytes a rank of a TensorParallelGPT sends per step for the activations (ring formula).
+
+    batch is the rows per rank; seq_len their tokens (its own, under context parallelism).
+    Each split sublayer (attention, and model.py's MLP) sends 1 all-reduce forward and 1 backward
+    of (B, T, C). The embedding and the head send one each.
+    With sequence parallelism each all-reduce is a reduce-scatter + all-gather of the same volume.
+    The loss adds 3 x M fp32 numbers, and the gradient norm one.
+    The partial gradients add one all-reduce a step, or, summed in backward, one per weight and
+    micro-batch. A pipeline stage (pipeline.GPTStage) counts its own blocks, and the embedding
+    or head if it has them.
+    """
+    gpt, n = tp.gpt, tp.comm.world_size
+    # Each split sublayer ends in one row layer: its g (attention's output, the MLP's down).
+    sublayers = sum(isinstance(m, RowParallelLinear) for m in gpt.modules())
+    first, last = gpt.pos_emb is not None, gpt.head is not None
+    # With the embeddings frozen (LoRA) nothing before the first block needs its input's
+    # gradient: autograd never computes it, nor the first sublayer's backward all-reduce.
+    skipped = first and not (gpt.token_emb.weight.requires_grad
+                             or gpt.pos_emb.weight.requires_grad)
+    size = next(gpt.parameters()).element_size()
+    m = batch // micro_batches * seq_len
+    activations = ring_bytes("all_reduce", m * gpt.cfg.n_embd, size, n)
+    per_micro = (2 * sublayers + first + last - skipped) * activations
+    wide = max(size, 4)          # the loss's and the norm's values: fp32, or an fp64 model's
+    per_micro += 3 * ring_bytes("all_reduce", m, wide, n) if last else 0
+    held = {id(p) for p in gpt.parameters()}        # a pipeline stage's: its own parts only
+    partial = [p.numel() for p in tp.partial if id(p) in held]
+    sync = (micro_batches * sum(ring_bytes("all_reduce", numel, size, n) for numel in partial)
+            if tp.summed_in_backward else ring_bytes("all_reduce", sum(partial), size, n))
+    return micro_batches * per_micro + sync + ring_bytes("all_reduce", 1, wide, n)
+
+
+def cp_kv_bytes_per_step(cp, batch: int, seq_len: int, micro_batches: int = 1,
+                         recomputed: int = 0) -> int:
+    """K/V bytes a rank of a ContextParallelGPT sends per step: cp_kv_bytes, every layer's.
+
+    batch is the rows per rank, split into micro_batches.
+    recomputed is the checkpointed blocks, whose forward runs again in backward.
+    A pipeline stage counts its own blocks; a tensor-parallel rank its own heads' K/V.
+    """
+    cfg = cp.gpt.cfg
+    blocks = [block for block in cp.gpt.blocks if not isinstance(block, nn.Identity)]
+    hidden = cfg.n_embd * blocks[0].attn.n_head // cfg.n_head          # C, or C/tp
+    layer = cp_kv_bytes(seq_len, batch // micro_batches, hidden, cp.comm.world_size,
+                        cp.attention, blocks[0].norm1.weight.element_size())
+    return micro_batches * (len(blocks) * (layer["forward"] + layer["backward"])
+                            + recomputed * layer["forward"])

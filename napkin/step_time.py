@@ -88,7 +88,7 @@ def tensor_parallel_seconds(shape: Shape, tokens: int, micro_batches: int, world
                             link: Link) -> float:
     """Megatron's f and g: per micro-batch two all-reduces of the (m, C) activations per block
     forward and two backward, one each for the embedding and the head, three of m fp32 for the
-    vocabulary-parallel loss, and the gradient norm's one number (tensor_parallel.bytes_per_step).
+    vocabulary-parallel loss, and the gradient norm's one number (sent.py's tp_bytes_per_step).
     Every one of them sits between two matmuls that need it: all exposed."""
     m = tokens // micro_batches
     activations = collective_seconds("all_reduce", m * shape.width, size, world, link, 1)

@@ -24,6 +24,7 @@ from composition.mesh_optimizer import on_mesh
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import GPT, GPTConfig
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks, torchrun_worker
+from napkin.sent import tp_bytes_per_step
 from foundations.placements import grad_norm, norm_weight, tensor_dim
 from foundations.process_groups import make_mesh
 
@@ -363,7 +364,7 @@ def _traffic(sequence_parallel):
         params = list(gpt.parameters())
         grad_norm([(p.grad, norm_weight(p, {"tp": comm})) for p in params], [comm], "cpu")
         out[layers] = {"forward": forward, "step": sum(comm.bytes_sent.values()),
-                       "predicted": model.bytes_per_step(B, T), "activations": sum(saved.values()),
+                       "predicted": tp_bytes_per_step(model, B, T), "activations": sum(saved.values()),
                        "params": sum(p.numel() for p in params)}
     return out
 
