@@ -1,13 +1,15 @@
 """Mixture of experts: each token runs through k of E expert MLPs, picked by a learned router.
 
-A block's MLP becomes E copies (experts) and a linear router; each token goes to its top-k experts
-and their outputs are summed, weighted by the router's gate values. Parameters grow E-fold, the
-compute per token only k-fold (Shazeer et al. 2017). GShard (Lepikhin et al. 2020, section 2.2)
-routes to 2 experts with a capacity per expert, Switch (Fedus et al. 2021, section 2.2) to 1, with
-the load-balancing loss E * sum_e f_e P_e; ST-MoE (Zoph et al. 2022, section 3) adds the router
-z-loss. Expert parallelism (as GShard's): E/P experts on each of P ranks, the tokens sent to their
-experts' ranks by an all-to-all and back by a second. Left out: shared experts, expert-choice
-routing, jitter noise. feed_forward builds a GPT's blocks with it.
+A block's MLP becomes E copies (experts) and a linear router.
+Each token goes to its top-k experts, and their outputs are summed, weighted by the router's gates.
+Parameters grow E-fold, the compute per token only k-fold (Shazeer et al. 2017).
+GShard (Lepikhin et al. 2020, section 2.2) routes to 2 experts with a capacity per expert.
+Switch (Fedus et al. 2021, section 2.2) routes to 1, with the load-balancing loss E * sum_e f_e P_e.
+ST-MoE (Zoph et al. 2022, section 3) adds the router z-loss.
+Expert parallelism (as GShard's) puts E/P experts on each of P ranks.
+An all-to-all sends the tokens to their experts' ranks, and a second one brings them back.
+Left out: shared experts, expert-choice routing, jitter noise.
+feed_forward builds a GPT's blocks with it.
 Run alone: torchrun --nproc_per_node 2 moe.py (the experts split over 2 ranks against the layer
 whole); in training: train.py --model tiny-moe --ep 2; test: python -m pytest tests/test_moe.py
 
