@@ -1,14 +1,16 @@
 """LoRA: fine-tune a frozen model through a low-rank update of chosen weight matrices.
 
-A pretrained W0 (d x k) stays frozen; the layer learns B (d x r) and A (r x k) with r much
-smaller than d and k, and computes h = W0 x + (alpha / r) B A x (Hu et al. 2021, "LoRA",
-section 4.1). B starts at zero, so the model starts exactly as the base one; only A and B get
-gradients and optimizer state, so training needs room for the frozen model plus about 4x
-the trainable parameters (weights, gradients, Adam's two moments), not 4x the whole model
-(the talk's rule of thumb; memory.py counts it). Merging adds (alpha / r) B A into W0: no
-extra latency at inference, and subtracting it back restores the base (up to rounding: merge),
-so adapters for several tasks share one base model. QLoRA keeps W0 in 4 bits (quantization.py)
-under the same adapters, and the blocks' other frozen linears in 4 bits too (Dettmers et al. 2023).
+A pretrained W0 (d x k) stays frozen. The layer learns B (d x r) and A (r x k), r much smaller
+than d and k, and computes h = W0 x + (alpha / r) B A x (Hu et al. 2021, "LoRA", section 4.1).
+B starts at zero, so the model starts exactly as the base one.
+Only A and B get gradients and optimizer state.
+So training needs room for the frozen model plus about 4x the trainable parameters (weights,
+gradients, Adam's two moments), not 4x the whole model: the talk's rule of thumb, which
+napkin/memory.py counts. Merging adds (alpha / r) B A into W0: no extra latency at inference.
+Subtracting it back restores the base, up to rounding (merge).
+So adapters for several tasks share one base model.
+QLoRA keeps W0 in 4 bits (quantization.py) under the same adapters (Dettmers et al. 2023).
+It keeps the blocks' other frozen linears in 4 bits too.
 Left out: LoRA on embeddings.
 Run alone: python lora.py (a layer's adapter trained, merged, and checked against plain torch);
 in training: python train.py --init-from RUN --lora --data OTHER.txt;

@@ -230,7 +230,7 @@ class MoE(nn.Module):
             if e not in self.local:
                 self.experts[e] = nn.Identity()
         for e in self.local:
-            # Sharded over ep, each rank its own experts: placements.py's record.
+            # Sharded over ep, each rank its own experts: foundations/placements.py's record.
             # The global norm counts each rank's own.
             for p in self.experts[e].parameters():
                 place(p, shard={"ep": None})

@@ -181,10 +181,14 @@ def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
 
 
 class _SplitLinear(nn.Module):
-    """An nn.Linear split over the group (a Comm, a process group or None: the world) along its
-    weight W's dim: 0 W's rows, the output features (a column layer), 1 W's columns, the input
-    features (a row layer). linear: an existing nn.Linear to split (from_linear; default: a fresh
-    one, initialised as on one rank), with its own term, if any (split_alongside)."""
+    """An nn.Linear split over the group along its weight W's dim.
+
+    group is a Comm, a process group or None (the world).
+    dim 0 splits W's rows, the output features: a column layer.
+    dim 1 splits W's columns, the input features: a row layer.
+    linear is an existing nn.Linear to split (from_linear), with its own term if it offers one.
+    None makes a fresh one, initialised as on one rank.
+    """
 
     # The local product x W_r^T, a plain matmul on this rank's shard: its weight gradient needs
     # no collective (f and g move the activations around it), so a zero-bubble pipeline may
