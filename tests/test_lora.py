@@ -8,7 +8,9 @@ bit for bit under the strategy that saved it (fsdp's sharded base too), and over
 rank or targets.
 """
 import argparse
+import ast
 import os
+import pathlib
 import pydoc
 import shutil
 
@@ -137,6 +139,18 @@ def test_adapters_round_trip_and_swap_on_one_base():
     merge_lora(shared)                                       # loading unmerges first; W0 + d - d
     load_lora(shared, adapter_b)                             # rounds W0 by ~1e-7, hence atol
     torch.testing.assert_close(shared(X), task_b(X), rtol=0, atol=MERGE_ATOL)
+
+
+def test_the_tensor_parallel_hook_is_declared_in_the_class_not_patched_on():
+    """Issue 56: LoRALinear's split_alongside is a method of its class body. No statement at a
+    textbook file's top level sets an attribute on a class (lora.py:265 once did)."""
+    assert "split_alongside" in vars(LoRALinear)
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for path in sorted(root.glob("*.py")):
+        patched = [f"{path.name}:{node.lineno}" for node in ast.parse(path.read_text()).body
+                   if isinstance(node, ast.Assign)
+                   and any(isinstance(target, ast.Attribute) for target in node.targets)]
+        assert not patched, f"an attribute set on another object at module level: {patched}"
 
 
 def test_bad_lora_settings_name_the_fix():
