@@ -321,7 +321,7 @@ def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str =
     In bf16 the ring sends 2x: its fp32 dK/dV are twice the bytes of the bf16 K/V.
     """
     kv = 2 * (seq_len // cp) * batch * hidden
-    if attention == "allgather":                      # the collectives' own count (foundations/comm.py)
+    if attention == "allgather":            # the collectives' own count (foundations/comm.py)
         return {"forward": ring_bytes("all_gather", cp * kv, bytes_per_value, cp),
                 "backward": ring_bytes("reduce_scatter", cp * kv, bytes_per_value, cp)}
     return {"forward": (cp - 1) * kv * bytes_per_value,
