@@ -364,7 +364,8 @@ def _traffic(sequence_parallel):
         params = list(gpt.parameters())
         grad_norm([(p.grad, norm_weight(p, {"tp": comm})) for p in params], [comm], "cpu")
         out[layers] = {"forward": forward, "step": sum(comm.bytes_sent.values()),
-                       "predicted": tp_bytes_per_step(model, B, T), "activations": sum(saved.values()),
+                       "predicted": tp_bytes_per_step(model, B, T),
+                       "activations": sum(saved.values()),
                        "params": sum(p.numel() for p in params)}
     return out
 
