@@ -1170,6 +1170,41 @@ def test_clipping_right_after_no_sync_backwards_updates_every_parameter():
                                  what=f"zero{stage} rank {r}: no_sync, clip_grad_norm_, step")
 
 
+
+def _zero_grad_after_no_sync(x, y):
+    """Each stage's one SGD step after a backward under no_sync() whose gradients zero_grad()
+    threw away: a backward of the other rows, then the step; the parameters after."""
+    import torch.distributed as dist
+    r, n, out = dist.get_rank(), dist.get_world_size(), {}
+    rows = slice(r * len(x) // n, (r + 1) * len(x) // n)
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        opt = zero_optimizer(model.parameters(), stage=stage, optimizer_cls=torch.optim.SGD, lr=0.1)
+        with opt.no_sync():
+            F.mse_loss(model(-x[rows]), y[rows]).backward()       # thrown away below
+        opt.zero_grad()
+        F.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+        out[stage] = _params(model)
+    return out
+
+
+def test_zero_grad_forgets_gradients_left_by_no_sync():
+    """zero_grad() after backwards under no_sync() forgets them, as torch's optimizers do: the
+    step is one process's SGD step on the second backward alone (ZeRO-2 kept the first's .grad
+    and reduced it at the step). Bound: SGD_PARAM_TOL (fp32 sums reordered)."""
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    F.mse_loss(model(x), y).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    for r, out in enumerate(run_ranks(_zero_grad_after_no_sync, 2, x, y)):
+        for stage in (1, 2):
+            assert_tensors_close(out[stage], _params(model), rtol=0, atol=SGD_PARAM_TOL,
+                                 what=f"zero{stage} rank {r}: no_sync, zero_grad, backward, step")
+
 # ---- stage 1's reduce-scatters at the step: a few in flight, not every bucket's ----------------
 
 class _SamplingComm(_CountingComm):
