@@ -106,7 +106,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
         self.dropout, self.approximate = cfg.dropout, cfg.gelu_approximate
 
-    def forward(self, x):                                        # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+    def forward(self, x):                              # (B, T, C) -> (B, T, 4C) -> (B, T, C)
         hidden = F.gelu(self.up(x), approximate=self.approximate)
         return F.dropout(self.down(hidden), self.dropout, self.training)
 
@@ -134,7 +134,8 @@ class GPT(nn.Module):
         super().__init__()
         if cfg.experts and feed_forward is MLP:
             raise ValueError(f"a model of {cfg.experts} experts needs moe.py's feed-forward: pass "
-                             f"feed_forward=moe.feed_forward (or build it with parallelize.build_gpt)")
+                             f"feed_forward=moe.feed_forward (or build it with "
+                             f"composition/parallelize.py's build_gpt)")
         self.cfg = cfg
         self.token_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)

@@ -56,7 +56,8 @@ def lr_scheduler(optimizer, args, start: int) -> LambdaLR:
     step `start`: a resumed run rebuilds the schedule from its own --steps and --lr."""
     for group in optimizer.param_groups:
         group["initial_lr"] = args.lr
-    return LambdaLR(optimizer, lambda step: learning_rate(step, args) / args.lr, last_epoch=start - 1)
+    return LambdaLR(optimizer, lambda step: learning_rate(step, args) / args.lr,
+                    last_epoch=start - 1)
 
 
 @torch.no_grad()
@@ -65,7 +66,8 @@ def eval_loss(model, data, args, rank, world_size, device, my_tokens):
     model.eval()
     losses = []
     for i in range(args.eval_batches):
-        x, y = my_tokens(*data.batch(i, args.batch_size, args.seq_len, args.seed, "eval", rank, world_size))
+        batch = data.batch(i, args.batch_size, args.seq_len, args.seed, "eval", rank, world_size)
+        x, y = my_tokens(*batch)
         _, loss = model(x.to(device), y.to(device))      # a pipeline forwards through every stage
         losses.append(loss)
     model.train()
@@ -76,7 +78,8 @@ def train_step(model, optimizer, sync, x, y, args, measure=False, kept: dict | N
     """One optimizer step on this rank's rows x, y (B/N, T), in --grad-accum micro-batches; returns
     this rank's mean loss (a tensor) and whether the update was applied (a step whose gradients
     hold inf or NaN is skipped on every rank). sync: the run's gradient syncs (flat.GradientSyncs).
-    measure: time a pipeline's compute exactly. kept: gets "bytes", the activations kept for backward
+    measure: time a pipeline's compute exactly.
+    kept: gets "bytes", the activations kept for backward
     (a pipeline's: the most its stage held at once over the step's schedule)."""
     optimizer.zero_grad(set_to_none=True)
     if hasattr(model, "train_step"):
@@ -84,7 +87,8 @@ def train_step(model, optimizer, sync, x, y, args, measure=False, kept: dict | N
         step = lambda: model.train_step(x, y, optimizer.scale_loss, measure)
         if kept is None:
             return step(), update(optimizer, args)
-        weights = [*model.module.parameters(), *getattr(model.module, "module", model.module).parameters()]
+        inner = getattr(model.module, "module", model.module)
+        weights = [*model.module.parameters(), *inner.parameters()]
         kept["bytes"], loss = peak_saved_bytes(step, weights)       # the micro-batches in flight
         return loss, update(optimizer, args)
     # DDP reduces once per step (no_sync); ZeRO-2 and FSDP reduce-scatter every micro-batch's
@@ -134,7 +138,8 @@ def main(argv=None, live_bytes: bool = False, logs: list | None = None) -> dict:
     log.rank = dist.get_rank()
     # The command line shares this node's cores among its ranks; a caller in Python (a test's
     # ranks, one thread each) keeps its own count unless --threads says otherwise.
-    threads = cpu_threads(args.threads, device, bool(args.offload)) if argv is None or args.threads else ""
+    threads = (cpu_threads(args.threads, device, bool(args.offload))
+               if argv is None or args.threads else "")
     export_size = report.export_bytes(args) if args.export else 0
     with own_outputs(args, dist.get_rank(), device, export_size) as (took_over, log.file):
         for line in [took_over] if took_over else []:
@@ -169,7 +174,8 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     history = {"losses": {}, "live_bytes": {}, "napkin": job.napkin, "held": {},     # this rank's
                "napkin_activations": activations and activations[0]}
     step_done = start_profiling(args, rank, world_size, device)
-    evaluate = lambda: eval_loss(model, data, args, mesh.dp.rank, mesh.dp.world_size, device, job.my_tokens)
+    evaluate = lambda: eval_loss(model, data, args, mesh.dp.rank, mesh.dp.world_size, device,
+                                 job.my_tokens)
     if args.init_from and start == 0:          # fine-tuning: where the new text starts from
         history["eval_loss_before"] = evaluate()
         log.say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
@@ -186,8 +192,9 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
         x, y = job.my_tokens(x, y)                                   # cp pipeline: (B/D, T/cp)
         logged = step % args.log_every == 0 or step == args.steps - 1
         kept = {} if logged and not dims.cp_enabled else None
-        loss, applied = train_step(model, optimizer, job.sync, pinned_copy(x, device), pinned_copy(y, device), args,
-                                   measure=logged, kept=kept)
+        x, y = pinned_copy(x, device), pinned_copy(y, device)
+        loss, applied = train_step(model, optimizer, job.sync, x, y, args, measure=logged,
+                                   kept=kept)
         divergence.after_step(step, applied, loss, optimizer.scaler.scale)
         clock.skipped += not applied
         clock.step_done(step)
@@ -195,20 +202,22 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
         if logged:
             loss = global_mean(loss)                                 # the global batch's mean
             divergence.check_loss(step, loss)
-            report.say_step(args, job, log, clock, step, loss, learning_rate(step, args), kept, history,
-                            live_bytes, napkin_seconds)
+            report.say_step(args, job, log, clock, step, loss, learning_rate(step, args), kept,
+                            history, live_bytes, napkin_seconds)
         if args.eval_every and step and step % args.eval_every == 0:
             log.say(f"step {step:5d} | eval loss {evaluate():.4f}")
             clock.restart(step)                                      # time training steps only
         step_done(last=step + 1 == args.steps)
-        if args.out and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
+        saving = args.save_every and (step + 1) % args.save_every == 0
+        if args.out and (step + 1 == args.steps or saving):
             report.save(args, job, layout, log, divergence, step, loss, base)
             clock.restart(step)
     history["eval_loss"] = evaluate()
     log.say(f"done | eval loss {history['eval_loss']:.4f}")
     if args.export:
         snapshot.export(args.export, gpt, optimizer, layout, rank, lora_config(args), args.out)
-        log.say(f"exported {args.export}: fp32 weights; train.load_weights({args.export!r}) loads them")
+        log.say(f"exported {args.export}: fp32 weights; "
+                f"train.load_weights({args.export!r}) loads them")
     return history
 
 

@@ -1,12 +1,14 @@
-"""What a built strategy sends per step, by the ring formula: the numbers the run's log prints beside
-the bytes its Comm counted ("sent 3.34 MiB/step (ring formula 3.34)").
+"""What a built strategy sends per step, by the ring formula.
+
+These are the numbers the run's log prints beside the bytes its Comm counted:
+"sent 3.34 MiB/step (ring formula 3.34)".
 
 The concept files run the algorithm and their Comm counts what goes on the wire; the formula for
 what should go is napkin math, kept here so that no step computes its own bookkeeping. Each
 function reads a built wrapper's buckets, shards or stages (never runs it) and applies the
 lecture's rule: a ring all-reduce sends 2(N-1)/N of a buffer, a reduce-scatter or an all-gather
 (N-1)/N (foundations/comm.py: ring_bytes).
-Test: python -m pytest tests/test_ddp.py tests/test_zero.py tests/test_fsdp.py tests/test_pipeline.py
+Test: python -m pytest tests/test_ddp.py tests/test_zero.py tests/test_pipeline.py
 """
 import itertools
 import math
@@ -20,7 +22,7 @@ from foundations.dtypes import master_dtype
 from tensor_parallel import RowParallelLinear
 
 
-# ---- data parallelism: ddp.py ------------------------------------------------------------------
+# ---- data parallelism: ddp.py -------------------------------------------------------------------
 
 def ddp_bytes_per_step(ddp) -> int:
     """Bytes a ddp.DDP rank sends per synchronised step, as the ring schedule sends them.
@@ -36,7 +38,7 @@ def ddp_bytes_per_step(ddp) -> int:
     return grads + flags
 
 
-# ---- ZeRO stages 1 and 2: zero.py -----------------------------------------------------------------
+# ---- ZeRO stages 1 and 2: zero.py ---------------------------------------------------------------
 
 def zero_bytes_per_step(optimizer, micro_batches: int = 1) -> int:
     """Bytes a ZeRO optimizer (zero.py's, either stage) sends per step, by the ring formula.
@@ -64,13 +66,11 @@ def _zero_part_bytes(optimizer, micro_batches: int) -> int:
 
 
 
-# ---- FSDP: fsdp.py and its mechanics --------------------------------------------------------------
-
-
-# ---- pipeline parallelism: pipeline.py ------------------------------------------------------------
+# ---- pipeline parallelism: pipeline.py ----------------------------------------------------------
 
 def pipeline_bytes_per_step(pipeline, batch: int, seq_len: int) -> int:
-    """Bytes one stage of a built pipeline.Pipeline sends per step, for batch rows of seq_len tokens.
+    """Bytes one stage of a built pipeline.Pipeline sends per step, for batch rows of seq_len
+    tokens.
 
     Each send in the stage's list carries one activation or gradient, of the shape `activation`
     gives. Under 1F1B a stage sends M forward unless it is the last, M back unless it is the
@@ -87,7 +87,7 @@ def pipeline_bytes_per_step(pipeline, batch: int, seq_len: int) -> int:
 
 
 
-# ---- tensor and context parallelism -----------------------------------------------------------------
+# ---- tensor and context parallelism -------------------------------------------------------------
 
 
 def tp_bytes_per_step(tp, batch: int, seq_len: int, micro_batches: int = 1) -> int:
