@@ -26,12 +26,14 @@ import torch.distributed as dist
 from torch import nn
 
 from collectives import Comm, ring_bytes
+from context_parallel import ATTENTIONS, SequenceSplit
 from napkin.flops import Shape, block_flops
 from napkin.memory_math import activation_bytes
 from mixed_precision import DTYPES
 from model import PRESETS as MODELS, Block, GPTConfig
 from moe import feed_forward
 from extensions.offload import host_buffer
+from foundations.launch import Handle
 from foundations.process_groups import exit_distributed, init_distributed
 from foundations.values import Parser, whole
 
@@ -188,31 +190,69 @@ def split_block(cfg: GPTConfig, ways: int) -> Block:
     return block
 
 
+class LoneRank:
+    """Rank 0 of a context-parallel group of cp, alone: the attention's compute, none of its
+    messages. A receive copies the send, the all-gather repeats this rank's piece, the
+    reduce-scatter sums the pieces: every block has the shapes the group's ranks compute."""
+
+    def __init__(self, cp: int):
+        self.rank, self.world_size = 0, cp
+
+    def exchange(self, ops: list) -> Handle:
+        sends = [tensor for kind, tensor, _ in ops if kind == "send"]
+        receives = [tensor for kind, tensor, _ in ops if kind == "recv"]
+        for received, sent in zip(receives, sends):
+            received.copy_(sent)
+        return Handle(lambda: None)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor):     # (c,) -> (cp c,)
+        output.view(self.world_size, -1).copy_(input.view(1, -1).expand(self.world_size, -1))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):  # (cp c,) -> (c,)
+        torch.sum(input.view(self.world_size, -1), dim=0, out=output)
+
+
+def rank_block(cfg: GPTConfig, split: int = 1, cp: int = 1, attention: str = "ring") -> Block:
+    """The block one rank computes: split N, a tensor-parallel rank's 1/N of it (split_block);
+    cp, a context-parallel rank's, its attention context_parallel's ring or all-gather (on a
+    LoneRank); else model.py's block, an MoE one as moe.py builds it (router, dispatch, the
+    experts' matmuls: a dense block's rate would price top_k experts' FLOPs at the MLP's)."""
+    if split > 1:
+        return split_block(cfg, split)
+    block = Block(cfg, feed_forward)
+    if cp > 1:                # model.py's hook for it, as context_parallel_gpt.py swaps it in
+        group, sequence = LoneRank(cp), SequenceSplit(cp)
+        attend = ATTENTIONS[attention]
+        block.attn.attend = lambda q, k, v, dropout_p: attend(q, k, v, group, sequence)
+    return block
+
+
 def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: str, device,
-                           split: int = 1, window: float = 1.0) -> float:
-    """FLOP/s of one forward + backward of one of the model's blocks on (rows, seq_len, C); with
-    split N, of the 1/N of it a tensor-parallel rank computes (split_block).
+                           split: int = 1, window: float = 1.0, cp: int = 1,
+                           attention: str = "ring") -> float:
+    """FLOP/s of one forward + backward of one of the model's blocks on (rows, seq_len, C): the
+    block a rank computes (rank_block). With split N, its 1/N; with cp, its rows x seq_len/cp
+    tokens, each query against the whole sequence's keys (seq_len).
 
     Not a bare matmul's: on a CPU at these sizes the layer norms, softmax, GELU and Python's
     dispatch take a large share of a block's time, and a bare matmul would miss it; a split
-    block's narrower matmuls run slower still, and its norms are not split. This is a
-    measurement of the machine on the model's shape (one block, random inputs), not of a run:
-    no strategy, no collective, no optimizer. FLOPs as flops.block_flops counts them (/ N):
-    an MoE block's with its top_k experts (its capacity mode runs capacity_factor times as many
-    expert rows, empty slots included: the rate measured so prices that too)."""
+    block's narrower matmuls run slower still, and its norms are not split. Context
+    parallelism's attention is blockwise Python (online softmax over 2cp + 1 blocks, its own
+    backward), slower per FLOP than model.py's fused call. This is a measurement of the machine
+    on the model's shape (one block, random inputs), not of a run: no strategy, no collective,
+    no optimizer. FLOPs as flops.block_flops counts them (/ N): an MoE block's with its top_k
+    experts (its capacity mode runs capacity_factor times as many expert rows, empty slots
+    included: the rate measured so prices that too)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)                           # the run's random stream stays untouched
-        # An MoE block as moe.py builds it (router, dispatch, the experts' matmuls): a dense
-        # block's rate would price top_k experts' FLOPs at the dense MLP's speed.
-        block = split_block(cfg, split) if split > 1 else Block(cfg, feed_forward)
-        block = block.to(device=device, dtype=DTYPES[precision])
-        x = torch.randn(rows, seq_len, cfg.n_embd, dtype=DTYPES[precision], device=device,
+        block = rank_block(cfg, split, cp, attention).to(device=device, dtype=DTYPES[precision])
+        x = torch.randn(rows, seq_len // cp, cfg.n_embd, dtype=DTYPES[precision], device=device,
                         requires_grad=True)
 
         def step():
             block(x).float().square().mean().backward()
         seconds = _seconds(step, device, window=window)
-    return 3 * block_flops(Shape.of(cfg), seq_len) * rows * seq_len / split / seconds
+    return 3 * block_flops(Shape.of(cfg), seq_len) * rows * seq_len / cp / split / seconds
 
 
 def memory_per_rank() -> int:
@@ -310,31 +350,64 @@ def write_cache(cache: str, saved: dict):
 
 
 def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm: Comm | None = None,
-         device=None, cache: str | None = CACHE, split: int = 1, window: float = 1.0) -> Machine:
-    """This machine, measured by every rank at once (as the run will share it): a block's FLOP/s
-    at the run's (rows, seq_len) (split: a tensor-parallel rank's 1/N of it), the optimizer's
-    memory bandwidth, the host-to-device copy's (offload's link), the all-reduce's link: a few seconds (a `window` of seconds for the block,
-    a second for AdamW; a longer window averages out more of a shared machine's drift). Read
-    from `cache` when measured before with the same threads and ranks (and shape, for the FLOP/s)."""
+         device=None, cache: str | None = CACHE, split: int = 1, window: float = 1.0, cp: int = 1,
+         attention: str = "ring") -> Machine:
+    """This machine, measured by every rank at once (as the run will share it): the FLOP/s of the
+    block a rank computes at the run's (rows, seq_len) (rank_block: split, a tensor-parallel
+    rank's 1/N; cp, a context-parallel rank's with its attention), the optimizer's memory
+    bandwidth, the host-to-device copy's (offload's link), the all-reduce's link. A few seconds:
+    a `window` of seconds for the block, a second for AdamW (a longer window averages out more of
+    a shared machine's drift). Read from `cache` when measured before with the same threads and
+    ranks (and block and shape, for the FLOP/s)."""
     comm, device = comm or Comm(), device or torch.device("cpu")
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{platform.processor() or platform.machine()} x {os.cpu_count()}")
     key = f"{where}, {torch.get_num_threads()} threads, {comm.world_size} ranks"
     m = _measured(cache, key, lambda: {
         "memory_bandwidth": optimizer_bandwidth(device), "host_copy": host_copy_bandwidth(device),
-        "link": asdict(collective_link(comm, device) if comm.world_size > 1 else Link(float("inf"), 0.0))},
+        "link": asdict(collective_link(comm, device) if comm.world_size > 1
+                       else Link(float("inf"), 0.0))},
         comm, device, fields=("memory_bandwidth", "host_copy", "link"))
-    block = (f"{precision} block C{cfg.n_embd} H{cfg.n_head}" + (f" split {split} ways" if split > 1 else "")
-             + (f" E{cfg.experts} top-{cfg.top_k} capacity {cfg.capacity_factor} routed"
-                if cfg.experts else ""))        # routed: moe.py's block, not a dense one's rate
-    flops = _measured(cache, f"{key}, {block} at {rows} x {seq_len}",
-                      lambda: {"flops": block_flops_per_second(cfg, rows, seq_len, precision, device, split,
-                                                               window)},
-                      comm, device, fields=("flops",))["flops"]
-    link = Link(**m["link"])
-    return Machine(f"this ({where})", {precision: flops}, {precision: flops}, m["memory_bandwidth"],
-                   Link(m["host_copy"], 0.0), {"node": link, "network": link}, per_node=comm.world_size,
-                   host_memory_bandwidth=m["memory_bandwidth"], overlaps=device.type == "cuda")
+    block = block_key(cfg, rows, seq_len, precision, split, cp, attention)
+    flops = _measured(cache, f"{key}, {block}", lambda: {"flops": block_flops_per_second(
+        cfg, rows, seq_len, precision, device, split, window, cp, attention)},
+        comm, device, fields=("flops",))["flops"]
+    return machine_of(key, m, flops, precision, device.type == "cuda")
+
+
+def block_key(cfg: GPTConfig, rows: int, seq_len: int, precision: str, split: int = 1, cp: int = 1,
+              attention: str = "ring") -> str:
+    """The cache's name for the block `this` measures (rank_block's) at rows x seq_len."""
+    return (f"{precision} block C{cfg.n_embd} H{cfg.n_head}"
+            + (f" split {split} ways" if split > 1 else "")
+            + (f" E{cfg.experts} top-{cfg.top_k} capacity {cfg.capacity_factor} routed"
+               if cfg.experts else "")         # routed: moe.py's block, not a dense one's rate
+            + (f" cp {cp} {attention} attention" if cp > 1 else "")   # context_parallel.py's
+            + f" at {rows} x {seq_len}")
+
+
+def machine_of(key: str, measured: dict, flops: float, precision: str, on_gpu: bool) -> Machine:
+    """The Machine `this` makes of its figures: key "where, threads, ranks" (the cache's), the
+    bandwidths and link measured under it, a block's FLOP/s."""
+    where, ranks = key.rsplit(", ", 2)[0], int(key.rsplit(", ", 1)[1].split()[0])
+    link = Link(**measured["link"])
+    memory = measured["memory_bandwidth"]
+    return Machine(f"this ({where})", {precision: flops}, {precision: flops}, memory,
+                   Link(measured["host_copy"], 0.0), {"node": link, "network": link},
+                   per_node=ranks, host_memory_bandwidth=memory, overlaps=on_gpu)
+
+
+def recorded(cache: str, block: str, precision: str, on_gpu: bool) -> Machine:
+    """The Machine a run's `this` made from `cache` for `block` (block_key), read back: a bench
+    run's NAME-this.json, one run's measurements, whose rows tests price again. A file from
+    before host_copy was measured prices no offload (NaN)."""
+    saved = read_cache(cache)
+    key = next((k for k in saved if k.endswith(f", {block}")), None)
+    if key is None:
+        raise KeyError(f"{cache} holds no measurement of a {block}")
+    base = key.removesuffix(f", {block}")
+    measured = {"host_copy": math.nan, **saved[base]}
+    return machine_of(base, measured, saved[key]["flops"], precision, on_gpu)
 
 
 def measure_this(args):
