@@ -3,8 +3,8 @@
 A step's time needs four numbers of a machine: the FLOP/s its matmuls reach, the bytes/s its
 memory streams (the optimizer step reads and writes every parameter's state), the host link
 (ZeRO-Offload's transfers) and, between ranks, each link's bandwidth and per-message latency.
-A collective on a link: its ring steps' latency, its ring bytes at the bandwidth (collective_seconds;
-bucketed under backward, all but its last bucket hidden: overlapped).
+A collective on a link: its ring steps' latency, its ring bytes at the bandwidth
+(collective_seconds; bucketed under backward, all but its last bucket hidden: overlapped).
 The presets hold datasheet figures (dense peaks, no sparsity; links one direction per GPU).
 `this` is measured on the spot by small benchmarks, never fitted to the runs it predicts, and
 cached in .cache/this-machine.json (repo-local, git-ignored; delete it to measure again; where it
@@ -38,7 +38,8 @@ from foundations.process_groups import exit_distributed, init_distributed
 from foundations.values import Parser, whole
 
 GB = 1e9
-CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "this-machine.json")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.join(ROOT, ".cache", "this-machine.json")
 # Bytes per parameter torch's AdamW step reads and writes (optimizer_bandwidth measures by it;
 # step_time.py prices the optimizer step with it). Unfused (its default on a CPU; foreach on a GPU
 # makes the same passes): weight decay p r+w 8, m.lerp_(g) 12, v.mul_().addcmul_(g, g) 8 + 12,
@@ -75,7 +76,7 @@ class Machine:
     links: dict = field(default_factory=dict)
     per_node: int = 8
     host_memory_bandwidth: float = 50e9     # bytes/s of host memory a rank's offloaded Adam streams
-    overlaps: bool = True         # communication can run beside compute (a GPU's copy engines, NICs)
+    overlaps: bool = True         # communication runs beside compute (a GPU's copy engines, NICs)
     memory: float = 0.0           # bytes of device memory (the datasheet's; 0: not known, `this`)
 
     def link(self, world: int) -> Link:
@@ -94,10 +95,12 @@ PCIE4, PCIE5 = Link(32 * GB, PCIE_LATENCY), Link(64 * GB, PCIE_LATENCY)        #
 NETWORKS = {f"{gbit}gbit": Link(gbit / 8 * GB, NETWORK_LATENCY) for gbit in (100, 200, 400)}
 
 
-def gpu(name, peaks_tflops, memory_gbs, host, node, memory_gb, per_node=8, network="400gbit") -> Machine:
+def gpu(name, peaks_tflops, memory_gbs, host, node, memory_gb, per_node=8,
+        network="400gbit") -> Machine:
     peaks = {precision: tflops * 1e12 for precision, tflops in peaks_tflops.items()}
-    return Machine(name, {p: ACHIEVABLE * f for p, f in peaks.items()}, peaks, memory_gbs * GB, host,
-                   {"node": node, "network": NETWORKS[network]}, per_node, memory=memory_gb * GB)
+    return Machine(name, {p: ACHIEVABLE * f for p, f in peaks.items()}, peaks, memory_gbs * GB,
+                   host, {"node": node, "network": NETWORKS[network]}, per_node,
+                   memory=memory_gb * GB)
 
 
 # Datasheets: NVIDIA A100 (SXM4 80GB), H100 (SXM5 and PCIe), GeForce RTX 3090 (GA102 whitepaper)
@@ -109,10 +112,10 @@ PRESETS = {
     "h100-sxm": gpu("H100 SXM5", {"bf16": 989, "fp16": 989, "fp32": 67}, 3350, PCIE5,
                     Link(450 * GB, NVLINK_LATENCY), 80),
     "h100-pcie": gpu("H100 PCIe", {"bf16": 756, "fp16": 756, "fp32": 51}, 2000, PCIE5, PCIE5, 80),
-    "rtx3090": gpu("GeForce RTX 3090", {"bf16": 71, "fp16": 71, "fp32": 35.6}, 936, PCIE4, PCIE4, 24,
-                   per_node=4, network="100gbit"),
-    "rtx4090": gpu("GeForce RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}, 1008, PCIE4, PCIE4, 24,
-                   per_node=4, network="100gbit"),
+    "rtx3090": gpu("GeForce RTX 3090", {"bf16": 71, "fp16": 71, "fp32": 35.6}, 936, PCIE4, PCIE4,
+                   24, per_node=4, network="100gbit"),
+    "rtx4090": gpu("GeForce RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}, 1008, PCIE4,
+                   PCIE4, 24, per_node=4, network="100gbit"),
 }
 
 LINKS = ("nvlink", "pcie", "network")
@@ -129,7 +132,8 @@ def joined_by(machine: Machine, link: str) -> Machine:
                          f"PCIe): use --link pcie or network")
     ring = {"nvlink": machine.links["node"], "pcie": machine.host_link,
             "network": machine.links["network"]}[link]
-    return replace(machine, name=f"{machine.name} over {link}", links={"node": ring, "network": ring})
+    return replace(machine, name=f"{machine.name} over {link}",
+                   links={"node": ring, "network": ring})
 
 
 # ---- a collective on a link: its seconds, and what compute hides of it ------------------------
@@ -144,7 +148,8 @@ def collective_seconds(kind: str, numel: int, element_size: int, world: int, lin
     are messages (latency), and the ring's bytes sent per rank go at the link's bandwidth."""
     if world == 1 or numel == 0:
         return 0.0
-    return link.seconds(ring_bytes(kind, numel, element_size, world), calls * RING_STEPS[kind](world))
+    return link.seconds(ring_bytes(kind, numel, element_size, world),
+                        calls * RING_STEPS[kind](world))
 
 
 def overlapped(kind: str, numel: int, element_size: int, world: int, link: Link, bucket: int,
@@ -294,8 +299,8 @@ def collective_link(comm: Comm, device, sizes=(2**14, 2**18, 2**21)) -> Link:
     n, points = comm.world_size, []
     for numel in sizes:
         t = torch.ones(numel, device=device)
-        seconds = torch.tensor([_seconds(lambda: comm.all_reduce(t), device, calls=5)], dtype=torch.float64,
-                               device=device)
+        seconds = torch.tensor([_seconds(lambda: comm.all_reduce(t), device, calls=5)],
+                               dtype=torch.float64, device=device)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=comm.group)     # the slowest rank's
         points.append((ring_bytes("all_reduce", numel, 4, n), seconds.item()))
     mean_x = sum(x for x, _ in points) / len(points)
@@ -311,7 +316,8 @@ def _measured(cache: str | None, key: str, measure, comm: Comm, device, fields=(
     every one of `fields` (an entry an older version wrote without one is measured again)."""
     saved = read_cache(cache) if cache else {}
     entry = saved.get(key)
-    have = torch.tensor([float(isinstance(entry, dict) and all(f in entry for f in fields))], device=device)
+    found = isinstance(entry, dict) and all(f in entry for f in fields)
+    have = torch.tensor([float(found)], device=device)
     dist.all_reduce(have, op=dist.ReduceOp.MIN, group=comm.group)       # all measure, or none
     if have.item():
         return entry
@@ -413,22 +419,26 @@ def recorded(cache: str, block: str, precision: str, on_gpu: bool) -> Machine:
 def measure_this(args):
     """--this: measure, print on rank 0 (under torchrun the links too)."""
     device = init_distributed()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     m = this(MODELS[args.model], args.rows, args.seq_len, device=device)
     link = m.links["node"]
     if dist.get_rank() == 0:
-        print(f"this: a {args.model} block at {args.rows} x {args.seq_len}: {m.flops['fp32'] / 1e9:.1f} "
-              f"GFLOP/s fp32; AdamW streams {m.memory_bandwidth / GB:.1f} GB/s; host to device "
+        print(f"this: a {args.model} block at {args.rows} x {args.seq_len}: "
+              f"{m.flops['fp32'] / 1e9:.1f} GFLOP/s fp32; AdamW streams "
+              f"{m.memory_bandwidth / GB:.1f} GB/s; host to device "
               f"{m.host_link.bandwidth / GB:.1f} GB/s; all-reduce link "
-              f"{link.bandwidth / GB:.2f} GB/s, {link.latency * 1e6:.0f} us per message (cached in {CACHE})")
+              f"{link.bandwidth / GB:.2f} GB/s, {link.latency * 1e6:.0f} us per message "
+              f"(cached in {CACHE})")
     exit_distributed()
 
 
 def main(argv=None):
     p = Parser(prog="python -m napkin.machines", description=__doc__.split("\n")[0])
-    p.add_argument("--this", action="store_true", help="measure this machine (torchrun: its links too)")
-    p.add_argument("--model", default="medium", choices=list(MODELS), help="the shape `this` measures a "
-                   "block of; default medium")
+    p.add_argument("--this", action="store_true",
+                   help="measure this machine (torchrun: its links too)")
+    p.add_argument("--model", default="medium", choices=list(MODELS),
+                   help="the shape `this` measures a block of; default medium")
     p.add_argument("--rows", type=whole, default=8, help="sequences per rank; default 8")
     p.add_argument("--seq-len", type=whole, default=None,
                    help="default: the model's block size (medium: 256)")
@@ -436,8 +446,8 @@ def main(argv=None):
     block_size = MODELS[args.model].block_size
     args.seq_len = block_size if args.seq_len is None else args.seq_len
     if args.rows < 1 or not 1 <= args.seq_len <= block_size:
-        p.error(f"--rows {args.rows} --seq-len {args.seq_len}: give --rows 1 or more and a --seq-len "
-                f"from 1 to model {args.model}'s block size {block_size}")
+        p.error(f"--rows {args.rows} --seq-len {args.seq_len}: give --rows 1 or more and a "
+                f"--seq-len from 1 to model {args.model}'s block size {block_size}")
     cfg = MODELS[args.model]
     need = activation_bytes(args.seq_len, args.rows, cfg.n_embd, cfg.n_head, bytes_per_value=4)
     if args.this and need > memory_per_rank():
