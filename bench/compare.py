@@ -531,7 +531,9 @@ def context_parallel_report(m: dict, rows: list) -> list:
                     "seconds computing attention's blocks (forward) / the busiest rank's, over every "
                     "step of the last run; predicted: step_time.py's napkin (step_time_parallel: 1/cp of "
                     "the sequence's compute, the K/V exchange, DDP's all-reduce, the optimizer) on "
-                    "machines.this, in brackets predicted / measured; loss "
+                    "machines.this measured at a cp rank's block with this attention (its B x T/cp "
+                    "tokens, machines.rank_block), in brackets predicted / measured, leaving out "
+                    "each rank's wait for the other at a K/V pass beyond the link's latency; loss "
                     + " / ".join(f"{r['last_loss']:.5f}" for r in rows) + f". {TORCH_CONTEXT_PARALLEL}."]
 
 
