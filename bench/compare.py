@@ -420,13 +420,13 @@ STRATEGIES = {
 THIS_WINDOW = 3.0
 
 
-def predicted_step(name: str, args, device, cache: str) -> dict:
-    """step_time.py's napkin for a strategy row, on this machine as machines.this measures it
-    (every rank at once) at the rows a rank's blocks compute at a time: its share of the batch,
-    the whole batch under tp, a micro-batch in a pipeline. Never fitted to the row's runs.
-    hsdp is priced as fsdp over the whole world (the napkin has no copies' all-reduce).
-    Returns {part: ms} (step_time.predict's parts) and "step", their sum."""
-    cfg, N = PRESETS[args.model], dist.get_world_size()
+def strategy_priced(name: str, args, N: int) -> tuple[Step, dict]:
+    """What step_time.py prices strategy row `name` as over N ranks: its Step, and the block
+    machines.this measures for it (this()'s shape arguments), at the rows a rank's blocks
+    compute at a time: its share of the batch, the whole batch under tp (a tp rank's 1/N of
+    each block), a micro-batch in a pipeline. hsdp is priced as fsdp over the whole world (the
+    napkin has no copies' all-reduce)."""
+    cfg = PRESETS[args.model]
     pipelined = name.startswith("pipeline-")
     rows = args.batch_size // (args.microbatches if pipelined else 1 if name == "tp" else N)
     shape, lora = Shape.of(cfg), None
@@ -437,32 +437,37 @@ def predicted_step(name: str, args, device, cache: str) -> dict:
                 args.batch_size, args.seq_len, args.precision, args.microbatches,
                 VIRTUAL_STAGES.get(name.removeprefix("pipeline-"), 1), float(name == "checkpointing"), lora,
                 bucket_mb=args.bucket_mb)
-    split = N if name == "tp" else 1              # a tp rank computes 1/N of each block
-    machine = this(cfg, rows, args.seq_len, args.precision, device=device, cache=cache, split=split,
-                   window=THIS_WINDOW)
-    return in_ms(predict(step, machine))
+    return step, dict(cfg=cfg, rows=rows, seq_len=args.seq_len, precision=args.precision,
+                      split=N if name == "tp" else 1)
 
 
-def in_ms(result: dict) -> dict:
-    """step_time.predict's result as the bench keeps it: {part: ms} and "step", their sum."""
-    return {**{part: 1e3 * s for part, s in result["parts"].items()}, "step": 1e3 * result["seconds"]}
-
-
-def predicted_inside(model: str, args, device, cache: str, ep: int = 1, cp: int = 1,
-                     attention: str = "ring") -> dict:
-    """predicted_step's napkin for a moe row (ep) or a cp row (the whole world one cp group),
-    both our DDP (step_time_parallel.py), on `model`'s block as machines.this measures it: at a
-    rank's B/N rows of T tokens (a cp rank's B rows of T/cp: the same matmuls and products)."""
-    cfg, N = PRESETS[model], dist.get_world_size()
+def inside_priced(model: str, args, N: int, ep: int = 1, cp: int = 1,
+                  attention: str = "ring") -> tuple[Step, dict]:
+    """strategy_priced for a moe row (ep) or a cp row (cp: the whole world one cp group), both
+    our DDP (step_time_parallel.py): the block machines.this measures is `model`'s as a rank
+    computes it, at its B/N rows of T tokens, or a cp rank's B cp/N rows of T/cp tokens with
+    context_parallel.py's `attention` (machines.rank_block)."""
+    cfg = PRESETS[model]
     step = Step(Shape.of(cfg), "ddp", N, args.batch_size, args.seq_len, args.precision,
                 bucket_mb=args.bucket_mb, ep=ep, cp=cp, attention=attention)
-    return in_ms(predict(step, this(cfg, args.batch_size // N, args.seq_len, args.precision, device=device,
-                                    cache=cache, window=THIS_WINDOW)))
+    return step, dict(cfg=cfg, rows=args.batch_size * cp // N, seq_len=args.seq_len,
+                      precision=args.precision, cp=cp, attention=attention)
 
 
-def with_predicted(rows: list, predicted: list) -> list:
+def predicted(priced: tuple[Step, dict], device, cache: str) -> dict:
+    """step_time.py's napkin for a row (strategy_priced, inside_priced), on this machine as
+    machines.this measures it (every rank at once; read from `cache` once measured for the run).
+    Never fitted to the row's runs. Returns {part: ms} (step_time.predict's parts) and "step",
+    their sum."""
+    step, block = priced
+    result = predict(step, this(**block, device=device, cache=cache, window=THIS_WINDOW))
+    return {**{part: 1e3 * seconds for part, seconds in result["parts"].items()},
+            "step": 1e3 * result["seconds"]}
+
+
+def with_predicted(rows: list, napkin: list) -> list:
     """Each row with its napkin beside it: "predicted" ({part: ms}, "step") and "predicted_ms"."""
-    return [{**row, "predicted_ms": p["step"], "predicted": p} for row, p in zip(rows, predicted)]
+    return [{**row, "predicted_ms": p["step"], "predicted": p} for row, p in zip(rows, napkin)]
 
 
 # A tensor group or a pipeline computes one model: its ranks read the same rows.
@@ -529,7 +534,9 @@ def context_parallel_report(m: dict, rows: list) -> list:
                     "seconds computing attention's blocks (forward) / the busiest rank's, over every "
                     "step of the last run; predicted: step_time.py's napkin (step_time_parallel: 1/cp of "
                     "the sequence's compute, the K/V exchange, DDP's all-reduce, the optimizer) on "
-                    "machines.this, in brackets predicted / measured; loss "
+                    "machines.this measured at a cp rank's block with this attention (its B x T/cp "
+                    "tokens, machines.rank_block), in brackets predicted / measured, leaving out "
+                    "each rank's wait for the other at a K/V pass beyond the link's latency; loss "
                     + " / ".join(f"{r['last_loss']:.5f}" for r in rows) + f". {TORCH_CONTEXT_PARALLEL}."]
 
 
@@ -728,10 +735,10 @@ def strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops) -> li
         os.remove(machine_file)
     dist.barrier()
     for name in (name for name in args.strategies if name in STRATEGIES):
-        predicted = predicted_step(name, args, device, machine_file)
+        napkin = predicted(strategy_priced(name, args, dist.get_world_size()), device, machine_file)
         rows.append({**bench_strategy(name, STRATEGIES[name], args, whole if name in WHOLE_BATCH else rows_of_rank,
                                       device, n_params, peak_flops),
-                     "predicted_ms": predicted["step"], "predicted": predicted})
+                     "predicted_ms": napkin["step"], "predicted": napkin})
         progress(f"{name} timed, ours and PyTorch's")
     return rows
 
@@ -742,15 +749,16 @@ def moe_and_cp_rows(args, rows_of_rank, whole, device) -> tuple:
     never inside one; strategy_rows has emptied the run's file of measurements)."""
     moe_row, cp_rows, N = None, [], dist.get_world_size()
     if "moe" in args.strategies:
-        predicted = [predicted_inside(args.moe_model, args, device, this_file(args), ep=ep) for ep in (1, args.ep)]
+        napkin = [predicted(inside_priced(args.moe_model, args, N, ep=ep), device, this_file(args))
+                  for ep in (1, args.ep)]
         moe_args = argparse.Namespace(**{**vars(args), "model": args.moe_model})   # time_training builds it
         moe_row = bench_moe({ep: partial(ours_moe, ep) for ep in (1, args.ep)}, moe_args, rows_of_rank, device)
-        moe_row["runs"] = with_predicted(moe_row["runs"], predicted)
+        moe_row["runs"] = with_predicted(moe_row["runs"], napkin)
         progress(f"moe timed at ep 1 and ep {args.ep}")
     if "cp" in args.strategies:
-        predicted = [predicted_inside(args.model, args, device, this_file(args), cp=N, attention=attention)
-                     for attention in context_parallel.ATTENTIONS]
-        cp_rows = with_predicted(bench_context_parallel(args, whole, device), predicted)
+        napkin = [predicted(inside_priced(args.model, args, N, cp=N, attention=attention), device,
+                            this_file(args)) for attention in context_parallel.ATTENTIONS]
+        cp_rows = with_predicted(bench_context_parallel(args, whole, device), napkin)
         progress(f"cp timed, {' and '.join(context_parallel.ATTENTIONS)} attention")
     return moe_row, cp_rows
 

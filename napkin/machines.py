@@ -3,8 +3,8 @@
 A step's time needs four numbers of a machine: the FLOP/s its matmuls reach, the bytes/s its
 memory streams (the optimizer step reads and writes every parameter's state), the host link
 (ZeRO-Offload's transfers) and, between ranks, each link's bandwidth and per-message latency.
-A collective on a link: its ring steps' latency, its ring bytes at the bandwidth (collective_seconds;
-bucketed under backward, all but its last bucket hidden: overlapped).
+A collective on a link: its ring steps' latency, its ring bytes at the bandwidth
+(collective_seconds; bucketed under backward, all but its last bucket hidden: overlapped).
 The presets hold datasheet figures (dense peaks, no sparsity; links one direction per GPU).
 `this` is measured on the spot by small benchmarks, never fitted to the runs it predicts, and
 cached in .cache/this-machine.json (repo-local, git-ignored; delete it to measure again; where it
@@ -26,17 +26,20 @@ import torch.distributed as dist
 from torch import nn
 
 from foundations.comm import Comm, ring_bytes
+from context_parallel import ATTENTIONS, SequenceSplit
 from napkin.flops import Shape, block_flops
 from napkin.memory_math import activation_bytes
 from mixed_precision import DTYPES
 from model import PRESETS as MODELS, Block, GPTConfig
 from moe import feed_forward
 from extensions.offload import host_buffer
+from foundations.launch import Handle
 from foundations.process_groups import exit_distributed, init_distributed
 from foundations.values import Parser, whole
 
 GB = 1e9
-CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "this-machine.json")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.join(ROOT, ".cache", "this-machine.json")
 # Bytes per parameter torch's AdamW step reads and writes (optimizer_bandwidth measures by it;
 # step_time.py prices the optimizer step with it). Unfused (its default on a CPU; foreach on a GPU
 # makes the same passes): weight decay p r+w 8, m.lerp_(g) 12, v.mul_().addcmul_(g, g) 8 + 12,
@@ -73,7 +76,7 @@ class Machine:
     links: dict = field(default_factory=dict)
     per_node: int = 8
     host_memory_bandwidth: float = 50e9     # bytes/s of host memory a rank's offloaded Adam streams
-    overlaps: bool = True         # communication can run beside compute (a GPU's copy engines, NICs)
+    overlaps: bool = True         # communication runs beside compute (a GPU's copy engines, NICs)
     memory: float = 0.0           # bytes of device memory (the datasheet's; 0: not known, `this`)
 
     def link(self, world: int) -> Link:
@@ -92,10 +95,12 @@ PCIE4, PCIE5 = Link(32 * GB, PCIE_LATENCY), Link(64 * GB, PCIE_LATENCY)        #
 NETWORKS = {f"{gbit}gbit": Link(gbit / 8 * GB, NETWORK_LATENCY) for gbit in (100, 200, 400)}
 
 
-def gpu(name, peaks_tflops, memory_gbs, host, node, memory_gb, per_node=8, network="400gbit") -> Machine:
+def gpu(name, peaks_tflops, memory_gbs, host, node, memory_gb, per_node=8,
+        network="400gbit") -> Machine:
     peaks = {precision: tflops * 1e12 for precision, tflops in peaks_tflops.items()}
-    return Machine(name, {p: ACHIEVABLE * f for p, f in peaks.items()}, peaks, memory_gbs * GB, host,
-                   {"node": node, "network": NETWORKS[network]}, per_node, memory=memory_gb * GB)
+    return Machine(name, {p: ACHIEVABLE * f for p, f in peaks.items()}, peaks, memory_gbs * GB,
+                   host, {"node": node, "network": NETWORKS[network]}, per_node,
+                   memory=memory_gb * GB)
 
 
 # Datasheets: NVIDIA A100 (SXM4 80GB), H100 (SXM5 and PCIe), GeForce RTX 3090 (GA102 whitepaper)
@@ -107,10 +112,10 @@ PRESETS = {
     "h100-sxm": gpu("H100 SXM5", {"bf16": 989, "fp16": 989, "fp32": 67}, 3350, PCIE5,
                     Link(450 * GB, NVLINK_LATENCY), 80),
     "h100-pcie": gpu("H100 PCIe", {"bf16": 756, "fp16": 756, "fp32": 51}, 2000, PCIE5, PCIE5, 80),
-    "rtx3090": gpu("GeForce RTX 3090", {"bf16": 71, "fp16": 71, "fp32": 35.6}, 936, PCIE4, PCIE4, 24,
-                   per_node=4, network="100gbit"),
-    "rtx4090": gpu("GeForce RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}, 1008, PCIE4, PCIE4, 24,
-                   per_node=4, network="100gbit"),
+    "rtx3090": gpu("GeForce RTX 3090", {"bf16": 71, "fp16": 71, "fp32": 35.6}, 936, PCIE4, PCIE4,
+                   24, per_node=4, network="100gbit"),
+    "rtx4090": gpu("GeForce RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}, 1008, PCIE4,
+                   PCIE4, 24, per_node=4, network="100gbit"),
 }
 
 LINKS = ("nvlink", "pcie", "network")
@@ -127,7 +132,8 @@ def joined_by(machine: Machine, link: str) -> Machine:
                          f"PCIe): use --link pcie or network")
     ring = {"nvlink": machine.links["node"], "pcie": machine.host_link,
             "network": machine.links["network"]}[link]
-    return replace(machine, name=f"{machine.name} over {link}", links={"node": ring, "network": ring})
+    return replace(machine, name=f"{machine.name} over {link}",
+                   links={"node": ring, "network": ring})
 
 
 # ---- a collective on a link: its seconds, and what compute hides of it ------------------------
@@ -142,7 +148,8 @@ def collective_seconds(kind: str, numel: int, element_size: int, world: int, lin
     are messages (latency), and the ring's bytes sent per rank go at the link's bandwidth."""
     if world == 1 or numel == 0:
         return 0.0
-    return link.seconds(ring_bytes(kind, numel, element_size, world), calls * RING_STEPS[kind](world))
+    return link.seconds(ring_bytes(kind, numel, element_size, world),
+                        calls * RING_STEPS[kind](world))
 
 
 def overlapped(kind: str, numel: int, element_size: int, world: int, link: Link, bucket: int,
@@ -188,31 +195,69 @@ def split_block(cfg: GPTConfig, ways: int) -> Block:
     return block
 
 
+class LoneRank:
+    """Rank 0 of a context-parallel group of cp, alone: the attention's compute, none of its
+    messages. A receive copies the send, the all-gather repeats this rank's piece, the
+    reduce-scatter sums the pieces: every block has the shapes the group's ranks compute."""
+
+    def __init__(self, cp: int):
+        self.rank, self.world_size = 0, cp
+
+    def exchange(self, ops: list) -> Handle:
+        sends = [tensor for kind, tensor, _ in ops if kind == "send"]
+        receives = [tensor for kind, tensor, _ in ops if kind == "recv"]
+        for received, sent in zip(receives, sends):
+            received.copy_(sent)
+        return Handle(lambda: None)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor):     # (c,) -> (cp c,)
+        output.view(self.world_size, -1).copy_(input.view(1, -1).expand(self.world_size, -1))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):  # (cp c,) -> (c,)
+        torch.sum(input.view(self.world_size, -1), dim=0, out=output)
+
+
+def rank_block(cfg: GPTConfig, split: int = 1, cp: int = 1, attention: str = "ring") -> Block:
+    """The block one rank computes: split N, a tensor-parallel rank's 1/N of it (split_block);
+    cp, a context-parallel rank's, its attention context_parallel's ring or all-gather (on a
+    LoneRank); else model.py's block, an MoE one as moe.py builds it (router, dispatch, the
+    experts' matmuls: a dense block's rate would price top_k experts' FLOPs at the MLP's)."""
+    if split > 1:
+        return split_block(cfg, split)
+    block = Block(cfg, feed_forward)
+    if cp > 1:                # model.py's hook for it, as context_parallel_gpt.py swaps it in
+        group, sequence = LoneRank(cp), SequenceSplit(cp)
+        attend = ATTENTIONS[attention]
+        block.attn.attend = lambda q, k, v, dropout_p: attend(q, k, v, group, sequence)
+    return block
+
+
 def block_flops_per_second(cfg: GPTConfig, rows: int, seq_len: int, precision: str, device,
-                           split: int = 1, window: float = 1.0) -> float:
-    """FLOP/s of one forward + backward of one of the model's blocks on (rows, seq_len, C); with
-    split N, of the 1/N of it a tensor-parallel rank computes (split_block).
+                           split: int = 1, window: float = 1.0, cp: int = 1,
+                           attention: str = "ring") -> float:
+    """FLOP/s of one forward + backward of one of the model's blocks on (rows, seq_len, C): the
+    block a rank computes (rank_block). With split N, its 1/N; with cp, its rows x seq_len/cp
+    tokens, each query against the whole sequence's keys (seq_len).
 
     Not a bare matmul's: on a CPU at these sizes the layer norms, softmax, GELU and Python's
     dispatch take a large share of a block's time, and a bare matmul would miss it; a split
-    block's narrower matmuls run slower still, and its norms are not split. This is a
-    measurement of the machine on the model's shape (one block, random inputs), not of a run:
-    no strategy, no collective, no optimizer. FLOPs as flops.block_flops counts them (/ N):
-    an MoE block's with its top_k experts (its capacity mode runs capacity_factor times as many
-    expert rows, empty slots included: the rate measured so prices that too)."""
+    block's narrower matmuls run slower still, and its norms are not split. Context
+    parallelism's attention is blockwise Python (online softmax over 2cp + 1 blocks, its own
+    backward), slower per FLOP than model.py's fused call. This is a measurement of the machine
+    on the model's shape (one block, random inputs), not of a run: no strategy, no collective,
+    no optimizer. FLOPs as flops.block_flops counts them (/ N): an MoE block's with its top_k
+    experts (its capacity mode runs capacity_factor times as many expert rows, empty slots
+    included: the rate measured so prices that too)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)                           # the run's random stream stays untouched
-        # An MoE block as moe.py builds it (router, dispatch, the experts' matmuls): a dense
-        # block's rate would price top_k experts' FLOPs at the dense MLP's speed.
-        block = split_block(cfg, split) if split > 1 else Block(cfg, feed_forward)
-        block = block.to(device=device, dtype=DTYPES[precision])
-        x = torch.randn(rows, seq_len, cfg.n_embd, dtype=DTYPES[precision], device=device,
+        block = rank_block(cfg, split, cp, attention).to(device=device, dtype=DTYPES[precision])
+        x = torch.randn(rows, seq_len // cp, cfg.n_embd, dtype=DTYPES[precision], device=device,
                         requires_grad=True)
 
         def step():
             block(x).float().square().mean().backward()
         seconds = _seconds(step, device, window=window)
-    return 3 * block_flops(Shape.of(cfg), seq_len) * rows * seq_len / split / seconds
+    return 3 * block_flops(Shape.of(cfg), seq_len) * rows * seq_len / cp / split / seconds
 
 
 def memory_per_rank() -> int:
@@ -254,8 +299,8 @@ def collective_link(comm: Comm, device, sizes=(2**14, 2**18, 2**21)) -> Link:
     n, points = comm.world_size, []
     for numel in sizes:
         t = torch.ones(numel, device=device)
-        seconds = torch.tensor([_seconds(lambda: comm.all_reduce(t), device, calls=5)], dtype=torch.float64,
-                               device=device)
+        seconds = torch.tensor([_seconds(lambda: comm.all_reduce(t), device, calls=5)],
+                               dtype=torch.float64, device=device)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=comm.group)     # the slowest rank's
         points.append((ring_bytes("all_reduce", numel, 4, n), seconds.item()))
     mean_x = sum(x for x, _ in points) / len(points)
@@ -271,7 +316,8 @@ def _measured(cache: str | None, key: str, measure, comm: Comm, device, fields=(
     every one of `fields` (an entry an older version wrote without one is measured again)."""
     saved = read_cache(cache) if cache else {}
     entry = saved.get(key)
-    have = torch.tensor([float(isinstance(entry, dict) and all(f in entry for f in fields))], device=device)
+    found = isinstance(entry, dict) and all(f in entry for f in fields)
+    have = torch.tensor([float(found)], device=device)
     dist.all_reduce(have, op=dist.ReduceOp.MIN, group=comm.group)       # all measure, or none
     if have.item():
         return entry
@@ -310,52 +356,89 @@ def write_cache(cache: str, saved: dict):
 
 
 def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm: Comm | None = None,
-         device=None, cache: str | None = CACHE, split: int = 1, window: float = 1.0) -> Machine:
-    """This machine, measured by every rank at once (as the run will share it): a block's FLOP/s
-    at the run's (rows, seq_len) (split: a tensor-parallel rank's 1/N of it), the optimizer's
-    memory bandwidth, the host-to-device copy's (offload's link), the all-reduce's link: a few seconds (a `window` of seconds for the block,
-    a second for AdamW; a longer window averages out more of a shared machine's drift). Read
-    from `cache` when measured before with the same threads and ranks (and shape, for the FLOP/s)."""
+         device=None, cache: str | None = CACHE, split: int = 1, window: float = 1.0, cp: int = 1,
+         attention: str = "ring") -> Machine:
+    """This machine, measured by every rank at once (as the run will share it): the FLOP/s of the
+    block a rank computes at the run's (rows, seq_len) (rank_block: split, a tensor-parallel
+    rank's 1/N; cp, a context-parallel rank's with its attention), the optimizer's memory
+    bandwidth, the host-to-device copy's (offload's link), the all-reduce's link. A few seconds:
+    a `window` of seconds for the block, a second for AdamW (a longer window averages out more of
+    a shared machine's drift). Read from `cache` when measured before with the same threads and
+    ranks (and block and shape, for the FLOP/s)."""
     comm, device = comm or Comm(), device or torch.device("cpu")
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{platform.processor() or platform.machine()} x {os.cpu_count()}")
     key = f"{where}, {torch.get_num_threads()} threads, {comm.world_size} ranks"
     m = _measured(cache, key, lambda: {
         "memory_bandwidth": optimizer_bandwidth(device), "host_copy": host_copy_bandwidth(device),
-        "link": asdict(collective_link(comm, device) if comm.world_size > 1 else Link(float("inf"), 0.0))},
+        "link": asdict(collective_link(comm, device) if comm.world_size > 1
+                       else Link(float("inf"), 0.0))},
         comm, device, fields=("memory_bandwidth", "host_copy", "link"))
-    block = (f"{precision} block C{cfg.n_embd} H{cfg.n_head}" + (f" split {split} ways" if split > 1 else "")
-             + (f" E{cfg.experts} top-{cfg.top_k} capacity {cfg.capacity_factor} routed"
-                if cfg.experts else ""))        # routed: moe.py's block, not a dense one's rate
-    flops = _measured(cache, f"{key}, {block} at {rows} x {seq_len}",
-                      lambda: {"flops": block_flops_per_second(cfg, rows, seq_len, precision, device, split,
-                                                               window)},
-                      comm, device, fields=("flops",))["flops"]
-    link = Link(**m["link"])
-    return Machine(f"this ({where})", {precision: flops}, {precision: flops}, m["memory_bandwidth"],
-                   Link(m["host_copy"], 0.0), {"node": link, "network": link}, per_node=comm.world_size,
-                   host_memory_bandwidth=m["memory_bandwidth"], overlaps=device.type == "cuda")
+    block = block_key(cfg, rows, seq_len, precision, split, cp, attention)
+    flops = _measured(cache, f"{key}, {block}", lambda: {"flops": block_flops_per_second(
+        cfg, rows, seq_len, precision, device, split, window, cp, attention)},
+        comm, device, fields=("flops",))["flops"]
+    return machine_of(key, m, flops, precision, device.type == "cuda")
+
+
+def block_key(cfg: GPTConfig, rows: int, seq_len: int, precision: str, split: int = 1, cp: int = 1,
+              attention: str = "ring") -> str:
+    """The cache's name for the block `this` measures (rank_block's) at rows x seq_len."""
+    return (f"{precision} block C{cfg.n_embd} H{cfg.n_head}"
+            + (f" split {split} ways" if split > 1 else "")
+            + (f" E{cfg.experts} top-{cfg.top_k} capacity {cfg.capacity_factor} routed"
+               if cfg.experts else "")         # routed: moe.py's block, not a dense one's rate
+            + (f" cp {cp} {attention} attention" if cp > 1 else "")   # context_parallel.py's
+            + f" at {rows} x {seq_len}")
+
+
+def machine_of(key: str, measured: dict, flops: float, precision: str, on_gpu: bool) -> Machine:
+    """The Machine `this` makes of its figures: key "where, threads, ranks" (the cache's), the
+    bandwidths and link measured under it, a block's FLOP/s."""
+    where, ranks = key.rsplit(", ", 2)[0], int(key.rsplit(", ", 1)[1].split()[0])
+    link = Link(**measured["link"])
+    memory = measured["memory_bandwidth"]
+    return Machine(f"this ({where})", {precision: flops}, {precision: flops}, memory,
+                   Link(measured["host_copy"], 0.0), {"node": link, "network": link},
+                   per_node=ranks, host_memory_bandwidth=memory, overlaps=on_gpu)
+
+
+def recorded(cache: str, block: str, precision: str, on_gpu: bool) -> Machine:
+    """The Machine a run's `this` made from `cache` for `block` (block_key), read back: a bench
+    run's NAME-this.json, one run's measurements, whose rows tests price again. A file from
+    before host_copy was measured prices no offload (NaN)."""
+    saved = read_cache(cache)
+    key = next((k for k in saved if k.endswith(f", {block}")), None)
+    if key is None:
+        raise KeyError(f"{cache} holds no measurement of a {block}")
+    base = key.removesuffix(f", {block}")
+    measured = {"host_copy": math.nan, **saved[base]}
+    return machine_of(base, measured, saved[key]["flops"], precision, on_gpu)
 
 
 def measure_this(args):
     """--this: measure, print on rank 0 (under torchrun the links too)."""
     device = init_distributed()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     m = this(MODELS[args.model], args.rows, args.seq_len, device=device)
     link = m.links["node"]
     if dist.get_rank() == 0:
-        print(f"this: a {args.model} block at {args.rows} x {args.seq_len}: {m.flops['fp32'] / 1e9:.1f} "
-              f"GFLOP/s fp32; AdamW streams {m.memory_bandwidth / GB:.1f} GB/s; host to device "
+        print(f"this: a {args.model} block at {args.rows} x {args.seq_len}: "
+              f"{m.flops['fp32'] / 1e9:.1f} GFLOP/s fp32; AdamW streams "
+              f"{m.memory_bandwidth / GB:.1f} GB/s; host to device "
               f"{m.host_link.bandwidth / GB:.1f} GB/s; all-reduce link "
-              f"{link.bandwidth / GB:.2f} GB/s, {link.latency * 1e6:.0f} us per message (cached in {CACHE})")
+              f"{link.bandwidth / GB:.2f} GB/s, {link.latency * 1e6:.0f} us per message "
+              f"(cached in {CACHE})")
     exit_distributed()
 
 
 def main(argv=None):
     p = Parser(prog="python -m napkin.machines", description=__doc__.split("\n")[0])
-    p.add_argument("--this", action="store_true", help="measure this machine (torchrun: its links too)")
-    p.add_argument("--model", default="medium", choices=list(MODELS), help="the shape `this` measures a "
-                   "block of; default medium")
+    p.add_argument("--this", action="store_true",
+                   help="measure this machine (torchrun: its links too)")
+    p.add_argument("--model", default="medium", choices=list(MODELS),
+                   help="the shape `this` measures a block of; default medium")
     p.add_argument("--rows", type=whole, default=8, help="sequences per rank; default 8")
     p.add_argument("--seq-len", type=whole, default=None,
                    help="default: the model's block size (medium: 256)")
@@ -363,8 +446,8 @@ def main(argv=None):
     block_size = MODELS[args.model].block_size
     args.seq_len = block_size if args.seq_len is None else args.seq_len
     if args.rows < 1 or not 1 <= args.seq_len <= block_size:
-        p.error(f"--rows {args.rows} --seq-len {args.seq_len}: give --rows 1 or more and a --seq-len "
-                f"from 1 to model {args.model}'s block size {block_size}")
+        p.error(f"--rows {args.rows} --seq-len {args.seq_len}: give --rows 1 or more and a "
+                f"--seq-len from 1 to model {args.model}'s block size {block_size}")
     cfg = MODELS[args.model]
     need = activation_bytes(args.seq_len, args.rows, cfg.n_embd, cfg.n_head, bytes_per_value=4)
     if args.this and need > memory_per_rank():

@@ -12,7 +12,7 @@ Left out: launch gaps, the data loader, stragglers, a GPU's non-matmul kernels (
 measures them in: machines.block_flops_per_second). FLOPs: flops.py; machines, and a collective's
 seconds on a link: machines.py; expert and context parallelism (all-to-alls, K/V exchange):
 step_time_parallel.py.
-Run: python -m napkin.step_time --model medium --strategy ddp --world 2 --batch 16 --seq-len 64 --machine a100
+Run: python -m napkin.step_time --model medium --world 2 --batch 16 --seq-len 64 --machine a100
      python -m napkin.step_time --llama-8b (torchtitan's Llama-3.1-8B FSDP run on 8 H100s)
 Test: python -m pytest tests/test_step_time.py
 
@@ -23,7 +23,8 @@ import math
 from dataclasses import dataclass, replace
 
 from napkin.flops import LLAMA_3_1_8B, Shape, block_flops, model_flops_per_token, step_flops
-from napkin.machines import ADAMW_BYTES, PRESETS as MACHINES, Link, Machine, collective_seconds, overlapped
+from napkin.machines import (ADAMW_BYTES, PRESETS as MACHINES, Link, Machine, collective_seconds,
+                             overlapped)
 from napkin.memory_math import _element_size, nf4_bytes
 from model import PRESETS as MODELS
 from mechanics.pipeline_mechanics import bubble_formula, split_layers
@@ -60,10 +61,12 @@ def data_parallel_seconds(strategy: str, shape: Shape, world: int, size: int, wi
         return overlapped("all_reduce", trainable, wire, world, link, bucket, backward)
     gather = collective_seconds("all_gather", P, size, world, link, math.ceil(P / bucket))
     if strategy == "zero1":
-        scatter = collective_seconds("reduce_scatter", trainable, wire, world, link, math.ceil(trainable / bucket))
+        scatter = collective_seconds("reduce_scatter", trainable, wire, world, link,
+                                     math.ceil(trainable / bucket))
         return scatter + gather, scatter + gather
     if strategy == "zero2":
-        scatter, exposed = overlapped("reduce_scatter", trainable, wire, world, link, bucket, backward)
+        scatter, exposed = overlapped("reduce_scatter", trainable, wire, world, link, bucket,
+                                      backward)
         return scatter + gather, exposed + gather
     block = shape.block_params(active=False)
     root = P - shape.layers * block                       # embeddings, head, and the small rest
@@ -74,14 +77,16 @@ def data_parallel_seconds(strategy: str, shape: Shape, world: int, size: int, wi
         return collective_seconds("all_gather", nbytes, 1, world, link, units)
 
     def scatter(numel, units=1):           # gradients: only the trainable share (LoRA's adapters)
-        return collective_seconds("reduce_scatter", numel * trainable // P, wire, world, link, units)
+        return collective_seconds("reduce_scatter", numel * trainable // P, wire, world, link,
+                                  units)
     first = gather(root * size) + gather(block_bytes)
     rest_forward = gather((shape.layers - 1) * block_bytes, shape.layers - 1)
     last = scatter(root) + scatter(block)
     rest_backward = (gather(shape.layers * block_bytes, shape.layers)
                      + scatter((shape.layers - 1) * block, shape.layers - 1))
     total = first + rest_forward + last + rest_backward
-    return total, first + last + max(0.0, rest_forward - forward) + max(0.0, rest_backward - backward)
+    hidden = max(0.0, rest_forward - forward) + max(0.0, rest_backward - backward)
+    return total, first + last + hidden
 
 
 def tensor_parallel_seconds(shape: Shape, tokens: int, micro_batches: int, world: int, size: int,
@@ -147,7 +152,8 @@ def _compute(step: Step, machine: Machine) -> tuple[dict, int, int]:
     s, N = step.shape, step.world
     adapters, frozen = step.lora or (0, 0)
     flops = step_flops(s, step.seq_len, step.checkpointing, frozen, adapters)
-    tokens = step.batch * step.seq_len // (1 if step.strategy == "tp" or step.strategy.startswith("pipeline") else N)
+    whole = step.strategy == "tp" or step.strategy.startswith("pipeline")   # every rank all rows
+    tokens = step.batch * step.seq_len // (1 if whole else N)
     share = 1.0
     if step.strategy == "tp":
         share = 1 / N                                   # every matrix split over the ranks
@@ -177,28 +183,31 @@ def predict(step: Step, machine: Machine) -> dict:
     elif step.strategy in DATA_PARALLEL:
         bucket = int(step.bucket_mb * 2**20) // size
         parts["communication"], parts["exposed"] = data_parallel_seconds(
-            step.strategy, s, N, size, size, link, bucket, compute["forward"], compute["backward"], trainable,
-            step.quantized)
+            step.strategy, s, N, size, size, link, bucket, compute["forward"], compute["backward"],
+            trainable, step.quantized)
     elif step.strategy == "tp":
-        parts["communication"] = parts["exposed"] = tensor_parallel_seconds(s, tokens, 1, N, size, link)
+        parts["communication"] = parts["exposed"] = tensor_parallel_seconds(s, tokens, 1, N, size,
+                                                                            link)
     elif step.strategy.startswith("pipeline"):
-        pipe = pipeline_seconds(s, step.strategy.split("-", 1)[1], N, step.micro_batches, step.virtual_stages,
-                                tokens, size, link, compute["forward"] + compute["backward"])
+        pipe = pipeline_seconds(s, step.strategy.split("-", 1)[1], N, step.micro_batches,
+                                step.virtual_stages, tokens, size, link,
+                                compute["forward"] + compute["backward"])
         parts["communication"] = parts["exposed"] = pipe["p2p"]
         parts["bubble"] = pipe["bubble"]
     else:
-        raise ValueError(f"unknown strategy {step.strategy!r}: choose one of {', '.join(DATA_PARALLEL)}, "
-                         f"tp, pipeline-<schedule>")
+        raise ValueError(f"unknown strategy {step.strategy!r}: choose one of "
+                         f"{', '.join(DATA_PARALLEL)}, tp, pipeline-<schedule>")
     if not machine.overlaps:           # a CPU: the collectives' work takes the compute's cores
         parts["exposed"] = parts["communication"]
     per_param = ADAMW_BYTES[step.adamw] + CLIP_BYTES + (MASTER_BYTES if size < 4 else 0)
-    if step.offload:        # the gradient shard down and the parameter shard up, then the host's Adam
+    if step.offload:        # the gradient shard down, the parameter shard up, then the host's Adam
         parts["offload"] = machine.host_link.seconds(updated * (size + size), 2)
     memory = machine.host_memory_bandwidth if step.offload else machine.memory_bandwidth
     parts["optimizer"] = updated * per_param / memory
     total = sum(v for k, v in parts.items() if k != "communication")
     global_tokens = step.batch * step.seq_len
-    mfu = model_flops_per_token(s, step.seq_len) * global_tokens / total / (machine.peak_flops[step.precision] * N)
+    peak = machine.peak_flops[step.precision] * N
+    mfu = model_flops_per_token(s, step.seq_len) * global_tokens / total / peak
     return {"parts": parts, "seconds": total, "tokens_per_s": global_tokens / total, "mfu": mfu}
 
 
@@ -214,10 +223,11 @@ def describe(step: Step, machine: Machine, result: dict) -> list:
     parts = "  ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in result["parts"].items())
     splits = ((f" + cp {step.cp} ({step.attention})" if step.cp > 1 else "")
               + (f" + ep {step.ep}" if step.ep > 1 else ""))
-    return [f"{step.strategy}{splits} on {step.world} x {machine.name}, {step.precision}, batch {step.batch} x "
-            f"{step.seq_len}: {parts} ms (communication: all of it; exposed: what compute does not hide)",
-            f"step {result['seconds'] * 1e3:.1f} ms, {result['tokens_per_s'] / step.world:,.0f} tokens/s "
-            f"per rank, MFU {100 * result['mfu']:.1f}%"]
+    return [f"{step.strategy}{splits} on {step.world} x {machine.name}, {step.precision}, batch "
+            f"{step.batch} x {step.seq_len}: {parts} ms (communication: all of it; exposed: what "
+            f"compute does not hide)",
+            f"step {result['seconds'] * 1e3:.1f} ms, {result['tokens_per_s'] / step.world:,.0f} "
+            f"tokens/s per rank, MFU {100 * result['mfu']:.1f}%"]
 
 
 # --strategy: train.py's names. zero3 is fsdp (train.py's alias); cp is ddp with every sequence
@@ -225,18 +235,20 @@ def describe(step: Step, machine: Machine, result: dict) -> list:
 STRATEGIES = (*DATA_PARALLEL, "zero3", "tp", "cp", *(f"pipeline-{name}" for name in SCHEDULES))
 # The run's options and their defaults: none of them may be given with --llama-8b, a fixed run.
 # seq_len None: the model's block size.
-RUN_DEFAULTS = dict(model="medium", strategy="ddp", world=2, batch=16, seq_len=None, precision="fp32",
-                    machine="h100-sxm", microbatches=4)
+RUN_DEFAULTS = dict(model="medium", strategy="ddp", world=2, batch=16, seq_len=None,
+                    precision="fp32", machine="h100-sxm", microbatches=4)
 
 
 def parse_args(argv=None):
     p = Parser(prog="python -m napkin.step_time", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=list(MODELS), help="default medium")
-    p.add_argument("--llama-8b", action="store_true", help="torchtitan's published Llama-3.1-8B run "
-                   "(docs/performance.md, table 1): FSDP on 8 H100s, bf16, local batch 2 x 8192, selective "
-                   "activation checkpointing")
-    p.add_argument("--strategy", choices=STRATEGIES, help="default ddp; zero3 is fsdp; cp: ddp with "
-                   "every sequence split over the --world ranks (ring attention)")
+    p.add_argument("--llama-8b", action="store_true",
+                   help="torchtitan's published Llama-3.1-8B run (docs/performance.md, table 1): "
+                   "FSDP on 8 H100s, bf16, local batch 2 x 8192, selective activation "
+                   "checkpointing")
+    p.add_argument("--strategy", choices=STRATEGIES,
+                   help="default ddp; zero3 is fsdp; cp: ddp with every sequence split over the "
+                   "--world ranks (ring attention)")
     p.add_argument("--world", type=whole, help="ranks; default 2 (single: 1)")
     p.add_argument("--batch", type=whole, help="global, in sequences; default 16")
     p.add_argument("--seq-len", type=whole, help="default: the model's block size (medium: 256)")
@@ -255,7 +267,8 @@ def parse_args(argv=None):
         ["checkpointing"] if args.checkpointing else [])
     if args.llama_8b and given:
         p.error(f"--llama-8b prices torchtitan's published run as it ran (FSDP on 8 H100s, bf16, "
-                f"16 x 8192): drop {', '.join('--' + name.replace('_', '-') for name in given)}, or "
+                f"16 x 8192): drop {', '.join('--' + name.replace('_', '-') for name in given)}, "
+                f"or "
                 f"price a run of your own without --llama-8b")
     if not args.llama_8b:
         _check_run(p, args)
@@ -265,24 +278,26 @@ def parse_args(argv=None):
 def _check_run(p, args):
     """The run's options, defaults filled in: a world, batch and sequence the strategy splits."""
     if args.strategy == "single" and args.world not in (None, 1):
-        p.error(f"--strategy single runs on one rank, but --world is {args.world}: use --strategy ddp, "
-                f"or drop --world")
+        p.error(f"--strategy single runs on one rank, but --world is {args.world}: use "
+                f"--strategy ddp, or drop --world")
     if args.microbatches is not None and not (args.strategy or "").startswith("pipeline-"):
-        p.error("--microbatches splits a pipeline's batch: give --strategy pipeline-1f1b (or another "
-                "schedule), or drop --microbatches")
+        p.error("--microbatches splits a pipeline's batch: give --strategy pipeline-1f1b (or "
+                "another schedule), or drop --microbatches")
     for name, default in RUN_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, 1 if name == "world" and args.strategy == "single" else default)
     cfg, N = MODELS[args.model], args.world
     args.seq_len = cfg.block_size if args.seq_len is None else args.seq_len
-    for flag, value in (("--world", N), ("--batch", args.batch), ("--microbatches", args.microbatches)):
+    for flag, value in (("--world", N), ("--batch", args.batch),
+                        ("--microbatches", args.microbatches)):
         if value < 1:
             p.error(f"{flag} must be at least 1, got {value}")
     if not 1 <= args.seq_len <= cfg.block_size:
-        p.error(f"--seq-len must be between 1 and model {args.model}'s block size {cfg.block_size}, "
-                f"got {args.seq_len}")
+        p.error(f"--seq-len must be between 1 and model {args.model}'s block size "
+                f"{cfg.block_size}, got {args.seq_len}")
     if args.strategy in (*DATA_PARALLEL, "zero3") and args.batch % N:
-        p.error(f"--batch {args.batch} does not split over --world {N} ranks: use a multiple of {N}")
+        p.error(f"--batch {args.batch} does not split over --world {N} ranks: use a multiple "
+                f"of {N}")
     if args.strategy.startswith("pipeline-"):
         _check_pipeline(p, args)
     if args.strategy == "tp":
@@ -291,19 +306,21 @@ def _check_run(p, args):
         except ValueError as e:
             p.error(f"--strategy tp over --world {N}: {e}")
     if args.strategy == "cp" and (N < 2 or args.seq_len % (2 * N)):
-        p.error(f"--strategy cp splits each sequence into 2 x --world {N} chunks (zigzag): give --world "
-                f"2 or more and a --seq-len divisible by {2 * N}")
+        p.error(f"--strategy cp splits each sequence into 2 x --world {N} chunks (zigzag): give "
+                f"--world 2 or more and a --seq-len divisible by {2 * N}")
 
 
 def _check_pipeline(p, args):
     """A pipeline of --world stages, each with a block per chunk, and whole micro-batches."""
     cfg, N, M, v = MODELS[args.model], args.world, args.microbatches, _virtual_stages(args.strategy)
     if N < 2 or cfg.n_layer < N * v:
-        p.error(f"--strategy {args.strategy} cuts model {args.model}'s {cfg.n_layer} blocks into --world "
-                f"{N} stages" + (f" x {v} chunks" if v > 1 else "") + f": give --world 2 to "
-                f"{cfg.n_layer // v} (a block per chunk), or a deeper --model")
+        chunks = f" x {v} chunks" if v > 1 else ""
+        p.error(f"--strategy {args.strategy} cuts model {args.model}'s {cfg.n_layer} blocks into "
+                f"--world {N} stages{chunks}: give --world 2 to {cfg.n_layer // v} (a block per "
+                f"chunk), or a deeper --model")
     if args.batch % M:
-        p.error(f"--batch {args.batch} does not split into --microbatches {M}: use a multiple of {M}")
+        p.error(f"--batch {args.batch} does not split into --microbatches {M}: use a multiple "
+                f"of {M}")
     try:
         make_schedule(args.strategy.removeprefix("pipeline-"), N, M, v)
     except ValueError as e:                     # interleaved: M a multiple of P
@@ -318,8 +335,9 @@ def _virtual_stages(strategy: str) -> int:
 def command_line_step(args) -> Step:
     """The Step the command line describes (zero3: fsdp; cp: ddp, the world one cp group)."""
     strategy = {"zero3": "fsdp", "cp": "ddp"}.get(args.strategy, args.strategy)
-    return Step(Shape.of(MODELS[args.model]), strategy, args.world, args.batch, args.seq_len, args.precision,
-                micro_batches=args.microbatches, virtual_stages=_virtual_stages(args.strategy),
+    return Step(Shape.of(MODELS[args.model]), strategy, args.world, args.batch, args.seq_len,
+                args.precision, micro_batches=args.microbatches,
+                virtual_stages=_virtual_stages(args.strategy),
                 checkpointing=args.checkpointing, cp=args.world if args.strategy == "cp" else 1)
 
 

@@ -6,7 +6,9 @@ all-to-alls per MoE layer, and all-reduces the gradients: the shared parameters 
 each expert's over the ranks holding it. Context parallelism (context_parallel.py): each rank
 computes 1/cp of every sequence's tokens, its queries against the whole sequence's keys, and
 meets the other ranks' keys by a ring of K/V passes or one all-gather per layer; then DDP's
-all-reduce. A collective = messages x latency + bytes sent / bandwidth (machines.collective_seconds).
+all-reduce. A collective = messages x latency + bytes sent / bandwidth
+(machines.collective_seconds). On `this`, a cp rank's compute goes at the rate measured for
+the block it runs, its attention the ring's or the all-gather's (machines.rank_block).
 Test: python -m pytest tests/test_step_time.py
 
 Shapes: L layers, C width, T sequence, E experts, k top_k, ep ranks an MoE layer's experts are
@@ -28,8 +30,9 @@ def all_to_all_seconds(shape: Shape, tokens: int, ep: int, size: int, link: Link
     expert matmuls that wait for its rows (the combine, between them and the residual)."""
     if ep == 1 or not shape.experts:
         return 0.0
-    nbytes = shape.layers * layer_exchange_bytes(tokens, shape.width, shape.experts, shape.top_k,
-                                                 shape.capacity_factor, shape.routing_group, ep, size)
+    nbytes = shape.layers * layer_exchange_bytes(
+        tokens, shape.width, shape.experts, shape.top_k, shape.capacity_factor,
+        shape.routing_group, ep, size)
     return link.seconds(nbytes, 4 * shape.layers * (ep - 1))
 
 
@@ -60,8 +63,8 @@ def kv_seconds(shape: Shape, rows: int, seq_len: int, cp: int, attention: str, s
     hidden = shape.width * shape.kv_heads // shape.heads
     if attention == "allgather":
         kv = 2 * (seq_len // cp) * rows * hidden
-        return {"forward": shape.layers * collective_seconds("all_gather", cp * kv, size, cp, link),
-                "backward": shape.layers * collective_seconds("reduce_scatter", cp * kv, size, cp, link)}
+        return {phase: shape.layers * collective_seconds(kind, cp * kv, size, cp, link)
+                for phase, kind in (("forward", "all_gather"), ("backward", "reduce_scatter"))}
     volume = cp_kv_bytes(seq_len, rows, hidden, cp, "ring", size)
     return {"forward": shape.layers * link.seconds(volume["forward"], cp - 1),
             "backward": shape.layers * link.seconds(volume["backward"], 2 * (cp - 1))}
@@ -90,7 +93,8 @@ def inside_blocks(step, machine: Machine, compute: dict, tokens: int) -> dict:
     """step_time.predict's communication parts for `step` (a step_time.Step: ddp, ep or cp > 1):
     "communication" and "exposed", DDP's gradient all-reduce (plus the clip's norm at ep > 1);
     "all_to_all", the experts' exchanges; "kv_exchange", the exposed K/V exchange. compute: this
-    rank's forward and backward seconds (step_time._compute: its tokens, the active experts' FLOPs)."""
+    rank's forward and backward seconds (step_time._compute: its tokens, the active experts'
+    FLOPs)."""
     s, N = step.shape, step.world
     if step.strategy != "ddp" or step.ep > 1 and step.cp > 1 or N % max(step.ep, step.cp):
         raise ValueError(f"ep {step.ep}, cp {step.cp} over {N} ranks: priced under --strategy ddp, "
@@ -98,12 +102,14 @@ def inside_blocks(step, machine: Machine, compute: dict, tokens: int) -> dict:
     size, link = _element_size(step.precision), machine.link(N)
     bucket = int(step.bucket_mb * 2**20) // size
     if step.ep > 1:
-        seconds, exposed = expert_gradient_seconds(s, N, step.ep, size, link, bucket, compute["backward"])
+        seconds, exposed = expert_gradient_seconds(s, N, step.ep, size, link, bucket,
+                                                   compute["backward"])
         return {"communication": seconds, "exposed": exposed,
                 "all_to_all": all_to_all_seconds(s, tokens, step.ep, size, machine.link(step.ep))}
     if step.attention not in ("ring", "allgather"):
         raise ValueError(f"cp attention {step.attention!r}: ring or allgather")
-    seconds, exposed = overlapped("all_reduce", s.params(), size, N, link, bucket, compute["backward"])
+    seconds, exposed = overlapped("all_reduce", s.params(), size, N, link, bucket,
+                                  compute["backward"])
     rows = step.batch * step.cp // N                                 # a cp rank reads B rows
     kv = kv_seconds(s, rows, step.seq_len, step.cp, step.attention, size, machine.link(step.cp))
     computing = attention_seconds(s, tokens, step.seq_len, machine.flops[step.precision])

@@ -460,3 +460,48 @@ def test_a_mixture_of_experts_block_is_measured_as_moe_py_builds_it(monkeypatch)
     cfg = MODELS["tiny-moe"]
     rate = machines.block_flops_per_second(cfg, 2, 16, "fp32", torch.device("cpu"))
     assert routed and routed[0] == (2, 16, cfg.n_embd) and rate > 0, routed
+
+
+def test_a_context_parallel_block_is_measured_with_its_attention(monkeypatch):
+    """machines.this prices a cp rank's FLOPs at the rate of the block it computes: its rows x
+    T/cp tokens, their queries against the whole sequence through context_parallel.py's ring
+    or all-gather (blockwise, slower per FLOP on a CPU than model.py's one fused call: the
+    bench's cp rows predicted 0.77 and 0.81 of their measured time at the fused rate)."""
+    import context_parallel
+    seen = []
+    for name, attention in context_parallel.ATTENTIONS.items():
+        def counted(q, k, v, group, split, attention=attention):
+            seen.append((q.shape, group.world_size, split.cp))
+            return attention(q, k, v, group, split)
+        monkeypatch.setitem(context_parallel.ATTENTIONS, name, counted)
+    cfg = MODELS["tiny"]
+    for attention in ("ring", "allgather"):
+        rate = machines.block_flops_per_second(cfg, 2, 16, "fp32", torch.device("cpu"), cp=2,
+                                               attention=attention)
+        assert rate > 0 and seen[-1] == ((2, cfg.n_head, 8, cfg.n_embd // cfg.n_head), 2, 2), seen
+    assert machines.block_key(cfg, 2, 16, "fp32", cp=2, attention="ring").endswith(
+        "cp 2 ring attention at 2 x 16")
+
+
+@pytest.mark.parametrize("attention", ["ring", "allgather"])
+def test_a_lone_rank_computes_what_a_rank_of_the_group_computes(attention):
+    """machines.LoneRank stands in for a cp group of 2: rank 0's zigzag chunks (positions 0-3
+    and 12-15 of 16) attend to a sequence whose every rank holds this rank's K/V (its receives
+    copy its sends), against causal attention written out over that sequence."""
+    import context_parallel
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    split = context_parallel.SequenceSplit(2)
+    out = context_parallel.ATTENTIONS[attention](q, k, v, machines.LoneRank(2), split)
+    out.square().sum().backward()
+    mine = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])           # rank 0's positions, zigzag
+    keys = torch.cat([mine, torch.tensor([4, 5, 6, 7, 8, 9, 10, 11])])   # rank 1's: the same K/V
+    q1, k1, v1 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    kk, vv = torch.cat([k1, k1], dim=2), torch.cat([v1, v1], dim=2)      # (1, 2, 16, 4) at `keys`
+    visible = keys[None, :] <= mine[:, None]                     # (8, 16): key position <= query's
+    scores = (q1 @ kk.transpose(-2, -1) / 2).masked_fill(~visible, float("-inf"))   # D = 4
+    expected = scores.softmax(-1) @ vv
+    expected.square().sum().backward()
+    assert torch.allclose(out, expected)
+    for got, want in ((q, q1), (k, k1), (v, v1)):             # K/V's: both copies' gradients
+        assert torch.allclose(got.grad, want.grad)
