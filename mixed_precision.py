@@ -289,7 +289,7 @@ def check_against_fp32(precision: str = "bf16", steps: int = 5, lr: float = 1e-2
 
 if __name__ == "__main__":
     start_alone()
-    demonstrate()          # dtypes.py: what fp16 loses, and what a loss scale gets back
+    demonstrate()          # foundations/dtypes.py: what fp16 loses, and what a loss scale gets back
     steps, lr, failed = 5, 1e-2, False
     # 16-bit rounding perturbs AdamW's normalized steps, not their size (about lr each): the runs
     # part by a few hundredths of lr x steps or less (measured: bf16 8.2e-4, fp16 9.2e-5, against

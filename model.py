@@ -56,10 +56,11 @@ PRESETS = {
     # computes with 181M (GPT-2 small's 124M plus one more MLP per block and the routers)
     "gpt2-small-moe": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024,
                                 vocab_size=50304, tie_embeddings=True, experts=8, top_k=2),
-    # The lecture's "does a 7B model fit?", for memory.py's napkin math: Llama 2 7B's 32 layers of
-    # width 4096, 32 heads, 32000 tokens and 4096 positions in our blocks: 6.72B parameters.
+    # The lecture's "does a 7B model fit?", for napkin/memory.py's napkin math: Llama 2 7B's 32
+    # layers of width 4096, 32 heads, 32000 tokens and 4096 positions in our blocks: 6.72B
+    # parameters.
     "7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=4096, vocab_size=32000),
-    # The talk's QLoRA + FSDP case, for memory.py's napkin math (not to train on a laptop):
+    # The talk's QLoRA + FSDP case, for napkin/memory.py's napkin math (not to train on a laptop):
     # Llama 2 70B's depth, width, heads and vocabulary in our blocks (a 4x GeLU MLP where
     # Llama's SwiGLU is 3.5x, full multi-head attention): 65B parameters, the 70B class.
     "70b": GPTConfig(n_layer=80, n_head=64, n_embd=8192, block_size=4096, vocab_size=32000),

@@ -4,9 +4,10 @@ A step: each rank takes its slice of the global batch, runs forward and backward
 --grad-accum micro-batches, the strategy averages the gradients (ddp.py, zero.py, fsdp.py) and
 the mixed-precision optimizer updates the fp32 master weights (mixed_precision.py). One mesh
 splits the matrices over --tp ranks, the sequences over --cp, the blocks into --pp stages and the
-experts over --ep, in any combination (the composition: parallelize.py), and data-parallelizes the
-rest. The log says loss, speed, bytes and memory beside their formulas (report.py); with --out the
-run is a directory whose checkpoints --resume continues bit for bit (snapshot.py).
+experts over --ep, in any combination (the composition: composition/parallelize.py), and
+data-parallelizes the rest. The log says loss, speed, bytes and memory beside their formulas
+(running/report.py). With --out the run is a directory whose checkpoints --resume continues bit
+for bit (running/snapshot.py).
 Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero2
 Test: python -m pytest tests/test_train.py tests/test_snapshot.py tests/test_run_log.py
 """

@@ -191,7 +191,7 @@ def ours_fsdp(model, args, shard_group=None):
     comm = our_comm()
     shard, copies = make_mesh(comm, shard_group) if shard_group else (comm, None)
     frozen = any(not p.requires_grad for p in model.parameters())
-    # What a rank holds, predicted (memory.py); with a frozen base, also what it would hold whole.
+    # What a rank holds, predicted (napkin/memory.py); with a frozen base, also what it would hold whole.
     options = SimpleNamespace(precision=args.precision, ep=1, double_quant=False, offload=None)
     napkin_held = {f"zero3 over {shard.world_size}": run_state_bytes(model, "zero3", options,
                                                                      shard.world_size)["total"]}
@@ -421,7 +421,7 @@ THIS_WINDOW = 3.0
 
 
 def strategy_priced(name: str, args, N: int) -> tuple[Step, dict]:
-    """What step_time.py prices strategy row `name` as over N ranks: its Step, and the block
+    """What napkin/step_time.py prices strategy row `name` as over N ranks: its Step, and the block
     machines.this measures for it (this()'s shape arguments), at the rows a rank's blocks
     compute at a time: its share of the batch, the whole batch under tp (a tp rank's 1/N of
     each block), a micro-batch in a pipeline. hsdp is priced as fsdp over the whole world (the
@@ -444,7 +444,7 @@ def strategy_priced(name: str, args, N: int) -> tuple[Step, dict]:
 def inside_priced(model: str, args, N: int, ep: int = 1, cp: int = 1,
                   attention: str = "ring") -> tuple[Step, dict]:
     """strategy_priced for a moe row (ep) or a cp row (cp: the whole world one cp group), both
-    our DDP (step_time_parallel.py): the block machines.this measures is `model`'s as a rank
+    our DDP (napkin/step_time_parallel.py): the block machines.this measures is `model`'s as a rank
     computes it, at its B/N rows of T tokens, or a cp rank's B cp/N rows of T/cp tokens with
     context_parallel.py's `attention` (machines.rank_block)."""
     cfg = PRESETS[model]
@@ -455,7 +455,7 @@ def inside_priced(model: str, args, N: int, ep: int = 1, cp: int = 1,
 
 
 def predicted(priced: tuple[Step, dict], device, cache: str) -> dict:
-    """step_time.py's napkin for a row (strategy_priced, inside_priced), on this machine as
+    """napkin/step_time.py's napkin for a row (strategy_priced, inside_priced), on this machine as
     machines.this measures it (every rank at once; read from `cache` once measured for the run).
     Never fitted to the row's runs. Returns {part: ms} (step_time.predict's parts) and "step",
     their sum."""
@@ -693,7 +693,7 @@ RUN_KEYS = ("machine", "strategies", "moe", "context_parallel", "collectives")  
 
 
 def read_run(p, name: str) -> dict:
-    """--report FILE: the JSON a bench.py run wrote, read whole before any table is printed."""
+    """--report FILE: the JSON a bench/compare.py run wrote, read whole before any table is printed."""
     try:
         with open(name) as f:
             data = json.load(f)
@@ -726,7 +726,7 @@ def this_file(args) -> str:
 
 
 def strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops) -> list:
-    """bench_strategy's row for each strategy asked for, and step_time.py's prediction beside it:
+    """bench_strategy's row for each strategy asked for, and napkin/step_time.py's prediction beside it:
     this machine measured afresh for this run (machines.this, every rank at once, into a file
     beside the JSON), once per shape a row computes: rows of one shape read one measurement, so
     their predictions differ only by their formulas."""
@@ -745,7 +745,7 @@ def strategy_rows(args, rows_of_rank, whole, device, n_params, peak_flops) -> li
 
 def moe_and_cp_rows(args, rows_of_rank, whole, device) -> tuple:
     """bench_moe's row and bench_context_parallel's rows (None and [] when not asked for), each
-    run with step_time.py's napkin beside it, priced first (machines.this measures between runs,
+    run with napkin/step_time.py's napkin beside it, priced first (machines.this measures between runs,
     never inside one; strategy_rows has emptied the run's file of measurements)."""
     moe_row, cp_rows, N = None, [], dist.get_world_size()
     if "moe" in args.strategies:

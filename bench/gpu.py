@@ -1,8 +1,8 @@
-"""bench_gpu.py: one GPU's short window spent measuring, every strategy at world 1 against PyTorch's.
+"""bench/gpu.py: one GPU's short window spent measuring, every strategy at world 1 against PyTorch's.
 
 GPU time comes in windows of about 15 minutes on one card. This is the one command to run first:
 ddp, zero1, zero2, fsdp, QLoRA under fsdp, zero2 with its optimizer offloaded, tp and a 1F1B
-pipeline, each ours and PyTorch's own (bench.py's contenders; for QLoRA PyTorch has no 4-bit
+pipeline, each ours and PyTorch's own (bench/compare.py's contenders; for QLoRA PyTorch has no 4-bit
 type, so its side is fully_shard over the bf16 base; for the offload, fully_shard's
 CPUOffloadPolicy) on gpt2-small in bf16, at world 1 (collectives over a group of one, so the
 time is the strategy's own compute, copies and bookkeeping). Each row: ms/step, tokens/s, MFU
@@ -56,7 +56,7 @@ def ours_zero2_offload(model, args):
     return Run(wrapped, optimizer, comm, label="our ZeRO-2 + ZeRO-Offload (AdamW on the host)", napkin_sent=sent)
 
 
-# row -> (build ours, build PyTorch's), bench.py's contenders where it has them.
+# row -> (build ours, build PyTorch's), bench/compare.py's contenders where it has them.
 ROWS = {
     **{name: STRATEGIES[name] for name in ("ddp", "zero1", "zero2", "fsdp")},
     "qlora-fsdp": (ours_qlora, partial(with_lora, torch_fsdp)),
@@ -113,7 +113,7 @@ def measure_side(build, args, batches, device) -> dict:
 
 def model_flops_per_token(cfg, n_params: int, seq_len: int) -> float:
     """Forward and backward: 6 per parameter, plus attention's scores and weighted sum,
-    12 x layers x width x sequence (PaLM, appendix B), as bench.py counts them."""
+    12 x layers x width x sequence (PaLM, appendix B), as bench/compare.py counts them."""
     return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
 
@@ -159,7 +159,7 @@ def report(machine: dict, rows: list) -> str:
 
 def memory_picture(args, strategies=("zero2", "fsdp")) -> str:
     """The bytes held over one step of this model (traces.memory_over_a_step at world 1), drawn by
-    pictures.draw_memory with memory.py's napkin dashed over it (and, on a GPU, the allocator)."""
+    pictures.draw_memory with napkin/memory.py's napkin dashed over it (and, on a GPU, the allocator)."""
     flags = ["--model", args.model, "--precision", args.precision, "--batch-size", str(args.batch_size),
              "--seq-len", str(args.seq_len)]
     return pictures.draw_memory([traces.memory_over_a_step(s, flags) for s in strategies])

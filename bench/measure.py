@@ -1,15 +1,15 @@
-"""bench_measure.py: how bench.py measures one training run, and the table it prints of them.
+"""bench/measure.py: how bench/compare.py measures one training run, and the table it prints of them.
 
 A run is a fresh model under one strategy: warm-up steps, then timed steps (the slowest rank's
 time), beside the bytes held between steps (memory_math.held_bytes, a DTensor by its local tensors),
 the bytes one forward keeps for backward (saved-tensor hooks) and, on a GPU, MFU against the
 card's datasheet peak. Ours and PyTorch's runs alternate; so do a mixture of experts' runs at
-ep 1 and ep P, with the expert weights a rank holds and the all-to-all bytes beside memory.py's.
+ep 1 and ep P, with the expert weights a rank holds and the all-to-all bytes beside napkin/memory.py's.
 With --profile, one more untimed run of each side under torch.profiler says where a step's time
 goes, operator by operator, side by side (run_log.start_profiling: train.py's --profile and
 --memory-snapshot, the same tools on a training run). Left out: a CPU allocator's peak (none is kept: bytes
 held between steps instead).
-Run: torchrun --nproc_per_node 2 -m bench --quick (bench.py imports this file)
+Run: torchrun --nproc_per_node 2 -m bench --quick (bench/compare.py imports this file)
 Test: python -m pytest tests/test_bench.py
 """
 import contextlib
@@ -41,7 +41,7 @@ from foundations.meters import peak_saved_bytes
 MiB = 2**20
 
 
-# ---- what a contender hands over: bench.py's builds return a Run -------------------------------
+# ---- what a contender hands over: bench/compare.py's builds return a Run -------------------------------
 
 @dataclass
 class Run:
@@ -51,7 +51,7 @@ class Run:
     comm: Comm | None = None    # ours: the byte counter; PyTorch's collectives count nothing
     label: str = "ours"         # what ran, for the report
     napkin_sent: int | None = None       # bytes per step predicted, where memory_math.comm_bytes has no row
-    napkin_held: dict | None = None      # {what memory.py assumes: bytes held per rank it predicts}
+    napkin_held: dict | None = None      # {what napkin/memory.py assumes: bytes held per rank it predicts}
     loss_context: object = contextlib.nullcontext   # entered around forward and backward
     forward_backward: object = None      # (x, y) -> loss: a pipeline schedule runs both itself
     bubbles: object = None               # () -> each stage's idle share of the last step (ours)
@@ -282,7 +282,7 @@ def bench_strategy(name, builds, args, batches, device, n_params, peak_flops) ->
 def bench_moe(builds: dict, args, batches, device) -> dict:
     """Expert parallelism against the same MoE replicated: builds {ep: build} (ep 1 first), run
     in turn as bench_strategy's sides. Beside each ep's time: the expert weights a rank holds,
-    the bytes it holds and sends and its all-to-all bytes, each with memory.py's napkin (sent:
+    the bytes it holds and sends and its all-to-all bytes, each with napkin/memory.py's napkin (sent:
     the build's prediction, ddp's bucket formula plus moe.exchange_bytes)."""
     cfg, world = PRESETS[args.model], dist.get_world_size()
     tokens = args.batch_size // world * args.seq_len                 # a rank's micro-batch
@@ -379,7 +379,7 @@ def _bubble_note(row: dict, m: dict) -> str:
 
 def _held_note(row: dict) -> str:
     """Beside the peak column: a frozen base's bytes per rank on both sides and whole (what every
-    rank holds unsharded), and memory.py's prediction of our bytes held, where the build gave one."""
+    rank holds unsharded), and napkin/memory.py's prediction of our bytes held, where the build gave one."""
     ours, theirs = row["ours"], row["torch"]
     note = ""
     if ours["frozen_whole"]:
@@ -393,7 +393,7 @@ def _held_note(row: dict) -> str:
 
 
 def predicted_cell(row: dict, ms_per_step: dict) -> str:
-    """step_time.py's napkin for the row, and its ratio to the measured median (ours)."""
+    """napkin/step_time.py's napkin for the row, and its ratio to the measured median (ours)."""
     if row.get("predicted_ms") is None:                      # a run from before the column
         return "n/a"
     return f"{row['predicted_ms']:.1f} ({row['predicted_ms'] / ms_per_step['median']:.2f})"

@@ -1,9 +1,9 @@
-"""bench_scaling.py: what a rank holds and sends as the world grows, beside the napkin math.
+"""bench/scaling.py: what a rank holds and sends as the world grows, beside the napkin math.
 
 Each strategy trains 2 steps of the same model at world 1, 2, 4 and 8 (train.py under torchrun,
 one process per rank; 8 ranks on 2 CPU cores are slow, but bytes count exactly). Its log gives
 the bytes a rank holds between steps (params, grads, optimizer: counted tensor storage) beside
-memory.py's prediction, and the bytes it sends per step beside the strategy's ring formula.
+napkin/memory.py's prediction, and the bytes it sends per step beside the strategy's ring formula.
 The lecture's picture in numbers: DDP holds the same at every world and sends 2(N-1)/N of the
 gradients; ZeRO-1, ZeRO-2 and FSDP shard more and more of the 16 bytes per parameter; tensor and
 pipeline parallelism split the model (at most one head, one block per rank: beyond that the
@@ -21,7 +21,7 @@ from model import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "tp", "pipeline")
-# train.py's log (run_log.py): memory.py's prediction, the measure, and the bytes sent
+# train.py's log (running/run_log.py): napkin/memory.py's prediction, the measure, and the bytes sent
 NAPKIN = re.compile(r"predicted \(memory.py's napkin math\): params ([\d.]+) MiB, grads ([\d.]+), optim ([\d.]+)")
 HELD = re.compile(r"measured: params ([\d.]+) MiB, grads ([\d.]+), optim ([\d.]+)")
 SENT = re.compile(r"\| sent ([\d.]+) MiB/step \(ring formula ([\d.]+)\)")

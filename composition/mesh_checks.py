@@ -1,6 +1,6 @@
-"""mesh_checks.py: the command line's checks of where strategies meet, beside parallelize.py.
+"""composition/mesh_checks.py: the command line's checks of where strategies meet, beside composition/parallelize.py.
 
-cli.py checks each option on its own; these check the combinations parallelize.py composes: a
+running/cli.py checks each option on its own; these check the combinations composition/parallelize.py composes: a
 mesh whose sizes divide the world (tensor x context x pipeline x data), heads and vocabulary that
 split over --tp, layers that split into --pp stages, a sequence that splits over --cp (and its
 zigzag halves, and sequence parallelism's parts), experts that split over --ep, HSDP's shard
@@ -44,7 +44,7 @@ class ParallelDims:
 
     @classmethod
     def from_args(cls, args, world: int) -> "ParallelDims":
-        """The layout of args over a world of `world` ranks (cli.py has checked that it divides)."""
+        """The layout of args over a world of `world` ranks (running/cli.py has checked that it divides)."""
         splits = mesh_splits(args)
         tp, cp, pp = (splits.get(d, 1) for d in ("tp", "cp", "pp"))
         return cls(world, world // (tp * cp * pp), tp, cp, pp, args.ep, splits)

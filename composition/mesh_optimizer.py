@@ -1,8 +1,8 @@
 """The optimizer of a run on a mesh: one concept optimizer per part of the parameters, one norm.
 
 A concept optimizer (mixed_precision.py's MixedPrecisionOptimizer, zero.py's ZeroOptimizer,
-fsdp_optimizer.py's FSDPOptimizer) steps its own parameters over the group it is given. On a
-mesh the parameters lie differently (placements.py): an expert's gradient is reduced over the
+mechanics/fsdp_optimizer.py's FSDPOptimizer) steps its own parameters over the group it is given. On a
+mesh the parameters lie differently (foundations/placements.py): an expert's gradient is reduced over the
 ranks holding it, not the whole data group; a tensor-parallel rank holds a slice of one matrix
 and a copy of the replicated weights; a pipeline stage holds its blocks only. Here they meet:
 the parameters are partitioned by the group that reduces them (placements.by_reduction), one
@@ -11,7 +11,7 @@ each parameter's weighted by placements.norm_weight (every value counted once: a
 to the parts rather than a part per weight, so that the buckets, and the sums' order, stay
 those of the concept alone), makes the step's one host read (the norm, the inf/NaN check; the
 sharded parts' used-flags in the same copy), and hands every part the norm and the decision.
-Used by: parallelize.py. Test: tests/test_placements.py, tests/test_train.py -k mesh
+Used by: composition/parallelize.py. Test: tests/test_placements.py, tests/test_train.py -k mesh
 """
 import contextlib
 import math
@@ -80,7 +80,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         for part in parts[1:]:
             part.scaler = self.scaler
         torch.optim.Optimizer.__init__(self, [g for p in parts for g in p.param_groups], parts[0].defaults)
-        self.state, self.optimizer = PartStates(parts), self        # pieces.py reads .optimizer.state
+        self.state, self.optimizer = PartStates(parts), self        # running/pieces.py reads .optimizer.state
         self.masters = [m for p in parts for m in p.masters]
         self.syncs = GradientSyncs(*(p for p in parts if hasattr(p, "finish_gradient_sync")))
         self.last_grad_norm, self.last_step_skipped = None, False

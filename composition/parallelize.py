@@ -4,7 +4,7 @@ Each concept file teaches one idea on its own (ddp.py, zero.py, fsdp.py, tensor_
 context_parallel.py, moe.py, pipeline.py, lora.py); this file composes them into one run, in
 torchtitan's order (parallelize_llama, without its indirection): split the matrices, split the
 sequences, route the experts, cut the stages, then wrap what is left for data parallelism. The
-splits write each parameter's placement (placements.py), from which the optimizer's one global
+splits write each parameter's placement (foundations/placements.py), from which the optimizer's one global
 norm and the data dimension's reductions follow; the wrappers' gradient syncs are chained in
 the one protocol (flat.GradientSyncs) that the loop and the pipeline drive. Beside each step,
 the bytes it predicts it sends, each its own file's formula.
@@ -74,7 +74,7 @@ class Run(NamedTuple):
     optimizer: object
     sync: GradientSyncs          # the gradient syncs the loop drives
     predicted: dict              # {dimension: bytes sent per step, its formula}
-    napkin: dict                 # memory.py's bytes held per rank
+    napkin: dict                 # napkin/memory.py's bytes held per rank
     context: object              # context parallelism's wrapper (its attention reports), or None
     comm: Comm                   # the world
     mesh: object                 # this rank's groups (process_groups.make_device_mesh)
@@ -93,7 +93,7 @@ def build(args, device, dims: ParallelDims, gpt: GPT) -> Run:
     """The run the command line describes, on this rank: the mesh, then gpt (new_gpt's, its
     weights loaded where --init-from says) laid out on it (model_on_mesh). A strategy refuses
     its input with a ValueError. The world's Comm carries the run's timeout to every group the
-    mesh and the strategies cut. One mesh: tensor x context x data x pipeline (cli.py made sure
+    mesh and the strategies cut. One mesh: tensor x context x data x pipeline (running/cli.py made sure
     the sizes divide the world). With a split, the experts' groups and HSDP's are the mesh's too
     (--ep, --shard-group: runs inside dp x cp); without one, data_parallel cuts them from the
     data group."""
@@ -113,7 +113,7 @@ def build(args, device, dims: ParallelDims, gpt: GPT) -> Run:
 def model_on_mesh(gpt, args, device, mesh, dims: ParallelDims):
     """gpt's parallelisms and data-parallel wrapper, the optimizer, the gradient syncs
     (flat.GradientSyncs), the bytes the run predicts it sends per step ({dimension: bytes}, each
-    its formula) and holds (memory.py), and the context-parallel wrapper (None without --cp),
+    its formula) and holds (napkin/memory.py), and the context-parallel wrapper (None without --cp),
     whose attention the log reports.
 
     mesh: this rank's groups (process_groups.make_device_mesh). Without a tensor, context or
@@ -207,8 +207,8 @@ def wrap(gpt, module, args, groups: tuple, device, adamw: dict, replicate: bool)
 def fsdp_with(module, replicate_group=None, offload_params: bool = False, **options) -> FSDP:
     """fsdp.FSDP(module, **options) with the talk's extensions a run asks for, each a subclass of
     FSDP that calls super(), stacked into one class: HSDP's copies across replicate_group
-    (fsdp_hybrid.py), the parameter shards in host memory (fsdp_offload.py), and, when the module
-    has frozen parameters (LoRA's base), those sharded too (fsdp_frozen.py)."""
+    (extensions/fsdp_hybrid.py), the parameter shards in host memory (extensions/fsdp_offload.py), and, when the module
+    has frozen parameters (LoRA's base), those sharded too (extensions/fsdp_frozen.py)."""
     frozen = not all(p.requires_grad for p in module.parameters())
     chosen = [kind for kind, wanted in ((HSDP, replicate_group is not None),
                                         (OffloadedFSDP, offload_params), (FrozenBaseFSDP, frozen))
@@ -288,7 +288,7 @@ def wrap_data(gpt, module, tp, experts, args, mesh, dims: ParallelDims, device, 
     replicas, parts = wrap(gpt, module, args, (data, mesh.shard or data, mesh.replicate), device,
                            adamw, replicate=data.world_size > 1)
     # The global norm sums each value once over the dimensions that split the model beside the
-    # optimizer's own ranks (placements.py): a replicated optimizer's experts differ over ep.
+    # optimizer's own ranks (foundations/placements.py): a replicated optimizer's experts differ over ep.
     optimizer = on_mesh(parts, {"ep": experts if rung == "ddp" else None,
                                 "tp": mesh.tp if tp else None,
                                 "pp": mesh.pp if dims.pp_enabled else None})
@@ -301,7 +301,7 @@ def wrap_data(gpt, module, tp, experts, args, mesh, dims: ParallelDims, device, 
 
 def predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, optimizer, held_all):
     """({dimension: bytes this rank sends per step}, each its own file's formula, and the bytes
-    it holds, memory.py's napkin math), for this rank's rows (B/D) and tokens of each (T/cp; its
+    it holds, napkin/memory.py's napkin math), for this rank's rows (B/D) and tokens of each (T/cp; its
     MoE layers see T/cp/tp of them under sequence parallelism)."""
     data, rung, pipelined = mesh.dp_cp, STRATEGIES[args.strategy], dims.pp_enabled
     held_blocks = [i for i, block in enumerate(gpt.blocks) if not isinstance(block, nn.Identity)]
@@ -332,7 +332,7 @@ def predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, opt
                       replicas.bytes_per_step(micro, gathered_for_step=pipelined)
                       if rung == "fsdp" else
                       zero_bytes_per_step(optimizer, 1 if held_all else backwards))
-    # memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
+    # napkin/memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as
     # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
     # with experts, whose layers mesh_params does not price: what this rank holds, its experts).
     n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks),
@@ -352,7 +352,7 @@ def group_balance_losses(gpt, tensor: Comm):
     same experts and gets the same gradients, no collective needed; expert parallelism splits the
     experts over the data ranks instead. The price: N copies compute them. With sequence
     parallelism each rank computes its own T/N tokens and routes them (in groups inside them:
-    cli.py), so a layer's balance loss is this rank's part: g makes the loss the group's mean on
+    running/cli.py), so a layer's balance loss is this rank's part: g makes the loss the group's mean on
     every rank, and backward hands each rank 1/N of its own part, summed over the group with the
     experts' partial gradients."""
     def group_mean(moe, args, output):

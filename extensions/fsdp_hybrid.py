@@ -21,7 +21,7 @@ class HSDP(FSDP):
     replicate_group: the ranks holding the same shard in the other groups (process_groups.make_mesh's
     outer group). Each reduce-scattered gradient shard is then all-reduced over them (the mean
     over both), with the used-flags, and every copy starts as the first group's. An expert's unit
-    is not copied: it stays sharded over its holders (placements.py), its gradient summed there.
+    is not copied: it stays sharded over its holders (foundations/placements.py), its gradient summed there.
     """
 
     def __init__(self, module, replicate_group, **options):
@@ -38,7 +38,7 @@ class HSDP(FSDP):
             for shard in ([unit.master.detach()] if unit.params else []) + unit.kept():
                 self.replicas.broadcast(shard, src=0)
             if unit.params:
-                unit.replicas = self.replicas        # flat.py's norm and used-flags read them too
+                unit.replicas = self.replicas        # foundations/flat.py's norm and used-flags read them too
         return unit
 
     def _add_gradient(self, unit, output, used):

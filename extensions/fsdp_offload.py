@@ -1,8 +1,8 @@
 """Parameter offload: FSDP's shards wait in host memory, and visit the device for their all-gathers.
 
-ZeRO-Offload (FSDPOptimizer(offload=True), offload.py) moves the fp32 masters and the optimizer
+ZeRO-Offload (FSDPOptimizer(offload=True), extensions/offload.py) moves the fp32 masters and the optimizer
 state to the host; the device still keeps each trained shard in the compute dtype, and the
-frozen shards (fsdp_frozen.py). Parameter offload (ZeRO-Infinity's, Rajbhandari et al. 2021;
+frozen shards (extensions/fsdp_frozen.py). Parameter offload (ZeRO-Infinity's, Rajbhandari et al. 2021;
 FSDP's CPUOffload(offload_params=True)) moves those too: between its uses every shard sits
 in pinned host memory, and is copied to the device just before its all-gather (which keeps the
 copy alive until sent), then dropped. The device holds only the gathered units in flight, the

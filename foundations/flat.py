@@ -271,7 +271,7 @@ class ShardedBuckets(list):
                                   _norm_size(self))
 
 
-# ---- the sharded step's pieces: the norm's and the used-flags' (sharded_step.py, FSDP's state) ---
+# ---- the sharded step's pieces: the norm's and the used-flags' (mechanics/sharded_step.py, FSDP's state) ---
 
 def shard_pieces(flats: list, grads: list, weight_of=None, copies=None) -> list:
     """What the global norm sums of this rank's shards, [(a run of a gradient shard, weight)]:

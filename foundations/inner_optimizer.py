@@ -51,7 +51,7 @@ def read_decision(norm: torch.Tensor,
 
 def optimizer_state(optimizer, shard: dict | None = None) -> dict:
     """An optimizer's state_dict: inner state, fp32 masters, loss scale (plus, sharded, which
-    shard: {"rank", "world_size"}). train.py's checkpoints save by parameter name (snapshot.py)."""
+    shard: {"rank", "world_size"}). train.py's checkpoints save by parameter name (running/snapshot.py)."""
     return {"optimizer": optimizer.optimizer.state_dict(), "scaler": optimizer.scaler.state_dict(),
             "masters": [m.detach().clone() for m in optimizer.masters], **(shard or {})}
 

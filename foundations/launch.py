@@ -58,7 +58,7 @@ class Launcher:
         CUDA: the tensors are held here until wait(), not marked with record_stream on the
         thread's stream: a block so marked returns to the caching allocator only once everything
         queued on that stream by then has run, so a freed bucket or FSDP unit would stay
-        reserved behind later messages (the GPU reserving more than memory.py predicts). Held
+        reserved behind later messages (the GPU reserving more than napkin/memory.py predicts). Held
         until the caller's stream waits for the thread's, a freed block is reused on the caller's
         stream, after that wait."""
         if not tensors or not tensors[0].is_cuda:

@@ -2,10 +2,10 @@
 
 Two instruments the strategies carry for train.py's log and the tests: the bytes autograd keeps
 for backward while a forward runs (saved-tensor hooks, each storage once: what checkpointing and
-context parallelism cut, against memory.py's formulas; over a pipeline's schedule, their peak),
+context parallelism cut, against napkin/memory.py's formulas; over a pipeline's schedule, their peak),
 and the seconds a rank spends computing (the CPU's clock, or CUDA events on the compute stream,
 read with one synchronize when asked: context parallelism's idle share per rank). Left out: the
-allocator's peak, profiling (bench.py).
+allocator's peak, profiling (bench/compare.py).
 Test: python -m pytest tests/test_checkpointing.py tests/test_context_parallel.py
 tests/test_activations.py
 """

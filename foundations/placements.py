@@ -12,7 +12,7 @@ writes the record, and three things read it, each written once:
   - the global gradient norm: every piece's squares, weighted so that a value held by k ranks
     of the groups summed over counts 1/k on each (grad_norm, norm_weight);
   - the group that averages a gradient over the data dimension (data_reduction);
-  - the pieces a checkpoint gathers (snapshot.py, pieces.py: tensor_dim).
+  - the pieces a checkpoint gathers (running/snapshot.py, running/pieces.py: tensor_dim).
 Left out: DTensor's tensor subclass and its operator dispatch; a record is read, never run.
 Test: python -m pytest tests/test_placements.py
 """

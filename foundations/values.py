@@ -1,4 +1,4 @@
-"""values.py: the command line's one parser and the values its flags take, for every entry point
+"""foundations/values.py: the command line's one parser and the values its flags take, for every entry point
 (train.py, the napkin, the bench, the pictures, the schedules).
 
 A refused command line is one line on stderr, "PROG: error: ... (see --help)", exit 2, before

@@ -5,7 +5,7 @@ the step is ZeRO's (zero.py's ZeroOptimizer.step; both compose mechanics/sharded
 ShardedStep) with no all-gather after it: the next forward gathers. A plain torch.optim
 optimizer over FSDP.parameters() works too (with FSDP.clip_grad_norm_); this one adds fp16's
 loss scale, leaves parameters no rank used unchanged, and offloads (ZeRO-Offload, Ren et al.
-2021: offload.py).
+2021: extensions/offload.py).
 Test: python -m pytest tests/test_fsdp.py
 """
 import torch
@@ -89,7 +89,7 @@ class FSDPStep(ShardedStep.Owner, torch.optim.Optimizer):
     def device(self):                     # where the gradient shards are
         return self.shard_step.device
 
-    # ---- the phases, public: a composition (mesh_optimizer.py) runs them with its own norm ---
+    # ---- the phases, public: a composition (composition/mesh_optimizer.py) runs them with its own norm ---
 
     def reduce_gradients(self):
         self.fsdp.finish_gradient_sync()
@@ -150,7 +150,7 @@ class FSDPStep(ShardedStep.Owner, torch.optim.Optimizer):
 
 
 class FSDPOptimizer(OffloadedStep, FSDPStep):
-    """FSDPStep, with ZeRO-Offload's step on the host when built with offload=True (offload.py)."""
+    """FSDPStep, with ZeRO-Offload's step on the host when built with offload=True (extensions/offload.py)."""
 
     def host_tensors(self) -> list[torch.Tensor]:
         return super().host_tensors() + self.fsdp.host_shards()

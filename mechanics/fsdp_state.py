@@ -4,7 +4,7 @@ fsdp.py is the lecture: units gathered, freed, their gradients reduce-scattered,
 shards. FSDPState, a base of fsdp.FSDP, holds the rest. The wrap: the arguments checked, each
 parameter given to the nearest wrapped module above it, one unit per wrapped module (FSDP1's
 auto_wrap_policy; FSDP2 calls fully_shard on each), the rest in the root unit. The readings:
-memory.py counts the bytes each rank holds, a plain torch optimizer clips the global norm, a
+napkin/memory.py counts the bytes each rank holds, a plain torch optimizer clips the global norm, a
 checkpoint reads the whole model, the napkin math checks the bytes a step sends; and ZeRO-Offload
 (FSDPOptimizer(offload=True)) moves the masters to the host (MasterOnHost). HSDP, parameter
 offload and the frozen base override some of these. Test: python -m pytest tests/test_fsdp.py
@@ -26,7 +26,7 @@ from foundations.process_groups import check_same_parameters
 
 def gpt_blocks(module: nn.Module) -> bool:
     """The default wrap policy: one unit per transformer block; the rest is the root unit.
-    (Under expert parallelism parallelize.py wraps each expert a rank holds as a unit of its own.)"""
+    (Under expert parallelism composition/parallelize.py wraps each expert a rank holds as a unit of its own.)"""
     return isinstance(module, Block)
 
 
@@ -111,7 +111,7 @@ class FSDPState:
         comm, op, divide = data_reduction(params[0], self.comm, self.data_world)
         unit = self.unit_type(index, module, params, comm, self.compute_dtype, self.device)
         unit.op, unit.divide = op, divide
-        unit.replicas = None            # ranks holding copies of its shard (fsdp_hybrid.py's)
+        unit.replicas = None            # ranks holding copies of its shard (extensions/fsdp_hybrid.py's)
         return unit
 
     def _agree_used(self):
@@ -147,7 +147,7 @@ class FSDPState:
             for unit in self.roots + self.order:
                 unit.free()
 
-    # ---- the shards and their gradients (memory.py, the optimizer) ---------------------------
+    # ---- the shards and their gradients (napkin/memory.py, the optimizer) ---------------------------
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The gradient shards this rank holds (fp32, on the device)."""
@@ -159,11 +159,11 @@ class FSDPState:
         return [shard for unit in self.roots + self.order for shard in unit.kept()]
 
     def device_shards(self) -> list[torch.Tensor]:
-        """The kept shards that live on the device (memory.py counts them): all of them here."""
+        """The kept shards that live on the device (napkin/memory.py counts them): all of them here."""
         return self.kept_shards()
 
     def host_shards(self) -> list[torch.Tensor]:
-        """The kept shards that wait in host memory: none here (fsdp_offload.py's)."""
+        """The kept shards that wait in host memory: none here (extensions/fsdp_offload.py's)."""
         return []
 
     def offload_masters(self):
@@ -198,7 +198,7 @@ class FSDPState:
 
     def bytes_per_step(self, micro_batches: int = 1, gathered_for_step: bool = False) -> int:
         """Bytes this rank sends per step (ring): each unit's all-gathers, and per micro-batch one
-        reduce-scatter per unit; plus the used-flags and FSDPOptimizer's norm (flat.py).
+        reduce-scatter per unit; plus the used-flags and FSDPOptimizer's norm (foundations/flat.py).
         3 (N-1)/N of the model: 1.5x DDP. gathered_for_step (a pipeline's step): one
         all-gather and one reduce-scatter per unit for all the micro-batches, 2 (N-1)/N of the
         stage, DDP's volume."""
@@ -213,7 +213,7 @@ class FSDPState:
 
     def frozen_gathered(self):
         """A checkpoint reads and writes the frozen weights inside this (collective): whole here,
-        as there are none (fsdp_frozen.py gathers its sharded base)."""
+        as there are none (extensions/fsdp_frozen.py gathers its sharded base)."""
         return contextlib.nullcontext()
 
     def names(self) -> dict:
@@ -249,7 +249,7 @@ def _over(mixin: type, cls: type) -> type:
 
 class MasterOnHost:
     """A unit (fsdp.Unit) whose fp32 master is in host memory, where FSDPOptimizer(offload=True)
-    steps on it (ZeRO-Offload, offload.py). The device keeps
+    steps on it (ZeRO-Offload, extensions/offload.py). The device keeps
         compute_shard (S,) compute dtype, the master rounded: what the all-gathers send
         device_grad   (S,) fp32, the reduced gradient (a host master's .grad cannot live there)
     and host_grad, an (S,) fp32 host buffer, is where the optimizer copies the gradient."""

@@ -130,7 +130,7 @@ class ShardedStep:
 
     class Owner:
         """What the loop, a mesh, the checkpoints and the meters ask an optimizer that composes a
-        ShardedStep (self.shard_step; zero.py's, fsdp_optimizer.py's), answered by asking it;
+        ShardedStep (self.shard_step; zero.py's, mechanics/fsdp_optimizer.py's), answered by asking it;
         refresh_params(), the model following the masters, is the owner's own."""
 
         sharded = True                                  # each rank holds only its shard of the masters

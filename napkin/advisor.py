@@ -1,4 +1,4 @@
-"""The lecture's "what to do when it does not fit" flow chart, walked with memory.py's napkin math.
+"""The lecture's "what to do when it does not fit" flow chart, walked with napkin/memory.py's napkin math.
 
 The rungs, each a train.py command: ddp (then zero2, the micro-batch grown), fsdp, + activation
 checkpointing, + the optimizer offloaded to the CPU, LoRA, QLoRA (FSDP sharding the 4-bit base),
@@ -7,8 +7,8 @@ QLoRA with the parameters offloaded too (the talk's 70B on two 24 GB GPUs: pytho
 state plus one micro-batch's activations and logits); the first that fits is the advice, and
 train.py --strategy auto takes it. For a model with experts, the advice is also priced under each
 --ep: bytes held against all-to-all bytes sent. It chooses by bytes; --gpu NAME also ranks every
-rung that fits by its step time on that machine (advisor_speed.py), and --measure runs them here
-(experiment.py). Left out: pipeline and tensor parallelism, and what memory.py leaves out
+rung that fits by its step time on that machine (napkin/advisor_speed.py), and --measure runs them here
+(napkin/experiment.py). Left out: pipeline and tensor parallelism, and what napkin/memory.py leaves out
 (transient buffers, the CUDA context).
 Run: python -m napkin.memory --advise --model gpt2-small --gpu-mem 24GB --world 4 --target-batch 64
      python -m napkin.memory --advise --params 7B --gpu-mem 24GB   (a shape of about 7B: params_shape)
@@ -177,7 +177,7 @@ def largest_micro_batch(per_rank: int, budget: float, need) -> int:
                default=1)
 
 
-# ---- memory.py --advise ----------------------------------------------------------------------
+# ---- napkin/memory.py --advise ----------------------------------------------------------------------
 #
 # --params N names no shape, and the flow chart needs one (activations, the blocks FSDP gathers):
 # it takes one of the 7b preset's family (Llama 2 7B's proportions): heads of 128 dimensions, as
@@ -203,7 +203,7 @@ def describe_shape(cfg: GPTConfig) -> str:
 
 
 def add_arguments(p):
-    """The flow chart's options, a group of memory.py's command line."""
+    """The flow chart's options, a group of napkin/memory.py's command line."""
     advice = p.add_argument_group("the flow chart (memory.py --advise --model M or --params N "
                                   "--gpu-mem 24GB --world N)")
     advice.add_argument("--advise", action="store_true",
@@ -224,7 +224,7 @@ def add_arguments(p):
                         help="the GPU has no bf16 (before Ampere): fp16 with loss scaling")
 
 
-# What --advise reads of memory.py's options; any other given is ignored (memory.py warns).
+# What --advise reads of napkin/memory.py's options; any other given is ignored (napkin/memory.py warns).
 ADVISE_READS = {"advise", "model", "params", "world", "seq_len", "gpu_mem", "target_batch", "bf16", "gpu",
                 "link", "measure"}
 

@@ -1,5 +1,5 @@
 """The flow chart's rungs ranked by speed: each that fits, at its largest micro-batch, priced by
-step_time.py on a named machine (memory.py --advise --gpu h100-sxm --link nvlink).
+napkin/step_time.py on a named machine (napkin/memory.py --advise --gpu h100-sxm --link nvlink).
 
 advisor.advise takes the first rung that fits; a later rung can be faster: sharding or
 offloading frees memory for a larger micro-batch, and fewer micro-batches per step mean fewer

@@ -1,9 +1,9 @@
-"""The talk's controlled experiment as one command: memory.py --advise ... --measure.
+"""The talk's controlled experiment as one command: napkin/memory.py --advise ... --measure.
 
 Every rung that fits (advisor_speed.every_rung), one knob at a time from plain data parallelism,
 runs train.py for a few steps on this machine at the advice's world size, and the table puts
-what it measured beside what was predicted: the state's bytes per rank (memory.py's napkin
-against train.py's "memory per rank, measured" line) and tokens/s (step_time.py on this machine,
+what it measured beside what was predicted: the state's bytes per rank (napkin/memory.py's napkin
+against train.py's "memory per rank, measured" line) and tokens/s (napkin/step_time.py on this machine,
 machines.this, against the log's last step line). A rung is kept when it fits and runs faster
 than the last rung kept. One torchrun runs all the rungs: each rank calls train.main once per
 rung, in turn (running/experiment_worker.py), so the launch and the imports are paid once.

@@ -1,9 +1,9 @@
-"""flops.py: napkin math, compute: a model's shape, and the FLOPs a token costs it in a step.
+"""napkin/flops.py: napkin math, compute: a model's shape, and the FLOPs a token costs it in a step.
 
 2 per matrix element forward (a multiply and an add), twice that backward: 6 per parameter per
 token, 8 with activation checkpointing, 4 for a frozen weight, plus attention's (Kaplan et al.
-2020 section 2.1, PaLM appendix B). step_time.py divides them by a machine's FLOP/s;
-machines.py's `this` measures that rate on the model's block, counting its FLOPs here.
+2020 section 2.1, PaLM appendix B). napkin/step_time.py divides them by a machine's FLOP/s;
+napkin/machines.py's `this` measures that rate on the model's block, counting its FLOPs here.
 Test: python -m pytest tests/test_step_time.py
 
 Shapes: L layers, C width, F the MLP's hidden width, T sequence, V vocabulary.

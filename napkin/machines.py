@@ -1,4 +1,4 @@
-"""machines.py: the machines step_time.py prices a training step on, as data.
+"""napkin/machines.py: the machines napkin/step_time.py prices a training step on, as data.
 
 A step's time needs four numbers of a machine: the FLOP/s its matmuls reach, the bytes/s its
 memory streams (the optimizer step reads and writes every parameter's state), the host link
@@ -41,7 +41,7 @@ GB = 1e9
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(ROOT, ".cache", "this-machine.json")
 # Bytes per parameter torch's AdamW step reads and writes (optimizer_bandwidth measures by it;
-# step_time.py prices the optimizer step with it). Unfused (its default on a CPU; foreach on a GPU
+# napkin/step_time.py prices the optimizer step with it). Unfused (its default on a CPU; foreach on a GPU
 # makes the same passes): weight decay p r+w 8, m.lerp_(g) 12, v.mul_().addcmul_(g, g) 8 + 12,
 # denominator sqrt, divide, add 3 x 8, p.addcdiv_(m, d) 16 = 80. Fused: p, g, m, v read once, p,
 # m, v written once, 28.
@@ -225,7 +225,7 @@ def rank_block(cfg: GPTConfig, split: int = 1, cp: int = 1, attention: str = "ri
     if split > 1:
         return split_block(cfg, split)
     block = Block(cfg, feed_forward)
-    if cp > 1:                # model.py's hook for it, as context_parallel_gpt.py swaps it in
+    if cp > 1:                # model.py's hook for it, as composition/context_parallel_gpt.py swaps it in
         group, sequence = LoneRank(cp), SequenceSplit(cp)
         attend = ATTENTIONS[attention]
         block.attn.attend = lambda q, k, v, dropout_p: attend(q, k, v, group, sequence)

@@ -1,10 +1,10 @@
 """Napkin math: the bytes each rank holds and sends, by strategy and precision.
 
-memory.py is the command line: memory_math.py's formulas printed as tables, the ZeRO stages
+napkin/memory.py is the command line: napkin/memory_math.py's formulas printed as tables, the ZeRO stages
 side by side or one strategy in detail, each pipeline schedule, each context-parallel split, a
-mesh's stages; and with --advise the lecture's flow chart (advisor.py), ranked by speed on a
---gpu (advisor_speed.py) and run here with --measure (experiment.py).
-Run: python -m napkin.memory --params 7.5e9 --world 64 (--advise: the lecture's flow chart, advisor.py;
+mesh's stages; and with --advise the lecture's flow chart (napkin/advisor.py), ranked by speed on a
+--gpu (napkin/advisor_speed.py) and run here with --measure (napkin/experiment.py).
+Run: python -m napkin.memory --params 7.5e9 --world 64 (--advise: the lecture's flow chart, napkin/advisor.py;
      --model gpt2-small --pp 4 --microbatches 8: activations and bubble per pipeline schedule;
      --model gpt2-small --cp 8: activations and K/V traffic per context-parallel rank)
 Test: python -m pytest tests/test_memory.py (context parallelism's: tests/test_context_parallel.py)
@@ -134,7 +134,7 @@ def _parse_args(argv=None):
         if args.model is None or args.tp < 1 or args.world % split:
             p.error(f"--tp {args.tp} x --cp {args.cp} x --pp {args.pp} is a mesh: give --model and a "
                     f"--world that is a multiple of {split}")
-        try:                                          # as train.py refuses it (mesh_checks.py)
+        try:                                          # as train.py refuses it (composition/mesh_checks.py)
             check_divisible(PRESETS[args.model], args.tp)
         except ValueError as e:
             p.error(f"--model {args.model}: {e}")
@@ -171,7 +171,7 @@ def _parse_args(argv=None):
     return args
 
 
-# Options only some modes read: given where they are not, memory.py says so (_warn_ignored).
+# Options only some modes read: given where they are not, napkin/memory.py says so (_warn_ignored).
 ADVISE_OPTIONS = {"gpu_mem", "target_batch", "bf16", "gpu", "link", "measure"}
 SHAPE_OPTIONS = {"batch_size", "seq_len", "grad_accum"}        # a micro-batch's activations
 

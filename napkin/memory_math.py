@@ -1,4 +1,4 @@
-"""memory_math.py: napkin math, the bytes each rank holds and sends, by strategy and precision.
+"""napkin/memory_math.py: napkin math, the bytes each rank holds and sends, by strategy and precision.
 
 Per parameter a rank may hold three things (the parameter, its gradient, the optimizer's
 state); each strategy keeps each of them whole or as a 1/N shard, and the collectives that
@@ -9,7 +9,7 @@ MLPs per token; under expert parallelism a rank holds E/ep of them and adds the 
 Hybrid sharding (--shard-group S) holds zero3 over S ranks and all-reduces each shard across copies.
 held_bytes() measures the same three on a live rank. Left out: transient buffers (FSDP's
 gathered unit, the fp32 gradient inside a mixed-precision step), fragmentation, the CUDA context.
-The command line that prints these formulas as tables: memory.py.
+The command line that prints these formulas as tables: napkin/memory.py.
 Test: python -m pytest tests/test_memory.py (context parallelism's: tests/test_context_parallel.py)
 
 Shapes: P parameters, N world size, c = ceil(P / N) elements per shard; activations: s sequence,
@@ -466,7 +466,7 @@ def moe_mlp_bytes(tokens: int, cfg: GPTConfig, ep: int = 1, bytes_per_value: int
 def pipeline_activation_bytes(cfg: GPTConfig, schedule: str, P: int, M: int, micro_batch: int,
                               seq_len: int, v: int = 1, bytes_per_value: int = 2,
                               kept: dict | None = None) -> list[int]:
-    """Each pipeline stage's peak activation bytes under `schedule` (schedules.py's lists): walk
+    """Each pipeline stage's peak activation bytes under `schedule` (extensions/schedules.py's lists): walk
     the stage's list, each F adding its chunk's layers' activation_bytes for one micro-batch
     (and the logits, on the last chunk), each B freeing them (W, when the backward is split: an
     upper bound, since B frees all but the linear layers' inputs and output gradients).
@@ -679,7 +679,7 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
                schedule: str = "1f1b", virtual_stages: int = 1, attention: str = "ring",
                strategy: str = "ddp", shard_group: int | None = None,
                sequence_parallel: bool = False, reduce_precision: str | None = None) -> dict:
-    """Bytes one rank of a tp x cp x pp x dp mesh (parallelize.py) sends per step, by
+    """Bytes one rank of a tp x cp x pp x dp mesh (composition/parallelize.py) sends per step, by
     dimension, in closed form, for pipeline stage `stage` (the balanced split of the blocks):
     batch rows per data-parallel rank (B/D), seq_len tokens per whole sequence, micro_batches
     per step (--grad-accum, or a pipeline's --microbatches). A dimension of size 1 sends nothing.

@@ -1,17 +1,17 @@
-"""step_time.py: napkin math, time: how long one training step takes, by strategy, on a machine.
+"""napkin/step_time.py: napkin math, time: how long one training step takes, by strategy, on a machine.
 
-memory.py prices a step's bytes; this file its seconds, in closed form. compute = FLOPs / the
+napkin/memory.py prices a step's bytes; this file its seconds, in closed form. compute = FLOPs / the
 FLOP/s the machine reaches (6 per parameter per token, 8 with activation checkpointing, 4 for a
 frozen weight, plus attention's; Kaplan et al. 2020 section 2.1, PaLM appendix B); a collective =
-messages x latency + bytes sent / bandwidth (the ring volumes memory.py counts); and only what
+messages x latency + bytes sent / bandwidth (the ring volumes napkin/memory.py counts); and only what
 compute cannot hide counts (on a GPU; a CPU hides nothing): DDP and ZeRO-2 the last bucket, ZeRO-1
 all of it (it reduces after backward), FSDP its first gather and last reduce-scatter (prefetch
 hides the rest), tensor parallelism all of it (on the critical path), a pipeline its bubble by
-schedule (schedules.py), offload its PCIe transfers, the optimizer step its memory traffic.
+schedule (extensions/schedules.py), offload its PCIe transfers, the optimizer step its memory traffic.
 Left out: launch gaps, the data loader, stragglers, a GPU's non-matmul kernels (CPU `this`
-measures them in: machines.block_flops_per_second). FLOPs: flops.py; machines, and a collective's
-seconds on a link: machines.py; expert and context parallelism (all-to-alls, K/V exchange):
-step_time_parallel.py.
+measures them in: machines.block_flops_per_second). FLOPs: napkin/flops.py; machines, and a collective's
+seconds on a link: napkin/machines.py; expert and context parallelism (all-to-alls, K/V exchange):
+napkin/step_time_parallel.py.
 Run: python -m napkin.step_time --model medium --world 2 --batch 16 --seq-len 64 --machine a100
      python -m napkin.step_time --llama-8b (torchtitan's Llama-3.1-8B FSDP run on 8 H100s)
 Test: python -m pytest tests/test_step_time.py
@@ -93,7 +93,7 @@ def tensor_parallel_seconds(shape: Shape, tokens: int, micro_batches: int, world
                             link: Link) -> float:
     """Megatron's f and g: per micro-batch two all-reduces of the (m, C) activations per block
     forward and two backward, one each for the embedding and the head, three of m fp32 for the
-    vocabulary-parallel loss, and the gradient norm's one number (sent.py's tp_bytes_per_step).
+    vocabulary-parallel loss, and the gradient norm's one number (napkin/sent.py's tp_bytes_per_step).
     Every one of them sits between two matmuls that need it: all exposed."""
     m = tokens // micro_batches
     activations = collective_seconds("all_reduce", m * shape.width, size, world, link, 1)
@@ -125,7 +125,7 @@ class Step:
     ("pipeline-1f1b", ...: every rank a stage, micro_batches M, v chunks if interleaved).
     lora: (trainable adapter elements, frozen matrix elements); quantized: of those, the ones
     QLoRA stores in NF4 (FSDP gathers them so); offload: ZeRO-Offload's step.
-    Under ddp, the splits inside a block (step_time_parallel.py): ep, each MoE layer's experts
+    Under ddp, the splits inside a block (napkin/step_time_parallel.py): ep, each MoE layer's experts
     over groups of ep ranks; cp, every sequence over groups of cp ranks (zigzag), `attention`
     ring or allgather; world = the data-parallel ranks x cp."""
     shape: Shape
@@ -231,7 +231,7 @@ def describe(step: Step, machine: Machine, result: dict) -> list:
 
 
 # --strategy: train.py's names. zero3 is fsdp (train.py's alias); cp is ddp with every sequence
-# split over the whole world, ring attention (step_time_parallel.py), as train.py --strategy cp.
+# split over the whole world, ring attention (napkin/step_time_parallel.py), as train.py --strategy cp.
 STRATEGIES = (*DATA_PARALLEL, "zero3", "tp", "cp", *(f"pipeline-{name}" for name in SCHEDULES))
 # The run's options and their defaults: none of them may be given with --llama-8b, a fixed run.
 # seq_len None: the model's block size.

@@ -1,4 +1,4 @@
-"""step_time_parallel.py: step_time.py's napkin for the splits inside a block, under DDP.
+"""napkin/step_time_parallel.py: napkin/step_time.py's napkin for the splits inside a block, under DDP.
 
 Expert parallelism (moe.py): each rank computes its own tokens with the active experts (top_k
 per token: flops.step_flops), sends them to their experts' ranks and back by four

@@ -1,12 +1,12 @@
-"""pictures.py: the lecture's and the talk's pictures, drawn from runs of this code (SVG files).
+"""pictures/draw.py: the lecture's and the talk's pictures, drawn from runs of this code (SVG files).
 
-Three pictures, each from what a run records (traces.py) and drawn with svg.py:
+Three pictures, each from what a run records (pictures/traces.py) and drawn with pictures/svg.py:
   loss      the loss curve of one run or of several side by side, from their log.txt
   schedule  a pipeline's executed schedule (each stage's F, B and W on one clock) above the
-            same schedule on schedules.py's clock, where every action takes one slot
+            same schedule on extensions/schedules.py's clock, where every action takes one slot
   memory    bytes one rank holds over one training step (parameters, gradients, optimizer
             state, activations), single, ddp, zero1, zero2 and fsdp side by side on one scale,
-            with memory.py's napkin math dashed over them
+            with napkin/memory.py's napkin math dashed over them
 schedule and memory start their own ranks (gloo on the CPU, one thread each; NCCL on GPUs when
 there are enough); loss reads directories train.py --out wrote.
 Run: python -m pictures loss runs/single runs/fsdp -o docs/loss_fsdp_vs_single.svg
@@ -84,7 +84,7 @@ def _label(kind: str, m: int, chunk: int, v: int) -> str:
 
 def draw_memory(panels: list[dict]) -> str:
     """One panel per strategy (traces.memory_over_a_step), one y scale: the categories stacked
-    over the step's events, memory.py's prediction of each band's top dashed, and on a GPU the
+    over the step's events, napkin/memory.py's prediction of each band's top dashed, and on a GPU the
     allocator's bytes as a black line."""
     panel_w, panel_h, left = 230, 300, 70
     c = Canvas(left + len(panels) * (panel_w + 20) + 10, panel_h + 200)

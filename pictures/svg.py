@@ -1,7 +1,7 @@
-"""svg.py: pictures as SVG text, written with the standard library alone.
+"""pictures/svg.py: pictures as SVG text, written with the standard library alone.
 
 A browser opens an SVG file; it is XML, so the text below is the whole picture: lines, areas
-and bars placed in pixels, with axes, ticks, a legend and a title. pictures.py draws the run's
+and bars placed in pixels, with axes, ticks, a legend and a title. pictures/draw.py draws the run's
 loss, its memory over one step and its executed pipeline schedule with it. Every number is
 printed rounded to a tenth of a pixel, so the same data always gives the same bytes (the tests
 compare). Each drawn series carries class="series" and data-label="its name", so a test (or a

@@ -1,4 +1,4 @@
-"""traces.py: what a run records of itself for pictures.py to draw.
+"""pictures/traces.py: what a run records of itself for pictures/draw.py to draw.
 
 Three records: the losses a run's log.txt holds (train.py writes one line per logged step); the
 bytes one rank holds over one training step, by category (parameters, gradients, optimizer
@@ -218,7 +218,7 @@ def training_step(run, x, y, sample=lambda event: None, saving=contextlib.nullco
 def memory_over_a_step(strategy: str, flags: list[str]) -> dict:
     """On every rank: train.py's run for --strategy and flags, one step taken (the optimizer's
     state then exists, as in every later step) and the next traced. Returns this rank's
-    samples and memory.py's prediction per category for this rank."""
+    samples and napkin/memory.py's prediction per category for this rank."""
     run, args, data, device = built(["--strategy", strategy, *flags])
     training_step(run, *batch(data, args, run, 0, device))
     x, y = batch(data, args, run, 1, device)
@@ -230,7 +230,7 @@ def memory_over_a_step(strategy: str, flags: list[str]) -> dict:
 
 
 def predicted_bytes(args, run, rows: int) -> dict:
-    """memory.py's napkin math for this rank: parameters, gradients and optimizer state as
+    """napkin/memory.py's napkin math for this rank: parameters, gradients and optimizer state as
     parallelize.build predicted them (run.napkin), activations by the per-layer formula
     (Korthikanti et al.: 16-bit values and dropout masks, scaled to the run's value size; an
     upper bound here) plus the loss's fp32 log-probabilities, for this rank's rows."""

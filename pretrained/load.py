@@ -5,7 +5,7 @@ shards model.safetensors.index.json names) and tokenizer.json. GPT-2 is model.py
 Conv1D weights are stored (in, out), nn.Linear's transpose, and its c_attn holds q, k and v
 side by side. Its key bias is dropped: q . (k + b) adds q . b to every score of a row, which
 softmax ignores, so model.py's attention has none (exported as zeros). The Llama family (Llama,
-SmolLM2, Qwen2) is llama.py's. The model is built empty, then filled one tensor at a time from
+SmolLM2, Qwen2) is pretrained/llama.py's. The model is built empty, then filled one tensor at a time from
 the mapped files: loading holds the model once and one tensor besides.
 Left out: other architectures, quantized checkpoints, dropout (a loaded model has none).
 Test: python -m pytest tests/test_pretrained.py

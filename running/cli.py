@@ -1,11 +1,11 @@
-"""cli.py: train.py's command line: its options, and every check that stops a wrong one.
+"""running/cli.py: train.py's command line: its options, and every check that stops a wrong one.
 
 Every rank parses the same command line with the same world size, so a wrong value stops
 every rank with the same one-line message naming the flag and its fix, before any work: no
 rank is left waiting in a collective, nothing on disk is touched. The checks of combinations
-(a mesh, experts, stages, sequence splits) sit beside the composition, in mesh_checks.py.
---strategy names a row of the composition's STRATEGIES (parallelize.py); auto picks one with
-memory.py's advice.
+(a mesh, experts, stages, sequence splits) sit beside the composition, in composition/mesh_checks.py.
+--strategy names a row of the composition's STRATEGIES (composition/parallelize.py); auto picks one with
+napkin/memory.py's advice.
 Test: python -m pytest tests/test_train.py
 """
 import dataclasses
@@ -30,13 +30,13 @@ from model import PRESETS
 from foundations.process_groups import launched_world_size
 # The one parser of every entry point (a refusal in one line); QUIET_WAIT, read by tests as cli.*
 from foundations.values import QUIET_WAIT, HelpFormatter, Parser, whole  # noqa: F401
-# The combinations' checks live beside the composition (mesh_checks.py); moe_config is the MoE
+# The combinations' checks live beside the composition (composition/mesh_checks.py); moe_config is the MoE
 # flags' model config, read here as cli.moe_config too.
 from composition.mesh_checks import (check_context_parallel, check_experts, check_mesh, check_pipeline,  # noqa: F401
                          check_shard_group, check_tensor_parallel, mesh_splits, moe_config)
 
-EVAL_FRACTION = 0.05                      # data.py's held-out tail
-# AdamW (betas 0.9, 0.95: parallelize.py) moves a weight by lr / (1 - 0.9) = 10 lr in its first
+EVAL_FRACTION = 0.05                      # running/data.py's held-out tail
+# AdamW (betas 0.9, 0.95: composition/parallelize.py) moves a weight by lr / (1 - 0.9) = 10 lr in its first
 # step, a number torch converts to fp32 (largest 3.4e38): past that the step itself fails. Below,
 # a rate too large to train diverges, and divergence.Divergence stops the run in one line.
 MAX_LR = 1e37
@@ -368,7 +368,7 @@ def check_args(parser, args, world_size):
         if not 0 <= getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} is the probability of zeroing an activation: "
                          f"give a number from 0 (off) up to, not including, 1; got {getattr(args, name)}")
-    # data.py seeds each batch's generator with (2 seed + 1) x 1_000_000_007 + step, a 64-bit
+    # running/data.py seeds each batch's generator with (2 seed + 1) x 1_000_000_007 + step, a 64-bit
     # integer: a 32-bit seed keeps it in range for any number of steps.
     if not 0 <= args.seed < 2**32:
         parser.error(f"--seed must be from 0 to {2**32 - 1}, got {args.seed}")

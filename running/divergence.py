@@ -1,4 +1,4 @@
-"""divergence.py: the rules that stop a diverged run, in one line naming its checkpoints.
+"""running/divergence.py: the rules that stop a diverged run, in one line naming its checkpoints.
 
 Used by: train.py. Test: python -m pytest tests/test_snapshot.py -k diverge
 """

@@ -1,8 +1,8 @@
-"""errors.py: how a run stops on a bad input, in one line with the fix, without a traceback.
+"""running/errors.py: how a run stops on a bad input, in one line with the fix, without a traceback.
 
 RunError is that stop. refused() tells this project's refusal of its input (a ValueError it
 raised itself) from a bug on the way (a ValueError Python or torch raised), whose traceback stays.
-Used by: train.py, snapshot.py, run_log.py. Test: python -m pytest tests/test_train.py -k refusal
+Used by: train.py, running/snapshot.py, running/run_log.py. Test: python -m pytest tests/test_train.py -k refusal
 """
 import os
 import traceback

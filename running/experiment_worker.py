@@ -5,7 +5,7 @@ train.py commands, and the shape machines.this measures after them); each rank c
 once per rung, so the launch and the imports are paid once. Rank 0 marks where each run's log
 starts ("=== run i"), then prints this machine as measured (cached in .cache/). It is the
 run's side of the measurement, here so that the napkin math never imports train.py.
-Run: experiment.py runs it (python -m napkin.memory --advise --model tiny --world 2 --measure)
+Run: napkin/experiment.py runs it (python -m napkin.memory --advise --model tiny --world 2 --measure)
 Test: python -m pytest tests/test_advisor.py -k measure
 """
 import json

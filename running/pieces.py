@@ -1,11 +1,11 @@
-"""pieces.py: training state by parameter name and element range, the format that reshards.
+"""running/pieces.py: training state by parameter name and element range, the format that reshards.
 
 A rank's share of the weights and optimizer state is a list of pieces, each naming one
 parameter and the element range start:stop of it (flattened) that this rank holds: DDP's rank
 0 a whole parameter, ZeRO's and FSDP's ranks the ranges their shards cover (a parameter may be
 cut in two). Joined by name, every rank's pieces read back any other range: so a checkpoint
 saved at one world size and strategy loads at another. Tensor parallelism's split matrices are
-gathered whole first. The files and the run directory: snapshot.py.
+gathered whole first. The files and the run directory: running/snapshot.py.
 Test: python -m pytest tests/test_snapshot.py
 """
 import torch
@@ -29,7 +29,7 @@ class CheckpointError(Exception):
 # the ranges their shards cover, which may cut a parameter in two.
 
 def optimizer_pieces(optimizer, names: dict) -> list[dict]:
-    """This rank's pieces, from an optimizer with master_ranges() (mixed_precision.py, flat.py)."""
+    """This rank's pieces, from an optimizer with master_ranges() (mixed_precision.py, foundations/flat.py)."""
     pieces = []
     for param, start, stop, master, offset in optimizer.master_ranges():
         ranged = {"param": master}
@@ -132,7 +132,7 @@ def load_pieces(optimizer, names: dict, model: torch.nn.Module, pieces: Pieces, 
 
 # ---- tensor parallelism's slices: whole parameters in, whole parameters out -------------------
 #
-# snapshot.py's pieces are flat element ranges; a rank's slice of a column- or row-split
+# running/snapshot.py's pieces are flat element ranges; a rank's slice of a column- or row-split
 # matrix is not one range. So a save gathers each split parameter (and its optimizer state)
 # over the tensor group into one whole piece, and a load reads the whole piece and keeps this
 # rank's slice: tp checkpoints are plain full-model checkpoints, loadable at any --tp.

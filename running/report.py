@@ -24,7 +24,7 @@ from running.snapshot import load_weights
 
 
 def say_header(args, gpt, napkin, log, dims, threads, device):
-    """The log's first lines: the run (cli.describe_run), LoRA's share, memory.py's prediction;
+    """The log's first lines: the run (cli.describe_run), LoRA's share, napkin/memory.py's prediction;
     returns its activations' (run_log.predicted_activations). dims: the run's ParallelDims."""
     n_params, quantized = live_numel(gpt)                 # tp: this rank's slices; QLoRA's 4-bit
     where = f"{device.type} ({dist.get_backend()})" + (f" | {threads}" if threads else "")
@@ -44,7 +44,7 @@ def say_header(args, gpt, napkin, log, dims, threads, device):
 
 def say_step(args, job, log, clock, step, loss, lr, kept, history, live_bytes, napkin_seconds):
     """A logged step (lr: its learning rate): measure what this rank holds and sent, record it in
-    history, say it, its time beside the napkin's (step_time.py, priced on this machine) if any."""
+    history, say it, its time beside the napkin's (napkin/step_time.py, priced on this machine) if any."""
     device = clock.device
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -1,12 +1,12 @@
-"""run_log.py: what train.py prints, each number saying what it is, and how a run ends.
+"""running/run_log.py: what train.py prints, each number saying what it is, and how a run ends.
 
-The log: the run's header (cli.describe_run, the CPU threads), memory per rank as memory.py
+The log: the run's header (cli.describe_run, the CPU threads), memory per rank as napkin/memory.py
 predicts it (the lecture's four terms: parameters, gradients, optimizer state, activations)
 and as the run measures it, in the same words (printed again only when it changes), and each
-logged step's loss, speed (beside step_time.py's: predicted_seconds), bytes sent beside their
+logged step's loss, speed (beside napkin/step_time.py's: predicted_seconds), bytes sent beside their
 formula and time left; --profile's traces and --memory-snapshot (start_profiling). The end, on the
 command line: a refused command line, a refusal or divergence found while running, a lost
-peer, Ctrl-C and SIGTERM (stopping.py) each print one line (under torchrun once: values.say_error;
+peer, Ctrl-C and SIGTERM (running/stopping.py) each print one line (under torchrun once: values.say_error;
 SIGTERM's, every rank that got it) and exit with a code.
 Test: python -m pytest tests/test_train.py -k "log or interrupt or usage"
 """
@@ -55,7 +55,7 @@ def state_text(held: dict) -> str:
 
 
 def predicted_memory(napkin: dict, activations: tuple | None) -> str:
-    """The header's line: memory.py's bytes per rank, the state held between steps and the
+    """The header's line: napkin/memory.py's bytes per rank, the state held between steps and the
     activations (predicted_activations: counted as autograd keeps them, what the count leaves
     out, and the lecture's rule beside)."""
     if activations is None:
@@ -83,7 +83,7 @@ def measured_memory(held: dict, activations: int | None, peak: int | None) -> st
 def step_line(step: int, loss: float, lr: float, tokens_per_s: float, sent: int, formula: int,
               world_size: int, skipped: int, steps: int, elapsed: float, left: float | None,
               napkin: str = "", why: str = "") -> str:
-    """A logged step: its global loss, lr, speed (napkin: its time beside step_time.py's), rank 0's
+    """A logged step: its global loss, lr, speed (napkin: its time beside napkin/step_time.py's), rank 0's
     bytes sent in the step beside their ring formula (on more than one rank; why: the clause saying
     why the formula departs from the lecture's rule, report.sent_departs), skipped fp16 steps,
     progress and the seconds left (Clock.seconds_left; None: not known yet)."""
@@ -281,7 +281,7 @@ def predicted_activations(args, cfg, dims: ParallelDims) -> tuple[int, str, int]
 
 
 def predicted_seconds(args, gpt, dims: ParallelDims, device) -> float | str:
-    """train.py's run priced by step_time.py on this machine (machines.this, measured by every
+    """train.py's run priced by napkin/step_time.py on this machine (machines.this, measured by every
     rank at its first call: call it on every rank): seconds per step, or, for what the napkin
     does not compose, why not, which the log says in its place."""
     splits, cfg, world_size = dims.splits, gpt.cfg, dims.world

@@ -1,10 +1,10 @@
-"""snapshot.py: a training run's checkpoints: saved atomically, resumed bit for bit, resharded.
+"""running/snapshot.py: a training run's checkpoints: saved atomically, resumed bit for bit, resharded.
 
 Hours of GPU time must survive a crash. A checkpoint holds what an exact continuation needs:
 the fp32 weights and optimizer state, the loss scale, the step (which fixes the learning rate
 and the data position: batches are a function of the step), every rank's RNG state and the
 configuration. Sharded strategies save each rank's shard with the map of which elements of
-which parameter it holds (pieces.py), so the same files load on any world size and under any
+which parameter it holds (running/pieces.py), so the same files load on any world size and under any
 strategy: every rank takes the elements it now owns; tensor parallelism's split matrices are
 saved gathered whole, so they load at any --tp. Here: the run directory, and what train.py
 saves, resumes and exports; load_weights reads any of them on one process. (PyTorch's elastic
@@ -687,7 +687,7 @@ class Layout(NamedTuple):
     """Where this rank's weights sit, as checkpoints need it: its rank in the data-parallel
     group (replica 0 writes replicated weights), and the group that splits one model (tp's
     tensor group or a pipeline, else None). `tensor` says the split is by matrix (parameters
-    sharded along "tp", placements.py): whole pieces are gathered over `split`, and its first
+    sharded along "tp", foundations/placements.py): whole pieces are gathered over `split`, and its first
     rank writes them; a pipeline stage writes its own parameters."""
     data_rank: int
     split: Comm | None

@@ -1,4 +1,4 @@
-"""stopping.py: how train.py stops on a signal, whatever its main thread is doing.
+"""running/stopping.py: how train.py stops on a signal, whatever its main thread is doing.
 
 SIGINT is Ctrl-C (torchrun forwards it to every worker); SIGTERM is how torchrun stops every
 worker once one failed (about 0.1 s after a kill -9), or stops the job (a batch system's end).

@@ -1,4 +1,4 @@
-"""threads.py: the CPU threads each rank of a run computes with, a share of its node's cores.
+"""running/threads.py: the CPU threads each rank of a run computes with, a share of its node's cores.
 
 Used by: train.py, which logs the line cpu_threads returns. Test: python -m pytest
 tests/test_run_log.py -k cpu_threads

@@ -1,4 +1,4 @@
-"""What an "equals one process" test needs beyond multiprocess.py: a bound on fp32 differences
+"""What an "equals one process" test needs beyond tests/multiprocess.py: a bound on fp32 differences
 that Adam amplifies, element by element, and an fp64 optimizer, where the same claim is exact.
 
 Two runs whose gradients differ by rounding alone (the ranks' sums in another order; how they

@@ -239,7 +239,7 @@ def nccl_rules(device=torch.device("cpu")):
         check("batch_isend_irecv", [op.tensor for op in ops])
         return [_OneWork(original["batch_isend_irecv"](ops))]
 
-    # Every module that imported host_buffer by name (fsdp_state.py does) gets the recording one too.
+    # Every module that imported host_buffer by name (mechanics/fsdp_state.py does) gets the recording one too.
     holders = [m for m in list(sys.modules.values())
                if m is not None and vars(m).get("host_buffer") is original_host_buffer]
     original = {name: getattr(dist, name) for name in (*COLLECTIVES, "batch_isend_irecv")}

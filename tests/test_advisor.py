@@ -1,4 +1,4 @@
-"""advisor.py: the lecture's flow chart rung by rung, memory.py --advise, train.py --strategy auto."""
+"""napkin/advisor.py: the lecture's flow chart rung by rung, napkin/memory.py --advise, train.py --strategy auto."""
 import re
 
 import pytest
@@ -321,7 +321,7 @@ MEASURED = re.compile(r"memory per rank, measured: params [\d.]+ MiB, grads [\d.
 def test_measure_runs_every_rung_that_fits_and_prints_measured_beside_predicted(capsys):
     """The tiny GPT on 2 CPU ranks, 16 x 64: the eight rungs, ddp to QLoRA with the parameters
     offloaded, one torchrun; each row's measured state is its log's line, its tokens/s the log's
-    last step's, and its predicted state memory.py's napkin."""
+    last step's, and its predicted state napkin/memory.py's napkin."""
     from napkin.advisor_speed import every_rung
     from napkin.memory_math import MiB
     rows = main(["--advise", "--model", "tiny", "--world", "2", "--seq-len", "64", "--measure"])
@@ -346,7 +346,7 @@ def test_measure_runs_every_rung_that_fits_and_prints_measured_beside_predicted(
 
 
 def test_the_measure_tables_columns_stay_apart_however_wide_the_numbers():
-    """A row of memory.py --advise --measure's table with a GPU's numbers (10^8 tokens/s, a large
+    """A row of napkin/memory.py --advise --measure's table with a GPU's numbers (10^8 tokens/s, a large
     state): every number its own word, as the header's columns."""
     from types import SimpleNamespace
 

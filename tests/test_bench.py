@@ -1,4 +1,4 @@
-"""bench.py end to end on 2 CPU ranks: the tables have every column, numbers and JSON agree.
+"""bench/compare.py end to end on 2 CPU ranks: the tables have every column, numbers and JSON agree.
 
 A smoke test only: it checks that the benchmark runs and reports what it promises, never how
 fast anything is (timings on a shared CPU say nothing a test could rely on).
@@ -36,7 +36,7 @@ NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?%?")
 
 
 def run_bench(directory, ranks: int, strategies: str, *extra):
-    """bench.py --quick on `ranks` CPU ranks, 1 warm-up + 2 timed steps x 2 repetitions:
+    """bench/compare.py --quick on `ranks` CPU ranks, 1 warm-up + 2 timed steps x 2 repetitions:
     (what it printed, its JSON)."""
     path = directory / "bench.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
@@ -62,7 +62,7 @@ def bench(tmp_path_factory):
 
 def bench_in_ranks(directory, ranks: int, strategies: str, *extra, repeats: int):
     """run_bench's run, x `repeats` repetitions, in forked ranks (run_ranks: torchrun's workers would each import torch, bench's
-    torch parts and torch._dynamo again; the quick fixture is bench.py's torchrun launch)."""
+    torch parts and torch._dynamo again; the quick fixture is bench/compare.py's torchrun launch)."""
     path = directory / "bench.json"
     output = run_ranks(bench_logged, ranks, ["--quick", "--strategies", strategies, "--warmup", "1", "--steps",
                                              "2", "--repeats", str(repeats), *extra, "--json", str(path)])[0]
@@ -152,7 +152,7 @@ def test_ring_collectives_send_what_the_formulas_say(bench):
 def test_expert_parallelism_halves_the_experts_and_sends_the_formula(bench):
     """tiny-moe at ep 2 against ep 1 on 2 ranks, both our DDP: the same training (each rank
     routes its own tokens either way: fp32, only the order of cross-rank sums differs), half the
-    expert weights per rank, and the all-to-all counter equal to memory.py's formula (capacity
+    expert weights per rank, and the all-to-all counter equal to napkin/memory.py's formula (capacity
     mode: a fixed buffer, whatever the routing); ep 1 sends none."""
     output, data = bench
     row = data["moe"]
@@ -180,14 +180,14 @@ def test_expert_parallelism_halves_the_experts_and_sends_the_formula(bench):
         assert_finite_cells(cells[1:], allowed_text=())
     assert rows[1][MOE_COLUMNS.index("all-to-all MiB/step (counter / napkin)")] == \
         f"{ep2['all_to_all_per_step'] / 2**20:.2f} / {ep2['all_to_all_per_step'] / 2**20:.2f}"
-    # step_time.py's napkin on every row: its parts add up, ep 2 prices its all-to-alls, ep 1 none
+    # napkin/step_time.py's napkin on every row: its parts add up, ep 2 prices its all-to-alls, ep 1 none
     assert "all_to_all" not in ep1["predicted"] and ep2["predicted"]["all_to_all"] > 0
     for r, cells in zip(row["runs"], rows):
         assert_napkin_beside(r, r["ms_per_step"], cells[MOE_COLUMNS.index("predicted ms")])
 
 
 def assert_napkin_beside(row: dict, ms_per_step: dict, cell: str):
-    """A row's step_time.py prediction: positive, its parts (all but the communication, of
+    """A row's napkin/step_time.py prediction: positive, its parts (all but the communication, of
     which they hold the exposed share) add up to it, printed beside its ratio to the median."""
     parts = {k: v for k, v in row["predicted"].items() if k not in ("step", "communication")}
     assert row["predicted_ms"] == row["predicted"]["step"] > 0 and math.isfinite(row["predicted_ms"])
@@ -212,7 +212,7 @@ def bench_here(directory, argv):
 
 
 def test_the_default_json_is_written_in_the_working_directory(tmp_path):
-    """bench.py --quick with its default --json bench.json (no directory in it), from a fresh
+    """bench/compare.py --quick with its default --json bench.json (no directory in it), from a fresh
     directory, on one rank as plain `python -m bench` runs: the strategy row is priced (machines.
     this writes bench-this.json beside the JSON) and the JSON written there. Short: one strategy,
     one step, one repetition."""
@@ -288,7 +288,7 @@ def test_json_holds_the_same_numbers(bench):
 
 
 def test_every_row_has_the_napkins_step_time(bench):
-    """step_time.py's prediction for every strategy row: the parts add up to the step, and the
+    """napkin/step_time.py's prediction for every strategy row: the parts add up to the step, and the
     table prints it beside its ratio to our measured median."""
     output, data = bench
     _, printed = table(output, "strategy")
@@ -328,7 +328,7 @@ RECORDED = ["medium-napkin", "moe-cp-napkin"]
 
 @pytest.mark.parametrize("name", RECORDED)
 def test_each_committed_prediction_is_what_todays_napkin_computes(name):
-    """Each row's predicted number in bench-results/NAME.json is what step_time.py computes
+    """Each row's predicted number in bench-results/NAME.json is what napkin/step_time.py computes
     today from the machines.this figures that run recorded (NAME-this.json): the code is bound
     to the committed numbers. A napkin that priced a cp rank's attention at model.py's fused
     rate again would find no such block in the file; one that changed a formula, another number."""
@@ -346,7 +346,7 @@ def test_each_committed_prediction_is_what_todays_napkin_computes(name):
 # run under a load average of 2.5-4.5, its ratios are the neighbours' as much as the napkin's).
 @pytest.mark.parametrize("name", ["medium-napkin"])
 def test_the_napkin_is_within_0_8_to_1_25_of_every_committed_row(name):
-    """Issue 55: step_time.py's prediction within 0.8-1.25 of the measured step on every row of
+    """Issue 55: napkin/step_time.py's prediction within 0.8-1.25 of the measured step on every row of
     a real run (the predictions themselves bound to the code by the test above)."""
     _, rows = recorded_rows(name)
     assert rows
@@ -400,7 +400,7 @@ def test_hsdp_and_fsdp_lora_do_fully_shards_work_and_send_the_formula(sharded, n
 
 
 def test_hsdp_holds_its_shard_groups_share(sharded):
-    """HSDP shards over 2 of the 4 ranks: each holds half the model's state, as memory.py's zero3
+    """HSDP shards over 2 of the 4 ranks: each holds half the model's state, as napkin/memory.py's zero3
     over 2 says (plain fsdp on 4 ranks would hold a quarter); it is skipped below 4 ranks."""
     _, rows = sharded
     ours = rows["hsdp"]["ours"]
@@ -410,7 +410,7 @@ def test_hsdp_holds_its_shard_groups_share(sharded):
 
 def test_fsdp_lora_shards_the_frozen_base(sharded):
     """Both FSDPs hold a quarter of the frozen base per rank (the tiny model's units split evenly:
-    no padding), where DDP would hold it whole; ours holds memory.py's prediction in all."""
+    no padding), where DDP would hold it whole; ours holds napkin/memory.py's prediction in all."""
     output, rows = sharded
     ours, theirs = rows["fsdp-lora"]["ours"], rows["fsdp-lora"]["torch"]
     assert ours["frozen_whole"] == theirs["frozen_whole"] == 4 * build_model("tiny").num_parameters()
@@ -515,7 +515,7 @@ def test_memory_snapshot_is_written_on_a_gpu_and_refused_without_one(tmp_path):
 
 def test_scaling_counts_what_a_rank_holds_beside_memory_py(tmp_path):
     """python -m bench --scaling (2 steps of train.py per world size): FSDP on 2 ranks holds what
-    memory.py predicts (to the log's 0.1 MiB), half of the 16 bytes per parameter, and sends the
+    napkin/memory.py predicts (to the log's 0.1 MiB), half of the 16 bytes per parameter, and sends the
     ring formula's bytes; the table has a cell pair per world size."""
     path = tmp_path / "scaling.json"
     result = subprocess.run([sys.executable, "-m", "bench", "--quick", "--scaling", "2", "--strategies",
@@ -556,7 +556,7 @@ def test_profile_puts_each_sides_operators_side_by_side_and_report_compares_size
     assert all(row[5] == f"{data['strategies'][0]['ratio']:.2f}" for row in sizes), sizes
 
 
-# ---- bench_gpu.py: a GPU window's one command, run here on the CPU so it runs first time there ----
+# ---- bench/gpu.py: a GPU window's one command, run here on the CPU so it runs first time there ----
 
 def run_bench_gpu(directory, *flags) -> tuple:
     """python -m bench.gpu on the tiny model at a given peak: (its exit, stdout, JSON, files)."""

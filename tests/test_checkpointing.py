@@ -82,7 +82,7 @@ def test_evaluation_under_no_grad_is_unchanged():
 
 @pytest.mark.parametrize("every", [1, 2])
 def test_saved_activation_bytes_drop_as_predicted(every):
-    """Blocks keep only their input: sbh values per checkpointed block (memory.py's 2sbh at 16 bits)."""
+    """Blocks keep only their input: sbh values per checkpointed block (napkin/memory.py's 2sbh at 16 bits)."""
     plain, ours = _models(2)
     assert checkpoint_blocks(ours, every=every) == CFG.n_layer // every
     x, y = torch.randint(0, 256, (B, T)), torch.randint(0, 256, (B, T))
@@ -101,7 +101,7 @@ def test_saved_activation_bytes_drop_as_predicted(every):
 
 
 def test_a_block_keeps_what_the_formula_bounds():
-    """sbh(34 + 5as/h) (memory.py) bounds a block without dropout: no masks are kept, and the
+    """sbh(34 + 5as/h) (napkin/memory.py) bounds a block without dropout: no masks are kept, and the
     fused attention recomputes the T x T scores in backward. Measured: 73% of it."""
     block = GPT(dataclasses.replace(CFG, dropout=0.0)).blocks[0]
     block_in = torch.randn(B, T, CFG.n_embd, requires_grad=True)

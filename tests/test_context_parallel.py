@@ -231,7 +231,7 @@ def test_activations_per_rank_fall_with_cp(kept):
         assert abs(ring[0] - one / cp) <= 8, (cp, ring[0], one)
         # all-gather keeps the whole sequence's K and V besides (B, T, 2, H, D) per layer
         assert 0 < gathered[0] - ring[0] <= CFG.n_layer * 4 * 64 * 2 * CFG.n_embd * 4, (cp, gathered, ring)
-    # memory.py's napkin falls the same way: 1/cp of the tokens (the scores' s keys per query aside)
+    # napkin/memory.py's napkin falls the same way: 1/cp of the tokens (the scores' s keys per query aside)
     napkin = {cp: cp_activation_bytes(64, 4, 32, 4, 2, cp) for cp in (1, 2, 4)}
     assert napkin[4] < napkin[2] < napkin[1] / 1.9
 
@@ -383,7 +383,7 @@ def test_bad_cp_input_stops_every_rank_with_the_same_message(bad_cp, case, fix):
     assert fix in bad_cp[0][case], bad_cp[0][case]
 
 
-# ---- memory.py --cp and bench.py's cp rows -------------------------------------------------------
+# ---- napkin/memory.py --cp and bench/compare.py's cp rows -------------------------------------------------------
 
 def test_memory_cp_table_halves_a_ranks_activations(capsys):
     memory.main(["--model", "tiny", "--cp", "4", "--precision", "fp32", "--batch-size", "16",
@@ -398,7 +398,7 @@ def test_memory_cp_table_halves_a_ranks_activations(capsys):
 
 def test_bench_times_ring_beside_allgather(tmp_path):
     path = tmp_path / "bench.json"
-    # bench.py's run on 2 forked ranks (test_bench.py's quick fixture is its torchrun launch)
+    # bench/compare.py's run on 2 forked ranks (tests/test_bench.py's quick fixture is its torchrun launch)
     output = run_ranks(bench_logged, 2, ["--quick", "--strategies", "cp", "--warmup", "1", "--steps", "2",
                                          "--repeats", "1", "--json", str(path)])[0]
     assert "| cp attention (cp 2, zigzag) |" in output and "context_parallel not run" in output
@@ -410,7 +410,7 @@ def test_bench_times_ring_beside_allgather(tmp_path):
     assert rows["ring"]["last_loss"] == pytest.approx(rows["allgather"]["last_loss"], rel=1e-5)
     assert rows["ring"]["activation_bytes"] < rows["allgather"]["activation_bytes"]
     assert rows["ring"]["sent_per_step"] > rows["allgather"]["sent_per_step"]
-    # step_time.py's napkin beside each (test_bench's check): its K/V exchange among its parts
+    # napkin/step_time.py's napkin beside each (test_bench's check): its K/V exchange among its parts
     from test_bench import assert_napkin_beside, table
     columns, printed = table(output, "cp attention (cp 2, zigzag)")
     assert [cells[0] for cells in printed] == ["ring", "allgather"]

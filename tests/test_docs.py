@@ -174,10 +174,10 @@ def shortened(command: str) -> str:
     of a repeated flag), before a trailing comment, so that the work takes seconds while the
     command line and the code paths stay the same:
       train.py    --steps 2, where it would run more than 24 steps (the default is 300);
-      bench.py    one timed step, no warm-up, one repeat of each side, on the tiny GPT at 64 tokens,
+      bench/compare.py    one timed step, no warm-up, one repeat of each side, on the tiny GPT at 64 tokens,
                   all-reduces up to 1 MiB; --scaling at worlds 1 and 2, ddp only (--report: as is);
-      pictures.py memory: one panel, zero2, of the five;
-      bench_gpu.py  the tiny GPT at 64 tokens, one timed step a side, a given peak (no GPU here);
+      pictures/draw.py memory: one panel, zero2, of the five;
+      bench/gpu.py  the tiny GPT at 64 tokens, one timed step a side, a given peak (no GPU here);
     everything else as written."""
     command, comment = re.match(r"(.*?)(\s+# .*)?$", command).groups()
     steps = re.findall(r"--steps (\d+)", command)
@@ -196,7 +196,7 @@ def shortened(command: str) -> str:
 def fresh_copy(where: pathlib.Path, cache: pathlib.Path) -> pathlib.Path:
     """The working tree's tracked files as they are now (edits included, no runs/ or outputs),
     with the README's .venv linked in, as a new clone after `sh install.sh` holds, and `cache` as
-    its .cache/ (machines.py's measurements of this machine, kept as one clone keeps them)."""
+    its .cache/ (napkin/machines.py's measurements of this machine, kept as one clone keeps them)."""
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
     for name in filter(None, tracked.stdout.decode().split("\0")):
         if (ROOT / name).is_file():                  # a tracked file deleted in the tree is gone
@@ -270,7 +270,7 @@ def pages_run(request, tmp_path_factory) -> dict:
     """{page: None, or what run_page raised} for the pages selected (-k), two pages at a time,
     each in a fresh copy of its own: a page's commands wait on each other (a command spends
     much of its time importing torch, on one core), two pages' need not. The copies share one
-    .cache/ (machines.py's measurements of this machine, kept as one clone keeps them)."""
+    .cache/ (napkin/machines.py's measurements of this machine, kept as one clone keeps them)."""
     chosen = [item.callspec.params["page"] for item in request.session.items
               if item.module is request.module and item.originalname == PAGE_TEST]
     cache = tmp_path_factory.mktemp("cache")
@@ -349,7 +349,7 @@ def test_commands_not_run_here_are_shown_and_nothing_else_is_left_out():
     assert {command for command in shown if uncommented(command) not in ran} == set(NOT_RUN_HERE)
 
 
-# Each program's run with its defaults (its required arguments only; pictures.py's schedule
+# Each program's run with its defaults (its required arguments only; pictures/draw.py's schedule
 # spelled out, its defaults), and each example: the commands above run them, the pages show them.
 DEFAULT_RUNS = ["python train.py", "torchrun --nproc_per_node 2 -m bench --quick",
                 "python -m napkin.memory --model gpt2-small --world 8", "python -m napkin.step_time",

@@ -304,7 +304,7 @@ def _launch(full):
 
 
 def _wrap(model, dtype=None, scaler=None, wrap=None, offload=False):
-    # _Tied's frozen layer is sharded as LoRA's base is (fsdp_frozen.py).
+    # _Tied's frozen layer is sharded as LoRA's base is (extensions/fsdp_frozen.py).
     kind = FSDP if all(p.requires_grad for p in model.parameters()) else FrozenBaseFSDP
     wrapped = kind(model, mp_policy=MixedPrecisionPolicy(dtype), **({"wrap": wrap} if wrap else {}))
     return wrapped, FSDPOptimizer(wrapped, scaler=scaler, offload=offload, **ADAMW)

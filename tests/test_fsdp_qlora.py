@@ -2,7 +2,7 @@
 a 4-bit NF4 base sharded and all-gathered as its packed bytes, the parameter shards offloaded to
 the host, and hybrid sharding (HSDP), each equal to one process (test_fsdp's tolerances and
 reasoning), with the bytes a rank holds and sends counted against the formulas; a state round
-trip for each; train.py's HSDP checkpoints resumed by plain FSDP and back; memory.py's
+trip for each; train.py's HSDP checkpoints resumed by plain FSDP and back; napkin/memory.py's
 napkin beside what a rank holds and sends.
 """
 import os
@@ -29,7 +29,7 @@ BATCH = 12                          # global: equal rows on 2, 3 and 4 ranks
 # The sharded-base variants: name -> (quantize, double_quant, offload_params)
 VARIANTS = {"lora": (None, False, False), "nf4": ("nf4", False, False),
             "nf4_offload": ("nf4", False, True), "nf4_dq": ("nf4", True, False)}
-# memory.py counts the model as one flat buffer whose root is gathered twice a step; FSDP gathers
+# napkin/memory.py counts the model as one flat buffer whose root is gathered twice a step; FSDP gathers
 # its root once, pads each unit and aligns each frozen tensor to 16 bytes, and FSDPOptimizer
 # sends its used-flags and norm (20 to 70 bytes here): the napkin, less the root's second
 # gather, is FSDP's formula to this many bytes.
@@ -58,7 +58,7 @@ def _wrap(model, group=None, replicas=None, offload_params=False):
 
 
 def _napkin(model, world_size, double_quant=False, offload=None, shard_group=None) -> dict:
-    """memory.py's prediction for this model under fsdp: bytes held per rank, and sent per step."""
+    """napkin/memory.py's prediction for this model under fsdp: bytes held per rank, and sent per step."""
     numel, quantized = live_numel(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     options = SimpleNamespace(precision="fp32", ep=1, double_quant=double_quant, offload=offload)
@@ -115,8 +115,8 @@ def _round_trip(make, batches):
 
 def _sharded_base(names):
     """On N ranks, each of VARIANTS named: the training run, the frozen bytes this rank holds
-    and the whole's, one more step's bytes sent beside the formula and memory.py's, the bytes
-    held beside memory.py's, the live bytes before and after that step (offloaded), and a round
+    and the whole's, one more step's bytes sent beside the formula and napkin/memory.py's, the bytes
+    held beside napkin/memory.py's, the live bytes before and after that step (offloaded), and a round
     trip."""
     data, out = _batches(STEPS, BATCH), {}
     for name in names:
@@ -237,11 +237,11 @@ def test_parameter_offload_equals_on_device_bit_for_bit(two):
 @pytest.mark.parametrize("n, name", [(2, "lora"), (2, "nf4"), (2, "nf4_offload"), (2, "nf4_dq"),
                                      (3, "nf4"), (3, "nf4_offload")])
 def test_memory_py_predicts_what_a_rank_holds_and_sends(two, three, n, name):
-    """What a rank holds is memory.py's run_state_bytes: the same parameters, gradients,
-    optimizer state and host bytes, but for the NF4 levels (a 64-byte constant memory.py leaves
+    """What a rank holds is napkin/memory.py's run_state_bytes: the same parameters, gradients,
+    optimizer state and host bytes, but for the NF4 levels (a 64-byte constant napkin/memory.py leaves
     out) and each frozen tensor's 16-byte alignment (here only double quantization's int8
     scales need any). What a step
-    sends is FSDP.bytes_per_step, and memory.py's napkin (a 4-bit weight priced as its packed
+    sends is FSDP.bytes_per_step, and napkin/memory.py's napkin (a 4-bit weight priced as its packed
     bytes) is that plus the root's second gather, to NAPKIN_SLACK."""
     for o in (two if n == 2 else three):
         run = o[name]
@@ -268,7 +268,7 @@ def test_state_round_trip(two, name):
 
 def _hybrid():
     """HSDP over 4 ranks: shards within {0, 1} and {2, 3}, copies across; the training run, the
-    bytes one step sends beside the formula and memory.py's, the bytes held beside memory.py's,
+    bytes one step sends beside the formula and napkin/memory.py's, the bytes held beside napkin/memory.py's,
     the shard sizes, and a round trip."""
     data = _batches(STEPS, BATCH)
     comm = Comm()
@@ -297,7 +297,7 @@ def test_hybrid_sharding_equals_one_process(hybrid, single):
 def test_hybrid_sharding_holds_half_and_sends_the_formula(hybrid):
     """Each rank holds 1/2 of the model (its shard group's size, not the world's 4), and sends per
     step: two all-gathers (one for the root) and a reduce-scatter inside its pair, the shard's
-    all-reduce across the pairs, the flags and the norm: fsdp.FSDP.bytes_per_step. memory.py
+    all-reduce across the pairs, the flags and the norm: fsdp.FSDP.bytes_per_step. napkin/memory.py
     --shard-group 2 predicts the bytes held exactly, and its bytes sent, less the root's second
     gather, are the formula to NAPKIN_SLACK."""
     for run in hybrid:

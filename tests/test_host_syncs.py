@@ -61,7 +61,7 @@ TORCH_FUNCTIONS = ("tensor", "nonzero", "argwhere", "unique", "bincount", "maske
                    "repeat_interleave")
 
 
-# data.py builds each batch from a host tensor, in host memory (data.pinned_copy moves it): its
+# running/data.py builds each batch from a host tensor, in host memory (data.pinned_copy moves it): its
 # reads never touch a device.
 HOST_ONLY = (os.path.join(TESTS, ""), os.path.join(ROOT, "running", "data.py"))
 # A virtual environment inside the clone (install.sh's .venv) holds torch's own files, not ours.

@@ -3,9 +3,12 @@ files, the model and train.py, nothing else of the code) and the engine is in pa
 they are. Each concept file reads in one sitting, imports at most three project modules, and builds
 only on the foundations (never on an extension, the composition, the run or the napkin math)."""
 import ast
+import io
 import pathlib
+import re
 import subprocess
 import sys
+import tokenize
 
 import pytest
 
@@ -96,7 +99,7 @@ BESIDE_THE_ALGORITHM = {"ddp": {"check_same_parameters", "as_comm"},
 
 
 def _names_from_elsewhere(concept: str) -> set:
-    """The names concept.py imports from project modules and uses outside `if __name__ == "__main__":`."""
+    """The names a concept file imports from project modules and uses outside `if __name__ == "__main__":`."""
     tree, modules = ast.parse(_path(concept).read_text()), _project_files()
     imported = {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom)
                 and node.module in modules and node.module != "foundations" for a in node.names}
@@ -119,8 +122,8 @@ def test_a_concept_file_is_followed_with_at_most_three_names_from_elsewhere(conc
 def test_a_foundation_imports_only_foundations(foundation):
     """The concepts build on the foundations, never the other way round (the model knows no mixture
     of experts: moe.py hands it one through its feed_forward). What the foundations need of the
-    lecture's first rungs lives in them: the counted collectives (comm.py), the optimizer around
-    the inner one (inner_optimizer.py); a step that needs the loss scale is a mechanic."""
+    lecture's first rungs lives in them: the counted collectives (foundations/comm.py), the optimizer around
+    the inner one (foundations/inner_optimizer.py); a step that needs the loss scale is a mechanic."""
     wrong = {m for m in _imports(foundation) if not m.startswith("foundations.")}
     assert not wrong, f"{foundation} imports {sorted(wrong)}: a foundation builds on foundations only"
     assert not _imports("model"), f"model.py imports {sorted(_imports('model'))}: the model is a foundation"
@@ -214,9 +217,34 @@ def test_zero_and_fsdp_compose_one_sharded_step():
 
 
 def test_the_parallel_layout_is_computed_once():
-    """train.py makes the run's ParallelDims once (mesh_checks.py) and passes it down: the
+    """train.py makes the run's ParallelDims once (composition/mesh_checks.py) and passes it down: the
     composition, the report and the run log never derive the layout from args again."""
     for module in ("train", "composition.parallelize", "running.report", "running.run_log"):
         text = _path(module).read_text()
         assert "mesh_splits" not in text, f"{module} re-derives the layout: read the ParallelDims"
     assert "ParallelDims.from_args" in _path("train").read_text()
+
+
+def _comments_and_docstrings(text: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and triple-quoted string in a Python source."""
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT or (token.type == tokenize.STRING and
+                                              token.string.lstrip("rbuRBUfF")[:3] in ('"""', "'''")):
+            found.append((token.start[0], token.string))
+    return found
+
+
+def test_every_file_a_comment_names_exists():
+    """A file named in a comment or a docstring (a word ending in .py) exists: from the root, or
+    beside the file that names it. A placeholder is written in capitals (python CONCEPT.py)."""
+    named = re.compile(r"(?<![\w/.{-])((?:[\w-]+/)*[\w-]+\.py)\b")
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.split()
+    missing = [f"{path}:{line} {name}" for path in files
+               for line, text in _comments_and_docstrings((ROOT / path).read_text())
+               for name in named.findall(text)
+               if not name.split("/")[-1][:-3].isupper()
+               and not (ROOT / name).exists() and not (ROOT / path).parent.joinpath(name).exists()]
+    assert not missing, "comments name files that do not exist (write the path from the root):\n" \
+                        + "\n".join(missing)

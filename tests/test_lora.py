@@ -163,7 +163,7 @@ def test_bad_lora_settings_name_the_fix():
 
 
 def test_memory_is_the_model_plus_the_trainable_parameters_state():
-    """Measured bytes equal memory.py's: the frozen model once, grads and Adam only for A and B."""
+    """Measured bytes equal napkin/memory.py's: the frozen model once, grads and Adam only for A and B."""
     model = apply_lora(_base())
     optimizer = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, precision="fp32")
     model(X, X)[1].backward()

@@ -1,4 +1,4 @@
-"""memory.py: the ZeRO paper's numbers, the lecture's claims about bytes, and the command line."""
+"""napkin/memory.py: the ZeRO paper's numbers, the lecture's claims about bytes, and the command line."""
 import dataclasses
 import os
 import re
@@ -179,7 +179,7 @@ def test_expert_parallel_state_and_traffic_by_hand():
                          [("tiny-moe", 2, 512, 1.25), ("tiny-moe", 4, 128, 0.5),
                           ("gpt2-small-moe", 8, 8192, 1.25)])
 def test_all_to_all_napkin_is_the_layers_formula(name, ep, tokens, capacity_factor):
-    """memory.py's closed form equals composition.parallelize.exchange_bytes on the model split over ep ranks (the
+    """napkin/memory.py's closed form equals composition.parallelize.exchange_bytes on the model split over ep ranks (the
     formula train.py logs beside the counter, and test_moe checks against the counter): 4 (P-1)/P
     of the E x K slots of C values per layer and micro-batch, K = ceil(1.25 x 2 x 512 / 8) = 160."""
     from types import SimpleNamespace
@@ -234,7 +234,7 @@ def _moe_layer_saves(capacity_factor, ep):
 
 @pytest.mark.parametrize("capacity_factor, ep", [(None, 1), (0.5, 1), (1.25, 2)])
 def test_an_moe_layer_keeps_what_the_formula_says(capacity_factor, ep):
-    """Measured with saved-tensor hooks, as the dense block in test_checkpointing.py: dropless
+    """Measured with saved-tensor hooks, as the dense block in tests/test_checkpointing.py: dropless
     (every token's 2 copies run), capacity 0.5 (every expert full, K = 32; the dropped
     assignments gathered too) and ep 2 in capacity mode on 2 ranks (each expert runs all its
     K = 80 slots, empty ones too). Between 95% and 100% of moe_mlp_bytes: the formula counts
@@ -318,7 +318,7 @@ def test_qlora_base_in_4_bits(capsys):
 
 
 def _printed(out, label) -> int:
-    """The bytes column of memory.py's breakdown row `label`."""
+    """The bytes column of napkin/memory.py's breakdown row `label`."""
     return int(re.search(rf"^  {label}\s+([\d,]+)", out, re.M).group(1).replace(",", ""))
 
 
@@ -477,7 +477,7 @@ def test_prediction_matches_the_bytes_ranks_hold(world_size):
 # ---- pipeline schedules: activations held per stage ------------------------------------------
 
 def test_pipeline_activations_follow_each_schedules_peak():
-    """Per stage, the peak micro-batches (or chunks) schedules.py counts, times one micro-batch's
+    """Per stage, the peak micro-batches (or chunks) extensions/schedules.py counts, times one micro-batch's
     activations through the stage's blocks (and the logits, on the last stage)."""
     from napkin.memory_math import logits_bytes, pipeline_activation_bytes
     cfg, P, M, b, s = PRESETS["gpt2-small"], 4, 8, 1, 1024          # 12 blocks: 3 a stage
@@ -614,7 +614,7 @@ def test_an_option_given_but_not_read_is_named_in_one_line(argv, warning, capsys
 
 def test_memory_py_prints_no_warning():
     """torch warns "Failed to initialize NumPy" as it is imported where numpy is absent:
-    requirements.txt installs numpy, so neither torch nor memory.py prints anything on stderr."""
+    requirements.txt installs numpy, so neither torch nor napkin/memory.py prints anything on stderr."""
     runs = {name: subprocess.Popen([sys.executable, *argv], cwd=REPO, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             for name, argv in (("torch", ["-c", "import torch"]),

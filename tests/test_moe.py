@@ -273,7 +273,7 @@ def test_tiny_moe_trains_under_each_data_parallel_strategy(strategy):
 
 
 def test_parameter_counts_total_and_active():
-    """memory.py's closed form: tiny-moe holds 8 experts per block, a token computes with 2."""
+    """napkin/memory.py's closed form: tiny-moe holds 8 experts per block, a token computes with 2."""
     from napkin.memory_math import active_params, model_params
     from model import build_model
     gpt = build_model("tiny-moe", feed_forward=feed_forward)
@@ -404,7 +404,7 @@ def _run_ep(tmp_path, ranks, *flags):
     # a mesh's bytes by dimension (tp, cp, pp, ep, dp), each beside its formula
     for line in re.findall(r"sent by dimension, MiB/step \(formula\): (.*)", out):
         sent += re.findall(r"\w+ ([\d.]+) \(([\d.]+)\)", line)
-    # memory.py's prediction and the measure, as the log prints them: params, grads, optim (MiB)
+    # napkin/memory.py's prediction and the measure, as the log prints them: params, grads, optim (MiB)
     held = (re.search(r"predicted \(memory.py's napkin math\): params ([\d.]+) MiB, grads ([\d.]+), "
                       r"optim ([\d.]+)", out).groups(),
             re.findall(r"measured: params ([\d.]+) MiB, grads ([\d.]+), optim ([\d.]+)", out)[-1])
@@ -442,7 +442,7 @@ def test_expert_parallel_training_equals_one_process(tmp_path, one_process, stra
     same groups of 64 tokens (capacity 1.25, which drops, and dropless; ZeRO-2 and FSDP each in
     both modes and on both worlds, DDP in all four, ZeRO-1 dropless on 2), in fp64: the loss at
     every step to 1e-6 (logged in fp32), every weight after 4 steps (the experts' included,
-    whole in the export) to FP64_ATOL; the bytes held per rank equal memory.py's
+    whole in the export) to FP64_ATOL; the bytes held per rank equal napkin/memory.py's
     prediction, the bytes sent, and the all-to-alls on their own, the formula's."""
     single = one_process(capacity, *FP64)
     for ranks in worlds:
@@ -488,7 +488,7 @@ def test_experts_beside_context_parallelism_train_as_one_process(tmp_path, one_p
     In fp64 every weight after 4 steps equals one process's to FP64_ATOL (FP64's comment), on any
     CPU. In fp32, the smoke test: every step's loss to context parallelism's TRAIN_RTOL (its
     attention's fp32 sums in another order; measured 2.9e-7), every weight to CP_SMOKE_ATOL (its
-    comment); the bytes held equal memory.py's, and in capacity mode the all-to-alls sent equal
+    comment); the bytes held equal napkin/memory.py's, and in capacity mode the all-to-alls sent equal
     the formula."""
     from test_context_parallel import TRAIN_MEAN_ATOL, TRAIN_RTOL
     _assert_weights_close(_run_ep(tmp_path, ranks, *CP_ROUTING, "--capacity-factor", capacity, *flags, *FP64)[1],
@@ -505,7 +505,7 @@ def test_experts_beside_context_parallelism_train_as_one_process(tmp_path, one_p
 
 
 def _assert_trains_as(one, run) -> tuple[list, list]:
-    """A multi-rank fp64 _run_ep equals the one-process one: held = memory.py, losses to 1e-6
+    """A multi-rank fp64 _run_ep equals the one-process one: held = napkin/memory.py, losses to 1e-6
     relative, every exported weight to FP64_ATOL (_assert_weights_close). Returns its (losses, sent)."""
     losses, got, sent, (predicted, measured), _ = run
     assert predicted == measured, (predicted, measured)
@@ -527,7 +527,7 @@ def test_experts_beside_tensor_and_pipeline_parallelism_train_as_one_process(tmp
     hands its routers' balance losses to the step's loss. Every step's loss equals one process's
     to 1e-6 relative (the pipeline's micro-batches of 2 rows are one routing group of 64), every
     weight after 4 steps to FP64_ATOL in fp64 (the gradient norm DDP clips by adds the tensor
-    group's split squares and the expert group's); the bytes held equal memory.py's, and the
+    group's split squares and the expert group's); the bytes held equal napkin/memory.py's, and the
     bytes sent by dimension (capacity mode: the all-to-alls too) their formulas."""
     losses, sent = _assert_trains_as(one_process(capacity, *FP64), _run_ep(tmp_path, 4, "--capacity-factor",
                                                                            capacity, *flags, *FP64))
@@ -547,7 +547,7 @@ def test_experts_beside_sequence_parallelism_train_as_one_process(tmp_path, one_
     groups of 16 (those one process routes together), its balance loss made the group's mean (g)
     and its experts' gradients partial sums over the tensor group: tp 2 x dp 2 with ep 2 (ddp) and
     tp 2 x pp 2 (ZeRO-2, the sums in backward) on 4 ranks. Losses equal one process's to 1e-6,
-    weights to FP64_ATOL in fp64; held = memory.py; sent (tp, pp, ep, dp, the all-to-alls) = formula."""
+    weights to FP64_ATOL in fp64; held = napkin/memory.py; sent (tp, pp, ep, dp, the all-to-alls) = formula."""
     routing = ("--routing-group", "16")
     _, sent = _assert_trains_as(one_process("1.25", *routing, *FP64),
                                 _run_ep(tmp_path, 4, *routing, "--capacity-factor", "1.25", *flags, *FP64))
@@ -561,7 +561,7 @@ def test_experts_beside_hybrid_sharding_train_as_one_process(tmp_path, one_proce
     and copied across the pairs; the experts' gradient divided by all 4 ranks, the norm summing
     the experts' squares over both groups and the rest once. Losses equal one process's to 1e-6,
     weights (the export: every copy writes its experts' shards, the first copy the rest) to
-    FP64_ATOL in fp64; held = memory.py (the rest over 2, the experts over 4 / ep), sent = formula."""
+    FP64_ATOL in fp64; held = napkin/memory.py (the rest over 2, the experts over 4 / ep), sent = formula."""
     _, sent = _assert_trains_as(one_process("1.25", *FP64), _run_ep(tmp_path, 4, "--capacity-factor", "1.25",
                                                                     "--strategy", "fsdp", "--shard-group", "2",
                                                                     "--ep", "2", *FP64))
@@ -618,7 +618,7 @@ def test_bad_expert_parallel_options_are_one_clear_error_on_every_rank(bad_exper
 def test_the_header_shows_the_expert_mesh_and_which_parameter_count_is_which():
     """Issue 55: `--model tiny-moe --ep 2` on 2 ranks said `ddp ... 2.46M params`: no ep, and a
     rank's count given as the model's. The header names the split and both counts: the model's
-    (memory.py's closed form) and this rank's (its 4 of the 8 experts of each block, ep_params)."""
+    (napkin/memory.py's closed form) and this rank's (its 4 of the 8 experts of each block, ep_params)."""
     from napkin.memory_math import ep_params, model_params
     out = run_ranks(train_logged, 2, ["--model", "tiny-moe", "--ep", "2", "--steps", "1",
                                       "--eval-batches", "1", "--batch-size", "8", "--seq-len", "32"])[0][1]

@@ -1,6 +1,6 @@
-"""pictures.py, traces.py and svg.py: the pictures are well-formed SVG holding the series they
+"""pictures/draw.py, pictures/traces.py and pictures/svg.py: the pictures are well-formed SVG holding the series they
 name, and what they draw is what the run did: the log's losses, each stage's actions in
-schedules.py's order, the bytes a strategy holds over a step against references written here."""
+extensions/schedules.py's order, the bytes a strategy holds over a step against references written here."""
 import math
 import xml.etree.ElementTree as ET
 
@@ -120,7 +120,7 @@ def test_activations_rise_through_forward_fall_through_backward(memory):
         assert acts[loss:done + 1] == sorted(acts[loss:done + 1], reverse=True), strategy
         assert acts[0] == acts[done] == 0, strategy                            # all released
         # The reference: one process, the traced step's rows of rank 0 (the batch's storages
-        # count too: the embedding keeps its token ids), every storage autograd saved (meters.py).
+        # count too: the embedding keeps its token ids), every storage autograd saved (foundations/meters.py).
         gpt = build_model("tiny")
         x, y = TextData.from_file().batch(1, ROWS, SEQ, 0, rank=0, world_size=trace["world_size"])
         saved, _ = saved_activation_bytes(lambda: gpt(x, y), [*gpt.parameters(), *gpt.buffers()])
@@ -155,7 +155,7 @@ def test_the_memory_picture_has_a_panel_per_strategy_on_one_scale(memory):
     drawn = series(svg)
     for k in pictures.STACK:
         assert len(drawn[k]) == len(memory)                  # one band per panel
-        assert len(drawn[f"predicted {k}"]) == len(memory)   # memory.py's line per panel
+        assert len(drawn[f"predicted {k}"]) == len(memory)   # napkin/memory.py's line per panel
     titles = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text") if t.get("font-weight") == "bold"]
     assert titles == ["single", "ddp (rank 0 of 2)", "zero2 (rank 0 of 2)", "fsdp (rank 0 of 2)"]
 

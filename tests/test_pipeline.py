@@ -206,7 +206,7 @@ def test_interleaved_and_zero_bubble_equal_1f1b_and_one_process(P):
                              what + " vs 1f1b grads")
         assert_tensors_close(_whole(ranks, i, "params"), _whole(ranks, one_f_one_b, "params"), 0,
                              PARAM_ATOL if schedule == "interleaved" else 0, what + " vs 1f1b params")
-        # Counted by the executor, against the formulas in schedules.py: interleaved holds up
+        # Counted by the executor, against the formulas in extensions/schedules.py: interleaved holds up
         # to 2(P-1-s) + (v-1)P + 1 micro-batch chunks, ZB-H1 P micro-batches on every stage.
         for s, rank in enumerate(ranks):
             expected = (min(v[0] * M, 2 * (P - 1 - s) + (v[0] - 1) * P + 1) if schedule == "interleaved"
@@ -399,7 +399,7 @@ def test_executor_posts_the_groups_the_nccl_check_played(P):
 def _sharded_pipeline_trains(P, cfg, strategy):
     """On P x 2 ranks: a 1F1B pipeline whose data dimension is ZeRO-1 (each stage's optimizer
     state sharded over its 2 replicas), ZeRO-2 (its gradients too) or FSDP (its units too), as
-    parallelize.py builds it;
+    composition/parallelize.py builds it;
     this rank's averaged losses, clipped norms, and its copy of a tied weight after the steps."""
     from fsdp import FSDP
     from mechanics.fsdp_optimizer import FSDPOptimizer

@@ -1,4 +1,4 @@
-"""placements.py: the records, the one gradient norm, the data dimension's reduction, and the
+"""foundations/placements.py: the records, the one gradient norm, the data dimension's reduction, and the
 rule that concept files read placements instead of each other's tags."""
 import pathlib
 from types import SimpleNamespace
@@ -112,7 +112,7 @@ def test_no_concept_file_reads_another_strategys_tags():
 def test_the_concept_optimizers_know_nothing_of_the_mesh():
     """Composition, not inheritance: mixed precision's, ZeRO's and FSDP's optimizers step the group
     they are given; the placements, the mesh's splits and the experts' groups are read by the
-    composition (mesh_optimizer.py) only, which hands them the global norm."""
+    composition (composition/mesh_optimizer.py) only, which hands them the global norm."""
     for name in ("mixed_precision", "zero", "mechanics/fsdp_optimizer"):
         text = (ROOT / f"{name}.py").read_text()
         for word in ("import placements", "from placements", "foundations.placements", "split_model", "by_reduction",

@@ -1,4 +1,4 @@
-"""Process groups (process_groups.py): picklable objects gathered over the ranks arrive whole;
+"""Process groups (foundations/process_groups.py): picklable objects gathered over the ranks arrive whole;
 the N-D mesh cuts the world once per dimension, its groups crossing at one rank, created by
 every rank in one order.
 

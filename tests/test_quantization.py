@@ -99,7 +99,7 @@ def test_qlora_stores_the_whole_frozen_base_in_4_bits():
     """QLoRA on the default targets (query and value): every linear of every block is stored in
     NF4, adapted or not, and nothing else. The bytes of the stored model equal the formula written
     here, 0.5 byte a weight and a 4-byte scale per 64 for each 4-bit matrix, the rest (embeddings,
-    norms, biases, the head, the adapters) in fp32; and memory.py's napkin predicts them."""
+    norms, biases, the head, the adapters) in fp32; and napkin/memory.py's napkin predicts them."""
     cfg, r = PRESETS["tiny"], 8
     C, L, V, T = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size
     model = apply_lora(GPT(cfg), targets=("query", "value"), rank=r, quantize="nf4")

@@ -1,6 +1,6 @@
 """What a student meets on the command line: the log says what each number is, a refused command
 line is one line once (under torchrun too), Ctrl-C is one line and exit 130, the CPU threads are
-a share of the cores (run_log.py, cli.py, threads.cpu_threads)."""
+a share of the cores (running/run_log.py, running/cli.py, threads.cpu_threads)."""
 import os
 import re
 import signal

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (schedules.py): GPipe, 1F1B, interleaved 1F1B and zero bubble
+"""Pipeline schedules as data (extensions/schedules.py): GPipe, 1F1B, interleaved 1F1B and zero bubble
 (ZB-H1) run, their messages match, they cannot deadlock under NCCL's p2p rules, and their bubble
 and memory are the formulas, for many P, M (and v); the command line (python -m extensions.schedules)
 draws them.

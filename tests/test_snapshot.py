@@ -1,4 +1,4 @@
-"""Checkpoints, resume, faults and bad input: nothing lost, nothing hangs (snapshot.py, train.py).
+"""Checkpoints, resume, faults and bad input: nothing lost, nothing hangs (running/snapshot.py, train.py).
 
 train.main runs in spawned CPU ranks (fp32 unless said), each launch doing several runs of a
 tiny GPT. Resuming at the same world size must be bit for bit; resuming on another world size

@@ -1,4 +1,4 @@
-"""step_time.py's closed forms against hand computations, and machines.py's data and `this`.
+"""napkin/step_time.py's closed forms against hand computations, and napkin/machines.py's data and `this`.
 
 Every expected number is written out here from the formula in words (no call into the code
 under test computes it); times are of a made-up link, so no test depends on this machine's speed.
@@ -237,7 +237,7 @@ def test_a_split_block_is_one_tensor_parallel_ranks_share():
     assert 2 * matmul_flops(half) == matmul_flops(Block(cfg)) == 3 * 2 * 12 * 384 * 384 * 2 * 16
 
 
-# ---- the splits inside a block: expert and context parallelism (step_time_parallel.py) ------------
+# ---- the splits inside a block: expert and context parallelism (napkin/step_time_parallel.py) ------------
 
 # SMALL with each MLP 8 experts, top-2, capacity factor 1.25: a block holds Q, K, V, O 16384, 8
 # experts' 2 x 64 x 256 = 8 x 32768 and the router 8 x 64.
@@ -380,7 +380,7 @@ def test_machines_refuses_bad_input_in_one_line(argv, flag, fix, capsys):
 
 
 def napkin(argv, capsys) -> dict:
-    """step_time.py's printed parts, {name: ms}, and its first line under "line"."""
+    """napkin/step_time.py's printed parts, {name: ms}, and its first line under "line"."""
     from napkin.step_time import main
     main(argv)
     first = capsys.readouterr().out.splitlines()[0]

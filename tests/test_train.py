@@ -858,7 +858,7 @@ def test_a_fine_tuning_run_below_ln_v_stops_at_k_ln_v(tmp_path):
     assert loss > limit and f"over --max-loss-growth 4 x {max(first, math.log(256)):.4g} (" in stop, stop
 
 
-# ---- one mesh: tensor x context x pipeline x data parallel (parallelize.py) -----------------
+# ---- one mesh: tensor x context x pipeline x data parallel (composition/parallelize.py) -----------------
 
 # In fp64 (the model, the reduces, the norm and AdamW: train.py --precision fp64), where equal to
 # one process is exact: the mesh's sums in another order round at 1e-16 of their terms, which
@@ -875,7 +875,7 @@ def _run_mesh(directory, ranks: int, *flags, train=train_logged):
     """train.py on `ranks` ranks (in-process, under NCCL's rules: multiprocess.nccl_rules): its
     loss at every step, its exported whole-model weights, and the bytes it sent by dimension
     beside their formulas at every step, what rank 0 printed, and every rank's history (what it
-    sent and held, and memory.py's prediction)."""
+    sent and held, and napkin/memory.py's prediction)."""
     export = directory / f"mesh-{ranks}-{'-'.join(flags)}.pt"
     every_rank = run_ranks(train, ranks, [*MESH_RUN, *flags, "--export", str(export)], nccl=True)
     history, out = every_rank[0]
@@ -895,7 +895,7 @@ def _train_tied(argv):
 
 
 def _held(out: str):
-    """memory.py's prediction and rank 0's measure, as the log prints them: params, grads, optim."""
+    """napkin/memory.py's prediction and rank 0's measure, as the log prints them: params, grads, optim."""
     return (re.search(r"predicted \(memory.py's napkin math\): params ([\d.]+) MiB, grads ([\d.]+), "
                       r"optim ([\d.]+)", out).groups(),
             re.findall(r"measured: params ([\d.]+) MiB, grads ([\d.]+), optim ([\d.]+)", out)[-1])
@@ -932,7 +932,7 @@ def test_a_mesh_trains_as_one_process(tmp_path, one_process_run, ranks, flags):
     FSDP or HSDP, with or without offload (FSDP inside a pipeline: GPipe's forwards all before
     the backwards, interleaved's chunks): every step's loss and the weights after 4 AdamW steps
     equal one process's; every dimension sends what its formula says; every rank holds, on the
-    device and the host, what memory.py says, and memory_math.mesh_bytes gives its stage's formulas."""
+    device and the host, what napkin/memory.py says, and memory_math.mesh_bytes gives its stage's formulas."""
     losses, weights, sent, out, histories = _run_mesh(tmp_path, ranks, *flags)
     expected_losses, expected_weights, _, _ = one_process_run
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
@@ -952,7 +952,7 @@ def test_a_mesh_trains_as_one_process(tmp_path, one_process_run, ranks, flags):
 def _assert_every_rank_holds_and_sends_its_formulas(histories: list):
     """Every rank (every pipeline stage, not only rank 0's), at every logged step: the bytes it
     sent by dimension equal its formulas, and the bytes it holds (params, grads, optimizer; the
-    host's with --offload) equal memory.py's prediction for it, byte for byte."""
+    host's with --offload) equal napkin/memory.py's prediction for it, byte for byte."""
     for rank, history in enumerate(histories):
         assert history["sent"] and all(measured == formula for step in history["sent"].values()
                                        for measured, formula in step.values()), (rank, history["sent"])
@@ -1005,7 +1005,7 @@ TIED_MESHES = [("--pp", "2", "--strategy", "zero2"), ("--tp", "2", "--pp", "2"),
 def test_memory_py_predicts_every_stage_with_a_tied_head(tmp_path, flags):
     """The head tied to the token embedding (GPT-2's way): the first and the last stage each hold
     a copy and sum its gradient between them after backward (pipeline.py), ZeRO-2 then reduces
-    once a step, after that sum. Every rank holds what memory.py predicts for it and sends its
+    once a step, after that sum. Every rank holds what napkin/memory.py predicts for it and sends its
     formulas, and memory_math.mesh_bytes gives each stage's formulas (pp: the ends' all-reduce of the
     tied gradient, V C / tp)."""
     import dataclasses
@@ -1035,7 +1035,7 @@ def test_lora_beside_a_sharded_mesh_trains_as_one_process(tmp_path, one_process_
     gradient syncs, before the step reads them), FSDP beside tp 2 and ZeRO-2 beside tp 2 x cp 2 (the
     factors summed in backward, before the hooks). Every
     step's loss and the weights after 4 steps equal one process's LoRA run; every dimension sends
-    its formula; rank 0 holds what memory.py says."""
+    its formula; rank 0 holds what napkin/memory.py says."""
     losses, weights, sent, out, histories = _run_mesh(tmp_path, ranks, "--lora", *flags)
     expected_losses, expected_weights, _, _ = one_process_lora
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
@@ -1119,7 +1119,7 @@ def test_offloaded_fsdp_pipeline_keeps_nccl_rules(one_process_run, tmp_path):
 def _build_failures():
     """train.main's error when building fails by a refusal (a LoRA rank the model cannot take)
     and by a bug on the way (a strategy's builder that returns too little: Python's own
-    ValueError, from an unpacking in parallelize.py): (type, message, traceback) of each."""
+    ValueError, from an unpacking in composition/parallelize.py): (type, message, traceback) of each."""
     import traceback
     from composition import parallelize
     import train
@@ -1245,7 +1245,7 @@ def test_bf16_gradients_reduced_in_fp32_by_default_send_their_formula(strategy):
 
 
 def test_train_py_logs_the_grads_and_bytes_memory_py_prints_for_the_same_command(capsys):
-    """`train.py --strategy zero2 --precision bf16` on 2 ranks and `memory.py --model tiny
+    """`train.py --strategy zero2 --precision bf16` on 2 ranks and `napkin/memory.py --model tiny
     --strategy zero2 --world 2 --precision bf16` share one --reduce-dtype default (fp32): the
     gradient shard held and the bytes sent per step read the same in both, at the log's rounding,
     and both are the formula's: an fp32 shard of ceil(P/2) gradients, reduce-scattered in fp32

@@ -1,7 +1,7 @@
 """Every path a run writes, when it cannot be written: one line, nothing partial left, nothing lost.
 
 The lock, config.json and log.txt (snapshot.own_outputs, run_log.RunLog), --export, --profile's
-traces, machines.py's cache and pictures.py's -o. A full disk is simulated without privileges:
+traces, napkin/machines.py's cache and pictures/draw.py's -o. A full disk is simulated without privileges:
 a module's `open` is replaced (FullDisk) so that its files take the bytes there is room for and
 then raise ENOSPC, the bytes that fit written, as a full disk's write() does. A directory that
 cannot be written is one under a regular file (ENOTDIR), or a directory where a file should be:
@@ -81,7 +81,7 @@ def _listing(directory) -> list[str]:
 
 def test_the_lock_never_exists_without_its_owner(tmp_path):
     # What a second run starting at any instant of lock() finds: checked after every line that
-    # snapshot.py runs meanwhile. An empty lock (created, not yet written) is the race's "names
+    # running/snapshot.py runs meanwhile. An empty lock (created, not yet written) is the race's "names
     # no run": the loser is told to delete a live run's lock.
     out, seen = str(tmp_path), []
     path = os.path.join(out, "lock")
@@ -284,7 +284,7 @@ def test_a_profile_trace_cut_short_stops_every_rank_with_one_line(tmp_path):
     json.load(open(tmp_path / "trace-rank0.json"))
 
 
-# ---- machines.py's cache: optional --------------------------------------------------------------
+# ---- napkin/machines.py's cache: optional --------------------------------------------------------------
 
 def _this_with(cache):
     """machines.this on one rank, its measurements stubbed (counted): (Machine, measurements)."""
@@ -325,7 +325,7 @@ def test_a_cache_that_cannot_be_read_or_written_is_measured_again(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["directory.json", "file", "full.json", "truncated.json"]
 
 
-# ---- pictures.py -o ---------------------------------------------------------------------------
+# ---- pictures/draw.py -o ---------------------------------------------------------------------------
 
 def test_a_picture_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(pictures, "picture", lambda args: pytest.fail("worked before checking -o"))

@@ -1018,7 +1018,7 @@ def test_offload_equals_the_optimizer_on_the_device(launch, variant):
 
 def test_offload_pins_exactly_the_bytes_it_holds(monkeypatch):
     """Offload's host buffers are page-locked where they lie (cudaHostRegister, faked here: no
-    GPU), exactly their bytes, so the host holds what memory.py predicts; pin_memory=True would
+    GPU), exactly their bytes, so the host holds what napkin/memory.py predicts; pin_memory=True would
     round 12 MiB + 20 bytes up to a 16 MiB block. Unpinned once the storage is freed, not while
     a parameter's .data still holds it."""
     import gc
