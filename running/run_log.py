@@ -306,9 +306,12 @@ def predicted_seconds(args, gpt, dims: ParallelDims, device) -> float | str:
     if why:
         return why
     M = args.microbatches or 1 if pipelined else 1
-    # a cp rank's B rows of T/cp tokens: the matmuls and attention products of B/N rows of T
     rows = args.batch_size // (M if pipelined else 1 if strategy == "tp" else world_size)
-    machine = this(cfg, rows, args.seq_len, args.precision, device=device, split=world_size if strategy == "tp" else 1)
+    if cp > 1:       # a cp rank's B cp/N rows of T/cp tokens, at its own attention's rate
+        rows = args.batch_size * cp // world_size
+    machine = this(cfg, rows, args.seq_len, args.precision, device=device,
+                   split=world_size if strategy == "tp" else 1, cp=cp,
+                   attention=args.cp_attention or "ring")
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
     shape = Shape.of(cfg)
     lora = (trainable, shape.layers * shape.block_params() + shape.vocab * shape.width) if args.lora else None
