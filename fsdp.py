@@ -11,8 +11,8 @@ sharded 1/N. A unit's life in a training step, as FSDP below writes it:
 Bytes on the wire per step: two all-gathers + one reduce-scatter = 3(N-1)/N x the model,
 1.5x DDP's all-reduce (2(N-1)/N), in the same dtype; a little less, as the root unit is
 gathered once. With bf16 gathers and an fp32 reduce (train.py's default for bf16), per
-parameter 2 + 2 + 4 = 8 bytes against DDP's 8 (fp32): about 1x. For that, every rank holds
-1/N of every byte of training state.
+parameter 2 + 2 + 4 = 8 bytes against DDP's 8 (fp32): about 1x. In return, every rank holds
+only 1/N of every byte of training state.
 Skip mechanics/fsdp_state.py (the wrap, the checks, what the program reads).
 Two corner cases ride along the core path, and a first reading can skip them: the used-flags
 (a parameter no rank used this step gets .grad None, as DDP's find_unused_parameters), and
