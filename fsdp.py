@@ -5,13 +5,23 @@ each unit of the model (a transformer block; the rest is the root unit) is one f
 sharded 1/N. A unit's life in a training step, as FSDP below writes it:
     forward    all-gather its flat parameter (the next unit's starts meanwhile) -> compute -> free
     backward   all-gather it again -> compute -> free -> reduce-scatter its gradient
-    step       on this rank's shard alone, no collective: any torch optimizer over FSDP.parameters(),
-               the fp32 master shards (the demonstration's AdamW, at the end), as with fully_shard
-3 (N-1)/N of the model on the wire per step, 1.5x DDP, for 1/N of every byte of training state:
-a little less, as the root unit is gathered once; with gradients and parameters in one dtype
-(bf16 gathers and an fp32 reduce, train.py's default for bf16, make it about 1x). Skip mechanics/fsdp_state.py (the wrap, the checks, what the program reads).
-Read after: mechanics/fsdp_optimizer.py, extensions/fsdp_hybrid.py (HSDP), fsdp_offload.py, fsdp_frozen.py.
-Left out: a stream of our own (NCCL's async collectives run on theirs), FSDP1's state API.
+    step       on this rank's shard alone, no collective: any torch optimizer steps
+               FSDP.parameters(), the fp32 master shards (the demonstration's AdamW, at the end),
+               as with PyTorch's own FSDP2 (torch.distributed.fsdp.fully_shard)
+Bytes on the wire per step: two all-gathers + one reduce-scatter = 3(N-1)/N x the model,
+1.5x DDP's all-reduce (2(N-1)/N), in the same dtype; a little less, as the root unit is
+gathered once. With bf16 gathers and an fp32 reduce (train.py's default for bf16), per
+parameter 2 + 2 + 4 = 8 bytes against DDP's 8 (fp32): about 1x. In return, every rank holds
+only 1/N of every byte of training state.
+Skip mechanics/fsdp_state.py (the wrap, the checks, what the program reads).
+Two corner cases ride along the core path, and a first reading can skip them: the used-flags
+(a parameter no rank used this step gets .grad None, as DDP's find_unused_parameters), and
+an expert unit's `divide` (its gradient is summed over the ranks that hold it, then divided by
+the data world: the same mean).
+Read after: mechanics/fsdp_optimizer.py, extensions/fsdp_hybrid.py (HSDP),
+extensions/fsdp_offload.py, extensions/fsdp_frozen.py.
+Left out: a CUDA stream of our own for the collectives (NCCL's async collectives already run
+on theirs), and FSDP1's state-dict API (torch's older FSDP class and its state_dict_type modes).
 Run alone: torchrun --nproc_per_node 2 fsdp.py; test: python -m pytest tests/test_fsdp.py
 
 Shapes: N ranks (of a shard group), r this rank, P elements in a unit, S = ceil(P / N) per shard.
@@ -32,9 +42,11 @@ from mechanics.fsdp_state import FSDPState
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """FSDP2's mp_policy: param_dtype, what units compute in and all-gather (None: fp32); reduce_dtype,
-    what gradients are reduce-scattered in (None: param_dtype; fp32 under bf16/fp16: fewer roundings
-    for twice the bytes). The master shards stay fp32 either way (an fp64 model's: fp64)."""
+    """The dtypes, as PyTorch's FSDP2 (fully_shard) names them in its mp_policy.
+    param_dtype: what units compute in and all-gather (None: the model's, fp32 or fp64).
+    reduce_dtype: what gradients are reduce-scattered in (None: param_dtype; fp32 under
+    bf16/fp16: fewer roundings for twice the bytes). The master shards stay fp32 either way (an
+    fp64 model's: fp64)."""
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
 
@@ -46,7 +58,8 @@ class Unit(FlatParams):
         flat    (N*S,)  compute dtype, gathered; its storage is resized to 0 between uses, and
                         the module's parameters stay views of it, so the module code never changes
     comm: the ranks it is sharded over; its gradient is reduce-scattered over them by `op`, then
-    divided by `divide` (avg and 1: the mean; an expert's unit has its own, mechanics/fsdp_state.py)."""
+    divided by `divide` (avg and 1: the mean; an expert's unit has its own, set by
+    mechanics/fsdp_state.py)."""
 
     def __init__(self, index, module, params, comm, compute_dtype, device):
         super().__init__(params, comm.world_size)          # self.flat: (N*S,) fp32, params view it
@@ -64,12 +77,14 @@ class Unit(FlatParams):
 
     @property
     def grad(self):
-        """(S,) fp32, this rank's reduced (accumulated) gradient: the master's .grad, for any optimizer."""
+        """(S,) fp32, this rank's reduced (accumulated) gradient: the master's .grad."""
         return self.master.grad
 
     @grad.setter
     def grad(self, value):
         self.master.grad = value
+
+    # Hooks for subclasses (offload, HSDP, frozen); here each is the trivial case.
 
     def to_send(self) -> torch.Tensor:
         """This rank's shard in the compute dtype, what its all-gather sends: (S,)."""
@@ -91,7 +106,8 @@ class Unit(FlatParams):
         self.gathering = []
         for shard, flat in self.sends():
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-            self.gathering.append((self.comm.all_gather(flat, shard, async_op=True), shard))  # shard kept until sent
+            handle = self.comm.all_gather(flat, shard, async_op=True)
+            self.gathering.append((handle, shard))              # the shard kept until it is sent
         self.gathered = True
 
     def wait(self):
@@ -105,7 +121,7 @@ class Unit(FlatParams):
             flat.untyped_storage().resize_(0)
         self.gathered = False
 
-    def refresh(self):
+    def refresh(self):                                          # a hook for subclasses too
         """The master changed (a step, a checkpoint's load): a copy still gathered is stale."""
         self.free()
 
@@ -114,16 +130,17 @@ class FSDP(FSDPState, nn.Module):
     """Wrap `module` in FSDP units; `.module` runs unchanged, `.parameters()` are the fp32 master
     shards, each .grad its reduced gradient after finish_gradient_sync(): any optimizer steps them.
 
-    module: fp32, every parameter trained (a frozen base: extensions/fsdp_frozen.py). wrap: True for
-    each submodule that becomes a unit (None: the GPT's blocks); the rest, and any parameter two
-    units share (tied weights), is the root unit. mp_policy: the dtypes units compute and gather in
-    and reduce in (fp32 by default). group: a collectives.Comm, a process group or None (the world).
-    prefetch: units gathered ahead of the one computing (0: none). device: where shards and gathered
-    units live (default: the module's; a model built on the CPU visits it unit by unit). FSDPState
+    module: fp32 (or fp64), every parameter trained (a frozen base: extensions/fsdp_frozen.py).
+    wrap: True for each submodule that becomes a unit (None: the GPT's blocks); the rest, and any
+    parameter two units share (tied weights), is the root unit. mp_policy: the dtypes units
+    compute and gather in and reduce in (the model's, fp32 or fp64, by default). group: a
+    collectives.Comm, a process group or None (the world). prefetch: units gathered ahead of the
+    one computing (0: none). device: where shards and gathered units live (default: the
+    module's; a model built on the CPU visits it unit by unit). FSDPState
     (mechanics/fsdp_state.py: skip it at first) wraps, checks, and offers what the program reads."""
 
     keeps_whole_gradients = False       # flat.GradientSyncs: each unit's reduced, then freed
-    unit_type = Unit                    # what the wrap builds (extensions/fsdp_frozen.py's: its own)
+    unit_type = Unit                    # what the wrap builds (extensions/fsdp_frozen.py: its own)
 
     def __init__(self, module: nn.Module, wrap=None, mp_policy: MixedPrecisionPolicy | None = None,
                  group=None, prefetch: int = 1, device=None):
@@ -135,48 +152,54 @@ class FSDP(FSDPState, nn.Module):
                                                     else torch.float32)
         self.reduce_dtype = policy.reduce_dtype or self.compute_dtype
         self.prefetch = prefetch
-        # FSDPState checks the arguments (the same model on every rank): the group's Comm, the device.
+        # FSDPState checks the arguments (the same model on every rank): the Comm, the device.
         self.comm, self.device = self._checked(module, group, device)
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
-        # FSDPState's wrap: order, one Unit per module wrap(m) picks, in forward order; roots, [] or
-        # [the root unit], every other parameter, gathered from forward's start to backward's end.
-        self.roots, self.order = self._wrap(module, wrap)
-        self.units = [u for u in self.roots + self.order if u.params]     # those that train
-        self.root = next((u for u in self.roots if u.params), None)       # the root, if it trains
-        # The reduce-scatters' order, the same on every rank: backward's (self.order reversed), root last.
-        self.reduce_order = [u for u in self.order[::-1] if u.params] + ([self.root] if self.root else [])
+        # FSDPState's wrap. forward_order: one Unit per module wrap(m) picks, in forward order.
+        # root_units: a list, to add to forward_order: [] or [the root unit], every other
+        # parameter; gathered from forward's start until its last gradient arrives in backward.
+        self.root_units, self.forward_order = self._wrap(module, wrap)
+        # Those that train (a frozen unit has no params).
+        self.units = [u for u in self.root_units + self.forward_order if u.params]
+        self.root = next((u for u in self.root_units if u.params), None)  # the root, if it trains
+        # The reduce-scatters' order, the same on every rank: backward's, the root last.
+        self.reduce_order = ([u for u in self.forward_order[::-1] if u.params]
+                             + ([self.root] if self.root else []))
         # At most FSDPState's reductions_in_flight (2) whole gradients wait for the wire (a third
         # waits for the oldest): memory bounded, the link kept busy.
-        self._reductions = InOrder(self.reduce_order, self._reduce_scatter, self._retire,
+        self._reductions = InOrder(self.reduce_order, self._reduce_scatter,
+                                   self._wait_reduce_scatter,
                                    max_in_flight=self.reductions_in_flight)
         self.shards = nn.ParameterList([u.master for u in self.units])    # FSDP.parameters()
         module.to(self.device)            # the buffers; the parameters are there already
-        for unit in self.order:
-            unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._before_forward(u))
-            unit.module.register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
+        for unit in self.forward_order:
+            unit.module.register_forward_pre_hook(
+                lambda m, args, u=unit: self._before_forward(u))
+            unit.module.register_forward_hook(
+                lambda m, args, out, u=unit: self._after_forward(u, out))
         self._hook_gradients()
         self._backward_hooked = False
-        self._sync = True                # False under no_sync(): gradients kept whole, reduced later
-        self._unreduced = False          # the last backward ran under no_sync: gradients to reduce
-        self._keep_gathered = False      # nothing freed: inside gathered_for_step() (a pipeline's)
+        self._sync = True                # False under no_sync(): gradients kept whole, for later
+        self._grads_to_reduce = False    # the last backward ran under no_sync: gradients wait
+        self._gathered_for_step = False  # nothing freed: inside gathered_for_step() (a pipeline's)
         self._used_agreed = False        # this backward's used-flags OR'ed over the ranks
         self.events = []                 # this step's order of collectives and computation
         self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
 
     # ---- a unit's life: forward ----------------------------------------------------------------
     #   compute     | unit 0 fwd | unit 1 fwd | unit 2 fwd |      (prefetch = 1)
-    #   network  |ag 0|ag 1 ......|ag 2 .......|ag 3 .......|
+    #   network  |ag 0|ag 1 ......|ag 2 .......|
     #   memory      unit i and unit i+1 gathered; unit i freed as its forward returns
 
     def forward(self, *args, **kwargs):
         self.events = []
-        for root in self.roots:                 # gathered for the whole step
+        for root in self.root_units:       # gathered until its last gradient arrives in backward
             self._gather(root)
             root.wait()
         self._prefetch(-1, +1)                  # the first units, ahead of the first forward
         out = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():
-            for root in self.roots:
+            for root in self.root_units:
                 self._free(root)                     # no backward will come to free it
         return out
 
@@ -185,7 +208,7 @@ class FSDP(FSDPState, nn.Module):
         self._gather(unit)
         unit.wait()
         self.events.append(("forward", unit.index))
-        self._prefetch(self.order.index(unit), +1)    # overlaps with this unit's compute
+        self._prefetch(self.forward_order.index(unit), +1)    # overlaps with this unit's compute
 
     def _after_forward(self, unit, output):
         """Free it; its backward starts when the gradient of its output arrives: a hook on each
@@ -209,18 +232,19 @@ class FSDP(FSDPState, nn.Module):
         self._gather(unit)
         unit.wait()
         self.events.append(("backward", unit.index))
-        self._prefetch(self.order.index(unit), -1)
+        self._prefetch(self.forward_order.index(unit), -1)
 
     def _hook_gradients(self):
-        """Have autograd call _gradient_ready(k, i) as it accumulates parameter i's gradient of unit k
-        (FlatParams' hook: it holds FSDP weakly, so a wrapped model is still freed)."""
+        """Have autograd call _gradient_ready(k, i) as it accumulates parameter i's gradient of
+        unit k (FlatParams' hook: it holds FSDP weakly, so a wrapped model is still freed)."""
         for k, unit in enumerate(self.units):
             unit.hook_gradients(self._gradient_ready, k)
 
     def _gradient_ready(self, k: int, i: int):
-        """Autograd accumulated a gradient (the i-th) of unit k; with its last one, the unit's backward is
-        done. A parameter this backward does not use holds it (and, in reduce_order, the units after
-        it) back until the end of backward: _finish_backward launches it."""
+        """Autograd accumulated a gradient (the i-th) of unit k; with its last one, the unit's
+        backward is done (the root's too): it is freed. A parameter this backward does not use
+        holds the unit (and, in reduce_order, the units after it) back until the end of
+        backward: _finish_backward launches it."""
         unit = self.units[k]
         self._hook_end_of_backward()
         unit.pending -= 1                # its gradients still to come (FlatParams' count)
@@ -229,7 +253,7 @@ class FSDP(FSDPState, nn.Module):
             self._after_backward(unit)
 
     def _after_backward(self, unit):
-        """Free it, and reduce-scatter its gradient: in reduce_order on every rank (flat.InOrder)."""
+        """Free it, and reduce-scatter its gradient, in reduce_order on every rank (InOrder)."""
         self._free_after_backward(unit)
         self._reductions.ready(unit)             # -> _reduce_scatter(unit), when its turn comes
 
@@ -237,10 +261,11 @@ class FSDP(FSDPState, nn.Module):
         """Launch the reduce-scatter of unit's gradient, unless no_sync: each rank receives its
         shard of the sum (the mean: op avg). Returns (handle, output, used), or None."""
         started = None
-        self._unreduced = not self._sync
+        self._grads_to_reduce = not self._sync
         if self._sync:
-            # A fresh (N*S,) buffer (zeros_like reads unit.flat's shape, not its freed storage), each
-            # .grad (autograd's own tensor) copied in: the unit's whole gradient lives until its retire.
+            # A fresh (N*S,) buffer (zeros_like reads unit.flat's shape, not its freed storage),
+            # each .grad (autograd's own tensor) copied in: the unit's whole gradient lives until
+            # _wait_reduce_scatter.
             grad = torch.zeros_like(unit.flat, dtype=self.reduce_dtype)
             used = [p.grad is not None for p in unit.params]
             for p, view in zip(unit.params, unit.views(grad)):
@@ -248,12 +273,16 @@ class FSDP(FSDPState, nn.Module):
                     view.copy_(p.grad)
                 p.grad = None
             output = grad.new_empty(unit.master.shape)     # (S,), on the gradient's device
-            started = unit.comm.reduce_scatter(output, grad, op=unit.op, async_op=True), output, used
+            handle = unit.comm.reduce_scatter(output, grad, op=unit.op, async_op=True)
+            started = handle, output, used
             self.events.append(("reduce-scatter", unit.index))
-        self._free_after_backward(unit)   # again: a unit launch_rest launched skipped _after_backward
+        # Again, for a unit whose last gradient never came (a parameter unused this backward):
+        # _after_backward never ran for it, and _finish_backward's launch_rest launched it.
+        self._free_after_backward(unit)
         return started
 
-    def _retire(self, unit, started):
+    def _wait_reduce_scatter(self, unit, started):
+        """Wait for unit's reduce-scatter (InOrder's retire), and add its output to the grad."""
         handle, output, used = started
         handle.wait()
         self._add_gradient(unit, output, used)
@@ -269,7 +298,8 @@ class FSDP(FSDPState, nn.Module):
         unit.grad = grad if unit.grad is None else unit.grad.add_(grad)
 
     def _finish_backward(self):
-        """Every rank launches every unit's reduce-scatter, its gradients come or not (order matches them)."""
+        """Every rank launches every unit's reduce-scatter, its gradients come or not (so the
+        collectives match across ranks)."""
         self._reductions.launch_rest()
         for unit in self.units:
             unit.pending = len(unit.params)
@@ -280,7 +310,7 @@ class FSDP(FSDPState, nn.Module):
         """Wait for the outstanding reduce-scatters: each shard in FSDP.parameters() then holds its
         fp32 averaged gradient in .grad, for any torch.optim optimizer. Gradients accumulated
         under no_sync with no backward after it (a zero-bubble pipeline's W) are reduced now."""
-        if self._unreduced:
+        if self._grads_to_reduce:
             self._reductions.launch_rest()
         self._reductions.wait_all()
         if self._sync and not self._used_agreed:
@@ -288,9 +318,10 @@ class FSDP(FSDPState, nn.Module):
             self._used_agreed = True
 
     # ---- a unit's step: on its shard, no collective ----------------------------------------------
-    #   FSDP.parameters() are the masters, (S,) fp32, each .grad its reduced gradient shard: any torch
-    #   optimizer steps them (the demonstration's AdamW, below), its state 1/N of the model's too; the
-    #   next all-gathers send the stepped shards. mechanics/fsdp_optimizer.py adds loss scale, clipping.
+    #   FSDP.parameters() are the masters, (S,) fp32, each .grad its reduced gradient shard:
+    #   any torch optimizer steps them (the demonstration's AdamW, below), its state 1/N of the
+    #   model's too; the next all-gathers send the stepped shards.
+    #   mechanics/fsdp_optimizer.py adds loss scale, clipping.
 
     # ---- the mechanics: gather, prefetch, free -------------------------------------------------
 
@@ -300,22 +331,26 @@ class FSDP(FSDPState, nn.Module):
             return
         unit.all_gather()
         self.events.append(("all-gather", unit.index))
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(          # the roots too
-            flat.untyped_storage().nbytes() for u in self.roots + self.order for flat in u.flats()))
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(          # the root too
+            flat.untyped_storage().nbytes()
+            for u in self.root_units + self.forward_order for flat in u.flats()))
 
     def _prefetch(self, position: int, step: int):
-        """Gather the `prefetch` units after order[position] (step +1: forward's way, -1: backward's)
-        while at most `prefetch` others are gathered: 1 + prefetch at once (the roots do not count)."""
-        for ahead in range(position + step, position + step * (self.prefetch + 1), step):
-            if not 0 <= ahead < len(self.order) or sum(u.gathered for u in self.order) > self.prefetch:
+        """Gather up to `prefetch` units after forward_order[position] (step +1: forward's way,
+        -1: backward's), while fewer than limit = 1 + prefetch units are gathered: the one
+        computing and those ahead of it (the root does not count)."""
+        limit = 1 + self.prefetch
+        for ahead in range(position + step, position + step * limit, step):
+            gathered = sum(u.gathered for u in self.forward_order)
+            if not 0 <= ahead < len(self.forward_order) or gathered >= limit:
                 return
-            self._gather(self.order[ahead])
+            self._gather(self.forward_order[ahead])
 
     def _free(self, unit):
-        if not self._keep_gathered:
+        if not self._gathered_for_step:
             unit.free()
 
-    def _free_after_backward(self, unit):      # its gradients are out: it goes, as after its forward
+    def _free_after_backward(self, unit):   # its gradients are out: it goes, as after forward
         self._free(unit)
 
     def _hook_end_of_backward(self):
@@ -327,15 +362,19 @@ class FSDP(FSDPState, nn.Module):
 
 # ---- run alone: torchrun --nproc_per_node 2 fsdp.py ------------------------------------------
 
-_SAID = {"all-gather": "all-gather launched", "forward": "gathered: forward", "forward done": "freed",
-         "backward": "gathered: backward",
-         "reduce-scatter": "gradient reduce-scatter launched (freed as its backward ended)"}
-# The root unit is gathered once for the whole step, and reduce-scattered after every other unit:
-# a parameter it holds may be used anywhere in the model (a tied embedding), so its gradient is
-# whole only when backward ends.
-_SAID_ROOT = {"all-gather": "all-gather launched (the root: kept gathered until backward ends)",
-              "reduce-scatter": "gradient reduce-scatter launched (the root's last: its gradient is "
-                                "whole only when backward ends)"}
+# What each event in fsdp.events means, as the demonstration prints it.
+_EVENT_TEXT = {"all-gather": "all-gather launched", "forward": "gathered: forward",
+               "forward done": "freed", "backward": "gathered: backward",
+               "reduce-scatter": "gradient reduce-scatter launched (freed as its backward ended)"}
+# The root unit is gathered once per step: through forward, and in backward until its last
+# gradient arrives (here the head Linear's, among the first; a tied embedding's, at backward's
+# end). It is reduce-scattered after every other unit, on every rank: a parameter it holds may
+# be used anywhere in the model, so its gradient may be whole only when backward ends.
+_ROOT_EVENT_TEXT = {
+    "all-gather": "all-gather launched (the root: kept gathered until its last gradient "
+                  "arrives, here among backward's first)",
+    "reduce-scatter": "gradient reduce-scatter launched (the root's, last: a tied embedding's "
+                      "gradient is whole only when backward ends)"}
 
 
 def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
@@ -358,21 +397,25 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
         fsdp.finish_gradient_sync()             # each shard's .grad: its averaged gradient shard
         if step == 0 and rank == 0:
             print("FSDP's first step on rank 0 (unit 0 is the root: it holds the last Linear)")
-            print("\n".join(f"  unit {i}: {(_SAID_ROOT if i == 0 else _SAID)[what]}"
+            print("\n".join(f"  unit {i}: {(_ROOT_EVENT_TEXT if i == 0 else _EVENT_TEXT)[what]}"
                             for what, i in fsdp.events))
         (sum(nn.functional.mse_loss(alone(x[h]), y[h]) for h in halves) / n).backward()
         for optimizer in (step_on_shards, step_alone):
             optimizer.step()
             optimizer.zero_grad()
-    held, whole = sum(p.numel() for p in fsdp.parameters()), sum(p.numel() for p in alone.parameters())
+    held = sum(p.numel() for p in fsdp.parameters())
+    whole = sum(p.numel() for p in alone.parameters())
     sharded = fsdp.full_state_dict(all_ranks=True)                # collective: the whole model
-    difference = max((sharded[name] - p).abs().max().item() for name, p in alone.named_parameters())
+    difference = max((sharded[name] - p).abs().max().item()
+                     for name, p in alone.named_parameters())
     if rank == 0:
-        print(f"rank 0 holds {4 * held} of the model's {4 * whole} bytes of fp32 parameters (1/{n}, padded "
-              f"to equal shards), and AdamW's two moments of those only\nmax |difference| from one process after "
-              f"{steps} AdamW steps: {difference:.1e} (bound 0: the same fp32 sums in the same order)", flush=True)
+        print(f"rank 0 holds {4 * held} of the model's {4 * whole} bytes of fp32 parameters "
+              f"(1/{n}, padded to equal shards), and AdamW's two moments of those only\n"
+              f"max |difference| from one process after {steps} AdamW steps: {difference:.1e} "
+              f"(bound 0: the same fp32 sums in the same order)", flush=True)
     dist.destroy_process_group()
-    os._exit(int(difference > 0))  # at once: gloo's threads may still hold tensors (exit_distributed)
+    # At once: gloo's threads may still hold tensors (exit_distributed).
+    os._exit(int(difference > 0))
 
 
 if __name__ == "__main__":

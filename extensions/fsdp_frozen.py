@@ -116,7 +116,7 @@ class FrozenBaseFSDP(FSDP):
 
     def __init__(self, module, **options):
         super().__init__(module, **options)
-        self.frozen_units = [u for u in self.roots + self.order if not u.params]
+        self.frozen_units = [u for u in self.root_units + self.forward_order if not u.params]
 
     def _tensors_of(self, m: nn.Module) -> list[torch.Tensor]:
         quantized = [b for name, b in m.named_buffers(recurse=False)
@@ -137,8 +137,9 @@ class FrozenBaseFSDP(FSDP):
         return unit
 
     def _before_backward(self, unit):
-        i = self.order.index(unit) + 1
-        after = self.order[i] if i < len(self.order) else None             # the unit after it in forward
+        i = self.forward_order.index(unit) + 1
+        # The unit after it in forward, if any.
+        after = self.forward_order[i] if i < len(self.forward_order) else None
         if after is not None and after.frozen is not None:
             self._free(after)  # its backward is over: its frozen bytes go (_free_after_backward)
         super()._before_backward(unit)
@@ -147,25 +148,26 @@ class FrozenBaseFSDP(FSDP):
         """The gradients are out: the gathered trained parameters can go. Not the frozen ones:
         the unit's backward may still need them (LoRA's dx = dy W0 can come after the adapters'
         gradients), so they go when the unit before it starts its backward, or at the end."""
-        if not self._keep_gathered:
+        if not self._gathered_for_step:
             unit.free_trained()
 
     def _finish_backward(self):
         super()._finish_backward()
-        for unit in self.roots + self.order:
+        for unit in self.root_units + self.forward_order:
             if unit.frozen is not None:
                 self._free(unit)
 
     def frozen_shards(self) -> list[torch.Tensor]:
         """This rank's shards of the frozen weights (bytes): on the host under fsdp_offload."""
-        return [u.frozen.shard for u in self.roots + self.order if u.frozen is not None]
+        return [u.frozen.shard for u in self.root_units + self.forward_order
+                if u.frozen is not None]
 
     def bytes_per_step(self, micro_batches: int = 1, gathered_for_step: bool = False) -> int:
         """FSDP's, plus each unit's frozen bytes all-gathered as often as the unit (never reduced)."""
         return super().bytes_per_step(micro_batches, gathered_for_step) + sum(
             self._gathers_per_step(u, micro_batches, gathered_for_step)
             * ring_bytes("all_gather", u.frozen.flat.numel(), 1, u.comm.world_size)
-            for u in self.roots + self.order if u.frozen is not None)
+            for u in self.root_units + self.forward_order if u.frozen is not None)
 
     @contextlib.contextmanager
     def frozen_gathered(self):
@@ -173,7 +175,7 @@ class FrozenBaseFSDP(FSDP):
         on the way out, what was written into them goes back into this rank's shards.
         Collective (all-gathers): every rank enters. For checkpoints, not for training steps.
         Nested, only the outermost gathers and frees."""
-        units = [u for u in self.roots + self.order if u.frozen is not None]
+        units = [u for u in self.root_units + self.forward_order if u.frozen is not None]
         self._frozen_depth = getattr(self, "_frozen_depth", 0) + 1
         if self._frozen_depth == 1:
             for unit in units:

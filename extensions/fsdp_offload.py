@@ -36,7 +36,7 @@ class OffloadedFSDP(FSDP):
 
     def __init__(self, module, **options):
         super().__init__(module, **options)
-        for unit in self.roots + self.order:
+        for unit in self.root_units + self.forward_order:
             extend(unit, ShardsOnHost)
         for shard in self.kept_shards():           # the frozen ones, if any: to (pinned) host memory
             shard.data = host_copy(shard, dtype=shard.dtype)

@@ -74,9 +74,9 @@ class FSDPState:
         return list(m.parameters(recurse=False))
 
     def _wrap(self, module, wrap) -> tuple[list, list]:
-        """(roots, order): roots, [] or [the root unit], what no wrapped module holds and any
-        tensor two units share (tied weights); order, one unit per module wrap(m) picks
-        (None: gpt_blocks), in registration order (the forward's, in a GPT)."""
+        """(root_units, forward_order): root_units, [] or [the root unit], what no wrapped module
+        holds and any tensor two units share (tied weights); forward_order, one unit per module
+        wrap(m) picks (None: gpt_blocks), in registration order (the forward's, in a GPT)."""
         wrap = wrap or gpt_blocks
         # The data dimension's ranks (an expert's gradient is divided by all of them).
         self.data_world = math.prod(comm.world_size for comm in self._model_groups(self.comm))
@@ -139,12 +139,12 @@ class FSDPState:
         off), for the whole unit's parameters and gradients during the step. pipeline.Pipeline
         enters it around each step, as torchtitan does: its schedule runs several micro-batches'
         forwards before their backwards, so a unit freed after one would be gathered again."""
-        self._keep_gathered, outer, self._sync = True, self._sync, False
+        self._gathered_for_step, outer, self._sync = True, self._sync, False
         try:
             yield
         finally:
-            self._keep_gathered, self._sync = False, outer
-            for unit in self.roots + self.order:
+            self._gathered_for_step, self._sync = False, outer
+            for unit in self.root_units + self.forward_order:
                 unit.free()
 
     # ---- the shards and their gradients (napkin/memory.py, the optimizer) ---------------------------
@@ -156,7 +156,7 @@ class FSDPState:
     def kept_shards(self) -> list[torch.Tensor]:
         """The shards every unit keeps besides FSDP.parameters() (the compute-dtype copies when
         the masters are offloaded, a frozen base's bytes)."""
-        return [shard for unit in self.roots + self.order for shard in unit.kept()]
+        return [shard for unit in self.root_units + self.forward_order for shard in unit.kept()]
 
     def device_shards(self) -> list[torch.Tensor]:
         """The kept shards that live on the device (napkin/memory.py counts them): all of them here."""
@@ -194,7 +194,7 @@ class FSDPState:
     def _gathers_per_step(self, unit, micro_batches: int, gathered_for_step: bool) -> int:
         """All-gathers of unit per step: per micro-batch one for forward, one more for backward
         except the root's (it stays gathered); under gathered_for_step, one."""
-        return 1 if gathered_for_step else micro_batches * (1 if unit in self.roots else 2)
+        return 1 if gathered_for_step else micro_batches * (1 if unit in self.root_units else 2)
 
     def bytes_per_step(self, micro_batches: int = 1, gathered_for_step: bool = False) -> int:
         """Bytes this rank sends per step (ring): each unit's all-gathers, and per micro-batch one

@@ -572,16 +572,17 @@ def _in_flight_during_backward():
     comm = _CountingComm()
     fsdp = FSDP(_gpt(), group=comm, prefetch=1)
     out["fsdp_gathers_forward"] = []
-    for unit in fsdp.order:
+    for unit in fsdp.forward_order:
         unit.module.register_forward_pre_hook(
             lambda *_: out["fsdp_gathers_forward"].append(comm.in_flight["all_gather"]))
     gathers_backward = out["fsdp_gathers_backward"] = []
-    for unit in fsdp.order:
+    for unit in fsdp.forward_order:
         for p in unit.params:
             p.register_post_accumulate_grad_hook(
                 lambda _, u=unit.index: gathers_backward.append((u, comm.in_flight["all_gather"])))
     sample(fsdp, fsdp.module.parameters(), "reduce_scatter", "fsdp")
-    out["fsdp_units"], out["fsdp_order"] = len(fsdp.reduce_order), [u.index for u in fsdp.order]
+    out["fsdp_units"] = len(fsdp.reduce_order)
+    out["fsdp_order"] = [u.index for u in fsdp.forward_order]
     return out
 
 

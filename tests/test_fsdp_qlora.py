@@ -70,7 +70,7 @@ def _napkin(model, world_size, double_quant=False, offload=None, shard_group=Non
 def _root_gather(wrapped) -> int:
     """Bytes of one all-gather of the root unit's trained and frozen flats."""
     return sum(ring_bytes("all_gather", flat.numel() * flat.element_size(), 1, u.comm.world_size)
-               for u in wrapped.roots for flat in u.flats())
+               for u in wrapped.root_units for flat in u.flats())
 
 
 def _device_parameter_bytes(wrapped, opt) -> int:
