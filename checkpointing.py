@@ -40,8 +40,9 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run_function, layout, n_inputs, *tensors):
-        # layout: the call's arguments with each tensor replaced by a placeholder; the first
-        # n_inputs tensors are the inputs, the rest the parameters (see checkpoint below).
+        # layout: the call's arguments with each tensor replaced by a placeholder, _TENSOR;
+        # _rebuild puts the tensors back. The first n_inputs tensors are the inputs, the rest
+        # the parameters (checkpoint, below, builds all three).
         inputs, params = tensors[:n_inputs], tensors[n_inputs:]
         ctx.run_function, ctx.layout = run_function, layout
         ctx.params = params                      # leaves: a reference, not a saved activation
