@@ -2,11 +2,13 @@
 
 A pretrained W0 (d x k) stays frozen. The layer learns B (d x r) and A (r x k), r much smaller
 than d and k, and computes h = W0 x + (alpha / r) B A x (Hu et al. 2021, "LoRA", section 4.1).
-B starts at zero, so the model starts exactly as the base one.
+B starts at zero, so the model starts exactly as the base one (the 4-bit base, under QLoRA).
 Only A and B get gradients and optimizer state.
-So training needs room for the frozen model plus about 4x the trainable parameters (weights,
-gradients, Adam's two moments), not 4x the whole model: the talk's rule of thumb, which
-napkin/memory.py counts. Merging adds (alpha / r) B A into W0: no extra latency at inference.
+In mixed precision the lecture counts 2 + 2 + 12 = 16 bytes per trainable parameter (weight,
+gradient, fp32 master and Adam's two moments) against 2 per frozen one (its 16-bit weight).
+So training needs room for the frozen model plus 16 bytes per adapter parameter, not 16 bytes
+per parameter of the whole model; napkin/memory.py counts it.
+Merging adds (alpha / r) B A into W0: no extra latency at inference.
 Subtracting it back restores the base, up to rounding (merge).
 So adapters for several tasks share one base model.
 QLoRA keeps W0 in 4 bits (quantization.py) under the same adapters (Dettmers et al. 2023).
@@ -16,7 +18,7 @@ Run alone: python lora.py (a layer's adapter trained, merged, and checked agains
 in training: python train.py --init-from RUN --lora --data OTHER.txt;
 test: python -m pytest tests/test_lora.py
 
-Shapes: B batch, T sequence, k in features, d out features, r rank.
+Shapes: k in features, d out features, r rank; "..." for batch dimensions.
 """
 import math
 from functools import partial
@@ -33,8 +35,10 @@ class LoRALinear(nn.Module):
     """A frozen nn.Linear's weight and bias (same tensors, same names) plus lora_A, lora_B.
 
     alpha None means alpha = r, a scale of 1: the paper sets alpha to the first r it tries and
-    does not tune it (with Adam, alpha acts as a learning rate). Inside a tensor-parallel layer:
-    split_alongside, the hook tensor_parallel.py's split layers call.
+    does not tune it (with Adam, alpha acts as a learning rate). The lecture's alpha multiplies
+    B A directly; here scale = alpha / r, so the lecture's alpha = 1 is alpha = r here (the
+    default). Inside a tensor-parallel layer: split_alongside, the hook tensor_parallel.py's
+    split layers call.
     """
 
     def __init__(self, base: nn.Linear, rank: int = 8, alpha: float | None = None,
@@ -59,10 +63,7 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.merged = False
 
-    # The adapter's two thin products, through self.linear rather than F.linear: the swap point.
-    # A zero-bubble pipeline sets layer.linear to its own function, which in backward returns the
-    # input's gradient now and defers A's and B's (extensions/zero_bubble.py, WeightGradients).
-    # The frozen W0 needs no gradient, so its product stays F.linear.
+    # The adapter's products go through self.linear, a swap point (why: after forward).
     linear = staticmethod(F.linear)
 
     def delta(self) -> torch.Tensor:
@@ -80,9 +81,15 @@ class LoRALinear(nn.Module):
         # Two thin products, (..., k) -> (..., r) -> (..., d): the d x k update is never built.
         return h + self.scale * self.linear(self.linear(x, self.lora_A), self.lora_B)
 
+    # self.linear rather than F.linear: a zero-bubble pipeline sets layer.linear to its own
+    # function, which in backward returns the input's gradient now and defers A's and B's
+    # (extensions/zero_bubble.py, WeightGradients). The frozen W0 needs no gradient, so its
+    # product stays F.linear.
+
     # merge and unmerge each round their sum to the weight's dtype, so W0 comes back only up to
-    # that rounding, each cycle: up to 2^-24 of a value in fp32, 2^-8 in bf16, where the drift
-    # shows (load_lora unmerges a merged model first: swap adapters on an unmerged one).
+    # that rounding: a merge/unmerge cycle rounds twice, each time up to 2^-24 of a value in
+    # fp32, 2^-8 in bf16, where the drift shows (load_lora unmerges a merged model first: swap
+    # adapters on an unmerged one).
     @torch.no_grad()
     def merge(self):
         if not self.merged:
@@ -98,7 +105,8 @@ class LoRALinear(nn.Module):
     def split_alongside(self, dim: int):
         """The hook tensor_parallel.py's split layers look for: how A and B split beside W0.
 
-        dim is the dimension W0 (d, k) is split along: 0 (a column layer) or 1 (a row layer).
+        dim is the dimension W0 (d, k) is split along: 0 (a column layer: d, its output
+        features, split) or 1 (a row layer: k, its input features, split).
         Returns {name: (factor, its dim)}, dim None for a whole copy, and the term to add.
         The split is drawn below (LoRA inside a tensor-parallel layer).
         """
@@ -140,7 +148,8 @@ def apply_lora(model: nn.Module, targets=("query", "value"), rank: int = 8,
     for name, module in found:
         _replace(model, name, QLoRALinear(module, rank, alpha, dropout, double_quant) if quantize
                  else LoRALinear(module, rank=rank, alpha=alpha, dropout=dropout))
-    if quantize:                       # the rest of the base: a LoRA layer is no nn.Linear now
+    # The targeted layers are LoRALinear now (not nn.Linear): this loop reaches only the others.
+    if quantize:
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in QUANTIZED:
                 _replace(model, name, FrozenNF4Linear(module, double_quant))
@@ -202,11 +211,14 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
 
     model is the LoRA-wrapped model the state dict came from (its layers give the scales);
     the result loads into the base architecture with no LoRA code at all.
+    The state dict must come from an unmerged model: a merged weight already holds the update,
+    which folding would add a second time.
     """
     layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, LoRALinear)}
     four_bit = {name: m for name, m in model.named_modules()
                 if isinstance(m, (QLoRALinear, FrozenNF4Linear))}
-    # The lora_ keys and the NF4 buffers stay out.
+    # The lora_ keys and the NF4 buffers (<layer>.base.codes, .scales, .scale_codes,
+    # .scale_absmax) stay out.
     folded = {key: t for key, t in state_dict.items()
               if ".lora_" not in key and key.rsplit(".base.", 1)[0] not in four_bit}
     for name, m in four_bit.items():                 # a 4-bit W0 (d, k) as the run computed with it
@@ -227,7 +239,7 @@ def dequantized_weights(model: nn.Module) -> dict:
 # ---- QLoRA: the same adapters over a 4-bit base (quantization.py) ------------------------------
 #
 # Dettmers et al. 2023: W0 kept as NF4 codes and scales (4.5 bits a value), dequantized in each
-# forward and backward and dropped again; the adapters train as above, in full precision.
+# forward and backward and dropped again; the adapters train as above, in the compute dtype.
 # The paper stores the whole pretrained model so, adapted or not: here every block's attention
 # query, key, value and output and MLP up and down (each expert's too). The embeddings, norms and
 # biases stay in the compute dtype (its code quantizes linear layers only), and so do a mixture's

@@ -1,5 +1,8 @@
 """4-bit NormalFloat (NF4): a frozen weight in half a byte per value, for QLoRA.
 
+NF4 is no float with exponent bits: each value is a 4-bit index into 16 fixed values (a lookup
+table, LEVELS below), times its block's scale.
+
 Trained weights are close to normally distributed, so the 16 levels of a 4-bit code are put at
 quantiles of N(0, 1), scaled to [-1, 1] with an exact 0 (Dettmers et al. 2023, "QLoRA",
 section 3). Each block of 64 weights is divided by its largest magnitude (its scale) and every
@@ -25,13 +28,17 @@ SCALE_BLOCK = 256       # scales per second-level scale (double quantization)
 
 
 def normal_float_levels() -> torch.Tensor:
-    """The 16 NF4 levels: 8 quantiles of N(0, 1) above 0, 7 below, and 0 itself, over max |q|.
+    """The 16 NF4 levels: 8 quantiles of N(0, 1) above 0, 7 below, and 0 itself.
 
-    The outermost quantile is taken at 0.9677 = mean of 1 - 1/(2*15) and 1 - 1/(2*16) instead
-    of at 1 (which is infinite), the QLoRA paper's choice; asymmetric so that 0 is a level.
+    Each level is divided by the largest one, so the levels span [-1, 1].
+    The top level would be the quantile at probability 1, which is infinite.
+    So it is pulled in by half a step: 1 - 1/(2*15) for 15 steps, 1 - 1/(2*16) for 16.
+    Their mean, 0.9677, is the QLoRA paper's empirical choice.
+    8 levels on one side and 7 on the other leave room for an exact 0.
     """
     normal = torch.distributions.Normal(0.0, 1.0)
     outer = ((1 - 1 / 30) + (1 - 1 / 32)) / 2
+    # [:-1] drops the last point, probability 0.5: the median, which is 0 (added once below).
     positive = normal.icdf(torch.linspace(outer, 0.5, 9, dtype=torch.float64)[:-1])       # (8,)
     negative = -normal.icdf(torch.linspace(outer, 0.5, 8, dtype=torch.float64)[:-1])      # (7,)
     levels = torch.cat([negative, torch.zeros(1, dtype=torch.float64), positive]).sort().values
@@ -50,6 +57,7 @@ class NF4Weight(nn.Module):
         flat = weight.detach().float().reshape(-1)                               # (P,)
         # -P % 64 is (-P) % 64, Python's non-negative remainder: the zeros that pad P up to G x 64.
         padded = F.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)        # (G, 64)
+        # An all-zero block would divide by 0: its scale is raised to the smallest normal float.
         scales = padded.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)   # (G,)
         normalized = padded / scales[:, None]                                     # in [-1, 1]
         # The nearest level, by the distances to all 16 at once.
@@ -69,12 +77,11 @@ class NF4Weight(nn.Module):
     def _quantize_scales(self, scales: torch.Tensor):
         """Double quantization: the (G,) fp32 scales, centred, stored as int8 in blocks of 256.
 
-        scale_mean is a plain float, not a buffer: it stays out of the state dict and of nbytes.
-        It is computed again with the codes, as a run quantizes its base afresh when it loads it.
-        So saved codes load only into an NF4Weight made from the same weight.
+        Scales are all positive: subtracting their mean lets the symmetric int8 code use both
+        signs. scale_mean is not saved: a run re-quantizes the base from the pretrained weights.
         """
         G = scales.numel()
-        self.scale_mean = scales.mean().item()
+        self.scale_mean = scales.mean().item()       # a plain float: not in the state dict
         centered = F.pad(scales - self.scale_mean, (0, -G % SCALE_BLOCK))         # (S * 256,)
         centered = centered.view(-1, SCALE_BLOCK)                                 # (S, 256)
         absmax = centered.abs().amax(dim=1)                                       # (S,)
@@ -109,6 +116,8 @@ class NF4Weight(nn.Module):
 class NF4Linear(torch.autograd.Function):
     """y = x W^T + b with W dequantized in forward and again in backward, never kept.
 
+    Why a Function: plain F.linear(x, W.dequantize()) would save the dequantized W for backward,
+    keeping it alive until then; here backward dequantizes W again instead.
     Only x needs a gradient (W and b are frozen): grad_x = grad_y W, the one matrix product
     F.linear's backward would do, so the result equals nn.Linear's on the dequantized W.
     """
@@ -119,7 +128,7 @@ class NF4Linear(torch.autograd.Function):
         return F.linear(x, weight.dequantize(x.dtype), bias)                    # (..., d)
 
     @staticmethod
-    def backward(ctx, grad_y):                 # None for b: the callers freeze the bias too
+    def backward(ctx, grad_y):                 # None for b: FrozenNF4Linear freezes the bias
         return grad_y @ ctx.weight.dequantize(grad_y.dtype), None, None         # (..., k)
 
 
@@ -157,18 +166,19 @@ def _round_to_levels(weight: torch.Tensor, levels: torch.Tensor) -> torch.Tensor
 
 def _demonstrate() -> bool:
     """Quantize a weight shaped like a trained one (normal, std 0.02), dequantize it, and hold
-    every value's error to the format's bound; the fp32 weight is the one-process reference.
+    every value's error to the format's bound, against the fp32 original.
     True when every error is within its bound."""
     torch.manual_seed(0)
     weight = torch.randn(512, 1024) * 0.02                                         # P = 512K
     naive, nf4 = (_round_to_levels(weight, levels) - weight for levels in
-                  (torch.linspace(-1, 1, 16), LEVELS))                            # plain int4, NF4
+                  (torch.linspace(-1, 1, 16), LEVELS))            # 16 evenly spaced levels, NF4
     print(f"a {tuple(weight.shape)} weight ~ N(0, 0.02^2) in blocks of {BLOCK}: mean |error| "
           f"{naive.abs().mean():.2e} with 16 evenly spaced levels, {nf4.abs().mean():.2e} with "
           f"NF4's (quantiles of N(0, 1): levels dense where the weights are)")
     scales = weight.reshape(-1, BLOCK).abs().amax(dim=1, keepdim=True)            # (G, 1)
     # The nearest level is at most half the widest gap away (between -1 and the next level),
-    # times the block's scale; fp32's rounding of x / scale and of level x scale adds ulps.
+    # times the block's scale; fp32's rounding of x / scale and of level x scale adds ulps:
+    # 2^-21 is 4 fp32 ulps at 1.0 (an ulp there is 2^-23).
     bound = scales * ((LEVELS[1] - LEVELS[0]) / 2 + 2 ** -21)                      # (G, 1)
     within = True
     for double_quant in (False, True):
@@ -180,11 +190,10 @@ def _demonstrate() -> bool:
         print(f"{'NF4 + double quantization' if double_quant else 'NF4':25s} "
               f"{stored.nbytes() / weight.numel():.4f} bytes per weight "
               f"({8 * stored.nbytes() / weight.numel():.3f} bits; fp32: 32)")
-        print(f"  max |difference| from one process (the fp32 weight): {error.max():.2e} (bound "
-              f"{allowed.max():.2e}: half the widest gap between levels x the block's absmax"
-              f"{' + the scale rounded' if double_quant else ''}; tight: the worst weight "
-              f"reaches {100 * (error / allowed).max():.2f}% of its block's bound, midway in the "
-              f"widest gap)")
+        print(f"  max |difference| against the fp32 original (one process): {error.max():.2e} "
+              f"(bound {allowed.max():.2e}: half the widest gap between levels x the block's "
+              f"absmax{' + the scale rounded' if double_quant else ''}; tight: the worst weight "
+              f"reaches {100 * (error / allowed).max():.2f}% of its block's bound)")
     return within
 
 
