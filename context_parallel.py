@@ -3,7 +3,8 @@
 Activations grow with the sequence, and neither data parallelism nor ZeRO nor FSDP splits them.
 Context parallelism cuts each sequence into cp parts, one per rank: embeddings, norms, MLPs and
 the loss only ever see their own tokens, and attention, which needs every earlier key and value,
-gets them from the other ranks in one of two ways, the naive one beside the optimised one:
+gets them from the other ranks in one of two ways, the naive one beside the one optimised for
+memory (it keeps only its own K/V block, but sends 1.5x to 2x the all-gather's bytes):
 - all-gather K/V (Llama 3: Grattafiori et al. 2024, arXiv 2407.21783): gather the whole
   sequence's keys and values, attend, reduce-scatter their gradients in backward;
 - ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): K/V blocks go
@@ -36,7 +37,8 @@ from tensor_parallel import gather_sequence
 
 # ---- the split: which tokens a rank holds -------------------------------------------------------
 #
-#   T = 16, cp = 2.  zigzag: 2cp = 4 chunks of c = 4         none: cp = 2 chunks of c = 8
+#   T = 16, cp = 2.  zigzag: 2cp = 4 chunks of c = 4         no zigzag (--cp-balance none):
+#                                                             cp = 2 chunks of c = 8
 #     chunk   0     1     2     3                             chunk   0         1
 #     rank    0     1     1     0                             rank    0         1
 #
@@ -47,7 +49,10 @@ from tensor_parallel import gather_sequence
 #             1       #  \               rank 1 (chunks 1, 2): 2 + 3 = 5
 #             2       #  #  \
 #             3       #  #  #  \
-#   Without it rank 0 computes one block of 8 x 8 and rank 1 two: rank 0 idles half the time.
+#   Without it rank 0 computes one block of 8 x 8 and rank 1 two: rank 0 idles half the time
+#   (a diagonal block counts whole: it is computed in full, then masked).
+#   Zigzag also balances each ring step: every rank computes 2 blocks per step, 3 at step 0
+#   (its own K/V: its two diagonal blocks, and its later chunk's queries on its earlier keys).
 
 
 @dataclass(frozen=True)
@@ -77,26 +82,38 @@ class SequenceSplit:
                           for i in self.chunks(rank)])
 
     def sequence_order(self, seq_len: int, device=None) -> torch.Tensor:
-        """(T,): which row of the ranks' pieces laid end to end, in rank order, holds position p."""
+        """(T,): which row of the ranks' pieces laid end to end, in rank order, holds position p.
+
+        E.g. T = 16, cp = 2, zigzag: the pieces hold positions 0-3, 12-15, 4-7, 8-11.
+        Their argsort gives the rows in sequence order: 0-3, 8-11, 12-15, 4-7.
+        """
         every = torch.cat([self.positions(r, seq_len, device) for r in range(self.cp)])   # (T,)
         return every.argsort()
 
     def blocks(self, rank: int, source: int) -> list[tuple[int, int, bool]]:
-        """The blocks `rank`'s queries compute against `source`'s keys: (its chunk a, source's chunk
-        b, causal: the same chunk, so masked), skipping chunks wholly in the future."""
+        """The blocks `rank`'s queries compute against `source`'s keys: [(a, b, causal)].
+
+        a and b are slots (0 or 1): which of rank's chunks, which of source's.
+        i and j are those slots' chunk numbers in the sequence.
+        causal: the same chunk (j == i), so masked; chunks wholly in the future (j > i) are skipped.
+        """
         return [(a, b, j == i) for a, i in enumerate(self.chunks(rank))
                 for b, j in enumerate(self.chunks(source)) if j <= i]
 
     def predicted_idle(self) -> list[float]:
-        """Each rank's idle share of attention's compute: 1 - its blocks / the busiest rank's. A
-        diagonal block costs a whole one here (computed, then masked)."""
+        """Each rank's idle share of attention's compute: 1 - its blocks / the busiest rank's.
+
+        A diagonal block costs a whole one here: it is computed in full, then masked.
+        """
         work = [sum(len(self.blocks(r, s)) for s in range(self.cp)) for r in range(self.cp)]
         return [1 - w / max(work) for w in work]
 
 
 def check_group(comm: Comm, split: SequenceSplit):
-    """The split cuts each sequence for split.cp ranks, the attention passes K/V among the group's:
-    one number, or the chunks would be read as other ranks' (silently wrong attention)."""
+    """Raise unless split.cp equals the group's size.
+
+    Otherwise each rank would treat another rank's chunks as its own: silently wrong attention.
+    """
     if split.cp != comm.world_size:
         raise ValueError(f"the sequence is split for {split.cp} context-parallel ranks, but "
                          f"attention runs over a group of {comm.world_size}: make the split "
@@ -121,14 +138,14 @@ def unsplit_sequence(x: torch.Tensor, comm: Comm, split: SequenceSplit,
 
 # ---- one block of attention, in fp32 (or wider) -------------------------------------------------
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
+def _upcast(t: torch.Tensor) -> torch.Tensor:
     """t in the dtype the ring sums in: fp32, or t's own if wider (fp64, for tests)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _scores(q, k, causal: bool):           # (B, H, c, D), (B, H, c, D) -> (B, H, c, c)
     """q k^T / sqrt(D); a chunk against itself masks each query's future keys."""
-    scores = _wide(q) @ _wide(k).transpose(-2, -1) * q.shape[-1] ** -0.5
+    scores = _upcast(q) @ _upcast(k).transpose(-2, -1) * q.shape[-1] ** -0.5
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
@@ -147,7 +164,7 @@ def _fold_in(m, denom, acc, q, k, v, causal: bool):
     p = (scores - m_new.unsqueeze(-1)).exp()                                   # (B, H, c, c)
     rescale = (m - m_new).exp()                                                # (B, H, c)
     denom.mul_(rescale).add_(p.sum(-1))
-    acc.mul_(rescale.unsqueeze(-1)).add_(p @ _wide(v))
+    acc.mul_(rescale.unsqueeze(-1)).add_(p @ _upcast(v))
     m.copy_(m_new)
 
 
@@ -158,8 +175,10 @@ def _block_grads(q, k, v, dout, lse, delta, causal: bool):
     scale = q.shape[-1] ** -0.5
     p = (_scores(q, k, causal) - lse.unsqueeze(-1)).exp()                     # (B, H, c, c)
     dv = p.transpose(-2, -1) @ dout
-    ds = p * (dout @ _wide(v).transpose(-2, -1) - delta.unsqueeze(-1))       # softmax's Jacobian
-    return ds @ _wide(k) * scale, ds.transpose(-2, -1) @ _wide(q) * scale, dv
+    dp = dout @ _upcast(v).transpose(-2, -1)                                  # (B, H, c, c)
+    # The softmax's Jacobian; masked entries have p = 0, so ds = 0 there.
+    ds = p * (dp - delta.unsqueeze(-1))
+    return ds @ _upcast(k) * scale, ds.transpose(-2, -1) @ _upcast(q) * scale, dv
 
 
 # ---- all-gather K/V (Llama 3): the naive one ---------------------------------------------------
@@ -177,6 +196,7 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock=None):
     """
     check_group(comm, split)
     r, t = comm.rank, q.shape[2]
+    # gather_sequence gathers dim 1: put the sequence there.
     kv = torch.stack([k, v]).permute(1, 3, 0, 2, 4)                           # (B, t, 2, H, D)
     kv = gather_sequence(kv, comm)                                  # (B, T, 2, H, D), rank order
     T = kv.shape[1]
@@ -194,14 +214,14 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock=None):
     return torch.cat(out, dim=2)                                               # (B, H, t, D)
 
 
-# ---- ring attention (Liu et al. 2023): the optimised one ---------------------------------------
+# ---- ring attention (Liu et al. 2023): the one optimised for memory ----------------------------
 #
 #   forward, cp = 4: at step s rank r holds rank r-s's K/V block and sends it on to r+1
 #     step 0      step 1      step 2      step 3
-#     r0: kv0     r0: kv3     r0: kv2     r0: kv1        while step s computes, block s+1 is on
-#     r1: kv1     r1: kv0     r1: kv3     r1: kv2        the wire: each step posts its send and
-#     r2: kv2     r2: kv1     r2: kv0     r2: kv3        its receive together, then computes,
-#     r3: kv3     r3: kv2     r3: kv1     r3: kv0        then waits
+#     r0: kv0     r0: kv3     r0: kv2     r0: kv1        while step s computes, the block for
+#     r1: kv1     r1: kv0     r1: kv3     r1: kv2        step s+1 is on the wire: each step
+#     r2: kv2     r2: kv1     r2: kv0     r2: kv3        posts its send and its receive
+#     r3: kv3     r3: kv2     r3: kv1     r3: kv0        together, computes, then waits
 #   backward: the mirror image, blocks moving to r-1; rank r's share of block j's dK/dV joins the
 #   partial sum travelling with block j, which reaches its owner after the last step.
 
@@ -216,7 +236,7 @@ class RingAttention(torch.autograd.Function):
         check_group(comm, split)
         r, cp = comm.rank, comm.world_size
         c = q.shape[2] // len(split.chunks(r))
-        wide = torch.promote_types(q.dtype, torch.float32)                     # as _wide
+        wide = torch.promote_types(q.dtype, torch.float32)                     # as _upcast
         # (B, H, t): the running max and the running sum
         m = torch.full(q.shape[:3], float("-inf"), dtype=wide, device=q.device)
         denom = torch.zeros_like(m)
@@ -253,8 +273,8 @@ class RingAttention(torch.autograd.Function):
         r, cp = comm.rank, comm.world_size
         left, right = (r - 1) % cp, (r + 1) % cp
         c = q.shape[2] // len(split.chunks(r))
-        dout = _wide(dout)
-        delta = (dout * _wide(out)).sum(-1)                                    # (B, H, t)
+        dout = _upcast(dout)
+        delta = (dout * _upcast(out)).sum(-1)                                  # (B, H, t)
         dq = torch.zeros_like(dout)                                            # (B, H, t, D), fp32
         kv = torch.stack([k, v])                                               # (2, B, H, t, D)
         incoming = None          # (handle, buffer): a partial sum of dK, dV on its way from r+1
@@ -274,7 +294,7 @@ class RingAttention(torch.autograd.Function):
                 dkv[0][:, :, cols] += dk_b
                 dkv[1][:, :, cols] += dv_b
             if step == 0:
-                own = dkv                 # this rank's block: the others' shares come home
+                own_dkv = dkv             # this rank's block: the others' shares come home
             else:
                 if incoming is not None:  # the shares of the ranks this block met before
                     handle, partial_sum = incoming
@@ -291,8 +311,8 @@ class RingAttention(torch.autograd.Function):
         if incoming is not None:
             handle, partial_sum = incoming
             handle.wait()
-            own += partial_sum                        # every other rank's share of this block
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+            own_dkv += partial_sum                    # every other rank's share of this block
+        return dq.to(q.dtype), own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None
 
 
 ring_attention = RingAttention.apply       # (q, k, v, comm, split[, clock]), as allgather_attention
@@ -301,7 +321,9 @@ ATTENTIONS = {"ring": ring_attention, "allgather": allgather_attention}
 
 # ---- bookkeeping: what the attention sends, how long it computes --------------------------------
 
-# What the attention sends, by the byte counter's names (the gradient average is an all_reduce).
+# The collectives that move K/V and their gradients, by the byte counter's names (the ring's
+# sends, the all-gather and its reduce-scatter). The data-parallel gradient average, an
+# all_reduce, is not among them.
 KV_COLLECTIVES = ("send", "all_gather", "reduce_scatter")
 
 
@@ -317,7 +339,8 @@ def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str =
     Ring attention, backward: the blocks go round again ((cp-1) kv).
     And dK, dV travel beside them cp-1 steps in fp32, or wider (they add up over the ranks).
     In fp32 the ring sends 1.5x the all-gather's, as FSDP sends 1.5x DDP's.
-    Both send again in backward what they would not keep.
+    The ring sends K/V again in backward because it kept only its own block.
+    The all-gather keeps them and sends only their gradients.
     In bf16 the ring sends 2x: its fp32 dK/dV are twice the bytes of the bf16 K/V.
     """
     kv = 2 * (seq_len // cp) * batch * hidden
@@ -349,12 +372,12 @@ def _attention_against_one_process(comm: Comm, attention: str) -> dict:
     (one_process * probe).sum().backward()                         # the loss: sum(output * probe)
     split = SequenceSplit(comm.world_size)
     # (B, H, T, D) -> (B, H, t, D)
-    mine = partial(split_sequence, split=split, rank=comm.rank, dim=2)
-    inputs = [mine(t.detach()).requires_grad_() for t in whole]
+    my_part = partial(split_sequence, split=split, rank=comm.rank, dim=2)
+    inputs = [my_part(t.detach()).requires_grad_() for t in whole]
     out = ATTENTIONS[attention](*inputs, comm, split)
-    (out * mine(probe)).sum().backward()
+    (out * my_part(probe)).sum().backward()
     pairs = {"output": (unsplit_sequence(out.detach(), comm, split, dim=2), one_process),
-             **{f"d{name}": (x.grad, mine(t.grad)) for name, x, t in zip("qkv", inputs, whole)}}
+             **{f"d{name}": (x.grad, my_part(t.grad)) for name, x, t in zip("qkv", inputs, whole)}}
     return {what: (a - b).abs().max().item() for what, (a, b) in pairs.items()}
 
 
@@ -375,7 +398,7 @@ def _run_against_one_process(cases: dict) -> float:
 
 
 if __name__ == "__main__":      # both attentions, the ring and the naive all-gather
-    start_alone(torchrun=True, worlds=(1, 2, 4, 8, 16))      # zigzag: 2N chunks of 32 tokens
+    start_alone(torchrun=True, worlds=(1, 2, 4, 8, 16))      # zigzag: 2N chunks of the 32 tokens
     dist.init_process_group("gloo")
     worst = _run_against_one_process({f"{name} attention, rank 0's tokens": name
                                       for name in ATTENTIONS})

@@ -10,11 +10,13 @@ Expert parallelism (as GShard's) puts E/P experts on each of P ranks.
 An all-to-all sends the tokens to their experts' ranks, and a second one brings them back.
 Left out: shared experts, expert-choice routing, jitter noise.
 feed_forward builds a GPT's blocks with it.
-Run alone: torchrun --nproc_per_node 2 moe.py (the experts split over 2 ranks against the layer
-whole); in training: train.py --model tiny-moe --ep 2; test: python -m pytest tests/test_moe.py
+Run alone: torchrun --nproc_per_node 2 moe.py (the experts split over 2 ranks, compared with
+the whole layer on one process); in training: train.py --model tiny-moe --ep 2;
+test: python -m pytest tests/test_moe.py
 
-Shapes: S tokens in a routing group (B*T by default), C channels, E experts, k choices per token,
-A = k*S assignments (token, choice), K = ceil(capacity_factor * k * S / E) slots per expert.
+Shapes: N tokens in a forward (B*T), S tokens in a routing group (N by default), C channels,
+E experts, k choices per token, A = k*N assignments (token, choice),
+K = ceil(capacity_factor * k * S / E) slots per expert and group.
 """
 import contextlib
 import copy
@@ -36,13 +38,13 @@ from foundations.placements import place
 
 @dataclass
 class Routing:
-    """The router's decision for the A = k*S assignments (token, choice), choice-major.
+    """The router's decision for the A = k*N assignments (token, choice), choice-major.
 
     Every first choice comes before any second one: under capacity a second choice drops first.
     """
-    token: torch.Tensor         # (A,) the assignment's token, an index into the S tokens
+    token: torch.Tensor         # (A,) the assignment's token, an index into the N tokens
     expert: torch.Tensor        # (A,) its expert
-    gate: torch.Tensor          # (A,) its weight in the token's output, fp32 (fp64's own)
+    gate: torch.Tensor          # (A,) its weight in the token's output, fp32 (fp64 if the model is)
     group: torch.Tensor         # (A,) its token's routing group
     position: torch.Tensor      # (A,) how many of its (group, expert) queue come before it
     keep: torch.Tensor          # (A,) whether it fits the capacity: position < K
@@ -57,7 +59,8 @@ class MoE(nn.Module):
 
     n_embd is C.
     make_expert builds one expert, a module (.., C) -> (.., C).
-    feed_forward below passes model.py's MLP, so an MoE of one expert is exactly the dense block.
+    feed_forward below passes model.py's MLP.
+    So an MoE of one expert with capacity_factor >= 1 (or None) is the dense block plus aux_loss.
     top_k is the experts per token (1: Switch, 2: GShard, any k <= E).
     The k gate values are the router's softmax probabilities of the chosen experts, renormalised.
     So with k = 1 the gate is p / p = 1 and the router learns from the aux losses only.
@@ -96,7 +99,7 @@ class MoE(nn.Module):
         Each expert gets a (G*K, C) block of slots, so the host never reads the routing.
         Empty slots are zeros, computed and thrown away: the price of no host sync.
         """
-        tokens = x.reshape(-1, x.shape[-1])                   # (S, C)
+        tokens = x.reshape(-1, x.shape[-1])                   # (N, C)
         routing = self.route(tokens)
         if self.capacity_factor is None:
             return self._forward_dropless(tokens, routing).view_as(x)
@@ -120,38 +123,39 @@ class MoE(nn.Module):
         gate = (routing.gate * routing.keep).unsqueeze(1).to(outputs.dtype)        # (A, 1)
         read = torch.where(routing.keep, row, 0)
         weighted = outputs.view(E * slots, C)[read] * gate                         # (A, C)
-        y = torch.zeros_like(tokens).index_add_(0, routing.token, weighted)        # (S, C)
+        y = torch.zeros_like(tokens).index_add_(0, routing.token, weighted)        # (N, C)
         return y.view_as(x)
 
     def route(self, tokens: torch.Tensor) -> Routing:
         """Router -> top-k: each token's k experts and gates, and each assignment's slot.
 
         The matmul runs in the model's dtype (the router weight's).
-        The softmax, gates and losses run in fp32 (fp64's own).
+        The softmax, gates and losses run in fp32, or fp64 when the model is fp64.
         bf16 would round every probability, and the z-loss's logsumexp.
         """
-        S, E, k = tokens.shape[0], len(self.experts), self.top_k
-        logits = self.router(tokens)                                      # (S, E)
+        N, E, k = tokens.shape[0], len(self.experts), self.top_k
+        logits = self.router(tokens)                                      # (N, E)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         probs = logits.softmax(dim=-1)
-        top_probs, top_experts = probs.topk(k, dim=-1)                    # (S, k)
+        top_probs, top_experts = probs.topk(k, dim=-1)                    # (N, k)
         gates = top_probs / top_probs.sum(dim=-1, keepdim=True)           # renormalised over k
         # The assignments choice-major (GShard's priority order).
         expert = top_experts.t().reshape(-1)                              # (A,)
-        token = torch.arange(S, device=tokens.device).repeat(k)           # (A,)
+        token = torch.arange(N, device=tokens.device).repeat(k)           # (A,)
         gate = gates.t().reshape(-1)                                      # (A,)
-        group_size = self.group_size or S
-        if S % group_size:
-            raise ValueError(f"MoE: {S} tokens do not split into routing groups of {group_size}")
-        groups = S // group_size
+        group_size = self.group_size or N
+        if N % group_size:
+            raise ValueError(f"MoE: {N} tokens do not split into routing groups of {group_size}")
+        groups = N // group_size
         queue = (token // group_size) * E + expert                        # (A,) (group, expert)
         order, position, per_queue = _queue_positions(queue, groups * E)
-        # Dropless, K is group_size * k: no queue is longer (a token's k experts differ).
+        # Dropless, K = group_size * k is a safe upper bound: no queue is longer.
+        # (A token's k experts differ, so a queue holds at most group_size assignments.)
         capacity = (expert_capacity(group_size, E, k, self.capacity_factor)
                     if self.capacity_factor is not None else group_size * k)
         keep = position < capacity                                        # (A,)
         per_expert = _count(expert, E, keep)                              # (E,) kept
-        self._losses(logits, probs, per_queue.view(groups, E), per_expert, A=k * S)
+        self._losses(logits, probs, per_queue.view(groups, E), per_expert, A=k * N)
         return Routing(token, expert, gate, token // group_size, position, keep, order,
                        per_expert, groups, capacity)
 
@@ -162,7 +166,9 @@ class MoE(nn.Module):
         f_e is the share of a routing group's assignments routed to e (all k choices, no drop).
         GShard counts first choices only.
         P_e is the group's mean router probability of e.
-        It is averaged over the groups: ranks routing their own tokens average as one process.
+        It is averaged over the groups.
+        So when each rank routes its own groups, the mean of the ranks' losses is the loss of one
+        process routing all of them (_demonstrate checks it).
         The z-loss, mean (logsumexp logits)^2, keeps the router's logits small.
         """
         groups, E = per_queue.shape                                       # (groups, E) counts
@@ -181,7 +187,8 @@ class MoE(nn.Module):
         Their count is read on the host to cut the rows: the layer's one host sync.
         A static shape would run every token through every expert.
         """
-        # The assignments sorted by expert (stable: the queue's priority order stays).
+        # The assignments sorted by expert; any order within an expert would work.
+        # The stable sort keeps the queue's priority order: a fixed order, fixed fp sums.
         by_expert = routing.order[torch.argsort(routing.expert[routing.order], stable=True)]
         token, gate = routing.token[by_expert], routing.gate[by_expert]   # (A,)
         inputs = tokens[token]                                            # (A, C)
@@ -191,7 +198,7 @@ class MoE(nn.Module):
         else:
             outputs = self._exchange_dropless(inputs, routing.per_expert)
         weighted = outputs * gate.unsqueeze(1).to(outputs.dtype)                # (A, C)
-        return torch.zeros_like(tokens).index_add_(0, token, weighted)          # (S, C)
+        return torch.zeros_like(tokens).index_add_(0, token, weighted)          # (N, C)
 
     @contextlib.contextmanager
     def generating(self):
@@ -220,6 +227,9 @@ class MoE(nn.Module):
         An nn.Identity keeps each dropped index, so parameters keep their names.
         experts.5.up.weight is on whichever rank holds expert 5.
         Every rank must hold the same model before (the same seed), as in tensor parallelism.
+        The router stays replicated; each rank's router gradient comes from its own tokens.
+        In training, data parallelism averages it over every dp x cp rank, the ep ranks among
+        them (composition/parallelize.py's wrap_data).
         """
         E, P = len(self.experts), ep.world_size
         if E % P:
@@ -233,12 +243,13 @@ class MoE(nn.Module):
             # Sharded over ep, each rank its own experts: foundations/placements.py's record.
             # The global norm counts each rank's own.
             for p in self.experts[e].parameters():
-                place(p, shard={"ep": None})
+                place(p, shard={"ep": None})                  # None: whole tensors, no split dim
 
     def _exchange_static(self, dispatched):
         """Capacity mode: the (E, G*K, C) buffer has a fixed shape (G routing groups, K slots).
 
         So both all-to-alls send equal blocks whatever the routing: no sizes to agree on.
+        That assumes every rank routes the same N tokens (the same batch shape), so the same G.
         """
         E, slots, C = dispatched.shape
         P = self.ep.world_size

@@ -8,8 +8,10 @@ composition/tensor_parallel_gpt.py splits a whole GPT, its head and loss over th
 Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) turns each all-reduce into a
 reduce-scatter and an all-gather, so norms and dropout work on 1/N of the tokens.
 Left out: fused QKV, overlapping these collectives with the matmuls, an RNG tracker for dropout.
-Without the tracker every rank draws the same masks. That is right where the ranks hold copies.
-But rank r's heads, and under sequence parallelism its tokens, then repeat rank 0's masks.
+Without the tracker every rank draws the same dropout masks.
+Identical masks are right where the ranks hold copies of the same activations.
+But attention dropout on rank r's heads, and under sequence parallelism dropout on rank r's
+tokens, reuse rank 0's mask pattern where they should draw their own.
 Run alone: torchrun --nproc_per_node 2 tensor_parallel.py;
 in training: train.py --strategy tp --tp 2. Test: python -m pytest tests/test_tensor_parallel.py
 
@@ -33,7 +35,8 @@ from foundations.placements import place
 #
 # A split region starts where every rank needs the whole activation and ends where each holds
 # a partial sum of it. Each crossing moves activations forward with one collective and their
-# gradients backward with its conjugate: what one does forward, the other does backward.
+# gradients backward with its conjugate: f's forward is g's backward, and f's backward is g's
+# forward.
 #
 #                      forward                 backward
 #   f                  identity                all-reduce      enter a split region
@@ -109,15 +112,20 @@ def g(x, comm: Comm):
 
 
 def gather_sequence(x, comm: Comm):
-    """f under sequence parallelism: (B, T/N, ..) -> (B, T, ..). Every rank's whole-sequence copy
-    feeds its own columns, so the gradient of rank r's tokens is the sum over ranks of their rows
-    r: a reduce-scatter."""
+    """f under sequence parallelism: (B, T/N, ..) -> (B, T, ..).
+
+    Every rank's whole-sequence copy feeds its own columns.
+    So the gradient of rank r's tokens is the sum over the ranks of their gradients' piece r
+    (along T): a reduce-scatter."""
     return _Conjugate.apply(x, comm, _all_gathered, _reduce_scattered)
 
 
 def scatter_sequence(x, comm: Comm):
-    """g under sequence parallelism: partial (B, T, C) -> (B, T/N, C) of the sum, g's all-reduce
-    without its all-gather half. Every rank's rows need rank r's tokens' gradient: all-gather."""
+    """g under sequence parallelism: partial (B, T, C) -> (B, T/N, C) of the sum.
+
+    It is g's all-reduce without its all-gather half.
+    Every rank's row-layer product covered all T tokens, so each needs the whole gradient:
+    all-gather."""
     return _Conjugate.apply(x, comm, _reduce_scattered, _all_gathered)
 
 
@@ -153,16 +161,9 @@ def leave_region(x, comm: Comm, sequence_parallel: bool):
 #
 # A and B are (in, out), as the paper writes them; nn.Linear stores the transpose, its weight
 # W = A^T (out, in), and computes x W^T. So "column" means A's columns, W's rows: a column layer
-# keeps W's rows r*out/N.., a row layer W's columns r*in/N... Every rank draws the same full init
-# and keeps its slice, so the ranks' slices put together are the matrix one rank would have had.
-#
-# A linear may add a term of its own beside x W^T (LoRA's low-rank update, lora.py). Such a
-# linear offers the hook split_alongside(dim) -> (pieces, term); _SplitLinear declares it below.
-# pieces maps a parameter's name to (param, its dim): the split layer keeps param sliced along dim
-# to match W's split (dim None: whole). term(layer, x) is added to the layer's local product,
-# inside the region: g sums it with the partial products. A whole parameter used there gets from
-# each rank only its share of its gradient. This file sums no partial gradient:
-# composition/tensor_parallel_gpt.py does, after backward (_partial_sums).
+# keeps W's rows [r*out/N, (r+1)*out/N), a row layer W's columns [r*in/N, (r+1)*in/N).
+# Every rank draws the same full init and keeps its slice, so the ranks' slices put together are
+# the matrix one rank would have had.
 
 def _shard(param: torch.Tensor, comm: Comm, dim: int | None) -> nn.Parameter:
     """This rank's slice of a full weight along dim, marked with the dim for checkpoints and norms.
@@ -186,7 +187,7 @@ class _SplitLinear(nn.Module):
     group is a Comm, a process group or None (the world).
     dim 0 splits W's rows, the output features: a column layer.
     dim 1 splits W's columns, the input features: a row layer.
-    linear is an existing nn.Linear to split (from_linear), with its own term if it offers one.
+    source is an existing nn.Linear to split (from_linear), with its own term if it offers one.
     None makes a fresh one, initialised as on one rank.
     """
 
@@ -195,23 +196,34 @@ class _SplitLinear(nn.Module):
     # swap in one that defers it (extensions/zero_bubble.py, WeightGradients).
     linear = staticmethod(F.linear)
 
-    def __init__(self, in_features, out_features, group, bias, linear, dim):
+    def __init__(self, in_features, out_features, group, bias, source, dim):
         super().__init__()
         self.comm = as_comm(group)
-        linear = linear if linear is not None else nn.Linear(in_features, out_features, bias=bias)
-        self.weight = _shard(linear.weight, self.comm, dim)       # (out/N, in) or (out, in/N)
+        source = source if source is not None else nn.Linear(in_features, out_features, bias=bias)
+        self.weight = _shard(source.weight, self.comm, dim)       # (out/N, in) or (out, in/N)
         # The bias goes with the output features: split in a column layer; whole in a row
         # layer, which adds it once, after the partial products are summed.
         bias_dim = 0 if dim == 0 else None
-        self.bias = _shard(linear.bias, self.comm, bias_dim) if linear.bias is not None else None
-        self.whole_in_region = []       # the term's whole parameters: partial gradients (above)
-        self.term = None                # the linear's own term, if it offers split_alongside
-        if hasattr(linear, "split_alongside"):
-            self._take_term(linear, dim)
+        self.bias = _shard(source.bias, self.comm, bias_dim) if source.bias is not None else None
+        self.whole_in_region = []       # the term's whole parameters: partial gradients (below)
+        self.term = None                # the source's own term, if it offers split_alongside
+        if hasattr(source, "split_alongside"):
+            self._take_term(source, dim)
 
-    def _take_term(self, linear, dim):
-        """The linear's term and its parameters, each sliced along its dim or kept whole."""
-        pieces, self.term = linear.split_alongside(dim)
+    def _take_term(self, source, dim):
+        """The source's own term and its parameters, each sliced along its dim or kept whole.
+
+        A linear may add a term of its own beside x W^T (LoRA's low-rank update, lora.py).
+        Such a linear offers the hook split_alongside(dim) -> (pieces, term), which this reads.
+        pieces maps a parameter's name to (param, its dim).
+        The split layer keeps param sliced along dim to match W's split (dim None: whole).
+        term(layer, x) is added to the layer's local product, inside the region.
+        So g sums it with the partial products.
+        A whole parameter used there gets from each rank only its share of its gradient.
+        This file sums no partial gradient: composition/tensor_parallel_gpt.py does, after
+        backward (_partial_sums).
+        """
+        pieces, self.term = source.split_alongside(dim)
         for name, (param, piece_dim) in pieces.items():
             piece = _shard(param, self.comm, piece_dim)
             self.register_parameter(name, piece)
@@ -226,7 +238,7 @@ class _SplitLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **options):
         return cls(linear.in_features, linear.out_features, group,
-                   bias=linear.bias is not None, linear=linear, **options)
+                   bias=linear.bias is not None, source=linear, **options)
 
 
 class ColumnParallelLinear(_SplitLinear):
@@ -240,8 +252,8 @@ class ColumnParallelLinear(_SplitLinear):
     """
 
     def __init__(self, in_features, out_features, group=None, bias=True, gather_output=False,
-                 sequence_parallel=False, enter=True, linear: nn.Linear | None = None):
-        super().__init__(in_features, out_features, group, bias, linear, dim=0)
+                 sequence_parallel=False, enter=True, source: nn.Linear | None = None):
+        super().__init__(in_features, out_features, group, bias, source, dim=0)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.enter = enter
 
@@ -262,8 +274,8 @@ class RowParallelLinear(_SplitLinear):
     """
 
     def __init__(self, in_features, out_features, group=None, bias=True, input_is_parallel=True,
-                 sequence_parallel=False, linear: nn.Linear | None = None):
-        super().__init__(in_features, out_features, group, bias, linear, dim=1)
+                 sequence_parallel=False, source: nn.Linear | None = None):
+        super().__init__(in_features, out_features, group, bias, source, dim=1)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
 
     def forward(self, y):                                        # (B, T, in/N), or (B, T, in)
@@ -334,11 +346,15 @@ def split_block(block, comm: Comm, sequence_parallel: bool = False):
     if it is model.py's pair of linears; any other MLP (a mixture of experts) stays whole."""
     sp = dict(group=comm, sequence_parallel=sequence_parallel)
     attn, mlp = block.attn, block.mlp
+    # enter=False: f (or gather_sequence) is applied once per sublayer by a forward pre-hook,
+    # registered at the end.
     for name in ("query", "key", "value"):
         column = ColumnParallelLinear.from_linear(getattr(attn, name), enter=False, **sp)
         setattr(attn, name, column)
     attn.output = RowParallelLinear.from_linear(attn.output, **sp)
-    attn.n_head //= comm.world_size                           # H/N heads per rank, same code
+    # H/N heads per rank. model.py's attention runs unchanged: it reshapes with
+    # view(B, T, n_head, -1), so each rank's out/N columns become its H/N heads.
+    attn.n_head //= comm.world_size
     split = [attn]
     if isinstance(mlp, MLP):
         mlp.up = ColumnParallelLinear.from_linear(mlp.up, enter=False, **sp)
@@ -384,7 +400,8 @@ def _split_mlp_against_one_process(comm: Comm, sequence_parallel: bool) -> dict:
 def _run_against_one_process(check, cases: dict, why: str):
     """Each case's check(comm, case) -> {what: max |difference| from one process}.
 
-    Rank 0 prints its differences. Any rank past 1e-12 exits 1 (fp64: why).
+    Rank 0 prints its differences. Any rank past 1e-12 exits 1.
+    why says why the bound holds (in fp64, the split sums the same terms in another order).
     """
     dist.init_process_group("gloo")
     comm, bound, worst = Comm(), 1e-12, 0.0                 # Comm(): the world's collectives
@@ -404,7 +421,8 @@ def _run_against_one_process(check, cases: dict, why: str):
 
 
 if __name__ == "__main__":      # both forms, f and g then sequence parallelism's
-    start_alone(torchrun=True, worlds=(1, 2, 4, 8))        # N divides 8 tokens and 64 channels
+    # The world sizes N it accepts: those dividing T = 8 tokens (SP) and 16 and 64 features.
+    start_alone(torchrun=True, worlds=(1, 2, 4, 8))
     _run_against_one_process(_split_mlp_against_one_process,
                              {"f and g, rank 0's pieces": False,
                               "sequence parallel, rank 0's pieces": True},
