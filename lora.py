@@ -273,8 +273,8 @@ class QLoRALinear(LoRALinear):
 #   row (W0 columns split):  A's columns split with W0's, B whole: z_r = W0_r y_r + s B (A_r y_r),
 #                            and the g that sums W0_r y_r sums B (A_r y_r) into B A y as well.
 # The whole factor (A of a column layer, B of a row layer) gets only this rank's part of its
-# gradient, a partial sum: tensor_parallel.py records it so, and sums those over the group after
-# backward.
+# gradient, a partial sum: tensor_parallel.py records it so (foundations/placements.py), and
+# composition/tensor_parallel_gpt.py sums those over the group after backward.
 
 def _split_term(layer: nn.Module, x: torch.Tensor, scale: float, dropout: float) -> torch.Tensor:
     """A split layer's local low-rank term (alpha/r) B A x, through the layer's own products.
