@@ -3,8 +3,9 @@
 Each rank runs forward and backward on its own slice of the global batch, then an all-reduce
 averages the gradients so that every rank takes the same optimizer step (Li et al. 2020,
 "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB, section 3.2),
-here in the lecture's order: 1. the naive per-parameter all-reduce, 2. gradient buckets,
+here in that section's order: 1. the naive per-parameter all-reduce, 2. gradient buckets,
 3. each bucket's all-reduce overlapped with backward, 4. the finish, 5. no_sync.
+(The lecture shows step 1 for DDP; it meets the overlap of step 3 under ZeRO-2, zero.py.)
 Left out: the autograd-graph walk that finds unused parameters early, rebuilding buckets in
 the observed order, communication hooks, re-broadcasting buffers at every forward.
 Run alone: torchrun --nproc_per_node 2 ddp.py (in training: train.py --strategy ddp); test:
@@ -67,14 +68,17 @@ class DDP(nn.Module):
     waits for them; torch's DDP does this in a callback at the end of backward.
     For gradient accumulation, run all but the last micro-batch's backward inside `ddp.no_sync()`.
     reduce_dtype: the dtype each bucket is averaged in (None: the gradients' own, as torch's DDP).
-    reductions: the parameters in parts, [((comm, op, divisor), parameters)], in an order every
-    rank shares. A part's gradients are reduced by `op` over comm, then divided by `divisor`.
+    reductions: the parameters in parts, [((comm, op, divide), parameters)], in an order every
+    rank shares. A part's gradients are reduced by `op` over comm, then divided by `divide`.
     comm is a Comm (as_comm wraps a process group once): parts on one group share one Comm.
     Default: one part, all averaged over `group`. Where not every rank holds every parameter, the
     composition hands in the parts (composition/parallelize.py).
     """
 
-    keeps_whole_gradients = True        # GradientSyncs: every rank holds them all, always
+    # Read by foundations/flat.py's GradientSyncs (for pipeline.py and the loop): True, every
+    # rank holds whole gradients anyway, so all micro-batches but the last run under no_sync(),
+    # one reduction a step. False (ZeRO-2, FSDP): each micro-batch's backward reduces.
+    keeps_whole_gradients = True
 
     def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25,
                  reduce_dtype: torch.dtype | None = None, reductions: list | None = None):
@@ -102,10 +106,22 @@ class DDP(nn.Module):
         sizes = [len(bucket.params) for bucket in self.buckets]
         self.bucket_indices = [range(sum(sizes[:b]), sum(sizes[:b + 1])) for b in range(len(sizes))]
         self._slot = [slot for bucket in self.buckets for slot in bucket.views(bucket.grad_flat)]
+        # FlatParams.hook_gradients registers p.register_post_accumulate_grad_hook on each of
+        # bucket b's parameters: it calls mark_param_as_ready(b, j) once autograd has added
+        # into .grad. The hook holds self weakly (see FlatParams).
         for b, bucket in enumerate(self.buckets):
-            bucket.hook_gradients(self.mark_param_as_ready, b)     # held weakly: see FlatParams
-        self.require_backward_grad_sync = True                   # False inside no_sync()
-        self._hooked = [False] * len(self.params)                # hook has fired: .grad is its slot
+            bucket.hook_gradients(self.mark_param_as_ready, b)
+        # The reducer's state, all of it (i: a parameter, b: a bucket):
+        #   require_backward_grad_sync  False inside no_sync(): gradients stay in .grad
+        #   _hooked[i]   its hook has fired once: .grad is its slot (forward gives it back)
+        #   _used[i]     it got a gradient since the last sync, no_sync()'s included
+        #   _ready[i]    its gradient is counted into its bucket, this sync
+        #   pending[b]   gradients bucket b still waits for; 0: full
+        #   launched     buckets launched so far, in bucket order, this sync
+        #   _in_flight   [(bucket, what it sends, its work)], waited for at the finish
+        # _reset() renews all but the first two after each sync.
+        self.require_backward_grad_sync = True
+        self._hooked = [False] * len(self.params)
         self._reset()
 
     def _make_buckets(self, arrival: list, bucket_mb: float) -> list[FlatParams]:
@@ -123,6 +139,8 @@ class DDP(nn.Module):
         return buckets
 
     def forward(self, *args, **kwargs):
+        # zero_grad(set_to_none=True) dropped each .grad: give back its bucket slot, so the
+        # coming backward accumulates into the bucket.
         if torch.is_grad_enabled():
             self._gradients_into_buckets()
         return self.module(*args, **kwargs)
@@ -140,7 +158,8 @@ class DDP(nn.Module):
         self._ready[i] = True
         self.pending[b] -= 1
         if self.pending[b] == 0:
-            self._launch_full_buckets()                          # bucket b, in its turn
+            # launches b, and any full buckets after it, once every earlier bucket has launched
+            self._launch_full_buckets()
 
     def _all_reduce(self, bucket: FlatParams):
         """Start the bucket's all-reduce and return without waiting for it."""
@@ -155,14 +174,14 @@ class DDP(nn.Module):
 
         Call it after the step's last backward, before optimizer.step()."""
         self._launch_unused()                        # buckets whose gradients never came
-        used_anywhere = self._launch_used_flags()    # did any rank use each parameter?
+        wait_used_flags = self._launch_used_flags()  # did any rank use each parameter?
         for bucket, wire, work in self._in_flight:
             work.wait()
             if bucket.divide != 1:
                 wire.div_(bucket.divide)
             if wire is not bucket.grad_flat:
                 bucket.grad_flat.copy_(wire)                     # the upcast mean, rounded once
-        for p, slot, used in zip(self.params, self._slot, used_anywhere()):
+        for p, slot, used in zip(self.params, self._slot, wait_used_flags()):
             p.grad = slot if used else None          # averaged in place; no rank used: None
         self._reset()
 
@@ -236,15 +255,15 @@ class DDP(nn.Module):
         (AdamW would otherwise decay it.) Each rank's "used" flags are OR'ed over the ranks: a
         P-byte all-reduce launched behind every bucket's, the same place on every rank. Used
         here: its hook fired (no_sync's too), or a gradient came as a .grad of its own.
-        Returns used_anywhere(), which waits for the flags and lists them (P,)."""
+        Returns wait_used_flags(), which waits for the flags and lists them (P,)."""
         local = [used or (p.grad is not None and p.grad.data_ptr() != slot.data_ptr())
                  for used, p, slot in zip(self._used, self.params, self._slot)]
         flags, agree = or_used_flags(self.buckets, self.params[0].device, local)    # (P,)
 
-        def used_anywhere() -> list:
+        def wait_used_flags() -> list:
             agree()
             return local if all(local) else flags.tolist()  # read (a GPU host sync) if needed
-        return used_anywhere
+        return wait_used_flags
 
     def _gradients_into_buckets(self):
         """Each .grad set to None (zero_grad(set_to_none=True)) gets its zeroed slot back.
@@ -264,24 +283,25 @@ class DDP(nn.Module):
                 self.params[i].grad = self._slot[i]
 
     def _reset(self):
-        self._ready = [False] * len(self.params)          # counted into its bucket, this sync
-        self._used = [False] * len(self.params)           # got a gradient since the last sync
-        self.pending = [len(bucket.params) for bucket in self.buckets]   # gradients to come
-        self.launched = 0                                 # buckets launched in this backward
-        self._in_flight = []                              # [(bucket, what it sends, its work)]
+        """After each sync: the per-sync state (listed in __init__) starts over."""
+        self._ready = [False] * len(self.params)
+        self._used = [False] * len(self.params)
+        self.pending = [len(bucket.params) for bucket in self.buckets]
+        self.launched = 0
+        self._in_flight = []
 
     def _broadcast_from_rank0(self):
         """Ranks may have been seeded differently: rank 0's initial weights become everyone's.
 
         Each part's parameters come from rank 0 of its group, the buffers from the whole
-        group's. One broadcast per dtype of a flat copy, not one per tensor. The dtypes go in
+        group's. One broadcast per (dtype, device) of a flat copy, not one per tensor. They go in
         first-seen order (dict keys): the same order on every rank."""
-        parts = [(group, params) for (group, _, _), params in self.reductions]
-        for group, tensors in [*parts, (self.comm, list(self.module.buffers()))]:
+        parts = [(comm, params) for (comm, _, _), params in self.reductions]
+        for comm, tensors in [*parts, (self.comm, list(self.module.buffers()))]:
             for kind in dict.fromkeys((t.dtype, t.device) for t in tensors):
                 same = [t for t in tensors if (t.dtype, t.device) == kind]
                 flat = torch.cat([t.detach().reshape(-1) for t in same])      # (sum of numel,)
-                group.broadcast(flat, src=0)
+                comm.broadcast(flat, src=0)
                 with torch.no_grad():
                     for t, value in zip(same, flat.split([t.numel() for t in same])):
                         t.copy_(value.view_as(t))

@@ -43,8 +43,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
     Loop: zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) to clip; step().
     Use this clip_grad_norm_: torch's sees no reduced gradient, only this rank's own.
     Stage 1 accumulates whole gradients in the buckets' flat buffers, in the parameters' dtype
-    (param.grad is a view, as in DDP). It reduce-scatters them once, at step(), in reduce_dtype.
-    """
+    (param.grad is a view, as in DDP). It reduce-scatters them once, at step(), in reduce_dtype."""
 
     stage = 1
     keeps_whole_gradients = True     # foundations/flat.py's GradientSyncs: whole until the step
@@ -62,11 +61,14 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         # The inner optimizer on those fp32 masters, fp16's loss scale, the checkpoints' side.
         self.shard_step = ShardedStep(self, self.buckets, self.comm, optimizer_cls,
                                       optimizer_kwargs)
-        self.flats, self.masters = self.buckets, self.shard_step.masters
+        self.masters = self.shard_step.masters
+        self.flats = self.buckets             # the name extensions/offload.py's OffloadedStep reads
         self.optimizer = self.shard_step.optimizer          # the inner optimizer
         self.device = self.shard_step.device               # where the gradient shards are
         self.last_grad_norm, self.last_step_skipped = None, False
-        self._synced = False             # stage 1: reduced since the last gradient came
+        # Stage 2's flags: syncing, False inside no_sync(): the hooks leave each .grad alone;
+        # _unreduced, True once a backward under no_sync() left gradients in .grad to reduce.
+        self._synced = False      # stage 1's: reduce-scattered since the last gradient came
         self._start_step()
         self._hook_gradients()
 
@@ -83,7 +85,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         norm = self.global_norm()      # 3 the shards' squares, one all-reduce: the whole norm
         if self.max_norm is not None:
             self.clip(self.max_norm, norm)    # 4 the masters' .grad times min(1, max_norm / norm)
-        # 5 The step's one device-to-host read: the norm (inf/NaN: skip), the used-flags with it.
+        # 5 The one host read: the norm (inf/NaN: skip), the used-flags beside it as 0.0/1.0
         if self._used is None:
             norm, used = norm.item(), None
         else:
@@ -167,7 +169,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
                 grad, master = bucket.grad_shard, bucket.master
                 if grad is None:
                     continue
-                if master.grad is not grad:
+                if master.grad is not grad:    # else the alias stage 2's _release kept (fp32)
                     master.grad = grad.to(master.dtype)          # (S,) fp32: an fp32 grad itself
                 if scale != 1.0:
                     master.grad.div_(scale)
@@ -249,8 +251,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
 
     def _new_master(self, bucket, shard: torch.Tensor) -> torch.Tensor:
         """The (S,) tensor the inner optimizer updates: for fp32 or fp64 parameters the shard
-        itself, for 16-bit ones an fp32 copy. extensions/zero_offload.py overrides it to keep the
-        master in host memory."""
+        itself, for 16-bit ones an fp32 copy (extensions/zero_offload.py's: in host memory)."""
         return shard if shard.dtype in (torch.float32, torch.float64) else shard.float()
 
     def _master_into_model(self, shard: torch.Tensor, master: torch.Tensor):
@@ -274,7 +275,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
 
     no_sync = contextlib.nullcontext     # stage 1 keeps whole gradients until the step anyway
 
-    def finish_gradient_sync(self):      # GradientSyncs' name for reduce_gradients
+    def finish_gradient_sync(self):  # for flat.py's GradientSyncs: every reducer's protocol
         self.reduce_gradients()
 
     def _gradients_into_buckets(self):
@@ -316,10 +317,12 @@ class Zero2Optimizer(ZeroOptimizer):
     """ZeRO-2: ZeRO-1, but each bucket is reduce-scattered the moment backward fills it, and its
     whole gradient freed: a rank holds whole gradients only for the buckets in flight, then its
     1/N shards. The price: with gradient accumulation every micro-batch reduce-scatters (no whole
-    buffer is kept to add the next one into), where DDP and ZeRO-1 reduce once a step."""
+    buffer is kept to add the next one into), where DDP and ZeRO-1 reduce once a step.
+    The lecture reduces layer J's gradient to the one worker that owns J. Here each rank owns 1/N
+    of every bucket, so each bucket is reduce-scattered over all: the same idea, another layout."""
 
     stage, keeps_whole_gradients = 2, False     # each bucket reduced and freed in backward
-    syncing, _unreduced = True, False     # False, True under no_sync(): gradients wait in .grad
+    syncing, _unreduced = True, False     # the flags: see ZeroOptimizer.__init__
 
     #   backward   | grads of bucket 0 | grads of bucket 1 | grads of bucket 2 |
     #   network                        |= reduce-scatter 0 =|= reduce-scatter 1 =|= 2 =|
@@ -352,16 +355,16 @@ class Zero2Optimizer(ZeroOptimizer):
         self._take(b, i)
 
     def _take(self, b: int, i: int):
-        """Parameter i's gradient copied into bucket b's buffer (in reduce_dtype) and freed; the
-        bucket goes once full. The buffer lives until its reduce-scatter is waited for: the peak
-        memory is the buckets in flight."""
+        """Take parameter i's .grad into bucket b's buffer: copy it (in reduce_dtype), free it.
+        The bucket goes once full. The buffer lives until its reduce-scatter is waited for: the
+        peak memory is the buckets in flight."""
         bucket = self.buckets[b]
         if bucket.grad_flat is None:                                   # (N*S,)
             bucket.grad_flat = torch.zeros_like(bucket.flat, dtype=self.reduce_dtype)
         bucket.view(bucket.grad_flat, i).copy_(bucket.params[i].grad)
         bucket.params[i].grad = None           # before the reduction: the whole gradient is gone
         bucket.used[i] = True
-        bucket.pending -= 1                    # FlatParams': gradients yet to come this backward
+        bucket.pending -= 1          # FlatParams' (flat.py's bucket) gradients yet to come
         if bucket.pending == 0:
             self._order.ready(bucket)
 
