@@ -275,7 +275,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
 
     no_sync = contextlib.nullcontext     # stage 1 keeps whole gradients until the step anyway
 
-    def finish_gradient_sync(self):  # for flat.py's GradientSyncs: every reducer's protocol
+    def finish_gradient_sync(self):  # foundations/flat.py's GradientSyncs: every reducer's
         self.reduce_gradients()
 
     def _gradients_into_buckets(self):
@@ -364,7 +364,7 @@ class Zero2Optimizer(ZeroOptimizer):
         bucket.view(bucket.grad_flat, i).copy_(bucket.params[i].grad)
         bucket.params[i].grad = None           # before the reduction: the whole gradient is gone
         bucket.used[i] = True
-        bucket.pending -= 1          # FlatParams' (flat.py's bucket) gradients yet to come
+        bucket.pending -= 1          # gradients yet to come (foundations/flat.py's FlatParams)
         if bucket.pending == 0:
             self._order.ready(bucket)
 

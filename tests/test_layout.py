@@ -248,3 +248,10 @@ def test_every_file_a_comment_names_exists():
                and not (ROOT / name).exists() and not (ROOT / path).parent.joinpath(name).exists()]
     assert not missing, "comments name files that do not exist (write the path from the root):\n" \
                         + "\n".join(missing)
+
+
+@pytest.mark.parametrize("module", sorted(TOP_LEVEL))
+def test_no_textbook_line_is_over_100_characters(module):
+    """The concept files, the model and train.py are read, not scrolled: no line over 100."""
+    long = [n for n, line in enumerate(_path(module).read_text().splitlines(), 1) if len(line) > 100]
+    assert not long, f"{module}.py has lines over 100 characters: {long}"
