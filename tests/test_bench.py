@@ -342,9 +342,7 @@ def test_each_committed_prediction_is_what_todays_napkin_computes(name):
         assert predicted_ms == pytest.approx(row["predicted_ms"], rel=1e-9), label
 
 
-# moe-cp-napkin joins when a run on a quiet machine replaces the one committed (docs/measured.md:
-# run under a load average of 2.5-4.5, its ratios are the neighbours' as much as the napkin's).
-@pytest.mark.parametrize("name", ["medium-napkin"])
+@pytest.mark.parametrize("name", ["medium-napkin", "moe-cp-napkin"])
 def test_the_napkin_is_within_0_8_to_1_25_of_every_committed_row(name):
     """Issue 55: napkin/step_time.py's prediction within 0.8-1.25 of the measured step on every row of
     a real run (the predictions themselves bound to the code by the test above)."""
