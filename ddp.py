@@ -210,8 +210,8 @@ class DDP(nn.Module):
     def _upcast(self, grad_flat: torch.Tensor) -> torch.Tensor:
         """Upcast buckets: with reduce_dtype=torch.float32, a bf16 bucket is summed in an fp32 copy.
 
-        In bf16, each ring step would round a partial sum to 8 bits of mantissa. The mean is
-        rounded back into the bucket once (torch's DDP needs a communication hook for this)."""
+        In bf16, each ring step would round a partial sum to 8 significant bits (7 stored).
+        The mean is rounded back into the bucket once (torch's DDP needs a communication hook for this)."""
         if self.reduce_dtype in (None, grad_flat.dtype):
             return grad_flat
         return grad_flat.to(self.reduce_dtype)

@@ -44,9 +44,9 @@ from mechanics.fsdp_state import FSDPState
 class MixedPrecisionPolicy:
     """The dtypes, as PyTorch's FSDP2 (fully_shard) names them in its mp_policy.
     param_dtype: what units compute in and all-gather (None: the model's, fp32 or fp64).
-    reduce_dtype: what gradients are reduce-scattered in (None: param_dtype; fp32 under
-    bf16/fp16: fewer roundings for twice the bytes). The master shards stay fp32 either way (an
-    fp64 model's: fp64)."""
+    reduce_dtype: what gradients are reduce-scattered in (None: param_dtype). Under bf16/fp16,
+    pass fp32 (train.py does): fewer roundings for twice the bytes. The master shards stay fp32
+    either way (an fp64 model's: fp64)."""
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
 
@@ -134,8 +134,8 @@ class FSDP(FSDPState, nn.Module):
     wrap: True for each submodule that becomes a unit (None: the GPT's blocks); the rest, and any
     parameter two units share (tied weights), is the root unit. mp_policy: the dtypes units
     compute and gather in and reduce in (the model's, fp32 or fp64, by default). group: a
-    collectives.Comm, a process group or None (the world). prefetch: units gathered ahead of the
-    one computing (0: none). device: where shards and gathered units live (default: the
+    foundations/comm.py Comm, a process group or None (the world). prefetch: units gathered
+    ahead of the one computing (0: none). device: where shards and gathered units live (default: the
     module's; a model built on the CPU visits it unit by unit). FSDPState
     (mechanics/fsdp_state.py: skip it at first) wraps, checks, and offers what the program reads."""
 
