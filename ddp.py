@@ -211,7 +211,8 @@ class DDP(nn.Module):
         """Upcast buckets: with reduce_dtype=torch.float32, a bf16 bucket is summed in an fp32 copy.
 
         In bf16, each ring step would round a partial sum to 8 significant bits (7 stored).
-        The mean is rounded back into the bucket once (torch's DDP needs a communication hook for this)."""
+        The mean is rounded back into the bucket once (torch's DDP needs a communication hook
+        for this)."""
         if self.reduce_dtype in (None, grad_flat.dtype):
             return grad_flat
         return grad_flat.to(self.reduce_dtype)
