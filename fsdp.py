@@ -7,12 +7,13 @@ sharded 1/N. A unit's life in a training step, as FSDP below writes it:
     backward   all-gather it again -> compute -> free -> reduce-scatter its gradient
     step       on this rank's shard alone, no collective: any torch optimizer steps
                FSDP.parameters(), the fp32 master shards (the demonstration's AdamW, at the end),
-               as with PyTorch's own FSDP2 (torch.distributed.fsdp.fully_shard)
+               as with PyTorch's own FSDP2 (torch.distributed.fsdp.fully_shard). The lecture's
+               "synchronization" after the step is the next forward's all-gathers.
 Bytes on the wire per step: two all-gathers + one reduce-scatter = 3(N-1)/N x the model,
 1.5x DDP's all-reduce (2(N-1)/N), in the same dtype; a little less, as the root unit is
 gathered once. With bf16 gathers and an fp32 reduce (train.py's default for bf16), per
-parameter 2 + 2 + 4 = 8 bytes against DDP's 8 (fp32): about 1x. In return, every rank holds
-only 1/N of every byte of training state.
+parameter 2 + 2 + 4 = 8 bytes against DDP's fp32 all-reduce, 4 + 4: about 1x. In return,
+every rank holds only 1/N of every byte of training state.
 Skip mechanics/fsdp_state.py (the wrap, the checks, what the program reads).
 Two corner cases ride along the core path, and a first reading can skip them: the used-flags
 (a parameter no rank used this step gets .grad None, as DDP's find_unused_parameters), and
@@ -155,9 +156,10 @@ class FSDP(FSDPState, nn.Module):
         # FSDPState checks the arguments (the same model on every rank): the Comm, the device.
         self.comm, self.device = self._checked(module, group, device)
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
-        # FSDPState's wrap. forward_order: one Unit per module wrap(m) picks, in forward order.
-        # root_units: a list, to add to forward_order: [] or [the root unit], every other
-        # parameter; gathered from forward's start until its last gradient arrives in backward.
+        # FSDPState's wrap. forward_order: one Unit per module wrap(m) picks, in registration
+        # order, which is the order a GPT's forward calls them (prefetch relies on it).
+        # root_units: [] or [the root unit, holding every parameter no wrapped module took] (the
+        # lecture's unit 0); gathered from forward's start until its last gradient arrives.
         self.root_units, self.forward_order = self._wrap(module, wrap)
         # Those that train (a frozen unit has no params).
         self.units = [u for u in self.root_units + self.forward_order if u.params]

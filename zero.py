@@ -6,10 +6,10 @@ buffers, the buckets of foundations/flat.py, each split into N equal shards. Ran
 optimizer state (stage 1) and the reduced gradient (stage 2) of shard r only. It updates that
 shard with the inner optimizer on an fp32 master, then all-gathers the parameters.
 A reduce-scatter plus an all-gather move what DDP's all-reduce moves, when the gradients and the
-parameters share one dtype: the memory saved costs no extra communication. Stage 2 pays one
-reduce-scatter per micro-batch of an accumulated step. By default train.py reduces bf16
-gradients in fp32, and then ZeRO sends less than DDP: a 4-byte reduce-scatter plus a 2-byte
-all-gather per parameter is 6 bytes, against 8 for DDP's all-reduce, also in fp32 (0.75x).
+parameters share one dtype: the memory saved costs no extra communication (an all-reduce is
+2 x the dtype's bytes per parameter: the lecture's bf16 2 + 2). train.py reduces bf16 gradients
+in fp32 by default; then ZeRO's 4-byte reduce-scatter plus 2-byte all-gather per parameter is
+6 bytes, against 8 for DDP's all-reduce, also in fp32 (0.75x).
 Stage 1, then stage 2 as its delta. Left out: stage 3 (fsdp.py, on the same flat buffers),
 ZeRO-Offload (extensions/zero_offload.py), ZeRO++.
 Run alone: torchrun --nproc_per_node 2 zero.py; test: python -m pytest tests/test_zero.py
@@ -66,9 +66,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         self.optimizer = self.shard_step.optimizer          # the inner optimizer
         self.device = self.shard_step.device               # where the gradient shards are
         self.last_grad_norm, self.last_step_skipped = None, False
-        # Stage 2's flags: syncing, False inside no_sync(): the hooks leave each .grad alone;
-        # _unreduced, True once a backward under no_sync() left gradients in .grad to reduce.
-        self._synced = False      # stage 1's: reduce-scattered since the last gradient came
+        self._synced = False      # reduce-scattered since the last gradient came
         self._start_step()
         self._hook_gradients()
 
@@ -169,7 +167,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
                 grad, master = bucket.grad_shard, bucket.master
                 if grad is None:
                     continue
-                if master.grad is not grad:    # else the alias stage 2's _release kept (fp32)
+                if master.grad is not grad:    # else an fp32 shard is its master's .grad
                     master.grad = grad.to(master.dtype)          # (S,) fp32: an fp32 grad itself
                 if scale != 1.0:
                     master.grad.div_(scale)
@@ -255,8 +253,8 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         return shard if shard.dtype in (torch.float32, torch.float64) else shard.float()
 
     def _master_into_model(self, shard: torch.Tensor, master: torch.Tensor):
-        """Offload's host masters: round the fp32 master into the model's (16-bit) shard, before
-        its all-gather. extensions/zero_offload.py overrides it with a copy from the host."""
+        """Round the fp32 master into the model's (16-bit) shard, before its all-gather
+        (extensions/zero_offload.py overrides it: a copy from the host)."""
         shard.copy_(master)
 
     # ---- stage 1's gradients: whole, in the buckets' flat buffers ---------------------------
@@ -322,7 +320,9 @@ class Zero2Optimizer(ZeroOptimizer):
     of every bucket, so each bucket is reduce-scattered over all: the same idea, another layout."""
 
     stage, keeps_whole_gradients = 2, False     # each bucket reduced and freed in backward
-    syncing, _unreduced = True, False     # the flags: see ZeroOptimizer.__init__
+    # syncing: False inside no_sync(), where the hooks leave each .grad alone.
+    # _unreduced: True once a backward under no_sync() left gradients in .grad to reduce.
+    syncing, _unreduced = True, False
 
     #   backward   | grads of bucket 0 | grads of bucket 1 | grads of bucket 2 |
     #   network                        |= reduce-scatter 0 =|= reduce-scatter 1 =|= 2 =|
