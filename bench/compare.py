@@ -59,8 +59,8 @@ from mechanics.fsdp_optimizer import FSDPOptimizer
 from lora import apply_lora
 from napkin.machines import this
 from napkin.memory_math import run_state_bytes
-from napkin.sent import (cp_kv_bytes_per_step, ddp_bytes_per_step, pipeline_bytes_per_step,
-                         tp_bytes_per_step)
+from napkin.sent import (cp_kv_bytes_per_step, ddp_bytes_per_step, fsdp_bytes_per_step,
+                         pipeline_bytes_per_step, tp_bytes_per_step)
 from composition.mesh_optimizer import on_mesh
 from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from foundations.inner_optimizer import element_state
@@ -204,7 +204,7 @@ def ours_fsdp(model, args, shard_group=None):
                # memory_math.comm_bytes prices the copies' all-reduce and a frozen base's gathers too,
                # but as one flat buffer with the root gathered twice (test_fsdp_qlora compares
                # them): these rows print FSDP's own formula, unit by unit, exact to the byte.
-               napkin_sent=fsdp.bytes_per_step() if copies or frozen else None, napkin_held=napkin_held)
+               napkin_sent=fsdp_bytes_per_step(fsdp) if copies or frozen else None, napkin_held=napkin_held)
 
 
 def torch_fsdp(model, args, shard_group=None, offload=False):

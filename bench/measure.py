@@ -436,7 +436,7 @@ def report(m: dict, rows: list) -> list:
                   f"memory_math.comm_bytes (fsdp: our root unit is gathered once, not twice; tp: "
                   f"napkin/sent.py's tp_bytes_per_step, activation traffic memory.py does not model; "
                   f"hsdp, "
-                  f"fsdp-lora: FSDP.bytes_per_step, with the copies' all-reduce and the frozen base's "
+                  f"fsdp-lora: napkin/sent.py's fsdp_bytes_per_step, with the copies' all-reduce and the frozen base's "
                   f"gathers memory_math.comm_bytes has no row for); "
                   f"PyTorch's collectives count nothing. Predicted: step_time.py's napkin on this "
                   f"machine as machines.this measured it (a block's forward + backward at the row's "

@@ -27,8 +27,8 @@ from extensions.fsdp_frozen import FrozenBaseFSDP
 from extensions.fsdp_hybrid import HSDP
 from extensions.fsdp_offload import OffloadedFSDP
 from napkin.memory_math import mesh_params, run_state_bytes
-from napkin.sent import (cp_kv_bytes_per_step, ddp_bytes_per_step, pipeline_bytes_per_step,
-                         tp_bytes_per_step, zero_bytes_per_step)
+from napkin.sent import (cp_kv_bytes_per_step, ddp_bytes_per_step, fsdp_bytes_per_step,
+                         pipeline_bytes_per_step, tp_bytes_per_step, zero_bytes_per_step)
 from composition.mesh_checks import ParallelDims, moe_config, stage_layers
 from composition.mesh_optimizer import on_mesh, partition
 from foundations.dtypes import master_dtype
@@ -161,7 +161,7 @@ def data_parallel(gpt, args, data, device, adamw: dict):
         sent = 0 if model is gpt else ddp_bytes_per_step(model)
         held = run_state_bytes(gpt, "ddp", args, data.world_size)
     elif rung == "fsdp":
-        sent = model.bytes_per_step(micro_batches=args.grad_accum)
+        sent = fsdp_bytes_per_step(model, micro_batches=args.grad_accum)
         held = run_state_bytes(gpt, "zero3", args, data.world_size, shard_group=S)
     else:
         sent = zero_bytes_per_step(optimizer, micro_batches=args.grad_accum)
@@ -329,7 +329,7 @@ def predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, opt
         sent["ep"] = exchange_bytes(gpt, args, mesh.dp.world_size, tokens_split, micro)
     if data.world_size > 1:
         sent["dp"] = (ddp_bytes_per_step(replicas) if rung == "ddp" else
-                      replicas.bytes_per_step(micro, gathered_for_step=pipelined)
+                      fsdp_bytes_per_step(replicas, micro, gathered_for_step=pipelined)
                       if rung == "fsdp" else
                       zero_bytes_per_step(optimizer, 1 if held_all else backwards))
     # napkin/memory.py: this rank's share of its stage (all of it without pp), held over dp x cp as

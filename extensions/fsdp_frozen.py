@@ -18,7 +18,6 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from foundations.comm import ring_bytes
 from fsdp import FSDP, Unit
 from quantization import NF4Weight
 
@@ -161,13 +160,6 @@ class FrozenBaseFSDP(FSDP):
         """This rank's shards of the frozen weights (bytes): on the host under fsdp_offload."""
         return [u.frozen.shard for u in self.root_units + self.forward_order
                 if u.frozen is not None]
-
-    def bytes_per_step(self, micro_batches: int = 1, gathered_for_step: bool = False) -> int:
-        """FSDP's, plus each unit's frozen bytes all-gathered as often as the unit (never reduced)."""
-        return super().bytes_per_step(micro_batches, gathered_for_step) + sum(
-            self._gathers_per_step(u, micro_batches, gathered_for_step)
-            * ring_bytes("all_gather", u.frozen.flat.numel(), 1, u.comm.world_size)
-            for u in self.root_units + self.forward_order if u.frozen is not None)
 
     @contextlib.contextmanager
     def frozen_gathered(self):

@@ -10,8 +10,7 @@ Left out: ZeRO++'s hierarchical partitioning (a secondary shard per node for the
 Run: torchrun --nproc_per_node 4 train.py --strategy fsdp --shard-group 2;
 test: python -m pytest tests/test_fsdp_qlora.py -k hybrid
 """
-from foundations.comm import as_comm, ring_bytes
-from foundations.dtypes import master_dtype
+from foundations.comm import as_comm
 from fsdp import FSDP
 
 
@@ -45,15 +44,3 @@ class HSDP(FSDP):
         if unit.replicas is not None:                # the shard's mean over the copies too
             unit.replicas.all_reduce(output, op=unit.op)
         super()._add_gradient(unit, output, used)
-
-    def bytes_per_step(self, micro_batches: int = 1, gathered_for_step: bool = False) -> int:
-        """FSDP's, plus the copies' all-reduce of each reduced shard, of the used-flags, and,
-        where some units are not copied (experts), of the norm's squares."""
-        reductions = 1 if gathered_for_step else micro_batches
-        copies, wire = self.replicas.world_size, self.reduce_dtype.itemsize
-        copied = [u for u in self.units if u.replicas is not None]
-        shards = reductions * sum(ring_bytes("all_reduce", u.shard_numel, wire, copies) for u in copied)
-        flags = ring_bytes("all_reduce", sum(len(u.params) for u in copied), 1, copies)
-        size = master_dtype(self.compute_dtype).itemsize             # the norm's: fp32 or fp64
-        norm = ring_bytes("all_reduce", 1, size, copies) if len(copied) < len(self.units) else 0
-        return super().bytes_per_step(micro_batches, gathered_for_step) + shards + flags + norm

@@ -16,8 +16,8 @@ import math
 import torch
 import torch.nn as nn
 
-from foundations.comm import as_comm, ring_bytes
-from foundations.flat import MAX_REDUCTIONS_IN_FLIGHT, agree_used, flags_and_norm_bytes, shards_norm
+from foundations.comm import as_comm
+from foundations.flat import MAX_REDUCTIONS_IN_FLIGHT, agree_used, shards_norm
 from model import Block
 from extensions.offload import host_buffer, host_copy, host_to_device
 from foundations.placements import data_reduction, placement
@@ -188,26 +188,6 @@ class FSDPState:
         for g in self.gradient_buffers():                                   # (S,) each, fp32
             g.mul_(scale)
         return norm
-
-    # ---- the bytes a step sends (the napkin math's check) -------------------------------------
-
-    def _gathers_per_step(self, unit, micro_batches: int, gathered_for_step: bool) -> int:
-        """All-gathers of unit per step: per micro-batch one for forward, one more for backward
-        except the root's (it stays gathered); under gathered_for_step, one."""
-        return 1 if gathered_for_step else micro_batches * (1 if unit in self.root_units else 2)
-
-    def bytes_per_step(self, micro_batches: int = 1, gathered_for_step: bool = False) -> int:
-        """Bytes this rank sends per step (ring): each unit's all-gathers, and per micro-batch one
-        reduce-scatter per unit; plus the used-flags and FSDPOptimizer's norm (foundations/flat.py).
-        3 (N-1)/N of the model: 1.5x DDP. gathered_for_step (a pipeline's step): one
-        all-gather and one reduce-scatter per unit for all the micro-batches, 2 (N-1)/N of the
-        stage, DDP's volume."""
-        size, wire = self.compute_dtype.itemsize, self.reduce_dtype.itemsize     # gathered, reduced
-        reductions = 1 if gathered_for_step else micro_batches
-        return sum(self._gathers_per_step(u, micro_batches, gathered_for_step)
-                   * ring_bytes("all_gather", u.flat.numel(), size, u.comm.world_size)
-                   + reductions * ring_bytes("reduce_scatter", u.flat.numel(), wire, u.comm.world_size)
-                   for u in self.units) + flags_and_norm_bytes(self.units, self.comm)
 
     # ---- the whole model (checkpoints) ----------------------------------------------------------
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 from context_parallel import cp_kv_bytes
 from foundations.comm import ring_bytes
 from foundations.dtypes import master_dtype
+from foundations.flat import flags_and_norm_bytes
 from tensor_parallel import RowParallelLinear
 
 
@@ -64,6 +65,44 @@ def _zero_part_bytes(optimizer, micro_batches: int) -> int:
         sent += ring_bytes("all_gather", bucket.flat.numel(), bucket.flat.element_size(), n)
     return sent
 
+
+
+# ---- FSDP: fsdp.py, extensions/fsdp_hybrid.py, extensions/fsdp_frozen.py ----------------------
+
+def fsdp_bytes_per_step(fsdp, micro_batches: int = 1, gathered_for_step: bool = False) -> int:
+    """Bytes this rank of a built fsdp.FSDP sends per step (ring): each unit's all-gathers, and
+    per micro-batch one reduce-scatter per unit; plus the used-flags and FSDPOptimizer's norm
+    (foundations/flat.py's flags_and_norm_bytes). 3 (N-1)/N of the model: 1.5x DDP.
+    gathered_for_step (a pipeline's step): one all-gather and one reduce-scatter per unit for
+    all the micro-batches, 2 (N-1)/N of the stage, DDP's volume. HSDP adds its copies'
+    all-reduces, a frozen base its own all-gathers."""
+    size, wire = fsdp.compute_dtype.itemsize, fsdp.reduce_dtype.itemsize    # gathered, reduced
+    reductions = 1 if gathered_for_step else micro_batches
+
+    def gathers(unit) -> int:     # forward and backward each gather a unit; the root stays
+        return 1 if gathered_for_step else micro_batches * (1 if unit in fsdp.root_units else 2)
+    sent = sum(gathers(u) * ring_bytes("all_gather", u.flat.numel(), size, u.comm.world_size)
+               + reductions * ring_bytes("reduce_scatter", u.flat.numel(), wire, u.comm.world_size)
+               for u in fsdp.units) + flags_and_norm_bytes(fsdp.units, fsdp.comm)
+    return sent + _hsdp_copies_bytes(fsdp, reductions) + sum(
+        gathers(u) * ring_bytes("all_gather", u.frozen.flat.numel(), 1, u.comm.world_size)
+        for u in fsdp.root_units + fsdp.forward_order if getattr(u, "frozen", None) is not None)
+
+
+def _hsdp_copies_bytes(fsdp, reductions: int) -> int:
+    """HSDP's (extensions/fsdp_hybrid.py) copies' all-reduce of each reduced shard, of the
+    used-flags, and, where some units are not copied (experts), of the norm's squares."""
+    replicas = getattr(fsdp, "replicas", None)            # HSDP's copies of each shard
+    if replicas is None:
+        return 0
+    copies, wire = replicas.world_size, fsdp.reduce_dtype.itemsize
+    copied = [u for u in fsdp.units if u.replicas is not None]
+    shards = reductions * sum(ring_bytes("all_reduce", u.shard_numel, wire, copies)
+                              for u in copied)
+    flags = ring_bytes("all_reduce", sum(len(u.params) for u in copied), 1, copies)
+    size = master_dtype(fsdp.compute_dtype).itemsize             # the norm's: fp32 or fp64
+    norm = ring_bytes("all_reduce", 1, size, copies) if len(copied) < len(fsdp.units) else 0
+    return shards + flags + norm
 
 
 # ---- pipeline parallelism: pipeline.py ----------------------------------------------------------

@@ -388,7 +388,7 @@ def test_fsdp_and_tp_do_pytorchs_work(bench):
 def test_hsdp_and_fsdp_lora_do_fully_shards_work_and_send_the_formula(sharded, name):
     """Against fully_shard on a (replicate 2, shard 2) mesh, and on the same LoRA model: the same
     init, data and fp32 AdamW steps (only the order of cross-rank sums may differ), and our
-    counter equal to FSDP.bytes_per_step (HSDP: the copies' all-reduce and its flags; LoRA: the
+    counter equal to napkin/sent.py's fsdp_bytes_per_step (HSDP: the copies' all-reduce and its flags; LoRA: the
     frozen base's all-gathers, no reduce-scatter for it)."""
     _, rows = sharded
     ours, theirs = rows[name]["ours"], rows[name]["torch"]

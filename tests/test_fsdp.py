@@ -24,6 +24,7 @@ from fsdp import FSDP, MixedPrecisionPolicy
 from mechanics.fsdp_optimizer import FSDPOptimizer
 from extensions.fsdp_frozen import FrozenBaseFSDP
 from napkin.memory_math import held_bytes, live_tensor_bytes, state_bytes
+from napkin.sent import fsdp_bytes_per_step
 from mixed_precision import DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_mean_close, assert_tensors_close, run_ranks
@@ -199,7 +200,7 @@ def _bytes_and_memory(batches):
         opt.step()
         sent.append(dict(comm.bytes_sent))
         live.append(live_tensor_bytes())
-    out.update(sent=sent, live=live, predicted=wrapped.bytes_per_step(), events=wrapped.events,
+    out.update(sent=sent, live=live, predicted=fsdp_bytes_per_step(wrapped), events=wrapped.events,
                held=held_bytes(wrapped, opt), peak=wrapped.peak_gathered_bytes,
                unit_bytes=[u.flat.numel() * 4 for u in wrapped.units],
                root=wrapped.units.index(wrapped.root), n_params=sum(p.numel() for p in gpt.parameters()))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import lora
 from foundations.comm import Comm, ring_bytes
 from mechanics.fsdp_optimizer import FSDPOptimizer
+from napkin.sent import fsdp_bytes_per_step
 from napkin.memory_math import comm_bytes, held_bytes, live_numel, live_tensor_bytes, run_state_bytes
 from multiprocess import assert_tensors_close, run_ranks
 from composition.parallelize import fsdp_with
@@ -133,7 +134,7 @@ def _sharded_base(names):
         live_before = count()
         sent = _bytes_of_a_step(wrapped, opt, comm, data[0])
         run.update(whole=whole, packed=packed, quantized=quantized, frozen_tensors=len(_frozen(model)),
-                   sent=sent, live=(live_before, count()), predicted=wrapped.bytes_per_step(),
+                   sent=sent, live=(live_before, count()), predicted=fsdp_bytes_per_step(wrapped),
                    napkin=napkin, root_gather=_root_gather(wrapped),
                    frozen_per_rank=sum(s.untyped_storage().nbytes() for s in wrapped.frozen_shards()),
                    frozen_units=[u.frozen.flat.numel() for u in wrapped.units + wrapped.frozen_units
@@ -201,7 +202,7 @@ def test_frozen_bytes_per_rank_are_one_nth(two, three, n, name):
 def test_the_4_bit_base_goes_over_the_wire_packed(two, three, n):
     """The 4-bit weights are sharded and all-gathered as their packed codes and scales: 4.5 bits
     a weight (a 4-bit code, and a 32-bit scale per block of 64), not the 32 of the LoRA run's fp32
-    base. The bytes one step sends equal FSDP.bytes_per_step, whose frozen all-gathers carry each
+    base. The bytes one step sends equal napkin/sent.py's fsdp_bytes_per_step, whose frozen all-gathers carry each
     unit's frozen bytes: so the QLoRA run's frozen bytes, and what it sends, are the LoRA run's
     less 32 - 4.5 bits for each quantized weight (to the 16-byte alignment of each tensor)."""
     qlora, plain = (two if n == 2 else three)[0]["nf4"], two[0]["lora"]
@@ -241,7 +242,7 @@ def test_memory_py_predicts_what_a_rank_holds_and_sends(two, three, n, name):
     optimizer state and host bytes, but for the NF4 levels (a 64-byte constant napkin/memory.py leaves
     out) and each frozen tensor's 16-byte alignment (here only double quantization's int8
     scales need any). What a step
-    sends is FSDP.bytes_per_step, and napkin/memory.py's napkin (a 4-bit weight priced as its packed
+    sends is napkin/sent.py's fsdp_bytes_per_step, and napkin/memory.py's napkin (a 4-bit weight priced as its packed
     bytes) is that plus the root's second gather, to NAPKIN_SLACK."""
     for o in (two if n == 2 else three):
         run = o[name]
@@ -277,7 +278,7 @@ def _hybrid():
     napkin = _napkin(model, comm.world_size, shard_group=2)
     wrapped, opt = _wrap(model, shard, copies)
     run = _train_fsdp(wrapped, opt, data, clip=CLIP)
-    run.update(sent=_bytes_of_a_step(wrapped, opt, comm, data[0]), predicted=wrapped.bytes_per_step(),
+    run.update(sent=_bytes_of_a_step(wrapped, opt, comm, data[0]), predicted=fsdp_bytes_per_step(wrapped),
                napkin=napkin, root_gather=_root_gather(wrapped), held=held_bytes(wrapped, opt),
                shard_numel=sum(u.master.numel() for u in wrapped.units),
                numel=sum(u.flat.numel() for u in wrapped.units),
@@ -297,7 +298,7 @@ def test_hybrid_sharding_equals_one_process(hybrid, single):
 def test_hybrid_sharding_holds_half_and_sends_the_formula(hybrid):
     """Each rank holds 1/2 of the model (its shard group's size, not the world's 4), and sends per
     step: two all-gathers (one for the root) and a reduce-scatter inside its pair, the shard's
-    all-reduce across the pairs, the flags and the norm: fsdp.FSDP.bytes_per_step. napkin/memory.py
+    all-reduce across the pairs, the flags and the norm: napkin/sent.py's fsdp_bytes_per_step. napkin/memory.py
     --shard-group 2 predicts the bytes held exactly, and its bytes sent, less the root's second
     gather, are the formula to NAPKIN_SLACK."""
     for run in hybrid:

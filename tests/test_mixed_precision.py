@@ -18,7 +18,7 @@ from mechanics.fsdp_optimizer import FSDPOptimizer
 from mixed_precision import DTYPES, DynamicLossScaler, MixedPrecisionOptimizer
 from model import build_model
 from multiprocess import assert_tensors_close, run_ranks
-from napkin.sent import ddp_bytes_per_step, zero_bytes_per_step
+from napkin.sent import ddp_bytes_per_step, fsdp_bytes_per_step, zero_bytes_per_step
 from test_zero import FP64_ATOL
 from test_fsdp import _Plain
 from zero import Zero2Optimizer
@@ -507,8 +507,9 @@ def _reduced_gradients():
                                         want.pow(2).sum()])
             dist.all_reduce(squares)
             optimizer.step()
-            formula = (ddp_bytes_per_step(model) if strategy == "ddp" else model.bytes_per_step(1)
-                       if strategy == "fsdp" else zero_bytes_per_step(optimizer, 1))
+            formula = (ddp_bytes_per_step(model) if strategy == "ddp" else
+                       fsdp_bytes_per_step(model, 1) if strategy == "fsdp" else
+                       zero_bytes_per_step(optimizer, 1))
             gradient_part = comm.bytes_sent["reduce_scatter" if strategy != "ddp" else "all_reduce"]
             if strategy == "ddp":                                     # less the used-flags, 1 byte each
                 gradient_part -= ring_bytes("all_reduce", len(model.params), 1, 4)
