@@ -179,9 +179,9 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         rank. The used-flags' all-reduce runs beside it."""
         if self._norm is None:
             used, wait_for_flags = self.launch_used_flags()
-            squares = torch.zeros(1, dtype=self.masters[0].dtype, device=self.device)   # (1,)
-            for piece, weight in self.norm_pieces():
-                squares += piece.to(squares.dtype).pow(2).sum() * weight
+            # (1,) this rank's weighted squares (placements.add_squares: the project sums a
+            # gradient's squares in one place, skipping the pieces a mesh counts elsewhere)
+            squares = self.shard_step.squares(self.norm_pieces())
             if self.comm.world_size > 1:
                 self.comm.all_reduce(squares, op="sum")
             wait_for_flags()
