@@ -1134,19 +1134,26 @@ def test_a_parameter_unused_after_its_first_step_keeps_its_adam_state():
                                                    msg=lambda m: f"zero{stage} rank {r} {name} {key}: {m}")
 
 
-def _clipped_after_no_sync(x, y):
-    """Each stage's one SGD step on this rank's rows: backward under no_sync(), then
-    clip_grad_norm_ and step() with no finish_gradient_sync() between; the parameters after."""
+def _sgd_step_after_no_sync(x, y, then: str):
+    """Each stage's one SGD step on this rank's rows after a backward under no_sync(); the
+    parameters after. then="clip": clip_grad_norm_ and step() with no finish_gradient_sync()
+    between. then="zero_grad": zero_grad() throws that backward (of -x) away, a backward of the
+    rows follows, then step()."""
     import torch.distributed as dist
     r, n, out = dist.get_rank(), dist.get_world_size(), {}
     rows = slice(r * len(x) // n, (r + 1) * len(x) // n)
+    forgotten = then == "zero_grad"
     for stage in (1, 2):
         torch.manual_seed(0)
         model = nn.Linear(8, 4)
         opt = zero_optimizer(model.parameters(), stage=stage, optimizer_cls=torch.optim.SGD, lr=0.1)
         with opt.no_sync():
+            F.mse_loss(model(-x[rows] if forgotten else x[rows]), y[rows]).backward()
+        if forgotten:
+            opt.zero_grad()
             F.mse_loss(model(x[rows]), y[rows]).backward()
-        opt.clip_grad_norm_(CLIP)
+        else:
+            opt.clip_grad_norm_(CLIP)
         opt.step()
         out[stage] = _params(model)
     return out
@@ -1164,30 +1171,10 @@ def test_clipping_right_after_no_sync_backwards_updates_every_parameter():
     F.mse_loss(model(x), y).backward()
     assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > 2 * CLIP    # clipping bites
     torch.optim.SGD(model.parameters(), lr=0.1).step()
-    for r, out in enumerate(run_ranks(_clipped_after_no_sync, 2, x, y)):
+    for r, out in enumerate(run_ranks(_sgd_step_after_no_sync, 2, x, y, "clip")):
         for stage in (1, 2):
             assert_tensors_close(out[stage], _params(model), rtol=0, atol=SGD_PARAM_TOL,
                                  what=f"zero{stage} rank {r}: no_sync, clip_grad_norm_, step")
-
-
-
-def _zero_grad_after_no_sync(x, y):
-    """Each stage's one SGD step after a backward under no_sync() whose gradients zero_grad()
-    threw away: a backward of the other rows, then the step; the parameters after."""
-    import torch.distributed as dist
-    r, n, out = dist.get_rank(), dist.get_world_size(), {}
-    rows = slice(r * len(x) // n, (r + 1) * len(x) // n)
-    for stage in (1, 2):
-        torch.manual_seed(0)
-        model = nn.Linear(8, 4)
-        opt = zero_optimizer(model.parameters(), stage=stage, optimizer_cls=torch.optim.SGD, lr=0.1)
-        with opt.no_sync():
-            F.mse_loss(model(-x[rows]), y[rows]).backward()       # thrown away below
-        opt.zero_grad()
-        F.mse_loss(model(x[rows]), y[rows]).backward()
-        opt.step()
-        out[stage] = _params(model)
-    return out
 
 
 def test_zero_grad_forgets_gradients_left_by_no_sync():
@@ -1200,7 +1187,7 @@ def test_zero_grad_forgets_gradients_left_by_no_sync():
     model = nn.Linear(8, 4)
     F.mse_loss(model(x), y).backward()
     torch.optim.SGD(model.parameters(), lr=0.1).step()
-    for r, out in enumerate(run_ranks(_zero_grad_after_no_sync, 2, x, y)):
+    for r, out in enumerate(run_ranks(_sgd_step_after_no_sync, 2, x, y, "zero_grad")):
         for stage in (1, 2):
             assert_tensors_close(out[stage], _params(model), rtol=0, atol=SGD_PARAM_TOL,
                                  what=f"zero{stage} rank {r}: no_sync, zero_grad, backward, step")
