@@ -1,7 +1,7 @@
 """4-bit NormalFloat (NF4): a frozen weight in half a byte per value, for QLoRA.
 
-NF4 is no float with exponent bits: each value is a 4-bit index into 16 fixed values (a lookup
-table, LEVELS below), times its block's scale.
+NF4 is not a float format (no exponent, no mantissa): each value is a 4-bit index into 16
+fixed values (a lookup table, LEVELS below), times its block's scale.
 
 Trained weights are close to normally distributed, so the 16 levels of a 4-bit code are put at
 quantiles of N(0, 1), scaled to [-1, 1] with an exact 0 (Dettmers et al. 2023, "QLoRA",
@@ -32,9 +32,12 @@ def normal_float_levels() -> torch.Tensor:
 
     Each level is divided by the largest one, so the levels span [-1, 1].
     The top level would be the quantile at probability 1, which is infinite.
-    So it is pulled in by half a step: 1 - 1/(2*15) for 15 steps, 1 - 1/(2*16) for 16.
-    Their mean, 0.9677, is the QLoRA paper's empirical choice.
-    8 levels on one side and 7 on the other leave room for an exact 0.
+    So its probability is pulled in by half a gap: 16 levels spread over [0, 1] leave 15 gaps
+    (1 - 1/(2*15)), or 16 counting the one below the first level (1 - 1/(2*16)).
+    The mean of the two, 0.9677, is the QLoRA paper's empirical choice.
+    8 levels on one side and 7 on the other leave room for an exact 0. Each side spreads its
+    points evenly in probability from `outer` to 0.5, so the side with fewer points takes wider
+    steps: the levels are not a mirror image (-0.0910 below 0, 0.0796 above).
     """
     normal = torch.distributions.Normal(0.0, 1.0)
     outer = ((1 - 1 / 30) + (1 - 1 / 32)) / 2
@@ -133,9 +136,9 @@ class NF4Linear(torch.autograd.Function):
 
 
 class FrozenNF4Linear(nn.Module):
-    """A frozen nn.Linear kept as its NF4 copy (QLoRA's base beside the adapted layers): the
-    weight becomes base.codes and its scales (base.scales; doubly quantized, base.scale_codes and
-    base.scale_absmax), as in a QLoRA layer; the bias stays as it was."""
+    """A frozen nn.Linear kept as its NF4 copy: QLoRA's base beside the adapted layers.
+
+    The weight becomes NF4Weight's codes and scales (self.base). The bias stays as it was."""
 
     def __init__(self, linear: nn.Linear, double_quant: bool = False):
         super().__init__()
