@@ -2,15 +2,19 @@
 
 Every strategy here is a choice of which rank holds which bytes and which collective moves them.
 The lecture names the three collectives; this file is the ring algorithm NCCL runs for them on
-large messages (Patarasuk & Yuan, 2009), written plainly.
+large messages (Patarasuk & Yuan, 2009), written plainly. The lecture draws all-reduce as gather
+on one rank, then send back out; the ring gets the same result with every rank sending the same
+amount at every step, so no one rank's link is the bottleneck.
 A reduce-scatter takes N-1 steps, each rank sending one chunk of L/N per step.
 An all-gather takes N-1 more.
 An all-reduce is the two in a row, so each rank sends 2(N-1)/N of the tensor: under twice the
-tensor however many ranks there are. In bf16 that is DDP's 2 x 2 bytes per parameter, and ZeRO's
-reduce-scatter plus all-gather send the same, which is why the lecture calls ZeRO-1 free.
+tensor however many ranks there are. The lecture's 2 bytes per parameter is the bf16 gradient;
+the ring sends it about twice, and ZeRO's reduce-scatter plus all-gather send the same, which is
+why the lecture calls ZeRO-1 free.
 Time: 2(N-1) steps each pay a message's latency, plus 2(N-1)/N of the bytes over the link's
 bandwidth; the latency term grows with N, which is why small messages use trees (left out).
-The strategies run these steps through foundations/comm.py's Comm, which also counts the bytes.
+The strategies call foundations/comm.py's Comm, which counts the bytes: it runs torch.distributed's
+own collectives, or with ring=True its own segmented copy of these steps (not these functions).
 Run: torchrun --nproc_per_node 2 collectives.py. Test: python -m pytest tests/test_collectives.py
 
 Shapes: N ranks in the group, r this rank, L elements in the tensor, c = L / N per chunk;
@@ -39,28 +43,26 @@ def send_right_receive_left(send: torch.Tensor, recv: torch.Tensor, group=None):
     """One ring step's messages: `send` goes to rank r+1 while `recv` arrives from rank r-1."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     # Posted together: a blocking send on every rank would wait for a receive no rank has posted.
-    # On NCCL even a separate isend then irecv can hang, as a rank's p2p calls run in order on
-    # one stream: rank r's send waits for rank r+1's receive, which is queued behind rank r+1's
-    # own send, which waits for rank r+2, and so on round the ring back to r.
-    # One batch_isend_irecv per step is safe on every backend.
     works = dist.batch_isend_irecv([
         dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % n),
         dist.P2POp(dist.irecv, recv, group=group, group_peer=(r - 1) % n)])
     for work in works:                        # NCCL returns one work for the batch, gloo one each
         work.wait()
+    # Why one batch, even on NCCL: a rank's p2p calls run in order on one stream, so a separate
+    # isend then irecv can hang: rank r's send waits for rank r+1's receive, queued behind rank
+    # r+1's own send, which waits for rank r+2, and so on round the ring back to r.
 
 
 def ring_reduce_scatter(chunks: torch.Tensor, group=None, log=None):
     """chunks (N, c), this rank's tensor, reduced in place.
 
-    Afterwards chunks[r] is the sum of every rank's chunk r. The others hold partial sums, except
-    chunk r-1, sent at step 0 and never received, which keeps this rank's own copy.
+    Afterwards chunks[r] is the sum of every rank's chunk r; the other chunks hold partial sums.
     log(line): called at each step."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     arrived = torch.empty_like(chunks[0])                  # (c,)
     for step in range(n - 1):
-        # The chunks sent and arriving hold step+1 ranks' copies summed; this rank adds its own:
-        # at the last step, N-2, the chunk arriving is chunk r, now complete.
+        # The arriving chunk holds step+1 ranks' copies summed; this rank adds its own copy of
+        # that chunk to it. At the last step, N-2, the chunk arriving is chunk r, now complete.
         sent, received = (r - 1 - step) % n, (r - 2 - step) % n
         if log:
             log(f"reduce-scatter step {step}: rank {r} sends chunk {sent} to rank {(r + 1) % n}, "
@@ -74,7 +76,8 @@ def ring_all_gather(chunks: torch.Tensor, group=None, log=None):
     n, r = dist.get_world_size(group), dist.get_rank(group)
     for step in range(n - 1):
         # Forward chunk r-step (its own, then the one just received); chunk r-1-step lands in place.
-        # It starts at chunk r, not the reduce-scatter's r-1: that one left rank r owning chunk r.
+        # Step 0 sends chunk r, the one the reduce-scatter left complete on rank r.
+        # N = 3, rank 0: step 0 sends chunk 0, receives 2; step 1 sends 2, receives 1.
         sent, received = (r - step) % n, (r - 1 - step) % n
         if log:
             log(f"all-gather step {step}: rank {r} sends chunk {sent} to rank {(r + 1) % n}, "
