@@ -95,7 +95,7 @@ BESIDE_THE_ALGORITHM = {"ddp": {"check_same_parameters", "as_comm"},
                         # a checkpoint's state_dict and the meters' question: every optimizer's
                         "mixed_precision": {"as_comm", "refuse_new_groups", "optimizer_state",
                                             "load_optimizer_state", "element_state"},
-                        "tensor_parallel": {"as_comm"}, "pipeline": {"build_model", "split_layers", "check_sizes"}}
+                        "pipeline": {"build_model", "split_layers", "check_sizes"}}
 
 
 def _names_from_elsewhere(concept: str) -> set:
