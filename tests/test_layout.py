@@ -92,9 +92,6 @@ def test_a_concept_file_imports_at_most_three_project_modules(concept):
 # is followed with: bookkeeping a reader skips (bytes on the wire, a check of the user's input, the
 # group argument made a Comm) and its demonstration's setup. Each named: a new name is a decision.
 BESIDE_THE_ALGORITHM = {"ddp": {"check_same_parameters", "as_comm"},
-                        # a checkpoint's state_dict and the meters' question: every optimizer's
-                        "mixed_precision": {"as_comm", "refuse_new_groups", "optimizer_state",
-                                            "load_optimizer_state", "element_state"},
                         "pipeline": {"build_model", "split_layers", "check_sizes"}}
 
 
