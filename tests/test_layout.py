@@ -91,7 +91,7 @@ def test_a_concept_file_imports_at_most_three_project_modules(concept):
 # What a concept file uses from other project files besides the (at most three) names its algorithm
 # is followed with: bookkeeping a reader skips (bytes on the wire, a check of the user's input, the
 # group argument made a Comm) and its demonstration's setup. Each named: a new name is a decision.
-BESIDE_THE_ALGORITHM = {"ddp": {"check_same_parameters", "as_comm"}}
+BESIDE_THE_ALGORITHM = {"ddp": {"check_same_parameters"}}
 
 
 def _names_from_elsewhere(concept: str) -> set:
