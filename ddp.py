@@ -13,6 +13,7 @@ python -m pytest tests/test_ddp.py
 
 Shapes: N ranks in the group, P trainable parameters, L_b elements in bucket b's flat buffer.
 """
+import itertools
 import os
 import sys
 from contextlib import contextmanager, nullcontext
@@ -22,9 +23,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from foundations.comm import as_comm
+from foundations.comm import Comm
 from foundations.alone import start_alone
-from foundations.flat import FlatParams, or_used_flags, split_into_buckets
+from foundations.flat import FlatParams
 from foundations.process_groups import check_same_parameters
 
 
@@ -37,7 +38,7 @@ def all_reduce_gradients(module: nn.Module, group=None):
     idles during backward and backward's caller during the network, and a model of hundreds of
     small tensors pays a message's latency hundreds of times. It assumes every rank produced a
     gradient for the same parameters (collectives match by order)."""
-    comm = as_comm(group)
+    comm = Comm.from_group(group)
     for p in module.parameters():
         if p.grad is not None:
             comm.all_reduce(p.grad, op="avg")
@@ -56,8 +57,24 @@ def all_reduce_gradients(module: nn.Module, group=None):
 #
 # A bucket's all-reduce starts the moment its last gradient lands, while backward computes the
 # next layers: if backward takes longer than the communication, only the last bucket's is exposed.
-# Few large messages reach the link's bandwidth; too large a bucket starts too late to overlap:
-# flat.split_into_buckets cuts them, the same cut ZeRO's buckets use.
+# Few large messages reach the link's bandwidth; too large a bucket starts too late to overlap.
+# ZeRO's buckets are cut the same way (foundations/flat.py's split_into_buckets, this one's twin).
+
+
+def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
+    """Consecutive tensors grouped into buckets of at most bucket_mb MiB, one dtype and device
+    each. A tensor larger than the cap gets a bucket of its own."""
+    cap = bucket_mb * 2**20
+    buckets, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not buckets or size + nbytes > cap or (t.dtype, t.device) != (buckets[-1][-1].dtype,
+                                                                        buckets[-1][-1].device):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    return buckets
 
 
 class DDP(nn.Module):
@@ -70,7 +87,7 @@ class DDP(nn.Module):
     reduce_dtype: the dtype each bucket is averaged in (None: the gradients' own, as torch's DDP).
     reductions: the parameters in parts, [((comm, op, divide), parameters)], in an order every
     rank shares. A part's gradients are reduced by `op` over comm, then divided by `divide`.
-    comm is a Comm (as_comm wraps a process group once): parts on one group share one Comm.
+    comm is a Comm (Comm.from_group wraps a process group once): parts on one group share one Comm.
     Default: one part, all averaged over `group`. Where not every rank holds every parameter, the
     composition hands in the parts (composition/parallelize.py).
     """
@@ -84,7 +101,7 @@ class DDP(nn.Module):
                  reduce_dtype: torch.dtype | None = None, reductions: list | None = None):
         super().__init__()
         self.module, self.reduce_dtype = module, reduce_dtype
-        self.comm = as_comm(group)
+        self.comm = Comm.from_group(group)
         self.reductions = reductions or [((self.comm, "avg", 1), list(module.parameters()))]
         # Trainable parameters only: a frozen one gets no gradient, so it needs no hook and no slot.
         # named_parameters() lists a tied (shared) weight once; autograd sums all its uses into
@@ -259,10 +276,20 @@ class DDP(nn.Module):
         Returns wait_used_flags(), which waits for the flags and lists them (P,)."""
         local = [used or (p.grad is not None and p.grad.data_ptr() != slot.data_ptr())
                  for used, p, slot in zip(self._used, self.params, self._slot)]
-        flags, agree = or_used_flags(self.buckets, self.params[0].device, local)    # (P,)
+        flags, device = torch.tensor(local, dtype=torch.uint8), self.params[0].device   # (P,)
+        if device.type == "cuda":
+            flags = flags.pin_memory()      # a copy queued on the stream: no host sync here
+        flags = flags.to(device, non_blocking=True)
+        # OR'ed over each part's comm: one all-reduce per run of buckets on one comm, in order.
+        works, start = [], 0
+        for comm, run in itertools.groupby(self.buckets, key=lambda bucket: bucket.comm):
+            stop = start + sum(len(bucket.params) for bucket in run)
+            works.append(comm.all_reduce(flags[start: stop], op="max", async_op=True))
+            start = stop
 
         def wait_used_flags() -> list:
-            agree()
+            for work in works:
+                work.wait()
             return local if all(local) else flags.tolist()  # read (a GPU host sync) if needed
         return wait_used_flags
 

@@ -17,11 +17,10 @@ import math
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from foundations.comm import as_comm
+from foundations.comm import Comm
 from foundations.alone import start_alone
-from foundations.dtypes import DTYPES, demonstrate, master_dtype
-from foundations.inner_optimizer import (element_state, load_optimizer_state, optimizer_state,
-                                         refuse_new_groups)
+from foundations.dtypes import DTYPES, demonstrate
+from foundations.inner_optimizer import MasterWeightsOptimizer
 
 
 class DynamicLossScaler:
@@ -88,7 +87,7 @@ def unscale_grads(grads: list, masters: list, scale: float) -> list:
     return [master.grad for master in masters]
 
 
-class MixedPrecisionOptimizer(torch.optim.Optimizer):
+class MixedPrecisionOptimizer(MasterWeightsOptimizer):
     """fp32 master weights and loss scaling around any torch optimizer, one master per parameter.
 
     params: the model's parameters, already in the dtype of `precision` ("fp32", "bf16", "fp16",
@@ -122,11 +121,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                                  f"{p.dtype}: cast the model first, e.g. model.to({dtype})")
         # Each master needs storage of its own, as the parameter is overwritten from it every
         # step: .float() copies a 16-bit tensor. In fp32 (fp64) the parameter is its own master.
-        self.masters = [p if dtype == master_dtype(dtype) else p.detach().float().requires_grad_()
-                        for p in self.params]
+        own = dtype in (torch.float32, torch.float64)
+        self.masters = [p if own else p.detach().float().requires_grad_() for p in self.params]
         # device: where a mesh's norm is made (composition/mesh_optimizer.py reads its first part's)
         self.precision, self.device = precision, self.params[0].device if self.params else None
-        self.comm = as_comm(comm) if comm is not None else None
+        self.comm = Comm.from_group(comm) if comm is not None else None
         self.scaler = scaler or DynamicLossScaler(enabled=precision == "fp16")
         # The inner optimizer sees only the masters. This optimizer shares its param_groups and
         # state, so an lr scheduler that sets group["lr"] here sets it for the inner step.
@@ -243,10 +242,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 p.grad.zero_()
         self._release()
 
-    # ---- bookkeeping ---------------------------------------------------------------------------
-
-    def add_param_group(self, param_group: dict):
-        refuse_new_groups(self, param_group)
+    # ---- bookkeeping (state_dict, load_state_dict, state_tensors: MasterWeightsOptimizer's) ----
 
     def master_ranges(self) -> list[tuple]:
         """(param, start, stop, master, offset): where each parameter's fp32 master and its
@@ -259,12 +255,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for p, m in zip(self.params, self.masters):
             if m is not p:
                 p.copy_(m)
-
-    state_dict, load_state_dict = optimizer_state, load_optimizer_state      # with its masters
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """The fp32 masters and the inner optimizer's state (memory_math.held_bytes counts them)."""
-        return [*self.masters, *element_state(self.optimizer)]
 
 
 def check_against_fp32(precision: str = "bf16", steps: int = 5, lr: float = 1e-2) -> float:

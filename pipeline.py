@@ -19,6 +19,7 @@ rows per micro-batch, T sequence, C channels. Interleaving (extensions/schedules
 of blocks per stage, V = P*v virtual stages; GPipe and 1F1B here have v = 1 (chunk 0, V = P).
 """
 import contextlib
+import copy
 import itertools
 import os
 from typing import NamedTuple
@@ -30,7 +31,7 @@ import torch.nn as nn
 from foundations.comm import Comm
 from model import build_model
 from foundations.alone import start_alone
-from mechanics.pipeline_mechanics import PipelineMechanics, check_sizes, place_stage, split_layers
+from mechanics.pipeline_mechanics import PipelineMechanics, place_stage, split_layers
 
 
 # ---- the model, cut into stages ----------------------------------------------------------
@@ -222,13 +223,12 @@ class Pipeline(PipelineMechanics):
 
     def __init__(self, module: nn.Module, comm: Comm, schedule, microbatches: int,
                  activation, dtype: torch.dtype):
-        super().__init__()
+        super().__init__(comm.world_size, microbatches)      # the sizes checked, before any work
         gpt_stage = getattr(module, "module", module)        # the GPTStage, inside DDP or FSDP
         self.module, self.comm, self.M, self.dtype = module, comm, microbatches, dtype
         self.activation = activation if callable(activation) else lambda b, t: (b, t, activation)
         self.stage, self.P, self.v = comm.rank, comm.world_size, len(gpt_stage.chunks)
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
-        check_sizes(self.P, self.M)        # at least 1 stage and 1 micro-batch, before any work
         self.stages = (SCHEDULES[schedule](self.P, self.M) if isinstance(schedule, str)
                        else schedule)
         self.actions = self.stages[self.stage]
@@ -396,25 +396,20 @@ class Pipeline(PipelineMechanics):
 
 # ---- run alone: check GPipe and 1F1B against one process (torchrun) ---------------------------
 
-def demo(M: int = 4, bounds=(1e-6, 1e-12)) -> bool:
-    """torchrun --nproc_per_node 2 pipeline.py: model.py's tiny GPT, one stage per rank, in fp64.
-    It runs one step's forwards and backwards under GPipe, then 1F1B. Each stage prints the
-    order it computed in. The loss and every gradient are checked against one process's on the
-    whole batch. Bounds: the loss, relative, is a metric the executor sums in fp32. The
-    gradients are fp64, the mean taken as M means of B/M rows."""
+def demo(gpt: nn.Module, layers: range, M: int = 4, bounds=(1e-6, 1e-12)) -> bool:
+    """torchrun --nproc_per_node 2 pipeline.py: `gpt` (model.py's tiny GPT in fp64), one stage per
+    rank, this rank's blocks `layers`. It runs one step's forwards and backwards under GPipe,
+    then 1F1B. Each stage prints the order it computed in. The loss and every gradient are
+    checked against one process's on the whole batch. Bounds: the loss, relative, is a metric
+    the executor sums in fp32. The gradients are fp64, the mean taken as M means of B/M rows."""
     s, P = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     batch = torch.randint(0, 256, (2 * M, 33))                         # (B, T+1) byte tokens
-
-    def tiny():                                                       # the same weights each time
-        torch.manual_seed(1)
-        return build_model("tiny").double()
-    whole, passed = tiny(), True
+    whole, passed = copy.deepcopy(gpt), True                          # gpt stays as built
     _, loss = whole(batch[:, :-1], batch[:, 1:])                      # one process, every row
     loss.backward()
     for schedule in SCHEDULES:
-        layers = split_layers(whole.cfg.n_layer, P)[s]
-        stage = GPTStage(tiny(), layers, first=s == 0, last=s == P - 1)
+        stage = GPTStage(copy.deepcopy(gpt), layers, first=s == 0, last=s == P - 1)
         runner = Pipeline(stage, Comm(), schedule, M, whole.cfg.n_embd, torch.float64)
         ours = runner.train_step(batch[:, :-1], batch[:, 1:])
         for rank in range(P):                                          # in stage order
@@ -437,6 +432,8 @@ def demo(M: int = 4, bounds=(1e-6, 1e-12)) -> bool:
 if __name__ == "__main__":
     start_alone(torchrun=True, worlds=(1, 2, 3, 4))            # a stage: 1 or more of 4 blocks
     dist.init_process_group("gloo")
-    passed = demo()
+    torch.manual_seed(1)
+    tiny = build_model("tiny").double()
+    passed = demo(tiny, split_layers(tiny.cfg.n_layer, dist.get_world_size())[dist.get_rank()])
     dist.destroy_process_group()                      # (every print above flushed)
     os._exit(0 if passed else 1)   # at once: gloo's threads may hold tensors (exit_distributed)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from foundations.comm import Comm, as_comm
+from foundations.comm import Comm
 from model import MLP
 from foundations.alone import start_alone
 from foundations.placements import place
@@ -198,7 +198,7 @@ class _SplitLinear(nn.Module):
 
     def __init__(self, in_features, out_features, group, bias, source, dim):
         super().__init__()
-        self.comm = as_comm(group)
+        self.comm = Comm.from_group(group)
         source = source if source is not None else nn.Linear(in_features, out_features, bias=bias)
         self.weight = _shard(source.weight, self.comm, dim)       # (out/N, in) or (out, in/N)
         # The bias goes with the output features: split in a column layer; whole in a row
@@ -296,7 +296,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings, embedding_dim, group=None, sequence_parallel=False,
                  embedding: nn.Embedding | None = None):
         super().__init__()
-        self.comm = as_comm(group)
+        self.comm = Comm.from_group(group)
         if embedding is None:
             embedding = nn.Embedding(num_embeddings, embedding_dim)
         self.weight = _shard(embedding.weight, self.comm, 0)              # (V/N, C)

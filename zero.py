@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import clip_grads_with_norm_
 
-from foundations.comm import as_comm
+from foundations.comm import Comm
 from foundations.alone import start_alone
 from foundations.flat import ShardedBuckets
 from mechanics.sharded_step import ShardedStep
@@ -51,7 +51,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, group=None,
                  bucket_mb: float = 25, reduce_dtype: torch.dtype | None = None,
                  mean_over: int | None = None, **optimizer_kwargs):
-        self.comm, self.reduce_dtype = as_comm(group), reduce_dtype
+        self.comm, self.reduce_dtype = Comm.from_group(group), reduce_dtype
         self.op, self.divide = ("avg", 1) if mean_over is None else ("sum", mean_over)
         self.buckets = ShardedBuckets(params, self.comm, bucket_mb, "ZeroOptimizer")
         # Rank r's share of the optimizer state: shard r of every bucket, 1/N of it (+ padding).
@@ -423,7 +423,7 @@ if __name__ == "__main__":
     start_alone(torchrun=True)
     # A tiny model, 5 steps on each rank's rows (fp32: no scale_loss), beside one process's AdamW.
     dist.init_process_group("gloo")
-    world, failed = as_comm(None), False
+    world, failed = Comm(), False
     for stage, cls in ((1, ZeroOptimizer), (2, Zero2Optimizer)):
         torch.manual_seed(0)
         one = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from foundations.comm import as_comm
+from foundations.comm import Comm
 from context_parallel import ATTENTIONS, KV_COLLECTIVES, SequenceSplit
 from foundations.meters import BusyClock, saved_activation_bytes
 
@@ -35,7 +35,7 @@ class ContextParallelGPT(nn.Module):
                              "routed in groups: its attention has no dropout masks to regenerate "
                              "block by block, and a router sees one rank's tokens only; use "
                              "dropout 0 and a routing group inside one chunk of a sequence")
-        self.gpt, self.comm, self.attention = gpt, as_comm(group), attention
+        self.gpt, self.comm, self.attention = gpt, Comm.from_group(group), attention
         self.split = SequenceSplit(self.comm.world_size, zigzag)
         self.clock = BusyClock()
         # In place, so that model.py's forward (or a pipeline stage's part of it) runs on this

@@ -15,7 +15,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from foundations.comm import as_comm
+from foundations.comm import Comm
 from model import at_least_fp32
 from tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                              check_divisible, split_block)
@@ -54,7 +54,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits, targets, group=None):
     """Mean cross-entropy of (M, V/N) logit shards against (M,) targets; equals F.cross_entropy."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, as_comm(group)).mean()
+    return _VocabParallelCrossEntropy.apply(logits, targets, Comm.from_group(group)).mean()
 
 
 # ---- the GPT, parallelized ------------------------------------------------------------------
@@ -66,7 +66,7 @@ class TensorParallelGPT(nn.Module):
 
     def __init__(self, gpt, group=None, sequence_parallel: bool = False):
         super().__init__()
-        self.comm = comm = as_comm(group)
+        self.comm = comm = Comm.from_group(group)
         check_divisible(gpt.cfg, comm.world_size)
         self.gpt, self.sequence_parallel = gpt, sequence_parallel
         sp = dict(group=comm, sequence_parallel=sequence_parallel)

@@ -10,7 +10,7 @@ Left out: ZeRO++'s hierarchical partitioning (a secondary shard per node for the
 Run: torchrun --nproc_per_node 4 train.py --strategy fsdp --shard-group 2;
 test: python -m pytest tests/test_fsdp_qlora.py -k hybrid
 """
-from foundations.comm import as_comm
+from foundations.comm import Comm
 from fsdp import FSDP
 
 
@@ -24,7 +24,7 @@ class HSDP(FSDP):
     """
 
     def __init__(self, module, replicate_group, **options):
-        self.replicas = as_comm(replicate_group)     # before FSDP builds its units over them
+        self.replicas = Comm.from_group(replicate_group)   # before FSDP builds its units over them
         super().__init__(module, **options)
 
     def _model_groups(self, comm) -> list:

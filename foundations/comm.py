@@ -70,6 +70,12 @@ class Comm:
             self._workspaces = Workspaces()       # (dtype, device) -> the ring's scratch buffer
             self.segment_bytes = segment_bytes
 
+    @classmethod
+    def from_group(cls, group) -> "Comm":
+        """The strategies' group argument as a Comm: a Comm as it is, a process group or None
+        (the world) wrapped, with native collectives."""
+        return group if isinstance(group, Comm) else cls(group)
+
     def group_timeout(self) -> "datetime.timedelta | None":
         """timeout as new_group takes it (every group creation passes it)."""
         return None if self.timeout is None else datetime.timedelta(seconds=self.timeout)
@@ -245,9 +251,8 @@ class Comm:
                                             self.rank, root)
 
 
-def as_comm(group) -> Comm:
-    """Strategies accept a Comm, a process group or None (the world, native collectives)."""
-    return group if isinstance(group, Comm) else Comm(group)
+# mechanics/fsdp_state.py's name for Comm.from_group, until it calls the classmethod itself.
+as_comm = Comm.from_group
 
 
 def all_to_all_bytes(input: torch.Tensor, input_splits, rank: int, world_size: int) -> int:

@@ -125,6 +125,7 @@ def split_into_buckets(tensors: list, bucket_mb: float) -> list[list]:
     One message per tensor pays the network's latency hundreds of times; one message for
     everything can only start when the last gradient exists. Buckets of a few MiB reach the
     link's bandwidth and can still start early. A tensor larger than the cap gets its own.
+    ZeRO's cut (ShardedBuckets); ddp.py writes the same cut out beside DDP's buckets.
     """
     cap = bucket_mb * 2**20
     buckets, size = [], 0

@@ -5,6 +5,8 @@ torch.optim.Optimizer that the training loop and an lr scheduler drive, around a
 optimizer that only ever sees the fp32 master weights. Here is that plumbing, written once:
 the shared param_groups (wrap_inner), the checks on what the loop passes, the step's one
 device-to-host read, and the state_dict that saves the masters beside the inner state.
+MasterWeightsOptimizer puts the state_dict and the checks together as the base class of an
+optimizer that holds every master (mixed_precision.py's).
 Test: python -m pytest tests/test_mixed_precision.py
 """
 import torch
@@ -51,16 +53,10 @@ def read_decision(norm: torch.Tensor,
 
 def optimizer_state(optimizer, shard: dict | None = None) -> dict:
     """An optimizer's state_dict: inner state, fp32 masters, loss scale (plus, sharded, which
-    shard: {"rank", "world_size"}). train.py's checkpoints save by parameter name (running/snapshot.py)."""
+    shard: {"rank", "world_size"}). train.py's checkpoints save by parameter name
+    (running/snapshot.py)."""
     return {"optimizer": optimizer.optimizer.state_dict(), "scaler": optimizer.scaler.state_dict(),
             "masters": [m.detach().clone() for m in optimizer.masters], **(shard or {})}
-
-
-@torch.no_grad()
-def load_optimizer_state(optimizer, state: dict, shard: dict | None = None):
-    """optimizer_state's inverse, checked (load_masters); then the model follows the masters."""
-    load_masters(optimizer, state, shard)
-    optimizer.refresh_params()
 
 
 @torch.no_grad()
@@ -94,3 +90,28 @@ def element_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """A torch optimizer's per-element state (Adam's moments), not its step counts."""
     return [v for s in optimizer.state.values() for v in s.values()
             if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+class MasterWeightsOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer whose inner optimizer steps fp32 masters: what it answers beside
+    its step (mixed_precision.py's optimizer is one).
+
+    A subclass sets self.optimizer (the inner one, set last: add_param_group then refuses),
+    self.masters and self.scaler, and defines refresh_params() (the model follows the masters)."""
+
+    def add_param_group(self, param_group: dict):
+        refuse_new_groups(self, param_group)
+
+    def state_dict(self) -> dict:
+        """Inner state, fp32 masters, loss scale."""
+        return optimizer_state(self)
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict):
+        """state_dict's inverse, checked (load_masters); then the model follows the masters."""
+        load_masters(self, state)
+        self.refresh_params()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The fp32 masters and the inner optimizer's state (memory_math.held_bytes counts them)."""
+        return [*self.masters, *element_state(self.optimizer)]

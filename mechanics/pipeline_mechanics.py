@@ -295,9 +295,10 @@ class PipelineMechanics:
     """What pipeline.Pipeline (this is its base class) keeps beside running its list: the tied
     ends' group, the loop's interface (called as a GPT is, eval(), train()), the bubble it
     measured, and the observer of its steps. Reads the executor's attributes: module, comm, P,
-    tied and device."""
+    tied and device. Built with the P stages and M micro-batches, checked before any work."""
 
-    def __init__(self):
+    def __init__(self, P: int, M: int):
+        check_sizes(P, M)                   # at least 1 stage and 1 micro-batch
         self.observer = StepObserver()
 
     def _ends_group(self, comm: Comm, device) -> Comm | None:

@@ -1,7 +1,9 @@
 """The layout is the architecture (docs/design.md): the top level is the textbook (the lecture's concept
 files, the model and train.py, nothing else of the code) and the engine is in packages named for what
-they are. Each concept file reads in one sitting, imports at most three project modules, and builds
-only on the foundations (never on an extension, the composition, the run or the napkin math)."""
+they are. Each concept file reads in one sitting, is followed through at most three names from
+at most three project modules (what only its demonstration under `if __name__ == "__main__":`
+uses aside: how it starts, the model it runs), and builds only on the foundations (never on an
+extension, the composition, the run or the napkin math)."""
 import ast
 import io
 import pathlib
@@ -38,21 +40,41 @@ OWN = {"zero": {"mechanics.sharded_step", "extensions.offload", "extensions.zero
        "tensor_parallel": {"composition.tensor_parallel_gpt"},
        "context_parallel": {"composition.context_parallel_gpt"}}
 LIMITS = {"lines": 450, "function": 60, "constructor": 6, "modules": 3}
-# Concept files still importing more project modules than the limit, each held where it stands so
-# that it can only shrink (issue 49 is open for them).
-NOT_YET = {}
 
 
 def _imports(module: str) -> set:
-    """The project modules `module` imports (foundations.alone aside, as no_numpy was: every
-    concept file imports it for how its demonstration starts, and no reader opens it to follow
-    the idea)."""
+    """The project modules `module` imports, its demonstration's included."""
     modules = _project_files()
     path, found = modules[module], set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found |= _imported(node, module, path, modules)
-    return found - {"foundations.alone", "foundations"}
+    return found
+
+
+def _used_outside_main(tree: ast.Module) -> set:
+    """The names a module's code reads outside `if __name__ == "__main__":`, its imports aside."""
+    main = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    return {n.id for node in tree.body if node not in main
+            and not isinstance(node, (ast.Import, ast.ImportFrom))
+            for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _followed(concept: str) -> dict:
+    """{name: the project module it comes from} for each name `concept` imports from the project
+    and uses outside `if __name__ == "__main__":`. What only the demonstration uses (how it
+    starts, foundations/alone.py; the model it runs) is not what the idea is followed through."""
+    modules, path = _project_files(), _path(concept)
+    tree, found = ast.parse(path.read_text()), {}
+    used = _used_outside_main(tree)
+    for node in tree.body:
+        for alias in node.names if isinstance(node, (ast.Import, ast.ImportFrom)) else ():
+            name = alias.asname or alias.name.split(".")[0]
+            one = (ast.Import(names=[alias]) if isinstance(node, ast.Import) else
+                   ast.ImportFrom(module=node.module, names=[alias], level=node.level))
+            if name in used:
+                found |= {name: module for module in _imported(one, concept, path, modules)}
+    return found
 
 
 def _path(module: str) -> pathlib.Path:
@@ -83,39 +105,17 @@ def test_a_concept_file_builds_only_on_the_foundations(concept):
 
 
 @pytest.mark.parametrize("concept", CONCEPTS)
-def test_a_concept_file_imports_at_most_three_project_modules(concept):
-    imported, limit = _imports(concept), NOT_YET.get(concept, LIMITS["modules"])
-    assert len(imported) <= limit, f"{concept}.py imports {len(imported)} project modules: {sorted(imported)}"
-
-
-# What a concept file uses from other project files besides the (at most three) names its algorithm
-# is followed with: bookkeeping a reader skips (bytes on the wire, a check of the user's input, the
-# group argument made a Comm) and its demonstration's setup. Each named: a new name is a decision.
-BESIDE_THE_ALGORITHM = {"ddp": {"check_same_parameters", "as_comm"},
-                        # a checkpoint's state_dict and the meters' question: every optimizer's
-                        "mixed_precision": {"as_comm", "refuse_new_groups", "optimizer_state",
-                                            "load_optimizer_state", "element_state"},
-                        "tensor_parallel": {"as_comm"}, "pipeline": {"build_model", "split_layers", "check_sizes"}}
-
-
-def _names_from_elsewhere(concept: str) -> set:
-    """The names a concept file imports from project modules and uses outside `if __name__ == "__main__":`."""
-    tree, modules = ast.parse(_path(concept).read_text()), _project_files()
-    imported = {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom)
-                and node.module in modules and node.module != "foundations" for a in node.names}
-    main = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
-    used = {n.id for node in tree.body if node not in main and not isinstance(node, ast.ImportFrom)
-            for n in ast.walk(node) if isinstance(n, ast.Name)}
-    return imported & used
+def test_a_concept_file_is_followed_through_at_most_three_project_modules(concept):
+    modules = set(_followed(concept).values())
+    assert len(modules) <= LIMITS["modules"], \
+        f"{concept}.py is followed through {len(modules)} project modules: {sorted(modules)}"
 
 
 @pytest.mark.parametrize("concept", CONCEPTS)
 def test_a_concept_file_is_followed_with_at_most_three_names_from_elsewhere(concept):
-    names = _names_from_elsewhere(concept)
-    beside = BESIDE_THE_ALGORITHM.get(concept, set())
-    assert beside <= names, f"{concept}.py no longer uses {sorted(beside - names)}: drop it from the list"
-    assert len(names - beside) <= 3, (f"{concept}.py's algorithm uses {len(names - beside)} names from other "
-                                      f"project files, {sorted(names - beside)}: a reader opens each one")
+    names = set(_followed(concept))
+    assert len(names) <= 3, (f"{concept}.py uses {len(names)} names from other project files, "
+                             f"{sorted(names)}: a reader opens each one")
 
 
 @pytest.mark.parametrize("foundation", sorted(m for m in _project_files() if m.startswith("foundations.")))
