@@ -27,6 +27,7 @@ Run alone: torchrun --nproc_per_node 2 fsdp.py; test: python -m pytest tests/tes
 
 Shapes: N ranks (of a shard group), r this rank, P elements in a unit, S = ceil(P / N) per shard.
 """
+import contextlib
 import copy
 import os
 from dataclasses import dataclass
@@ -360,6 +361,20 @@ class FSDP(FSDPState, nn.Module):
         if not self._backward_hooked:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._backward_hooked = True
+
+    # ---- after the core: gradient accumulation ---------------------------------------------------
+    # Every micro-batch's reduce-scatter but the last is traffic a step can skip, at the price of
+    # a whole gradient per rank (DDP's no_sync, FSDP2's set_requires_gradient_sync(False)).
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside, backward keeps whole gradients in each .grad; the next backward outside
+        reduce-scatters them with its own."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
 
 
 # ---- run alone: torchrun --nproc_per_node 2 fsdp.py ------------------------------------------

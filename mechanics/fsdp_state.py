@@ -119,17 +119,7 @@ class FSDPState:
         unit no rank used gets .grad None (flat.agree_used). Collective."""
         agree_used(self.units, self.device)
 
-    # ---- reduce-scatter less often: gradient accumulation, a pipeline's step -------------------
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate full (unsharded) gradients locally; the next backward outside reduces them.
-        Saves the traffic of every micro-batch but one at the price of a full gradient per rank."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
+    # ---- reduce-scatter less often: a pipeline's step (FSDP.no_sync: accumulation) -------------
 
     @contextlib.contextmanager
     def gathered_for_step(self):
