@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from foundations.alone import start_alone
 from foundations.flat import FlatParams, InOrder
-from mechanics.fsdp_state import FSDPState
+from mechanics.fsdp_state import FSDPState, FSDPTrace
 
 
 @dataclass(frozen=True)
@@ -186,8 +186,7 @@ class FSDP(FSDPState, nn.Module):
         self._grads_to_reduce = False    # the last backward ran under no_sync: gradients wait
         self._gathered_for_step = False  # nothing freed: inside gathered_for_step() (a pipeline's)
         self._used_agreed = False        # this backward's used-flags OR'ed over the ranks
-        self.events = []                 # this step's order of collectives and computation
-        self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
+        self.observers = []    # f(what, unit), told of each gather, compute, reduce (FSDPTrace)
 
     # ---- a unit's life: forward ----------------------------------------------------------------
     #   compute     | unit 0 fwd | unit 1 fwd | unit 2 fwd |      (prefetch = 1)
@@ -195,7 +194,6 @@ class FSDP(FSDPState, nn.Module):
     #   memory      unit i and unit i+1 gathered; unit i freed as its forward returns
 
     def forward(self, *args, **kwargs):
-        self.events = []
         for root in self.root_units:       # gathered until its last gradient arrives in backward
             self._gather(root)
             root.wait()
@@ -210,13 +208,12 @@ class FSDP(FSDPState, nn.Module):
         """All-gather the unit (unless prefetched), wait for it; start the next one's gather."""
         self._gather(unit)
         unit.wait()
-        self.events.append(("forward", unit.index))
+        self._tell("forward", unit)
         self._prefetch(self.forward_order.index(unit), +1)    # overlaps with this unit's compute
 
     def _after_forward(self, unit, output):
         """Free it; its backward starts when the gradient of its output arrives: a hook on each
         output tensor (the first to fire gathers the unit; _gather skips it for the others)."""
-        self.events.append(("forward done", unit.index))
         self._free(unit)
         if torch.is_grad_enabled():
             for t in tree_leaves(output):          # a tensor, or any tuple, list or dict of them
@@ -234,7 +231,7 @@ class FSDP(FSDPState, nn.Module):
         self._hook_end_of_backward()
         self._gather(unit)
         unit.wait()
-        self.events.append(("backward", unit.index))
+        self._tell("backward", unit)
         self._prefetch(self.forward_order.index(unit), -1)
 
     def _hook_gradients(self):
@@ -278,7 +275,7 @@ class FSDP(FSDPState, nn.Module):
             output = grad.new_empty(unit.master.shape)     # (S,), on the gradient's device
             handle = unit.comm.reduce_scatter(output, grad, op=unit.op, async_op=True)
             started = handle, output, used
-            self.events.append(("reduce-scatter", unit.index))
+            self._tell("reduce-scatter", unit)
         # Again, for a unit whose last gradient never came (a parameter unused this backward):
         # _after_backward never ran for it, and _finish_backward's launch_rest launched it.
         self._free_after_backward(unit)
@@ -333,10 +330,7 @@ class FSDP(FSDPState, nn.Module):
         if unit.gathered:
             return
         unit.all_gather()
-        self.events.append(("all-gather", unit.index))
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(          # the root too
-            flat.untyped_storage().nbytes()
-            for u in self.root_units + self.forward_order for flat in u.flats()))
+        self._tell("all-gather", unit)
 
     def _prefetch(self, position: int, step: int):
         """Gather up to `prefetch` units after forward_order[position] (step +1: forward's way,
@@ -379,7 +373,7 @@ class FSDP(FSDPState, nn.Module):
 
 # ---- run alone: torchrun --nproc_per_node 2 fsdp.py ------------------------------------------
 
-# What each event in fsdp.events means, as the demonstration prints it.
+# What each event FSDPTrace records means, as the demonstration prints it.
 _EVENT_TEXT = {"all-gather": "all-gather launched", "forward": "gathered: forward",
                "forward done": "freed", "backward": "gathered: backward",
                "reduce-scatter": "gradient reduce-scatter launched (freed as its backward ended)"}
@@ -394,10 +388,11 @@ _ROOT_EVENT_TEXT = {
                       "gradient is whole only when backward ends)"}
 
 
-def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
+def _demonstrate(trace_type, steps: int = 3, lr: float = 1e-2, rows: int = 8):
     """Three blocks as units, and a root, trained on 2 ranks by a plain AdamW on the shards; beside
     it one process's AdamW on the whole batch, its loss the mean of the two halves' means: the
-    ranks' fp32 sums in the same order (one forward of all rows would reorder them), so equal."""
+    ranks' fp32 sums in the same order (one forward of all rows would reorder them), so equal.
+    trace_type(fsdp) watches it from outside (FSDPTrace): the first step's events are printed."""
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -405,6 +400,7 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
     model = nn.Sequential(*blocks, nn.Linear(16, 4))
     alone = copy.deepcopy(model)                                  # the one process
     fsdp = FSDP(model, wrap=lambda m: m in blocks)
+    trace = trace_type(fsdp)                       # the order of a step's gathers and computes
     step_on_shards = torch.optim.AdamW(fsdp.parameters(), lr=lr)    # this rank's fp32 shards only
     step_alone = torch.optim.AdamW(alone.parameters(), lr=lr)
     x, y = torch.randn(n * rows, 16), torch.randn(n * rows, 4)    # the whole batch, on every rank
@@ -415,7 +411,7 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
         if step == 0 and rank == 0:
             print("FSDP's first step on rank 0 (unit 0 is the root: it holds the last Linear)")
             print("\n".join(f"  unit {i}: {(_ROOT_EVENT_TEXT if i == 0 else _EVENT_TEXT)[what]}"
-                            for what, i in fsdp.events))
+                            for what, i in trace.events))
         (sum(nn.functional.mse_loss(alone(x[h]), y[h]) for h in halves) / n).backward()
         for optimizer in (step_on_shards, step_alone):
             optimizer.step()
@@ -437,4 +433,4 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
 
 if __name__ == "__main__":
     start_alone(torchrun=True, worlds=(2,))      # 2 halves' sums add in one order: bit for bit
-    _demonstrate()
+    _demonstrate(FSDPTrace)

@@ -7,7 +7,9 @@ auto_wrap_policy; FSDP2 calls fully_shard on each), the rest in the root unit. T
 napkin/memory.py counts the bytes each rank holds, a plain torch optimizer clips the global norm, a
 checkpoint reads the whole model, the napkin math checks the bytes a step sends; and ZeRO-Offload
 (FSDPOptimizer(offload=True)) moves the masters to the host (MasterOnHost). HSDP, parameter
-offload and the frozen base override some of these. Test: python -m pytest tests/test_fsdp.py
+offload and the frozen base override some of these. FSDPTrace watches a unit's life from
+outside: the order of its gathers, computes and reduce-scatters, and the most bytes gathered at
+once. Test: python -m pytest tests/test_fsdp.py
 """
 import contextlib
 import functools
@@ -119,6 +121,11 @@ class FSDPState:
         unit no rank used gets .grad None (flat.agree_used). Collective."""
         agree_used(self.units, self.device)
 
+    def _tell(self, what: str, unit):
+        """Tell each of FSDP's observers (FSDPTrace) what just happened to unit."""
+        for observe in self.observers:
+            observe(what, unit)
+
     # ---- reduce-scatter less often: a pipeline's step (FSDP.no_sync: accumulation) -------------
 
     @contextlib.contextmanager
@@ -202,6 +209,32 @@ class FSDPState:
             unit.comm.all_gather(flat, unit.master.detach().to(flat.device, copy=True))
             out.update({names[p]: view.clone() for p, view in zip(unit.params, unit.views(flat))})
         return out if all_ranks or self.comm.rank == 0 else {}
+
+
+class FSDPTrace:
+    """The life of an FSDP's units, watched from outside. `events`: the last forward's and
+    backward's [(what, unit index)] in order ("all-gather", "forward", "forward done", "backward",
+    "reduce-scatter"), and `peak_gathered_bytes`, the most bytes of gathered units (the root too)
+    held at once since the trace began. FSDP tells it of each gather, compute and reduce-scatter
+    (its observers); module hooks tell it the rest."""
+
+    def __init__(self, fsdp):
+        self.fsdp, self.events, self.peak_gathered_bytes = fsdp, [], 0
+        fsdp.observers.append(self.saw)
+        fsdp.register_forward_pre_hook(self._new_step)
+        for unit in fsdp.forward_order:      # after FSDP's own hook has freed the unit
+            unit.module.register_forward_hook(
+                lambda m, args, out, u=unit: self.saw("forward done", u))
+
+    def _new_step(self, fsdp, args):
+        self.events = []
+
+    def saw(self, what: str, unit):
+        self.events.append((what, unit.index))
+        if what == "all-gather":
+            units = self.fsdp.root_units + self.fsdp.forward_order
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(
+                flat.untyped_storage().nbytes() for u in units for flat in u.flats()))
 
 
 # ---- extending a unit already built ----------------------------------------------------------

@@ -257,3 +257,17 @@ def test_no_textbook_line_is_over_100_characters(module):
     """The concept files, the model and train.py are read, not scrolled: no line over 100."""
     long = [n for n, line in enumerate(_path(module).read_text().splitlines(), 1) if len(line) > 100]
     assert not long, f"{module}.py has lines over 100 characters: {long}"
+
+
+def test_fsdp_algorithm_keeps_no_bookkeeping():
+    """fsdp.py's Unit and FSDP record no events and no peak of memory: FSDPTrace
+    (mechanics/fsdp_state.py) watches them from outside."""
+    tree = ast.parse(_path("fsdp").read_text())
+    classes = [c for c in tree.body if isinstance(c, ast.ClassDef) and c.name in ("Unit", "FSDP")]
+    assert len(classes) == 2
+    names = {n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute)
+             else n.arg if isinstance(n, ast.arg) else n.name
+             for c in classes for n in ast.walk(c)
+             if isinstance(n, (ast.Name, ast.Attribute, ast.arg, ast.FunctionDef))}
+    kept = sorted(n for n in names if "event" in n.lower() or "peak" in n.lower())
+    assert not kept, f"fsdp.py's algorithm keeps bookkeeping: {kept}"
