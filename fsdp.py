@@ -76,20 +76,24 @@ class Unit(FlatParams):
         self.flat.untyped_storage().resize_(0)
         self.gathering, self.gathered = (), False
         self.used = [False] * len(self.params)     # got a gradient since .grad was None (zero_grad)
+        # ZeRO-Offload's MasterOnHost (extensions/offload.py) once the master is on the host
+        self.offloaded = None
 
     @property
     def grad(self):
         """(S,) fp32, this rank's reduced (accumulated) gradient: the master's .grad."""
-        return self.master.grad
+        return (self.master if self.offloaded is None else self.offloaded).grad
 
     @grad.setter
     def grad(self, value):
-        self.master.grad = value
+        (self.master if self.offloaded is None else self.offloaded).grad = value
 
-    # Hooks for subclasses (offload, HSDP, frozen); here each is the trivial case.
+    # Hooks for subclasses (HSDP, frozen); here each is the trivial case.
 
     def to_send(self) -> torch.Tensor:
         """This rank's shard in the compute dtype, what its all-gather sends: (S,)."""
+        if self.offloaded is not None:
+            return self.offloaded.compute_shard
         return self.master.detach().to(self.flat.dtype)
 
     def sends(self) -> list[tuple]:
@@ -100,13 +104,15 @@ class Unit(FlatParams):
         return [self.flat]
 
     def kept(self) -> list[torch.Tensor]:
-        """The shards kept between uses besides the master: none (the gathers send the master)."""
-        return []
+        """The shards kept between uses besides the master: none, or the offloaded one's."""
+        return [] if self.offloaded is None else [self.offloaded.compute_shard]
 
     def all_gather(self):
         """Launch (async) the all-gathers that fill each flat from every rank's shard."""
         self.gathering = []
         for shard, flat in self.sends():
+            # A shard kept in host memory (extensions/fsdp_offload.py) crosses to the device.
+            shard = shard.to(flat.device, non_blocking=True)
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             handle = self.comm.all_gather(flat, shard, async_op=True)
             self.gathering.append((handle, shard))              # the shard kept until it is sent
@@ -125,7 +131,12 @@ class Unit(FlatParams):
 
     def refresh(self):                                          # a hook for subclasses too
         """The master changed (a step, a checkpoint's load): a copy still gathered is stale."""
+        self.refresh_offloaded()
         self.free()
+
+    def refresh_offloaded(self):                   # its compute shard copied from it again
+        if self.offloaded is not None:
+            self.offloaded.refresh(self.master)
 
 
 class FSDP(FSDPState, nn.Module):

@@ -6,13 +6,12 @@ parameter given to the nearest wrapped module above it, one unit per wrapped mod
 auto_wrap_policy; FSDP2 calls fully_shard on each), the rest in the root unit. The readings:
 napkin/memory.py counts the bytes each rank holds, a plain torch optimizer clips the global norm, a
 checkpoint reads the whole model, the napkin math checks the bytes a step sends; and ZeRO-Offload
-(FSDPOptimizer(offload=True)) moves the masters to the host (MasterOnHost). HSDP, parameter
-offload and the frozen base override some of these. FSDPTrace watches a unit's life from
-outside: the order of its gathers, computes and reduce-scatters, and the most bytes gathered at
-once. Test: python -m pytest tests/test_fsdp.py
+(FSDPOptimizer(offload=True)) moves the masters to the host (extensions/offload.py's
+MasterOnHost). HSDP, parameter offload and the frozen base override some of these. FSDPTrace
+watches a unit's life from outside: the order of its gathers, computes and reduce-scatters, and
+the most bytes gathered at once. Test: python -m pytest tests/test_fsdp.py
 """
 import contextlib
-import functools
 import math
 
 import torch
@@ -21,7 +20,7 @@ import torch.nn as nn
 from foundations.comm import as_comm
 from foundations.flat import MAX_REDUCTIONS_IN_FLIGHT, agree_used, shards_norm
 from model import Block
-from extensions.offload import host_buffer, host_copy, host_to_device
+from extensions.offload import MasterOnHost
 from foundations.placements import data_reduction, placement
 from foundations.process_groups import check_same_parameters
 
@@ -167,8 +166,7 @@ class FSDPState:
         """ZeRO-Offload (FSDPOptimizer(offload=True)): each fp32 master shard moves to the host,
         where the optimizer steps; the device keeps it rounded, for the all-gathers."""
         for unit in self.units:
-            extend(unit, MasterOnHost)
-            unit.move_master_to_host(self.compute_dtype)
+            unit.offloaded = MasterOnHost(unit.master, self.compute_dtype)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -236,49 +234,3 @@ class FSDPTrace:
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(
                 flat.untyped_storage().nbytes() for u in units for flat in u.flats()))
 
-
-# ---- extending a unit already built ----------------------------------------------------------
-
-def extend(unit, mixin: type):
-    """Give a unit built already an extension's behaviour: its class becomes mixin over its own
-    (FSDPOptimizer decides to offload the masters after FSDP made its units)."""
-    unit.__class__ = _over(mixin, type(unit))
-
-
-@functools.cache
-def _over(mixin: type, cls: type) -> type:
-    return type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
-
-
-class MasterOnHost:
-    """A unit (fsdp.Unit) whose fp32 master is in host memory, where FSDPOptimizer(offload=True)
-    steps on it (ZeRO-Offload, extensions/offload.py). The device keeps
-        compute_shard (S,) compute dtype, the master rounded: what the all-gathers send
-        device_grad   (S,) fp32, the reduced gradient (a host master's .grad cannot live there)
-    and host_grad, an (S,) fp32 host buffer, is where the optimizer copies the gradient."""
-
-    def move_master_to_host(self, compute_dtype: torch.dtype):
-        self.compute_shard = self.master.detach().to(compute_dtype, copy=True)    # (S,)
-        self.host_grad = host_buffer(self.compute_shard)
-        self.master.data = host_copy(self.master)          # the device's fp32 copy is freed
-        self.device_grad = None
-
-    @property
-    def grad(self):
-        return self.device_grad
-
-    @grad.setter
-    def grad(self, value):
-        self.device_grad = value
-
-    def to_send(self) -> torch.Tensor:
-        return self.compute_shard
-
-    def kept(self) -> list[torch.Tensor]:
-        return [self.compute_shard, *super().kept()]
-
-    def refresh(self):
-        """The master changed: copied back to its compute shard (host -> device, asynchronous
-        from pinned memory), and the gathered copy dropped."""
-        host_to_device(self.compute_shard, self.master.detach())
-        super().refresh()

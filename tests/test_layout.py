@@ -259,6 +259,23 @@ def test_no_textbook_line_is_over_100_characters(module):
     assert not long, f"{module}.py has lines over 100 characters: {long}"
 
 
+def test_no_class_is_swapped_at_run_time():
+    """An object keeps the class it was built as: no file assigns `__class__` (by `=` or
+    setattr); what an object can become is declared in its class (fsdp.Unit.offloaded)."""
+    swaps = []
+    for module, path in _project_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            named = [t for t in targets if isinstance(t, ast.Attribute) and t.attr == "__class__"]
+            called = (isinstance(node, ast.Call) and "setattr" in ast.unparse(node.func)
+                      and any(isinstance(a, ast.Constant) and a.value == "__class__"
+                              for a in node.args))
+            if named or called:
+                swaps.append(f"{module}:{node.lineno}")
+    assert not swaps, f"a class swapped at run time: {swaps}"
+
+
 def test_fsdp_algorithm_keeps_no_bookkeeping():
     """fsdp.py's Unit and FSDP record no events and no peak of memory: FSDPTrace
     (mechanics/fsdp_state.py) watches them from outside."""
