@@ -27,7 +27,8 @@ from foundations.process_groups import check_same_parameters
 
 def gpt_blocks(module: nn.Module) -> bool:
     """The default wrap policy: one unit per transformer block; the rest is the root unit.
-    (Under expert parallelism composition/parallelize.py wraps each expert a rank holds as a unit of its own.)"""
+    (Under expert parallelism composition/parallelize.py wraps each expert a rank holds as a
+    unit of its own.)"""
     return isinstance(module, Block)
 
 
@@ -37,7 +38,7 @@ class FSDPState:
     reductions_in_flight = MAX_REDUCTIONS_IN_FLIGHT     # ZeRO-2's bound, whole unit gradients here
 
     def train(self, mode: bool = True):
-        self.module.train(mode)            # .module is not a submodule (parameters() are the shards)
+        self.module.train(mode)     # .module is not a submodule (parameters() are the shards)
         return super().train(mode)
 
     # ---- the wrap: the arguments checked, the units made ----------------------------------
@@ -50,7 +51,8 @@ class FSDPState:
             raise ValueError(f"FSDP compute_dtype (mp_policy's param_dtype) must be torch.float32, "
                              f"bfloat16 or float16, got {self.compute_dtype}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"FSDP prefetch must be a whole number of units >= 0, got {self.prefetch!r}")
+            raise ValueError(f"FSDP prefetch must be a whole number of units >= 0, "
+                             f"got {self.prefetch!r}")
         trainable = [p for p in module.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("FSDP: the module has no trainable parameters (requires_grad=True)")
@@ -104,7 +106,8 @@ class FSDPState:
         """The unit of params, module's (a tensor list in module order), or None."""
         if not all(p.requires_grad for p in params):
             raise ValueError("FSDP shards trained parameters only: for a frozen base (LoRA's, "
-                             "requires_grad=False) use fsdp_frozen.FrozenBaseFSDP, which shards it too")
+                             "requires_grad=False) use fsdp_frozen.FrozenBaseFSDP, which shards "
+                             "it too")
         # With experts: an expert's unit is sharded over the ranks holding that expert.
         if len({placement(p).holders for p in params}) > 1:
             raise ValueError("FSDP: a unit mixes parameters held by different ranks (an "
@@ -112,7 +115,7 @@ class FSDPState:
         comm, op, divide = data_reduction(params[0], self.comm, self.data_world)
         unit = self.unit_type(index, module, params, comm, self.compute_dtype, self.device)
         unit.op, unit.divide = op, divide
-        unit.replicas = None            # ranks holding copies of its shard (extensions/fsdp_hybrid.py's)
+        unit.replicas = None     # ranks holding copies of its shard (extensions/fsdp_hybrid.py's)
         return unit
 
     def _agree_used(self):
@@ -143,7 +146,7 @@ class FSDPState:
             for unit in self.root_units + self.forward_order:
                 unit.free()
 
-    # ---- the shards and their gradients (napkin/memory.py, the optimizer) ---------------------------
+    # ---- the shards and their gradients (napkin/memory.py, the optimizer) ---------------------
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The gradient shards this rank holds (fp32, on the device)."""
@@ -155,7 +158,7 @@ class FSDPState:
         return [shard for unit in self.root_units + self.forward_order for shard in unit.kept()]
 
     def device_shards(self) -> list[torch.Tensor]:
-        """The kept shards that live on the device (napkin/memory.py counts them): all of them here."""
+        """The kept shards that live on the device (napkin/memory.py counts them): all here."""
         return self.kept_shards()
 
     def host_shards(self) -> list[torch.Tensor]:
@@ -233,4 +236,3 @@ class FSDPTrace:
             units = self.fsdp.root_units + self.fsdp.forward_order
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(
                 flat.untyped_storage().nbytes() for u in units for flat in u.flats()))
-
