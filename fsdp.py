@@ -81,7 +81,8 @@ class Unit(FlatParams):
 
     @property
     def grad(self):
-        """(S,) fp32, this rank's reduced (accumulated) gradient: the master's .grad."""
+        """(S,) fp32, this rank's reduced (accumulated) gradient: the master's .grad (on the
+        device: an offloaded master's is MasterOnHost's)."""
         return (self.master if self.offloaded is None else self.offloaded).grad
 
     @grad.setter
