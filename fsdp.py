@@ -27,6 +27,7 @@ Run alone: torchrun --nproc_per_node 2 fsdp.py; test: python -m pytest tests/tes
 
 Shapes: N ranks (of a shard group), r this rank, P elements in a unit, S = ceil(P / N) per shard.
 """
+import contextlib
 import copy
 import os
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from foundations.alone import start_alone
 from foundations.flat import FlatParams, InOrder
-from mechanics.fsdp_state import FSDPState
+from mechanics.fsdp_state import FSDPState, FSDPTrace
 
 
 @dataclass(frozen=True)
@@ -75,20 +76,25 @@ class Unit(FlatParams):
         self.flat.untyped_storage().resize_(0)
         self.gathering, self.gathered = (), False
         self.used = [False] * len(self.params)     # got a gradient since .grad was None (zero_grad)
+        # ZeRO-Offload's MasterOnHost (extensions/offload.py) once the master is on the host
+        self.offloaded = None
 
     @property
     def grad(self):
-        """(S,) fp32, this rank's reduced (accumulated) gradient: the master's .grad."""
-        return self.master.grad
+        """(S,) fp32, this rank's reduced (accumulated) gradient: the master's .grad (on the
+        device: an offloaded master's is MasterOnHost's)."""
+        return (self.master if self.offloaded is None else self.offloaded).grad
 
     @grad.setter
     def grad(self, value):
-        self.master.grad = value
+        (self.master if self.offloaded is None else self.offloaded).grad = value
 
-    # Hooks for subclasses (offload, HSDP, frozen); here each is the trivial case.
+    # Hooks for subclasses (HSDP, frozen); here each is the trivial case.
 
     def to_send(self) -> torch.Tensor:
         """This rank's shard in the compute dtype, what its all-gather sends: (S,)."""
+        if self.offloaded is not None:
+            return self.offloaded.compute_shard
         return self.master.detach().to(self.flat.dtype)
 
     def sends(self) -> list[tuple]:
@@ -99,13 +105,15 @@ class Unit(FlatParams):
         return [self.flat]
 
     def kept(self) -> list[torch.Tensor]:
-        """The shards kept between uses besides the master: none (the gathers send the master)."""
-        return []
+        """The shards kept between uses besides the master: none, or the offloaded one's."""
+        return [] if self.offloaded is None else [self.offloaded.compute_shard]
 
     def all_gather(self):
         """Launch (async) the all-gathers that fill each flat from every rank's shard."""
         self.gathering = []
         for shard, flat in self.sends():
+            # A shard kept in host memory (extensions/fsdp_offload.py) crosses to the device.
+            shard = shard.to(flat.device, non_blocking=True)
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             handle = self.comm.all_gather(flat, shard, async_op=True)
             self.gathering.append((handle, shard))              # the shard kept until it is sent
@@ -124,7 +132,12 @@ class Unit(FlatParams):
 
     def refresh(self):                                          # a hook for subclasses too
         """The master changed (a step, a checkpoint's load): a copy still gathered is stale."""
+        self.refresh_offloaded()
         self.free()
+
+    def refresh_offloaded(self):                   # its compute shard copied from it again
+        if self.offloaded is not None:
+            self.offloaded.refresh(self.master)
 
 
 class FSDP(FSDPState, nn.Module):
@@ -185,8 +198,7 @@ class FSDP(FSDPState, nn.Module):
         self._grads_to_reduce = False    # the last backward ran under no_sync: gradients wait
         self._gathered_for_step = False  # nothing freed: inside gathered_for_step() (a pipeline's)
         self._used_agreed = False        # this backward's used-flags OR'ed over the ranks
-        self.events = []                 # this step's order of collectives and computation
-        self.peak_gathered_bytes = 0     # most bytes of gathered units held at once, ever
+        self.observers = []    # f(what, unit), told of each gather, compute, reduce (FSDPTrace)
 
     # ---- a unit's life: forward ----------------------------------------------------------------
     #   compute     | unit 0 fwd | unit 1 fwd | unit 2 fwd |      (prefetch = 1)
@@ -194,7 +206,6 @@ class FSDP(FSDPState, nn.Module):
     #   memory      unit i and unit i+1 gathered; unit i freed as its forward returns
 
     def forward(self, *args, **kwargs):
-        self.events = []
         for root in self.root_units:       # gathered until its last gradient arrives in backward
             self._gather(root)
             root.wait()
@@ -209,13 +220,12 @@ class FSDP(FSDPState, nn.Module):
         """All-gather the unit (unless prefetched), wait for it; start the next one's gather."""
         self._gather(unit)
         unit.wait()
-        self.events.append(("forward", unit.index))
+        self._tell("forward", unit)
         self._prefetch(self.forward_order.index(unit), +1)    # overlaps with this unit's compute
 
     def _after_forward(self, unit, output):
         """Free it; its backward starts when the gradient of its output arrives: a hook on each
         output tensor (the first to fire gathers the unit; _gather skips it for the others)."""
-        self.events.append(("forward done", unit.index))
         self._free(unit)
         if torch.is_grad_enabled():
             for t in tree_leaves(output):          # a tensor, or any tuple, list or dict of them
@@ -233,7 +243,7 @@ class FSDP(FSDPState, nn.Module):
         self._hook_end_of_backward()
         self._gather(unit)
         unit.wait()
-        self.events.append(("backward", unit.index))
+        self._tell("backward", unit)
         self._prefetch(self.forward_order.index(unit), -1)
 
     def _hook_gradients(self):
@@ -277,7 +287,7 @@ class FSDP(FSDPState, nn.Module):
             output = grad.new_empty(unit.master.shape)     # (S,), on the gradient's device
             handle = unit.comm.reduce_scatter(output, grad, op=unit.op, async_op=True)
             started = handle, output, used
-            self.events.append(("reduce-scatter", unit.index))
+            self._tell("reduce-scatter", unit)
         # Again, for a unit whose last gradient never came (a parameter unused this backward):
         # _after_backward never ran for it, and _finish_backward's launch_rest launched it.
         self._free_after_backward(unit)
@@ -332,10 +342,7 @@ class FSDP(FSDPState, nn.Module):
         if unit.gathered:
             return
         unit.all_gather()
-        self.events.append(("all-gather", unit.index))
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(          # the root too
-            flat.untyped_storage().nbytes()
-            for u in self.root_units + self.forward_order for flat in u.flats()))
+        self._tell("all-gather", unit)
 
     def _prefetch(self, position: int, step: int):
         """Gather up to `prefetch` units after forward_order[position] (step +1: forward's way,
@@ -361,10 +368,24 @@ class FSDP(FSDPState, nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._backward_hooked = True
 
+    # ---- after the core: gradient accumulation ---------------------------------------------------
+    # Every micro-batch's reduce-scatter but the last is traffic a step can skip, at the price of
+    # a whole gradient per rank (DDP's no_sync, FSDP2's set_requires_gradient_sync(False)).
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside, backward keeps whole gradients in each .grad; the next backward outside
+        reduce-scatters them with its own."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
 
 # ---- run alone: torchrun --nproc_per_node 2 fsdp.py ------------------------------------------
 
-# What each event in fsdp.events means, as the demonstration prints it.
+# What each event FSDPTrace records means, as the demonstration prints it.
 _EVENT_TEXT = {"all-gather": "all-gather launched", "forward": "gathered: forward",
                "forward done": "freed", "backward": "gathered: backward",
                "reduce-scatter": "gradient reduce-scatter launched (freed as its backward ended)"}
@@ -379,10 +400,11 @@ _ROOT_EVENT_TEXT = {
                       "gradient is whole only when backward ends)"}
 
 
-def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
+def _demonstrate(trace_type, steps: int = 3, lr: float = 1e-2, rows: int = 8):
     """Three blocks as units, and a root, trained on 2 ranks by a plain AdamW on the shards; beside
     it one process's AdamW on the whole batch, its loss the mean of the two halves' means: the
-    ranks' fp32 sums in the same order (one forward of all rows would reorder them), so equal."""
+    ranks' fp32 sums in the same order (one forward of all rows would reorder them), so equal.
+    trace_type(fsdp) watches it from outside (FSDPTrace): the first step's events are printed."""
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -390,6 +412,7 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
     model = nn.Sequential(*blocks, nn.Linear(16, 4))
     alone = copy.deepcopy(model)                                  # the one process
     fsdp = FSDP(model, wrap=lambda m: m in blocks)
+    trace = trace_type(fsdp)                       # the order of a step's gathers and computes
     step_on_shards = torch.optim.AdamW(fsdp.parameters(), lr=lr)    # this rank's fp32 shards only
     step_alone = torch.optim.AdamW(alone.parameters(), lr=lr)
     x, y = torch.randn(n * rows, 16), torch.randn(n * rows, 4)    # the whole batch, on every rank
@@ -400,7 +423,7 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
         if step == 0 and rank == 0:
             print("FSDP's first step on rank 0 (unit 0 is the root: it holds the last Linear)")
             print("\n".join(f"  unit {i}: {(_ROOT_EVENT_TEXT if i == 0 else _EVENT_TEXT)[what]}"
-                            for what, i in fsdp.events))
+                            for what, i in trace.events))
         (sum(nn.functional.mse_loss(alone(x[h]), y[h]) for h in halves) / n).backward()
         for optimizer in (step_on_shards, step_alone):
             optimizer.step()
@@ -422,4 +445,4 @@ def _demonstrate(steps: int = 3, lr: float = 1e-2, rows: int = 8):
 
 if __name__ == "__main__":
     start_alone(torchrun=True, worlds=(2,))      # 2 halves' sums add in one order: bit for bit
-    _demonstrate()
+    _demonstrate(FSDPTrace)

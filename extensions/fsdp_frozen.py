@@ -73,6 +73,7 @@ class FrozenBaseUnit(Unit):
         Those stay as they are: a checkpoint's load writes them whole inside frozen_gathered and
         refreshes the masters there too, and frozen_gathered copies them back to the shards at
         its end (freed here, what it wrote would be lost). The unit gathers again at its next use."""
+        self.refresh_offloaded()
         self.free_trained()
         self.gathered = False                      # the trained flat is gathered again at its use
 

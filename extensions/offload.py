@@ -4,8 +4,9 @@ ZeRO-Offload (Ren et al. 2021, section 4) keeps each rank's shard of the fp32 ma
 optimizer state in host memory and runs the step there: the device holds only the parameters
 and the gradient shards; each step a gradient shard crosses to the host and its updated master
 back. This file is that delta on the sharded step (zero.py's, mechanics/fsdp_optimizer.py's):
-pinned host buffers, the copies between host and device, and a step whose norm, used-flags and
-gradients reach the host in one wait (OffloadedStep). ZeRO-Offload on stage 1 or 2
+pinned host buffers, the copies between host and device, what an FSDP unit keeps on the device
+once its master is on the host (MasterOnHost), and a step whose norm, used-flags and gradients
+reach the host in one wait (OffloadedStep). ZeRO-Offload on stage 1 or 2
 (extensions/zero_offload.py) and FSDP (mechanics/fsdp_optimizer.py's offload, and
 extensions/fsdp_offload.py's of its parameters) use it.
 Left out: the paper's one-step delayed update and its vectorised CPU Adam (torch's own runs).
@@ -70,6 +71,26 @@ def gradients_to_host(grads: list, buffers: list) -> list:
     return buffers
 
 
+class MasterOnHost:
+    """Where an FSDP unit keeps what the device still needs once ZeRO-Offload moved its fp32 master
+    to host memory (fsdp.Unit.offloaded), where FSDPOptimizer(offload=True) steps on it:
+        compute_shard (S,) compute dtype, on the device: the master rounded, what the gathers send
+        grad          (S,) fp32, on the device: the reduced gradient (a host master's .grad
+                      cannot live there)
+        host_grad     (S,) fp32, on the host: where the optimizer copies the gradient."""
+
+    def __init__(self, master: torch.Tensor, compute_dtype: torch.dtype):
+        self.compute_shard = master.detach().to(compute_dtype, copy=True)    # (S,)
+        self.host_grad = host_buffer(self.compute_shard)
+        master.data = host_copy(master)          # the device's fp32 copy is freed
+        self.grad = None
+
+    def refresh(self, master: torch.Tensor):
+        """The master changed: copied back to its compute shard (host -> device, asynchronous
+        from pinned memory)."""
+        host_to_device(self.compute_shard, master.detach())
+
+
 class OffloadedStep:
     """The sharded step with its masters in host memory, mixed into a sharded optimizer: zero.py's
     (by extensions/zero_offload.py) or mechanics/fsdp_optimizer.py's FSDPOptimizer.
@@ -109,22 +130,26 @@ class OffloadedStep:
         """This rank's gradient shards and decision (the norm, maybe the flags: (1,) or (1 + P,))
         to host memory in one wait, the shards unscaled there into the masters' .grad; returns
         the decision, on the host."""
-        shards = [(flat, grad) for flat, grad in zip(self.flats, self.gradient_shards())
-                  if grad is not None]
+        shards = [(flat, grad, host) for flat, grad, host
+                  in zip(self.flats, self.gradient_shards(), self.host_grads()) if grad is not None]
         if self._decision_host is None or self._decision_host.numel() < decision.numel():
             flags = sum(len(flat.params) for flat in self.flats)
             self._decision_host = host_buffer(decision.new_empty(max(1 + flags, decision.numel())))
-        *grads, decision = gradients_to_host([*(grad for _, grad in shards), decision],
-                                             [*(flat.host_grad for flat, _ in shards),
+        *grads, decision = gradients_to_host([*(grad for _, grad, _ in shards), decision],
+                                             [*(host for _, _, host in shards),
                                               self._decision_host[: decision.numel()]])
-        unscale_grads(grads, [flat.master for flat, _ in shards], self.scaler.scale)
+        unscale_grads(grads, [flat.master for flat, _, _ in shards], self.scaler.scale)
         return decision
 
     def host_tensors(self) -> list[torch.Tensor]:
         """What offload keeps in host memory: fp32 masters, optimizer state, gradient buffers."""
         if not self.offload:
             return []
-        return [*self.state_tensors(), *(flat.host_grad for flat in self.flats)]
+        return [*self.state_tensors(), *self.host_grads()]
+
+    def host_grads(self) -> list[torch.Tensor]:
+        """Each flat's (S,) fp32 host buffer for its reduced gradient."""
+        return [flat.host_grad for flat in self.flats]
 
     @staticmethod
     def _host_master(flat, shard: torch.Tensor) -> torch.Tensor:

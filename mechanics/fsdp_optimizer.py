@@ -154,3 +154,6 @@ class FSDPOptimizer(OffloadedStep, FSDPStep):
 
     def host_tensors(self) -> list[torch.Tensor]:
         return super().host_tensors() + self.fsdp.host_shards()
+
+    def host_grads(self) -> list[torch.Tensor]:
+        return [unit.offloaded.host_grad for unit in self.flats]    # MasterOnHost's

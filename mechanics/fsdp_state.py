@@ -6,11 +6,12 @@ parameter given to the nearest wrapped module above it, one unit per wrapped mod
 auto_wrap_policy; FSDP2 calls fully_shard on each), the rest in the root unit. The readings:
 napkin/memory.py counts the bytes each rank holds, a plain torch optimizer clips the global norm, a
 checkpoint reads the whole model, the napkin math checks the bytes a step sends; and ZeRO-Offload
-(FSDPOptimizer(offload=True)) moves the masters to the host (MasterOnHost). HSDP, parameter
-offload and the frozen base override some of these. Test: python -m pytest tests/test_fsdp.py
+(FSDPOptimizer(offload=True)) moves the masters to the host (extensions/offload.py's
+MasterOnHost). HSDP, parameter offload and the frozen base override some of these. FSDPTrace
+watches a unit's life from outside: the order of its gathers, computes and reduce-scatters, and
+the most bytes gathered at once. Test: python -m pytest tests/test_fsdp.py
 """
 import contextlib
-import functools
 import math
 
 import torch
@@ -19,14 +20,15 @@ import torch.nn as nn
 from foundations.comm import as_comm
 from foundations.flat import MAX_REDUCTIONS_IN_FLIGHT, agree_used, shards_norm
 from model import Block
-from extensions.offload import host_buffer, host_copy, host_to_device
+from extensions.offload import MasterOnHost
 from foundations.placements import data_reduction, placement
 from foundations.process_groups import check_same_parameters
 
 
 def gpt_blocks(module: nn.Module) -> bool:
     """The default wrap policy: one unit per transformer block; the rest is the root unit.
-    (Under expert parallelism composition/parallelize.py wraps each expert a rank holds as a unit of its own.)"""
+    (Under expert parallelism composition/parallelize.py wraps each expert a rank holds as a
+    unit of its own.)"""
     return isinstance(module, Block)
 
 
@@ -36,7 +38,7 @@ class FSDPState:
     reductions_in_flight = MAX_REDUCTIONS_IN_FLIGHT     # ZeRO-2's bound, whole unit gradients here
 
     def train(self, mode: bool = True):
-        self.module.train(mode)            # .module is not a submodule (parameters() are the shards)
+        self.module.train(mode)     # .module is not a submodule (parameters() are the shards)
         return super().train(mode)
 
     # ---- the wrap: the arguments checked, the units made ----------------------------------
@@ -49,7 +51,8 @@ class FSDPState:
             raise ValueError(f"FSDP compute_dtype (mp_policy's param_dtype) must be torch.float32, "
                              f"bfloat16 or float16, got {self.compute_dtype}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"FSDP prefetch must be a whole number of units >= 0, got {self.prefetch!r}")
+            raise ValueError(f"FSDP prefetch must be a whole number of units >= 0, "
+                             f"got {self.prefetch!r}")
         trainable = [p for p in module.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("FSDP: the module has no trainable parameters (requires_grad=True)")
@@ -103,7 +106,8 @@ class FSDPState:
         """The unit of params, module's (a tensor list in module order), or None."""
         if not all(p.requires_grad for p in params):
             raise ValueError("FSDP shards trained parameters only: for a frozen base (LoRA's, "
-                             "requires_grad=False) use fsdp_frozen.FrozenBaseFSDP, which shards it too")
+                             "requires_grad=False) use fsdp_frozen.FrozenBaseFSDP, which shards "
+                             "it too")
         # With experts: an expert's unit is sharded over the ranks holding that expert.
         if len({placement(p).holders for p in params}) > 1:
             raise ValueError("FSDP: a unit mixes parameters held by different ranks (an "
@@ -111,7 +115,7 @@ class FSDPState:
         comm, op, divide = data_reduction(params[0], self.comm, self.data_world)
         unit = self.unit_type(index, module, params, comm, self.compute_dtype, self.device)
         unit.op, unit.divide = op, divide
-        unit.replicas = None            # ranks holding copies of its shard (extensions/fsdp_hybrid.py's)
+        unit.replicas = None     # ranks holding copies of its shard (extensions/fsdp_hybrid.py's)
         return unit
 
     def _agree_used(self):
@@ -119,17 +123,12 @@ class FSDPState:
         unit no rank used gets .grad None (flat.agree_used). Collective."""
         agree_used(self.units, self.device)
 
-    # ---- reduce-scatter less often: gradient accumulation, a pipeline's step -------------------
+    def _tell(self, what: str, unit):
+        """Tell each of FSDP's observers (FSDPTrace) what just happened to unit."""
+        for observe in self.observers:
+            observe(what, unit)
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate full (unsharded) gradients locally; the next backward outside reduces them.
-        Saves the traffic of every micro-batch but one at the price of a full gradient per rank."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
+    # ---- reduce-scatter less often: a pipeline's step (FSDP.no_sync: accumulation) -------------
 
     @contextlib.contextmanager
     def gathered_for_step(self):
@@ -147,7 +146,7 @@ class FSDPState:
             for unit in self.root_units + self.forward_order:
                 unit.free()
 
-    # ---- the shards and their gradients (napkin/memory.py, the optimizer) ---------------------------
+    # ---- the shards and their gradients (napkin/memory.py, the optimizer) ---------------------
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The gradient shards this rank holds (fp32, on the device)."""
@@ -159,7 +158,7 @@ class FSDPState:
         return [shard for unit in self.root_units + self.forward_order for shard in unit.kept()]
 
     def device_shards(self) -> list[torch.Tensor]:
-        """The kept shards that live on the device (napkin/memory.py counts them): all of them here."""
+        """The kept shards that live on the device (napkin/memory.py counts them): all here."""
         return self.kept_shards()
 
     def host_shards(self) -> list[torch.Tensor]:
@@ -170,8 +169,7 @@ class FSDPState:
         """ZeRO-Offload (FSDPOptimizer(offload=True)): each fp32 master shard moves to the host,
         where the optimizer steps; the device keeps it rounded, for the all-gathers."""
         for unit in self.units:
-            extend(unit, MasterOnHost)
-            unit.move_master_to_host(self.compute_dtype)
+            unit.offloaded = MasterOnHost(unit.master, self.compute_dtype)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -214,48 +212,27 @@ class FSDPState:
         return out if all_ranks or self.comm.rank == 0 else {}
 
 
-# ---- extending a unit already built ----------------------------------------------------------
+class FSDPTrace:
+    """The life of an FSDP's units, watched from outside. `events`: the last forward's and
+    backward's [(what, unit index)] in order ("all-gather", "forward", "forward done", "backward",
+    "reduce-scatter"), and `peak_gathered_bytes`, the most bytes of gathered units (the root too)
+    held at once since the trace began. FSDP tells it of each gather, compute and reduce-scatter
+    (its observers); module hooks tell it the rest."""
 
-def extend(unit, mixin: type):
-    """Give a unit built already an extension's behaviour: its class becomes mixin over its own
-    (FSDPOptimizer decides to offload the masters after FSDP made its units)."""
-    unit.__class__ = _over(mixin, type(unit))
+    def __init__(self, fsdp):
+        self.fsdp, self.events, self.peak_gathered_bytes = fsdp, [], 0
+        fsdp.observers.append(self.saw)
+        fsdp.register_forward_pre_hook(self._new_step)
+        for unit in fsdp.forward_order:      # after FSDP's own hook has freed the unit
+            unit.module.register_forward_hook(
+                lambda m, args, out, u=unit: self.saw("forward done", u))
 
+    def _new_step(self, fsdp, args):
+        self.events = []
 
-@functools.cache
-def _over(mixin: type, cls: type) -> type:
-    return type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
-
-
-class MasterOnHost:
-    """A unit (fsdp.Unit) whose fp32 master is in host memory, where FSDPOptimizer(offload=True)
-    steps on it (ZeRO-Offload, extensions/offload.py). The device keeps
-        compute_shard (S,) compute dtype, the master rounded: what the all-gathers send
-        device_grad   (S,) fp32, the reduced gradient (a host master's .grad cannot live there)
-    and host_grad, an (S,) fp32 host buffer, is where the optimizer copies the gradient."""
-
-    def move_master_to_host(self, compute_dtype: torch.dtype):
-        self.compute_shard = self.master.detach().to(compute_dtype, copy=True)    # (S,)
-        self.host_grad = host_buffer(self.compute_shard)
-        self.master.data = host_copy(self.master)          # the device's fp32 copy is freed
-        self.device_grad = None
-
-    @property
-    def grad(self):
-        return self.device_grad
-
-    @grad.setter
-    def grad(self, value):
-        self.device_grad = value
-
-    def to_send(self) -> torch.Tensor:
-        return self.compute_shard
-
-    def kept(self) -> list[torch.Tensor]:
-        return [self.compute_shard, *super().kept()]
-
-    def refresh(self):
-        """The master changed: copied back to its compute shard (host -> device, asynchronous
-        from pinned memory), and the gathered copy dropped."""
-        host_to_device(self.compute_shard, self.master.detach())
-        super().refresh()
+    def saw(self, what: str, unit):
+        self.events.append((what, unit.index))
+        if what == "all-gather":
+            units = self.fsdp.root_units + self.fsdp.forward_order
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(
+                flat.untyped_storage().nbytes() for u in units for flat in u.flats()))

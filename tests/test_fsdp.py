@@ -21,6 +21,7 @@ import train
 from foundations.comm import Comm
 from ddp import DDP
 from fsdp import FSDP, MixedPrecisionPolicy
+from mechanics.fsdp_state import FSDPTrace
 from mechanics.fsdp_optimizer import FSDPOptimizer
 from extensions.fsdp_frozen import FrozenBaseFSDP
 from napkin.memory_math import held_bytes, live_tensor_bytes, state_bytes
@@ -190,6 +191,7 @@ def _bytes_and_memory(batches):
     ddp.finish_gradient_sync()
     out["ddp_bytes"] = sum(comm.bytes_sent.values())
     wrapped = FSDP(gpt, group=comm, prefetch=1)
+    trace = FSDPTrace(wrapped)
     opt = FSDPOptimizer(wrapped, **ADAMW)
     sent, live = [], []
     for step, batch in enumerate(batches):
@@ -200,8 +202,8 @@ def _bytes_and_memory(batches):
         opt.step()
         sent.append(dict(comm.bytes_sent))
         live.append(live_tensor_bytes())
-    out.update(sent=sent, live=live, predicted=fsdp_bytes_per_step(wrapped), events=wrapped.events,
-               held=held_bytes(wrapped, opt), peak=wrapped.peak_gathered_bytes,
+    out.update(sent=sent, live=live, predicted=fsdp_bytes_per_step(wrapped), events=trace.events,
+               held=held_bytes(wrapped, opt), peak=trace.peak_gathered_bytes,
                unit_bytes=[u.flat.numel() * 4 for u in wrapped.units],
                root=wrapped.units.index(wrapped.root), n_params=sum(p.numel() for p in gpt.parameters()))
     # Root-less: every parameter in a unit freed after forward, so every unit is gathered twice.
@@ -799,15 +801,16 @@ def _event_orders():
     step inside gathered_for_step (a pipeline stage's)."""
     torch.manual_seed(0)
     wrapped = FSDP(build_model("tiny", **{**MODEL, "n_layer": 4, "n_embd": 16}), prefetch=1)
+    trace = FSDPTrace(wrapped)
     x = _batches(1, 2)[0]                                             # (2, T+1)
     wrapped(x[:, :-1], x[:, 1:])[1].backward()
     wrapped.finish_gradient_sync()
-    plain = list(wrapped.events)
+    plain = list(trace.events)
     with wrapped.gathered_for_step():
         wrapped(x[:, :-1], x[:, 1:])[1].backward()
-        whole_step = list(wrapped.events)
+        whole_step = list(trace.events)
     wrapped.finish_gradient_sync()
-    return plain, whole_step + wrapped.events[len(whole_step):]
+    return plain, whole_step + trace.events[len(whole_step):]
 
 
 def test_prefetch_1_gathers_one_unit_ahead_in_this_order():
@@ -839,10 +842,11 @@ def _plain_step_events(prefetch: int) -> list:
     """FSDP's events over a 4-block GPT (the root is unit 0, blocks 1-4): one plain step."""
     torch.manual_seed(0)
     wrapped = FSDP(build_model("tiny", **{**MODEL, "n_layer": 4, "n_embd": 16}), prefetch=prefetch)
+    trace = FSDPTrace(wrapped)
     x = _batches(1, 2)[0]                                             # (2, T+1)
     wrapped(x[:, :-1], x[:, 1:])[1].backward()
     wrapped.finish_gradient_sync()
-    return list(wrapped.events)
+    return list(trace.events)
 
 
 @pytest.mark.parametrize("prefetch", [2, 3])

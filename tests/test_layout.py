@@ -257,3 +257,34 @@ def test_no_textbook_line_is_over_100_characters(module):
     """The concept files, the model and train.py are read, not scrolled: no line over 100."""
     long = [n for n, line in enumerate(_path(module).read_text().splitlines(), 1) if len(line) > 100]
     assert not long, f"{module}.py has lines over 100 characters: {long}"
+
+
+def test_no_class_is_swapped_at_run_time():
+    """An object keeps the class it was built as: no file assigns `__class__` (by `=` or
+    setattr); what an object can become is declared in its class (fsdp.Unit.offloaded)."""
+    swaps = []
+    for module, path in _project_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            named = [t for t in targets if isinstance(t, ast.Attribute) and t.attr == "__class__"]
+            called = (isinstance(node, ast.Call) and "setattr" in ast.unparse(node.func)
+                      and any(isinstance(a, ast.Constant) and a.value == "__class__"
+                              for a in node.args))
+            if named or called:
+                swaps.append(f"{module}:{node.lineno}")
+    assert not swaps, f"a class swapped at run time: {swaps}"
+
+
+def test_fsdp_algorithm_keeps_no_bookkeeping():
+    """fsdp.py's Unit and FSDP record no events and no peak of memory: FSDPTrace
+    (mechanics/fsdp_state.py) watches them from outside."""
+    tree = ast.parse(_path("fsdp").read_text())
+    classes = [c for c in tree.body if isinstance(c, ast.ClassDef) and c.name in ("Unit", "FSDP")]
+    assert len(classes) == 2
+    names = {n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute)
+             else n.arg if isinstance(n, ast.arg) else n.name
+             for c in classes for n in ast.walk(c)
+             if isinstance(n, (ast.Name, ast.Attribute, ast.arg, ast.FunctionDef))}
+    kept = sorted(n for n in names if "event" in n.lower() or "peak" in n.lower())
+    assert not kept, f"fsdp.py's algorithm keeps bookkeeping: {kept}"
