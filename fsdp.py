@@ -76,7 +76,7 @@ class Unit(FlatParams):
         self.flat.untyped_storage().resize_(0)
         self.gathering, self.gathered = (), False
         self.used = [False] * len(self.params)     # got a gradient since .grad was None (zero_grad)
-        # ZeRO-Offload's MasterOnHost (extensions/offload.py) once the master is on the host
+        # ZeRO-Offload's MasterOnHost (mechanics/offload.py) once the master is on the host
         self.offloaded = None
 
     @property

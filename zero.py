@@ -62,7 +62,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         self.shard_step = ShardedStep(self, self.buckets, self.comm, optimizer_cls,
                                       optimizer_kwargs)
         self.masters = self.shard_step.masters
-        self.flats = self.buckets             # the name extensions/offload.py's OffloadedStep reads
+        self.flats = self.buckets             # the name mechanics/offload.py's OffloadedStep reads
         self.optimizer = self.shard_step.optimizer          # the inner optimizer
         self.device = self.shard_step.device               # where the gradient shards are
         self.last_grad_norm, self.last_step_skipped = None, False

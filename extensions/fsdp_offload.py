@@ -1,6 +1,6 @@
 """Parameter offload: FSDP's shards wait in host memory, and visit the device for their all-gathers.
 
-ZeRO-Offload (FSDPOptimizer(offload=True), extensions/offload.py) moves the fp32 masters and the
+ZeRO-Offload (FSDPOptimizer(offload=True), mechanics/offload.py) moves the fp32 masters and the
 optimizer state to the host; the device still keeps each trained shard in the compute dtype,
 and the frozen shards (extensions/fsdp_frozen.py). Parameter offload (ZeRO-Infinity's,
 Rajbhandari et al. 2021; FSDP's CPUOffload(offload_params=True)) moves those too: between its
@@ -15,7 +15,7 @@ test: python -m pytest tests/test_fsdp_qlora.py -k offload
 import torch
 
 from fsdp import FSDP
-from extensions.offload import host_copy
+from mechanics.offload import host_copy
 
 
 class OffloadedFSDP(FSDP):

@@ -1,7 +1,7 @@
 """ZeRO-Offload on either ZeRO stage, and ZeRO as the command line names it (zero_optimizer).
 
 ZeRO-Offload (Ren et al. 2021, section 4) keeps each rank's shard of the fp32 master and the
-Adam moments in host memory and runs the step on the CPU (extensions/offload.py's
+Adam moments in host memory and runs the step on the CPU (mechanics/offload.py's
 OffloadedStep). The device keeps the parameters and the gradients (stage 1's whole buffers,
 stage 2's shards), as without it. A delta on zero.py's optimizers: it overrides the two methods
 zero.py leaves for it (_new_master, _master_into_model) and OffloadedStep's phases of the step.
@@ -9,7 +9,7 @@ Test: python -m pytest tests/test_zero.py -k offload
 """
 import torch
 
-from extensions.offload import OffloadedStep, host_to_device
+from mechanics.offload import OffloadedStep, host_to_device
 from foundations.flat import Bucket
 from zero import Zero2Optimizer, ZeroOptimizer
 

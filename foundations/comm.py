@@ -252,7 +252,6 @@ class Comm:
 
 
 # mechanics/fsdp_state.py's name for Comm.from_group, until it calls the classmethod itself.
-as_comm = Comm.from_group
 
 
 def all_to_all_bytes(input: torch.Tensor, input_splits, rank: int, world_size: int) -> int:

@@ -5,7 +5,7 @@ the step is ZeRO's (zero.py's ZeroOptimizer.step; both compose mechanics/sharded
 ShardedStep) with no all-gather after it: the next forward gathers. A plain torch.optim
 optimizer over FSDP.parameters() works too (with FSDP.clip_grad_norm_); this one adds fp16's
 loss scale, leaves parameters no rank used unchanged, and offloads (ZeRO-Offload, Ren et al.
-2021: extensions/offload.py).
+2021: mechanics/offload.py).
 Test: python -m pytest tests/test_fsdp.py
 """
 import torch
@@ -14,7 +14,7 @@ from foundations.launch import flags_to_device
 from mechanics.sharded_step import ShardedStep
 from mixed_precision import DynamicLossScaler
 from foundations.inner_optimizer import run_closure
-from extensions.offload import OffloadedStep
+from mechanics.offload import OffloadedStep
 
 
 class FSDPStep(ShardedStep.Owner, torch.optim.Optimizer):
@@ -150,7 +150,7 @@ class FSDPStep(ShardedStep.Owner, torch.optim.Optimizer):
 
 
 class FSDPOptimizer(OffloadedStep, FSDPStep):
-    """FSDPStep, with ZeRO-Offload's step on the host when built with offload=True (extensions/offload.py)."""
+    """FSDPStep, with ZeRO-Offload's step on the host when built with offload=True (mechanics/offload.py)."""
 
     def host_tensors(self) -> list[torch.Tensor]:
         return super().host_tensors() + self.fsdp.host_shards()

@@ -6,7 +6,7 @@ parameter given to the nearest wrapped module above it, one unit per wrapped mod
 auto_wrap_policy; FSDP2 calls fully_shard on each), the rest in the root unit. The readings:
 napkin/memory.py counts the bytes each rank holds, a plain torch optimizer clips the global norm, a
 checkpoint reads the whole model, the napkin math checks the bytes a step sends; and ZeRO-Offload
-(FSDPOptimizer(offload=True)) moves the masters to the host (extensions/offload.py's
+(FSDPOptimizer(offload=True)) moves the masters to the host (mechanics/offload.py's
 MasterOnHost). HSDP, parameter offload and the frozen base override some of these. FSDPTrace
 watches a unit's life from outside: the order of its gathers, computes and reduce-scatters, and
 the most bytes gathered at once. Test: python -m pytest tests/test_fsdp.py
@@ -17,10 +17,10 @@ import math
 import torch
 import torch.nn as nn
 
-from foundations.comm import as_comm
+from foundations.comm import Comm
 from foundations.flat import MAX_REDUCTIONS_IN_FLIGHT, agree_used, shards_norm
 from model import Block
-from extensions.offload import MasterOnHost
+from mechanics.offload import MasterOnHost
 from foundations.placements import data_reduction, placement
 from foundations.process_groups import check_same_parameters
 
@@ -45,8 +45,8 @@ class FSDPState:
 
     def _checked(self, module: nn.Module, group, device) -> tuple:
         """FSDP's arguments, checked before any work, the same model on every rank: (the
-        collectives.Comm of group (None: the world), the device the shards live on)."""
-        comm = as_comm(group)
+        foundations/comm.py's Comm of group (None: the world), the device the shards live on)."""
+        comm = Comm.from_group(group)
         if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"FSDP compute_dtype (mp_policy's param_dtype) must be torch.float32, "
                              f"bfloat16 or float16, got {self.compute_dtype}")

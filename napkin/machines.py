@@ -32,7 +32,7 @@ from napkin.memory_math import activation_bytes
 from mixed_precision import DTYPES
 from model import PRESETS as MODELS, Block, GPTConfig
 from moe import feed_forward
-from extensions.offload import host_buffer
+from mechanics.offload import host_buffer
 from foundations.launch import Handle
 from foundations.process_groups import exit_distributed, init_distributed
 from foundations.values import Parser, whole

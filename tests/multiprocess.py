@@ -214,7 +214,7 @@ def nccl_rules(device=torch.device("cpu")):
     and a collective or a p2p message given a tensor that is not on `device`, or is host memory,
     raises. For CPU tests; the ring's launcher thread is outside the mode (it is per thread), so
     its messages are checked against the recorded host storages alone."""
-    from extensions import offload
+    from mechanics import offload
     host = _HostMemory()
     original_host_buffer = offload.host_buffer
 

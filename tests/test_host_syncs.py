@@ -97,7 +97,7 @@ class SyncCounter:
         return call
 
     def install(self):
-        from extensions import offload
+        from mechanics import offload
         for name in TENSOR_METHODS:
             setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
         for name in TORCH_FUNCTIONS:

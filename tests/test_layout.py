@@ -33,7 +33,7 @@ PACKAGES = {"foundations", "mechanics", "extensions", "composition", "running", 
             "pretrained"}
 # The files that are a concept's own beyond it (its mechanics; an extension that reads as a delta
 # after its core), held to the same sitting.
-OWN = {"zero": {"mechanics.sharded_step", "extensions.offload", "extensions.zero_offload"},
+OWN = {"zero": {"mechanics.sharded_step", "mechanics.offload", "extensions.zero_offload"},
        "fsdp": {"mechanics.fsdp_state", "mechanics.fsdp_optimizer", "extensions.fsdp_hybrid",
                 "extensions.fsdp_offload", "extensions.fsdp_frozen"},
        "pipeline": {"mechanics.pipeline_mechanics", "extensions.schedules", "extensions.zero_bubble"},

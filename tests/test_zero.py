@@ -1023,7 +1023,7 @@ def test_offload_pins_exactly_the_bytes_it_holds(monkeypatch):
     a parameter's .data still holds it."""
     import gc
     import types
-    from extensions import offload
+    from mechanics import offload
     calls = []
     fake = types.SimpleNamespace(
         cudaHostRegister=lambda ptr, size, flags: calls.append(("register", ptr, size)) or 0,
