@@ -68,7 +68,8 @@ def parse_args(argv=None):
                         "auto walks memory.py's flow chart for this machine's memory")
     p.add_argument("--mem-budget", default=None, metavar="BYTES",
                    help="--strategy auto: memory per rank, e.g. 2GB (default: the GPU's free memory)")
-    p.add_argument("--model", choices=list(PRESETS), default=PRESETS_DEFAULT, help="model size (model.py's presets)")
+    p.add_argument("--model", choices=list(PRESETS), default=PRESETS_DEFAULT,
+                   help="model size (model.py's presets)")
     p.add_argument("--data", default=None, help="a text file to train on (default: the embedded "
                                                 "Python standard library source)")
     p.add_argument("--steps", type=whole, default=300, help="optimizer steps in all (a resumed run "
@@ -205,9 +206,9 @@ def parse_args(argv=None):
     run.add_argument("--export", default=None,
                      help="at the end, write one fp32 model file that loads without torch.distributed")
     run.add_argument("--export-hf", default=None, metavar="DIR",
-                     help="with --init-from hf:DIR: at the end, write the trained model as a Hugging "
-                          "Face directory (config.json, model.safetensors in fp32 with LoRA merged, "
-                          "tokenizer.json)")
+                     help="with --init-from hf:DIR: at the end, write the trained model as a "
+                          "Hugging Face directory (config.json, model.safetensors in fp32 with "
+                          "LoRA merged, tokenizer.json)")
     run.add_argument("--timeout", type=float, default=None,
                      help="seconds a collective waits for a dead or stuck rank before the run stops "
                           "(default: 120 on CPU, 600 on GPU)")
@@ -267,7 +268,8 @@ def check_pretrained_run(parser, args):
             parser.error(f"--init-from {e}")
     chosen = args.resume not in (None, "must", "auto")
     resumed = args.resume if chosen else args.out if args.resume else None
-    args.hf = snapshot.pretrained_directory(args.init_from) or snapshot.pretrained_directory(resumed)
+    args.hf = (snapshot.pretrained_directory(args.init_from)
+               or snapshot.pretrained_directory(resumed))
     if not args.hf:
         if args.export_hf:
             parser.error("--export-hf writes a Hugging Face directory of a model loaded from one: "
@@ -288,9 +290,13 @@ def check_pretrained_run(parser, args):
     if args.export:
         parser.error(f"--export {args.export} writes model.py's GPT: for the model of "
                      f"hf:{args.hf} use --export-hf DIR")
+    if args.export_hf:
+        check_writable_directory(parser, "--export-hf", args.export_hf, "config.json, "
+                                 "model.safetensors and tokenizer.json are written into it")
     if args.seq_len > config.block_size and not args.sample:
         parser.error(f"--seq-len {args.seq_len} is longer than the {config.block_size} positions "
-                     f"of hf:{args.hf} (its config.json): use --seq-len {config.block_size} or less")
+                     f"of hf:{args.hf} (its config.json): use --seq-len {config.block_size} or "
+                     f"less")
 
 
 def check_lora_flags(parser, args):

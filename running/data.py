@@ -43,16 +43,22 @@ class TextData:
         return cls(pathlib.Path(path).read_bytes() if path else stdlib_text(),
                    tokenizer=tokenizer)
 
+    def check_length(self, seq_len: int):
+        """A ValueError naming the fix unless both parts hold a window of seq_len + 1 tokens."""
+        for split, tokens in self.splits.items():
+            if len(tokens) <= seq_len:
+                raise ValueError(f"the {split} text has {len(tokens)} tokens, fewer than "
+                                 f"--seq-len {seq_len} + 1: use a larger --data file or a "
+                                 f"shorter --seq-len")
+
     def batch(self, step: int, batch_size: int, seq_len: int, seed: int = 0,
               split: str = "train", rank: int = 0, world_size: int = 1):
         """This rank's slice of the global batch for `step`: inputs and next-token targets.
 
         Returns x, y of shape (B/N, T), int64; y is x shifted one token to the left.
         """
+        self.check_length(seq_len)
         tokens = self.splits[split]
-        if len(tokens) <= seq_len:
-            raise ValueError(f"the {split} text has {len(tokens)} tokens, fewer than --seq-len "
-                             f"{seq_len} + 1: use a larger --data file or a shorter --seq-len")
         # One generator per (seed, split, step): the global batch depends on nothing else.
         # (Not Python's hash(): it is salted per process, and every rank must agree.)
         split_id = 0 if split == "train" else 1

@@ -1035,22 +1035,34 @@ def check_pretrained(path: str):
         raise CheckpointError(str(e)) from None
 
 
-def export_pretrained(path: str, gpt, optimizer, layout: Layout, rank, lora_config, hf: str):
+def export_pretrained(path: str, gpt, optimizer, layout: Layout, rank, lora_config, hf: str,
+                      out: str | None = None):
     """--export-hf: the trained model as a Hugging Face directory (config.json, model.safetensors,
     tokenizer.json: pretrained.load.export_hf) that load_pretrained reads back, fp32, LoRA
-    merged and a 4-bit base dequantized (as --export folds them). Collective; rank 0 writes."""
+    merged and a 4-bit base dequantized (as --export folds them). Collective; rank 0 writes, and
+    a write that fails stops every rank with its line (out: the run's --out, whose last
+    checkpoint it names)."""
     device = next(gpt.parameters()).device
     with frozen_whole(optimizer):
         saved = _export(gpt, optimizer, layout, rank, lora_config, device)
+    problem = None
     if rank == 0:
         model = new_model(saved["model"], hf)
         weights = saved["state_dict"]
         if model.cfg.tie_embeddings:
             weights.setdefault("head.weight", weights["token_emb.weight"])
         model.load_state_dict(weights)
-        export_hf(model, Tokenizer.read(os.path.join(hf, "tokenizer.json")), path,
-                  read_config(hf))
-    gather_objects(None, Comm(), device)          # every rank waits for rank 0's files
+        try:
+            export_hf(model, Tokenizer.read(os.path.join(hf, "tokenizer.json")), path,
+                      read_config(hf))
+        except OSError as e:
+            full = " (the disk or quota is full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            problem = (f"--export-hf {path}: writing {e.filename} failed: {e.strerror}{full}"
+                       + (f"; the trained weights are in {latest(out)}: free space and rerun "
+                          f"with --resume to export them" if out and latest(out) else ""))
+    verdict = gather_objects(problem, Comm(), device)[0]          # rank 0's, on every rank
+    if verdict:
+        raise RunError(verdict)
 
 
 def check_weights(weights: dict, gpt: GPT, path: str):

@@ -12,6 +12,8 @@ import train
 from multiprocess import run_ranks, train_logged
 from pretrained.load import load_pretrained
 from pretrained.tokenizer import Tokenizer
+from lora import QUANTIZED
+from quantization import normal_float_levels
 from running import cli
 from running.data import TextData
 from test_pretrained import family_directory
@@ -85,6 +87,34 @@ def test_export_hf_of_a_lora_run_loads_with_the_adapters_merged(hf, tmp_path):
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert tokenizer.encode("x = 1") == Tokenizer.read(str(hf["llama3"] / "tokenizer.json")).encode(
         "x = 1")
+
+
+def nf4_round_trip(weight: torch.Tensor) -> torch.Tensor:
+    """Each block of 64 values over its largest magnitude, rounded to the nearest NF4 level, scaled
+    back: the weight a 4-bit base computes with."""
+    levels = normal_float_levels()
+    flat = weight.reshape(-1)
+    blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % 64)).view(-1, 64)
+    scales = blocks.abs().amax(dim=1, keepdim=True)
+    nearest = (blocks / scales)[..., None].sub(levels).abs().argmin(dim=-1)
+    return (levels[nearest] * scales).view(-1)[:flat.numel()].view(weight.shape)
+
+
+def test_export_hf_of_a_qlora_run_holds_the_base_as_it_was_computed_with(hf, tmp_path):
+    exported = tmp_path / "exported"
+    argv = ["--init-from", f"hf:{hf['llama3']}", "--data", str(hf["data"]), "--steps", "3",
+            "--lora", "--quantize-base", "nf4", "--export-hf", str(exported), *SHAPE]
+    run_ranks(train_logged, 1, argv)
+    before = load_pretrained(str(hf["llama3"]))[0].state_dict()
+    weights = load_pretrained(str(exported))[0].state_dict()
+    for name, weight in weights.items():
+        kind = name.split(".")[-2]
+        if kind in ("query", "value"):        # adapted: the 4-bit W0 plus the trained update
+            assert not torch.allclose(weight, nf4_round_trip(before[name])), name
+        elif kind in QUANTIZED:                                # 4-bit, not adapted
+            assert torch.equal(weight, nf4_round_trip(before[name])), name
+        else:                  # kept in fp32: embeddings, norms, the head (and SwiGLU's gate)
+            assert torch.equal(weight, before[name]), name
 
 
 def greedy_text(directory, prompt: str, n: int) -> str:
