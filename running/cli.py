@@ -270,6 +270,13 @@ def check_pretrained_run(parser, args):
     resumed = args.resume if chosen else args.out if args.resume else None
     args.hf = (snapshot.pretrained_directory(args.init_from)
                or snapshot.pretrained_directory(resumed))
+    if args.hf and not (args.init_from or "").startswith(snapshot.HF):   # a run's record
+        flag = f"--init-from {args.init_from}" if args.init_from else f"--resume {resumed}"
+        try:
+            snapshot.check_pretrained(snapshot.HF + args.hf)
+        except snapshot.CheckpointError as e:
+            parser.error(f"{flag}: the run started from hf:{args.hf}, which no longer loads "
+                         f"({e}): put that directory back")
     if not args.hf:
         if args.export_hf:
             parser.error("--export-hf writes a Hugging Face directory of a model loaded from one: "

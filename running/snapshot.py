@@ -505,7 +505,7 @@ def _wrong_field(meta: dict) -> tuple[str, object, str] | None:
                        "the ranks that saved it, a whole number from 1"),
         "model": (isinstance(model, dict)
                   and model.keys() <= (PRETRAINED_FIELDS if meta.get("hf") else MODEL_FIELDS),
-                  "the model's configuration (GPTConfig's fields)"),
+                  "the model's configuration (GPTConfig's fields; LlamaConfig's too with hf)"),
         "hf": (isinstance(meta.get("hf"), (str, type(None))),
                "the Hugging Face directory the run started from, or null"),
         "args": (isinstance(args, dict) and isinstance(args.get("strategy"), str),
@@ -648,7 +648,8 @@ def base_identity(path: str) -> dict:
     {"path": the concrete weights (an --export file, or the checkpoint a run directory's newest
     is), "sha256": their checksum}. A run directory that trains on names other weights later;
     its checkpoint does not. A checkpoint's checksum is one of its parts' (meta.json's, which
-    load() verifies) and, an adapter itself, of its own base's: no second read of its files."""
+    load() verifies) and, an adapter itself, of its own base's: no second read of its files.
+    hf:DIR's is its config.json's and weight files' (read once a process)."""
     directory = pretrained_directory(path) if path.startswith(HF) else None
     if directory:                    # its config.json and weights, in the order their names sort
         files = sorted(f for f in os.listdir(directory)

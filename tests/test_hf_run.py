@@ -4,6 +4,7 @@ one and two ranks from the loaded model's own loss, --data is read in the direct
 --export-hf writes what load_pretrained reads back, --sample decodes, bad input gets one line."""
 import contextlib
 import io
+import shutil
 
 import pytest
 import torch
@@ -50,7 +51,8 @@ def reference_eval_loss(directory, data_path) -> float:
 def test_a_run_from_hf_dir_starts_at_the_loaded_models_loss_and_falls(hf, family, world):
     argv = ["--init-from", f"hf:{hf[family]}", "--data", str(hf["data"]), "--steps", "8",
             *SHAPE]
-    (history, printed), *_ = run_ranks(train_logged, world, argv)
+    preset = ["--model", "medium"] if world == 1 else []        # given, and not the model
+    (history, printed), *_ = run_ranks(train_logged, world, [*argv, *preset])
     # two ranks: each half the rows, the mean of equal halves' means (summation order: 1e-6)
     assert history["eval_loss_before"] == pytest.approx(
         reference_eval_loss(hf[family], hf["data"]), rel=0 if world == 1 else 1e-6)
@@ -58,6 +60,7 @@ def test_a_run_from_hf_dir_starts_at_the_loaded_models_loss_and_falls(hf, family
     losses = history["losses"]
     assert losses[max(losses)] < losses[0]
     assert f"model hf:{hf[family]}" in printed
+    assert ("note: --model medium is not the model" in printed) == bool(preset)
 
 
 def test_the_data_is_the_directorys_tokens(hf):
@@ -141,10 +144,10 @@ def test_sample_decodes_the_directorys_tokens(hf, family):
     assert sampled(argv) == greedy_text(hf[family], "def ", 6) + "\n"
 
 
-def test_a_checkpoint_of_an_hf_run_resumes_and_samples_as_that_model(hf, tmp_path):
-    out = tmp_path / "run"
-    argv = ["--init-from", f"hf:{hf['gpt2']}", "--data", str(hf["data"]), "--out", str(out),
-            *SHAPE]
+def test_a_checkpoint_of_an_hf_run_resumes_and_samples_as_that_model(hf, tmp_path, capsys):
+    out, model = tmp_path / "run", tmp_path / "model"
+    shutil.copytree(hf["gpt2"], model)
+    argv = ["--init-from", f"hf:{model}", "--data", str(hf["data"]), "--out", str(out), *SHAPE]
     whole, _ = run_ranks(train_logged, 1, [*argv, "--steps", "3"])[0]
     run_ranks(train_logged, 1, [*argv, "--steps", "2", "--overwrite"])
     resumed_argv = ["--data", str(hf["data"]), "--out", str(out), "--resume", *SHAPE]
@@ -156,6 +159,9 @@ def test_a_checkpoint_of_an_hf_run_resumes_and_samples_as_that_model(hf, tmp_pat
     argv = ["--sample", "--prompt", "def ", "--sample-tokens", "5", "--temperature", "0"]
     assert (sampled([*argv, "--init-from", str(out)])
             == sampled([*argv, "--init-from", f"hf:{exported}"]))
+    model.rename(tmp_path / "moved")             # the directory the checkpoints record is gone
+    line = refusal([*resumed_argv, "--steps", "4"], capsys)
+    assert f"--resume {out}: the run started from hf:{model}, which no longer loads" in line
 
 
 def refusal(argv, capsys) -> str:
@@ -190,3 +196,20 @@ def test_each_bad_input_gets_its_line(hf, tmp_path, capsys, case):
     argv, words = BAD[case]
     line = refusal(argv(hf, tmp_path), capsys)
     assert words in line, line
+
+
+def stopped_with(argv):
+    """train.main(argv) on this rank: its RunError's line, or None if it ran."""
+    try:
+        train_logged(argv)
+    except train.RunError as e:
+        return str(e)
+
+
+def test_a_text_too_short_in_the_models_tokens_is_said_on_every_rank(hf, tmp_path):
+    short = tmp_path / "short.txt"                 # enough bytes for cli's check, too few tokens
+    short.write_text(hf["data"].read_text()[:400])
+    argv = ["--init-from", f"hf:{hf['llama3']}", "--data", str(short), "--steps", "1", *SHAPE]
+    lines = run_ranks(stopped_with, 2, argv)
+    assert lines[0] is not None and lines[0].startswith("the eval text has ") and "tokens" in \
+        lines[0] and lines == [lines[0]] * 2, lines
