@@ -75,7 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=whole, default=300, help="optimizer steps in all (a resumed run "
                                                           "continues up to this many)")
     p.add_argument("--batch-size", type=whole, default=16, help="global batch, in sequences")
-    p.add_argument("--seq-len", type=whole, default=64, help="tokens (bytes) per sequence")
+    p.add_argument("--seq-len", type=whole, default=64, help="tokens per sequence (bytes; an hf:DIR "
+                   "model's own tokens)")
     p.add_argument("--tp", type=whole, default=1, help="ranks per tensor-parallel group, splitting "
                    "every matrix (the world is tp x cp x pp x data-parallel; --strategy tp: ddp with it)")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -229,7 +230,8 @@ def parse_args(argv=None):
     gen = p.add_argument_group("sampling (python train.py --sample --init-from RUN_DIR)")
     gen.add_argument("--sample", action="store_true", help="generate text from --init-from and stop")
     gen.add_argument("--prompt", default="def ", help="text the sample continues (default: 'def ')")
-    gen.add_argument("--sample-tokens", type=whole, default=300, help="bytes to generate")
+    gen.add_argument("--sample-tokens", type=whole, default=300,
+                     help="bytes to generate (an hf:DIR model's own tokens)")
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature of sampling")
     args = p.parse_args(argv)
     check_lora_flags(p, args)
