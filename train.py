@@ -156,10 +156,13 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     base = snapshot.base_identity(args.init_from) if args.lora and args.init_from else None
     dims = ParallelDims.from_args(args, world_size)       # the layout, computed once
     try:
-        gpt = new_gpt(args)                                          # fp32, the same on every rank
-        if args.init_from:
+        # fp32, the same on every rank; hf:DIR's weights are loaded as the model is built
+        gpt = snapshot.pretrained_model(args) or new_gpt(args)
+        if args.init_from and not args.init_from.startswith(snapshot.HF):
             load_weights(args.init_from, gpt)
         job = build(args, device, dims, gpt)
+        data = TextData.from_file(args.data, snapshot.pretrained_tokenizer(args.hf))
+        data.check_length(args.seq_len)       # a model's tokens: fewer than --data's bytes
     except ValueError as e:
         if not refused(e):
             raise                              # a bug on the way: its traceback says where
@@ -170,7 +173,6 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     layout = snapshot.layout_of(gpt, mesh.dp_cp, split)
     start, first_loss = (snapshot.resume(args, gpt, optimizer, layout, world_size, rank, log.say)
                          if args.resume else (0, None))
-    data = TextData.from_file(args.data)
     activations = report.say_header(args, gpt, job.napkin, log, dims, threads, device)
     history = {"losses": {}, "live_bytes": {}, "napkin": job.napkin, "held": {},     # this rank's
                "napkin_activations": activations and activations[0]}
@@ -219,6 +221,11 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
         snapshot.export(args.export, gpt, optimizer, layout, rank, lora_config(args), args.out)
         log.say(f"exported {args.export}: fp32 weights; "
                 f"train.load_weights({args.export!r}) loads them")
+    if args.export_hf:
+        snapshot.export_pretrained(args.export_hf, gpt, optimizer, layout, rank, lora_config(args),
+                                   args.hf, args.out)
+        log.say(f"exported {args.export_hf}: config.json, model.safetensors (fp32), "
+                f"tokenizer.json; pretrained.load.load_pretrained({args.export_hf!r}) loads them")
     return history
 
 

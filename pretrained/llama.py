@@ -177,4 +177,4 @@ class Llama(nn.Module):
 
     def forward(self, idx, targets=None):                        # idx: (B, T) token ids
         logits = self.logits(self.run_blocks(self.embed(idx)))   # (B, T, V)
-        return logits if targets is None else self.loss_fn(logits, targets)
+        return logits if targets is None else (logits, self.loss_fn(logits, targets))   # as GPT

@@ -49,14 +49,20 @@ def load_pretrained(directory: str, dtype: torch.dtype = torch.float32):
                               f"beside its config.json")
     tokenizer = Tokenizer.read(tokenizer_path)
     checkpoint = Checkpoint(directory)
-    cfg = model_config(config, os.path.join(directory, "config.json"))
-    with torch.device("meta"):                   # no memory, no random init: filled below
+    model = empty_model(config, os.path.join(directory, "config.json"), dtype)
+    fill(model, checkpoint, gpt2_source if isinstance(model, GPT) else llama_source)
+    return model, tokenizer, config
+
+
+def empty_model(config: dict, path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model config.json (at path) describes, its weights allocated but not set."""
+    cfg = model_config(config, path)
+    with torch.device("meta"):                   # no memory, no random init
         model = GPT(cfg) if isinstance(cfg, GPTConfig) else Llama(cfg)
     model = model.to(dtype).to_empty(device="cpu")
     if cfg.tie_embeddings:                # to_empty gave each module its own tensor: tie again
         model.head.weight = model.token_emb.weight
-    fill(model, checkpoint, gpt2_source if isinstance(cfg, GPTConfig) else llama_source)
-    return model, tokenizer, config
+    return model
 
 
 def read_config(directory: str) -> dict:

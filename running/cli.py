@@ -49,8 +49,13 @@ MAX_TIMEOUT = 24 * 3600
 # Sampling divides the logits by --temperature: above a few, every byte is about as likely as
 # any other (noise); at inf, NaN.
 MAX_TEMPERATURE = 10
+PRESETS_DEFAULT = "tiny"                  # --model's
 # The flags that name a file or directory: "" names none (and would leave the flag silently off).
-PATH_FLAGS = ("data", "out", "resume", "init_from", "export", "profile", "memory_snapshot")
+PATH_FLAGS = ("data", "out", "resume", "init_from", "export", "export_hf", "profile",
+              "memory_snapshot")
+# The strategies a model loaded from a Hugging Face directory trains under so far (the Llama
+# family under the others, and the meshes' checks of its shape: a later slice).
+PRETRAINED_STRATEGIES = ("single", "ddp")
 
 
 
@@ -63,13 +68,15 @@ def parse_args(argv=None):
                         "auto walks memory.py's flow chart for this machine's memory")
     p.add_argument("--mem-budget", default=None, metavar="BYTES",
                    help="--strategy auto: memory per rank, e.g. 2GB (default: the GPU's free memory)")
-    p.add_argument("--model", choices=list(PRESETS), default="tiny", help="model size (model.py's presets)")
+    p.add_argument("--model", choices=list(PRESETS), default=PRESETS_DEFAULT,
+                   help="model size (model.py's presets)")
     p.add_argument("--data", default=None, help="a text file to train on (default: the embedded "
                                                 "Python standard library source)")
     p.add_argument("--steps", type=whole, default=300, help="optimizer steps in all (a resumed run "
                                                           "continues up to this many)")
     p.add_argument("--batch-size", type=whole, default=16, help="global batch, in sequences")
-    p.add_argument("--seq-len", type=whole, default=64, help="tokens (bytes) per sequence")
+    p.add_argument("--seq-len", type=whole, default=64, help="tokens per sequence (bytes; an hf:DIR "
+                   "model's own tokens)")
     p.add_argument("--tp", type=whole, default=1, help="ranks per tensor-parallel group, splitting "
                    "every matrix (the world is tp x cp x pp x data-parallel; --strategy tp: ddp with it)")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -193,9 +200,16 @@ def parse_args(argv=None):
                           "before a run diverged: a new branch, so --out's checkpoints off its line "
                           "(saved after it; all, for one from elsewhere) are moved to OUT/abandoned-TIME/")
     run.add_argument("--init-from", default=None,
-                     help="weights only (fine-tuning): a run directory, a checkpoint or an --export file")
+                     help="weights only (fine-tuning): a run directory, a checkpoint, an --export "
+                          "file, or hf:DIR, a local Hugging Face model directory (config.json, "
+                          "model.safetensors, tokenizer.json), whose config.json gives the model "
+                          "(no --model) and whose tokenizer reads --data")
     run.add_argument("--export", default=None,
                      help="at the end, write one fp32 model file that loads without torch.distributed")
+    run.add_argument("--export-hf", default=None, metavar="DIR",
+                     help="with --init-from hf:DIR: at the end, write the trained model as a "
+                          "Hugging Face directory (config.json, model.safetensors in fp32 with "
+                          "LoRA merged, tokenizer.json)")
     run.add_argument("--timeout", type=float, default=None,
                      help="seconds a collective waits for a dead or stuck rank before the run stops "
                           "(default: 120 on CPU, 600 on GPU)")
@@ -216,10 +230,12 @@ def parse_args(argv=None):
     gen = p.add_argument_group("sampling (python train.py --sample --init-from RUN_DIR)")
     gen.add_argument("--sample", action="store_true", help="generate text from --init-from and stop")
     gen.add_argument("--prompt", default="def ", help="text the sample continues (default: 'def ')")
-    gen.add_argument("--sample-tokens", type=whole, default=300, help="bytes to generate")
+    gen.add_argument("--sample-tokens", type=whole, default=300,
+                     help="bytes to generate (an hf:DIR model's own tokens)")
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature of sampling")
     args = p.parse_args(argv)
     check_lora_flags(p, args)
+    check_pretrained_run(p, args)
     if args.mem_budget is not None and args.strategy != "auto":
         p.error("--mem-budget is the memory per rank that --strategy auto plans for: add --strategy "
                 "auto, or leave --mem-budget out")
@@ -240,6 +256,56 @@ def parse_args(argv=None):
 # The --lora-* flags' values where --lora is given without them.
 LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16, "lora_targets": "query,value",
                  "lora_dropout": 0.0}
+
+
+def check_pretrained_run(parser, args):
+    """args.hf: the Hugging Face directory the run's model comes from (--init-from hf:DIR, or the
+    one the run it resumes or starts from recorded), or None; and what such a run cannot do yet,
+    refused before any work: a strategy or split other than PRETRAINED_STRATEGIES, experts,
+    --export's file of model.py's GPT. --export-hf needs such a model."""
+    if args.init_from and args.init_from.startswith(snapshot.HF):
+        try:
+            snapshot.check_pretrained(args.init_from)
+        except snapshot.CheckpointError as e:
+            parser.error(f"--init-from {e}")
+    chosen = args.resume not in (None, "must", "auto")
+    resumed = args.resume if chosen else args.out if args.resume else None
+    args.hf = (snapshot.pretrained_directory(args.init_from)
+               or snapshot.pretrained_directory(resumed))
+    if args.hf and not (args.init_from or "").startswith(snapshot.HF):   # a run's record
+        flag = f"--init-from {args.init_from}" if args.init_from else f"--resume {resumed}"
+        try:
+            snapshot.check_pretrained(snapshot.HF + args.hf)
+        except snapshot.CheckpointError as e:
+            parser.error(f"{flag}: the run started from hf:{args.hf}, which no longer loads "
+                         f"({e}): put that directory back")
+    if not args.hf:
+        if args.export_hf:
+            parser.error("--export-hf writes a Hugging Face directory of a model loaded from one: "
+                         "add --init-from hf:DIR, or use --export FILE for this project's GPT")
+        return
+    config = snapshot.model_config_of(snapshot.read_config(args.hf), args.hf)
+    splits = [f"--{d} {getattr(args, d)}" for d in ("tp", "pp", "cp", "ep") if getattr(args, d) > 1]
+    if args.strategy not in (None, *PRETRAINED_STRATEGIES) or splits:
+        flag = f"--strategy {args.strategy}" if args.strategy not in (None, "ddp") else splits[0]
+        parser.error(f"{flag}: a model from hf:{args.hf} trains under --strategy "
+                     f"{' or '.join(PRETRAINED_STRATEGIES)} for now: use one of them")
+    if args.dropout:
+        parser.error(f"--dropout {args.dropout}: a model from hf:{args.hf} is loaded without "
+                     f"dropout: leave --dropout out")
+    if args.experts:
+        parser.error(f"--experts {args.experts}: hf:{args.hf}'s config.json gives the model, "
+                     f"dense: leave --experts out")
+    if args.export:
+        parser.error(f"--export {args.export} writes model.py's GPT: for the model of "
+                     f"hf:{args.hf} use --export-hf DIR")
+    if args.export_hf:
+        check_writable_directory(parser, "--export-hf", args.export_hf, "config.json, "
+                                 "model.safetensors and tokenizer.json are written into it")
+    if args.seq_len > config.block_size and not args.sample:
+        parser.error(f"--seq-len {args.seq_len} is longer than the {config.block_size} positions "
+                     f"of hf:{args.hf} (its config.json): use --seq-len {config.block_size} or "
+                     f"less")
 
 
 def check_lora_flags(parser, args):
@@ -303,12 +369,16 @@ def describe_run(args, world_size: int, data_size: int, device: str, n_params: i
     if getattr(args, "advice", None):
         lines.append(f"--strategy auto (advisor.py's flow chart, --mem-budget "
                      f"{args.mem_budget or 'free GPU memory'}): {args.advice}")
-    lines.append(f"{args.strategy} on {world_size}{shape} x {device} | model {args.model} "
+    model = f"hf:{args.hf}" if args.hf else args.model
+    lines.append(f"{args.strategy} on {world_size}{shape} x {device} | model {model} "
                  f"{n_model / 1e6:.2f}M params"
                  f"{f', {n_params / 1e6:.2f}M on this rank' if shape else ''} | "
                  f"{args.precision} | "
                  f"global batch {args.batch_size} x {args.seq_len} tokens, {micro_batches} | "
                  f"{collectives_used(args.collectives, dist.get_backend(), world_size)} | {args.steps} steps")
+    if args.hf and args.model != PRESETS_DEFAULT:
+        lines.append(f"note: --model {args.model} is not the model: hf:{args.hf}'s config.json "
+                     f"gives its shape")
     if world_size == 1 and args.strategy != "single":
         lines.append(f"note: --strategy {args.strategy} on one process is a world of 1 rank: nothing "
                      f"to average or shard, the same training as --strategy single; launch more "
@@ -394,10 +464,11 @@ def check_args(parser, args, world_size):
                      f"{flag} {micro} = {per_step} equal micro-batches: "
                      f"use a multiple of {per_step}, e.g. --batch-size {fixed}")
     block_size = PRESETS[args.model].block_size
-    if args.seq_len > block_size:
+    if args.seq_len > block_size and not args.hf:        # hf: check_pretrained_run's
         parser.error(f"--seq-len {args.seq_len} is longer than model {args.model}'s block size "
                      f"{block_size}: use --seq-len {block_size} or less, or a larger --model")
-    check_fits(parser, args, data_parallel * micro)
+    if not args.hf:              # a pretrained model's size: the napkin reads it (a later slice)
+        check_fits(parser, args, data_parallel * micro)
     if args.data is not None:
         if not os.path.isfile(args.data):
             what = ("a directory, not a text file" if os.path.isdir(args.data) else
@@ -543,7 +614,8 @@ def check_paths(parser, args):
     write, and one that holds no other run's checkpoints unless --resume continues it or
     --overwrite starts over; --resume's checkpoint must be one this run can continue. Every
     rank checks (each writes its part of every checkpoint), before any work."""
-    if args.init_from and not os.path.exists(args.init_from):
+    hf = args.init_from and args.init_from.startswith(snapshot.HF)   # check_pretrained_run's
+    if args.init_from and not hf and not os.path.exists(args.init_from):
         parser.error(f"--init-from {args.init_from}: no such file or directory; give a run "
                      f"directory, a checkpoint directory or an --export file")
     check_outputs_apart(parser, args)          # paths first: check_source reads every tensor
@@ -583,7 +655,8 @@ def check_outputs_apart(parser, args):
     inputs = []                 # (flag, its value, the file or checkpoint directory it reads)
     if args.init_from:
         newest = snapshot.latest(args.init_from) if os.path.isdir(args.init_from) else None
-        inputs.append(("--init-from", args.init_from, newest or args.init_from))
+        hf = snapshot.pretrained_directory(args.init_from) if not newest else None
+        inputs.append(("--init-from", args.init_from, newest or hf or args.init_from))
     if args.resume not in (None, "must", "auto"):
         inputs.append(("--resume", args.resume, args.resume))
     if args.data:
@@ -601,7 +674,8 @@ def check_outputs_apart(parser, args):
                              f"the run would write into the checkpoint it continues; give the run "
                              f"directory holding it (--out {os.path.dirname(os.path.normpath(given))}) "
                              f"or another")
-        for output, file in (("--export", args.export), ("--memory-snapshot", args.memory_snapshot)):
+        for output, file in (("--export", args.export), ("--export-hf", args.export_hf),
+                             ("--memory-snapshot", args.memory_snapshot)):
             relation = _relation(file, read) if file else None
             if relation in ("is", "lies inside"):
                 parser.error(f"{output} {file} {relation} {flag} {given}{_resolved(file, read)}, "

@@ -2,11 +2,12 @@
 
 The default corpus is the Python standard library's own source (the top-level .py files,
 found through sysconfig, sorted): real text on every machine with Python, no download.
-Tokens are bytes (vocabulary 256). A batch is a pure function of (seed, step): the global
+Tokens are bytes (vocabulary 256), or a pretrained model's own (--init-from hf:DIR: its
+byte-level BPE, pretrained/tokenizer.py). A batch is a pure function of (seed, step): the global
 batch is drawn the same way whatever the world size, and rank r takes its contiguous slice,
 so a run on N ranks can be compared line by line with a run on one.
 pinned_copy moves a batch to the device without the host waiting.
-Left out: tokenizers, streaming from disk, shuffling epochs (we sample windows at random).
+Left out: streaming from disk, shuffling epochs (we sample windows at random).
 Test: python -m pytest tests/test_data.py
 
 Shapes: B global batch, T sequence length, N ranks, r rank; each rank gets B/N rows.
@@ -26,26 +27,38 @@ def stdlib_text() -> bytes:
 class TextData:
     """A byte stream split into a training part and a held-out tail for the eval loss."""
 
-    def __init__(self, text: bytes, eval_fraction: float = 0.05):
-        tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)   # (L,) one token per byte
+    def __init__(self, text: bytes, eval_fraction: float = 0.05, tokenizer=None):
+        if tokenizer is None:
+            tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)  # (L,) one per byte
+        else:      # its ids (L,); bytes that are not UTF-8 are read as U+FFFD
+            ids = tokenizer.encode(text.decode("utf-8", errors="replace"))
+            tokens = torch.tensor(ids, dtype=torch.int32)
         split = int(len(tokens) * (1 - eval_fraction))
         self.splits = {"train": tokens[:split], "eval": tokens[split:]}
 
     @classmethod
-    def from_file(cls, path: str | None = None) -> "TextData":
-        """--data FILE, or the embedded standard-library corpus when no file is given."""
-        return cls(pathlib.Path(path).read_bytes() if path else stdlib_text())
+    def from_file(cls, path: str | None = None, tokenizer=None) -> "TextData":
+        """--data FILE, or the embedded standard-library corpus when no file is given; tokenizer:
+        a pretrained model's (pretrained.tokenizer.Tokenizer), None for bytes."""
+        return cls(pathlib.Path(path).read_bytes() if path else stdlib_text(),
+                   tokenizer=tokenizer)
+
+    def check_length(self, seq_len: int):
+        """A ValueError naming the fix unless both parts hold a window of seq_len + 1 tokens."""
+        for split, tokens in self.splits.items():
+            if len(tokens) <= seq_len:
+                raise ValueError(f"the {split} text has {len(tokens)} tokens, fewer than "
+                                 f"--seq-len {seq_len} + 1: use a larger --data file or a "
+                                 f"shorter --seq-len")
 
     def batch(self, step: int, batch_size: int, seq_len: int, seed: int = 0,
               split: str = "train", rank: int = 0, world_size: int = 1):
-        """This rank's slice of the global batch for `step`: inputs and next-byte targets.
+        """This rank's slice of the global batch for `step`: inputs and next-token targets.
 
-        Returns x, y of shape (B/N, T), int64; y is x shifted one byte to the left.
+        Returns x, y of shape (B/N, T), int64; y is x shifted one token to the left.
         """
+        self.check_length(seq_len)
         tokens = self.splits[split]
-        if len(tokens) <= seq_len:
-            raise ValueError(f"the {split} text has {len(tokens)} bytes, fewer than --seq-len "
-                             f"{seq_len} + 1: use a larger --data file or a shorter --seq-len")
         # One generator per (seed, split, step): the global batch depends on nothing else.
         # (Not Python's hash(): it is salted per process, and every rank must agree.)
         split_id = 0 if split == "train" else 1

@@ -116,9 +116,13 @@ def sample(args):
     if int(os.environ.get("RANK", 0)):            # a whole number: cli.parse_args checked it
         return
     gpt = load_weights(args.init_from).eval()
+    tokenizer = snapshot.pretrained_tokenizer(snapshot.pretrained_directory(args.init_from))
     torch.manual_seed(args.seed)
     # The prompt's own bytes: the model reads bytes, and a command line's that are not UTF-8
     # come as surrogates (Python's surrogateescape), which fsencode turns back into those bytes.
-    prompt = torch.tensor([list(os.fsencode(args.prompt))], dtype=torch.long)    # (1, T) bytes
-    tokens = gpt.generate(prompt, args.sample_tokens, temperature=args.temperature)
-    print(bytes(tokens[0].tolist()).decode("utf-8", errors="replace"))
+    prompt = os.fsencode(args.prompt)
+    ids = tokenizer.encode(prompt.decode("utf-8", errors="replace")) if tokenizer else list(prompt)
+    tokens = gpt.generate(torch.tensor([ids], dtype=torch.long), args.sample_tokens,   # (1, T)
+                          temperature=args.temperature)[0].tolist()
+    print(tokenizer.decode(tokens) if tokenizer else
+          bytes(tokens).decode("utf-8", errors="replace"))

@@ -301,7 +301,9 @@ def predicted_seconds(args, gpt, dims: ParallelDims, device) -> float | str:
         (args.ep > 1 and (strategy != "ddp" or cp > 1), "step_time.py prices --ep under ddp alone, "
                                                         "without --cp"),
         (cp > 1 and (args.cp_balance != "zigzag" or args.checkpoint_activations),
-         "step_time.py prices --cp with zigzag balance, without checkpointing")]
+         "step_time.py prices --cp with zigzag balance, without checkpointing"),
+        (getattr(args, "hf", None), "step_time.py prices model.py's GPT, not a model from a "
+                                    "Hugging Face directory (yet)")]
     why = next((why for left_out, why in unpriced if left_out), None)
     if why:
         return why

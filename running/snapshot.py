@@ -36,11 +36,17 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import lora
 from foundations.comm import Comm
 from model import GPT, GPTConfig
 from moe import feed_forward
+from pretrained.llama import LlamaConfig
+from pretrained import PretrainedError
+from pretrained.load import empty_model, export_hf, load_pretrained, read_config
+from pretrained.load import model_config as model_config_of
+from pretrained.tokenizer import Tokenizer
 from foundations.placements import placement
 from running.pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
                     gather_pieces, join_shards, load_pieces, optimizer_pieces, whole_piece)
@@ -422,6 +428,8 @@ def _failed_crc(file: str) -> str | None:
 # What a checkpoint's meta.json must hold for load() and resume(); save() writes them all.
 META_FIELDS = ("step", "world_size", "model", "args")
 MODEL_FIELDS = {field.name for field in dataclasses.fields(GPTConfig)}
+# A model loaded from a Hugging Face directory (meta.json's "hf") may be the Llama family's.
+PRETRAINED_FIELDS = MODEL_FIELDS | {field.name for field in dataclasses.fields(LlamaConfig)}
 
 
 def read_meta(path: str) -> dict:
@@ -495,8 +503,11 @@ def _wrong_field(meta: dict) -> tuple[str, object, str] | None:
         "step": (_count(meta["step"], 0), "the steps done, a whole number"),
         "world_size": (_count(meta["world_size"], 1),
                        "the ranks that saved it, a whole number from 1"),
-        "model": (isinstance(model, dict) and model.keys() <= MODEL_FIELDS,
-                  "the model's configuration (GPTConfig's fields)"),
+        "model": (isinstance(model, dict)
+                  and model.keys() <= (PRETRAINED_FIELDS if meta.get("hf") else MODEL_FIELDS),
+                  "the model's configuration (GPTConfig's fields; LlamaConfig's too with hf)"),
+        "hf": (isinstance(meta.get("hf"), (str, type(None))),
+               "the Hugging Face directory the run started from, or null"),
         "args": (isinstance(args, dict) and isinstance(args.get("strategy"), str),
                  "the run's options (with its --strategy)"),
         "sha256": (isinstance(sums, dict) and all(map(_checksum, sums.values())),
@@ -594,6 +605,9 @@ def check_source(path: str):
     memory-mapped (its tensors are read once, to check them: check_weights) and of a directory
     only meta.json (load() checks the parts), so every rank can check it before any work."""
     kinds = "give a run directory, a checkpoint directory (RUN/ckpt-NNNNNNN) or an --export file"
+    if path.startswith(HF):
+        check_pretrained(path)
+        return
     if os.path.isfile(path):
         try:
             saved = torch.load(path, mmap=True, weights_only=True)
@@ -634,17 +648,30 @@ def base_identity(path: str) -> dict:
     {"path": the concrete weights (an --export file, or the checkpoint a run directory's newest
     is), "sha256": their checksum}. A run directory that trains on names other weights later;
     its checkpoint does not. A checkpoint's checksum is one of its parts' (meta.json's, which
-    load() verifies) and, an adapter itself, of its own base's: no second read of its files."""
+    load() verifies) and, an adapter itself, of its own base's: no second read of its files.
+    hf:DIR's is its config.json's and weight files' (read once a process)."""
+    directory = pretrained_directory(path) if path.startswith(HF) else None
+    if directory:                    # its config.json and weights, in the order their names sort
+        files = sorted(f for f in os.listdir(directory)
+                       if f == "config.json" or f.endswith(".safetensors"))
+        sums = [_export_sha256(os.path.join(directory, f), *_version(os.path.join(directory, f)))
+                for f in files]
+        return {"path": HF + directory, "sha256": _sha256(json.dumps(sums).encode())}
     path = os.path.abspath(path)
     if os.path.isfile(path):
-        stat = os.stat(path)
-        return {"path": path, "sha256": _export_sha256(path, stat.st_mtime_ns, stat.st_size)}
+        return {"path": path, "sha256": _export_sha256(path, *_version(path))}
     checkpoint = latest(path) or path
     meta = read_meta(checkpoint)
     files = [f"rank{r:05d}.pt" for r in range(meta["world_size"])]
     parts = meta.get("sha256") or {f: _file_sha256(os.path.join(checkpoint, f)) for f in files}  # older
     return {"path": checkpoint, "sha256": _sha256(json.dumps([parts, meta.get("base_sha256")],
                                                              sort_keys=True).encode())}
+
+
+def _version(path: str) -> tuple[int, int]:
+    """A file's modification time (ns) and size: a new version of it has another."""
+    stat = os.stat(path)
+    return stat.st_mtime_ns, stat.st_size
 
 
 @functools.lru_cache(maxsize=8)
@@ -659,7 +686,7 @@ def check_adapter_base(meta: dict, path: str):
     was trained on (meta["base_sha256"]; older checkpoints record none): one CheckpointError
     naming the fix otherwise, for the adapter over any other base is another model."""
     base = meta["base"]
-    if not os.path.exists(base):
+    if not os.path.exists(base.removeprefix(HF)):
         raise CheckpointError(f"{path} holds a LoRA adapter over the base {base}, which is missing "
                               f"(moved or deleted; a run's --keep prunes its old checkpoints): put "
                               f"those weights back at {base}")
@@ -757,7 +784,7 @@ def save_checkpoint(args, step, gpt, optimizer, layout: Layout, loss=None, lora_
     part = {"pieces": pieces, "rng": rng, "scaler": optimizer.scaler.state_dict()}
     meta = {"model": model_config(gpt), "args": vars(args), "data_position": step,
             "lora": lora_config, "base": base and base["path"], "base_sha256": base and base["sha256"],
-            "loss": loss, "first_loss": first_loss}
+            "loss": loss, "first_loss": first_loss, "hf": args.hf}
     return save(args.out, step, part, meta, keep=args.keep)
 
 
@@ -776,7 +803,7 @@ def resume(args, gpt, optimizer, layout: Layout, world_size, rank, say) -> tuple
     meta, parts = load(path)
     check_same_model(meta["model"], model_config(gpt), path)
     bookkeeping = ("out", "save_every", "keep", "resume", "overwrite", "export", "timeout", "log_every",
-                   "init_from")
+                   "init_from", "hf", "export_hf")
     changed = [(k, v, vars(args).get(k)) for k, v in meta["args"].items()
                if k not in bookkeeping and vars(args).get(k) != v]
     pieces = Pieces([p for part in parts for p in part["pieces"]])
@@ -901,21 +928,28 @@ def _export(gpt, optimizer, layout: Layout, rank, lora_config, device) -> dict |
     return {"model": model_config(gpt), "state_dict": weights}
 
 
-def load_weights(path: str, gpt: GPT | None = None) -> GPT:
-    """fp32 weights from a run directory, a checkpoint or an --export file, on one process.
+def load_weights(path: str, gpt: nn.Module | None = None) -> nn.Module:
+    """fp32 weights from a run directory, a checkpoint, an --export file or hf:DIR (a Hugging Face
+    directory), on one process.
 
-    Into `gpt` (its configuration must match, dropout aside) or into a new GPT of the saved
-    configuration: `load_weights("model.pt")` is all a user of an exported model needs.
+    Into `gpt` (its configuration must match, dropout aside) or into a new model of the saved
+    configuration: `load_weights("model.pt")` is all a user of an exported model needs. A run
+    that started from hf:DIR recorded it (meta.json's "hf"): its model is that directory's.
     """
-    if os.path.isfile(path):
+    if path.startswith(HF):
+        loaded = load_pretrained(pretrained_directory(path))[0]
+        if gpt is None:
+            return loaded
+        config, weights = model_config(loaded), loaded.state_dict()
+    elif os.path.isfile(path):
         saved = torch.load(path, weights_only=True)
         config, weights = saved["model"], saved["state_dict"]
     else:
         path = latest(path) or path
         meta, parts = load(path)
-        config = meta["model"]
+        config, hf = meta["model"], meta.get("hf")
         pieces = Pieces([p for part in parts for p in part["pieces"]])
-        saved_from = GPT(GPTConfig(**config), feed_forward)
+        saved_from = new_model(config, hf)
         if meta.get("lora"):        # a LoRA run saved its adapter; the base is meta["base"]
             if meta["base"]:
                 check_adapter_base(meta, path)
@@ -924,6 +958,8 @@ def load_weights(path: str, gpt: GPT | None = None) -> GPT:
         weights = pieces.full_state_dict(saved_from, missing_from_model=bool(meta.get("base")))
         if meta.get("lora"):
             weights = lora.fold_adapters(weights, saved_from)
+        if gpt is None and hf:
+            gpt = new_model(config, hf)
     if gpt is None:
         gpt = GPT(GPTConfig(**config), feed_forward)
     else:
@@ -933,6 +969,101 @@ def load_weights(path: str, gpt: GPT | None = None) -> GPT:
         weights.setdefault("head.weight", weights["token_emb.weight"])
     gpt.load_state_dict(weights)
     return gpt
+
+
+def new_model(config: dict, hf: str | None) -> nn.Module:
+    """The model a checkpoint's configuration describes: hf's architecture (its config.json) for
+    a run that started from a Hugging Face directory, else model.py's GPT. Weights not set."""
+    if hf:
+        return empty_model(read_config(hf), os.path.join(hf, "config.json"))
+    return GPT(GPTConfig(**config), feed_forward)
+
+
+# ---- a run from a Hugging Face directory: --init-from hf:DIR, --export-hf DIR ------------------
+
+HF = "hf:"          # --init-from hf:DIR names a Hugging Face model directory
+
+
+def pretrained_directory(path: str | None) -> str | None:
+    """The Hugging Face directory a model comes from (absolute): hf:DIR's, or the one a run
+    directory's or checkpoint's meta.json records; None for this project's own GPT."""
+    if not path:
+        return None
+    if path.startswith(HF):
+        return os.path.abspath(path.removeprefix(HF))
+    checkpoint = latest(path) or path
+    if not os.path.isfile(os.path.join(checkpoint, "meta.json")):
+        return None
+    try:
+        return read_meta(checkpoint).get("hf")
+    except CheckpointError:
+        return None                           # check_source and load() say what is wrong
+
+
+def pretrained_model(args) -> nn.Module | None:
+    """The run's model where it comes from a Hugging Face directory (args.hf): hf:DIR's weights,
+    or, for a run that continues or starts from one that did, its shape (weights loaded after);
+    None otherwise. Seeded as new_gpt is: LoRA's adapters are drawn after it, alike on all ranks."""
+    if not args.hf:
+        return None
+    torch.manual_seed(args.seed)
+    if args.init_from and args.init_from.startswith(HF):
+        return load_pretrained(args.hf)[0]
+    return new_model({}, args.hf)
+
+
+def pretrained_tokenizer(hf: str | None) -> Tokenizer | None:
+    """The tokenizer of the Hugging Face directory hf; None (bytes) without one."""
+    return Tokenizer.read(os.path.join(hf, "tokenizer.json")) if hf else None
+
+
+def check_pretrained(path: str):
+    """One CheckpointError unless hf:DIR (path) is a model load_pretrained reads: a directory with
+    a config.json of an architecture read here and a tokenizer.json (the tensors are checked as
+    they load)."""
+    directory = path.removeprefix(HF)
+    if not os.path.exists(directory):
+        raise CheckpointError(f"{path}: no such directory; give the local directory of a Hugging "
+                              f"Face model (config.json, model.safetensors, tokenizer.json)")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{path}: a file, not a directory; give the directory holding the "
+                              f"model's config.json, model.safetensors and tokenizer.json")
+    try:
+        config = read_config(directory)
+        model_config_of(config, os.path.join(directory, "config.json"))
+        Tokenizer.read(os.path.join(directory, "tokenizer.json"))
+    except PretrainedError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def export_pretrained(path: str, gpt, optimizer, layout: Layout, rank, lora_config, hf: str,
+                      out: str | None = None):
+    """--export-hf: the trained model as a Hugging Face directory (config.json, model.safetensors,
+    tokenizer.json: pretrained.load.export_hf) that load_pretrained reads back, fp32, LoRA
+    merged and a 4-bit base dequantized (as --export folds them). Collective; rank 0 writes, and
+    a write that fails stops every rank with its line (out: the run's --out, whose last
+    checkpoint it names)."""
+    device = next(gpt.parameters()).device
+    with frozen_whole(optimizer):
+        saved = _export(gpt, optimizer, layout, rank, lora_config, device)
+    problem = None
+    if rank == 0:
+        model = new_model(saved["model"], hf)
+        weights = saved["state_dict"]
+        if model.cfg.tie_embeddings:
+            weights.setdefault("head.weight", weights["token_emb.weight"])
+        model.load_state_dict(weights)
+        try:
+            export_hf(model, Tokenizer.read(os.path.join(hf, "tokenizer.json")), path,
+                      read_config(hf))
+        except OSError as e:
+            full = " (the disk or quota is full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            problem = (f"--export-hf {path}: writing {e.filename} failed: {e.strerror}{full}"
+                       + (f"; the trained weights are in {latest(out)}: free space and rerun "
+                          f"with --resume to export them" if out and latest(out) else ""))
+    verdict = gather_objects(problem, Comm(), device)[0]          # rank 0's, on every rank
+    if verdict:
+        raise RunError(verdict)
 
 
 def check_weights(weights: dict, gpt: GPT, path: str):

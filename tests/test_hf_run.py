@@ -1,0 +1,215 @@
+"""train.py on a Hugging Face directory written here (GPT-2 and Llama 3 shapes, random weights
+under the real names, a trained tokenizer; nothing downloaded): --init-from hf:DIR trains it on
+one and two ranks from the loaded model's own loss, --data is read in the directory's tokens,
+--export-hf writes what load_pretrained reads back, --sample decodes, bad input gets one line."""
+import contextlib
+import io
+import shutil
+
+import pytest
+import torch
+
+import train
+from multiprocess import run_ranks, train_logged
+from pretrained.load import load_pretrained
+from pretrained.tokenizer import Tokenizer
+from lora import QUANTIZED
+from quantization import normal_float_levels
+from running import cli
+from running.data import TextData
+from test_pretrained import family_directory
+from test_pretrained_formats import stdlib_sample
+
+FAMILIES = ["gpt2", "llama3"]
+SHAPE = ["--batch-size", "4", "--seq-len", "16", "--eval-batches", "2", "--warmup", "1",
+         "--log-every", "1", "--eval-every", "0", "--lr", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """{family: its directory}, and "data": a text file to fine-tune on, written once."""
+    root = tmp_path_factory.mktemp("hf")
+    paths = {family: root / family for family in FAMILIES}
+    for family, path in paths.items():
+        family_directory(path, family)
+    paths["data"] = root / "data.txt"
+    paths["data"].write_text(stdlib_sample()[8000:20000])      # text the tokenizer was not fit on
+    return paths
+
+
+def reference_eval_loss(directory, data_path) -> float:
+    """The loaded model's mean loss over the eval batches train.py draws (seed 0, one rank)."""
+    model, tokenizer, _ = load_pretrained(str(directory))
+    data = TextData.from_file(str(data_path), tokenizer)
+    with torch.no_grad():
+        losses = [model(*data.batch(i, 4, 16, 0, "eval"))[1] for i in range(2)]
+    return torch.stack(losses).mean().item()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_run_from_hf_dir_starts_at_the_loaded_models_loss_and_falls(hf, family, world):
+    argv = ["--init-from", f"hf:{hf[family]}", "--data", str(hf["data"]), "--steps", "8",
+            *SHAPE]
+    preset = ["--model", "medium"] if world == 1 else []        # given, and not the model
+    (history, printed), *_ = run_ranks(train_logged, world, [*argv, *preset])
+    # two ranks: each half the rows, the mean of equal halves' means (summation order: 1e-6)
+    assert history["eval_loss_before"] == pytest.approx(
+        reference_eval_loss(hf[family], hf["data"]), rel=0 if world == 1 else 1e-6)
+    assert history["eval_loss"] < history["eval_loss_before"]
+    losses = history["losses"]
+    assert losses[max(losses)] < losses[0]
+    assert f"model hf:{hf[family]}" in printed
+    assert ("note: --model medium is not the model" in printed) == bool(preset)
+
+
+def test_the_data_is_the_directorys_tokens(hf):
+    tokenizer = Tokenizer.read(str(hf["llama3"] / "tokenizer.json"))
+    data = TextData.from_file(str(hf["data"]), tokenizer)
+    ids = torch.cat([data.splits["train"], data.splits["eval"]]).tolist()
+    assert ids == tokenizer.encode(hf["data"].read_text())
+    assert max(ids) >= 256                                     # merged tokens, not bytes
+
+
+def test_export_hf_of_a_lora_run_loads_with_the_adapters_merged(hf, tmp_path):
+    out, exported = tmp_path / "run", tmp_path / "exported"
+    argv = ["--init-from", f"hf:{hf['llama3']}", "--data", str(hf["data"]), "--steps", "4",
+            "--lora", "--lora-targets", "query,value,head", "--out", str(out),
+            "--export-hf", str(exported), *SHAPE]
+    run_ranks(train_logged, 2, argv)
+    base, _, _ = load_pretrained(str(hf["llama3"]))
+    merged, tokenizer, config = load_pretrained(str(exported))
+    trained = train.load_weights(str(out)).eval()     # the run's checkpoint, adapters folded in
+    ids = torch.tensor([tokenizer.encode("def main(argv):\n    return 0\n")])
+    with torch.no_grad():           # the same fp32 tensors: identical logits, not just close
+        assert torch.equal(merged(ids), trained(ids))
+    weights, before = merged.state_dict(), base.state_dict()
+    for name in weights:            # only the adapted layers moved: W0 + (alpha / r) B A
+        adapted = name.split(".")[-2] in ("query", "value", "head")
+        assert torch.equal(weights[name], before[name]) != adapted, name
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert tokenizer.encode("x = 1") == Tokenizer.read(str(hf["llama3"] / "tokenizer.json")).encode(
+        "x = 1")
+
+
+def nf4_round_trip(weight: torch.Tensor) -> torch.Tensor:
+    """Each block of 64 values over its largest magnitude, rounded to the nearest NF4 level, scaled
+    back: the weight a 4-bit base computes with."""
+    levels = normal_float_levels()
+    flat = weight.reshape(-1)
+    blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % 64)).view(-1, 64)
+    scales = blocks.abs().amax(dim=1, keepdim=True)
+    nearest = (blocks / scales)[..., None].sub(levels).abs().argmin(dim=-1)
+    return (levels[nearest] * scales).view(-1)[:flat.numel()].view(weight.shape)
+
+
+def test_export_hf_of_a_qlora_run_holds_the_base_as_it_was_computed_with(hf, tmp_path):
+    exported = tmp_path / "exported"
+    argv = ["--init-from", f"hf:{hf['llama3']}", "--data", str(hf["data"]), "--steps", "3",
+            "--lora", "--quantize-base", "nf4", "--export-hf", str(exported), *SHAPE]
+    run_ranks(train_logged, 1, argv)
+    before = load_pretrained(str(hf["llama3"]))[0].state_dict()
+    weights = load_pretrained(str(exported))[0].state_dict()
+    for name, weight in weights.items():
+        kind = name.split(".")[-2]
+        if kind in ("query", "value"):        # adapted: the 4-bit W0 plus the trained update
+            assert not torch.allclose(weight, nf4_round_trip(before[name])), name
+        elif kind in QUANTIZED:                                # 4-bit, not adapted
+            assert torch.equal(weight, nf4_round_trip(before[name])), name
+        else:                  # kept in fp32: embeddings, norms, the head (and SwiGLU's gate)
+            assert torch.equal(weight, before[name]), name
+
+
+def greedy_text(directory, prompt: str, n: int) -> str:
+    """n tokens, each the likeliest, after prompt, decoded: written here, not by generate."""
+    model, tokenizer, _ = load_pretrained(str(directory))
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(model(torch.tensor([ids]))[0, -1].argmax().item())
+    return tokenizer.decode(ids)
+
+
+def sampled(argv) -> str:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train.main(argv)
+    return printed.getvalue()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sample_decodes_the_directorys_tokens(hf, family):
+    argv = ["--sample", "--init-from", f"hf:{hf[family]}", "--prompt", "def ",
+            "--sample-tokens", "6", "--temperature", "0"]
+    assert sampled(argv) == greedy_text(hf[family], "def ", 6) + "\n"
+
+
+def test_a_checkpoint_of_an_hf_run_resumes_and_samples_as_that_model(hf, tmp_path, capsys):
+    out, model = tmp_path / "run", tmp_path / "model"
+    shutil.copytree(hf["gpt2"], model)
+    argv = ["--init-from", f"hf:{model}", "--data", str(hf["data"]), "--out", str(out), *SHAPE]
+    whole, _ = run_ranks(train_logged, 1, [*argv, "--steps", "3"])[0]
+    run_ranks(train_logged, 1, [*argv, "--steps", "2", "--overwrite"])
+    resumed_argv = ["--data", str(hf["data"]), "--out", str(out), "--resume", *SHAPE]
+    resumed, printed = run_ranks(train_logged, 1, [*resumed_argv, "--steps", "3"])[0]
+    assert "resumed from" in printed
+    assert resumed["eval_loss"] == whole["eval_loss"]           # bit for bit
+    exported = tmp_path / "exported"
+    run_ranks(train_logged, 1, [*resumed_argv, "--steps", "3", "--export-hf", str(exported)])
+    argv = ["--sample", "--prompt", "def ", "--sample-tokens", "5", "--temperature", "0"]
+    assert (sampled([*argv, "--init-from", str(out)])
+            == sampled([*argv, "--init-from", f"hf:{exported}"]))
+    model.rename(tmp_path / "moved")             # the directory the checkpoints record is gone
+    line = refusal([*resumed_argv, "--steps", "4"], capsys)
+    assert f"--resume {out}: the run started from hf:{model}, which no longer loads" in line
+
+
+def refusal(argv, capsys) -> str:
+    with pytest.raises(SystemExit):
+        cli.parse_args(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+BAD = [  # (argv given the directories, words of the line)
+    (lambda d, t: ["--init-from", f"hf:{t / 'none'}"], "no such directory"),
+    (lambda d, t: ["--init-from", f"hf:{d['data']}"], "a file, not a directory"),
+    (lambda d, t: ["--init-from", f"hf:{t}"], "config.json: missing"),
+    (lambda d, t: ["--init-from", f"hf:{t / 'bert'}"], "is not one read here"),
+    (lambda d, t: ["--export-hf", str(t / "x")], "add --init-from hf:DIR"),
+    (lambda d, t: ["--init-from", f"hf:{d['gpt2']}", "--seq-len", "25"],
+     "--seq-len 25 is longer than the 24 positions"),
+    (lambda d, t: ["--init-from", f"hf:{d['llama3']}", "--strategy", "zero2"],
+     "--strategy zero2: a model from hf:"),
+    (lambda d, t: ["--init-from", f"hf:{d['llama3']}", "--export", str(t / "m.pt")],
+     "use --export-hf DIR"),
+    (lambda d, t: ["--init-from", f"hf:{d['llama3']}", "--export-hf", str(d["llama3"])],
+     "is --init-from hf:"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD)))
+def test_each_bad_input_gets_its_line(hf, tmp_path, capsys, case):
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text('{"architectures": ["BertModel"]}')
+    argv, words = BAD[case]
+    line = refusal(argv(hf, tmp_path), capsys)
+    assert words in line, line
+
+
+def stopped_with(argv):
+    """train.main(argv) on this rank: its RunError's line, or None if it ran."""
+    try:
+        train_logged(argv)
+    except train.RunError as e:
+        return str(e)
+
+
+def test_a_text_too_short_in_the_models_tokens_is_said_on_every_rank(hf, tmp_path):
+    short = tmp_path / "short.txt"                 # enough bytes for cli's check, too few tokens
+    short.write_text(hf["data"].read_text()[:400])
+    argv = ["--init-from", f"hf:{hf['llama3']}", "--data", str(short), "--steps", "1", *SHAPE]
+    lines = run_ranks(stopped_with, 2, argv)
+    assert lines[0] is not None and lines[0].startswith("the eval text has ") and "tokens" in \
+        lines[0] and lines == [lines[0]] * 2, lines
