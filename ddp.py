@@ -11,7 +11,8 @@ the observed order, communication hooks, re-broadcasting buffers at every forwar
 Run alone: torchrun --nproc_per_node 2 ddp.py (in training: train.py --strategy ddp); test:
 python -m pytest tests/test_ddp.py
 
-Shapes: N ranks in the group, P trainable parameters, L_b elements in bucket b's flat buffer.
+Shapes: N ranks in the group, P trainable parameter tensors (not elements), L_b elements in
+bucket b's flat buffer.
 """
 import itertools
 import os
@@ -136,7 +137,7 @@ class DDP(nn.Module):
         #   pending[b]   gradients bucket b still waits for; 0: full
         #   launched     buckets launched so far, in bucket order, this sync
         #   _in_flight   [(bucket, what it sends, its work)], waited for at the finish
-        # _reset() renews all but the first two after each sync.
+        # _reset() renews all but require_backward_grad_sync and _hooked after each sync.
         self.require_backward_grad_sync = True
         self._hooked = [False] * len(self.params)
         self._reset()
@@ -273,7 +274,8 @@ class DDP(nn.Module):
         (AdamW would otherwise decay it.) Each rank's "used" flags are OR'ed over the ranks: a
         P-byte all-reduce launched behind every bucket's, the same place on every rank. Used
         here: its hook fired (no_sync's too), or a gradient came as a .grad of its own.
-        Returns wait_used_flags(), which waits for the flags and lists them (P,)."""
+        Returns the function wait_used_flags: called, it waits for the flags and lists
+        them (P,)."""
         local = [used or (p.grad is not None and p.grad.data_ptr() != slot.data_ptr())
                  for used, p, slot in zip(self._used, self.params, self._slot)]
         flags, device = torch.tensor(local, dtype=torch.uint8), self.params[0].device   # (P,)

@@ -78,7 +78,7 @@ def unscale_grads(grads: list, masters: list, scale: float) -> list:
     (fp32 or fp64 training: the parameter is its own master) is unscaled in place, without a copy.
     """
     for grad, master in zip(grads, masters):
-        if master.grad is not grad:
+        if master.grad is not grad:              # not its own master (a 16-bit parameter):
             # Upcast before dividing: dividing in fp16 would push the small gradients that
             # the scale rescued straight back under fp16's smallest normal.
             master.grad = grad.to(master.dtype)
@@ -119,8 +119,8 @@ class MixedPrecisionOptimizer(MasterWeightsOptimizer):
             if p.dtype != dtype:
                 raise ValueError(f"precision {precision!r} needs {dtype} parameters, got "
                                  f"{p.dtype}: cast the model first, e.g. model.to({dtype})")
-        # Each master needs storage of its own, as the parameter is overwritten from it every
-        # step: .float() copies a 16-bit tensor. In fp32 (fp64) the parameter is its own master.
+        # A 16-bit parameter gets an fp32 copy (.float() copies), the master the step updates;
+        # the parameter is then overwritten from it. In fp32 (fp64) the parameter is its own master.
         own = dtype in (torch.float32, torch.float64)
         self.masters = [p if own else p.detach().float().requires_grad_() for p in self.params]
         # device: where a mesh's norm is made (composition/mesh_optimizer.py reads its first part's)
@@ -131,7 +131,9 @@ class MixedPrecisionOptimizer(MasterWeightsOptimizer):
         # state, so an lr scheduler that sets group["lr"] here sets it for the inner step.
         inner = optimizer_cls(self.masters, **optimizer_kwargs)
         torch.optim.Optimizer.__init__(self, inner.param_groups, inner.defaults)
-        self.state, self.optimizer = inner.state, inner    # built: add_param_group now refuses
+        # Once self.optimizer is set, add_param_group refuses (MasterWeightsOptimizer): a group
+        # added here would miss its masters.
+        self.state, self.optimizer = inner.state, inner
         self.last_grad_norm: float | None = None     # before clipping; inf/NaN on a skipped step
         self.last_step_skipped = False               # the last step found inf/NaN and did nothing
         self._norm = None                            # the global norm, from clipping to step()

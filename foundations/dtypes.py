@@ -2,7 +2,8 @@
 
 A float is a sign, an exponent (its range) and a mantissa (its precision): fp32 has 8 and 23
 bits, fp16 5 and 10, bf16 8 and 7. fp16's eps (the gap above 1.0) is 2**-10 and its smallest
-normal 2**-14, so a small gradient rounds to zero unless the loss is scaled up first
+normal 2**-14: below it precision drains away (subnormals), and below 2**-24 a small
+gradient rounds to zero, unless the loss is scaled up first
 (Micikevicius et al. 2018, section 3.2); bf16 keeps fp32's exponent, hence its range, at a
 coarser precision (Kalamkar et al. 2019).
 Run: python mixed_precision.py (or python -m foundations.dtypes); test: python -m pytest tests/test_mixed_precision.py
