@@ -101,7 +101,7 @@ def checkpoint(function, *args, parameters=()):
 def checkpoint_blocks(model: nn.Module, every: int = 1) -> int:
     """Checkpoint every `every`-th block of model.blocks in place; how many were checkpointed.
 
-    The block's own forward is wrapped, so parameter names (and checkpoints) do not change,
+    The block's own forward is wrapped, so parameter names (and saved state_dicts) do not change,
     and the parameters are looked up at each call: LoRA applied later is included.
     With every > 1 the blocks in between keep all their activations: each checkpoint covers
     one block only. This code does not do Chen et al.'s sqrt(n) segments, where one
@@ -132,7 +132,8 @@ if __name__ == "__main__":
     plain = build_model("tiny", dropout=0.1)
     checkpointed = copy.deepcopy(plain)
     blocks = checkpoint_blocks(checkpointed)
-    tokens, targets = torch.randint(0, 256, (2, 4, 64))      # (B, T) each, vocabulary 256
+    tokens = torch.randint(0, 256, (4, 64))                  # (B, T), vocabulary 256
+    targets = torch.randint(0, 256, (4, 64))
     kept, grads = [], []
     for model in (plain, checkpointed):
         torch.manual_seed(1)                                     # the same dropout masks
@@ -143,7 +144,8 @@ if __name__ == "__main__":
         grads.append({name: p.grad for name, p in model.named_parameters()})
     difference = max((grads[1][n] - g).abs().max().item() for n, g in grads[0].items())
     print(f"bytes kept for backward (B=4, T=64, fp32): {kept[0] / 2**20:.2f} MiB plain, "
-          f"{kept[1] / 2**20:.2f} MiB with {blocks} blocks checkpointed (each keeps its input)")
+          f"{kept[1] / 2**20:.2f} MiB with {blocks} blocks checkpointed (each keeps its input; "
+          f"the rest is outside the blocks: embedding, final norm, head, logits, loss)")
     print(f"max |difference| of the gradients, checkpointed vs plain (both in one process): "
           f"{difference:.1e} (bound 0: the same operations recomputed on the same inputs and "
           f"random numbers)")
