@@ -2,7 +2,8 @@
 
 A pretrained W0 (d x k) stays frozen. The layer learns B (d x r) and A (r x k), r much smaller
 than d and k, and computes h = W0 x + (alpha / r) B A x (Hu et al. 2021, "LoRA", section 4.1).
-B starts at zero, so the model starts exactly as the base one (the 4-bit base, under QLoRA).
+The scale is alpha / r, the paper's: the lecture's "alpha = 1" (scale 1) is alpha = r here.
+B starts at zero, so the model starts exactly as the base one.
 Only A and B get gradients and optimizer state.
 In mixed precision the lecture counts 2 + 2 + 12 = 16 bytes per trainable parameter (weight,
 gradient, fp32 master and Adam's two moments) against 2 per frozen one (its 16-bit weight).
@@ -11,8 +12,8 @@ per parameter of the whole model; napkin/memory.py counts it.
 Merging adds (alpha / r) B A into W0: no extra latency at inference.
 Subtracting it back restores the base, up to rounding (merge).
 So adapters for several tasks share one base model.
-QLoRA keeps W0 in 4 bits (quantization.py) under the same adapters (Dettmers et al. 2023).
-It keeps the blocks' other frozen linears in 4 bits too.
+QLoRA keeps W0 in 4 bits (quantization.py) under the same adapters (Dettmers et al. 2023),
+and the blocks' other frozen linears in 4 bits too.
 Left out: LoRA on embeddings.
 Run alone: python lora.py (a layer's adapter trained, merged, and checked against plain torch);
 in training: python train.py --init-from RUN --lora --data OTHER.txt;
@@ -271,7 +272,8 @@ class QLoRALinear(LoRALinear):
 # W0 is split, so the low-rank path needs no collective of its own:
 #   column (W0 rows split):  B's rows split with W0's, A whole:    y_r = W0_r x + s B_r (A x)
 #   row (W0 columns split):  A's columns split with W0's, B whole: z_r = W0_r y_r + s B (A_r y_r),
-#                            and the g that sums W0_r y_r sums B (A_r y_r) into B A y as well.
+#                            and the all-reduce that sums W0_r y_r over the ranks
+#                            (tensor_parallel.py's g) sums B (A_r y_r) into B A y as well.
 # The whole factor (A of a column layer, B of a row layer) gets only this rank's part of its
 # gradient, a partial sum: tensor_parallel.py records it so (foundations/placements.py), and
 # composition/tensor_parallel_gpt.py sums those over the group after backward.
@@ -293,7 +295,8 @@ def _demonstrate(steps: int = 10) -> float:
     torch.manual_seed(0)
     base = nn.Linear(512, 512, dtype=torch.float64)                       # W0 (d, k), d = k = 512
     W0, b = base.weight.detach().clone(), base.bias.detach().clone()
-    layer = LoRALinear(base, rank=8, alpha=16)                            # scale alpha / r = 2
+    # scale alpha / r = 2, not the lecture's 1: the target change is learned in fewer steps
+    layer = LoRALinear(base, rank=8, alpha=16)
     trained = [p for p in layer.parameters() if p.requires_grad]
     total = sum(p.numel() for p in layer.parameters())
     print(f"trainable: {sum(p.numel() for p in trained):,} of {total:,} parameters "
