@@ -61,10 +61,10 @@ class MoE(nn.Module):
     make_expert builds one expert, a module (.., C) -> (.., C).
     feed_forward below passes model.py's MLP.
     So an MoE of one expert with capacity_factor >= 1 (or None) is the dense block plus aux_loss.
-    top_k is the experts per token (1: Switch, 2: GShard, any k <= E).
+    top_k is the experts per token (1 as Switch, 2 as GShard, any k <= E).
     The k gate values are the router's softmax probabilities of the chosen experts, renormalised.
-    So with k = 1 the gate is p / p = 1 and the router learns from the aux losses only.
-    That is a deviation from Switch, whose gate is p itself.
+    With k = 1 that makes the gate p / p = 1, so the router learns from the aux losses alone:
+    unlike Switch, whose gate is p itself, which the task loss also trains.
     capacity_factor sets K = ceil(capacity_factor * k * S / E), the most one expert takes of a
     routing group's assignments; the rest are dropped.
     A token whose every choice is dropped adds nothing: the residual carries it.
@@ -149,8 +149,8 @@ class MoE(nn.Module):
         groups = N // group_size
         queue = (token // group_size) * E + expert                        # (A,) (group, expert)
         order, position, per_queue = _queue_positions(queue, groups * E)
-        # Dropless, K = group_size * k is a safe upper bound: no queue is longer.
-        # (A token's k experts differ, so a queue holds at most group_size assignments.)
+        # Dropless keeps every assignment: a token's k experts differ, so a queue holds at most
+        # group_size assignments, and K = group_size * k is more than enough.
         capacity = (expert_capacity(group_size, E, k, self.capacity_factor)
                     if self.capacity_factor is not None else group_size * k)
         keep = position < capacity                                        # (A,)
@@ -162,7 +162,8 @@ class MoE(nn.Module):
     def _losses(self, logits, probs, per_queue, per_expert, A):
         """Switch's load balancing and ST-MoE's z-loss, into aux_loss; the routing into stats.
 
-        The balance is E * sum_e f_e P_e, 1 when balanced, E/k when every token picks the same k.
+        The balance is E * sum_e f_e P_e: 1 when balanced, at most E/k (every token picking the
+        same k experts with all its probability).
         f_e is the share of a routing group's assignments routed to e (all k choices, no drop).
         GShard counts first choices only.
         P_e is the group's mean router probability of e.
@@ -433,7 +434,7 @@ def _demonstrate(ep: Comm, capacity_factor: float | None) -> float:
 
 
 if __name__ == "__main__":
-    start_alone(torchrun=True, worlds=(1, 2, 4))                # E = 4 experts split over N
+    start_alone(torchrun=True, worlds=(1, 2, 4))                # E = 4 experts over the ranks
     dist.init_process_group("gloo")
     ep = Comm()                                                       # every rank: the ep group
     worst = max(_demonstrate(ep, capacity) for capacity in (1.0, None))
