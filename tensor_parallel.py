@@ -6,12 +6,11 @@ So the nonlinearity between them is local, and the pair costs one all-reduce for
 one backward (f). The embedding is split over the vocabulary (section 3, "input embedding").
 composition/tensor_parallel_gpt.py splits a whole GPT, its head and loss over the vocabulary too.
 Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) turns each all-reduce into a
-reduce-scatter and an all-gather, so norms and dropout work on 1/N of the tokens.
-Left out: fused QKV, overlapping these collectives with the matmuls, an RNG tracker for dropout.
-Without the tracker every rank draws the same dropout masks.
-Identical masks are right where the ranks hold copies of the same activations.
-But attention dropout on rank r's heads, and under sequence parallelism dropout on rank r's
-tokens, reuse rank 0's mask pattern where they should draw their own.
+reduce-scatter and an all-gather, so norms and dropout work on 1/N of the tokens. (Korthikanti's
+meaning: one sequence's tokens split over the tensor group, not sequences as separate examples.)
+Left out: fused QKV, overlapping these collectives with the matmuls, an RNG tracker for dropout
+(every rank draws the same masks: right for copies of one activation, but attention dropout on
+rank r's heads, and dropout on rank r's tokens, should draw their own).
 Run alone: torchrun --nproc_per_node 2 tensor_parallel.py;
 in training: train.py --strategy tp --tp 2. Test: python -m pytest tests/test_tensor_parallel.py
 
@@ -93,9 +92,7 @@ def _reduce_scattered(x, comm, dim=1):
 
 
 def _my_piece(x, comm, dim=-1):
-    """(.., N*n) -> (.., n): my piece along dim.
-
-    dim -1 is C, for the features' pair; the sequence's uses 1, T."""
+    """(.., N*n) -> (.., n): my piece along dim (-1: the features, C)."""
     return x.chunk(comm.world_size, dim)[comm.rank].contiguous()
 
 
