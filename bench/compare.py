@@ -531,8 +531,8 @@ def context_parallel_report(m: dict, rows: list) -> list:
               f"{r['napkin_sent'] / MiB:.2f} | {' '.join(f'{x:.2f}' for x in r['idle'])} |" for r in rows]
     return lines + ["", "Context parallelism: the whole world is one cp group; sent = K/V "
                     "(context_parallel.cp_kv_bytes) + DDP's gradient all-reduce; idle: 1 - a rank's "
-                    "seconds computing attention's blocks (forward) / the busiest rank's, over every "
-                    "step of the last run; predicted: step_time.py's napkin (step_time_parallel: 1/cp of "
+                    "busy seconds in attention's forward / the busiest rank's, over every step of "
+                    "the last run; predicted: step_time.py's napkin (step_time_parallel: 1/cp of "
                     "the sequence's compute, the K/V exchange, DDP's all-reduce, the optimizer) on "
                     "machines.this measured at a cp rank's block with this attention (its B x T/cp "
                     "tokens, machines.rank_block), in brackets predicted / measured, leaving out "
