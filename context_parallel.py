@@ -395,5 +395,5 @@ if __name__ == "__main__":      # both attentions, the ring and the naive all-ga
         print(f"max |difference| from one process on {dist.get_world_size()} ranks: {worst:.1e} "
               f"(bound 1e-12: fp64 sums in another order, the ring's online softmax)", flush=True)
     dist.destroy_process_group()
-    # At once: gloo's threads may still hold tensors (process_groups.exit_distributed).
+    # At once: gloo's threads may still hold tensors (world.exit_distributed).
     os._exit(int(worst > 1e-12))

@@ -67,7 +67,8 @@ from foundations.inner_optimizer import element_state
 from model import PRESETS
 from composition.parallelize import build_gpt, data_parallel, fsdp_with, ring_choice
 from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula, split_layers
-from foundations.process_groups import exit_distributed, init_distributed, make_mesh
+from foundations.process_groups import make_mesh
+from foundations.world import init_distributed
 from foundations.values import Parser, count, counts, real, whole
 from extensions.schedules import make_pipeline
 from running.snapshot import unwritable_file
