@@ -119,7 +119,7 @@ def _demonstrate():
               f"  max |difference| from torch.distributed.all_reduce: {worst[1]:.1e}", flush=True)
     dist.destroy_process_group()
     # Exit at once: gloo's threads may still hold tensors at interpreter shutdown
-    # (foundations/process_groups.py's exit_distributed says more).
+    # (foundations/world.py's exit_distributed says more).
     os._exit(0 if worst.max() <= bound else 1)
 
 

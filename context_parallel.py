@@ -22,7 +22,6 @@ Test: python -m pytest tests/test_context_parallel.py
 Shapes: B batch, T sequence, H heads, D channels per head, C = H x D, cp ranks in the group, r
 this rank, t = T/cp tokens per rank, c tokens per chunk (t, or t/2 under zigzag).
 """
-import contextlib
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -183,7 +182,7 @@ def _block_grads(q, k, v, dout, lse, delta, causal: bool):
 
 # ---- all-gather K/V (Llama 3): the naive one ---------------------------------------------------
 
-def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock=None):
+def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit):
     """Causal attention of this rank's queries over the whole sequence.
 
     (B, H, t, D) each -> (B, H, t, D).
@@ -208,9 +207,8 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock=None):
         end = (i + 1) * c        # chunk i's queries (positions i c .. end-1) see keys 0 .. end-1
         # query x of the chunk, at position i c + x, sees key y when y <= i c + x
         visible = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(i * c)
-        with _timed(clock, q):                   # this rank's compute seconds (bookkeeping, below)
-            out.append(F.scaled_dot_product_attention(q[:, :, a * c:(a + 1) * c], keys[:, :, :end],
-                                                      values[:, :, :end], attn_mask=visible))
+        out.append(F.scaled_dot_product_attention(q[:, :, a * c:(a + 1) * c], keys[:, :, :end],
+                                                  values[:, :, :end], attn_mask=visible))
     return torch.cat(out, dim=2)                                               # (B, H, t, D)
 
 
@@ -228,11 +226,10 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit, clock=None):
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence, its K/V blocks passed round
     the ring: (B, H, t, D) each -> (B, H, t, D). Keeps q, k, v, the output and its log-sum-exp
-    (B, H, t) for backward: the rank's own block, never the sequence's. The clock times forward's
-    blocks only (the balance zigzag evens out); backward computes the same blocks, untimed."""
+    (B, H, t) for backward: the rank's own block, never the sequence's."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: Comm, split: SequenceSplit, clock=None):
+    def forward(ctx, q, k, v, comm: Comm, split: SequenceSplit):
         check_group(comm, split)
         r, cp = comm.rank, comm.world_size
         c = q.shape[2] // len(split.chunks(r))
@@ -252,12 +249,11 @@ class RingAttention(torch.autograd.Function):
                 arriving = torch.empty_like(kv)
                 handle = comm.exchange([("send", kv, (r + 1) % cp),
                                         ("recv", arriving, (r - 1) % cp)])
-            with _timed(clock, q):               # this rank's compute seconds (bookkeeping, below)
-                for a, b, causal in split.blocks(r, source):
-                    rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                    # Views (basic slicing): _fold_in's in-place updates land in m, denom, acc.
-                    _fold_in(m[:, :, rows], denom[:, :, rows], acc[:, :, rows], q[:, :, rows],
-                             kv[0][:, :, cols], kv[1][:, :, cols], causal)
+            for a, b, causal in split.blocks(r, source):
+                rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+                # Views (basic slicing): _fold_in's in-place updates land in m, denom, acc.
+                _fold_in(m[:, :, rows], denom[:, :, rows], acc[:, :, rows], q[:, :, rows],
+                         kv[0][:, :, cols], kv[1][:, :, cols], causal)
             if step < cp - 1:
                 handle.wait()    # CUDA: the compute stream waits for NCCL's, the host does not
                 kv = arriving
@@ -312,14 +308,14 @@ class RingAttention(torch.autograd.Function):
             handle, partial_sum = incoming
             handle.wait()
             own_dkv += partial_sum                    # every other rank's share of this block
-        return dq.to(q.dtype), own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None
 
 
-ring_attention = RingAttention.apply       # (q, k, v, comm, split[, clock]), as allgather_attention
+ring_attention = RingAttention.apply       # (q, k, v, comm, split), as allgather_attention
 ATTENTIONS = {"ring": ring_attention, "allgather": allgather_attention}
 
 
-# ---- bookkeeping: what the attention sends, how long it computes --------------------------------
+# ---- bookkeeping: what the attention sends ------------------------------------------------------
 
 # The collectives that move K/V and their gradients, by the byte counter's names (the ring's
 # sends, the all-gather and its reduce-scatter). The data-parallel gradient average, an
@@ -349,13 +345,6 @@ def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str =
                 "backward": ring_bytes("reduce_scatter", cp * kv, bytes_per_value, cp)}
     return {"forward": (cp - 1) * kv * bytes_per_value,
             "backward": (cp - 1) * kv * (bytes_per_value + max(bytes_per_value, 4))}
-
-
-def _timed(clock, q):
-    """Inside, clock counts this rank's seconds computing attention's blocks (a BusyClock,
-    foundations/meters.py, from composition/context_parallel_gpt.py: the idle share zigzag evens
-    out, measured); None: untimed."""
-    return clock.timing(q.is_cuda) if clock is not None else contextlib.nullcontext()
 
 
 # ---- run alone: torchrun --nproc_per_node 2 context_parallel.py --------------------------------
@@ -406,5 +395,5 @@ if __name__ == "__main__":      # both attentions, the ring and the naive all-ga
         print(f"max |difference| from one process on {dist.get_world_size()} ranks: {worst:.1e} "
               f"(bound 1e-12: fp64 sums in another order, the ring's online softmax)", flush=True)
     dist.destroy_process_group()
-    # At once: gloo's threads may still hold tensors (process_groups.exit_distributed).
+    # At once: gloo's threads may still hold tensors (world.exit_distributed).
     os._exit(int(worst > 1e-12))

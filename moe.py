@@ -440,4 +440,4 @@ if __name__ == "__main__":
     worst = max(_demonstrate(ep, capacity) for capacity in (1.0, None))
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0 if worst <= 1e-12 else 1)     # skip finalizing, as process_groups.exit_distributed
+    os._exit(0 if worst <= 1e-12 else 1)     # skip finalizing, as world.exit_distributed

@@ -413,7 +413,7 @@ def _run_against_one_process(check, cases: dict, why: str):
     if comm.rank == 0:                            # flush: the whole buffer, before os._exit
         print(f"max |difference| from one process on {comm.world_size} ranks: "
               f"{everywhere.item():.1e} (bound {bound:g}: {why})", flush=True)
-    # At once: gloo's threads may still hold tensors (process_groups.exit_distributed).
+    # At once: gloo's threads may still hold tensors (world.exit_distributed).
     os._exit(int(everywhere.item() > bound))
 
 

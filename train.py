@@ -37,7 +37,8 @@ from running.errors import RunError, refused
 from foundations.meters import peak_saved_bytes, saved_activation_bytes
 from composition.parallelize import build, lora_config, new_gpt
 from composition.parallelize import build_gpt  # noqa: F401 (train.build_gpt)
-from foundations.process_groups import exit_distributed, global_mean, init_distributed
+from foundations.process_groups import global_mean
+from foundations.world import exit_distributed, init_distributed
 from running.threads import cpu_threads
 from running.run_log import Clock, RunLog, finish, predicted_seconds, start_profiling
 from running.snapshot import load_weights, own_outputs

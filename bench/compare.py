@@ -67,7 +67,8 @@ from foundations.inner_optimizer import element_state
 from model import PRESETS
 from composition.parallelize import build_gpt, data_parallel, fsdp_with, ring_choice
 from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula, split_layers
-from foundations.process_groups import exit_distributed, init_distributed, make_mesh
+from foundations.process_groups import make_mesh
+from foundations.world import init_distributed
 from foundations.values import Parser, count, counts, real, whole
 from extensions.schedules import make_pipeline
 from running.snapshot import unwritable_file
@@ -531,8 +532,8 @@ def context_parallel_report(m: dict, rows: list) -> list:
               f"{r['napkin_sent'] / MiB:.2f} | {' '.join(f'{x:.2f}' for x in r['idle'])} |" for r in rows]
     return lines + ["", "Context parallelism: the whole world is one cp group; sent = K/V "
                     "(context_parallel.cp_kv_bytes) + DDP's gradient all-reduce; idle: 1 - a rank's "
-                    "seconds computing attention's blocks (forward) / the busiest rank's, over every "
-                    "step of the last run; predicted: step_time.py's napkin (step_time_parallel: 1/cp of "
+                    "busy seconds in attention's forward / the busiest rank's, over every step of "
+                    "the last run; predicted: step_time.py's napkin (step_time_parallel: 1/cp of "
                     "the sequence's compute, the K/V exchange, DDP's all-reduce, the optimizer) on "
                     "machines.this measured at a cp rank's block with this attention (its B x T/cp "
                     "tokens, machines.rank_block), in brackets predicted / measured, leaving out "

@@ -31,7 +31,7 @@ from running.data import TextData
 from lora import apply_lora
 from model import PRESETS
 from composition.parallelize import build_gpt, data_parallel
-from foundations.process_groups import exit_distributed, init_distributed
+from foundations.world import exit_distributed, init_distributed
 from foundations.values import Parser, count, number, real, whole
 from running.snapshot import unwritable_file
 

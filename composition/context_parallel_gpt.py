@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from foundations.comm import Comm
 from context_parallel import ATTENTIONS, KV_COLLECTIVES, SequenceSplit
-from foundations.meters import BusyClock, saved_activation_bytes
+from foundations.meters import BusyClock, WaitTimedComm, idle_shares, saved_activation_bytes
 
 
 class ContextParallelGPT(nn.Module):
@@ -37,7 +37,9 @@ class ContextParallelGPT(nn.Module):
                              "dropout 0 and a routing group inside one chunk of a sequence")
         self.gpt, self.comm, self.attention = gpt, Comm.from_group(group), attention
         self.split = SequenceSplit(self.comm.world_size, zigzag)
-        self.clock = BusyClock()
+        # The log's idle share, measured from outside the attention: each forward call's seconds
+        # (attending) and, within them, the seconds its Comm blocked (waited).
+        self.attending, self.waited = BusyClock(), BusyClock()
         # In place, so that model.py's forward (or a pipeline stage's part of it) runs on this
         # rank's tokens: its positions in the sequence, and attention over the group.
         gpt.positions_of = self._my_positions
@@ -53,7 +55,11 @@ class ContextParallelGPT(nn.Module):
         self.kv_formula = None
 
     def _attend(self, attention, q, k, v, dropout_p: float):                 # (B, H, t, D) each
-        return attention(q, k, v, self.comm, self.split, self.clock)
+        comm = WaitTimedComm(self.comm, self.waited, q.is_cuda)
+        with self.attending.timing(q.is_cuda):
+            out = attention(q, k, v, comm, self.split)
+        comm.stop()             # backward's messages are not counted: the idle share is forward's
+        return out
 
     def _my_positions(self, t: int, device) -> torch.Tensor:      # (t,) of the T = cp x t
         return self.split.positions(self.comm.rank, t * self.comm.world_size, device)
@@ -86,11 +92,13 @@ class ContextParallelGPT(nn.Module):
     def idle_shares(self) -> tuple[list[float], list[float]]:
         """(measured, predicted) idle share of each rank in attention's forward compute.
 
-        Both count since the last call. The clock measures (BusyClock.idle_shares).
+        Measured since the last call: a rank's busy seconds are its attention's forward seconds
+        less those its messages blocked it (meters.idle_shares).
         Counting the causal mask's blocks predicts (SequenceSplit.predicted_idle).
         Collective over the group."""
+        busy = self.attending.read() - self.waited.read()
         device = next(self.gpt.parameters()).device
-        return self.clock.idle_shares(self.comm.group, device), self.split.predicted_idle()
+        return idle_shares(busy, self.comm.group, device), self.split.predicted_idle()
 
     def kv_bytes_sent(self) -> int:
         """What the attention sent since the byte counter was last cleared."""

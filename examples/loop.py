@@ -25,7 +25,7 @@ from ddp import DDP
 from fsdp import FSDP, MixedPrecisionPolicy
 from mechanics.fsdp_optimizer import FSDPOptimizer
 from model import build_model
-from foundations.process_groups import exit_distributed
+from foundations.world import exit_distributed
 from zero import Zero2Optimizer
 
 STEPS, BATCH, SEQ = 20, 8, 32   # small, to run in seconds on 2 CPU processes; raise them on GPUs

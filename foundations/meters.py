@@ -1,24 +1,32 @@
 """Meters: what a run measures of itself, without making a step wait for the device.
 
-Two instruments the strategies carry for train.py's log and the tests: the bytes autograd keeps
-for backward while a forward runs (saved-tensor hooks, each storage once: what checkpointing and
-context parallelism cut, against napkin/memory.py's formulas; over a pipeline's schedule, their peak),
-and the seconds a rank spends computing (the CPU's clock, or CUDA events on the compute stream,
-read with one synchronize when asked: context parallelism's idle share per rank). Left out: the
-allocator's peak, profiling (bench/compare.py).
+Three instruments the strategies carry for train.py's log and the tests:
+- the bytes autograd keeps for backward while a forward runs (saved-tensor hooks, each storage
+  once): what checkpointing and context parallelism cut, against napkin/memory.py's formulas;
+  over a pipeline's schedule, their peak;
+- the seconds spent inside a block of code (the CPU's clock, or CUDA events on the compute
+  stream, read with one synchronize when asked);
+- a Comm whose blocking calls such a clock times. Context parallelism's idle share per rank is
+  its attention's seconds less those.
+Left out: the allocator's peak, profiling (bench/compare.py).
 Test: python -m pytest tests/test_checkpointing.py tests/test_context_parallel.py
 tests/test_activations.py
 """
 import contextlib
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from foundations.launch import Handle
+
 
 def _storage(t: torch.Tensor):
-    """The bytes t lives in on this rank: a DTensor's (fully_shard's parameters) are its local part's."""
+    """The bytes t lives in on this rank.
+
+    A DTensor's (fully_shard's parameters) are its local part's."""
     return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
 
 
@@ -79,9 +87,9 @@ def peak_saved_bytes(run, exclude=()):
 
 
 class BusyClock:
-    """Seconds this rank spent computing inside timing() (context parallelism: attention's blocks
-    in forward), summed until read(): the CPU's clock, or CUDA events on the compute stream, read
-    (one synchronize) only when asked, on a logged step, so no step waits for the device."""
+    """Seconds this rank spent inside timing(), summed until read(): the CPU's clock, or CUDA events
+    on the compute stream, read (one synchronize) only when asked, on a logged step, so no step
+    waits for the device."""
 
     def __init__(self):
         self.seconds, self.events = 0.0, []
@@ -107,11 +115,40 @@ class BusyClock:
         self.seconds, self.events = 0.0, []
         return seconds
 
-    def idle_shares(self, group, device) -> list[float]:
-        """Each rank of the group's idle share since the last read: 1 - its busy seconds / the
-        busiest rank's. Collective over the group; device: where its collective's tensor lives."""
-        busy = torch.tensor([self.read()], dtype=torch.float64, device=device)
-        every = [torch.zeros_like(busy) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, busy, group=group)                   # a metric: not counted
-        busiest = max(b.item() for b in every)
-        return [1 - b.item() / busiest if busiest else 0.0 for b in every]
+
+class WaitTimedComm:
+    """A Comm whose calls are timed into `waited` until stop().
+
+    A collective counts for as long as it blocks; an exchange while it posts and while its
+    handle's wait() blocks. On CUDA, the clock reads how long the compute stream waited for them.
+    Its other attributes (rank, world_size, bytes_sent) are the Comm's."""
+
+    def __init__(self, comm, waited: BusyClock, cuda: bool):
+        self.comm, self.waited, self.cuda = comm, waited, cuda
+
+    def stop(self):
+        """Count no more calls (context parallelism: backward's, after forward's were counted)."""
+        self.waited = None
+
+    def __getattr__(self, name):
+        attribute = getattr(self.comm, name)
+        return partial(self._blocking, attribute) if callable(attribute) else attribute
+
+    def _blocking(self, call, *args, **kwargs):
+        timed = self.waited is not None
+        with self.waited.timing(self.cuda) if timed else contextlib.nullcontext():
+            result = call(*args, **kwargs)
+        if isinstance(result, Handle):                  # an exchange's: its wait() blocks too
+            return Handle(partial(self._blocking, result.wait))
+        return result
+
+
+def idle_shares(busy: float, group, device) -> list[float]:
+    """Each rank of the group's idle share: 1 - its `busy` seconds / the busiest rank's.
+
+    Collective over the group; device: where its collective's tensor lives."""
+    busy = torch.tensor([busy], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(busy) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, busy, group=group)                   # a metric: not counted
+    busiest = max(b.item() for b in every)
+    return [1 - b.item() / busiest if busiest else 0.0 for b in every]

@@ -1,23 +1,17 @@
-"""Process groups: join the job, cut it into groups and a mesh, agree before the first step.
+"""Process groups: cut the world into groups and a mesh, agree before the first step.
 
-torchrun starts one process per rank; each joins the job's process group (NCCL with CUDA,
-else gloo; without torchrun a world of one, so every code path is the same). Strategies work
-on groups inside it: a 2-D mesh (tensor x data, pipeline x data), and the N-D one, one group per
-dimension (tensor, context, data, pipeline; experts folded into data x context), whose groups
-every rank creates in the same order, as torch.distributed.new_group requires. Before the first
-step the ranks check that they were started with the same model (gather_objects). What moves
-the bytes of every step is foundations/comm.py's Comm. Left out: torch's DeviceMesh, elastic membership
-changes.
+Every rank joins the world first (foundations/world.py). Strategies work on groups inside it:
+a 2-D mesh (tensor x data, pipeline x data), and the N-D one, one group per dimension (tensor,
+context, data, pipeline; experts folded into data x context). Every rank creates those groups in
+the same order, as torch.distributed.new_group requires. Before the first step the ranks check
+that they were started with the same model (gather_objects). What moves the bytes of every step
+is foundations/comm.py's Comm. Left out: torch's DeviceMesh, elastic membership changes.
 Test: python -m pytest tests/test_process_groups.py (the groups: tests/test_pipeline.py)
 """
 import ctypes
-import datetime
 import itertools
 import math
-import os
 import pickle
-import re
-import sys
 from collections import Counter
 from typing import NamedTuple
 
@@ -25,159 +19,6 @@ import torch
 import torch.distributed as dist
 
 from foundations.comm import Comm, all_gather_single
-
-
-# ---- joining and leaving the job -------------------------------------------------------------
-
-class LaunchError(Exception):
-    """The processes were started in a way this machine cannot run (more ranks than GPUs, two
-    ranks on one GPU): said in one line with the fix, without a traceback."""
-
-
-# NCCL's watchdog, on a collective past the timeout or a lost peer, aborts the communicators and
-# by default (3: SkipCleanUp) the process too, by SIGABRT: no Python line runs. CleanUpOnly (2)
-# aborts the communicators only, so the waiting call raises and train.py says which rank lost
-# contact and where --resume continues. NCCL reads the variable when the process group is made.
-NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-
-
-def choose_nccl_error_handling(environ=os.environ) -> str:
-    """Set NCCL_ERROR_HANDLING to CleanUpOnly (2) unless the user chose a value; return it.
-
-    torchrun's agent puts the variable into every worker's environment itself, set to 1
-    (TearDown: SIGABRT), whenever the user set none: under torchrun a 1 is torchrun's default,
-    not a choice, and is replaced, as running/threads.py's cpu_threads replaces torchrun's
-    OMP_NUM_THREADS=1. (A user who wants TearDown under torchrun sets 3, which also tears the
-    process down.)"""
-    value = environ.get(NCCL_ERROR_HANDLING)
-    if value is None or (value == "1" and "TORCHELASTIC_RUN_ID" in environ):
-        environ[NCCL_ERROR_HANDLING] = value = "2"
-    return value
-
-
-def cuda_index(local_rank: int, local_world: int, visible: int) -> int:
-    """Which of the visible GPUs this process computes on.
-
-    torchrun on a node with a GPU per process: GPU LOCAL_RANK. A launcher that shows each process
-    one GPU of its own (SLURM's --gpus-per-task=1, some Kubernetes operators): GPU 0, the only one
-    it sees (ranks sharing one GPU are caught by shared_gpu). More processes than GPUs, each seeing
-    them all: refused, as NCCL cannot put two ranks of one communicator on one GPU."""
-    if visible == 1:
-        return 0
-    if max(local_world, local_rank + 1) > visible:     # every local rank refuses alike
-        raise LaunchError(f"{max(local_world, local_rank + 1)} processes on this node but {visible} "
-                          f"GPUs: start one process per GPU (torchrun --nproc_per_node {visible}), "
-                          f"or a launcher that gives each process its own GPU")
-    return local_rank
-
-
-def shared_gpu(uuids: list[str]) -> str | None:
-    """The refusal when two local ranks see the same GPU (uuids: each local rank's GPU), else None."""
-    for i, uuid in enumerate(uuids):
-        if uuid in uuids[:i]:
-            return (f"local ranks {uuids.index(uuid)} and {i} both see one GPU ({uuid}): this node "
-                    f"shows each process a single GPU, the same one; start one process per GPU "
-                    f"(torchrun --nproc_per_node {len(set(uuids))})")
-    return None
-
-
-def _check_one_gpu_each(store, device: torch.device):
-    """With one visible GPU per process and several processes on the node, every local rank
-    publishes its GPU's uuid in the job's store and reads its neighbours': all refuse alike."""
-    node, local_world = os.environ.get("GROUP_RANK", "0"), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.device_count() > 1 or local_world == 1:
-        return
-    store.set(f"gpu/{node}/{os.environ.get('LOCAL_RANK', '0')}", str(torch.cuda.get_device_properties(device).uuid))
-    why = shared_gpu([store.get(f"gpu/{node}/{i}").decode() for i in range(local_world)])
-    if why:
-        raise LaunchError(why)
-
-
-def init_distributed(timeout: float | None = None) -> torch.device:
-    """Join the job torchrun started, or become a world of one; return this rank's device.
-
-    torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, on one node
-    or many (--nnodes, --rdzv-endpoint). Plain `python train.py` gets a process group of
-    size 1 held in memory, so every code path, collectives included, is the same.
-    timeout (seconds): how long a collective waits for a rank that died or hangs before it
-    raises, instead of blocking forever (None: torch's default, 10 minutes).
-    """
-    if torch.cuda.is_available():
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        device = torch.device("cuda", cuda_index(int(os.environ.get("LOCAL_RANK", 0)), local_world,
-                                                 torch.cuda.device_count()))
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-    if not dist.is_initialized():
-        choose_nccl_error_handling()
-        wait = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
-        if "RANK" in os.environ:
-            store, rank, world_size = next(dist.rendezvous("env://", **wait))
-            # torchrun --max-restarts keeps one store for every attempt: a restarted worker
-            # could read the address a dead worker left there and wait on it. Each attempt
-            # gets its own keys.
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            store = dist.PrefixStore(f"attempt{attempt}/", store)
-            if device.type == "cuda":
-                _check_one_gpu_each(store, device)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    device_id=device if device.type == "cuda" else None, **wait)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
-    return device
-
-
-TORCHRUN_INTEGERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
-
-
-def launched_world_size() -> int:
-    """The world size torchrun started this process in (1 without torchrun), read from the
-    variables torchrun sets; a ValueError naming the variable and the fix where they are not
-    torchrun's (set by hand, or left over in a shell): init_distributed would join a world of
-    one while the checks planned for WORLD_SIZE ranks, or wait for ranks that never come."""
-    env = os.environ
-    for name in TORCHRUN_INTEGERS:
-        if name in env and not re.fullmatch(r"[0-9]+", env[name]):
-            raise ValueError(f"{name}={env[name]!r} is not a whole number: torchrun sets it for each "
-                             f"process it starts; launch with torchrun, or unset {name}")
-    world = int(env.get("WORLD_SIZE", 1))
-    if world < 1:
-        raise ValueError(f"WORLD_SIZE={world}: a job has 1 rank or more; launch with torchrun, or "
-                         f"unset WORLD_SIZE")
-    if "RANK" not in env:
-        if world != 1:
-            raise ValueError(f"WORLD_SIZE={world} is set but RANK is not: torchrun sets both (with "
-                             f"MASTER_ADDR and MASTER_PORT) for each of its processes; launch with "
-                             f"torchrun --nproc_per_node {world} train.py, or unset WORLD_SIZE")
-        return 1
-    missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in env]
-    if missing:
-        raise ValueError(f"RANK is set but not {', '.join(missing)}: torchrun sets them all for "
-                         f"each of its processes; launch with torchrun, or unset RANK")
-    if not 0 <= int(env["RANK"]) < world:
-        raise ValueError(f"RANK={env['RANK']} is not a rank of WORLD_SIZE={world} (0 to {world - 1}): "
-                         f"launch with torchrun, which numbers its processes")
-    return world
-
-
-def exit_distributed(code: int = 0, peer_lost: bool = False):
-    """Leave the job: destroy the process group, flush, and end the process at once.
-
-    gloo's worker threads can still be dropping the last collective's tensors, which needs
-    the GIL; if the interpreter is already finalizing, that aborts the process (SIGABRT
-    after a finished run, seen about once in ten 2-rank runs on a loaded CPU). A script's
-    last line calls this, after every file is written and closed, so finalizing is skipped.
-    The same holds after a peer died mid-collective (peer_lost), with the group then left
-    as it is: its failed work is what the worker threads still hold.
-    """
-    if dist.is_initialized() and not peer_lost:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 # ---- groups inside the job: subgroups and a 2-D mesh -----------------------------------------
@@ -254,7 +95,8 @@ class Mesh(NamedTuple):
         """{dimension: bytes this rank sent along it since clear()}: each dimension counts on its
         own; dp is the data-parallel reductions (over dp x cp, and expert_dp's)."""
         comms = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp_cp, "ep": self.ep}
-        return {name: sum(comm.bytes_sent.values()) for name, comm in comms.items() if comm is not None}
+        return {name: sum(comm.bytes_sent.values()) for name, comm in comms.items()
+                if comm is not None}
 
     def clear(self):
         for comm in (self.tp, self.cp, self.pp, self.dp_cp, self.ep):
@@ -271,15 +113,15 @@ def mesh_shape(world: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
     if any(size < 1 for size in sizes.values()):
         raise ValueError(f"mesh sizes must be at least 1, got {sizes}")
     if world % (tp * cp * pp):
-        raise ValueError(f"world size {world} is not --tp {tp} x --cp {cp} x --pp {pp} x a data-parallel "
-                         f"size: launch a multiple of {tp * cp * pp} processes")
+        raise ValueError(f"world size {world} is not --tp {tp} x --cp {cp} x --pp {pp} x a "
+                         f"data-parallel size: launch a multiple of {tp * cp * pp} processes")
     dp = world // (tp * cp * pp)
     if (dp * cp) % ep:
-        raise ValueError(f"--ep {ep} must divide the data x context ranks that hold the same tensor "
-                         f"and pipeline slice, dp {dp} x cp {cp} = {dp * cp}")
+        raise ValueError(f"--ep {ep} must divide the data x context ranks that hold the same "
+                         f"tensor and pipeline slice, dp {dp} x cp {cp} = {dp * cp}")
     if shard is not None and (shard < 1 or (dp * cp) % shard):
-        raise ValueError(f"--shard-group {shard} must divide the data x context ranks that hold the "
-                         f"same tensor and pipeline slice, dp {dp} x cp {cp} = {dp * cp}")
+        raise ValueError(f"--shard-group {shard} must divide the data x context ranks that hold "
+                         f"the same tensor and pipeline slice, dp {dp} x cp {cp} = {dp * cp}")
     return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
 
 
@@ -296,14 +138,16 @@ def mesh_rank_lists(world: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int =
             group = []
             for inner in itertools.product(*(range(shape[d]) for d in dims)):
                 where = {**dict(zip(fixed, outer)), **dict(zip(dims, inner))}
-                group.append(_flatten([where[d] for d in DIMENSIONS], [shape[d] for d in DIMENSIONS]))
+                group.append(_flatten([where[d] for d in DIMENSIONS],
+                                      [shape[d] for d in DIMENSIONS]))
             groups.append(group)
         return groups
     lists = {d: along([d]) for d in DIMENSIONS}
     lists["dp_cp"] = along(["dp", "cp"])                      # ranks ordered dp-major: dp C + cp
 
     def runs(size):           # each dp x cp group: runs of `size` neighbours, and across the runs
-        return ([g[start: start + size] for g in lists["dp_cp"] for start in range(0, len(g), size)],
+        return ([g[start: start + size] for g in lists["dp_cp"]
+                 for start in range(0, len(g), size)],
                 [g[offset::size] for g in lists["dp_cp"] for offset in range(size)])
     if ep > 1:
         lists["ep"], lists["expert_dp"] = runs(ep)
@@ -325,7 +169,8 @@ def make_device_mesh(comm: Comm, tp: int = 1, cp: int = 1, pp: int = 1, ep: int 
                      shard: int | None = None) -> Mesh:
     """This rank's Mesh over comm's ranks (the world), a byte counter per dimension (Mesh.sent);
     shard: HSDP's shard group size within dp x cp (None: FSDP shards over all of it).
-    Collective: every rank creates every group, dimension by dimension, in mesh_rank_lists' order."""
+    Collective: every rank creates every group, dimension by dimension, in mesh_rank_lists'
+    order."""
     ranks = dist.get_process_group_ranks(comm.group)
     lists = mesh_rank_lists(len(ranks), tp, cp, pp, ep, shard)
     data = Counter()              # dp, dp x cp, expert_dp and HSDP's: the gradients' reductions
@@ -334,7 +179,8 @@ def make_device_mesh(comm: Comm, tp: int = 1, cp: int = 1, pp: int = 1, ep: int 
                               bytes_sent=counters.get(name, Counter()))
               for name, rank_lists in lists.items()}
     return Mesh(groups["tp"], groups["cp"], groups["dp"], groups["pp"], groups["dp_cp"],
-                groups.get("ep"), groups.get("expert_dp"), groups.get("shard"), groups.get("replicate"))
+                groups.get("ep"), groups.get("expert_dp"), groups.get("shard"),
+                groups.get("replicate"))
 
 
 # ---- agreeing before the first step ----------------------------------------------------------

@@ -27,7 +27,7 @@ from napkin.memory_math import (GB, activation_bytes, bytes_per_param, ep_comm_b
                          human_bytes, logits_bytes, model_params, moe_exchange_bytes, nf4_bytes,
                          quantized_params, root_params)
 from model import PRESETS, GPTConfig
-from foundations.process_groups import init_distributed
+from foundations.world import init_distributed
 # parse_bytes: the bytes --gpu-mem and train.py's --mem-budget take (the one place parsing them)
 from foundations.values import count, size as parse_bytes
 

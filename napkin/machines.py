@@ -34,7 +34,7 @@ from model import PRESETS as MODELS, Block, GPTConfig
 from moe import feed_forward
 from mechanics.offload import host_buffer
 from foundations.launch import Handle
-from foundations.process_groups import exit_distributed, init_distributed
+from foundations.world import exit_distributed, init_distributed
 from foundations.values import Parser, whole
 
 GB = 1e9

@@ -27,7 +27,7 @@ from foundations.comm import RING_COLLECTIVES
 from composition.parallelize import STRATEGIES, ring_choice
 from foundations.dtypes import DTYPES, REDUCE_DTYPE
 from model import PRESETS
-from foundations.process_groups import launched_world_size
+from foundations.world import launched_world_size
 # The one parser of every entry point (a refusal in one line); QUIET_WAIT, read by tests as cli.*
 from foundations.values import QUIET_WAIT, HelpFormatter, Parser, whole  # noqa: F401
 # The combinations' checks live beside the composition (composition/mesh_checks.py); moe_config is the MoE

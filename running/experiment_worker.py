@@ -18,7 +18,7 @@ import torch.distributed as dist
 import train
 from napkin.machines import this
 from model import PRESETS
-from foundations.process_groups import exit_distributed
+from foundations.world import exit_distributed
 
 
 def worker(plan_path: str):

@@ -32,7 +32,8 @@ from napkin.machines import this
 from napkin.memory_math import (activation_bytes, cp_activation_bytes, kept_activation_bytes,
                                 logits_bytes, pipeline_activation_bytes, quantized_params)
 from composition.mesh_checks import ParallelDims
-from foundations.process_groups import LaunchError, gather_objects
+from foundations.process_groups import gather_objects
+from foundations.world import LaunchError
 from napkin.step_time import DATA_PARALLEL, Step, predict
 
 MiB = 2**20

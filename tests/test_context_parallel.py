@@ -25,7 +25,7 @@ from napkin import memory
 from foundations.comm import Comm
 from context_parallel import cp_kv_bytes
 from napkin.memory_math import cp_activation_bytes
-from foundations.meters import BusyClock, saved_activation_bytes
+from foundations.meters import saved_activation_bytes
 from model import GPT, GPTConfig
 from equivalence import assert_adam_close
 from multiprocess import assert_mean_close, assert_tensors_close, bench_logged, run_ranks
@@ -102,7 +102,7 @@ def _attention_cases():
                 comm.bytes_sent.clear()
                 scores = Counter()
                 with _counting_scores(scores, "forward"):
-                    out = cp_module.ATTENTIONS[attention](*inputs, comm, split, BusyClock())
+                    out = cp_module.ATTENTIONS[attention](*inputs, comm, split)
                 with _counting_scores(scores, "backward"):
                     out.backward(mine(dout))
                 sent = sum(comm.bytes_sent[name] for name in cp_module.KV_COLLECTIVES)
@@ -186,7 +186,7 @@ def test_a_split_for_another_group_size_is_a_clear_error(attention):
     group = mock.Mock(spec=Comm, rank=0, world_size=2)
     q = torch.randn(B, H, 4, D)                                 # (B, H, t, D): 2 chunks of 2
     with pytest.raises(ValueError, match=r"split for 4 .* group of 2: make the split SequenceSplit\(2\)"):
-        cp_module.ATTENTIONS[attention](q, q, q, group, cp_module.SequenceSplit(4), BusyClock())
+        cp_module.ATTENTIONS[attention](q, q, q, group, cp_module.SequenceSplit(4))
     assert not group.method_calls
 
 

@@ -3,9 +3,9 @@ the N-D mesh cuts the world once per dimension, its groups crossing at one rank,
 every rank in one order.
 
 A rank that stalls stops the others within the run's --timeout, on every group. Joining the job
-runs in every spawned test; the groups every rank creates and the 2-D meshes
-are checked in tests/test_pipeline.py and tests/test_tensor_parallel.py, and the same-model
-check at start-up in tests/test_snapshot.py.
+(foundations/world.py) runs in every spawned test; its GPU launch checks are at the end. The
+groups every rank creates and the 2-D meshes are checked in tests/test_pipeline.py and
+tests/test_tensor_parallel.py, and the same-model check at start-up in tests/test_snapshot.py.
 """
 import itertools
 import os
@@ -221,7 +221,7 @@ def test_nccl_error_handling_is_clean_up_only_under_torchrun_unless_the_user_cho
     every worker unless the user set it: init_distributed, under a real torchrun, leaves it at 2
     (clean up only: the waiting call raises and train.py says its line) before the group is made;
     a value the user exported reaches the worker unchanged."""
-    probe = ("import os; from foundations import process_groups; process_groups.init_distributed(); "
+    probe = ("import os; from foundations import world; world.init_distributed(); "
              "print('value', os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING'])")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for exported, expected in ((None, "2"), ("3", "3"), ("0", "0")):
@@ -235,7 +235,7 @@ def test_nccl_error_handling_is_clean_up_only_under_torchrun_unless_the_user_cho
 
 
 def test_nccl_error_handling_keeps_a_value_set_without_torchrun():
-    from foundations.process_groups import choose_nccl_error_handling
+    from foundations.world import choose_nccl_error_handling
     for environ, expected in (({}, "2"), ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, "1"),
                               ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCHELASTIC_RUN_ID": "x"}, "2"),
                               ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCHELASTIC_RUN_ID": "x"}, "3")):
@@ -248,7 +248,7 @@ def test_nccl_error_handling_keeps_a_value_set_without_torchrun():
     (1, 2, 4, 1),                                   # fewer processes than GPUs
     (0, 8, 4, None), (5, 8, 4, None), (2, 1, 2, None)])   # more processes than GPUs: every rank refuses
 def test_each_process_takes_a_gpu_it_can_see_or_every_rank_says_why(local_rank, local_world, visible, expected):
-    from foundations.process_groups import LaunchError, cuda_index
+    from foundations.world import LaunchError, cuda_index
     if expected is not None:
         assert cuda_index(local_rank, local_world, visible) == expected
         return
@@ -258,7 +258,7 @@ def test_each_process_takes_a_gpu_it_can_see_or_every_rank_says_why(local_rank, 
 
 
 def test_two_processes_shown_the_same_single_gpu_are_refused():
-    from foundations.process_groups import shared_gpu
+    from foundations.world import shared_gpu
     assert shared_gpu(["GPU-a", "GPU-b", "GPU-c"]) is None
     line = shared_gpu(["GPU-a", "GPU-b", "GPU-a"])
     assert "local ranks 0 and 2 both see one GPU (GPU-a)" in line and "--nproc_per_node 2" in line
