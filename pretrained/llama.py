@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, at_least_fp32, causal_attention, cross_entropy, whole_sequence
+from model import GPT, Block, at_least_fp32, causal_attention, cross_entropy, whole_sequence
 
 
 @dataclass
@@ -137,19 +137,16 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-class LlamaBlock(nn.Module):
-    """model.py's pre-norm block with RMSNorm, Llama's attention and SwiGLU."""
+class LlamaBlock(Block):
+    """model.py's pre-norm block, its forward inherited, with RMSNorm, Llama's attention and
+    SwiGLU: a Block, so what treats a GPT's blocks as units (FSDP's wrap) treats these alike."""
 
     def __init__(self, cfg: LlamaConfig):
-        super().__init__()
+        nn.Module.__init__(self)                 # Block's own parts are built here, not there
         self.norm1 = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = LlamaAttention(cfg)
         self.norm2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
-
-    def forward(self, x):                                        # (B, T, C)
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
 
 
 class Llama(nn.Module):
@@ -158,6 +155,9 @@ class Llama(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
+        if cfg.experts:
+            raise ValueError(f"the Llama family here is dense: it has no mixture of experts to "
+                             f"give {cfg.experts} experts; drop --experts")
         self.cfg = cfg
         self.token_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
@@ -176,5 +176,6 @@ class Llama(nn.Module):
         GPT.run_blocks, GPT.logits, GPT.generate, GPT.num_parameters
 
     def forward(self, idx, targets=None):                        # idx: (B, T) token ids
+        """The logits (B, T, V); with targets, (logits, loss), as model.py's GPT returns them."""
         logits = self.logits(self.run_blocks(self.embed(idx)))   # (B, T, V)
-        return logits if targets is None else (logits, self.loss_fn(logits, targets))   # as GPT
+        return logits if targets is None else (logits, self.loss_fn(logits, targets))
