@@ -2,11 +2,12 @@
 
 A small random Llama (grouped-query attention, Qwen2's q/k/v biases, RMSNorm, rotary positions,
 SwiGLU) in fp64, where "equal to one process" is exact up to rounding, trains 3 clipped AdamW
-steps under each strategy: ddp, zero1, zero2, fsdp (each LlamaBlock a unit), ZeRO-Offload, tp
-(query heads, key/value heads and SwiGLU split; sequence parallel with RMSNorm), cp (the rotary
-positions each token's own in the whole sequence; ring and all-gather, zigzag), pp (the head
-tied and not), LoRA on Llama's linears and QLoRA (an NF4 base) under FSDP; and on 4 ranks
-tp 2 x dp 2 and cp 4. One launch per world size; each against one process on the same batches.
+steps under each strategy: ddp, zero1, zero2, fsdp (each LlamaBlock a unit), ZeRO-Offload
+(zero2's and fsdp's), fsdp's parameters on the host, tp (query heads, key/value heads and
+SwiGLU split; sequence parallel with RMSNorm), cp (the rotary positions each token's own in the
+whole sequence; ring and all-gather, zigzag), pp (the head tied and not), LoRA on every linear
+and QLoRA (an NF4 base) under FSDP; and on 4 ranks tp 2 x dp 2 and cp 4. One launch per world
+size; each against one process on the same batches.
 The GPT's own equivalence tests are in test_ddp, test_zero, test_fsdp, test_tensor_parallel,
 test_context_parallel and test_pipeline.
 """
@@ -20,6 +21,7 @@ from composition.tensor_parallel_gpt import TensorParallelGPT
 from ddp import DDP
 from equivalence import Fp64AdamW
 from extensions.fsdp_frozen import FrozenBaseFSDP
+from extensions.fsdp_offload import OffloadedFSDP
 from extensions.zero_offload import zero_optimizer
 from foundations.comm import Comm
 from foundations.placements import tensor_dim
@@ -41,15 +43,13 @@ FP64_ATOL, FP64_RTOL = 1e-10, 1e-12
 # it reports is one process's rounded to fp32 (its weights are fp64's, to FP64_ATOL).
 PIPELINE_LOSS_RTOL = 2 ** -23
 LORA_TARGETS = ("query", "key", "value", "output", "gate", "up", "down")
-
-
 # LoRA on every one of a Llama's linears; QLoRA on query and value, the others (SwiGLU's gate
 # among them) stored in NF4 beside them (lora.QUANTIZED).
 ADAPTERS = {"lora": dict(targets=LORA_TARGETS), "qlora": dict(quantize="nf4")}
 
 
 def _llama(tied=False, adapters=None):
-    """The fp64 Llama every run starts from; adapters: "lora" or "qlora" on every linear."""
+    """The fp64 Llama every run starts from, the head tied or not, with ADAPTERS[adapters]."""
     torch.manual_seed(0)
     llama = Llama(LlamaConfig(**{**CFG.__dict__, "tie_embeddings": tied})).double()
     if adapters:                              # after the cast: an NF4 base keeps fp32 scales
@@ -94,7 +94,7 @@ def _data_parallel(strategy, comm, adapters=None):
                                    offload="offload" in strategy, **ADAMW)
         return llama, optimizer, [optimizer], lambda: _trained(llama)
     names = {n for n, p in llama.named_parameters() if p.requires_grad}
-    kind = FrozenBaseFSDP if adapters else FSDP
+    kind = FrozenBaseFSDP if adapters else OffloadedFSDP if "params" in strategy else FSDP
     model = kind(llama, mp_policy=MixedPrecisionPolicy(torch.float64), group=comm)
     assert [type(u.module) for u in model.forward_order] == [LlamaBlock] * CFG.n_layer
     optimizer = FSDPOptimizer(model, offload="offload" in strategy, **ADAMW)
@@ -176,7 +176,7 @@ def _run_cases(cases) -> list:
         data = (comm.rank, comm.world_size)
         if kind == "tp":
             built = _tensor_parallel(comm, *option)
-            data = divmod(comm.rank, option[0])[0], comm.world_size // option[0]
+            data = comm.rank // option[0], comm.world_size // option[0]   # make_mesh's
         elif kind == "cp":
             built, data = _context_parallel(comm, *option), (0, 1)  # every rank: whole rows
         else:
@@ -187,7 +187,8 @@ def _run_cases(cases) -> list:
     return out
 
 
-TWO = [("ddp",), ("zero1",), ("zero2",), ("fsdp",), ("fsdp offload",), ("zero2 offload",),
+TWO = [("ddp",), ("zero1",), ("zero2",), ("fsdp",), ("fsdp offload",), ("fsdp params offload",),
+       ("zero2 offload",),
        ("tp", 2, True), ("cp", "ring"), ("cp", "allgather"), ("pp", False), ("pp", True),
        ("ddp", "lora"), ("fsdp", "qlora")]
 FOUR = [("tp", 2, True), ("tp", 2, False), ("cp", "ring")]
