@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, Block, at_least_fp32, causal_attention, cross_entropy, whole_sequence
+from model import GPT, Block, at_least_fp32, cross_entropy, whole_sequence
 
 
 @dataclass
@@ -89,6 +89,12 @@ def rotate(x, cos, sin):                          # x (B, H, T, D); cos, sin (T,
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def grouped_causal_attention(q, k, v, dropout_p: float = 0.0):  # q (B, H, T, D), k, v (B, G, T, D)
+    """model.py's causal attention, each of the G key/value heads serving H/G query heads."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                          enable_gqa=True)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -103,7 +109,7 @@ class LlamaAttention(nn.Module):
         self.output = nn.Linear(cfg.n_head * D, C, bias=cfg.output_bias)
         # The two parts a parallelism swaps, as in model.py: attention over the sequence, and the
         # positions of the T tokens this attention sees (context parallelism: its chunks').
-        self.attend = causal_attention
+        self.attend = grouped_causal_attention
         self.positions_of = whole_sequence
 
     def forward(self, x):                                        # x: (B, T, C)
@@ -117,9 +123,8 @@ class LlamaAttention(nn.Module):
                              rope_frequencies(self.cfg, x.device))           # (T, D/2)
         cos, sin = angles.cos(), angles.sin()
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)          # (B, H, T, D), (B, G, T, D)
-        # Grouped-query: each key/value head lines up with the H/G query heads it serves.
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # Grouped-query: the attention lines each key/value head up with the H/G query heads it
+        # serves (context parallelism sends the G heads, not H copies).
         y = self.attend(q, k, v, self.cfg.dropout if self.training else 0.0)   # (B, H, T, D)
         return self.output(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, H*D) -> (B, T, C)
 

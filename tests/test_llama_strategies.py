@@ -5,9 +5,10 @@ SwiGLU) in fp64, where "equal to one process" is exact up to rounding, trains 3 
 steps under each strategy: ddp, zero1, zero2, fsdp (each LlamaBlock a unit), ZeRO-Offload
 (zero2's and fsdp's), fsdp's parameters on the host, tp (query heads, key/value heads and
 SwiGLU split; sequence parallel with RMSNorm), cp (the rotary positions each token's own in the
-whole sequence; ring and all-gather, zigzag), pp (the head tied and not), LoRA on every linear
-and QLoRA (an NF4 base) under FSDP; and on 4 ranks tp 2 x dp 2 and cp 4. One launch per world
-size; each against one process on the same batches.
+whole sequence; ring and all-gather, zigzag, sending the G key/value heads, not H copies), pp
+(the head tied and not), LoRA on every linear and QLoRA (an NF4 base) under FSDP; and on 4
+ranks tp 2 x dp 2 and cp 4. One launch per world size; each against one process on the same
+batches.
 The GPT's own equivalence tests are in test_ddp, test_zero, test_fsdp, test_tensor_parallel,
 test_context_parallel and test_pipeline.
 """
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import lora
 from composition.context_parallel_gpt import ContextParallelGPT
 from composition.tensor_parallel_gpt import TensorParallelGPT
+from context_parallel import cp_kv_bytes
 from ddp import DDP
 from equivalence import Fp64AdamW
 from extensions.fsdp_frozen import FrozenBaseFSDP
@@ -65,6 +67,13 @@ def _batches():
 
 def _trained(llama):
     return {n: p.detach().clone() for n, p in llama.named_parameters() if p.requires_grad}
+
+
+def _kv_bytes(attention: str, cp: int) -> int:
+    """What a cp rank's attention sends in the run: the G = n_kv_head heads of K and V (and
+    their gradients), not H copies: context_parallel.cp_kv_bytes with hidden G x D, in fp64."""
+    sent = cp_kv_bytes(T, B, CFG.n_kv_head * CFG.D, cp, attention, bytes_per_value=8)
+    return STEPS * CFG.n_layer * sum(sent.values())
 
 
 def _single(tied=False, adapters=None) -> dict:
@@ -127,8 +136,13 @@ def _tensor_parallel(comm, tp, sequence_parallel):
 
 def _context_parallel(comm, attention):
     llama = _llama()
-    model = DDP(ContextParallelGPT(llama, comm, attention, zigzag=True), comm)
-    return model, Fp64AdamW(llama.parameters(), **ADAMW), [model], lambda: _trained(llama)
+    split = ContextParallelGPT(llama, comm, attention, zigzag=True)
+    model = DDP(split, comm)
+    comm.bytes_sent.clear()                    # the earlier cases' and DDP's broadcast
+
+    def weights():
+        return {**_trained(llama), "kv bytes": torch.tensor(split.kv_bytes_sent())}
+    return model, Fp64AdamW(llama.parameters(), **ADAMW), [model], weights
 
 
 def _train(model, optimizer, syncs, data_rank, data_size) -> list:
@@ -203,6 +217,8 @@ def test_every_strategy_trains_a_llama_as_one_process(world, cases):
     every = run_ranks(_run_cases, world, cases)
     for i, case in enumerate(cases):
         expected = _single(**REFERENCE.get(case, {}))
+        if case[0] == "cp":
+            expected["params"]["kv bytes"] = torch.tensor(_kv_bytes(case[1], world))
         for r, rank in enumerate(every):
             got, what = rank[i], f"{case} on {world} ranks, rank {r}"
             rtol = PIPELINE_LOSS_RTOL if case[0] == "pp" else FP64_RTOL
