@@ -20,7 +20,8 @@ In training: train.py --strategy cp --cp 2 [--cp-attention allgather] [--cp-bala
 Test: python -m pytest tests/test_context_parallel.py
 
 Shapes: B batch, T sequence, H heads, D channels per head, C = H x D, cp ranks in the group, r
-this rank, t = T/cp tokens per rank, c tokens per chunk (t, or t/2 under zigzag).
+this rank, t = T/cp tokens per rank, c tokens per chunk (t, or t/2 under zigzag). K and V may
+have G heads, each serving H/G query heads (grouped-query attention): G travel, not H.
 """
 import os
 from dataclasses import dataclass
@@ -142,9 +143,20 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _scores(q, k, causal: bool):           # (B, H, c, D), (B, H, c, D) -> (B, H, c, c)
+def _grouped(k, q):                        # (B, G, c, D) -> (B, H, c, D)
+    """K or V lined up with q's H heads: grouped-query attention's G heads each serve H/G query
+    heads (G = H: k itself). The ring sends the G heads, and repeats them only to compute."""
+    return k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+
+
+def _summed_over_groups(dk, k):            # (B, H, c, D) -> (B, G, c, D)
+    """The gradient of K or V's G heads: the sum over the H/G query heads each one served."""
+    return dk.unflatten(1, (k.shape[1], -1)).sum(2)
+
+
+def _scores(q, k, causal: bool):           # (B, H, c, D), (B, G, c, D) -> (B, H, c, c)
     """q k^T / sqrt(D); a chunk against itself masks each query's future keys."""
-    scores = _upcast(q) @ _upcast(k).transpose(-2, -1) * q.shape[-1] ** -0.5
+    scores = _upcast(q) @ _upcast(_grouped(k, q)).transpose(-2, -1) * q.shape[-1] ** -0.5
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
@@ -163,21 +175,24 @@ def _fold_in(m, denom, acc, q, k, v, causal: bool):
     p = (scores - m_new.unsqueeze(-1)).exp()                                   # (B, H, c, c)
     rescale = (m - m_new).exp()                                                # (B, H, c)
     denom.mul_(rescale).add_(p.sum(-1))
-    acc.mul_(rescale.unsqueeze(-1)).add_(p @ _upcast(v))
+    acc.mul_(rescale.unsqueeze(-1)).add_(p @ _upcast(_grouped(v, q)))
     m.copy_(m_new)
 
 
 def _block_grads(q, k, v, dout, lse, delta, causal: bool):
     """One block's gradients (FlashAttention's backward, Dao et al. 2022, appendix B), in fp32:
     the forward's probabilities recomputed from the log-sum-exp it kept, never stored.
-    dout (B, H, c, D), lse and delta = rowsum(dout * out) (B, H, c) -> dq, dk, dv (B, H, c, D)."""
+    dout (B, H, c, D), lse and delta = rowsum(dout * out) (B, H, c) -> dq (B, H, c, D), dk, dv
+    (B, G, c, D)."""
     scale = q.shape[-1] ** -0.5
     p = (_scores(q, k, causal) - lse.unsqueeze(-1)).exp()                     # (B, H, c, c)
     dv = p.transpose(-2, -1) @ dout
-    dp = dout @ _upcast(v).transpose(-2, -1)                                  # (B, H, c, c)
+    dp = dout @ _upcast(_grouped(v, q)).transpose(-2, -1)                     # (B, H, c, c)
     # The softmax's Jacobian; masked entries have p = 0, so ds = 0 there.
     ds = p * (dp - delta.unsqueeze(-1))
-    return ds @ _upcast(k) * scale, ds.transpose(-2, -1) @ _upcast(q) * scale, dv
+    dk = ds.transpose(-2, -1) @ _upcast(q) * scale
+    return (ds @ _upcast(_grouped(k, q)) * scale, _summed_over_groups(dk, k),
+            _summed_over_groups(dv, v))
 
 
 # ---- all-gather K/V (Llama 3): the naive one ---------------------------------------------------
@@ -185,7 +200,7 @@ def _block_grads(q, k, v, dout, lse, delta, causal: bool):
 def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit):
     """Causal attention of this rank's queries over the whole sequence.
 
-    (B, H, t, D) each -> (B, H, t, D).
+    q (B, H, t, D), k and v (B, G, t, D) -> (B, H, t, D).
 
     Every rank gathers every rank's K and V, and each query chunk attends to the keys up to its
     own end. Gathering forward and reduce-scattering backward is sequence parallelism's conjugate
@@ -196,11 +211,11 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit):
     check_group(comm, split)
     r, t = comm.rank, q.shape[2]
     # gather_sequence gathers dim 1: put the sequence there.
-    kv = torch.stack([k, v]).permute(1, 3, 0, 2, 4)                           # (B, t, 2, H, D)
-    kv = gather_sequence(kv, comm)                                  # (B, T, 2, H, D), rank order
+    kv = torch.stack([k, v]).permute(1, 3, 0, 2, 4)                           # (B, t, 2, G, D)
+    kv = gather_sequence(kv, comm)                                  # (B, T, 2, G, D), rank order
     T = kv.shape[1]
     kv = kv.index_select(1, split.sequence_order(T, q.device))                 # sequence order
-    keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)   # (B, H, T, D) each
+    keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)   # (B, G, T, D) each
     c = t // len(split.chunks(r))
     out = []
     for a, i in enumerate(split.chunks(r)):
@@ -208,7 +223,8 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit):
         # query x of the chunk, at position i c + x, sees key y when y <= i c + x
         visible = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(i * c)
         out.append(F.scaled_dot_product_attention(q[:, :, a * c:(a + 1) * c], keys[:, :, :end],
-                                                  values[:, :, :end], attn_mask=visible))
+                                                  values[:, :, :end], attn_mask=visible,
+                                                  enable_gqa=True))
     return torch.cat(out, dim=2)                                               # (B, H, t, D)
 
 
@@ -225,8 +241,8 @@ def allgather_attention(q, k, v, comm: Comm, split: SequenceSplit):
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence, its K/V blocks passed round
-    the ring: (B, H, t, D) each -> (B, H, t, D). Keeps q, k, v, the output and its log-sum-exp
-    (B, H, t) for backward: the rank's own block, never the sequence's."""
+    the ring: q (B, H, t, D), k and v (B, G, t, D) -> (B, H, t, D). Keeps q, k, v, the output
+    and its log-sum-exp (B, H, t) for backward: the rank's own block, never the sequence's."""
 
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, split: SequenceSplit):
@@ -238,7 +254,7 @@ class RingAttention(torch.autograd.Function):
         m = torch.full(q.shape[:3], float("-inf"), dtype=wide, device=q.device)
         denom = torch.zeros_like(m)
         acc = torch.zeros(q.shape, dtype=wide, device=q.device)                # (B, H, t, D)
-        kv = torch.stack([k, v])                                 # (2, B, H, t, D): one message
+        kv = torch.stack([k, v])                                 # (2, B, G, t, D): one message
         for step in range(cp):
             source = (r - step) % cp                                           # whose block kv is
             if step < cp - 1:
@@ -272,7 +288,7 @@ class RingAttention(torch.autograd.Function):
         dout = _upcast(dout)
         delta = (dout * _upcast(out)).sum(-1)                                  # (B, H, t)
         dq = torch.zeros_like(dout)                                            # (B, H, t, D), fp32
-        kv = torch.stack([k, v])                                               # (2, B, H, t, D)
+        kv = torch.stack([k, v])                                               # (2, B, G, t, D)
         incoming = None          # (handle, buffer): a partial sum of dK, dV on its way from r+1
         for step in range(cp):
             source = (r + step) % cp                  # the other way round: blocks move to r-1
@@ -280,7 +296,7 @@ class RingAttention(torch.autograd.Function):
                 arriving = torch.empty_like(kv)
                 kv_handle = comm.exchange([("send", kv, left), ("recv", arriving, right)])
             # This rank's share of source's dK, dV: fp32, as the shares add up over the ranks.
-            dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)       # (2, B, H, t, D)
+            dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=q.device)       # (2, B, G, t, D)
             for a, b, causal in split.blocks(r, source):
                 rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
                 dq_a, dk_b, dv_b = _block_grads(

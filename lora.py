@@ -242,12 +242,12 @@ def dequantized_weights(model: nn.Module) -> dict:
 # Dettmers et al. 2023: W0 kept as NF4 codes and scales (4.5 bits a value), dequantized in each
 # forward and backward and dropped again; the adapters train as above, in the compute dtype.
 # The paper stores the whole pretrained model so, adapted or not: here every block's attention
-# query, key, value and output and MLP up and down (each expert's too). The embeddings, norms and
-# biases stay in the compute dtype (its code quantizes linear layers only), and so do a mixture's
-# routers (small, and a rounded score flips a token's expert); the head too unless it is adapted:
-# Hugging Face's 4-bit loading, which the paper's code uses, keeps the output layer in 16 bits,
-# and a tied head is the embedding's table.
-QUANTIZED = ("query", "key", "value", "output", "up", "down")
+# query, key, value and output and MLP up and down (a Llama's SwiGLU gate too; each expert's).
+# The embeddings, norms and biases stay in the compute dtype (its code quantizes linear layers
+# only), and so do a mixture's routers (small, and a rounded score flips a token's expert); the
+# head too unless it is adapted: Hugging Face's 4-bit loading, which the paper's code uses, keeps
+# the output layer in 16 bits, and a tied head is the embedding's table.
+QUANTIZED = ("query", "key", "value", "output", "gate", "up", "down")
 
 class QLoRALinear(LoRALinear):
     """LoRA over a 4-bit NormalFloat W0: the full-precision weight is replaced by its NF4 copy."""

@@ -41,12 +41,17 @@ class ContextParallelGPT(nn.Module):
         # (attending) and, within them, the seconds its Comm blocked (waited).
         self.attending, self.waited = BusyClock(), BusyClock()
         # In place, so that model.py's forward (or a pipeline stage's part of it) runs on this
-        # rank's tokens: its positions in the sequence, and attention over the group.
-        gpt.positions_of = self._my_positions
+        # rank's tokens: its positions in the sequence, and attention over the group. A Llama
+        # (pretrained/llama.py) has no position embedding: each attention rotates its queries
+        # and keys by their positions, which must be the tokens' own in the whole sequence.
+        if hasattr(gpt, "positions_of"):
+            gpt.positions_of = self._my_positions
         for block in gpt.blocks:
             if isinstance(block, nn.Identity):          # another pipeline stage's block
                 continue
             block.attn.attend = partial(self._attend, ATTENTIONS[attention])
+            if hasattr(block.attn, "positions_of"):
+                block.attn.positions_of = self._my_positions
         # True: the next training forward counts the bytes it keeps for backward (saved-tensor
         # hooks) into activation_bytes. build() asks, for train.py's log; off otherwise, since
         # hooks do not nest: ours would hide a caller's own.

@@ -242,7 +242,7 @@ def parallelize(gpt, args, mesh, dims: ParallelDims, device, adamw: dict):
     # 2. Split the sequences (context_parallel.py): this rank's chunks of each; attention over cp.
     cp = (ContextParallelGPT(gpt, mesh.cp, args.cp_attention, args.cp_balance == "zigzag")
           if dims.cp_enabled else None)
-    if cp and args.sequence_parallel:     # this rank's 1/tp of the tokens of its chunks
+    if cp and tp and hasattr(tp, "group_positions"):   # sequence parallel: 1/tp of its chunks
         tp.group_positions, gpt.positions_of = gpt.positions_of, tp._my_positions
     # 3. Route the experts (moe.py): E/ep of each MoE layer's experts on this rank, the tokens
     # sent to them over the mesh's ep group (a run of ep dp x cp ranks), their gradients

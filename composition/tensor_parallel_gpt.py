@@ -17,8 +17,9 @@ import torch.nn as nn
 
 from foundations.comm import Comm
 from model import at_least_fp32
+from pretrained.llama import LlamaBlock
 from tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                             check_divisible, split_block)
+                             check_divisible, enter_region, split_block)
 
 # ---- the loss over the split vocabulary ------------------------------------------------------
 
@@ -57,6 +58,36 @@ def vocab_parallel_cross_entropy(logits, targets, group=None):
     return _VocabParallelCrossEntropy.apply(logits, targets, Comm.from_group(group)).mean()
 
 
+# ---- a Llama's block (pretrained/llama.py) ----------------------------------------------------
+
+def check_llama_divisible(cfg, n: int):
+    """One message if a Llama's key/value heads or MLP width do not split into n equal parts."""
+    for what, size in (("key/value heads (n_kv_head)", cfg.n_kv_head),
+                       ("MLP width (hidden)", cfg.hidden)):
+        if size % n:
+            raise ValueError(f"tensor parallelism over {n} ranks splits the {what} = {size} into "
+                             f"{n} equal parts, but {size} % {n} = {size % n}: use a --tp that "
+                             f"divides n_kv_head={cfg.n_kv_head} and hidden={cfg.hidden}")
+
+
+def split_llama_block(block, comm, sequence_parallel: bool = False):
+    """split_block for a LlamaBlock, in place: query by columns (H/N query heads), key and value
+    by columns too (G/N key/value heads, the ones this rank's query heads share), the output by
+    rows; SwiGLU's gate and up by columns, down by rows, so silu(gate) * up stays local."""
+    sp = dict(group=comm, sequence_parallel=sequence_parallel)
+    attn, mlp = block.attn, block.mlp
+    for layer, name in ((attn, "query"), (attn, "key"), (attn, "value"), (mlp, "gate"),
+                        (mlp, "up")):
+        column = ColumnParallelLinear.from_linear(getattr(layer, name), enter=False, **sp)
+        setattr(layer, name, column)
+    attn.output = RowParallelLinear.from_linear(attn.output, **sp)
+    mlp.down = RowParallelLinear.from_linear(mlp.down, **sp)
+    # Each sublayer enters the region once for its columns, as split_block's do.
+    for sublayer in (attn, mlp):
+        sublayer.register_forward_pre_hook(
+            lambda _, args: (enter_region(args[0], comm, sequence_parallel), *args[1:]))
+
+
 # ---- the GPT, parallelized ------------------------------------------------------------------
 
 class TensorParallelGPT(nn.Module):
@@ -68,10 +99,13 @@ class TensorParallelGPT(nn.Module):
         super().__init__()
         self.comm = comm = Comm.from_group(group)
         check_divisible(gpt.cfg, comm.world_size)
+        llama = isinstance(gpt.blocks[0], LlamaBlock)
+        if llama:
+            check_llama_divisible(gpt.cfg, comm.world_size)
         self.gpt, self.sequence_parallel = gpt, sequence_parallel
         sp = dict(group=comm, sequence_parallel=sequence_parallel)
         for block in gpt.blocks:
-            split_block(block, comm, sequence_parallel)
+            (split_llama_block if llama else split_block)(block, comm, sequence_parallel)
         gpt.token_emb = VocabParallelEmbedding.from_embedding(gpt.token_emb, **sp)
         gpt.head = ColumnParallelLinear.from_linear(gpt.head, **sp)  # logits (B, T, V/N)
         if gpt.cfg.tie_embeddings:
@@ -81,9 +115,10 @@ class TensorParallelGPT(nn.Module):
         # then logits (B, T, V/N), never gathered, into the loss over the split vocabulary.
         gpt.loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(
             at_least_fp32(logits).flatten(0, 1), targets.flatten(), comm)
-        if sequence_parallel:
+        if sequence_parallel and not llama:
             # The positions of the T tokens the group holds (whole sequences, unless the caller
-            # has split them further and says so here), of which this rank embeds 1/N.
+            # has split them further and says so here), of which this rank embeds 1/N. (A
+            # Llama embeds no positions: its attention rotates the group's tokens, gathered.)
             self.group_positions = gpt.positions_of
             gpt.positions_of = self._my_positions
 

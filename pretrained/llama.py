@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, at_least_fp32, causal_attention, cross_entropy, whole_sequence
+from model import GPT, Block, at_least_fp32, cross_entropy, whole_sequence
 
 
 @dataclass
@@ -89,6 +89,12 @@ def rotate(x, cos, sin):                          # x (B, H, T, D); cos, sin (T,
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def grouped_causal_attention(q, k, v, dropout_p: float = 0.0):  # q (B, H, T, D), k, v (B, G, T, D)
+    """model.py's causal attention, each of the G key/value heads serving H/G query heads."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                          enable_gqa=True)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -103,7 +109,7 @@ class LlamaAttention(nn.Module):
         self.output = nn.Linear(cfg.n_head * D, C, bias=cfg.output_bias)
         # The two parts a parallelism swaps, as in model.py: attention over the sequence, and the
         # positions of the T tokens this attention sees (context parallelism: its chunks').
-        self.attend = causal_attention
+        self.attend = grouped_causal_attention
         self.positions_of = whole_sequence
 
     def forward(self, x):                                        # x: (B, T, C)
@@ -117,9 +123,8 @@ class LlamaAttention(nn.Module):
                              rope_frequencies(self.cfg, x.device))           # (T, D/2)
         cos, sin = angles.cos(), angles.sin()
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)          # (B, H, T, D), (B, G, T, D)
-        # Grouped-query: each key/value head lines up with the H/G query heads it serves.
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # Grouped-query: the attention lines each key/value head up with the H/G query heads it
+        # serves (context parallelism sends the G heads, not H copies).
         y = self.attend(q, k, v, self.cfg.dropout if self.training else 0.0)   # (B, H, T, D)
         return self.output(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, H*D) -> (B, T, C)
 
@@ -137,19 +142,16 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-class LlamaBlock(nn.Module):
-    """model.py's pre-norm block with RMSNorm, Llama's attention and SwiGLU."""
+class LlamaBlock(Block):
+    """model.py's pre-norm block, its forward inherited, with RMSNorm, Llama's attention and
+    SwiGLU: a Block, so what treats a GPT's blocks as units (FSDP's wrap) treats these alike."""
 
     def __init__(self, cfg: LlamaConfig):
-        super().__init__()
+        nn.Module.__init__(self)                 # Block's own parts are built here, not there
         self.norm1 = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = LlamaAttention(cfg)
         self.norm2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
-
-    def forward(self, x):                                        # (B, T, C)
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
 
 
 class Llama(nn.Module):
@@ -158,6 +160,9 @@ class Llama(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
+        if cfg.experts:
+            raise ValueError(f"the Llama family here is dense: it has no mixture of experts to "
+                             f"give {cfg.experts} experts; drop --experts")
         self.cfg = cfg
         self.token_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
@@ -176,5 +181,6 @@ class Llama(nn.Module):
         GPT.run_blocks, GPT.logits, GPT.generate, GPT.num_parameters
 
     def forward(self, idx, targets=None):                        # idx: (B, T) token ids
+        """The logits (B, T, V); with targets, (logits, loss), as model.py's GPT returns them."""
         logits = self.logits(self.run_blocks(self.embed(idx)))   # (B, T, V)
-        return logits if targets is None else (logits, self.loss_fn(logits, targets))   # as GPT
+        return logits if targets is None else (logits, self.loss_fn(logits, targets))
