@@ -101,6 +101,13 @@ def save(args, job, layout, log, divergence, step, loss, base):
             f"continues at step {step + 1} | loss {step_loss:.4f}")
 
 
+def export(args, job, layout, log):
+    """--export's file at the run's end: the fp32 weights, LoRA's adapters folded in."""
+    snapshot.export(args.export, job.gpt, job.optimizer, layout, dist.get_rank(),
+                    lora_config(args), args.out)
+    log.say(f"exported {args.export}: fp32 weights; train.load_weights({args.export!r}) loads them")
+
+
 def export_bytes(args) -> int:
     """About the bytes of --export's file: every parameter of the model in fp32 and its record's
     header (under 1 KiB). Counted on the meta device: no memory; a LoRA run exports its adapters
