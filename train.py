@@ -204,9 +204,9 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
         log.say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
     clock = Clock(start, device)
     napkin_seconds = predicted_seconds(args, gpt, dims, device)     # this machine, measured
-    for group in optimizer.param_groups:     # learning_rate as torch's LambdaLR, from `start`
+    for group in optimizer.param_groups:      # LambdaLR's base: it may start at a resumed step
         group["initial_lr"] = args.lr
-    lr_at = lambda step: learning_rate(step, args) / args.lr
+    lr_at = lambda s: learning_rate(s, args) / args.lr              # learning_rate as a factor
     schedule = LambdaLR(optimizer, lr_at, last_epoch=start - 1)
     divergence = Divergence(args, gpt.cfg.vocab_size, first_loss)
     for step in range(start, args.steps):
