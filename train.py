@@ -1,13 +1,13 @@
 """train.py: build, loop, log. The concept files composed into one training run.
 
 A step: each rank takes its slice of the global batch, runs forward and backward over
---grad-accum micro-batches, the strategy averages the gradients (ddp.py, zero.py, fsdp.py) and
-the mixed-precision optimizer updates the fp32 master weights (mixed_precision.py). One mesh
-splits the matrices over --tp ranks, the sequences over --cp, the blocks into --pp stages and the
-experts over --ep, in any combination (the composition: composition/parallelize.py), and
-data-parallelizes the rest. The log says loss, speed, bytes and memory beside their formulas
-(running/report.py). With --out the run is a directory whose checkpoints --resume continues bit
-for bit (running/snapshot.py).
+--grad-accum micro-batches, the strategy averages the gradients and the mixed-precision optimizer
+updates the fp32 master weights (mixed_precision.py). data_parallel below builds the strategy:
+ddp.py's replicas, zero.py's sharded optimizer or fsdp.py's units. A mesh splits the matrices
+over --tp ranks, the sequences over --cp, the blocks into --pp stages and the experts over --ep,
+in any combination (composition/parallelize.py). The log says loss, speed, bytes and memory
+beside their formulas (running/report.py). With --out the run is a directory whose checkpoints
+--resume continues bit for bit (running/snapshot.py).
 Run: python train.py   or   torchrun --nproc_per_node 2 train.py --strategy zero2
 Test: python -m pytest tests/test_train.py tests/test_snapshot.py tests/test_run_log.py
 """
@@ -25,18 +25,22 @@ if __name__ == "__main__":
 
 import torch
 import torch.distributed as dist
+from torch.optim import AdamW
 from torch.optim.lr_scheduler import LambdaLR
 
-from running import report
-from running import snapshot
+from running import report, snapshot
 from running.cli import parse_args
 from running.data import TextData, pinned_copy
 from composition.mesh_checks import ParallelDims
 from running.divergence import Divergence
 from running.errors import RunError, refused
 from foundations.meters import peak_saved_bytes, saved_activation_bytes
-from composition.parallelize import build, lora_config, new_gpt
-from composition.parallelize import build_gpt  # noqa: F401 (train.build_gpt)
+from composition import parallelize
+from ddp import DDP
+from fsdp import FSDP, MixedPrecisionPolicy
+from mechanics.fsdp_optimizer import FSDPOptimizer
+from mixed_precision import DTYPES, MixedPrecisionOptimizer
+from zero import Zero2Optimizer, ZeroOptimizer
 from foundations.process_groups import global_mean
 from foundations.world import exit_distributed, init_distributed
 from running.threads import cpu_threads
@@ -51,15 +55,6 @@ def learning_rate(step, args):
         return args.lr * (step + 1) / args.warmup
     progress = (step - args.warmup) / max(1, args.steps - 1 - args.warmup)
     return min_lr + 0.5 * (args.lr - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def lr_scheduler(optimizer, args, start: int) -> LambdaLR:
-    """learning_rate as torch's LambdaLR over our optimizer (a torch.optim.Optimizer), set for
-    step `start`: a resumed run rebuilds the schedule from its own --steps and --lr."""
-    for group in optimizer.param_groups:
-        group["initial_lr"] = args.lr
-    return LambdaLR(optimizer, lambda step: learning_rate(step, args) / args.lr,
-                    last_epoch=start - 1)
 
 
 @torch.no_grad()
@@ -77,12 +72,10 @@ def eval_loss(model, data, args, rank, world_size, device, my_tokens):
 
 
 def train_step(model, optimizer, sync, x, y, args, measure=False, kept: dict | None = None):
-    """One optimizer step on this rank's rows x, y (B/N, T), in --grad-accum micro-batches; returns
-    this rank's mean loss (a tensor) and whether the update was applied (a step whose gradients
-    hold inf or NaN is skipped on every rank). sync: the run's gradient syncs (flat.GradientSyncs).
-    measure: time a pipeline's compute exactly.
-    kept: gets "bytes", the activations kept for backward
-    (a pipeline's: the most its stage held at once over the step's schedule)."""
+    """One optimizer step on this rank's rows x, y (B/N, T) in --grad-accum micro-batches: (this
+    rank's mean loss, False if the update was skipped: gradients with inf or NaN, on every rank).
+    sync: the run's flat.GradientSyncs. measure: time a pipeline's compute exactly. kept: gets
+    "bytes", the activations kept for backward (a pipeline's: the most its stage held at once)."""
     optimizer.zero_grad(set_to_none=True)
     if hasattr(model, "train_step"):
         # A pipeline runs the --microbatches by its schedule; replicas average once per step.
@@ -121,14 +114,41 @@ def update(optimizer, args) -> bool:
     return not optimizer.last_step_skipped
 
 
+# ---- the strategy: the data-parallel rungs, built here over the whole model --------------------
+
+def data_parallel(gpt, args, group, device):
+    """--strategy over the data group: (the model the loop calls, the optimizer that steps)."""
+    adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    reduce_dtype = DTYPES[args.reduce_dtype]               # the gradients' dtype on the wire
+    if args.strategy in ("single", "ddp"):          # replicas: all-reduce the gradients (ddp.py)
+        model = DDP(gpt, group, args.bucket_mb, reduce_dtype) if args.strategy == "ddp" else gpt
+        return model, MixedPrecisionOptimizer(gpt.parameters(), AdamW, args.precision, **adamw)
+    if args.strategy in ("zero1", "zero2"):    # the model whole, the optimizer sharded (zero.py)
+        sharded = Zero2Optimizer if args.strategy == "zero2" else ZeroOptimizer
+        return gpt, sharded(gpt.parameters(), AdamW, group, args.bucket_mb, reduce_dtype, **adamw)
+    # fsdp (zero3): each block a unit, its shards gathered to compute and freed after (fsdp.py)
+    model = FSDP(gpt, group=group, prefetch=args.prefetch, device=device,
+                 mp_policy=MixedPrecisionPolicy(DTYPES[args.precision], reduce_dtype))
+    return model, FSDPOptimizer(model, AdamW, **adamw)
+
+
+def build(args, device, dims: ParallelDims, gpt) -> parallelize.Run:
+    """The run on this rank: gpt under data_parallel's rung; a mesh (--tp, --cp, --pp, --ep) or
+    the talk's extensions (--shard-group, --offload, --lora) by composition/parallelize.py."""
+    if dims.splits or dims.ep > 1 or args.shard_group or args.offload or args.lora:
+        return parallelize.build(args, device, dims, gpt)
+    comm, mesh = parallelize.device_mesh(args, dims)
+    parallelize.prepare(gpt, args, device)          # the cast the strategy needs, checkpointing
+    model, optimizer = data_parallel(gpt, args, mesh.dp, device)
+    return parallelize.observed(args, dims, gpt, model, optimizer, comm, mesh)
+
 
 # ---- the run ---------------------------------------------------------------------------------
 
 def main(argv=None, live_bytes: bool = False, logs: list | None = None) -> dict:
-    """Train as the command line says (argv: its words; None: sys.argv); return the history:
-    losses at logged steps, eval_loss ("eval_loss_before" with --init-from, "bubble" for a
-    pipeline). live_bytes (CPU): every live tensor's bytes at each logged step, a full garbage-
-    collector pass each (leak tests). logs gets the run's RunLog (where a Ctrl-C stopped it)."""
+    """Train as the command line says (argv: its words; None: sys.argv); return the history
+    (losses at logged steps, eval_loss, ...). live_bytes (CPU): every live tensor's bytes at each
+    logged step (leak tests). logs gets the run's RunLog (where a Ctrl-C stopped it)."""
     args = parse_args(argv)
     if args.sample:
         return report.sample(args)
@@ -152,13 +172,12 @@ def main(argv=None, live_bytes: bool = False, logs: list | None = None) -> dict:
 def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     """main's run, once this process owns its outputs (own_outputs), saying each step in log."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # The weights a LoRA run's adapter trains over, pinned as build loads them: its checkpoints
-    # record them, and a resume over other weights is refused (cli.check_resume).
+    # A LoRA run's base weights, recorded in its checkpoints: --resume over others is refused.
     base = snapshot.base_identity(args.init_from) if args.lora and args.init_from else None
     dims = ParallelDims.from_args(args, world_size)       # the layout, computed once
     try:
         # fp32, the same on every rank; hf:DIR's weights are loaded as the model is built
-        gpt = snapshot.pretrained_model(args) or new_gpt(args)
+        gpt = snapshot.pretrained_model(args) or parallelize.new_gpt(args)
         if args.init_from and not args.init_from.startswith(snapshot.HF):
             load_weights(args.init_from, gpt)
         job = build(args, device, dims, gpt)
@@ -185,7 +204,10 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
         log.say(f"step     0 | eval loss {history['eval_loss_before']:.4f} (before training)")
     clock = Clock(start, device)
     napkin_seconds = predicted_seconds(args, gpt, dims, device)     # this machine, measured
-    schedule = lr_scheduler(optimizer, args, start)
+    for group in optimizer.param_groups:      # LambdaLR's base: it may start at a resumed step
+        group["initial_lr"] = args.lr
+    lr_at = lambda s: learning_rate(s, args) / args.lr              # learning_rate as a factor
+    schedule = LambdaLR(optimizer, lr_at, last_epoch=start - 1)
     divergence = Divergence(args, gpt.cfg.vocab_size, first_loss)
     for step in range(start, args.steps):
         log.step = step
@@ -197,8 +219,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
         logged = step % args.log_every == 0 or step == args.steps - 1
         kept = {} if logged and not dims.cp_enabled else None
         x, y = pinned_copy(x, device), pinned_copy(y, device)
-        loss, applied = train_step(model, optimizer, job.sync, x, y, args, measure=logged,
-                                   kept=kept)
+        loss, applied = train_step(model, optimizer, job.sync, x, y, args, logged, kept)
         divergence.after_step(step, applied, loss, optimizer.scaler.scale)
         clock.skipped += not applied
         clock.step_done(step)
@@ -218,15 +239,8 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
             clock.restart(step)
     history["eval_loss"] = evaluate()
     log.say(f"done | eval loss {history['eval_loss']:.4f}")
-    if args.export:
-        snapshot.export(args.export, gpt, optimizer, layout, rank, lora_config(args), args.out)
-        log.say(f"exported {args.export}: fp32 weights; "
-                f"train.load_weights({args.export!r}) loads them")
-    if args.export_hf:
-        snapshot.export_pretrained(args.export_hf, gpt, optimizer, layout, rank, lora_config(args),
-                                   args.hf, args.out)
-        log.say(f"exported {args.export_hf}: config.json, model.safetensors (fp32), "
-                f"tokenizer.json; pretrained.load.load_pretrained({args.export_hf!r}) loads them")
+    if args.export or args.export_hf:           # one fp32 file, or a Hugging Face directory
+        report.export(args, job, layout, log)
     return history
 
 

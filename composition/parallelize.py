@@ -4,11 +4,12 @@ Each concept file teaches one idea on its own (ddp.py, zero.py, fsdp.py, tensor_
 context_parallel.py, moe.py, pipeline.py, lora.py); this file composes them into one run, in
 torchtitan's order (parallelize_llama, without its indirection): split the matrices, split the
 sequences, route the experts, cut the stages, then wrap what is left for data parallelism. The
-splits write each parameter's placement (foundations/placements.py), from which the optimizer's one global
-norm and the data dimension's reductions follow; the wrappers' gradient syncs are chained in
-the one protocol (flat.GradientSyncs) that the loop and the pipeline drive. Beside each step,
-the bytes it predicts it sends, each its own file's formula.
-Used by: train.py (build). Test: python -m pytest tests/test_train.py -k mesh
+splits write each parameter's placement (foundations/placements.py), from which the optimizer's
+one global norm and the data dimension's reductions follow; the wrappers' gradient syncs are
+chained in the one protocol (flat.GradientSyncs) that the loop and the pipeline drive. Beside
+each step, the bytes it predicts it sends, each its own file's formula.
+Used by: train.py (build; device_mesh, prepare and observed around the rungs it builds itself).
+Test: python -m pytest tests/test_train.py -k mesh
 """
 from typing import Callable, NamedTuple
 
@@ -90,19 +91,19 @@ def new_gpt(args) -> GPT:
 
 
 def build(args, device, dims: ParallelDims, gpt: GPT) -> Run:
-    """The run the command line describes, on this rank: the mesh, then gpt (new_gpt's, its
-    weights loaded where --init-from says) laid out on it (model_on_mesh). A strategy refuses
-    its input with a ValueError. The world's Comm carries the run's timeout to every group the
-    mesh and the strategies cut. One mesh: tensor x context x data x pipeline (running/cli.py made sure
-    the sizes divide the world). With a split, the experts' groups and HSDP's are the mesh's too
-    (--ep, --shard-group: runs inside dp x cp); without one, data_parallel cuts them from the
-    data group."""
-    comm = Comm(ring=ring_choice(args.collectives, dist.get_backend()), timeout=args.timeout)
-    split = bool(dims.splits)
-    mesh = make_device_mesh(comm, tp=dims.tp, cp=dims.cp, pp=dims.pp, ep=dims.ep if split else 1,
-                            shard=args.shard_group if split else None)
-    model, optimizer, sync, predicted, napkin, context = model_on_mesh(gpt, args, device, mesh,
-                                                                       dims)
+    """The run the command line describes, on this rank: the mesh (device_mesh), then gpt
+    (new_gpt's, its weights loaded where --init-from says) laid out on it. A strategy refuses
+    its input with a ValueError. Without a tensor, context or pipeline split, whole_model wraps
+    the whole model over the data dimension (train.py builds the plain rungs itself); with one,
+    parallelize applies them in turn."""
+    comm, mesh = device_mesh(args, dims)
+    prepare(gpt, args, device)
+    adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if not dims.splits:
+        model, optimizer = whole_model(gpt, args, mesh.dp, device, adamw)
+        return observed(args, dims, gpt, model, optimizer, comm, mesh)
+    model, optimizer, sync, predicted, napkin, context = parallelize(gpt, args, mesh, dims,
+                                                                     device, adamw)
     # A pipeline is fed this rank's tokens of each sequence under context parallelism, (B, T) ->
     # (B, T/cp); without one, ContextParallelGPT's forward cuts its own.
     pipelined = context is not None and hasattr(model, "train_step")
@@ -110,16 +111,22 @@ def build(args, device, dims: ParallelDims, gpt: GPT) -> Run:
                context.local_tokens if pipelined else lambda x, y: (x, y))
 
 
-def model_on_mesh(gpt, args, device, mesh, dims: ParallelDims):
-    """gpt's parallelisms and data-parallel wrapper, the optimizer, the gradient syncs
-    (flat.GradientSyncs), the bytes the run predicts it sends per step ({dimension: bytes}, each
-    its formula) and holds (napkin/memory.py), and the context-parallel wrapper (None without --cp),
-    whose attention the log reports.
+def device_mesh(args, dims: ParallelDims) -> tuple[Comm, object]:
+    """The world's Comm, which carries the run's timeout to every group the mesh and the
+    strategies cut, and this rank's groups: one mesh, tensor x context x data x pipeline
+    (running/cli.py made sure the sizes divide the world). With a split, the experts' groups and
+    HSDP's are the mesh's too (--ep, --shard-group: runs inside dp x cp); without one,
+    whole_model cuts them from the data group."""
+    comm = Comm(ring=ring_choice(args.collectives, dist.get_backend()), timeout=args.timeout)
+    split = bool(dims.splits)
+    return comm, make_device_mesh(comm, tp=dims.tp, cp=dims.cp, pp=dims.pp,
+                                  ep=dims.ep if split else 1,
+                                  shard=args.shard_group if split else None)
 
-    mesh: this rank's groups (process_groups.make_device_mesh). Without a tensor, context or
-    pipeline split data_parallel() wraps the whole model over the data dimension; with one,
-    parallelize() applies them in turn.
-    """
+
+def prepare(gpt, args, device):
+    """gpt made ready for its strategy, in place: cast, --lora's adapters, activation
+    checkpointing."""
     # FSDP keeps the fp32 weights as master shards and computes in --precision itself; the
     # model stays on the CPU until FSDP moves each rank's shards (a model that fits only
     # sharded must never be whole on the GPU).
@@ -131,18 +138,27 @@ def model_on_mesh(gpt, args, device, mesh, dims: ParallelDims):
         lora.apply_lora(gpt, **lora_config(args))
     if args.checkpoint_activations:
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
-    adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    if dims.splits:
-        return parallelize(gpt, args, mesh, dims, device, adamw)
-    model, optimizer, sent, held = data_parallel(gpt, args, mesh.dp, device, adamw)
+
+
+def observed(args, dims: ParallelDims, gpt, model, optimizer, comm: Comm, mesh) -> Run:
+    """The Run of a data-parallel rung already built over the whole model (train.py's
+    data_parallel, or whole_model): its gradient sync and the bytes it predicts, from outside."""
+    sent, held = priced(gpt, model, optimizer, args, mesh.dp)
     # The strategy's gradient sync: DDP's or FSDP's (the model), or ZeRO's (the optimizer).
     sync = GradientSyncs(*(o for o in (model, optimizer) if hasattr(o, "finish_gradient_sync")))
-    return model, optimizer, sync, {"dp": sent}, held, None
+    return Run(gpt, model, optimizer, sync, {"dp": sent}, held, None, comm, mesh, dims,
+               lambda x, y: (x, y))
 
 
 def data_parallel(gpt, args, data, device, adamw: dict):
-    """--strategy over the whole model, the data group its only dimension: (model, optimizer,
-    bytes per step the ring formulas predict, bytes held the napkin math predicts).
+    """whole_model's (model, optimizer), and its bytes sent per step (the ring formulas) and
+    held (the napkin math): priced."""
+    model, optimizer = whole_model(gpt, args, data, device, adamw)
+    return model, optimizer, *priced(gpt, model, optimizer, args, data)
+
+
+def whole_model(gpt, args, data, device, adamw: dict):
+    """--strategy over the whole model, the data group its only dimension: (model, optimizer).
     single and ddp: DDP's replicas (single: none) under MixedPrecisionOptimizer, which needs no
     comm for its overflow decision (after the all-reduce every rank holds the same gradients);
     zero1, zero2: the model unwrapped, ZeroOptimizer does the communication; fsdp (zero3): FSDP's
@@ -156,17 +172,24 @@ def data_parallel(gpt, args, data, device, adamw: dict):
     model, parts = wrap(gpt, gpt, args, (data, shard, copies), device, adamw,
                         replicate=args.strategy != "single")
     # A replicated optimizer's experts differ over ep: their squares add up over it.
-    optimizer = on_mesh(parts, {"ep": experts if rung == "ddp" else None})
+    return model, on_mesh(parts, {"ep": experts if rung == "ddp" else None})
+
+
+def priced(gpt, model, optimizer, args, data) -> tuple[int, int]:
+    """(bytes this rank sends per step, the ring formulas; bytes it holds, the napkin math) of
+    --strategy's rung over the whole model, built (model, optimizer) over the data group."""
+    rung = STRATEGIES[args.strategy]
     if rung == "ddp":
         sent = 0 if model is gpt else ddp_bytes_per_step(model)
         held = run_state_bytes(gpt, "ddp", args, data.world_size)
     elif rung == "fsdp":
         sent = fsdp_bytes_per_step(model, micro_batches=args.grad_accum)
-        held = run_state_bytes(gpt, "zero3", args, data.world_size, shard_group=S)
+        held = run_state_bytes(gpt, "zero3", args, data.world_size,
+                               shard_group=args.shard_group or data.world_size)
     else:
         sent = zero_bytes_per_step(optimizer, micro_batches=args.grad_accum)
         held = run_state_bytes(gpt, args.strategy, args, data.world_size)
-    return model, optimizer, sent + exchange_bytes(gpt, args, data.world_size), held
+    return sent + exchange_bytes(gpt, args, data.world_size), held
 
 
 def wrap(gpt, module, args, groups: tuple, device, adamw: dict, replicate: bool):

@@ -101,6 +101,27 @@ def save(args, job, layout, log, divergence, step, loss, base):
             f"continues at step {step + 1} | loss {step_loss:.4f}")
 
 
+def export(args, job, layout, log):
+    """At the run's end, --export's file (the fp32 weights, LoRA's adapters folded in) and
+    --export-hf's directory (export_hf)."""
+    if args.export:
+        snapshot.export(args.export, job.gpt, job.optimizer, layout, dist.get_rank(),
+                        lora_config(args), args.out)
+        log.say(f"exported {args.export}: fp32 weights; "
+                f"train.load_weights({args.export!r}) loads them")
+    if args.export_hf:
+        export_hf(args, job, layout, log)
+
+
+def export_hf(args, job, layout, log):
+    """--export-hf's directory at the run's end: config.json, model.safetensors (fp32, LoRA
+    merged, a 4-bit base dequantized) and the tokenizer of the model it started from."""
+    snapshot.export_pretrained(args.export_hf, job.gpt, job.optimizer, layout, dist.get_rank(),
+                               lora_config(args), args.hf, args.out)
+    log.say(f"exported {args.export_hf}: config.json, model.safetensors (fp32), tokenizer.json; "
+            f"pretrained.load.load_pretrained({args.export_hf!r}) loads them")
+
+
 def export_bytes(args) -> int:
     """About the bytes of --export's file: every parameter of the model in fp32 and its record's
     header (under 1 KiB). Counted on the meta device: no memory; a LoRA run exports its adapters

@@ -159,6 +159,19 @@ def test_train_py_is_the_loop_and_its_log():
     assert len((ROOT / "train.py").read_text().splitlines()) <= 250
 
 
+def test_train_py_builds_the_data_parallel_rungs():
+    """As nanoGPT's train.py wraps its model in DDP itself, train.py builds the lecture's rungs:
+    its functions use each rung's class, imported from the concept file that teaches it."""
+    rungs = {"DDP": "ddp", "ZeroOptimizer": "zero", "Zero2Optimizer": "zero", "FSDP": "fsdp"}
+    tree = ast.parse(_path("train").read_text())
+    imported = {a.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom)
+                for a in node.names}
+    used = {n.id for f in _functions(tree) for n in ast.walk(f) if isinstance(n, ast.Name)}
+    for name, concept in rungs.items():
+        assert imported.get(name) == concept, f"train.py should import {name} from {concept}.py"
+        assert name in used, f"train.py imports {name} but builds no {name} in a function"
+
+
 def test_every_concept_file_has_a_test_in_the_quick_tier():
     """`python -m pytest -m quick` (conftest.QUICK) checks each concept file once, and pipeline's
     schedules, the model, the data, train.py and the README's loop, each with a test from its own

@@ -1119,14 +1119,13 @@ def test_offloaded_fsdp_pipeline_keeps_nccl_rules(one_process_run, tmp_path):
 def _build_failures():
     """train.main's error when building fails by a refusal (a LoRA rank the model cannot take)
     and by a bug on the way (a strategy's builder that returns too little: Python's own
-    ValueError, from an unpacking in composition/parallelize.py): (type, message, traceback) of each."""
+    ValueError, from an unpacking in train.py's build): (type, message, traceback) of each."""
     import traceback
-    from composition import parallelize
     import train
     out = {}
     for name, argv in (("refusal", ["--lora", "--lora-rank", "1000"]), ("bug", ["--strategy", "fsdp"])):
         if name == "bug":
-            parallelize.data_parallel = lambda *args: (None, None)
+            train.data_parallel = lambda *args: (None,)
         try:
             train.main([*MESH_RUN, *argv])
         except ValueError as e:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from napkin import machines
 from pictures import draw as pictures
+from composition.parallelize import build_gpt
 from running import snapshot
 import train
 from model import PRESETS as MODELS
@@ -218,7 +219,7 @@ def _export_on_a_full_disk(root, checked_free):
 
 
 def test_an_export_the_disk_cannot_take_keeps_the_trained_weights(tmp_path):
-    needed = sum(4 * p.numel() + 2**10 for p in train.build_gpt("tiny").parameters())   # headers: 1 KiB
+    needed = sum(4 * p.numel() + 2**10 for p in build_gpt("tiny").parameters())   # headers: 1 KiB
     ranks = run_ranks(_export_on_a_full_disk, 2, str(tmp_path), 16 * 2**10)
     assert ranks[0] == ranks[1], ranks                          # every rank, the same line
     lines, export, small = ranks[0], tmp_path / "small" / "m.pt", tmp_path / "small"
