@@ -4,7 +4,7 @@ Activations grow with the sequence, and neither data parallelism nor ZeRO nor FS
 Context parallelism cuts each sequence into cp parts, one per rank: embeddings, norms, MLPs and
 the loss only ever see their own tokens, and attention, which needs every earlier key and value,
 gets them from the other ranks in one of two ways, the naive one beside the one optimised for
-memory (it keeps only its own K/V block, but sends 1.5x to 2x the all-gather's bytes):
+memory (the ring keeps only its own K/V block, but sends 1.5x to 2x the all-gather's bytes):
 - all-gather K/V (Llama 3: Grattafiori et al. 2024, arXiv 2407.21783): gather the whole
   sequence's keys and values, attend, reduce-scatter their gradients in backward;
 - ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): K/V blocks go
@@ -308,6 +308,8 @@ class RingAttention(torch.autograd.Function):
             if step == 0:
                 own_dkv = dkv             # this rank's block: the others' shares come home
             else:
+                # What r+1 sent at step s-1 is its share of the block r holds now (it held it
+                # then): added here, the sum moves on with the block.
                 if incoming is not None:  # the shares of the ranks this block met before
                     handle, partial_sum = incoming
                     handle.wait()
@@ -344,7 +346,8 @@ def cp_kv_bytes(seq_len: int, batch: int, hidden: int, cp: int, attention: str =
     """Bytes one of cp context-parallel ranks sends per layer and micro-batch.
 
     They are what its queries need to meet every key: {"forward": ..., "backward": ...}.
-    A rank's K and V are kv = 2 (T/cp) B C values.
+    A rank's K and V are kv = 2 (T/cp) B C values (hidden = C = H x D; under grouped-query
+    attention the K/V width G x D, what travels).
     All-gather K/V, forward: the all-gather of every rank's K/V, (cp-1) kv.
     All-gather K/V, backward: the reduce-scatter of dK and dV, the same volume.
     Ring attention, forward: cp-1 steps of one K/V block.
