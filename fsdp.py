@@ -209,7 +209,7 @@ class FSDP(FSDPState, nn.Module):
         for root in self.root_units:       # gathered until its last gradient arrives in backward
             self._gather(root)
             root.wait()
-        self._prefetch(-1, +1)                  # the first units, ahead of the first forward
+        self._prefetch(-1, +1)         # position -1: gathers from forward_order[0] on
         out = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():
             for root in self.root_units:
@@ -363,7 +363,8 @@ class FSDP(FSDPState, nn.Module):
         self._free(unit)
 
     def _hook_end_of_backward(self):
-        """Have autograd call _finish_backward once, when this backward pass ends."""
+        """Have autograd call _finish_backward once, when this backward pass ends. Called on
+        backward's first event of either kind: a parameter's gradient comes first for the root."""
         if not self._backward_hooked:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._backward_hooked = True

@@ -41,7 +41,8 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
     shard; fp16 scales the loss: .scaler). group: a Comm, a process group or None (the world).
     bucket_mb: each flat buffer's size. reduce_dtype: the gradients' dtype on the wire and in
     the shard (None: the parameters'). mean_over: the gradient is the sum over group / this
-    many ranks (None: the group's mean). A torch.optim.Optimizer: schedulers drive it.
+    many ranks (None: the group's mean); an expert's ranks, fewer than the data ranks whose
+    tokens they saw, divide by the data ranks. A torch.optim.Optimizer: schedulers drive it.
     Loop: zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) to clip; step().
     Use this clip_grad_norm_: torch's sees no reduced gradient, only this rank's own.
     From ShardedStep.Owner (mechanics/sharded_step.py): .scaler (fp16's loss scale, a
@@ -173,8 +174,8 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
                 grad, master = bucket.grad_shard, bucket.master
                 if grad is None:
                     continue
-                if master.grad is not grad:    # else an fp32 shard is its master's .grad
-                    master.grad = grad.to(master.dtype)          # (S,) fp32: an fp32 grad itself
+                # .to() returns grad itself when it is fp32 already: the shard is then the grad
+                master.grad = grad.to(master.dtype)                    # (S,) fp32
                 if scale != 1.0:
                     master.grad.div_(scale)
         return [b.master.grad if b.grad_shard is not None else None for b in self.buckets]
