@@ -64,7 +64,7 @@ class Unit(FlatParams):
     mechanics/fsdp_state.py)."""
 
     def __init__(self, index, module, params, comm, compute_dtype, device):
-        super().__init__(params, comm.world_size)          # self.flat: (N*S,) fp32, params view it
+        super().__init__(params, comm.world_size)  # self.flat: (N*S,) params' dtype, they view it
         self.index, self.module, self.comm = index, module, comm
         flat = self.flat.to(device)          # one unit at a time on the device, never the model
         comm.broadcast(flat, src=0)          # ranks seeded differently: all start as rank 0's
@@ -171,8 +171,8 @@ class FSDP(FSDPState, nn.Module):
         object.__setattr__(self, "module", module)   # not a submodule: parameters() are the shards
         # FSDPState's wrap. forward_order: one Unit per module wrap(m) picks, in registration
         # order, which is the order a GPT's forward calls them (prefetch relies on it).
-        # root_units: [] or [the root unit, holding every parameter no wrapped module took] (the
-        # lecture's unit 0); gathered from forward's start until its last gradient arrives.
+        # root_units: [] or [the root unit: every parameter no wrapped module took]. Numbered
+        # first (unit 0, so the lecture's first layer is unit 1): gathered first, reduced last.
         self.root_units, self.forward_order = self._wrap(module, wrap)
         # Those that train (a frozen unit has no params).
         self.units = [u for u in self.root_units + self.forward_order if u.params]
@@ -201,15 +201,15 @@ class FSDP(FSDPState, nn.Module):
         self.observers = []    # f(what, unit), told of each gather, compute, reduce (FSDPTrace)
 
     # ---- a unit's life: forward ----------------------------------------------------------------
-    #   compute     | unit 0 fwd | unit 1 fwd | unit 2 fwd |      (prefetch = 1)
-    #   network  |ag 0|ag 1 ......|ag 2 .......|
+    #   compute     | unit 1 fwd | unit 2 fwd | unit 3 fwd |      (prefetch = 1)
+    #   network  |ag 1|ag 2 ......|ag 3 .......|
     #   memory      unit i and unit i+1 gathered; unit i freed as its forward returns
 
     def forward(self, *args, **kwargs):
         for root in self.root_units:       # gathered until its last gradient arrives in backward
             self._gather(root)
             root.wait()
-        self._prefetch(-1, +1)                  # the first units, ahead of the first forward
+        self._prefetch(-1, +1)         # position -1: gathers from forward_order[0] on
         out = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():
             for root in self.root_units:
@@ -234,9 +234,9 @@ class FSDP(FSDPState, nn.Module):
         return output
 
     # ---- a unit's life: backward ---------------------------------------------------------------
-    #   compute     | unit 2 bwd | unit 1 bwd | unit 0 bwd |
-    #   network  |ag 2|ag 1 ......|ag 0 ......|
-    #                        |rs 2 .....|rs 1 .......|rs 0|   (in flight: at most 2)
+    #   compute     | unit 3 bwd | unit 2 bwd | unit 1 bwd |
+    #   network  |ag 3|ag 2 ......|ag 1 ......|
+    #                        |rs 3 .....|rs 2 .......|rs 1|   (in flight: at most 2)
 
     def _before_backward(self, unit):
         """All-gather it again (its backward needs the weights); start the previous one's."""
@@ -363,7 +363,8 @@ class FSDP(FSDPState, nn.Module):
         self._free(unit)
 
     def _hook_end_of_backward(self):
-        """Have autograd call _finish_backward once, when this backward pass ends."""
+        """Have autograd call _finish_backward once, when this backward pass ends. Called on
+        backward's first event of either kind: a parameter's gradient comes first for the root."""
         if not self._backward_hooked:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._backward_hooked = True
@@ -390,14 +391,14 @@ _EVENT_TEXT = {"all-gather": "all-gather launched", "forward": "gathered: forwar
                "forward done": "freed", "backward": "gathered: backward",
                "reduce-scatter": "gradient reduce-scatter launched (freed as its backward ended)"}
 # The root unit is gathered once per step: through forward, and in backward until its last
-# gradient arrives (here the head Linear's, among the first; a tied embedding's, at backward's
-# end). It is reduce-scattered after every other unit, on every rank: a parameter it holds may
-# be used anywhere in the model, so its gradient may be whole only when backward ends.
+# gradient arrives (here the head Linear's, among the first). Its reduce-scatter comes after
+# every other unit's, on every rank: a parameter it holds may be used anywhere in the model
+# (a GPT's tied embedding), so its gradient may be whole only when backward ends.
 _ROOT_EVENT_TEXT = {
     "all-gather": "all-gather launched (the root: kept gathered until its last gradient "
                   "arrives, here among backward's first)",
-    "reduce-scatter": "gradient reduce-scatter launched (the root's, last: a tied embedding's "
-                      "gradient is whole only when backward ends)"}
+    "reduce-scatter": "gradient reduce-scatter launched (the root's, last by rule: its gradient "
+                      "came first, and it was freed then; it waited for the blocks')"}
 
 
 def _demonstrate(trace_type, steps: int = 3, lr: float = 1e-2, rows: int = 8):
@@ -421,7 +422,8 @@ def _demonstrate(trace_type, steps: int = 3, lr: float = 1e-2, rows: int = 8):
         nn.functional.mse_loss(fsdp(x[halves[rank]]), y[halves[rank]]).backward()
         fsdp.finish_gradient_sync()             # each shard's .grad: its averaged gradient shard
         if step == 0 and rank == 0:
-            print("FSDP's first step on rank 0 (unit 0 is the root: it holds the last Linear)")
+            print("FSDP's first step on rank 0 (units 1-3: the blocks, in forward order; "
+                  "unit 0: the root, numbered first, holds the last Linear)")
             print("\n".join(f"  unit {i}: {(_ROOT_EVENT_TEXT if i == 0 else _EVENT_TEXT)[what]}"
                             for what, i in trace.events))
         (sum(nn.functional.mse_loss(alone(x[h]), y[h]) for h in halves) / n).backward()

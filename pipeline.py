@@ -4,12 +4,13 @@ Cut the model into P stages of whole blocks, one per rank. A batch split into M 
 flows through them. Activations go forward and their gradients come back as point-to-point
 messages. The order of each stage's forwards, backwards, sends and receives is a schedule.
 GPipe (Huang et al. 2019) and 1F1B (PipeDream-flush, Narayanan et al. 2021, section 2.2.1) are
-made here, as lists, in their phases. One executor runs a stage's list over send/recv, by
-NCCL's rules.
-Read after: extensions/schedules.py (interleaved 1F1B, zero bubble's list, the checks, the
-drawn timeline), extensions/zero_bubble.py (the backward split in two),
-mechanics/pipeline_mechanics.py (the bubble measured on the step's clock, NCCL's rules played out,
-the step observed from outside).
+made here, as lists, in their phases. One executor runs a stage's list over point-to-point
+sends and receives, posted so that NCCL cannot deadlock (the executor's comment says how).
+Comm (foundations/comm.py) is a process group with its rank and world_size; comm.exchange(ops)
+posts [("send" | "recv", tensor, peer rank)] as one dist.batch_isend_irecv, bytes counted.
+Read after: extensions/schedules.py (interleaved 1F1B, zero bubble's list, the drawn timeline),
+extensions/zero_bubble.py (the backward split in two), mechanics/pipeline_mechanics.py (the
+bubble measured, NCCL's rules played out, the step observed from outside).
 Run: torchrun --nproc_per_node 2 pipeline.py (GPipe and 1F1B against one process);
      python -m extensions.schedules --stages 4 --microbatches 8 --schedule 1f1b (draws one)
 Test: python -m pytest tests/test_pipeline.py (the schedules: tests/test_schedules.py)
@@ -39,7 +40,8 @@ from mechanics.pipeline_mechanics import PipelineMechanics, place_stage, split_l
 class GPTStage(nn.Module):
     """One stage of a model.GPT.
 
-    Its blocks are `layers`: a range, or one range per chunk when interleaved (split_layers).
+    Its blocks are `layers`: a range, or one range per chunk when interleaved (split_layers,
+    in mechanics/pipeline_mechanics.py, cuts the blocks into consecutive ranges).
     The first stage also holds the embeddings; the last, the final norm, the head and the loss.
     The rest is dropped from this rank. What stays keeps the whole model's names
     (gpt.blocks.5.attn.query.weight: the GPT under the stage's `gpt`), so the stages'
@@ -56,7 +58,7 @@ class GPTStage(nn.Module):
                 gpt.blocks[i] = nn.Identity()           # freed; the indices keep their names
         if not first:
             gpt.pos_emb = None
-            if not (last and tied):   # the last stage keeps the tied copy under its own name
+            if not (last and tied):   # the last stage keeps its tied copy as gpt.token_emb
                 gpt.token_emb = None
         if not last:
             gpt.norm = gpt.head = None
@@ -74,7 +76,9 @@ class GPTStage(nn.Module):
         """Chunk `chunk` on x. Returns the activation (b, T, C), or with experts (it, the
         routers' losses). The model's last chunk returns the logits (b, T, vocab) without
         targets, else the loss (plus the routers')."""
-        gpt = self.gpt                                   # model.GPT's own parts, a stage's share
+        # model.GPT's parts: embed (token + position embeddings), run_blocks(x, layers) (those
+        # blocks in order), logits (final norm, then head), loss_fn (cross-entropy).
+        gpt = self.gpt
         if self.first and chunk == 0:
             x = gpt.embed(x)                             # (b, T) token ids -> (b, T, C)
         x = gpt.run_blocks(x, self.chunks[chunk])        # (b, T, C)
@@ -161,15 +165,17 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}      # the others: extensions/
 # ---- the executor: one stage's list, run over send/recv --------------------------------------
 # NCCL runs a rank's point-to-point calls on one stream, in the order they are posted. A send
 # completes only once its peer has posted the matching receive, and every call this rank posts
-# after it waits behind it.
-# A receive posted early (to overlap) could block this rank's own later send that the peer waits
-# for: a deadlock gloo never shows. So the messages between two computations are posted together,
-# as one batch_isend_irecv (one work to wait for: Comm.exchange). They are waited for before the
-# next computation only if they receive. Every rank posts in its list's order, so the two ends of
+# after it waits behind it. So a receive posted early (to overlap) could block this rank's own
+# later send that the peer waits for: a deadlock (gloo, the demonstration's, never shows it).
+# The fix: the messages between two computations are posted together, as one batch_isend_irecv
+# (Comm.exchange). A batch's sends and receives start together and progress together, none
+# queued behind another, so neither end can block the other. A batch is waited for before the
+# next computation only if it receives. Every rank posts in its list's order, so the two ends of
 # each message meet in order (mechanics/pipeline_mechanics.py's run_under_nccl plays these rules).
 #
 # 1F1B's three phases on the middle stage of P = 3 (M = 4), as the executor plays them. Each
-# "|" posts the messages beside it as one group and waits for its receives:
+# "|" posts the messages beside it as one group and waits for its receives. A group may join
+# two phases: warm-up's last receives F1's input, cool-down's first sends B2's gradient.
 #   warm-up    recv_act 0 | F0 | send_act 0, recv_act 1 |
 #   steady     F1 | send_act 1, recv_grad 0 | B0 | send_grad 0, recv_act 2 | F2 | ... | B2 |
 #   cool-down  send_grad 2, recv_grad 3 | B3 | send_grad 3
@@ -217,13 +223,13 @@ class Pipeline(PipelineMechanics):
     its shape (sequence parallelism sends (b, T/tp, C)).
     sync, an attribute: the gradient-sync protocol the backwards run under and train_step
     finishes. It is the module's (DDP's, FSDP's), or None with one replica per stage;
-    composition/parallelize.py assigns its chain (flat.GradientSyncs).
-    The base class holds the loop's interface, the tied ends' group and `observer`, which
-    times the step from outside (busy, wall, timeline, activations held)."""
+    A mesh sets it to a chain of syncs, run in order (composition/parallelize.py).
+    The base class (mechanics/pipeline_mechanics.py) holds the loop's interface, the tied ends'
+    group and `observer`, which watches the step from outside (times, activations held)."""
 
     def __init__(self, module: nn.Module, comm: Comm, schedule, microbatches: int,
                  activation, dtype: torch.dtype):
-        super().__init__(comm.world_size, microbatches)      # the sizes checked, before any work
+        super().__init__(comm.world_size, microbatches)   # P, M >= 1 checked; the observer
         gpt_stage = getattr(module, "module", module)        # the GPTStage, inside DDP or FSDP
         self.module, self.comm, self.M, self.dtype = module, comm, microbatches, dtype
         self.activation = activation if callable(activation) else lambda b, t: (b, t, activation)
@@ -271,6 +277,7 @@ class Pipeline(PipelineMechanics):
         shape = self.activation(x.shape[0] // self.M, x.shape[1])   # what a stage sends: (b, T, C)
         backwards = [a for a in actions if a.kind == "B"]
         cache = StepCache(x.device, backwards[-1] if backwards else None)
+        # The observer clocks the step and each computation from outside: nothing else changes.
         with self._gathered_for_step(), self.observer.step(measure):
             for item in nccl_program(actions):
                 if item[0] == "post":
@@ -303,7 +310,7 @@ class Pipeline(PipelineMechanics):
         output = self._keep_aux_loss(output, key, cache)
         if last:
             cache.loss += output.detach().float() / self.M
-        if torch.is_grad_enabled() or not last:   # B's, or the send's (evaluation keeps no graph)
+        if torch.is_grad_enabled() or not last:   # for B; evaluating (no graph), for the send
             cache.outputs[key] = output
 
     def _backward(self, a: Action, cache: StepCache, scale_loss):

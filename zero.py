@@ -2,14 +2,16 @@
 
 Under DDP every rank holds the whole Adam state: 12 of the 16 bytes per parameter in mixed
 precision. ZeRO (Rajbhandari et al. 2020, sections 5.1 and 5.2) lays the parameters in flat
-buffers, the buckets of foundations/flat.py, each split into N equal shards. Rank r keeps the
-optimizer state (stage 1) and the reduced gradient (stage 2) of shard r only. It updates that
-shard with the inner optimizer on an fp32 master, then all-gathers the parameters.
-A reduce-scatter plus an all-gather move what DDP's all-reduce moves, when the gradients and the
-parameters share one dtype: the memory saved costs no extra communication (an all-reduce is
-2 x the dtype's bytes per parameter: the lecture's bf16 2 + 2). train.py reduces bf16 gradients
-in fp32 by default; then ZeRO's 4-byte reduce-scatter plus 2-byte all-gather per parameter is
-6 bytes, against 8 for DDP's all-reduce, also in fp32 (0.75x).
+buffers, the buckets of foundations/flat.py, each split into N equal shards. The model's
+parameters are views into those buffers: an all-gather into a buffer updates the model.
+Rank r keeps the optimizer state (stage 1) and the reduced gradient (stage 2) of shard r only.
+It updates that shard with the inner optimizer on an fp32 master, then all-gathers the
+parameters. Every rank still holds all the parameters, as under DDP.
+The lecture counts DDP's all-reduce at 2 bytes per parameter, the 16-bit gradient. A ring
+all-reduce is a reduce-scatter then an all-gather: in one dtype ZeRO moves the same bytes.
+Comm (foundations/comm.py) runs torch.distributed's collectives on its group, bytes counted:
+comm.reduce_scatter(out, inp, op), all_gather(out, inp) and all_reduce(t, op) are
+dist.reduce_scatter_tensor, all_gather_into_tensor and all_reduce; op "avg", "sum" or "max".
 Stage 1, then stage 2 as its delta. Left out: stage 3 (fsdp.py, on the same flat buffers),
 ZeRO-Offload (extensions/zero_offload.py), ZeRO++.
 Run alone: torchrun --nproc_per_node 2 zero.py; test: python -m pytest tests/test_zero.py
@@ -39,9 +41,12 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
     shard; fp16 scales the loss: .scaler). group: a Comm, a process group or None (the world).
     bucket_mb: each flat buffer's size. reduce_dtype: the gradients' dtype on the wire and in
     the shard (None: the parameters'). mean_over: the gradient is the sum over group / this
-    many ranks (None: the group's mean). A torch.optim.Optimizer: schedulers drive it.
+    many ranks (None: the group's mean); an expert's ranks, fewer than the data ranks whose
+    tokens they saw, divide by the data ranks. A torch.optim.Optimizer: schedulers drive it.
     Loop: zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) to clip; step().
     Use this clip_grad_norm_: torch's sees no reduced gradient, only this rank's own.
+    From ShardedStep.Owner (mechanics/sharded_step.py): .scaler (fp16's loss scale, a
+    mixed_precision.py DynamicLossScaler), scale_loss, state_dict and state_tensors.
     Stage 1 accumulates whole gradients in the buckets' flat buffers, in the parameters' dtype
     (param.grad is a view, as in DDP). It reduce-scatters them once, at step(), in reduce_dtype."""
 
@@ -51,7 +56,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, group=None,
                  bucket_mb: float = 25, reduce_dtype: torch.dtype | None = None,
                  mean_over: int | None = None, **optimizer_kwargs):
-        self.comm, self.reduce_dtype = Comm.from_group(group), reduce_dtype
+        self.comm, self.reduce_dtype = Comm.from_group(group), reduce_dtype   # None: the world
         self.op, self.divide = ("avg", 1) if mean_over is None else ("sum", mean_over)
         self.buckets = ShardedBuckets(params, self.comm, bucket_mb, "ZeroOptimizer")
         # Rank r's share of the optimizer state: shard r of every bucket, 1/N of it (+ padding).
@@ -63,7 +68,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
                                       optimizer_kwargs)
         self.masters = self.shard_step.masters
         self.flats = self.buckets             # the name mechanics/offload.py's OffloadedStep reads
-        self.optimizer = self.shard_step.optimizer          # the inner optimizer
+        self.optimizer = self.shard_step.optimizer    # the inner one: its state is ours too
         self.device = self.shard_step.device               # where the gradient shards are
         self.last_grad_norm, self.last_step_skipped = None, False
         self._synced = False      # reduce-scattered since the last gradient came
@@ -95,7 +100,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Phases 1-3 of step() now; step() then clips by min(1, max_norm / norm) (phase 4).
         Returns the norm before clipping, a device tensor (no host read: step() makes it)."""
-        self.shard_step.check_max_norm(max_norm)
+        self.shard_step.check_max_norm(max_norm)          # a float > 0, else ValueError
         self.max_norm = max_norm
         self.reduce_gradients()
         self.unscale_gradients()
@@ -108,7 +113,9 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         self.last_grad_norm = norm                       # before clipping; inf/NaN if skipped
         self.last_step_skipped = not math.isfinite(norm)
         if not self.last_step_skipped:
-            with self._unused_parameters_unchanged(used):
+            # Unused parameters: their slice of a shard holds zeros, which AdamW would still
+            # decay; torch's optimizers skip a .grad None. So those elements are put back.
+            with self.shard_step.unused_unchanged(used):
                 self.optimizer.step()          # 6 the inner optimizer on the (S,) fp32 masters
             self.all_gather_parameters()       # 7 every rank's updated shard to every rank
         self._release()
@@ -167,8 +174,8 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
                 grad, master = bucket.grad_shard, bucket.master
                 if grad is None:
                     continue
-                if master.grad is not grad:    # else an fp32 shard is its master's .grad
-                    master.grad = grad.to(master.dtype)          # (S,) fp32: an fp32 grad itself
+                # .to() returns grad itself when it is fp32 already: the shard is then the grad
+                master.grad = grad.to(master.dtype)                    # (S,) fp32
                 if scale != 1.0:
                     master.grad.div_(scale)
         return [b.master.grad if b.grad_shard is not None else None for b in self.buckets]
@@ -179,8 +186,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         rank. The used-flags' all-reduce runs beside it."""
         if self._norm is None:
             used, wait_for_flags = self.launch_used_flags()
-            # (1,) this rank's weighted squares (placements.add_squares: the project sums a
-            # gradient's squares in one place, skipping the pieces a mesh counts elsewhere)
+            # (1,) fp32: sum of weight * piece**2 over norm_pieces(), this rank's share
             squares = self.shard_step.squares(self.norm_pieces())
             if self.comm.world_size > 1:
                 self.comm.all_reduce(squares, op="sum")
@@ -189,8 +195,8 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         return self._norm
 
     def norm_pieces(self, weight_of=None) -> list:
-        """[(a run of a gradient shard, its weight)]: what the norm sums, the padding left out.
-        A weight is weight_of(param, 1), default 1: a mesh counts a tensor-parallel copy once."""
+        """[(a run of a gradient shard, its weight)]: each parameter's elements of each shard,
+        the padding left out. A weight is weight_of(param, 1), default 1 (a mesh's own)."""
         return self.shard_step.pieces(self.unscale_gradients(), weight_of)
 
     def clip(self, max_norm: float, norm: torch.Tensor):
@@ -215,32 +221,9 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
 
     def launch_used_flags(self) -> tuple:
         """Unused parameters: one that no rank used must not move, so the ranks OR their "used"
-        flags, launched beside the norm's all-reduce. Returns ((P,) flags, or None where this
-        rank used every parameter; a function that waits for them)."""
+        flags: an async comm.all_reduce(op="max") of (P,) 0/1 flags, beside the norm's. Returns
+        ((P,) flags, or None where this rank used every parameter; a function that waits)."""
         return self.shard_step.launch_used_flags()
-
-    @contextlib.contextmanager
-    def _unused_parameters_unchanged(self, used: list | None):
-        """Unused parameters: torch's optimizers skip a parameter whose .grad is None, but its
-        slice of a shard holds zeros, which AdamW would still decay. So those elements of the
-        master and of the moments are put back. (The shard's step count still advances.)
-        used: the P flags read on the host; None, every parameter was used."""
-        flags, saved = iter(used or []), []
-        for bucket in self.buckets if used is not None else []:
-            master, unused = bucket.master, [not next(flags) for _ in bucket.params]
-            state = self.optimizer.state.get(master, {})
-            for i, start, stop, offset in bucket.shard_ranges(self.comm.rank):
-                if unused[i]:
-                    kept = slice(offset, offset + stop - start)      # params[i]'s run of the shard
-                    moments = {k: v[kept].clone() for k, v in state.items()
-                               if torch.is_tensor(v) and v.shape == master.shape}
-                    saved.append((master, kept, master[kept].clone(), moments))
-        yield
-        for master, kept, values, moments in saved:
-            master[kept] = values
-            for key, v in self.optimizer.state[master].items():
-                if torch.is_tensor(v) and v.shape == master.shape:
-                    v[kept] = moments.get(key, 0)     # made by this step: zero, as if unmade
 
     def _follow_loss_scale(self):
         """fp16's loss scale (mixed_precision.py): a skipped step (inf/NaN) shrinks it, a run of
@@ -428,7 +411,7 @@ if __name__ == "__main__":
         torch.manual_seed(0)
         one = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
         model, whole = copy.deepcopy(one), torch.optim.AdamW(one.parameters(), lr=1e-2)
-        ours = cls(model.parameters(), group=world, bucket_mb=0.004, lr=1e-2)
+        ours = cls(model.parameters(), group=world, bucket_mb=0.001, lr=1e-2)   # 3 buckets
         rows = slice(world.rank * 8, (world.rank + 1) * 8)           # 8 rows each: equal means
         for _ in range(5):
             n = 8 * world.world_size
@@ -439,12 +422,17 @@ if __name__ == "__main__":
                 opt.step()
         difference = max((a - b).abs().max().item()
                           for a, b in zip(model.parameters(), one.parameters()))
-        held = sum(t.numel() for t in ours.state_tensors())         # master shards, moments
-        every = sum(3 * p.numel() for p in one.parameters())          # weights, 2 moments
-        failed |= not difference <= 1e-5
+        # What is sharded: AdamW's 2 moments, ceil(P / N) of each bucket's P elements per rank.
+        # The weights stay whole on every rank (fp32: the master is this rank's shard of them).
+        moments = sum(t.numel() for t in ours.state_tensors()) - sum(map(len, ours.masters))
+        shard = sum(math.ceil(sum(p.numel() for p in b.params) / world.world_size)
+                    for b in ours.buckets)
+        whole = sum(p.numel() for p in one.parameters())
+        failed |= not difference <= 1e-5 or moments != 2 * shard
         if world.rank == 0:
-            print(f"ZeRO-{stage}: rank 0 holds {held} of the {every} elements of fp32 weights and "
-                  f"Adam moments (1/{world.world_size}, plus padding) | max |difference| from one "
-                  f"process: {difference:.1e} (bound 1e-05: fp32 sums reordered)", flush=True)
+            print(f"ZeRO-{stage}, {len(ours.buckets)} buckets: rank 0 keeps AdamW's 2 moments for "
+                  f"{shard} of the {whole} weights (1/{world.world_size} of each bucket); all "
+                  f"{whole} weights on every rank | max |difference| from one process: "
+                  f"{difference:.1e} (bound 1e-05: fp32 sums reordered)", flush=True)
     dist.destroy_process_group()
     os._exit(int(failed))  # at once: gloo's threads may still hold tensors (exit_distributed)

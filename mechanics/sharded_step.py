@@ -94,9 +94,14 @@ class ShardedStep:
         they were (used: the P flags; None: every parameter was used)."""
         if not math.isfinite(norm):
             return False
-        with keep_unchanged(unused_ranges(self.flats, used), self.optimizer.state):
+        with self.unused_unchanged(used):
             self.optimizer.step()
         return True
+
+    def unused_unchanged(self, used: list | None):
+        """A context: the masters' and moments' elements of each parameter no rank used come
+        out of it as they went in (keep_unchanged; used: the P flags, None: all were used)."""
+        return keep_unchanged(unused_ranges(self.flats, used), self.optimizer.state)
 
     def new_step(self):
         """This step's gradients are gone (stepped, or zero_grad): the next unscale() runs again."""
