@@ -252,17 +252,32 @@ def test_every_strategy_starts_at_the_loaded_models_loss_and_falls(hf, family):
     directory = hf[f"{family}-even"]
     argv = ["--init-from", f"hf:{directory}", "--data", str(hf["data"]), "--steps", "4", *SHAPE]
     strategies = STRATEGIES if family == "llama3" else STRATEGIES[2:4]   # GPT-2: tp and cp
-    ranks = run_ranks(train_each, 2, [[*argv, *strategy] for strategy in strategies])
-    reference = reference_eval_loss(directory, hf["data"])
+    assert_each_run_is_the_loaded_models(directory, hf["data"], argv, strategies, 2)
+
+
+def test_a_mesh_of_four_ranks_trains_a_llama_from_its_directory(hf):
+    directory = hf["llama3-even"]
+    argv = ["--init-from", f"hf:{directory}", "--data", str(hf["data"]), "--steps", "4", *SHAPE]
+    meshes = [["--strategy", "fsdp", "--tp", "2", "--cp", "2"],
+              ["--strategy", "zero1", "--tp", "2", "--pp", "2"]]
+    assert_each_run_is_the_loaded_models(directory, hf["data"], argv, meshes, 4)
+
+
+def assert_each_run_is_the_loaded_models(directory, data, argv, strategies, world: int):
+    """Each strategy run in one launch of `world` ranks: its step-0 eval loss the loaded model's
+    (one process, written here), its loss falling, what every rank holds and sends (a split's,
+    by dimension) the napkin's formulas, to the byte."""
+    ranks = run_ranks(train_each, world, [[*argv, *strategy] for strategy in strategies])
+    reference = reference_eval_loss(directory, data)
     for i, strategy in enumerate(strategies):
-        history, printed = ranks[0][i]
+        history, _ = ranks[0][i]
         # fp32: each strategy sums in its own order (sharded matrices, blockwise softmax, the
-        # two ranks' means), a few ulps of the loss apart
+        # ranks' means), a few ulps of the loss apart
         assert history["eval_loss_before"] == pytest.approx(reference, rel=1e-6), strategy
         losses = history["losses"]
         assert losses[max(losses)] < losses[0], strategy
         assert history["eval_loss"] < history["eval_loss_before"], strategy
-        for rank, (each, _) in enumerate(r[i] for r in ranks):      # the napkin, to the byte
+        for rank, (each, _) in enumerate(r[i] for r in ranks):
             for step, held in each["held"].items():
                 assert held == {k: each["napkin"][k] for k in held}, (strategy, rank, step)
             if set(SPLITS) & set(strategy):     # a split's bytes by dimension, each its formula's
@@ -301,3 +316,21 @@ def test_the_mesh_checks_read_the_directorys_shape(hf, capsys, monkeypatch):
         mesh_checks.check_tensor_parallel(cli.Parser(prog="train.py"), args, 2)
     assert "splits the key/value heads (n_kv_head) = 1 into 2 equal parts" in \
         capsys.readouterr().err
+
+
+def test_qlora_under_fsdp_starts_at_the_4_bit_models_loss_and_falls(hf):
+    directory = hf["llama3"]
+    argv = ["--init-from", f"hf:{directory}", "--data", str(hf["data"]), "--steps", "4",
+            "--strategy", "fsdp", "--lora", "--quantize-base", "nf4", *SHAPE]
+    (history, _), _ = run_ranks(train_logged, 2, argv)
+    model, tokenizer, _ = load_pretrained(str(directory))
+    weights = model.state_dict()            # B = 0: the model computes with its 4-bit base
+    model.load_state_dict({name: nf4_round_trip(w) if name.split(".")[-2] in QUANTIZED else w
+                           for name, w in weights.items()})
+    data = TextData.from_file(str(hf["data"]), tokenizer)
+    with torch.no_grad():
+        reference = torch.stack([model(*data.batch(i, 4, 16, 0, "eval"))[1]
+                                 for i in range(2)]).mean().item()
+    # fp32: the two ranks' means of halves and FSDP's gathered shards, a few ulps apart
+    assert history["eval_loss_before"] == pytest.approx(reference, rel=1e-6)
+    assert history["eval_loss"] < history["eval_loss_before"]
