@@ -543,7 +543,8 @@ def logits_bytes(seq_len: int, batch: int, vocab: int) -> int:
 # ---- parameter count ------------------------------------------------------------------------
 
 def model_params(name_or_config) -> int:
-    """Parameters of a preset name or a GPTConfig, in closed form (no model is built).
+    """Parameters of a preset name or a GPTConfig, in closed form (no model is built); of a
+    Llama-family config (pretrained/llama.py), llama_params'.
 
     Per block (C = n_embd): query, value and output projections C*C + C each, key C*C (no
     bias: see model.py), MLP up C*4C + 4C and down 4C*C + C, two layer norms 2C each:
