@@ -14,7 +14,9 @@ import math
 import context_parallel
 from extensions import schedules
 import tensor_parallel
+from composition.tensor_parallel_gpt import check_llama_divisible
 from model import PRESETS
+from pretrained.llama import LlamaConfig
 from mechanics.pipeline_mechanics import split_layers
 
 # --strategy tp, pipeline and cp: ddp over the data dimension, with that dimension split even at
@@ -72,6 +74,18 @@ def check_split_given(parser, args, world_size, dim: str, does: str):
                      f"--strategy ddp")
 
 
+def model_shape(args):
+    """The config of the model the run trains: a Hugging Face directory's (args.hf_config, read
+    by running/cli.py), else --model's preset with the MoE flags' overrides."""
+    return (getattr(args, "hf_config", None)
+            or dataclasses.replace(PRESETS[args.model], **moe_config(args)))
+
+
+def model_name(args) -> str:
+    """The flag that gave the model, for a refusal's line."""
+    return f"hf:{args.hf}" if getattr(args, "hf_config", None) else f"--model {args.model}"
+
+
 def moe_config(args) -> dict:
     """The model config fields the MoE flags override (build_model's keyword arguments)."""
     given = {"experts": args.experts, "top_k": args.top_k, "aux_loss_weight": args.aux_loss_weight,
@@ -85,7 +99,7 @@ def moe_config(args) -> dict:
 def check_experts(parser, args, world_size):
     """--experts, --top-k, --capacity-factor, --aux-loss-weight, --z-loss-weight, --routing-group,
     --ep: a router the model can have, and experts the world can split."""
-    cfg = dataclasses.replace(PRESETS[args.model], **moe_config(args))
+    cfg = model_shape(args)
     if cfg.experts < 0:
         parser.error(f"--experts must be 0 (a dense model) or more, got {cfg.experts}")
     if not cfg.experts:
@@ -161,10 +175,13 @@ def check_tensor_parallel(parser, args, world_size):
         parser.error(f"world size {world_size} is not --tp {args.tp} x a data-parallel size: launch "
                      f"a multiple of {args.tp} processes (--nproc_per_node), or use a --tp dividing "
                      f"{world_size}")
+    cfg = model_shape(args)
     try:
-        tensor_parallel.check_divisible(PRESETS[args.model], args.tp)
+        tensor_parallel.check_divisible(cfg, args.tp)
+        if isinstance(cfg, LlamaConfig):
+            check_llama_divisible(cfg, args.tp)
     except ValueError as e:
-        parser.error(f"--model {args.model}: {e}")
+        parser.error(f"{model_name(args)}: {e}")
     if args.sequence_parallel and args.seq_len % args.tp:
         parser.error(f"--sequence-parallel splits each sequence into --tp {args.tp} equal parts: "
                      f"use a --seq-len divisible by {args.tp}, e.g. {args.seq_len // args.tp * args.tp or args.tp}")
@@ -211,13 +228,13 @@ def check_pipeline(parser, args, world_size):
     if args.grad_accum != 1:
         parser.error("--grad-accum: a pipeline accumulates its gradients over its micro-batches "
                      "already; use --microbatches instead")
-    cfg = PRESETS[args.model]
+    cfg = model_shape(args)
     check_zero_bubble(parser, args)
     try:
         schedules.make_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
         stage_layers(args.stage_layers, cfg.n_layer, args.pp, args.virtual_stages)
     except ValueError as e:
-        parser.error(f"--model {args.model}: {e}" if "blocks" in str(e) else str(e))
+        parser.error(f"{model_name(args)}: {e}" if "blocks" in str(e) else str(e))
 
 
 def stage_layers(option: str | None, n_layer: int, P: int, v: int = 1) -> list[list[range]]:
@@ -239,7 +256,7 @@ def check_zero_bubble(parser, args):
     in a mixture's blocks)."""
     if args.schedule != "zb" or not args.lora:
         return
-    experts = dataclasses.replace(PRESETS[args.model], **moe_config(args)).experts
+    experts = model_shape(args).experts
     in_every_block = {"query", "key", "value", "output"} | (set() if experts else {"up", "down"})
     if not in_every_block & set(args.lora_targets.split(",")):
         parser.error(f"--schedule zb with --lora: W computes the adapters' gradients, and --lora-targets "
@@ -272,7 +289,7 @@ def check_context_parallel(parser, args, world_size):
                      "be drawn again block by block in backward): use --dropout 0 with --cp")
     # A router sees this rank's tokens only: groups inside one chunk of a sequence are the same
     # tokens one process routes together, so the routing (capacity, balance loss) is its own.
-    cfg, chunk = dataclasses.replace(PRESETS[args.model], **moe_config(args)), args.seq_len // chunks
+    cfg, chunk = model_shape(args), args.seq_len // chunks
     if cfg.experts and (cfg.routing_group is None or chunk % cfg.routing_group):
         parser.error(f"--cp {args.cp} with experts: each rank routes its own tokens, so route them in "
                      f"groups inside one chunk of a sequence: give a --routing-group dividing the "

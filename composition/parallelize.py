@@ -359,7 +359,7 @@ def predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, opt
     # the strategy holds it (with LoRA: the frozen slices, plus the adapters, which alone train;
     # with experts, whose layers mesh_params does not price: what this rank holds, its experts).
     n_params = mesh_params(gpt.cfg, args.tp if tp else 1, len(held_blocks),
-                           gpt.pos_emb is not None, gpt.head is not None)
+                           getattr(model, "first", True), gpt.head is not None)
     trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad) if args.lora else 0
     held = run_state_bytes(gpt, {"fsdp": "zero3", "ddp": "ddp"}.get(rung, args.strategy), args,
                            data.world_size, n_params=None if gpt.cfg.experts else n_params + trainable,

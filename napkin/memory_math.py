@@ -543,7 +543,8 @@ def logits_bytes(seq_len: int, batch: int, vocab: int) -> int:
 # ---- parameter count ------------------------------------------------------------------------
 
 def model_params(name_or_config) -> int:
-    """Parameters of a preset name or a GPTConfig, in closed form (no model is built).
+    """Parameters of a preset name or a GPTConfig, in closed form (no model is built); of a
+    Llama-family config (pretrained/llama.py), llama_params'.
 
     Per block (C = n_embd): query, value and output projections C*C + C each, key C*C (no
     bias: see model.py), MLP up C*4C + 4C and down 4C*C + C, two layer norms 2C each:
@@ -551,8 +552,30 @@ def model_params(name_or_config) -> int:
     router's E C. Around the blocks: token and position embeddings, the final norm, and the
     head, which is the token embedding itself when tied (counted once, as .parameters() does).
     """
+    if hasattr(name_or_config, "n_kv_head"):
+        return llama_params(name_or_config)
     cfg = _config(name_or_config)
     return _shared_params(cfg) + expert_params(cfg)
+
+
+def llama_params(cfg, tp: int = 1, blocks: int | None = None, first: bool = True,
+                 last: bool = True) -> int:
+    """Parameters of a Llama-family config (pretrained/llama.py) one rank of a tensor x pipeline
+    mesh holds, as mesh_params. Per block: query and output H D C each, key and value G D C each
+    (G grouped key/value heads), SwiGLU's gate, up and down 3 C F, two RMSNorms C each; the
+    column layers (query, key, value, gate, up) and their biases split over tp, the row layers'
+    biases (output, down) and the norms whole. No position embedding; the token embedding and
+    an untied head split over the vocabulary; the final norm C."""
+    C, V, D, H, G, F = (cfg.n_embd, cfg.vocab_size, cfg.D, cfg.n_head, cfg.n_kv_head,
+                        cfg.hidden)
+    qkv_bias = cfg.qkv_bias or cfg.output_bias
+    split = ((2 * H + 2 * G) * D * C + 3 * C * F + qkv_bias * (H + 2 * G) * D
+             + cfg.mlp_bias * 2 * F)
+    block = split // tp + 2 * C + cfg.output_bias * C + cfg.mlp_bias * C
+    embeddings = V * C // tp if first else 0
+    head = 0 if cfg.tie_embeddings and first else V * C // tp
+    return embeddings + (cfg.n_layer if blocks is None else blocks) * block + (
+        C + head if last else 0)
 
 
 def active_params(name_or_config) -> int:
@@ -662,6 +685,8 @@ def mesh_params(name_or_config, tp: int = 1, blocks: int | None = None, first: b
     is a copy of it on a last stage that is not also the first. tp=1, all blocks: model_params.
     """
     cfg = PRESETS[name_or_config] if isinstance(name_or_config, str) else name_or_config
+    if hasattr(cfg, "n_kv_head"):                          # a Llama's (pretrained/llama.py)
+        return llama_params(cfg, tp, blocks, first, last)
     C, V = cfg.n_embd, cfg.vocab_size
     block = (12 * C * C + 6 * C) // tp + 6 * C
     embeddings = V * C // tp + cfg.block_size * C if first else 0

@@ -144,11 +144,13 @@ def tp_bytes_per_step(tp, batch: int, seq_len: int, micro_batches: int = 1) -> i
     gpt, n = tp.gpt, tp.comm.world_size
     # Each split sublayer ends in one row layer: its g (attention's output, the MLP's down).
     sublayers = sum(isinstance(m, RowParallelLinear) for m in gpt.modules())
-    first, last = gpt.pos_emb is not None, gpt.head is not None
+    # A Llama (pretrained/llama.py) embeds no positions: its first stage holds the token
+    # embedding alone (on a later stage, pos_emb is the None pipeline.GPTStage sets).
+    embeddings = (gpt.token_emb, getattr(gpt, "pos_emb", gpt.token_emb))
+    first, last = embeddings[1] is not None, gpt.head is not None
     # With the embeddings frozen (LoRA) nothing before the first block needs its input's
     # gradient: autograd never computes it, nor the first sublayer's backward all-reduce.
-    skipped = first and not (gpt.token_emb.weight.requires_grad
-                             or gpt.pos_emb.weight.requires_grad)
+    skipped = first and not any(e.weight.requires_grad for e in embeddings)
     size = next(gpt.parameters()).element_size()
     m = batch // micro_batches * seq_len
     activations = ring_bytes("all_reduce", m * gpt.cfg.n_embd, size, n)
@@ -168,11 +170,17 @@ def cp_kv_bytes_per_step(cp, batch: int, seq_len: int, micro_batches: int = 1,
 
     batch is the rows per rank, split into micro_batches.
     recomputed is the checkpointed blocks, whose forward runs again in backward.
-    A pipeline stage counts its own blocks; a tensor-parallel rank its own heads' K/V.
+    A pipeline stage counts its own blocks; a tensor-parallel rank its own heads' K/V (a
+    Llama's: its grouped key/value heads, G x D wide, not H x D).
     """
     cfg = cp.gpt.cfg
     blocks = [block for block in cp.gpt.blocks if not isinstance(block, nn.Identity)]
-    hidden = cfg.n_embd * blocks[0].attn.n_head // cfg.n_head          # C, or C/tp
+    attn = blocks[0].attn
+    if hasattr(cfg, "n_kv_head"):      # a Llama's G key/value heads, G/tp on a tensor rank
+        tp = getattr(getattr(attn.key, "comm", None), "world_size", 1)
+        hidden = cfg.n_kv_head * cfg.D // tp                            # G x D, or G x D/tp
+    else:
+        hidden = cfg.n_embd * attn.n_head // cfg.n_head                 # C, or C/tp
     layer = cp_kv_bytes(seq_len, batch // micro_batches, hidden, cp.comm.world_size,
                         cp.attention, blocks[0].norm1.weight.element_size())
     return micro_batches * (len(blocks) * (layer["forward"] + layer["backward"])

@@ -53,9 +53,6 @@ PRESETS_DEFAULT = "tiny"                  # --model's
 # The flags that name a file or directory: "" names none (and would leave the flag silently off).
 PATH_FLAGS = ("data", "out", "resume", "init_from", "export", "export_hf", "profile",
               "memory_snapshot")
-# The strategies a model loaded from a Hugging Face directory trains under so far (the Llama
-# family under the others, and the meshes' checks of its shape: a later slice).
-PRETRAINED_STRATEGIES = ("single", "ddp")
 
 
 
@@ -250,6 +247,7 @@ def parse_args(argv=None):
         check_lora_flags(p, args)
         args.advice = " ".join(advice)
     check_args(p, args, world_size=world_size)
+    vars(args).pop("hf_config", None)     # read by the checks only: a run records its args
     return args
 
 
@@ -260,8 +258,9 @@ LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16, "lora_targets": "query,value"
 
 def check_pretrained_run(parser, args):
     """args.hf: the Hugging Face directory the run's model comes from (--init-from hf:DIR, or the
-    one the run it resumes or starts from recorded), or None; and what such a run cannot do yet,
-    refused before any work: a strategy or split other than PRETRAINED_STRATEGIES, experts,
+    one the run it resumes or starts from recorded), or None; args.hf_config: its model's config
+    (the mesh checks read its shape, parse_args drops it after them), or None; and what such a
+    run cannot do, refused before any work: experts (--experts, --ep), --strategy auto,
     --export's file of model.py's GPT. --export-hf needs such a model."""
     if args.init_from and args.init_from.startswith(snapshot.HF):
         try:
@@ -279,23 +278,23 @@ def check_pretrained_run(parser, args):
         except snapshot.CheckpointError as e:
             parser.error(f"{flag}: the run started from hf:{args.hf}, which no longer loads "
                          f"({e}): put that directory back")
+    args.hf_config = None
     if not args.hf:
         if args.export_hf:
             parser.error("--export-hf writes a Hugging Face directory of a model loaded from one: "
                          "add --init-from hf:DIR, or use --export FILE for this project's GPT")
         return
-    config = snapshot.model_config_of(snapshot.read_config(args.hf), args.hf)
-    splits = [f"--{d} {getattr(args, d)}" for d in ("tp", "pp", "cp", "ep") if getattr(args, d) > 1]
-    if args.strategy not in (None, *PRETRAINED_STRATEGIES) or splits:
-        flag = f"--strategy {args.strategy}" if args.strategy not in (None, "ddp") else splits[0]
-        parser.error(f"{flag}: a model from hf:{args.hf} trains under --strategy "
-                     f"{' or '.join(PRETRAINED_STRATEGIES)} for now: use one of them")
+    config = args.hf_config = snapshot.model_config_of(snapshot.read_config(args.hf), args.hf)
     if args.dropout:
         parser.error(f"--dropout {args.dropout}: a model from hf:{args.hf} is loaded without "
                      f"dropout: leave --dropout out")
-    if args.experts:
-        parser.error(f"--experts {args.experts}: hf:{args.hf}'s config.json gives the model, "
-                     f"dense: leave --experts out")
+    if args.strategy == "auto":
+        parser.error(f"--strategy auto plans for --model's presets, not yet for hf:{args.hf}'s "
+                     f"model: name a --strategy (single, ddp, zero1, zero2, fsdp, tp, ...)")
+    if args.experts or args.ep != 1:
+        flag = f"--experts {args.experts}" if args.experts else f"--ep {args.ep}"
+        parser.error(f"{flag}: hf:{args.hf}'s config.json gives the model, dense (no experts to "
+                     f"split): leave {flag.split()[0]} out")
     if args.export:
         parser.error(f"--export {args.export} writes model.py's GPT: for the model of "
                      f"hf:{args.hf} use --export-hf DIR")

@@ -3,6 +3,7 @@ under the real names, a trained tokenizer; nothing downloaded): --init-from hf:D
 one and two ranks from the loaded model's own loss, --data is read in the directory's tokens,
 --export-hf writes what load_pretrained reads back, --sample decodes, bad input gets one line."""
 import contextlib
+import dataclasses
 import io
 import shutil
 
@@ -10,14 +11,17 @@ import pytest
 import torch
 
 import train
-from multiprocess import run_ranks, train_logged
+from multiprocess import run_ranks, torchrun_worker, train_logged
 from pretrained.load import load_pretrained
 from pretrained.tokenizer import Tokenizer
 from lora import QUANTIZED
 from quantization import normal_float_levels
+from napkin.memory_math import mesh_params, model_params
+from pipeline import GPTStage
+from composition import mesh_checks
 from running import cli
 from running.data import TextData
-from test_pretrained import family_directory
+from test_pretrained import family_directory, gpt2_files, llama_files, small_spec, write_directory
 from test_pretrained_formats import stdlib_sample
 
 FAMILIES = ["gpt2", "llama3"]
@@ -32,6 +36,13 @@ def hf(tmp_path_factory):
     paths = {family: root / family for family in FAMILIES}
     for family, path in paths.items():
         family_directory(path, family)
+    for family in FAMILIES:        # an even vocabulary: tensor parallelism splits it in two
+        spec = small_spec(family if family == "llama3" else "gpt2")
+        V = len(spec["model"]["vocab"]) + 1
+        V += V % 2
+        files = llama_files(V, family) if family == "llama3" else gpt2_files(V, "transformer.")
+        write_directory(root / f"{family}-even", *files, spec)
+        paths[f"{family}-even"] = root / f"{family}-even"
     paths["data"] = root / "data.txt"
     paths["data"].write_text(stdlib_sample()[8000:20000])      # text the tokenizer was not fit on
     return paths
@@ -180,8 +191,12 @@ BAD = [  # (argv given the directories, words of the line)
     (lambda d, t: ["--export-hf", str(t / "x")], "add --init-from hf:DIR"),
     (lambda d, t: ["--init-from", f"hf:{d['gpt2']}", "--seq-len", "25"],
      "--seq-len 25 is longer than the 24 positions"),
-    (lambda d, t: ["--init-from", f"hf:{d['llama3']}", "--strategy", "zero2"],
-     "--strategy zero2: a model from hf:"),
+    (lambda d, t: ["--init-from", f"hf:{d['llama3']}", "--strategy", "auto"],
+     "--strategy auto plans for --model's presets, not yet for hf:"),
+    (lambda d, t: ["--init-from", f"hf:{d['llama3']}", "--ep", "2"],
+     "--ep 2: hf:"),
+    (lambda d, t: ["--init-from", f"hf:{d['llama3']}", "--model", "tiny-moe"],   # not the model
+     None),
     (lambda d, t: ["--init-from", f"hf:{d['llama3']}", "--export", str(t / "m.pt")],
      "use --export-hf DIR"),
     (lambda d, t: ["--init-from", f"hf:{d['llama3']}", "--export-hf", str(d["llama3"])],
@@ -194,6 +209,9 @@ def test_each_bad_input_gets_its_line(hf, tmp_path, capsys, case):
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text('{"architectures": ["BertModel"]}')
     argv, words = BAD[case]
+    if words is None:                      # accepted: the directory's shape is checked, dense
+        assert cli.parse_args(argv(hf, tmp_path)).model == "tiny-moe"
+        return
     line = refusal(argv(hf, tmp_path), capsys)
     assert words in line, line
 
@@ -213,3 +231,106 @@ def test_a_text_too_short_in_the_models_tokens_is_said_on_every_rank(hf, tmp_pat
     lines = run_ranks(stopped_with, 2, argv)
     assert lines[0] is not None and lines[0].startswith("the eval text has ") and "tokens" in \
         lines[0] and lines == [lines[0]] * 2, lines
+
+
+# ---- every strategy and mesh on a loaded model ------------------------------------------------
+
+STRATEGIES = [["--strategy", "zero2"], ["--strategy", "fsdp"], ["--strategy", "tp", "--tp", "2"],
+              ["--strategy", "cp", "--cp", "2"], ["--strategy", "pipeline", "--pp", "2"],
+              ["--strategy", "tp", "--tp", "2", "--sequence-parallel"],
+              ["--strategy", "fsdp", "--offload", "params"]]
+SPLITS = ("--tp", "--cp", "--pp")
+
+
+def train_each(argvs: list) -> list:
+    """train_logged(argv) for each argv in turn, on this rank: one launch for several runs."""
+    return [train_logged(argv) for argv in argvs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_strategy_starts_at_the_loaded_models_loss_and_falls(hf, family):
+    directory = hf[f"{family}-even"]
+    argv = ["--init-from", f"hf:{directory}", "--data", str(hf["data"]), "--steps", "4", *SHAPE]
+    strategies = STRATEGIES if family == "llama3" else STRATEGIES[2:4]   # GPT-2: tp and cp
+    assert_each_run_is_the_loaded_models(directory, hf["data"], argv, strategies, 2)
+
+
+def test_a_mesh_of_four_ranks_trains_a_llama_from_its_directory(hf):
+    directory = hf["llama3-even"]
+    argv = ["--init-from", f"hf:{directory}", "--data", str(hf["data"]), "--steps", "4", *SHAPE]
+    meshes = [["--strategy", "fsdp", "--tp", "2", "--cp", "2"],
+              ["--strategy", "zero1", "--tp", "2", "--pp", "2"]]
+    assert_each_run_is_the_loaded_models(directory, hf["data"], argv, meshes, 4)
+
+
+def assert_each_run_is_the_loaded_models(directory, data, argv, strategies, world: int):
+    """Each strategy run in one launch of `world` ranks: its step-0 eval loss the loaded model's
+    (one process, written here), its loss falling, what every rank holds and sends (a split's,
+    by dimension) the napkin's formulas, to the byte."""
+    ranks = run_ranks(train_each, world, [[*argv, *strategy] for strategy in strategies])
+    reference = reference_eval_loss(directory, data)
+    for i, strategy in enumerate(strategies):
+        history, _ = ranks[0][i]
+        # fp32: each strategy sums in its own order (sharded matrices, blockwise softmax, the
+        # ranks' means), a few ulps of the loss apart
+        assert history["eval_loss_before"] == pytest.approx(reference, rel=1e-6), strategy
+        losses = history["losses"]
+        assert losses[max(losses)] < losses[0], strategy
+        assert history["eval_loss"] < history["eval_loss_before"], strategy
+        for rank, (each, _) in enumerate(r[i] for r in ranks):
+            for step, held in each["held"].items():
+                assert held == {k: each["napkin"][k] for k in held}, (strategy, rank, step)
+            if set(SPLITS) & set(strategy):     # a split's bytes by dimension, each its formula's
+                assert each["sent"] and all(
+                    measured == formula for sent in each["sent"].values()
+                    for measured, formula in sent.values()), (strategy, rank, each["sent"])
+
+
+@pytest.mark.parametrize("family", ["llama3", "smollm2", "qwen2"])
+def test_the_napkins_parameter_count_is_the_loaded_models(tmp_path, family):
+    family_directory(tmp_path, family)
+    model, _, _ = load_pretrained(str(tmp_path))
+    cfg = model.cfg
+    assert model_params(cfg) == sum(p.numel() for p in model.parameters())
+    for stage, layers in enumerate([range(0, 1), range(1, cfg.n_layer)]):   # a pipeline's stages
+        part = GPTStage(load_pretrained(str(tmp_path))[0], layers, stage == 0, stage == 1)
+        assert mesh_params(cfg, 1, len(layers), stage == 0, stage == 1) == sum(
+            p.numel() for p in part.parameters()), (family, stage)
+
+
+def test_the_mesh_checks_read_the_directorys_shape(hf, capsys, monkeypatch):
+    torchrun_worker(monkeypatch, 2)
+    directory = hf["llama3"]                                  # vocabulary 317: odd
+    line = refusal(["--init-from", f"hf:{directory}", "--strategy", "tp", "--tp", "2"], capsys)
+    assert f"hf:{directory}: tensor parallelism over 2 ranks splits the vocabulary " \
+           f"(vocab_size) = 317" in line, line
+    line = refusal(["--init-from", f"hf:{directory}", "--pp", "2", "--stage-layers", "1,3"],
+                   capsys)                                    # 2 blocks, not --model's 4
+    assert f"hf:{directory}: --stage-layers 1,3: give 2 numbers" in line and \
+        "adding up to the model's 2 blocks" in line, line
+    args = cli.parse_args(["--init-from", f"hf:{hf['llama3-even']}", "--strategy", "tp",
+                           "--tp", "2"])
+    cfg = load_pretrained(str(hf["llama3-even"]))[0].cfg
+    args.hf_config = dataclasses.replace(cfg, n_kv_head=1, n_head=2)          # G = 1
+    with pytest.raises(SystemExit):
+        mesh_checks.check_tensor_parallel(cli.Parser(prog="train.py"), args, 2)
+    assert "splits the key/value heads (n_kv_head) = 1 into 2 equal parts" in \
+        capsys.readouterr().err
+
+
+def test_qlora_under_fsdp_starts_at_the_4_bit_models_loss_and_falls(hf):
+    directory = hf["llama3"]
+    argv = ["--init-from", f"hf:{directory}", "--data", str(hf["data"]), "--steps", "4",
+            "--strategy", "fsdp", "--lora", "--quantize-base", "nf4", *SHAPE]
+    (history, _), _ = run_ranks(train_logged, 2, argv)
+    model, tokenizer, _ = load_pretrained(str(directory))
+    weights = model.state_dict()            # B = 0: the model computes with its 4-bit base
+    model.load_state_dict({name: nf4_round_trip(w) if name.split(".")[-2] in QUANTIZED else w
+                           for name, w in weights.items()})
+    data = TextData.from_file(str(hf["data"]), tokenizer)
+    with torch.no_grad():
+        reference = torch.stack([model(*data.batch(i, 4, 16, 0, "eval"))[1]
+                                 for i in range(2)]).mean().item()
+    # fp32: the two ranks' means of halves and FSDP's gathered shards, a few ulps apart
+    assert history["eval_loss_before"] == pytest.approx(reference, rel=1e-6)
+    assert history["eval_loss"] < history["eval_loss_before"]
