@@ -8,7 +8,8 @@ Rank r keeps the optimizer state (stage 1) and the reduced gradient (stage 2) of
 It updates that shard with the inner optimizer on an fp32 master, then all-gathers the
 parameters. Every rank still holds all the parameters, as under DDP.
 The lecture counts DDP's all-reduce at 2 bytes per parameter, the 16-bit gradient. A ring
-all-reduce is a reduce-scatter then an all-gather: in one dtype ZeRO moves the same bytes.
+all-reduce is a reduce-scatter then an all-gather: in one dtype ZeRO moves the same bytes (plus
+one scalar all-reduce for the gradient norm, which DDP's ranks compute without talking).
 Comm (foundations/comm.py) runs torch.distributed's collectives on its group, bytes counted:
 comm.reduce_scatter(out, inp, op), all_gather(out, inp) and all_reduce(t, op) are
 dist.reduce_scatter_tensor, all_gather_into_tensor and all_reduce; op "avg", "sum" or "max".
@@ -17,6 +18,7 @@ ZeRO-Offload (extensions/zero_offload.py), ZeRO++.
 Run alone: torchrun --nproc_per_node 2 zero.py; test: python -m pytest tests/test_zero.py
 
 Shapes: N ranks, r this rank, P elements in a bucket, S = ceil(P / N) elements per shard.
+(A bucket's used-flags are one per parameter tensor, not per element.)
 """
 
 import contextlib
@@ -37,18 +39,18 @@ from mechanics.sharded_step import ShardedStep
 class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
     """ZeRO-1: any element-wise torch optimizer (optimizer_cls) on this rank's shards only.
 
-    params: the trainable ones, in fp32 (each its own master) or bf16/fp16 (an fp32 master
-    shard; fp16 scales the loss: .scaler). group: a Comm, a process group or None (the world).
-    bucket_mb: each flat buffer's size. reduce_dtype: the gradients' dtype on the wire and in
-    the shard (None: the parameters'). mean_over: the gradient is the sum over group / this
-    many ranks (None: the group's mean); an expert's ranks, fewer than the data ranks whose
-    tokens they saw, divide by the data ranks. A torch.optim.Optimizer: schedulers drive it.
     Loop: zero_grad(); scale_loss(loss).backward(); clip_grad_norm_(max_norm) to clip; step().
     Use this clip_grad_norm_: torch's sees no reduced gradient, only this rank's own.
-    From ShardedStep.Owner (mechanics/sharded_step.py): .scaler (fp16's loss scale, a
-    mixed_precision.py DynamicLossScaler), scale_loss, state_dict and state_tensors.
     Stage 1 accumulates whole gradients in the buckets' flat buffers, in the parameters' dtype
-    (param.grad is a view, as in DDP). It reduce-scatters them once, at step(), in reduce_dtype."""
+    (param.grad is a view, as in DDP). It reduce-scatters them once, at step(), in reduce_dtype.
+    params: fp32 (each its own master) or bf16/fp16 (an fp32 master shard). group: a Comm, a
+    process group or None (the world). bucket_mb: each flat buffer's size. reduce_dtype: the
+    gradients' dtype on the wire (None: the parameters'). mean_over: see self.op below.
+    From ShardedStep.Owner (mechanics/sharded_step.py): .scaler, mixed_precision.py's loss
+    scale (fp16: .scale multiplies the loss; .update(skipped) halves it after inf/NaN, grows it
+    after a clean run), scale_loss, state_dict and state_tensors (the checkpoints' tensors).
+    A torch.optim.Optimizer (foundations/inner_optimizer.py shares the inner one's param_groups):
+    lr schedulers drive it."""
 
     stage = 1
     keeps_whole_gradients = True     # foundations/flat.py's GradientSyncs: whole until the step
@@ -57,7 +59,11 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
                  bucket_mb: float = 25, reduce_dtype: torch.dtype | None = None,
                  mean_over: int | None = None, **optimizer_kwargs):
         self.comm, self.reduce_dtype = Comm.from_group(group), reduce_dtype   # None: the world
+        # The group's mean; or, with mean_over, the sum / mean_over: an expert's ranks, fewer than
+        # the data ranks whose tokens they saw, divide by the data ranks.
         self.op, self.divide = ("avg", 1) if mean_over is None else ("sum", mean_over)
+        # The parameters, in backward's (reverse) order, cut into buckets of about bucket_mb, each
+        # padded to N*S, rank 0's values broadcast (the ranks' models checked to be the same).
         self.buckets = ShardedBuckets(params, self.comm, bucket_mb, "ZeroOptimizer")
         # Rank r's share of the optimizer state: shard r of every bucket, 1/N of it (+ padding).
         for bucket in self.buckets:
@@ -79,8 +85,12 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One ZeRO step, in the lecture's order. Phases 1-3 run once a step: when the loop
-        called clip_grad_norm_(max_norm) first, they ran there, and phase 4 clips by max_norm."""
+        """One ZeRO step. The lecture's three moves are phases 1 (reduce-scatter), 6 (update this
+        rank's shard) and 7 (all-gather). Phases 2-5 are what any mixed-precision step with
+        clipping does (mixed_precision.py), here on the shards: unscale, the global norm (also the
+        inf/NaN test, so it runs without clipping too), clip, one host read.
+        Phases 1-3 run once a step: when the loop called clip_grad_norm_(max_norm) first, they
+        ran there, and phase 4 clips by max_norm."""
         with torch.enable_grad():
             loss = None if closure is None else closure()
         self.reduce_gradients()        # 1 reduce-scatter: this rank's (S,) shard of each bucket
@@ -217,29 +227,6 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         for handle in gathers:
             handle.wait()
 
-    # ---- corner cases, after the core -------------------------------------------------------
-
-    def launch_used_flags(self) -> tuple:
-        """Unused parameters: one that no rank used must not move, so the ranks OR their "used"
-        flags: an async comm.all_reduce(op="max") of (P,) 0/1 flags, beside the norm's. Returns
-        ((P,) flags, or None where this rank used every parameter; a function that waits)."""
-        return self.shard_step.launch_used_flags()
-
-    def _follow_loss_scale(self):
-        """fp16's loss scale (mixed_precision.py): a skipped step (inf/NaN) shrinks it, a run of
-        clean ones grows it. Disabled in bf16 and fp32: the scale stays 1."""
-        self.scaler.update(self.last_step_skipped)
-
-    def _new_master(self, bucket, shard: torch.Tensor) -> torch.Tensor:
-        """The (S,) tensor the inner optimizer updates: for fp32 or fp64 parameters the shard
-        itself, for 16-bit ones an fp32 copy (extensions/zero_offload.py's: in host memory)."""
-        return shard if shard.dtype in (torch.float32, torch.float64) else shard.float()
-
-    def _master_into_model(self, shard: torch.Tensor, master: torch.Tensor):
-        """Round the fp32 master into the model's (16-bit) shard, before its all-gather
-        (extensions/zero_offload.py overrides it: a copy from the host)."""
-        shard.copy_(master)
-
     # ---- stage 1's gradients: whole, in the buckets' flat buffers ---------------------------
 
     def _hook_gradients(self):
@@ -258,6 +245,30 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
 
     def finish_gradient_sync(self):  # foundations/flat.py's GradientSyncs: every reducer's
         self.reduce_gradients()
+
+    # ---- corner cases, after the core -------------------------------------------------------
+
+    def launch_used_flags(self) -> tuple:
+        """Unused parameters: one that no rank used must not move, so the ranks OR their "used"
+        flags: an async comm.all_reduce(op="max") of 0/1 flags, one per parameter tensor, beside
+        the norm's. Returns (the flags, or None where this rank used every parameter; a function
+        that waits)."""
+        return self.shard_step.launch_used_flags()
+
+    def _follow_loss_scale(self):
+        """fp16's loss scale (mixed_precision.py): a skipped step (inf/NaN) shrinks it, a run of
+        clean ones grows it. Disabled in bf16 and fp32: the scale stays 1."""
+        self.scaler.update(self.last_step_skipped)
+
+    def _new_master(self, bucket, shard: torch.Tensor) -> torch.Tensor:
+        """The (S,) tensor the inner optimizer updates: for fp32 or fp64 parameters the shard
+        itself, for 16-bit ones an fp32 copy (extensions/zero_offload.py's: in host memory)."""
+        return shard if shard.dtype in (torch.float32, torch.float64) else shard.float()
+
+    def _master_into_model(self, shard: torch.Tensor, master: torch.Tensor):
+        """Round the fp32 master into the model's (16-bit) shard, before its all-gather
+        (extensions/zero_offload.py overrides it: a copy from the host)."""
+        shard.copy_(master)
 
     def _gradients_into_buckets(self):
         """A .grad made anew (zero_grad(set_to_none) in a caller, autograd after .grad = None)
