@@ -82,8 +82,8 @@ class GPTStage(nn.Module):
         if self.first and chunk == 0:
             x = gpt.embed(x)                             # (b, T) token ids -> (b, T, C)
         x = gpt.run_blocks(x, self.chunks[chunk])        # (b, T, C)
-        # With experts (moe.py), the routers' losses of this chunk's blocks join the loss.
-        # Before the last chunk they go beside the activation (Pipeline's backward adds them).
+        # With experts, each block's mlp (moe.MoE) holds its routers' losses as .aux_loss; this
+        # chunk's join the loss, or before the last chunk go beside the activation (B adds them).
         experts = gpt.cfg.experts
         aux = sum(gpt.blocks[i].mlp.aux_loss for i in self.chunks[chunk]) if experts else None
         if not (self.last and chunk == len(self.chunks) - 1):
@@ -99,20 +99,20 @@ class GPTStage(nn.Module):
 # GPipe, then 1F1B, on P = 3 stages, M = 4 micro-batches, a forward and a backward one slot each.
 # '.' is idle: the bubble, (P-1)/(M+P-1) of the time under both (python -m extensions.schedules).
 #
-#   GPipe  stage 0 | F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3     holds M = 4 micro-batches
+#   GPipe  stage 0 | F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3     max activations held: M = 4
 #          stage 1 | .  F0 F1 F2 F3 .  .  B0 B1 B2 B3 .
 #          stage 2 | .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .
 #
-#   1F1B   stage 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3     holds P - s: 3, 2, 1
+#   1F1B   stage 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3     max activations held: P - s = 3, 2, 1
 #          stage 1 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .
 #          stage 2 | .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .
 
 class Action(NamedTuple):
     """One step of a stage's list.
 
-    kind: F or B computes (zero bubble's lists add W: extensions/zero_bubble.py).
-    send_act and recv_act move activations forward; send_grad and recv_grad, their gradients
-    back.
+    kind: "F" (a forward) or "B" (a backward) computes (zero bubble's lists add "W":
+    extensions/zero_bubble.py); "send_act" and "recv_act" move activations forward,
+    "send_grad" and "recv_grad" their gradients back.
     m: the micro-batch it concerns. chunk: which of the rank's chunks of layers (interleaved;
     else 0)."""
     kind: str
@@ -167,6 +167,8 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}      # the others: extensions/
 # completes only once its peer has posted the matching receive, and every call this rank posts
 # after it waits behind it. So a receive posted early (to overlap) could block this rank's own
 # later send that the peer waits for: a deadlock (gloo, the demonstration's, never shows it).
+# Two stages, say: stage 0 posts recv_grad 0, then send_act 1; stage 1 posts recv_act 1, then
+# send_grad 0. Each send queues behind its own rank's receive, which waits for the other's send.
 # The fix: the messages between two computations are posted together, as one batch_isend_irecv
 # (Comm.exchange). A batch's sends and receives start together and progress together, none
 # queued behind another, so neither end can block the other. A batch is waited for before the
@@ -221,15 +223,15 @@ class Pipeline(PipelineMechanics):
     activation, dtype: what a stage sends. A receive needs a buffer of the right size before
     the message arrives. activation is C, the channels of a (b, T, C), or a function (b, T) ->
     its shape (sequence parallelism sends (b, T/tp, C)).
-    sync, an attribute: the gradient-sync protocol the backwards run under and train_step
-    finishes. It is the module's (DDP's, FSDP's), or None with one replica per stage;
-    A mesh sets it to a chain of syncs, run in order (composition/parallelize.py).
+    sync, an attribute: the module's (DDP's, FSDP's) gradient sync. Its no_sync() holds the
+    replicas' reduction during a backward; train_step's finish_gradient_sync() runs what it held.
+    None with one replica per stage; a mesh chains several, in order (composition/parallelize.py).
     The base class (mechanics/pipeline_mechanics.py) holds the loop's interface, the tied ends'
     group and `observer`, which watches the step from outside (times, activations held)."""
 
     def __init__(self, module: nn.Module, comm: Comm, schedule, microbatches: int,
                  activation, dtype: torch.dtype):
-        super().__init__(comm.world_size, microbatches)   # P, M >= 1 checked; the observer
+        super().__init__(comm.world_size, microbatches)   # checks P, M >= 1; makes .observer
         gpt_stage = getattr(module, "module", module)        # the GPTStage, inside DDP or FSDP
         self.module, self.comm, self.M, self.dtype = module, comm, microbatches, dtype
         self.activation = activation if callable(activation) else lambda b, t: (b, t, activation)
@@ -240,7 +242,7 @@ class Pipeline(PipelineMechanics):
         self.actions = self.stages[self.stage]
         forwards = ("F", "recv_act", "send_act")
         self.evaluation_actions = [a for a in self.actions if a.kind in forwards]
-        self.device = next(gpt_stage.parameters()).device     # under FSDP too: its units' views
+        self.device = next(gpt_stage.parameters()).device   # FSDP's: views of a unit's flat buffer
         # Set-up, not a message: NCCL makes a group's communicator at its first call. A
         # batch_isend_irecv may be that call only if every rank joins it, and the stages' first
         # calls differ. So one small all-reduce goes first, every rank joining.
@@ -259,7 +261,8 @@ class Pipeline(PipelineMechanics):
         self._sum_tied_gradients()
         if self.sync is not None:
             self.sync.finish_gradient_sync()      # the replicas' reduction, held until now
-        # The loss summed over the stages, after every reduction: one launch order on each rank.
+        # Only the last stage holds the loss (with experts, each its routers'): the sum gives it to
+        # every stage. After every reduction, so every rank launches its collectives in one order.
         dist.all_reduce(loss, group=self.comm.group)
         return loss
 
@@ -271,13 +274,14 @@ class Pipeline(PipelineMechanics):
         return loss
 
     def _run(self, actions, x, y, scale_loss=None, measure=False) -> torch.Tensor:
-        """Play a stage's list: its computations in turn, its messages as nccl_program groups them.
-        Returns this stage's part of the loss."""
+        """Play a stage's list; return this stage's part of the loss. For each nccl_program item:
+        ("post", group) -> _post: its messages as one batch; ("wait", group) -> _wait: files what
+        it received by (m, chunk); F, B -> _compute -> _forward (keeps its output) or _backward."""
         micro_x, micro_y = self._micro_batches(x, y)              # M micro-batches (b, T) each
         shape = self.activation(x.shape[0] // self.M, x.shape[1])   # what a stage sends: (b, T, C)
         backwards = [a for a in actions if a.kind == "B"]
         cache = StepCache(x.device, backwards[-1] if backwards else None)
-        # The observer clocks the step and each computation from outside: nothing else changes.
+        # FSDP's units stay gathered for the step; the observer only watches it, from outside.
         with self._gathered_for_step(), self.observer.step(measure):
             for item in nccl_program(actions):
                 if item[0] == "post":
@@ -310,7 +314,7 @@ class Pipeline(PipelineMechanics):
         output = self._keep_aux_loss(output, key, cache)
         if last:
             cache.loss += output.detach().float() / self.M
-        if torch.is_grad_enabled() or not last:   # for B; evaluating (no graph), for the send
+        if torch.is_grad_enabled() or not last:   # kept for B, or (evaluating) for send_act
             cache.outputs[key] = output
 
     def _backward(self, a: Action, cache: StepCache, scale_loss):
@@ -365,14 +369,14 @@ class Pipeline(PipelineMechanics):
         return x.chunk(self.M), y.chunk(self.M)
 
     def _gathered_for_step(self):
-        """FSDP keeps its units gathered through the step: a schedule runs several forwards
-        before their backwards."""
+        """FSDP's units stay gathered for the step: a schedule runs forwards before backwards."""
         return getattr(self.module, "gathered_for_step", contextlib.nullcontext)()
 
     def _no_sync(self, a: Action, cache: StepCache):
         """Hold the replicas' gradient reduction under the sync's no_sync() while it must wait.
 
-        A sync that keeps whole gradients (DDP) reduces once, after the step's last backward.
+        A sync that keeps whole gradients (keeps_whole_gradients: DDP's) reduces once, after the
+        step's last backward (FSDP's, holding shards, in each backward).
         A tied weight's two ends must add up before any reduction, so every backward is held."""
         whole = getattr(self.sync, "keeps_whole_gradients", False)
         hold = self.tied is not None or (whole and a != cache.last_backward)
@@ -398,7 +402,7 @@ class Pipeline(PipelineMechanics):
         """A head tied to the token embedding has a copy on each end: each copy's gradient
         becomes the sum of both, so the two copies stay equal."""
         if self.tied is not None:
-            self.ends.all_reduce(self.tied.grad)
+            self.ends.all_reduce(self.tied.grad)       # Comm: the sum over both ends, in place
 
 
 # ---- run alone: check GPipe and 1F1B against one process (torchrun) ---------------------------
@@ -421,7 +425,7 @@ def demo(gpt: nn.Module, layers: range, M: int = 4, bounds=(1e-6, 1e-12)) -> boo
         ours = runner.train_step(batch[:, :-1], batch[:, 1:])
         for rank in range(P):                                          # in stage order
             if rank == s:
-                computed = (f"{a.kind}{a.m}" for a, _, _ in runner.observer.timeline)
+                computed = (f"{a.kind}{a.m}" for a, _start, _end in runner.observer.timeline)
                 print(f"{schedule} stage {s} computed:", *computed, flush=True)
             dist.barrier()
         grads = [(p.grad - whole.get_parameter(name.removeprefix("gpt.")).grad).abs().max()
