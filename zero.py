@@ -44,8 +44,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
     Stage 1 accumulates whole gradients in the buckets' flat buffers, in the parameters' dtype
     (param.grad is a view, as in DDP). It reduce-scatters them once, at step(), in reduce_dtype.
     params: fp32 (each its own master) or bf16/fp16 (an fp32 master shard). group: a Comm, a
-    process group or None (the world). bucket_mb: each flat buffer's size. reduce_dtype: the
-    gradients' dtype on the wire (None: the parameters'). mean_over: see self.op below.
+    process group or None (the world). reduce_dtype: the gradients' dtype on the wire.
     From ShardedStep.Owner (mechanics/sharded_step.py): .scaler, mixed_precision.py's loss
     scale (fp16: .scale multiplies the loss; .update(skipped) halves it after inf/NaN, grows it
     after a clean run), scale_loss, state_dict and state_tensors (the checkpoints' tensors).
@@ -73,7 +72,6 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         self.shard_step = ShardedStep(self, self.buckets, self.comm, optimizer_cls,
                                       optimizer_kwargs)
         self.masters = self.shard_step.masters
-        self.flats = self.buckets             # the name mechanics/offload.py's OffloadedStep reads
         self.optimizer = self.shard_step.optimizer    # the inner one: its state is ours too
         self.device = self.shard_step.device               # where the gradient shards are
         self.last_grad_norm, self.last_step_skipped = None, False
@@ -104,7 +102,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         else:
             norm, *used = torch.cat([norm.reshape(1), self._used.to(norm.dtype)]).tolist()
         self.update(norm, used)          # 6 optimizer.step() on the masters, 7 the all-gather
-        self._follow_loss_scale()
+        self.scaler.update(self.last_step_skipped)   # fp16: a skip shrinks the scale, runs grow it
         return loss
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -149,8 +147,9 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
             return
         self._synced = True
         self._gradients_into_buckets()
-        # In bucket order, a few in flight at most (foundations/flat.py's InOrder): the copies
-        # cast for the wire are bounded too, never a second whole gradient in fp32.
+        # In bucket order on every rank (collectives pair up by the order they are called), a
+        # few in flight at most (foundations/flat.py's InOrder): launch, then finish each. The
+        # copies cast for the wire are bounded too, never a second whole gradient in fp32.
         order = self.buckets.in_order(self._launch_reduction, self._finish_reduction)
         for bucket in self.buckets:
             order.ready(bucket)
@@ -255,11 +254,6 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         that waits)."""
         return self.shard_step.launch_used_flags()
 
-    def _follow_loss_scale(self):
-        """fp16's loss scale (mixed_precision.py): a skipped step (inf/NaN) shrinks it, a run of
-        clean ones grows it. Disabled in bf16 and fp32: the scale stays 1."""
-        self.scaler.update(self.last_step_skipped)
-
     def _new_master(self, bucket, shard: torch.Tensor) -> torch.Tensor:
         """The (S,) tensor the inner optimizer updates: for fp32 or fp64 parameters the shard
         itself, for 16-bit ones an fp32 copy (extensions/zero_offload.py's: in host memory)."""
@@ -297,6 +291,8 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
 
     # ---- bookkeeping: what the meters ask (the checkpoints' questions: ShardedStep.Owner) ---
 
+    flats = property(lambda self: self.buckets)     # the name mechanics/offload.py reads
+
     def host_tensors(self) -> list[torch.Tensor]:     # none (ZeRO-Offload keeps the masters there)
         return []
 
@@ -309,7 +305,7 @@ class Zero2Optimizer(ZeroOptimizer):
     """ZeRO-2: ZeRO-1, but each bucket is reduce-scattered the moment backward fills it, and its
     whole gradient freed: a rank holds whole gradients only for the buckets in flight, then its
     1/N shards. The price: with gradient accumulation every micro-batch reduce-scatters (no whole
-    buffer is kept to add the next one into), where DDP and ZeRO-1 reduce once a step.
+    buffer is kept to add the next one into), where ZeRO-1 (and DDP under no_sync) reduce once.
     The lecture reduces layer J's gradient to the one worker that owns J. Here each rank owns 1/N
     of every bucket, so each bucket is reduce-scattered over all: the same idea, another layout."""
 
@@ -328,16 +324,6 @@ class Zero2Optimizer(ZeroOptimizer):
         for bucket in self.buckets:
             bucket.grad_flat = None                   # allocated while a bucket is in flight
         self.buckets.hook_gradients(self._gradient_ready)   # _gradient_ready(b, i) each gradient
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backwards inside leave each gradient whole in .grad, reduced at the finish (or step()):
-        for gradients complete only after backward (zero bubble's W, a tied head, pipeline.py)."""
-        self.syncing, self._unreduced = False, True
-        try:
-            yield
-        finally:
-            self.syncing = True
 
     def _gradient_ready(self, b: int, i: int):
         if not self.syncing:
@@ -383,6 +369,16 @@ class Zero2Optimizer(ZeroOptimizer):
         self._order.wait_all()
         self._backward_hooked = False
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside leave each gradient whole in .grad, reduced at the finish (or step()):
+        for gradients complete only after backward (zero bubble's W, a tied head, pipeline.py)."""
+        self.syncing, self._unreduced = False, True
+        try:
+            yield
+        finally:
+            self.syncing = True
+
     def reduce_gradients(self):
         """Nothing left to reduce (backward did it, bucket by bucket), unless the backwards ran
         under no_sync: then what they left in .grad goes now, in bucket order."""
@@ -421,28 +417,33 @@ if __name__ == "__main__":
     for stage, cls in ((1, ZeroOptimizer), (2, Zero2Optimizer)):
         torch.manual_seed(0)
         one = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-        model, whole = copy.deepcopy(one), torch.optim.AdamW(one.parameters(), lr=1e-2)
+        model, reference = copy.deepcopy(one), torch.optim.AdamW(one.parameters(), lr=1e-2)
         ours = cls(model.parameters(), group=world, bucket_mb=0.001, lr=1e-2)   # 3 buckets
-        rows = slice(world.rank * 8, (world.rank + 1) * 8)           # 8 rows each: equal means
+        rows = slice(world.rank * 8, (world.rank + 1) * 8)   # equal counts: mean of means = mean
         for _ in range(5):
             n = 8 * world.world_size
             x, y = torch.randn(n, 8), torch.randn(n, 4)                 # every rank's rows
-            for net, opt, r in ((model, ours, rows), (one, whole, slice(None))):
+            for net, opt, r in ((model, ours, rows), (one, reference, slice(None))):
                 opt.zero_grad()
                 torch.nn.functional.mse_loss(net(x[r]), y[r]).backward()
+                if opt is ours:        # the gradient elements held between backward and step
+                    held = sum(t.numel() for t in ours.gradient_buffers())
                 opt.step()
         difference = max((a - b).abs().max().item()
                           for a, b in zip(model.parameters(), one.parameters()))
         # What is sharded: AdamW's 2 moments, ceil(P / N) of each bucket's P elements per rank.
         # The weights stay whole on every rank (fp32: the master is this rank's shard of them).
+        # Gradients held: stage 1 each bucket whole (N*S, padded), stage 2 its (S,) shard only.
         moments = sum(t.numel() for t in ours.state_tensors()) - sum(map(len, ours.masters))
         shard = sum(math.ceil(sum(p.numel() for p in b.params) / world.world_size)
                     for b in ours.buckets)
         whole = sum(p.numel() for p in one.parameters())
-        failed |= not difference <= 1e-5 or moments != 2 * shard
+        grads = world.world_size * shard if stage == 1 else shard
+        failed |= not difference <= 1e-5 or moments != 2 * shard or held != grads
         if world.rank == 0:
             print(f"ZeRO-{stage}, {len(ours.buckets)} buckets: rank 0 keeps AdamW's 2 moments for "
-                  f"{shard} of the {whole} weights (1/{world.world_size} of each bucket); all "
+                  f"{shard} of the {whole} weights (1/{world.world_size} of each bucket) and "
+                  f"{held} gradient elements ({'whole' if stage == 1 else 'its shards'}); all "
                   f"{whole} weights on every rank | max |difference| from one process: "
                   f"{difference:.1e} (bound 1e-05: fp32 sums reordered)", flush=True)
     dist.destroy_process_group()
