@@ -40,8 +40,8 @@ from mechanics.pipeline_mechanics import PipelineMechanics, place_stage, split_l
 class GPTStage(nn.Module):
     """One stage of a model.GPT.
 
-    Its blocks are `layers`: a range, or one range per chunk when interleaved (split_layers,
-    in mechanics/pipeline_mechanics.py, cuts the blocks into consecutive ranges).
+    Its blocks are `layers`: a range of consecutive block indices (one range per chunk when
+    interleaved), cut for each stage by the caller.
     The first stage also holds the embeddings; the last, the final norm, the head and the loss.
     The rest is dropped from this rank. What stays keeps the whole model's names
     (gpt.blocks.5.attn.query.weight: the GPT under the stage's `gpt`), so the stages'
@@ -255,8 +255,8 @@ class Pipeline(PipelineMechanics):
 
     def train_step(self, x, y, scale_loss=lambda loss: loss, measure=False) -> torch.Tensor:
         """Forwards and backwards of the M micro-batches of x, y (B, T); returns the loss, on
-        every stage. The mean loss's gradients accumulate in .grad (averaged over replicas).
-        measure: synchronize CUDA around each computation, so the observer's times are exact."""
+        every stage; the mean loss's gradients accumulate in .grad (averaged over replicas).
+        scale_loss: fp16's loss scale (mixed_precision.py). measure: time CUDA exactly."""
         loss = self._run(self.actions, x, y, scale_loss, measure)
         self._sum_tied_gradients()
         if self.sync is not None:
@@ -307,14 +307,14 @@ class Pipeline(PipelineMechanics):
     def _forward(self, a: Action, x, y, cache: StepCache):
         """F: chunk a.chunk on micro-batch a.m, from its tokens x (b, T) or the activation
         received. The last chunk's loss joins the step's, 1/M each."""
-        key, last = (a.m, a.chunk), self.last and a.chunk == self.v - 1    # last: the loss's
+        key, has_loss = (a.m, a.chunk), self.last and a.chunk == self.v - 1   # the model's end
         inputs = x if self.first and a.chunk == 0 else cache.inputs[key]
-        targets = (y,) if last else ()
+        targets = (y,) if has_loss else ()
         output = self.module(inputs, *targets, chunk=a.chunk)
         output = self._keep_aux_loss(output, key, cache)
-        if last:
+        if has_loss:
             cache.loss += output.detach().float() / self.M
-        if torch.is_grad_enabled() or not last:   # kept for B, or (evaluating) for send_act
+        if torch.is_grad_enabled() or not has_loss:   # kept for B, or (evaluating) for send_act
             cache.outputs[key] = output
 
     def _backward(self, a: Action, cache: StepCache, scale_loss):

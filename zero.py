@@ -62,7 +62,7 @@ class ZeroOptimizer(ShardedStep.Owner, torch.optim.Optimizer):
         # the data ranks whose tokens they saw, divide by the data ranks.
         self.op, self.divide = ("avg", 1) if mean_over is None else ("sum", mean_over)
         # The parameters, in backward's (reverse) order, cut into buckets of about bucket_mb, each
-        # padded to N*S, rank 0's values broadcast (the ranks' models checked to be the same).
+        # padded to N*S, rank 0's values broadcast (the ranks' shapes checked to be the same).
         self.buckets = ShardedBuckets(params, self.comm, bucket_mb, "ZeroOptimizer")
         # Rank r's share of the optimizer state: shard r of every bucket, 1/N of it (+ padding).
         for bucket in self.buckets:
