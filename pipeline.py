@@ -76,12 +76,12 @@ class GPTStage(nn.Module):
         """Chunk `chunk` on x. Returns the activation (b, T, C), or with experts (it, the
         routers' losses). The model's last chunk returns the logits (b, T, vocab) without
         targets, else the loss (plus the routers')."""
-        # model.GPT's parts: embed (token + position embeddings), run_blocks(x, layers) (those
-        # blocks in order), logits (final norm, then head), loss_fn (cross-entropy).
+        # model.GPT's forward in parts: embed, the blocks, logits (norm, head), loss_fn
         gpt = self.gpt
         if self.first and chunk == 0:
             x = gpt.embed(x)                             # (b, T) token ids -> (b, T, C)
-        x = gpt.run_blocks(x, self.chunks[chunk])        # (b, T, C)
+        for i in self.chunks[chunk]:
+            x = gpt.blocks[i](x)                         # (b, T, C)
         # With experts, each block's mlp (moe.MoE) holds its routers' losses as .aux_loss; this
         # chunk's join the loss, or before the last chunk go beside the activation (B adds them).
         experts = gpt.cfg.experts

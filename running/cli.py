@@ -245,6 +245,7 @@ def parse_args(argv=None):
         advice = auto_strategy(p, args, world_size)
         args = p.parse_args([*(sys.argv[1:] if argv is None else argv), *advice])
         check_lora_flags(p, args)
+        check_pretrained_run(p, args)     # a new Namespace: its args.hf (None: auto refuses hf)
         args.advice = " ".join(advice)
     check_args(p, args, world_size=world_size)
     vars(args).pop("hf_config", None)     # read by the checks only: a run records its args
