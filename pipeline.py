@@ -165,10 +165,10 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}      # the others: extensions/
 # ---- the executor: one stage's list, run over send/recv --------------------------------------
 # NCCL runs a rank's point-to-point calls on one stream, in the order they are posted. A send
 # completes only once its peer has posted the matching receive, and every call this rank posts
-# after it waits behind it. So a receive posted early (to overlap) could block this rank's own
-# later send that the peer waits for: a deadlock (gloo, the demonstration's, never shows it).
-# Two stages, say: stage 0 posts recv_grad 0, then send_act 1; stage 1 posts recv_act 1, then
-# send_grad 0. Each send queues behind its own rank's receive, which waits for the other's send.
+# after it waits behind it. Posted one by one, in 1F1B's own order, two stages deadlock (gloo,
+# the demonstration's, never shows it): stage 0 posts send_act 1, then recv_grad 0; stage 1
+# posts send_grad 0, then recv_act 1. Each send waits for a receive its peer queued behind its
+# own send.
 # The fix: the messages between two computations are posted together, as one batch_isend_irecv
 # (Comm.exchange). A batch's sends and receives start together and progress together, none
 # queued behind another, so neither end can block the other. A batch is waited for before the
