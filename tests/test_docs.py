@@ -143,6 +143,7 @@ NOT_RUN_HERE = {
     "python train.py --sample --init-from DIR_OR_FILE": "a form: DIR_OR_FILE is the reader's run or file",
     "torchrun --max-restarts R ... --resume auto": "a form: R and ... are the reader's",
     "torchrun --max-restarts": "a flag's name, not a command",
+    "torchrun --nproc_per_node N -m exercises check NAME": "a form: N and NAME are the reader's",
     "torchrun --standalone --nproc_per_node 1": "the launcher's half of the runs in the table below it",
     **{command: ALONE for command in ALONE_COMMANDS},
 }

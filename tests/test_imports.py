@@ -117,7 +117,18 @@ NEVER = {"composition": {"running", "train", "bench", "pictures"},
          "foundations": {"running", "train", "composition", "napkin", "extensions", "bench", "pictures"},
          # a concept's mechanics are what its file leaves out; an extension builds on both
          "mechanics": {"running", "train", "composition", "napkin", "extensions", "bench", "pictures"},
-         "extensions": {"running", "train", "composition", "napkin", "bench", "pictures"}}
+         "extensions": {"running", "train", "composition", "napkin", "bench", "pictures"},
+         # the exercises read the concept files (the solutions) and nothing of the run
+         "exercises": {"running", "train", "composition", "napkin", "bench", "pictures"}}
+
+
+def test_nothing_imports_the_exercises():
+    """The exercises sit above everything: a student's blank is never what the project runs."""
+    edges, _ = _graph()
+    wrong = [f"{module} imports {target}" for module, targets in sorted(edges.items())
+             for target in targets if target.split(".")[0] == "exercises"
+             and module.split(".")[0] != "exercises"]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_no_engine_package_imports_up_the_order():

@@ -30,7 +30,7 @@ CONCEPTS = {"mixed_precision": set(), "collectives": set(), "ddp": set(),
             "quantization": set(), "checkpointing": set()}
 TOP_LEVEL = {*CONCEPTS, "model", "train"}
 PACKAGES = {"foundations", "mechanics", "extensions", "composition", "running", "napkin", "bench", "pictures",
-            "pretrained"}
+            "pretrained", "exercises"}
 # The files that are a concept's own beyond it (its mechanics; an extension that reads as a delta
 # after its core), held to the same sitting.
 OWN = {"zero": {"mechanics.sharded_step", "mechanics.offload", "extensions.zero_offload"},
