@@ -105,6 +105,30 @@ MISTAKES = {
 
     # ---- checkpointing ----
     "checkpointing": [
+        ("backward recomputes without setting the RNG back: other dropout masks",
+         "            torch.set_rng_state(ctx.cpu_rng)\n", "",
+         "backward: recompute with the RNG restored"),
+        ("forward takes the RNG state after the block ran: backward's masks are the next ones",
+         "            return run_function(*_rebuild(layout, inputs))",
+         "            output = run_function(*_rebuild(layout, inputs))\n"
+         "        ctx.cpu_rng = torch.get_rng_state()\n        return output",
+         "backward: recompute with the RNG restored"),
+        ("backward recomputes without enable_grad: nothing recorded to differentiate",
+         "            with torch.enable_grad():\n", "            if True:\n",
+         "backward: recompute with the RNG restored"),
+        ("backward returns no gradient for the parameters",
+         "wanted + list(ctx.params), grad_output", "wanted, grad_output",
+         "backward: recompute with the RNG restored"),
+        ("backward sets the RNG back outside fork_rng: the outer stream is rewound",
+         "with torch.random.fork_rng(devices=ctx.cuda_devices):", "if True:",
+         "backward leaves the RNG stream alone"),
+        ("forward records the graph (enable_grad): every activation is kept anyway",
+         "        with torch.no_grad():\n            return run_function(",
+         "        with torch.enable_grad():\n            return run_function(",
+         "forward keeps only the inputs"),
+        ("backward differentiates every input, also those that need no gradient",
+         "wanted = [t for t in inputs if t.requires_grad]", "wanted = list(inputs)",
+         "an input that needs no gradient"),
     ],
 }
 
