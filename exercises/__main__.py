@@ -68,8 +68,8 @@ def check(name: str, path: str):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m exercises", description=__doc__.split("\n")[0],
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="python -m exercises",
+                                     description=__doc__.split("\n")[0], allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="every exercise, its ranks, what is left to write")
     one = commands.add_parser("check", help="check one exercise against one process")

@@ -1,1 +1,2 @@
-"""The checkers: one per exercise, each a list of steps against one process (exercises/grading.py)."""
+"""The checkers: one per exercise, each a list of steps against one process
+(exercises/grading.py)."""
