@@ -38,6 +38,30 @@ MISTAKES = {
 
     # ---- mixed_precision ----
     "mixed_precision": [
+        ("the loss is scaled even when the scaler is disabled (bf16, fp32 need no scale)",
+         "return loss * self._scale if self.enabled else loss",
+         "return loss * self._scale", "scale the loss"),
+        ("the gradient is divided by the scale in fp16, before the cast to fp32: it underflows",
+         "            master.grad = grad.to(master.dtype)\n        if scale != 1.0:\n"
+         "            master.grad.div_(scale)",
+         "            master.grad = (grad / scale).to(master.dtype)", "unscale the gradients"),
+        ("a skipped unscale: the masters' gradients keep the loss scale",
+         "        if scale != 1.0:\n            master.grad.div_(scale)\n", "",
+         "unscale the gradients"),
+        ("only inf counts as an overflow: a NaN gradient is stepped with",
+         "self.last_step_skipped = not math.isfinite(norm)",
+         "self.last_step_skipped = norm == math.inf", "skip the step on inf/NaN"),
+        ("the masters step but are never rounded into the fp16 parameters",
+         "p.copy_(m)", "pass", "skip the step on inf/NaN"),
+        ("an overflow grows the scale instead of backing off",
+         "self._scale *= self.backoff_factor", "self._scale *= self.growth_factor",
+         "back off on overflow"),
+        ("an overflow does not end the run of clean steps: the scale grows too early",
+         "self._scale *= self.backoff_factor\n            self._clean_steps = 0",
+         "self._scale *= self.backoff_factor", "grow after a run of clean steps"),
+        ("the count is not restarted after growing: the scale grows once, then never again",
+         "self._scale *= self.growth_factor\n                self._clean_steps = 0",
+         "self._scale *= self.growth_factor", "grow after a run of clean steps"),
     ],
 
     # ---- ddp ----
