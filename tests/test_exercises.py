@@ -125,6 +125,24 @@ MISTAKES = {
 
     # ---- quantization ----
     "quantization": [
+        ("the scale is the block's largest value, not its largest magnitude",
+         "padded.abs().amax(dim=1)", "padded.amax(dim=1)", "blockwise absmax scales"),
+        ("an all-zero block keeps the scale 0 (its values become 0 / 0)",
+         ".clamp(min=torch.finfo(torch.float32).tiny)", "", "blockwise absmax scales"),
+        ("the values are rounded to the levels without being divided by their block's scale",
+         "normalized = padded / scales[:, None]", "normalized = padded",
+         "round to the nearest level"),
+        ("the even position goes in the low nibble, the odd one in the high",
+         "codes[0::2] << 4 | codes[1::2]", "codes[1::2] << 4 | codes[0::2]",
+         "pack two codes a byte"),
+        ("dequantize unpacks each byte low nibble first",
+         "torch.stack([self.codes >> 4, self.codes & 0xF], dim=1)",
+         "torch.stack([self.codes & 0xF, self.codes >> 4], dim=1)", "dequantize"),
+        ("dequantize forgets the block's scale: the levels alone, in [-1, 1]",
+         "self.levels[codes.long()] * self.block_scales()[:, None]",
+         "self.levels[codes.long()]", "dequantize"),
+        ("dequantize reads self.scales, which double quantization does not keep",
+         "self.block_scales()[:, None]", "self.scales[:, None]", "double quantization"),
     ],
 
     # ---- checkpointing ----
