@@ -86,6 +86,20 @@ MISTAKES = {
 
     # ---- context_parallel ----
     "context_parallel": [
+        ("the old sums are not rescaled: acc keeps exponentials taken against the old max",
+         "acc.mul_(rescale.unsqueeze(-1)).add_(", "acc.add_(", "a second key block"),
+        ("acc divided by the running sum at every block, not once after the last",
+         ".add_(p @ _upcast(_grouped(v, q)))",
+         ".add_(p @ _upcast(_grouped(v, q))).div_(denom.unsqueeze(-1))", "one key block"),
+        ("the diagonal block left unmasked: queries see their chunk's later keys",
+         "scores = _scores(q, k, causal)", "scores = _scores(q, k, False)",
+         "the diagonal block"),
+        ("the causal mask on every block of the rank's own K/V, not only the diagonal ones",
+         "kv[1][:, :, cols], causal)", "kv[1][:, :, cols], step == 0)", "the ring"),
+        ("the ring turned the wrong way: the block held at step s taken for rank r+s's",
+         "source = (r - step) % cp", "source = (r + step) % cp", "the ring"),
+        ("the running max kept as the log-sum-exp, without log(denom)",
+         "m + denom.log())", "m)", "the log-sum-exp kept for backward"),
     ],
 
     # ---- moe ----
