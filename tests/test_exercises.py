@@ -104,6 +104,29 @@ MISTAKES = {
 
     # ---- moe ----
     "moe": [
+        ("the gates not renormalised: the top-k probabilities as they came from the softmax",
+         "gates = top_probs / top_probs.sum(dim=-1, keepdim=True)", "gates = top_probs",
+         "the router's top-k"),
+        ("the experts laid out token-major (no transpose) beside the choice-major tokens",
+         "expert = top_experts.t().reshape(-1)", "expert = top_experts.reshape(-1)",
+         "the router's top-k"),
+        ("positions counted over every assignment, not restarted at each expert's queue",
+         "order.device) - starts[queue[order]]", "order.device)",
+         "each assignment's place in its queue"),
+        ("one queue per expert over every routing group: the groups' counts run on",
+         "queue = (token // group_size) * E + expert", "queue = expert",
+         "each assignment's place in its queue"),
+        ("capacity off by one: position K kept, K + 1 assignments in a queue",
+         "keep = position < capacity", "keep = position <= capacity", "capacity"),
+        ("the splits swapped: the rows a rank sends taken for those it receives",
+         "_AllToAll.apply(x, comm, receive_splits, send_splits)",
+         "_AllToAll.apply(x, comm, send_splits, receive_splits)", "the all-to-all"),
+        ("backward's splits not exchanged: the gradient sent back as the rows came",
+         "grad.contiguous(), send_splits, receive_splits)",
+         "grad.contiguous(), receive_splits, send_splits)", "the all-to-all"),
+        ("the arrived slots run as they came, [source rank][expert], not regrouped by expert",
+         "mine = received.view(P, len(self.local), slots, C).transpose(0, 1)",
+         "mine = received.view(P, len(self.local), slots, C)", "the experts on their ranks"),
     ],
 
     # ---- lora ----

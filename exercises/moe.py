@@ -1,0 +1,104 @@
+"""Exercise: top-k routing with a capacity, and the tokens' trip to their experts' ranks by
+all-to-all (the solution: moe.py).
+
+- MoE.route: the router's logits for each token, a softmax over the E experts, the k largest
+  probabilities (top-k) renormalised to sum to 1: the gates. Lay the A = k*N assignments (token,
+  choice) out choice-major, every token's first choice before any second one, so that under
+  capacity a second choice drops first. Each assignment queues at (its token's routing group,
+  its expert); its position is how many of that queue come before it; it is kept when the
+  position is under the capacity K = ceil(capacity_factor * k * S / E) (expert_capacity, given).
+- _queue_positions: those positions, without a Python loop: a stable sort by queue, and each
+  queue's start.
+- _AllToAll, all_to_all: rank r sends its i-th block of rows to rank i and receives rank i's
+  r-th block; backward sends each received row's gradient back where the row came from.
+- MoE._exchange_static: the (E, G*K, C) slots go to the ranks holding their experts, each rank
+  runs its E/P experts on every rank's slots for them, and the outputs come back the same way.
+The rest (the dispatch into slots, the combine, the losses, shard_experts) is the concept's.
+Check: python -m exercises check moe (on 2 ranks, 2 experts each).
+
+Shapes: N tokens, S tokens per routing group, G = N/S groups, C channels, E experts, k choices
+per token, A = k*N assignments, K slots per expert and group, P ranks, E/P experts per rank.
+"""
+import torch
+
+import moe
+from moe import Routing, _count, expert_capacity
+from foundations.comm import Comm
+
+
+class MoE(moe.MoE):
+    """The concept's MoE (forward, the losses, shard_experts), routing and exchanging here."""
+
+    def route(self, tokens: torch.Tensor) -> Routing:
+        """Router -> top-k: each token's k experts and gates, and each assignment's slot.
+
+        The matmul runs in the model's dtype (the router weight's).
+        The softmax, gates and losses run in fp32, or fp64 when the model is fp64.
+        bf16 would round every probability, and the z-loss's logsumexp.
+        """
+        # TODO: N, E, k. logits = self.router(tokens), promoted to at least fp32; softmax over
+        # the experts; topk; the gates renormalised over the k chosen.
+        # The assignments choice-major: expert (A,) from the (N, k) choices transposed, token
+        # (A,) = 0..N-1 repeated k times, gate likewise.
+        # Routing groups of self.group_size tokens (None: all N; a ValueError if N does not
+        # split); each assignment's queue = its group * E + its expert; _queue_positions.
+        # capacity = expert_capacity(...) (dropless, capacity_factor None: group_size * k);
+        # keep = position under capacity; per_expert = _count(expert, E, keep).
+        # self._losses(logits, probs, per_queue as (groups, E), per_expert, A=k * N), then
+        # return Routing(token, expert, gate, group, position, keep, order, per_expert, groups,
+        # capacity).
+        raise NotImplementedError
+
+    def _exchange_static(self, dispatched):
+        """Capacity mode: the (E, G*K, C) buffer has a fixed shape (G routing groups, K slots).
+
+        So both all-to-alls send equal blocks whatever the routing: no sizes to agree on.
+        That assumes every rank routes the same N tokens (the same batch shape), so the same G.
+        """
+        # TODO: all_to_all the (E*G*K, C) rows over self.ep (equal blocks: rank q gets the
+        # slots of its experts). What arrives is [source rank][my expert][slot]: run each of
+        # self.local's experts on its slots from every source at once, put the outputs back
+        # in [source][expert] order, all_to_all them home, and return them as (E, G*K, C).
+        raise NotImplementedError
+
+
+def _queue_positions(queue: torch.Tensor, queues: int):
+    """Each assignment's position in its queue, how many of its queue come before it.
+
+    queue (A,) holds each assignment's queue, in priority order.
+    The position is its place in the stable sort by queue minus its queue's start.
+    E.g. queues [1, 0, 1, 1]: order [1, 0, 2, 3], starts [0, 1].
+    Assignment 1 is 0 - 0 = 0th of queue 0.
+    Assignments 0, 2, 3 are 1 - 1, 2 - 1, 3 - 1 = 0th, 1st, 2nd of queue 1.
+    Shapes fixed by A alone: nothing here waits for the device.
+    Returns the order (A,), the positions (A,) and the count per queue (queues,).
+    """
+    # TODO: order = a stable argsort of queue; per_queue = _count(queue, queues); each queue's
+    # start (an exclusive cumulative sum); each assignment's place in order minus its queue's
+    # start, written back at the assignment's own index.
+    raise NotImplementedError
+
+
+class _AllToAll(torch.autograd.Function):
+    """all-to-all whose backward is the mirror all-to-all: the gradient of each received row goes
+    back to the rank that sent it."""
+
+    @staticmethod
+    def forward(ctx, x, comm, receive_splits, send_splits):
+        # TODO: keep comm and the splits on ctx; an output of sum(receive_splits) rows (x's
+        # when the splits are None: equal blocks); comm.all_to_all(out, x contiguous, ...),
+        # which takes the output's splits first; return it.
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, grad):
+        # TODO: the mirror: the gradient goes back with the splits' roles exchanged, into a
+        # tensor of x's rows; return it and None for comm and the two splits.
+        raise NotImplementedError
+
+
+def all_to_all(x, comm: Comm, receive_splits=None, send_splits=None):
+    """Rows of x to the ranks of comm (splits: rows per rank; None: equal), differentiable. The
+    receive splits first, as Comm.all_to_all takes output_splits before input_splits."""
+    # TODO: _AllToAll's apply.
+    raise NotImplementedError
