@@ -66,6 +66,33 @@ MISTAKES = {
 
     # ---- ddp ----
     "ddp": [
+        ("a gradient launches its bucket at once, before the bucket is full",
+         "        if self.pending[b] == 0:\n"
+         "            # launches b, and any full buckets after it, once every earlier bucket has "
+         "launched\n            self._launch_full_buckets()",
+         "        self._all_reduce(self.buckets[b])", "bucket launches"),
+        ("a full bucket launches before an earlier one: ranks would pair different buckets",
+         "            self._launch_full_buckets()",
+         "            self._all_reduce(self.buckets[b])", "bucket launches"),
+        ("the gradient is counted but never moved into its bucket slot",
+         "        self._grad_into_slot(i)\n", "", "bucket launches"),
+        ("a missing division by the world size: the buckets are summed, not averaged",
+         "op=bucket.op", 'op="sum"', "bucket all-reduce"),
+        ("the all-reduce blocks: backward waits for the network, nothing overlaps",
+         "work = bucket.comm.all_reduce(wire, op=bucket.op, async_op=True)",
+         "work = bucket.comm.all_reduce(wire, op=bucket.op, async_op=True)\n"
+         "        work.wait()", "bucket all-reduce"),
+        ("a forgotten wait: the finish reads the buckets before their all-reduce has come",
+         "            work.wait()\n", "", "finish"),
+        ("the finish forgets the buckets backward never filled (an unused parameter's)",
+         "        self._launch_unused()", "        pass", "finish"),
+        ("the upcast mean is never copied back into the bucket",
+         "                bucket.grad_flat.copy_(wire)", "                pass", "finish"),
+        ("syncing inside no_sync: the flag is never turned off",
+         "outer, self.require_backward_grad_sync = self.require_backward_grad_sync, False",
+         "outer = self.require_backward_grad_sync", "no_sync"),
+        ("no_sync never gives the flag back: the last micro-batch's backward does not overlap",
+         "            self.require_backward_grad_sync = outer", "            pass", "no_sync"),
     ],
 
     # ---- zero ----
