@@ -1,5 +1,5 @@
 """Checks exercises/pipeline.py: the schedules as lists, then the executor's parts one by one, then
-whole training steps on 3 ranks (one stage each), against one process.
+whole training steps and an evaluation on 3 ranks (one stage each), against one process.
 
 The schedules are compared exactly with lists written here: each micro-batch's messages around
 its F or B, GPipe's forwards then backwards, and 1F1B as a stage that runs a forward whenever
@@ -246,3 +246,8 @@ def check(exercise, grader):
             got = runner.train_step(batch[:, :-1], batch[:, 1:])
             grader.close("the loss", got, loss, 0.0, LOSS_WHY, LOSS_RTOL)
             check_gradients(grader, stage, whole)
+
+    with grader.step("evaluation: the forwards alone", "evaluating (no grad), F keeps only an "
+                     "output still to be sent, and send_act pops it: nothing is kept for B"):
+        grader.close("the loss", runner.evaluate(batch[:, :-1], batch[:, 1:]), loss, 0.0,
+                     LOSS_WHY, LOSS_RTOL)
