@@ -4,6 +4,7 @@ FSDP keeps 1/N of each unit (a block; the rest is the root unit) on each rank: i
 parameter, sharded. Write the steps that make a unit whole only while it computes:
 - Unit.all_gather: the flat buffer gets its memory back, and every rank's shard is gathered
   into it (asynchronously: a handle to wait on), the unit marked gathered.
+- Unit.free: the memory goes again (the parameters stay views of the empty buffer).
 - forward: before a unit runs, gather it (unless a prefetch already has), wait, and start
   gathering the next unit in forward order; after it runs, free it, and hook its outputs so
   that their gradient, in backward, calls _before_backward.
@@ -32,6 +33,12 @@ class Unit(fsdp.Unit):
         # flat's storage back to its full size (free() left it at 0 bytes); an async
         # all-gather over self.comm, its handle kept with the shard in self.gathering (wait()
         # reads it). Then mark the unit gathered, so that FSDP does not gather it twice.
+        raise NotImplementedError
+
+    def free(self):
+        # TODO: wait for the gathers still on their way (their bytes land in this memory), then
+        # every flat's storage back to 0 bytes (the parameters stay views of it, shapes kept),
+        # and mark the unit no longer gathered.
         raise NotImplementedError
 
 

@@ -76,6 +76,10 @@ MISTAKES = {
     "fsdp": [
         ("the all-gather does not mark the unit gathered: FSDP would gather it again",
          "        self.gathered = True\n", "", "all-gather"),
+        ("free leaves the memory: the unit's flat keeps its storage",
+         "            flat.untyped_storage().resize_(0)\n", "            pass\n", "free"),
+        ("free does not mark the unit not gathered: FSDP would never gather it again",
+         "        self.gathered = False\n", "", "free"),
         ("the unit is not freed after its forward: every unit stays whole",
          "        self._free(unit)\n        if torch.is_grad_enabled():",
          "        if torch.is_grad_enabled():", "forward"),

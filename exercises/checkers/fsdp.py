@@ -9,6 +9,9 @@ records each all-gather and reduce-scatter (the unit known by its size) gives th
 reference is one process: the same fp64 model, its output on this rank's rows, its gradient of
 the mean loss over the whole batch. Bounds: gathered values are copies (exact, 0); the output
 and gradients are fp64 sums in another order (the 2 ranks' means averaged), under 1e-12.
+Steps: all-gather, free (one unit, alone), forward, prefetch, backward, prefetch in backward,
+reduce-scatter. 2 ranks: the parts index no chunk themselves (the Comm cuts the shards), and
+the units' sizes (31, 49, 67, 10) already leave padding.
 """
 import copy
 
@@ -18,7 +21,7 @@ import torch.nn as nn
 from foundations.comm import Comm
 
 WORLD = 2
-PARTS = ["Unit.all_gather", "FSDP._before_forward", "FSDP._after_forward",
+PARTS = ["Unit.all_gather", "Unit.free", "FSDP._before_forward", "FSDP._after_forward",
          "FSDP._before_backward", "FSDP._reduce_scatter", "FSDP._prefetch"]
 EXACT, COPY = 0.0, "a gathered parameter is a copy of the shards"
 BOUND, WHY = 1e-12, "fp64 sums in another order"
@@ -137,6 +140,17 @@ def check(exercise, grader):
         unit.wait()
         grader.close(f"unit {unit.index}'s gathered flat", unit.flat, expected, EXACT, COPY)
         grader.same(f"unit {unit.index}'s gathered", unit.gathered, True)
+
+    with grader.step("free", "the lecture's free: the flat's storage goes back to 0 bytes, "
+                     "the parameters staying views of it, and the unit is marked not gathered"):
+        unit.free()
+        grader.same(f"unit {unit.index}'s flat's bytes after free",
+                    unit.flat.untyped_storage().nbytes(), 0)
+        grader.same(f"unit {unit.index}'s gathered after free", unit.gathered, False)
+        unit.all_gather()                  # gathered again: into the block's own parameters?
+        unit.wait()
+        for (name, p), q in zip(sharded.module[1].named_parameters(), alone[1].parameters()):
+            grader.close(f"block 2's {name} gathered again after free", p, q, EXACT, COPY)
         unit.free()
 
     sharded, model, alone, watch, comm = build(exercise, grader)
