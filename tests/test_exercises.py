@@ -101,6 +101,31 @@ MISTAKES = {
 
     # ---- fsdp ----
     "fsdp": [
+        ("the all-gather does not mark the unit gathered: FSDP would gather it again",
+         "        self.gathered = True\n", "", "all-gather"),
+        ("free leaves the memory: the unit's flat keeps its storage",
+         "            flat.untyped_storage().resize_(0)\n", "            pass\n", "free"),
+        ("free does not mark the unit not gathered: FSDP would never gather it again",
+         "        self.gathered = False\n", "", "free"),
+        ("the unit is not freed after its forward: every unit stays whole",
+         "        self._free(unit)\n        if torch.is_grad_enabled():",
+         "        if torch.is_grad_enabled():", "forward"),
+        ("forward prefetches the previous unit (backward's way), not the next",
+         "self._prefetch(self.forward_order.index(unit), +1)",
+         "self._prefetch(self.forward_order.index(unit), -1)", "prefetch"),
+        ("no prefetch before forward: each unit's all-gather waits for its turn",
+         "        self._prefetch(self.forward_order.index(unit), +1)    # overlaps",
+         "        # overlaps", "prefetch"),
+        ("the unit is not gathered again before its backward: its weights were freed",
+         "        self._gather(unit)\n        unit.wait()\n        self._tell(\"backward\"",
+         "        unit.wait()\n        self._tell(\"backward\"", "backward"),
+        ("backward prefetches the next unit in forward order, which has already run",
+         "self._prefetch(self.forward_order.index(unit), -1)",
+         "self._prefetch(self.forward_order.index(unit), +1)", "prefetch in backward"),
+        ("the gradient is summed over the ranks, not averaged (no division by N)",
+         "op=unit.op", "op=\"sum\"", "reduce-scatter"),
+        ("the whole gradients are kept after the reduce-scatter",
+         "                p.grad = None\n", "", "reduce-scatter"),
     ],
 
     # ---- pipeline ----
