@@ -193,6 +193,31 @@ MISTAKES = {
 
     # ---- tensor_parallel ----
     "tensor_parallel": [
+        ("f all-reduces in forward too: each rank's columns read N times x",
+         "_Conjugate.apply(x, comm, _identity, _all_reduced)",
+         "_Conjugate.apply(x, comm, _all_reduced, _all_reduced)", "f"),
+        ("g does not all-reduce: each rank keeps its partial sum as the output",
+         "_Conjugate.apply(x, comm, _all_reduced, _identity)",
+         "_Conjugate.apply(x, comm, _identity, _identity)", "g"),
+        ("gather_features sums the gradient over the ranks instead of keeping its slice",
+         "partial(_all_gathered, dim=-1), _my_piece)",
+         "partial(_all_gathered, dim=-1), lambda grad, comm: _my_piece("
+         "_all_reduced(grad, comm), comm))", "gather and split the features"),
+        ("the column layer skips f: x's gradient holds only this rank's columns' part",
+         "x = enter_region(x, self.comm, self.sequence_parallel)", "pass",
+         "the column linear"),
+        ("the column layer gathers its output whether gather_output or not (an extra gather)",
+         "gather_features(y, self.comm) if self.gather_output else y",
+         "gather_features(y, self.comm)", "the column linear"),
+        ("the row layer adds the bias on every rank, before the partial products are summed",
+         "share = self.local_product(y)", "share = self.local_product(y, self.bias)",
+         "the row linear"),
+        ("the row layer leaves the region with f: the partial products are never summed",
+         "scatter_sequence(x, comm) if sequence_parallel else g(x, comm)",
+         "scatter_sequence(x, comm) if sequence_parallel else f(x, comm)", "the row linear"),
+        ("sequence parallelism enters the region with f: the column layer sees T/N tokens",
+         "gather_sequence(x, comm) if sequence_parallel else f(x, comm)",
+         "f(x, comm) if sequence_parallel else f(x, comm)", "the MLP, sequence parallel"),
     ],
 
     # ---- context_parallel ----
