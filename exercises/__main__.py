@@ -7,6 +7,7 @@ import argparse
 import ast
 import os
 import sys
+import textwrap
 
 from exercises import EXERCISES
 from exercises.grading import checker, combine, grade, grade_on_rank, launch, report, shown
@@ -32,15 +33,17 @@ def left_to_write(path: str, asked: list) -> list:
 
 
 def list_exercises():
-    print(f"{'exercise':17} {'ranks':>5}  {'left':>4}  what to write (exercises/NAME.py)")
+    print(f"{'exercise':17} {'ranks':>5} {'left':>5}  what to write (exercises/NAME.py)")
     for name in EXERCISES:
-        check = checker(name)
-        asked = check.PARTS
+        asked = checker(name).PARTS
         left = left_to_write(os.path.join(HERE, f"{name}.py"), asked)
         status = f"{len(left)}/{len(asked)}" if left else "done?"
-        print(f"{name:17} {check.WORLD:>5}  {status:>4}  {', '.join(asked)}")
-    print("left: parts still raising NotImplementedError; done?: run "
-          "python -m exercises check NAME")
+        lines = textwrap.wrap(", ".join(asked), 100 - 31)
+        print(f"{name:17} {checker(name).WORLD:>5} {status:>5}  {lines[0]}")
+        for line in lines[1:]:
+            print(f"{'':31}{line}")
+    print("left: parts still raising NotImplementedError, of all; done?: none left, "
+          "now check it:\n    python -m exercises check NAME")
 
 
 def check(name: str, path: str):

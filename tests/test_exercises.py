@@ -8,6 +8,7 @@ the mistake replaces its text, which must occur exactly once in the filled parts
 """
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -474,3 +475,21 @@ def test_the_commands_print_a_few_lines():
     wrong = subprocess.run([sys.executable, "-m", "exercises", "check", "zero3"], cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "no exercise 'zero3'" in wrong.stderr.splitlines()[-1]
+
+
+def test_the_lecture_map_names_functions_that_exist_and_every_exercise():
+    """docs/lecture.md: each row's "read first" names defs of the file it names (Class.method or
+    a plain name), and its last column names every exercise, in the lecture's order."""
+    rows = [line.split(" | ") for line in open(os.path.join(ROOT, "docs", "lecture.md"))
+            if line.startswith("| ") and line[2].isdigit()]
+    for cells in rows:
+        for part in cells[2].split("; "):
+            path, _, names = part.partition(": ")
+            source = open(os.path.join(ROOT, path.strip("`"))).read()
+            tree = ast.parse(source)
+            defined = set(definitions(source)) | {
+                n.name for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+            for name in re.findall(r"`([\w.]+)`", names):
+                assert name in defined, f"docs/lecture.md: {path} has no {name}"
+    written = [re.findall(r"`(\w+)\.py`", cells[4]) for cells in rows]
+    assert [name for names in written for name in names] == EXERCISES
