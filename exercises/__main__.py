@@ -9,6 +9,9 @@ import os
 import sys
 import textwrap
 
+import torch
+import torch.distributed as dist
+
 from exercises import EXERCISES
 from exercises.grading import checker, combine, grade, grade_on_rank, launch, report, shown
 
@@ -48,26 +51,28 @@ def list_exercises():
 
 def check(name: str, path: str):
     world = checker(name).WORLD
+    ranks = f"on {world} ranks " if world > 1 else ""
+    header = f"checking {shown(path)} {ranks}against one process, step by step:"
     if "WORLD_SIZE" in os.environ:                     # under torchrun: its ranks
-        import torch
-        import torch.distributed as dist
         if int(os.environ["WORLD_SIZE"]) != world:
             sys.exit(f"exercises check {name} runs on {world} ranks: "
                      f"torchrun --nproc_per_node {world} -m exercises check {name}")
         torch.set_num_threads(1)
         dist.init_process_group("gloo")
-        verdicts = [None] * world
-        dist.all_gather_object(verdicts, grade_on_rank(name, path))
         if dist.get_rank() == 0:
-            print(report(name, path, combine(verdicts), world))
+            print(header, flush=True)
+        verdicts = [None] * world
+        dist.all_gather_object(verdicts, grade_on_rank(name, path, live=True))
+        if dist.get_rank() == 0:
+            print(report(name, combine(verdicts)))
         dist.destroy_process_group()
         return
     if world == 1:
-        print(report(name, path, grade(name, path), 1))
+        print(header, flush=True)
+        print(report(name, grade(name, path, live=True)))
         return
-    print(f"checking {shown(path)} on {world} ranks (starting them: a few seconds)",
-          flush=True)
-    print(report(name, path, launch(name, path, world), world))
+    print(f"{header} (starting the ranks: a few seconds)", flush=True)
+    print(report(name, launch(name, path, world)))
 
 
 def main(argv=None):

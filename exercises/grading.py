@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 TIMEOUT = 20      # seconds a rank waits for a message in a check before it gives up
 LAUNCH_TIMEOUT = 300      # seconds for a whole check on ranks it started
+LOAD = "load the file"    # the first step of every check
 
 
 class Ended(Exception):
@@ -42,8 +43,8 @@ class Ended(Exception):
 class Grader:
     """What a checker's steps call: step() around each, close() and same() to compare."""
 
-    def __init__(self, path: str, group=None, agree_group=None):
-        self.path, self.group, self.agree_group = path, group, agree_group
+    def __init__(self, path: str, group=None, agree_group=None, live: bool = False):
+        self.path, self.group, self.agree_group, self.live = path, group, agree_group, live
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world = dist.get_world_size(group) if group is not None else 1
         self.passed, self.step_name, self.hint = [], None, None
@@ -70,6 +71,8 @@ class Grader:
         if self._any_failed(failure is not None):
             raise failure or Ended("waited", f"{name}: another rank failed this step")
         self.passed.append(name)
+        if self.live and self.rank == 0 and name != LOAD:   # each step said as it passes
+            print(f"  ok      {name}", flush=True)
 
     def close(self, what: str, got: torch.Tensor, expected: torch.Tensor, atol: float,
               why: str, rtol: float = 0.0):
@@ -146,13 +149,13 @@ def checker(name: str):
     return importlib.import_module(f"exercises.checkers.{name}")
 
 
-def grade(name: str, path: str, group=None, agree_group=None) -> dict:
+def grade(name: str, path: str, group=None, agree_group=None, live: bool = False) -> dict:
     """Run checker NAME on the exercise at path, on this rank: {"status": "passed", "todo",
     "differs" or "waited"; "passed": the steps passed; "step", "line", "hint": the first that
-    did not}."""
-    grader = Grader(path, group, agree_group)
+    did not}. live: rank 0 prints each step as it passes."""
+    grader = Grader(path, group, agree_group, live)
     try:
-        with grader.step("load the file", "it must import as it came, with your code added"):
+        with grader.step(LOAD, "it must import as it came, with your code added"):
             exercise = load_exercise(name, path)
         checker(name).check(exercise, grader)
     except Ended as ended:
@@ -161,14 +164,14 @@ def grade(name: str, path: str, group=None, agree_group=None) -> dict:
     return dict(status="passed", passed=grader.passed, step=None, line=None, hint=None)
 
 
-def grade_on_rank(name: str, path: str) -> dict:
+def grade_on_rank(name: str, path: str, live: bool = False) -> dict:
     """grade() on this rank of the default group, with two groups of the check's own: one whose
     messages give up after TIMEOUT seconds, and one for the ranks' agreement after each step."""
     timeout = datetime.timedelta(seconds=TIMEOUT)
     group = dist.new_group(timeout=timeout)
     agree_group = dist.new_group(timeout=datetime.timedelta(seconds=3 * TIMEOUT))
     try:
-        return grade(name, path, group, agree_group)
+        return grade(name, path, group, agree_group, live)
     finally:
         dist.destroy_process_group(agree_group)
         dist.destroy_process_group(group)
@@ -180,7 +183,7 @@ def _rank_main(name, path, rank, world, store_path, results):
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        results.put((rank, grade_on_rank(name, path)))
+        results.put((rank, grade_on_rank(name, path, live=True)))
     finally:
         dist.destroy_process_group()
 
@@ -224,15 +227,10 @@ def combine(verdicts: list) -> dict:
     return verdicts[0]
 
 
-def report(name: str, path: str, verdict: dict, world: int) -> str:
-    """The few lines the student reads."""
-    on = f"on {world} ranks " if world > 1 else ""
-    lines = [f"{shown(path)}, checked {on}against one process:"]
-    lines += [f"  ok      {step}" for step in verdict["passed"] if step != "load the file"]
+def report(name: str, verdict: dict) -> str:
+    """The verdict's lines, after the steps said as they passed."""
     if verdict["status"] == "passed":
-        lines.append(f"passed: every step of {name} equals one process")
-    elif verdict["status"] == "todo":
-        lines.append(f"  {verdict['line']}")
-    else:
-        lines += [f"  FAILED  {verdict['line']}", f"  hint: {verdict['hint']}"]
-    return "\n".join(lines)
+        return f"passed: every step of {name} equals one process"
+    if verdict["status"] == "todo":
+        return f"  {verdict['line']}"
+    return f"  FAILED  {verdict['line']}\n  hint: {verdict['hint']}"
