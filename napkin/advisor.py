@@ -92,7 +92,12 @@ def rung_bytes(cfg: GPTConfig, strategy: str, precision: str, world: int, seq_le
 
 def _linear_sides(cfg: GPTConfig) -> dict:
     """in + out features of each linear layer a block has, by name; an MoE block's up and down
-    are its experts', E of each."""
+    are its experts', E of each. A Llama's (pretrained/llama.py): H and G heads of D, SwiGLU's
+    gate, up and down F wide."""
+    if hasattr(cfg, "n_kv_head"):
+        C, F, q, kv = cfg.n_embd, cfg.hidden, cfg.n_head * cfg.D, cfg.n_kv_head * cfg.D
+        return {"query": C + q, "key": C + kv, "value": C + kv, "output": q + C,
+                "gate": C + F, "up": C + F, "down": F + C}
     C, copies = cfg.n_embd, max(1, cfg.experts)
     return {"query": 2 * C, "key": 2 * C, "value": 2 * C, "output": 2 * C,
             "up": 5 * C * copies, "down": 5 * C * copies}
@@ -107,19 +112,20 @@ def advise(model: str | GPTConfig, gpu_mem: int, world: int, seq_len: int, targe
            precision: str = "bf16", headroom: float = HEADROOM) -> list[Advice]:
     """Walk the flow chart; every rung tried, the last one the first that fits (if any does).
 
-    model: a preset's name, or a shape (params_shape). A rung fits when its per-rank bytes
+    model: a preset's name, or a shape (params_shape, or a Hugging Face directory's config:
+    GPTConfig or pretrained/llama.py's LlamaConfig). A rung fits when its per-rank bytes
     (states + one micro-batch's activations and logits) stay under (1 - headroom) x gpu_mem.
     target_batch: the global batch in sequences. Activations are per micro-batch: gradient
     accumulation reaches the target batch without holding more of them, so it costs steps, not
     memory.
     """
-    if not isinstance(model, GPTConfig) and model not in PRESETS:
+    if isinstance(model, str) and model not in PRESETS:
         raise ValueError(f"unknown model {model!r}: choose one of {', '.join(PRESETS)}")
-    cfg = model if isinstance(model, GPTConfig) else PRESETS[model]
+    cfg = PRESETS[model] if isinstance(model, str) else model
     if world < 1:
         raise ValueError(f"the world must be at least 1 GPU, got {world}")
     if not 1 <= seq_len <= cfg.block_size:
-        name = "the assumed shape" if isinstance(model, GPTConfig) else f"model {model}"
+        name = f"model {model}" if isinstance(model, str) else "the assumed shape"
         raise ValueError(f"--seq-len must be between 1 and {name}'s block size "
                          f"{cfg.block_size}, got {seq_len}")
     if target_batch < 1 or target_batch % world:
@@ -237,7 +243,7 @@ def check_args(p, args):
                 "a shape of about N parameters)")
     if args.params is not None and args.params < 1:
         p.error(f"--params must be at least 1 parameter, got {args.params:g}")
-    args.shape = PRESETS[args.model] if args.model else params_shape(args.params)
+    args.shape = args.cfg if args.model else params_shape(args.params)  # cfg: memory.py's
     if args.target_batch is None:
         args.target_batch = 8 * args.world
     if args.gpu_mem is None:
@@ -248,7 +254,7 @@ def check_args(p, args):
         args.machine = MACHINES.get(args.gpu)
         if args.link:
             args.machine = joined_by(args.machine, args.link)
-        advise(args.model or args.shape, args.gpu_mem, args.world,
+        advise(args.model if args.model in PRESETS else args.shape, args.gpu_mem, args.world,
                args.seq_len or args.shape.block_size, args.target_batch)
     except ValueError as e:
         p.error(str(e))

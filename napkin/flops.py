@@ -18,8 +18,9 @@ from model import GPTConfig
 class Shape:
     """What a step's FLOPs need of a model: its layer shapes. gated: a SwiGLU MLP (3 C x F
     matrices, Llama's) instead of GELU's 2; kv_heads < heads: grouped-query attention (K and V
-    C x C kv_heads / heads); experts: an MoE MLP, top_k of them per token. other_params: every
-    parameter outside the matrices (biases, norms, positions), counted for bytes, not FLOPs."""
+    C x kv_heads D); head_dim D (0: C / heads); experts: an MoE MLP, top_k of them per token.
+    other_params: every parameter outside the matrices (biases, norms, positions), counted for
+    bytes, not FLOPs."""
     layers: int
     width: int
     heads: int
@@ -27,6 +28,7 @@ class Shape:
     ffn: int
     vocab: int
     gated: bool = False
+    head_dim: int = 0
     tied: bool = False
     experts: int = 0
     top_k: int = 0
@@ -36,20 +38,30 @@ class Shape:
 
     @classmethod
     def of(cls, cfg: GPTConfig) -> "Shape":
+        """model.py's GPT, or a Llama's (pretrained/llama.py: SwiGLU, G key/value heads of D)."""
+        if hasattr(cfg, "n_kv_head"):
+            shape = cls(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.hidden,
+                        cfg.vocab_size, gated=True, head_dim=cfg.D, tied=cfg.tie_embeddings)
+            return cls(**{**shape.__dict__, "other_params": model_params(cfg) - shape.params()})
         shape = cls(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head, 4 * cfg.n_embd, cfg.vocab_size,
                     tied=cfg.tie_embeddings, experts=cfg.experts, top_k=cfg.top_k if cfg.experts else 0,
                     capacity_factor=cfg.capacity_factor, routing_group=cfg.routing_group)
         return cls(**{**shape.__dict__, "other_params": model_params(cfg) - shape.params()})
 
     def block_params(self, active: bool = True) -> int:
-        """A block's matrix elements: Q and O C x C, K and V C x C kv/heads, the MLP's 2 or 3
-        C x F (an MoE: top_k of them per token if active, else all E, plus the router's E x C)."""
+        """A block's matrix elements: Q and O C x heads D, K and V C x kv_heads D, the MLP's 2
+        or 3 C x F (an MoE: top_k of them per token if active, else all E, plus the router's
+        E x C)."""
         C = self.width
-        attention = 2 * C * C + 2 * C * (C * self.kv_heads // self.heads)
+        attention = 2 * C * self.heads * self.D + 2 * C * self.kv_heads * self.D
         mlp = (3 if self.gated else 2) * C * self.ffn
         if self.experts:
             mlp = mlp * (self.top_k if active else self.experts) + self.experts * C
         return attention + mlp
+
+    @property
+    def D(self) -> int:
+        return self.head_dim or self.width // self.heads
 
     def params(self) -> int:
         """Every parameter: the blocks' matrices, token embedding, head (once if tied), the rest."""
@@ -76,9 +88,10 @@ LLAMA_3_1_8B = Shape(layers=32, width=4096, heads=32, kv_heads=8, ffn=14336, voc
 
 def block_flops(shape: Shape, seq_len: int) -> int:
     """Forward FLOPs per token of one block: 2 per matrix element (a multiply and an add), and
-    attention's scores q k^T and weighted sum over the T positions, 2 T C each. Over the whole
-    T, causal or not (PaLM's and torchtitan's count: MFU compares across papers so)."""
-    return 2 * shape.block_params() + 4 * seq_len * shape.width
+    attention's scores q k^T and weighted sum over the T positions, 2 T H D each (H D = C but
+    in a Llama whose head_dim says otherwise). Over the whole T, causal or not (PaLM's and
+    torchtitan's count: MFU compares across papers so)."""
+    return 2 * shape.block_params() + 4 * seq_len * shape.heads * shape.D
 
 
 def step_flops(shape: Shape, seq_len: int, checkpointing: float = 0.0, frozen: int = 0,

@@ -33,6 +33,7 @@ from mixed_precision import DTYPES
 from model import PRESETS as MODELS, Block, GPTConfig
 from moe import feed_forward
 from mechanics.offload import host_buffer
+from pretrained.llama import LlamaBlock
 from foundations.launch import Handle
 from foundations.world import exit_distributed, init_distributed
 from foundations.values import Parser, whole
@@ -221,10 +222,15 @@ def rank_block(cfg: GPTConfig, split: int = 1, cp: int = 1, attention: str = "ri
     """The block one rank computes: split N, a tensor-parallel rank's 1/N of it (split_block);
     cp, a context-parallel rank's, its attention context_parallel's ring or all-gather (on a
     LoneRank); else model.py's block, an MoE one as moe.py builds it (router, dispatch, the
-    experts' matmuls: a dense block's rate would price top_k experts' FLOPs at the MLP's)."""
-    if split > 1:
+    experts' matmuls: a dense block's rate would price top_k experts' FLOPs at the MLP's).
+    A Llama's (pretrained/llama.py): its block, split N with H/N and G/N heads of D, F/N wide."""
+    if hasattr(cfg, "n_kv_head"):
+        block = LlamaBlock(replace(cfg, n_head=cfg.n_head // split, head_dim=cfg.D,
+                                   n_kv_head=cfg.n_kv_head // split, hidden=cfg.hidden // split))
+    elif split > 1:
         return split_block(cfg, split)
-    block = Block(cfg, feed_forward)
+    else:
+        block = Block(cfg, feed_forward)
     if cp > 1:                # model.py's hook for it, as composition/context_parallel_gpt.py swaps it in
         group, sequence = LoneRank(cp), SequenceSplit(cp)
         attend = ATTENTIONS[attention]
@@ -384,7 +390,9 @@ def this(cfg: GPTConfig, rows: int, seq_len: int, precision: str = "fp32", comm:
 def block_key(cfg: GPTConfig, rows: int, seq_len: int, precision: str, split: int = 1, cp: int = 1,
               attention: str = "ring") -> str:
     """The cache's name for the block `this` measures (rank_block's) at rows x seq_len."""
+    llama = hasattr(cfg, "n_kv_head")        # pretrained/llama.py's block: its own rate
     return (f"{precision} block C{cfg.n_embd} H{cfg.n_head}"
+            + (f" Llama G{cfg.n_kv_head} D{cfg.D} F{cfg.hidden}" if llama else "")
             + (f" split {split} ways" if split > 1 else "")
             + (f" E{cfg.experts} top-{cfg.top_k} capacity {cfg.capacity_factor} routed"
                if cfg.experts else "")         # routed: moe.py's block, not a dense one's rate

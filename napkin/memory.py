@@ -6,9 +6,11 @@ mesh's stages; and with --advise the lecture's flow chart (napkin/advisor.py), r
 --gpu (napkin/advisor_speed.py) and run here with --measure (napkin/experiment.py).
 Run: python -m napkin.memory --params 7.5e9 --world 64 (--advise: the lecture's flow chart, napkin/advisor.py;
      --model gpt2-small --pp 4 --microbatches 8: activations and bubble per pipeline schedule;
-     --model gpt2-small --cp 8: activations and K/V traffic per context-parallel rank)
+     --model gpt2-small --cp 8: activations and K/V traffic per context-parallel rank;
+     --model DIR: a Hugging Face model's directory, as train.py --init-from hf:DIR loads it)
 Test: python -m pytest tests/test_memory.py (context parallelism's: tests/test_context_parallel.py)
 """
+import os
 import sys
 
 from napkin import advisor
@@ -27,17 +29,23 @@ from napkin.memory_math import (ALIASES, COLLECTIVES, GB, OPTIMIZERS, PRECISIONS
                          why_sent_departs)
 from foundations.dtypes import REDUCE_DTYPE
 from model import PRESETS
+from pretrained import PretrainedError
+from pretrained.load import model_config, read_config
 from mechanics.pipeline_mechanics import BUBBLE_FORMULAS, bubble_formula
 from extensions.schedules import SCHEDULES
 from tensor_parallel import check_divisible
+from composition.tensor_parallel_gpt import check_llama_divisible
 
 
 def _parse_args(argv=None):
     p = Parser(prog="python -m napkin.memory", description=__doc__.split("\n")[0],
                formatter_class=HelpFormatter)
     p.add_argument("--params", type=parse_count, default=None, help="parameter count, e.g. 7.5e9 or 7B")
-    p.add_argument("--model", choices=list(PRESETS), default=None,
-                   help="a model preset (gives the parameter count and the activation shapes)")
+    p.add_argument("--model", default=None, metavar="PRESET or DIR",
+                   help=f"a model preset ({', '.join(PRESETS)}), or a Hugging Face model's "
+                        "directory (its config.json: GPT-2, Llama, Qwen2), as train.py "
+                        "--init-from hf:DIR reads it: gives the parameter count and the "
+                        "activation shapes")
     p.add_argument("--strategy", choices=STRATEGIES + tuple(ALIASES) + ("single",), default=None,
                    help="one strategy in detail (default: a table of ddp and the zero stages)")
     p.add_argument("--world", type=whole, default=1, help="N, the number of ranks")
@@ -86,9 +94,16 @@ def _parse_args(argv=None):
     advisor.add_arguments(p)
     args = p.parse_args(argv)
     given = {dest for dest, value in vars(args).items() if value != p.get_default(dest)}
+    args.cfg = _model_config(p, args.model)
     _check_ep(p, args)
     _check_shard_group(p, args)
     if args.advise:
+        if args.cfg and args.seq_len is not None and not 1 <= args.seq_len <= args.cfg.block_size:
+            p.error(f"--seq-len must be between 1 and model {args.model}'s block size "
+                    f"{args.cfg.block_size}, got {args.seq_len}")
+        if args.measure and args.model not in (None, *PRESETS):
+            p.error(f"--measure runs train.py on --model's presets, not yet on --model "
+                    f"{args.model}: drop --measure")
         advisor.check_args(p, args)
         _warn_ignored(given - advisor.ADVISE_READS, "--advise walks every rung itself and reads only "
                       "--model or --params, --world, --seq-len, --gpu-mem, --target-batch, --no-bf16, "
@@ -103,7 +118,8 @@ def _parse_args(argv=None):
                 f"({', '.join(PRESETS)})")
     if args.params is not None and (args.params < 1 or args.params != int(args.params)):
         p.error(f"--params must be a whole number of parameters, at least 1, got {args.params:g}")
-    if args.trainable is not None and not 0 <= args.trainable <= (args.params or model_params(args.model)):
+    most = args.params or model_params(args.cfg)
+    if args.trainable is not None and not 0 <= args.trainable <= most:
         p.error(f"--trainable {args.trainable:g} must be between 0 and the model's parameter count")
     if args.world < 1:
         p.error(f"--world must be at least 1 (the number of ranks), got {args.world}")
@@ -124,8 +140,8 @@ def _parse_args(argv=None):
         if args.microbatches < 1 or args.batch_size % args.microbatches:
             p.error(f"--batch-size {args.batch_size} does not split into --microbatches "
                     f"{args.microbatches} equal micro-batches: use a multiple of it")
-        if PRESETS[args.model].n_layer < args.pp:
-            p.error(f"--model {args.model} has {PRESETS[args.model].n_layer} blocks, fewer than --pp "
+        if args.cfg.n_layer < args.pp:
+            p.error(f"--model {args.model} has {args.cfg.n_layer} blocks, fewer than --pp "
                     f"{args.pp} stages")
     if args.cp != 1 and (args.model is None or args.cp < 1):
         p.error("--cp needs --model (the layers and activation shapes) and a count of at least 1")
@@ -135,7 +151,9 @@ def _parse_args(argv=None):
             p.error(f"--tp {args.tp} x --cp {args.cp} x --pp {args.pp} is a mesh: give --model and a "
                     f"--world that is a multiple of {split}")
         try:                                          # as train.py refuses it (composition/mesh_checks.py)
-            check_divisible(PRESETS[args.model], args.tp)
+            check_divisible(args.cfg, args.tp)
+            if hasattr(args.cfg, "n_kv_head"):            # a Llama's G heads and MLP width too
+                check_llama_divisible(args.cfg, args.tp)
         except ValueError as e:
             p.error(f"--model {args.model}: {e}")
     if args.sequence_parallel and not (args.mesh and args.tp > 1):
@@ -148,7 +166,7 @@ def _parse_args(argv=None):
         p.error(f"--offload params keeps FSDP's parameter shards on the host, and --strategy "
                 f"{args.strategy} keeps whole parameters on the device: use --strategy fsdp")
     if args.model is not None:
-        cfg = PRESETS[args.model]
+        cfg = args.cfg
         args.seq_len = cfg.block_size if args.seq_len is None else args.seq_len
         if not 1 <= args.seq_len <= cfg.block_size:
             p.error(f"--seq-len must be between 1 and model {args.model}'s block size "
@@ -171,6 +189,20 @@ def _parse_args(argv=None):
     return args
 
 
+def _model_config(p, model: str | None):
+    """--model's config: a preset's, or the one a Hugging Face directory's config.json gives
+    (pretrained/load.py: model.py's GPTConfig for GPT-2, a LlamaConfig for Llama and Qwen2)."""
+    if model is None or model in PRESETS:
+        return PRESETS.get(model)
+    if not os.path.isdir(model):
+        p.error(f"--model {model}: neither a preset ({', '.join(PRESETS)}) nor a directory: give "
+                f"one, or a Hugging Face model's directory holding its config.json")
+    try:
+        return model_config(read_config(model), os.path.join(model, "config.json"))
+    except PretrainedError as e:
+        p.error(f"--model {e}")
+
+
 # Options only some modes read: given where they are not, napkin/memory.py says so (_warn_ignored).
 ADVISE_OPTIONS = {"gpu_mem", "target_batch", "bf16", "gpu", "link", "measure"}
 SHAPE_OPTIONS = {"batch_size", "seq_len", "grad_accum"}        # a micro-batch's activations
@@ -188,7 +220,7 @@ def _check_ep(p, args):
     if args.ep == 1:
         return
     with_experts = [name for name, cfg in PRESETS.items() if cfg.experts]
-    cfg = PRESETS.get(args.model)
+    cfg = args.cfg
     if args.advise:
         p.error("--advise prints the first rung that fits under every --ep that splits the "
                 "experts: drop --ep")
@@ -228,11 +260,11 @@ def _predict(n_params, strategy, args):
     # shape: every frozen parameter counted as 4-bit, an upper bound on the saving.
     untrained = n_params - (trainable or 0)
     quantized = (0 if not args.quantize_base else untrained if args.model is None
-                 else min(untrained, quantized_params(args.model)))
+                 else min(untrained, quantized_params(args.cfg)))
     canonical = _strategy(strategy, args.world)
     experts = 0
     if args.ep > 1:
-        n_params, experts = ep_params(args.model, args.ep)
+        n_params, experts = ep_params(args.cfg, args.ep)
     frozen = dict(trainable=trainable, quantized=quantized, double_quant=args.double_quant)
     held = ep_state_bytes(n_params, experts, strategy, args.precision, args.world, args.ep,
                           args.optimizer, shard_group=args.shard_group, **frozen,
@@ -242,7 +274,7 @@ def _predict(n_params, strategy, args):
                          shard_group=args.shard_group, reduce_precision=args.reduce_dtype)
     why = ""
     if args.ep > 1:
-        sent["all_to_all"] = moe_exchange_bytes(PRESETS[args.model], _micro_batch_tokens(args),
+        sent["all_to_all"] = moe_exchange_bytes(args.cfg, _micro_batch_tokens(args),
                                                 args.ep, args.precision, args.grad_accum)
     elif strategy != "single":
         why = why_sent_departs(n_params, strategy, args.precision, args.world, **frozen,
@@ -256,7 +288,7 @@ def _micro_batch_tokens(args) -> int:
 
 def _moe_lines(args) -> list:
     """A model with experts: its parameters in all and per token, and what --ep splits and sends."""
-    cfg = PRESETS[args.model] if args.model is not None else None
+    cfg = args.cfg
     if cfg is None or not cfg.experts:
         return []
     total, active = model_params(cfg), active_params(cfg)
@@ -327,7 +359,7 @@ def _breakdown(n_params, args):
     row(f"optimizer state ({how[2]}{', offloaded' if 'host' in held else ''})", held["optimizer"])
     totals = {"": held["total"]}
     if args.model is not None:
-        cfg = PRESETS[args.model]
+        cfg = args.cfg
         b, s = args.batch_size // (n * args.grad_accum), args.seq_len
         value = _element_size(args.precision)
         shape = dict(seq_len=s, batch=b, hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer,
@@ -335,7 +367,9 @@ def _breakdown(n_params, args):
         full, ckpt = activation_bytes(**shape), activation_bytes(**shape, checkpointing=True)
         logits = logits_bytes(s, b, cfg.vocab_size)
         print(f"  activations: micro-batch b={b} per rank, s={s}, {cfg.n_layer} layers, "
-              f"{value}-byte values")
+              f"{value}-byte values" + ("; a Llama's blocks by GPT's formula at its C and heads "
+                                        "(SwiGLU and rotary keep other tensors)"
+                                        if hasattr(cfg, "n_kv_head") else ""))
         row("activations, L x (sbh(15 + 5as/h) + MoE MLP)" if cfg.experts else
             "activations, L x sbh(34 + 5as/h)", full)
         row("activations checkpointed, L x 2sbh + 1 layer", ckpt)
@@ -359,7 +393,7 @@ def _breakdown(n_params, args):
 
 def _pipeline_table(args):
     """--pp P: each schedule's bubble and the activations its stages hold at their peak."""
-    cfg, P, M = PRESETS[args.model], args.pp, args.microbatches
+    cfg, P, M = args.cfg, args.pp, args.microbatches
     b = args.batch_size // M
     print(f"{args.model} cut into {P} pipeline stages, {M} micro-batches of {b} x {args.seq_len} "
           f"tokens, {_element_size(args.precision)}-byte activations; bubble on schedules.py's "
@@ -380,7 +414,8 @@ def _pipeline_table(args):
 def _cp_table(args):
     """--cp N: what one rank keeps and sends as every sequence splits over 1, 2, 4 ... N ranks
     (context_parallel.py), ring attention beside all-gather K/V."""
-    cfg, s, value = PRESETS[args.model], args.seq_len, _element_size(args.precision)
+    cfg, s, value = args.cfg, args.seq_len, _element_size(args.precision)
+    kv = cfg.n_kv_head * cfg.D if hasattr(cfg, "n_kv_head") else cfg.n_embd   # a Llama's G x D
     b = args.batch_size // args.grad_accum                 # a cp group's ranks read the same rows
     print(f"{args.model}: {cfg.n_layer} layers, micro-batch {b} x {s} tokens split over cp ranks, "
           f"{value}-byte activations; per rank, MiB: activations kept (sbh(34 + 5as/h) at s/cp "
@@ -391,14 +426,14 @@ def _cp_table(args):
         shape = dict(seq_len=s, batch=b, hidden=cfg.n_embd, heads=cfg.n_head, layers=cfg.n_layer, cp=cp,
                      bytes_per_value=value)
         kept = [cp_activation_bytes(**shape, attention=a) for a in ("ring", "allgather")]
-        sent = [sum(cp_kv_bytes(s, b, cfg.n_embd, cp, a, value).values()) for a in ("ring", "allgather")]
+        sent = [sum(cp_kv_bytes(s, b, kv, cp, a, value).values()) for a in ("ring", "allgather")]
         print(f"{cp:>4}{kept[0] / MiB:18.1f}{kept[1] / MiB:12.1f}{sent[0] / MiB:15.2f}{sent[1] / MiB:12.2f}")
 
 
 def _mesh_table(args):
     """--tp, --cp, --pp over --world: each pipeline stage's rank 0, what it holds and what it sends
     per step by dimension (mesh_params, state_bytes over dp x cp, mesh_bytes)."""
-    cfg, tp, cp, pp = PRESETS[args.model], args.tp, args.cp, args.pp
+    cfg, tp, cp, pp = args.cfg, args.tp, args.cp, args.pp
     dp = args.world // (tp * cp * pp)
     strategy = {"fsdp": "zero3"}.get(args.strategy or "ddp", args.strategy or "ddp")
     micro = args.microbatches if pp > 1 else args.grad_accum
@@ -424,7 +459,9 @@ def print_advice(args):
     gpu_mem, cfg = args.gpu_mem, args.shape
     seq_len = args.seq_len or cfg.block_size
     precision = "bf16" if args.bf16 else "fp16"
-    rungs = advisor.advise(args.model or cfg, gpu_mem, args.world, seq_len, args.target_batch, precision)
+    preset = args.model in PRESETS
+    rungs = advisor.advise(args.model if preset else cfg, gpu_mem, args.world, seq_len,
+                           args.target_batch, precision)
     name = args.model or next((n for n, preset in PRESETS.items() if preset == cfg), None)
     if args.params is not None:
         print(f"--params {int(args.params):,} names no shape: assuming the 7b preset's proportions "
@@ -451,9 +488,13 @@ def print_advice(args):
         return
     launch = "python" if args.world == 1 else f"torchrun --nproc_per_node {args.world}"
     argv = chosen.argv(name or "SHAPE", precision, seq_len, args.target_batch)
+    if args.model and not preset:                # a Hugging Face directory: train.py loads it
+        at = argv.index("--model")
+        argv[at:at + 2] = ["--init-from", f"hf:{args.model}"]
     print(f"\n{launch} train.py {' '.join(argv)}"
           + ("" if name else "   # train.py builds presets only: add this shape to model.PRESETS")
-          + ("   # LoRA fine-tunes a trained model: add --init-from RUN_DIR" if "--lora" in argv else ""))
+          + ("   # LoRA fine-tunes a trained model: add --init-from RUN_DIR"
+             if "--lora" in argv and preset else ""))
     if cfg.experts:
         advisor.print_expert_parallel(cfg, chosen, args.world, seq_len, precision, gpu_mem, unit)
     if args.machine:
@@ -472,7 +513,7 @@ def main(argv=None):
         return _pipeline_table(args)
     if args.cp > 1:
         return _cp_table(args)
-    n_params = model_params(args.model) if args.model is not None else int(args.params)
+    n_params = model_params(args.cfg) if args.model is not None else int(args.params)
     if args.strategy is None:
         _table(n_params, args)
     else:

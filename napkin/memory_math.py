@@ -552,7 +552,7 @@ def model_params(name_or_config) -> int:
     router's E C. Around the blocks: token and position embeddings, the final norm, and the
     head, which is the token embedding itself when tied (counted once, as .parameters() does).
     """
-    if hasattr(name_or_config, "n_kv_head"):
+    if _is_llama(name_or_config):
         return llama_params(name_or_config)
     cfg = _config(name_or_config)
     return _shared_params(cfg) + expert_params(cfg)
@@ -582,6 +582,8 @@ def active_params(name_or_config) -> int:
     """Parameters one token computes with: a mixture of experts runs only top_k of its E MLPs
     (the rest of the model, router included, as model_params). A dense model: all of them."""
     cfg = _config(name_or_config)
+    if not cfg.experts:
+        return model_params(cfg)
     return _shared_params(cfg) + expert_params(cfg, cfg.top_k)
 
 
@@ -607,18 +609,24 @@ def ep_params(name_or_config, ep: int = 1) -> tuple[int, int]:
 
 def root_params(name_or_config) -> int:
     """Parameters around the blocks (FSDP's root unit): token and position embeddings, the
-    final norm, and the head unless it is the token embedding (tied)."""
+    final norm, and the head unless it is the token embedding (tied). A Llama's: no position
+    embedding, an RMSNorm of C (no bias)."""
     cfg = _config(name_or_config)
     C, V = cfg.n_embd, cfg.vocab_size
+    if _is_llama(cfg):
+        return V * C + C + (0 if cfg.tie_embeddings else V * C)
     return V * C + cfg.block_size * C + 2 * C + (0 if cfg.tie_embeddings else V * C)
 
 
 def quantized_params(name_or_config) -> int:
     """Weights QLoRA stores in 4 bits (lora.QUANTIZED): every block's attention and MLP matrices,
     each expert's, 4 C^2 + 8 C^2 E (E = 1 dense). The embeddings, norms, biases, routers and the
-    head stay in the compute dtype (the head unless LoRA adapts it)."""
+    head stay in the compute dtype (the head unless LoRA adapts it). A Llama's block: query and
+    output H D C each, key and value G D C each, SwiGLU's three C F."""
     cfg = _config(name_or_config)
     C = cfg.n_embd
+    if _is_llama(cfg):
+        return cfg.n_layer * ((2 * cfg.n_head + 2 * cfg.n_kv_head) * cfg.D * C + 3 * C * cfg.hidden)
     return cfg.n_layer * (4 * C * C + 8 * C * C * max(1, cfg.experts))
 
 
@@ -629,14 +637,21 @@ def _shared_params(cfg: GPTConfig) -> int:
     return root_params(cfg) + cfg.n_layer * block
 
 
+def _is_llama(cfg) -> bool:
+    """A Llama-family config (pretrained/llama.py's LlamaConfig): grouped key/value heads."""
+    return hasattr(cfg, "n_kv_head")
+
+
 def _config(name_or_config) -> GPTConfig:
+    """A preset's GPTConfig by name, or the config given: a GPTConfig or a Llama's."""
     cfg = name_or_config
     if isinstance(cfg, str):
         if cfg not in PRESETS:
             raise ValueError(f"unknown model {cfg!r}: choose one of {', '.join(PRESETS)}")
         cfg = PRESETS[cfg]
-    if not isinstance(cfg, GPTConfig):
-        raise TypeError(f"model_params takes a preset name or a GPTConfig, got {type(cfg).__name__}")
+    if not isinstance(cfg, GPTConfig) and not _is_llama(cfg):
+        raise TypeError(f"model_params takes a preset name, a GPTConfig or a LlamaConfig, got "
+                        f"{type(cfg).__name__}")
     return cfg
 
 
@@ -685,7 +700,7 @@ def mesh_params(name_or_config, tp: int = 1, blocks: int | None = None, first: b
     is a copy of it on a last stage that is not also the first. tp=1, all blocks: model_params.
     """
     cfg = PRESETS[name_or_config] if isinstance(name_or_config, str) else name_or_config
-    if hasattr(cfg, "n_kv_head"):                          # a Llama's (pretrained/llama.py)
+    if _is_llama(cfg):                                     # a Llama's (pretrained/llama.py)
         return llama_params(cfg, tp, blocks, first, last)
     C, V = cfg.n_embd, cfg.vocab_size
     block = (12 * C * C + 6 * C) // tp + 6 * C
@@ -716,7 +731,7 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
     sequence_parallel each all-reduce is a reduce-scatter and an all-gather of the same volume,
     and the weights that stay whole (norms, row biases, positions: their gradients partial sums)
     are all-reduced once a step (zero2, zero3 or beside cp: every micro-batch).
-    cp: cp_kv_bytes per block and micro-batch, K and V C/tp wide.
+    cp: cp_kv_bytes per block and micro-batch, K and V C/tp wide (a Llama's G D/tp).
     pp: one (b, T/cp, C) activation or gradient per send in the stage's schedule (sequence
     parallel: T/cp/tp), a norm fp32 (fp64's own); at the two ends of a tied head, the tied
     weight's gradient (V C / tp) summed between them, one all-reduce of 2 ranks.
@@ -740,6 +755,9 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
         sent["tp"] = micro_batches * (activations + loss) + ring_bytes("all_reduce", 1, wide, tp)
         if sequence_parallel:               # 6C a block (mesh_params), positions, final norm
             whole = 6 * C * blocks + (cfg.block_size * C if first else 0) + (2 * C if last else 0)
+            if _is_llama(cfg):              # two RMSNorms (and row biases) a block, final norm
+                row_biases = (cfg.output_bias + cfg.mlp_bias) * C
+                whole = (2 * C + row_biases) * blocks + (C if last else 0)
             # ZeRO-2 and FSDP read gradients during backward, and context parallelism wraps the
             # tensor-parallel model: summed in backward there, every micro-batch
             # (TensorParallelGPT.sum_partial_in_backward; C divides by tp, so no padding), unless
@@ -748,7 +766,8 @@ def mesh_bytes(name_or_config, batch: int, seq_len: int, tp: int = 1, cp: int = 
             times = micro_batches if (strategy in ("zero2", "zero3") or cp > 1) and not zb else 1
             sent["tp"] += times * ring_bytes("all_reduce", whole, size, tp)
     if cp > 1:
-        layer = cp_kv_bytes(seq_len, batch // micro_batches, C // tp, cp, attention, size)
+        kv = cfg.n_kv_head * cfg.D if _is_llama(cfg) else C    # a Llama's G heads, G x D
+        layer = cp_kv_bytes(seq_len, batch // micro_batches, kv // tp, cp, attention, size)
         sent["cp"] = micro_batches * blocks * (layer["forward"] + layer["backward"])
     if pp > 1:
         sends = sum(action.kind.startswith("send") for action in chunks)

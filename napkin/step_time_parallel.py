@@ -55,12 +55,12 @@ def expert_gradient_seconds(shape: Shape, world: int, ep: int, size: int, link: 
 def kv_seconds(shape: Shape, rows: int, seq_len: int, cp: int, attention: str, size: int,
                link: Link) -> dict:
     """Seconds of every layer's K/V exchange on a cp rank of `rows` rows, {forward, backward}.
-    A rank's K and V: kv = 2 (T/cp) B C kv_heads/heads values (context_parallel.cp_kv_bytes'
+    A rank's K and V: kv = 2 (T/cp) B kv_heads D values (context_parallel.cp_kv_bytes'
     volumes). ring: forward cp-1 passes of one kv block, one message each; backward cp-1 passes
     of the block again and cp-1 of its dK, dV (fp32, or wider: they add up over the ranks), one
     message each. allgather: forward the all-gather of the cp blocks, backward the
     reduce-scatter of their gradients, cp-1 ring steps each."""
-    hidden = shape.width * shape.kv_heads // shape.heads
+    hidden = shape.kv_heads * shape.D
     if attention == "allgather":
         kv = 2 * (seq_len // cp) * rows * hidden
         return {phase: shape.layers * collective_seconds(kind, cp * kv, size, cp, link)
@@ -72,9 +72,9 @@ def kv_seconds(shape: Shape, rows: int, seq_len: int, cp: int, attention: str, s
 
 def attention_seconds(shape: Shape, tokens: int, seq_len: int, rate: float) -> dict:
     """A rank's seconds in attention's scores and weighted sum, {forward, backward}: its tokens'
-    queries against the whole sequence's keys, 4 T C per query and layer (flops.block_flops'
+    queries against the whole sequence's keys, 4 T H D per query and layer (flops.block_flops'
     count), backward twice forward."""
-    forward = tokens * shape.layers * 4 * seq_len * shape.width / rate
+    forward = tokens * shape.layers * 4 * seq_len * shape.heads * shape.D / rate
     return {"forward": forward, "backward": 2 * forward}
 
 

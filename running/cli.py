@@ -467,8 +467,7 @@ def check_args(parser, args, world_size):
     if args.seq_len > block_size and not args.hf:        # hf: check_pretrained_run's
         parser.error(f"--seq-len {args.seq_len} is longer than model {args.model}'s block size "
                      f"{block_size}: use --seq-len {block_size} or less, or a larger --model")
-    if not args.hf:              # a pretrained model's size: the napkin reads it (a later slice)
-        check_fits(parser, args, data_parallel * micro)
+    check_fits(parser, args, data_parallel * micro)
     if args.data is not None:
         if not os.path.isfile(args.data):
             what = ("a directory, not a text file" if os.path.isdir(args.data) else
@@ -544,8 +543,10 @@ def check_fits(parser, args, micro_batches: int):
     every rank builds the whole model in host memory first), and on CPU ranks one micro-batch's
     activations and log-probabilities beside them (activation_bytes, logits_bytes; a mesh's
     ranks each hold 1/(tp x cp x pp) of them), against a rank's share of the host's memory
-    (memory_per_rank). A lower bound: a run refused here could never start."""
-    cfg = dataclasses.replace(PRESETS[args.model], **moe_config(args))
+    (memory_per_rank). A lower bound: a run refused here could never start. A model from
+    hf:DIR is its config.json's (args.hf_config: every rank loads it whole in fp32), a Llama's
+    activations counted by the same formula at its width, heads and layers."""
+    cfg = args.hf_config or dataclasses.replace(PRESETS[args.model], **moe_config(args))
     weights, rows = 4 * model_params(cfg), args.batch_size // micro_batches
     activations = (activation_bytes(args.seq_len, rows, cfg.n_embd, cfg.n_head, cfg.n_layer,
                                     checkpointing=bool(args.checkpoint_activations),
@@ -557,10 +558,12 @@ def check_fits(parser, args, micro_batches: int):
         activations = 0                       # on the GPU, whose out-of-memory error names itself
     have, where = memory_per_rank(), "rank's share of this machine"
     if weights > have:
-        flag = f"--experts {args.experts}" if args.experts else f"--model {args.model}"
+        flag = (f"--init-from {args.init_from}" if args.hf else f"--experts {args.experts}"
+                if args.experts else f"--model {args.model}")
         parser.error(f"{flag}: the model has {model_params(cfg):,} parameters, "
                      f"{human_bytes(weights)} in fp32 alone, more than the {human_bytes(have)} a "
-                     f"{where} holds: a smaller --model"
+                     f"{where} holds: a smaller "
+                     + ("model, or a machine with more memory" if args.hf else "--model")
                      + (" or fewer --experts" if args.experts else ""))
     if weights + activations > have:
         parser.error(f"--batch-size {args.batch_size}: a micro-batch of {rows} x {args.seq_len} "

@@ -284,7 +284,8 @@ def predicted_activations(args, cfg, dims: ParallelDims) -> tuple[int, str, int]
 def predicted_seconds(args, gpt, dims: ParallelDims, device) -> float | str:
     """train.py's run priced by napkin/step_time.py on this machine (machines.this, measured by every
     rank at its first call: call it on every rank): seconds per step, or, for what the napkin
-    does not compose, why not, which the log says in its place."""
+    does not compose, why not, which the log says in its place. The model: model.py's GPT, or
+    hf:DIR's (a Llama's shape and block: flops.Shape.of, machines.rank_block)."""
     splits, cfg, world_size = dims.splits, gpt.cfg, dims.world
     pipelined = splits.get("pp") == world_size and len(splits) == 1
     cp = world_size if splits == {"cp": world_size} and args.strategy in ("cp", "ddp") else 1
@@ -302,9 +303,7 @@ def predicted_seconds(args, gpt, dims: ParallelDims, device) -> float | str:
         (args.ep > 1 and (strategy != "ddp" or cp > 1), "step_time.py prices --ep under ddp alone, "
                                                         "without --cp"),
         (cp > 1 and (args.cp_balance != "zigzag" or args.checkpoint_activations),
-         "step_time.py prices --cp with zigzag balance, without checkpointing"),
-        (getattr(args, "hf", None), "step_time.py prices model.py's GPT, not a model from a "
-                                    "Hugging Face directory (yet)")]
+         "step_time.py prices --cp with zigzag balance, without checkpointing")]
     why = next((why for left_out, why in unpriced if left_out), None)
     if why:
         return why
