@@ -1,6 +1,11 @@
 """Exercise: the ring's collectives from point-to-point messages (the solution: collectives.py).
 
-Write the three functions below with send_right_receive_left, one ring step's messages (given).
+Write the three functions below with one ring step's messages (given, from collectives.py):
+- send_right_receive_left(send, recv, group): sends the tensor `send` to rank r + 1 while the
+  tensor `recv` (same shape, written in place) receives rank r - 1's; returns None. Both go at
+  once, so every rank can call it at the same time without a deadlock.
+- dist.get_world_size(group), dist.get_rank(group): N and r in the group.
+- log: optional, a function taking one line of text; you may ignore it (or call it per step).
 Each rank's tensor is cut into N chunks; rank r sends to r + 1 and receives from r - 1.
 - reduce-scatter: N-1 steps; at each, a rank sends one chunk right and adds the chunk arriving
   from the left to its own copy of it, so that after the last step chunk r on rank r is the sum

@@ -21,14 +21,17 @@ def check(exercise, grader):
     total = sum(rank_tensor(i, n, c) for i in range(n))              # one process: (N, c)
 
     with grader.step("reduce-scatter", "the lecture's reduce-scatter: after N-1 ring steps rank r "
-                     "holds the sum of chunk r; at step s rank r sends chunk r-1-s and adds the "
-                     "arriving chunk r-2-s to its own (indices modulo N)"):
+                     "holds the sum of chunk r. After the last step chunk r must be complete on "
+                     "rank r, and the chunk arriving at step s holds s+1 ranks' copies (its "
+                     "sender's own copy added to what it received at step s-1); work the chunk "
+                     "indices back from there, modulo N"):
         chunks = rank_tensor(r, n, c)
         exercise.ring_reduce_scatter(chunks, grader.group)
         grader.close(f"chunks[{r}]", chunks[r], total[r], BOUND, WHY)
 
     with grader.step("all-gather", "the lecture's all-gather: rank r starts with chunk r "
-                     "complete and forwards, at step s, chunk r-s; chunk r-1-s arrives in place"):
+                     "complete and sends it first; each later step forwards the chunk it received "
+                     "the step before, and the chunk arriving from r-1 lands at its own index"):
         chunks = torch.zeros(n, c, dtype=torch.float64)
         chunks[r] = total[r]
         exercise.ring_all_gather(chunks, grader.group)
