@@ -2,11 +2,34 @@
 
 Every rank holds the whole model, laid in flat buckets (foundations/flat.py), each cut into N
 equal shards; rank r keeps the optimizer state of shard r only, as an fp32 master (for fp32 or
-fp64 parameters the master is the shard itself, a view of the bucket). Given: the constructor,
-reduce_gradients() (phase 1: each bucket's whole gradient reduce-scattered with op "avg", rank
-r's (S,) mean in bucket.grad_shard), unscale_gradients() (phase 2: the shard / the loss scale,
-as bucket.master.grad), norm_pieces(), launch_used_flags(), the inner optimizer (self.optimizer,
-on the masters) and self.comm (all_reduce, all_gather, reduce_scatter; op "sum", "avg", "max").
+fp64 parameters the master is the shard itself, a view of the bucket).
+Given (set by the constructor, or inherited from zero.py):
+- self.comm: .rank, .world_size; all_reduce(t, op), all_gather(out, inp, async_op=False),
+  reduce_scatter(out, inp, op, async_op=False), op "sum", "avg" or "max"; with async_op=True
+  each returns a handle with .wait().
+- self.buckets: a list of Bucket; each has .params (its parameters, in order), .flat (N*S,)
+  the parameters' values (each parameter a view of it), .grad_flat (N*S,) or None, .master,
+  .grad_shard (S,) or None, .used (a bool per parameter), .pending (gradients yet to come this
+  backward; len(.params) when none came), .shard_numel (S), .shard(flat, rank) (a (S,) view of
+  an (N*S,) tensor) and .view(flat, i) (parameter i's slice of it, shaped like the parameter).
+- self.optimizer: the inner optimizer, on the masters; self.scaler.update(skipped: bool);
+  self.max_norm: None, or the float clip_grad_norm_(max_norm) set (reset after each step, by
+  _release()); self._norm, self._used: None until global_norm() sets them this step.
+- reduce_gradients(): phase 1, each bucket's whole gradient reduce-scattered with op "avg",
+  rank r's (S,) mean in bucket.grad_shard. unscale_gradients(): phase 2, the shard / the loss
+  scale as bucket.master.grad; returns the masters' .grad, None where a bucket has none.
+  norm_pieces(): this rank's runs of gradient shards, for self.shard_step.squares(pieces),
+  a (1,) fp32 tensor, this rank's sum of squares. launch_used_flags(): returns (the used-flags,
+  a tensor, or None when this rank used every parameter; a function to call to wait for them).
+- self.shard_step.read_decision(norm, used): the one host read, (norm as a float, used as a
+  list or None; with flags, both go through fp32), the same read as torch.cat of the norm and
+  the flags in the norm's dtype, then .tolist(). self.shard_step.unused_unchanged(used): a
+  context manager, keeps the elements of parameters no rank used as they were.
+  self._master_into_model(shard, master): rounds the master into the model's shard.
+  self._release(): drops the step's gradients, starts a new step.
+- ZeRO-2: self.reduce_dtype (None: the parameters' dtype), self.divide (1, or the count to
+  divide the summed shard by), self._order.ready(bucket) (launches full buckets' reduce-scatters
+  in bucket order, the same on every rank); _launch_reduction(bucket) returns (handle, output).
 
 ZeroOptimizer, ZeRO-1's step, phase by phase:
 - global_norm: the squares of this rank's gradient shards, summed over the ranks (the shards
@@ -43,12 +66,10 @@ class ZeroOptimizer(zero.ZeroOptimizer):
         inf/NaN test, so it runs without clipping too), clip, one host read.
         Phases 1-3 run once a step: when the loop called clip_grad_norm_(max_norm) first, they
         ran there, and phase 4 clips by max_norm."""
-        # TODO: the closure's loss (under torch.enable_grad()), if one is given; then phases
-        # 1 reduce_gradients(), 2 unscale_gradients(), 3 global_norm(), 4 clip, only when
-        # self.max_norm is set (clip_grad_norm_ set it); 5 one host read: the norm as a float,
-        # and self._used (the used-flags, or None) as a list, read together in one transfer
-        # (torch.cat, then .tolist()); 6-7 update(norm, used); then the loss scaler hears
-        # whether the step was skipped (self.scaler.update). Return the loss.
+        # TODO: the closure's loss (under torch.enable_grad()), if one is given; then the
+        # phases in order. Clip only when clip_grad_norm_ asked for it. Phase 5 reads the norm
+        # and the used-flags to the host in one transfer. Which of the phases runs the inner
+        # optimizer, and what must the loss scaler hear afterwards? Return the loss.
         raise NotImplementedError
 
     @torch.no_grad()
@@ -56,21 +77,19 @@ class ZeroOptimizer(zero.ZeroOptimizer):
         """Phases 6 and 7, given the host read (step()'s, or a mesh's): the norm as a float, the
         used-flags as a list (None: every parameter was used). Not finite: skip the step."""
         # TODO: keep the norm (self.last_grad_norm) and whether the step is skipped
-        # (self.last_step_skipped: the norm is inf or NaN). If not: the inner optimizer steps
-        # the masters, inside self.shard_step.unused_unchanged(used) (a parameter no rank used
-        # must not move), then every rank's updated shard goes to every rank. Either way the
-        # step's gradients are released (self._release()).
+        # (self.last_step_skipped). If not skipped: the inner optimizer steps the masters (a
+        # parameter no rank used must not move), then every rank's updated shard goes to every
+        # rank. Either way the step's gradients are released.
         raise NotImplementedError
 
     def global_norm(self) -> torch.Tensor:
         """Phase 3, once a step: the squares of this rank's shards, summed over the ranks in one
         all-reduce (the shards are disjoint), then the root: a device scalar, the same on every
         rank. The used-flags' all-reduce runs beside it."""
-        # TODO: once a step (cached in self._norm): launch the used-flags' all-reduce
-        # (launch_used_flags() gives the flags and a function that waits); this rank's squares
-        # of norm_pieces() (self.shard_step.squares gives a (1,) tensor); sum them over the
-        # ranks when there are several; wait for the flags; keep the root as a scalar in
-        # self._norm and the flags in self._used.
+        # TODO: once a step (cached in self._norm): launch the used-flags' all-reduce first, so
+        # it overlaps; this rank's sum of squares; what must happen to it across the ranks
+        # before the root? Wait for the flags; keep the root (a scalar) in self._norm and the
+        # flags in self._used.
         raise NotImplementedError
 
     def clip(self, max_norm: float, norm: torch.Tensor):
@@ -95,15 +114,14 @@ class Zero2Optimizer(ZeroOptimizer, zero.Zero2Optimizer):
         """Take parameter i's .grad into bucket b's buffer: copy it (in reduce_dtype), free it.
         The bucket goes once full. The buffer lives until its reduce-scatter is waited for: the
         peak memory is the buckets in flight."""
-        # TODO: bucket b's whole buffer, (N*S,) zeros in self.reduce_dtype, made when its first
-        # gradient comes; copy parameter i's .grad into its slice (bucket.view), then drop the
-        # .grad; mark it used; one gradient fewer pending: when none is left, hand the bucket to
-        # self._order.ready (it launches the reduce-scatters in the same order on every rank).
+        # TODO: bucket b's whole buffer, (N*S,) zeros in self.reduce_dtype (or, when that is
+        # None, the parameters' dtype), made when its first gradient comes; parameter i's .grad
+        # into its slice, then gone; mark it used. When is the bucket full, and who launches it?
         raise NotImplementedError
 
     def _finish_reduction(self, bucket, started):
         """Wait for a bucket's reduce-scatter, add its shard to the step's, free the gradient."""
         # TODO: started is (handle, output) from _launch_reduction: wait, divide by self.divide
-        # if it is not 1, add the (S,) output to bucket.grad_shard (or keep it, if this is the
-        # step's first); free the whole buffer; the next backward waits for all its gradients.
+        # if it is not 1. What happens to bucket.grad_shard when a micro-batch came before? Then
+        # free the whole buffer, and set the bucket to wait for all its gradients again.
         raise NotImplementedError

@@ -168,7 +168,8 @@ def check(exercise, grader):
 
     with grader.step("ZeRO-2: reduce-scatter during backward", "_take: each gradient copied "
                      "into its bucket's buffer and its .grad freed; a full bucket goes at once; "
-                     "_finish_reduction keeps the shard and frees the buffer"):
+                     "_finish_reduction keeps the shard and frees the buffer; the buffer's "
+                     "dtype is reduce_dtype, or the parameters' when that is None"):
         backward(net, x, y, rows)
         grader.same("bucket 0 launched before the last bucket's gradients",
                     all(launched for launched, _ in seen), True)
@@ -178,7 +179,9 @@ def check(exercise, grader):
                     [k for k, p in enumerate(net.parameters()) if p.grad is not None], [])
         grader.same("buckets whose whole gradient is kept after backward",
                     [b for b in buckets if opt.buckets[b].grad_flat is not None], [])
-        for b, shard in zip(buckets, opt.gradient_shards()):
+        for b, shard in zip(buckets, opt.gradient_shards()):      # reduce_dtype None: fp64
+            grader.same(f"bucket {b}'s gradient shard's dtype (its buffer's)",
+                        getattr(shard, "dtype", None), torch.float64)
             grader.close(f"bucket {b}'s gradient shard", shard, shard_of(opt, net, grads, b, r),
                          GRAD, WHY_GRAD)
 
