@@ -16,10 +16,15 @@ Write, in this order:
 Column then row is the MLP: one all-reduce forward (g), one backward (f).
 
 Given (tensor_parallel.py): _Conjugate.apply(x, comm, forward, backward), an autograd function
-that runs forward(x, comm) and, on the gradient, backward(grad, comm); the moves it takes:
-_identity, _all_reduced, _all_gathered(x, comm, dim), _my_piece(x, comm, dim); and
-gather_sequence / scatter_sequence. The layers' __init__, self.comm, self.weight, self.bias and
-self.local_product(x, bias=None) (this rank's x W_r^T (+ bias)) come from tensor_parallel.py.
+that runs forward(x, comm) and, on the gradient, backward(grad, comm); the moves it takes,
+each returning a tensor: _identity(x, comm), _all_reduced(x, comm) (the sum over the group),
+_all_gathered(x, comm, dim=1) (the ranks' pieces concatenated along dim), _my_piece(x, comm,
+dim=-1) (this rank's 1/N of x along dim). _Conjugate passes (tensor, comm) only: a move
+that needs a dim gets it bound beforehand (functools.partial, imported). And
+gather_sequence(x, comm) / scatter_sequence(x, comm), sequence parallelism's moves along T.
+The layers' __init__ (tensor_parallel.py) sets self.comm, self.weight, self.bias (or None),
+self.sequence_parallel; the column layer's self.enter and self.gather_output, the row layer's
+self.input_is_parallel; self.local_product(x, bias=None) is this rank's x W_r^T (+ bias).
 Check: python -m exercises check tensor_parallel (on 2 ranks, against the unsplit nn.Linear and
 MLP on one process, in fp64: outputs and input gradients).
 
@@ -37,14 +42,15 @@ from tensor_parallel import (_Conjugate, _all_gathered, _all_reduced, _identity,
 def f(x, comm: Comm):
     """Enter a split region. Every rank feeds the same x into its own columns; x's gradient is the
     sum of the parts each rank's columns contributed, so backward adds them up over the group."""
-    # TODO: one _Conjugate.apply: which move goes forward, which on the gradient?
+    # TODO: one _Conjugate.apply. Which move runs forward, which on the gradient, and why?
     raise NotImplementedError
 
 
 def g(x, comm: Comm):
     """Leave a split region. Each rank holds a partial sum of the output (its rows of the second
     matrix): forward adds them; the sum's gradient flows unchanged to every addend."""
-    # TODO: f's conjugate: the same two moves, the other way round.
+    # TODO: one _Conjugate.apply. What does forward need to turn the partial sums into the
+    # output, and what does each addend's gradient need?
     raise NotImplementedError
 
 
@@ -54,14 +60,16 @@ def gather_features(x, comm: Comm):
     So backward keeps its own columns of the gradient. No sum is needed.
     Everything after the gather runs identically on every rank.
     So each rank's gradient of (.., out) is already the whole one."""
-    # TODO: forward all-gathers along the last dim (_all_gathered takes a dim: bind it with
-    # partial); backward keeps this rank's piece of the gradient's last dim.
+    # TODO: one _Conjugate.apply, along the last dim. Which move makes (.., out) from every
+    # rank's (.., out/N), and which gives back the part of the gradient this rank's own columns
+    # produced?
     raise NotImplementedError
 
 
 def split_features(x, comm: Comm):
     """(.., in) -> (.., in/N): the conjugate of gather_features."""
-    # TODO: gather_features's two moves, swapped.
+    # TODO: one _Conjugate.apply, along the last dim: what does forward keep of x, and what
+    # must backward build from the ranks' gradients of their slices?
     raise NotImplementedError
 
 

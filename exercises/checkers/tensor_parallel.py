@@ -77,9 +77,9 @@ def leaf(x: torch.Tensor) -> torch.Tensor:
 def check(exercise, grader):
     r, comm = grader.rank, Counted(grader.group)
 
-    with grader.step("f", "f enters the split region: identity forward (each rank's columns read "
-                     "the same x), all-reduce backward (x's gradient sums what every rank's "
-                     "columns gave it)"):
+    with grader.step("f", "f enters the split region: forward, each rank's columns read the "
+                     "same whole x; backward, x's gradient must sum what every rank's columns "
+                     "gave it: which move does each need?"):
         x = leaf(randn(1, B, T, C))
         probes = [randn(10 + i, B, T, C) for i in range(WORLD)]       # rank i's consumer's
         y = exercise.f(x, comm)
@@ -87,9 +87,9 @@ def check(exercise, grader):
         (y * probes[r]).sum().backward()
         grader.close("x.grad", x.grad, sum(probes), BOUND, WHY)
 
-    with grader.step("g", "g leaves the split region: all-reduce forward (the partial products "
-                     "add up to the output), identity backward (the sum's gradient reaches each "
-                     "addend unchanged)"):
+    with grader.step("g", "g leaves the split region: forward, the ranks' partial products "
+                     "must add up to the output; backward, the gradient of a sum reaches each "
+                     "addend as it is: which move does each need?"):
         parts = [randn(20 + i, B, T, C) for i in range(WORLD)]         # rank i's partial sum
         mine, probe = leaf(parts[r]), randn(30, B, T, C)
         z = exercise.g(mine, comm)
