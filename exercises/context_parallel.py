@@ -12,6 +12,18 @@ round the ring while each rank folds them into its queries' softmax, one block a
   query chunks see (SequenceSplit.blocks: which ones, and which get the causal mask), then waits
   and takes the arrived block. After the last, out = acc / denom, and it keeps the log-sum-exp
   m + log(denom) for backward (given: the concept file's).
+Given (context_parallel.py), all in the wide dtype (fp32, or fp64 for fp64 inputs):
+- _scores(q, k, causal): q (B, H, c, D), k (B, G, c, D) -> (B, H, c, c), q k^T / sqrt(D), with
+  each query's later keys at -inf when causal.
+- _grouped(k, q): K or V (B, G, c, D) repeated to q's H heads, (B, H, c, D); _upcast(t): t in
+  the wide dtype.
+- comm.rank, comm.world_size (r and cp); comm.exchange(ops), ops a list of ("send", tensor,
+  peer) and ("recv", tensor, peer), posted together; returns a handle: .wait() before reading
+  what was received.
+- split.chunks(rank): the chunk numbers rank holds, in order (its slots 0 and 1);
+  split.blocks(rank, source): [(a, b, causal)], rank's slot a queries against source's slot b
+  keys, causal when the two are the same chunk (later chunks are left out).
+- check_group(comm, split): raises unless split.cp is the group's size.
 Check: python -m exercises check context_parallel (on 3 ranks: with 2, rank r-s and r+s are the
 same rank, so a ring turning the wrong way still meets every block).
 
@@ -32,10 +44,10 @@ def _fold_in(m, denom, acc, q, k, v, causal: bool):
     the new max, so none overflows; what was summed under the old max is rescaled by
     exp(m_old - m_new): 0 at a row's first block, where m_old = -inf. m_new is always finite (no
     -inf - -inf = NaN): every block gives each row a finite score, the diagonal one its own key."""
-    # TODO: the block's scores (_scores: q k^T / sqrt(D), masked when causal); the new max per
-    # row; the exponentials against it; the old sums' factor exp(m - m_new); then update denom,
-    # acc (times v, lined up with q's heads: _grouped, in the wide dtype: _upcast) and m, all
-    # in place (mul_, add_, copy_): the caller reads them back through views.
+    # TODO: the block's scores, then the online softmax's update of m, denom and acc (v lined
+    # up with q's heads, in the wide dtype). At the first block m is -inf and the sums 0: what
+    # must the old-sums' factor be then? m, denom and acc change in place (mul_, add_,
+    # copy_), at the first block too: the caller reads them back through views.
     raise NotImplementedError
 
 
@@ -44,12 +56,11 @@ class RingAttention(context_parallel.RingAttention):
 
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, split: SequenceSplit):
-        # TODO: check_group; r, cp from comm; c tokens per chunk. m = -inf, denom = 0 (B, H, t)
-        # and acc = 0 (B, H, t, D) in fp32 or wider. kv = k and v stacked: one message.
-        # For each of cp steps: whose block kv is now; unless it is the last step, post the send
-        # to r+1 and the receive from r-1 together (comm.exchange, a buffer like kv); fold in
-        # each (a, b, causal) of split.blocks(r, source), on the slot a rows of m, denom, acc, q
-        # and the slot b columns of K and V (slices: views); then wait, and kv = the arrival.
+        # TODO: check_group; r, cp (comm.rank, comm.world_size); c tokens per chunk. m = -inf,
+        # denom = 0 (B, H, t) and acc = 0 (B, H, t, D) in fp32 or wider. k and v stacked: one
+        # message. For each of cp steps: whose block is held now? Post the next exchange before
+        # computing, so it overlaps (is one needed at the last step?); fold in the blocks
+        # split.blocks names, on slices (views) of m, denom, acc, q and the held K/V; then wait.
         # out = acc / denom in q's dtype; ctx.save_for_backward(q, k, v, out, lse = m +
         # log(denom)); ctx.comm, ctx.split for backward; return out.
         raise NotImplementedError

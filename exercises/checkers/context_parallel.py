@@ -70,7 +70,9 @@ def check(exercise, grader):
     k1, v1, k2, v2 = (randn(seed, B, G, C, D) for seed in (2, 3, 4, 5))
 
     with grader.step("one key block", "the online softmax's first block: m = the row's max "
-                     "score, denom = sum exp(score - m), acc = exp(score - m) V, unnormalised"):
+                     "score, denom = sum exp(score - m), acc = exp(score - m) V, unnormalised, "
+                     "written in place into m, denom and acc (the caller's views), the first "
+                     "block too"):
         blocks = [(k1, v1, False)]
         compare(grader, fold(exercise, q, blocks), softmax_pieces(q, blocks))
 
