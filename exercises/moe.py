@@ -14,6 +14,26 @@ all-to-all (the solution: moe.py).
 - MoE._exchange_static: the (E, G*K, C) slots go to the ranks holding their experts, each rank
   runs its E/P experts on every rank's slots for them, and the outputs come back the same way.
 The rest (the dispatch into slots, the combine, the losses, shard_experts) is the concept's.
+
+Given (moe.py; the constructor sets the attributes):
+- self.router, nn.Linear(C, E, bias=False); self.experts, an nn.ModuleList: E is
+  len(self.experts); self.top_k (k); self.capacity_factor (None: dropless, nothing dropped);
+  self.group_size (S; None: one group of all N tokens).
+- self.ep: the expert-parallel Comm, set by shard_experts: P is self.ep.world_size, this rank
+  self.ep.rank; self.ep.all_to_all(output, input, output_splits=None, input_splits=None)
+  fills output in place (splits: rows per rank, host ints; None: equal blocks). self.local: the
+  range of the expert indices this rank runs (E/P of them, in order).
+- expert_capacity(group_size, experts, top_k, capacity_factor) -> K, an int.
+  Dropless has no factor: a token's k experts are distinct, so one (group, expert) queue holds at
+  most S assignments, and K = group_size * k (more than enough) keeps every one.
+- _count(index, bins, weight=None) -> (bins,): how many entries of index fall in each bin,
+  counting only where weight (a bool tensor) is True.
+- self._losses(logits, probs, per_queue, per_expert, A): logits and probs (N, E), per_queue
+  (G, E) assignments per queue before capacity, per_expert (E,) kept; sets self.aux_loss and
+  self.stats, returns None.
+- Routing(token, expert, gate, group, position, keep, order, per_expert, groups, capacity), in
+  that order: (A,) tensors token, expert, gate (the wide dtype), group, position, keep (bool),
+  order (from _queue_positions); per_expert (E,); groups (G) and capacity (K), ints.
 Check: python -m exercises check moe (on 2 ranks, 2 experts each).
 
 Shapes: N tokens, S tokens per routing group, G = N/S groups, C channels, E experts, k choices
@@ -36,17 +56,12 @@ class MoE(moe.MoE):
         The softmax, gates and losses run in fp32, or fp64 when the model is fp64.
         bf16 would round every probability, and the z-loss's logsumexp.
         """
-        # TODO: N, E, k. logits = self.router(tokens), promoted to at least fp32; softmax over
-        # the experts; topk; the gates renormalised over the k chosen.
-        # The assignments choice-major: expert (A,) from the (N, k) choices transposed, token
-        # (A,) = 0..N-1 repeated k times, gate likewise.
-        # Routing groups of self.group_size tokens (None: all N; a ValueError if N does not
-        # split); each assignment's queue = its group * E + its expert; _queue_positions.
-        # capacity = expert_capacity(...) (dropless, capacity_factor None: group_size * k);
-        # keep = position under capacity; per_expert = _count(expert, E, keep).
-        # self._losses(logits, probs, per_queue as (groups, E), per_expert, A=k * N), then
-        # return Routing(token, expert, gate, group, position, keep, order, per_expert, groups,
-        # capacity).
+        # TODO: the router's logits, promoted to at least fp32; the softmax, top-k and gates.
+        # Lay the assignments out choice-major ((N, k) -> (A,): which layout puts every first
+        # choice first?). Routing groups of S tokens (a ValueError if N does not split); number
+        # the (group, expert) queues 0 .. G*E-1 and find each assignment's position; the
+        # capacity (dropless: group_size * k); what is kept, and the kept count per expert.
+        # Then self._losses(..., A=k * N) and the Routing.
         raise NotImplementedError
 
     def _exchange_static(self, dispatched):
@@ -56,9 +71,9 @@ class MoE(moe.MoE):
         That assumes every rank routes the same N tokens (the same batch shape), so the same G.
         """
         # TODO: all_to_all the (E*G*K, C) rows over self.ep (equal blocks: rank q gets the
-        # slots of its experts). What arrives is [source rank][my expert][slot]: run each of
-        # self.local's experts on its slots from every source at once, put the outputs back
-        # in [source][expert] order, all_to_all them home, and return them as (E, G*K, C).
+        # slots of its experts). In what order do the rows arrive? Run each of self.local's
+        # experts on its slots from every source at once; the outputs must go home in the order
+        # they came; return them as (E, G*K, C).
         raise NotImplementedError
 
 
