@@ -52,6 +52,11 @@ MISTAKES = {
         ("only inf counts as an overflow: a NaN gradient is stepped with",
          "self.last_step_skipped = not math.isfinite(norm)",
          "self.last_step_skipped = norm == math.inf", "skip the step on inf/NaN"),
+        ("the skip flag is set on an overflow but never cleared: a clean step reads as skipped",
+         "self.last_step_skipped = not math.isfinite(norm)\n"
+         "        if not self.last_step_skipped:",
+         "if not math.isfinite(norm):\n            self.last_step_skipped = True\n        else:",
+         "skip the step on inf/NaN"),
         ("the masters step but are never rounded into the fp16 parameters",
          "p.copy_(m)", "pass", "skip the step on inf/NaN"),
         ("an overflow grows the scale instead of backing off",
