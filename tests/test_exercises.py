@@ -300,6 +300,14 @@ MISTAKES = {
         ("unmerge without its guard: an unmerged layer loses the update from W0",
          "if self.merged:\n            self.weight -=",
          "if True:\n            self.weight -=", "unmerge: W0 back"),
+        ("merge builds a new weight: the model's own W0 tensor never gets the update",
+         "self.weight += self.delta().to(self.weight.dtype)",
+         "self.weight = torch.nn.Parameter(self.weight + self.delta(), requires_grad=False)",
+         "merge in the weight's dtype (bf16)"),
+        ("merge sums in fp64 for accuracy and keeps the sum: a bf16 weight becomes fp64",
+         "self.weight += self.delta().to(self.weight.dtype)",
+         "self.weight.data = self.weight.double() + self.delta().double()",
+         "merge in the weight's dtype (bf16)"),
     ],
 
     # ---- quantization ----
