@@ -348,6 +348,13 @@ MISTAKES = {
         ("backward returns no gradient for the parameters",
          "wanted + list(ctx.params), grad_output", "wanted, grad_output",
          "backward: recompute with the RNG restored"),
+        ("the reentrant way: backward() inside backward writes the parameters' .grad itself "
+         "and returns None for them",
+         "        grads = torch.autograd.grad(output, wanted + list(ctx.params), grad_output,\n"
+         "                                    allow_unused=True)",
+         "        torch.autograd.backward(output, grad_output)\n"
+         "        grads = [t.grad for t in wanted] + [None] * len(ctx.params)",
+         "backward returns the parameters' gradients"),
         ("backward sets the RNG back outside fork_rng: the outer stream is rewound",
          "with torch.random.fork_rng(devices=ctx.cuda_devices):", "if True:",
          "backward leaves the RNG stream alone"),

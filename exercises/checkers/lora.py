@@ -123,7 +123,7 @@ def check(exercise, grader):
 
     with grader.step("merge in the weight's dtype (bf16)", "merging adds the update into W0 in "
                      "place: the frozen layer's own tensor, in its own 16-bit dtype (the model "
-                     "holds that tensor; an fp32 copy would double its bytes)"):
+                     "holds that tensor; a wider copy would take 2 or 4 times its bytes)"):
         layer, W0, b, A, B = build(exercise, dtype=torch.bfloat16)
         weight = layer.weight
         layer.merge()
