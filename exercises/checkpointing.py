@@ -2,18 +2,22 @@
 CheckpointFunction).
 
 A checkpointed block keeps only its input for backward. Write the autograd Function's two halves:
-- forward: remember what backward needs to run the block again (the function, the layout of
-  its arguments, the parameters, and the random number generator's state as forward found it,
-  so that the recomputation draws the same dropout masks), save the inputs (nothing else), and
-  run the block without recording a graph.
-- backward: take fresh leaves of the saved inputs (needing a gradient as the originals did),
-  put the RNG back as forward found it, without disturbing the stream the rest of training
-  draws from (torch.random.fork_rng), run the block again with grad enabled, this time
-  recording, then backpropagate grad_output through the fresh copy to the inputs that need a
-  gradient and to the parameters. Return one gradient per argument of forward.
-The Function's arguments are the block (run_function), its call's layout (each tensor argument
-replaced by a placeholder; _rebuild(layout, tensors) puts them back), n_inputs, then the input
-tensors and the parameters (checkpointing.py's checkpoint() builds them).
+- forward: run the block without recording a graph; keep what backward needs to run it again,
+  and save only the inputs. The block draws dropout masks: what must backward find to draw the
+  same ones?
+- backward: run the block again, this time recording, on fresh leaves of the saved inputs (each
+  requiring grad as its original did), and backpropagate grad_output through that copy. Return
+  one gradient per argument of forward, the parameters' included: autograd accumulates them
+  into .grad as without checkpointing (so gradient hooks, DDP's and ZeRO's, fire), and
+  torch.autograd.grad(loss, params) gets them. The rest of training draws random numbers too:
+  what must backward leave as it found it?
+Given: the Function's arguments are the block (run_function), its call's layout (each tensor
+argument replaced by a placeholder; _rebuild(layout, tensors) returns the call's arguments with
+the tensors back in place), n_inputs (how many of the tensors are inputs), then the input
+tensors, then the parameters (checkpointing.py's checkpoint() builds them). The RNG:
+torch.get_rng_state() and torch.set_rng_state(state) (the CPU's; torch.cuda.get_rng_state(d)
+and torch.cuda.set_rng_state(state, d) for each CUDA device d the inputs are on), and
+torch.random.fork_rng(devices=[...]) (a context that puts the states back on leaving).
 Check: python -m exercises check checkpointing (one process: against the same block run by plain
 autograd, dropout included).
 
@@ -30,16 +34,13 @@ class CheckpointFunction(checkpointing.CheckpointFunction):
 
     @staticmethod
     def forward(ctx, run_function, layout, n_inputs, *tensors):
-        # TODO: split tensors into the inputs and the parameters; keep on ctx what backward
-        # needs to run the block again, the RNG state as forward finds it among it (the CPU's,
-        # and each CUDA device's the inputs are on); save the inputs, and only them; return the
-        # block's output, recording nothing.
+        # TODO: keep on ctx what backward needs (the RNG among it); save the inputs, and only
+        # them; return the block's output, recording nothing.
         raise NotImplementedError
 
     @staticmethod
     def backward(ctx, grad_output):
-        # TODO: fresh leaves from the saved inputs; the block run again, recording, from the
-        # RNG state forward kept, inside fork_rng so the outer stream is left as it was; the
-        # gradients of its output (given grad_output) to the inputs that need one and to the
-        # parameters. One gradient per forward argument: None where there is none.
+        # TODO: the block again, recording, with forward's random numbers; the gradients of its
+        # output to the inputs that need one and to the parameters, returned (not written into
+        # .grad here). One per forward argument: None where there is none.
         raise NotImplementedError

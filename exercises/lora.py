@@ -2,16 +2,22 @@
 
 A pretrained W0 (d, k) and its bias b stay frozen; the layer learns two thin factors,
 A (r, k) and B (d, r), and adds their product, scaled by alpha / r, to what W0 computes.
-The constructor is given (lora.py): it freezes W0 and b, draws A at random, starts B at zero
-(so the adapted layer starts as the base one) and sets self.scale = alpha / r.
 Write the four methods below:
-- delta: the d x k update the adapter stands for, (alpha / r) B A.
-- forward: the frozen product (self.frozen_forward) plus the adapter's term, computed as two
-  thin products through self.linear, x -> A x -> B A x, so that the d x k update is never built;
-  in training, dropout (self.dropout) applies to the adapter's input only. A merged layer
-  (self.merged) already holds the update in its weight.
-- merge: add the update into W0, once, so inference costs one matmul; unmerge: take it out
-  again, so the base comes back (up to rounding) and another task's adapter can go on top.
+- delta: the d x k update the adapter stands for.
+- forward: the frozen layer's output plus the adapter's term; in training, dropout applies to
+  the adapter's input only. The adapter is low rank: can its term be computed without ever
+  building the d x k update? A merged layer already holds the update in its weight.
+- merge: add the update into W0 in place (the same tensor, in its own dtype), so inference
+  costs one matmul; unmerge: take it out again, so the base comes back (up to rounding) and
+  another task's adapter can go on top. What if either is called twice?
+Given by the constructor (lora.py; fp64 in the check, bf16 in one of its steps):
+- self.weight (d, k) W0 and self.bias (d,) b: the frozen nn.Linear's own tensors.
+- self.lora_A (r, k) and self.lora_B (d, r): the trainable factors (nn.Parameter).
+- self.scale: alpha / r, a float. self.dropout: the dropout probability p, a float, not a
+  module (F.dropout takes it; self.training says whether the layer is in training).
+  self.merged: False until merge() says otherwise.
+- self.frozen_forward(x): x W0^T + b, (..., d). self.linear(x, M): x M^T (it is F.linear; a
+  zero-bubble pipeline swaps it for its own, so the adapter's products go through it).
 Only A and B should ever get a gradient: W0 and b are frozen.
 Check: python -m exercises check lora (one process, against plain torch matmuls in fp64).
 
@@ -28,22 +34,20 @@ class LoRALinear(lora.LoRALinear):
 
     def delta(self) -> torch.Tensor:
         """The update the adapter adds to W0: (alpha / r) B A, (d, k)."""
-        # TODO: the product of the two factors, in the order that gives (d, k), times the scale.
+        # TODO: LoRA's update, (d, k).
         raise NotImplementedError
 
     def forward(self, x):                                       # x: (..., k) -> (..., d)
-        # TODO: h, the frozen layer's output; a merged layer returns it as it is. Otherwise
-        # dropout on x (only while self.training), then A, then B, each with self.linear,
-        # scaled by alpha / r and added to h.
+        # TODO: the frozen output, plus (unless merged) the adapter's scaled term on the
+        # dropped-out x, through self.linear.
         raise NotImplementedError
 
     @torch.no_grad()
     def merge(self):
-        # TODO: if not merged yet: add the update, in the weight's dtype, into W0 in place,
-        # and remember that it is merged (merging twice must not add it twice).
+        # TODO: the update into W0, in place, in W0's dtype; remember it.
         raise NotImplementedError
 
     @torch.no_grad()
     def unmerge(self):
-        # TODO: the reverse of merge: only a merged layer takes the update back out of W0.
+        # TODO: the reverse of merge.
         raise NotImplementedError

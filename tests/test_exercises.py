@@ -52,6 +52,11 @@ MISTAKES = {
         ("only inf counts as an overflow: a NaN gradient is stepped with",
          "self.last_step_skipped = not math.isfinite(norm)",
          "self.last_step_skipped = norm == math.inf", "skip the step on inf/NaN"),
+        ("the skip flag is set on an overflow but never cleared: a clean step reads as skipped",
+         "self.last_step_skipped = not math.isfinite(norm)\n"
+         "        if not self.last_step_skipped:",
+         "if not math.isfinite(norm):\n            self.last_step_skipped = True\n        else:",
+         "skip the step on inf/NaN"),
         ("the masters step but are never rounded into the fp16 parameters",
          "p.copy_(m)", "pass", "skip the step on inf/NaN"),
         ("an overflow grows the scale instead of backing off",
@@ -299,6 +304,14 @@ MISTAKES = {
         ("unmerge without its guard: an unmerged layer loses the update from W0",
          "if self.merged:\n            self.weight -=",
          "if True:\n            self.weight -=", "unmerge: W0 back"),
+        ("merge builds a new weight: the model's own W0 tensor never gets the update",
+         "self.weight += self.delta().to(self.weight.dtype)",
+         "self.weight = torch.nn.Parameter(self.weight + self.delta(), requires_grad=False)",
+         "merge in the weight's dtype (bf16)"),
+        ("merge sums in fp64 for accuracy and keeps the sum: a bf16 weight becomes fp64",
+         "self.weight += self.delta().to(self.weight.dtype)",
+         "self.weight.data = self.weight.double() + self.delta().double()",
+         "merge in the weight's dtype (bf16)"),
     ],
 
     # ---- quantization ----
@@ -339,6 +352,13 @@ MISTAKES = {
         ("backward returns no gradient for the parameters",
          "wanted + list(ctx.params), grad_output", "wanted, grad_output",
          "backward: recompute with the RNG restored"),
+        ("the reentrant way: backward() inside backward writes the parameters' .grad itself "
+         "and returns None for them",
+         "        grads = torch.autograd.grad(output, wanted + list(ctx.params), grad_output,\n"
+         "                                    allow_unused=True)",
+         "        torch.autograd.backward(output, grad_output)\n"
+         "        grads = [t.grad for t in wanted] + [None] * len(ctx.params)",
+         "backward returns the parameters' gradients"),
         ("backward sets the RNG back outside fork_rng: the outer stream is rewound",
          "with torch.random.fork_rng(devices=ctx.cuda_devices):", "if True:",
          "backward leaves the RNG stream alone"),

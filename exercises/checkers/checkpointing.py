@@ -1,7 +1,8 @@
 """Checks exercises/checkpointing.py: a block with dropout run through the student's
 CheckpointFunction, against the same block run by plain autograd in one process (the same seed
 before each, so the same dropout masks): the same output, only the inputs kept for backward,
-the same gradients, the RNG stream outside left as it was, a frozen input, two blocks in a row.
+the same gradients, the parameters' ones returned (torch.autograd.grad gets them, no .grad written
+on the side), the RNG stream outside left as it was, a frozen input, two blocks in a row.
 
 The block: x + dropout(tanh((x + shift) W1^T), p) W2^T, x (B, T, C), shift (C,) a second input,
 p a non-tensor argument between them in the call (the layout), W1 (H, C) and W2 (C, H) the
@@ -83,6 +84,23 @@ def check(exercise, grader):
         for name, mine, theirs in (("x", x, px), ("shift", shift, pshift), ("W1", W1, pW1),
                                    ("W2", W2, pW2)):
             grader.close(f"{name}.grad", mine.grad, theirs.grad, 0.0, EXACT)
+
+    with grader.step("backward returns the parameters' gradients", "checkpointing's backward "
+                     "returns one gradient per parameter, as autograd's own functions do: "
+                     "autograd then accumulates them (gradient hooks fire) or hands them to "
+                     "torch.autograd.grad; backward writes no .grad itself"):
+        (x, shift), (W1, W2) = inputs(), weights(20)
+        (px, pshift), (pW1, pW2) = inputs(), weights(20)
+        torch.manual_seed(10)
+        out = checkpointed(exercise, x, shift, W1, W2)
+        got = torch.autograd.grad(out, [W1, W2], g, allow_unused=True)
+        torch.manual_seed(10)
+        expected = torch.autograd.grad(block(px, P, pshift, pW1, pW2), [pW1, pW2], g)
+        for name, param, mine, theirs in (("W1", W1, got[0], expected[0]),
+                                          ("W2", W2, got[1], expected[1])):
+            grader.close(f"torch.autograd.grad's gradient for {name}", mine, theirs, 0.0, EXACT)
+            grader.same(f"{name}.grad after torch.autograd.grad (which writes none)",
+                        param.grad, None)
 
     with grader.step("backward leaves the RNG stream alone", "checkpointing's backward sets "
                      "the RNG back only inside torch.random.fork_rng: the stream the rest of "

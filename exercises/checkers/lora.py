@@ -7,6 +7,8 @@ shows), A and B set to seeded values (B nonzero, so the adapter's term shows), f
 Bounds: 1e-12 where the same products are summed in another grouping (x (B A)^T against
 (x A^T) B^T, W0 + s B A - s B A against W0), rounding alone in fp64 on values of order 10;
 exact (0) where the claim is "unchanged" (a second merge, a frozen weight's missing gradient).
+Last, a bf16 layer's merge: W0 keeps its tensor and its dtype, against W0 + s B A in fp64 within
+bf16's rounding of the update and of the sum.
 """
 import torch
 import torch.nn as nn
@@ -22,16 +24,16 @@ def seeded(*shape, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def build(exercise, dropout: float = 0.0):
-    """The student's layer over a seeded fp64 base, its A and B set to seeded values; and the
-    plain tensors W0, b, A, B one process computes with."""
-    base = nn.Linear(K, D, dtype=torch.float64)
+def build(exercise, dropout: float = 0.0, dtype=torch.float64):
+    """The student's layer over a seeded base (fp64 unless dtype), its A and B set to seeded
+    values; and the plain tensors W0, b, A, B (in dtype) one process computes with."""
+    base = nn.Linear(K, D, dtype=dtype)
     with torch.no_grad():
         base.weight.copy_(seeded(D, K, seed=1))
         base.bias.copy_(seeded(D, seed=2))
     W0, b = base.weight.detach().clone(), base.bias.detach().clone()
     layer = exercise.LoRALinear(base, rank=R, alpha=ALPHA, dropout=dropout)
-    A, B = seeded(R, K, seed=3), seeded(D, R, seed=4)
+    A, B = seeded(R, K, seed=3).to(dtype), seeded(D, R, seed=4).to(dtype)
     with torch.no_grad():
         layer.lora_A.copy_(A)
         layer.lora_B.copy_(B)
@@ -54,7 +56,8 @@ def check(exercise, grader):
         grader.close("delta()", layer.delta(), scale * B @ A, BOUND, WHY)
 
     with grader.step("forward: W0 x + (alpha/r) B A x", "LoRA's forward adds (alpha/r) B (A x) "
-                     "to the frozen layer's W0 x + b: A first (k -> r), then B (r -> d)"):
+                     "to the frozen layer's W0 x + b; self.linear(x, M) is x M^T (F.linear), "
+                     "so x goes through A (k -> r), then B (r -> d)"):
         layer, W0, b, A, B = build(exercise)
         grader.close("h", layer(x), plain(x, W0, b, A, B), BOUND, WHY)
 
@@ -117,3 +120,17 @@ def check(exercise, grader):
         grader.close("weight after merge(), unmerge()", layer.weight, W0, BOUND,
                      "fp64, W0 + s B A - s B A rounded twice")
         grader.close("h after merge(), unmerge()", layer(x), plain(x, W0, b, A, B), BOUND, WHY)
+
+    with grader.step("merge in the weight's dtype (bf16)", "merging adds the update into W0 in "
+                     "place: the frozen layer's own tensor, in its own 16-bit dtype (the model "
+                     "holds that tensor; a wider copy would take 2 or 4 times its bytes)"):
+        layer, W0, b, A, B = build(exercise, dtype=torch.bfloat16)
+        weight = layer.weight
+        layer.merge()
+        grader.same("the weight after merge() is the tensor it was (merged in place)",
+                    layer.weight is weight, True)
+        grader.same("the weight's dtype after merge()", layer.weight.dtype, torch.bfloat16)
+        update = scale * B.double() @ A.double()
+        grader.close("weight after merge()", layer.weight, W0.double() + update,
+                     2**-8 * update.abs().max().item(), "bf16 rounds the update, then the sum: "
+                     "2**-8 of each", rtol=2**-8)

@@ -9,7 +9,8 @@
 - skip on inf/NaN: the student's optimizer update with the concept file's scaler (so only the skip
   is checked), plain SGD: a clean step against master - lr x gradient in fp64 (one fp32 rounding
   of the result, 2**-24 relative, bounded by 2**-23), then an inf and a NaN step that must leave
-  the masters and the parameters bit for bit as they were.
+  the masters and the parameters bit for bit as they were, then a clean step again (no longer
+  skipped: the flag is set on every step, not only on an overflow).
 - back off, grow: the scale after each step of a sequence of clean and overflowed steps, against
   torch.amp.GradScaler's on the same sequence (torch's own rule; powers of two: exact).
 """
@@ -44,9 +45,9 @@ def check_scales(grader, scaler, flags: list, expected: list):
     """scaler.update(flag) for each flag; its scale after each against expected."""
     for i, (overflow, scale) in enumerate(zip(flags, expected)):
         scaler.update(overflow)
-        steps = "".join("x" if o else "." for o in flags[:i + 1])
-        grader.same(f"the scale after step {i} (steps {steps}: . clean, x overflow)",
-                    scaler.scale, scale)
+        steps = ", ".join("overflow" if o else "clean" for o in flags[:i + 1])
+        grader.same(f"the scale after step {i} (the steps so far: {steps})", scaler.scale,
+                    scale)
 
 
 def check(exercise, grader):
@@ -117,6 +118,14 @@ def check(exercise, grader):
                          0.0, "a skipped step moves nothing")
             grader.close(f"the parameter after a skipped step ({bad})", p, param, 0.0,
                          "a skipped step moves nothing")
+        # A clean step after the skipped ones: the scaler has backed off twice since.
+        p.grad = (torch.randn(4, generator=generator) * opt.scaler.scale).half()
+        master, grad = opt.masters[0].detach().double(), p.grad.double() / opt.scaler.scale
+        opt.step()
+        grader.same("last_step_skipped after a clean step that follows a skipped one",
+                    opt.last_step_skipped, False)
+        grader.close("the master after that clean step", opt.masters[0], master - lr * grad,
+                     0.0, "one fp32 rounding of master - lr x grad", rtol=2**-23)
 
     with grader.step("back off on overflow", "update(found_inf=True) multiplies the scale by "
                      "backoff_factor (0.5): every overflow halves it"):
