@@ -94,6 +94,9 @@ MISTAKES = {
          "outer = self.require_backward_grad_sync", "no_sync"),
         ("no_sync never gives the flag back: the last micro-batch's backward does not overlap",
          "            self.require_backward_grad_sync = outer", "            pass", "no_sync"),
+        ("no_sync sets the flag to True at its end: a nested one ends the outer one's too",
+         "            self.require_backward_grad_sync = outer",
+         "            self.require_backward_grad_sync = True", "no_sync"),
     ],
 
     # ---- zero ----
