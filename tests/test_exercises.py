@@ -193,6 +193,15 @@ MISTAKES = {
         ("the received activation does not require grad: B has no gradient to send back",
          "cache.inputs[a.m, a.chunk] = buffer.requires_grad_(torch.is_grad_enabled())",
          "cache.inputs[a.m, a.chunk] = buffer", "messages: activations to the next stage"),
+        ("evaluating, send_act never drops the output it sent: every activation is kept",
+         "output = cache.outputs[key] if torch.is_grad_enabled() else cache.outputs.pop(key)",
+         "output = cache.outputs[key]", "evaluation: the forwards alone"),
+        ("evaluating, F keeps the last stage's loss too, for a B that never comes",
+         "if torch.is_grad_enabled() or not has_loss:", "if True:",
+         "evaluation: the forwards alone"),
+        ("a received activation requires grad when evaluating too",
+         "buffer.requires_grad_(torch.is_grad_enabled())", "buffer.requires_grad_()",
+         "evaluation: the forwards alone"),
     ],
 
     # ---- tensor_parallel ----
