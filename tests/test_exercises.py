@@ -198,7 +198,7 @@ MISTAKES = {
          "output = cache.outputs[key]", "evaluation: the forwards alone"),
         ("evaluating, F keeps the last stage's loss too, for a B that never comes",
          "if torch.is_grad_enabled() or not has_loss:", "if True:",
-         "evaluation: the forwards alone"),
+         "evaluation: what F keeps"),
         ("a received activation requires grad when evaluating too",
          "buffer.requires_grad_(torch.is_grad_enabled())", "buffer.requires_grad_()",
          "evaluation: the forwards alone"),
