@@ -161,6 +161,11 @@ MISTAKES = {
          "op=unit.op", "op=\"sum\"", "reduce-scatter"),
         ("the whole gradients are kept after the reduce-scatter",
          "                p.grad = None\n", "", "reduce-scatter"),
+        ("prefetch never counts the units gathered: a pipeline's step holds every unit whole",
+         " or gathered >= limit:", ":", "prefetch's limit"),
+        ("the all-gather keeps (shard, handle): wait() reads (handle, shard)",
+         "self.gathering.append((handle, shard))", "self.gathering.append((shard, handle))",
+         "all-gather"),
     ],
 
     # ---- pipeline ----
