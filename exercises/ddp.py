@@ -1,25 +1,44 @@
 """Exercise: DDP's gradient sync, overlapped with backward (the solution: ddp.py's DDP).
 
 Every rank holds the whole model and runs backward on its own rows; the gradients must end up
-averaged over the ranks before the optimizer steps. DDP's __init__ (given) lays the trainable
-parameters, in the order backward produces their gradients, into buckets: each a flat gradient
-buffer (bucket.grad_flat) whose slots are the parameters' .grad. It also registers a hook that
-calls mark_param_as_ready(b, j) when backward has added bucket b's parameter j into its .grad.
-Write the four methods below:
+averaged over the ranks before the optimizer steps. Write the four methods below:
 - mark_param_as_ready: the gradient goes into its slot and is counted; once a bucket has all of
-  its gradients it is full, and full buckets start their all-reduce in bucket order, while
-  backward carries on with the earlier layers (under no_sync, the gradient just stays in .grad).
+  its gradients it is full, and full buckets start their all-reduce, while backward carries on
+  with the earlier layers (under no_sync, the gradient just stays in .grad).
 - _all_reduce: start one bucket's all-reduce without waiting, and remember it.
 - finish_gradient_sync: after the last backward, wait for every bucket, and leave the mean in
   each .grad, ready for the optimizer; then start over for the next step.
 - no_sync: a context in which backwards only accumulate, so that k micro-batches cost one sync.
-The state they share is listed in DDP.__init__ (ddp.py): pending, launched, _ready, _used,
-_hooked, _in_flight, require_backward_grad_sync. The corner cases are given: _grad_into_slot,
-_check_first_gradient, _launch_full_buckets, _upcast, _launch_unused, _launch_used_flags, _reset.
 Check: python -m exercises check ddp (on 3 ranks, fp64, against one process on the whole batch).
 
-Shapes: N ranks in the group, P trainable parameter tensors, bucket b holds params[i] for i in
-bucket_indices[b], L_b elements in its flat buffer grad_flat (L_b,).
+Given by __init__ (i: a parameter, b: a bucket; N ranks, P trainable parameter tensors):
+- self.buckets: the buckets, in the order backward fills them; bucket b's flat gradient
+  buffer bucket.grad_flat (L_b,) holds its parameters' .grad end to end (the slots); its
+  bucket.comm (all_reduce(tensor, op="sum"|"avg"|"max", async_op=False): with async_op=True
+  it returns at once a work whose .wait() blocks until the tensor holds the result),
+  bucket.op (the op to reduce with) and bucket.divide (divide the result by it afterwards).
+- self.params (P,): the parameters in bucket order; self.bucket_indices[b]: the range of i
+  in bucket b, so bucket b's parameter j is params[bucket_indices[b][j]].
+- A hook calls mark_param_as_ready(b, j) when backward has added into bucket b's param j's .grad.
+The state the four methods share (_reset() renews all but the first two):
+- self.require_backward_grad_sync: False inside no_sync (True otherwise).
+- self._hooked[i]: i's hook has fired once.     self._used[i]: i got a gradient since the sync.
+- self._ready[i]: i's gradient is counted into its bucket, this sync.
+- self.pending[b]: gradients bucket b still waits for (0: full).
+- self.launched: how many buckets have launched, this sync.
+- self._in_flight: [(bucket, wire, work)]: each launched bucket, the tensor it sends (wire) and
+  its work, for the finish to wait for.
+Given helpers (the corner cases):
+- _check_first_gradient(i): raises if i's gradient was already counted this sync.
+- _grad_into_slot(i): moves a .grad autograd made on its own into i's slot.
+- _launch_full_buckets(): launches (_all_reduce) the full buckets from bucket self.launched on,
+  up to the first one not full, counting them in self.launched.
+- _upcast(grad_flat): what to send: a copy in reduce_dtype, or grad_flat itself if none.
+- _launch_unused(): fills the slots no gradient came to (zeros, or no_sync's .grad), then
+  launches the buckets that are now full.
+- _launch_used_flags(): launches an all-reduce of the "used" flags; returns wait_used_flags(),
+  which waits and returns them (P,): True where some rank used i.
+- _reset(): the per-sync state starts over.
 """
 from contextlib import contextmanager
 
@@ -34,20 +53,15 @@ class DDP(ddp.DDP):
 
     def mark_param_as_ready(self, b: int, j: int):
         """Backward has accumulated bucket b's parameter j into its .grad (the gradient hook)."""
-        # TODO: i, the parameter's index in self.params (bucket_indices); it was used and its
-        # hook has fired. Under no_sync (require_backward_grad_sync False) that is all: the
-        # gradient stays in .grad. Otherwise: refuse a second gradient (_check_first_gradient),
-        # move .grad into its bucket slot (_grad_into_slot), mark it ready, count it off the
-        # bucket's pending; when the bucket is full, launch it and the full ones after it, never
-        # before an earlier bucket (_launch_full_buckets: ranks pair collectives by call order).
+        # TODO: record what the state says of parameter i. Under no_sync, the gradient stays in
+        # .grad. Otherwise it goes into its slot and is counted off its bucket. Once the bucket
+        # is full, which buckets may start now, if the ranks pair all-reduces by call order?
         raise NotImplementedError
 
     def _all_reduce(self, bucket: FlatParams):
         """Start the bucket's all-reduce and return without waiting for it."""
-        # TODO: what goes on the wire is self._upcast(bucket.grad_flat) (a copy in reduce_dtype,
-        # or the buffer itself); all-reduce it over bucket.comm with op=bucket.op (the default
-        # "avg" is the mean over the ranks), async_op=True, and append (bucket, wire, work) to
-        # self._in_flight for the finish.
+        # TODO: the wire (see _upcast) all-reduced over the bucket's comm with its op, without
+        # waiting; the finish will need the bucket, the wire and the work.
         raise NotImplementedError
 
     # ---- after backward: wait for every bucket ----------------------------------------------
@@ -56,11 +70,10 @@ class DDP(ddp.DDP):
         """Wait for every bucket's all-reduce and leave the averaged gradients in .grad.
 
         Call it after the step's last backward, before optimizer.step()."""
-        # TODO: first the buckets backward never filled (_launch_unused: every rank must launch
-        # every bucket), then the used flags (_launch_used_flags returns the function that
-        # waits for them). Wait for each bucket in flight; divide its wire by bucket.divide
-        # where that is not 1; copy the wire into grad_flat if it is a copy. Then each
-        # parameter's .grad is its slot if some rank used it, else None; then _reset().
+        # TODO: every rank must launch every bucket, also those backward never filled (an
+        # unused parameter's), and the used flags after them. Then wait for each bucket; its
+        # mean must end up in grad_flat (bucket.divide; a wire may be a copy). Each .grad: its
+        # slot where some rank used the parameter, else None. Then start over for the next step.
         raise NotImplementedError
 
     # ---- gradient accumulation --------------------------------------------------------------
@@ -68,6 +81,6 @@ class DDP(ddp.DDP):
     @contextmanager
     def no_sync(self):
         """Backwards inside accumulate into .grad locally; the next one outside syncs the sum."""
-        # TODO: set require_backward_grad_sync to False for the body of the with, and give it
-        # back its value afterwards (a try/finally around the yield), nested or not.
+        # TODO: require_backward_grad_sync False for the body of the with; afterwards, the
+        # value it had before, nested or not, also when the body raises.
         raise NotImplementedError

@@ -13,8 +13,24 @@ parameter, sharded. Write the steps that make a unit whole only while it compute
 - the gradient: once the unit's gradients are all in, every rank holds a whole gradient of
   it; a reduce-scatter leaves rank r the mean of shard r, and the whole gradients go.
 - prefetch: gather up to `prefetch` units ahead, never holding more than 1 + prefetch.
-Everything else (the wrap, the hooks, the order of the reduce-scatters, wait, free, the
-step) comes from fsdp.py. Check: python -m exercises check fsdp (on 2 ranks).
+Everything else (the wrap, the hooks, the order of the reduce-scatters, the step) comes from
+fsdp.py. Check: python -m exercises check fsdp (on 2 ranks).
+
+Given, on a Unit: self.comm (all_gather(output, input, async_op=False) fills output (N*S,)
+from every rank's input (S,); reduce_scatter(output, input, op="sum", async_op=False) leaves
+rank r output (S,) = op over the ranks of input's chunk r; with async_op=True each returns a
+handle with .wait()), self.op (the gradient's op), self.params, self.flat (N*S,) (the
+parameters are views of it), self.master (S,) (this rank's shard), self.views(buffer) (a view
+of buffer (N*S,) per parameter, shaped like it), self.sends() ([(this rank's shard (S,), the
+flat it fills)]), self.gathered (True from the launch of its all-gather until it is freed),
+self.gathering (what wait() reads: a list of (handle, shard) pairs, in that order; the shard
+kept alive until sent), self.wait() (waits for each handle, then gathering = ()).
+Given, on FSDP: self.forward_order (the units in forward order), self.prefetch, self._sync
+(False under no_sync), self._grads_to_reduce, self.reduce_dtype; self._gather(unit) (launches
+unit.all_gather() unless unit.gathered), self._free(unit) and self._free_after_backward(unit)
+(free it, unless a pipeline's step keeps it: use these, not unit.free()),
+self._hook_end_of_backward() (once per backward), self._tell(what, unit) (tells the observers:
+what is "forward", "backward" or "reduce-scatter", as the unit computes or launches).
 
 Shapes: N ranks, r this rank, P elements in a unit, S = ceil(P / N) per shard: the master
 (S,), the flat (N*S,).
@@ -30,9 +46,9 @@ class Unit(fsdp.Unit):
     def all_gather(self):
         """Launch (async) the all-gathers that fill each flat from every rank's shard."""
         # TODO: for each (shard, flat) of self.sends(): the shard on the flat's device; the
-        # flat's storage back to its full size (free() left it at 0 bytes); an async
-        # all-gather over self.comm, its handle kept with the shard in self.gathering (wait()
-        # reads it). Then mark the unit gathered, so that FSDP does not gather it twice.
+        # flat's storage back to its full size (free() left it at 0 bytes); the all-gather,
+        # launched, not waited for (what must wait() find?). Then mark the unit gathered, so
+        # that FSDP does not gather it twice.
         raise NotImplementedError
 
     def free(self):
@@ -70,10 +86,10 @@ class FSDP(fsdp.FSDP):
         """Launch the reduce-scatter of unit's gradient, unless no_sync: each rank receives its
         shard of the sum (the mean: op avg). Returns (handle, output, used), or None."""
         # TODO: remember whether gradients wait (self._grads_to_reduce: not self._sync). When
-        # syncing: a zeroed (N*S,) buffer in self.reduce_dtype, each parameter's .grad copied
-        # into its view (used: which had one) and then dropped; an (S,) output; an async
-        # reduce-scatter over unit.comm by unit.op; tell "reduce-scatter". In any case free the
-        # unit (self._free_after_backward). Return (handle, output, used) or None.
+        # syncing: the unit's whole gradient as one (N*S,) buffer in self.reduce_dtype (a
+        # parameter with no .grad adds zeros; used: which had one), the whole .grads dropped,
+        # and the reduce-scatter launched into an (S,) output; tell "reduce-scatter". In any
+        # case the unit is freed. Return (handle, output, used) or None.
         raise NotImplementedError
 
     def _prefetch(self, position: int, step: int):

@@ -10,11 +10,28 @@ forward or backward, "recv_act"/"send_act" move activations to the next stage, "
 - gpipe: every forward, then every backward. one_f_one_b: a warm-up of forwards, deep enough to
   keep the later stages busy until the first backward returns; then a forward and a backward in
   turn; then the backwards left over. Every micro-batch's F comes before its B.
-- The executor (Pipeline._run, given) groups the messages between two computations into one
-  batch: _post sends and receives a group together, _wait waits for it and files what arrived by
-  (micro-batch, chunk); _forward runs F and keeps its output for B; _backward runs B from the
-  loss (the last stage) or from the gradient that arrived. The step's loss is the mean over the
-  micro-batches: each one's loss counts 1/M.
+- The executor (Pipeline._run, given) plays a stage's list; you write its core: _forward (F,
+  keeps its output for B), _backward (B, from the loss or the gradient that arrived), _post
+  (posts a group of messages between two computations as one batch) and _wait (waits for a
+  group; files what arrived by (micro-batch, chunk)). The step's loss is the mean over the
+  micro-batches: each one's loss counts 1/M. train_step runs the whole list with grad enabled;
+  evaluate() only the forwards and their messages, under torch.no_grad(): a part tells which
+  by torch.is_grad_enabled(). Evaluating keeps no graph, and nothing for a B.
+Given by Pipeline.__init__: self.stage (s), self.P, self.M; self.first, self.last (s is the
+first, the last stage); self.v, this rank's chunks of layers (1 here); self.dtype, what an
+activation is sent in; self.comm, a Comm whose exchange(ops) posts ops [("send" | "recv",
+tensor, peer rank)] together and returns one work (.wait()). self.module(inputs, chunk=c)
+runs chunk c of this stage on inputs: the tokens (b, T) on stage 0's chunk 0, else the
+activation (b, T, C), and returns the activation (b, T, C). The model's last chunk (the last
+stage's chunk v-1) is called self.module(inputs, targets, chunk=c), targets (b, T), and
+returns the loss (0-dim). With experts either returns (that, the routers' losses):
+self._keep_aux_loss(output, key, cache) takes them in and returns the first; a chunk whose key
+is then in cache.aux_losses needs self._backward_with_aux_loss(key, cache, scale_loss) for B.
+StepCache, all by key (m, chunk): inputs (received activations: B leaves their .grad),
+outputs (what F returned, until B, or evaluating, until sent), output_grads (received
+gradients, until B), aux_losses; recvs {group: (work, {action: buffer})}, a posted group that
+receives; sends_to_wait [work] (waited for at the step's end); loss (0-dim fp32, this stage's
+part of the step's loss).
 Check: python -m exercises check pipeline (on 3 ranks: with 2, the next and the previous stage
 are the same rank).
 
@@ -68,35 +85,28 @@ class Pipeline(pipeline.Pipeline):
     def _forward(self, a: Action, x, y, cache: StepCache):
         """F: chunk a.chunk on micro-batch a.m, from its tokens x (b, T) or the activation
         received. The last chunk's loss joins the step's, 1/M each."""
-        # TODO: key (a.m, a.chunk). The input: the tokens on the first stage's chunk 0, else the
-        # activation filed in cache.inputs. The model's last chunk (last stage, chunk v-1) also
-        # gets the targets and returns the loss. Call self.module(inputs, [targets,] chunk=...),
-        # pass what it returns through self._keep_aux_loss. A loss joins cache.loss (a detached
-        # float, 1/M of it). Keep the output in cache.outputs for B (evaluating, under no_grad,
-        # only an activation still to be sent needs keeping).
+        # TODO: which input does this chunk read, and is it the model's last chunk (the loss)?
+        # A loss joins the step's as a number, not a graph. What must stay in cache.outputs,
+        # training, and what evaluating, where no B comes?
         raise NotImplementedError
 
     def _backward(self, a: Action, cache: StepCache, scale_loss):
         """B: chunk a.chunk's backward on micro-batch a.m, from the loss or a received gradient."""
-        # TODO: the model's last chunk: backward from scale_loss of its loss, 1/M of it (the
-        # step's loss is the mean over micro-batches). A chunk with routers' losses (key in
-        # cache.aux_losses): self._backward_with_aux_loss. Else: backward from the output kept
-        # by F, with the gradient that arrived for it. Pop what you use: nothing outlives its B.
+        # TODO: from the loss (scaled by scale_loss, its share of the mean), from the routers'
+        # losses too, or from the output F kept with the gradient that arrived for it. Pop
+        # what you use: nothing outlives its B.
         raise NotImplementedError
 
     def _post(self, group: tuple, cache: StepCache, shape, device):
         """Post a group's sends and receives as one batch_isend_irecv (Comm.exchange: one work)."""
-        # TODO: the next and the previous stage, wrapping round modulo P. For each action: a
-        # send_act sends F's output, detached (popped when evaluating: nothing will need it);
-        # a send_grad sends the gradient B left on the received input (pop it); a receive gets
-        # a fresh buffer (shape, self.dtype), from the previous stage for an activation, the
-        # next for a gradient. self.comm.exchange(ops) posts them all; keep its work and the
-        # buffers in cache.recvs[group] if it receives, else in cache.sends_to_wait.
+        # TODO: one exchange for the whole group. Who is the peer of each kind of message (the
+        # ring wraps round modulo P)? What does each send, and what may it drop from the cache
+        # (training, evaluating)? A receive needs a fresh buffer of (shape, self.dtype). Keep
+        # the work where _wait, or the step's end, will find it.
         raise NotImplementedError
 
     def _wait(self, group: tuple, cache: StepCache):
         """Wait for a posted group; file what it received: activations for F, gradients for B."""
-        # TODO: take the group's work and buffers out of cache.recvs, wait, then file each buffer
-        # by (m, chunk): an activation in cache.inputs, requiring grad when training (B sends its
-        # gradient back), a gradient in cache.output_grads.
+        # TODO: once it has arrived, file each buffer where F or B looks for it. Which received
+        # activations need autograd to leave a gradient on them, and which not?
         raise NotImplementedError

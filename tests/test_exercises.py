@@ -99,6 +99,9 @@ MISTAKES = {
          "outer = self.require_backward_grad_sync", "no_sync"),
         ("no_sync never gives the flag back: the last micro-batch's backward does not overlap",
          "            self.require_backward_grad_sync = outer", "            pass", "no_sync"),
+        ("no_sync sets the flag to True at its end: a nested one ends the outer one's too",
+         "            self.require_backward_grad_sync = outer",
+         "            self.require_backward_grad_sync = True", "no_sync"),
     ],
 
     # ---- zero ----
@@ -167,6 +170,11 @@ MISTAKES = {
          "op=unit.op", "op=\"sum\"", "reduce-scatter"),
         ("the whole gradients are kept after the reduce-scatter",
          "                p.grad = None\n", "", "reduce-scatter"),
+        ("prefetch never counts the units gathered: a pipeline's step holds every unit whole",
+         " or gathered >= limit:", ":", "prefetch's limit"),
+        ("the all-gather keeps (shard, handle): wait() reads (handle, shard)",
+         "self.gathering.append((handle, shard))", "self.gathering.append((shard, handle))",
+         "all-gather"),
     ],
 
     # ---- pipeline ----
@@ -199,6 +207,15 @@ MISTAKES = {
         ("the received activation does not require grad: B has no gradient to send back",
          "cache.inputs[a.m, a.chunk] = buffer.requires_grad_(torch.is_grad_enabled())",
          "cache.inputs[a.m, a.chunk] = buffer", "messages: activations to the next stage"),
+        ("evaluating, send_act never drops the output it sent: every activation is kept",
+         "output = cache.outputs[key] if torch.is_grad_enabled() else cache.outputs.pop(key)",
+         "output = cache.outputs[key]", "evaluation: the forwards alone"),
+        ("evaluating, F keeps the last stage's loss too, for a B that never comes",
+         "if torch.is_grad_enabled() or not has_loss:", "if True:",
+         "evaluation: what F keeps"),
+        ("a received activation requires grad when evaluating too",
+         "buffer.requires_grad_(torch.is_grad_enabled())", "buffer.requires_grad_()",
+         "evaluation: the forwards alone"),
     ],
 
     # ---- tensor_parallel ----

@@ -97,8 +97,8 @@ def check(exercise, grader):
     n, r = grader.world, grader.rank
 
     with grader.step("bucket launches", "the lecture's overlap: a gradient goes into its bucket "
-                     "slot and is counted off; a bucket launches when full, after every earlier "
-                     "bucket (_launch_full_buckets), or ranks would pair different buckets"):
+                     "slot and is counted off; when may a full bucket launch, if another rank's "
+                     "backward fills the buckets in another order?"):
         ddp = exercise.DDP(tiny_model(), SlowNetwork(grader.group), bucket_mb=BUCKET_MB)
         launches = spy_launches(ddp, forward=False)
         grads, arrived = gradients(r, 1, ddp.params), set()
@@ -116,8 +116,8 @@ def check(exercise, grader):
                          "the gradients copied into their slots: exact")
 
     with grader.step("bucket all-reduce", "the lecture's all-reduce of a bucket: the wire "
-                     "self._upcast(grad_flat) over bucket.comm, op=bucket.op ('avg': sum / N), "
-                     "async_op=True, (bucket, wire, work) appended to self._in_flight, no wait"):
+                     "_upcast gives, reduced with the bucket's own comm and op, started but not "
+                     "waited for, and remembered in self._in_flight for the finish"):
         for dtype, reduce_dtype, op in ((torch.float64, None, "avg"),
                                         (torch.float32, torch.float64, "sum")):
             comm = SlowNetwork(grader.group)
@@ -169,8 +169,8 @@ def check(exercise, grader):
                          p.grad, mean, 0.0, WHY32, rtol=FP32)
 
     with grader.step("no_sync", "the lecture's gradient accumulation: inside no_sync a backward "
-                     "leaves its gradient in .grad and launches nothing; after it the flag is "
-                     "back, so the last micro-batch's backward launches every bucket"):
+                     "leaves its gradient in .grad and launches nothing; after it the flag has "
+                     "the value it had before (inside an outer no_sync: still off)"):
         ddp = exercise.DDP(tiny_model(), SlowNetwork(grader.group), bucket_mb=BUCKET_MB)
         launches = spy_launches(ddp, forward=True)
         one = tiny_model()
@@ -180,7 +180,13 @@ def check(exercise, grader):
         first = dict(zip(names, torch.autograd.grad(F.mse_loss(one(xs[0]), ys[0]) / 2, params)))
         whole = dict(zip(names, torch.autograd.grad(F.mse_loss(one(x), y), params)))
         with ddp.no_sync():
+            with ddp.no_sync():
+                pass
+            grader.same("require_backward_grad_sync after a nested no_sync, inside the outer",
+                        ddp.require_backward_grad_sync, False)
             (F.mse_loss(ddp(xs[0]), ys[0]) / 2).backward()
+        grader.same("require_backward_grad_sync after the outer no_sync",
+                    ddp.require_backward_grad_sync, True)
         grader.same("buckets launched by a backward inside no_sync", [b for b, _ in launches],
                     [])
         for name, p in zip(ddp.names, ddp.params):

@@ -10,8 +10,10 @@ reference is one process: the same fp64 model, its output on this rank's rows, i
 the mean loss over the whole batch. Bounds: gathered values are copies (exact, 0); the output
 and gradients are fp64 sums in another order (the 2 ranks' means averaged), under 1e-12.
 Steps: all-gather, free (one unit, alone), forward, prefetch, backward, prefetch in backward,
-reduce-scatter. 2 ranks: the parts index no chunk themselves (the Comm cuts the shards), and
-the units' sizes (31, 49, 67, 10) already leave padding.
+reduce-scatter, then prefetch's limit: a forward inside gathered_for_step (a pipeline's step,
+which frees nothing), where 1 + prefetch units gathered stop the prefetch. 2 ranks: the parts
+index no chunk themselves (the Comm cuts the shards), and the units' sizes (31, 49, 67, 10)
+already leave padding.
 """
 import copy
 
@@ -130,13 +132,19 @@ def check(exercise, grader):
     blocks = list(range(1, len(HIDDEN) + 1))
 
     with grader.step("all-gather", "the lecture's all-gather: the flat gets its memory back "
-                     "(its storage resized), every rank's shard lands in it, and the unit is "
-                     "marked gathered"):
+                     "(its storage resized), every rank's shard lands in it, launched, not "
+                     "waited for, as the pairs wait() reads, and the unit is marked gathered"):
         sharded, _, alone, _, _ = build(exercise, grader)
         unit = sharded.forward_order[1]
         expected = torch.zeros(unit.flat.numel(), dtype=torch.float64)
         expected[:unit.numel] = torch.cat([p.flatten() for p in alone[1].parameters()])
         unit.all_gather()
+        pairs = [tuple(type(t).__name__ for t in pair) if isinstance(pair, tuple) else
+                 type(pair).__name__ for pair in unit.gathering]
+        if len(pairs) != 1 or len(pairs[0]) != 2 or not hasattr(unit.gathering[0][0], "wait") \
+                or not isinstance(unit.gathering[0][1], torch.Tensor):
+            grader.fail(f"unit {unit.index}'s gathering holds {pairs}: wait() reads a list of "
+                        "(handle, shard) pairs, the handle first, one per flat")
         unit.wait()
         grader.close(f"unit {unit.index}'s gathered flat", unit.flat, expected, EXACT, COPY)
         grader.same(f"unit {unit.index}'s gathered", unit.gathered, True)
@@ -228,3 +236,16 @@ def check(exercise, grader):
         grader.same("the reduce-scatters", [c for c in units_of(sharded, comm.calls)
                                             if c[0] == "reduce-scatter"],
                     [("reduce-scatter", i) for i in blocks[::-1] + [0]])
+
+    with grader.step("prefetch's limit", "the lecture's prefetch bounds memory: it gathers only "
+                     "while fewer than 1 + prefetch units are gathered (the one computing "
+                     "included), and a pipeline's step frees none"):
+        sharded, _, _, watch, comm = build(exercise, grader)
+        with sharded.gathered_for_step():
+            sharded(x[rows])
+        limit = 1 + sharded.prefetch
+        for i in blocks:
+            expected = [j for j in blocks if j <= max(i, limit)]
+            grader.same(f"the blocks gathered while unit {i} computes its forward (nothing "
+                        f"freed, at most {limit} gathered but for the one needed)",
+                        watch.seen[("forward", i)][0], expected)

@@ -247,7 +247,31 @@ def check(exercise, grader):
             grader.close("the loss", got, loss, 0.0, LOSS_WHY, LOSS_RTOL)
             check_gradients(grader, stage, whole)
 
-    with grader.step("evaluation: the forwards alone", "evaluating (no grad), F keeps only an "
-                     "output still to be sent, and send_act pops it: nothing is kept for B"):
+    with grader.step("evaluation: what F keeps", "evaluating (no grad), no B comes: what "
+                     "must F keep, and what not?"):
+        with torch.no_grad():
+            cache = StepCache(torch.device("cpu"), None)
+            for k in range(M):
+                if not first:
+                    cache.inputs[k, 0] = inputs[k].clone()
+                runner._forward(Action("F", k), x[k], y[k], cache)
+        grader.same("cache.outputs kept by the evaluating F's (only what is still to send)",
+                    sorted(cache.outputs), [] if last else [(k, 0) for k in range(M)])
+
+    with grader.step("evaluation: the forwards alone", "evaluating (no grad), no B comes: how "
+                     "long must an output stay, and what does a received activation need?"):
+        with torch.no_grad():
+            for k in range(M):
+                cache.outputs[k, 0] = rank_tensor(400, s, k)
+            group = (Action("send_act", m, 0), Action("recv_act", m, wrapped))
+            runner._post(group, cache, shape, torch.device("cpu"))
+            runner._wait(group, cache)
+            grader.same(f"cache.outputs once the evaluating send_act{m} has sent",
+                        sorted(cache.outputs), [(k, 0) for k in range(M) if k != m])
+            received = cache.inputs[m, wrapped]
+            grader.close(f"cache.inputs[{m}, {wrapped}]", received,
+                         rank_tensor(400, (s - 1) % P, m), 0.0, "a message copies")
+            grader.same(f"cache.inputs[{m}, {wrapped}].requires_grad (evaluating)",
+                        received.requires_grad, False)
         grader.close("the loss", runner.evaluate(batch[:, :-1], batch[:, 1:]), loss, 0.0,
                      LOSS_WHY, LOSS_RTOL)
