@@ -101,7 +101,7 @@ class Grader:
             self.fail(f"{what} is {got!r}, expected {expected!r}")
 
     def fail(self, detail: str):
-        where = f"rank {self.rank}'s " if self.world > 1 else ""
+        where = f"on rank {self.rank}, " if self.world > 1 else ""
         raise Ended("differs", f"{self.step_name}: {where}{detail}")
 
     def _who(self) -> str:
