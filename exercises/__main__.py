@@ -1,7 +1,7 @@
 """python -m exercises list | check NAME [--file PATH]: the exercises and their checker.
 
 check runs exercises/NAME.py (or PATH) against one process step by step, on the ranks its
-checker names: it starts them itself (a few seconds), or runs on torchrun's.
+checker names: it starts them itself (each a fresh python), or runs on torchrun's.
 """
 import argparse
 import ast
@@ -71,7 +71,7 @@ def check(name: str, path: str):
         print(header, flush=True)
         print(report(name, grade(name, path, live=True)))
         return
-    print(f"{header} (starting the ranks: a few seconds)", flush=True)
+    print(f"{header} (starting {world} ranks: each imports torch first)", flush=True)
     print(report(name, launch(name, path, world)))
 
 
