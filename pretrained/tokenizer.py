@@ -199,10 +199,15 @@ class Tokenizer:
         return ids
 
     def decode(self, ids) -> str:
-        """The tokens' bytes as UTF-8 (a cut multi-byte character becomes U+FFFD)."""
+        """The tokens' bytes as UTF-8 (a cut multi-byte character becomes U+FFFD). An id with no
+        token is skipped, as Hugging Face's decoder skips it: a model's embedding may have rows
+        past its tokenizer's last id (Qwen2.5: 151,936 rows for 151,665 tokens), which a sample
+        can draw."""
         data = bytearray()
         for i in ids:
-            token = self.token_of[int(i)]
+            token = self.token_of.get(int(i))
+            if token is None:
+                continue
             if int(i) in self.added_ids:
                 data += token.encode("utf-8")
             else:

@@ -278,6 +278,17 @@ def test_tokenizer_ids_equal_a_textbook_bpe_and_the_round_trip_is_exact(style):
     assert len(ids) < len(sample.encode()) and special["id"] in ids
 
 
+def test_decode_skips_ids_past_the_tokenizers_last_as_hugging_face_does():
+    """A model's embedding may have rows past its tokenizer's last id (Qwen2.5's 151,936 for
+    151,665 tokens), and a sample can draw one: decode skips it rather than failing."""
+    spec = tokenizer_spec("gpt2", "some text here, some more text", 5)
+    tokenizer = Tokenizer(spec)
+    ids = tokenizer.encode("some text")
+    past = 1 + max(i for i in [*spec["model"]["vocab"].values(),
+                               *(t["id"] for t in spec["added_tokens"])])
+    assert tokenizer.decode([ids[0], past, past + 7, *ids[1:]]) == "some text"
+
+
 def test_tokenizer_refuses_what_it_cannot_read_in_one_line(tmp_path):
     spec = tokenizer_spec("gpt2", "some text here", 3)
     spec["pre_tokenizer"] = {"type": "Whitespace"}
