@@ -46,6 +46,7 @@ from pretrained.llama import LlamaConfig
 from pretrained import PretrainedError
 from pretrained.load import empty_model, export_hf, load_pretrained, read_config
 from pretrained.load import model_config as model_config_of
+from pretrained.streamed import hollow_model, streams
 from pretrained.tokenizer import Tokenizer
 from foundations.placements import placement
 from running.pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
@@ -1008,7 +1009,8 @@ def pretrained_model(args) -> nn.Module | None:
         return None
     torch.manual_seed(args.seed)
     if args.init_from and args.init_from.startswith(HF):
-        return load_pretrained(args.hf)[0]
+        # QLoRA + FSDP: built hollow, each unit read as FSDP makes it (pretrained/streamed.py)
+        return hollow_model(args.hf) if streams(args) else load_pretrained(args.hf)[0]
     return new_model({}, args.hf)
 
 

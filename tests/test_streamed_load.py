@@ -1,0 +1,88 @@
+"""QLoRA + FSDP from a Hugging Face directory loaded unit by unit (pretrained/streamed.py): the
+same NF4 codes and scales, the same adapters (LoRA's A from the seeded generator, in the same
+order) and the same losses as loading the whole model first; and the load's peak, measured from
+outside the loader on 2 ranks, within the rank's share plus one unit as read and as stored."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train
+from composition import parallelize
+from composition.mesh_checks import ParallelDims
+from multiprocess import run_ranks
+from pretrained.load import load_pretrained
+from pretrained.streamed import StreamedFSDP
+from running import cli, snapshot
+from test_pretrained import family_directory
+
+VARIANTS = {"lora": [], "nf4": ["--quantize-base", "nf4"],
+            "nf4_dq": ["--quantize-base", "nf4", "--double-quant"]}
+STEPS, B, T = 3, 4, 16
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "llama3"
+    family_directory(path, "llama3")
+    return path
+
+
+def _args(directory, extra):
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())       # what torchrun would set
+    args = cli.parse_args(["--init-from", f"hf:{directory}", "--strategy", "fsdp", "--lora",
+                           "--lora-targets", "query,value,head", *extra])
+    args.timeout = 120
+    return args
+
+
+def _built(args, streamed: bool):
+    """(the run build() makes on this rank, the generator's state after it): from a hollow model
+    read unit by unit, or from the whole fp32 model load_pretrained reads."""
+    if streamed:
+        gpt = snapshot.pretrained_model(args)                    # seeds as it did before
+    else:
+        torch.manual_seed(args.seed)
+        gpt = load_pretrained(args.hf)[0]
+    job = parallelize.build(args, torch.device("cpu"), ParallelDims.from_args(
+        args, dist.get_world_size()), gpt)
+    assert isinstance(job.model, StreamedFSDP) == streamed
+    return job, torch.get_rng_state()
+
+
+def _trained(job, args) -> tuple[dict, list]:
+    """(every tensor of the model, frozen ones gathered, after STEPS steps; the losses)."""
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        batch = torch.randint(job.gpt.cfg.vocab_size, (B, T + 1), generator=generator)
+        rows = batch.chunk(dist.get_world_size())[dist.get_rank()]
+        loss, _ = train.train_step(job.model, job.optimizer, job.sync, rows[:, :-1], rows[:, 1:],
+                                   args)
+        losses.append(loss.item())
+    with job.model.frozen_gathered():             # collective: the 4-bit codes and scales whole
+        frozen = {**dict(job.gpt.named_buffers()), **{n: p for n, p in job.gpt.named_parameters()
+                                                      if not p.requires_grad}}
+        frozen = {n: t.clone() for n, t in frozen.items()}
+    return frozen, losses, [u.master.detach().clone() for u in job.model.units]
+
+
+def _both_ways(directory) -> dict:
+    out = {}
+    for variant, extra in VARIANTS.items():
+        args = _args(directory, extra)
+        runs = [_built(args, streamed) for streamed in (True, False)]
+        out[variant] = [(rng, *_trained(job, args)) for job, rng in runs]
+    return out
+
+
+def test_loading_unit_by_unit_is_bit_for_bit_the_whole_model_path(llama):
+    for rank in run_ranks(_both_ways, 2, llama):
+        for variant, (streamed, whole) in rank.items():
+            assert torch.equal(streamed[0], whole[0]), variant       # the generator, after build
+            assert streamed[1].keys() == whole[1].keys(), variant
+            for name in whole[1]:                             # NF4 codes, scales, frozen weights
+                assert torch.equal(streamed[1][name], whole[1][name]), (variant, name)
+            assert streamed[2] == whole[2], variant                  # the losses, exactly
+            assert all(torch.equal(a, b) for a, b in zip(streamed[3], whole[3])), variant
