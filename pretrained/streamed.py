@@ -58,19 +58,13 @@ def is_hollow(model: nn.Module) -> bool:
 class StreamedLoad:
     """Fills a hollow model's modules from the directory's files, unit by unit (fill), and
     quantizes the frozen linears as apply_lora(quantize=...) would. lora: apply_lora's settings
-    (parallelize.lora_config). observers: f(what), called after each tensor read, each linear
-    quantized and each unit made (a test measures the bytes alive there)."""
+    (parallelize.lora_config)."""
 
     def __init__(self, model: nn.Module, directory: str, lora: dict):
         self.model, self.checkpoint, self.used = model, Checkpoint(directory), set()
         self.source = gpt2_source if isinstance(model, GPT) else llama_source
         self.quantize, self.double_quant = lora["quantize"], lora["double_quant"]
         self.lora = lora
-        self.observers = []
-
-    def tell(self, what: str):
-        for observe in self.observers:
-            observe(what)
 
     @torch.no_grad()
     def fill(self, unit: nn.Module):
@@ -87,8 +81,8 @@ class StreamedLoad:
                     continue                      # an adapter (drawn), or a tied weight (read)
                 value, hf = read(self.checkpoint, self.source, pname, param, self.used)
                 param.data = torch.empty(param.shape, dtype=param.dtype).copy_(value)
+                del value                         # the mapped file's pages: let go of them
                 self.checkpoint.release(hf)
-                self.tell(f"read {pname}")
             self._quantize(name, module)
 
     def _quantize(self, name: str, module: nn.Module):
@@ -105,9 +99,10 @@ class StreamedLoad:
             stored.lora_A, stored.lora_B = module.lora_A, module.lora_B
         else:
             stored = FrozenNF4Linear(module, self.double_quant)
+        # Its fp32 weight goes now: FSDP's wrap still lists the old tensor (it shards the codes)
+        module.weight.data = hollow(module.weight)
         parent, _, child = name.rpartition(".")
         setattr(self.model.get_submodule(parent), child, stored)
-        self.tell(f"quantized {name}")
 
     def finish(self):
         """One line for a tensor of the files that no parameter took."""
@@ -138,6 +133,4 @@ class StreamedFSDP:
                 if not isinstance(child, Block):
                     visit(child)
         visit(module)
-        unit = super()._make_unit(index, module, tensors)
-        self.load.tell(f"unit {index} made")
-        return unit
+        return super()._make_unit(index, module, tensors)

@@ -1008,10 +1008,16 @@ def pretrained_model(args) -> nn.Module | None:
     if not args.hf:
         return None
     torch.manual_seed(args.seed)
+    if streamed(args):          # built hollow, each unit read as FSDP makes it
+        return hollow_model(args.hf)
     if args.init_from and args.init_from.startswith(HF):
-        # QLoRA + FSDP: built hollow, each unit read as FSDP makes it (pretrained/streamed.py)
-        return hollow_model(args.hf) if streams(args) else load_pretrained(args.hf)[0]
+        return load_pretrained(args.hf)[0]
     return new_model({}, args.hf)
+
+
+def streamed(args) -> bool:
+    """Does the run read hf:DIR unit by unit into FSDP (LoRA, QLoRA: pretrained/streamed.py)?"""
+    return bool(args.init_from and args.init_from.startswith(HF)) and streams(args)
 
 
 def pretrained_tokenizer(hf: str | None) -> Tokenizer | None:

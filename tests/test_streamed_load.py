@@ -7,15 +7,18 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 import train
 from composition import parallelize
 from composition.mesh_checks import ParallelDims
-from multiprocess import run_ranks
+from multiprocess import run_ranks, train_logged
 from pretrained.load import load_pretrained
+from napkin.memory_math import load_peak_bytes
 from pretrained.streamed import StreamedFSDP
 from running import cli, snapshot
 from test_pretrained import family_directory
+from test_pretrained_formats import stdlib_sample
 
 VARIANTS = {"lora": [], "nf4": ["--quantize-base", "nf4"],
             "nf4_dq": ["--quantize-base", "nf4", "--double-quant"]}
@@ -86,3 +89,42 @@ def test_loading_unit_by_unit_is_bit_for_bit_the_whole_model_path(llama):
                 assert torch.equal(streamed[1][name], whole[1][name]), (variant, name)
             assert streamed[2] == whole[2], variant                  # the losses, exactly
             assert all(torch.equal(a, b) for a, b in zip(streamed[3], whole[3])), variant
+
+
+def _load_measured(directory, extra, streamed: bool = True):
+    """On this rank: (the most bytes torch's CPU allocator held while the run's model was read
+    and wrapped, beyond those before; the napkin's load peak, memory_math.load_peak_bytes)."""
+    args = _args(directory, extra)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        job, _ = _built(args, streamed)
+    held, peak = 0, 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        held += event.self_cpu_memory_usage               # allocated (+) or freed (-) by it
+        peak = max(peak, held)
+    return peak, load_peak_bytes(job.gpt, args, dist.get_world_size())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_loads_peak_is_the_napkins_and_below_the_whole_models(llama, variant):
+    """Measured by torch's CPU allocator (the profiler's memory events), outside the loader: at
+    most the napkin's bound, which is at most 10% above it (it rounds each unit's temporaries up:
+    5 x the matrix being quantized, FSDP's whole unit beside its shard); the whole-model path,
+    measured alike, holds more."""
+    streamed = run_ranks(_load_measured, 2, llama, VARIANTS[variant])
+    whole = run_ranks(_load_measured, 2, llama, VARIANTS[variant], False)
+    for (peak, napkin), (whole_peak, _) in zip(streamed, whole):
+        assert peak <= napkin <= 1.1 * peak, (variant, peak, napkin)
+        assert peak < whole_peak, (variant, peak, whole_peak)
+
+
+def test_train_says_the_loads_peak_beside_the_steps(llama, tmp_path):
+    data = tmp_path / "data.txt"
+    data.write_text(stdlib_sample()[8000:20000])
+    extra = ["--quantize-base", "nf4"]
+    napkin = run_ranks(_load_measured, 2, llama, extra)[0][1]
+    argv = ["--init-from", f"hf:{llama}", "--strategy", "fsdp", "--lora", "--lora-targets",
+            "query,value,head", *extra, "--data", str(data), "--steps", "1", "--batch-size", "4",
+            "--seq-len", "16", "--eval-batches", "1"]
+    (_, printed), _ = run_ranks(train_logged, 2, argv)
+    assert (f"memory per rank while loading hf:DIR unit by unit, predicted: at most "
+            f"{napkin / 2**20:.2f} MiB") in printed, printed
