@@ -6,10 +6,12 @@ storage 0 bytes), LoRA's adapters are added to it (their A drawn from the seeded
 apply_lora's order, as on the whole model), and FSDP's wrap (extensions/fsdp_frozen.py) makes
 its units one at a time: just before a unit is made, its module is filled from the mapped
 files, each frozen linear quantized to NF4 as it is read (its fp32 weight dropped then), and
-the unit keeps this rank's shard only. So a rank holds its share, plus one unit as read, plus
-that unit once more as stored: FrozenBytes lays a unit's frozen bytes out whole (the
-broadcast of rank 0's unit needs them whole) before it cuts this rank's shard. The same codes,
-scales and adapters as the whole-model path, bit for bit.
+the unit keeps this rank's shard only. So a rank holds the shards of the units made before,
+LoRA's adapters (whole until their unit is made), and one unit: as read in fp32, then the
+temporaries of the matrix being quantized, or that unit once more as stored (FrozenBytes lays
+its frozen bytes out whole, as the broadcast of rank 0's unit needs them, before it cuts this
+rank's shard): napkin/memory_math.load_peak_bytes. The same codes, scales, adapters and
+generator state as the whole-model path, bit for bit.
 Left out: tensor, context and pipeline splits (they cut the whole model), GPT-2's c_attn read
 once for its three parts (each part reads it: one tensor at a time either way).
 Test: python -m pytest tests/test_streamed_load.py
@@ -52,6 +54,7 @@ def hollow_model(directory: str) -> nn.Module:
 
 
 def is_hollow(model: nn.Module) -> bool:
+    """Is model hollow_model's, its weights still to be read (before FSDP wraps it)?"""
     return any(p.numel() and not p.untyped_storage().nbytes() for p in model.parameters())
 
 
@@ -81,7 +84,7 @@ class StreamedLoad:
                     continue                      # an adapter (drawn), or a tied weight (read)
                 value, hf = read(self.checkpoint, self.source, pname, param, self.used)
                 param.data = torch.empty(param.shape, dtype=param.dtype).copy_(value)
-                del value                         # the mapped file's pages: let go of them
+                del value                         # the view of the mapped file, released next
                 self.checkpoint.release(hf)
             self._quantize(name, module)
 
@@ -99,7 +102,7 @@ class StreamedLoad:
             stored.lora_A, stored.lora_B = module.lora_A, module.lora_B
         else:
             stored = FrozenNF4Linear(module, self.double_quant)
-        # Its fp32 weight goes now: FSDP's wrap still lists the old tensor (it shards the codes)
+        # Its fp32 weight goes now (FSDP's wrap still lists the old tensor; the unit takes the new)
         module.weight.data = hollow(module.weight)
         parent, _, child = name.rpartition(".")
         setattr(self.model.get_submodule(parent), child, stored)

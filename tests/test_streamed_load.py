@@ -22,6 +22,9 @@ from test_pretrained_formats import stdlib_sample
 
 VARIANTS = {"lora": [], "nf4": ["--quantize-base", "nf4"],
             "nf4_dq": ["--quantize-base", "nf4", "--double-quant"]}
+# FSDP's extensions stacked with the streamed load (composition/parallelize.fsdp_with)
+EXTENDED = {"nf4_offload": ["--quantize-base", "nf4", "--offload", "params"],
+            "nf4_hsdp": ["--quantize-base", "nf4", "--shard-group", "1"]}
 STEPS, B, T = 3, 4, 16
 
 
@@ -73,7 +76,7 @@ def _trained(job, args) -> tuple[dict, list]:
 
 def _both_ways(directory) -> dict:
     out = {}
-    for variant, extra in VARIANTS.items():
+    for variant, extra in {**VARIANTS, **EXTENDED}.items():
         args = _args(directory, extra)
         runs = [_built(args, streamed) for streamed in (True, False)]
         out[variant] = [(rng, *_trained(job, args)) for job, rng in runs]
