@@ -102,10 +102,12 @@ class StreamedLoad:
             stored.lora_A, stored.lora_B = module.lora_A, module.lora_B
         else:
             stored = FrozenNF4Linear(module, self.double_quant)
-        # Its fp32 weight goes now (FSDP's wrap still lists the old tensor; the unit takes the new)
-        module.weight.data = hollow(module.weight)
         parent, _, child = name.rpartition(".")
         setattr(self.model.get_submodule(parent), child, stored)
+        # Its fp32 weight goes now, unless another module holds it too (a head tied to the token
+        # embedding): FSDP's wrap still lists the old tensor, the unit takes the new ones.
+        if all(p is not module.weight for p in self.model.parameters()):
+            module.weight.data = hollow(module.weight)
 
     def finish(self):
         """One line for a tensor of the files that no parameter took."""

@@ -35,10 +35,19 @@ def llama(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """GPT-2 and SmolLM2: the head is the token embedding (and, adapted, a 4-bit copy of it)."""
+    paths = [tmp_path_factory.mktemp("hf") / family for family in ("gpt2", "smollm2")]
+    for path in paths:
+        family_directory(path, path.name)
+    return paths
+
+
 def _args(directory, extra):
     os.environ["WORLD_SIZE"] = str(dist.get_world_size())       # what torchrun would set
     args = cli.parse_args(["--init-from", f"hf:{directory}", "--strategy", "fsdp", "--lora",
-                           "--lora-targets", "query,value,head", *extra])
+                           "--lora-targets", "query,value,head", "--seq-len", str(T), *extra])
     args.timeout = 120
     return args
 
@@ -74,17 +83,24 @@ def _trained(job, args) -> tuple[dict, list]:
     return frozen, losses, [u.master.detach().clone() for u in job.model.units]
 
 
-def _both_ways(directory) -> dict:
+def _both_ways(directory, variants: dict) -> dict:
     out = {}
-    for variant, extra in {**VARIANTS, **EXTENDED}.items():
+    for variant, extra in variants.items():
         args = _args(directory, extra)
         runs = [_built(args, streamed) for streamed in (True, False)]
         out[variant] = [(rng, *_trained(job, args)) for job, rng in runs]
     return out
 
 
-def test_loading_unit_by_unit_is_bit_for_bit_the_whole_model_path(llama):
-    for rank in run_ranks(_both_ways, 2, llama):
+def _each_way(directories: list, variants: dict) -> list:
+    return [_both_ways(directory, variants) for directory in directories]
+
+
+@pytest.mark.parametrize("family", ["llama3", "tied"])
+def test_loading_unit_by_unit_is_bit_for_bit_the_whole_model_path(llama, tied, family):
+    directories, variants = (([llama], {**VARIANTS, **EXTENDED}) if family == "llama3" else
+                             (tied, {"nf4": VARIANTS["nf4"]}))
+    for rank in (r for each in run_ranks(_each_way, 2, directories, variants) for r in each):
         for variant, (streamed, whole) in rank.items():
             assert torch.equal(streamed[0], whole[0]), variant       # the generator, after build
             assert streamed[1].keys() == whole[1].keys(), variant
