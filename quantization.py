@@ -63,10 +63,12 @@ class NF4Weight(nn.Module):
         # An all-zero block would divide by 0: its scale is raised to the smallest normal float.
         scales = padded.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)   # (G,)
         normalized = padded / scales[:, None]                                     # in [-1, 1]
-        # The nearest level, by the distances to all 16 at once.
-        # The (G, 64, 16) fp32 temporaries are each 16x the weight, once per weight, for a moment.
-        distances = (normalized[..., None] - LEVELS.to(flat.device)).abs()          # (G, 64, 16)
-        codes = distances.argmin(dim=-1).reshape(-1).to(torch.uint8)              # (G*64,) 0..15
+        # The nearest level, by the distances to all 16 at once, a 16th of the blocks at a time:
+        # each (G/16, 64, 16) fp32 temporary is the weight's size, not 16x it (a 70B's MLP
+        # matrix: 0.9 GB, not 15). The same codes: each value's nearest level is its own.
+        levels = LEVELS.to(flat.device)
+        codes = torch.cat([(part[..., None] - levels).abs().argmin(dim=-1).to(torch.uint8)
+                           for part in normalized.chunk(16)]).reshape(-1)       # (G*64,) 0..15
         # Two codes per byte: even positions in the high nibble, odd ones in the low one.
         self.register_buffer("codes", codes[0::2] << 4 | codes[1::2])            # (G * 32,) uint8
         # The 16 levels ride along with the codes (a buffer moves with .to(device)).

@@ -37,6 +37,7 @@ from mixed_precision import DTYPES, MixedPrecisionOptimizer
 from model import GPT, build_model
 from moe import MoE, feed_forward, layer_exchange_bytes, routing_summary
 from pipeline import GPTStage, Pipeline
+from pretrained.streamed import StreamedFSDP, StreamedLoad, is_hollow
 from foundations.placements import by_reduction, place
 from mechanics.fsdp_optimizer import FSDPOptimizer
 from mechanics.fsdp_state import gpt_blocks
@@ -135,7 +136,9 @@ def prepare(gpt, args, device):
     else:
         gpt.to(device=device, dtype=DTYPES[args.precision])
     if args.lora:         # after the cast: a 4-bit base keeps its scales in fp32
-        lora.apply_lora(gpt, **lora_config(args))
+        # A hollow model (pretrained/streamed.py) is quantized as FSDP's wrap fills each unit.
+        lora.apply_lora(gpt, **{**lora_config(args), **({"quantize": None} if is_hollow(gpt)
+                                                          else {})})
     if args.checkpoint_activations:
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
 
@@ -205,7 +208,9 @@ def wrap(gpt, module, args, groups: tuple, device, adamw: dict, replicate: bool)
     offload = bool(args.offload)                  # ZeRO-Offload: the shards' optimizer on the host
     if rung == "fsdp":
         units = held_experts(gpt)
-        replicas = fsdp_with(module, copies, args.offload == "params",
+        # hf:DIR's model built hollow: each unit read from the files as FSDP makes it
+        load = {"load": StreamedLoad(gpt, args.hf, lora_config(args))} if is_hollow(gpt) else {}
+        replicas = fsdp_with(module, copies, args.offload == "params", **load,
                              wrap=lambda m: gpt_blocks(m) or m in units, group=shard,
                              mp_policy=MixedPrecisionPolicy(DTYPES[args.precision], reduce_dtype),
                              prefetch=args.prefetch, device=device)
@@ -231,9 +236,12 @@ def fsdp_with(module, replicate_group=None, offload_params: bool = False, **opti
     """fsdp.FSDP(module, **options) with the talk's extensions a run asks for, each a subclass of
     FSDP that calls super(), stacked into one class: HSDP's copies across replicate_group
     (extensions/fsdp_hybrid.py), the parameter shards in host memory (extensions/fsdp_offload.py), and, when the module
-    has frozen parameters (LoRA's base), those sharded too (extensions/fsdp_frozen.py)."""
+    has frozen parameters (LoRA's base), those sharded too (extensions/fsdp_frozen.py); with
+    options' load, each unit read from a Hugging Face directory as it is made
+    (pretrained/streamed.py)."""
     frozen = not all(p.requires_grad for p in module.parameters())
-    chosen = [kind for kind, wanted in ((HSDP, replicate_group is not None),
+    chosen = [kind for kind, wanted in ((StreamedFSDP, "load" in options),
+                                        (HSDP, replicate_group is not None),
                                         (OffloadedFSDP, offload_params), (FrozenBaseFSDP, frozen))
               if wanted]
     kind = chosen[0] if len(chosen) == 1 else type("FSDP", tuple(chosen), {}) if chosen else FSDP

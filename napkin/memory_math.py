@@ -23,7 +23,7 @@ import torch
 from foundations.comm import ring_bytes
 from context_parallel import cp_kv_bytes
 from mixed_precision import DTYPES
-from model import PRESETS, GPTConfig
+from model import PRESETS, Block, GPTConfig
 from moe import expert_capacity, layer_exchange_bytes
 from mechanics.pipeline_mechanics import split_layers
 from foundations.placements import placement
@@ -857,3 +857,37 @@ def human_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} bytes"
+
+
+def load_peak_bytes(gpt, options, world_size: int) -> int:
+    """At most the bytes a rank holds while pretrained/streamed.py reads a Hugging Face model
+    into FSDP unit by unit (LoRA, QLoRA), from the built model gpt (options: --precision).
+    FSDP makes the root's unit first, then each block's. Beside the shards of the units made
+    before it (1/N of each one's stored bytes) and LoRA's adapters, whole (drawn before any unit
+    is made, 4 bytes each), a unit holds its frozen weights as read, in fp32 (F), then the
+    larger of: its largest 4-bit matrix being quantized (Q: 5 x its fp32 bytes, the padded and
+    normalized copies, a 16th of its distances to the levels twice, the codes), or its stored
+    bytes (S: 4-bit codes and scales, the rest in the compute dtype, its adapters in fp32) laid
+    out whole by FSDP and this rank's 1/N cut from them: F + max(Q, S (1 + 1/N))."""
+    adapters = 4 * sum(p.numel() for p in gpt.parameters() if p.requires_grad)
+    compute, held, peak = _element_size(options.precision), 0, 0
+    for unit in [gpt, *gpt.blocks]:                       # the root: all but the blocks
+        inside = list(_own_modules(unit))
+        tensors = {id(p): p for m in inside for p in m.parameters(recurse=False)}.values()
+        frozen = sum(p.numel() for p in tensors if not p.requires_grad)
+        matrices = [torch.Size(m.shape).numel() for m in inside if isinstance(m, NF4Weight)]
+        double_quant = any(m.double_quant for m in inside if isinstance(m, NF4Weight))
+        read = 4 * (frozen + sum(matrices))                                          # F
+        stored = (compute * frozen + sum(nf4_bytes(n, double_quant) for n in matrices)
+                  + 4 * sum(p.numel() for p in tensors if p.requires_grad))          # S
+        quantizing = 5 * 4 * max(matrices, default=0)                               # Q
+        peak = max(peak, held + read + max(quantizing, stored + -(-stored // world_size)))
+        held += -(-stored // world_size)
+    return adapters + peak
+
+def _own_modules(module):
+    """module and the modules inside it, but the blocks inside it (FSDP's units of their own)."""
+    yield module
+    for child in module.children():
+        if not isinstance(child, Block):
+            yield from _own_modules(child)

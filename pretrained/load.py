@@ -5,8 +5,9 @@ shards model.safetensors.index.json names) and tokenizer.json. GPT-2 is model.py
 Conv1D weights are stored (in, out), nn.Linear's transpose, and its c_attn holds q, k and v
 side by side. Its key bias is dropped: q . (k + b) adds q . b to every score of a row, which
 softmax ignores, so model.py's attention has none (exported as zeros). The Llama family (Llama,
-SmolLM2, Qwen2) is pretrained/llama.py's. The model is built empty, then filled one tensor at a time from
-the mapped files: loading holds the model once and one tensor besides.
+SmolLM2, Qwen2) is pretrained/llama.py's. The model is built empty, then filled one tensor at
+a time from the mapped files: loading holds the model once and one tensor besides (QLoRA + FSDP
+holds less, one unit at a time: pretrained/streamed.py).
 Left out: other architectures, quantized checkpoints, dropout (a loaded model has none).
 Test: python -m pytest tests/test_pretrained.py
 
@@ -170,19 +171,32 @@ def fill(model: nn.Module, checkpoint: Checkpoint, source):
     used = set()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            hf, shape, take = source(name, param)
-            # GPT-2's files are saved with or without the "transformer." in front
-            hf = next((n for n in (hf, f"transformer.{hf}") if n in checkpoint.where), hf)
-            if hf not in checkpoint.where:
-                raise PretrainedError(f"{checkpoint.path}: no tensor {hf}, which the model "
-                                      f"config.json describes needs: download both again")
-            if checkpoint.shape(hf) != shape:
-                raise PretrainedError(f"{checkpoint.where[hf]}: tensor {hf} has shape "
-                                      f"{list(checkpoint.shape(hf))} where config.json's model "
-                                      f"needs {list(shape)}: download both again")
-            param.copy_(take(checkpoint.get(hf)))
+            value, hf = read(checkpoint, source, name, param, used)
+            param.copy_(value)
             checkpoint.release(hf)
-            used.add(hf)
+    check_all_used(model, checkpoint, used)
+
+
+def read(checkpoint: Checkpoint, source, name: str, param: torch.Tensor, used: set):
+    """(our parameter `name`'s value as the files hold it: a view of the mapped file, copy it
+    before release; its tensor's name, added to used); one line for a tensor that is missing or
+    has another shape."""
+    hf, shape, take = source(name, param)
+    # GPT-2's files are saved with or without the "transformer." in front
+    hf = next((n for n in (hf, f"transformer.{hf}") if n in checkpoint.where), hf)
+    if hf not in checkpoint.where:
+        raise PretrainedError(f"{checkpoint.path}: no tensor {hf}, which the model "
+                              f"config.json describes needs: download both again")
+    if checkpoint.shape(hf) != shape:
+        raise PretrainedError(f"{checkpoint.where[hf]}: tensor {hf} has shape "
+                              f"{list(checkpoint.shape(hf))} where config.json's model "
+                              f"needs {list(shape)}: download both again")
+    used.add(hf)
+    return take(checkpoint.get(hf)), hf
+
+
+def check_all_used(model: nn.Module, checkpoint: Checkpoint, used: set):
+    """One line for a tensor of the files that no parameter took."""
     tied = ("lm_head.weight",) if model.cfg.tie_embeddings else ()
     extra = [n for n in checkpoint.where if n not in used and n not in tied
              and not n.endswith(NOT_WEIGHTS)]

@@ -14,8 +14,8 @@ import lora
 from running import snapshot
 from napkin import step_time
 from running.cli import describe_run, run_shape
-from napkin.memory_math import (held_bytes, live_numel, live_tensor_bytes, model_params,
-                               why_sent_departs)
+from napkin.memory_math import (held_bytes, live_numel, live_tensor_bytes, load_peak_bytes,
+                               model_params, why_sent_departs)
 from composition.mesh_checks import moe_config
 from composition.parallelize import build_gpt, dimension_report, lora_config
 from foundations.process_groups import global_mean
@@ -39,6 +39,12 @@ def say_header(args, gpt, napkin, log, dims, threads, device):
                 + (f"; {quantized:,} frozen weights in 4-bit {args.quantize_base}" if quantized else ""))
     activations = predicted_activations(args, gpt.cfg, dims)
     log.say(predicted_memory(napkin, activations))
+    if snapshot.streamed(args):                # hf:DIR read unit by unit: the load's own peak
+        loading = load_peak_bytes(gpt, args, args.shard_group or dims.dp)
+        step = napkin["params"] + napkin["grads"] + napkin["optimizer"]
+        log.say(f"memory per rank while loading hf:DIR unit by unit, predicted: at most "
+                f"{loading / 2**20:.2f} MiB (memory_math.load_peak_bytes), beside the step's "
+                f"{step / 2**20:.2f} MiB on the device")
     return activations
 
 

@@ -46,6 +46,7 @@ from pretrained.llama import LlamaConfig
 from pretrained import PretrainedError
 from pretrained.load import empty_model, export_hf, load_pretrained, read_config
 from pretrained.load import model_config as model_config_of
+from pretrained.streamed import hollow_model, streams
 from pretrained.tokenizer import Tokenizer
 from foundations.placements import placement
 from running.pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
@@ -1007,9 +1008,16 @@ def pretrained_model(args) -> nn.Module | None:
     if not args.hf:
         return None
     torch.manual_seed(args.seed)
+    if streamed(args):          # built hollow, each unit read as FSDP makes it
+        return hollow_model(args.hf)
     if args.init_from and args.init_from.startswith(HF):
         return load_pretrained(args.hf)[0]
     return new_model({}, args.hf)
+
+
+def streamed(args) -> bool:
+    """Does the run read hf:DIR unit by unit into FSDP (LoRA, QLoRA: pretrained/streamed.py)?"""
+    return bool(args.init_from and args.init_from.startswith(HF)) and streams(args)
 
 
 def pretrained_tokenizer(hf: str | None) -> Tokenizer | None:
