@@ -138,6 +138,7 @@ TWO = {"ddp": ["--strategy", "ddp"],
        "cp ring": ["--strategy", "cp", "--cp", "2"],
        "pipeline lora": ["--strategy", "pipeline", "--pp", "2", "--lora"]}
 NOT_EXACT = {"grad accum": (["--grad-accum", "2"], "counted for one micro-batch"),
+             "pipeline": (["--strategy", "pipeline", "--pp", "2"], "counted for one micro-batch"),
              "cp all-gather": (["--strategy", "cp", "--cp", "2", "--cp-attention", "allgather"],
                                "all-gather attention's gathered K/V and masks not counted")}
 
