@@ -396,7 +396,11 @@ def kept_activation_bytes(cfg: GPTConfig, seq_len: int, batch: int, bytes_per_va
     A pipeline stage's chunk (pipeline_activation_bytes): `blocks`, the numbers of its blocks
     (None: all), whose input carries a gradient unless block 0's (a received activation does),
     and head: whether the final norm and the loss are its.
+    A Llama-family config (pretrained/llama.py): kept_llama_bytes.
     """
+    if _is_llama(cfg):
+        return kept_llama_bytes(cfg, seq_len, batch, bytes_per_value, checkpoint_every, adapted,
+                                lora_rank, tp, sequence_parallel, cp, blocks, head)
     e, C, a, V = bytes_per_value, cfg.n_embd, cfg.n_head, cfg.vocab_size
     seq_len //= cp
     t = seq_len * batch
@@ -436,6 +440,80 @@ def kept_activation_bytes(cfg: GPTConfig, seq_len: int, batch: int, bytes_per_va
     kept += norm if grad else 0
     kept += t * C * e + adapter("head") if trains("head") else 0              # the head's input
     return kept + logits_bytes(seq_len, batch, V // tp)
+
+
+def kept_llama_bytes(cfg, seq_len: int, batch: int, bytes_per_value: int = 4,
+                     checkpoint_every: int = 0, adapted=None, lora_rank: int = 8, tp: int = 1,
+                     sequence_parallel: bool = False, cp: int = 1, blocks: range | None = None,
+                     head: bool = True) -> int:
+    """kept_activation_bytes of a Llama-family model (pretrained/llama.py's LlamaBlock), op by op
+    as autograd saves them on a CPU (t = sb tokens, e bytes a value, w = max(e, 4), H query and
+    G key/value heads of D, F the MLP's width). A block that trains everything keeps
+        RMSNorm, twice  its input in fp32 (or wider), tCw; 1/rms, tw; x/rms (the scale's
+                        input), tCe; its output (the next linears' input), tCe
+        rotary          cos and sin, T D/2 each, at the sequence's T positions: once in fp32,
+                        where the rotation's cast returns the same tensor, in lower precision a
+                        cast copy for q and another for k
+        attention       rotated q and k (new tensors), v (the value linear's own output), the
+                        fused attention's output and its fp32 log-sum-exp, t (2H + 2G) D e + 4 H t
+        output's input  a copy of the attention's output in (B, T, H D), t H D e (the CPU's
+                        fused attention returns (B, H, T, D) contiguous, as rotated q is)
+        SwiGLU          gate's output g (silu's input), silu(g) and up's output (the product's
+                        two inputs), the product (down's input): 4 t F e
+    LoRA, QLoRA (adapted): frozen norms keep no x / rms; a frozen linear keeps no input (QLoRA's
+    4-bit Function saves none either); an adapted one its input and t r e for B; an op keeps
+    what the gradients flowing through it need (g and up's output once g carries one, silu(g)
+    once up's output does), nothing before the first adapter. A checkpointed block
+    (checkpoint_every) keeps its input, tCe. Around the blocks: the final norm, the head's
+    input if it trains (tied or not), the loss's fp32 log-probabilities, its int64 targets (8t)
+    and fp32 total weight (4 bytes), and the embedding's int64 token ids (8t) if it trains (tp:
+    each with a bool mask, t, and no total weight).
+    tp, sequence_parallel, cp: the heads, F and the vocabulary split over tp, the tokens over cp
+    and the norms' over tp under sequence parallelism, as kept_activation_bytes splits a GPT's
+    (ring attention's saves are the fused kernel's); all-gather attention's are not counted.
+    """
+    e, wide = bytes_per_value, max(bytes_per_value, 4)
+    C, D, V = cfg.n_embd, cfg.D, cfg.vocab_size
+    H, G, F = cfg.n_head // tp, cfg.n_kv_head // tp, cfg.hidden // tp
+    seq_len //= cp
+    t = seq_len * batch
+    norm_t = t // tp if sequence_parallel else t              # tokens a norm sees on this rank
+    full = adapted is None
+    trains = (lambda name: True) if full else (lambda name: name in adapted)
+    adapter = lambda *names: sum(t * lora_rank * e for n in names if not full and n in adapted)
+    # its input in fp32 (or wider), 1 / rms, and x / rms once the scale trains
+    norm = norm_t * C * wide + norm_t * wide + (norm_t * C * e if full else 0)
+    # cos and sin for the rotations that carry a gradient: shared in fp32, one cast each else
+    rotary = lambda n: (min(n, 1) if e == 4 else n) * seq_len * D * e
+    blocks = range(cfg.n_layer) if blocks is None else blocks
+    grad = full or blocks.start > 0
+    # the token ids (tp: the rank's masked ids and the bool mask of those outside its rows)
+    kept = (8 + (tp > 1)) * t if full and blocks.start == 0 else 0
+    for i in blocks:
+        block = norm if grad else 0
+        block += t * C * e if any(map(trains, QKV)) else 0                        # norm1's output
+        q, k, v = (grad or trains(name) for name in QKV)
+        block += rotary(q + k)
+        attention = q or k or v
+        block += t * (2 * H + 2 * G) * D * e + 4 * H * t if attention else 0     # q k v out, lse
+        block += t * H * D * e if trains("output") else 0           # the output's (B, T, H D)
+        block += adapter(*QKV, "output")
+        grad = attention or trains("output")
+        block += norm if grad else 0
+        block += t * C * e if trains("gate") or trains("up") else 0               # norm2's output
+        gate, up = grad or trains("gate"), grad or trains("up")
+        block += (2 * gate + up) * t * F * e                       # g and up's output, silu(g)
+        block += t * F * e if trains("down") else 0                          # the product
+        block += adapter("gate", "up", "down")
+        grad = grad or gate or up or trains("down")
+        kept += norm_t * C * e if checkpoint_every and i % checkpoint_every == 0 else block
+    if not head:
+        return kept
+    kept += norm if grad else 0
+    kept += t * C * e + adapter("head") if trains("head") else 0              # the head's input
+    # the targets and cross_entropy's total weight (tp: the rank's targets and a bool mask)
+    loss = 8 * t + (t if tp > 1 else 4)
+    return kept + logits_bytes(seq_len, batch, V // tp) + loss
 
 
 def moe_mlp_bytes(tokens: int, cfg: GPTConfig, ep: int = 1, bytes_per_value: int = 2) -> int:

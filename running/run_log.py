@@ -258,16 +258,24 @@ def predicted_activations(args, cfg, dims: ParallelDims) -> tuple[int, str, int]
                    adapted=args.lora_targets.split(",") if args.lora else None,
                    lora_rank=args.lora_rank, tp=splits.get("tp", 1),
                    sequence_parallel=args.sequence_parallel, ep=args.ep)
-    dropout = "; dropout's masks not counted" if args.dropout or args.lora and args.lora_dropout else ""
+    masked = args.dropout or args.lora and args.lora_dropout
+    uncounted = "; dropout's masks not counted" if masked else ""
+    if hasattr(cfg, "n_kv_head"):     # a Llama's count (kept_llama_bytes) holds its int64 ids too
+        if args.grad_accum > 1 or "pp" in splits and not args.lora:
+            uncounted += ("; the token ids and targets counted for one micro-batch, measured "
+                          "as the whole batch they are views of")
+        if splits.get("cp", 1) > 1 and args.cp_attention == "allgather":
+            uncounted += "; all-gather attention's gathered K/V and masks not counted"
     if "pp" in splits:             # stage 0's (rank 0 logs): its peak over the step's schedule
         pipeline = (cfg, args.schedule, args.pp, args.microbatches, rows // args.microbatches,
                     args.seq_len, args.virtual_stages or 1, value)
         return (pipeline_activation_bytes(*pipeline, kept=options)[0],
-                "; the most stage 0 holds at once" + dropout, pipeline_activation_bytes(*pipeline)[0])
+                "; the most stage 0 holds at once" + uncounted,
+                pipeline_activation_bytes(*pipeline)[0])
     counted = kept_activation_bytes(cfg, args.seq_len, rows, value, **options, cp=splits.get("cp", 1),
                                     cp_attention=args.cp_attention or "ring")
     left_out = ("; a block's share recomputed in backward, held meanwhile, not counted"
-                if args.checkpoint_activations else "") + dropout
+                if args.checkpoint_activations else "") + uncounted
     cp, every = splits.get("cp", 1), args.checkpoint_activations
     checkpointed = -(-cfg.n_layer // every) if every else 0         # blocks 0, K, 2K, ...
     shape = (rows, cfg.n_embd, cfg.n_head)

@@ -1,23 +1,25 @@
 """The napkin math on a Hugging Face directory (issue 58): python -m napkin.memory --model DIR
 reads the config.json train.py --init-from hf:DIR loads, its parameter count is the loaded
 model's, a Llama's FLOPs per token follow its config (SwiGLU's three matrices, grouped K/V, no
-position embedding, its own head width), train.py's log prices an hf run, and check_fits refuses
-an hf model too big for this machine in one line before loading it."""
+position embedding, its own head width), train.py's log prices an hf run, check_fits refuses
+an hf model too big for this machine in one line before loading it, and the activations a
+Llama keeps for backward are counted to the byte (memory_math.kept_llama_bytes)."""
 import re
 
 import pytest
 import torch
 
+from foundations.meters import saved_activation_bytes
 from multiprocess import run_ranks, train_logged
 from napkin import machines
 from napkin.flops import Shape, model_flops_per_token, step_flops
 from napkin.memory import main
-from napkin.memory_math import model_params
+from napkin.memory_math import kept_activation_bytes, model_params
 from pretrained.llama import Llama, LlamaConfig
 from pretrained.load import load_pretrained, model_config, read_config
 from running import cli
 from test_hf_run import refusal
-from test_pretrained import family_directory
+from test_pretrained import family_directory, llama_files, small_spec, write_directory
 
 FAMILIES = ["gpt2", "llama3", "smollm2", "qwen2"]
 
@@ -102,3 +104,86 @@ def test_check_fits_refuses_an_hf_model_too_big_for_this_machine(hf, capsys, mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)    # CPU ranks': activations
     line = refusal(argv, capsys)
     assert "--batch-size 4: a micro-batch of 4 x 16 tokens keeps about" in line, line
+
+
+def test_a_llamas_kept_activations_by_hand():
+    """One block of a Llama in fp32 keeps, op by op (t = B T tokens, 4 bytes a value):
+    RMSNorm its input, 1/rms and x/rms (the scale's input); the q, k, v linears their input;
+    the rotations cos and sin (T x D/2 each, shared by q and k); the fused attention rotated q
+    and k, v, its output and fp32 log-sum-exp; the output linear a (B, T, H D) copy of it;
+    SwiGLU's gate output, silu of it, up's output and their product."""
+    cfg = LlamaConfig(n_layer=1, n_head=4, n_kv_head=2, n_embd=64, hidden=80, vocab_size=100)
+    B, T, C, H, G, D, F, V = 2, 16, 64, 4, 2, 16, 80, 100
+    t = B * T
+    norm = 4 * (t * C + t + t * C)
+    attention = 4 * (t * C + T * D + t * (H + G + G + H) * D + H * t + t * H * D)
+    mlp = 4 * (t * C + 4 * t * F)
+    around = 8 * t + norm + 4 * t * C + 4 * t * V + 8 * t + 4   # ids, norm, head, loss, targets
+    model = Llama(cfg)
+    x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    kept, _ = saved_activation_bytes(lambda: model(x, y), model.parameters())
+    assert kept == 2 * norm + attention + mlp + around == kept_activation_bytes(cfg, T, B)
+
+
+QUICK = ["--steps", "1", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
+         "--batch-size", "4", "--seq-len", "32"]
+ALONE = {"single": [], "lora": ["--lora"], "qlora": ["--lora", "--quantize-base", "nf4"],
+         "checkpointed": ["--checkpoint-activations"],
+         "checkpointed every 2nd lora": ["--checkpoint-activations", "2", "--lora"],
+         "bf16 lora on every linear": ["--precision", "bf16", "--lora", "--lora-targets",
+                                       "query,key,value,output,gate,up,down,head"]}
+TWO = {"ddp": ["--strategy", "ddp"],
+       "fsdp qlora": ["--strategy", "fsdp", "--lora", "--quantize-base", "nf4"],
+       "tp sequence parallel": ["--strategy", "tp", "--tp", "2", "--sequence-parallel"],
+       "cp ring": ["--strategy", "cp", "--cp", "2"],
+       "pipeline lora": ["--strategy", "pipeline", "--pp", "2", "--lora"]}
+NOT_EXACT = {"grad accum": (["--grad-accum", "2"], "counted for one micro-batch"),
+             "pipeline": (["--strategy", "pipeline", "--pp", "2"], "counted for one micro-batch"),
+             "cp all-gather": (["--strategy", "cp", "--cp", "2", "--cp-attention", "allgather"],
+                               "all-gather attention's gathered K/V and masks not counted")}
+
+
+def _kept(cases: dict) -> dict:
+    """{(directory, case): (napkin's bytes, measured bytes, the predicted memory line)}."""
+    kept = {}
+    for (directory, name), argv in cases.items():
+        history, printed = train_logged([*QUICK, "--init-from", f"hf:{directory}", *argv])
+        measured = (history["activations"] if "activations" in history else     # cp: its line's
+                    {step: cp["activation_bytes"] for step, cp in history["cp"].items()})
+        line = next((line for line in printed.splitlines() if "predicted" in line), "")
+        kept[name] = history["napkin_activations"], measured[0], line
+    return kept
+
+
+@pytest.fixture(scope="module")
+def llama_kept(hf, tmp_path_factory):
+    """Each case's train.py run: on one rank for every Llama family, on two for Llama 3 of an
+    even vocabulary (tensor parallelism splits it in two)."""
+    even = tmp_path_factory.mktemp("llama3-even")
+    spec = small_spec("llama3")
+    V = len(spec["model"]["vocab"]) + 1
+    write_directory(even, *llama_files(V + V % 2, "llama3"), spec)
+    alone = {(hf[family], (family, name)): argv for family in FAMILIES[1:]
+             for name, argv in ALONE.items()}
+    two = {(even, ("llama3", name)): argv for name, argv in TWO.items()}
+    two.update({(even, ("llama3", name)): argv for name, (argv, _) in NOT_EXACT.items()})
+    return {**run_ranks(_kept, 1, alone)[0], **run_ranks(_kept, 2, two)[0]}
+
+
+@pytest.mark.parametrize("family", FAMILIES[1:])
+@pytest.mark.parametrize("case", ALONE)
+def test_a_llamas_kept_activations_are_counted_to_the_byte(llama_kept, family, case):
+    napkin, measured, _ = llama_kept[family, case]
+    assert napkin == measured, (family, case, napkin, measured)
+
+
+@pytest.mark.parametrize("case", TWO)
+def test_a_llamas_kept_activations_on_two_ranks_are_counted_to_the_byte(llama_kept, case):
+    napkin, measured, _ = llama_kept["llama3", case]
+    assert napkin == measured, (case, napkin, measured)
+
+
+@pytest.mark.parametrize("case", NOT_EXACT)
+def test_where_a_llamas_count_is_not_exact_the_line_says_why(llama_kept, case):
+    napkin, measured, line = llama_kept["llama3", case]
+    assert napkin != measured and NOT_EXACT[case][1] in line, (case, napkin, measured, line)
