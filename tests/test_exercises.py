@@ -392,6 +392,11 @@ MISTAKES = {
         ("backward differentiates every input, also those that need no gradient",
          "wanted = [t for t in inputs if t.requires_grad]", "wanted = list(inputs)",
          "an input that needs no gradient"),
+        ("backward makes every input's fresh leaf require grad: a gradient computed and "
+         "returned for a frozen input",
+         "inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]",
+         "inputs = [t.detach().requires_grad_() for t in ctx.saved_tensors]",
+         "an input that needs no gradient"),
     ],
 }
 
