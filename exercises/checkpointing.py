@@ -12,9 +12,11 @@ A checkpointed block keeps only its input for backward. Write the autograd Funct
   torch.autograd.grad(loss, params) gets them. The rest of training draws random numbers too:
   what must backward leave as it found it?
 Given: the Function's arguments are the block (run_function), its call's layout (each tensor
-argument replaced by a placeholder; _rebuild(layout, tensors) returns the call's arguments with
-the tensors back in place), n_inputs (how many of the tensors are inputs), then the input
-tensors, then the parameters (checkpointing.py's checkpoint() builds them). The RNG:
+argument replaced by a placeholder; _rebuild(layout, tensors) returns the call's positional
+arguments as a list, the tensors given back in place: pass it the inputs only, for
+run_function(*that)), n_inputs (how many of the tensors are inputs), then the input tensors,
+then the parameters (run_function uses them itself: they are no argument of its call;
+checkpointing.py's checkpoint() builds all this). The RNG:
 torch.get_rng_state() and torch.set_rng_state(state) (the CPU's; torch.cuda.get_rng_state(d)
 and torch.cuda.set_rng_state(state, d) for each CUDA device d the inputs are on), and
 torch.random.fork_rng(devices=[...]) (a context that puts the states back on leaving).

@@ -20,8 +20,7 @@ Given (context_parallel.py), all in the wide dtype (fp32, or fp64 for fp64 input
 - comm.rank, comm.world_size (r and cp); comm.exchange(ops), ops a list of ("send", tensor,
   peer) and ("recv", tensor, peer), posted together; returns a handle: .wait() before reading
   what was received.
-- split.chunks(rank): the chunk numbers rank holds, in order (its slots 0 and 1);
-  split.blocks(rank, source): [(a, b, causal)], rank's slot a queries against source's slot b
+- split.blocks(rank, source): [(a, b, causal)], rank's slot a queries against source's slot b
   keys, causal when the two are the same chunk (later chunks are left out).
 - check_group(comm, split): raises unless split.cp is the group's size.
 Check: python -m exercises check context_parallel (on 3 ranks: with 2, rank r-s and r+s are the
@@ -56,11 +55,11 @@ class RingAttention(context_parallel.RingAttention):
 
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, split: SequenceSplit):
-        # TODO: check_group; r, cp (comm.rank, comm.world_size); c tokens per chunk. m = -inf,
-        # denom = 0 (B, H, t) and acc = 0 (B, H, t, D) in fp32 or wider. k and v stacked: one
-        # message. For each of cp steps: whose block is held now? Post the next exchange before
-        # computing, so it overlaps (is one needed at the last step?); fold in the blocks
-        # split.blocks names, on slices (views) of m, denom, acc, q and the held K/V; then wait.
+        # TODO: check_group; r, cp (comm.rank, comm.world_size); c, the tokens of one chunk (a
+        # rank holds two). m, denom (B, H, t) and acc (B, H, t, D) start as no key folded yet,
+        # in fp32 or wider. For each of the cp steps: whose K/V block is held now? Post the
+        # exchange of the next one before computing, so the two overlap; fold in the blocks
+        # split.blocks names, on views of m, denom, acc, q and the held K/V; then wait.
         # out = acc / denom in q's dtype; ctx.save_for_backward(q, k, v, out, lse = m +
         # log(denom)); ctx.comm, ctx.split for backward; return out.
         raise NotImplementedError

@@ -19,19 +19,24 @@ forward or backward, "recv_act"/"send_act" move activations to the next stage, "
   by torch.is_grad_enabled(). Evaluating keeps no graph, and nothing for a B.
 Given by Pipeline.__init__: self.stage (s), self.P, self.M; self.first, self.last (s is the
 first, the last stage); self.v, this rank's chunks of layers (1 here); self.dtype, what an
-activation is sent in; self.comm, a Comm whose exchange(ops) posts ops [("send" | "recv",
-tensor, peer rank)] together and returns one work (.wait()). self.module(inputs, chunk=c)
+activation or gradient is sent in, the model's own (a received buffer is used as it is, no
+cast); self.comm, a Comm whose exchange(ops) posts ops [("send" | "recv", tensor, peer)]
+together and returns one work (.wait()); a peer is a rank of self.comm, and stage s is rank s.
+scale_loss, given to B, is a function: loss -> the loss to backward (fp16's loss scale; the
+identity otherwise). self.module(inputs, chunk=c)
 runs chunk c of this stage on inputs: the tokens (b, T) on stage 0's chunk 0, else the
 activation (b, T, C), and returns the activation (b, T, C). The model's last chunk (the last
 stage's chunk v-1) is called self.module(inputs, targets, chunk=c), targets (b, T), and
 returns the loss (0-dim). With experts either returns (that, the routers' losses):
 self._keep_aux_loss(output, key, cache) takes them in and returns the first; a chunk whose key
-is then in cache.aux_losses needs self._backward_with_aux_loss(key, cache, scale_loss) for B.
+is then in cache.aux_losses needs self._backward_with_aux_loss(key, cache, scale_loss) for B
+(the whole B: it pops the key's output, output_grad and aux_loss itself).
 StepCache, all by key (m, chunk): inputs (received activations: B leaves their .grad),
 outputs (what F returned, until B, or evaluating, until sent), output_grads (received
-gradients, until B), aux_losses; recvs {group: (work, {action: buffer})}, a posted group that
-receives; sends_to_wait [work] (waited for at the step's end); loss (0-dim fp32, this stage's
-part of the step's loss).
+gradients, until B), aux_losses; recvs {group: (work, {action: buffer})}, every posted group
+that receives (sends too or not: _wait's wait covers its sends); sends_to_wait [work], the
+groups that only send (waited for at the step's end); loss (this stage's part of the step's
+loss: starts as a 0-dim fp32 zero, on the batch's device).
 Check: python -m exercises check pipeline (on 3 ranks: with 2, the next and the previous stage
 are the same rank).
 

@@ -18,6 +18,8 @@ Given (set by the constructor, or inherited from zero.py):
 - reduce_gradients(): phase 1, each bucket's whole gradient reduce-scattered with op "avg",
   rank r's (S,) mean in bucket.grad_shard. unscale_gradients(): phase 2, the shard / the loss
   scale as bucket.master.grad; returns the masters' .grad, None where a bucket has none.
+  Both work once a step: a second call does nothing more (unscale_gradients() returns the
+  same list), so step() may call them whether or not clip_grad_norm_ ran them already.
   norm_pieces(): this rank's runs of gradient shards, for self.shard_step.squares(pieces),
   a (1,) fp32 tensor, this rank's sum of squares. launch_used_flags(): returns (the used-flags,
   a tensor, or None when this rank used every parameter; a function to call to wait for them).
@@ -67,7 +69,8 @@ class ZeroOptimizer(zero.ZeroOptimizer):
         Phases 1-3 run once a step: when the loop called clip_grad_norm_(max_norm) first, they
         ran there, and phase 4 clips by max_norm."""
         # TODO: the closure's loss (under torch.enable_grad()), if one is given; then the
-        # phases in order. Clip only when clip_grad_norm_ asked for it. Phase 5 reads the norm
+        # phases in order (phases 1-3 are safe to call again: each does its work once a step).
+        # Clip only when clip_grad_norm_ asked for it (self.max_norm). Phase 5 reads the norm
         # and the used-flags to the host in one transfer. Which of the phases runs the inner
         # optimizer, and what must the loss scaler hear afterwards? Return the loss.
         raise NotImplementedError
@@ -94,8 +97,9 @@ class ZeroOptimizer(zero.ZeroOptimizer):
 
     def clip(self, max_norm: float, norm: torch.Tensor):
         """Phase 4: the masters' .grad times min(1, max_norm / norm) (torch's, given the norm)."""
-        # TODO: the gradients the optimizer will step are the masters' (unscale_gradients()
-        # returns them, None where a bucket has none): scale those, by the global norm.
+        # TODO: the gradients the optimizer will step are the masters' .grad (unscale_gradients()
+        # returns them, None where a bucket has none). torch's clip_grads_with_norm_(parameters,
+        # max_norm, total_norm) takes the tensors that HOLD a .grad, not the gradients.
         raise NotImplementedError
 
     def all_gather_parameters(self):
@@ -114,14 +118,12 @@ class Zero2Optimizer(ZeroOptimizer, zero.Zero2Optimizer):
         """Take parameter i's .grad into bucket b's buffer: copy it (in reduce_dtype), free it.
         The bucket goes once full. The buffer lives until its reduce-scatter is waited for: the
         peak memory is the buckets in flight."""
-        # TODO: bucket b's whole buffer, (N*S,) zeros in self.reduce_dtype (or, when that is
-        # None, the parameters' dtype), made when its first gradient comes; parameter i's .grad
-        # into its slice, then gone; mark it used. When is the bucket full, and who launches it?
+        # TODO: the bucket's buffer is made when its first gradient comes, in self.reduce_dtype
+        # (None: the parameters' dtype). When is the bucket full, and who launches it?
         raise NotImplementedError
 
     def _finish_reduction(self, bucket, started):
         """Wait for a bucket's reduce-scatter, add its shard to the step's, free the gradient."""
-        # TODO: started is (handle, output) from _launch_reduction: wait, divide by self.divide
-        # if it is not 1. What happens to bucket.grad_shard when a micro-batch came before? Then
-        # free the whole buffer, and set the bucket to wait for all its gradients again.
+        # TODO: started is (handle, output) from _launch_reduction. What if an earlier
+        # micro-batch left a shard? What must the bucket hold for the next backward?
         raise NotImplementedError

@@ -36,10 +36,10 @@ def weights(seed: int):
     return seeded(H, C, seed=seed, grad=True), seeded(C, H, seed=seed + 1, grad=True)
 
 
-def checkpointed(exercise, x, shift, W1, W2):
+def checkpointed(function, x, shift, W1, W2):
     """block(x, P, shift) through the student's Function: the call's layout, two inputs, then
     the parameters (as checkpointing.py's checkpoint() passes them)."""
-    return exercise.CheckpointFunction.apply(lambda x, p, shift: block(x, p, shift, W1, W2),
+    return function.apply(lambda x, p, shift: block(x, p, shift, W1, W2),
                                              [_TENSOR, P, _TENSOR], 2, x, shift, W1, W2)
 
 
@@ -49,11 +49,12 @@ def inputs(grad: bool = True):
 
 def check(exercise, grader):
     g = seeded(B, T, C, seed=3)                              # the gradient arriving from above
+    function = exercise.CheckpointFunction                   # the student's
 
     with grader.step("forward: the block's output", "checkpointing's forward runs the block as "
                      "it is, once, with its arguments rebuilt from the layout (_rebuild)"):
         torch.manual_seed(10)
-        got = checkpointed(exercise, *inputs(), *weights(20))
+        got = checkpointed(function, *inputs(), *weights(20))
         torch.manual_seed(10)
         grader.close("output", got, block(inputs()[0], P, inputs()[1], *weights(20)), 0.0,
                      EXACT)
@@ -62,7 +63,7 @@ def check(exercise, grader):
                      "(torch.no_grad) and saves only the block's inputs for backward"):
         x, shift = inputs()
         W1, W2 = weights(20)
-        kept, _ = saved_activation_bytes(lambda: checkpointed(exercise, x, shift, W1, W2),
+        kept, _ = saved_activation_bytes(lambda: checkpointed(function, x, shift, W1, W2),
                                          exclude=[W1, W2])
         plain, _ = saved_activation_bytes(lambda: block(x, P, shift, W1, W2), exclude=[W1, W2])
         expected = x.untyped_storage().nbytes() + shift.untyped_storage().nbytes()
@@ -76,7 +77,7 @@ def check(exercise, grader):
         (x, shift), (W1, W2) = inputs(), weights(20)
         (px, pshift), (pW1, pW2) = inputs(), weights(20)
         torch.manual_seed(10)
-        out = checkpointed(exercise, x, shift, W1, W2)
+        out = checkpointed(function, x, shift, W1, W2)
         torch.rand(100)                         # later blocks draw their own masks meanwhile
         out.backward(g)
         torch.manual_seed(10)
@@ -92,7 +93,7 @@ def check(exercise, grader):
         (x, shift), (W1, W2) = inputs(), weights(20)
         (px, pshift), (pW1, pW2) = inputs(), weights(20)
         torch.manual_seed(10)
-        out = checkpointed(exercise, x, shift, W1, W2)
+        out = checkpointed(function, x, shift, W1, W2)
         got = torch.autograd.grad(out, [W1, W2], g, allow_unused=True)
         torch.manual_seed(10)
         expected = torch.autograd.grad(block(px, P, pshift, pW1, pW2), [pW1, pW2], g)
@@ -106,7 +107,7 @@ def check(exercise, grader):
                      "the RNG back only inside torch.random.fork_rng: the stream the rest of "
                      "training draws from goes on as if backward had drawn nothing"):
         torch.manual_seed(10)
-        out = checkpointed(exercise, *inputs(), *weights(20))
+        out = checkpointed(function, *inputs(), *weights(20))
         torch.rand(100)
         before = torch.get_rng_state()
         out.backward(g)
@@ -119,11 +120,21 @@ def check(exercise, grader):
                      "embeddings: only the parameters do) and returns None for the others"):
         (x, shift), (W1, W2) = inputs(grad=False), weights(20)
         pW1, pW2 = weights(20)
+        returned = []                              # what the student's backward returns
+
+        class Watched(function):
+            @staticmethod
+            def backward(ctx, grad_output):
+                returned.append(function.backward(ctx, grad_output))
+                return returned[-1]
         torch.manual_seed(10)
-        out = checkpointed(exercise, x, shift, W1, W2)
+        out = checkpointed(Watched, x, shift, W1, W2)
         if not out.requires_grad:
             grader.fail("the output does not require grad: the parameters' gradients are lost")
         out.backward(g)
+        grader.same("the inputs that need no gradient but got one from backward",
+                    [name for name, grad in zip(("x", "shift"), returned[0][3:5])
+                     if grad is not None], [])
         torch.manual_seed(10)
         block(x, P, shift, pW1, pW2).backward(g)
         grader.close("W1.grad", W1.grad, pW1.grad, 0.0, EXACT)
@@ -134,7 +145,7 @@ def check(exercise, grader):
         (x, shift), first, second = inputs(), weights(20), weights(30)
         (px, pshift), pfirst, psecond = inputs(), weights(20), weights(30)
         torch.manual_seed(10)
-        out = checkpointed(exercise, checkpointed(exercise, x, shift, *first), shift, *second)
+        out = checkpointed(function, checkpointed(function, x, shift, *first), shift, *second)
         torch.manual_seed(10)
         plain = block(block(px, P, pshift, *pfirst), P, pshift, *psecond)
         grader.close("output", out, plain, 0.0, EXACT)

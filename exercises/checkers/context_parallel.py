@@ -5,7 +5,8 @@ written out below (scores, mask, softmax, times V) on one process.
 _fold_in's state after each block is compared with the softmax's pieces over the keys folded so
 far: the max score m, the sum of exp(score - m) and the unnormalised exp(score - m) V. The ring's
 output, and the gradients the concept's backward computes from the log-sum-exp the forward kept,
-are compared with the whole sequence's, cut to this rank's tokens. 3 ranks: with 2, a ring
+are compared with the whole sequence's, cut to this rank's tokens (first: no output row NaN,
+which a wrong chunk size leaves). 3 ranks: with 2, a ring
 turning the wrong way (rank r+s's block for r-s's) still brings the right blocks.
 fp64 throughout: the same sums in another order (the blocks one by one, each rescaled), so the
 differences are rounding alone, under 1e-12 here.
@@ -97,10 +98,16 @@ def check(exercise, grader):
     (expected * probe).sum().backward()
     mine = [split_sequence(x.detach(), split, r, dim=2).requires_grad_() for x in whole]
 
+    with grader.step("every query row folded in", "a rank holds two chunks of c = t / 2 tokens "
+                     "(zigzag): its slot a is c rows of q, m, denom and acc, a block's slot b c "
+                     "keys; a row no block reaches ends as 0 / 0 = NaN"):
+        out = exercise.RingAttention.apply(*mine, comm, split)
+        grader.same("the query rows of out holding NaN",
+                    out.isnan().flatten(0, 1).any(0).any(-1).nonzero().flatten().tolist(), [])
+
     with grader.step("the ring", "at step s rank r holds rank r-s's K/V block, sends it to r+1 "
                      "as the next arrives from r-1, folds in the blocks split.blocks names (the "
                      "causal mask on the diagonal ones only), and divides by denom at the end"):
-        out = exercise.RingAttention.apply(*mine, comm, split)
         grader.close("out", out, split_sequence(expected.detach(), split, r, dim=2), BOUND, WHY)
 
     with grader.step("the log-sum-exp kept for backward", "backward recomputes each block's "
