@@ -357,6 +357,11 @@ MISTAKES = {
          "self.levels[codes.long()]", "dequantize"),
         ("dequantize reads self.scales, which double quantization does not keep",
          "self.block_scales()[:, None]", "self.scales[:, None]", "double quantization"),
+        ("dequantize casts the levels and scales to the dtype asked for, then multiplies: a "
+         "bf16 weight rounded three times, not once",
+         "self.levels[codes.long()] * self.block_scales()[:, None]",
+         "self.levels[codes.long()].to(dtype) * self.block_scales()[:, None].to(dtype)",
+         "dequantize"),
     ],
 
     # ---- checkpointing ----
