@@ -4,12 +4,12 @@ A pretrained W0 (d, k) and its bias b stay frozen; the layer learns two thin fac
 A (r, k) and B (d, r), and adds their product, scaled by alpha / r, to what W0 computes.
 Write the four methods below:
 - delta: the d x k update the adapter stands for.
-- forward: the frozen layer's output plus the adapter's term; in training, dropout applies to
-  the adapter's input only. The adapter is low rank: can its term be computed without ever
-  building the d x k update? A merged layer already holds the update in its weight.
-- merge: add the update into W0 in place (the same tensor, in its own dtype), so inference
-  costs one matmul; unmerge: take it out again, so the base comes back (up to rounding) and
-  another task's adapter can go on top. What if either is called twice?
+- forward: the frozen layer's output plus the adapter's term. Which input does LoRA's dropout
+  see, and when? The adapter is low rank: in what order can its products run so that the d x k
+  update is never built? What is left to add once a layer is merged?
+- merge: fold the update into W0 so that inference costs one matmul (the model holds W0's
+  tensor: it must stay that tensor, in its dtype); unmerge: the base back (up to rounding), so
+  another task's adapter can go on top. What if either is called twice, or unmerge first?
 Given by the constructor (lora.py; fp64 in the check, bf16 in one of its steps):
 - self.weight (d, k) W0 and self.bias (d,) b: the frozen nn.Linear's own tensors.
 - self.lora_A (r, k) and self.lora_B (d, r): the trainable factors (nn.Parameter).
@@ -38,13 +38,12 @@ class LoRALinear(lora.LoRALinear):
         raise NotImplementedError
 
     def forward(self, x):                                       # x: (..., k) -> (..., d)
-        # TODO: the frozen output, plus (unless merged) the adapter's scaled term on the
-        # dropped-out x, through self.linear.
+        # TODO: the frozen output plus the adapter's term (its products through self.linear).
         raise NotImplementedError
 
     @torch.no_grad()
     def merge(self):
-        # TODO: the update into W0, in place, in W0's dtype; remember it.
+        # TODO: the update into W0.
         raise NotImplementedError
 
     @torch.no_grad()

@@ -1,12 +1,13 @@
 """Exercise: top-k routing with a capacity, and the tokens' trip to their experts' ranks by
 all-to-all (the solution: moe.py).
 
-- MoE.route: the router's logits for each token, a softmax over the E experts, the k largest
-  probabilities (top-k) renormalised to sum to 1: the gates. Lay the A = k*N assignments (token,
-  choice) out choice-major, every token's first choice before any second one, so that under
-  capacity a second choice drops first. Each assignment queues at (its token's routing group,
-  its expert); its position is how many of that queue come before it; it is kept when the
-  position is under the capacity K = ceil(capacity_factor * k * S / E) (expert_capacity, given).
+- MoE.route: tokens (N, C), the layer's input flattened to rows. The router's logits for each
+  token, a softmax over the E experts, the k largest probabilities (top-k) renormalised to sum
+  to 1: the gates. Lay the A = k*N assignments (token, choice) out choice-major, every token's
+  first choice before any second one, so that under capacity a second choice drops first. Each
+  assignment queues at (its token's routing group, its expert); its position is how many of that
+  queue come before it; it is kept when the position is under the capacity
+  K = ceil(capacity_factor * k * S / E) (expert_capacity, given).
 - _queue_positions: those positions, without a Python loop: a stable sort by queue, and each
   queue's start.
 - _AllToAll, all_to_all: rank r sends its i-th block of rows to rank i and receives rank i's
@@ -22,7 +23,9 @@ Given (moe.py; the constructor sets the attributes):
 - self.ep: the expert-parallel Comm, set by shard_experts: P is self.ep.world_size, this rank
   self.ep.rank; self.ep.all_to_all(output, input, output_splits=None, input_splits=None)
   fills output in place (splits: rows per rank, host ints; None: equal blocks). self.local: the
-  range of the expert indices this rank runs (E/P of them, in order).
+  range of the expert indices this rank runs (E/P of them, in order). self.experts keeps its E
+  entries after shard_experts, indexed by the global expert index: self.experts[e] for e in
+  self.local is an expert, the others are nn.Identity.
 - expert_capacity(group_size, experts, top_k, capacity_factor) -> K, an int.
   Dropless has no factor: a token's k experts are distinct, so one (group, expert) queue holds at
   most S assignments, and K = group_size * k (more than enough) keeps every one.
@@ -88,9 +91,9 @@ def _queue_positions(queue: torch.Tensor, queues: int):
     Shapes fixed by A alone: nothing here waits for the device.
     Returns the order (A,), the positions (A,) and the count per queue (queues,).
     """
-    # TODO: order = a stable argsort of queue; per_queue = _count(queue, queues); each queue's
-    # start (an exclusive cumulative sum); each assignment's place in order minus its queue's
-    # start, written back at the assignment's own index.
+    # TODO: sort by queue, keeping the priority order inside each queue. Where in that order
+    # does each queue start, given how many each queue holds? Each position goes back to its
+    # assignment's own index.
     raise NotImplementedError
 
 

@@ -1,8 +1,11 @@
 """Checks exercises/collectives.py: the ring's reduce-scatter, all-gather and all-reduce on 3
 ranks, against one process's sum of every rank's tensor (each rank builds every rank's input).
 
-fp64 inputs: a sum in another order differs by rounding alone, under 1e-12 here.
+fp64 inputs: a sum in another order differs by rounding alone, under 1e-12 here. The ring's
+messages are counted through the exercise's send_right_receive_left: N-1 per collective.
 """
+import contextlib
+
 import torch
 
 WORLD = 3
@@ -16,6 +19,23 @@ def rank_tensor(rank: int, n: int, c: int) -> torch.Tensor:
     return torch.randn(n, c, generator=generator, dtype=torch.float64)
 
 
+@contextlib.contextmanager
+def counted(exercise, grader, what: str, expected: int):
+    """Counts the calls of the exercise's send_right_receive_left inside the block."""
+    calls, send = [], exercise.send_right_receive_left
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return send(*args, **kwargs)
+    exercise.send_right_receive_left = counting
+    try:
+        yield
+    finally:
+        exercise.send_right_receive_left = send
+    grader.same(f"the number of ring steps (send_right_receive_left calls) in {what}",
+                len(calls), expected)
+
+
 def check(exercise, grader):
     n, r, c = grader.world, grader.rank, 5
     total = sum(rank_tensor(i, n, c) for i in range(n))              # one process: (N, c)
@@ -26,7 +46,8 @@ def check(exercise, grader):
                      "sender's own copy added to what it received at step s-1); work the chunk "
                      "indices back from there, modulo N"):
         chunks = rank_tensor(r, n, c)
-        exercise.ring_reduce_scatter(chunks, grader.group)
+        with counted(exercise, grader, "ring_reduce_scatter", n - 1):
+            exercise.ring_reduce_scatter(chunks, grader.group)
         grader.close(f"chunks[{r}]", chunks[r], total[r], BOUND, WHY)
 
     with grader.step("all-gather", "the lecture's all-gather: rank r starts with chunk r "
@@ -34,13 +55,16 @@ def check(exercise, grader):
                      "the step before, and the chunk arriving from r-1 lands at its own index"):
         chunks = torch.zeros(n, c, dtype=torch.float64)
         chunks[r] = total[r]
-        exercise.ring_all_gather(chunks, grader.group)
-        grader.close("chunks", chunks, total, BOUND, WHY)
+        with counted(exercise, grader, "ring_all_gather", n - 1):
+            exercise.ring_all_gather(chunks, grader.group)
+        for j in range(n):
+            grader.close(f"chunks[{j}]", chunks[j], total[j], BOUND, WHY)
 
     with grader.step("all-reduce", "the lecture's all-reduce is a reduce-scatter then an "
                      "all-gather, on the tensor viewed as (N, L/N) chunks"):
         tensor = rank_tensor(r, n, c).flatten()
-        exercise.ring_all_reduce(tensor, grader.group)
+        with counted(exercise, grader, "ring_all_reduce", 2 * (n - 1)):
+            exercise.ring_all_reduce(tensor, grader.group)
         grader.close("tensor", tensor, total.flatten(), BOUND, WHY)
 
     with grader.step("a length that does not split", "ring_all_reduce refuses a tensor whose "

@@ -94,8 +94,8 @@ def check(exercise, grader):
         layer.eval()
         grader.close("h", layer(x), plain(x, W0, b, A, B), BOUND, WHY)
 
-    with grader.step("merge: W0 + (alpha/r) B A", "merging adds the update into W0 in place, "
-                     "once: a second merge leaves the weight as it is"):
+    with grader.step("merge, and merge again: W0 + (alpha/r) B A", "merging adds the update "
+                     "into W0 in place, once: a second merge leaves the weight as it is"):
         layer, W0, b, A, B = build(exercise)
         layer.merge()
         merged = W0 + scale * B @ A
@@ -109,8 +109,9 @@ def check(exercise, grader):
         layer.merge()
         grader.close("h of the merged layer", layer(x), plain(x, W0, b, A, B), BOUND, WHY)
 
-    with grader.step("unmerge: W0 back", "unmerging subtracts the update that merge added, and "
-                     "only from a merged layer; the adapted forward then comes back"):
+    with grader.step("unmerge, twice or unmerged: W0 back", "unmerging subtracts the update "
+                     "that merge added, and only from a merged layer; the adapted forward then "
+                     "comes back"):
         layer, W0, b, A, B = build(exercise)
         layer.unmerge()
         grader.close("weight after unmerge() of an unmerged layer", layer.weight, W0, 0.0,
@@ -118,6 +119,9 @@ def check(exercise, grader):
         layer.merge()
         layer.unmerge()
         grader.close("weight after merge(), unmerge()", layer.weight, W0, BOUND,
+                     "fp64, W0 + s B A - s B A rounded twice")
+        layer.unmerge()
+        grader.close("weight after merge(), unmerge(), unmerge()", layer.weight, W0, BOUND,
                      "fp64, W0 + s B A - s B A rounded twice")
         grader.close("h after merge(), unmerge()", layer(x), plain(x, W0, b, A, B), BOUND, WHY)
 

@@ -69,9 +69,10 @@ def check(exercise, grader):
         grader.close("a disabled scaler's loss", unscaled, loss.double(), 0.0,
                      "disabled (bf16, fp32 training): the loss as it is")
 
-    with grader.step("unscale the gradients", "each fp16 gradient is cast to its master's fp32 "
-                     "first, then divided by the scale; a master that is its own parameter is "
-                     "divided in place"):
+    with grader.step("unscale the gradients", "unscaled, these gradients are 1e-6 to "
+                     "1e-8: below fp16's smallest normal number (6e-5) fp16 keeps few of their "
+                     "bits or rounds them to 0, fp32 keeps them whole. A master that is its own "
+                     "parameter is divided in place"):
         # Scaled gradients as backward leaves them; / SCALE they are about 1e-6 to 1e-8.
         grads = [(torch.randn(n, generator=generator) * 1e-7 * SCALE).half() for n in (5, 3)]
         masters = [torch.zeros(n, requires_grad=True) for n in (5, 3)]

@@ -5,7 +5,8 @@ The loop below routes token by token: a softmax written out, the k largest proba
 gates divided by their sum, the assignments in priority order (every first choice, then every
 second), each counted into its (routing group, expert) queue and kept while the count is under
 K = ceil(capacity_factor * k * S / E). Routing is compared exactly (which expert, which place,
-kept or not), the gates within 1e-12 (fp64, the softmax's sum in another order).
+kept or not), the gates within 1e-12 (fp64, the softmax's sum in another order). A bf16 router's
+gates are compared with the fp64 softmax of its bf16 logits: fp32's rounding, under 1e-6.
 The all-to-all runs with unequal splits (so swapped splits show), its backward with a probe.
 The MoE layer, its E = 4 experts split 2 a rank, routes each rank's own tokens and is compared
 with the loop: each kept choice's expert on its token, times its gate, summed, and the input's
@@ -93,6 +94,20 @@ def check(exercise, grader):
         grader.close("routing.gate", routing.gate, column(2), BOUND,
                      "fp64, the softmax's sum in another order")
         exact("routing.group", routing.group, column(3))
+
+    with grader.step("a bf16 router", "the router's matmul runs in the model's dtype, bf16 here; "
+                     "a softmax and gates computed in bf16 keep 8 significant bits of each "
+                     "probability: what dtype should the softmax see?"):
+        low = layer(exercise).to(torch.bfloat16)
+        x_low = x.to(torch.bfloat16)
+        with torch.no_grad():
+            logits = low.router(x_low).double()                  # the matmul in bf16, as route's
+            top, _ = logits.softmax(dim=-1).topk(K_CHOICES, dim=-1)
+        gates = (top / top.sum(dim=-1, keepdim=True)).t().reshape(-1)
+        routing_low = low.route(x_low)
+        grader.same("a bf16 router's routing.gate dtype", routing_low.gate.dtype, torch.float32)
+        grader.close("a bf16 router's routing.gate", routing_low.gate, gates, 1e-6,
+                     "the softmax of the same bf16 logits in fp32: fp32 rounding")
 
     with grader.step("each assignment's place in its queue", "a queue per (routing group, "
                      "expert); the position counts the assignments of the same queue before it, "

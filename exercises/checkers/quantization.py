@@ -5,7 +5,8 @@ double quantization).
 The weight is (6, 48): 288 values, 4.5 blocks of 64, so the last block is padded; its third block
 is all zeros (the scale that must not be 0). Every bound is 0: the reference does the same fp32
 operations value by value (a max of magnitudes, one division, the nearest of 16 levels, one
-product), so any difference is a mistake, not rounding.
+product), so any difference is a mistake, not rounding; a bf16 dequantize is that fp32 product
+rounded once.
 """
 import torch
 
@@ -71,12 +72,15 @@ def check(exercise, grader):
                      "indices: exact")
 
     with grader.step("dequantize", "unpack each byte into its two codes, in order; each code's "
-                     "level times its block's scale; cut the padding off and reshape"):
+                     "level times its block's scale; cut the padding off and reshape. In a "
+                     "16-bit dtype, how many times is each value rounded?"):
         restored = nf4.dequantize()
         expected = (LEVELS[codes].view(G, BLOCK) * scales[:, None]).view(-1)[:weight.numel()]
         grader.close("dequantize()", restored, expected.view(weight.shape), 0.0, EXACT)
-        grader.same("dequantize(torch.bfloat16)'s dtype", nf4.dequantize(torch.bfloat16).dtype,
-                    torch.bfloat16)
+        low = nf4.dequantize(torch.bfloat16)
+        grader.same("dequantize(torch.bfloat16)'s dtype", low.dtype, torch.bfloat16)
+        grader.close("dequantize(torch.bfloat16)", low, expected.view(weight.shape).bfloat16(),
+                     0.0, "the fp32 product rounded once into bf16: exact")
 
     with grader.step("double quantization", "the scales are the concept's to store in 8 bits "
                      "(_quantize_scales); dequantize reads them through self.block_scales()"):
