@@ -963,6 +963,7 @@ def load_peak_bytes(gpt, options, world_size: int) -> int:
         held += -(-stored // world_size)
     return adapters + peak
 
+
 def _own_modules(module):
     """module and the modules inside it, but the blocks inside it (FSDP's units of their own)."""
     yield module

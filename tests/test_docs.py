@@ -2,6 +2,7 @@
 which must be what the bench's JSON says (docs/generate.py writes them); and every command the
 README and docs/*.md show, run in their order in a fresh copy of the repository, shortened by the
 programs' own flags (marked docs_commands: a few minutes; `-m "not docs_commands"` leaves them out)."""
+import json
 import os
 import pathlib
 import re
@@ -15,6 +16,7 @@ import sys
 import pytest
 
 from pictures import draw as pictures
+from test_pretrained import llama_files, random_tensors, small_spec, write_directory
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -144,6 +146,10 @@ NOT_RUN_HERE = {
     "torchrun --max-restarts R ... --resume auto": "a form: R and ... are the reader's",
     "torchrun --max-restarts": "a flag's name, not a command",
     "torchrun --nproc_per_node N -m exercises check NAME": "a form: N and NAME are the reader's",
+    "torchrun --nproc_per_node 2 train.py --strategy fsdp --init-from hf:Llama-3.1-70B --lora "
+    "--quantize-base nf4 --precision bf16 --checkpoint-activations --batch-size 2 --seq-len 512 "
+    "--data argparse_help.txt --out runs/qlora70b": "a 70B's weights on two GPUs (the napkin's "
+                                                    "line before it runs, from its config)",
     "torchrun --standalone --nproc_per_node 1": "the launcher's half of the runs in the table below it",
     **{command: ALONE for command in ALONE_COMMANDS},
 }
@@ -205,7 +211,41 @@ def fresh_copy(where: pathlib.Path, cache: pathlib.Path) -> pathlib.Path:
             shutil.copy2(ROOT / name, where / name)
     (where / ".venv").symlink_to((ROOT / ".venv").resolve())
     (where / ".cache").symlink_to(cache, target_is_directory=True)
+    stand_ins(where)
     return where
+
+
+# The pretrained models docs/pretrained.md names, which a reader downloads: in the copy,
+# SmolLM2-135M is SmolLM2's width and heads in 2 blocks (7M parameters, random weights under its
+# tensor names, a small tokenizer of its style), and Llama-3.1-70B its published config.json
+# alone, all the napkin reads.
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+             "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+             "rms_norm_eps": 1e-05, "hidden_act": "silu", "rope_theta": 500000.0,
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+             "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 128000,
+             "eos_token_id": 128001}
+
+
+def stand_ins(where: pathlib.Path):
+    spec = small_spec("gpt2")
+    C, F, H, G, L, V = 576, 1536, 9, 3, 2, len(spec["model"]["vocab"]) + 1
+    config, _ = llama_files(V, "smollm2")
+    config |= {"hidden_size": C, "intermediate_size": F, "num_attention_heads": H,
+               "num_key_value_heads": G, "num_hidden_layers": L}
+    D, shapes = C // H, {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
+    for i in range(L):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in {
+            "input_layernorm.weight": (C,), "post_attention_layernorm.weight": (C,),
+            "self_attn.q_proj.weight": (H * D, C), "self_attn.k_proj.weight": (G * D, C),
+            "self_attn.v_proj.weight": (G * D, C), "self_attn.o_proj.weight": (C, H * D),
+            "mlp.gate_proj.weight": (F, C), "mlp.up_proj.weight": (F, C),
+            "mlp.down_proj.weight": (C, F)}.items()}
+    write_directory(where / "SmolLM2-135M", config, random_tensors(shapes, 3), spec)
+    (where / "Llama-3.1-70B").mkdir()
+    (where / "Llama-3.1-70B" / "config.json").write_text(json.dumps(LLAMA_70B))
 
 
 def run_as_written(command: str, cwd: pathlib.Path, timeout: float = 300) -> tuple[int, str]:
