@@ -242,6 +242,10 @@ MISTAKES = {
         ("the row layer leaves the region with f: the partial products are never summed",
          "scatter_sequence(x, comm) if sequence_parallel else g(x, comm)",
          "scatter_sequence(x, comm) if sequence_parallel else f(x, comm)", "the row linear"),
+        ("f and g swapped: the column layer enters with g, all-reducing x forward, not its "
+         "gradient backward",
+         "gather_sequence(x, comm) if sequence_parallel else f(x, comm)",
+         "gather_sequence(x, comm) if sequence_parallel else g(x, comm)", "the column linear"),
         ("sequence parallelism enters the region with f: the column layer sees T/N tokens",
          "gather_sequence(x, comm) if sequence_parallel else f(x, comm)",
          "f(x, comm) if sequence_parallel else f(x, comm)", "the MLP, sequence parallel"),
