@@ -102,6 +102,10 @@ MISTAKES = {
         ("no_sync sets the flag to True at its end: a nested one ends the outer one's too",
          "            self.require_backward_grad_sync = outer",
          "            self.require_backward_grad_sync = True", "no_sync"),
+        ("no_sync without try/finally: a body that raises leaves the sync off for good",
+         "        try:\n            yield\n        finally:\n"
+         "            self.require_backward_grad_sync = outer",
+         "        yield\n        self.require_backward_grad_sync = outer", "no_sync"),
     ],
 
     # ---- zero ----
