@@ -17,6 +17,8 @@ Given by __init__ (i: a parameter, b: a bucket; N ranks, P trainable parameter t
   bucket.comm (all_reduce(tensor, op="sum"|"avg"|"max", async_op=False): with async_op=True
   it returns at once a work whose .wait() blocks until the tensor holds the result),
   bucket.op (the op to reduce with) and bucket.divide (divide the result by it afterwards).
+  bucket.view(bucket.grad_flat, j): parameter j's slot, a view of the buffer shaped like it:
+  where its gradient sits in the bucket (a .grad that is this view adds into the bucket).
 - self.params (P,): the parameters in bucket order; self.bucket_indices[b]: the range of i
   in bucket b, so bucket b's parameter j is params[bucket_indices[b][j]].
 - A hook calls mark_param_as_ready(b, j) when backward has added into bucket b's param j's .grad.
@@ -30,9 +32,6 @@ The state the four methods share (_reset() renews all but the first two):
   its work, for the finish to wait for.
 Given helpers (the corner cases):
 - _check_first_gradient(i): raises if i's gradient was already counted this sync.
-- _grad_into_slot(i): moves a .grad autograd made on its own into i's slot.
-- _launch_full_buckets(): launches (_all_reduce) the full buckets from bucket self.launched on,
-  up to the first one not full, counting them in self.launched.
 - _upcast(grad_flat): what to send: a copy in reduce_dtype, or grad_flat itself if none.
 - _launch_unused(): fills the slots no gradient came to (zeros, or no_sync's .grad), then
   launches the buckets that are now full.
@@ -54,8 +53,10 @@ class DDP(ddp.DDP):
     def mark_param_as_ready(self, b: int, j: int):
         """Backward has accumulated bucket b's parameter j into its .grad (the gradient hook)."""
         # TODO: record what the state says of parameter i. Under no_sync, the gradient stays in
-        # .grad. Otherwise it goes into its slot and is counted off its bucket. Once the bucket
-        # is full, which buckets may start now, if the ranks pair all-reduces by call order?
+        # .grad. Otherwise (a second gradient this sync is an error) it must sit in its slot:
+        # autograd's first .grad is a tensor of its own, not the bucket's view. Count it off its
+        # bucket. Once the bucket is full, which buckets may start now, if the ranks pair
+        # all-reduces by call order? (self.launched says how far the launches have come.)
         raise NotImplementedError
 
     def _all_reduce(self, bucket: FlatParams):
@@ -71,9 +72,9 @@ class DDP(ddp.DDP):
 
         Call it after the step's last backward, before optimizer.step()."""
         # TODO: every rank must launch every bucket, also those backward never filled (an
-        # unused parameter's), and the used flags after them. Then wait for each bucket; its
-        # mean must end up in grad_flat (bucket.divide; a wire may be a copy). Each .grad: its
-        # slot where some rank used the parameter, else None. Then start over for the next step.
+        # unused parameter's), and the used flags after them. Then wait for each bucket: what
+        # must happen before grad_flat holds the mean (bucket.divide; a wire may be a copy)?
+        # Each .grad: where some rank used the parameter, its slot; else None. Then start over.
         raise NotImplementedError
 
     # ---- gradient accumulation --------------------------------------------------------------

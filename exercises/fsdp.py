@@ -16,21 +16,28 @@ parameter, sharded. Write the steps that make a unit whole only while it compute
 Everything else (the wrap, the hooks, the order of the reduce-scatters, the step) comes from
 fsdp.py. Check: python -m exercises check fsdp (on 2 ranks).
 
-Given, on a Unit: self.comm (all_gather(output, input, async_op=False) fills output (N*S,)
-from every rank's input (S,); reduce_scatter(output, input, op="sum", async_op=False) leaves
-rank r output (S,) = op over the ranks of input's chunk r; with async_op=True each returns a
-handle with .wait()), self.op (the gradient's op), self.params, self.flat (N*S,) (the
-parameters are views of it), self.master (S,) (this rank's shard), self.views(buffer) (a view
-of buffer (N*S,) per parameter, shaped like it), self.sends() ([(this rank's shard (S,), the
-flat it fills)]), self.gathered (True from the launch of its all-gather until it is freed),
-self.gathering (what wait() reads: a list of (handle, shard) pairs, in that order; the shard
-kept alive until sent), self.wait() (waits for each handle, then gathering = ()).
-Given, on FSDP: self.forward_order (the units in forward order), self.prefetch, self._sync
-(False under no_sync), self._grads_to_reduce, self.reduce_dtype; self._gather(unit) (launches
-unit.all_gather() unless unit.gathered), self._free(unit) and self._free_after_backward(unit)
-(free it, unless a pipeline's step keeps it: use these, not unit.free()),
-self._hook_end_of_backward() (once per backward), self._tell(what, unit) (tells the observers:
-what is "forward", "backward" or "reduce-scatter", as the unit computes or launches).
+Given, on a Unit:
+- self.comm: all_gather(output, input, async_op=False) fills output (N*S,) from every rank's
+  input (S,); reduce_scatter(output, input, op="sum", async_op=False) leaves rank r
+  output (S,) = op over the ranks of input's chunk r; with async_op=True each returns a handle
+  with .wait().
+- self.op (the gradient's op), self.params, self.flat (N*S,) (the parameters are views of it),
+  self.master (S,) (this rank's shard).
+- self.views(buffer): a view of buffer (N*S,) per parameter, shaped like it.
+- self.sends(): [(this rank's shard (S,), the flat it fills)].
+- self.gathered: True from the launch of its all-gather until it is freed.
+- self.gathering: what wait() reads: a list of (handle, shard) pairs, in that order (the shard
+  kept alive until sent). self.wait() waits for each handle, then gathering = ().
+Given, on FSDP:
+- self.forward_order: the wrapped units (the blocks) in forward order; the root is not in it.
+- self.prefetch, self.reduce_dtype; self._sync: False under no_sync.
+- self._grads_to_reduce: a flag your _reduce_scatter sets (True: gradients wait unreduced).
+- self._gather(unit): launches unit.all_gather() unless unit.gathered.
+- self._free(unit), self._free_after_backward(unit): free it, unless a pipeline's step keeps
+  it (use these, not unit.free()).
+- self._hook_end_of_backward(): once per backward.
+- self._tell(what, unit): tells the observers; what is "forward", "backward" or
+  "reduce-scatter", as the unit computes or launches.
 
 Shapes: N ranks, r this rank, P elements in a unit, S = ceil(P / N) per shard: the master
 (S,), the flat (N*S,).
@@ -85,7 +92,7 @@ class FSDP(fsdp.FSDP):
     def _reduce_scatter(self, unit):
         """Launch the reduce-scatter of unit's gradient, unless no_sync: each rank receives its
         shard of the sum (the mean: op avg). Returns (handle, output, used), or None."""
-        # TODO: remember whether gradients wait (self._grads_to_reduce: not self._sync). When
+        # TODO: set self._grads_to_reduce = not self._sync (gradients wait unreduced). When
         # syncing: the unit's whole gradient as one (N*S,) buffer in self.reduce_dtype (a
         # parameter with no .grad adds zeros; used: which had one), the whole .grads dropped,
         # and the reduce-scatter launched into an (S,) output; tell "reduce-scatter". In any

@@ -105,6 +105,10 @@ MISTAKES = {
         ("no_sync sets the flag to True at its end: a nested one ends the outer one's too",
          "            self.require_backward_grad_sync = outer",
          "            self.require_backward_grad_sync = True", "no_sync"),
+        ("no_sync without try/finally: a body that raises leaves the sync off for good",
+         "        try:\n            yield\n        finally:\n"
+         "            self.require_backward_grad_sync = outer",
+         "        yield\n        self.require_backward_grad_sync = outer", "no_sync"),
     ],
 
     # ---- zero ----
@@ -248,6 +252,10 @@ MISTAKES = {
         ("the row layer leaves the region with f: the partial products are never summed",
          "scatter_sequence(x, comm) if sequence_parallel else g(x, comm)",
          "scatter_sequence(x, comm) if sequence_parallel else f(x, comm)", "the row linear"),
+        ("f and g swapped: the column layer enters with g, all-reducing x forward, not its "
+         "gradient backward",
+         "gather_sequence(x, comm) if sequence_parallel else f(x, comm)",
+         "gather_sequence(x, comm) if sequence_parallel else g(x, comm)", "the column linear"),
         ("sequence parallelism enters the region with f: the column layer sees T/N tokens",
          "gather_sequence(x, comm) if sequence_parallel else f(x, comm)",
          "f(x, comm) if sequence_parallel else f(x, comm)", "the MLP, sequence parallel"),

@@ -139,9 +139,9 @@ def check(exercise, grader):
                 grader.close(f"bucket {b}'s wire all-reduced ({op}, {wire.dtype})", wire,
                              total / n if op == "avg" else total, BOUND, WHY)
 
-    with grader.step("finish", "the lecture's finish: launch the unused buckets, wait for every "
-                     "work in flight, divide by bucket.divide, copy an upcast wire back, each "
-                     ".grad its slot (None where no rank used it), then _reset()"):
+    with grader.step("finish", "the lecture's finish: which buckets has backward not launched "
+                     "yet? Once a bucket's work is waited for, is the mean in grad_flat (its "
+                     "op and divide, a wire that may be a copy)? Which .grad stays None?"):
         ddp = exercise.DDP(tiny_model(), SlowNetwork(grader.group), bucket_mb=BUCKET_MB)
         only = {"0.bias": [], "4.weight": [0]}         # no rank uses 0.bias, rank 0 4.weight
         users = [only.get(name, range(n)) for name in ddp.names]
@@ -170,7 +170,8 @@ def check(exercise, grader):
 
     with grader.step("no_sync", "the lecture's gradient accumulation: inside no_sync a backward "
                      "leaves its gradient in .grad and launches nothing; after it the flag has "
-                     "the value it had before (inside an outer no_sync: still off)"):
+                     "the value it had before (inside an outer no_sync: still off), also when "
+                     "the body raised"):
         ddp = exercise.DDP(tiny_model(), SlowNetwork(grader.group), bucket_mb=BUCKET_MB)
         launches = spy_launches(ddp, forward=True)
         one = tiny_model()
@@ -186,6 +187,15 @@ def check(exercise, grader):
                         ddp.require_backward_grad_sync, False)
             (F.mse_loss(ddp(xs[0]), ys[0]) / 2).backward()
         grader.same("require_backward_grad_sync after the outer no_sync",
+                    ddp.require_backward_grad_sync, True)
+        raised = False
+        try:
+            with ddp.no_sync():
+                raise KeyError("the body of the with")
+        except KeyError:
+            raised = True
+        grader.same("the body's exception, out of no_sync", raised, True)
+        grader.same("require_backward_grad_sync after a no_sync whose body raised",
                     ddp.require_backward_grad_sync, True)
         grader.same("buckets launched by a backward inside no_sync", [b for b, _ in launches],
                     [])

@@ -246,6 +246,7 @@ def check(exercise, grader):
         limit = 1 + sharded.prefetch
         for i in blocks:
             expected = [j for j in blocks if j <= max(i, limit)]
-            grader.same(f"the blocks gathered while unit {i} computes its forward (nothing "
-                        f"freed, at most {limit} gathered but for the one needed)",
+            grader.same(f"the blocks gathered while unit {i} computes its forward (a "
+                        f"pipeline's step frees none: prefetch gathers up to {limit} blocks; "
+                        f"past them, only the block that runs is gathered)",
                         watch.seen[("forward", i)][0], expected)

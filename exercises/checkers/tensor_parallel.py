@@ -7,8 +7,10 @@ The one-process reference sees the loss once: where the ranks hold copies of one
 is the same; where they hold parts (a column layer's out/N, f's consumers), the loss is the sum
 of the ranks' parts, and each rank's probe is its slice of the reference's. Compared: outputs,
 input gradients, and the layers' weight and bias gradients (this rank's slice of the one
-process's). The MLP steps also count the collectives: the pair costs one all-reduce forward
-and one backward (with sequence parallelism an all-gather and a reduce-scatter each way).
+process's). The layers' steps count the all-reduces (f and g swapped show there: the column
+layer's f has none forward and one backward, the row layer's g one forward, none backward);
+the MLP steps count every collective: the pair costs one all-reduce forward and one backward
+(with sequence parallelism an all-gather and a reduce-scatter each way).
 
 fp64 everywhere: a split product sums the same terms in another order, so it differs from one
 process by rounding alone, under 1e-12 for these sizes (sums of at most 16 terms of size ~1).
@@ -121,11 +123,16 @@ def check(exercise, grader):
         for gather in (False, True):
             layer = exercise.ColumnParallelLinear.from_linear(one, comm, gather_output=gather)
             mine = leaf(x)
+            comm.taken()
             y = layer(mine)
             said = f"(gather_output={gather})"
+            grader.same(f"all-reduces in forward (gather_output={gather}; f: none, each rank "
+                        f"reads x as it is)", comm.taken().count("all_reduce"), 0)
             grader.close(f"output {said}", y, one(x) if gather else piece(one(x), r),
                          BOUND, WHY)
             (y * (probe if gather else piece(probe, r))).sum().backward()
+            grader.same(f"all-reduces in backward (gather_output={gather}; f: one, summing "
+                        f"x's gradient)", comm.taken().count("all_reduce"), 1)
             grader.close(f"x.grad {said}", mine.grad, expected_x.grad, BOUND, WHY)
             grader.close(f"weight.grad {said}", layer.weight.grad,
                          piece(one.weight.grad, r, 0), BOUND, WHY)
@@ -141,10 +148,16 @@ def check(exercise, grader):
         for whole in (False, True):
             layer = exercise.RowParallelLinear.from_linear(one, comm, input_is_parallel=not whole)
             mine = leaf(y if whole else piece(y, r))
+            comm.taken()
             z = layer(mine)
             said = f"(input_is_parallel={not whole})"
+            grader.same(f"all-reduces in forward (input_is_parallel={not whole}; g: one, "
+                        f"summing the partial products)", comm.taken().count("all_reduce"), 1)
             grader.close(f"output {said}", z, one(y), BOUND, WHY)
             (z * probe).sum().backward()
+            grader.same(f"all-reduces in backward (input_is_parallel={not whole}; g: none, "
+                        f"the gradient reaches each addend as it is)",
+                        comm.taken().count("all_reduce"), 0)
             grader.close(f"y.grad {said}", mine.grad,
                          expected_y.grad if whole else piece(expected_y.grad, r), BOUND, WHY)
             grader.close(f"weight.grad {said}", layer.weight.grad,
@@ -164,10 +177,12 @@ def check(exercise, grader):
         mine = leaf(x)
         comm.taken()
         out = row(F.gelu(column(mine)))
-        grader.same("collectives in forward", comm.taken(), ["all_reduce"])
+        grader.same("collectives in forward (one all-reduce: g's, after the row layer)",
+                    comm.taken(), ["all_reduce"])
         grader.close("output", out, expected, BOUND, WHY)
         (out * probe).sum().backward()
-        grader.same("collectives in backward", comm.taken(), ["all_reduce"])
+        grader.same("collectives in backward (one all-reduce: f's, before the column layer)",
+                    comm.taken(), ["all_reduce"])
         grader.close("x.grad", mine.grad, expected_x.grad, BOUND, WHY)
         grader.close("up.weight.grad", column.weight.grad, piece(up.weight.grad, r, 0),
                      BOUND, WHY)
