@@ -216,6 +216,9 @@ def finish(main, signals: StopSignals) -> int:
         return stopped(e, signals, logs[-1] if logs else None)
 
 
+PAIR_CLOSED = "Application timeout caused pair closure"        # gloo's, naming no gloo file
+
+
 def stopped(error: BaseException, signals: StopSignals, log: RunLog | None) -> int:
     """finish's line and exit code for the error that stopped the run."""
     if signals.received == signal.SIGTERM:     # this rank's line: a peer may be gone, rank 0 too
@@ -231,10 +234,13 @@ def stopped(error: BaseException, signals: StopSignals, log: RunLog | None) -> i
     if isinstance(error, (RunError, snapshot.CheckpointError, LaunchError)):
         say_error(f"train.py: error: {error}")
         return 2
-    if not isinstance(error, dist.DistError) and not (isinstance(error, RuntimeError) and "gloo" in str(error)):
+    if not isinstance(error, dist.DistError) and not (isinstance(error, RuntimeError) and (
+            "gloo" in str(error) or PAIR_CLOSED in str(error))):
         raise error                                    # a bug, not a lost peer: keep the traceback
     # A peer died (its connection closed) or stalled past --timeout: stop, never hang. NCCL
-    # raises DistBackendError; gloo a RuntimeError that names its own source file.
+    # raises DistBackendError; gloo a RuntimeError that names its own source file, but for the
+    # one every other message of a group meets once one timed out (PAIR_CLOSED), which a native
+    # collective's wait can meet first.
     where = f"rank {dist.get_rank()}" if dist.is_initialized() else "this rank"
     saved = last_checkpoint(log)
     print(f"train.py: error: {where} lost contact with the other ranks ({type(error).__name__}: "

@@ -214,6 +214,21 @@ def test_a_ring_message_failed_by_another_ones_timeout_is_a_lost_peer(tmp_path):
     assert "rank 0 lost contact with the other ranks" in stderr and "--timeout" in stderr, stderr
 
 
+def test_a_native_collectives_pair_closure_is_a_lost_peer_too(capsys):
+    """The same gloo message, met by a native collective's wait (a plain RuntimeError, not the
+    ring's DistNetworkError): one line, exit 1, no traceback (CI met it once in the stalled-rank
+    test under ddp)."""
+    import types
+    from running.run_log import stopped
+    code = stopped(RuntimeError("Application timeout caused pair closure"),
+                   types.SimpleNamespace(received=False), None)
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, (code, err)
+    assert "this rank lost contact with the other ranks" in err and "--timeout" in err, err
+    with pytest.raises(RuntimeError, match="shape mismatch"):      # a bug keeps its traceback
+        stopped(RuntimeError("shape mismatch"), types.SimpleNamespace(received=False), None)
+
+
 # ---- the GPU launch: NCCL's error handling under torchrun, the device each process takes --------
 
 def test_nccl_error_handling_is_clean_up_only_under_torchrun_unless_the_user_chose():
