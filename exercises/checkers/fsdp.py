@@ -123,6 +123,16 @@ def units_of(sharded, calls) -> list:
     return [(what, index.get(numel, f"a tensor of {numel}")) for what, numel in calls]
 
 
+def computed_with_its_parameters(grader, watch, phase: str, i: int):
+    """Unit i's forward or backward ran with its parameters gathered, equal to the model's."""
+    _, difference = watch.seen[(phase, i)]
+    if difference is None:
+        grader.fail(f"unit {i}'s {phase} ran without its gathered parameters")
+    if difference > EXACT:
+        grader.fail(f"unit {i}'s parameters in its {phase} are off by {difference:.3g} "
+                    f"(bound {EXACT}: {COPY})")
+
+
 def check(exercise, grader):
     n, r = grader.world, grader.rank
     generator = torch.Generator().manual_seed(1)
@@ -166,12 +176,7 @@ def check(exercise, grader):
                      "for) before it computes, and freed as soon as its forward returns"):
         out = sharded(x[rows])
         for i in blocks:
-            _, difference = watch.seen[("forward", i)]
-            if difference is None:
-                grader.fail(f"unit {i} computed its forward without its gathered parameters")
-            if difference > EXACT:
-                grader.fail(f"unit {i}'s parameters in its forward are off by {difference:.3g} "
-                            f"(bound {EXACT}: {COPY})")
+            computed_with_its_parameters(grader, watch, "forward", i)
         if watch.kept_after_forward:
             grader.fail(f"units {watch.kept_after_forward} still gathered after their forward "
                         "(not freed)")
@@ -199,12 +204,7 @@ def check(exercise, grader):
             raise
         sharded.finish_gradient_sync()
         for i in blocks[::-1]:
-            _, difference = watch.seen[("backward", i)]
-            if difference is None:
-                grader.fail(f"unit {i}'s backward began without its gathered parameters")
-            if difference > EXACT:
-                grader.fail(f"unit {i}'s parameters in its backward are off by {difference:.3g} "
-                            f"(bound {EXACT}: {COPY})")
+            computed_with_its_parameters(grader, watch, "backward", i)
 
     with grader.step("prefetch in backward", "backward's prefetch goes the other way: while "
                      "unit i computes its backward, unit i-1's all-gather is on its way"):
