@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from exercises import EXERCISES
-from exercises.grading import checker, grade, grade_on_rank
+from exercises.grading import checker, combine, grade, grade_on_rank
 from multiprocess import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -474,7 +474,6 @@ def run_check(name: str, source: str, tmp_path) -> dict:
     world = checker(name).WORLD
     if world == 1:
         return grade(name, str(path))
-    from exercises.grading import combine
     return combine(run_ranks(grade_on_rank, world, name, str(path)))
 
 
