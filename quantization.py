@@ -63,9 +63,9 @@ class NF4Weight(nn.Module):
         # An all-zero block would divide by 0: its scale is raised to the smallest normal float.
         scales = padded.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)   # (G,)
         normalized = padded / scales[:, None]                                     # in [-1, 1]
-        # The nearest level, by the distances to all 16 at once, a 16th of the blocks at a time:
-        # each (G/16, 64, 16) fp32 temporary is the weight's size, not 16x it (a 70B's MLP
-        # matrix: 0.9 GB, not 15). The same codes: each value's nearest level is its own.
+        # Each value's code: the argmin of its distances to the 16 levels. Computed for a 16th
+        # of the blocks at a time only to bound memory (each (G/16, 64, 16) fp32 temporary is
+        # the weight's size, not 16x it: 0.9 GB for a 70B's MLP matrix); the codes are the same.
         levels = LEVELS.to(flat.device)
         codes = torch.cat([(part[..., None] - levels).abs().argmin(dim=-1).to(torch.uint8)
                            for part in normalized.chunk(16)]).reshape(-1)       # (G*64,) 0..15
