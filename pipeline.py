@@ -400,8 +400,8 @@ class Pipeline(PipelineMechanics):
 
     def _sum_tied_gradients(self):
         """A head tied to the token embedding has a copy on each end: each copy's gradient
-        becomes the sum of both, so the two copies stay equal."""
-        if self.tied is not None:
+        becomes the sum of both, so the copies stay equal (a frozen one, LoRA's base: none)."""
+        if self.tied is not None and self.tied.requires_grad:
             self.ends.all_reduce(self.tied.grad)       # Comm: the sum over both ends, in place
 
 

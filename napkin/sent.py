@@ -114,14 +114,15 @@ def pipeline_bytes_per_step(pipeline, batch: int, seq_len: int) -> int:
     Each send in the stage's list carries one activation or gradient, of the shape `activation`
     gives. Under 1F1B a stage sends M forward unless it is the last, M back unless it is the
     first; interleaved sends v times as many. The gradient norm's all-reduce sends one number.
-    The two ends of a tied weight all-reduce its gradient."""
+    The two ends of a tied weight all-reduce its gradient (a frozen one has none)."""
     shape = pipeline.activation(batch // pipeline.M, seq_len)                   # (b, T, C)
     message = math.prod(shape) * torch.finfo(pipeline.dtype).bits // 8
     sends = sum(a.kind.startswith("send") for a in pipeline.actions)
     wide = master_dtype(pipeline.dtype).itemsize                                # fp32 or fp64
     norm = ring_bytes("all_reduce", 1, wide, pipeline.P)
     tied = pipeline.tied
-    ends = ring_bytes("all_reduce", tied.numel(), tied.element_size(), 2) if tied is not None else 0
+    trained = tied is not None and tied.requires_grad
+    ends = ring_bytes("all_reduce", tied.numel(), tied.element_size(), 2) if trained else 0
     return message * sends + norm + ends
 
 
