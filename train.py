@@ -133,9 +133,9 @@ def data_parallel(gpt, args, group, device):
 
 
 def build(args, device, dims: ParallelDims, gpt) -> parallelize.Run:
-    """The run on this rank: gpt under data_parallel's rung; a mesh (--tp, --cp, --pp, --ep) or
-    the talk's extensions (--shard-group, --offload, --lora) by composition/parallelize.py."""
-    if dims.splits or dims.ep > 1 or args.shard_group or args.offload or args.lora:
+    """The run on this rank: gpt under data_parallel's rung; a mesh (--tp, --cp, --pp, --ep), the
+    talk's extensions (--shard-group, --offload, --lora) or hf:DIR by composition/parallelize."""
+    if dims.splits or dims.ep > 1 or args.shard_group or args.offload or args.lora or args.hf:
         return parallelize.build(args, device, dims, gpt)
     comm, mesh = parallelize.device_mesh(args, dims)
     parallelize.prepare(gpt, args, device)          # the cast the strategy needs, checkpointing
@@ -176,7 +176,7 @@ def run(args, device, log: RunLog, threads: str, live_bytes: bool) -> dict:
     base = snapshot.base_identity(args.init_from) if args.lora and args.init_from else None
     dims = ParallelDims.from_args(args, world_size)       # the layout, computed once
     try:
-        # fp32, the same on every rank; hf:DIR's weights are loaded as the model is built
+        # fp32, the same on every rank; hf:DIR's built hollow, each unit read as build lays it out
         gpt = snapshot.pretrained_model(args) or parallelize.new_gpt(args)
         if args.init_from and not args.init_from.startswith(snapshot.HF):
             load_weights(args.init_from, gpt)

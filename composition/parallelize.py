@@ -98,13 +98,18 @@ def build(args, device, dims: ParallelDims, gpt: GPT) -> Run:
     the whole model over the data dimension (train.py builds the plain rungs itself); with one,
     parallelize applies them in turn."""
     comm, mesh = device_mesh(args, dims)
+    # hf:DIR's model built hollow (snapshot.pretrained_model): each unit read as the strategy
+    # comes to it, its tensors checked against the files first (pretrained/streamed.py)
+    load = (StreamedLoad(gpt, args.hf, lora_config(args),
+                         None if STRATEGIES[args.strategy] == "fsdp" else device)
+            if is_hollow(gpt) else None)
     prepare(gpt, args, device)
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     if not dims.splits:
-        model, optimizer = whole_model(gpt, args, mesh.dp, device, adamw)
+        model, optimizer = whole_model(gpt, args, mesh.dp, device, adamw, load)
         return observed(args, dims, gpt, model, optimizer, comm, mesh)
     model, optimizer, sync, predicted, napkin, context = parallelize(gpt, args, mesh, dims,
-                                                                     device, adamw)
+                                                                     device, adamw, load)
     # A pipeline is fed this rank's tokens of each sequence under context parallelism, (B, T) ->
     # (B, T/cp); without one, ContextParallelGPT's forward cuts its own.
     pipelined = context is not None and hasattr(model, "train_step")
@@ -125,20 +130,26 @@ def device_mesh(args, dims: ParallelDims) -> tuple[Comm, object]:
                                   shard=args.shard_group if split else None)
 
 
+def weights_dtype(args) -> torch.dtype:
+    """The dtype the run stores its weights in: FSDP keeps fp32 master shards (fp64: fp64) and
+    computes in --precision itself; the other strategies hold the model in --precision."""
+    precision = DTYPES[args.precision]
+    return master_dtype(precision) if STRATEGIES[args.strategy] == "fsdp" else precision
+
+
 def prepare(gpt, args, device):
     """gpt made ready for its strategy, in place: cast, --lora's adapters, activation
-    checkpointing."""
-    # FSDP keeps the fp32 weights as master shards and computes in --precision itself; the
-    # model stays on the CPU until FSDP moves each rank's shards (a model that fits only
+    checkpointing. A hollow model (pretrained/streamed.py) is in its dtype already, and each of
+    its units goes to the device (and to 4 bits) as it is read."""
+    hollow = is_hollow(gpt)
+    # FSDP's model stays on the CPU until FSDP moves each rank's shards (a model that fits only
     # sharded must never be whole on the GPU).
-    if STRATEGIES[args.strategy] == "fsdp":
-        gpt.to(dtype=master_dtype(DTYPES[args.precision]))               # fp32 (fp64: fp64)
+    if STRATEGIES[args.strategy] == "fsdp" or hollow:
+        gpt.to(dtype=weights_dtype(args))
     else:
-        gpt.to(device=device, dtype=DTYPES[args.precision])
+        gpt.to(device=device, dtype=weights_dtype(args))
     if args.lora:         # after the cast: a 4-bit base keeps its scales in fp32
-        # A hollow model (pretrained/streamed.py) is quantized as FSDP's wrap fills each unit.
-        lora.apply_lora(gpt, **{**lora_config(args), **({"quantize": None} if is_hollow(gpt)
-                                                          else {})})
+        lora.apply_lora(gpt, **{**lora_config(args), **({"quantize": None} if hollow else {})})
     if args.checkpoint_activations:
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
 
@@ -160,20 +171,21 @@ def data_parallel(gpt, args, data, device, adamw: dict):
     return model, optimizer, *priced(gpt, model, optimizer, args, data)
 
 
-def whole_model(gpt, args, data, device, adamw: dict):
+def whole_model(gpt, args, data, device, adamw: dict, load: StreamedLoad | None = None):
     """--strategy over the whole model, the data group its only dimension: (model, optimizer).
     single and ddp: DDP's replicas (single: none) under MixedPrecisionOptimizer, which needs no
     comm for its overflow decision (after the all-reduce every rank holds the same gradients);
     zero1, zero2: the model unwrapped, ZeroOptimizer does the communication; fsdp (zero3): FSDP's
     units (gpt fp32 on the CPU: see FSDP's device), with --shard-group S HSDP's copies.
-    --ep (moe.py): E/ep experts per rank; FSDP makes each a unit over the ranks holding it."""
+    --ep (moe.py): E/ep experts per rank; FSDP makes each a unit over the ranks holding it.
+    load: a hollow gpt's reader (build), which wrap calls."""
     experts = expert_parallel(gpt, data, args.ep) if args.ep > 1 else None
     rung = STRATEGIES[args.strategy]
     # FSDP shards over S neighbouring ranks (one node), a copy per group of them
     S = (args.shard_group or data.world_size) if rung == "fsdp" else data.world_size
     shard, copies = make_mesh(data, S) if S < data.world_size else (data, None)
     model, parts = wrap(gpt, gpt, args, (data, shard, copies), device, adamw,
-                        replicate=args.strategy != "single")
+                        replicate=args.strategy != "single", load=load)
     # A replicated optimizer's experts differ over ep: their squares add up over it.
     return model, on_mesh(parts, {"ep": experts if rung == "ddp" else None})
 
@@ -195,26 +207,30 @@ def priced(gpt, model, optimizer, args, data) -> tuple[int, int]:
     return sent + exchange_bytes(gpt, args, data.world_size), held
 
 
-def wrap(gpt, module, args, groups: tuple, device, adamw: dict, replicate: bool):
+def wrap(gpt, module, args, groups: tuple, device, adamw: dict, replicate: bool,
+         load: StreamedLoad | None = None):
     """module wrapped over the data dimension as --strategy says, and gpt's optimizers: (wrapped,
     [concept optimizer per part], mesh_optimizer.on_mesh composes them). groups: (the data group, FSDP's shard group, HSDP's copies or None).
     ddp: DDP's replicas if replicate (else module itself) under MixedPrecisionOptimizer, made
     after DDP's broadcast so that fp16/bf16 masters copy rank 0's weights; fsdp: FSDP's units
     (each expert a unit of its own, sharded over its holders) under FSDPOptimizer; zero1, zero2:
     module unwrapped, ZeRO's optimizer reduces the gradients (with --offload, ZeRO-Offload), one
-    per group that reduces them (mesh_optimizer.partition: the experts' over their holders)."""
+    per group that reduces them (mesh_optimizer.partition: the experts' over their holders).
+    load: where module is still hollow, its reader: FSDP reads each unit as it makes it; the
+    others read what is left now, before any replica or optimizer copies it."""
     data, shard, copies = groups
     rung, reduce_dtype = STRATEGIES[args.strategy], reduce_dtype_of(args)
     offload = bool(args.offload)                  # ZeRO-Offload: the shards' optimizer on the host
     if rung == "fsdp":
         units = held_experts(gpt)
-        # hf:DIR's model built hollow: each unit read from the files as FSDP makes it
-        load = {"load": StreamedLoad(gpt, args.hf, lora_config(args))} if is_hollow(gpt) else {}
-        replicas = fsdp_with(module, copies, args.offload == "params", **load,
+        streamed = {"load": load} if load else {}         # each unit read as FSDP makes it
+        replicas = fsdp_with(module, copies, args.offload == "params", **streamed,
                              wrap=lambda m: gpt_blocks(m) or m in units, group=shard,
                              mp_policy=MixedPrecisionPolicy(DTYPES[args.precision], reduce_dtype),
                              prefetch=args.prefetch, device=device)
         return replicas, [FSDPOptimizer(replicas, torch.optim.AdamW, offload=offload, **adamw)]
+    if load:
+        load.fill_rest(module)
     if rung == "ddp":
         # An expert's gradient is summed over the ranks holding it, the rest averaged over data.
         replicas = (DDP(module, data, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype,
@@ -244,6 +260,8 @@ def fsdp_with(module, replicate_group=None, offload_params: bool = False, **opti
                                         (HSDP, replicate_group is not None),
                                         (OffloadedFSDP, offload_params), (FrozenBaseFSDP, frozen))
               if wanted]
+    if chosen == [StreamedFSDP]:                  # a mixin alone (full fine-tuning): over FSDP
+        chosen.append(FSDP)
     kind = chosen[0] if len(chosen) == 1 else type("FSDP", tuple(chosen), {}) if chosen else FSDP
     if replicate_group is not None:
         options["replicate_group"] = replicate_group
@@ -257,17 +275,26 @@ def reduce_dtype_of(args) -> torch.dtype | None:
     return DTYPES[name] if name else None
 
 
-def parallelize(gpt, args, mesh, dims: ParallelDims, device, adamw: dict):
+def parallelize(gpt, args, mesh, dims: ParallelDims, device, adamw: dict,
+                load: StreamedLoad | None = None):
     """--tp, --cp, --pp and --ep over the mesh, then data parallelism over what is left, each
     step its own file's (in torchtitan's order: split the matrices, split the sequences, route
     the experts, cut the stages, wrap for data parallelism): (model, optimizer, gradient syncs,
     {dimension: bytes sent per step predicted}, bytes held predicted, the context-parallel
     wrapper or None). gpt keeps its whole-model parameter names throughout (this rank's slices
     of its stage's), so checkpoints read the same on any mesh.
+    load: a hollow gpt's reader (build): tp reads each block just before splitting it, a stage
+    never reads another's blocks, wrap_data reads what is left.
     """
+    layers = (stage_layers(args.stage_layers, gpt.cfg.n_layer, args.pp,
+                           args.virtual_stages)[mesh.pp.rank] if dims.pp_enabled else None)
+    if load and layers is not None:
+        chunks = [layers] if isinstance(layers, range) else layers
+        load.skip(block for i, block in enumerate(gpt.blocks) if not any(i in c for c in chunks))
     # 1. Split the matrices (tensor_parallel.py): each block's heads and MLP columns over tp
     # (a mixture of experts stays whole on every tensor rank: group_balance_losses).
-    tp = TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel) if dims.tp_enabled else None
+    tp = (TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel, load and load.fill)
+          if dims.tp_enabled else None)
     if tp and args.sequence_parallel:
         group_balance_losses(gpt, tp.comm)
     # 2. Split the sequences (context_parallel.py): this rank's chunks of each; attention over cp.
@@ -284,11 +311,10 @@ def parallelize(gpt, args, mesh, dims: ParallelDims, device, adamw: dict):
     module = cp or tp or gpt
     if dims.pp_enabled:
         stage = mesh.pp.rank
-        layers = stage_layers(args.stage_layers, gpt.cfg.n_layer, args.pp, args.virtual_stages)[stage]
         module = GPTStage(gpt, layers, first=stage == 0, last=stage == args.pp - 1)
     # 5. Data parallelism over what is left; the pipeline's executor runs a stage's micro-batches.
     replicas, optimizer, sync, held_all = wrap_data(gpt, module, tp, experts, args, mesh, dims,
-                                                    device, adamw)
+                                                    device, adamw, load)
     model = replicas
     if dims.pp_enabled:
         sp = args.tp if args.sequence_parallel else 1      # a rank sends its 1/tp of the tokens
@@ -300,7 +326,8 @@ def parallelize(gpt, args, mesh, dims: ParallelDims, device, adamw: dict):
     return model, optimizer, sync, sent, held, cp
 
 
-def wrap_data(gpt, module, tp, experts, args, mesh, dims: ParallelDims, device, adamw: dict):
+def wrap_data(gpt, module, tp, experts, args, mesh, dims: ParallelDims, device, adamw: dict,
+              load: StreamedLoad | None = None):
     """Step 5: data parallelism over the ranks holding the same slice of the same stage, dp x cp
     (a cp group's ranks hold whole copies too; their gradients, from other tokens, are summed):
     ddp's replicas, ZeRO's optimizer shards or FSDP's units (with --shard-group, HSDP: sharded
@@ -317,7 +344,7 @@ def wrap_data(gpt, module, tp, experts, args, mesh, dims: ParallelDims, device, 
     if tp and tp.partial and in_backward and not held_all:
         tp.sum_partial_in_backward()
     replicas, parts = wrap(gpt, module, args, (data, mesh.shard or data, mesh.replicate), device,
-                           adamw, replicate=data.world_size > 1)
+                           adamw, replicate=data.world_size > 1, load=load)
     # The global norm sums each value once over the dimensions that split the model beside the
     # optimizer's own ranks (foundations/placements.py): a replicated optimizer's experts differ over ep.
     optimizer = on_mesh(parts, {"ep": experts if rung == "ddp" else None,

@@ -93,9 +93,11 @@ def split_llama_block(block, comm, sequence_parallel: bool = False):
 class TensorParallelGPT(nn.Module):
     """model.py's GPT with its matrices split, in place, over the tensor group (group: a Comm, a
     process group or None, the world): each rank keeps its slices, the module to train. Every
-    rank must start from the same weights (the same seed)."""
+    rank must start from the same weights (the same seed). before_split: called with each
+    module just before it is split (a model read from files as it is split, so that no rank
+    holds it whole: pretrained/streamed.py)."""
 
-    def __init__(self, gpt, group=None, sequence_parallel: bool = False):
+    def __init__(self, gpt, group=None, sequence_parallel: bool = False, before_split=None):
         super().__init__()
         self.comm = comm = Comm.from_group(group)
         check_divisible(gpt.cfg, comm.world_size)
@@ -104,9 +106,13 @@ class TensorParallelGPT(nn.Module):
             check_llama_divisible(gpt.cfg, comm.world_size)
         self.gpt, self.sequence_parallel = gpt, sequence_parallel
         sp = dict(group=comm, sequence_parallel=sequence_parallel)
+        before_split = before_split or (lambda module: None)
         for block in gpt.blocks:
+            before_split(block)
             (split_llama_block if llama else split_block)(block, comm, sequence_parallel)
+        before_split(gpt.token_emb)
         gpt.token_emb = VocabParallelEmbedding.from_embedding(gpt.token_emb, **sp)
+        before_split(gpt.head)
         gpt.head = ColumnParallelLinear.from_linear(gpt.head, **sp)  # logits (B, T, V/N)
         if gpt.cfg.tie_embeddings:
             gpt.head.weight = gpt.token_emb.weight               # the same (V/N, C) rows

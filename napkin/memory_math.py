@@ -939,29 +939,93 @@ def human_bytes(n: float) -> str:
 
 def load_peak_bytes(gpt, options, world_size: int) -> int:
     """At most the bytes a rank holds while pretrained/streamed.py reads a Hugging Face model
-    into FSDP unit by unit (LoRA, QLoRA), from the built model gpt (options: --precision).
-    FSDP makes the root's unit first, then each block's. Beside the shards of the units made
-    before it (1/N of each one's stored bytes) and LoRA's adapters, whole (drawn before any unit
-    is made, 4 bytes each), a unit holds its frozen weights as read, in fp32 (F), then the
-    larger of: its largest 4-bit matrix being quantized (Q: 5 x its fp32 bytes, the padded and
-    normalized copies, a 16th of its distances to the levels twice, the codes), or its stored
-    bytes (S: 4-bit codes and scales, the rest in the compute dtype, its adapters in fp32) laid
-    out whole by FSDP and this rank's 1/N cut from them: F + max(Q, S (1 + 1/N))."""
-    adapters = 4 * sum(p.numel() for p in gpt.parameters() if p.requires_grad)
-    compute, held, peak = _element_size(options.precision), 0, 0
-    for unit in [gpt, *gpt.blocks]:                       # the root: all but the blocks
-        inside = list(_own_modules(unit))
-        tensors = {id(p): p for m in inside for p in m.parameters(recurse=False)}.values()
-        frozen = sum(p.numel() for p in tensors if not p.requires_grad)
-        matrices = [torch.Size(m.shape).numel() for m in inside if isinstance(m, NF4Weight)]
-        double_quant = any(m.double_quant for m in inside if isinstance(m, NF4Weight))
-        read = 4 * (frozen + sum(matrices))                                          # F
-        stored = (compute * frozen + sum(nf4_bytes(n, double_quant) for n in matrices)
-                  + 4 * sum(p.numel() for p in tensors if p.requires_grad))          # S
-        quantizing = 5 * 4 * max(matrices, default=0)                               # Q
-        peak = max(peak, held + read + max(quantizing, stored + -(-stored // world_size)))
-        held += -(-stored // world_size)
+    into its share unit by unit, from the built model gpt (options: --strategy, --precision,
+    --tp; world_size: FSDP's shard group). LoRA's adapters are drawn whole before any unit is
+    read. A unit is read whole in the dtype the run stores weights in (W: fp32 under FSDP,
+    --precision otherwise; a tensor split over tp counts tp times its slice), then held beside
+    it is the larger of: its largest 4-bit matrix being quantized (Q: 5 x its fp32 bytes: the
+    padded and normalized copies, a 16th of its distances to the levels twice, the codes), or
+    what is cut from it (C: FSDP lays the unit's stored bytes S out whole and cuts this rank's
+    1/N, S (1 + 1/N); tensor parallelism makes this rank's slices); after it the rank keeps its
+    share. Peak: the shares of the units before + W + max(Q, C), in the layout's order: FSDP
+    the root (all but the blocks) first, then each block; the others each block, then the root
+    (tensor parallelism: the embedding, then the head, then the rest; a pipeline stage's
+    dropped embedding or head is read to be split, then dropped). Under tp x fsdp the slices are
+    all made before FSDP makes its units: then each unit's S (1 + 1/N) beside them."""
+    fsdp = options.strategy in ("fsdp", "zero3")
+    compute = _element_size(options.precision)
+    stored = max(compute, 4) if fsdp else compute               # the hollow model's dtype
+    tp = getattr(options, "tp", 1)
+    seen = set()                          # a tied head's weight is read with the embedding
+
+    def unit_bytes(unit, modules) -> tuple:
+        """(adapters drawn, W, Q, this rank's 4-bit bytes, its other tensors) of unit."""
+        named = [(n, p) for m in modules for n, p in m.named_parameters(recurse=False)
+                 if id(p) not in seen and not seen.add(id(p))]
+        matrices = [torch.Size(m.shape).numel() for m in modules if isinstance(m, NF4Weight)]
+        double_quant = any(m.double_quant for m in modules if isinstance(m, NF4Weight))
+        weights = [p for n, p in named if not n.startswith("lora_")]
+        adapters = stored * sum(_whole(p, tp) for n, p in named if n.startswith("lora_"))
+        read = stored * (sum(_whole(p, tp) for p in weights) + sum(matrices))       # W
+        return (adapters, read, _quantizing(max(matrices, default=0), stored),       # Q
+                sum(nf4_bytes(n, double_quant) for n in matrices), weights)
+
+    blocks = [b for b in gpt.blocks if isinstance(b, Block)]
+    if fsdp and tp == 1:
+        order = [gpt, *blocks]
+    elif tp == 1:
+        order = [*blocks, gpt]
+    else:                             # a stage's dropped embedding or head: "dropped"
+        dropped = lambda m, tied=False: "dropped" if m is None and not tied else m
+        order = [*blocks, dropped(gpt.token_emb),
+                 dropped(gpt.head, gpt.cfg.tie_embeddings), gpt]
+    adapters, held, peak, units = 0, 0, 0, []
+    for unit in order:
+        if unit is None:              # a tied head: read with the embedding
+            continue
+        if unit == "dropped":         # read whole, this rank's slice cut, then dropped
+            V_C = gpt.cfg.vocab_size * gpt.cfg.n_embd * stored
+            peak = max(peak, held + V_C + V_C // tp)
+            continue
+        modules = [m for m in _own_modules(unit)
+                   if unit is not gpt or m not in (gpt.token_emb, gpt.head) or tp == 1]
+        drawn, read, quantizing, nf4, weights = unit_bytes(unit, modules)
+        adapters += drawn
+        own = nf4 + sum(p.numel() * p.element_size() for p in weights)       # as read, cut
+        if fsdp and tp == 1:       # S: 4-bit, frozen in --precision, the rest in fp32
+            S = own - sum(p.numel() * (p.element_size() - compute)
+                          for p in weights if not p.requires_grad)
+            S += drawn
+            share, cut = -(-S // world_size), S + -(-S // world_size)
+        elif any(_whole(p, tp) != p.numel() for p in weights):     # read whole, then split
+            share, cut = own, own
+        else:          # each module read, and quantized, in turn: its 4-bit codes kept
+            share, cut, kept, ids = own, 0, 0, {id(p) for p in weights}
+            for m in modules:
+                got = sum(p.numel() * p.element_size()
+                          for p in m.parameters(recurse=False) if id(p) in ids)
+                matrix = torch.Size(m.shape).numel() if isinstance(m, NF4Weight) else 0
+                peak = max(peak, held + kept + got + stored * matrix + _quantizing(matrix, stored))
+                kept += got + (nf4_bytes(matrix, m.double_quant) if matrix else 0)
+            read = quantizing = 0
+        units.append(own + drawn)
+        peak = max(peak, held + read + max(quantizing, cut))
+        held += share
+    if fsdp and tp > 1:               # FSDP's units made after the split, each laid out whole
+        peak = max(peak, held + max(S + -(-S // world_size) for S in units))
     return adapters + peak
+
+
+def _quantizing(numel: int, element_size: int) -> int:
+    """The temporaries of quantizing a numel-value matrix to NF4 (quantization.NF4Weight), at
+    most 5 x its fp32 bytes: the padded and normalized copies, a 16th of its distances to the
+    levels twice, the codes; and its fp32 copy first where it is held in 16 bits."""
+    return (5 + (element_size != 4)) * 4 * numel
+
+
+def _whole(p, tp: int) -> int:
+    """p's elements whole: tp times its slice where tensor parallelism split it."""
+    return p.numel() * (tp if placement(p).shard.get("tp") is not None else 1)
 
 
 def _own_modules(module):

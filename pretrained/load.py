@@ -6,8 +6,8 @@ Conv1D weights are stored (in, out), nn.Linear's transpose, and its c_attn holds
 side by side. Its key bias is dropped: q . (k + b) adds q . b to every score of a row, which
 softmax ignores, so model.py's attention has none (exported as zeros). The Llama family (Llama,
 SmolLM2, Qwen2) is pretrained/llama.py's. The model is built empty, then filled one tensor at
-a time from the mapped files: loading holds the model once and one tensor besides (QLoRA + FSDP
-holds less, one unit at a time: pretrained/streamed.py).
+a time from the mapped files: loading holds the model once and one tensor besides (--sample,
+export, tests; a training run holds its share and one unit: pretrained/streamed.py).
 Left out: other architectures, quantized checkpoints, dropout (a loaded model has none).
 Test: python -m pytest tests/test_pretrained.py
 
@@ -179,8 +179,15 @@ def fill(model: nn.Module, checkpoint: Checkpoint, source):
 
 def read(checkpoint: Checkpoint, source, name: str, param: torch.Tensor, used: set):
     """(our parameter `name`'s value as the files hold it: a view of the mapped file, copy it
-    before release; its tensor's name, added to used); one line for a tensor that is missing or
-    has another shape."""
+    before release; its tensor's name, added to used)."""
+    hf, take = locate(checkpoint, source, name, param)
+    used.add(hf)
+    return take(checkpoint.get(hf)), hf
+
+
+def locate(checkpoint: Checkpoint, source, name: str, param: torch.Tensor):
+    """(the files' tensor our parameter `name` comes from, how to take it from that tensor);
+    one line for a tensor that is missing or has another shape. Reads the header only."""
     hf, shape, take = source(name, param)
     # GPT-2's files are saved with or without the "transformer." in front
     hf = next((n for n in (hf, f"transformer.{hf}") if n in checkpoint.where), hf)
@@ -191,8 +198,7 @@ def read(checkpoint: Checkpoint, source, name: str, param: torch.Tensor, used: s
         raise PretrainedError(f"{checkpoint.where[hf]}: tensor {hf} has shape "
                               f"{list(checkpoint.shape(hf))} where config.json's model "
                               f"needs {list(shape)}: download both again")
-    used.add(hf)
-    return take(checkpoint.get(hf)), hf
+    return hf, take
 
 
 def check_all_used(model: nn.Module, checkpoint: Checkpoint, used: set):

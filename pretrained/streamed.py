@@ -1,19 +1,21 @@
-"""QLoRA + FSDP from a Hugging Face directory, loaded unit by unit: the talk's 70B on two GPUs.
+"""A Hugging Face model read unit by unit into the rank's share: the talk's 70B on two GPUs.
 
-load.load_pretrained holds the whole fp32 model on every rank before FSDP shards it, which a
-70B (280 GB in fp32) never fits. Here the model is built hollow (every tensor shaped, its
-storage 0 bytes), LoRA's adapters are added to it (their A drawn from the seeded generator in
-apply_lora's order, as on the whole model), and FSDP's wrap (extensions/fsdp_frozen.py) makes
-its units one at a time: just before a unit is made, its module is filled from the mapped
-files, each frozen linear quantized to NF4 as it is read (its fp32 weight dropped then), and
-the unit keeps this rank's shard only. So a rank holds the shards of the units made before,
-LoRA's adapters (whole until their unit is made), and one unit: as read in fp32, then the
-temporaries of the matrix being quantized, or that unit once more as stored (FrozenBytes lays
-its frozen bytes out whole, as the broadcast of rank 0's unit needs them, before it cuts this
-rank's shard): napkin/memory_math.load_peak_bytes. The same codes, scales, adapters and
-generator state as the whole-model path, bit for bit.
-Left out: tensor, context and pipeline splits (they cut the whole model), GPT-2's c_attn read
-once for its three parts (each part reads it: one tensor at a time either way).
+load.load_pretrained holds the whole fp32 model before any strategy cuts it, which a 70B (280
+GB in fp32) never fits. Here the model is built hollow (every tensor shaped, in the dtype the
+run stores it in, its storage 0 bytes), LoRA's adapters are added to it (their A drawn from the
+seeded generator in apply_lora's order, as on the whole model), and each unit (a block, or the
+rest: embeddings, final norm, head) is read from the mapped files just before the first step
+that needs its values, each frozen linear quantized to NF4 as it is read (QLoRA):
+  - FSDP makes its units one at a time (StreamedFSDP): a unit keeps this rank's shard only;
+  - tensor parallelism splits each block just after reading it (TensorParallelGPT's
+    before_split), a pipeline stage never reads another stage's blocks (skip: they turn meta,
+    then the stage drops them);
+  - whatever the rank still holds hollow is read before the data-parallel wrap (fill_rest).
+So a rank holds its share of the units read before and one unit more, as read, then cut,
+quantized or sharded: napkin/memory_math.load_peak_bytes. The same weights, NF4 codes, scales,
+adapters and generator state as the whole-model path, bit for bit.
+Left out: GPT-2's c_attn read once for its three parts (each part reads it: one tensor at a
+time either way).
 Test: python -m pytest tests/test_streamed_load.py
 """
 import torch
@@ -21,17 +23,11 @@ import torch.nn as nn
 
 from lora import QUANTIZED, LoRALinear, QLoRALinear
 from model import GPT, Block
-from pretrained.load import check_all_used, gpt2_source, llama_source, model_config, read
+from pretrained.load import check_all_used, gpt2_source, llama_source, locate, model_config
 from pretrained.load import read_config
 from pretrained.llama import Llama
 from pretrained.safetensors import Checkpoint
 from quantization import FrozenNF4Linear
-
-
-def streams(args) -> bool:
-    """Does this run load its hf:DIR unit by unit? LoRA (QLoRA too) under FSDP without a split."""
-    return (bool(args.lora) and args.strategy in ("fsdp", "zero3")
-            and args.tp == args.cp == args.pp == 1)
 
 
 def hollow(t: torch.Tensor) -> torch.Tensor:
@@ -41,77 +37,103 @@ def hollow(t: torch.Tensor) -> torch.Tensor:
     return empty
 
 
-def hollow_model(directory: str) -> nn.Module:
-    """The fp32 model config.json describes, every tensor hollow: no memory, no random init."""
+def hollow_model(directory: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model config.json describes, every tensor hollow in dtype: no memory, no random init."""
     config = read_config(directory)
     cfg = model_config(config, f"{directory}/config.json")
     with torch.device("meta"):
         model = GPT(cfg) if not hasattr(cfg, "n_kv_head") else Llama(cfg)
-    model._apply(hollow)                     # nn.Module.to_empty's walk, each tensor freed at once
+    model._apply(lambda t: hollow(t.to(dtype)))   # to_empty's walk, each tensor freed at once
     if cfg.tie_embeddings:                   # each module got its own tensor: tie again
         model.head.weight = model.token_emb.weight
     return model
 
 
 def is_hollow(model: nn.Module) -> bool:
-    """Is model hollow_model's, its weights still to be read (before FSDP wraps it)?"""
-    return any(p.numel() and not p.untyped_storage().nbytes() for p in model.parameters())
+    """Is model hollow_model's, its weights still to be read?"""
+    return any(unread(p) for p in model.parameters())
+
+
+def unread(t: torch.Tensor) -> bool:
+    return bool(t.numel()) and not t.is_meta and not t.untyped_storage().nbytes()
+
+
+def own_modules(unit: nn.Module):
+    """unit and the modules inside it, but the blocks inside it (units of their own)."""
+    yield unit
+    for child in unit.children():
+        if not isinstance(child, Block):
+            yield from own_modules(child)
 
 
 class StreamedLoad:
-    """Fills a hollow model's modules from the directory's files, unit by unit (fill), and
-    quantizes the frozen linears as apply_lora(quantize=...) would. lora: apply_lora's settings
-    (parallelize.lora_config)."""
+    """Fills a hollow model's units from the directory's files (fill), and quantizes the frozen
+    linears as apply_lora(quantize=...) would. lora: apply_lora's settings or None
+    (parallelize.lora_config); device: where the values go (None: the CPU, where FSDP takes
+    them from). Every tensor is checked against the files first (names, shapes, none left
+    over), so a bad directory gets its one line before anything is read, on every rank."""
 
-    def __init__(self, model: nn.Module, directory: str, lora: dict):
-        self.model, self.checkpoint, self.used = model, Checkpoint(directory), set()
+    def __init__(self, model: nn.Module, directory: str, lora: dict | None, device=None):
+        self.model, self.checkpoint, self.device = model, Checkpoint(directory), device
         self.source = gpt2_source if isinstance(model, GPT) else llama_source
-        self.quantize, self.double_quant = lora["quantize"], lora["double_quant"]
-        self.lora = lora
+        self.lora = lora or {"quantize": None}
+        used = {locate(self.checkpoint, self.source, name, p)[0]
+                for name, p in model.named_parameters() if ".lora_" not in f".{name}"}
+        check_all_used(model, self.checkpoint, used)
 
     @torch.no_grad()
     def fill(self, unit: nn.Module):
         """Read unit's tensors (not those of the blocks inside it: units of their own), each
-        linear quantized as soon as its weight is read."""
-        prefix = next(name for name, m in self.model.named_modules() if m is unit)
-        blocks = [f"{name}." for name, m in unit.named_modules(prefix=prefix)
-                  if m is not unit and isinstance(m, Block)]
-        for name, module in list(unit.named_modules(prefix=prefix)):
-            if any(f"{name}.".startswith(b) for b in blocks):
+        linear quantized as soon as its weight is read; its adapters moved to the device."""
+        names = {module: name for name, module in self.model.named_modules()}
+        for module in list(own_modules(unit)):
+            name = names.get(module)
+            if name is None:                       # a wrapper around the model (a stage's)
                 continue
             for pname, param in module.named_parameters(prefix=name, recurse=False):
-                if ".lora_" in f".{pname}" or param.untyped_storage().nbytes():
-                    continue                      # an adapter (drawn), or a tied weight (read)
-                value, hf = read(self.checkpoint, self.source, pname, param, self.used)
-                param.data = torch.empty(param.shape, dtype=param.dtype).copy_(value)
-                del value                         # the view of the mapped file, released next
-                self.checkpoint.release(hf)
+                if not unread(param):        # read (a tied weight), drawn (an adapter), skipped
+                    if self.device is not None and not param.is_meta:
+                        param.data = param.data.to(self.device)
+                    continue
+                hf, take = locate(self.checkpoint, self.source, pname, param)
+                param.data = torch.empty(param.shape, dtype=param.dtype,
+                                         device=self.device).copy_(take(self.checkpoint.get(hf)))
+                self.checkpoint.release(hf)       # the view of the mapped file, released
             self._quantize(name, module)
+
+    def fill_rest(self, module: nn.Module):
+        """Read what module still holds hollow: each block, then the rest."""
+        for block in [m for m in module.modules() if isinstance(m, Block)]:
+            self.fill(block)
+        self.fill(module)
+
+    def skip(self, modules):
+        """Modules this rank will drop (another pipeline stage's): never read, made meta, so
+        that a split before the drop costs nothing."""
+        for module in modules:
+            module._apply(lambda t: torch.empty_like(t, device="meta"))
 
     def _quantize(self, name: str, module: nn.Module):
         """apply_lora's 4-bit replacements, of one module: an adapted linear's W0 to NF4 (its
         adapters kept), another linear QUANTIZED names to a FrozenNF4Linear."""
         last = name.rsplit(".", 1)[-1]
-        if not self.quantize or not (isinstance(module, LoRALinear)
-                                     or isinstance(module, nn.Linear) and last in QUANTIZED):
+        if not self.lora["quantize"] or not (isinstance(module, LoRALinear)
+                                             or isinstance(module, nn.Linear)
+                                             and last in QUANTIZED):
             return
         if isinstance(module, LoRALinear):
             with torch.random.fork_rng(devices=[]):     # its A is drawn already: keep that one
                 stored = QLoRALinear(module, self.lora["rank"], self.lora["alpha"],
-                                     self.lora["dropout"], self.double_quant)
+                                     self.lora["dropout"], self.lora["double_quant"])
             stored.lora_A, stored.lora_B = module.lora_A, module.lora_B
         else:
-            stored = FrozenNF4Linear(module, self.double_quant)
+            stored = FrozenNF4Linear(module, self.lora["double_quant"])
         parent, _, child = name.rpartition(".")
         setattr(self.model.get_submodule(parent), child, stored)
-        # Its fp32 weight goes now, unless another module holds it too (a head tied to the token
+        # Its weight goes now, unless another module holds it too (a head tied to the token
         # embedding): FSDP's wrap still lists the old tensor, the unit takes the new ones.
         if all(p is not module.weight for p in self.model.parameters()):
             module.weight.data = hollow(module.weight)
-
-    def finish(self):
-        """One line for a tensor of the files that no parameter took."""
-        check_all_used(self.model, self.checkpoint, self.used)
 
 
 class StreamedFSDP:
@@ -121,7 +143,6 @@ class StreamedFSDP:
     def __init__(self, module: nn.Module, load: StreamedLoad, **options):
         object.__setattr__(self, "load", load)      # before nn.Module's __init__: a plain one
         super().__init__(module, **options)
-        load.finish()
 
     def _make_unit(self, index, module, tensors):
         """The unit of module, filled now: its tensors as FSDP's wrap lists them (each module's

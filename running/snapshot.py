@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import lora
+from composition.parallelize import weights_dtype
 from foundations.comm import Comm
 from model import GPT, GPTConfig
 from moe import feed_forward
@@ -46,7 +47,7 @@ from pretrained.llama import LlamaConfig
 from pretrained import PretrainedError
 from pretrained.load import empty_model, export_hf, load_pretrained, read_config
 from pretrained.load import model_config as model_config_of
-from pretrained.streamed import hollow_model, streams
+from pretrained.streamed import hollow_model
 from pretrained.tokenizer import Tokenizer
 from foundations.placements import placement
 from running.pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
@@ -1002,22 +1003,22 @@ def pretrained_directory(path: str | None) -> str | None:
 
 
 def pretrained_model(args) -> nn.Module | None:
-    """The run's model where it comes from a Hugging Face directory (args.hf): hf:DIR's weights,
-    or, for a run that continues or starts from one that did, its shape (weights loaded after);
-    None otherwise. Seeded as new_gpt is: LoRA's adapters are drawn after it, alike on all ranks."""
+    """The run's model where it comes from a Hugging Face directory (args.hf): hf:DIR's, built
+    hollow in the dtype the run stores its weights in, each unit read as the strategy comes to
+    it (pretrained/streamed.py); or, for a run that continues or starts from one that did, its
+    shape (weights loaded after); None otherwise. Seeded as new_gpt is: LoRA's adapters are
+    drawn after it, alike on all ranks."""
     if not args.hf:
         return None
     torch.manual_seed(args.seed)
-    if streamed(args):          # built hollow, each unit read as FSDP makes it
-        return hollow_model(args.hf)
-    if args.init_from and args.init_from.startswith(HF):
-        return load_pretrained(args.hf)[0]
+    if streamed(args):
+        return hollow_model(args.hf, weights_dtype(args))
     return new_model({}, args.hf)
 
 
 def streamed(args) -> bool:
-    """Does the run read hf:DIR unit by unit into FSDP (LoRA, QLoRA: pretrained/streamed.py)?"""
-    return bool(args.init_from and args.init_from.startswith(HF)) and streams(args)
+    """Does the run read hf:DIR unit by unit into its share (pretrained/streamed.py)?"""
+    return bool(args.init_from and args.init_from.startswith(HF))
 
 
 def pretrained_tokenizer(hf: str | None) -> Tokenizer | None:
