@@ -144,9 +144,9 @@ def prepare(gpt, args, device):
     hollow = is_hollow(gpt)
     # FSDP's model stays on the CPU until FSDP moves each rank's shards (a model that fits only
     # sharded must never be whole on the GPU).
-    if STRATEGIES[args.strategy] == "fsdp" or hollow:
+    if STRATEGIES[args.strategy] == "fsdp" and not hollow:
         gpt.to(dtype=weights_dtype(args))
-    else:
+    elif not hollow:
         gpt.to(device=device, dtype=weights_dtype(args))
     if args.lora:         # after the cast: a 4-bit base keeps its scales in fp32
         lora.apply_lora(gpt, **{**lora_config(args), **({"quantize": None} if hollow else {})})

@@ -941,17 +941,21 @@ def load_peak_bytes(gpt, options, world_size: int) -> int:
     """At most the bytes a rank holds while pretrained/streamed.py reads a Hugging Face model
     into its share unit by unit, from the built model gpt (options: --strategy, --precision,
     --tp; world_size: FSDP's shard group). LoRA's adapters are drawn whole before any unit is
-    read. A unit is read whole in the dtype the run stores weights in (W: fp32 under FSDP,
-    --precision otherwise; a tensor split over tp counts tp times its slice), then held beside
-    it is the larger of: its largest 4-bit matrix being quantized (Q: 5 x its fp32 bytes: the
-    padded and normalized copies, a 16th of its distances to the levels twice, the codes), or
-    what is cut from it (C: FSDP lays the unit's stored bytes S out whole and cuts this rank's
-    1/N, S (1 + 1/N); tensor parallelism makes this rank's slices); after it the rank keeps its
-    share. Peak: the shares of the units before + W + max(Q, C), in the layout's order: FSDP
-    the root (all but the blocks) first, then each block; the others each block, then the root
-    (tensor parallelism: the embedding, then the head, then the rest; a pipeline stage's
-    dropped embedding or head is read to be split, then dropped). Under tp x fsdp the slices are
-    all made before FSDP makes its units: then each unit's S (1 + 1/N) beside them."""
+    read. The units come in the layout's order: FSDP makes the root (all but the blocks) first,
+    then each block; the others read each block, then the root (tensor parallelism: the
+    embedding, then the head, then the rest; a pipeline stage reads a dropped embedding or head
+    to split it, then drops it). A unit is read in the dtype the run stores weights in (fp32
+    under FSDP, --precision otherwise), whole (W; a tensor split over tp counts tp times its
+    slice). Beside the shares of the units before it, a unit holds
+      - under FSDP: W, then the larger of its largest 4-bit matrix being quantized (Q) or its
+        stored bytes S laid out whole and this rank's 1/N cut from them: W + max(Q, S (1 + 1/N));
+      - under tensor parallelism: W and the slices cut from it;
+      - otherwise, module by module: the modules read before (4-bit ones as their codes), one
+        module as read and, if it is 4-bit, Q.
+    Q: 5 x the matrix's fp32 bytes (the padded and normalized copies, a 16th of its distances to
+    the levels twice, the codes), and its fp32 copy first where it is held in 16 bits. Under
+    tp x fsdp the slices are all made before FSDP makes its units: then each unit's S (1 + 1/N)
+    beside them all."""
     fsdp = options.strategy in ("fsdp", "zero3")
     compute = _element_size(options.precision)
     stored = max(compute, 4) if fsdp else compute               # the hollow model's dtype
