@@ -100,8 +100,8 @@ def build(args, device, dims: ParallelDims, gpt: GPT) -> Run:
     comm, mesh = device_mesh(args, dims)
     # hf:DIR's model built hollow (snapshot.pretrained_model): each unit read as the strategy
     # comes to it, its tensors checked against the files first (pretrained/streamed.py)
-    load = (StreamedLoad(gpt, args.hf, lora_config(args),
-                         None if STRATEGIES[args.strategy] == "fsdp" else device)
+    fsdp = STRATEGIES[args.strategy] == "fsdp"           # FSDP moves each shard to the device
+    load = (StreamedLoad(gpt, args.hf, lora_config(args), device=None if fsdp else device)
             if is_hollow(gpt) else None)
     prepare(gpt, args, device)
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -284,13 +284,13 @@ def parallelize(gpt, args, mesh, dims: ParallelDims, device, adamw: dict,
     wrapper or None). gpt keeps its whole-model parameter names throughout (this rank's slices
     of its stage's), so checkpoints read the same on any mesh.
     load: a hollow gpt's reader (build): tp reads each block just before splitting it, a stage
-    never reads another's blocks, wrap_data reads what is left.
+    never reads what it will drop, wrap_data reads what is left.
     """
-    layers = (stage_layers(args.stage_layers, gpt.cfg.n_layer, args.pp,
-                           args.virtual_stages)[mesh.pp.rank] if dims.pp_enabled else None)
-    if load and layers is not None:
-        chunks = [layers] if isinstance(layers, range) else layers
-        load.skip(block for i, block in enumerate(gpt.blocks) if not any(i in c for c in chunks))
+    stage = mesh.pp.rank if dims.pp_enabled else None
+    layers = (stage_layers(args.stage_layers, gpt.cfg.n_layer, args.pp, args.virtual_stages)[stage]
+              if dims.pp_enabled else None)
+    if load and dims.pp_enabled:
+        load.skip(dropped_by_stage(gpt, layers, stage == 0, stage == args.pp - 1))
     # 1. Split the matrices (tensor_parallel.py): each block's heads and MLP columns over tp
     # (a mixture of experts stays whole on every tensor rank: group_balance_losses).
     tp = (TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel, load and load.fill)
@@ -310,7 +310,6 @@ def parallelize(gpt, args, mesh, dims: ParallelDims, device, adamw: dict,
     # 4. Cut the stages (pipeline.py): this rank keeps its stage's blocks, the rest are dropped.
     module = cp or tp or gpt
     if dims.pp_enabled:
-        stage = mesh.pp.rank
         module = GPTStage(gpt, layers, first=stage == 0, last=stage == args.pp - 1)
     # 5. Data parallelism over what is left; the pipeline's executor runs a stage's micro-batches.
     replicas, optimizer, sync, held_all = wrap_data(gpt, module, tp, experts, args, mesh, dims,
@@ -324,6 +323,19 @@ def parallelize(gpt, args, mesh, dims: ParallelDims, device, adamw: dict,
     sent, held = predicted_bytes(gpt, args, mesh, dims, tp, cp, experts, model, replicas, optimizer,
                                  held_all)
     return model, optimizer, sync, sent, held, cp
+
+
+def dropped_by_stage(gpt, layers, first: bool, last: bool) -> list:
+    """What GPTStage(gpt, layers, first, last) will drop, which tp would split before (the
+    stage's rule): the other stages' blocks; the token embedding unless the stage is the first
+    or the last holding a tied copy; the head unless the stage is the last or its weight is
+    the kept embedding's."""
+    chunks = [layers] if isinstance(layers, range) else layers
+    tied = gpt.cfg.tie_embeddings
+    drop_embedding = not first and not (last and tied)
+    drop_head = not last and not (tied and not drop_embedding)
+    return ([b for i, b in enumerate(gpt.blocks) if not any(i in chunk for chunk in chunks)]
+            + [gpt.token_emb] * drop_embedding + [gpt.head] * drop_head)
 
 
 def wrap_data(gpt, module, tp, experts, args, mesh, dims: ParallelDims, device, adamw: dict,

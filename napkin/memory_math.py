@@ -27,6 +27,7 @@ from model import PRESETS, Block, GPTConfig
 from moe import expert_capacity, layer_exchange_bytes
 from mechanics.pipeline_mechanics import split_layers
 from foundations.placements import placement
+from pretrained.streamed import own_modules
 from quantization import NF4Weight
 from extensions.schedules import make_schedule
 
@@ -943,13 +944,13 @@ def load_peak_bytes(gpt, options, world_size: int) -> int:
     --tp; world_size: FSDP's shard group). LoRA's adapters are drawn whole before any unit is
     read. The units come in the layout's order: FSDP makes the root (all but the blocks) first,
     then each block; the others read each block, then the root (tensor parallelism: the
-    embedding, then the head, then the rest; a pipeline stage reads a dropped embedding or head
-    to split it, then drops it). A unit is read in the dtype the run stores weights in (fp32
-    under FSDP, --precision otherwise), whole (W; a tensor split over tp counts tp times its
-    slice). Beside the shares of the units before it, a unit holds
+    embedding, then the head, then the rest). A unit is read in the dtype the run stores weights
+    in (fp32 under FSDP, --precision otherwise), whole (W; a tensor split over tp counts tp
+    times its slice). Beside the shares of the units before it, a unit holds
       - under FSDP: W, then the larger of its largest 4-bit matrix being quantized (Q) or its
         stored bytes S laid out whole and this rank's 1/N cut from them: W + max(Q, S (1 + 1/N));
-      - under tensor parallelism: W and the slices cut from it;
+      - under tensor parallelism: W and the slices cut from it (a tied head's slice too: it is
+        cut from the whole table before the tie is made again);
       - otherwise, module by module: the modules read before (4-bit ones as their codes), one
         module as read and, if it is 4-bit, Q.
     Q: 5 x the matrix's fp32 bytes (the padded and normalized copies, a 16th of its distances to
@@ -960,64 +961,60 @@ def load_peak_bytes(gpt, options, world_size: int) -> int:
     compute = _element_size(options.precision)
     stored = max(compute, 4) if fsdp else compute               # the hollow model's dtype
     tp = getattr(options, "tp", 1)
-    seen = set()                          # a tied head's weight is read with the embedding
-
-    def unit_bytes(unit, modules) -> tuple:
-        """(adapters drawn, W, Q, this rank's 4-bit bytes, its other tensors) of unit."""
-        named = [(n, p) for m in modules for n, p in m.named_parameters(recurse=False)
-                 if id(p) not in seen and not seen.add(id(p))]
-        matrices = [torch.Size(m.shape).numel() for m in modules if isinstance(m, NF4Weight)]
-        double_quant = any(m.double_quant for m in modules if isinstance(m, NF4Weight))
-        weights = [p for n, p in named if not n.startswith("lora_")]
-        adapters = stored * sum(_whole(p, tp) for n, p in named if n.startswith("lora_"))
-        read = stored * (sum(_whole(p, tp) for p in weights) + sum(matrices))       # W
-        return (adapters, read, _quantizing(max(matrices, default=0), stored),       # Q
-                sum(nf4_bytes(n, double_quant) for n in matrices), weights)
-
     blocks = [b for b in gpt.blocks if isinstance(b, Block)]
-    if fsdp and tp == 1:
-        order = [gpt, *blocks]
-    elif tp == 1:
-        order = [*blocks, gpt]
-    else:                             # a stage's dropped embedding or head: "dropped"
-        dropped = lambda m, tied=False: "dropped" if m is None and not tied else m
-        order = [*blocks, dropped(gpt.token_emb),
-                 dropped(gpt.head, gpt.cfg.tie_embeddings), gpt]
-    adapters, held, peak, units = 0, 0, 0, []
-    for unit in order:
-        if unit is None:              # a tied head: read with the embedding
-            continue
-        if unit == "dropped":         # read whole, this rank's slice cut, then dropped
-            V_C = gpt.cfg.vocab_size * gpt.cfg.n_embd * stored
-            peak = max(peak, held + V_C + V_C // tp)
-            continue
-        modules = [m for m in _own_modules(unit)
-                   if unit is not gpt or m not in (gpt.token_emb, gpt.head) or tp == 1]
-        drawn, read, quantizing, nf4, weights = unit_bytes(unit, modules)
+    if tp > 1:                        # a stage's dropped embedding or head: None, never read
+        order = [*blocks, gpt.token_emb, gpt.head, gpt]
+    else:
+        order = [gpt, *blocks] if fsdp else [*blocks, gpt]
+    seen, adapters, held, peak = set(), 0, 0, 0
+    fsdp_units = {}          # tp x fsdp: FSDP's units (each block; the root, all the rest)
+    for unit in (u for u in order if u is not None):
+        modules = [m for m in own_modules(unit)
+                   if unit is not gpt or tp == 1 or m not in (gpt.token_emb, gpt.head)]
+        weights, matrices, drawn = [], [], 0     # its tensors (a tied one once), 4-bit modules
+        for m in modules:
+            for name, p in m.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if name.startswith("lora_"):
+                    drawn += stored * _whole(p, tp)
+                else:
+                    weights.append(p)
+            matrices += [m] if isinstance(m, NF4Weight) else []
         adapters += drawn
-        own = nf4 + sum(p.numel() * p.element_size() for p in weights)       # as read, cut
-        if fsdp and tp == 1:       # S: 4-bit, frozen in --precision, the rest in fp32
-            S = own - sum(p.numel() * (p.element_size() - compute)
-                          for p in weights if not p.requires_grad)
-            S += drawn
-            share, cut = -(-S // world_size), S + -(-S // world_size)
-        elif any(_whole(p, tp) != p.numel() for p in weights):     # read whole, then split
-            share, cut = own, own
-        else:          # each module read, and quantized, in turn: its 4-bit codes kept
-            share, cut, kept, ids = own, 0, 0, {id(p) for p in weights}
+        numels = [torch.Size(m.shape).numel() for m in matrices]
+        nf4 = sum(nf4_bytes(n, m.double_quant) for n, m in zip(numels, matrices))
+        read = stored * (sum(_whole(p, tp) for p in weights) + sum(numels))           # W
+        quantizing = _quantizing(max(numels, default=0), stored)                      # Q
+        own = nf4 + sum(p.numel() * p.element_size() for p in weights)      # as kept by it
+        if fsdp and tp == 1:     # S: 4-bit, frozen in --precision, trained (adapters) in fp32
+            S = own + drawn - sum(p.numel() * (p.element_size() - compute)
+                                  for p in weights if not p.requires_grad)
+            share = _ceil_div(S, world_size)
+            peak = max(peak, held + read + max(quantizing, S + share))
+        elif any(_whole(p, tp) != p.numel() for p in weights):       # read whole, then split
+            tied_head = unit is gpt.token_emb and gpt.cfg.tie_embeddings
+            share = own
+            peak = max(peak, held + read + own * (2 if tied_head else 1))
+        else:            # each module read, and quantized, in turn: its 4-bit codes kept
+            share, kept, unread = own, 0, {id(p): p for p in weights}
             for m in modules:
-                got = sum(p.numel() * p.element_size()
-                          for p in m.parameters(recurse=False) if id(p) in ids)
-                matrix = torch.Size(m.shape).numel() if isinstance(m, NF4Weight) else 0
-                peak = max(peak, held + kept + got + stored * matrix + _quantizing(matrix, stored))
-                kept += got + (nf4_bytes(matrix, m.double_quant) if matrix else 0)
-            read = quantizing = 0
-        units.append(own + drawn)
-        peak = max(peak, held + read + max(quantizing, cut))
+                mine = [unread.pop(id(p)) for p in m.parameters(recurse=False) if id(p) in unread]
+                got = sum(p.numel() * p.element_size() for p in mine)
+                numel = torch.Size(m.shape).numel() if isinstance(m, NF4Weight) else 0
+                peak = max(peak, held + kept + got + stored * numel + _quantizing(numel, stored))
+                kept += got + (nf4_bytes(numel, m.double_quant) if numel else 0)
+        key = unit if isinstance(unit, Block) else gpt
+        fsdp_units[key] = fsdp_units.get(key, 0) + own + drawn
         held += share
     if fsdp and tp > 1:               # FSDP's units made after the split, each laid out whole
-        peak = max(peak, held + max(S + -(-S // world_size) for S in units))
+        peak = max(peak, held + max(S + _ceil_div(S, world_size) for S in fsdp_units.values()))
     return adapters + peak
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _quantizing(numel: int, element_size: int) -> int:
@@ -1030,11 +1027,3 @@ def _quantizing(numel: int, element_size: int) -> int:
 def _whole(p, tp: int) -> int:
     """p's elements whole: tp times its slice where tensor parallelism split it."""
     return p.numel() * (tp if placement(p).shard.get("tp") is not None else 1)
-
-
-def _own_modules(module):
-    """module and the modules inside it, but the blocks inside it (FSDP's units of their own)."""
-    yield module
-    for child in module.children():
-        if not isinstance(child, Block):
-            yield from _own_modules(child)

@@ -8,14 +8,16 @@ rest: embeddings, final norm, head) is read from the mapped files just before th
 that needs its values, each frozen linear quantized to NF4 as it is read (QLoRA):
   - FSDP makes its units one at a time (StreamedFSDP): a unit keeps this rank's shard only;
   - tensor parallelism splits each block just after reading it (TensorParallelGPT's
-    before_split), a pipeline stage never reads another stage's blocks (skip: they turn meta,
-    then the stage drops them);
+    before_split);
+  - a pipeline stage never reads what it will drop: another stage's blocks, embedding or head
+    turn meta first (skip), so that a split before the drop costs nothing;
   - whatever the rank still holds hollow is read before the data-parallel wrap (fill_rest).
 So a rank holds its share of the units read before and one unit more, as read, then cut,
 quantized or sharded: napkin/memory_math.load_peak_bytes. The same weights, NF4 codes, scales,
-adapters and generator state as the whole-model path, bit for bit.
-Left out: GPT-2's c_attn read once for its three parts (each part reads it: one tensor at a
-time either way).
+adapters and generator state as the whole-model path, bit for bit (on the CPU: on a GPU the
+whole-model path draws LoRA's A from the GPU's generator, this one from the CPU's).
+Left out: reading GPT-2's c_attn once: query, key and value each read it (one tensor at a time
+either way).
 Test: python -m pytest tests/test_streamed_load.py
 """
 import torch
@@ -51,10 +53,11 @@ def hollow_model(directory: str, dtype: torch.dtype = torch.float32) -> nn.Modul
 
 def is_hollow(model: nn.Module) -> bool:
     """Is model hollow_model's, its weights still to be read?"""
-    return any(unread(p) for p in model.parameters())
+    return any(needs_reading(p) for p in model.parameters())
 
 
-def unread(t: torch.Tensor) -> bool:
+def needs_reading(t: torch.Tensor) -> bool:
+    """Is t hollow: shaped, no storage (not meta: skipped, never to be read)?"""
     return bool(t.numel()) and not t.is_meta and not t.untyped_storage().nbytes()
 
 
@@ -88,10 +91,10 @@ class StreamedLoad:
         names = {module: name for name, module in self.model.named_modules()}
         for module in list(own_modules(unit)):
             name = names.get(module)
-            if name is None:                       # a wrapper around the model (a stage's)
+            if name is None:              # a wrapper around the model (a stage's, tp's, cp's)
                 continue
             for pname, param in module.named_parameters(prefix=name, recurse=False):
-                if not unread(param):        # read (a tied weight), drawn (an adapter), skipped
+                if not needs_reading(param):    # read (a tied weight), drawn (an adapter), meta
                     if self.device is not None and not param.is_meta:
                         param.data = param.data.to(self.device)
                     continue
@@ -116,13 +119,12 @@ class StreamedLoad:
     def _quantize(self, name: str, module: nn.Module):
         """apply_lora's 4-bit replacements, of one module: an adapted linear's W0 to NF4 (its
         adapters kept), another linear QUANTIZED names to a FrozenNF4Linear."""
-        last = name.rsplit(".", 1)[-1]
-        if not self.lora["quantize"] or not (isinstance(module, LoRALinear)
-                                             or isinstance(module, nn.Linear)
-                                             and last in QUANTIZED):
+        adapted = isinstance(module, LoRALinear)
+        frozen_4bit = isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in QUANTIZED
+        if not self.lora["quantize"] or not (adapted or frozen_4bit):
             return
-        if isinstance(module, LoRALinear):
-            with torch.random.fork_rng(devices=[]):     # its A is drawn already: keep that one
+        if adapted:     # QLoRALinear draws an A of its own: drawn aside (fork_rng), then replaced
+            with torch.random.fork_rng(devices=[]):     # by the one drawn already
                 stored = QLoRALinear(module, self.lora["rank"], self.lora["alpha"],
                                      self.lora["dropout"], self.lora["double_quant"])
             stored.lora_A, stored.lora_B = module.lora_A, module.lora_B
@@ -144,9 +146,10 @@ class StreamedFSDP:
         object.__setattr__(self, "load", load)      # before nn.Module's __init__: a plain one
         super().__init__(module, **options)
 
-    def _make_unit(self, index, module, tensors):
-        """The unit of module, filled now: its tensors as FSDP's wrap lists them (each module's
-        in order, nested units' left out), those the 4-bit replacements made included."""
+    def _make_unit(self, index, module, listed):
+        """The unit of module, filled now: its tensors listed again as FSDP's wrap lists them
+        (each module's in order, nested units' left out), for the 4-bit replacements made
+        while filling it change them (listed: FSDP's list, from before)."""
         self.load.fill(module)
         tensors, seen = [], set()
 

@@ -40,7 +40,7 @@ def say_header(args, gpt, napkin, log, dims, threads, device):
     activations = predicted_activations(args, gpt.cfg, dims)
     log.say(predicted_memory(napkin, activations))
     if snapshot.streamed(args):                # hf:DIR read unit by unit: the load's own peak
-        loading = load_peak_bytes(gpt, args, args.shard_group or dims.dp)
+        loading = load_peak_bytes(gpt, args, args.shard_group or dims.dp * dims.cp)  # FSDP's N
         step = napkin["params"] + napkin["grads"] + napkin["optimizer"]
         log.say(f"memory per rank while loading hf:DIR unit by unit, predicted: at most "
                 f"{loading / 2**20:.2f} MiB (memory_math.load_peak_bytes), beside the step's "
