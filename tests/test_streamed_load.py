@@ -5,6 +5,7 @@ the same tensors (NF4 codes and scales, slices, a stage's blocks), the same adap
 from the seeded generator, in the same order), the same generator state and the same losses as
 loading the whole model first; and the load's peak, measured from outside the loader, is within
 the rank's share plus one unit, as memory_math.load_peak_bytes says."""
+import gc
 import os
 
 import pytest
@@ -119,6 +120,7 @@ def _load_measured(directory, extra, streamed: bool = True):
     """On this rank: (the most bytes torch's CPU allocator held while the run's model was read
     and wrapped, beyond those before; the napkin's load peak, memory_math.load_peak_bytes)."""
     args = _args(directory, extra)
+    gc.collect()        # an earlier run's cycles freed now, not inside the measurement
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         job, _ = _built(args, streamed)
     held, peak = 0, 0
@@ -275,6 +277,7 @@ def _layout_load_measured(directory, flags):
         return call
     for (owner, name, size), read in zip(marks, originals):
         setattr(owner, name, marked(read, size))
+    gc.collect()        # an earlier run's cycles freed now, not inside the window (less held)
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             job, _ = _laid_out(args, True)
@@ -286,6 +289,7 @@ def _layout_load_measured(directory, flags):
           for size in (START_MARK, END_MARK)}
     before = _peak(e for e in events if e.time_range.start < at[START_MARK])[1]
     streamed = _peak(e for e in events if e.time_range.start < at[END_MARK])[0]
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         load_pretrained(args.hf)
     whole = _peak(sorted(prof.events(), key=lambda e: e.time_range.start))[0]
