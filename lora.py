@@ -213,9 +213,14 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
     model is the LoRA-wrapped model the state dict came from (its layers give the scales);
     the result loads into the base architecture with no LoRA code at all.
     The state dict must come from an unmerged model: a merged weight already holds the update,
-    which folding would add a second time.
+    which folding would add a second time. An adapted head tied to the token embedding gets a
+    weight of its own (W0 the table, or its 4-bit copy): the result's head and embedding differ.
     """
     layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, LoRALinear)}
+    # a tied weight's state dict key: the first of its names (a tied head's is the embedding's)
+    first_name = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first_name.setdefault(id(p), name)
     four_bit = {name: m for name, m in model.named_modules()
                 if isinstance(m, (QLoRALinear, FrozenNF4Linear))}
     # The lora_ keys and the NF4 buffers (<layer>.base.codes, .scales, .scale_codes,
@@ -226,15 +231,21 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
         folded[name + ".weight"] = m.base.dequantize(torch.float32)
     for name, layer in layers.items():
         B, A = state_dict[name + ".lora_B"], state_dict[name + ".lora_A"]       # (d, r), (r, k)
-        folded[name + ".weight"] = folded[name + ".weight"] + layer.scale * B @ A
+        W0 = folded.get(name + ".weight")
+        if W0 is None:                                # tied: held under the embedding's name
+            W0 = folded[first_name[id(layer.weight)]]
+        folded[name + ".weight"] = W0 + layer.scale * B @ A
     return folded
 
 
 def dequantized_weights(model: nn.Module) -> dict:
-    """{name.weight: W0 (d, k), fp32} of every 4-bit layer of model, as the run computed with it:
-    an export of a model split over ranks takes them where the codes live (a pipeline stage)."""
+    """{name.weight: W0 (d, k), fp32} of every 4-bit layer of model, as the run computed with it.
+    An export of a model split over ranks calls it on each rank that holds codes (a pipeline
+    stage, a tensor-parallel rank), gathers the weights, then folds the adapters in as
+    fold_adapters does for a whole model. A tensor-parallel layer gives this rank's slice W0_r
+    (the export joins the slices along the layer's dim)."""
     return {name + ".weight": m.base.dequantize(torch.float32) for name, m in model.named_modules()
-            if isinstance(m, (QLoRALinear, FrozenNF4Linear))}
+            if isinstance(getattr(m, "base", None), NF4Weight)}
 
 
 # ---- QLoRA: the same adapters over a 4-bit base (quantization.py) ------------------------------
@@ -244,9 +255,9 @@ def dequantized_weights(model: nn.Module) -> dict:
 # The paper stores the whole pretrained model so, adapted or not: here every block's attention
 # query, key, value and output and MLP up and down (a Llama's SwiGLU gate too; each expert's).
 # The embeddings, norms and biases stay in the compute dtype (its code quantizes linear layers
-# only), and so do a mixture's routers (small, and a rounded score flips a token's expert); the
-# head too unless it is adapted: Hugging Face's 4-bit loading, which the paper's code uses, keeps
-# the output layer in 16 bits, and a tied head is the embedding's table.
+# only), and so do a mixture's routers (small, and a rounded score flips a token's expert) and
+# the head, unless adapted (then QLoRALinear): Hugging Face's 4-bit loading, which the paper's
+# code uses, keeps the output layer in 16 bits, and a tied head is the embedding's table.
 QUANTIZED = ("query", "key", "value", "output", "gate", "up", "down")
 
 class QLoRALinear(LoRALinear):
@@ -266,6 +277,18 @@ class QLoRALinear(LoRALinear):
                          "use fold_adapters (train.py --export) for a merged full-precision model")
 
 
+def to_4_bit(layer: LoRALinear, double_quant: bool = False) -> QLoRALinear:
+    """An adapted layer made QLoRA after its adapters were drawn: its W0 in 4 bits, the same A,
+    B and scale. QLoRALinear reads W0, the bias and the sizes from layer as from an nn.Linear,
+    and draws an A of its own, drawn aside (fork_rng) and replaced: the generator is left as
+    it was, so every draw after this one is the draw apply_lora(quantize=...) would have made."""
+    W0 = layer.weight
+    with torch.random.fork_rng(devices=[W0.device] if W0.is_cuda else []):
+        stored = QLoRALinear(layer, layer.rank, None, layer.dropout, double_quant)
+    stored.scale, stored.lora_A, stored.lora_B = layer.scale, layer.lora_A, layer.lora_B
+    return stored
+
+
 # ---- LoRA inside a tensor-parallel layer (tensor_parallel.py) -----------------------------------
 #
 # A layer split over tensor-parallel ranks adds s B A x (s = alpha / r) too. Split A and B the way
@@ -283,6 +306,41 @@ def _split_term(layer: nn.Module, x: torch.Tensor, scale: float, dropout: float)
     layer.linear is the swap point: a zero-bubble pipeline's swap reaches these too."""
     x = F.dropout(x, dropout, layer.training)
     return scale * layer.linear(layer.linear(x, layer.lora_A), layer.lora_B)
+
+
+# ---- QLoRA inside a tensor-parallel layer ------------------------------------------------------
+#
+# An NF4 block is 64 consecutive values of W0 (d, k) read row by row (quantization.py). A slice
+# of a 4-bit W0 would cut through blocks: a row layer's slice takes k/N values of each row, and
+# a column layer's d/N rows end inside a block unless (d/N) k divides by 64. So under tensor
+# parallelism apply_lora runs without quantize, tensor_parallel.py splits the full-precision
+# W0, and then each rank quantizes its own slice W0_r, in blocks of its own. Where the slice is
+# whole blocks (a column layer's when (d/N) k divides by 64, a row layer's when k/N does), those
+# are one process's blocks, and so its codes and scales, cut; where not, each rank rounds its
+# slice a little differently from one process. Double quantization's mean and blocks of 256
+# scales are the slice's own: never one process's. Rank r of a split layer then holds
+#   W0_r as NF4 codes and scales (layer.base, which its local product dequantizes),
+#   the bias: its d/N in a column layer, whole in a row layer (full precision, frozen),
+#   the adapters as above: A whole and B_r (column), or A_r and B whole (row).
+
+def quantize_split(module: nn.Module, double_quant: bool = False):
+    """apply_lora's 4-bit replacements in module (a block, or the head), made after
+    tensor_parallel.py split it, in place: each split layer (one with a local_product)
+    apply_lora would quantize keeps its slice W0_r as NF4 codes and scales in layer.base, its
+    full-precision weight deleted; a linear left whole (a mixture's experts, and its router
+    when adapted: --lora-targets router) is replaced as apply_lora replaces it."""
+    for name, layer in list(module.named_modules()):
+        W0, kind = getattr(layer, "weight", None), name.rsplit(".", 1)[-1]
+        # 4-bit already, or meta: another pipeline stage's, dropped after the split
+        if not isinstance(W0, nn.Parameter) or W0.is_meta:
+            continue
+        if hasattr(layer, "local_product") and (hasattr(layer, "lora_A") or kind in QUANTIZED):
+            layer.base = NF4Weight(W0, double_quant)             # a split layer's slice, in place
+            del layer.weight
+        elif isinstance(layer, LoRALinear):
+            _replace(module, name, to_4_bit(layer, double_quant))
+        elif isinstance(layer, nn.Linear) and kind in QUANTIZED:
+            _replace(module, name, FrozenNF4Linear(layer, double_quant))
 
 
 # ---- run alone: one adapted layer against plain torch's W0 + (alpha/r) B A ----------------------

@@ -92,7 +92,8 @@ class NF4Weight(nn.Module):
         absmax = centered.abs().amax(dim=1)                                       # (S,)
         absmax = absmax.clamp(min=torch.finfo(torch.float32).tiny)
         scale_codes = torch.round(centered / absmax[:, None] * 127).to(torch.int8)  # (S, 256)
-        self.register_buffer("scale_codes", scale_codes.view(-1)[:G])             # (G,) int8
+        # (G,) int8, a copy: a view would keep the padding's storage (up to 255 bytes) alive
+        self.register_buffer("scale_codes", scale_codes.view(-1)[:G].clone())
         self.register_buffer("scale_absmax", absmax)
 
     def block_scales(self) -> torch.Tensor:                                      # (G,) fp32
@@ -108,6 +109,11 @@ class NF4Weight(nn.Module):
         values = self.levels[codes.long()] * self.block_scales()[:, None]
         numel = torch.Size(self.shape).numel()
         return values.view(-1)[:numel].view(self.shape).to(dtype)
+
+    def forward(self, x, bias=None):                                      # (..., k) -> (..., d)
+        """x W^T (+ b) with W dequantized inside the product and again in backward, never kept
+        (NF4Linear): the 4-bit weight as the layer that holds it multiplies by it."""
+        return NF4Linear.apply(x, self, bias)
 
     def nbytes(self) -> int:
         """The stored weight's bytes: codes and scales (not the shared levels, nor scale_mean)."""

@@ -120,7 +120,7 @@ def gather_sequence(x, comm: Comm):
 def scatter_sequence(x, comm: Comm):
     """g under sequence parallelism: partial (B, T, C) -> (B, T/N, C) of the sum.
 
-    It is g's all-reduce without its all-gather half.
+    It is g's all-reduce (a reduce-scatter, then an all-gather) without its all-gather half.
     Every rank's row-layer product covered all T tokens, so each needs the whole gradient:
     all-gather."""
     return _Conjugate.apply(x, comm, _reduce_scattered, _all_gathered)
@@ -129,9 +129,8 @@ def scatter_sequence(x, comm: Comm):
 def gather_features(x, comm: Comm):
     """(.., out/N) -> (.., out): rank r's output columns came from its own weights only.
 
-    So backward keeps its own columns of the gradient. No sum is needed.
-    Everything after the gather runs identically on every rank.
-    So each rank's gradient of (.., out) is already the whole one."""
+    Everything after the gather runs identically on every rank, so each rank's gradient of
+    (.., out) is already the whole one: backward keeps its own columns of it, no sum needed."""
     return _Conjugate.apply(x, comm, partial(_all_gathered, dim=-1), _my_piece)
 
 
@@ -195,9 +194,12 @@ class _SplitLinear(nn.Module):
 
     def __init__(self, in_features, out_features, group, bias, source, dim):
         super().__init__()
-        self.comm = Comm.from_group(group)
+        self.comm, self.dim = Comm.from_group(group), dim   # dim: also read by an export
         source = source if source is not None else nn.Linear(in_features, out_features, bias=bias)
         self.weight = _shard(source.weight, self.comm, dim)       # (out/N, in) or (out, in/N)
+        # QLoRA: lora.quantize_split deletes self.weight and keeps W_r here in 4 bits instead
+        # (quantization.NF4Weight, as lora.QLoRALinear's base), a module that multiplies by it
+        self.base = None
         # The bias goes with the output features: split in a column layer; whole in a row
         # layer, which adds it once, after the partial products are summed.
         bias_dim = 0 if dim == 0 else None
@@ -228,8 +230,13 @@ class _SplitLinear(nn.Module):
                 self.whole_in_region.append(piece)
 
     def local_product(self, x, bias=None):
-        """This rank's product x W_r^T (+ b), plus the linear's own term if it brought one."""
-        y = self.linear(x, self.weight, bias)
+        """This rank's product x W_r^T (+ b), plus the linear's own term if it brought one.
+        A frozen W_r stored in 4 bits (self.base) makes the product itself, dequantized inside
+        it and again in backward, never kept."""
+        if self.base is None:
+            y = self.linear(x, self.weight, bias)
+        else:
+            y = self.base(x, bias)
         return y if self.term is None else y + self.term(self, x)
 
     @classmethod
@@ -241,10 +248,10 @@ class _SplitLinear(nn.Module):
 class ColumnParallelLinear(_SplitLinear):
     """Y = X A + b with A's columns (W's rows) split: rank r computes Y[..., r*out/N : (r+1)*out/N].
 
-    enter: apply f (or, with sequence_parallel, gather the sequence) to the input here.
-    A layer used alone does so (the demonstration, below). In model.py's blocks it is False.
-    There split_block enters the region once per sublayer, by a forward pre-hook on attention and
-    on the MLP, so query, key and value share one f.
+    enter: apply f (or, with sequence_parallel, gather the sequence) to the input here, as a
+    layer used alone does (the demonstration, below). split_block passes enter=False: it enters
+    the region once per sublayer instead, by a forward pre-hook on attention and on the MLP, so
+    query, key and value share one f.
     gather_output: all-gather the full (.., out), not keep (.., out/N).
     """
 

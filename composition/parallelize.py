@@ -11,6 +11,7 @@ each step, the bytes it predicts it sends, each its own file's formula.
 Used by: train.py (build; device_mesh, prepare and observed around the rungs it builds itself).
 Test: python -m pytest tests/test_train.py -k mesh
 """
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
@@ -101,9 +102,9 @@ def build(args, device, dims: ParallelDims, gpt: GPT) -> Run:
     # hf:DIR's model built hollow (snapshot.pretrained_model): each unit read as the strategy
     # comes to it, its tensors checked against the files first (pretrained/streamed.py)
     fsdp = STRATEGIES[args.strategy] == "fsdp"           # FSDP moves each shard to the device
-    load = (StreamedLoad(gpt, args.hf, lora_config(args), device=None if fsdp else device)
-            if is_hollow(gpt) else None)
-    prepare(gpt, args, device)
+    load = (StreamedLoad(gpt, args.hf, lora_config(args, dims.tp_enabled),
+                         device=None if fsdp else device) if is_hollow(gpt) else None)
+    prepare(gpt, args, device, dims.tp_enabled)
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     if not dims.splits:
         model, optimizer = whole_model(gpt, args, mesh.dp, device, adamw, load)
@@ -137,10 +138,11 @@ def weights_dtype(args) -> torch.dtype:
     return master_dtype(precision) if STRATEGIES[args.strategy] == "fsdp" else precision
 
 
-def prepare(gpt, args, device):
+def prepare(gpt, args, device, split: bool = False):
     """gpt made ready for its strategy, in place: cast, --lora's adapters, activation
     checkpointing. A hollow model (pretrained/streamed.py) is in its dtype already, and each of
-    its units goes to the device (and to 4 bits) as it is read."""
+    its units goes to the device (and to 4 bits) as it is read. split: tensor parallelism splits
+    gpt next (build), and each rank quantizes its own slices then (lora_config)."""
     hollow = is_hollow(gpt)
     # FSDP's model stays on the CPU until FSDP moves each rank's shards (a model that fits only
     # sharded must never be whole on the GPU).
@@ -149,7 +151,8 @@ def prepare(gpt, args, device):
     elif not hollow:
         gpt.to(device=device, dtype=weights_dtype(args))
     if args.lora:         # after the cast: a 4-bit base keeps its scales in fp32
-        lora.apply_lora(gpt, **{**lora_config(args), **({"quantize": None} if hollow else {})})
+        adapted = lora_config(args, split)
+        lora.apply_lora(gpt, **{**adapted, **({"quantize": None} if hollow else {})})
     if args.checkpoint_activations:
         checkpoint_blocks(gpt, every=args.checkpoint_activations)
 
@@ -293,7 +296,10 @@ def parallelize(gpt, args, mesh, dims: ParallelDims, device, adamw: dict,
         load.skip(dropped_by_stage(gpt, layers, stage == 0, stage == args.pp - 1))
     # 1. Split the matrices (tensor_parallel.py): each block's heads and MLP columns over tp
     # (a mixture of experts stays whole on every tensor rank: group_balance_losses).
-    tp = (TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel, load and load.fill)
+    # QLoRA: each rank quantizes its slices, a block at a time (lora.quantize_split).
+    quantize = (partial(lora.quantize_split, double_quant=args.double_quant)
+                if args.quantize_base else None)
+    tp = (TensorParallelGPT(gpt, mesh.tp, args.sequence_parallel, load and load.fill, quantize)
           if dims.tp_enabled else None)
     if tp and args.sequence_parallel:
         group_balance_losses(gpt, tp.comm)
@@ -432,10 +438,13 @@ def group_balance_losses(gpt, tensor: Comm):
             block.mlp.register_forward_hook(group_mean)
 
 
-def lora_config(args) -> dict | None:
-    """--lora's settings for lora.apply_lora (and a checkpoint's export), or None."""
+def lora_config(args, split: bool = False) -> dict | None:
+    """--lora's settings for lora.apply_lora (and a checkpoint's export), or None. split: for
+    the whole model tensor parallelism splits next: without quantize, for a 4-bit weight cannot
+    be cut (each rank quantizes its own slices after the split: lora.quantize_split)."""
+    quantize = None if split else args.quantize_base
     return dict(targets=args.lora_targets.split(","), rank=args.lora_rank, alpha=args.lora_alpha,
-                dropout=args.lora_dropout, quantize=args.quantize_base,
+                dropout=args.lora_dropout, quantize=quantize,
                 double_quant=args.double_quant) if args.lora else None
 
 

@@ -95,9 +95,11 @@ class TensorParallelGPT(nn.Module):
     process group or None, the world): each rank keeps its slices, the module to train. Every
     rank must start from the same weights (the same seed). before_split: called with each
     module just before it is split (a model read from files as it is split, so that no rank
-    holds it whole: pretrained/streamed.py)."""
+    holds it whole: pretrained/streamed.py); after_split: just after (QLoRA's slices quantized
+    a block at a time: lora.quantize_split)."""
 
-    def __init__(self, gpt, group=None, sequence_parallel: bool = False, before_split=None):
+    def __init__(self, gpt, group=None, sequence_parallel: bool = False, before_split=None,
+                 after_split=None):
         super().__init__()
         self.comm = comm = Comm.from_group(group)
         check_divisible(gpt.cfg, comm.world_size)
@@ -107,15 +109,18 @@ class TensorParallelGPT(nn.Module):
         self.gpt, self.sequence_parallel = gpt, sequence_parallel
         sp = dict(group=comm, sequence_parallel=sequence_parallel)
         before_split = before_split or (lambda module: None)
+        after_split = after_split or (lambda module: None)
         for block in gpt.blocks:
             before_split(block)
             (split_llama_block if llama else split_block)(block, comm, sequence_parallel)
+            after_split(block)
         before_split(gpt.token_emb)
         gpt.token_emb = VocabParallelEmbedding.from_embedding(gpt.token_emb, **sp)
         before_split(gpt.head)
         gpt.head = ColumnParallelLinear.from_linear(gpt.head, **sp)  # logits (B, T, V/N)
         if gpt.cfg.tie_embeddings:
             gpt.head.weight = gpt.token_emb.weight               # the same (V/N, C) rows
+        after_split(gpt.head)                                    # after the tie: its rows
         self.partial = self._partial_sums()
         # model.py's own forward runs on the split layers: (B, T or T/N, C) through the blocks,
         # then logits (B, T, V/N), never gathered, into the loss over the split vocabulary.

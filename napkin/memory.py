@@ -439,14 +439,26 @@ def _mesh_table(args):
     micro = args.microbatches if pp > 1 else args.grad_accum
     over = (f"groups of {args.shard_group} of dp x cp = {dp * cp} (HSDP)" if args.shard_group
             else f"dp x cp = {dp * cp}")
+    trainable = None if args.trainable is None else int(args.trainable)
+    frozen = ("" if trainable is None else
+              f"; --trainable {trainable:,} counted whole on every rank (an upper bound: tp "
+              f"splits one factor of each adapter, a stage holds its own)"
+              + (", the stage's frozen matrices in 4 bits, split over tp" if args.quantize_base
+                 else ""))
     print(f"{args.model} on {args.world} ranks = tp {tp} x cp {cp} x pp {pp} x dp {dp}, {strategy} over "
           f"{over}, global batch {args.batch_size} x {args.seq_len}, {micro} micro-batches, "
-          f"{args.precision}; per rank, MiB: held (parameters + gradients + optimizer) and sent per step")
+          f"{args.precision}; per rank, MiB: held (parameters + gradients + optimizer) and sent "
+          f"per step{frozen}")
     print(f"{'stage':>5}{'params':>12}{'held':>10}" + "".join(f"{d + ' sent':>11}" for d in ("tp", "cp", "pp", "dp")))
     for stage in range(pp):
         blocks = stage_blocks(cfg.n_layer, pp, stage)
         n_params = mesh_params(cfg, tp, blocks, first=stage == 0, last=stage == pp - 1)
-        held = state_bytes(n_params, strategy, args.precision, args.shard_group or dp * cp)["total"]
+        # QLoRA: this stage's blocks' 4-bit matrices, each split over tp (lora.quantize_split)
+        quantized = (quantized_params(cfg) // cfg.n_layer * blocks // tp if args.quantize_base
+                     else 0)
+        held = state_bytes(n_params + (trainable or 0), strategy, args.precision,
+                           args.shard_group or dp * cp, trainable=trainable, quantized=quantized,
+                           double_quant=args.double_quant)["total"]
         sent = mesh_bytes(cfg, args.batch_size // dp, args.seq_len, tp, cp, pp, dp, micro,
                           args.precision, stage, strategy=strategy, shard_group=args.shard_group,
                           sequence_parallel=args.sequence_parallel)

@@ -28,7 +28,7 @@ from moe import expert_capacity, layer_exchange_bytes
 from mechanics.pipeline_mechanics import split_layers
 from foundations.placements import placement
 from pretrained.streamed import own_modules
-from quantization import NF4Weight
+from quantization import BLOCK, LEVELS, NF4Weight
 from extensions.schedules import make_schedule
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -160,6 +160,9 @@ def state_bytes(n_params: int, strategy: str, precision: str, world_size: int,
         held["host"] += held["params"]
         held["total"] -= held["params"]
         held["params"] = 0
+    if quantized:    # NF4's 16 levels: one fp32 table on the device, read by every 4-bit weight
+        held["params"] += LEVELS.numel() * LEVELS.element_size()
+        held["total"] += LEVELS.numel() * LEVELS.element_size()
     return held
 
 
@@ -949,14 +952,16 @@ def load_peak_bytes(gpt, options, world_size: int) -> int:
     times its slice). Beside the shares of the units before it, a unit holds
       - under FSDP: W, then the larger of its largest 4-bit matrix being quantized (Q) or its
         stored bytes S laid out whole and this rank's 1/N cut from them: W + max(Q, S (1 + 1/N));
-      - under tensor parallelism: W and the slices cut from it (a tied head's slice too: it is
-        cut from the whole table before the tie is made again);
+      - under tensor parallelism: W and the slices of one layer being cut from it (each layer's
+        whole weights let go as it is replaced; twice the slices for a row layer, whose columns
+        are copied twice, and for a tied embedding, the head's rows cut from the table too);
+        then, QLoRA, its slices in full precision and Q of the largest (lora.quantize_split);
       - otherwise, module by module: the modules read before (4-bit ones as their codes), one
         module as read and, if it is 4-bit, Q.
-    Q: 5 x the matrix's fp32 bytes (the padded and normalized copies, a 16th of its distances to
-    the levels twice, the codes), and its fp32 copy first where it is held in 16 bits. Under
-    tp x fsdp the slices are all made before FSDP makes its units: then each unit's S (1 + 1/N)
-    beside them all."""
+    Q: the temporaries of quantizing the matrix (_quantizing, 17.5 bytes a value at most, its
+    fp32 copy first where it is held in 16 bits), and an adapted layer's adapters drawn again
+    aside (lora.to_4_bit). Under tp x fsdp the slices are all made before FSDP makes its units:
+    then each unit's S (1 + 1/N) beside them all."""
     fsdp = options.strategy in ("fsdp", "zero3")
     compute = _element_size(options.precision)
     stored = max(compute, 4) if fsdp else compute               # the hollow model's dtype
@@ -966,11 +971,12 @@ def load_peak_bytes(gpt, options, world_size: int) -> int:
         order = [*blocks, gpt.token_emb, gpt.head, gpt]
     else:
         order = [gpt, *blocks] if fsdp else [*blocks, gpt]
+    # under tp the embedding and the head are units of their own (the head's 4-bit slice too)
+    split_units = {m for u in order[-3:-1] if tp > 1 and u is not None for m in u.modules()}
     seen, adapters, held, peak = set(), 0, 0, 0
     fsdp_units = {}          # tp x fsdp: FSDP's units (each block; the root, all the rest)
     for unit in (u for u in order if u is not None):
-        modules = [m for m in own_modules(unit)
-                   if unit is not gpt or tp == 1 or m not in (gpt.token_emb, gpt.head)]
+        modules = [m for m in own_modules(unit) if unit is not gpt or m not in split_units]
         weights, matrices, drawn = [], [], 0     # its tensors (a tied one once), 4-bit modules
         for m in modules:
             for name, p in m.named_parameters(recurse=False):
@@ -984,26 +990,47 @@ def load_peak_bytes(gpt, options, world_size: int) -> int:
             matrices += [m] if isinstance(m, NF4Weight) else []
         adapters += drawn
         numels = [torch.Size(m.shape).numel() for m in matrices]
+        # a 4-bit slice of a tensor-parallel layer (lora.quantize_split) was read whole
+        cut = {id(m.base) for m in modules if hasattr(m, "local_product") and m.base is not None}
         nf4 = sum(nf4_bytes(n, m.double_quant) for n, m in zip(numels, matrices))
-        read = stored * (sum(_whole(p, tp) for p in weights) + sum(numels))           # W
-        quantizing = _quantizing(max(numels, default=0), stored)                      # Q
+        read = stored * (sum(_whole(p, tp) for p in weights)                          # W
+                         + sum(n * (tp if id(m) in cut else 1) for n, m in zip(numels, matrices)))
+        # an adapted layer made 4-bit as read draws its adapters again aside (lora.to_4_bit)
+        aside = {id(m.base): sum(a.numel() * a.element_size() for a in (m.lora_A, m.lora_B))
+                 for m in modules if isinstance(getattr(m, "base", None), NF4Weight)
+                 and hasattr(m, "lora_A") and not hasattr(m, "local_product")}
+        quantizing = max((_quantizing(n, stored) + aside.get(id(m), 0)                # Q
+                          for n, m in zip(numels, matrices)), default=0)
         own = nf4 + sum(p.numel() * p.element_size() for p in weights)      # as kept by it
         if fsdp and tp == 1:     # S: 4-bit, frozen in --precision, trained (adapters) in fp32
             S = own + drawn - sum(p.numel() * (p.element_size() - compute)
                                   for p in weights if not p.requires_grad)
             share = _ceil_div(S, world_size)
             peak = max(peak, held + read + max(quantizing, S + share))
-        elif any(_whole(p, tp) != p.numel() for p in weights):       # read whole, then split
-            tied_head = unit is gpt.token_emb and gpt.cfg.tie_embeddings
+        elif cut or any(_whole(p, tp) != p.numel() for p in weights):   # read whole, then split
             share = own
-            peak = max(peak, held + read + own * (2 if tied_head else 1))
+            slices = own - nf4 + stored * sum(numels)        # the 4-bit ones before quantizing
+            if unit is gpt.head and gpt.cfg.tie_embeddings:  # the embedding's slice, read and held
+                read = slices = 0
+            # each layer's slices cut in turn, its whole weights let go as it is replaced: one
+            # layer's slices beside the read, twice for a row layer (its columns made contiguous,
+            # then copied) and a tied embedding (the head's rows cut from the whole table too)
+            tied_table = gpt.cfg.tie_embeddings and unit is gpt.token_emb
+            cutting = max((2 if getattr(m, "dim", 0) == 1 or tied_table else 1)
+                          * (sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+                             + (stored * torch.Size(m.base.shape).numel()
+                                if id(getattr(m, "base", None)) in cut else 0))
+                          for m in modules if hasattr(m, "local_product") or m is gpt.token_emb)
+            peak = max(peak, held + read + cutting * bool(read),
+                       held + slices + quantizing)           # each slice quantized in turn
         else:            # each module read, and quantized, in turn: its 4-bit codes kept
             share, kept, unread = own, 0, {id(p): p for p in weights}
             for m in modules:
                 mine = [unread.pop(id(p)) for p in m.parameters(recurse=False) if id(p) in unread]
                 got = sum(p.numel() * p.element_size() for p in mine)
                 numel = torch.Size(m.shape).numel() if isinstance(m, NF4Weight) else 0
-                peak = max(peak, held + kept + got + stored * numel + _quantizing(numel, stored))
+                peak = max(peak, held + kept + got + stored * numel + _quantizing(numel, stored)
+                           + aside.get(id(m), 0))
                 kept += got + (nf4_bytes(numel, m.double_quant) if numel else 0)
         key = unit if isinstance(unit, Block) else gpt
         fsdp_units[key] = fsdp_units.get(key, 0) + own + drawn
@@ -1018,10 +1045,16 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _quantizing(numel: int, element_size: int) -> int:
-    """The temporaries of quantizing a numel-value matrix to NF4 (quantization.NF4Weight), at
-    most 5 x its fp32 bytes: the padded and normalized copies, a 16th of its distances to the
-    levels twice, the codes; and its fp32 copy first where it is held in 16 bits."""
-    return (5 + (element_size != 4)) * 4 * numel
+    """The temporaries of quantizing a numel-value matrix to NF4 (quantization.NF4Weight), P its
+    values padded to blocks of 64: the padded and normalized copies (8 bytes a value of P); a
+    16th of the blocks (rounded up) at a time, their distances to the 16 levels and those
+    distances' magnitudes (2 x 64 bytes a value) and the nearest level's index (int64: 8); the
+    codes (1); and the fp32 copy first where the matrix is held in 16 bits. 17.5 P at most."""
+    if not numel:
+        return 0
+    blocks = _ceil_div(numel, BLOCK)
+    padded, chunk = BLOCK * blocks, BLOCK * _ceil_div(blocks, 16)
+    return 8 * padded + 136 * chunk + padded + (4 * numel if element_size != 4 else 0)
 
 
 def _whole(p, tp: int) -> int:

@@ -8,7 +8,8 @@ rest: embeddings, final norm, head) is read from the mapped files just before th
 that needs its values, each frozen linear quantized to NF4 as it is read (QLoRA):
   - FSDP makes its units one at a time (StreamedFSDP): a unit keeps this rank's shard only;
   - tensor parallelism splits each block just after reading it (TensorParallelGPT's
-    before_split);
+    before_split), and each rank quantizes its own slices after that (after_split,
+    lora.quantize_split: a 4-bit weight cannot be cut), so the reader leaves them unquantized;
   - a pipeline stage never reads what it will drop: another stage's blocks, embedding or head
     turn meta first (skip), so that a split before the drop costs nothing;
   - whatever the rank still holds hollow is read before the data-parallel wrap (fill_rest).
@@ -23,7 +24,7 @@ Test: python -m pytest tests/test_streamed_load.py
 import torch
 import torch.nn as nn
 
-from lora import QUANTIZED, LoRALinear, QLoRALinear
+from lora import QUANTIZED, LoRALinear, to_4_bit
 from model import GPT, Block
 from pretrained.load import check_all_used, gpt2_source, llama_source, locate, model_config
 from pretrained.load import read_config
@@ -123,13 +124,9 @@ class StreamedLoad:
         frozen_4bit = isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in QUANTIZED
         if not self.lora["quantize"] or not (adapted or frozen_4bit):
             return
-        if adapted:     # QLoRALinear draws an A of its own: drawn aside (fork_rng), then replaced
-            with torch.random.fork_rng(devices=[]):     # by the one drawn already
-                stored = QLoRALinear(module, self.lora["rank"], self.lora["alpha"],
-                                     self.lora["dropout"], self.lora["double_quant"])
-            stored.lora_A, stored.lora_B = module.lora_A, module.lora_B
-        else:
-            stored = FrozenNF4Linear(module, self.lora["double_quant"])
+        double_quant = self.lora["double_quant"]
+        stored = (to_4_bit(module, double_quant) if adapted
+                  else FrozenNF4Linear(module, double_quant))
         parent, _, child = name.rpartition(".")
         setattr(self.model.get_submodule(parent), child, stored)
         # Its weight goes now, unless another module holds it too (a head tied to the token

@@ -511,9 +511,6 @@ def check_args(parser, args, world_size):
     if args.quantize_base and not (args.lora and args.init_from):
         parser.error("--quantize-base stores a trained base in 4 bits under LoRA adapters: add "
                      "--lora and --init-from RUN_DIR (the model to fine-tune)")
-    if args.quantize_base and "tp" in mesh_splits(args):
-        parser.error("--quantize-base: a 4-bit base weight cannot be split over tensor-parallel "
-                     "ranks; fine-tune in 4 bits with --strategy ddp, zero1, zero2 or fsdp")
     if args.double_quant and not args.quantize_base:
         parser.error("--double-quant quantizes the scales of a 4-bit base: add --quantize-base nf4")
     if args.checkpoint_activations < 0:

@@ -43,13 +43,13 @@ from composition.parallelize import weights_dtype
 from foundations.comm import Comm
 from model import GPT, GPTConfig
 from moe import feed_forward
-from pretrained.llama import LlamaConfig
+from pretrained.llama import Llama, LlamaConfig
 from pretrained import PretrainedError
 from pretrained.load import empty_model, export_hf, load_pretrained, read_config
 from pretrained.load import model_config as model_config_of
 from pretrained.streamed import hollow_model
 from pretrained.tokenizer import Tokenizer
-from foundations.placements import placement
+from foundations.placements import place, placement
 from running.pieces import (CheckpointError, Pieces, TensorParallelReader, all_finite, frozen_pieces,
                     gather_pieces, join_shards, load_pieces, optimizer_pieces, whole_piece)
 from foundations.process_groups import gather_objects
@@ -914,20 +914,34 @@ def _export(gpt, optimizer, layout: Layout, rank, lora_config, device) -> dict |
     four_bit = bool(lora_config and lora_config["quantize"])
     if split and four_bit and layout.data_rank == 0:
         # A 4-bit W0 is buffers, not a parameter: dequantized here, where its codes live, and
-        # gathered as the plain weight it stands for (the whole shapes below are meta).
-        pieces += [whole_piece(name, w) for name, w in lora.dequantized_weights(gpt).items()]
+        # gathered as the plain weight it stands for (the whole shapes below are meta); a
+        # tensor-parallel slice joined with the others' first (collective: the tensor group).
+        dequantized, layers = lora.dequantized_weights(gpt), dict(gpt.named_modules())
+        for name, w in dequantized.items():     # a slice: cut along its layer's dim, over "tp"
+            dim = getattr(layers[name.removesuffix(".weight")], "dim", None)
+            place(w, shard={} if dim is None else {"tp": dim})
+        mine = [whole_piece(name, w) for name, w in dequantized.items()]
+        if layout.tensor:
+            mine = gather_pieces(mine, dequantized, layout.split)
+            mine = mine if layout.split.rank == 0 else []
+        pieces += mine
     gathered = gather_objects(pieces, Comm(), device, dst=0)
     if rank != 0:
         return None
     shapes = gpt
     if split:
         with torch.device("meta"):     # whole shapes (a rank holds slices or a stage), no memory
-            shapes = GPT(gpt.cfg, feed_forward)
+            shapes = (Llama(gpt.cfg) if isinstance(gpt.cfg, LlamaConfig)
+                      else GPT(gpt.cfg, feed_forward))
             if lora_config:            # a 4-bit W0 as the plain weight the pieces above hold
                 lora.apply_lora(shapes, **{**lora_config, "quantize": None, "double_quant": False})
-    weights = Pieces([p for part in gathered for p in part]).full_state_dict(shapes)
+    gathered = Pieces([p for part in gathered for p in part])
+    weights = gathered.full_state_dict(shapes)
+    for name, p in shapes.named_parameters(remove_duplicate=False):
+        if name not in weights and name in gathered.by_name:    # a tied head's 4-bit W0
+            weights[name] = gathered.read(name, 0, p.numel())["param"].view(p.shape)
     weights = lora.fold_adapters(weights, shapes)         # LoRA: merged into W0; else as is
-    return {"model": model_config(gpt), "state_dict": weights}
+    return {"model": model_config(gpt, weights), "state_dict": weights}
 
 
 def load_weights(path: str, gpt: nn.Module | None = None) -> nn.Module:
@@ -960,8 +974,9 @@ def load_weights(path: str, gpt: nn.Module | None = None) -> nn.Module:
         weights = pieces.full_state_dict(saved_from, missing_from_model=bool(meta.get("base")))
         if meta.get("lora"):
             weights = lora.fold_adapters(weights, saved_from)
+            config = model_config(saved_from, weights)      # an adapted tied head: its own now
         if gpt is None and hf:
-            gpt = new_model(config, hf)
+            gpt = untie(new_model(config, hf), config)
     if gpt is None:
         gpt = GPT(GPTConfig(**config), feed_forward)
     else:
@@ -1057,7 +1072,7 @@ def export_pretrained(path: str, gpt, optimizer, layout: Layout, rank, lora_conf
         saved = _export(gpt, optimizer, layout, rank, lora_config, device)
     problem = None
     if rank == 0:
-        model = new_model(saved["model"], hf)
+        model = untie(new_model(saved["model"], hf), saved["model"])
         weights = saved["state_dict"]
         if model.cfg.tie_embeddings:
             weights.setdefault("head.weight", weights["token_emb.weight"])
@@ -1104,8 +1119,22 @@ def check_weights(weights: dict, gpt: GPT, path: str):
                               f"no place for (saved from another model, or edited); {fix}")
 
 
-def model_config(gpt: GPT) -> dict:
-    return dataclasses.asdict(gpt.cfg)
+def model_config(gpt: GPT, weights: dict | None = None) -> dict:
+    """gpt's configuration; that of the model weights make (an export's), if given: a head tied
+    to the token embedding that LoRA adapted has a weight of its own there (fold_adapters)."""
+    config = dataclasses.asdict(gpt.cfg)
+    if weights is not None and "head.weight" in weights:
+        config["tie_embeddings"] = False
+    return config
+
+
+def untie(model: nn.Module, config: dict) -> nn.Module:
+    """model (built tied, from its Hugging Face directory) untied as config says (an exported
+    adapted head's): the head given a weight of its own to load."""
+    if model.cfg.tie_embeddings and not config["tie_embeddings"]:
+        model.cfg = dataclasses.replace(model.cfg, tie_embeddings=False)
+        model.head.weight = nn.Parameter(torch.empty_like(model.head.weight))
+    return model
 
 
 def names(gpt: GPT) -> dict:

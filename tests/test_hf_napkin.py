@@ -4,6 +4,7 @@ model's, a Llama's FLOPs per token follow its config (SwiGLU's three matrices, g
 position embedding, its own head width), train.py's log prices an hf run, check_fits refuses
 an hf model too big for this machine in one line before loading it, and the activations a
 Llama keeps for backward are counted to the byte (memory_math.kept_llama_bytes)."""
+import json
 import re
 
 import pytest
@@ -82,6 +83,32 @@ def test_memory_py_takes_a_directory(hf, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(
             f"python -m napkin.memory: error: --model {argv[1]}") and words in lines[0], lines
+
+
+SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+                "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 2048,
+                "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+                "hidden_act": "silu"}
+
+
+def test_the_mesh_table_prices_qlora_split_over_tensor_ranks(tmp_path, capsys):
+    """SmolLM2-135M's config over --tp 3 with --quantize-base nf4 and --trainable T, fp32: a rank
+    holds a third of every block matrix in 4 bits (half a byte a value and an fp32 scale per 64),
+    one copy of NF4's 16 levels, the rest of its share in fp32, and T trained values with their
+    gradients and AdamW's two moments (16 bytes each): written here, to the printed 0.1 MiB."""
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_135M))
+    T, C, F, D, L = 460_800, 576, 1536, 64, 30
+    main(["--model", str(tmp_path), "--strategy", "ddp", "--world", "3", "--tp", "3",
+          "--precision", "fp32", "--seq-len", "64", "--batch-size", "1", "--quantize-base", "nf4",
+          "--trainable", str(T)])
+    out = capsys.readouterr().out
+    row = out.splitlines()[-1].split()
+    base = int(row[1].replace(",", ""))            # this rank's share of the model's parameters
+    four_bit = L * ((2 * 9 + 2 * 3) * D * C + 3 * C * F) // 3
+    held = 4 * (base - four_bit) + four_bit // 2 + 4 * four_bit // 64 + 16 * 4 + 16 * T
+    assert float(row[2]) == pytest.approx(held / 2**20, abs=0.05), (out, held / 2**20)
+    assert "counted whole on every rank" in out and "4 bits, split over tp" in out
 
 
 def test_train_py_prices_an_hf_run(hf):

@@ -5,6 +5,7 @@ one and two ranks from the loaded model's own loss, --data is read in the direct
 import contextlib
 import dataclasses
 import io
+import json
 import shutil
 
 import pytest
@@ -114,21 +115,46 @@ def nf4_round_trip(weight: torch.Tensor) -> torch.Tensor:
     return (levels[nearest] * scales).view(-1)[:flat.numel()].view(weight.shape)
 
 
-def test_export_hf_of_a_qlora_run_holds_the_base_as_it_was_computed_with(hf, tmp_path):
+@pytest.mark.parametrize("layout", [[], ["--strategy", "tp", "--tp", "2"]])
+def test_export_hf_of_a_qlora_run_holds_the_base_as_it_was_computed_with(hf, tmp_path, layout):
     exported = tmp_path / "exported"
-    argv = ["--init-from", f"hf:{hf['llama3']}", "--data", str(hf["data"]), "--steps", "3",
-            "--lora", "--quantize-base", "nf4", "--export-hf", str(exported), *SHAPE]
-    run_ranks(train_logged, 1, argv)
-    before = load_pretrained(str(hf["llama3"]))[0].state_dict()
+    tp = 2 if "--tp" in layout else 1
+    argv = ["--init-from", f"hf:{hf['llama3-even']}", "--data", str(hf["data"]), "--steps", "3",
+            *layout, "--lora", "--quantize-base", "nf4", "--export-hf", str(exported), *SHAPE]
+    run_ranks(train_logged, tp, argv)
+    before = load_pretrained(str(hf["llama3-even"]))[0].state_dict()
+    computed = four_bit_base(before, tp)        # under tp: each rank's slices, gathered
     weights = load_pretrained(str(exported))[0].state_dict()
     for name, weight in weights.items():
         kind = name.split(".")[-2]
         if kind in ("query", "value"):        # adapted: the 4-bit W0 plus the trained update
-            assert not torch.allclose(weight, nf4_round_trip(before[name])), name
+            assert not torch.allclose(weight, computed[name]), name
         elif kind in QUANTIZED:                                # 4-bit, not adapted
-            assert torch.equal(weight, nf4_round_trip(before[name])), name
+            assert torch.equal(weight, computed[name]), name
         else:                  # kept in fp32: embeddings, norms, the head (and SwiGLU's gate)
             assert torch.equal(weight, before[name]), name
+
+
+@pytest.mark.parametrize("layout", [["--lora"], ["--lora", "--strategy", "tp", "--tp", "2",
+                                                "--quantize-base", "nf4"]])
+def test_an_adapted_tied_head_exports_untied_as_the_run_computed(hf, tmp_path, layout):
+    """GPT-2's head is its token embedding. Adapted, the head computes with W0 + (alpha/r) B A
+    (W0 in 4 bits under QLoRA, each tensor rank's slice) while the embedding keeps the table:
+    the export writes the two apart (tie_word_embeddings false), and the exported model's eval
+    loss, one process, is the run's last (fp32: the update merged into W0 rounds once)."""
+    exported = tmp_path / "exported"
+    ranks = 2 if "--tp" in layout else 1
+    argv = ["--init-from", f"hf:{hf['gpt2-even']}", "--data", str(hf["data"]), "--steps", "3",
+            *layout, "--lora-targets", "query,value,head", "--export-hf", str(exported), *SHAPE]
+    history = run_ranks(train_logged, ranks, argv)[0][0]
+    config = json.loads((exported / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    model = load_pretrained(str(exported))[0]
+    before = load_pretrained(str(hf["gpt2-even"]))[0]
+    assert torch.equal(model.token_emb.weight, before.token_emb.weight)
+    assert not torch.allclose(model.head.weight, before.token_emb.weight)
+    assert reference_eval_loss(exported, hf["data"]) == pytest.approx(history["eval_loss"],
+                                                                      rel=1e-5)
 
 
 def greedy_text(directory, prompt: str, n: int) -> str:
@@ -320,19 +346,44 @@ def test_the_mesh_checks_read_the_directorys_shape(hf, capsys, monkeypatch):
         capsys.readouterr().err
 
 
-def test_qlora_under_fsdp_starts_at_the_4_bit_models_loss_and_falls(hf):
-    directory = hf["llama3"]
+ROW_LAYERS = ("output", "down")     # tensor parallelism cuts their columns, the others' rows
+
+
+def four_bit_base(weights: dict, tp: int) -> dict:
+    """The weights a QLoRA run computes with, its adapters' B still 0: each matrix QUANTIZED
+    names NF4 round-tripped, under tensor parallelism each rank's slice on its own (its own
+    blocks of 64), the slices put back together."""
+    def rounded(name, w):
+        kind = name.split(".")[-2]
+        if kind not in QUANTIZED or not name.endswith(".weight"):       # biases stay as they are
+            return w
+        dim = 1 if kind in ROW_LAYERS else 0
+        return torch.cat([nf4_round_trip(part) for part in w.chunk(tp, dim)], dim)
+    return {name: rounded(name, w) for name, w in weights.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layout", [["--strategy", "fsdp"], ["--strategy", "tp", "--tp", "2"]])
+def test_qlora_starts_at_the_4_bit_models_loss_and_falls(hf, layout, family):
+    """Under FSDP the base is quantized whole; under tensor parallelism each rank quantizes its
+    own slices (the small Llama's row layers' slices, 32 and 40 values a row, are not whole
+    blocks of 64: not one process's codes). Either way the run starts at the loss of one process
+    computing with the same 4-bit weights, and holds what the napkin says."""
+    directory = hf[f"{family}-even"]
     argv = ["--init-from", f"hf:{directory}", "--data", str(hf["data"]), "--steps", "4",
-            "--strategy", "fsdp", "--lora", "--quantize-base", "nf4", *SHAPE]
-    (history, _), _ = run_ranks(train_logged, 2, argv)
+            *layout, "--lora", "--quantize-base", "nf4", *SHAPE]
+    ranks = run_ranks(train_logged, 2, argv)
     model, tokenizer, _ = load_pretrained(str(directory))
-    weights = model.state_dict()            # B = 0: the model computes with its 4-bit base
-    model.load_state_dict({name: nf4_round_trip(w) if name.split(".")[-2] in QUANTIZED else w
-                           for name, w in weights.items()})
+    model.load_state_dict(four_bit_base(model.state_dict(), 2 if "--tp" in layout else 1))
     data = TextData.from_file(str(hf["data"]), tokenizer)
     with torch.no_grad():
         reference = torch.stack([model(*data.batch(i, 4, 16, 0, "eval"))[1]
                                  for i in range(2)]).mean().item()
-    # fp32: the two ranks' means of halves and FSDP's gathered shards, a few ulps apart
+    history = ranks[0][0]
+    # fp32: the two ranks' means of halves, FSDP's gathered shards or tp's partial sums, a few
+    # ulps apart
     assert history["eval_loss_before"] == pytest.approx(reference, rel=1e-6)
     assert history["eval_loss"] < history["eval_loss_before"]
+    for rank, (each, _) in enumerate(ranks):
+        for step, held in each["held"].items():
+            assert held == {k: each["napkin"][k] for k in held}, (rank, step)

@@ -8,11 +8,13 @@ bit for bit under the strategy that saved it (fsdp's sharded base too), and over
 rank or targets.
 """
 import argparse
+import copy
 import ast
 import os
 import pathlib
 import pydoc
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ from lora import (LoRALinear, QLoRALinear, adapter_bytes, apply_lora, fold_adapt
                   lora_state_dict, merge_lora, unmerge_lora)
 from napkin.memory_math import held_bytes, state_bytes
 from mixed_precision import MixedPrecisionOptimizer
-from model import GPT, PRESETS
+from model import GPT, GPTConfig, PRESETS
 from multiprocess import run_ranks
 from test_snapshot import LOSS_RTOL, RUN, WEIGHT_ATOL, _same_weights, _stderr_of_parse, _weights
 
@@ -151,6 +153,57 @@ def test_the_tensor_parallel_hook_is_declared_in_the_class_not_patched_on():
                    if isinstance(node, ast.Assign)
                    and any(isinstance(target, ast.Attribute) for target in node.targets)]
         assert not patched, f"an attribute set on another object at module level: {patched}"
+
+
+def _quantized_after_the_split() -> dict:
+    """On one rank: a GPT with experts, LoRA on query, value and the routers, quantized by
+    apply_lora on the whole model, and again by lora.quantize_split after TensorParallelGPT
+    split it over this one rank (each "slice" the whole weight)."""
+    from composition.tensor_parallel_gpt import TensorParallelGPT
+    from moe import feed_forward
+    from quantization import FrozenNF4Linear
+    import lora
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, experts=2, top_k=1)
+    base = GPT(cfg, feed_forward)
+    models, rng = [], []
+    for split in (False, True):
+        model = copy.deepcopy(base)
+        torch.manual_seed(1)
+        apply_lora(model, targets=("query", "value", "router"), rank=2,
+                   quantize=None if split else "nf4", double_quant=True)
+        if split:
+            TensorParallelGPT(model, after_split=partial(lora.quantize_split, double_quant=True))
+        models.append(model)
+        rng.append(torch.get_rng_state())
+    whole, split = (dict(m.named_modules()) for m in models)
+    four_bit = {name: type(m).__name__ for name, m in whole.items()
+                if isinstance(m, (QLoRALinear, FrozenNF4Linear))}
+    x = torch.randint(cfg.vocab_size, (2, 16))
+    return {"rng equal": torch.equal(*rng), "four_bit": four_bit,
+            "split kinds": {name: type(split[name]).__name__ for name in four_bit},
+            "codes equal": all(torch.equal(a, b) for name in four_bit for a, b in
+                               zip(whole[name].base.buffers(), split[name].base.buffers())),
+            "logits": [m(x)[0] for m in models]}
+
+
+def test_quantize_split_makes_apply_lora_s_4_bit_weights_after_the_split():
+    """Every weight apply_lora(quantize="nf4") makes 4-bit, quantize_split makes 4-bit after the
+    split, with the same codes and scales (double quantization too) where a slice is the whole
+    weight: the split layers' slices, the experts left whole (FrozenNF4Linear) and the routers'
+    adapters (QLoRALinear, their A the one drawn before: the generator left as it was); the
+    same logits."""
+    out = run_ranks(_quantized_after_the_split, 1)[0]
+    kinds = out["four_bit"]
+    assert {k for k in kinds.values()} == {"QLoRALinear", "FrozenNF4Linear"}
+    assert any(name.endswith("router") for name in kinds)
+    assert any(".experts." in name for name in kinds)
+    assert out["split kinds"] == {name: kind if name.endswith("router") or ".experts." in name
+                                  else ("RowParallelLinear" if name.endswith(("output", "down"))
+                                        else "ColumnParallelLinear")
+                                  for name, kind in kinds.items()}
+    assert out["rng equal"] and out["codes equal"]
+    assert torch.equal(*out["logits"])
 
 
 def test_bad_lora_settings_name_the_fix():

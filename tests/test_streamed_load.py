@@ -133,9 +133,9 @@ def _load_measured(directory, extra, streamed: bool = True):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_loads_peak_is_the_napkins_and_below_the_whole_models(llama, variant):
     """Measured by torch's CPU allocator (the profiler's memory events), outside the loader: at
-    most the napkin's bound, which is at most 10% above it (it rounds each unit's temporaries up:
-    5 x the matrix being quantized, FSDP's whole unit beside its shard); the whole-model path,
-    measured alike, holds more."""
+    most the napkin's bound, which is at most 10% above it (it counts each unit's temporaries at
+    their largest: the matrix being quantized, FSDP's whole unit beside its shard); the
+    whole-model path, measured alike, holds more."""
     streamed = run_ranks(_load_measured, 2, llama, VARIANTS[variant])
     whole = run_ranks(_load_measured, 2, llama, VARIANTS[variant], False)
     for (peak, napkin), (whole_peak, _) in zip(streamed, whole):
@@ -172,6 +172,11 @@ LAYOUTS = {
     "cp_qlora": (["--cp", "2", "--lora", "--quantize-base", "nf4"], 2),
     "tp_pp": (["--tp", "2", "--pp", "2"], 4),
     "tp_fsdp_lora": (["--strategy", "fsdp", "--tp", "2", "--lora"], 4),
+    "tp_qlora_head": (["--tp", "2", "--lora", "--quantize-base", "nf4",
+                       "--lora-targets", "query,value,head"], 2),
+    "tp_pp_qlora_dq": (["--tp", "2", "--pp", "2", "--lora", "--quantize-base", "nf4",
+                        "--double-quant"], 4),
+    "tp_fsdp_qlora": (["--strategy", "fsdp", "--tp", "2", "--lora", "--quantize-base", "nf4"], 4),
 }
 
 
@@ -333,14 +338,14 @@ def test_every_layouts_read_holds_its_share_and_one_unit_as_the_napkin_says(even
     """Measured by torch's CPU allocator (the profiler's memory events) from outside the reader,
     on 2 and 4 ranks, a Llama and a GPT-2 (its head tied): at most memory_math.load_peak_bytes
     (the rank's share of the units read before, and one unit as read, cut and quantized; FSDP's
-    own: below), which is at most 15% above it (the 4-bit temporaries, rounded up to 5 x the
-    matrix's fp32 bytes; measured 1.10-1.13, the rest 1.00-1.04); and below the whole model
+    own: below), which is at most 10% above it (measured 1.00-1.08: a split layer's transient
+    copies and the quantizing temporaries counted at their largest); and below the whole model
     load_pretrained holds where the layout cuts the model (tp, pp, 4 bits)."""
     layouts = [name for name, (_, world) in LAYOUTS.items() if world == ranks]
     for rank in run_ranks(_layouts_measured, ranks, even[family], layouts):
         for name, (peak, whole, napkin, adapters, broadcast) in rank.items():
             own = FSDP_OWN + broadcast if "fsdp" in name else 0
-            assert peak <= napkin + own and napkin <= 1.15 * peak, (name, peak, napkin)
+            assert peak <= napkin + own and napkin <= 1.10 * peak, (name, peak, napkin)
             if name in WHOLE_SHARE:                # the whole model once, LoRA's adapters beside
                 assert peak <= whole + adapters, (name, peak, whole)
             elif "fsdp" not in name:
