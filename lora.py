@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from foundations.alone import start_alone
-from quantization import FrozenNF4Linear, NF4Linear, NF4Weight
+from quantization import FrozenNF4Linear, NF4Weight
 
 
 class LoRALinear(nn.Module):
@@ -270,7 +270,7 @@ class QLoRALinear(LoRALinear):
         del self.weight                                         # only the 4-bit copy stays
 
     def frozen_forward(self, x):
-        return NF4Linear.apply(x, self.base, self.bias)         # W0 dequantized, used, dropped
+        return self.base(x, self.bias)                          # W0 dequantized, used, dropped
 
     def merge(self):
         raise ValueError("a 4-bit base cannot absorb the update without losing it to rounding: "

@@ -9,13 +9,16 @@ section 3). Each block of 64 weights is divided by its largest magnitude (its sc
 value stored as the nearest level's index; double quantization stores those fp32 scales in 8
 bits too, blocks of 256, taking the overhead from 0.5 to about 0.13 bits per weight.
 Dequantization (level x scale) happens on the fly, in forward and again in backward, so the
-full-precision weight never stays alive. FrozenNF4Linear is a frozen nn.Linear stored so.
+full-precision weight never stays alive: calling an NF4Weight computes x W^T + b so (through
+NF4Linear, the autograd Function that dequantizes W again in backward). FrozenNF4Linear is a
+frozen nn.Linear stored so.
 Left out: 8-bit float scales (ours are int8 linear), paged optimizers, fused dequantizing kernels.
 Run alone: python quantization.py (a weight's round trip against its fp32 self, and its bytes);
 in training: python train.py --init-from RUN --lora --quantize-base nf4;
 test: python -m pytest tests/test_quantization.py
 
-Shapes: P values in a weight, G = ceil(P / 64) blocks, S = ceil(G / 256) blocks of scales.
+Shapes: P values in a weight W (d, k), G = ceil(P / 64) blocks, S = ceil(G / 256) blocks of
+scales; a linear maps (..., k) to (..., d).
 """
 import torch
 import torch.nn as nn
@@ -52,7 +55,8 @@ LEVELS = normal_float_levels()
 
 
 class NF4Weight(nn.Module):
-    """A weight stored as packed 4-bit codes and per-block scales (buffers: nothing trains)."""
+    """A weight stored as packed 4-bit codes and per-block scales (buffers: nothing trains).
+    Called on x, it is the frozen linear x W^T + b."""
 
     def __init__(self, weight: torch.Tensor, double_quant: bool = False):
         super().__init__()
@@ -111,8 +115,8 @@ class NF4Weight(nn.Module):
         return values.view(-1)[:numel].view(self.shape).to(dtype)
 
     def forward(self, x, bias=None):                                      # (..., k) -> (..., d)
-        """x W^T (+ b) with W dequantized inside the product and again in backward, never kept
-        (NF4Linear): the 4-bit weight as the layer that holds it multiplies by it."""
+        """x W^T (+ b) for a layer that holds this weight, W never kept in full precision (W and
+        b frozen: NF4Linear, below, gives them no gradient)."""
         return NF4Linear.apply(x, self, bias)
 
     def nbytes(self) -> int:
@@ -139,7 +143,7 @@ class NF4Linear(torch.autograd.Function):
         return F.linear(x, weight.dequantize(x.dtype), bias)                    # (..., d)
 
     @staticmethod
-    def backward(ctx, grad_y):                 # None for b: FrozenNF4Linear freezes the bias
+    def backward(ctx, grad_y):                 # None for b: its callers freeze the bias
         return grad_y @ ctx.weight.dequantize(grad_y.dtype), None, None         # (..., k)
 
 
@@ -157,7 +161,7 @@ class FrozenNF4Linear(nn.Module):
             self.bias.requires_grad_(False)
 
     def forward(self, x):                                       # (..., k) -> (..., d)
-        return NF4Linear.apply(x, self.base, self.bias)         # W dequantized, used, dropped
+        return self.base(x, self.bias)                          # W dequantized, used, dropped
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}"

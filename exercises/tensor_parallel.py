@@ -57,9 +57,8 @@ def g(x, comm: Comm):
 def gather_features(x, comm: Comm):
     """(.., out/N) -> (.., out): rank r's output columns came from its own weights only.
 
-    So backward keeps its own columns of the gradient. No sum is needed.
-    Everything after the gather runs identically on every rank.
-    So each rank's gradient of (.., out) is already the whole one."""
+    Everything after the gather runs identically on every rank, so each rank's gradient of
+    (.., out) is already the whole one: backward keeps its own columns of it, no sum needed."""
     # TODO: one _Conjugate.apply, along the last dim. Which move makes (.., out) from every
     # rank's (.., out/N), and which gives back the part of the gradient this rank's own columns
     # produced?
