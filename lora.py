@@ -214,10 +214,12 @@ def fold_adapters(state_dict: dict, model: nn.Module) -> dict:
     the result loads into the base architecture with no LoRA code at all.
     The state dict must come from an unmerged model: a merged weight already holds the update,
     which folding would add a second time. An adapted head tied to the token embedding gets a
-    weight of its own (W0 the table, or its 4-bit copy): the result's head and embedding differ.
+    weight of its own (W0 the table, or its 4-bit copy): the result's head and embedding differ,
+    so it loads into the base architecture untied (running/snapshot.py's export says so).
     """
     layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, LoRALinear)}
-    # a tied weight's state dict key: the first of its names (a tied head's is the embedding's)
+    # A state dict gathered from pieces holds a tied weight once, under its first name (a tied
+    # head's under the embedding's); model.state_dict() holds it under both.
     first_name = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         first_name.setdefault(id(p), name)
@@ -277,16 +279,22 @@ class QLoRALinear(LoRALinear):
                          "use fold_adapters (train.py --export) for a merged full-precision model")
 
 
-def to_4_bit(layer: LoRALinear, double_quant: bool = False) -> QLoRALinear:
-    """An adapted layer made QLoRA after its adapters were drawn: its W0 in 4 bits, the same A,
-    B and scale. QLoRALinear reads W0, the bias and the sizes from layer as from an nn.Linear,
-    and draws an A of its own, drawn aside (fork_rng) and replaced: the generator is left as
-    it was, so every draw after this one is the draw apply_lora(quantize=...) would have made."""
-    W0 = layer.weight
-    with torch.random.fork_rng(devices=[W0.device] if W0.is_cuda else []):
-        stored = QLoRALinear(layer, layer.rank, None, layer.dropout, double_quant)
-    stored.scale, stored.lora_A, stored.lora_B = layer.scale, layer.lora_A, layer.lora_B
-    return stored
+def as_4_bit(layer: nn.Module, name: str, double_quant: bool = False) -> nn.Module | None:
+    """A whole layer (name: its name in the model) as apply_lora(quantize="nf4") stores it, made
+    after its adapters were drawn: an adapted one as QLoRALinear with the same A, B and scale,
+    another linear QUANTIZED names as FrozenNF4Linear, any other None. QLoRALinear reads W0, the
+    bias and the sizes from an adapted layer as from an nn.Linear, and draws an A of its own,
+    drawn aside (fork_rng) and replaced: the generator is left as it was, so every draw after
+    this one is the draw apply_lora(quantize=...) would have made."""
+    if isinstance(layer, LoRALinear):
+        W0 = layer.weight
+        with torch.random.fork_rng(devices=[W0.device] if W0.is_cuda else []):
+            stored = QLoRALinear(layer, layer.rank, None, layer.dropout, double_quant)
+        stored.scale, stored.lora_A, stored.lora_B = layer.scale, layer.lora_A, layer.lora_B
+        return stored
+    if isinstance(layer, nn.Linear) and name.rsplit(".", 1)[-1] in QUANTIZED:
+        return FrozenNF4Linear(layer, double_quant)
+    return None
 
 
 # ---- LoRA inside a tensor-parallel layer (tensor_parallel.py) -----------------------------------
@@ -331,16 +339,15 @@ def quantize_split(module: nn.Module, double_quant: bool = False):
     when adapted: --lora-targets router) is replaced as apply_lora replaces it."""
     for name, layer in list(module.named_modules()):
         W0, kind = getattr(layer, "weight", None), name.rsplit(".", 1)[-1]
-        # 4-bit already, or meta: another pipeline stage's, dropped after the split
+        # no weight (a container), 4-bit already, or meta: another stage's, dropped after
         if not isinstance(W0, nn.Parameter) or W0.is_meta:
             continue
-        if hasattr(layer, "local_product") and (hasattr(layer, "lora_A") or kind in QUANTIZED):
-            layer.base = NF4Weight(W0, double_quant)             # a split layer's slice, in place
-            del layer.weight
-        elif isinstance(layer, LoRALinear):
-            _replace(module, name, to_4_bit(layer, double_quant))
-        elif isinstance(layer, nn.Linear) and kind in QUANTIZED:
-            _replace(module, name, FrozenNF4Linear(layer, double_quant))
+        if hasattr(layer, "local_product"):                  # a split layer: its slice, in place
+            if hasattr(layer, "lora_A") or kind in QUANTIZED:
+                layer.base = NF4Weight(W0, double_quant)
+                del layer.weight
+        elif (stored := as_4_bit(layer, name, double_quant)) is not None:
+            _replace(module, name, stored)
 
 
 # ---- run alone: one adapted layer against plain torch's W0 + (alpha/r) B A ----------------------

@@ -960,7 +960,7 @@ def load_peak_bytes(gpt, options, world_size: int) -> int:
         module as read and, if it is 4-bit, Q.
     Q: the temporaries of quantizing the matrix (_quantizing, 17.5 bytes a value at most, its
     fp32 copy first where it is held in 16 bits), and an adapted layer's adapters drawn again
-    aside (lora.to_4_bit). Under tp x fsdp the slices are all made before FSDP makes its units:
+    aside (lora.as_4_bit). Under tp x fsdp the slices are all made before FSDP makes its units:
     then each unit's S (1 + 1/N) beside them all."""
     fsdp = options.strategy in ("fsdp", "zero3")
     compute = _element_size(options.precision)
@@ -972,7 +972,8 @@ def load_peak_bytes(gpt, options, world_size: int) -> int:
     else:
         order = [gpt, *blocks] if fsdp else [*blocks, gpt]
     # under tp the embedding and the head are units of their own (the head's 4-bit slice too)
-    split_units = {m for u in order[-3:-1] if tp > 1 and u is not None for m in u.modules()}
+    split_units = {m for u in (gpt.token_emb, gpt.head) if tp > 1 and u is not None
+                   for m in u.modules()}
     seen, adapters, held, peak = set(), 0, 0, 0
     fsdp_units = {}          # tp x fsdp: FSDP's units (each block; the root, all the rest)
     for unit in (u for u in order if u is not None):
@@ -995,7 +996,7 @@ def load_peak_bytes(gpt, options, world_size: int) -> int:
         nf4 = sum(nf4_bytes(n, m.double_quant) for n, m in zip(numels, matrices))
         read = stored * (sum(_whole(p, tp) for p in weights)                          # W
                          + sum(n * (tp if id(m) in cut else 1) for n, m in zip(numels, matrices)))
-        # an adapted layer made 4-bit as read draws its adapters again aside (lora.to_4_bit)
+        # an adapted layer made 4-bit as read draws its adapters again aside (lora.as_4_bit)
         aside = {id(m.base): sum(a.numel() * a.element_size() for a in (m.lora_A, m.lora_B))
                  for m in modules if isinstance(getattr(m, "base", None), NF4Weight)
                  and hasattr(m, "lora_A") and not hasattr(m, "local_product")}

@@ -24,13 +24,12 @@ Test: python -m pytest tests/test_streamed_load.py
 import torch
 import torch.nn as nn
 
-from lora import QUANTIZED, LoRALinear, to_4_bit
+from lora import as_4_bit
 from model import GPT, Block
 from pretrained.load import check_all_used, gpt2_source, llama_source, locate, model_config
 from pretrained.load import read_config
 from pretrained.llama import Llama
 from pretrained.safetensors import Checkpoint
-from quantization import FrozenNF4Linear
 
 
 def hollow(t: torch.Tensor) -> torch.Tensor:
@@ -120,13 +119,11 @@ class StreamedLoad:
     def _quantize(self, name: str, module: nn.Module):
         """apply_lora's 4-bit replacements, of one module: an adapted linear's W0 to NF4 (its
         adapters kept), another linear QUANTIZED names to a FrozenNF4Linear."""
-        adapted = isinstance(module, LoRALinear)
-        frozen_4bit = isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in QUANTIZED
-        if not self.lora["quantize"] or not (adapted or frozen_4bit):
+        if not self.lora["quantize"]:
             return
-        double_quant = self.lora["double_quant"]
-        stored = (to_4_bit(module, double_quant) if adapted
-                  else FrozenNF4Linear(module, double_quant))
+        stored = as_4_bit(module, name, self.lora["double_quant"])
+        if stored is None:
+            return
         parent, _, child = name.rpartition(".")
         setattr(self.model.get_submodule(parent), child, stored)
         # Its weight goes now, unless another module holds it too (a head tied to the token

@@ -919,7 +919,8 @@ def _export(gpt, optimizer, layout: Layout, rank, lora_config, device) -> dict |
         dequantized, layers = lora.dequantized_weights(gpt), dict(gpt.named_modules())
         for name, w in dequantized.items():     # a slice: cut along its layer's dim, over "tp"
             dim = getattr(layers[name.removesuffix(".weight")], "dim", None)
-            place(w, shard={} if dim is None else {"tp": dim})
+            if dim is not None:
+                place(w, shard={"tp": dim})
         mine = [whole_piece(name, w) for name, w in dequantized.items()]
         if layout.tensor:
             mine = gather_pieces(mine, dequantized, layout.split)
